@@ -1,0 +1,140 @@
+from services.common.gen.physarum.v1 import sample_pb2 as _sample_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LoadDatasetRequest(_message.Message):
+    __slots__ = ("job_id", "path", "input_key", "label_key", "metadata_key", "apply_chat_template", "rollout_shuffle", "rollout_seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    INPUT_KEY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_KEY_FIELD_NUMBER: _ClassVar[int]
+    METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    path: str
+    input_key: str
+    label_key: str
+    metadata_key: str
+    apply_chat_template: bool
+    rollout_shuffle: bool
+    rollout_seed: int
+    def __init__(self, job_id: _Optional[str] = ..., path: _Optional[str] = ..., input_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., rollout_shuffle: _Optional[bool] = ..., rollout_seed: _Optional[int] = ...) -> None: ...
+
+class LoadDatasetResponse(_message.Message):
+    __slots__ = ("num_prompts", "num_skipped", "errors", "already_loaded")
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    num_prompts: int
+    num_skipped: int
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    already_loaded: bool
+    def __init__(self, num_prompts: _Optional[int] = ..., num_skipped: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., already_loaded: _Optional[bool] = ...) -> None: ...
+
+class LeasePromptsRequest(_message.Message):
+    __slots__ = ("job_id", "rollout_id", "count", "lease_timeout_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rollout_id: int
+    count: int
+    lease_timeout_s: float
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., count: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class LeasePromptsResponse(_message.Message):
+    __slots__ = ("prompts",)
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[_sample_pb2.Prompt]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[_sample_pb2.Prompt, _Mapping]]] = ...) -> None: ...
+
+class ReturnPromptsRequest(_message.Message):
+    __slots__ = ("job_id", "lease_ids")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReturnPromptsResponse(_message.Message):
+    __slots__ = ("num_returned",)
+    NUM_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    num_returned: int
+    def __init__(self, num_returned: _Optional[int] = ...) -> None: ...
+
+class PutGroupsRequest(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
+
+class PutGroupsResponse(_message.Message):
+    __slots__ = ("num_written", "num_duplicate")
+    NUM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    num_written: int
+    num_duplicate: int
+    def __init__(self, num_written: _Optional[int] = ..., num_duplicate: _Optional[int] = ...) -> None: ...
+
+class GetBatchRequest(_message.Message):
+    __slots__ = ("job_id", "rollout_id", "num_groups", "timeout_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rollout_id: int
+    num_groups: int
+    timeout_s: float
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GetBatchResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
+
+class CountGroupsRequest(_message.Message):
+    __slots__ = ("job_id", "rollout_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rollout_id: int
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ...) -> None: ...
+
+class CountGroupsResponse(_message.Message):
+    __slots__ = ("num_groups",)
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    num_groups: int
+    def __init__(self, num_groups: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class BufferStats(_message.Message):
+    __slots__ = ("num_prompts", "epoch", "cursor", "num_leased", "num_returned", "num_groups")
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    num_prompts: int
+    epoch: int
+    cursor: int
+    num_leased: int
+    num_returned: int
+    num_groups: int
+    def __init__(self, num_prompts: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., num_leased: _Optional[int] = ..., num_returned: _Optional[int] = ..., num_groups: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,33 @@
+"""Load user functions by import path ("pkg.mod.fn") once, checking their signature up front."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+from services.common.errors import InvalidArgument
+
+
+def load_function(path: str, *, flag: str, expected: str, num_params: int | None = None,
+                  is_async: bool | None = None) -> Callable:
+    """Import `path`; raise InvalidArgument naming the flag, the path and the expected signature."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise InvalidArgument(f"{flag}: {path!r} is not an import path 'pkg.module.function'; expected {expected}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any import failure is the user's to see
+        raise InvalidArgument(f"{flag}: cannot import module {module_name!r} ({type(err).__name__}: {err})") from err
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise InvalidArgument(f"{flag}: {module_name!r} has no function {attr!r}; expected {expected}")
+    if is_async is not None and inspect.iscoroutinefunction(fn) != is_async:
+        kind = "an async" if is_async else "a plain"
+        raise InvalidArgument(f"{flag}: {path} must be {kind} function: {expected}")
+    if num_params is not None:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(params) < num_params:
+            raise InvalidArgument(f"{flag}: {path} takes {len(params)} positional parameters; expected {expected}")
+    return fn

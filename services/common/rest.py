@@ -1,0 +1,35 @@
+"""Serve a FastAPI app with uvicorn inside the running asyncio loop, beside a gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import uvicorn
+
+
+class RestServer:
+    """A uvicorn server on a socket bound up front, so port 0 gives a known free port."""
+
+    def __init__(self, app, host: str, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port: int = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.server.capture_signals = contextlib.nullcontext  # the service's main owns signals
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task

@@ -1,0 +1,146 @@
+"""The Sample / SampleGroup / Prompt records as dataclasses, and their proto conversion (only here).
+
+Fields follow slime's `Sample`; `metadata` is free-form plugin data that core code never reads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+
+from services.common.gen.physarum.v1 import sample_pb2
+
+
+class Status(enum.Enum):
+    PENDING = sample_pb2.SAMPLE_STATUS_PENDING
+    COMPLETED = sample_pb2.SAMPLE_STATUS_COMPLETED
+    TRUNCATED = sample_pb2.SAMPLE_STATUS_TRUNCATED
+    ABORTED = sample_pb2.SAMPLE_STATUS_ABORTED
+    FAILED = sample_pb2.SAMPLE_STATUS_FAILED
+
+    @classmethod
+    def from_finish_reason(cls, finish_type: str) -> Status:
+        """SGLang's finish_reason.type: stop -> COMPLETED, length -> TRUNCATED, abort -> ABORTED."""
+        return {"stop": cls.COMPLETED, "length": cls.TRUNCATED, "abort": cls.ABORTED}.get(finish_type, cls.FAILED)
+
+
+@dataclass
+class Sample:
+    prompt: str = ""
+    prompt_messages: list[dict[str, str]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: str = ""
+    reward: float = 0.0
+    reward_scores: dict[str, float] = field(default_factory=dict)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+    weight_versions: list[str] = field(default_factory=list)
+    group_index: int = 0
+    index: int = 0
+    reward_error: str = ""
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+
+@dataclass
+class SampleGroup:
+    group_id: str
+    job_id: str
+    rollout_id: int
+    prompt_index: int
+    epoch: int
+    samples: list[Sample]
+    lease_id: str = ""
+
+
+@dataclass
+class Prompt:
+    job_id: str
+    index: int
+    epoch: int
+    prompt: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    label: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    lease_id: str = ""
+
+
+def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:
+    """The idempotency key of the group answering one prompt of one epoch."""
+    return f"{job_id}:{epoch}:{prompt_index}"
+
+
+def dict_to_struct(data: dict[str, Any] | None) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    if data:
+        struct.update(data)
+    return struct
+
+
+def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
+    return json_format.MessageToDict(struct)
+
+
+def _messages_to_proto(messages: list[dict[str, str]]) -> list[sample_pb2.ChatMessage]:
+    return [sample_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def _messages_from_proto(messages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
+    return sample_pb2.Sample(
+        prompt=sample.prompt, prompt_messages=_messages_to_proto(sample.prompt_messages), tokens=sample.tokens,
+        response=sample.response, response_length=sample.response_length, label=sample.label,
+        reward=sample.reward, reward_scores=sample.reward_scores, loss_mask=sample.loss_mask,
+        rollout_log_probs=sample.rollout_log_probs, status=sample.status.value,
+        metadata=dict_to_struct(sample.metadata), weight_versions=sample.weight_versions,
+        group_index=sample.group_index, index=sample.index, reward_error=sample.reward_error)
+
+
+def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
+    status = Status(msg.status) if msg.status else Status.PENDING
+    return Sample(
+        prompt=msg.prompt, prompt_messages=_messages_from_proto(msg.prompt_messages), tokens=list(msg.tokens),
+        response=msg.response, response_length=msg.response_length, label=msg.label, reward=msg.reward,
+        reward_scores=dict(msg.reward_scores), loss_mask=list(msg.loss_mask),
+        rollout_log_probs=list(msg.rollout_log_probs), status=status, metadata=struct_to_dict(msg.metadata),
+        weight_versions=list(msg.weight_versions), group_index=msg.group_index, index=msg.index,
+        reward_error=msg.reward_error)
+
+
+def group_to_proto(group: SampleGroup) -> sample_pb2.SampleGroup:
+    return sample_pb2.SampleGroup(
+        group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
+        prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id,
+        samples=[sample_to_proto(s) for s in group.samples])
+
+
+def group_from_proto(msg: sample_pb2.SampleGroup) -> SampleGroup:
+    return SampleGroup(
+        group_id=msg.group_id, job_id=msg.job_id, rollout_id=msg.rollout_id, prompt_index=msg.prompt_index,
+        epoch=msg.epoch, lease_id=msg.lease_id, samples=[sample_from_proto(s) for s in msg.samples])
+
+
+def prompt_to_proto(prompt: Prompt) -> sample_pb2.Prompt:
+    return sample_pb2.Prompt(
+        job_id=prompt.job_id, index=prompt.index, epoch=prompt.epoch, prompt=prompt.prompt,
+        messages=_messages_to_proto(prompt.messages), label=prompt.label,
+        metadata=dict_to_struct(prompt.metadata), lease_id=prompt.lease_id)
+
+
+def prompt_from_proto(msg: sample_pb2.Prompt) -> Prompt:
+    return Prompt(
+        job_id=msg.job_id, index=msg.index, epoch=msg.epoch, prompt=msg.prompt,
+        messages=_messages_from_proto(msg.messages), label=msg.label, metadata=struct_to_dict(msg.metadata),
+        lease_id=msg.lease_id)
