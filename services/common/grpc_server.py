@@ -70,11 +70,18 @@ class GrpcServer:
     port: int
     health: health.HealthServicer
     service_names: list[str]
+    _pending: asyncio.Future | None = None
 
-    def set_serving(self, serving: bool) -> None:
+    def set_serving(self, serving: bool) -> asyncio.Future:
+        """Report SERVING or NOT_SERVING for every service; call it inside the loop, await it if you need to."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *self.service_names]:
-            self.health.set(name, status)
+
+        async def apply() -> None:
+            for name in ["", *self.service_names]:
+                await self.health.set(name, status)
+
+        self._pending = asyncio.ensure_future(apply())
+        return self._pending
 
 
 async def start_grpc_server(bindings: Iterable[ServiceBinding], host: str, port: int,
@@ -94,7 +101,7 @@ async def start_grpc_server(bindings: Iterable[ServiceBinding], host: str, port:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
     result = GrpcServer(server=server, port=bound, health=health_servicer, service_names=names)
-    result.set_serving(serving)
+    await result.set_serving(serving)
     return result
 
 
@@ -109,5 +116,5 @@ async def wait_for_stop_signal() -> None:
 
 async def stop_grpc_server(server: GrpcServer, grace_s: float) -> None:
     """Report NOT_SERVING, then let in-flight calls finish for up to grace_s."""
-    server.set_serving(False)
+    await server.set_serving(False)
     await server.server.stop(grace_s)

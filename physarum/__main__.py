@@ -1,0 +1,7 @@
+"""`python -m physarum` is the `physarum` CLI."""
+
+import sys
+
+from physarum.cli import main
+
+sys.exit(main())

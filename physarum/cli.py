@@ -1,0 +1,151 @@
+"""`physarum`: the user's handle on the local stack and on jobs (up, down, submit, status, cancel)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from physarum import stack
+
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def load_job_file(path: Path, overrides: list[str]) -> dict[str, Any]:
+    """The job YAML with `--set key=value` overrides (values parsed as YAML scalars or lists)."""
+    try:
+        spec = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise SystemExit(f"physarum: cannot read job file {path}: {err}") from None
+    if not isinstance(spec, dict):
+        raise SystemExit(f"physarum: job file {path}: expected a mapping of slime flag names to values")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"physarum: --set expects key=value, got {item!r}")
+        spec[key.strip()] = yaml.safe_load(value)
+    return spec
+
+
+def _job_api(args) -> str:
+    if args.url:
+        return args.url
+    state = stack.read_state(args.work_dir)
+    if state is None:
+        raise SystemExit("physarum: no local stack is up (run `physarum up`) and no --url was given")
+    return state["trainer_url"]
+
+
+def follow(client, job_id: str, num_rollout: int, poll_s: float = 0.5, timeout_s: float = 24 * 3600) -> dict:
+    """Show a progress bar (step, mean reward, time) until the job ends; returns the final job."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[info]}")]
+    after, deadline = 0, time.monotonic() + timeout_s
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task(job_id, total=num_rollout, info="")
+        while time.monotonic() < deadline:
+            for event in client.events(job_id, after_seq=after):
+                after = event["seq"]
+                reward = event["metrics"].get("rollout/reward_mean")
+                info = f"reward {reward:.3f}" if reward is not None else event["message"]
+                progress.update(task, completed=event["rollout_id"] + 1, info=info)
+            job = client.get(job_id)
+            if job["state"] in TERMINAL:
+                return job
+            time.sleep(poll_s)
+    raise SystemExit(f"physarum: job {job_id} still running after {timeout_s} s")
+
+
+def cmd_up(args) -> int:
+    state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines))
+    print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
+    return 0
+
+
+def cmd_down(args) -> int:
+    stopped = stack.down(args.work_dir)
+    print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from services.trainer.client import JobsRestClient
+
+    spec = load_job_file(args.job_file, args.set or [])
+    with JobsRestClient(_job_api(args)) as client:
+        job = client.submit(spec)
+        print(f"submitted {job['job_id']}")
+        if not args.wait:
+            return 0
+        job = follow(client, job["job_id"], job["num_rollout"])
+    print(f"{job['job_id']}: {job['state']}" + (f": {job['error']}" if job["error"] else ""))
+    return 0 if job["state"] == "SUCCEEDED" else 1
+
+
+def cmd_status(args) -> int:
+    from services.trainer.client import JobsRestClient
+
+    with JobsRestClient(_job_api(args)) as client:
+        jobs = [client.get(args.job_id)] if args.job_id else client.list()
+    for job in jobs:
+        reward = job["metrics"].get("rollout/reward_mean")
+        shown = f" reward {reward:.3f}" if reward is not None else ""
+        print(f"{job['job_id']}  {job['state']:<9}  rollout {job['rollout_id'] + 1}/{job['num_rollout']}{shown}"
+              + (f"  error: {job['error']}" if job["error"] else ""))
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from services.trainer.client import JobsRestClient
+
+    with JobsRestClient(_job_api(args)) as client:
+        job = client.cancel(args.job_id)
+    print(f"{job['job_id']}: {job['state']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="physarum", description=__doc__)
+    parser.add_argument("--work-dir", type=Path, default=stack.DEFAULT_WORK_DIR, help="local stack directory")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("up", help="start the local stack")
+    p.add_argument("--model", type=Path, required=True, help="HF model directory the engines start from")
+    p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
+    p.set_defaults(fn=cmd_up)
+    sub.add_parser("down", help="stop the local stack").set_defaults(fn=cmd_down)
+    p = sub.add_parser("submit", help="submit a job spec (YAML keyed by slime's flag names)")
+    p.add_argument("job_file", type=Path)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec key (repeatable)")
+    p.add_argument("--wait", action="store_true", help="follow the job and exit 0 only if it succeeds")
+    p.add_argument("--url", default="", help="job API URL (default: the local stack's)")
+    p.set_defaults(fn=cmd_submit)
+    p = sub.add_parser("status", help="show jobs")
+    p.add_argument("job_id", nargs="?", default="")
+    p.add_argument("--url", default="")
+    p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("cancel", help="cancel a job")
+    p.add_argument("job_id")
+    p.add_argument("--url", default="")
+    p.set_defaults(fn=cmd_cancel)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from services.common.errors import PhysarumError
+
+    try:
+        return args.fn(args)
+    except PhysarumError as err:
+        print(f"physarum: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

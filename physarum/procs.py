@@ -1,0 +1,126 @@
+"""Start and stop local processes by the PID recorded at start; find free loopback ports.
+
+Used by the local stack (`physarum up`), the rollout pool's local launcher and the tests. A process is only
+ever signalled by the PID this module started, after checking /proc/PID/cmdline still names it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+def free_port(host: str = HOST) -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def cmdline_of(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+@dataclass
+class ManagedProcess:
+    """A child process with its recorded PID, command line and log file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, f"{self.name} was never started"
+        return self.popen.pid
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.popen = subprocess.Popen(self.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        log_file.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def owns_pid(self) -> bool:
+        """True while /proc/PID/cmdline is still the command this object started."""
+        return self.alive() and cmdline_of(self.pid)[: len(self.argv)] == self.argv
+
+    def wait_ready(self, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with code {self.popen.returncode} before it was ready; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            if check():
+                return
+            time.sleep(interval_s)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def signal(self, sig: int) -> None:
+        if self.owns_pid():
+            os.kill(self.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after grace_s; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.owns_pid():
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                if self.owns_pid():
+                    os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait(timeout=grace_s)
+        return self.popen.poll()
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv that runs `python -m module args...` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def start_redis(work_dir: Path, port: int | None = None, appendonly: bool = True) -> tuple[ManagedProcess, str]:
+    """A private redis-server in work_dir on a free loopback port; returns it with its URL."""
+    port = port or free_port()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    argv = ["redis-server", "--port", str(port), "--bind", HOST, "--dir", str(work_dir), "--save", "",
+            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec", "--protected-mode", "yes"]
+    proc = ManagedProcess("redis", argv, work_dir / "redis.log").start()
+
+    def answers() -> bool:
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    proc.wait_ready(answers, timeout_s=15)
+    return proc, f"redis://{HOST}:{port}/0"

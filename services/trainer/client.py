@@ -1,0 +1,95 @@
+"""Clients of the job API: gRPC (`JobsClient`) and REST (`JobsRestClient`, what the CLI uses)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
+from services.common.grpc_client import GrpcClient
+from services.common.samples import dict_to_struct, struct_to_dict
+
+TERMINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def job_from_proto(job: jobs_pb2.Job) -> dict[str, Any]:
+    return {"job_id": job.job_id, "state": jobs_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+            "spec": struct_to_dict(job.spec), "rollout_id": job.rollout_id, "num_rollout": job.num_rollout,
+            "metrics": dict(job.metrics), "error": job.error, "created_at": job.created_at,
+            "finished_at": job.finished_at}
+
+
+class JobsClient(GrpcClient):
+    service = "trainer"
+
+    def __init__(self, addr: str, timeout_s: float = 10.0) -> None:
+        super().__init__(addr, timeout_s)
+        self.stub = jobs_pb2_grpc.JobsStub(self.channel)
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return job_from_proto(self.call(self.stub.SubmitJob, jobs_pb2.SubmitJobRequest(spec=dict_to_struct(spec))))
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return job_from_proto(self.call(self.stub.GetJob, jobs_pb2.GetJobRequest(job_id=job_id), idempotent=True))
+
+    def list(self) -> list[dict[str, Any]]:
+        reply = self.call(self.stub.ListJobs, jobs_pb2.ListJobsRequest(), idempotent=True)
+        return [job_from_proto(j) for j in reply.jobs]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return job_from_proto(self.call(self.stub.CancelJob, jobs_pb2.CancelJobRequest(job_id=job_id),
+                                        idempotent=True))
+
+    def stream_events(self, job_id: str, after_seq: int = 0, timeout_s: float = 3600.0):
+        """Yield events as dicts until the job ends or timeout_s passes."""
+        request = jobs_pb2.StreamEventsRequest(job_id=job_id, after_seq=after_seq)
+        for event in self.stub.StreamEvents(request, timeout=timeout_s):
+            yield {"seq": event.seq, "state": jobs_pb2.JobState.Name(event.state).removeprefix("JOB_STATE_"),
+                   "rollout_id": event.rollout_id, "metrics": dict(event.metrics), "message": event.message,
+                   "time": event.time}
+
+
+class JobsRestClient:
+    """The REST job API at `url` ("http://127.0.0.1:8080")."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, **kwargs) -> Any:
+        try:
+            reply = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as err:
+            raise Unavailable(f"job API {self.url}: {type(err).__name__}: {err}") from err
+        if reply.status_code >= 400:
+            detail = reply.json().get("detail", reply.text) if reply.content else reply.reason_phrase
+            cls = {400: InvalidArgument, 404: NotFound, 409: FailedPrecondition}.get(reply.status_code,
+                                                                                   FailedPrecondition)
+            raise cls(f"job API {method} {path}: {detail}")
+        return reply.json()
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", json=spec)
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/jobs")["jobs"]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def events(self, job_id: str, after_seq: int = 0) -> list[dict[str, Any]]:
+        return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after_seq": after_seq})["events"]
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

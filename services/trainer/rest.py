@@ -1,0 +1,61 @@
+"""The job API over REST (FastAPI, OpenAPI at /docs): the same operations as the gRPC Jobs service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Body, FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.trainer.jobs import JobRegistry
+from services.trainer.spec import parse_spec
+
+_STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409}
+
+
+def _http_error(err: Exception) -> HTTPException:
+    return HTTPException(status_code=_STATUS.get(type(err), 500), detail=str(err))
+
+
+def create_app(registry: JobRegistry) -> FastAPI:
+    app = FastAPI(title="Physarum job API", version="v1",
+                  description="Submit, follow and cancel RL post-training jobs. Spec keys are slime's flag names.")
+
+    def call(fn, *args):
+        try:
+            return fn(*args)
+        except (InvalidArgument, NotFound, FailedPrecondition) as err:
+            raise _http_error(err) from None
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/jobs", status_code=201)
+    def submit_job(spec: dict[str, Any] = Body(..., description="job spec keyed by slime's flag names")):
+        return JobRegistry.to_dict(call(registry.submit, call(parse_spec, spec)))
+
+    @app.get("/v1/jobs")
+    def list_jobs():
+        return {"jobs": [JobRegistry.to_dict(j) for j in registry.list()]}
+
+    @app.get("/v1/jobs/{job_id}")
+    def get_job(job_id: str):
+        return JobRegistry.to_dict(call(registry.get, job_id))
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel_job(job_id: str):
+        return JobRegistry.to_dict(call(registry.cancel, job_id))
+
+    @app.get("/v1/jobs/{job_id}/events")
+    def job_events(job_id: str, after_seq: int = 0):
+        events = call(registry.events_after, job_id, after_seq)
+        return {"events": [{**e.__dict__, "state": e.state.value} for e in events]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

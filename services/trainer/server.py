@@ -1,0 +1,86 @@
+"""The trainer's servers: gRPC Jobs and the REST job API, over one job registry."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
+from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server
+from services.common.rest import RestServer
+from services.common.samples import dict_to_struct, struct_to_dict
+from services.trainer.config import TrainerConfig
+from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
+from services.trainer.rest import create_app
+from services.trainer.spec import parse_spec
+
+EVENT_POLL_S = 0.2
+
+
+def job_to_proto(job: Job) -> jobs_pb2.Job:
+    return jobs_pb2.Job(job_id=job.job_id, state=jobs_pb2.JobState.Value(f"JOB_STATE_{job.state.value}"),
+                        spec=dict_to_struct(job.spec.model_dump()), rollout_id=job.rollout_id,
+                        num_rollout=job.spec.num_rollout, metrics=job.metrics, error=job.error,
+                        created_at=job.created_at, finished_at=job.finished_at)
+
+
+def event_to_proto(event: JobEvent) -> jobs_pb2.JobEvent:
+    return jobs_pb2.JobEvent(job_id=event.job_id, seq=event.seq,
+                             state=jobs_pb2.JobState.Value(f"JOB_STATE_{event.state.value}"),
+                             rollout_id=event.rollout_id, metrics=event.metrics, message=event.message,
+                             time=event.time)
+
+
+class JobsServicer(jobs_pb2_grpc.JobsServicer):
+    def __init__(self, registry: JobRegistry) -> None:
+        self.registry = registry
+
+    @handle_errors
+    async def SubmitJob(self, request, context):
+        return job_to_proto(self.registry.submit(parse_spec(struct_to_dict(request.spec))))
+
+    @handle_errors
+    async def GetJob(self, request, context):
+        return job_to_proto(self.registry.get(request.job_id))
+
+    @handle_errors
+    async def ListJobs(self, request, context):
+        return jobs_pb2.ListJobsResponse(jobs=[job_to_proto(j) for j in self.registry.list()])
+
+    @handle_errors
+    async def CancelJob(self, request, context):
+        return job_to_proto(self.registry.cancel(request.job_id))
+
+    @handle_errors
+    async def StreamEvents(self, request, context):
+        after = request.after_seq
+        while True:
+            for event in self.registry.events_after(request.job_id, after):
+                after = event.seq
+                yield event_to_proto(event)
+            if self.registry.get(request.job_id).state.terminal and not self.registry.events_after(
+                    request.job_id, after):
+                return
+            await asyncio.sleep(EVENT_POLL_S)
+
+
+@dataclass
+class TrainerServers:
+    grpc: GrpcServer
+    rest: RestServer
+    registry: JobRegistry
+
+    async def stop(self, grace_s: float) -> None:
+        self.registry.close()
+        await self.rest.stop()
+        await self.grpc.server.stop(grace_s)
+
+
+async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
+    registry = JobRegistry(runner)
+    grpc_server = await start_grpc_server(
+        [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry), "physarum.v1.Jobs")],
+        config.host, config.port)
+    rest = RestServer(create_app(registry), config.host, config.rest_port)
+    await rest.start()
+    return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)

@@ -1,0 +1,89 @@
+"""The job API over REST and gRPC, in-process, with a stand-in runner (the real loop runs in tests/e2e)."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from services.common.errors import InvalidArgument, NotFound
+from services.trainer.client import JobsClient, JobsRestClient
+from services.trainer.config import TrainerConfig
+from services.trainer.server import create_server
+
+SPEC = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2}
+
+
+def runner(spec, ctx):
+    for rollout_id in range(spec.num_rollout):
+        ctx.check_cancelled()
+        ctx.report(rollout_id, {"rollout/reward_mean": 0.25 * rollout_id})
+        time.sleep(0.05 if spec.job_id != "slow" else 0.5)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder = {}
+
+    async def run():
+        holder["servers"] = await create_server(TrainerConfig(port=0, rest_port=0), runner)
+        holder["stop"] = asyncio.Event()
+        ready.set()
+        await holder["stop"].wait()
+        await holder["servers"].stop(1.0)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    servers = holder["servers"]
+    yield f"127.0.0.1:{servers.grpc.port}", f"http://127.0.0.1:{servers.rest.port}"
+    loop.call_soon_threadsafe(holder["stop"].set)
+    thread.join(10)
+
+
+def test_rest_submit_follow_and_openapi(servers):
+    _, url = servers
+    with JobsRestClient(url) as client:
+        job = client.submit({**SPEC, "job_id": "rest-1"})
+        assert job["state"] in ("QUEUED", "RUNNING") and job["num_rollout"] == 3
+        deadline = time.monotonic() + 10
+        while client.get("rest-1")["state"] != "SUCCEEDED":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        done = client.get("rest-1")
+        assert done["rollout_id"] == 2 and done["metrics"]["rollout/reward_mean"] == 0.5
+        rewards = [e["metrics"]["rollout/reward_mean"] for e in client.events("rest-1") if e["metrics"]]
+        assert rewards == [0.0, 0.25, 0.5]
+    docs = httpx.get(f"{url}/openapi.json", timeout=5).json()
+    assert "/v1/jobs" in docs["paths"] and "/v1/jobs/{job_id}/cancel" in docs["paths"]
+    assert httpx.get(f"{url}/docs", timeout=5).status_code == 200
+
+
+def test_malformed_spec_is_rejected_by_name_and_the_api_stays_up(servers):
+    grpc_addr, url = servers
+    reply = httpx.post(f"{url}/v1/jobs", json={**SPEC, "n_sample_per_prompt": 4}, timeout=5)
+    assert reply.status_code == 400
+    assert "unknown key 'n_sample_per_prompt' (did you mean 'n_samples_per_prompt'?)" in reply.json()["detail"]
+    with JobsClient(grpc_addr) as client, pytest.raises(InvalidArgument, match="rollout_batch_size must be > 0"):
+        client.submit({**SPEC, "rollout_batch_size": 0})
+    assert httpx.get(f"{url}/healthz", timeout=5).json() == {"status": "ok"}
+    with JobsRestClient(url) as client, pytest.raises(NotFound, match="job 'missing' not found"):
+        client.get("missing")
+
+
+def test_grpc_submit_stream_events_and_cancel(servers):
+    grpc_addr, _ = servers
+    with JobsClient(grpc_addr) as client:
+        client.submit({**SPEC, "job_id": "grpc-1"})
+        events = list(client.stream_events("grpc-1", timeout_s=20))
+        assert events[-1]["state"] == "SUCCEEDED"
+        assert [e["rollout_id"] for e in events if e["metrics"]] == [0, 1, 2]
+        client.submit({**SPEC, "job_id": "slow", "num_rollout": 50})
+        time.sleep(0.3)
+        client.cancel("slow")
+        states = [e["state"] for e in client.stream_events("slow", timeout_s=20)]
+        assert states[-1] == "CANCELLED"
+        assert {j["job_id"] for j in client.list()} >= {"grpc-1", "slow"}

@@ -1,0 +1,84 @@
+"""The job registry: FIFO on one worker, events with sequence numbers, cancel, failures kept apart."""
+
+import threading
+import time
+
+import pytest
+
+from services.common.errors import FailedPrecondition, NotFound
+from services.trainer.jobs import JobRegistry, JobState
+from services.trainer.spec import parse_spec
+
+BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 1}
+
+
+def wait_terminal(registry, job_id, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not registry.get(job_id).state.terminal:
+        assert time.monotonic() < deadline, f"job {job_id} did not finish"
+        time.sleep(0.01)
+    return registry.get(job_id)
+
+
+def test_jobs_run_in_order_and_report_progress():
+    order = []
+
+    def runner(spec, ctx):
+        for rollout_id in range(spec.num_rollout):
+            ctx.report(rollout_id, {"rollout/reward_mean": rollout_id / 2})
+        order.append(spec.job_id)
+
+    registry = JobRegistry(runner)
+    registry.submit(parse_spec({**BASE, "job_id": "a"}))
+    registry.submit(parse_spec({**BASE, "job_id": "b"}))
+    job = wait_terminal(registry, "b")
+    assert order == ["a", "b"] and job.state == JobState.SUCCEEDED
+    assert job.rollout_id == 1 and job.metrics == {"rollout/reward_mean": 0.5}
+    events = registry.events_after("b", 0)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.state for e in events][-1] == JobState.SUCCEEDED
+    assert [e.seq for e in registry.events_after("b", 2)] == [e.seq for e in events[2:]]
+    registry.close()
+
+
+def test_a_failing_job_is_failed_with_its_reason_and_the_next_runs():
+    def runner(spec, ctx):
+        if spec.job_id == "bad":
+            raise ValueError("boom")
+
+    registry = JobRegistry(runner)
+    registry.submit(parse_spec({**BASE, "job_id": "bad"}))
+    registry.submit(parse_spec({**BASE, "job_id": "good"}))
+    assert wait_terminal(registry, "good").state == JobState.SUCCEEDED
+    bad = registry.get("bad")
+    assert bad.state == JobState.FAILED and bad.error == "ValueError: boom"
+    registry.close()
+
+
+def test_cancel_stops_a_running_job_and_a_queued_one():
+    started = threading.Event()
+
+    def runner(spec, ctx):
+        started.set()
+        while True:
+            ctx.check_cancelled()
+            time.sleep(0.01)
+
+    registry = JobRegistry(runner)
+    registry.submit(parse_spec({**BASE, "job_id": "running"}))
+    registry.submit(parse_spec({**BASE, "job_id": "queued"}))
+    assert started.wait(5)
+    assert registry.cancel("queued").state == JobState.CANCELLED
+    registry.cancel("running")
+    assert wait_terminal(registry, "running").state == JobState.CANCELLED
+    registry.close()
+
+
+def test_duplicate_and_unknown_jobs_are_clear_errors():
+    registry = JobRegistry(lambda spec, ctx: None)
+    registry.submit(parse_spec({**BASE, "job_id": "x"}))
+    with pytest.raises(FailedPrecondition, match="job 'x' already exists"):
+        registry.submit(parse_spec({**BASE, "job_id": "x"}))
+    with pytest.raises(NotFound, match="job 'nope' not found"):
+        registry.get("nope")
+    registry.close()
