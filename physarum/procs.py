@@ -31,7 +31,7 @@ def cmdline_of(pid: int) -> list[str]:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]  # keeps empty args ("--save", "")
 
 
 @dataclass
@@ -111,7 +111,8 @@ def start_redis(work_dir: Path, port: int | None = None, appendonly: bool = True
     port = port or free_port()
     work_dir.mkdir(parents=True, exist_ok=True)
     argv = ["redis-server", "--port", str(port), "--bind", HOST, "--dir", str(work_dir), "--save", "",
-            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec", "--protected-mode", "yes"]
+            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec", "--protected-mode", "yes",
+            "--set-proc-title", "no"]  # keep argv in /proc/PID/cmdline, so owns_pid() lets stop() signal it
     proc = ManagedProcess("redis", argv, work_dir / "redis.log").start()
 
     def answers() -> bool:

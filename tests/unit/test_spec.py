@@ -17,13 +17,15 @@ def test_defaults_follow_slime_and_job_id_is_generated():
 
 
 def test_unknown_key_is_named_with_a_suggestion():
-    with pytest.raises(InvalidArgument, match=r"unknown key 'rollout_batchsize' \(did you mean 'rollout_batch_size'\?\)"):
+    message = r"unknown key 'rollout_batchsize' \(did you mean 'rollout_batch_size'\?\)"
+    with pytest.raises(InvalidArgument, match=message):
         parse_spec({**BASE, "rollout_batchsize": 4})
 
 
 @pytest.mark.parametrize("override, message", [
     ({"rollout_batch_size": 0}, "rollout_batch_size must be > 0, got 0"),
-    ({"global_batch_size": 5, "num_steps_per_rollout": 2}, r"\(32\) must equal global_batch_size × num_steps_per_rollout"),
+    ({"global_batch_size": 5, "num_steps_per_rollout": 2},
+     r"\(32\) must equal global_batch_size × num_steps_per_rollout"),
     ({"global_batch_size": 5}, r"global_batch_size \(5\) must divide"),
     ({"lr": "fast"}, "lr: Input should be a valid number"),
     ({"kl_loss_type": "k9"}, "kl_loss_type: Input should be 'k1', 'k2', 'k3' or 'low_var_kl'"),

@@ -1,0 +1,68 @@
+"""The Reward service's REST API (FastAPI): POST /v1/score, GET /healthz, OpenAPI at /docs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+from services.reward import scorers
+from services.reward.config import RewardConfig
+
+
+class SampleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = ""
+    response: str = ""
+    label: str = ""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rm_type: str = Field("", description="built-in scorer: 'math' or 'exact_match'")
+    custom_rm_path: str = Field("", description="'pkg.mod.fn', slime's `async def f(args, sample)`; wins over rm_type")
+    reward_key: str = Field("", description="picks the reward when a scorer returns a dict")
+    timeout_s: float | None = Field(None, gt=0, description="per-sample timeout (default: the service's)")
+    samples: list[SampleIn]
+    args: dict[str, Any] = Field(default_factory=dict, description="handed to custom_rm_path functions as `args`")
+
+
+class ScoreOut(BaseModel):
+    reward: float
+    ok: bool
+    error: str
+    scores: dict[str, float]
+
+
+class ScoreResponse(BaseModel):
+    scores: list[ScoreOut]
+
+
+def create_app(config: RewardConfig, semaphore: asyncio.Semaphore) -> FastAPI:
+    app = FastAPI(title="Physarum Reward", description="Score samples with built-in verifiers or user functions.")
+
+    @app.exception_handler(InvalidArgument)
+    async def invalid_argument(request, err: InvalidArgument) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": str(err)})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/score", response_model=ScoreResponse)
+    async def score(request: ScoreRequest) -> ScoreResponse:
+        samples = [Sample(prompt=s.prompt, response=s.response, label=s.label, metadata=s.metadata, index=i)
+                   for i, s in enumerate(request.samples)]
+        results = await scorers.score_samples(
+            samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
+            timeout_s=request.timeout_s or config.default_timeout_s, args=request.args, semaphore=semaphore)
+        return ScoreResponse(scores=[ScoreOut(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores)
+                                     for r in results])
+
+    return app

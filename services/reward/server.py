@@ -1,0 +1,75 @@
+"""The Reward service's servers: the gRPC Score servicer and the REST app, sharing one concurrency limit.
+
+Servicers translate proto <-> dataclasses and make one call into `scorers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc
+from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
+from services.common.rest import RestServer
+from services.common.samples import sample_from_proto, struct_to_dict
+from services.reward import rest, scorers
+from services.reward.config import RewardConfig
+
+log = logging.getLogger(__name__)
+
+
+def restore_ints(value: Any) -> Any:
+    """protobuf Struct carries every number as a double; give whole numbers back as int (args.n_samples_per_prompt)."""
+    if isinstance(value, dict):
+        return {k: restore_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_ints(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    def __init__(self, config: RewardConfig, semaphore: asyncio.Semaphore) -> None:
+        self.config = config
+        self.semaphore = semaphore
+
+    @handle_errors
+    async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:  # noqa: N802
+        samples = [sample_from_proto(s) for s in request.samples]
+        for sample in samples:
+            sample.metadata = restore_ints(sample.metadata)
+        results = await scorers.score_samples(
+            samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
+            timeout_s=request.timeout_s or self.config.default_timeout_s,
+            args=restore_ints(struct_to_dict(request.args)), semaphore=self.semaphore)
+        return reward_pb2.ScoreResponse(scores=[
+            reward_pb2.Score(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores) for r in results])
+
+
+@dataclass
+class RewardServer:
+    grpc: GrpcServer
+    rest: RestServer
+
+    async def stop(self, grace_s: float) -> None:
+        await stop_grpc_server(self.grpc, grace_s)
+        await self.rest.stop()
+
+
+async def create_server(config: RewardConfig) -> RewardServer:
+    """Start the gRPC server and the REST server (ports 0 pick free ones; see .grpc.port and .rest.port)."""
+    semaphore = asyncio.Semaphore(config.max_concurrency)
+    servicer = RewardServicer(config, semaphore)
+    grpc_server = await start_grpc_server(
+        [ServiceBinding(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "physarum.v1.Reward")],
+        config.host, config.port)
+    try:
+        rest_server = RestServer(rest.create_app(config, semaphore), config.host, config.rest_port)
+        await rest_server.start()
+    except BaseException:
+        await stop_grpc_server(grpc_server, 0)
+        raise
+    return RewardServer(grpc=grpc_server, rest=rest_server)

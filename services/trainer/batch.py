@@ -1,0 +1,102 @@
+"""Samples -> padded tensors: the RolloutBatch a backend trains on (slime's train-data keys, padded, not packed).
+
+Response-aligned tensors are [B, R]: column t is response token t of each sample, whose log-prob comes from the
+logits at sequence position prompt_length + t - 1. The batch knows nothing about models or losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    tokens: torch.Tensor  # [B, L] int64, prompt + response, right-padded with the pad id
+    attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
+    prompt_lengths: torch.Tensor  # [B] int64
+    response_lengths: torch.Tensor  # [B] int64
+    response_tokens: torch.Tensor  # [B, R] int64, the targets; padded with the pad id
+    loss_masks: torch.Tensor  # [B, R] float32, 0 on padding and on masked (e.g. tool) tokens
+    rollout_log_probs: torch.Tensor | None  # [B, R] float32, the engines' log-probs; None unless every sample has them
+    advantages: torch.Tensor  # [B, R] float32, zeros until a backend sets them
+    rewards: torch.Tensor  # [B] float32, the raw scalar rewards
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def logit_positions(self) -> torch.Tensor:
+        """[B, R] int64: the sequence position whose logits predict each response token (clamped on padding)."""
+        offsets = torch.arange(self.response_tokens.shape[1], dtype=torch.long)
+        positions = self.prompt_lengths.unsqueeze(-1) - 1 + offsets
+        return positions.clamp(0, self.tokens.shape[1] - 1)
+
+    def select(self, start: int, end: int) -> RolloutBatch:
+        """Rows [start, end), with padding trimmed to the longest of them."""
+        rows = slice(start, end)
+        seq_len = int((self.prompt_lengths[rows] + self.response_lengths[rows]).max())
+        resp_len = int(self.response_lengths[rows].max())
+        log_probs = self.rollout_log_probs
+        return RolloutBatch(
+            tokens=self.tokens[rows, :seq_len], attention_mask=self.attention_mask[rows, :seq_len],
+            prompt_lengths=self.prompt_lengths[rows], response_lengths=self.response_lengths[rows],
+            response_tokens=self.response_tokens[rows, :resp_len], loss_masks=self.loss_masks[rows, :resp_len],
+            rollout_log_probs=None if log_probs is None else log_probs[rows, :resp_len],
+            advantages=self.advantages[rows, :resp_len], rewards=self.rewards[rows])
+
+    def with_advantages(self, advantages: torch.Tensor) -> RolloutBatch:
+        if advantages.shape != self.loss_masks.shape:
+            raise ValueError(f"advantages shape {tuple(advantages.shape)} != loss_masks {tuple(self.loss_masks.shape)}")
+        return replace(self, advantages=advantages.float())
+
+
+def _check_sample(i: int, sample: Sample) -> None:
+    total, resp = len(sample.tokens), sample.response_length
+    if resp < 0 or resp >= total:
+        raise InvalidArgument(f"sample {i}: response_length {resp} must be in [0, len(tokens) - 1] = [0, {total - 1}]"
+                              " (a response token needs at least one token before it)")
+    if sample.loss_mask and len(sample.loss_mask) != resp:
+        raise InvalidArgument(f"sample {i}: loss_mask has {len(sample.loss_mask)} entries, "
+                              f"response_length is {resp}")
+    if sample.rollout_log_probs and len(sample.rollout_log_probs) != resp:
+        raise InvalidArgument(f"sample {i}: rollout_log_probs has {len(sample.rollout_log_probs)} entries, "
+                              f"response_length is {resp}")
+
+
+def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0) -> RolloutBatch:
+    """Pad `samples` into a RolloutBatch; a sample without a loss_mask trains on all its response tokens."""
+    if not samples:
+        raise InvalidArgument("rollout has no samples")
+    for i, sample in enumerate(samples):
+        _check_sample(i, sample)
+    num, seq_len = len(samples), max(len(s.tokens) for s in samples)
+    resp_len = max(s.response_length for s in samples)
+    tokens = torch.full((num, seq_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((num, seq_len), dtype=torch.long)
+    response_tokens = torch.full((num, resp_len), pad_token_id, dtype=torch.long)
+    loss_masks = torch.zeros((num, resp_len), dtype=torch.float32)
+    has_log_probs = all(len(s.rollout_log_probs) == s.response_length for s in samples)
+    rollout_log_probs = torch.zeros((num, resp_len), dtype=torch.float32) if has_log_probs else None
+    for i, s in enumerate(samples):
+        total, resp = len(s.tokens), s.response_length
+        tokens[i, :total] = torch.tensor(s.tokens, dtype=torch.long)
+        attention_mask[i, :total] = 1
+        if resp == 0:
+            continue
+        response_tokens[i, :resp] = tokens[i, total - resp:total]
+        loss_masks[i, :resp] = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1.0
+        if rollout_log_probs is not None:
+            rollout_log_probs[i, :resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    return RolloutBatch(
+        tokens=tokens, attention_mask=attention_mask,
+        prompt_lengths=torch.tensor([s.prompt_length for s in samples], dtype=torch.long),
+        response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long),
+        response_tokens=response_tokens, loss_masks=loss_masks, rollout_log_probs=rollout_log_probs,
+        advantages=torch.zeros((num, resp_len), dtype=torch.float32),
+        rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32))

@@ -1,0 +1,140 @@
+"""Reward scoring: built-in verifiers on hand cases, and user functions that succeed, fail, hang or misbehave."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+from services.reward import scorers, verifiers
+from services.reward.client import ScoreResult
+from tests.plugins import reward_fns
+
+PLUGINS = "tests.plugins.reward_fns"
+
+
+def score(samples, *, rm_type="", custom_rm_path="", reward_key="", timeout_s=5.0, args=None, semaphore=None):
+    async def run():
+        return await scorers.score_samples(samples, rm_type=rm_type, custom_rm_path=custom_rm_path,
+                                           reward_key=reward_key, timeout_s=timeout_s, args=args or {},
+                                           semaphore=semaphore if semaphore is None else semaphore())
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("response, label, expected", [
+    (r"so the sum is \boxed{46}", "46", 1.0),
+    ("the answer is 46", "46", 1.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"first \boxed{7}, then \boxed{\frac{3}{4}} in the end", "0.75", 1.0),   # the last box, nested braces
+    (r"\boxed{\frac{3}{4}}", r"\frac{3}{4}", 1.0),
+    ("Answer: 1,000.", "1000", 1.0),
+    ("12+34=46", "46", 1.0),
+    ("5-3", "3", 1.0),                                                    # subtraction, not the number -3
+    (r"\boxed{45}", "46", 0.0),
+    (r"\boxed{\frac{3}{4}}", "0.5", 0.0),
+    ("the answer is 47", "46", 0.0),
+    (r"\boxed{46} wait, no: 45", "45", 0.0),                              # a box wins over later numbers
+    ("I do not know", "46", 0.0),
+    ("", "46", 0.0),
+    ("46", "", 0.0),
+])
+def test_math(response, label, expected):
+    assert verifiers.math(response, label) == expected
+
+
+def test_last_boxed_balances_braces():
+    assert verifiers.last_boxed(r"\boxed{1} and \boxed{\frac{a}{b^{2}}}.") == r"\frac{a}{b^{2}}"
+    assert verifiers.last_boxed(r"\boxed{\frac{3}{4}") is None             # unclosed
+    assert verifiers.last_boxed("46") is None
+
+
+def test_exact_match():
+    assert verifiers.exact_match("  46\n", "46 ") == 1.0
+    assert verifiers.exact_match("46.0", "46") == 0.0
+    assert verifiers.exact_match("Paris", "paris") == 0.0
+
+
+def test_builtin_rm_type_through_score_samples():
+    samples = [Sample(response=r"\boxed{46}", label="46"), Sample(response="45", label="46")]
+    assert score(samples, rm_type="math") == [ScoreResult(1.0, True), ScoreResult(0.0, True)]
+    assert [r.reward for r in score(samples, rm_type="exact_match")] == [0.0, 0.0]
+
+
+def test_unknown_rm_type_lists_valid_names():
+    with pytest.raises(InvalidArgument, match=r"unknown rm_type 'maths'; expected one of exact_match, math"):
+        score([Sample()], rm_type="maths")
+    with pytest.raises(InvalidArgument, match="rm_type is empty"):
+        score([Sample()])
+
+
+def test_bad_timeout_is_invalid():
+    with pytest.raises(InvalidArgument, match="timeout_s must be > 0, got 0"):
+        score([Sample()], rm_type="math", timeout_s=0)
+
+
+def test_user_function_gets_args_and_sample():
+    samples = [Sample(response="46", label="46"), Sample(response="4", label="46")]
+    results = score(samples, custom_rm_path=f"{PLUGINS}.scaled_match", args={"scale": 2.5})
+    assert results == [ScoreResult(2.5, True), ScoreResult(0.0, True)]
+
+
+def test_user_function_raising_fails_only_its_sample():
+    results = score([Sample(response="x")], custom_rm_path=f"{PLUGINS}.boom")
+    assert results == [ScoreResult(0.0, False, f"custom_rm_path {PLUGINS}.boom: ValueError: cannot score 'x'")]
+
+
+def test_user_function_timeout():
+    start = time.monotonic()
+    results = score([Sample(), Sample()], custom_rm_path=f"{PLUGINS}.slow", timeout_s=0.3, args={"sleep_s": 30})
+    assert time.monotonic() - start < 3.0
+    assert results == [ScoreResult(0.0, False, "timed out after 0.3 s")] * 2
+
+
+def test_dict_result_with_reward_key():
+    samples = [Sample(response="46", label="46"), Sample(response="45", label="46")]
+    results = score(samples, custom_rm_path=f"{PLUGINS}.dapo_like", reward_key="score")
+    # non-numeric values ("pred") stay out of `scores`; bools count as numbers
+    assert results == [ScoreResult(1.0, True, "", {"score": 1.0, "acc": 1.0}),
+                       ScoreResult(-1.0, True, "", {"score": -1.0, "acc": 0.0})]
+
+
+def test_dict_result_without_usable_reward_key_fails_naming_the_keys():
+    [missing] = score([Sample()], custom_rm_path=f"{PLUGINS}.dapo_like")
+    assert not missing.ok and missing.reward == 0.0
+    assert "set reward_key" in missing.error and "keys: acc, pred, score" in missing.error
+    [wrong] = score([Sample()], custom_rm_path=f"{PLUGINS}.dapo_like", reward_key="reward")
+    assert not wrong.ok and "reward_key 'reward' not in its result (keys: acc, pred, score)" in wrong.error
+    [text] = score([Sample()], custom_rm_path=f"{PLUGINS}.dapo_like", reward_key="pred")
+    assert not text.ok and "returned ''" in text.error
+
+
+def test_non_numeric_result_fails():
+    [result] = score([Sample()], custom_rm_path=f"{PLUGINS}.not_a_number")
+    assert not result.ok and result.error.endswith("returned 'high'; expected a finite float or a dict of them")
+
+
+@pytest.mark.parametrize("path, message", [
+    (f"{PLUGINS}.sync_reward", "must be an async function"),
+    (f"{PLUGINS}.one_param", "takes 1 positional parameters"),
+    (f"{PLUGINS}.missing", "has no function 'missing'"),
+    ("tests.plugins.no_such_module.reward", "cannot import module 'tests.plugins.no_such_module'"),
+    ("reward", "is not an import path"),
+])
+def test_unloadable_user_function_is_invalid(path, message):
+    with pytest.raises(InvalidArgument, match=f"custom_rm_path: .*{message}"):
+        score([Sample()], custom_rm_path=path)
+
+
+def test_concurrency_is_bounded_by_the_semaphore():
+    reward_fns.peak_active = 0
+    samples = [Sample(index=i) for i in range(6)]
+    results = score(samples, custom_rm_path=f"{PLUGINS}.sleepy", args={"sleep_s": 0.05},
+                    semaphore=lambda: asyncio.Semaphore(2))
+    assert [r.reward for r in results] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]   # in order
+    assert reward_fns.peak_active == 2
+    reward_fns.peak_active = 0
+    score(samples, custom_rm_path=f"{PLUGINS}.sleepy", args={"sleep_s": 0.05})
+    assert reward_fns.peak_active == 6
