@@ -1,0 +1,1 @@
+"""The buffer service: prompt datasets, prompt leases and finished sample groups, kept in Redis."""

@@ -1,0 +1,89 @@
+"""A synchronous client of the buffer service; every call has a deadline, idempotent calls retry.
+
+Its result types (DatasetInfo, PutResult, BufferStats) are the buffer's public records; it imports only
+services.common, so callers never pull in Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
+from services.common.grpc_client import GrpcClient
+from services.common.samples import Prompt, SampleGroup, group_from_proto, group_to_proto, prompt_from_proto
+
+LOAD_TIMEOUT_S = 300.0  # reading and storing a large dataset takes longer than an ordinary call
+
+
+@dataclass
+class DatasetInfo:
+    num_prompts: int
+    num_skipped: int
+    errors: list[str]
+    already_loaded: bool
+
+
+@dataclass
+class PutResult:
+    num_written: int
+    num_duplicate: int
+
+
+@dataclass
+class BufferStats:
+    num_prompts: int
+    epoch: int
+    cursor: int
+    num_leased: int
+    num_returned: int
+    num_groups: int
+
+
+class BufferClient(GrpcClient):
+    service = "buffer"
+
+    def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3) -> None:
+        super().__init__(addr, timeout_s, max_retries)
+        self.stub = buffer_pb2_grpc.BufferStub(self.channel)
+
+    def load_dataset(self, job_id: str, path: str, *, input_key: str = "input", label_key: str = "",
+                     metadata_key: str = "metadata", apply_chat_template: bool = False,
+                     rollout_shuffle: bool = False, rollout_seed: int = 42) -> DatasetInfo:
+        request = buffer_pb2.LoadDatasetRequest(
+            job_id=job_id, path=path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
+            apply_chat_template=apply_chat_template, rollout_shuffle=rollout_shuffle, rollout_seed=rollout_seed)
+        reply = self.call(self.stub.LoadDataset, request, timeout_s=max(self.timeout_s, LOAD_TIMEOUT_S),
+                          idempotent=True)
+        return DatasetInfo(num_prompts=reply.num_prompts, num_skipped=reply.num_skipped, errors=list(reply.errors),
+                           already_loaded=reply.already_loaded)
+
+    def lease_prompts(self, job_id: str, rollout_id: int, count: int, lease_timeout_s: float) -> list[Prompt]:
+        """Not retried: a lost reply's leases expire and their prompts are served again."""
+        request = buffer_pb2.LeasePromptsRequest(job_id=job_id, rollout_id=rollout_id, count=count,
+                                                 lease_timeout_s=lease_timeout_s)
+        return [prompt_from_proto(p) for p in self.call(self.stub.LeasePrompts, request).prompts]
+
+    def return_prompts(self, job_id: str, lease_ids: list[str]) -> int:
+        request = buffer_pb2.ReturnPromptsRequest(job_id=job_id, lease_ids=lease_ids)
+        return self.call(self.stub.ReturnPrompts, request, idempotent=True).num_returned
+
+    def put_groups(self, groups: list[SampleGroup]) -> PutResult:
+        request = buffer_pb2.PutGroupsRequest(groups=[group_to_proto(g) for g in groups])
+        reply = self.call(self.stub.PutGroups, request, idempotent=True)
+        return PutResult(num_written=reply.num_written, num_duplicate=reply.num_duplicate)
+
+    def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[SampleGroup]:
+        """The first num_groups groups of the rollout, waiting up to timeout_s for them to be written."""
+        request = buffer_pb2.GetBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
+                                             timeout_s=timeout_s)
+        reply = self.call(self.stub.GetBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return [group_from_proto(g) for g in reply.groups]
+
+    def count_groups(self, job_id: str, rollout_id: int) -> int:
+        request = buffer_pb2.CountGroupsRequest(job_id=job_id, rollout_id=rollout_id)
+        return self.call(self.stub.CountGroups, request, idempotent=True).num_groups
+
+    def stats(self, job_id: str) -> BufferStats:
+        reply = self.call(self.stub.GetStats, buffer_pb2.GetStatsRequest(job_id=job_id), idempotent=True)
+        return BufferStats(num_prompts=reply.num_prompts, epoch=reply.epoch, cursor=reply.cursor,
+                           num_leased=reply.num_leased, num_returned=reply.num_returned, num_groups=reply.num_groups)

@@ -1,0 +1,93 @@
+"""The buffer's gRPC servicer: proto <-> dataclasses around one BufferStore call per RPC."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+
+from services.buffer.config import BufferConfig
+from services.buffer.dataset import read_prompts
+from services.buffer.store import BufferStore
+from services.common.errors import Unavailable
+from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
+from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
+from services.common.samples import group_from_proto, group_to_proto, prompt_to_proto
+
+log = logging.getLogger(__name__)
+
+
+class BufferServicer(buffer_pb2_grpc.BufferServicer):
+    def __init__(self, store: BufferStore) -> None:
+        self.store = store
+
+    @handle_errors
+    async def LoadDataset(self, request, context):
+        read = functools.partial(read_prompts, request.path, input_key=request.input_key or "input",
+                                 label_key=request.label_key, metadata_key=request.metadata_key or "metadata",
+                                 apply_chat_template=request.apply_chat_template)
+        info = await self.store.load_dataset(request.job_id, read, shuffle=request.rollout_shuffle,
+                                             seed=request.rollout_seed, path=request.path)
+        return buffer_pb2.LoadDatasetResponse(num_prompts=info.num_prompts, num_skipped=info.num_skipped,
+                                              errors=info.errors, already_loaded=info.already_loaded)
+
+    @handle_errors
+    async def LeasePrompts(self, request, context):
+        prompts = await self.store.lease(request.job_id, request.rollout_id, request.count, request.lease_timeout_s)
+        return buffer_pb2.LeasePromptsResponse(prompts=[prompt_to_proto(p) for p in prompts])
+
+    @handle_errors
+    async def ReturnPrompts(self, request, context):
+        num_returned = await self.store.return_prompts(request.job_id, list(request.lease_ids))
+        return buffer_pb2.ReturnPromptsResponse(num_returned=num_returned)
+
+    @handle_errors
+    async def PutGroups(self, request, context):
+        num_written, num_duplicate = await self.store.put_groups([group_from_proto(g) for g in request.groups])
+        return buffer_pb2.PutGroupsResponse(num_written=num_written, num_duplicate=num_duplicate)
+
+    @handle_errors
+    async def GetBatch(self, request, context):
+        groups = await self.store.get_batch(request.job_id, request.rollout_id, request.num_groups, request.timeout_s)
+        return buffer_pb2.GetBatchResponse(groups=[group_to_proto(g) for g in groups])
+
+    @handle_errors
+    async def CountGroups(self, request, context):
+        num_groups = await self.store.count_groups(request.job_id, request.rollout_id)
+        return buffer_pb2.CountGroupsResponse(num_groups=num_groups)
+
+    @handle_errors
+    async def GetStats(self, request, context):
+        stats = await self.store.stats(request.job_id)
+        return buffer_pb2.BufferStats(num_prompts=stats.num_prompts, epoch=stats.epoch, cursor=stats.cursor,
+                                      num_leased=stats.num_leased, num_returned=stats.num_returned,
+                                      num_groups=stats.num_groups)
+
+
+@dataclass
+class BufferServer(GrpcServer):
+    """The running server and the store it closes on stop."""
+
+    store: BufferStore = field(kw_only=True)
+
+
+async def create_server(config: BufferConfig) -> BufferServer:
+    """Start the server NOT_SERVING, wait (bounded) for Redis, then report SERVING."""
+    store = BufferStore(config.redis_url)
+    binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store), "physarum.v1.Buffer")
+    grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False)
+    server = BufferServer(**vars(grpc_server), store=store)
+    try:
+        await store.wait_ready(config.redis_wait_s)
+    except Unavailable:
+        await stop_server(server, grace_s=0)
+        raise
+    await server.set_serving(True)
+    log.info("buffer serving on %s:%d, Redis %s", config.host, server.port, store.where)
+    return server
+
+
+async def stop_server(server: BufferServer, grace_s: float) -> None:
+    """Stop serving (NOT_SERVING first, in-flight calls get grace_s), then close the Redis connections."""
+    await stop_grpc_server(server, grace_s)
+    await server.store.close()

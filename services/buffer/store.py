@@ -1,0 +1,235 @@
+"""The buffer's state in Redis: datasets, the epoch cursor, prompt leases and finished sample groups.
+
+Every key of a job starts with `physarum:{<job_id>}:` (one Redis Cluster hash slot per job). Multi-key updates
+run as Lua scripts, so any number of buffer replicas can share one Redis. Knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import re
+import struct
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+
+import redis.asyncio as redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.buffer.client import BufferStats, DatasetInfo
+from services.buffer.dataset import PromptRows
+from services.buffer.scripts import FINISH_LOAD, LEASE, PUT_GROUPS, RETURN, SET_ORDER, STATS
+from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from services.common.gen.physarum.v1 import sample_pb2
+from services.common.samples import (
+    Prompt,
+    SampleGroup,
+    group_from_proto,
+    group_id_for,
+    group_to_proto,
+    prompt_from_proto,
+    prompt_to_proto,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05             # get_batch's polling interval
+LOAD_CHUNK = 2000         # prompts per HSET while loading
+LOAD_TTL_S = 3600         # a half-written dataset (a replica died while loading) expires after this
+SOCKET_TIMEOUT_S = 30.0
+
+
+def _prefix(job_id: str) -> str:
+    if not job_id:
+        raise InvalidArgument("job_id must not be empty")
+    return f"physarum:{{{job_id}}}:"
+
+
+def _redis_errors(method: Callable) -> Callable:
+    """Redis connection failures become Unavailable (clients retry idempotent calls on it)."""
+    @functools.wraps(method)
+    async def wrapper(self: BufferStore, *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError) as err:
+            raise Unavailable(f"buffer: Redis {self.where} unreachable: {err}") from None
+    return wrapper
+
+
+class BufferStore:
+    def __init__(self, redis_url: str) -> None:
+        self.where = re.sub(r"//[^@/]*@", "//***@", redis_url)  # no password in messages
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0)
+        self._scripts = {name: self.redis.register_script(text) for name, text in [
+            ("finish_load", FINISH_LOAD), ("lease", LEASE), ("set_order", SET_ORDER), ("return", RETURN),
+            ("put_groups", PUT_GROUPS), ("stats", STATS)]}
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Ping Redis until it answers; Unavailable after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        delay_s = 0.1
+        while True:
+            try:
+                await self.redis.ping()
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError) as err:
+                if time.monotonic() + delay_s > deadline:
+                    raise Unavailable(f"buffer: Redis {self.where}: no answer after {timeout_s} s ({err})") from None
+                log.info("waiting for Redis %s: %s", self.where, err)
+            await asyncio.sleep(delay_s)
+            delay_s = min(1.0, delay_s * 2)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _run(self, name: str, *args: object):
+        return await self._scripts[name](args=args)
+
+    # ----- datasets -----
+
+    @_redis_errors
+    async def load_dataset(self, job_id: str, read: Callable[[], PromptRows], *, shuffle: bool, seed: int,
+                           path: str) -> DatasetInfo:
+        """Store the rows `read()` returns (run in a thread), once per job; later calls are no-ops."""
+        p = _prefix(job_id)
+        if (info := await self._loaded_info(p)) is not None:
+            return info
+        rows = await asyncio.to_thread(read)
+        tmp = f"{p}loading:{uuid.uuid4().hex}"
+        payloads = [prompt_to_proto(replace(prompt, job_id=job_id, index=i)).SerializeToString()
+                    for i, prompt in enumerate(rows.prompts)]
+        for start in range(0, len(payloads), LOAD_CHUNK):
+            chunk = payloads[start:start + LOAD_CHUNK]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(tmp, mapping={str(start + i): payload for i, payload in enumerate(chunk)})
+                pipe.expire(tmp, LOAD_TTL_S)
+                await pipe.execute()
+        if not await self._run("finish_load", p, tmp, len(payloads), int(shuffle), seed, rows.num_skipped, path):
+            return await self._loaded_info(p)  # another replica loaded it first
+        log.info("job %s: loaded %d prompts from %s (%d rows skipped, shuffle=%s, seed=%d)", job_id,
+                 len(payloads), path, rows.num_skipped, shuffle, seed)
+        return DatasetInfo(num_prompts=len(payloads), num_skipped=rows.num_skipped, errors=rows.errors,
+                           already_loaded=False)
+
+    async def _loaded_info(self, p: str) -> DatasetInfo | None:
+        num_prompts, num_skipped = await self.redis.hmget(p + "meta", ["num_prompts", "num_skipped"])
+        if num_prompts is None:
+            return None
+        return DatasetInfo(num_prompts=int(num_prompts), num_skipped=int(num_skipped), errors=[],
+                           already_loaded=True)
+
+    # ----- leases -----
+
+    @_redis_errors
+    async def lease(self, job_id: str, rollout_id: int, count: int, lease_timeout_s: float) -> list[Prompt]:
+        """Lease `count` prompts: returned ones first, then the epoch's order from the cursor, wrapping epochs."""
+        p = _prefix(job_id)
+        if count <= 0:
+            raise InvalidArgument(f"count must be > 0, got {count}")
+        if lease_timeout_s <= 0:
+            raise InvalidArgument(f"lease_timeout_s must be > 0, got {lease_timeout_s}")
+        batch = uuid.uuid4().hex[:16]  # ids of one call sort in lease order: equal deadlines expire in that order
+        lease_ids = [f"{batch}-{i:06d}" for i in range(count)]
+        timeout_ms = max(1, round(lease_timeout_s * 1000))
+        for _ in range(5):  # each retry follows the creation of missing shuffle orders
+            reply = await self._run("lease", p, job_id, count, timeout_ms, *lease_ids)
+            if reply[0] == b"missing":
+                raise NotFound(f"buffer: job {job_id!r} has no dataset (call LoadDataset first)")
+            if reply[0] == b"need":
+                await self._create_orders(p, [int(e) for e in reply[1:]])
+                continue
+            prompts = []
+            for slot, lease_id, payload in zip(reply[1::3], reply[2::3], reply[3::3], strict=True):
+                prompt = prompt_from_proto(sample_pb2.Prompt.FromString(payload))
+                prompt.epoch, prompt.lease_id = int(slot.split(b":")[0]), lease_id.decode()
+                prompts.append(prompt)
+            log.debug("job %s rollout %d: leased %d prompts", job_id, rollout_id, len(prompts))
+            return prompts
+        raise Unavailable(f"buffer: job {job_id!r}: shuffle orders kept changing while leasing; retry")
+
+    async def _create_orders(self, p: str, epochs: list[int]) -> None:
+        """Write epoch e's order, random.Random(rollout_seed + e).shuffle(range(num_prompts)), as uint32s."""
+        num_prompts, seed = (int(x) for x in await self.redis.hmget(p + "meta", ["num_prompts", "seed"]))
+        for epoch in epochs:
+            packed = await asyncio.to_thread(_shuffled_order, num_prompts, seed + epoch)
+            await self._run("set_order", p, epoch, packed)
+
+    @_redis_errors
+    async def return_prompts(self, job_id: str, lease_ids: list[str]) -> int:
+        """End leases now, their prompts to be served again; unknown lease ids are ignored (not counted)."""
+        num_returned = await self._run("return", _prefix(job_id), job_id, *lease_ids)
+        if num_returned < 0:
+            raise NotFound(f"buffer: job {job_id!r} has no dataset")
+        return num_returned
+
+    # ----- groups -----
+
+    @_redis_errors
+    async def put_groups(self, groups: list[SampleGroup]) -> tuple[int, int]:
+        """Store each new group once (by group_id) and ack its lease; returns (num_written, num_duplicate)."""
+        args: list[object] = []
+        for group in groups:
+            expected = group_id_for(group.job_id, group.epoch, group.prompt_index)
+            if group.group_id != expected:
+                raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
+                                      "(job_id:epoch:prompt_index)")
+            args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
+                     f"{group.epoch}:{group.prompt_index}", group_to_proto(group).SerializeToString()]
+        if not groups:
+            return 0, 0
+        reply = await self._run("put_groups", *args)
+        if reply[0] == -1:
+            raise NotFound(f"buffer: job {groups[reply[1]].job_id!r} has no dataset")
+        num_written = sum(reply)
+        return num_written, len(groups) - num_written
+
+    @_redis_errors
+    async def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[SampleGroup]:
+        """The rollout's first num_groups groups in write order, once that many exist (polls up to timeout_s)."""
+        p = _prefix(job_id)
+        if num_groups <= 0:
+            raise InvalidArgument(f"num_groups must be > 0, got {num_groups}")
+        if timeout_s < 0:
+            raise InvalidArgument(f"timeout_s must be >= 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout_s
+        have = await self.count_groups(job_id, rollout_id)
+        while have < num_groups:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise DeadlineExceeded(f"buffer: rollout {rollout_id} of job {job_id} has {have}/{num_groups} "
+                                       f"groups after {timeout_s} s")
+            await asyncio.sleep(min(POLL_S, left_s))
+            have = await self.redis.llen(f"{p}rollout:{rollout_id}")
+        group_ids = await self.redis.lrange(f"{p}rollout:{rollout_id}", 0, num_groups - 1)
+        payloads = await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
+        return [group_from_proto(sample_pb2.SampleGroup.FromString(payload)) for payload in payloads]
+
+    @_redis_errors
+    async def count_groups(self, job_id: str, rollout_id: int) -> int:
+        p = _prefix(job_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            exists, num_groups = await pipe.exists(p + "meta").llen(f"{p}rollout:{rollout_id}").execute()
+        if not exists:
+            raise NotFound(f"buffer: job {job_id!r} has no dataset")
+        return num_groups
+
+    @_redis_errors
+    async def stats(self, job_id: str) -> BufferStats:
+        """A consistent snapshot, after moving expired leases back to the returned queue."""
+        reply = await self._run("stats", _prefix(job_id), job_id)
+        if reply is None:
+            raise NotFound(f"buffer: job {job_id!r} has no dataset")
+        num_prompts, epoch, cursor, num_leased, num_returned, num_groups = (int(x) for x in reply)
+        return BufferStats(num_prompts=num_prompts, epoch=epoch, cursor=cursor, num_leased=num_leased,
+                           num_returned=num_returned, num_groups=num_groups)
+
+
+def _shuffled_order(num_prompts: int, seed: int) -> bytes:
+    order = list(range(num_prompts))
+    random.Random(seed).shuffle(order)
+    return struct.pack(f"<{num_prompts}I", *order)
