@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ def up(options: StackOptions) -> dict:
     if options.model_path is None:
         raise ValueError("up: a model directory is needed for the engines (--model)")
     logs = work_dir / "logs"
+    # The local stack is ephemeral: a fresh Redis, so a job id reused across `up`s never meets old groups.
+    shutil.rmtree(work_dir / "redis", ignore_errors=True)
     redis, redis_url = start_redis(work_dir / "redis")
     ports = {name: free_port() for name in ("buffer", "reward", "reward_rest", "router", "router_metrics",
                                             "rollout", "trainer", "trainer_rest")}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from services.buffer.client import BufferClient
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.common.samples import Sample, SampleGroup, Status
-from services.rollout.client import RolloutClient
+from services.rollout.client import RolloutClient, RolloutState
 from services.trainer.jobs import JobContext
 from services.trainer.spec import JobSpec
 from services.trainer.train_config import rollout_config, train_config
@@ -56,9 +56,9 @@ def collect_rollout(spec: JobSpec, deps: TrainerDeps, rollout_id: int, weight_ve
         except Unavailable as err:
             log.warning("rollout manager unavailable (%s); waiting", err)
             continue
-        if status.state == "FAILED":
+        if status.state == RolloutState.FAILED:
             raise RuntimeError(f"rollout {rollout_id} of job {spec.job_id} failed: {status.error}")
-        if status.state == "UNKNOWN":
+        if status.state == RolloutState.UNKNOWN:
             log.warning("rollout manager does not know rollout %d (restarted?); starting it again", rollout_id)
             deps.rollout.start_rollout(config, rollout_id, weight_version)
 

@@ -1,0 +1,35 @@
+"""Settings of the CPU engine: where it listens, which Hugging Face model directory it serves, batching and RNG."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.config import field
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    host: str = field("127.0.0.1", "address the HTTP server binds")
+    port: int = field(30000, "HTTP port (SGLang's default; 0 picks a free port)")
+    model_path: str = field("", "Hugging Face model directory (config.json, safetensors, tokenizer); required")
+    served_model_name: str = field("", "name reported by /model_info (default: model_path)")
+    max_batch_size: int = field(64, "most requests decoded together in one batch")
+    num_threads: int = field(1, "torch intra-op threads")
+    seed: int = field(0, "seed of the engine's RNG, used by requests without a sampling_seed")
+    weight_version: str = field("default", "initial weight_version reported in meta_info and /model_info")
+    weight_sync_timeout_s: float = field(60.0, "timeout of the weight-update process group and of update calls")
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is required: --model-path DIR (a Hugging Face model directory)")
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"model_path must be a Hugging Face model directory with config.json, "
+                             f"got {self.model_path!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_batch_size", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.weight_sync_timeout_s <= 0:
+            raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")

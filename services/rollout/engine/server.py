@@ -1,0 +1,309 @@
+"""The CPU engine's HTTP server: SGLang's endpoints and JSON shapes (reference/sglang-protocol.md §3).
+
+Handlers never block the event loop: generation runs on the scheduler thread, lock waits and process-group calls
+in worker threads. The model loads in the background; /health answers 503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from services.common.errors import InvalidArgument, NotFound, PhysarumError, Unavailable
+from services.common.rest import RestServer
+from services.rollout.engine.config import EngineConfig
+from services.rollout.engine.generation import Engine, SamplingParams, load_model
+from services.rollout.engine.generation import Request as GenRequest
+from services.rollout.engine.protocol import parse_generate, to_response
+from services.rollout.engine.weights import DEFAULT_GROUP_NAME, WeightUpdater
+
+log = logging.getLogger(__name__)
+
+VERSION = "physarum-cpu-engine 0.1.0"
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class EngineState:
+    """The engine and its weight updater once the model is loaded (None before)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = str(Path(config.model_path).resolve())
+        self.engine: Engine | None = None
+        self.updater: WeightUpdater | None = None
+        self.load_error: str | None = None
+
+    def load(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.config.num_threads)
+        torch.manual_seed(self.config.seed)
+        start = time.monotonic()
+        try:
+            model, tokenizer = load_model(self.model_path)
+        except Exception as err:
+            self.load_error = f"{type(err).__name__}: {err}"
+            log.exception("could not load the model from %s", self.model_path)
+            return
+        engine = Engine(model, tokenizer, max_batch_size=self.config.max_batch_size, seed=self.config.seed,
+                        weight_version=self.config.weight_version).start()
+        self.updater = WeightUpdater(engine, self.config.weight_sync_timeout_s)
+        self.engine = engine
+        log.info("model %s loaded in %.1f s (%d parameters, context %d)", self.model_path, time.monotonic() - start,
+                 sum(p.numel() for p in model.parameters()), engine.context_len)
+
+    def ready(self) -> Engine:
+        if self.engine is None:
+            raise Unavailable(f"model failed to load: {self.load_error}" if self.load_error
+                              else "the model is still loading")
+        return self.engine
+
+    def model_info(self) -> dict:
+        config = self.ready().model.config
+        return {"model_path": self.model_path, "served_model_name": self.config.served_model_name or self.model_path,
+                "tokenizer_path": self.model_path, "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.ready().weight_version, "load_format": "auto", "reasoning_parser": None,
+                "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": config.model_type,
+                "architectures": list(config.architectures or [])}
+
+    def server_info(self) -> dict:
+        engine = self.ready()
+        running, waiting = engine.num_requests()
+        return {**dataclasses.asdict(self.config), "model_path": self.model_path, "version": VERSION,
+                "max_context_length": engine.context_len, "max_total_num_tokens": engine.context_len
+                * self.config.max_batch_size, "tp_size": 1, "dp_size": 1, "weight_version": engine.weight_version,
+                "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting,
+                                     "paused": engine.is_paused}]}
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise InvalidArgument(f"request body is not valid JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _required(body: dict, *keys: str) -> None:
+    missing = [k for k in keys if body.get(k) is None]
+    if missing:
+        raise InvalidArgument(f"missing required field(s): {', '.join(missing)}")
+
+
+async def _update_call(fn: Callable[..., str], **kwargs) -> JSONResponse:
+    """Run a weight-update call in a thread; SGLang's {"success", "message"}, HTTP 400 on failure."""
+    try:
+        message = await asyncio.to_thread(fn, **kwargs)
+    except Exception as err:
+        expected = isinstance(err, (PhysarumError, ValueError))
+        if expected:
+            log.warning("%s failed: %s", fn.__name__, err)
+        else:
+            log.exception("%s failed", fn.__name__)
+        message = str(err) if expected else f"{type(err).__name__}: {err}"
+        return JSONResponse({"success": False, "message": message}, status_code=400)
+    return JSONResponse({"success": True, "message": message})
+
+
+async def _wait_for(engine: Engine, requests: list[GenRequest]) -> None:
+    """Submit and wait for every request; cancelled waits abort their requests."""
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in requests]
+    for request, future in zip(requests, futures, strict=True):
+        request.on_finish = lambda r, f=future: loop.call_soon_threadsafe(lambda: f.done() or f.set_result(r))
+    engine.submit(requests)
+    try:
+        await asyncio.gather(*futures)
+    except asyncio.CancelledError:
+        for request in requests:
+            engine.abort(request.rid, message="client went away")
+        raise
+
+
+def create_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="Physarum CPU engine (SGLang HTTP API)", version=VERSION)
+    timeout_s = state.config.weight_sync_timeout_s
+
+    @app.exception_handler(PhysarumError)
+    async def physarum_error(request: Request, err: PhysarumError) -> JSONResponse:
+        status = {InvalidArgument: 400, NotFound: 404, Unavailable: 503}.get(type(err), 500)
+        return JSONResponse({"error": {"message": str(err)}}, status_code=status)
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, err: ValueError) -> JSONResponse:
+        return JSONResponse({"error": {"message": f"invalid request: {err}"}}, status_code=400)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> JSONResponse:
+        engine = state.ready()
+        body = await _body(request)
+        if body.get("stream"):
+            raise InvalidArgument("stream is not supported by the CPU engine; send stream=false")
+        call = parse_generate(body, engine)
+        await _wait_for(engine, call.requests)
+        outs = [to_response(r, lp, i if call.listed else None)
+                for i, (r, lp) in enumerate(zip(call.requests, call.return_logprob, strict=True))]
+        return JSONResponse(outs if call.listed else outs[0])
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.ready()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        engine = state.ready()
+        probe = GenRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                           params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            await asyncio.wait_for(_wait_for(engine, [probe]), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return state.model_info()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        return state.server_info()
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        if any(state.ready().num_requests()):
+            return PlainTextResponse("Cache not flushed: there are running or waiting requests.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict:
+        engine, body = state.ready(), await _body(request)
+        await asyncio.to_thread(engine.pause, body.get("mode") or "abort", timeout_s)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict:
+        state.ready().resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        engine, body = state.ready(), await _body(request)
+        engine.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict:
+        engine, body = state.ready(), await _body(request)
+        _required(body, "new_version")
+        if body.get("abort_all_requests", True):
+            engine.abort(abort_all=True, message="Abort by update_weight_version")
+        engine.weight_version = str(body["new_version"])
+        return {"success": True, "message": f"Weight version updated to {engine.weight_version}",
+                "new_version": engine.weight_version}
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> list:
+        state.ready()
+        body = await _body(request)
+        _required(body, "name")
+        return state.updater.get_weights(str(body["name"]), int(body.get("truncate_size", 100)))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        state.ready()
+        body = await _body(request)
+        _required(body, "master_address", "master_port", "rank_offset", "world_size")
+        return await _update_call(state.updater.init_group, master_address=str(body["master_address"]),
+                                  master_port=int(body["master_port"]), rank_offset=int(body["rank_offset"]),
+                                  world_size=int(body["world_size"]),
+                                  group_name=body.get("group_name") or DEFAULT_GROUP_NAME,
+                                  backend=body.get("backend") or "nccl")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        state.ready()
+        body = await _body(request)
+        return await _update_call(state.updater.destroy_group,
+                                  group_name=body.get("group_name") or DEFAULT_GROUP_NAME)
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        state.ready()
+        body = await _body(request)
+        return await _update_call(state.updater.begin, selector=body.get("selector") or "all")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        state.ready()
+        return await _update_call(state.updater.end)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        state.ready()
+        body = await _body(request)
+        _required(body, "names", "dtypes", "shapes")
+        return await _update_call(state.updater.update_from_distributed, names=list(body["names"]),
+                                  dtypes=list(body["dtypes"]), shapes=list(body["shapes"]),
+                                  group_name=body.get("group_name") or DEFAULT_GROUP_NAME,
+                                  weight_version=body.get("weight_version"), load_format=body.get("load_format"),
+                                  abort_all_requests=bool(body.get("abort_all_requests", False)))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        state.ready()
+        body = await _body(request)
+        _required(body, "model_path")
+        return await _update_call(state.updater.update_from_disk, model_path=str(body["model_path"]),
+                                  weight_version=body.get("weight_version"),
+                                  abort_all_requests=bool(body.get("abort_all_requests", False)))
+
+    return app
+
+
+@dataclass
+class EngineServer:
+    """The running HTTP server and the engine state behind it."""
+
+    rest: RestServer
+    state: EngineState
+    loading: asyncio.Task
+
+    @property
+    def port(self) -> int:
+        return self.rest.port
+
+    async def stop(self) -> None:
+        """Abort what is running (its callers get finish_reason abort), then stop serving."""
+        await asyncio.shield(self.loading)
+        if self.state.engine is not None:
+            await asyncio.to_thread(self.state.engine.stop)
+        await self.rest.stop()
+
+
+async def create_server(config: EngineConfig) -> EngineServer:
+    """Serve on config.host:port at once and load the model in the background."""
+    state = EngineState(config)
+    rest = RestServer(create_app(state), config.host, config.port)
+    await rest.start()
+    loading = asyncio.create_task(asyncio.to_thread(state.load))
+    log.info("engine listening on http://%s:%d, loading %s", config.host, rest.port, state.model_path)
+    return EngineServer(rest, state, loading)

@@ -1,0 +1,162 @@
+"""Weight updates of the CPU engine, done as SGLang does them (reference/sglang-protocol.md §3.5-3.6).
+
+Join the trainer's separate process group (rendezvous, PrefixStore, _new_process_group_helper), receive one
+broadcast per parameter from rank 0, load tensors by Hugging Face name; or reload safetensors from disk.
+Knows nothing of HTTP: methods return a message or raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from services.rollout.engine.generation import Engine
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def init_custom_process_group(*, backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """SGLang's init_custom_process_group: a group apart from the default one, keyed by `group_name`."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                         backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"unknown dtype {name!r} (expected a torch dtype name such as 'float32')")
+    return dtype
+
+
+class WeightUpdater:
+    """The engine's weight-update groups, its begin/end update session, and loading tensors into the model."""
+
+    def __init__(self, engine: Engine, timeout_s: float) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        # HF checkpoint names of every parameter and persistent buffer; a tied lm_head.weight shares the embedding
+        self.params: dict[str, torch.Tensor] = engine.model.state_dict(keep_vars=True)
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.group_lock = threading.Lock()
+        self.session_open = False
+
+    @contextlib.contextmanager
+    def _groups_locked(self) -> Iterator[None]:
+        if not self.group_lock.acquire(timeout=self.timeout_s):
+            raise DeadlineExceeded(f"another weight-update call held the group for more than {self.timeout_s} s")
+        try:
+            yield
+        finally:
+            self.group_lock.release()
+
+    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> str:
+        """Join `group_name` as rank `rank_offset` (tp_size 1); returns once every rank joined."""
+        with self._groups_locked():
+            if group_name in self.groups:
+                raise FailedPrecondition(f"weight update group {group_name!r} already exists; destroy it first")
+            init_method = f"tcp://{master_address}:{master_port}"
+            log.info("joining weight update group %s at %s as rank %d of %d (%s)", group_name, init_method,
+                     rank_offset, world_size, backend)
+            self.groups[group_name] = init_custom_process_group(
+                backend=backend, init_method=init_method, world_size=world_size, rank=rank_offset,
+                group_name=group_name, timeout=datetime.timedelta(seconds=self.timeout_s))
+        return "Succeeded to initialize custom process group."
+
+    def destroy_group(self, group_name: str = DEFAULT_GROUP_NAME) -> str:
+        with self._groups_locked():
+            group = self.groups.pop(group_name, None)
+            if group is None:
+                raise NotFound(f"weight update group {group_name!r} does not exist")
+            dist.destroy_process_group(group)
+        return "Succeeded to destroy custom process group."
+
+    def begin(self, selector: str = "all") -> str:
+        if selector not in ("all", "target", "draft"):
+            raise InvalidArgument(f"selector must be one of all, target, draft; got {selector!r}")
+        self.session_open = True
+        return "Weight update session started."
+
+    def end(self) -> str:
+        self.session_open = False
+        return "Weight update session ended."
+
+    def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                group_name: str = DEFAULT_GROUP_NAME, weight_version: str | None = None,
+                                load_format: str | None = None, abort_all_requests: bool = False) -> str:
+        """Receive one broadcast per name from rank 0, in order, then load them all (or none) into the model."""
+        if not self.session_open:
+            raise FailedPrecondition("update_weights_from_distributed must run between begin_weight_update() and "
+                                     "end_weight_update()")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise InvalidArgument(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, "
+                                  f"{len(shapes)}")
+        if load_format not in (None, "direct"):
+            raise InvalidArgument(f"load_format {load_format!r} is not supported by the CPU engine (use null)")
+        buffers = [torch.empty([int(d) for d in shape], dtype=_dtype(dtype))
+                   for dtype, shape in zip(dtypes, shapes, strict=True)]
+        if abort_all_requests:
+            self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
+        with self.engine.exclusive(self.timeout_s), self._groups_locked():
+            group = self.groups.get(group_name)
+            if group is None:
+                raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
+            works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
+            for work in works:
+                work.wait()
+            self._load(list(zip(names, buffers, strict=True)), weight_version)
+        return "Succeeded to update parameter online."
+
+    def update_from_disk(self, model_path: str, weight_version: str | None = None,
+                         abort_all_requests: bool = False) -> str:
+        """Load every *.safetensors file of `model_path`; on any mismatch nothing changes."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise NotFound(f"update_weights_from_disk: no *.safetensors file in {model_path!r}")
+        named = [item for f in files for item in load_file(str(f)).items()]
+        if abort_all_requests:
+            self.engine.abort(abort_all=True, message="Abort by update_weights_from_disk")
+        with self.engine.exclusive(self.timeout_s):
+            self._load(named, weight_version)
+        return f"Succeeded to update model weights from {model_path} ({len(named)} tensors)."
+
+    def _load(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        for name, tensor in named:
+            param = self.params.get(name)
+            if param is None:
+                raise InvalidArgument(f"unknown parameter {name!r}: not a parameter of the served model")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise InvalidArgument(f"parameter {name!r}: shape {list(tensor.shape)} does not match the model's "
+                                      f"{list(param.shape)}")
+        with torch.no_grad():
+            for name, tensor in named:
+                self.params[name].copy_(tensor)
+        if weight_version is not None and str(weight_version) != self.engine.weight_version:
+            log.info("weight_version %s -> %s", self.engine.weight_version, weight_version)
+            self.engine.weight_version = str(weight_version)
+
+    def get_weights(self, name: str, truncate_size: int = 100) -> list[float]:
+        param = self.params.get(name)
+        if param is None:
+            raise NotFound(f"unknown parameter {name!r}")
+        return param.detach().flatten()[: max(int(truncate_size), 0)].tolist()

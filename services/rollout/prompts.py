@@ -1,0 +1,92 @@
+"""Turn a Prompt into the text and token ids sent to the engines, without torch or transformers.
+
+Chat prompts are rendered with the model's own template (jinja2, as Hugging Face does); tokens come from the
+`tokenizers` library. The engine knows nothing about chat templates; this module nothing about generation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Prompt
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _token_text(value: Any) -> str:
+    """A tokenizer_config special token: a string or an AddedToken dict {"content": ...}."""
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+
+class PromptEncoder:
+    """Renders and tokenizes prompts for one HF model directory (tokenizer.json, chat template, eos)."""
+
+    def __init__(self, model_path: str | Path) -> None:
+        path = Path(model_path)
+        if not (path / "tokenizer.json").exists():
+            raise InvalidArgument(f"tokenizer path {path}: no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        self.special_tokens = {key: _token_text(tokenizer_config.get(key))
+                               for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        template = tokenizer_config.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        self.path = path
+        self.chat_template = _compile(template) if isinstance(template, str) else None
+        self.eos_token_id = self._find_eos_token_id(path)
+
+    def _find_eos_token_id(self, path: Path) -> int | None:
+        """generation_config.json wins over config.json, which wins over tokenizer_config's eos_token."""
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(path / name).get("eos_token_id")
+            if isinstance(value, list) and value:
+                return int(value[0])
+            if isinstance(value, int):
+                return value
+        token = self.special_tokens["eos_token"]
+        return self.tokenizer.token_to_id(token) if token else None
+
+    def render(self, prompt: Prompt) -> str:
+        """The prompt text: chat messages through the template with add_generation_prompt=True, else as is."""
+        if not prompt.messages:
+            return prompt.prompt
+        if self.chat_template is None:
+            raise InvalidArgument(f"prompt {prompt.index} of job {prompt.job_id} is a chat, but {self.path} has no "
+                                  f"chat template (chat_template.jinja or tokenizer_config.json 'chat_template')")
+        try:
+            return self.chat_template.render(messages=prompt.messages, add_generation_prompt=True,
+                                             **self.special_tokens)
+        except jinja2.TemplateError as err:
+            raise InvalidArgument(f"prompt {prompt.index} of job {prompt.job_id}: chat template failed: {err}") from err
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
+        text = self.render(prompt)
+        return text, self.encode_text(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _compile(template: str) -> jinja2.Template:
+    """Compile a chat template the way transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)

@@ -1,0 +1,116 @@
+"""The real sglang-router: start it as a local process, and register or remove its workers over its REST API.
+
+Only /generate goes through the router; admin calls go to each engine directly (reference/sglang-protocol.md §1).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from physarum import procs
+from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
+
+
+def start_router(port: int, prometheus_port: int, log_path: Path, policy: str = "round_robin",
+                 timeout_s: float = 30.0) -> procs.ManagedProcess:
+    """Start sglang-router on 127.0.0.1:port; return once GET /liveness answers 200."""
+    argv = procs.python_module("sglang_router.launch_router", "--host", procs.HOST, "--port", str(port),
+                               "--prometheus-host", procs.HOST, "--prometheus-port", str(prometheus_port),
+                               "--log-level", "warn", "--policy", policy)
+    proc = procs.ManagedProcess("sglang-router", argv, Path(log_path)).start()
+    client = RouterClient(f"http://{procs.HOST}:{port}", timeout_s=2.0)
+    try:
+        proc.wait_ready(client.live, timeout_s=timeout_s)
+    except Exception:
+        proc.stop()
+        raise
+    finally:
+        client.close()
+    return proc
+
+
+class RouterClient:
+    """Worker management of one sglang-router ("http://127.0.0.1:30000"); every call has a timeout."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            reply = self.http.request(method, path, json=body)
+        except httpx.TimeoutException as err:
+            raise DeadlineExceeded(f"router {self.url}: no {method} {path} reply in {self.timeout_s} s") from err
+        except httpx.TransportError as err:
+            raise Unavailable(f"router {self.url}: {method} {path}: {type(err).__name__}: {err}") from err
+        if reply.status_code >= 400:
+            raise FailedPrecondition(f"router {self.url}: {method} {path} -> HTTP {reply.status_code}: "
+                                     f"{reply.text[:500]}")
+        return reply.json()
+
+    def live(self) -> bool:
+        """The router process answers (GET /liveness)."""
+        try:
+            return self.http.get("/liveness").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def ready(self) -> bool:
+        """At least one worker is registered and healthy (GET /readiness)."""
+        try:
+            return self.http.get("/readiness").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def list_workers(self) -> list[dict]:
+        """GET /workers: [{"id", "url", "is_healthy", "model_id", ...}]."""
+        return self._request("GET", "/workers").get("workers", [])
+
+    def find_worker(self, url: str) -> dict | None:
+        url = url.rstrip("/")
+        return next((w for w in self.list_workers() if w.get("url", "").rstrip("/") == url), None)
+
+    def add_worker(self, url: str, timeout_s: float = 30.0) -> dict:
+        """Register url and wait until the router lists it healthy; idempotent.
+
+        POST /workers only queues the job (202) and never reports failure, so poll GET /workers.
+        """
+        url = url.rstrip("/")
+        worker = self.find_worker(url)
+        if worker is None:
+            self._request("POST", "/workers", {"url": url})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            worker = self.find_worker(url)
+            if worker is not None and worker.get("is_healthy"):
+                return worker
+            if time.monotonic() >= deadline:
+                state = "listed but unhealthy" if worker else "not listed"
+                raise DeadlineExceeded(f"router {self.url}: worker {url} {state} {timeout_s} s after POST /workers "
+                                       f"(does it answer /health, /server_info and /model_info?)")
+            time.sleep(0.2)
+
+    def remove_worker(self, url: str, timeout_s: float = 10.0) -> None:
+        """DELETE /workers/{id} (the id looked up by url); returns once the router no longer lists it."""
+        worker = self.find_worker(url)
+        if worker is None:
+            raise NotFound(f"router {self.url}: no worker {url.rstrip('/')} to remove")
+        self._request("DELETE", f"/workers/{worker['id']}")
+        deadline = time.monotonic() + timeout_s
+        while self.find_worker(url) is not None:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"router {self.url}: worker {url} still listed {timeout_s} s after DELETE")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

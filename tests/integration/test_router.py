@@ -1,0 +1,107 @@
+"""The real sglang-router with a real CPU engine started by EnginePool: registration, routing, removal, stop."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from physarum import procs
+from services.common.errors import DeadlineExceeded, NotFound
+from services.common.sglang import SGLangClient
+from services.rollout.client import EngineInfo
+from services.rollout.pool import EnginePool
+from services.rollout.prompts import PromptEncoder
+from services.rollout.router import RouterClient, start_router
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    work = tmp_path_factory.mktemp("router")
+    proc = start_router(procs.free_port(), procs.free_port(), work / "router.log")
+    client = RouterClient(f"http://{procs.HOST}:{proc.argv[proc.argv.index('--port') + 1]}", timeout_s=5.0)
+    yield client
+    client.close()
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(router, tiny_model_dir, tmp_path_factory):
+    """One local engine, started and registered by the pool; `ready_before` is the router's readiness before."""
+    ready_before = router.ready()
+    engines = EnginePool(router, model_path=str(tiny_model_dir), num_engines=1, start_timeout_s=120.0,
+                         work_dir=str(tmp_path_factory.mktemp("engines")))
+    engines.start()
+    engines.ready_before = ready_before
+    yield engines
+    engines.stop()
+
+
+def generate_body(tiny_model_dir, **sampling) -> dict:
+    ids = PromptEncoder(tiny_model_dir).encode_text("12+34=")
+    return {"input_ids": ids, "return_logprob": True, "rid": "router-test",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "no_stop_trim": True, **sampling}}
+
+
+def test_engine_registers_through_workers_api_and_router_turns_ready(router, pool):
+    assert pool.ready_before is False
+    (url,) = pool.urls
+    workers = router.list_workers()
+    assert [w["url"] for w in workers] == [url] and workers[0]["is_healthy"] is True
+    assert router.ready()
+    readiness = httpx.get(f"{router.url}/readiness", timeout=5).json()
+    assert readiness["healthy_workers"] == 1 and readiness["status"] == "ready"
+
+
+def test_generate_through_router_returns_sglang_shape(router, pool, tiny_model_dir):
+    body = generate_body(tiny_model_dir)
+    reply = httpx.post(f"{router.url}/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    meta = data["meta_info"]
+    assert isinstance(data["text"], str) and 1 <= len(data["output_ids"]) <= 6
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["prompt_tokens"] == len(body["input_ids"])
+    assert meta["completion_tokens"] == len(data["output_ids"]) and isinstance(meta["weight_version"], str)
+    entries = meta["output_token_logprobs"]
+    assert [e[1] for e in entries] == data["output_ids"] and all(e[0] <= 0 and e[2] is None for e in entries)
+
+
+def test_router_forwards_the_request_unchanged(router, pool, tiny_model_dir):
+    body = generate_body(tiny_model_dir, temperature=0.0)
+    via_router = httpx.post(f"{router.url}/generate", json=body, timeout=60).json()
+    with SGLangClient(pool.urls[0], timeout_s=60) as engine:
+        direct = engine.generate(body)
+    assert via_router["output_ids"] == direct["output_ids"]
+    assert [e[0] for e in via_router["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [e[0] for e in direct["meta_info"]["output_token_logprobs"]], abs=1e-5)
+
+
+def test_pool_reports_engines_with_weight_version(pool):
+    (url,) = pool.urls
+    with SGLangClient(url) as engine:
+        version = engine.weight_version()
+    assert pool.engines() == [EngineInfo(url=url, weight_version=version, healthy=True)]
+
+
+def test_remove_worker_removes_it_and_add_worker_is_idempotent(router, pool, tiny_model_dir):
+    (url,) = pool.urls
+    router.remove_worker(url)
+    assert router.find_worker(url) is None and not router.ready()
+    assert httpx.post(f"{router.url}/generate", json=generate_body(tiny_model_dir), timeout=30).status_code >= 500
+    with pytest.raises(NotFound, match=url):
+        router.remove_worker(url)
+    router.add_worker(url, timeout_s=30)
+    router.add_worker(url, timeout_s=30)
+    assert [w["url"] for w in router.list_workers()] == [url] and router.ready()
+
+
+def test_add_worker_of_a_dead_url_fails_naming_it(router):
+    dead = f"http://{procs.HOST}:{procs.free_port()}"
+    with pytest.raises(DeadlineExceeded, match=f"worker {dead} not listed"):
+        router.add_worker(dead, timeout_s=1.5)
+
+
+def test_pool_stop_deregisters_and_stops_its_engine(router, pool):
+    (url,) = pool.urls
+    proc = pool.processes[url]
+    pool.stop()
+    assert not proc.alive() and router.find_worker(url) is None and pool.urls == []
