@@ -52,8 +52,10 @@ def follow(client, job_id: str, num_rollout: int, poll_s: float = 0.5, timeout_s
         while time.monotonic() < deadline:
             for event in client.events(job_id, after_seq=after):
                 after = event["seq"]
-                reward = event["metrics"].get("rollout/reward_mean")
-                info = f"reward {reward:.3f}" if reward is not None else event["message"]
+                metrics = event["metrics"]
+                shown = [f"{label} {metrics[key]:.3f}" for label, key in
+                         (("reward", "rollout/reward_mean"), ("loss", "train/loss")) if key in metrics]
+                info = "  ".join(shown) or event["message"]
                 progress.update(task, completed=event["rollout_id"] + 1, info=info)
             job = client.get(job_id)
             if job["state"] in TERMINAL:

@@ -57,21 +57,19 @@ def run_job(state: dict, job_file: Path, overrides: list[str]) -> list[dict]:
         return client.events(job["job_id"])
 
 
-def plot_rewards(curves: dict[str, list[float]], out: Path) -> None:
+def plot_curves(sft_loss: list[float], grpo_reward: list[float], out: Path) -> None:
+    """SFT loss and GRPO train reward per rollout, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    offset = 0
-    for name, rewards in curves.items():
-        ax.plot(range(offset, offset + len(rewards)), rewards, label=name)
-        offset += len(rewards)
-    ax.set_xlabel("rollout")
-    ax.set_ylabel("mean train reward")
-    ax.set_title("Physarum demo: two-digit addition")
-    ax.legend()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(sft_loss)
+    left.set(title="SFT warm-up", xlabel="rollout", ylabel="train/loss")
+    right.plot(grpo_reward, color="tab:green")
+    right.set(title="GRPO", xlabel="rollout", ylabel="rollout/reward_mean", ylim=(0, 1.05))
+    fig.suptitle("Physarum demo: two-digit addition")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
@@ -92,15 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         before = evaluate(state, model_dir, test_path)
         print(f"held-out reward before training: {before:.3f}", flush=True)
         train_start = time.monotonic()
-        curves = {}
-        for name, job_file, overrides in (("sft", EXAMPLES / "sft.yaml", []),
-                                          ("grpo", EXAMPLES / "job.yaml", args.set)):
-            events = run_job(state, job_file, overrides)
-            curves[name] = [e["metrics"]["rollout/reward_mean"] for e in events
-                            if "rollout/reward_mean" in e["metrics"]]
+        sft_events = run_job(state, EXAMPLES / "sft.yaml", [])
+        grpo_events = run_job(state, EXAMPLES / "job.yaml", args.set)
         train_s = time.monotonic() - train_start
         after = evaluate(state, model_dir, test_path)
-        plot_rewards(curves, DEMO_DIR / "reward_curve.png")
+        plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
+                    [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
+                    DEMO_DIR / "reward_curve.png")
         print(f"training took {train_s:.0f} s; reward curve: {DEMO_DIR / 'reward_curve.png'}")
     finally:
         stack.down(work_dir)
