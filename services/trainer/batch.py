@@ -1,18 +1,22 @@
 """Samples -> padded tensors: the RolloutBatch a backend trains on (slime's train-data keys, padded, not packed).
 
 Response-aligned tensors are [B, R]: column t is response token t of each sample, whose log-prob comes from the
-logits at sequence position prompt_length + t - 1. The batch knows nothing about models or losses.
+logits at sequence position prompt_length + t - 1. The batch knows nothing about models or losses; the trainer fills
+in the per-token tensors it computes (old / reference log-probs, critic values, advantages, returns) with `with_`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+
+# The [B, R] fields that the trainer computes after building the batch (slime's rollout_data keys).
+COMPUTED = ("log_probs", "ref_log_probs", "values", "advantages", "returns")
 
 
 @dataclass(frozen=True)
@@ -24,12 +28,21 @@ class RolloutBatch:
     response_tokens: torch.Tensor  # [B, R] int64, the targets; padded with the pad id
     loss_masks: torch.Tensor  # [B, R] float32, 0 on padding and on masked (e.g. tool) tokens
     rollout_log_probs: torch.Tensor | None  # [B, R] float32, the engines' log-probs; None unless every sample has them
-    advantages: torch.Tensor  # [B, R] float32, zeros until a backend sets them
+    advantages: torch.Tensor  # [B, R] float32, zeros until the trainer sets them
     rewards: torch.Tensor  # [B] float32, the raw scalar rewards
+    log_probs: torch.Tensor | None = None  # [B, R] the old policy's log-probs (recomputed), when computed
+    ref_log_probs: torch.Tensor | None = None  # [B, R] the reference model's log-probs, when computed
+    values: torch.Tensor | None = None  # [B, R] the critic's values (ppo)
+    returns: torch.Tensor | None = None  # [B, R] the estimator's returns (ppo: the critic's targets)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def total_lengths(self) -> list[int]:
+        """Tokens of each sample (prompt + response): what dynamic batching packs by."""
+        return (self.prompt_lengths + self.response_lengths).tolist()
 
     def logit_positions(self) -> torch.Tensor:
         """[B, R] int64: the sequence position whose logits predict each response token (clamped on padding)."""
@@ -37,23 +50,37 @@ class RolloutBatch:
         positions = self.prompt_lengths.unsqueeze(-1) - 1 + offsets
         return positions.clamp(0, self.tokens.shape[1] - 1)
 
+    def take(self, rows: Sequence[int]) -> RolloutBatch:
+        """The given rows, in order, with padding trimmed to the longest of them."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        seq_len = int((self.prompt_lengths[index] + self.response_lengths[index]).max())
+        resp_len = int(self.response_lengths[index].max())
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                out[f.name] = None
+            elif value.dim() == 1:
+                out[f.name] = value[index]
+            else:
+                out[f.name] = value[index, :seq_len if f.name in ("tokens", "attention_mask") else resp_len]
+        return RolloutBatch(**out)
+
     def select(self, start: int, end: int) -> RolloutBatch:
         """Rows [start, end), with padding trimmed to the longest of them."""
-        rows = slice(start, end)
-        seq_len = int((self.prompt_lengths[rows] + self.response_lengths[rows]).max())
-        resp_len = int(self.response_lengths[rows].max())
-        log_probs = self.rollout_log_probs
-        return RolloutBatch(
-            tokens=self.tokens[rows, :seq_len], attention_mask=self.attention_mask[rows, :seq_len],
-            prompt_lengths=self.prompt_lengths[rows], response_lengths=self.response_lengths[rows],
-            response_tokens=self.response_tokens[rows, :resp_len], loss_masks=self.loss_masks[rows, :resp_len],
-            rollout_log_probs=None if log_probs is None else log_probs[rows, :resp_len],
-            advantages=self.advantages[rows, :resp_len], rewards=self.rewards[rows])
+        return self.take(range(start, end))
+
+    def with_(self, **tensors: torch.Tensor | None) -> RolloutBatch:
+        """A copy with response-aligned [B, R] tensors set (advantages, returns, log_probs, ...)."""
+        for name, value in tensors.items():
+            if name not in COMPUTED:
+                raise ValueError(f"with_: {name!r} is not one of {', '.join(COMPUTED)}")
+            if value is not None and value.shape != self.loss_masks.shape:
+                raise ValueError(f"{name} shape {tuple(value.shape)} != loss_masks {tuple(self.loss_masks.shape)}")
+        return replace(self, **{k: None if v is None else v.float() for k, v in tensors.items()})
 
     def with_advantages(self, advantages: torch.Tensor) -> RolloutBatch:
-        if advantages.shape != self.loss_masks.shape:
-            raise ValueError(f"advantages shape {tuple(advantages.shape)} != loss_masks {tuple(self.loss_masks.shape)}")
-        return replace(self, advantages=advantages.float())
+        return self.with_(advantages=advantages)
 
 
 def _check_sample(i: int, sample: Sample) -> None:
@@ -69,7 +96,15 @@ def _check_sample(i: int, sample: Sample) -> None:
                               f"response_length is {resp}")
 
 
-def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0) -> RolloutBatch:
+def sample_reward(sample: Sample, reward_key: str = "") -> float:
+    """The scalar a sample trains on: reward_scores[reward_key] when the reward function returned a dict holding
+    that key (slime's --reward-key), else `reward` (which the rollout manager already picked the same way)."""
+    if reward_key and reward_key in sample.reward_scores:
+        return float(sample.reward_scores[reward_key])
+    return float(sample.reward)
+
+
+def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, reward_key: str = "") -> RolloutBatch:
     """Pad `samples` into a RolloutBatch; a sample without a loss_mask trains on all its response tokens."""
     if not samples:
         raise InvalidArgument("rollout has no samples")
@@ -99,4 +134,4 @@ def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0) -> 
         response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long),
         response_tokens=response_tokens, loss_masks=loss_masks, rollout_log_probs=rollout_log_probs,
         advantages=torch.zeros((num, resp_len), dtype=torch.float32),
-        rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32))
+        rewards=torch.tensor([sample_reward(s, reward_key) for s in samples], dtype=torch.float32))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
@@ -40,6 +41,24 @@ def test_select_trims_padding_to_the_rows():
     sub = build_rollout_batch(_samples()).select(1, 3)
     assert sub.tokens.tolist() == [[5, 6, 7], [4, 5, 0]]
     assert sub.loss_masks.tolist() == [[1, 1], [0, 0]] and sub.logit_positions().tolist() == [[0, 1], [1, 2]]
+
+
+def test_take_picks_rows_in_order_with_the_computed_tensors():
+    batch = build_rollout_batch(_samples())
+    batch = batch.with_(log_probs=torch.tensor([[-1.0, -2.0], [-3.0, -4.0], [0.0, 0.0]]))
+    sub = batch.take([2, 0])
+    assert sub.tokens.tolist() == [[4, 5, 0, 0, 0], [5, 6, 7, 8, 9]]
+    assert sub.log_probs.tolist() == [[0.0, 0.0], [-1.0, -2.0]] and sub.values is None
+    assert sub.rewards.tolist() == [-1.0, 1.0] and batch.total_lengths == [5, 3, 2]
+    with pytest.raises(ValueError, match=r"values shape \(2, 3\) != loss_masks \(3, 2\)"):
+        batch.with_(values=torch.zeros(2, 3))
+
+
+def test_reward_key_picks_the_score_a_reward_function_returned():
+    samples = _samples()
+    samples[0].reward_scores = {"acc": 0.0, "score": -1.0}
+    assert build_rollout_batch(samples, reward_key="score").rewards.tolist() == [-1.0, 0.5, -1.0]
+    assert build_rollout_batch(samples).rewards.tolist() == [1.0, 0.5, -1.0]  # no key: sample.reward
 
 
 @pytest.mark.parametrize("sample, message", [

@@ -1,4 +1,4 @@
-"""KL estimators k1, k2, k3, low_var_kl against hand-derived numbers."""
+"""KL estimators k1, k2, k3, low_var_kl (and the unbiased, importance-weighted variant) against hand-derived numbers."""
 
 from __future__ import annotations
 
@@ -43,6 +43,26 @@ def test_k1_gradient_is_one_and_k3_gradient_is_one_minus_inverse_ratio():
     log_probs.grad = None
     compute_approx_kl(log_probs, torch.tensor([0.0]), kl_loss_type="k3").sum().backward()
     assert log_probs.grad.item() == pytest.approx(1 - math.exp(-0.5))  # d/dr (e^-r - 1 + r)
+
+
+@pytest.mark.parametrize("kl_loss_type", KL_LOSS_TYPES)
+def test_unbiased_kl_multiplies_by_the_importance_ratio(kl_loss_type):
+    plain = compute_approx_kl(LOG_PROBS, REF_LOG_PROBS, kl_loss_type=kl_loss_type)
+    ratio = torch.tensor([[2.0, 0.5]])
+    weighted = compute_approx_kl(LOG_PROBS, REF_LOG_PROBS, kl_loss_type=kl_loss_type, importance_ratio=ratio)
+    assert weighted[0].tolist() == pytest.approx((plain * ratio)[0].tolist())
+
+
+def test_low_var_kl_is_clamped_after_the_importance_ratio():
+    log_probs, ref = torch.tensor([-3.0]), torch.tensor([0.0])  # k3 = e^3 - 1 - 3 = 16.09
+    weighted = compute_approx_kl(log_probs, ref, kl_loss_type="low_var_kl", importance_ratio=torch.tensor([0.5]))
+    assert weighted.item() == pytest.approx(0.5 * (math.exp(3) - 4), rel=1e-6)  # 8.04, not min(16.09, 10)·0.5
+
+
+def test_kl_loss_types_match_the_config_names():
+    from services.trainer.backends import base
+
+    assert base.KL_LOSS_TYPES == KL_LOSS_TYPES
 
 
 def test_unknown_type_lists_the_valid_ones():

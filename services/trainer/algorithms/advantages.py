@@ -1,19 +1,29 @@
-"""Reward post-processing (group baselines) and advantage estimators, as in slime's rollout/loss code.
+"""Reward post-processing (group baselines), advantage estimators and advantage whitening, as in slime.
 
-Estimators are picked from `ESTIMATORS` by slime's `--advantage-estimator` names; each is a pure function.
+Estimators are picked from `ESTIMATORS` by slime's `--advantage-estimator` names. Each is a pure function
+`(rewards, *, kl, loss_mask, response_lengths, values, kl_coef, gamma, lambd) -> (advantages, returns)` that reads the
+keyword arguments it needs and ignores the rest.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+
+from services.trainer.algorithms.returns import discounted_returns, gae
 
 # slime's `_post_process_rewards`: these estimators subtract the group mean (unless
 # --disable-rewards-normalization); the std ones also divide by the group std (unless
 # --disable-grpo-std-normalization, i.e. Dr.GRPO). Other estimators get raw rewards.
 GROUP_MEAN_ESTIMATORS = frozenset({"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"})
 GROUP_STD_ESTIMATORS = frozenset({"grpo", "gspo", "cispo"})
+# Estimators that shape token rewards with -kl_coef·KL(π_old || π_ref); the GRPO family ignores kl_coef.
+KL_REWARD_ESTIMATORS = frozenset({"ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"})
+# Estimators whose advantages slime only accepts whitened (--normalize-advantages).
+NEEDS_NORMALIZED_ADVANTAGES = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
 
 
 def normalize_group_rewards(rewards: torch.Tensor, *, n_samples_per_prompt: int, std_normalization: bool = True,
@@ -48,22 +58,97 @@ def post_process_rewards(rewards: torch.Tensor, *, advantage_estimator: str, n_s
         std_normalization=grpo_std_normalization and advantage_estimator in GROUP_STD_ESTIMATORS)
 
 
-def grpo_advantages(rewards: torch.Tensor, *, loss_mask: torch.Tensor) -> torch.Tensor:
-    """GRPO: the (already normalized) scalar reward of each sample broadcast to its response tokens.
+def response_mask(response_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] float32: 1 on the first response_lengths[i] columns of row i (the real response tokens)."""
+    return (torch.arange(width, device=response_lengths.device) < response_lengths.unsqueeze(-1)).float()
 
-    rewards: [B]; loss_mask: [B, R] (0 on padding and masked tokens). Returns A[i, t] = rewards[i] * loss_mask[i, t].
-    No KL reward shaping (slime applies none for grpo/gspo/cispo); advantages double as returns.
+
+def grpo_advantages(rewards: torch.Tensor, *, loss_mask: torch.Tensor, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO / GSPO / CISPO: the (already normalized) scalar reward of each sample broadcast to its response tokens.
+
+    rewards: [B]; loss_mask: [B, R] (0 on padding and masked tokens). A[i, t] = rewards[i]·loss_mask[i, t]; no KL
+    reward shaping (slime applies none to this family); returns = advantages.
     """
-    return rewards.to(loss_mask.dtype).unsqueeze(-1) * loss_mask
+    advantages = rewards.to(loss_mask.dtype).unsqueeze(-1) * loss_mask
+    return advantages, advantages
 
 
-# Later estimators (gspo, cispo, ppo, reinforce_plus_plus, ...) add keyword arguments they need (kl, values).
-ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {"grpo": grpo_advantages}
+def ppo_advantages(rewards: torch.Tensor, *, kl: torch.Tensor, response_lengths: torch.Tensor,
+                   values: torch.Tensor | None, kl_coef: float, gamma: float, lambd: float,
+                   **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: token rewards r_t = -kl_coef·kl_t, plus the scalar reward on the last response token; then GAE.
+
+    rewards: [B]; kl, values: [B, R] (values from the critic). Returns (advantages, returns) [B, R], zero on padding.
+    PPO: https://arxiv.org/abs/1707.06347
+    """
+    if values is None:
+        raise ValueError("advantage_estimator 'ppo' needs critic values")
+    valid = response_mask(response_lengths, kl.shape[1])
+    token_rewards = -kl_coef * kl.float() * valid
+    rows = torch.nonzero(response_lengths > 0).squeeze(-1)
+    token_rewards[rows, response_lengths[rows] - 1] += rewards.float()[rows]
+    advantages, returns = gae(token_rewards, values.float() * valid, gamma=gamma, lambd=lambd)
+    return advantages * valid, returns * valid
 
 
-def get_advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, *, kl: torch.Tensor, loss_mask: torch.Tensor,
+                                   kl_coef: float, gamma: float, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: r_t = -kl_coef·kl_t·m_t, plus the scalar reward on the last unmasked token; advantages = the
+    γ-discounted returns G_t = r_t + γ·G_{t+1}. A sample with no unmasked token gets zeros.
+    https://arxiv.org/abs/2501.03262
+    """
+    token_rewards = -kl_coef * kl.float() * loss_mask
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    last = torch.where(loss_mask > 0, positions, -1).max(dim=-1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    token_rewards[rows, last[rows]] += rewards.float()[rows]
+    returns = discounted_returns(token_rewards, gamma=gamma) * loss_mask
+    return returns, returns
+
+
+def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, *, kl: torch.Tensor, loss_mask: torch.Tensor,
+                                            kl_coef: float, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: the group-mean-subtracted reward broadcast per token, minus kl_coef·kl_t (unwhitened)."""
+    advantages = (rewards.float().unsqueeze(-1) - kl_coef * kl.float()) * loss_mask
+    return advantages, advantages
+
+
+Estimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": grpo_advantages,
+    "gspo": grpo_advantages,  # same advantages; the sequence-level ratio is in the loss
+    "cispo": grpo_advantages,  # same advantages; the stop-gradient clipped weight is in the loss
+    "ppo": ppo_advantages,
+    "reinforce_plus_plus": reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+}
+
+
+def get_advantage_estimator(name: str) -> Estimator:
     """The estimator for slime's `--advantage-estimator` name; unknown names fail listing the valid ones."""
     try:
         return ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown advantage_estimator {name!r}; valid: {', '.join(sorted(ESTIMATORS))}") from None
+
+
+def normalize_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+                         group: dist.ProcessGroup | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """Masked whitening (slime's `distributed_masked_whiten`): (A - mean) / sqrt(var + eps) over unmasked tokens.
+
+    advantages, loss_mask: [B, R]. mean and var come from (Σ m·A, Σ m·A², Σ m), all-reduced (sum) over `group`
+    when given (data-parallel ranks), so every rank whitens with the same statistics; var carries Bessel's
+    correction n / (n - 1) when n >= 2. Masked tokens are set to 0. Returns [B, R] float32.
+    """
+    advantages, loss_mask = advantages.float(), loss_mask.float()
+    stats = torch.stack([(advantages * loss_mask).sum(), (advantages.square() * loss_mask).sum(), loss_mask.sum()])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    total, total_sq, count = stats.tolist()
+    if count == 0:
+        raise ValueError("normalize_advantages: no unmasked tokens to compute the mean and std from")
+    mean = total / count
+    var = total_sq / count - mean * mean
+    if count >= 2:
+        var *= count / (count - 1)
+    return (advantages - mean) / math.sqrt(max(var, 0.0) + eps) * loss_mask

@@ -5,83 +5,154 @@ Field names and defaults are slime's flags; the job spec is cut into this config
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from services.common import plugins
 from services.common.config import field
 from services.common.samples import Sample
 
 if TYPE_CHECKING:
     import torch
 
-LOSS_TYPES = ("policy_loss", "sft_loss")
+log = logging.getLogger(__name__)
+
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
+# The names of algorithms.advantages.ESTIMATORS / algorithms.kl.KL_LOSS_TYPES / optim.LR_DECAY_STYLES, kept here
+# so that validating a config needs no torch (a unit test keeps them equal).
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+KL_REWARD_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+CUSTOM_LOSS_SIGNATURE = "def fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    loss_type: str = field("policy_loss", "policy_loss (RL) or sft_loss (NLL of the response tokens)")
-    advantage_estimator: str = field("grpo", "how rewards become per-token advantages")
+    loss_type: str = field("policy_loss", "policy_loss (RL), sft_loss (NLL of the response tokens) or custom_loss")
+    custom_loss_function_path: str = field("", "custom_loss: import path of " + CUSTOM_LOSS_SIGNATURE)
+    advantage_estimator: str = field("grpo", "how rewards become per-token advantages: " +
+                                     ", ".join(ADVANTAGE_ESTIMATORS))
     n_samples_per_prompt: int = field(1, "samples per prompt; consecutive samples form one reward group")
+    reward_key: str = field("", "train on sample.reward_scores[reward_key] when a reward function returns a dict")
     global_batch_size: int | None = field(
         None, "samples per optimizer step; trailing samples that do not fill a step are dropped "
               "(None: the whole rollout is one step)")
     micro_batch_size: int = field(1, "samples per forward/backward; gradients accumulate over a step")
+    use_dynamic_batch_size: bool = field(False, "pack micro-batches first-fit by token count instead")
+    max_tokens_per_gpu: int | None = field(None, "token budget of a micro-batch under use_dynamic_batch_size")
     rollout_temperature: float = field(1.0, "sampling temperature; logits are divided by it before log-softmax")
     eps_clip: float = field(0.2, "PPO clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]")
     eps_clip_high: float | None = field(None, "upper clip range (DAPO clip-higher); None: eps_clip")
+    eps_clip_c: float | None = field(None, "dual-clip PPO bound (> 1) on the loss of negative advantages")
+    value_clip: float = field(0.2, "ppo: clip range of the critic's value update")
+    gamma: float = field(1.0, "discount of ppo's GAE and reinforce_plus_plus's returns")
+    lambd: float = field(1.0, "GAE lambda (ppo)")
+    num_critic_only_steps: int = field(0, "ppo: train only the critic for the first N rollouts")
+    normalize_advantages: bool = field(False, "whiten advantages over the rollout's unmasked tokens")
     use_kl_loss: bool = field(False, "keep a frozen reference model and compute a KL-to-reference loss")
     kl_loss_coef: float = field(0.0, "weight of the KL loss (needs use_kl_loss)")
     kl_loss_type: str = field("k1", "KL estimator: k1, k2, k3 or low_var_kl")
+    use_unbiased_kl: bool = field(False, "multiply the KL loss by the importance ratio π/π_old (DeepSeek-V3.2)")
+    kl_coef: float = field(0.0, "KL reward shaping (ppo and the reinforce_plus_plus family): r_t -= kl_coef·KL")
     entropy_coef: float = field(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    use_tis: bool = field(False, "truncated importance sampling by the trainer/engine log-prob ratio")
+    tis_clip: float = field(2.0, "upper clamp of the TIS weight")
+    tis_clip_low: float = field(0.0, "lower clamp of the TIS weight")
+    use_rollout_logprobs: bool = field(False, "use the engines' log-probs as the old policy instead of recomputing")
     disable_grpo_std_normalization: bool = field(False, "group mean baseline only, no std division (Dr.GRPO)")
     disable_rewards_normalization: bool = field(False, "use raw rewards, no group baseline")
     calculate_per_token_loss: bool = field(False, "global token mean instead of the mean of per-sample means")
-    lr: float = field(1e-6, "learning rate (constant)")
-    weight_decay: float = field(0.0, "AdamW decoupled weight decay")
+    lr: float = field(1e-6, "peak learning rate")
+    min_lr: float = field(0.0, "learning rate at the end of the decay")
+    lr_warmup_iters: int = field(0, "optimizer steps of linear warmup from 0")
+    lr_decay_style: str = field("linear", "constant, linear or cosine decay after warmup")
+    lr_decay_iters: int | None = field(None, "optimizer step at which the decay reaches min_lr (None: no decay)")
+    weight_decay: float = field(0.01, "AdamW decoupled weight decay (not on biases and norms)")
     adam_beta1: float = field(0.9, "Adam beta1")
-    adam_beta2: float = field(0.98, "Adam beta2")
+    adam_beta2: float = field(0.999, "Adam beta2")
     adam_eps: float = field(1e-8, "Adam epsilon")
     clip_grad: float = field(1.0, "max global gradient norm; 0 disables clipping")
     seed: int = field(1234, "random seed of the trainer")
 
     def __post_init__(self) -> None:
-        from services.trainer.algorithms.advantages import ESTIMATORS
-        from services.trainer.algorithms.kl import KL_LOSS_TYPES
-
         def one_of(name: str, valid) -> None:
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
 
+        def check(name: str, ok, rule: str) -> None:
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"{name} must be {rule}, got {value}")
+
         one_of("loss_type", LOSS_TYPES)
-        one_of("advantage_estimator", sorted(ESTIMATORS))
+        one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
         one_of("kl_loss_type", KL_LOSS_TYPES)
-        for name in ("n_samples_per_prompt", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.global_batch_size is not None and self.global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1 (or None), got {self.global_batch_size}")
-        for name in ("rollout_temperature", "adam_eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("eps_clip", "kl_loss_coef", "lr", "weight_decay", "clip_grad"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        one_of("lr_decay_style", LR_DECAY_STYLES)
+        for name in ("n_samples_per_prompt", "micro_batch_size", "global_batch_size", "max_tokens_per_gpu"):
+            check(name, lambda v: v >= 1, ">= 1")
+        for name in ("rollout_temperature", "adam_eps", "lr"):
+            check(name, lambda v: v > 0, "> 0")
+        for name in ("eps_clip", "eps_clip_high", "value_clip", "kl_loss_coef", "min_lr", "weight_decay", "clip_grad",
+                     "tis_clip", "tis_clip_low", "lr_warmup_iters", "num_critic_only_steps", "gamma", "lambd"):
+            check(name, lambda v: v >= 0, ">= 0")
         for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not math.isfinite(self.entropy_coef):
-            raise ValueError(f"entropy_coef must be finite, got {self.entropy_coef}")
+            check(name, lambda v: 0 <= v < 1, "in [0, 1)")
+        check("eps_clip_c", lambda v: v > 1, "> 1 (dual-clip PPO)")
+        check("min_lr", lambda v: v <= self.lr, f"<= lr ({self.lr})")
+        check("tis_clip", lambda v: v >= self.tis_clip_low, f">= tis_clip_low ({self.tis_clip_low})")
+        for name in ("entropy_coef", "kl_coef"):
+            check(name, math.isfinite, "finite")
         if self.eps_clip_high is None:
             object.__setattr__(self, "eps_clip_high", self.eps_clip)
-        elif not self.eps_clip_high >= 0:
-            raise ValueError(f"eps_clip_high must be >= 0 (or None), got {self.eps_clip_high}")
         if self.kl_loss_coef != 0 and not self.use_kl_loss:
             raise ValueError(f"kl_loss_coef is {self.kl_loss_coef} but use_kl_loss is false")
-        if self.use_kl_loss and self.loss_type != "policy_loss":
-            raise ValueError(f"use_kl_loss applies to loss_type 'policy_loss' only, got {self.loss_type!r}")
+        if self.use_kl_loss and self.loss_type == "sft_loss":
+            raise ValueError("use_kl_loss applies to loss_type 'policy_loss' or 'custom_loss', not 'sft_loss'")
+        if self.kl_coef != 0 and self.advantage_estimator not in KL_REWARD_ESTIMATORS:
+            raise ValueError(f"kl_coef shapes rewards only for {', '.join(KL_REWARD_ESTIMATORS)}; advantage_estimator "
+                             f"{self.advantage_estimator!r} ignores it (use use_kl_loss with kl_loss_coef instead)")
+        if self.kl_coef != 0 and self.use_kl_loss:
+            raise ValueError("kl_coef (KL as reward shaping) and use_kl_loss (KL as a loss) exclude each other")
+        if self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and \
+                not self.normalize_advantages:
+            raise ValueError(f"advantage_estimator {self.advantage_estimator!r} requires normalize_advantages: true "
+                             "(as in slime)")
+        if self.use_tis and self.use_rollout_logprobs:
+            raise ValueError("use_tis and use_rollout_logprobs cannot be set together: TIS weighs the recomputed "
+                             "log-probs against the engines'")
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(f"lr_decay_iters ({self.lr_decay_iters}) must be > lr_warmup_iters "
+                             f"({self.lr_warmup_iters})")
+        if (self.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
+            raise ValueError("loss_type 'custom_loss' and custom_loss_function_path go together "
+                             f"(got loss_type {self.loss_type!r}, custom_loss_function_path "
+                             f"{self.custom_loss_function_path!r})")
+        if self.custom_loss_function_path:
+            load_custom_loss(self.custom_loss_function_path)
+        if self.advantage_estimator == "cispo" and self.eps_clip < 1.0:
+            log.warning("cispo with eps_clip %s keeps the lower clip bound %s; canonical CISPO uses eps_clip 1.0 and "
+                        "a large eps_clip_high (e.g. 4.0)", self.eps_clip, 1.0 - self.eps_clip)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.advantage_estimator == "ppo" and self.loss_type == "policy_loss"
+
+    @property
+    def needs_ref_model(self) -> bool:
+        return self.use_kl_loss or self.kl_coef != 0
+
+
+def load_custom_loss(path: str) -> Callable:
+    """The custom loss function at import path `path`, checked for slime's four-argument signature."""
+    return plugins.load_function(path, flag="custom_loss_function_path", expected=CUSTOM_LOSS_SIGNATURE,
+                                 num_params=4, is_async=False)
 
 
 class TrainBackend(Protocol):

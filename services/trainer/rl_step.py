@@ -1,0 +1,177 @@
+"""The RL step every backend shares: a rollout's advantages and returns, and a micro-batch's loss from its forward.
+
+A backend runs the models (policy log-probs and entropy, critic values, logits) and the optimizer; everything from
+those tensors to the loss (slime's `compute_advantages_and_returns`, `loss_function` and its reducers) is here, once.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from services.trainer.algorithms.advantages import get_advantage_estimator, normalize_advantages, post_process_rewards
+from services.trainer.algorithms.kl import compute_approx_kl
+from services.trainer.algorithms.losses import (
+    Reducer,
+    policy_loss_function,
+    sft_loss_function,
+    sum_of_sample_mean,
+    sum_of_token,
+    token_log_probs_and_entropy,
+    value_loss_function,
+)
+from services.trainer.backends.base import TrainConfig
+from services.trainer.batch import RolloutBatch
+
+LossFn = Callable[[RolloutBatch, Reducer], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def needs_old_log_probs(config: TrainConfig, num_steps: int) -> bool:
+    """Whether the old policy's log-probs must be recomputed before training. Not for SFT, nor under
+    use_rollout_logprobs (the engines' log-probs are the old policy), nor when slime's `can_reuse_log_probs_in_loss`
+    holds: one step per rollout, a policy loss, no KL reward, no critic, no GSPO; then the loss reuses its own
+    forward's log-probs, detached, and ppo_kl is exactly 0."""
+    if config.loss_type == "sft_loss" or config.use_rollout_logprobs:
+        return False
+    return not (num_steps == 1 and config.loss_type == "policy_loss" and config.kl_coef == 0
+                and not config.use_critic and config.advantage_estimator != "gspo")
+
+
+def compute_advantages_and_returns(batch: RolloutBatch, config: TrainConfig, *,
+                                   group: dist.ProcessGroup | None = None) -> RolloutBatch:
+    """slime's `compute_advantages_and_returns`: post-process rewards, KL for reward shaping, the estimator, then
+    (normalize_advantages) masked whitening with statistics all-reduced over `group` (data-parallel ranks).
+
+    Reads batch.log_probs (or rollout_log_probs under use_rollout_logprobs) and batch.ref_log_probs when
+    kl_coef != 0, batch.values for ppo. Returns the batch with advantages and returns set.
+    """
+    rewards = post_process_rewards(
+        batch.rewards, advantage_estimator=config.advantage_estimator, n_samples_per_prompt=config.n_samples_per_prompt,
+        rewards_normalization=not config.disable_rewards_normalization,
+        grpo_std_normalization=not config.disable_grpo_std_normalization)
+    if config.kl_coef != 0:
+        old = batch.rollout_log_probs if config.use_rollout_logprobs else batch.log_probs
+        if old is None or batch.ref_log_probs is None:
+            raise ValueError("kl_coef != 0 needs the old and the reference log-probs of the rollout")
+        kl = compute_approx_kl(old, batch.ref_log_probs, kl_loss_type=config.kl_loss_type)
+    else:
+        kl = torch.zeros_like(batch.loss_masks)
+    advantages, returns = get_advantage_estimator(config.advantage_estimator)(
+        rewards, kl=kl, loss_mask=batch.loss_masks, response_lengths=batch.response_lengths, values=batch.values,
+        kl_coef=config.kl_coef, gamma=config.gamma, lambd=config.lambd)
+    if config.normalize_advantages:
+        advantages = normalize_advantages(advantages, batch.loss_masks, group=group)
+    return batch.with_(advantages=advantages, returns=returns)
+
+
+def critic_returns(batch: RolloutBatch, config: TrainConfig) -> torch.Tensor:
+    """The critic's value targets: the estimator's returns without KL reward shaping, as slime's critic computes
+    them from rollout data that holds no policy log-probs. [B, R]."""
+    rewards = post_process_rewards(batch.rewards, advantage_estimator=config.advantage_estimator,
+                                   n_samples_per_prompt=config.n_samples_per_prompt,
+                                   rewards_normalization=not config.disable_rewards_normalization)
+    _, returns = get_advantage_estimator(config.advantage_estimator)(
+        rewards, kl=torch.zeros_like(batch.loss_masks), loss_mask=batch.loss_masks,
+        response_lengths=batch.response_lengths, values=batch.values, kl_coef=0.0, gamma=config.gamma,
+        lambd=config.lambd)
+    return returns
+
+
+def step_normalizer(config: TrainConfig, mask_sums: torch.Tensor) -> float:
+    """What a step's reduced sums are divided by: its sample count (mean of per-sample means), or under
+    calculate_per_token_loss its token count Σ max(mask_sum, 1). mask_sums: [n] over all the step's samples."""
+    if config.calculate_per_token_loss:
+        return float(mask_sums.clamp_min(1).sum())
+    return float(mask_sums.numel())
+
+
+def make_reducer(config: TrainConfig, loss_mask: torch.Tensor, denominators: torch.Tensor,
+                 normalizer: float) -> Reducer:
+    """A micro-batch's reducer: [b, R] per-token values -> its share of the step's scalar (slime's
+    `get_sum_of_sample_mean`). denominators: [b] each sample's rollout mask total, fixed for the step."""
+    if config.calculate_per_token_loss:
+        return lambda x: sum_of_token(x, loss_mask) / normalizer
+    return lambda x: sum_of_sample_mean(x, loss_mask, denominators=denominators) / normalizer
+
+
+def gather_response(x: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+    """Per-position outputs [b, L, ...] -> response-aligned [b, R, ...]: the position predicting each response token."""
+    return x[torch.arange(mb.size, device=x.device).unsqueeze(-1), mb.logit_positions().to(x.device)]
+
+
+def response_log_probs(logits: torch.Tensor, mb: RolloutBatch, config: TrainConfig, *,
+                       with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, L, V] logits -> response-aligned (log_probs, entropy) [b, R] at the rollout temperature."""
+    return token_log_probs_and_entropy(gather_response(logits, mb), mb.response_tokens,
+                                       temperature=config.rollout_temperature, with_entropy=with_entropy)
+
+
+def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tensor, entropy: torch.Tensor,
+                reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """slime's `policy_loss_function` on a micro-batch whose advantages (and old / reference log-probs) are set."""
+    return policy_loss_function(
+        log_probs=log_probs, entropy=entropy, advantages=mb.advantages, loss_mask=mb.loss_masks, reduce=reduce,
+        old_log_probs=mb.rollout_log_probs if config.use_rollout_logprobs else mb.log_probs,
+        train_log_probs=mb.log_probs, rollout_log_probs=mb.rollout_log_probs,
+        ref_log_probs=mb.ref_log_probs if config.use_kl_loss else None,
+        advantage_estimator=config.advantage_estimator, eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high,
+        eps_clip_c=config.eps_clip_c, entropy_coef=config.entropy_coef, kl_loss_coef=config.kl_loss_coef,
+        kl_loss_type=config.kl_loss_type, use_unbiased_kl=config.use_unbiased_kl,
+        use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
+        tis_clip_low=config.tis_clip_low)
+
+
+def value_loss(config: TrainConfig, mb: RolloutBatch, *, values: torch.Tensor,
+               reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's clipped value loss against mb.returns, around the values it predicted before training."""
+    return value_loss_function(values=values, old_values=mb.values, returns=mb.returns, reduce=reduce,
+                               value_clip=config.value_clip)
+
+
+def sft_loss(mb: RolloutBatch, *, log_probs: torch.Tensor, reduce: Reducer) -> tuple[torch.Tensor, dict]:
+    return sft_loss_function(log_probs=log_probs, reduce=reduce)
+
+
+def custom_loss(fn: Callable, config: TrainConfig, mb: RolloutBatch, *, logits: torch.Tensor,
+                reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Call a user loss with slime's signature fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics).
+
+    As in slime, `logits` are the raw packed logits [1, Σ L_i, V] (samples back to back, no temperature) and
+    `batch` holds per-sample lists: unconcat_tokens, total_lengths, response_lengths, loss_masks, advantages,
+    returns, raw_reward and, when computed, log_probs, ref_log_probs, rollout_log_probs, values. The reducer takes
+    slime's packed response tokens [Σ R_i] (or padded [b, R]). args: the TrainConfig fields as a namespace.
+    """
+    lengths = mb.response_lengths.tolist()
+    total = (mb.prompt_lengths + mb.response_lengths).tolist()
+    batch = {"unconcat_tokens": [mb.tokens[i, :n] for i, n in enumerate(total)], "total_lengths": total,
+             "response_lengths": lengths, "raw_reward": mb.rewards.tolist()}
+    for key in ("loss_masks", "advantages", "returns", "log_probs", "ref_log_probs", "rollout_log_probs", "values"):
+        value = getattr(mb, key)
+        if value is not None:
+            batch[key] = [value[i, :n] for i, n in enumerate(lengths)]
+    valid = (torch.arange(mb.loss_masks.shape[1], device=mb.loss_masks.device)
+             < mb.response_lengths.to(mb.loss_masks.device).unsqueeze(-1))
+
+    def sum_of_sample_mean(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 1:  # slime's packed response tokens
+            x = x.new_zeros(mb.loss_masks.shape).index_put((valid.nonzero(as_tuple=True)), x)
+        return reduce(x)
+
+    packed = logits[mb.attention_mask.bool()].unsqueeze(0)
+    loss, metrics = fn(types.SimpleNamespace(**asdict(config)), batch, packed, sum_of_sample_mean)
+    return loss, {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}
+
+
+def micro_batch_loss(config: TrainConfig, mb: RolloutBatch, *, logits: torch.Tensor, reduce: Reducer,
+                     custom_loss_fn: Callable | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's loss on a micro-batch from its raw logits [b, L, V], by loss_type (slime's `loss_function`)."""
+    if config.loss_type == "custom_loss":
+        return custom_loss(custom_loss_fn, config, mb, logits=logits, reduce=reduce)
+    log_probs, entropy = response_log_probs(logits, mb, config, with_entropy=config.loss_type == "policy_loss")
+    if config.loss_type == "sft_loss":
+        return sft_loss(mb, log_probs=log_probs, reduce=reduce)
+    return policy_loss(config, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)

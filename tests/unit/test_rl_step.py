@@ -1,0 +1,115 @@
+"""The backend-independent RL step: advantages and returns of a rollout, reducers, and micro-batch loss dispatch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.common.samples import Sample
+from services.trainer import rl_step
+from services.trainer.backends.base import TrainConfig
+from services.trainer.batch import build_rollout_batch
+
+
+def make_batch():
+    # two prompts × two samples; sample 2 has a masked (tool) token in the middle
+    samples = [Sample(tokens=[1, 2, 3, 4], response_length=2, reward=1.0, rollout_log_probs=[-0.5, -0.5]),
+               Sample(tokens=[1, 2, 5], response_length=1, reward=0.0, rollout_log_probs=[-0.5]),
+               Sample(tokens=[1, 6, 7, 8], response_length=3, reward=0.0, loss_mask=[1, 0, 1],
+                      rollout_log_probs=[-0.5, -0.5, -0.5]),
+               Sample(tokens=[1, 6, 9], response_length=2, reward=2.0, rollout_log_probs=[-0.5, -0.5])]
+    return build_rollout_batch(samples)
+
+
+def test_grpo_advantages_are_the_group_normalized_rewards():
+    batch = rl_step.compute_advantages_and_returns(make_batch(), TrainConfig(n_samples_per_prompt=2))
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # ±0.5 around the group mean, unbiased std sqrt(0.5)
+    b = 1.0 / (math.sqrt(2.0) + 1e-6)  # ±1 around 1, std sqrt(2)
+    assert batch.advantages.tolist() == [pytest.approx([a, a, 0]), pytest.approx([-a, 0, 0]),
+                                         pytest.approx([-b, 0, -b]), pytest.approx([b, b, 0])]
+    assert torch.equal(batch.returns, batch.advantages)
+
+
+def test_kl_reward_shaping_uses_the_old_log_probs_or_the_rollouts():
+    batch = make_batch()
+    batch = batch.with_(log_probs=torch.full_like(batch.loss_masks, -1.0), values=torch.zeros_like(batch.loss_masks),
+                        ref_log_probs=torch.full_like(batch.loss_masks, -1.25))
+    config = TrainConfig(advantage_estimator="ppo", kl_coef=0.4)
+    # sample 0: k1 = -1 - (-1.25) = 0.25 per token, r = [-0.1, -0.1 + 1]; γ = λ = 1, V = 0: A = [0.8, 0.9]
+    shaped = rl_step.compute_advantages_and_returns(batch, config)
+    assert shaped.advantages[0].tolist() == pytest.approx([0.8, 0.9, 0.0])
+    # use_rollout_logprobs: k1 = -0.5 - (-1.25) = 0.75, r = [-0.3, 0.7]: A = [0.4, 0.7]
+    from_rollout = rl_step.compute_advantages_and_returns(
+        batch, TrainConfig(advantage_estimator="ppo", kl_coef=0.4, use_rollout_logprobs=True))
+    assert from_rollout.advantages[0].tolist() == pytest.approx([0.4, 0.7, 0.0])
+    with pytest.raises(ValueError, match="needs the old and the reference log-probs"):
+        rl_step.compute_advantages_and_returns(make_batch().with_(values=batch.values), config)
+
+
+def test_normalize_advantages_whitens_over_the_rollouts_unmasked_tokens():
+    config = TrainConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, gamma=1.0)
+    batch = rl_step.compute_advantages_and_returns(make_batch(), config)
+    mask = batch.loss_masks.bool()
+    values = batch.advantages[mask]
+    assert values.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert values.std().item() == pytest.approx(1.0, abs=1e-6)  # Bessel-corrected, as the whitening
+    assert batch.advantages[~mask].abs().sum().item() == 0.0
+    assert batch.returns[0].tolist() == [1.0, 1.0, 0.0]  # returns stay unwhitened
+
+
+def test_critic_returns_ignore_kl_shaping():
+    batch = make_batch()
+    batch = batch.with_(values=torch.zeros_like(batch.loss_masks), log_probs=torch.zeros_like(batch.loss_masks),
+                        ref_log_probs=torch.full_like(batch.loss_masks, -1.0))
+    config = TrainConfig(advantage_estimator="ppo", kl_coef=0.5)
+    assert rl_step.compute_advantages_and_returns(batch, config).returns[0].tolist() == pytest.approx([0.0, 0.5, 0])
+    assert rl_step.critic_returns(batch, config)[0].tolist() == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("overrides, num_steps, expected", [
+    ({}, 1, False), ({}, 2, True), ({"advantage_estimator": "gspo"}, 1, True),
+    ({"advantage_estimator": "ppo"}, 1, True), ({"use_rollout_logprobs": True}, 2, False),
+    ({"advantage_estimator": "ppo", "kl_coef": 0.1}, 1, True), ({"loss_type": "sft_loss"}, 2, False),
+    ({"loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.mean_nll"}, 1, True),
+])
+def test_old_log_probs_are_recomputed_unless_slime_can_reuse_them(overrides, num_steps, expected):
+    assert rl_step.needs_old_log_probs(TrainConfig(**overrides), num_steps) is expected
+
+
+def test_reducers_and_normalizers():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    sample_mean = TrainConfig()
+    normalizer = rl_step.step_normalizer(sample_mean, torch.tensor([2.0, 1.0, 0.0]))
+    assert normalizer == 3.0  # three samples in the step
+    reduce = rl_step.make_reducer(sample_mean, mask, mask.sum(-1), normalizer)
+    assert reduce(x).item() == pytest.approx((1.5 + 4.0) / 3)
+    per_token = TrainConfig(calculate_per_token_loss=True)
+    normalizer = rl_step.step_normalizer(per_token, torch.tensor([2.0, 1.0, 0.0]))
+    assert normalizer == 4.0  # 2 + 1 tokens, and an empty sample counts 1
+    assert rl_step.make_reducer(per_token, mask, mask.sum(-1), normalizer)(x).item() == pytest.approx(7 / 4)
+
+
+def test_custom_loss_gets_slimes_packed_logits_batch_and_reducer():
+    batch = make_batch().take([0, 2])
+    batch = batch.with_(log_probs=torch.zeros_like(batch.loss_masks))
+    logits = torch.randn(2, 4, 10, requires_grad=True)
+    seen = {}
+
+    def fn(args, data, packed, sum_of_sample_mean):
+        seen.update(args=args, data=data, packed=packed)
+        flat = torch.ones(sum(data["response_lengths"]))  # slime's packed response tokens
+        return packed.sum() * 0 + sum_of_sample_mean(flat), {"ones": sum_of_sample_mean(flat)}
+
+    config = TrainConfig(loss_type="custom_loss", custom_loss_function_path="tests.plugins.loss_fns.mean_nll")
+    loss, metrics = rl_step.micro_batch_loss(config, batch, logits=logits,
+                                             reduce=lambda x: (x * batch.loss_masks).sum(), custom_loss_fn=fn)
+    assert seen["packed"].shape == (1, 4 + 4, 10)  # both samples are 4 tokens long
+    assert torch.equal(seen["packed"][0, 4:], logits[1])
+    assert seen["data"]["response_lengths"] == [2, 3] and seen["data"]["total_lengths"] == [4, 4]
+    assert [m.tolist() for m in seen["data"]["loss_masks"]] == [[1, 1], [1, 0, 1]]
+    assert "log_probs" in seen["data"] and "values" not in seen["data"]
+    assert seen["args"].loss_type == "custom_loss"
+    assert loss.item() == 4.0 and metrics["ones"].item() == 4.0 and metrics["loss"].item() == 4.0  # masked one out
