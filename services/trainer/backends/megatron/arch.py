@@ -1,0 +1,91 @@
+"""The architecture of an HF causal LM (Qwen2, Qwen3, Llama) as the few numbers Megatron and the converter need.
+
+Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
+# The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    norm_epsilon: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # Llama-3 RoPE scaling, None when off
+    max_position_embeddings: int
+    qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
+    qk_layernorm: bool  # Qwen3: RMSNorm of each query and key head
+    tie_word_embeddings: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Megatron's padded vocab: the next multiple of 128·tp_size (the extra rows are zero and never sampled)."""
+        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def check_parallel(self, *, tp_size: int, pp_size: int) -> None:
+        """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards."""
+        for name, value in (("num_attention_heads", self.num_attention_heads), ("num_key_value_heads",
+                            self.num_query_groups), ("intermediate_size", self.ffn_hidden_size)):
+            if value % tp_size:
+                raise InvalidArgument(f"tensor_model_parallel_size {tp_size} must divide {name} {value}")
+        if self.num_layers % pp_size:
+            raise InvalidArgument(f"pipeline_model_parallel_size {pp_size} must divide num_hidden_layers "
+                                  f"{self.num_layers}")
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelArch:
+        """From a transformers PretrainedConfig or a config.json dict; unsupported variants raise InvalidArgument."""
+        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        model_type = get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
+                                  f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if get("hidden_act", "silu") != "silu":
+            raise InvalidArgument(f"megatron backend: hidden_act {get('hidden_act')!r} is not supported (silu only)")
+        if get("use_sliding_window", False):
+            raise InvalidArgument("megatron backend: use_sliding_window is not supported")
+        if model_type != "qwen2" and get("attention_bias", False):
+            raise InvalidArgument(f"megatron backend: attention_bias is not supported for {model_type}")
+        if get("mlp_bias", False):
+            raise InvalidArgument("megatron backend: mlp_bias is not supported")
+        heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        head_dim = get("head_dim") or hidden // heads
+        rope = get("rope_parameters") or get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
+        scaling_factor = None
+        if rope_type == "llama3" and all(float(rope.get(k, v)) == v for k, v in LLAMA3_ROPE_DEFAULTS.items()):
+            scaling_factor = float(rope["factor"])
+        elif rope_type != "default":
+            raise InvalidArgument(f"megatron backend: rope {rope!r} is not supported (default, or llama3 with "
+                                  f"{LLAMA3_ROPE_DEFAULTS})")
+        return cls(model_type=model_type, vocab_size=get("vocab_size"), hidden_size=hidden,
+                   ffn_hidden_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
+                   num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
+                   head_dim=head_dim, norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope_theta),
+                   rope_scaling_factor=scaling_factor, max_position_embeddings=get("max_position_embeddings"),
+                   qkv_bias=model_type == "qwen2", qk_layernorm=model_type == "qwen3",
+                   tie_word_embeddings=bool(get("tie_word_embeddings", False)))

@@ -1,0 +1,356 @@
+"""MegatronBackend: the TrainBackend of `backends/base.py` on megatron-core, with TP × PP × DP over torch.distributed.
+
+Every rank of the job builds one and makes the same calls with the same samples (each method is collective). A
+step's samples are split over the data-parallel ranks and cut into micro-batches that Megatron's schedule runs
+(1F1B under PP). Every formula comes from `services.trainer.rl_step`, on log-probs that `vocab_parallel` computes from
+the TP-sharded logits. Results (log-probs, metrics) are the same on every rank; HF weights come out on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+from services.trainer import optim, rl_step
+from services.trainer.algorithms.losses import Reducer
+from services.trainer.backends.base import TrainConfig, load_custom_loss
+from services.trainer.backends.megatron import convert, cpu_compat, hf_io
+from services.trainer.backends.megatron import model as mcore
+from services.trainer.backends.megatron.arch import ModelArch
+from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from services.trainer.batch import RolloutBatch, build_rollout_batch
+from services.trainer.schedule import MicroBatch, first_fit
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[MicroBatch, RolloutBatch, torch.Tensor], torch.Tensor]  # (rows, micro-batch, logits) -> loss
+
+
+class MegatronBackend:
+    """A policy as a Megatron GPTModel; `train_rollout` runs the same per-rollout schedule as TorchBackend.
+
+    Joins the default process group that is already there (the trainer's `parallel.World`, passed as `world` and
+    otherwise unused) or forms one from torchrun's env (a world of one without it); every rank gets the whole
+    rollout."""
+
+    def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
+                 num_threads: int | None = None, world=None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+
+        if config.use_critic:
+            raise InvalidArgument("train_backend megatron: advantage_estimator 'ppo' needs a critic, which this "
+                                  "backend does not train; use train_backend fsdp")
+        self.model_path = Path(model_path)
+        self.config = config
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        hf_config = hf_io.read_config(self.model_path)
+        self.arch = ModelArch.from_hf_config(hf_config)
+        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        self.arch.check_parallel(tp_size=tp, pp_size=pp)
+        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed)
+        self.tp_size, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
+        self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
+        self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else cpu_compat.CPU
+        self.use_te = mcore.has_transformer_engine()
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
+            else None
+
+        hf = hf_io.HFTensors(self.model_path)
+        gpt = self._build_gpt()
+        self._copy_hf_weights(gpt, hf)
+        model_config = gpt.config
+        self.model = mcore.wrap_ddp(gpt, model_config, use_distributed_optimizer=use_distributed_optimizer)
+        model_config.no_sync_func = self.model.no_sync
+        model_config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = mcore.build_optimizer(config, self.model, use_distributed_optimizer=use_distributed_optimizer)
+        self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
+        self.ref_model = None
+        if config.needs_ref_model:
+            self.ref_model = self._build_gpt().requires_grad_(False)
+            self._copy_hf_weights(self.ref_model, hf)
+        pad = hf_config.get("pad_token_id")
+        self.pad_token_id = 0 if pad is None else int(pad)
+        self._weight_version = 0
+        log.info("loaded %s into megatron: tp %d, pp %d, dp %d, %s spec, %.1fM parameters on this rank",
+                 self.model_path, tp, pp, self.dp_size, "TE" if self.use_te else "local",
+                 sum(p.numel() for p in gpt.parameters()) / 1e6)
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def gpt(self):
+        """The GPTModel (this rank's stage and TP shard) inside the DDP wrapper."""
+        return self.model.module
+
+    def _build_gpt(self):
+        config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size)
+        return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()  # eval: no dropout anywhere
+
+    def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
+        state = convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                       pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te)
+        params = dict(gpt.named_parameters())
+        assert params.keys() == state.keys(), f"conversion mismatch: {sorted(params.keys() ^ state.keys())}"
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state[name])
+
+    def load(self, path: str | Path) -> None:
+        """Replace the policy's weights with an HF checkpoint's (same architecture), with fresh optimizer state."""
+        path = Path(path)
+        if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
+            raise InvalidArgument(f"model {path}: architecture {arch} differs from the policy's {self.arch}")
+        self._copy_hf_weights(self.gpt, hf_io.HFTensors(path))
+        self.optimizer = mcore.build_optimizer(self.config, self.model,
+                                               use_distributed_optimizer=self.use_distributed_optimizer)
+        self._num_steps = 0
+
+    def load_ref(self, path: str | Path) -> None:
+        """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
+        if self.ref_model is None:
+            raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
+        path = Path(path)
+        if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
+            raise InvalidArgument(f"ref_load {path}: architecture {arch} differs from the policy's {self.arch}")
+        self._copy_hf_weights(self.ref_model, hf_io.HFTensors(path))
+
+    def update_ref_model(self) -> None:
+        """Copy the policy into the reference model (slime's --ref-update-interval), shard by shard."""
+        with torch.no_grad():
+            for (name, param), (ref_name, ref) in zip(self.gpt.named_parameters(), self.ref_model.named_parameters(),
+                                                      strict=True):
+                assert name == ref_name, (name, ref_name)
+                ref.copy_(param)
+
+    # -- which rows this rank runs
+
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int], *, training: bool = True) -> list[MicroBatch]:
+        """This data-parallel rank's micro-batches of `rows` (one step, or the whole batch): a contiguous 1/dp
+        share (sizes differ by at most one), cut into micro_batch_size chunks or packed by tokens. A training
+        step needs rows on every rank (each takes part in the gradient reduction)."""
+        cfg = self.config
+        if training and len(rows) < self.dp_size:
+            raise InvalidArgument(f"a step of {len(rows)} samples cannot be split over {self.dp_size} data-parallel "
+                                  "ranks (global_batch_size must be >= the data-parallel size)")
+        num = len(rows)
+        mine = rows[self.dp_rank * num // self.dp_size:(self.dp_rank + 1) * num // self.dp_size]
+        if cfg.use_dynamic_batch_size:
+            return first_fit(batch.total_lengths, mine, max_tokens=cfg.max_tokens_per_gpu)
+        return [mine[b:b + cfg.micro_batch_size] for b in range(0, len(mine), cfg.micro_batch_size)]
+
+    def _steps(self, batch: RolloutBatch) -> list[list[int]]:
+        """The rows of each optimizer step: global_batch_size consecutive samples (None: all); the rest dropped."""
+        step_size = self.config.global_batch_size or batch.size
+        steps = [list(range(s, s + step_size)) for s in range(0, batch.size - step_size + 1, step_size)]
+        if not steps:
+            raise InvalidArgument(f"rollout has {batch.size} samples, fewer than global_batch_size {step_size}")
+        if steps[-1][-1] + 1 < batch.size:
+            log.warning("dropping the last %d of %d samples: they do not fill a step of global_batch_size %d",
+                        batch.size - steps[-1][-1] - 1, batch.size, step_size)
+        return steps
+
+    # -- forward and backward through Megatron's schedule
+
+    def _on_device(self, mb: RolloutBatch) -> RolloutBatch:
+        if self.device.type == "cpu":
+            return mb
+        return dataclasses.replace(mb, **{f.name: getattr(mb, f.name).to(self.device)
+                                          for f in dataclasses.fields(mb) if getattr(mb, f.name) is not None})
+
+    def _run(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
+             forward_only: bool) -> None:
+        """Run `micro_batches` of `batch` through `model` (1F1B under PP); on the last stage loss_fn(rows, mb,
+        logits [b, L, V/tp]) gives the scalar to backpropagate."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not micro_batches:  # a data-parallel replica with no rows (all of its ranks skip together)
+            return
+
+        def forward_step(data_iterator, module):
+            rows, mb = next(data_iterator)
+            seq_len = mb.tokens.shape[1]
+            mask = None if self.use_te else torch.triu(
+                torch.ones(seq_len, seq_len, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+            positions = torch.arange(seq_len, device=self.device).expand_as(mb.tokens)
+            output = module(input_ids=mb.tokens, position_ids=positions, attention_mask=mask)
+            return output, functools.partial(_loss_output, loss_fn, rows, mb)
+
+        data = [(rows, self._on_device(batch.take(rows))) for rows in micro_batches]
+        with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(data), model=[model],
+                num_microbatches=len(data), seq_length=max(mb.tokens.shape[1] for _, mb in data),
+                micro_batch_size=max(mb.size for _, mb in data), forward_only=forward_only)
+
+    def _token_stats(self, mb: RolloutBatch, logits: torch.Tensor, *,
+                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature, from vocab-parallel
+        logits [b, L, V/tp]."""
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+            rl_step.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
+            temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            group=self.tp_group)
+        return log_probs, entropy if with_entropy else None
+
+    def _log_probs(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """[B, R] log-probs without grad of every row in the batch, on every rank (each DP replica computes
+        its micro_batches' rows; their reporters' results are summed)."""
+        out = torch.zeros_like(batch.loss_masks)
+
+        def store(rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
+            log_probs, _ = self._token_stats(mb, logits, with_entropy=False)
+            out[rows, :log_probs.shape[1]] = log_probs.cpu()
+            return log_probs.sum() * 0.0
+
+        self._run(model, batch, micro_batches, store, forward_only=True)
+        if not self._is_reporter():
+            out.zero_()
+        return self._all_reduce(out)
+
+    def _is_reporter(self) -> bool:
+        """One rank per data-parallel replica holds each result: the last stage's TP rank 0."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(self.device)
+        dist.all_reduce(tensor)
+        return tensor.cpu()
+
+    def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)
+        micro = self._micro_batches(batch, list(range(batch.size)), training=False)
+        log_probs = self._log_probs(self.model, batch, micro)
+        return [log_probs[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
+
+    # -- training
+
+    def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
+        cfg = self.config
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key)
+        steps = [(rows, self._micro_batches(batch, rows)) for rows in self._steps(batch)]
+        if cfg.loss_type != "sft_loss":
+            micro = [mb for _, step in steps for mb in step]
+            if rl_step.needs_old_log_probs(cfg, len(steps)):
+                batch = batch.with_(log_probs=self._log_probs(self.model, batch, micro))
+            if self.ref_model is not None:
+                batch = batch.with_(ref_log_probs=self._log_probs(self.ref_model, batch, micro))
+            # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce.
+            batch = rl_step.compute_advantages_and_returns(batch, cfg)
+        metrics = [self._train_step(batch, rows, micro) for rows, micro in steps]
+        self._weight_version += 1
+        return metrics
+
+    def _micro_batch_loss(self, mb: RolloutBatch, logits: torch.Tensor,
+                          reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """rl_step's loss of a micro-batch from vocab-parallel logits (custom_loss gets them gathered over TP)."""
+        cfg = self.config
+        if cfg.loss_type == "custom_loss":
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            full = gather_from_tensor_model_parallel_region(logits) if self.tp_size > 1 else logits
+            return rl_step.custom_loss(self.custom_loss, cfg, mb, logits=full[..., :self.arch.vocab_size],
+                                       reduce=reduce)
+        log_probs, entropy = self._token_stats(mb, logits, with_entropy=cfg.loss_type == "policy_loss")
+        if cfg.loss_type == "sft_loss":
+            return rl_step.sft_loss(mb, log_probs=log_probs, reduce=reduce)
+        return rl_step.policy_loss(cfg, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
+
+    def _train_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
+        """One optimizer step over `rows`. Each micro-batch's loss is its share of the step's loss (normalized by
+        the whole step's sample or token count, over all DP ranks), times num_microbatches × dp_size to undo the
+        schedule's and DDP's averaging: the gradient is that of the step's loss, however it is split."""
+        cfg = self.config
+        mask_sums = batch.loss_masks.sum(dim=-1)
+        normalizer = rl_step.step_normalizer(cfg, mask_sums[rows])
+        scale = len(micro_batches) * self.dp_size
+        totals: dict[str, torch.Tensor] = {}
+
+        def step_loss(mb_rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
+            reduce = rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows].to(self.device), normalizer)
+            loss, metrics = self._micro_batch_loss(mb, logits, reduce)
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value.detach().double().cpu()
+            return loss * scale
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(self.model, batch, micro_batches, step_loss, forward_only=False)
+        grad_norm, lr = self._optimizer_step(rows)
+        return {**{f"train/{key}": value for key, value in self._sum_metrics(totals).items()},
+                "train/grad_norm": grad_norm, "train/lr": lr}
+
+    def _optimizer_step(self, rows: list[int]) -> tuple[float, float]:
+        """Clip and step at the scheduled lr (Megatron's lr_mult / wd_mult per group: no decay on biases and
+        norms); a non-finite gradient norm raises before any weight changes. Returns (grad_norm, lr)."""
+        cfg = self.config
+        lr = optim.lr_at(self._num_steps, **optim.lr_schedule(cfg))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
+        with cpu_compat.cuda_to_cpu():
+            found_inf = self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
+            if found_inf or not math.isfinite(grad_norm):
+                self.optimizer.zero_grad()
+                self.model.zero_grad_buffer()
+                raise FloatingPointError(f"grad norm is {grad_norm} on samples [{rows[0]}, {rows[-1] + 1}); "
+                                         "step not applied")
+            self.optimizer.step()
+        self._num_steps += 1
+        return grad_norm, lr
+
+    def _sum_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The step's metrics: each DP replica's sums (held by its reporter rank) added up, on every rank."""
+        gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, totals if self._is_reporter() else {})
+        summed: dict[str, float] = {}
+        for part in gathered:
+            for key, value in (part or {}).items():
+                summed[key] = summed.get(key, 0.0) + float(value)
+        return summed
+
+    # -- weights out
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: every rank must run it to the end. Global rank 0 yields each HF weight once (a tied
+        lm_head comes as model.embed_tokens.weight only); the other ranks yield nothing."""
+        yield from convert.gather_hf_weights(
+            list(self.gpt.named_parameters()), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            dp_rank=self.dp_rank)
+
+    def save_hf(self, path: str | Path) -> None:
+        """Collective: rank 0 writes the HF checkpoint directory."""
+        path = Path(path)
+        weights = dict(self.named_weights())
+        if dist.get_rank() == 0:
+            hf_io.write_checkpoint(path, weights, self.model_path)
+            log.info("saved HF checkpoint to %s", path)
+        dist.barrier()
+
+    def close(self) -> None:
+        """Drop Megatron's process groups (the default group stays for the next backend in this process)."""
+        mcore.destroy_model_parallel()
+
+
+def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor):
+    """Megatron's loss_func contract: (loss, reported); the schedule divides the loss by num_microbatches."""
+    return loss_fn(rows, mb, logits), {}

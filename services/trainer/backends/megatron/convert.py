@@ -1,0 +1,195 @@
+"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3 and Llama: names, fused layouts, TP shards, vocab padding.
+
+`hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
+Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
+yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attention):
+- linear_qkv: per query group g, rows [q heads of g (heads_per_group·head_dim), k_g (head_dim), v_g (head_dim)];
+  TP rank r holds query groups [r·G/tp, (r+1)·G/tp), i.e. chunk r of dim 0.
+- linear_fc1: on TP rank r, cat(gate chunk r, up chunk r) along dim 0.
+- linear_proj, linear_fc2: chunk r of dim 1. Embedding and output layer: the vocab padded with zero rows, chunk r
+  of dim 0. Norms are replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from services.trainer.backends.megatron.arch import ModelArch
+
+HF_LAYER = "model.layers.{}."
+MG_LAYER = "decoder.layers.{}."
+# Megatron sub-name -> HF sub-name, for per-layer tensors that are only renamed (local spec names).
+RENAMED = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+# With the Transformer Engine spec the pre-attention and pre-MLP norms are fused into the next linear layer.
+TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # TP-split along dim 1
+QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
+
+
+def layer_offset(arch: ModelArch, *, pp_rank: int, pp_size: int) -> int:
+    """Global index of this pipeline stage's first layer (layers are split evenly)."""
+    return pp_rank * (arch.num_layers // pp_size)
+
+
+def _te_name(sub: str, te_names: bool) -> str:
+    return TE_RENAMES.get(sub, sub) if te_names else sub
+
+
+def _local_sub(sub: str) -> str:
+    """The local-spec sub-name of a per-layer Megatron sub-name (TE fused norm names map back)."""
+    for local, te in TE_RENAMES.items():
+        if sub == te:
+            return local
+    return sub
+
+
+def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    extra = padded_vocab_size - weight.shape[0]
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
+
+
+def _fuse_qkv(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q [H·d, ...], k/v [G·d, ...] -> Megatron linear_qkv [(H + 2G)·d, ...] in per-query-group order."""
+    groups, d = arch.num_query_groups, arch.head_dim
+    tail = q.shape[1:]
+    q = q.reshape(groups, arch.heads_per_group * d, *tail)
+    k, v = k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(arch: ModelArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `_fuse_qkv` on the full (TP-gathered) tensor."""
+    groups, d = arch.num_query_groups, arch.head_dim
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (arch.heads_per_group + 2) * d, *tail)
+    q, k, v = grouped.split([arch.heads_per_group * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: int = 0, tp_size: int = 1,
+                   pp_rank: int = 0, pp_size: int = 1, te_names: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's GPTModel state (local layer indices, this TP shard) from full HF tensors (name -> tensor;
+    only the names this stage needs are read). Tensors are fresh and contiguous."""
+
+    def shard(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return tensor.chunk(tp_size, dim=dim)[tp_rank].clone().contiguous()
+
+    out: dict[str, torch.Tensor] = {}
+    padded = arch.padded_vocab_size(tp_size)
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
+    offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
+    for local in range(arch.num_layers // pp_size):
+        src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
+        for mg_sub, hf_sub in RENAMED.items():
+            if mg_sub in QK_NORMS and not arch.qk_layernorm:
+                continue
+            tensor = hf[src + hf_sub]
+            out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
+                tensor.clone().contiguous()
+        attn = src + "self_attn."
+        out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
+            arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
+        if arch.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
+                arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
+    if pp_rank == pp_size - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone().contiguous()
+        # Tied embeddings: the last stage keeps its own copy of the embedding as the output layer, unless the
+        # same stage holds the embedding (then GPTModel has no output weight at all).
+        if not arch.tie_word_embeddings:
+            out["output_layer.weight"] = shard(_pad_vocab(hf["lm_head.weight"], padded))
+        elif pp_size > 1:
+            out["output_layer.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
+    return out
+
+
+def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *,
+                   offset: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """HF (name, full tensor) pairs of one Megatron parameter given its TP shards in TP-rank order (a replicated
+    parameter: any one shard). `offset` is the stage's first global layer. The tied output layer maps to nothing:
+    the embedding stands for it."""
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", torch.cat(list(shards))[:arch.vocab_size])]
+    if name == "output_layer.weight":
+        return [] if arch.tie_word_embeddings else [("lm_head.weight", torch.cat(list(shards))[:arch.vocab_size])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", shards[0])]
+    if not name.startswith("decoder.layers."):
+        raise ValueError(f"no HF name for Megatron parameter {name!r}")
+    index, sub = name.removeprefix("decoder.layers.").split(".", 1)
+    prefix = HF_LAYER.format(offset + int(index))
+    sub = _local_sub(sub)
+    if sub in RENAMED:
+        tensor = torch.cat(list(shards), dim=1) if sub in ROW_PARALLEL else shards[0]
+        return [(prefix + RENAMED[sub], tensor)]
+    if sub in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = sub.rsplit(".", 1)[1]
+        q, k, v = _split_qkv(arch, torch.cat(list(shards)))
+        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
+    if sub == "mlp.linear_fc1.weight":
+        gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
+        return [(prefix + "mlp.gate_proj.weight", torch.cat(gates)), (prefix + "mlp.up_proj.weight", torch.cat(ups))]
+    raise ValueError(f"no HF name for Megatron parameter {name!r}")
+
+
+def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
+                      tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective over all ranks: the source rank (global rank 0: pp, tp and dp rank 0) yields every HF weight
+    once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
+    parameters over TP, its TP rank 0 converts them and sends them to the source rank."""
+    import torch.distributed as dist
+
+    if dp_rank != 0:
+        return
+    offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else [dist.get_rank()]
+    source = pp_ranks[0]
+
+    def converted() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in named_params:
+            if name == "output_layer.weight" and arch.tie_word_embeddings:
+                continue  # the last stage's copy of the embedding
+            tensor = param.detach()
+            shards = [tensor]
+            if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+                shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+                dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+            if tp_rank == 0:
+                yield from megatron_to_hf(name, shards, arch, offset=offset)
+
+    if pp_rank == 0:
+        yield from converted()
+    elif tp_rank == 0:
+        for hf_name, tensor in converted():
+            dist.send_object_list([(hf_name, tuple(tensor.shape), tensor.dtype)], dst=source, device=tensor.device)
+            dist.send(tensor.contiguous(), dst=source)
+        dist.send_object_list([None], dst=source, device=named_params[0][1].device)
+    else:
+        for _ in converted():
+            pass
+    if pp_rank == 0 and tp_rank == 0:
+        device = named_params[0][1].device
+        for stage in range(1, pp_size):
+            while True:
+                meta = [None]
+                dist.recv_object_list(meta, src=pp_ranks[stage], device=device)
+                if meta[0] is None:
+                    break
+                hf_name, shape, dtype = meta[0]
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(tensor, src=pp_ranks[stage])
+                yield hf_name, tensor

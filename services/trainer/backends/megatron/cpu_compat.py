@@ -1,0 +1,82 @@
+"""Run megatron-core 0.16 without a GPU (reference/megatron-cpu.md §2b): a shim applied only when CUDA is absent.
+
+P1: the model-parallel RNG tracker reads and writes the CPU generator instead of the CUDA one.
+P2: `torch.cuda.current_device()` is the CPU device (rotary embeddings, the attention buffer, pipeline p2p).
+P3: `cuda_to_cpu()`, a torch-function mode entered only around the calls that hard-code CUDA tensors (Megatron's
+schedules, DDP's optimizer set-up and step): CUDA devices become CPU, `.cuda()` is a no-op, CPU float tensors report
+CUDA type names. On a GPU machine `apply()` does nothing and `cuda_to_cpu()` is an empty context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+CPU = torch.device("cpu")
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Patch torch.cuda's RNG and device calls and Megatron's RNG helpers (P1, P2); idempotent."""
+    global _applied
+    if _applied or not needed():
+        return
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def get_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state: torch.Tensor, device=-1, graph_safe=False) -> None:
+        torch.set_rng_state(new_state)
+
+    mcore_random._get_cuda_rng_state = get_rng_state
+    mcore_random._set_cuda_rng_state = set_rng_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.current_device = lambda: CPU
+    torch.cuda.synchronize = lambda device=None: None
+    # fork() warns on every call that the "CPU RNG state changed within GPU RNG context": here they are one.
+    logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
+    _applied = True
+
+
+def _to_cpu(device):
+    if isinstance(device, str) and device.startswith("cuda"):
+        return CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return CPU
+    return device
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        if func is torch.Tensor.to:
+            args = tuple(_to_cpu(a) for a in args)
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
+            return result.replace("torch.", "torch.cuda.", 1) if ".cuda." not in result else result
+        return result
+
+
+@contextlib.contextmanager
+def cuda_to_cpu() -> Iterator[None]:
+    """P3 around one call; an empty context when a GPU is present."""
+    if not needed():
+        yield
+        return
+    with _CudaToCpu():
+        yield

@@ -1,0 +1,131 @@
+"""Megatron-core pieces of the backend: process groups (TP × PP × DP), GPTModel from an HF config, DDP, optimizer.
+
+The local layer spec on CPU (torch norms and attention), the Transformer Engine spec when transformer_engine is
+installed. float32 throughout; dropout off, so training forwards and no-grad recomputes see one policy. Knows
+nothing of HF names (convert.py) or losses (backend.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from services.common.errors import InvalidArgument
+from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.megatron import cpu_compat
+from services.trainer.backends.megatron.arch import ModelArch
+
+log = logging.getLogger(__name__)
+
+DIST_TIMEOUT = datetime.timedelta(minutes=10)  # slime's --distributed-timeout-minutes
+
+
+def has_transformer_engine() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def init_distributed(*, tp_size: int, pp_size: int, seed: int) -> None:
+    """Join the default process group (torchrun's env, or a world of one) and cut it into Megatron's TP, PP and
+    DP groups (order tp-cp-ep-dp-pp: global rank 0 is TP, PP and DP rank 0). Seeds the model-parallel RNG."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=DIST_TIMEOUT)
+        else:  # one process, no launcher: a world of one on an in-memory store
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=DIST_TIMEOUT)
+    world = dist.get_world_size()
+    if world % (tp_size * pp_size):
+        raise InvalidArgument(f"world size {world} is not a multiple of tensor_model_parallel_size {tp_size} × "
+                              f"pipeline_model_parallel_size {pp_size}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                             pipeline_model_parallel_size=pp_size,
+                                             distributed_timeout_minutes=int(DIST_TIMEOUT.total_seconds() // 60))
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    """Drop Megatron's groups (the default process group stays, for the next backend in this process)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int):
+    """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim, normalization="RMSNorm", layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32, variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense model; the default rejects variable_seq_lengths
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+
+
+def build_gpt(arch: ModelArch, config, *, use_te: bool):
+    """This pipeline stage's GPTModel (padded vocab, vocab-parallel output), on the GPU when there is one."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    with cpu_compat.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec,
+            vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope", rotary_base=arch.rope_theta,
+            rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def wrap_ddp(model, config, *, use_distributed_optimizer: bool):
+    """Megatron DDP: grads in contiguous fp32 buffers, averaged over DP once per step (the loss undoes the mean)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    with cpu_compat.cuda_to_cpu():
+        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_optimizer: bool):
+    """Megatron's Adam (decoupled weight decay, no decay on biases and norms), a constant lr, global-norm clip."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = train_config
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer)
+    with cpu_compat.cuda_to_cpu():
+        return get_megatron_optimizer(opt_config, [ddp_model])
