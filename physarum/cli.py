@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,7 +66,10 @@ def follow(client, job_id: str, num_rollout: int, poll_s: float = 0.5, timeout_s
 
 
 def cmd_up(args) -> int:
-    state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines))
+    if args.trainer_ranks < 1:
+        raise SystemExit(f"physarum: --trainer-ranks must be >= 1, got {args.trainer_ranks}")
+    state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines,
+                                        trainer_ranks=args.trainer_ranks))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
     return 0
 
@@ -80,7 +84,7 @@ def cmd_submit(args) -> int:
     from services.trainer.client import JobsRestClient
 
     spec = load_job_file(args.job_file, args.set or [])
-    with JobsRestClient(_job_api(args)) as client:
+    with JobsRestClient(_job_api(args), token=args.token) as client:
         job = client.submit(spec)
         print(f"submitted {job['job_id']}")
         if not args.wait:
@@ -93,7 +97,7 @@ def cmd_submit(args) -> int:
 def cmd_status(args) -> int:
     from services.trainer.client import JobsRestClient
 
-    with JobsRestClient(_job_api(args)) as client:
+    with JobsRestClient(_job_api(args), token=args.token) as client:
         jobs = [client.get(args.job_id)] if args.job_id else client.list()
     for job in jobs:
         reward = job["metrics"].get("rollout/reward_mean")
@@ -106,19 +110,39 @@ def cmd_status(args) -> int:
 def cmd_cancel(args) -> int:
     from services.trainer.client import JobsRestClient
 
-    with JobsRestClient(_job_api(args)) as client:
+    with JobsRestClient(_job_api(args), token=args.token) as client:
         job = client.cancel(args.job_id)
     print(f"{job['job_id']}: {job['state']}")
     return 0
 
 
+# --- physarum scale: the rollout engine pool (issue 5) ---------------------------------------------------------
+def cmd_scale(args) -> int:
+    from services.rollout.client import RolloutClient
+
+    addr = args.addr or (stack.read_state(args.work_dir) or {}).get("rollout_addr")
+    if not addr:
+        raise SystemExit("physarum: no local stack is up (run `physarum up`) and no --addr was given")
+    with RolloutClient(addr) as client:
+        status = client.scale(args.replicas)
+    print(f"engine pool: {status.desired_replicas} engines wanted, weight version {status.weight_version or '-'}")
+    for e in status.engines:
+        print(f"  {e.name:<12} {e.state.name:<9} {e.url}  version {e.weight_version or '-'}  load {e.load}")
+    return 0
+# --- end physarum scale ----------------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="physarum", description=__doc__)
     parser.add_argument("--work-dir", type=Path, default=stack.DEFAULT_WORK_DIR, help="local stack directory")
+    parser.add_argument("--token", default=os.environ.get("PHYSARUM_API_TOKEN", ""),
+                        help="job API bearer token (default: $PHYSARUM_API_TOKEN)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("up", help="start the local stack")
     p.add_argument("--model", type=Path, required=True, help="HF model directory the engines start from")
     p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
+    p.add_argument("--trainer-ranks", type=int, default=1,
+                   help="trainer processes: rank 0 serves the job API, the others train data-parallel (FSDP2)")
     p.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the local stack").set_defaults(fn=cmd_down)
     p = sub.add_parser("submit", help="submit a job spec (YAML keyed by slime's flag names)")
@@ -135,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.add_argument("--url", default="")
     p.set_defaults(fn=cmd_cancel)
+    # --- physarum scale (issue 5) ---
+    p = sub.add_parser("scale", help="set the number of rollout engines, also while a job runs")
+    p.add_argument("--replicas", type=int, required=True, help="desired number of engines")
+    p.add_argument("--addr", default="", help="rollout manager host:port (default: the local stack's)")
+    p.set_defaults(fn=cmd_scale)
+    # --- end physarum scale ---
     return parser
 
 

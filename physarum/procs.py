@@ -62,8 +62,10 @@ class ManagedProcess:
         return self.popen is not None and self.popen.poll() is None
 
     def owns_pid(self) -> bool:
-        """True while /proc/PID/cmdline is still the command this object started."""
-        return self.alive() and cmdline_of(self.pid)[: len(self.argv)] == self.argv
+        """True while the child this object started is alive. An unreaped child keeps its PID, so the PID cannot
+        name another process while Popen.poll() is None; the command line is not compared, since some programs
+        rewrite it (sglang-router shows "sglang::router")."""
+        return self.alive()
 
     def wait_ready(self, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> None:
         deadline = time.monotonic() + timeout_s

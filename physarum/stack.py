@@ -1,7 +1,9 @@
 """The local stack (`physarum up` / `down`): every service as a process on loopback, started once.
 
 Starts a private redis-server, buffer, reward, the real sglang-router, the rollout manager (which starts the
-CPU engines) and the trainer; records each PID and command line in stack.json so `down` stops exactly those.
+CPU engines) and the trainer's ranks (rank 0 serves the job API; ranks 1.. run services.trainer.worker, with
+torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); records each PID, command line and environment in
+stack.json so `down` stops exactly those and `restart_trainer` starts the trainer's ranks again.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StackOptions:
     num_engines: int = 2
     engine_threads: int = 1
     trainer_threads: int = 2
+    trainer_ranks: int = 1              # data-parallel trainer processes (FSDP2 over gloo)
     start_timeout_s: float = 180.0
 
 
@@ -92,13 +95,12 @@ def up(options: StackOptions) -> dict:
                                      "--num-engines", str(options.num_engines),
                                      "--engine-num-threads", str(options.engine_threads),
                                      "--work-dir", str(work_dir / "engines")),
-            "trainer": python_module("services.trainer", "--host", HOST, "--port", str(ports["trainer"]),
-                                     "--rest-port", str(ports["trainer_rest"]), "--buffer-addr", addr["buffer"],
-                                     "--rollout-addr", addr["rollout"],
-                                     "--num-threads", str(options.trainer_threads)),
         }
         started = {name: ManagedProcess(name, argv, logs / f"{name}.log").start() for name, argv in specs.items()}
         processes.extend(started.values())
+        ranks = trainer_ranks(options, ports, addr, logs)
+        started["trainer"] = ranks[0]
+        processes.extend(p.start() for p in ranks)
         checks = {"buffer": _grpc_ready(addr["buffer"]), "reward": _grpc_ready(addr["reward"]),
                   "rollout": _grpc_ready(addr["rollout"]), "trainer": _grpc_ready(addr["trainer"])}
         for name, check in checks.items():
@@ -112,13 +114,68 @@ def up(options: StackOptions) -> dict:
         "buffer_addr": addr["buffer"], "reward_addr": addr["reward"], "reward_url": f"http://{addr['reward_rest']}",
         "rollout_addr": addr["rollout"], "trainer_addr": addr["trainer"],
         "trainer_url": f"http://{addr['trainer_rest']}",
-        "processes": [{"name": p.name, "pid": p.pid, "argv": p.argv, "log": str(p.log_path)} for p in processes],
+        "processes": [_entry(p) for p in processes],
     }
     (work_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
     return state
 
 
+def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, str],
+                  logs: Path) -> list[ManagedProcess]:
+    """The trainer's ranks (not started): rank 0 serves the job API, ranks 1.. are workers; torchrun's env."""
+    env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port())}
+    flags = ["--buffer-addr", addr["buffer"], "--rollout-addr", addr["rollout"],
+             "--num-threads", str(options.trainer_threads)]
+    rank0 = python_module("services.trainer", "--host", HOST, "--port", str(ports["trainer"]),
+                          "--rest-port", str(ports["trainer_rest"]), *flags)
+    ranks = [ManagedProcess("trainer", rank0, logs / "trainer.log", env={**env, "RANK": "0"})]
+    for rank in range(1, options.trainer_ranks):
+        ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.worker", *flags),
+                                    logs / f"trainer-{rank}.log", env={**env, "RANK": str(rank)}))
+    return ranks
+
+
+def _entry(proc: ManagedProcess) -> dict:
+    return {"name": proc.name, "pid": proc.pid, "argv": proc.argv, "env": proc.env, "log": str(proc.log_path),
+            "start_time": _start_time(proc.pid)}
+
+
+def _start_time(pid: int) -> int | None:
+    """When the running process PID started (clock ticks since boot, /proc/PID/stat field 22): with the PID, its
+    identity. None once it has exited (a zombie included)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def _is_trainer(entry: dict) -> bool:
+    return entry["name"] == "trainer" or entry["name"].startswith("trainer-")
+
+
+def restart_trainer(work_dir: Path = DEFAULT_WORK_DIR, start_timeout_s: float = 180.0) -> dict:
+    """Stop the trainer's ranks that still run and start all of them again, on the same ports (after a crash:
+    jobs resume from their checkpoints with `load`). Returns the updated state."""
+    state = read_state(work_dir)
+    if state is None:
+        raise ValueError(f"restart_trainer: no stack in {work_dir}")
+    entries = [e for e in state["processes"] if _is_trainer(e)]
+    for entry in entries:
+        _stop(entry, grace_s=10.0)
+    ranks = [ManagedProcess(e["name"], e["argv"], Path(e["log"]), env=e.get("env", {})).start() for e in entries]
+    ranks[0].wait_ready(_grpc_ready(state["trainer_addr"]), timeout_s=start_timeout_s)
+    by_name = {p.name: _entry(p) for p in ranks}
+    state["processes"] = [by_name.get(e["name"], e) for e in state["processes"]]
+    (Path(work_dir) / STATE_FILE).write_text(json.dumps(state, indent=2))
+    return state
+
+
 def _owned(entry: dict) -> bool:
+    """The recorded process still runs: same PID and start time (sglang-router rewrites its command line, so the
+    command line alone does not tell), or, for an entry without a start time, the same command line."""
+    if entry.get("start_time") is not None:
+        return _start_time(entry["pid"]) == entry["start_time"]
     return cmdline_of(entry["pid"])[: len(entry["argv"])] == entry["argv"]
 
 
@@ -131,16 +188,19 @@ def down(work_dir: Path = DEFAULT_WORK_DIR, grace_s: float = 20.0) -> list[str]:
     state = read_state(work_dir)
     if state is None:
         return []
-    stopped = []
-    for entry in reversed(state["processes"]):
-        if not _owned(entry):
-            continue
-        os.kill(entry["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while _owned(entry) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _owned(entry):
-            os.kill(entry["pid"], signal.SIGKILL)
-        stopped.append(entry["name"])
+    stopped = [entry["name"] for entry in reversed(state["processes"]) if _stop(entry, grace_s)]
     (Path(work_dir) / STATE_FILE).unlink(missing_ok=True)
     return stopped
+
+
+def _stop(entry: dict, grace_s: float) -> bool:
+    """SIGTERM the recorded process if it is still ours, SIGKILL after grace_s; False if it was not running."""
+    if not _owned(entry):
+        return False
+    os.kill(entry["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _owned(entry) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _owned(entry):
+        os.kill(entry["pid"], signal.SIGKILL)
+    return True

@@ -1,12 +1,13 @@
 """A synchronous client of the buffer service; every call has a deadline, idempotent calls retry.
 
-Its result types (DatasetInfo, PutResult, BufferStats) are the buffer's public records; it imports only
+Its result types (DatasetInfo, PutResult, BufferStats, DataSourceState) are the buffer's public records; it imports only
 services.common, so callers never pull in Redis.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
 from services.common.grpc_client import GrpcClient
@@ -37,6 +38,39 @@ class BufferStats:
     num_leased: int
     num_returned: int
     num_groups: int
+
+
+@dataclass
+class DataSourceState:
+    """Where a job's data source stands (slime's global_dataset_state_dict): the epoch cursor and the slots
+    ("epoch:index") to serve before it. Saved into the trainer's checkpoints as JSON."""
+
+    num_prompts: int
+    shuffle: bool
+    seed: int
+    epoch: int
+    cursor: int
+    returned: list[str] = field(default_factory=list)  # waiting to be leased again, in queue order
+    leased: list[str] = field(default_factory=list)  # leased and not yet written, in lease order
+    pending: list[str] = field(default_factory=list)  # written for rollouts after rollout_id, not yet trained on
+    rollout_id: int = -1  # the last rollout trained on when the state was saved
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataSourceState:
+        return cls(**data)
+
+
+def state_to_proto(state: DataSourceState) -> buffer_pb2.DataSourceState:
+    return buffer_pb2.DataSourceState(**state.to_dict())
+
+
+def state_from_proto(msg: buffer_pb2.DataSourceState) -> DataSourceState:
+    return DataSourceState(num_prompts=msg.num_prompts, shuffle=msg.shuffle, seed=msg.seed, epoch=msg.epoch,
+                           cursor=msg.cursor, returned=list(msg.returned), leased=list(msg.leased),
+                           pending=list(msg.pending), rollout_id=msg.rollout_id)
 
 
 class BufferClient(GrpcClient):
@@ -87,3 +121,14 @@ class BufferClient(GrpcClient):
         reply = self.call(self.stub.GetStats, buffer_pb2.GetStatsRequest(job_id=job_id), idempotent=True)
         return BufferStats(num_prompts=reply.num_prompts, epoch=reply.epoch, cursor=reply.cursor,
                            num_leased=reply.num_leased, num_returned=reply.num_returned, num_groups=reply.num_groups)
+
+    def save_state(self, job_id: str, rollout_id: int) -> DataSourceState:
+        """The job's data-source state after training on rollout `rollout_id` (one atomic snapshot)."""
+        request = buffer_pb2.SaveStateRequest(job_id=job_id, rollout_id=rollout_id)
+        return state_from_proto(self.call(self.stub.SaveState, request, idempotent=True))
+
+    def restore_state(self, job_id: str, state: DataSourceState) -> tuple[int, int]:
+        """Put the job's data source back to `state`; returns (num_requeued, num_leases_dropped)."""
+        request = buffer_pb2.RestoreStateRequest(job_id=job_id, state=state_to_proto(state))
+        reply = self.call(self.stub.RestoreState, request, idempotent=True)
+        return reply.num_requeued, reply.num_leases_dropped

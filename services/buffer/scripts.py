@@ -40,6 +40,8 @@ return 1
 
 # ARGV: prefix, job_id, count, timeout_ms, count lease ids.
 # -> {'ok', slot, lease_id, prompt, ...} | {'missing'} | {'need', epoch...} (shuffle orders to create first)
+# Fresh slots come from the cursor on, wrapping epochs; a slot whose group is already stored (written before a
+# RESTORE_STATE moved the cursor back) is passed over. Nothing is written until every order needed exists.
 LEASE = _COMMON + """
 local p, job, count, timeout_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 if redis.call('EXISTS', p .. 'meta') == 0 then return {'missing'} end
@@ -48,13 +50,23 @@ reclaim(p, job, now)
 local meta = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'epoch', 'cursor')
 local n, shuffle, epoch, cursor = tonumber(meta[1]), meta[2] == '1', tonumber(meta[3]), tonumber(meta[4])
 local from_returned = math.min(redis.call('LLEN', p .. 'returned'), count)
-local fresh = count - from_returned
-if shuffle and fresh > 0 then
-  local need = {'need'}
-  for e = epoch, epoch + math.floor((cursor + fresh - 1) / n) do
-    if redis.call('EXISTS', p .. 'order:' .. e) == 0 then table.insert(need, tostring(e)) end
+local fresh, e, c = {}, epoch, cursor
+while #fresh < count - from_returned do
+  local index = c
+  if shuffle then
+    if redis.call('EXISTS', p .. 'order:' .. e) == 0 then
+      local need = {'need'}
+      for k = e, e + math.floor((c + count - from_returned - #fresh - 1) / n) do
+        if redis.call('EXISTS', p .. 'order:' .. k) == 0 then table.insert(need, tostring(k)) end
+      end
+      return need
+    end
+    index = struct.unpack('<I4', redis.call('GETRANGE', p .. 'order:' .. e, 4 * c, 4 * c + 3))
   end
-  if #need > 1 then return need end
+  local slot = e .. ':' .. index
+  if redis.call('EXISTS', p .. 'group:' .. job .. ':' .. slot) == 0 then table.insert(fresh, slot) end
+  c = c + 1
+  if c == n then e, c = e + 1, 0 end
 end
 local out, next_id = {'ok'}, 5
 local function grant(slot)
@@ -67,21 +79,9 @@ local function grant(slot)
   table.insert(out, redis.call('HGET', p .. 'prompts', string.match(slot, ':(%d+)$')))
 end
 for _ = 1, from_returned do grant(redis.call('LPOP', p .. 'returned')) end
-while fresh > 0 do
-  local take = math.min(fresh, n - cursor)
-  if shuffle then
-    local raw = redis.call('GETRANGE', p .. 'order:' .. epoch, 4 * cursor, 4 * (cursor + take) - 1)
-    for j = 0, take - 1 do grant(epoch .. ':' .. struct.unpack('<I4', raw, 4 * j + 1)) end
-  else
-    for j = 0, take - 1 do grant(epoch .. ':' .. (cursor + j)) end
-  end
-  cursor, fresh = cursor + take, fresh - take
-  if cursor == n then
-    redis.call('DEL', p .. 'order:' .. epoch)
-    epoch, cursor = epoch + 1, 0
-  end
-end
-redis.call('HSET', p .. 'meta', 'epoch', epoch, 'cursor', cursor)
+for _, slot in ipairs(fresh) do grant(slot) end
+for k = epoch, e - 1 do redis.call('DEL', p .. 'order:' .. k) end
+redis.call('HSET', p .. 'meta', 'epoch', e, 'cursor', c)
 return out
 """
 
@@ -115,6 +115,9 @@ for i = 1, #ARGV, 6 do
   if new then
     redis.call('RPUSH', p .. 'rollout:' .. rollout, gid)
     redis.call('HINCRBY', p .. 'meta', 'num_groups', 1)
+    if tonumber(rollout) > tonumber(redis.call('HGET', p .. 'meta', 'max_rollout') or -1) then
+      redis.call('HSET', p .. 'meta', 'max_rollout', rollout)
+    end
   end
   if lease ~= '' and redis.call('HGET', p .. 'leases', lease) == slot then
     redis.call('HDEL', p .. 'leases', lease)
@@ -133,4 +136,53 @@ if redis.call('EXISTS', p .. 'meta') == 0 then return false end
 reclaim(p, ARGV[2], now_ms())
 local m = redis.call('HMGET', p .. 'meta', 'num_prompts', 'epoch', 'cursor', 'num_groups')
 return {m[1], m[2], m[3], redis.call('HLEN', p .. 'leases'), redis.call('LLEN', p .. 'returned'), m[4]}
+"""
+
+# ARGV: prefix, rollout_id (the last one trained on)
+# -> {num_prompts, shuffle, seed, epoch, cursor, #returned, returned..., #leased, leased..., pending...} | nil
+SAVE_STATE = """
+local p, after = ARGV[1], tonumber(ARGV[2])
+if redis.call('EXISTS', p .. 'meta') == 0 then return false end
+local m = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'seed', 'epoch', 'cursor', 'max_rollout')
+local out = {m[1], m[2], m[3], m[4], m[5]}
+local returned = redis.call('LRANGE', p .. 'returned', 0, -1)
+table.insert(out, #returned)
+for _, slot in ipairs(returned) do table.insert(out, slot) end
+local leased = {}
+for _, id in ipairs(redis.call('ZRANGE', p .. 'deadlines', 0, -1)) do  -- deadline order is lease order
+  local slot = redis.call('HGET', p .. 'leases', id)
+  if slot then table.insert(leased, slot) end
+end
+table.insert(out, #leased)
+for _, slot in ipairs(leased) do table.insert(out, slot) end
+for r = after + 1, tonumber(m[6] or -1) do
+  for _, gid in ipairs(redis.call('LRANGE', p .. 'rollout:' .. r, 0, -1)) do
+    table.insert(out, string.match(gid, '(%d+:%d+)$'))
+  end
+end
+return out
+"""
+
+# ARGV: prefix, job_id, num_prompts, shuffle (0/1), seed, epoch, cursor, slots to queue again (in order)...
+# -> {num_requeued, num_leases_dropped} | {-1} unknown job | {-2, num_prompts, shuffle, seed} another dataset
+# Outstanding leases end (a late write of theirs is still stored once); the cursor goes back to the saved one,
+# and LEASE passes over the slots whose groups were stored since.
+RESTORE_STATE = """
+local p, job = ARGV[1], ARGV[2]
+if redis.call('EXISTS', p .. 'meta') == 0 then return {-1} end
+local m = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'seed')
+if m[1] ~= ARGV[3] or m[2] ~= ARGV[4] or m[3] ~= ARGV[5] then return {-2, m[1], m[2], m[3]} end
+local dropped = redis.call('HLEN', p .. 'leases')
+redis.call('DEL', p .. 'leases', p .. 'deadlines', p .. 'returned')
+local seen, num = {}, 0
+for i = 8, #ARGV do
+  local slot = ARGV[i]
+  if not seen[slot] and redis.call('EXISTS', p .. 'group:' .. job .. ':' .. slot) == 0 then
+    redis.call('RPUSH', p .. 'returned', slot)
+    num = num + 1
+  end
+  seen[slot] = true
+end
+redis.call('HSET', p .. 'meta', 'epoch', ARGV[6], 'cursor', ARGV[7])
+return {num, dropped}
 """

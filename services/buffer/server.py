@@ -6,6 +6,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
+from services.buffer.client import state_from_proto, state_to_proto
 from services.buffer.config import BufferConfig
 from services.buffer.dataset import read_prompts
 from services.buffer.store import BufferStore
@@ -62,6 +63,15 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.BufferStats(num_prompts=stats.num_prompts, epoch=stats.epoch, cursor=stats.cursor,
                                       num_leased=stats.num_leased, num_returned=stats.num_returned,
                                       num_groups=stats.num_groups)
+
+    @handle_errors
+    async def SaveState(self, request, context):
+        return state_to_proto(await self.store.save_state(request.job_id, request.rollout_id))
+
+    @handle_errors
+    async def RestoreState(self, request, context):
+        num_requeued, num_dropped = await self.store.restore_state(request.job_id, state_from_proto(request.state))
+        return buffer_pb2.RestoreStateResponse(num_requeued=num_requeued, num_leases_dropped=num_dropped)
 
 
 @dataclass

@@ -21,10 +21,19 @@ import redis.asyncio as redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.buffer.client import BufferStats, DatasetInfo
+from services.buffer.client import BufferStats, DatasetInfo, DataSourceState
 from services.buffer.dataset import PromptRows
-from services.buffer.scripts import FINISH_LOAD, LEASE, PUT_GROUPS, RETURN, SET_ORDER, STATS
-from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from services.buffer.scripts import (
+    FINISH_LOAD,
+    LEASE,
+    PUT_GROUPS,
+    RESTORE_STATE,
+    RETURN,
+    SAVE_STATE,
+    SET_ORDER,
+    STATS,
+)
+from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import (
     Prompt,
@@ -67,7 +76,8 @@ class BufferStore:
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0)
         self._scripts = {name: self.redis.register_script(text) for name, text in [
             ("finish_load", FINISH_LOAD), ("lease", LEASE), ("set_order", SET_ORDER), ("return", RETURN),
-            ("put_groups", PUT_GROUPS), ("stats", STATS)]}
+            ("put_groups", PUT_GROUPS), ("stats", STATS), ("save_state", SAVE_STATE),
+            ("restore_state", RESTORE_STATE)]}
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Ping Redis until it answers; Unavailable after timeout_s."""
@@ -136,7 +146,7 @@ class BufferStore:
         batch = uuid.uuid4().hex[:16]  # ids of one call sort in lease order: equal deadlines expire in that order
         lease_ids = [f"{batch}-{i:06d}" for i in range(count)]
         timeout_ms = max(1, round(lease_timeout_s * 1000))
-        for _ in range(5):  # each retry follows the creation of missing shuffle orders
+        for _ in range(10):  # each retry follows the creation of missing shuffle orders
             reply = await self._run("lease", p, job_id, count, timeout_ms, *lease_ids)
             if reply[0] == b"missing":
                 raise NotFound(f"buffer: job {job_id!r} has no dataset (call LoadDataset first)")
@@ -227,6 +237,51 @@ class BufferStore:
         num_prompts, epoch, cursor, num_leased, num_returned, num_groups = (int(x) for x in reply)
         return BufferStats(num_prompts=num_prompts, epoch=epoch, cursor=cursor, num_leased=num_leased,
                            num_returned=num_returned, num_groups=num_groups)
+
+    # ----- checkpoints -----
+
+    @_redis_errors
+    async def save_state(self, job_id: str, rollout_id: int) -> DataSourceState:
+        """The job's data-source state, read atomically; groups of rollouts after `rollout_id` are `pending`."""
+        reply = await self._run("save_state", _prefix(job_id), rollout_id)
+        if reply is None:
+            raise NotFound(f"buffer: job {job_id!r} has no dataset")
+        reply = [x.decode() if isinstance(x, bytes) else x for x in reply]
+        num_returned = int(reply[5])
+        num_leased = int(reply[6 + num_returned])
+        leased_at = 7 + num_returned
+        return DataSourceState(num_prompts=int(reply[0]), shuffle=reply[1] == "1", seed=int(reply[2]),
+                               epoch=int(reply[3]), cursor=int(reply[4]), returned=reply[6:6 + num_returned],
+                               leased=reply[leased_at:leased_at + num_leased],
+                               pending=reply[leased_at + num_leased:], rollout_id=rollout_id)
+
+    @_redis_errors
+    async def restore_state(self, job_id: str, state: DataSourceState) -> tuple[int, int]:
+        """Put the job's data source back to `state` (its dataset must be loaded, the same one).
+
+        Leases end; the cursor goes back; pending, leased and returned slots whose groups are not stored are
+        queued again, in that order. Returns (num_requeued, num_leases_dropped).
+        """
+        for slot in (*state.pending, *state.leased, *state.returned):
+            if not re.fullmatch(r"\d+:\d+", slot):
+                raise InvalidArgument(f"buffer: data-source state: bad slot {slot!r} (expected epoch:index)")
+        if not 0 <= state.cursor < state.num_prompts or state.epoch < 0:
+            raise InvalidArgument(f"buffer: data-source state: epoch {state.epoch}, cursor {state.cursor} out of "
+                                  f"range for {state.num_prompts} prompts")
+        reply = await self._run("restore_state", _prefix(job_id), job_id, state.num_prompts, int(state.shuffle),
+                                state.seed, state.epoch, state.cursor, *state.pending, *state.leased,
+                                *state.returned)
+        if reply[0] == -1:
+            raise NotFound(f"buffer: job {job_id!r} has no dataset (call LoadDataset first)")
+        if reply[0] == -2:
+            num_prompts, shuffle, seed = (x.decode() for x in reply[1:])
+            raise FailedPrecondition(
+                f"buffer: job {job_id!r}: its dataset ({num_prompts} prompts, rollout_shuffle={shuffle == '1'}, "
+                f"rollout_seed={seed}) is not the one the state was saved from ({state.num_prompts} prompts, "
+                f"rollout_shuffle={state.shuffle}, rollout_seed={state.seed})")
+        log.info("job %s: data source restored to epoch %d cursor %d (%d slots queued again, %d leases dropped)",
+                 job_id, state.epoch, state.cursor, reply[0], reply[1])
+        return int(reply[0]), int(reply[1])
 
 
 def _shuffled_order(num_prompts: int, seed: int) -> bytes:

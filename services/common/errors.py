@@ -34,8 +34,13 @@ class DeadlineExceeded(PhysarumError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(PhysarumError, PermissionError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[PhysarumError]] = {
-    cls.code: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, Unavailable, DeadlineExceeded)
+    cls.code: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, Unavailable, DeadlineExceeded,
+                               Unauthenticated)
 }
 
 

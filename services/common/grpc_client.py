@@ -32,6 +32,7 @@ class GrpcClient:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.metadata: tuple[tuple[str, str], ...] | None = None  # sent with every call (e.g. a bearer token)
 
     def call(self, method: Callable, request: Any, *, timeout_s: float | None = None,
              idempotent: bool = False) -> Any:
@@ -40,7 +41,7 @@ class GrpcClient:
         attempts = 1 + (self.max_retries if idempotent else 0)
         for attempt in range(attempts):
             try:
-                return method(request, timeout=timeout_s or self.timeout_s)
+                return method(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as err:
                 retryable = err.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts
                 if not retryable:

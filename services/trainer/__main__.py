@@ -1,10 +1,12 @@
-"""Run the trainer: the job API (gRPC + REST) and the training loop that runs submitted jobs."""
+"""Run the trainer's rank 0: the job API (gRPC + REST) and the driver of submitted jobs (ranks > 0 run
+`python -m services.trainer.worker` and join it)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import sys
 
 from services.common.config import as_dict, load_config
 from services.common.grpc_server import wait_for_stop_signal
@@ -20,29 +22,40 @@ async def serve(config: TrainerConfig) -> None:
     from services.buffer.client import BufferClient
     from services.rollout.client import RolloutClient
     from services.trainer.loop import TrainerDeps, train_sync
+    from services.trainer.parallel import init_world
     from services.trainer.server import create_server
+    from services.trainer.worker import Dispatcher
 
     torch.set_num_threads(config.num_threads)
+    world = await asyncio.to_thread(init_world, rank=0, world_size=config.world_size, master_addr=config.master_addr,
+                                    master_port=config.master_port, backend=config.dist_backend,
+                                    timeout_s=config.dist_timeout_s)
     buffer = BufferClient(config.buffer_addr, timeout_s=config.client_timeout_s)
     rollout = RolloutClient(config.rollout_addr, timeout_s=config.client_timeout_s)
     deps = TrainerDeps(buffer=buffer, rollout=rollout, master_address=config.master_address,
-                       num_threads=config.num_threads)
-    servers = await create_server(config, functools.partial(train_sync, deps=deps))
-    log.info("trainer serving: gRPC %s:%d, REST http://%s:%d (docs at /docs)", config.host, servers.grpc.port,
-             config.host, servers.rest.port)
+                       num_threads=config.num_threads, world=world, tensorboard_dir=config.tensorboard_dir)
+    dispatcher = Dispatcher(world, functools.partial(train_sync, deps=deps))
+    servers = await create_server(config, dispatcher)
+    log.info("trainer serving (rank 0 of %d): gRPC %s:%d, REST http://%s:%d (docs at /docs)", world.world_size,
+             config.host, servers.grpc.port, config.host, servers.rest.port)
     await wait_for_stop_signal()
     log.info("stopping")
     await servers.stop(config.grace_s)
+    dispatcher.close()
     buffer.close()
     rollout.close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     config = load_config(TrainerConfig, "trainer", argv, description=__doc__)
     configure_logging("trainer")
     log.info("config: %s", as_dict(config))
+    if config.rank != 0:
+        log.error("rank %d: ranks > 0 run `python -m services.trainer.worker`", config.rank)
+        return 2
     asyncio.run(serve(config))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_client import GrpcClient
 from services.common.samples import dict_to_struct, struct_to_dict
@@ -24,9 +24,11 @@ def job_from_proto(job: jobs_pb2.Job) -> dict[str, Any]:
 class JobsClient(GrpcClient):
     service = "trainer"
 
-    def __init__(self, addr: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, addr: str, timeout_s: float = 10.0, token: str = "") -> None:
         super().__init__(addr, timeout_s)
         self.stub = jobs_pb2_grpc.JobsStub(self.channel)
+        if token:
+            self.metadata = (("authorization", f"Bearer {token}"),)
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         return job_from_proto(self.call(self.stub.SubmitJob, jobs_pb2.SubmitJobRequest(spec=dict_to_struct(spec))))
@@ -45,7 +47,7 @@ class JobsClient(GrpcClient):
     def stream_events(self, job_id: str, after_seq: int = 0, timeout_s: float = 3600.0):
         """Yield events as dicts until the job ends or timeout_s passes."""
         request = jobs_pb2.StreamEventsRequest(job_id=job_id, after_seq=after_seq)
-        for event in self.stub.StreamEvents(request, timeout=timeout_s):
+        for event in self.stub.StreamEvents(request, timeout=timeout_s, metadata=self.metadata):
             yield {"seq": event.seq, "state": jobs_pb2.JobState.Name(event.state).removeprefix("JOB_STATE_"),
                    "rollout_id": event.rollout_id, "metrics": dict(event.metrics), "message": event.message,
                    "time": event.time}
@@ -54,9 +56,10 @@ class JobsClient(GrpcClient):
 class JobsRestClient:
     """The REST job API at `url` ("http://127.0.0.1:8080")."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 10.0, token: str = "") -> None:
         self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
     def _call(self, method: str, path: str, **kwargs) -> Any:
         try:
@@ -65,7 +68,8 @@ class JobsRestClient:
             raise Unavailable(f"job API {self.url}: {type(err).__name__}: {err}") from err
         if reply.status_code >= 400:
             detail = reply.json().get("detail", reply.text) if reply.content else reply.reason_phrase
-            cls = {400: InvalidArgument, 404: NotFound, 409: FailedPrecondition}.get(reply.status_code,
+            cls = {400: InvalidArgument, 401: Unauthenticated, 404: NotFound,
+                   409: FailedPrecondition}.get(reply.status_code,
                                                                                    FailedPrecondition)
             raise cls(f"job API {method} {path}: {detail}")
         return reply.json()

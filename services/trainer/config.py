@@ -1,10 +1,14 @@
-"""Trainer service settings: its own ports, its peers, and where rank 0 hosts the weight-sync group."""
+"""Trainer service settings: its own ports, its peers, its place among the trainer's ranks, and where rank 0 hosts
+the weight-sync group."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from services.common.config import field
+
+DIST_BACKENDS = ("gloo", "nccl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,9 +22,29 @@ class TrainerConfig:
     num_threads: int = field(2, "torch intra-op threads")
     client_timeout_s: float = field(30.0, "deadline of each call to the buffer and the rollout manager")
     grace_s: float = field(5.0, "seconds in-flight calls get on SIGTERM")
+    api_token: str = field("", "bearer token the job API requires (REST `Authorization: Bearer`, gRPC "
+                               "`authorization` metadata); empty: no token (the local stack)")
+    # The trainer's ranks (torchrun's variables): rank 0 is this service, ranks 1.. run services.trainer.worker.
+    rank: int = field(int(os.environ.get("RANK", "0")), "this process's trainer rank (default: $RANK)")
+    world_size: int = field(int(os.environ.get("WORLD_SIZE", "1")), "number of trainer ranks (default: $WORLD_SIZE)")
+    master_addr: str = field(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                             "rank 0's address, where the ranks meet (default: $MASTER_ADDR)")
+    master_port: int = field(int(os.environ.get("MASTER_PORT", "29500")),
+                             "rank 0's port for the ranks' store (default: $MASTER_PORT)")
+    dist_backend: str = field("gloo", "collectives between trainer ranks: gloo (CPU) or nccl (GPU)")
+    dist_timeout_s: float = field(1800.0, "deadline of a collective between trainer ranks; must exceed the longest "
+                                          "rank-0-only phase (a job's rollout_timeout_s, a weight sync)")
+    tensorboard_dir: str = field("", "write TensorBoard event files under DIR/<job_id> (default: <save>/tensorboard "
+                                     "for jobs with `save`)")
 
     def __post_init__(self) -> None:
         if self.num_threads <= 0:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
         if self.client_timeout_s <= 0:
             raise ValueError(f"client_timeout_s must be > 0, got {self.client_timeout_s}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank {self.rank} of world_size {self.world_size}")
+        if self.dist_backend not in DIST_BACKENDS:
+            raise ValueError(f"dist_backend must be one of {', '.join(DIST_BACKENDS)}, got {self.dist_backend!r}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import FailedPrecondition, NotFound
+from services.trainer.metrics import JOBS
 from services.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class JobRegistry:
         if state == JobState.FAILED:
             job.error = message
         self.record(job, state=state, message=message)
+        JOBS.labels(state=state.value).inc()
         log.info("job %s %s: %s", job.job_id, state.value.lower(), message)
 
     def _work(self) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Body, FastAPI, HTTPException
-from fastapi.responses import PlainTextResponse
+from fastapi import Body, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from services.trainer.auth import check_bearer
 from services.trainer.jobs import JobRegistry
 from services.trainer.spec import parse_spec
 
@@ -19,9 +20,19 @@ def _http_error(err: Exception) -> HTTPException:
     return HTTPException(status_code=_STATUS.get(type(err), 500), detail=str(err))
 
 
-def create_app(registry: JobRegistry) -> FastAPI:
+def create_app(registry: JobRegistry, api_token: str = "") -> FastAPI:
     app = FastAPI(title="Physarum job API", version="v1",
                   description="Submit, follow and cancel RL post-training jobs. Spec keys are slime's flag names.")
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        """/v1/* needs the bearer token when one is configured; /healthz, /metrics and /docs stay open."""
+        if request.url.path.startswith("/v1/"):
+            try:
+                check_bearer(request.headers.get("authorization"), api_token)
+            except Unauthenticated as err:
+                return JSONResponse({"detail": str(err)}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     def call(fn, *args):
         try:

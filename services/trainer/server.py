@@ -9,6 +9,7 @@ from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server
 from services.common.rest import RestServer
 from services.common.samples import dict_to_struct, struct_to_dict
+from services.trainer.auth import check_bearer
 from services.trainer.config import TrainerConfig
 from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
 from services.trainer.rest import create_app
@@ -32,27 +33,37 @@ def event_to_proto(event: JobEvent) -> jobs_pb2.JobEvent:
 
 
 class JobsServicer(jobs_pb2_grpc.JobsServicer):
-    def __init__(self, registry: JobRegistry) -> None:
+    def __init__(self, registry: JobRegistry, api_token: str = "") -> None:
         self.registry = registry
+        self.api_token = api_token
+
+    def _authorize(self, context) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        check_bearer(metadata.get("authorization"), self.api_token)
 
     @handle_errors
     async def SubmitJob(self, request, context):
+        self._authorize(context)
         return job_to_proto(self.registry.submit(parse_spec(struct_to_dict(request.spec))))
 
     @handle_errors
     async def GetJob(self, request, context):
+        self._authorize(context)
         return job_to_proto(self.registry.get(request.job_id))
 
     @handle_errors
     async def ListJobs(self, request, context):
+        self._authorize(context)
         return jobs_pb2.ListJobsResponse(jobs=[job_to_proto(j) for j in self.registry.list()])
 
     @handle_errors
     async def CancelJob(self, request, context):
+        self._authorize(context)
         return job_to_proto(self.registry.cancel(request.job_id))
 
     @handle_errors
     async def StreamEvents(self, request, context):
+        self._authorize(context)
         after = request.after_seq
         while True:
             for event in self.registry.events_after(request.job_id, after):
@@ -79,8 +90,9 @@ class TrainerServers:
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
     registry = JobRegistry(runner)
     grpc_server = await start_grpc_server(
-        [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry), "physarum.v1.Jobs")],
+        [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, config.api_token),
+                       "physarum.v1.Jobs")],
         config.host, config.port)
-    rest = RestServer(create_app(registry), config.host, config.rest_port)
+    rest = RestServer(create_app(registry, config.api_token), config.host, config.rest_port)
     await rest.start()
     return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)

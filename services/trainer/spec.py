@@ -9,7 +9,7 @@ import difflib
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from services.common.errors import InvalidArgument
 
@@ -41,26 +41,47 @@ class JobSpec(BaseModel):
     rm_type: str = "math"
     custom_rm_path: str = ""
     reward_key: str = ""
-    # Training.
+    # Training (slime's algorithm flags; Megatron's optimizer and lr-schedule flags, with their defaults).
     train_backend: Literal["fsdp"] = "fsdp"
-    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
-    advantage_estimator: Literal["grpo"] = "grpo"
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    custom_loss_function_path: str = ""    # loaded (and its signature checked) when the spec is validated
+    advantage_estimator: Literal["grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus",
+                                 "reinforce_plus_plus_baseline"] = "grpo"
     global_batch_size: int | None = None
     num_steps_per_rollout: int | None = None
     micro_batch_size: int = 1
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = None
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    value_clip: float = 0.2
+    gamma: float = 1.0
+    lambd: float = 1.0
+    num_critic_only_steps: int = 0
+    normalize_advantages: bool = False
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    use_unbiased_kl: bool = False
+    kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    use_rollout_logprobs: bool = False
     disable_grpo_std_normalization: bool = False
     disable_rewards_normalization: bool = False
     calculate_per_token_loss: bool = False
     lr: float = 1e-6
-    weight_decay: float = 0.0
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
+    lr_decay_iters: int | None = None      # None: the run's last step (num_rollout × steps per rollout)
+    weight_decay: float = 0.01
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     clip_grad: float = 1.0
     seed: int = 1234
     save_hf: str = ""                      # export the final model here ("{rollout_id}" is filled in)
@@ -96,8 +117,9 @@ class JobSpec(BaseModel):
         if steps is not None and samples % steps:
             raise ValueError(f"num_steps_per_rollout ({steps}) must divide rollout_batch_size × "
                              f"n_samples_per_prompt ({samples})")
-        if self.kl_loss_coef and not self.use_kl_loss:
-            raise ValueError("kl_loss_coef is set but use_kl_loss is false")
+        from services.trainer.train_config import train_config
+
+        train_config(self)  # the training rules (and loading custom_loss_function_path) live in TrainConfig
         return self
 
     @property
@@ -106,6 +128,104 @@ class JobSpec(BaseModel):
         if self.global_batch_size is not None:
             return self.global_batch_size
         return samples // (self.num_steps_per_rollout or 1)
+
+    @property
+    def train_iters(self) -> int:
+        """Optimizer steps of the whole run (slime: num_rollout × rollout samples // global_batch_size)."""
+        return self.num_rollout * (self.rollout_batch_size * self.n_samples_per_prompt
+                                   // self.resolved_global_batch_size)
+
+
+    # Checkpoints and debug paths (slime's flags; reference/slime.md §5.2-5.3).
+    save: str = ""                         # checkpoint root: iter_{rollout_id:07d}/ + latest_checkpointed_iteration.txt
+    save_interval: int | None = None       # also save every N rollouts (a job with `save` always saves at its end)
+    load: str = ""                         # resume from this checkpoint root (an HF directory: its weights only)
+    ckpt_step: int | None = None           # the rollout id to load instead of the latest one
+    ref_load: str = ""                     # the reference model: an HF directory or a checkpoint root
+    ref_update_interval: int | None = None  # copy the policy into the reference model every N rollouts
+    save_debug_rollout_data: str = ""      # dump each rollout's samples ("{rollout_id}" is filled in)
+    load_debug_rollout_data: str = ""      # train on dumps instead of engines (implies debug_train_only)
+    debug_rollout_only: bool = False       # generate rollouts, train nothing
+    debug_train_only: bool = False         # no engines, no buffer: needs load_debug_rollout_data
+
+    @model_validator(mode="after")
+    def _check_checkpoints_and_debug(self) -> JobSpec:
+        for name in ("save_interval", "ref_update_interval"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.ckpt_step is not None and (self.ckpt_step < 0 or not self.load):
+            raise ValueError(f"ckpt_step ({self.ckpt_step}) needs load and must be >= 0")
+        if self.save_interval is not None and not self.save:
+            raise ValueError("save_interval is set but save (the checkpoint directory) is not")
+        if (self.ref_load or self.ref_update_interval) and not (self.use_kl_loss or self.kl_coef):
+            raise ValueError("ref_load and ref_update_interval need a reference model (use_kl_loss or kl_coef)")
+        if self.debug_rollout_only and (self.debug_train_only or self.load_debug_rollout_data):
+            raise ValueError("debug_rollout_only excludes debug_train_only and load_debug_rollout_data")
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            raise ValueError("debug_train_only needs load_debug_rollout_data (there are no engines to generate with)")
+        for name in ("save_debug_rollout_data", "load_debug_rollout_data", "save_hf"):
+            try:
+                getattr(self, name).format(rollout_id=0)
+            except (KeyError, IndexError, ValueError) as err:
+                raise ValueError(f"{name}: bad pattern {getattr(self, name)!r} (only {{rollout_id}} is filled in: "
+                                 f"{err})") from None
+        return self
+
+    @property
+    def train_only(self) -> bool:
+        """No engines, manager or buffer: rollouts come from load_debug_rollout_data."""
+        return self.debug_train_only or bool(self.load_debug_rollout_data)
+
+    # Generation features (issue 5): over-sampling, dynamic filter, partial rollout, custom generate, group reward
+    # and eval (slime's flags; reference/slime.md §3). The rollout manager loads the plugins when a rollout starts.
+    over_sampling_batch_size: int | None = None  # groups leased per refill, >= rollout_batch_size (unset: the missing)
+    dynamic_sampling_filter_path: str = ""  # fn(args, samples) -> DynamicFilterOutput | bool, or a built-in's name
+    partial_rollout: bool = False  # groups aborted once the batch is full keep their tokens for the next rollout
+    mask_offpolicy_in_partial_rollout: bool = False  # an earlier rollout's tokens get loss_mask 0
+    custom_generate_function_path: str = ""  # async def generate(args, sample, sampling_params) -> Sample
+    group_rm: bool = False  # custom_rm_path is async def f(args, samples) -> list[float], called once per group
+    eval_prompt_data: list[str] = []  # "name=path" entries (slime's "name path ..." pairs are accepted)
+    eval_interval: int | None = None  # eval every N rollouts and after the last one
+    n_samples_per_eval_prompt: int = 1
+    eval_temperature: float | None = None  # None: rollout_temperature
+    eval_top_p: float | None = None  # None: rollout_top_p
+    eval_max_response_len: int | None = None  # None: rollout_max_response_len
+
+    @field_validator("eval_prompt_data")
+    @classmethod
+    def _eval_name_path_pairs(cls, value: list[str]) -> list[str]:
+        """"name=path" entries; slime's `name path name path`; a lone path is named after its file."""
+        if all("=" in entry for entry in value):
+            return value
+        if len(value) == 1:
+            return [f"{value[0].rsplit('/', 1)[-1].split('.')[0]}={value[0]}"]
+        if len(value) % 2 or any("=" in entry for entry in value):
+            raise ValueError(f"eval_prompt_data: expected name=path entries or name path pairs, got {value}")
+        return [f"{name}={path}" for name, path in zip(value[::2], value[1::2], strict=True)]
+
+    @model_validator(mode="after")
+    def _check_generation(self) -> JobSpec:
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise ValueError(f"over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= "
+                             f"rollout_batch_size ({self.rollout_batch_size})")
+        for name in ("eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len", "eval_temperature"):
+            value = getattr(self, name)
+            if value is not None and (value < 0 if name == "eval_temperature" else value <= 0):
+                raise ValueError(f"{name} must be {'>= 0' if name == 'eval_temperature' else '> 0'}, got {value}")
+        if self.eval_top_p is not None and not 0 < self.eval_top_p <= 1:
+            raise ValueError(f"eval_top_p must be in (0, 1], got {self.eval_top_p}")
+        names = [entry.split("=", 1)[0] for entry in self.eval_prompt_data]
+        for name in names:
+            if not name or not all(c.isalnum() or c in "_-." for c in name) or names.count(name) > 1:
+                raise ValueError(f"eval_prompt_data: dataset names must be unique and made of letters, digits, "
+                                 f"'_', '-' and '.', got {names}")
+        if self.eval_interval is not None and not self.eval_prompt_data:
+            raise ValueError("eval_interval is set but eval_prompt_data is empty")
+        if self.group_rm and not self.custom_rm_path:
+            raise ValueError("group_rm needs custom_rm_path (async def f(args, samples) -> list[float])")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ValueError("mask_offpolicy_in_partial_rollout needs partial_rollout")
+        return self
 
 
 def _unknown_key_message(key: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.rollout.client import RolloutConfig
 from services.trainer.spec import JobSpec
 
@@ -14,19 +16,33 @@ def rollout_config(spec: JobSpec) -> RolloutConfig:
         rollout_max_response_len=spec.rollout_max_response_len, rollout_stop=list(spec.rollout_stop),
         rollout_stop_token_ids=list(spec.rollout_stop_token_ids), rm_type=spec.rm_type,
         custom_rm_path=spec.custom_rm_path, reward_key=spec.reward_key, reward_timeout_s=spec.reward_timeout_s,
-        loss_type=spec.loss_type, lease_timeout_s=spec.lease_timeout_s, args=spec.model_dump())
+        loss_type=spec.loss_type, lease_timeout_s=spec.lease_timeout_s, args=spec.model_dump(),
+        **generation_features(spec))
+
+
+def generation_features(spec: JobSpec) -> dict:
+    """The RolloutConfig fields of issue 5 (eval sampling falls back to the rollout's)."""
+    return dict(
+        over_sampling_batch_size=spec.over_sampling_batch_size or 0,
+        dynamic_sampling_filter_path=spec.dynamic_sampling_filter_path, partial_rollout=spec.partial_rollout,
+        mask_offpolicy_in_partial_rollout=spec.mask_offpolicy_in_partial_rollout,
+        custom_generate_function_path=spec.custom_generate_function_path, group_rm=spec.group_rm,
+        eval_prompt_data=list(spec.eval_prompt_data), n_samples_per_eval_prompt=spec.n_samples_per_eval_prompt,
+        eval_temperature=spec.rollout_temperature if spec.eval_temperature is None else spec.eval_temperature,
+        eval_top_p=spec.rollout_top_p if spec.eval_top_p is None else spec.eval_top_p,
+        eval_max_response_len=spec.eval_max_response_len or spec.rollout_max_response_len,
+        input_key=spec.input_key, label_key=spec.label_key, metadata_key=spec.metadata_key,
+        apply_chat_template=spec.apply_chat_template)
 
 
 def train_config(spec: JobSpec):
+    """The backend's TrainConfig: every TrainConfig field is a spec key of the same name; lr_decay_iters defaults
+    to the run's last optimizer step, as slime sets it from num_rollout."""
     from services.trainer.backends.base import TrainConfig
 
-    return TrainConfig(
-        loss_type=spec.loss_type, advantage_estimator=spec.advantage_estimator,
-        n_samples_per_prompt=spec.n_samples_per_prompt, global_batch_size=spec.resolved_global_batch_size,
-        micro_batch_size=spec.micro_batch_size, rollout_temperature=spec.rollout_temperature,
-        eps_clip=spec.eps_clip, eps_clip_high=spec.eps_clip_high, use_kl_loss=spec.use_kl_loss,
-        kl_loss_coef=spec.kl_loss_coef, kl_loss_type=spec.kl_loss_type, entropy_coef=spec.entropy_coef,
-        disable_grpo_std_normalization=spec.disable_grpo_std_normalization,
-        disable_rewards_normalization=spec.disable_rewards_normalization,
-        calculate_per_token_loss=spec.calculate_per_token_loss, lr=spec.lr, weight_decay=spec.weight_decay,
-        adam_beta1=spec.adam_beta1, adam_beta2=spec.adam_beta2, clip_grad=spec.clip_grad, seed=spec.seed)
+    keys = type(spec).model_fields
+    values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(TrainConfig) if f.name in keys}
+    values["global_batch_size"] = spec.resolved_global_batch_size
+    if spec.lr_decay_iters is None:
+        values["lr_decay_iters"] = spec.train_iters
+    return TrainConfig(**values)

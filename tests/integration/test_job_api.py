@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import InvalidArgument, NotFound, Unauthenticated
 from services.trainer.client import JobsClient, JobsRestClient
 from services.trainer.config import TrainerConfig
 from services.trainer.server import create_server
@@ -87,3 +87,27 @@ def test_grpc_submit_stream_events_and_cancel(servers):
         states = [e["state"] for e in client.stream_events("slow", timeout_s=20)]
         assert states[-1] == "CANCELLED"
         assert {j["job_id"] for j in client.list()} >= {"grpc-1", "slow"}
+
+
+def test_a_configured_token_is_required_on_rest_and_grpc():
+    loop = asyncio.new_event_loop()
+    servers = loop.run_until_complete(create_server(TrainerConfig(port=0, rest_port=0, api_token="s3cret"), runner))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    url, grpc_addr = f"http://127.0.0.1:{servers.rest.port}", f"127.0.0.1:{servers.grpc.port}"
+    try:
+        assert httpx.get(f"{url}/v1/jobs", timeout=5).status_code == 401
+        assert httpx.get(f"{url}/v1/jobs", headers={"Authorization": "Bearer wrong"}, timeout=5).status_code == 401
+        assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200  # probes need no token
+        with JobsRestClient(url, token="s3cret") as client:
+            assert client.submit({**SPEC, "job_id": "authed"})["job_id"] == "authed"
+        with JobsRestClient(url) as client, pytest.raises(Unauthenticated, match="missing or wrong bearer token"):
+            client.list()
+        with JobsClient(grpc_addr) as client, pytest.raises(Unauthenticated, match="bearer token"):
+            client.list()
+        with JobsClient(grpc_addr, token="s3cret") as client:
+            assert "authed" in {j["job_id"] for j in client.list()}
+    finally:
+        asyncio.run_coroutine_threadsafe(servers.stop(1.0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -12,7 +12,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend, step_schedule
+from services.trainer.backends.fsdp import TorchBackend
 
 # (prompt, response, reward): two groups of n = 2, one rewarded response each.
 ROLLOUT = [("1+2=", "3", 1.0), ("1+2=", "4", 0.0), ("12+34=", "46", 0.0), ("12+34=", "55", 1.0)]
@@ -57,9 +57,11 @@ def test_log_probs_are_next_token_log_probs_at_the_rollout_temperature(tiny_mode
 @pytest.mark.parametrize("calculate_per_token_loss", [False, True])
 def test_loss_and_gradients_do_not_depend_on_micro_batching(tiny_model_dir, samples, calculate_per_token_loss):
     results = []
-    for micro_batch_size in (4, 3, 1):
-        backend = make_backend(tiny_model_dir, micro_batch_size=micro_batch_size, use_kl_loss=True,
-                               kl_loss_coef=0.1, entropy_coef=0.01, calculate_per_token_loss=calculate_per_token_loss)
+    # one micro-batch, several, one sample each, and dynamic packing (samples of 6, 6, 9, 9 tokens)
+    for batching in ({"micro_batch_size": 4}, {"micro_batch_size": 3}, {"micro_batch_size": 1},
+                     {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 14}):
+        backend = make_backend(tiny_model_dir, **batching, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
+                               calculate_per_token_loss=calculate_per_token_loss)
         for s, log_probs in zip(samples, backend.compute_log_probs(samples), strict=True):
             s.rollout_log_probs = [lp + 0.01 for lp in log_probs]
         (metrics,) = backend.train_rollout(samples)
@@ -151,12 +153,6 @@ def test_named_weights_gives_every_weight_once_under_hf_names(tiny_model_dir):
     assert "model.layers.0.self_attn.q_proj.weight" in names
 
 
-def test_step_schedule_drops_trailing_samples():
-    assert step_schedule(10, global_batch_size=4, micro_batch_size=3) == [[(0, 3), (3, 4)], [(4, 7), (7, 8)]]
-    assert step_schedule(4, global_batch_size=None, micro_batch_size=2) == [[(0, 2), (2, 4)]]
-    assert step_schedule(3, global_batch_size=4, micro_batch_size=1) == []
-
-
 def test_rollout_smaller_than_a_step_is_rejected_and_a_partial_step_dropped(tiny_model_dir, samples, caplog):
     backend = make_backend(tiny_model_dir, global_batch_size=3, micro_batch_size=3)
     with caplog.at_level(logging.WARNING):
@@ -168,11 +164,11 @@ def test_rollout_smaller_than_a_step_is_rejected_and_a_partial_step_dropped(tiny
 
 def test_train_config_defaults_and_validation():
     config = TrainConfig(eps_clip=0.3)
-    assert config.eps_clip_high == 0.3 and config.lr == 1e-6 and config.adam_beta2 == 0.98
+    assert config.eps_clip_high == 0.3 and config.lr == 1e-6 and config.adam_beta2 == 0.999
     assert replace(config, eps_clip_high=0.5).eps_clip_high == 0.5
     for kwargs, message in [
-        ({"loss_type": "value_loss"}, "loss_type must be one of policy_loss, sft_loss, got 'value_loss'"),
-        ({"advantage_estimator": "ppo"}, "advantage_estimator must be one of grpo, got 'ppo'"),
+        ({"loss_type": "value_loss"}, "loss_type must be one of policy_loss, sft_loss, custom_loss, got 'value_loss'"),
+        ({"advantage_estimator": "rloo"}, "advantage_estimator must be one of grpo, gspo, cispo, ppo, "),
         ({"kl_loss_type": "k4"}, "kl_loss_type must be one of"),
         ({"micro_batch_size": 0}, "micro_batch_size must be >= 1, got 0"),
         ({"global_batch_size": 0}, "global_batch_size must be >= 1"),
@@ -180,7 +176,8 @@ def test_train_config_defaults_and_validation():
         ({"eps_clip_high": -0.1}, "eps_clip_high must be >= 0"),
         ({"adam_beta2": 1.0}, r"adam_beta2 must be in \[0, 1\)"),
         ({"kl_loss_coef": 0.1}, "kl_loss_coef is 0.1 but use_kl_loss is false"),
-        ({"use_kl_loss": True, "loss_type": "sft_loss"}, "use_kl_loss applies to loss_type 'policy_loss' only"),
+        ({"use_kl_loss": True, "loss_type": "sft_loss"},
+         "use_kl_loss applies to loss_type 'policy_loss' or 'custom_loss', not 'sft_loss'"),
     ]:
         with pytest.raises(ValueError, match=message):
             TrainConfig(**kwargs)

@@ -1,9 +1,11 @@
 """Job-spec validation: slime's names, clear errors naming the field, slime-style argument lists."""
 
+import dataclasses
+
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer.spec import parse_spec, slime_args_to_dict
+from services.trainer.spec import JobSpec, parse_spec, slime_args_to_dict
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 4,
         "n_samples_per_prompt": 8}
@@ -29,7 +31,24 @@ def test_unknown_key_is_named_with_a_suggestion():
     ({"global_batch_size": 5}, r"global_batch_size \(5\) must divide"),
     ({"lr": "fast"}, "lr: Input should be a valid number"),
     ({"kl_loss_type": "k9"}, "kl_loss_type: Input should be 'k1', 'k2', 'k3' or 'low_var_kl'"),
-    ({"kl_loss_coef": 0.1}, "kl_loss_coef is set but use_kl_loss is false"),
+    ({"kl_loss_coef": 0.1}, "kl_loss_coef is 0.1 but use_kl_loss is false"),
+    ({"kl_coef": 0.1}, "kl_coef shapes rewards only for ppo, reinforce_plus_plus, reinforce_plus_plus_baseline; "
+                       "advantage_estimator 'grpo' ignores it"),
+    ({"kl_coef": 0.1, "advantage_estimator": "ppo", "use_kl_loss": True}, "exclude each other"),
+    ({"advantage_estimator": "reinforce_plus_plus"}, "'reinforce_plus_plus' requires normalize_advantages: true"),
+    ({"advantage_estimator": "reinforce_plus_plus_baseline"}, "requires normalize_advantages"),
+    ({"advantage_estimator": "dpo"}, "advantage_estimator: Input should be 'grpo', 'gspo', 'cispo', 'ppo'"),
+    ({"use_tis": True, "use_rollout_logprobs": True}, "use_tis and use_rollout_logprobs cannot be set together"),
+    ({"use_dynamic_batch_size": True}, "use_dynamic_batch_size needs max_tokens_per_gpu"),
+    ({"eps_clip_c": 1.0}, r"eps_clip_c must be > 1 \(dual-clip PPO\), got 1.0"),
+    ({"lr_decay_style": "step"}, "lr_decay_style: Input should be 'constant', 'linear' or 'cosine'"),
+    ({"lr_warmup_iters": 3}, r"lr_decay_iters \(3\) must be > lr_warmup_iters \(3\)"),  # 3 rollouts × 1 step
+    ({"min_lr": 1.0}, r"min_lr must be <= lr \(1e-06\)"),
+    ({"loss_type": "custom_loss"}, "loss_type 'custom_loss' and custom_loss_function_path go together"),
+    ({"loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.nope.f"},
+     "custom_loss_function_path: cannot import module 'tests.plugins.nope'"),
+    ({"loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.two_args"},
+     r"takes 2 positional parameters; expected def fn\(args, batch, logits, sum_of_sample_mean\)"),
     ({"rollout_top_p": 1.5}, r"rollout_top_p must be in \(0, 1\]"),
 ])
 def test_bad_values_name_the_field(override, message):
@@ -40,6 +59,22 @@ def test_bad_values_name_the_field(override, message):
 def test_missing_required_key_is_named():
     with pytest.raises(InvalidArgument, match="num_rollout: Field required"):
         parse_spec({k: v for k, v in BASE.items() if k != "num_rollout"})
+
+
+def test_train_config_takes_every_training_key_and_defaults_lr_decay_to_the_run():
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.train_config import train_config
+
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(JobSpec.model_fields)
+    spec = parse_spec({**BASE, "num_steps_per_rollout": 4, "advantage_estimator": "ppo", "gamma": 0.9, "kl_coef": 0.1,
+                       "loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.mean_nll"})
+    config = train_config(spec)
+    assert (config.advantage_estimator, config.gamma, config.kl_coef, config.global_batch_size) == ("ppo", 0.9, 0.1, 8)
+    assert config.custom_loss_function_path == "tests.plugins.loss_fns.mean_nll"
+    assert config.lr_decay_iters == 3 * 4  # num_rollout × steps per rollout, as slime's train_iters
+    assert train_config(parse_spec({**BASE, "lr_decay_iters": 5})).lr_decay_iters == 5
+    # Megatron's optimizer defaults, which slime keeps
+    assert (config.weight_decay, config.adam_beta2, config.lr_decay_style, config.min_lr) == (0.01, 0.999, "linear", 0)
 
 
 def test_global_batch_from_steps_per_rollout():

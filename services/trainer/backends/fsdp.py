@@ -1,7 +1,9 @@
-"""The torch backend: an HF causal LM trained in one process (float32, CPU) with AdamW and gradient accumulation.
+"""The torch backend: an HF causal LM (float32, CPU) with AdamW and gradient accumulation, in one process or
+data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`).
 
-It owns the model, the optimizer and the step schedule; formulas come from `services.trainer.algorithms`.
-FSDP2 sharding is left to a later `parallelize.py`; the weight broadcast to engines to `weight_sync.py`.
+It owns the models (policy, reference, PPO critic), the optimizers and the step loop; every formula from the forward
+outputs to the loss is in `services.trainer.rl_step` (shared with the Megatron backend). Sharding and the ranks are
+`parallel.py`'s; checkpoint files `checkpoint.py`'s; the weight broadcast to engines `weight_sync.py`'s.
 """
 
 from __future__ import annotations
@@ -10,45 +12,26 @@ import copy
 import logging
 import math
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer.algorithms.advantages import get_advantage_estimator, post_process_rewards
-from services.trainer.algorithms.losses import (
-    Reducer,
-    policy_loss_function,
-    sft_loss_function,
-    sum_of_sample_mean,
-    sum_of_token,
-    token_log_probs_and_entropy,
-)
-from services.trainer.backends.base import TrainConfig
+from services.trainer import parallel, rl_step
+from services.trainer.backends.base import TrainConfig, load_custom_loss
+from services.trainer.backends.critic import Critic
 from services.trainer.batch import RolloutBatch, build_rollout_batch
+from services.trainer.optim import lr_schedule, make_adamw, scheduled_step
+from services.trainer.schedule import MicroBatch, Step, step_schedule
 
 log = logging.getLogger(__name__)
 
 # Copied next to the weights by save_hf, so the directory is a complete model for transformers and the engines.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
-
-Rows = tuple[int, int]  # [start, end) sample rows of one micro-batch
-
-
-def step_schedule(num_samples: int, *, global_batch_size: int | None, micro_batch_size: int) -> list[list[Rows]]:
-    """Micro-batch row ranges per optimizer step: steps of global_batch_size samples (None: one step of all), each
-    cut into micro_batch_size chunks; trailing samples that do not fill a step are dropped, as in slime."""
-    step_size = global_batch_size or num_samples
-    if step_size == 0:
-        return []
-    steps = []
-    for start in range(0, num_samples - step_size + 1, step_size):
-        end = start + step_size
-        steps.append([(b, min(b + micro_batch_size, end)) for b in range(start, end, micro_batch_size)])
-    return steps
 
 
 def _load_causal_lm(path: Path):
@@ -63,17 +46,32 @@ def _load_causal_lm(path: Path):
 
 
 class TorchBackend:
-    """One process, one model: `train_rollout` runs slime's per-rollout schedule (recompute log-probs, advantages,
-    global_batch_size steps of micro_batch_size micro-batches)."""
+    """One process, one model: `train_rollout` runs slime's per-rollout schedule (recompute old / reference
+    log-probs and critic values, advantages, then global_batch_size steps of micro-batches)."""
 
-    def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None) -> None:
+    def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
+                 world: parallel.World | None = None) -> None:
         self.model_path = Path(model_path)
         self.config = config
+        self.world = world or parallel.World()
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
-        self.model = _load_causal_lm(self.model_path)
-        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if config.use_kl_loss else None
+        model = _load_causal_lm(self.model_path)
+        self._tied_names = parallel.tied_names(model)
+        ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
+        self.model = parallel.shard_model(model, self.world)
+        self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world)
+        self.critic = Critic(self.model_path, config) if config.use_critic else None
+        if self.critic is not None and self.world.distributed:  # its optimizer must hold the sharded parameters
+            parallel.shard_model(self.critic.model, self.world)
+            self.critic.optimizer = make_adamw(self.critic.model.named_parameters(), lr=config.lr,
+                                               weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+                                               adam_beta2=config.adam_beta2, adam_eps=config.adam_eps)
+        self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
+            else None
+        # data-parallel ranks: normalize_advantages all-reduces its statistics over it
+        self.dp_group = torch.distributed.group.WORLD if self.world.distributed else None
         self.optimizer = self._make_optimizer()
         pad = self.model.config.pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
@@ -87,126 +85,195 @@ class TorchBackend:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.config
-        return torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                 eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        return make_adamw(self.model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                          adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps)
 
     def load(self, path: str | Path) -> None:
-        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays)."""
-        source = _load_causal_lm(Path(path))
-        with torch.no_grad():
-            self.model.load_state_dict(source.state_dict())
+        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays).
+        Every rank calls it (each reads the directory)."""
+        parallel.load_full_state_dict(self.model, _load_causal_lm(Path(path)).state_dict(), self.world)
         self.optimizer = self._make_optimizer()
 
-    def _forward(self, model: torch.nn.Module, mb: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature."""
-        logits = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False).logits
-        rows = torch.arange(mb.size).unsqueeze(-1)
-        return token_log_probs_and_entropy(logits[rows, mb.logit_positions()], mb.response_tokens,
-                                           temperature=self.config.rollout_temperature)
+    def load_ref(self, path: str | Path) -> None:
+        """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
+        if self.ref_model is None:
+            raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
+        parallel.load_full_state_dict(self.ref_model, _load_causal_lm(Path(path)).state_dict(), self.world)
+
+    def update_ref_model(self) -> None:
+        """Copy the policy into the reference model (slime's --ref-update-interval); shard by shard under FSDP."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        set_model_state_dict(self.ref_model, get_model_state_dict(self.model))
+
+    def state_dict(self, parts: Iterable[str] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds, by part: model and optim (the policy and its optimizer), ref_model, critic and
+        critic_optim, weight_version; each rank's own shards under FSDP. parts None: every part that exists (an
+        optimizer only once it has stepped); otherwise exactly those parts, e.g. to load them."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        wanted = None if parts is None else set(parts)
+        out: dict[str, Any] = {}
+        for name, optim, model, optimizer in self._checkpoint_parts():
+            if model is not None and (wanted is None or name in wanted):
+                out[name] = get_model_state_dict(model)
+            # get_optimizer_state_dict steps a fresh optimizer (lr 0) to create its state: only to load into it.
+            if optimizer is not None and (optim in wanted if wanted is not None else bool(optimizer.state)):
+                for group in optimizer.param_groups:  # a checkpoint loads only the keys its target has
+                    group.setdefault("num_steps", 0)  # optim.scheduled_step's count of steps taken
+                out[optim] = get_optimizer_state_dict(model, optimizer)
+        if wanted is None or "weight_version" in wanted:
+            out["weight_version"] = self._weight_version
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the parts `state` holds (as `state_dict` gives them, filled in from a checkpoint)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        for name, optim, model, optimizer in self._checkpoint_parts():
+            if name in state:
+                set_model_state_dict(model, state[name])
+            if optim in state:
+                set_optimizer_state_dict(model, optimizer, state[optim])
+        if "weight_version" in state:
+            self._weight_version = int(state["weight_version"])
+
+    def _checkpoint_parts(self) -> list[tuple[str, str, torch.nn.Module | None, torch.optim.Optimizer | None]]:
+        """(model part, optimizer part, model, optimizer) of every model a checkpoint holds."""
+        parts = [("model", "optim", self.model, self.optimizer), ("ref_model", "", self.ref_model, None)]
+        if self.critic is not None:
+            parts.append(("critic", "critic_optim", self.critic.model, self.critic.optimizer))
+        return parts
+
+    def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
+        return model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False).logits
+
+    def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
+        """Response-aligned log-probs [b, R] at the rollout temperature."""
+        return rl_step.response_log_probs(self._logits(model, mb), mb, self.config, with_entropy=False)[0]
+
+    def _schedule(self, batch: RolloutBatch, global_batch_size: int | None) -> list[Step]:
+        cfg = self.config
+        return step_schedule(batch.total_lengths, global_batch_size=global_batch_size,
+                             micro_batch_size=cfg.micro_batch_size,
+                             max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None)
 
     @torch.no_grad()
-    def _recompute(self, model: torch.nn.Module, batch: RolloutBatch, micro_batches: list[Rows]) -> torch.Tensor:
-        """[B, R] log-probs without grad, in the same micro-batches the training forward will use."""
+    def _recompute(self, forward, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """[B, R] of `forward(mb) -> [b, R]` without grad, in the micro-batches the training forward will use."""
         out = torch.zeros_like(batch.loss_masks)
-        for start, end in micro_batches:
-            log_probs, _ = self._forward(model, batch.select(start, end))
-            out[start:end, :log_probs.shape[1]] = log_probs
+        for rows in micro_batches:
+            values = forward(batch.take(rows))
+            out[rows, :values.shape[1]] = values
         return out
 
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)
-        mbs = self.config.micro_batch_size
-        log_probs = self._recompute(self.model, batch, [(s, min(s + mbs, batch.size))
-                                                        for s in range(0, batch.size, mbs)])
+        (micro_batches,) = self._schedule(batch, None)
+        log_probs = self._recompute(lambda mb: self._log_probs(self.model, mb), batch, micro_batches)
         return [log_probs[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
-        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)
-        steps = step_schedule(batch.size, global_batch_size=cfg.global_batch_size,
-                              micro_batch_size=cfg.micro_batch_size)
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key)
+        steps = self._schedule(batch, cfg.global_batch_size)
         if not steps:
             raise InvalidArgument(f"rollout has {batch.size} samples, fewer than global_batch_size "
                                   f"{cfg.global_batch_size}")
-        if (used := steps[-1][-1][1]) < batch.size:
+        if (used := sum(len(mb) for step in steps for mb in step)) < batch.size:
             log.warning("dropping the last %d of %d samples: they do not fill a step of global_batch_size %d",
                         batch.size - used, batch.size, cfg.global_batch_size)
-        old_log_probs = ref_log_probs = None
-        if cfg.loss_type == "policy_loss":
-            rewards = post_process_rewards(
-                batch.rewards, advantage_estimator=cfg.advantage_estimator,
-                n_samples_per_prompt=cfg.n_samples_per_prompt,
-                rewards_normalization=not cfg.disable_rewards_normalization,
-                grpo_std_normalization=not cfg.disable_grpo_std_normalization)
-            estimator = get_advantage_estimator(cfg.advantage_estimator)
-            batch = batch.with_advantages(estimator(rewards, loss_mask=batch.loss_masks))
-            micro_batches = [rows for step in steps for rows in step]
-            old_log_probs = self._recompute(self.model, batch, micro_batches)
-            if self.ref_model is not None:
-                ref_log_probs = self._recompute(self.ref_model, batch, micro_batches)
-        metrics = [self._train_step(batch, step, old_log_probs, ref_log_probs) for step in steps]
+        # slime's --num-critic-only-steps: the first rollouts train the critic alone.
+        train_actor = self.critic is None or self._weight_version >= cfg.num_critic_only_steps
+        if cfg.loss_type != "sft_loss":
+            batch = self._prepare(batch, [mb for step in steps for mb in step], len(steps), train_actor)
+        metrics: list[dict[str, float]] = [{} for _ in steps]
+        if self.critic is not None:
+            critic_batch = batch.with_(returns=rl_step.critic_returns(batch, cfg))
+            for step_metrics, step in zip(metrics, steps, strict=True):
+                step_metrics.update(self._critic_step(critic_batch, step))
+        if train_actor:
+            for step_metrics, step in zip(metrics, steps, strict=True):
+                step_metrics.update(self._actor_step(batch, step))
         self._weight_version += 1
         return metrics
 
-    def _reducer(self, loss_mask: torch.Tensor, denominators: torch.Tensor, normalizer: float) -> Reducer:
-        if self.config.calculate_per_token_loss:
-            return lambda x: sum_of_token(x, loss_mask) / normalizer
-        return lambda x: sum_of_sample_mean(x, loss_mask, denominators=denominators) / normalizer
+    def _prepare(self, batch: RolloutBatch, micro_batches: list[MicroBatch], num_steps: int,
+                 train_actor: bool) -> RolloutBatch:
+        """Critic values, old and reference log-probs (each in the training micro-batches), then advantages."""
+        if self.critic is not None:
+            batch = batch.with_(values=self._recompute(self.critic.values, batch, micro_batches))
+        if not train_actor:
+            return batch
+        if rl_step.needs_old_log_probs(self.config, num_steps):
+            batch = batch.with_(log_probs=self._recompute(lambda mb: self._log_probs(self.model, mb), batch,
+                                                          micro_batches))
+        if self.ref_model is not None:
+            batch = batch.with_(ref_log_probs=self._recompute(lambda mb: self._log_probs(self.ref_model, mb), batch,
+                                                              micro_batches))
+        return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group)
 
-    def _train_step(self, batch: RolloutBatch, micro_batches: list[Rows], old_log_probs: torch.Tensor | None,
-                    ref_log_probs: torch.Tensor | None) -> dict[str, float]:
-        """One optimizer step over `micro_batches`; the loss is normalized by the whole step's sample (or token)
-        count, so it and its gradient do not depend on how the step is cut into micro-batches."""
+    def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
+        def loss_fn(mb: RolloutBatch, reduce):
+            return rl_step.micro_batch_loss(self.config, mb, logits=self._logits(self.model, mb), reduce=reduce,
+                                            custom_loss_fn=self.custom_loss)
+
+        metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)
+        return {f"train/{key}": value for key, value in metrics.items()}
+
+    def _critic_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
+        def loss_fn(mb: RolloutBatch, reduce):
+            return rl_step.value_loss(self.config, mb, values=self.critic.values(mb), reduce=reduce)
+
+        metrics = self._train_step(self.critic.model, self.critic.optimizer, batch, micro_batches, loss_fn)
+        return {"train/value_loss": metrics["value_loss"], "train/value_clipfrac": metrics["value_clipfrac"],
+                "train/critic_grad_norm": metrics["grad_norm"]}
+
+    def _train_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch,
+                    micro_batches: Step, loss_fn: rl_step.LossFn) -> dict[str, float]:
+        """One optimizer step over a step's micro-batches. Losses are normalized by the whole step's sample (or
+        token) count, so the loss and its gradient do not depend on how the step is cut into micro-batches."""
         cfg = self.config
-        first, last = micro_batches[0][0], micro_batches[-1][1]
         # Each sample is its own rollout here, so its denominator is its own loss-mask total (slime's
         # rollout_mask_sums with no fan-out).
-        denominators = batch.loss_masks.sum(dim=-1)
-        normalizer = (float(denominators[first:last].clamp_min(1).sum()) if cfg.calculate_per_token_loss
-                      else float(last - first))
-        self.optimizer.zero_grad(set_to_none=True)
+        mask_sums = batch.loss_masks.sum(dim=-1)
+        rows = [i for mb in micro_batches for i in mb]
+        # Over data-parallel ranks, their counts' mean: FSDP averages gradients, so the loss is the whole step's.
+        normalizer = parallel.dp_mean(rl_step.step_normalizer(cfg, mask_sums[rows]), self.world)
+        optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for start, end in micro_batches:
-            mb = batch.select(start, end)
-            log_probs, entropy = self._forward(self.model, mb)
-            reduce = self._reducer(mb.loss_masks, denominators[start:end], normalizer)
-            if cfg.loss_type == "sft_loss":
-                loss, metrics = sft_loss_function(log_probs=log_probs, reduce=reduce)
-            else:
-                width = log_probs.shape[1]
-                loss, metrics = policy_loss_function(
-                    log_probs=log_probs, entropy=entropy, old_log_probs=old_log_probs[start:end, :width],
-                    advantages=mb.advantages, reduce=reduce, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                    entropy_coef=cfg.entropy_coef,
-                    ref_log_probs=None if ref_log_probs is None else ref_log_probs[start:end, :width],
-                    kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-                    rollout_log_probs=mb.rollout_log_probs)
+        for mb_rows in micro_batches:
+            mb = batch.take(mb_rows)
+            loss, metrics = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows], normalizer))
             loss.backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.clip_grad if cfg.clip_grad > 0 else math.inf))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else math.inf))
         if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"grad norm is {grad_norm} on samples [{first}, {last}); step not applied")
-        self.optimizer.step()
-        return {**{f"train/{key}": value for key, value in totals.items()},
-                "train/grad_norm": grad_norm, "train/lr": float(self.optimizer.param_groups[0]["lr"])}
+            optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"grad norm is {grad_norm} on samples [{min(rows)}, {max(rows) + 1}); "
+                                     "step not applied")
+        lr = scheduled_step(optimizer, **lr_schedule(cfg))
+        return {**totals, "grad_norm": grad_norm, "lr": lr}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF names and tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name."""
-        seen: set[int] = set()
-        for name, tensor in self.model.state_dict().items():
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            yield name, tensor.detach()
+        """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.
+        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none."""
+        weights = parallel.full_state_dict(self.model, self.world)
+        return iter([(name, t.detach()) for name, t in weights.items() if name not in self._tied_names])
 
     def save_hf(self, path: str | Path) -> None:
+        """Write safetensors, config and tokenizer files transformers loads; under FSDP every rank calls it (the
+        weights are gathered to rank 0, which writes)."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        for name in TOKENIZER_FILES:
-            if (self.model_path / name).is_file():
-                shutil.copy2(self.model_path / name, path / name)
-        log.info("saved HF checkpoint to %s", path)
+        weights = parallel.full_state_dict(self.model, self.world)
+        if self.world.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            # transformers 5 empties the state_dict it is given: pass a copy.
+            self.model.save_pretrained(path, state_dict=dict(weights))
+            for name in TOKENIZER_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copy2(self.model_path / name, path / name)
+            log.info("saved HF checkpoint to %s", path)
+        self.world.barrier()

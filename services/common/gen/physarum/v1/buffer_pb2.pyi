@@ -138,3 +138,49 @@ class BufferStats(_message.Message):
     num_returned: int
     num_groups: int
     def __init__(self, num_prompts: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., num_leased: _Optional[int] = ..., num_returned: _Optional[int] = ..., num_groups: _Optional[int] = ...) -> None: ...
+
+class SaveStateRequest(_message.Message):
+    __slots__ = ("job_id", "rollout_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rollout_id: int
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ...) -> None: ...
+
+class DataSourceState(_message.Message):
+    __slots__ = ("num_prompts", "shuffle", "seed", "epoch", "cursor", "returned", "leased", "pending", "rollout_id")
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    num_prompts: int
+    shuffle: bool
+    seed: int
+    epoch: int
+    cursor: int
+    returned: _containers.RepeatedScalarFieldContainer[str]
+    leased: _containers.RepeatedScalarFieldContainer[str]
+    pending: _containers.RepeatedScalarFieldContainer[str]
+    rollout_id: int
+    def __init__(self, num_prompts: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., returned: _Optional[_Iterable[str]] = ..., leased: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ..., rollout_id: _Optional[int] = ...) -> None: ...
+
+class RestoreStateRequest(_message.Message):
+    __slots__ = ("job_id", "state")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: DataSourceState
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[DataSourceState, _Mapping]] = ...) -> None: ...
+
+class RestoreStateResponse(_message.Message):
+    __slots__ = ("num_requeued", "num_leases_dropped")
+    NUM_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    num_requeued: int
+    num_leases_dropped: int
+    def __init__(self, num_requeued: _Optional[int] = ..., num_leases_dropped: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,16 @@ class BufferStub:
                 request_serializer=physarum_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=physarum_dot_v1_dot_buffer__pb2.BufferStats.FromString,
                 _registered_method=True)
+        self.SaveState = channel.unary_unary(
+                '/physarum.v1.Buffer/SaveState',
+                request_serializer=physarum_dot_v1_dot_buffer__pb2.SaveStateRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_buffer__pb2.DataSourceState.FromString,
+                _registered_method=True)
+        self.RestoreState = channel.unary_unary(
+                '/physarum.v1.Buffer/RestoreState',
+                request_serializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateResponse.FromString,
+                _registered_method=True)
 
 
 class BufferServicer:
@@ -116,6 +126,19 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveState(self, request, context):
+        """The job's data-source state, for the trainer's checkpoints, and its restore when a job resumes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +176,16 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=physarum_dot_v1_dot_buffer__pb2.GetStatsRequest.FromString,
                     response_serializer=physarum_dot_v1_dot_buffer__pb2.BufferStats.SerializeToString,
+            ),
+            'SaveState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveState,
+                    request_deserializer=physarum_dot_v1_dot_buffer__pb2.SaveStateRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_buffer__pb2.DataSourceState.SerializeToString,
+            ),
+            'RestoreState': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreState,
+                    request_deserializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +377,60 @@ class Buffer:
             '/physarum.v1.Buffer/GetStats',
             physarum_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
             physarum_dot_v1_dot_buffer__pb2.BufferStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Buffer/SaveState',
+            physarum_dot_v1_dot_buffer__pb2.SaveStateRequest.SerializeToString,
+            physarum_dot_v1_dot_buffer__pb2.DataSourceState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Buffer/RestoreState',
+            physarum_dot_v1_dot_buffer__pb2.RestoreStateRequest.SerializeToString,
+            physarum_dot_v1_dot_buffer__pb2.RestoreStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,208 @@
+"""Checkpoints and debug rollout dumps on disk, in slime's layout.
+
+`{save}/iter_{rollout_id:07d}/` holds the model, optimizer and reference model (torch.distributed.checkpoint: each
+rank writes its own shards, and a load reshards to any number of ranks), each rank's RNG states and
+trainer_state.json (the rollout id and the buffer's data-source state). `latest_checkpointed_iteration.txt` names
+the newest complete one: it is rewritten last, so a save cut short leaves the previous checkpoint in force.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample, Status
+from services.trainer.parallel import World
+
+log = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+DCP_DIR = "dcp"
+
+
+class Checkpointable(Protocol):
+    def state_dict(self, parts: Iterable[str] | None = None) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainerState:
+    """What the driver needs to resume: the last rollout trained on and the buffer's data-source state."""
+
+    rollout_id: int
+    job_id: str
+    world_size: int
+    buffer: dict[str, Any] | None = None  # services.buffer.client.DataSourceState.to_dict(); None: no buffer
+
+
+def iteration_dir(root: str | Path, rollout_id: int) -> Path:
+    return Path(root) / f"iter_{rollout_id:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """The rollout id in root's latest_checkpointed_iteration.txt; None when root holds no checkpoint."""
+    path = Path(root) / LATEST_FILE
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise InvalidArgument(f"checkpoint {path}: expected a rollout id, got {text!r}")
+    return int(text)
+
+
+def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None = None,
+                               num_rollout: int | None = None) -> bool:
+    """slime's rule: every `interval` rollouts, at each epoch's end, and at the last rollout (interval None: never)."""
+    if interval is None:
+        return False
+    if num_rollout is not None and rollout_id == num_rollout - 1:
+        return True
+    step = rollout_id + 1
+    return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: str | Path, rollout_id: int, backend: Checkpointable, world: World,
+                    trainer_state: Callable[[], TrainerState]) -> Path:
+    """Every rank: write checkpoint `rollout_id` under root. `trainer_state` runs on rank 0 only, first (it takes
+    the buffer's snapshot); a failure there ends the save on every rank before anything is written."""
+    path = iteration_dir(root, rollout_id)
+
+    def write_trainer_state() -> None:
+        state = trainer_state()
+        path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
+
+    world.on_rank0(write_trainer_state)
+    with _one_process_is_intended():
+        dcp.save(backend.state_dict(), checkpoint_id=path / DCP_DIR, no_dist=not world.distributed)
+    torch.save(rng_state(), path / f"rng_rank{world.rank}.pt")
+    world.barrier()
+    if world.rank == 0:
+        _write_atomic(Path(root) / LATEST_FILE, f"{rollout_id}\n")
+        log.info("saved checkpoint %s", path)
+    return path
+
+
+def load_checkpoint(root: str | Path, backend: Checkpointable, world: World,
+                    rollout_id: int | None = None) -> TrainerState | None:
+    """Every rank: restore checkpoint `rollout_id` (default: the latest) into the backend and this rank's RNG.
+
+    Returns its TrainerState, or None when root holds no checkpoint. Parts of the backend's state that the
+    checkpoint lacks (e.g. a reference model it was saved without) keep their current values.
+    """
+    rollout_id = latest_iteration(root) if rollout_id is None else rollout_id
+    if rollout_id is None:
+        return None
+    path = iteration_dir(root, rollout_id)
+    if not (path / STATE_FILE).is_file():
+        raise InvalidArgument(f"checkpoint {path}: no {STATE_FILE} (not a complete checkpoint)")
+    state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    load_state(path / DCP_DIR, backend, world)
+    rng_path = path / f"rng_rank{world.rank}.pt"
+    if rng_path.is_file():
+        set_rng_state(torch.load(rng_path, weights_only=False))
+    else:
+        log.warning("checkpoint %s has no RNG state for rank %d (saved by %d ranks); keeping this rank's", path,
+                    world.rank, state.world_size)
+    log.info("loaded checkpoint %s (rollout %d of job %s)", path, state.rollout_id, state.job_id)
+    return state
+
+
+def load_state(path: Path, backend: Checkpointable, world: World, parts: tuple[str, ...] | None = None) -> None:
+    """Load the top-level parts (model, optim, ref_model, ...) of a DCP checkpoint that the backend has, or only
+    `parts`; the backend's parts the checkpoint lacks keep their values."""
+    try:
+        saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+    except FileNotFoundError:
+        raise InvalidArgument(f"checkpoint {path}: no torch.distributed.checkpoint metadata") from None
+    wanted = saved if parts is None else saved & set(parts)
+    missing = set(parts if parts is not None else backend.state_dict()) - saved
+    if missing:
+        log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
+    state = backend.state_dict(parts=wanted)
+    with _one_process_is_intended():
+        dcp.load(state, checkpoint_id=path, no_dist=not world.distributed)
+    backend.load_state_dict(state)
+
+
+def load_reference(root: str | Path, backend, world: World) -> None:
+    """slime's --ref-load: the reference model from an HF directory, or from the policy of a checkpoint root's
+    latest checkpoint."""
+    rollout_id = latest_iteration(root)
+    if rollout_id is None:
+        backend.load_ref(root)
+        return
+    path = iteration_dir(root, rollout_id) / DCP_DIR
+    state = {"model": backend.state_dict(parts=("ref_model",))["ref_model"]}
+    with _one_process_is_intended():
+        dcp.load(state, checkpoint_id=path, no_dist=not world.distributed)
+    backend.load_state_dict({"ref_model": state["model"]})
+    log.info("reference model from checkpoint %s", path)
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever no process group exists: that is the single-rank trainer."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ----- slime's debug rollout dumps: {"rollout_id": i, "samples": [sample dicts]} written with torch.save -----
+
+def debug_rollout_path(pattern: str, rollout_id: int) -> Path:
+    return Path(pattern.format(rollout_id=rollout_id))
+
+
+def save_debug_rollout_data(pattern: str, rollout_id: int, samples: list[Sample]) -> Path:
+    path = debug_rollout_path(pattern, rollout_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dumped = [{**dataclasses.asdict(s), "status": s.status.name} for s in samples]
+    torch.save({"rollout_id": rollout_id, "samples": dumped}, path)
+    return path
+
+
+def load_debug_rollout_data(pattern: str, rollout_id: int) -> list[Sample]:
+    path = debug_rollout_path(pattern, rollout_id)
+    if not path.is_file():
+        raise InvalidArgument(f"load_debug_rollout_data: no dump of rollout {rollout_id} at {path}")
+    data = torch.load(path, weights_only=True)
+    try:
+        return [Sample(**{**s, "status": Status[s["status"]]}) for s in data["samples"]]
+    except (KeyError, TypeError) as err:
+        raise InvalidArgument(f"load_debug_rollout_data {path}: not a rollout dump ({err})") from None

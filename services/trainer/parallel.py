@@ -1,0 +1,227 @@
+"""The trainer's ranks as one static torch.distributed world, formed at start-up from torchrun's variables.
+
+Rank 0 runs the job API and alone talks to the other services; ranks 1..N-1 (`python -m services.trainer.worker`)
+take each job from the world's store and run the same driver. Here: forming the world, handing jobs over, rank 0's
+broadcasts, a rollout's split across ranks and a model's FSDP2 sharding. Training itself is the backend's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+JOB_KEY = "physarum/job/{seq}"
+DONE_KEY = "physarum/done/{seq}/{rank}"
+STOP = b""  # the job payload that tells workers to exit
+JOB_WAIT_S = 600.0  # a worker's store wait is re-armed after this; a lost rank 0 ends it at once
+
+
+class RankAborted(RuntimeError):
+    """Raised on ranks > 0 when rank 0's part of a job failed: the job ends on every rank."""
+
+
+@dataclass
+class World:
+    """This process's place among the trainer's ranks; world_size 1 is the single-process trainer (no group)."""
+
+    rank: int = 0
+    world_size: int = 1
+    store: dist.Store | None = None
+    backend: str = "gloo"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's collectives run: its GPU under nccl, else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's `obj` on every rank (pickled)."""
+        if not self.distributed:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
+    def on_rank0(self, fn: Callable[[], T]) -> T:
+        """Run fn on rank 0 and hand its result to every rank. If it raises, rank 0 re-raises and the other ranks
+        raise RankAborted, so no rank is left waiting in a collective the others never reach."""
+        if self.rank != 0:
+            ok, value = self.broadcast(None)
+            if not ok:
+                raise RankAborted(f"rank 0 ended the job: {value}")
+            return value
+        try:
+            value = fn()
+        except BaseException as err:
+            with contextlib.suppress(Exception):  # a dead peer must not hide the original error
+                self.broadcast((False, f"{type(err).__name__}: {err}"))
+            raise
+        self.broadcast((True, value))
+        return value
+
+    def mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each key's mean over the ranks that have it."""
+        if not self.distributed:
+            return metrics
+        every: list[dict[str, float] | None] = [None] * self.world_size
+        dist.all_gather_object(every, metrics)
+        keys = sorted({k for m in every if m for k in m})
+        return {k: sum(m[k] for m in every if m and k in m) / sum(1 for m in every if m and k in m) for k in keys}
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def send_job(self, seq: int, payload: bytes) -> None:
+        """Rank 0: hand the seq-th job (its spec as JSON, or STOP) to the workers."""
+        if self.distributed:
+            self.store.set(JOB_KEY.format(seq=seq), payload)
+
+    def wait_job(self, seq: int) -> bytes:
+        """Workers: block until rank 0 hands over the seq-th job; raises DistNetworkError when rank 0 is gone."""
+        key = JOB_KEY.format(seq=seq)
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=JOB_WAIT_S))
+                return self.store.get(key)
+            except dist.DistStoreError as err:  # a timeout; a lost rank 0 raises DistNetworkError instead
+                if "timeout" not in str(err).lower():
+                    raise
+
+    def job_done(self, seq: int) -> None:
+        """Workers: tell rank 0 this rank has finished the seq-th job (however it ended)."""
+        self.store.set(DONE_KEY.format(seq=seq, rank=self.rank), b"1")
+
+    def wait_done(self, seq: int, timeout_s: float) -> list[int]:
+        """Rank 0: wait up to timeout_s for every worker to finish the seq-th job; the ranks that did not."""
+        missing = []
+        for rank in range(1, self.world_size):
+            try:
+                self.store.wait([DONE_KEY.format(seq=seq, rank=rank)], datetime.timedelta(seconds=timeout_s))
+            except dist.DistError:
+                missing.append(rank)
+        return missing
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_world(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str = "gloo",
+               timeout_s: float = 1800.0) -> World:
+    """Join the trainer's world (rank 0 hosts its store); blocks until every rank has joined or timeout_s."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if world_size == 1:
+        return World()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    log.info("rank %d of %d: joining %s:%d (%s)", rank, world_size, master_addr, master_port, backend)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    dist.init_process_group(backend, store=dist.PrefixStore("trainer", store), rank=rank, world_size=world_size,
+                            timeout=timeout)
+    log.info("rank %d of %d: the world is complete", rank, world_size)
+    return World(rank=rank, world_size=world_size, store=store, backend=backend)
+
+
+def shard_rollout(samples: Sequence[Sample], *, rank: int, world_size: int, global_batch_size: int | None,
+                  n_samples_per_prompt: int) -> list[Sample]:
+    """This rank's samples: every optimizer step's global_batch_size consecutive samples are cut into world_size
+    equal runs of whole groups, run r to rank r. Trailing samples that fill no step are dropped, as one process
+    drops them, so each rank's k-th step holds its share of the single process's k-th step."""
+    if world_size == 1:
+        return list(samples)
+    step = global_batch_size or len(samples)
+    if step % (world_size * n_samples_per_prompt):
+        raise InvalidArgument(f"with {world_size} trainer ranks, global_batch_size ({step}) must be a multiple of "
+                              f"trainer ranks × n_samples_per_prompt ({world_size} × {n_samples_per_prompt}): "
+                              "each rank trains an equal share of whole groups")
+    share = step // world_size
+    out: list[Sample] = []
+    for start in range(0, len(samples) - step + 1, step):
+        out.extend(samples[start + rank * share:start + (rank + 1) * share])
+    return out
+
+
+def shard_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    """FSDP2 over the world: fully_shard each decoder layer, then the whole model (torchtitan's order)."""
+    if not world.distributed:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    layers = _decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    log.info("sharded %s over %d ranks (%d decoder layers)", type(model).__name__, world.world_size, len(layers))
+    return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of an HF causal LM (model.model.layers) or backbone (model.layers)."""
+    for owner in (getattr(model, "model", None), model, getattr(model, "backbone", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return list(layers)
+    return []
+
+
+def full_state_dict(model: torch.nn.Module, world: World) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) weights on rank 0, on CPU; {} on the other ranks. Every rank must call it."""
+    if not world.distributed:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], world: World) -> None:
+    """Every rank: copy full weights (each rank passes the whole dict) into a sharded or a plain model."""
+    if not world.distributed:
+        with torch.no_grad():
+            model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """State-dict names whose tensor is an earlier name's (lm_head.weight under tied embeddings)."""
+    seen: set[int] = set()
+    tied = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            tied.add(name)
+        seen.add(tensor.data_ptr())
+    return tied
+
+
+def dp_mean(value: float, world: World) -> float:
+    """`value`'s mean over the ranks. FSDP averages gradients over the ranks, so a loss normalized by the mean of
+    the ranks' counts (sample or token counts of their shares of a step) is normalized by the whole step's count."""
+    if not world.distributed:
+        return value
+    total = torch.tensor([float(value)], dtype=torch.float64, device=world.device)
+    dist.all_reduce(total)
+    return float(total) / world.world_size

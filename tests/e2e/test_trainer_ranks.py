@@ -1,0 +1,138 @@
+"""End to end on a stack of its own with two trainer ranks (FSDP2 over gloo): the demo job from the CLI, a job
+killed with SIGKILL after a checkpoint and resumed with `load` on exactly the prompts of a never-stopped job, and
+rollouts dumped without training, then replayed through training without engines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from physarum import stack
+from services.common.sglang import SGLangClient
+from services.rollout.client import RolloutClient
+from services.trainer import checkpoint
+from services.trainer.client import JobsRestClient
+
+REPO = Path(__file__).resolve().parents[2]
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+@pytest.fixture(scope="module")
+def ranks_stack(session_dir, tiny_model_dir):
+    work_dir = session_dir / "stack-ranks"
+    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=1,
+                                        trainer_threads=1, trainer_ranks=2))
+    yield state
+    stack.down(work_dir)
+
+
+def job_spec(model_dir, data_path, job_id, **overrides):
+    return {"job_id": job_id, "hf_checkpoint": str(model_dir), "prompt_data": str(data_path), "num_rollout": 5,
+            "rollout_batch_size": 2, "n_samples_per_prompt": 2, "global_batch_size": 4, "rollout_shuffle": True,
+            "rollout_max_response_len": 4, "rm_type": "exact_match", "lr": 1e-4, "weight_sync_timeout_s": 30.0,
+            "lease_timeout_s": 20.0, "rollout_timeout_s": 120.0, **overrides}
+
+
+def wait(client, job_id, timeout_s=180, until=lambda job: job["state"] in TERMINAL):
+    deadline = time.monotonic() + timeout_s
+    while not until(job := client.get(job_id)):
+        assert time.monotonic() < deadline, f"job {job_id} still {job['state']}"
+        time.sleep(0.2)
+    return job
+
+
+def run(state, spec):
+    with JobsRestClient(state["trainer_url"], timeout_s=30) as client:
+        job = wait(client, client.submit(spec)["job_id"])
+        return job, client.events(job["job_id"])
+
+
+def prompt_indices(pattern: str, num_rollout: int) -> list[list[int]]:
+    """Per rollout, the prompt (dataset index) of each group it trained on, from its debug dump."""
+    return [sorted({s.group_index for s in checkpoint.load_debug_rollout_data(pattern, r)}) for r in range(num_rollout)]
+
+
+def test_cli_runs_the_demo_job_on_two_trainer_ranks(ranks_stack, tiny_model_dir, addition_task, tmp_path):
+    train_path, _ = addition_task
+    overrides = {"train_backend": "fsdp", "hf_checkpoint": tiny_model_dir, "prompt_data": train_path,
+                 "num_rollout": 2, "rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 8,
+                 "micro_batch_size": 2, "job_id": "demo-fsdp", "save_hf": tmp_path / "hf"}
+    cli = [sys.executable, "-m", "physarum", "--work-dir", ranks_stack["work_dir"], "submit",
+           str(REPO / "examples" / "demo" / "job.yaml"), "--wait"]
+    for key, value in overrides.items():
+        cli += ["--set", f"{key}={value}"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "demo-fsdp: SUCCEEDED" in done.stdout
+    # rank 0 gathered the sharded weights for the export and for the engines: they hold the same version 2
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    with RolloutClient(ranks_stack["rollout_addr"]) as rollout:
+        engines, _ = rollout.list_engines()
+    for engine in engines:
+        with SGLangClient(engine.url) as client:
+            assert client.model_info()["weight_version"] == "2"
+            got = client.get_weights_by_name(name, truncate_size=64)
+            assert got == pytest.approx(exported[name].flatten()[:64].tolist(), abs=1e-7)
+    metrics = httpx.get(f"{ranks_stack['trainer_url']}/metrics", timeout=10).text
+    assert "physarum_trainer_train_grad_norm " in metrics and "physarum_trainer_rollouts_total" in metrics
+
+
+def test_a_job_killed_after_a_checkpoint_resumes_on_the_prompts_of_a_never_stopped_job(
+        ranks_stack, tiny_model_dir, addition_task, tmp_path):
+    train_path, _ = addition_task
+    never_stopped, _ = run(ranks_stack, job_spec(tiny_model_dir, train_path, "never-stopped",
+                                                 save_debug_rollout_data=str(tmp_path / "ref" / "{rollout_id}.pt")))
+    assert never_stopped["state"] == "SUCCEEDED", never_stopped["error"]
+
+    save = tmp_path / "ckpt"
+    spec = job_spec(tiny_model_dir, train_path, "stopped", save=str(save), save_interval=2,
+                    save_debug_rollout_data=str(tmp_path / "run" / "{rollout_id}.pt"))
+    with JobsRestClient(ranks_stack["trainer_url"], timeout_s=30) as client:
+        job = wait(client, client.submit(spec)["job_id"], until=lambda job: job["rollout_id"] >= 2
+                   or job["state"] in TERMINAL)
+        assert job["state"] == "RUNNING", job
+    killed = [e for e in stack.read_state(ranks_stack["work_dir"])["processes"] if e["name"].startswith("trainer")]
+    assert len(killed) == 2 and all(stack._owned(e) for e in killed)
+    for entry in killed:
+        os.kill(entry["pid"], signal.SIGKILL)
+    latest = checkpoint.latest_iteration(save)
+    assert latest is not None and latest >= 1
+
+    stack.restart_trainer(ranks_stack["work_dir"])
+    resumed, events = run(ranks_stack, {**spec, "load": str(save)})
+    assert resumed["state"] == "SUCCEEDED", resumed["error"]
+    trained = sorted({e["rollout_id"] for e in events if "train/loss" in e["metrics"]})
+    assert trained == list(range(latest + 1, 5))
+    assert any(f"at rollout {latest + 1}" in e["message"] for e in events)
+    expected = prompt_indices(str(tmp_path / "ref" / "{rollout_id}.pt"), 5)
+    assert prompt_indices(str(tmp_path / "run" / "{rollout_id}.pt"), 5) == expected
+    assert len({i for rollout in expected for i in rollout}) == 10  # no prompt twice
+
+
+def test_rollouts_dumped_without_training_replay_through_training_without_engines(
+        ranks_stack, tiny_model_dir, addition_task, tmp_path):
+    train_path, _ = addition_task
+    pattern = str(tmp_path / "dump" / "{rollout_id}.pt")
+    generated, events = run(ranks_stack, job_spec(tiny_model_dir, train_path, "rollout-only", num_rollout=1,
+                                                  debug_rollout_only=True, save_debug_rollout_data=pattern))
+    assert generated["state"] == "SUCCEEDED", generated["error"]
+    metrics = [e["metrics"] for e in events if e["metrics"]]
+    assert len(metrics) == 1 and "rollout/reward_mean" in metrics[0] and "train/loss" not in metrics[0]
+    samples = checkpoint.load_debug_rollout_data(pattern, 0)
+    assert len(samples) == 4 and all(s.response_length > 0 and s.rollout_log_probs for s in samples)
+
+    replayed, events = run(ranks_stack, job_spec(tiny_model_dir, "unused.jsonl", "train-only", num_rollout=1,
+                                                 load_debug_rollout_data=pattern))
+    assert replayed["state"] == "SUCCEEDED", replayed["error"]
+    (metrics,) = [e["metrics"] for e in events if e["metrics"]]
+    assert metrics["rollout/reward_mean"] == pytest.approx(sum(s.reward for s in samples) / 4)
+    assert "train/loss" in metrics and "perf/update_weights_seconds" not in metrics  # no engines were involved

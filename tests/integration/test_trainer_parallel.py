@@ -1,0 +1,82 @@
+"""Two FSDP2 trainer ranks (processes, gloo) train exactly like one process on the same rollouts: the same
+per-step losses and metrics, the same weights in their HF export, and a checkpoint one process resumes from."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from physarum.procs import ManagedProcess, free_port, python_module
+from services.trainer import checkpoint
+from services.trainer.loop import make_backend
+from services.trainer.parallel import World, shard_rollout
+from services.trainer.spec import parse_spec
+from tests.integration.trainer_ranks import BASE, CASES, NUM_ROLLOUTS, make_samples, run_case
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two-ranks")
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.getcwd()}
+    ranks = [ManagedProcess(f"rank{rank}", python_module("tests.integration.trainer_ranks", str(out),
+                                                         str(tiny_model_dir)),
+                            out / f"rank{rank}.log", env={**env, "RANK": str(rank)}).start() for rank in range(2)]
+    try:
+        for rank in ranks:
+            assert rank.popen.wait(timeout=240) == 0, rank.log_tail()
+    finally:
+        for rank in ranks:
+            rank.stop()
+    return out, json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one-rank")
+    return out, {name: run_case(name, tiny_model_dir, out, World()) for name in CASES}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_give_the_losses_of_one_process(two_ranks, one_rank, case):
+    dp_metrics, (single_metrics, _) = two_ranks[1][case], one_rank[1][case]
+    assert len(dp_metrics) == NUM_ROLLOUTS and all(len(steps) == 2 for steps in dp_metrics)
+    for dp_steps, single_steps in zip(dp_metrics, single_metrics, strict=True):
+        for dp, single in zip(dp_steps, single_steps, strict=True):
+            assert dp.keys() == single.keys()
+            for key, value in single.items():
+                assert dp[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert abs(single_metrics[1][1]["train/ppo_kl"]) > 1e-6  # the second step saw the policy the first one moved
+    if case == "per_token_kl":  # the reference model followed the policy (ref_update_interval 1)
+        assert single_metrics[1][0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_save_hf_of_the_sharded_model_loads_in_transformers(two_ranks, one_rank):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, backend = one_rank[1]["grpo"]
+    expected = dict(backend.named_weights())
+    exported = AutoModelForCausalLM.from_pretrained(two_ranks[0] / "grpo" / "hf", dtype=torch.float32).state_dict()
+    assert set(exported) - set(expected) == {"lm_head.weight"}  # tied to the embeddings
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, atol=2e-6, rtol=0, msg=name)
+    tokenizer = AutoTokenizer.from_pretrained(two_ranks[0] / "grpo" / "hf")
+    assert tokenizer.decode(tokenizer.encode("12+34=")) == "12+34="
+
+
+def test_one_process_resumes_a_two_rank_checkpoint_exactly(two_ranks, one_rank, tiny_model_dir):
+    _, reference = one_rank[1]["grpo"]
+    spec = parse_spec({**BASE, "hf_checkpoint": str(tiny_model_dir)})
+    resumed = make_backend(spec, World(), num_threads=1)
+    state = checkpoint.load_checkpoint(two_ranks[0] / "grpo" / "ckpt", resumed, World())
+    assert (state.rollout_id, state.world_size, resumed.weight_version) == (NUM_ROLLOUTS - 1, 2, NUM_ROLLOUTS)
+    samples = make_samples(tiny_model_dir)
+    shard = shard_rollout(samples, rank=0, world_size=1, global_batch_size=4, n_samples_per_prompt=2)
+    # The next rollout trains the same way from the checkpoint as from the never-stopped model: the optimizer's
+    # moments and step counts, and the learning-rate schedule, came back.
+    for got, want in zip(resumed.train_rollout(shard), reference.train_rollout(shard), strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

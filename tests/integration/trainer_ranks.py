@@ -1,0 +1,79 @@
+"""One trainer rank of the data-parallel parity test: `python -m tests.integration.trainer_ranks OUT MODEL` with
+torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. The test runs the same cases in one process (`run_cases`
+with a single-rank World) and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from services.common.samples import Sample
+
+# (prompt, response, reward) in groups of n = 2: a rollout of 8 samples, two optimizer steps of 4.
+ROLLOUT = [("1+2=", "3", 1.0), ("1+2=", "4", 0.0), ("12+34=", "46", 1.0), ("12+34=", "55", 0.0),
+           ("7+8=", "15", 0.0), ("7+8=", "16", 1.0), ("30+4=", "34", 1.0), ("30+4=", "3", 0.0)]
+BASE = {"hf_checkpoint": "", "prompt_data": "unused.jsonl", "num_rollout": 3, "rollout_batch_size": 4,
+        "n_samples_per_prompt": 2, "global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-3, "weight_decay": 0.0,
+        "lr_decay_style": "linear", "lr_warmup_iters": 1, "clip_grad": 0.5}
+CASES = {
+    "grpo": {},
+    "per_token_kl": {"calculate_per_token_loss": True, "use_kl_loss": True, "kl_loss_coef": 0.1,
+                     "entropy_coef": 0.01, "ref_update_interval": 1},
+}
+NUM_ROLLOUTS = 2
+
+
+def make_samples(model_dir: Path) -> list[Sample]:
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    out = []
+    for i, (prompt, response, reward) in enumerate(ROLLOUT):
+        response_ids = [vocab[c] for c in response] + [vocab["<|endoftext|>"]]
+        loss_mask = [1] * len(response_ids)
+        if i == 2:
+            loss_mask[1] = 0  # a masked token in the middle
+        out.append(Sample(tokens=[vocab[c] for c in prompt] + response_ids, response_length=len(response_ids),
+                          reward=reward, loss_mask=loss_mask, group_index=i // 2, index=i % 2))
+    return out
+
+
+def run_case(name: str, model_dir: Path, out_dir: Path, world):
+    """Train NUM_ROLLOUTS rollouts of the case; export HF and a checkpoint. Returns per rollout, per step, the
+    metrics averaged over the ranks, and the backend."""
+    from services.trainer import checkpoint
+    from services.trainer.loop import make_backend
+    from services.trainer.parallel import shard_rollout
+    from services.trainer.spec import parse_spec
+
+    spec = parse_spec({**BASE, **CASES[name], "hf_checkpoint": str(model_dir)})
+    backend = make_backend(spec, world, num_threads=1)
+    samples = make_samples(model_dir)
+    metrics = []
+    for _ in range(NUM_ROLLOUTS):
+        shard = shard_rollout(samples, rank=world.rank, world_size=world.world_size,
+                              global_batch_size=spec.global_batch_size, n_samples_per_prompt=spec.n_samples_per_prompt)
+        metrics.append([world.mean(step) for step in backend.train_rollout(shard)])
+        if spec.ref_update_interval:
+            backend.update_ref_model()
+    backend.save_hf(out_dir / name / "hf")
+    checkpoint.save_checkpoint(out_dir / name / "ckpt", NUM_ROLLOUTS - 1, backend, world,
+                               lambda: checkpoint.TrainerState(NUM_ROLLOUTS - 1, name, world.world_size))
+    return metrics, backend
+
+
+def main(out_dir: str, model_dir: str) -> None:
+    from services.trainer.config import TrainerConfig
+    from services.trainer.parallel import init_world
+
+    config = TrainerConfig()
+    world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
+                       master_port=config.master_port, timeout_s=120)
+    results = {name: run_case(name, Path(model_dir), Path(out_dir), world)[0] for name in CASES}
+    if world.rank == 0:
+        (Path(out_dir) / "metrics.json").write_text(json.dumps(results))
+    world.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
