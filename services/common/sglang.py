@@ -1,7 +1,9 @@
-"""A client for the SGLang HTTP API of one engine (a real SGLang server or Physarum's CPU engine).
+"""Clients for the SGLang HTTP API of one engine (a real SGLang server or Physarum's CPU engine).
 
 Speaks exactly SGLang's request and response shapes (reference/sglang-protocol.md §3); every call has a timeout.
-Admin calls go to each engine directly: the router answers 404 for them.
+Admin calls go to each engine directly: the router answers 404 for them. Tolerates SGLang releases: `/model_info` or
+the older `/get_model_info` (and `/server_info` or `/get_server_info`); `/begin_weight_update` and
+`/end_weight_update` present (0.5.23+, then required) or absent (older releases, then skipped).
 """
 
 from __future__ import annotations
@@ -10,9 +12,53 @@ from typing import Any
 
 import httpx
 
-from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+FALLBACKS = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}  # newer path -> older one
+
+
+def _reply(url: str, path: str, reply: httpx.Response) -> Any:
+    """The JSON (or text, or None) of a reply; NotFound on 404, FailedPrecondition on any other error status."""
+    if reply.status_code == 404:
+        raise NotFound(f"engine {url}: {path} -> HTTP 404: {reply.text[:200]}")
+    if reply.status_code >= 400:
+        raise FailedPrecondition(f"engine {url}: {path} -> HTTP {reply.status_code}: {reply.text[:500]}")
+    if not reply.content:
+        return None
+    try:
+        return reply.json()
+    except ValueError:
+        return reply.text
+
+
+def _checked(url: str, path: str, result: Any) -> Any:
+    """A weight-update reply: SGLang answers {"success": bool, "message": str}."""
+    if isinstance(result, dict) and result.get("success") is False:
+        raise FailedPrecondition(f"engine {url}: {path} failed: {result.get('message')}")
+    return result
+
+
+def _transport_error(url: str, path: str, timeout_s: float, err: httpx.TransportError) -> Exception:
+    if isinstance(err, httpx.TimeoutException):
+        return DeadlineExceeded(f"engine {url}: no {path} reply in {timeout_s} s")
+    return Unavailable(f"engine {url}: {path}: {type(err).__name__}: {err}")
+
+
+def update_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+                      backend: str) -> dict:
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def distributed_update_body(names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str | None,
+                            group_name: str, flush_cache: bool = True) -> dict:
+    return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": weight_version}
+
+
+def disk_update_body(model_path: str, weight_version: str | None, abort_all_requests: bool = False) -> dict:
+    return {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": abort_all_requests}
 
 
 class SGLangClient:
@@ -22,29 +68,24 @@ class SGLangClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.weight_sessions: bool | None = None  # whether /begin_weight_update exists; None until first asked
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
+        timeout_s = timeout_s or self.timeout_s
         try:
-            reply = self.http.request(method, path, json=body, timeout=timeout_s or self.timeout_s)
-        except httpx.TimeoutException as err:
-            raise DeadlineExceeded(f"engine {self.url}: no {path} reply in {timeout_s or self.timeout_s} s") from err
+            reply = self.http.request(method, path, json=body, timeout=timeout_s)
         except httpx.TransportError as err:
-            raise Unavailable(f"engine {self.url}: {path}: {type(err).__name__}: {err}") from err
-        if reply.status_code >= 400:
-            raise FailedPrecondition(f"engine {self.url}: {path} -> HTTP {reply.status_code}: {reply.text[:500]}")
-        if not reply.content:
-            return None
-        try:
-            return reply.json()
-        except ValueError:
-            return reply.text
+            raise _transport_error(self.url, path, timeout_s, err) from err
+        return _reply(self.url, path, reply)
 
-    def _checked(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
-        """POST a weight-update call; SGLang answers {"success": bool, "message": str}."""
-        result = self._request("POST", path, body, timeout_s)
-        if isinstance(result, dict) and result.get("success") is False:
-            raise FailedPrecondition(f"engine {self.url}: {path} failed: {result.get('message')}")
-        return result
+    def _get_with_fallback(self, path: str) -> Any:
+        try:
+            return self._request("GET", path)
+        except NotFound:
+            return self._request("GET", FALLBACKS[path])
+
+    def _post_checked(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
+        return _checked(self.url, path, self._request("POST", path, body, timeout_s))
 
     def health(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -59,14 +100,10 @@ class SGLangClient:
             return False
 
     def model_info(self) -> dict:
-        """`/model_info`, falling back to the deprecated `/get_model_info` of older SGLang releases."""
-        try:
-            return self._request("GET", "/model_info")
-        except FailedPrecondition:
-            return self._request("GET", "/get_model_info")
+        return self._get_with_fallback("/model_info")
 
     def server_info(self) -> dict:
-        return self._request("GET", "/server_info")
+        return self._get_with_fallback("/server_info")
 
     def weight_version(self) -> str:
         return str(self.model_info().get("weight_version", "default"))
@@ -89,39 +126,40 @@ class SGLangClient:
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo",
                                   timeout_s: float | None = None) -> dict:
-        return self._checked("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s)
+        body = update_group_body(master_address, master_port, rank_offset, world_size, group_name, backend)
+        return self._post_checked("/init_weights_update_group", body, timeout_s)
+
+    def _session(self, path: str, body: dict) -> dict | None:
+        """/begin_weight_update or /end_weight_update; None on releases without update sessions (404, remembered)."""
+        if self.weight_sessions is False:
+            return None
+        try:
+            result = self._post_checked(path, body)
+        except NotFound:
+            self.weight_sessions = False
+            return None
+        self.weight_sessions = True
+        return result
 
     def begin_weight_update(self) -> dict | None:
-        """Open an update session; older SGLang releases have no such endpoint (404), which is fine."""
-        try:
-            return self._checked("/begin_weight_update", {"selector": "all"})
-        except FailedPrecondition as err:
-            if "HTTP 404" in str(err):
-                return None
-            raise
+        return self._session("/begin_weight_update", {"selector": "all"})
+
+    def end_weight_update(self) -> dict | None:
+        return self._session("/end_weight_update", {})
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         weight_version: str | None = None, group_name: str = DEFAULT_GROUP_NAME,
                                         flush_cache: bool = True, timeout_s: float | None = None) -> dict:
-        return self._checked("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": weight_version}, timeout_s)
-
-    def end_weight_update(self) -> dict | None:
-        try:
-            return self._checked("/end_weight_update", {})
-        except FailedPrecondition as err:
-            if "HTTP 404" in str(err):
-                return None
-            raise
+        body = distributed_update_body(names, dtypes, shapes, weight_version, group_name, flush_cache)
+        return self._post_checked("/update_weights_from_distributed", body, timeout_s)
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
-        return self._checked("/destroy_weights_update_group", {"group_name": group_name})
+        return self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict:
-        return self._checked("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 abort_all_requests: bool = False, timeout_s: float | None = None) -> dict:
+        return self._post_checked("/update_weights_from_disk",
+                                  disk_update_body(model_path, weight_version, abort_all_requests), timeout_s)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
@@ -134,3 +172,63 @@ class SGLangClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncSGLangClient:
+    """The calls a controller of many engines makes (health, version, disk loads, aborts), over one shared
+    httpx.AsyncClient; each call names its engine URL and has a timeout."""
+
+    def __init__(self, timeout_s: float = 30.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.http = httpx.AsyncClient(timeout=timeout_s, transport=transport,
+                                      limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+
+    async def _request(self, url: str, method: str, path: str, body: dict | None = None,
+                       timeout_s: float | None = None) -> Any:
+        timeout_s = timeout_s or self.timeout_s
+        try:
+            reply = await self.http.request(method, url.rstrip("/") + path, json=body, timeout=timeout_s)
+        except httpx.TransportError as err:
+            raise _transport_error(url, path, timeout_s, err) from err
+        return _reply(url, path, reply)
+
+    async def _get_with_fallback(self, url: str, path: str, timeout_s: float | None = None) -> Any:
+        try:
+            return await self._request(url, "GET", path, timeout_s=timeout_s)
+        except NotFound:
+            return await self._request(url, "GET", FALLBACKS[path], timeout_s=timeout_s)
+
+    async def _ok(self, url: str, path: str, timeout_s: float) -> bool:
+        try:
+            reply = await self.http.get(url.rstrip("/") + path, timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    async def health(self, url: str, timeout_s: float = 5.0) -> bool:
+        return await self._ok(url, "/health", timeout_s)
+
+    async def health_generate(self, url: str, timeout_s: float = 5.0) -> bool:
+        return await self._ok(url, "/health_generate", timeout_s)
+
+    async def model_info(self, url: str, timeout_s: float | None = None) -> dict:
+        return await self._get_with_fallback(url, "/model_info", timeout_s)
+
+    async def server_info(self, url: str, timeout_s: float | None = None) -> dict:
+        return await self._get_with_fallback(url, "/server_info", timeout_s)
+
+    async def weight_version(self, url: str, timeout_s: float | None = None) -> str:
+        return str((await self.model_info(url, timeout_s)).get("weight_version", "default"))
+
+    async def abort_request(self, url: str, rid: str = "", abort_all: bool = False,
+                            timeout_s: float | None = None) -> None:
+        await self._request(url, "POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, timeout_s)
+
+    async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str | None = None,
+                                       timeout_s: float | None = None) -> dict:
+        result = await self._request(url, "POST", "/update_weights_from_disk",
+                                     disk_update_body(model_path, weight_version), timeout_s)
+        return _checked(url, "/update_weights_from_disk", result)
+
+    async def close(self) -> None:
+        await self.http.aclose()

@@ -1,4 +1,5 @@
-"""The rollout service's records (RolloutConfig, RolloutStatus, EngineInfo), their proto conversion, and its client.
+"""The rollout service's records (RolloutConfig, RolloutStatus, EngineInfo, PoolStatus), their proto conversion, and
+its client.
 
 Imports only the shared package, so the trainer can use it without pulling in the manager or the pool.
 """
@@ -37,6 +38,22 @@ class RolloutConfig:
     loss_type: str = "policy_loss"  # "sft_loss": samples are prompt + label, no generation
     lease_timeout_s: float = 300.0
     args: dict[str, Any] = field(default_factory=dict)  # the whole job spec, for plugins
+    # Generation features (issue 5); see services/rollout/manager.py.
+    over_sampling_batch_size: int = 0  # groups leased per refill; 0: rollout_batch_size
+    dynamic_sampling_filter_path: str = ""
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    custom_generate_function_path: str = ""
+    group_rm: bool = False
+    eval_prompt_data: list[str] = field(default_factory=list)  # "name=path"
+    n_samples_per_eval_prompt: int = 1
+    eval_temperature: float = 1.0
+    eval_top_p: float = 1.0
+    eval_max_response_len: int = 1024
+    input_key: str = "input"  # the eval datasets' keys
+    label_key: str = ""
+    metadata_key: str = "metadata"
+    apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -51,6 +68,27 @@ class RolloutConfig:
             raise InvalidArgument(f"rollout config: rollout_temperature must be >= 0, got {self.rollout_temperature}")
         if not 0 < self.rollout_top_p <= 1:
             raise InvalidArgument(f"rollout config: rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
+        self._check_generation_features()
+
+    def _check_generation_features(self) -> None:
+        if self.over_sampling_batch_size and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise InvalidArgument(f"rollout config: over_sampling_batch_size ({self.over_sampling_batch_size}) must "
+                                  f"be >= rollout_batch_size ({self.rollout_batch_size}), or 0")
+        for name in ("n_samples_per_eval_prompt", "eval_max_response_len"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"rollout config: {name} must be > 0, got {getattr(self, name)}")
+        if self.eval_temperature < 0 or not 0 < self.eval_top_p <= 1:
+            raise InvalidArgument(f"rollout config: eval_temperature must be >= 0 and eval_top_p in (0, 1], got "
+                                  f"{self.eval_temperature} and {self.eval_top_p}")
+        for entry in self.eval_prompt_data:
+            name, _, path = entry.partition("=")
+            if not name or not path:
+                raise InvalidArgument(f"rollout config: eval_prompt_data entry {entry!r} is not 'name=path'")
+
+    @property
+    def eval_datasets(self) -> dict[str, str]:
+        """eval_prompt_data as {name: path}, in order."""
+        return dict(entry.split("=", 1) for entry in self.eval_prompt_data)
 
 
 class RolloutState(enum.Enum):
@@ -76,6 +114,60 @@ class EngineInfo:
     healthy: bool = False
 
 
+class EngineState(enum.Enum):
+    STARTING = rollout_pb2.ENGINE_STATE_STARTING  # launched, not answering /health yet
+    JOINING = rollout_pb2.ENGINE_STATE_JOINING  # answers /health; gets the current weights before any request
+    SERVING = rollout_pb2.ENGINE_STATE_SERVING  # registered with the router
+    DRAINING = rollout_pb2.ENGINE_STATE_DRAINING  # leaving: deregistered, its requests aborted (retried elsewhere)
+    FAILED = rollout_pb2.ENGINE_STATE_FAILED  # dead or hung: deregistered, being replaced
+
+
+@dataclass
+class EngineStatus:
+    """One engine of the pool as its controller sees it (proto EngineStatus)."""
+
+    name: str
+    url: str
+    state: EngineState
+    pid: int = 0  # local processes only
+    weight_version: str = ""  # the version it is known to hold in full ("" if none yet)
+    healthy: bool = False
+    load: int = 0  # requests in flight, as the router counts them
+    external: bool = False  # not launched by the pool: never replaced
+
+
+@dataclass
+class ScaleEvent:
+    time_s: float  # unix time
+    kind: str  # scale, launch, join, demote, drain, stop, fail
+    engine: str = ""
+    detail: str = ""
+
+
+@dataclass
+class PoolStatus:
+    desired_replicas: int
+    engines: list[EngineStatus] = field(default_factory=list)
+    weight_version: str = ""  # the trainer's current version ("" before its first sync)
+    join_mode: str = "disk"
+    snapshot_dir: str = ""
+    router_url: str = ""
+    rest_url: str = ""
+    events: list[ScaleEvent] = field(default_factory=list)
+    weight_sync_in_progress: bool = False
+
+    def count(self, *states: EngineState) -> int:
+        return sum(e.state in states for e in self.engines)
+
+
+@dataclass
+class WeightSyncPlan:
+    """What the pool answers BeginWeightSync: the engines to broadcast to, and where to write a snapshot."""
+
+    engine_urls: list[str]
+    snapshot_dir: str = ""
+
+
 def config_to_proto(config: RolloutConfig) -> rollout_pb2.RolloutConfig:
     values = dataclasses.asdict(config)
     return rollout_pb2.RolloutConfig(**{**values, "args": dict_to_struct(values["args"])})
@@ -85,7 +177,7 @@ def config_from_proto(msg: rollout_pb2.RolloutConfig) -> RolloutConfig:
     """Raises InvalidArgument naming the bad field."""
     values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(RolloutConfig)}
     values.update(rollout_stop=list(msg.rollout_stop), rollout_stop_token_ids=list(msg.rollout_stop_token_ids),
-                  args=struct_to_dict(msg.args))
+                  args=struct_to_dict(msg.args), eval_prompt_data=list(msg.eval_prompt_data))
     return RolloutConfig(**values)
 
 
@@ -103,6 +195,23 @@ def status_from_proto(msg: rollout_pb2.RolloutStatus) -> RolloutStatus:
 
 def engine_to_proto(info: EngineInfo) -> rollout_pb2.EngineInfo:
     return rollout_pb2.EngineInfo(url=info.url, weight_version=info.weight_version, healthy=info.healthy)
+
+
+def pool_status_to_proto(status: PoolStatus) -> rollout_pb2.PoolStatus:
+    values = dataclasses.asdict(status)
+    engines = [rollout_pb2.EngineStatus(**{**dataclasses.asdict(e), "state": e.state.value}) for e in status.engines]
+    return rollout_pb2.PoolStatus(**{**values, "engines": engines,
+                                     "events": [rollout_pb2.ScaleEvent(**e) for e in values["events"]]})
+
+
+def pool_status_from_proto(msg: rollout_pb2.PoolStatus) -> PoolStatus:
+    engines = [EngineStatus(name=e.name, url=e.url, state=EngineState(e.state), pid=e.pid,
+                            weight_version=e.weight_version, healthy=e.healthy, load=e.load, external=e.external)
+               for e in msg.engines]
+    events = [ScaleEvent(time_s=e.time_s, kind=e.kind, engine=e.engine, detail=e.detail) for e in msg.events]
+    return PoolStatus(desired_replicas=msg.desired_replicas, engines=engines, weight_version=msg.weight_version,
+                      join_mode=msg.join_mode, snapshot_dir=msg.snapshot_dir, router_url=msg.router_url,
+                      rest_url=msg.rest_url, events=events, weight_sync_in_progress=msg.weight_sync_in_progress)
 
 
 class RolloutClient(GrpcClient):
@@ -124,8 +233,42 @@ class RolloutClient(GrpcClient):
         request = rollout_pb2.GetRolloutStatusRequest(job_id=job_id, rollout_id=rollout_id)
         return status_from_proto(self.call(self.stub.GetRolloutStatus, request, idempotent=True))
 
+    def run_eval(self, config: RolloutConfig, rollout_id: int, weight_version: str,
+                 timeout_s: float = 600.0) -> dict[str, float]:
+        """Evaluate on config.eval_prompt_data and wait: eval/<name>, eval/<name>-pass@k, ... (issue 5).
+
+        Idempotent per (job_id, rollout_id): a retried call joins the eval already running.
+        """
+        request = rollout_pb2.RunEvalRequest(config=config_to_proto(config), rollout_id=rollout_id,
+                                             weight_version=weight_version)
+        return dict(self.call(self.stub.RunEval, request, timeout_s=timeout_s, idempotent=True).metrics)
+
     def list_engines(self) -> tuple[list[EngineInfo], str]:
         """The pool's engines and the router URL."""
         reply = self.call(self.stub.ListEngines, rollout_pb2.ListEnginesRequest(), idempotent=True)
         engines = [EngineInfo(url=e.url, weight_version=e.weight_version, healthy=e.healthy) for e in reply.engines]
         return engines, reply.router_url
+
+    def scale(self, replicas: int) -> PoolStatus:
+        """Set the pool's desired number of engines (it gets there in the background); returns its state."""
+        reply = self.call(self.stub.Scale, rollout_pb2.ScaleRequest(replicas=replicas), idempotent=True)
+        return pool_status_from_proto(reply)
+
+    def pool_status(self) -> PoolStatus:
+        reply = self.call(self.stub.GetPoolStatus, rollout_pb2.GetPoolStatusRequest(), idempotent=True)
+        return pool_status_from_proto(reply)
+
+    def begin_weight_sync(self, weight_version: str) -> WeightSyncPlan:
+        """Tell the pool a broadcast of `weight_version` starts; it names the engines to include (and pauses their
+        health checks until end_weight_sync)."""
+        reply = self.call(self.stub.BeginWeightSync, rollout_pb2.BeginWeightSyncRequest(weight_version=weight_version),
+                          idempotent=True)
+        return WeightSyncPlan(engine_urls=list(reply.engine_urls), snapshot_dir=reply.snapshot_dir)
+
+    def end_weight_sync(self, weight_version: str, *, success: bool, engine_urls: list[str],
+                        failed_urls: list[str] = (), snapshot_path: str = "", seconds: float = 0.0, num_bytes: int = 0,
+                        error: str = "") -> None:
+        request = rollout_pb2.EndWeightSyncRequest(
+            weight_version=weight_version, success=success, engine_urls=list(engine_urls),
+            failed_urls=list(failed_urls), snapshot_path=snapshot_path, seconds=seconds, bytes=num_bytes, error=error)
+        self.call(self.stub.EndWeightSync, request, idempotent=True)

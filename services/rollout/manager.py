@@ -1,22 +1,31 @@
-"""The generation loop: lease prompts from the buffer, fan each out to n samples through the router, score them
-through reward, write each group back (idempotent by group id). It knows nothing of gRPC or of the engine pool.
+"""The generation loop (slime's generate_rollout_async): lease prompts from the buffer, generate each group through the
+router, score it, filter it, write it back (idempotent by group id). It over-samples, aborts the surplus once the batch
+is full and, with partial rollout, keeps the drained groups for a later rollout; it also runs evals (RunEval).
+It knows nothing of gRPC or of the engine pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
+from services.rollout import filters
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
+from services.rollout.evaluation import run_eval
+from services.rollout.generate import STICKY_POLICIES
+from services.rollout.groups import Generation, generate_group, new_generation, new_sample
+from services.rollout.partial import PartialGroups, prepare_resumed
 from services.rollout.prompts import PromptEncoder
+from services.rollout.scoring import score_group
 
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient
@@ -24,34 +33,42 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS_WITHOUT_PROGRESS = 3  # lease rounds in a row that write no group before the rollout fails
+MAX_ROUNDS_WITHOUT_PROGRESS = 3  # groups failing in a row, per group of the batch, before the rollout fails
+MAX_DROPS_PER_GROUP = 20  # groups the dynamic filter drops in a row, per group of the batch, before it fails
+DROPPED_ROLLOUT_ID = -1  # dropped groups are stored here: their prompts are used up for the epoch, as in slime
 EMPTY_LEASE_POLL_S = 0.5
 MAX_FINISHED_RUNS = 256
-
-
-class _RetryableError(Exception):
-    """A /generate attempt that may succeed on another try (engine restarting, request aborted)."""
+MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (the HTTP client's connection limit)
+ABORT_REPEAT_S = 3.0  # while draining, engines are told to abort again this often (late requests)
+DRAIN_TIMEOUT_S = 60.0  # drained groups still running after this are cancelled
 
 
 @dataclass
 class _Run:
     """One rollout (job_id, rollout_id) this process started, with its running statistics."""
 
-    config: RolloutConfig
+    gen: Generation
     rollout_id: int
     weight_version: str
-    encoder: PromptEncoder
+    filter_fn: Callable[..., Any] | None = None
     started_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     state: RolloutState = RolloutState.RUNNING
     num_groups_done: int = 0
     error: str = ""
-    leased: dict[str, Prompt] = field(default_factory=dict)  # lease_id -> prompt not yet written
+    leased: dict[str, Prompt] = field(default_factory=dict)  # lease_id -> prompt not yet written or returned
     num_samples: int = 0
     reward_sum: float = 0.0
     response_len_sum: int = 0
     num_truncated: int = 0
+    num_failed_in_a_row: int = 0
+    num_dropped_in_a_row: int = 0
+    drops: collections.Counter[str] = field(default_factory=collections.Counter)
     task: asyncio.Task | None = None
+
+    @property
+    def config(self) -> RolloutConfig:
+        return self.gen.config
 
     @property
     def name(self) -> str:
@@ -64,32 +81,39 @@ class _Run:
         self.num_truncated += sum(s.status == Status.TRUNCATED for s in samples)
 
     def metrics(self) -> dict[str, float]:
+        metrics = {name: float(count) for name, count in self.drops.items()}
         if not self.num_samples:
-            return {}
+            return metrics
         elapsed_s = max((self.finished_at or time.monotonic()) - self.started_at, 1e-9)
-        return {"rollout/reward_mean": self.reward_sum / self.num_samples,
+        return {**metrics, "rollout/reward_mean": self.reward_sum / self.num_samples,
                 "rollout/response_len_mean": self.response_len_sum / self.num_samples,
                 "rollout/truncated_ratio": self.num_truncated / self.num_samples,
                 "rollout/samples_per_second": self.num_samples / elapsed_s}
 
 
 class RolloutManager:
-    """Runs rollouts as background asyncio tasks; `start_rollout` is idempotent per (job_id, rollout_id)."""
+    """Runs rollouts as background asyncio tasks; `start_rollout` is idempotent per (job_id, rollout_id), and so is
+    `run_eval`."""
 
     def __init__(self, buffer: BufferClient, reward: RewardClient, router_url: str, *, model_path: str = "",
-                 request_timeout_s: float = 120.0, max_generate_attempts: int = 5, retry_delay_s: float = 1.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 router_policy: str = "round_robin", request_timeout_s: float = 120.0, max_generate_attempts: int = 5,
+                 retry_delay_s: float = 1.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.buffer = buffer
         self.reward = reward
         self.router_url = router_url.rstrip("/")
         self.model_path = model_path
+        self.sticky_routing = router_policy in STICKY_POLICIES
         self.max_generate_attempts = max_generate_attempts
         self.retry_delay_s = retry_delay_s
-        self.http = httpx.AsyncClient(base_url=self.router_url, timeout=httpx.Timeout(request_timeout_s, connect=5.0),
-                                      limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
+                                      limits=httpx.Limits(max_connections=MAX_CONCURRENT_REQUESTS,
+                                                          max_keepalive_connections=64),
                                       transport=transport)
+        self.slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self.encoders: dict[str, PromptEncoder] = {}
         self.runs: dict[tuple[str, int], _Run] = {}
+        self.evals: dict[tuple[str, int], asyncio.Task] = {}
+        self.partial = PartialGroups()
 
     def _encoder(self, config: RolloutConfig) -> PromptEncoder:
         path = config.tokenizer_path or self.model_path
@@ -99,18 +123,35 @@ class RolloutManager:
             self.encoders[path] = PromptEncoder(path)
         return self.encoders[path]
 
+    def _generation(self, config: RolloutConfig, rollout_id: int, evaluation: bool) -> Generation:
+        return new_generation(config, self._encoder(config), rollout_id, evaluation=evaluation, http=self.http,
+                              router_url=self.router_url, sticky_routing=self.sticky_routing,
+                              max_attempts=self.max_generate_attempts, retry_delay_s=self.retry_delay_s,
+                              slots=self.slots)
+
+    def _filter(self, config: RolloutConfig) -> Callable[..., Any] | None:
+        if not config.dynamic_sampling_filter_path:
+            return None
+        fn = filters.load_filter(config.dynamic_sampling_filter_path)
+        if fn in filters.BUILTINS.values() and config.n_samples_per_prompt < 2:
+            raise InvalidArgument(f"job {config.job_id}: dynamic_sampling_filter_path {fn.__name__} drops every group "
+                                  f"of one sample; set n_samples_per_prompt >= 2")
+        return fn
+
     def start_rollout(self, config: RolloutConfig, rollout_id: int, weight_version: str) -> bool:
         """Start the rollout in the background unless it is running or done; returns already_running."""
         key = (config.job_id, rollout_id)
         run = self.runs.get(key)
         if run is not None and run.state in (RolloutState.RUNNING, RolloutState.DONE):
             return True
-        run = _Run(config=config, rollout_id=rollout_id, weight_version=weight_version, encoder=self._encoder(config))
+        run = _Run(gen=self._generation(config, rollout_id, evaluation=False), rollout_id=rollout_id,
+                   weight_version=weight_version, filter_fn=self._filter(config))
         self._forget_finished()
         self.runs[key] = run
         run.task = asyncio.get_running_loop().create_task(self._run(run), name=run.name)
-        log.info("%s started: %d groups of %d, weight version %s, %s", run.name, config.rollout_batch_size,
-                 config.n_samples_per_prompt, weight_version, config.loss_type)
+        log.info("%s started: %d groups of %d (over-sampling %d), weight version %s, %s", run.name,
+                 config.rollout_batch_size, config.n_samples_per_prompt, config.over_sampling_batch_size,
+                 weight_version, config.loss_type)
         return False
 
     def status(self, job_id: str, rollout_id: int) -> RolloutStatus:
@@ -125,18 +166,26 @@ class RolloutManager:
         for key in finished[: max(0, len(finished) - MAX_FINISHED_RUNS)]:
             del self.runs[key]
 
+    # ----- one rollout -----
+
     async def _run(self, run: _Run) -> None:
-        config = run.config
+        config, target = run.config, run.config.rollout_batch_size
+        pending: dict[asyncio.Task, Prompt] = {}
         try:
-            rounds_without_progress, empty_since = 0, None
-            while True:
-                run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
-                needed = config.rollout_batch_size - run.num_groups_done
-                if needed <= 0:
-                    break
-                prompts = await asyncio.to_thread(self.buffer.lease_prompts, config.job_id, run.rollout_id, needed,
-                                                  config.lease_timeout_s)
-                if not prompts:  # every prompt is leased, e.g. by a manager that died: wait for its leases to expire
+            run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
+            empty_since = None
+            while run.num_groups_done < target:
+                while (missing := target - run.num_groups_done - len(pending)) > 0:
+                    # slime leases over_sampling_batch_size groups at a time; unset, exactly the missing ones
+                    prompts = await asyncio.to_thread(self.buffer.lease_prompts, config.job_id, run.rollout_id,
+                                                      max(missing, config.over_sampling_batch_size),
+                                                      config.lease_timeout_s)
+                    if not prompts:
+                        break
+                    for prompt in prompts:
+                        run.leased[prompt.lease_id] = prompt
+                        pending[asyncio.create_task(self._group(run, prompt))] = prompt
+                if not pending:  # every prompt is leased, e.g. by a manager that died: wait for its leases to expire
                     empty_since = empty_since or time.monotonic()
                     if time.monotonic() - empty_since > config.lease_timeout_s + 30:
                         raise FailedPrecondition(f"{run.name}: the buffer had no prompt to lease for "
@@ -144,22 +193,12 @@ class RolloutManager:
                     await asyncio.sleep(EMPTY_LEASE_POLL_S)
                     continue
                 empty_since = None
-                run.leased.update((p.lease_id, p) for p in prompts)
-                results = await asyncio.gather(*(self._group(run, p) for p in prompts), return_exceptions=True)
-                failed = [(p, err) for p, err in zip(prompts, results, strict=True) if isinstance(err, BaseException)]
-                if not failed:
-                    rounds_without_progress = 0
-                    continue
-                await self._return_leases(run, [p.lease_id for p, _ in failed])
-                for prompt, err in failed:
-                    log.warning("%s: prompt %d (epoch %d) failed, lease returned: %s", run.name, prompt.index,
-                                prompt.epoch, err)
-                    if isinstance(err, InvalidArgument):
-                        raise err
-                rounds_without_progress = rounds_without_progress + 1 if len(failed) == len(prompts) else 0
-                if rounds_without_progress >= MAX_ROUNDS_WITHOUT_PROGRESS:
-                    raise Unavailable(f"{run.name}: {rounds_without_progress} lease rounds in a row wrote no group; "
-                                      f"last error: {failed[-1][1]}")
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if run.num_groups_done >= target:
+                        break  # the rest is surplus: drained below
+                    await self._settle(run, pending.pop(task), task, num_pending=len(pending))
+            await self._drain(run, pending)
             run.state = RolloutState.DONE
             log.info("%s done: %d groups; %s", run.name, run.num_groups_done, run.metrics())
         except asyncio.CancelledError:
@@ -169,7 +208,113 @@ class RolloutManager:
             run.state, run.error = RolloutState.FAILED, str(err) if isinstance(err, PhysarumError) else repr(err)
             log.error("%s failed: %s", run.name, run.error, exc_info=not isinstance(err, PhysarumError))
         finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self._return_leases(run, list(run.leased))
             run.finished_at = time.monotonic()
+
+    async def _settle(self, run: _Run, prompt: Prompt, task: asyncio.Task, num_pending: int) -> None:
+        """A group finished: write it, drop it (dynamic filter) or, if it failed, give its prompt back."""
+        config = run.config
+        try:
+            samples = task.result()
+            if any(s.status == Status.ABORTED for s in samples):
+                raise FailedPrecondition("the generate function returned an ABORTED sample (the rollout was not "
+                                         "being aborted)")
+        except InvalidArgument:
+            raise
+        except Exception as err:  # noqa: BLE001 - a failed group gives its prompt back; bounded below
+            await self._return_leases(run, [prompt.lease_id])
+            log.warning("%s: prompt %d (epoch %d) failed, lease returned: %s", run.name, prompt.index, prompt.epoch,
+                        err)
+            run.num_failed_in_a_row += 1
+            limit = MAX_ROUNDS_WITHOUT_PROGRESS * max(config.rollout_batch_size, config.over_sampling_batch_size)
+            if run.num_failed_in_a_row >= limit:
+                raise Unavailable(f"{run.name}: {run.num_failed_in_a_row} groups in a row failed; last error: "
+                                  f"{err}") from None
+            return
+        run.num_failed_in_a_row = 0
+        if run.filter_fn is not None:
+            output = filters.call_filter(run.filter_fn, run.gen.args, samples)
+            if filters.should_drop(output, num_remaining=run.num_groups_done + num_pending + 1,
+                                   target=config.rollout_batch_size):
+                run.drops[filters.drop_metric(output.reason)] += 1
+                await self._write(run, prompt, samples, DROPPED_ROLLOUT_ID)
+                run.num_dropped_in_a_row += 1
+                if run.num_dropped_in_a_row >= MAX_DROPS_PER_GROUP * config.rollout_batch_size:
+                    raise FailedPrecondition(f"{run.name}: dynamic_sampling_filter_path "
+                                             f"{config.dynamic_sampling_filter_path} dropped "
+                                             f"{run.num_dropped_in_a_row} groups in a row ({dict(run.drops)})")
+                return
+        run.num_dropped_in_a_row = 0
+        if await self._write(run, prompt, samples, run.rollout_id):
+            run.num_groups_done += 1
+
+    async def _write(self, run: _Run, prompt: Prompt, samples: list[Sample], rollout_id: int) -> bool:
+        """Store the group (acking its lease); False if it was already stored."""
+        config = run.config
+        group = SampleGroup(group_id=group_id_for(config.job_id, prompt.epoch, prompt.index), job_id=config.job_id,
+                            rollout_id=rollout_id, prompt_index=prompt.index, epoch=prompt.epoch, samples=samples,
+                            lease_id=prompt.lease_id)
+        result = await asyncio.to_thread(self.buffer.put_groups, [group])
+        run.leased.pop(prompt.lease_id, None)
+        if not result.num_written:
+            log.warning("%s: group %s was already in the buffer", run.name, group.group_id)
+            return False
+        if rollout_id == run.rollout_id:
+            run.record(samples)
+        return True
+
+    async def _drain(self, run: _Run, pending: dict[asyncio.Task, Prompt]) -> None:
+        """The batch is full: abort the surplus groups and give their prompts back. With partial_rollout, wait for
+        them to stop and keep what they generated (partial.py); otherwise cancel them."""
+        if not pending:
+            return
+        config = run.config
+        run.gen.ctx.aborting = True
+        if not config.partial_rollout:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self._abort_engines(run)
+        else:
+            await self._abort_engines(run)
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            waiting = set(pending)
+            while waiting:
+                _, waiting = await asyncio.wait(waiting, timeout=max(0.0, min(ABORT_REPEAT_S,
+                                                                              deadline - time.monotonic())))
+                if waiting and time.monotonic() >= deadline:
+                    log.warning("%s: %d drained groups still running after %.0f s: cancelled", run.name,
+                                len(waiting), DRAIN_TIMEOUT_S)
+                    for task in waiting:
+                        task.cancel()
+                    await asyncio.gather(*waiting, return_exceptions=True)
+                    break
+                if waiting:
+                    await self._abort_engines(run)  # requests that reached an engine after the last abort
+            num_kept = sum(self.partial.keep(config.job_id, prompt, task.result(), run.rollout_id)
+                           for task, prompt in pending.items() if not task.cancelled() and task.exception() is None)
+            log.info("%s: kept %d partial groups of %d drained (%d kept in all)", run.name, num_kept, len(pending),
+                     len(self.partial))
+        await self._return_leases(run, [prompt.lease_id for prompt in pending.values()])
+
+    async def _abort_engines(self, run: _Run) -> None:
+        """POST /abort_request {"abort_all": true} to every engine the router lists: the router answers 404 for it."""
+        try:
+            reply = await self.http.get(f"{self.router_url}/workers", timeout=10.0)
+            reply.raise_for_status()
+            urls = [w["url"].rstrip("/") for w in reply.json().get("workers", [])]
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            log.warning("%s: could not list the router's workers to abort them: %s", run.name, err)
+            return
+        replies = await asyncio.gather(*(self.http.post(f"{url}/abort_request", json={"abort_all": True},
+                                                        timeout=10.0) for url in urls), return_exceptions=True)
+        for url, reply in zip(urls, replies, strict=True):
+            if isinstance(reply, BaseException) or reply.status_code >= 400:
+                log.warning("%s: engine %s: /abort_request failed: %s", run.name, url,
+                            reply if isinstance(reply, BaseException) else f"HTTP {reply.status_code}")
 
     async def _return_leases(self, run: _Run, lease_ids: list[str]) -> None:
         """Give prompts back at once; if the buffer cannot be reached they come back when their lease expires."""
@@ -183,129 +328,65 @@ class RolloutManager:
             log.warning("%s: could not return %d leases (they expire after %s s): %s", run.name, len(lease_ids),
                         run.config.lease_timeout_s, err)
 
-    async def _group(self, run: _Run, prompt: Prompt) -> None:
-        """Generate (or, for sft_loss, build) the group answering one prompt, score it and write it."""
-        config = run.config
-        text, prompt_ids = run.encoder.encode(prompt)
-        if config.loss_type == "sft_loss":
-            samples = [self._sft_sample(run, prompt, text, prompt_ids, j) for j in range(config.n_samples_per_prompt)]
-        else:
-            try:
-                async with asyncio.TaskGroup() as tasks:
-                    pending = [tasks.create_task(self._generate(run, prompt, text, prompt_ids, j))
-                               for j in range(config.n_samples_per_prompt)]
-            except ExceptionGroup as group_err:
-                raise group_err.exceptions[0] from None
-            samples = [task.result() for task in pending]
-            await self._score(run, samples)
-        group = SampleGroup(group_id=group_id_for(config.job_id, prompt.epoch, prompt.index), job_id=config.job_id,
-                            rollout_id=run.rollout_id, prompt_index=prompt.index, epoch=prompt.epoch, samples=samples,
-                            lease_id=prompt.lease_id)
-        result = await asyncio.to_thread(self.buffer.put_groups, [group])
-        run.leased.pop(prompt.lease_id, None)
-        if result.num_written:
-            run.record(samples)
-        else:
-            log.warning("%s: group %s was already in the buffer", run.name, group.group_id)
+    # ----- one group -----
 
-    def _new_sample(self, run: _Run, prompt: Prompt, text: str, j: int) -> Sample:
-        return Sample(prompt=text, prompt_messages=prompt.messages, label=prompt.label, metadata=dict(prompt.metadata),
-                      group_index=prompt.index, index=j)
+    async def _group(self, run: _Run, prompt: Prompt) -> list[Sample]:
+        """The scored group answering one prompt (for sft_loss: built from the label). A group the manager is
+        aborting comes back unscored, with what it generated."""
+        config, gen = run.config, run.gen
+        text, prompt_ids = gen.encoder.encode(prompt)
+        if config.loss_type == "sft_loss":
+            return [self._sft_sample(run, prompt, text, prompt_ids, j) for j in range(config.n_samples_per_prompt)]
+        samples = self.partial.take(config.job_id, prompt, text) if config.partial_rollout else None
+        if samples is not None:
+            prepare_resumed(samples, config.mask_offpolicy_in_partial_rollout)
+        else:
+            samples = [new_sample(prompt, text, prompt_ids, j) for j in range(gen.n_samples)]
+        samples = await generate_group(gen, samples)
+        if gen.ctx.aborting or any(s.status == Status.ABORTED for s in samples):
+            return samples
+        await score_group(self.reward, config, gen.args, samples, f"{run.name}: prompt {prompt.index}")
+        return samples
 
     def _sft_sample(self, run: _Run, prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Sample:
         """slime's sft rollout: the response is the label's tokens + eos; no generation, no reward."""
+        encoder = run.gen.encoder
         if not prompt.label:
             raise InvalidArgument(f"{run.name}: sft_loss needs a label, prompt {prompt.index} has none "
                                   f"(load the dataset with label_key)")
-        eos = [] if run.encoder.eos_token_id is None else [run.encoder.eos_token_id]
-        response_ids = run.encoder.encode_text(prompt.label) + eos
-        sample = self._new_sample(run, prompt, text, j)
+        eos = [] if encoder.eos_token_id is None else [encoder.eos_token_id]
+        response_ids = encoder.encode_text(prompt.label) + eos
+        sample = new_sample(prompt, text, prompt_ids, j)
         sample.tokens = prompt_ids + response_ids
         sample.response, sample.response_length = prompt.label, len(response_ids)
         sample.loss_mask, sample.rollout_log_probs = [1] * len(response_ids), [0.0] * len(response_ids)
         sample.status, sample.weight_versions = Status.COMPLETED, [run.weight_version]
         return sample
 
-    def _payload(self, run: _Run, prompt_ids: list[int], rid: str) -> dict:
-        """The /generate body slime sends (reference/slime.md §3.1), keys the router passes through."""
-        config = run.config
-        return {"input_ids": prompt_ids, "return_logprob": True, "rid": rid, "sampling_params": {
-            "temperature": config.rollout_temperature, "top_p": config.rollout_top_p,
-            "top_k": config.rollout_top_k if config.rollout_top_k > 0 else -1,
-            "max_new_tokens": config.rollout_max_response_len, "stop": list(config.rollout_stop),
-            "stop_token_ids": list(config.rollout_stop_token_ids), "no_stop_trim": True,
-            "skip_special_tokens": True}}
+    # ----- eval -----
 
-    async def _generate(self, run: _Run, prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Sample:
-        """One sample through the router, retried (bounded) while engines restart or abort requests."""
-        what = f"{run.name}: prompt {prompt.index} sample {j}"
-        rid_prefix = f"{run.config.job_id}-{run.rollout_id}-{prompt.epoch}-{prompt.index}-{j}-{uuid.uuid4().hex[:8]}"
-        last_error = ""
-        for attempt in range(1, self.max_generate_attempts + 1):
-            try:
-                payload = self._payload(run, prompt_ids, f"{rid_prefix}-{attempt}")
-                reply = await self.http.post("/generate", json=payload)
-                if 400 <= reply.status_code < 500:
-                    raise InvalidArgument(f"{what}: router {self.router_url} rejected /generate: "
-                                          f"HTTP {reply.status_code}: {reply.text[:500]}")
-                if reply.status_code >= 500:
-                    raise _RetryableError(f"HTTP {reply.status_code}: {reply.text[:300]}")
-                return self._sample_from_reply(run, prompt, text, prompt_ids, j, reply.json())
-            except (httpx.TransportError, _RetryableError) as err:
-                last_error = f"{type(err).__name__}: {err}"
-            delay_s = min(self.retry_delay_s * 2 ** (attempt - 1), 8.0)
-            if attempt < self.max_generate_attempts:
-                log.warning("%s: /generate attempt %d/%d failed (%s); retry in %.1f s", what, attempt,
-                            self.max_generate_attempts, last_error, delay_s)
-                await asyncio.sleep(delay_s)
-        raise Unavailable(f"{what}: /generate through router {self.router_url} failed {self.max_generate_attempts} "
-                          f"times; last: {last_error}")
-
-    def _sample_from_reply(self, run: _Run, prompt: Prompt, text: str, prompt_ids: list[int], j: int,
-                           reply: dict) -> Sample:
-        meta = reply["meta_info"]
-        finish = (meta.get("finish_reason") or {}).get("type", "")
-        if finish == "abort":
-            raise _RetryableError(f"aborted by the engine: {meta['finish_reason'].get('message', '')}")
-        output_ids = list(reply["output_ids"])
-        log_probs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
-        if len(log_probs) != len(output_ids):
-            raise FailedPrecondition(f"{run.name}: prompt {prompt.index} sample {j}: {len(output_ids)} output ids but "
-                                     f"{len(log_probs)} output_token_logprobs")
-        sample = self._new_sample(run, prompt, text, j)
-        sample.tokens = prompt_ids + output_ids
-        sample.response = reply.get("text") or run.encoder.decode(output_ids)
-        sample.response_length, sample.loss_mask = len(output_ids), [1] * len(output_ids)
-        sample.rollout_log_probs = log_probs
-        sample.status = Status.from_finish_reason(finish)
-        sample.weight_versions = [str(meta.get("weight_version", ""))]
-        return sample
-
-    async def _score(self, run: _Run, samples: list[Sample]) -> None:
-        """Rewards from the reward service; a failed score keeps the sample with reward 0 and its reward_error."""
-        config = run.config
-        try:
-            results = await asyncio.to_thread(
-                self.reward.score, samples, rm_type=config.rm_type, custom_rm_path=config.custom_rm_path,
-                reward_key=config.reward_key, timeout_s=config.reward_timeout_s, args=config.args)
-        except InvalidArgument:
-            raise
-        except PhysarumError as err:
-            log.warning("%s: scoring %d samples failed, reward 0: %s", run.name, len(samples), err)
-            for sample in samples:
-                sample.reward, sample.reward_error = 0.0, f"reward service: {err}"
-            return
-        for sample, result in zip(samples, results, strict=True):
-            sample.reward = result.reward if result.ok else 0.0
-            sample.reward_scores = dict(result.scores or {})
-            sample.reward_error = "" if result.ok else (result.error or "scoring failed")
+    async def run_eval(self, config: RolloutConfig, rollout_id: int, weight_version: str) -> dict[str, float]:
+        """Generate and score n_samples_per_eval_prompt samples for every prompt of every eval dataset; a repeated
+        call joins the eval already running (or returns its result); a failed eval runs again."""
+        key = (config.job_id, rollout_id)
+        task = self.evals.get(key)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            gen = self._generation(config, rollout_id, evaluation=True)
+            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, self.reward, gen, rollout_id),
+                                                           name=gen.ctx.name)
+            self.evals[key] = task
+            for old in list(self.evals)[: max(0, len(self.evals) - MAX_FINISHED_RUNS)]:
+                if self.evals[old].done():
+                    del self.evals[old]
+        return await asyncio.shield(task)
 
     async def close(self) -> None:
-        """Cancel the running rollouts and give their leased prompts back (else they return when leases expire)."""
-        running = [run for run in self.runs.values() if run.task is not None and not run.task.done()]
-        for run in running:
-            run.task.cancel()
-        await asyncio.gather(*(run.task for run in running), return_exceptions=True)
-        for run in running:
+        """Cancel the running rollouts and evals; rollouts give their leased prompts back as they stop."""
+        running = [run.task for run in self.runs.values() if run.task is not None and not run.task.done()]
+        running += [task for task in self.evals.values() if not task.done()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        for run in self.runs.values():
             await self._return_leases(run, list(run.leased))
         await self.http.aclose()

@@ -1,112 +1,345 @@
-"""The engine pool, one owner: local CPU engine processes it starts plus already-running engines, all registered
-with the router only once they answer /health. It knows nothing of prompts or samples.
+"""The engine pool, one owner: keeps the desired number of engines through a launcher, admits an engine to the router
+only once it holds the trainer's current weights, drains engines that leave and replaces dead or hung ones.
+
+A controller task on the manager's event loop reconciles, tick by tick, what the launcher and the router report with
+what is wanted, and runs one step at a time on each engine (engine_steps.py). It knows nothing of prompts or samples:
+requests that a leaving engine aborts are retried by the manager on other engines.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
+import functools
 import logging
-import tempfile
-import threading
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
-from physarum import procs
-from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
-from services.common.sglang import SGLangClient
-from services.rollout.client import EngineInfo
+from services.common.errors import InvalidArgument, PhysarumError
+from services.common.sglang import AsyncSGLangClient
+from services.rollout import engine_steps as steps
+from services.rollout.client import EngineInfo, EngineState, EngineStatus, PoolStatus, ScaleEvent, WeightSyncPlan
+from services.rollout.engine_steps import EngineRecord
+from services.rollout.launchers import EngineLauncher
+from services.rollout.metrics import PoolMetrics
+from services.rollout.registrations import Registrations
 from services.rollout.router import RouterClient
 
 log = logging.getLogger(__name__)
 
+JOIN_MODES = ("disk", "sync")
+MAX_EVENTS = 200
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    replicas: int = 0  # engines to launch (external ones come on top)
+    join_mode: str = "disk"  # how a new engine gets the current weights: "disk" (snapshot now) or "sync" (next sync)
+    snapshot_dir: str = ""  # where the trainer writes weight snapshots for the disk join
+    health_check_interval_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    health_check_first_wait_s: float = 0.0
+    start_timeout_s: float = 120.0  # launch -> /health
+    drain_timeout_s: float = 30.0
+    disk_load_timeout_s: float = 120.0
+    weight_sync_max_s: float = 600.0  # health checks stay off this long at most for a sync whose end never comes
+    launcher_poll_s: float = 1.0
+    tick_s: float = 0.2
+    max_start_failures: int = 3  # engines failing before the pool first served: then start() fails
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise InvalidArgument(f"replicas must be >= 0, got {self.replicas}")
+        if self.join_mode not in JOIN_MODES:
+            raise InvalidArgument(f"join_mode must be one of {', '.join(JOIN_MODES)}, got {self.join_mode!r}")
+
 
 class EnginePool:
-    """Starts `num_engines` local engines, registers them and `engine_urls` with the router, stops what it started."""
+    """Engines from `launcher` (None: only `external_urls`) behind `router`. Call start() inside the event loop."""
 
-    def __init__(self, router: RouterClient, *, model_path: str = "", num_engines: int = 0,
-                 engine_urls: list[str] | None = None, num_threads: int = 1, start_timeout_s: float = 120.0,
-                 work_dir: str = "") -> None:
+    def __init__(self, launcher: EngineLauncher | None, router: RouterClient, config: PoolConfig, *,
+                 external_urls: list[str] = (), engines: AsyncSGLangClient | None = None) -> None:
+        if config.replicas and launcher is None:
+            raise InvalidArgument(f"{config.replicas} engines wanted but the pool has no launcher")
+        self.launcher = launcher
         self.router = router
-        self.model_path = model_path
-        self.num_engines = num_engines
-        self.external_urls = [u.rstrip("/") for u in engine_urls or []]
-        self.num_threads = num_threads
-        self.start_timeout_s = start_timeout_s
-        self.work_dir = Path(work_dir) if work_dir else None
-        self.processes: dict[str, procs.ManagedProcess] = {}  # url -> the local engine this pool started
-        self.stopping = threading.Event()  # set from another thread: a start() in progress gives up
+        self.config = config
+        self.desired = config.replicas
+        self.launcher_replicas = 0  # what the launcher was last asked for
+        self.records: dict[str, EngineRecord] = {
+            f"external-{i}": EngineRecord(f"external-{i}", url.rstrip("/"), external=True)
+            for i, url in enumerate(external_urls)}
+        self.removing: set[str] = set()  # names handed back to the launcher: ignored by the poll meanwhile
+        self.registrations = Registrations(router, self._blocking, config.tick_s)
+        self.rest_url = ""
+        self.last_error = ""
+        self.weight_version: str | None = None  # the trainer's current version (None before its first sync)
+        self.snapshot_path = ""
+        self.sync_started_s: float | None = None
+        self.events: collections.deque[ScaleEvent] = collections.deque(maxlen=MAX_EVENTS)
+        self.metrics = PoolMetrics()
+        self.engines = engines or AsyncSGLangClient(timeout_s=config.health_check_timeout_s)
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-pool")
+        self.launcher_lock = asyncio.Lock()
+        self.wake = asyncio.Event()
+        self.ready = asyncio.Event()  # set once every engine wanted at start serves
+        self.start_failures = 0
+        self.last_poll_s = float("-inf")
+        self.controller: asyncio.Task | None = None
+        self.fatal: Exception | None = None
+        self.closing = False
+
+    # -- the API ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run the controller; returns once the initial engines serve, raises if they cannot start."""
+        self.event("scale", detail=f"start: {self.desired} engines" +
+                    (f" + {len(self.records)} external" if self.records else ""))
+        self.metrics.desired.set(self.desired)
+        self.controller = asyncio.create_task(self._control(), name="engine-pool")
+        ready = asyncio.create_task(self.ready.wait())
+        await asyncio.wait({self.controller, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            self.controller.result()
+
+    def scale(self, replicas: int) -> PoolStatus:
+        """Set the desired number of launched engines; the controller gets there in the background."""
+        if replicas < 0:
+            raise InvalidArgument(f"replicas must be >= 0, got {replicas}")
+        if replicas and self.launcher is None:
+            raise InvalidArgument("this pool has no launcher (only --engine-urls): it cannot start engines")
+        if replicas != self.desired:
+            self.event("scale", detail=f"{self.desired} -> {replicas} engines")
+            self.desired = replicas
+            self.metrics.desired.set(replicas)
+            self.wake.set()
+        return self.status()
+
+    def status(self) -> PoolStatus:
+        engines = [EngineStatus(name=e.name, url=e.url, state=e.state, pid=e.pid, weight_version=e.weight_version or "",
+                                healthy=e.healthy, load=self.registrations.load(e.url), external=e.external)
+                   for e in self.records.values()]
+        return PoolStatus(desired_replicas=self.desired, engines=engines, weight_version=self.weight_version or "",
+                          join_mode=self.config.join_mode, snapshot_dir=self.snapshot_dir, router_url=self.router.url,
+                          rest_url=self.rest_url, events=list(self.events), weight_sync_in_progress=self.syncing)
+
+    async def engine_infos(self) -> list[EngineInfo]:
+        """The engines a weight sync may include (joining or serving), with the version each reports now."""
+        listed = [e for e in self.records.values() if e.state in (EngineState.JOINING, EngineState.SERVING)]
+
+        async def info(e: EngineRecord) -> EngineInfo:
+            try:
+                version = await self.engines.weight_version(e.url, timeout_s=5.0)
+            except PhysarumError:
+                version = ""
+            return EngineInfo(url=e.url, weight_version=version, healthy=e.healthy)
+        return list(await asyncio.gather(*(info(e) for e in listed)))
 
     @property
-    def urls(self) -> list[str]:
-        return [*self.processes, *self.external_urls]
+    def snapshot_dir(self) -> str:
+        return self.config.snapshot_dir if self.config.join_mode == "disk" else ""
 
-    def start(self) -> None:
-        """Start the local engines (in parallel), wait for /health, register every engine; stop all on failure."""
-        work_dir = self.work_dir or Path(tempfile.mkdtemp(prefix="physarum-rollout-"))
+    @property
+    def syncing(self) -> bool:
+        return self.sync_started_s is not None
+
+    async def begin_weight_sync(self, version: str) -> WeightSyncPlan:
+        """The trainer starts broadcasting `version`: it becomes current; health checks pause until the end.
+
+        Engines a failed sync named are checked first (briefly), so that a retry leaves out the dead ones.
+        """
+        checks = [e.task for e in self.records.values() if e.suspect and e.busy]
+        if checks:
+            await asyncio.wait(checks, timeout=steps.SUSPECT_CHECK_S + 1.0)
+        self.weight_version, self.snapshot_path, self.sync_started_s = version, "", time.monotonic()
+        members = [e.url for e in self.records.values() if e.healthy and not e.suspect and (
+            e.state == EngineState.SERVING or (e.state == EngineState.JOINING and not e.disk_loading))]
+        log.info("weight sync of version %s begins with %d engines", version, len(members))
+        return WeightSyncPlan(engine_urls=members, snapshot_dir=self.snapshot_dir)
+
+    def end_weight_sync(self, version: str, *, success: bool, engine_urls: list[str], failed_urls: list[str] = (),
+                        snapshot_path: str = "", seconds: float = 0.0, num_bytes: int = 0, error: str = "") -> None:
+        """The broadcast ended: members that took it now hold `version`; failed ones are checked at once.
+
+        After a failure every engine still holds an older (or a partial) version, so none serves until it loads the
+        snapshot (disk join) or takes the trainer's next broadcast.
+        """
+        self.metrics.weight_syncs.labels("ok" if success else "failed").inc()
+        if version != self.weight_version:
+            log.warning("weight sync of version %s ended, but version %s began since", version, self.weight_version)
+            return
+        self.sync_started_s = None
+        if snapshot_path:
+            self.snapshot_path = snapshot_path
+        by_url = {e.url: e for e in self.records.values()}
+        if success:
+            self.metrics.weight_sync_seconds.observe(seconds)
+            self.metrics.weight_sync_bytes.inc(num_bytes)
+            for url in engine_urls:
+                if (e := by_url.get(url.rstrip("/"))) is not None:
+                    e.weight_version = version
+                    if e.state == EngineState.JOINING:
+                        e.join_mode = "sync"
+            log.info("weight sync of version %s: %d engines in %.2f s, %.1f MB", version, len(engine_urls), seconds,
+                     num_bytes / 1e6)
+        else:
+            log.warning("weight sync of version %s failed (%s); checking %s", version, error, failed_urls)
+            for url in failed_urls:
+                e = by_url.get(url.rstrip("/"))
+                if e is not None and e.state in (EngineState.JOINING, EngineState.SERVING):
+                    e.suspect = True
+                    self._start_task(e, steps.check_suspect(self, e))
+        self.wake.set()
+
+    async def close(self) -> None:
+        """Stop the controller, deregister the launched engines and stop them."""
+        self.closing = True
+        tasks = [t for t in [self.controller, *(e.task for e in self.records.values())] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         try:
-            for i in range(self.num_engines):
-                port = procs.free_port()
-                argv = procs.python_module("services.rollout.engine", "--host", procs.HOST, "--port", str(port),
-                                           "--model-path", self.model_path, "--num-threads", str(self.num_threads),
-                                           "--seed", str(i))  # distinct seeds: engines must not draw alike
-                proc = procs.ManagedProcess(f"engine-{i}", argv, work_dir / f"engine-{i}-{port}.log").start()
-                self.processes[f"http://{procs.HOST}:{port}"] = proc
-                log.info("started engine %d (pid %d) on port %d, log %s", i, proc.pid, port, proc.log_path)
-            self._wait_router()
-            for url, proc in self.processes.items():
-                with SGLangClient(url, timeout_s=5.0) as engine:
-                    proc.wait_ready(lambda e=engine: self._check_stopping() or e.health(timeout_s=5.0),
-                                    timeout_s=self.start_timeout_s)
-                self.router.add_worker(url, timeout_s=self.start_timeout_s)
-                log.info("engine %s registered with router %s", url, self.router.url)
-            for url in self.external_urls:
-                self._wait_health(url)
-                self.router.add_worker(url, timeout_s=self.start_timeout_s)
-                log.info("external engine %s registered with router %s", url, self.router.url)
-        except BaseException:
-            self.stop()
-            raise
+            await self.registrations.deregister_all({e.url for e in self.records.values() if not e.external})
+        except PhysarumError as err:
+            log.warning("engine pool: could not deregister its engines: %s", err)
+        if self.launcher is not None:
+            await self._launcher_call(self.launcher.close)
+        self.executor.shutdown(wait=False)
+        await self.engines.close()
 
-    def _check_stopping(self) -> bool:
-        if self.stopping.is_set():
-            raise Unavailable("engine pool: stopped while starting")
-        return False
+    # -- the controller ----------------------------------------------------------------------------------------
 
-    def _wait_router(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self._check_stopping() and not self.router.live():
-            if time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"router {self.router.url}: no /liveness reply in {self.start_timeout_s} s")
-            time.sleep(0.2)
+    async def _blocking(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
-    def _wait_health(self, url: str) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        with SGLangClient(url, timeout_s=5.0) as engine:
-            while not self._check_stopping() and not engine.health(timeout_s=5.0):
-                if time.monotonic() >= deadline:
-                    raise DeadlineExceeded(f"engine {url}: no /health reply in {self.start_timeout_s} s")
-                time.sleep(0.5)
+    async def _launcher_call(self, fn, *args):
+        async with self.launcher_lock:
+            return await self._blocking(fn, *args)
 
-    def engines(self) -> list[EngineInfo]:
-        """Every engine of the pool with its current weight version (/model_info) and health."""
-        infos = []
-        for url in self.urls:
-            with SGLangClient(url, timeout_s=2.0) as engine:
-                try:
-                    version = engine.weight_version()
-                except PhysarumError:
-                    version = ""
-                infos.append(EngineInfo(url=url, weight_version=version, healthy=engine.health(timeout_s=2.0)))
-        return infos
+    def event(self, kind: str, engine: str = "", detail: str = "") -> None:
+        self.events.append(ScaleEvent(time_s=time.time(), kind=kind, engine=engine, detail=detail))
+        self.metrics.scale_events.labels(kind).inc()
+        log.info("engine pool: %s %s %s", kind, engine, detail)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Deregister the local engines, then stop each process by the PID this pool recorded (not thread-safe
-        with start(): set `stopping`, wait for start() to return, then call this)."""
-        for url, proc in self.processes.items():
+    def _start_task(self, e: EngineRecord, coro) -> None:
+        if e.busy:
+            e.task.cancel()
+        e.task = asyncio.create_task(coro, name=f"{e.name}")
+
+    async def _control(self) -> None:
+        while not self.closing:
             try:
-                if self.router.find_worker(url) is not None:
-                    self.router.remove_worker(url, timeout_s=2.0)
+                await self._tick()
+                self.last_error = ""
             except PhysarumError as err:
-                log.warning("engine %s: could not deregister from router: %s", url, err)
-            code = proc.stop(grace_s)
-            log.info("engine %s (pid %d) stopped, exit code %s", url, proc.pid, code)
-        self.processes.clear()
+                if str(err) != self.last_error:  # once per distinct error, not every tick
+                    log.warning("engine pool: %s", err)
+                self.last_error = str(err)
+            except Exception:  # noqa: BLE001 - the controller must keep going
+                log.exception("engine pool: tick failed")
+            if self.fatal is not None:
+                raise self.fatal
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.config.tick_s)
+            except TimeoutError:
+                pass
+            self.wake.clear()
+
+    async def _tick(self) -> None:
+        now = time.monotonic()
+        if self.syncing and now - self.sync_started_s > self.config.weight_sync_max_s:
+            log.warning("weight sync of version %s never ended; health checks resume", self.weight_version)
+            self.sync_started_s = None
+        if self.launcher is not None and now - self.last_poll_s >= self.config.launcher_poll_s:
+            await self._poll_launcher()
+        await self.registrations.refresh({e.url for e in self.records.values()})
+        await self._resize()
+        for e in list(self.records.values()):
+            if not e.busy:
+                self._dispatch(e, time.monotonic())
+        self.update_gauges()
+        serving = [e for e in self.records.values() if e.state == EngineState.SERVING]
+        if not self.ready.is_set() and sum(not e.external for e in serving) >= self.desired and all(
+                e.state == EngineState.SERVING for e in self.records.values() if e.external):
+            self.ready.set()
+
+    async def _poll_launcher(self) -> None:
+        launched = await self._launcher_call(self.launcher.engines)
+        self.last_poll_s = time.monotonic()
+        seen = set()
+        for item in launched:
+            if item.name in self.removing:
+                continue
+            seen.add(item.name)
+            e = self.records.get(item.name)
+            if e is None:
+                e = self.records[item.name] = EngineRecord(item.name, item.url.rstrip("/"), pid=item.pid)
+                self.event("launch", e.name, f"{e.url}" + (f" pid {e.pid}" if e.pid else ""))
+            if not item.alive and e.state not in (EngineState.FAILED, EngineState.DRAINING):
+                self._start_task(e, steps.fail(self, e, "its process exited"))
+        for e in list(self.records.values()):
+            if not e.external and e.name not in seen and e.state not in (EngineState.FAILED, EngineState.DRAINING):
+                self._start_task(e, steps.fail(self, e, "the launcher no longer lists it"))
+
+    async def _resize(self) -> None:
+        if self.launcher is None:
+            return
+        leaving = sum(not e.external and e.state == EngineState.DRAINING for e in self.records.values())
+        effective = self.launcher_replicas - leaving
+        if effective < self.desired:
+            self.launcher_replicas += self.desired - effective
+            await self._launcher_call(self.launcher.scale, self.launcher_replicas, ())
+            self.last_poll_s = float("-inf")
+        elif effective > self.desired:
+            order = {EngineState.STARTING: 0, EngineState.JOINING: 1, EngineState.SERVING: 2}
+            candidates = sorted((e for e in self.records.values() if not e.external and e.state in order),
+                                key=lambda e: (order[e.state], -e.created_s))
+            victims = candidates[: effective - self.desired]
+            for e in victims:
+                e.state = EngineState.DRAINING
+                self._start_task(e, steps.drain(self, e))
+            unseen = effective - self.desired - len(victims)  # launched but not listed yet: nothing to drain
+            if unseen > 0:
+                self.launcher_replicas -= unseen
+                await self._launcher_call(self.launcher.scale, self.launcher_replicas, ())
+
+    def _dispatch(self, e: EngineRecord, now: float) -> None:
+        if e.state == EngineState.STARTING:
+            if not e.external and now - e.created_s > self.config.start_timeout_s:
+                reason = f"no /health reply {self.config.start_timeout_s:.0f} s after launch"
+                self._start_task(e, steps.fail(self, e, reason))
+            else:
+                self._start_task(e, steps.probe_started(self, e))
+        elif e.state == EngineState.JOINING and now >= e.next_check_s:
+            self._start_task(e, steps.join(self, e))
+        elif e.state == EngineState.SERVING and not self.syncing:
+            if self.weight_version is not None and e.weight_version != self.weight_version:
+                self._start_task(e, steps.demote(self, e, f"it holds version {e.weight_version}, the trainer's is "
+                                                    f"{self.weight_version}", weights_ok=False))
+            elif not self.registrations.listed(e.url):
+                self._start_task(e, steps.demote(self, e, "the router no longer lists it", weights_ok=True))
+            elif now >= e.next_check_s:
+                self._start_task(e, steps.health_check(self, e))
+
+    def update_gauges(self) -> None:
+        """Engines by state, per-engine load and health, as of now (also before each /metrics scrape)."""
+        for state in EngineState:
+            self.metrics.engines.labels(state.name.lower()).set(sum(e.state == state for e in self.records.values()))
+        for e in self.records.values():
+            self.metrics.load.labels(e.name).set(self.registrations.load(e.url))
+            self.metrics.healthy.labels(e.name).set(int(e.healthy))
+
+    async def hand_back(self, e: EngineRecord, replicas: int) -> None:
+        """Forget `e` and have the launcher stop it, then run `replicas` engines."""
+        self.records.pop(e.name, None)
+        self.metrics.forget_engine(e.name)
+        self.removing.add(e.name)
+        self.launcher_replicas = replicas
+        try:
+            await self._launcher_call(self.launcher.scale, self.launcher_replicas, (e.name,))
+        finally:
+            self.removing.discard(e.name)
+            self.last_poll_s = float("-inf")
+            self.wake.set()

@@ -74,6 +74,14 @@ class RouterClient:
         url = url.rstrip("/")
         return next((w for w in self.list_workers() if w.get("url", "").rstrip("/") == url), None)
 
+    def post_worker(self, url: str) -> None:
+        """POST /workers: queue the registration of url (202); the router lists it once it answered its probes."""
+        self._request("POST", "/workers", {"url": url.rstrip("/")})
+
+    def delete_worker(self, worker_id: str) -> None:
+        """DELETE /workers/{id}: queue the removal (202); the router stops listing it about a second later."""
+        self._request("DELETE", f"/workers/{worker_id}")
+
     def add_worker(self, url: str, timeout_s: float = 30.0) -> dict:
         """Register url and wait until the router lists it healthy; idempotent.
 
@@ -82,7 +90,7 @@ class RouterClient:
         url = url.rstrip("/")
         worker = self.find_worker(url)
         if worker is None:
-            self._request("POST", "/workers", {"url": url})
+            self.post_worker(url)
         deadline = time.monotonic() + timeout_s
         while True:
             worker = self.find_worker(url)
@@ -99,7 +107,7 @@ class RouterClient:
         worker = self.find_worker(url)
         if worker is None:
             raise NotFound(f"router {self.url}: no worker {url.rstrip('/')} to remove")
-        self._request("DELETE", f"/workers/{worker['id']}")
+        self.delete_worker(worker["id"])
         deadline = time.monotonic() + timeout_s
         while self.find_worker(url) is not None:
             if time.monotonic() >= deadline:

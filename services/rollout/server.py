@@ -1,24 +1,29 @@
-"""The Rollout gRPC service: a thin servicer over RolloutManager and EnginePool, and the server's lifecycle.
-
-Health turns SERVING once every engine of the pool is registered with the router.
+"""The Rollout gRPC service: a thin servicer over RolloutManager and EnginePool, the REST API beside it, and the
+server's lifecycle. Health turns SERVING once the engines wanted at start serve behind the router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.buffer.client import BufferClient
 from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
+from services.common.rest import RestServer
 from services.reward.client import RewardClient
-from services.rollout.client import config_from_proto, engine_to_proto, status_to_proto
+from services.rollout import rest
+from services.rollout.client import config_from_proto, engine_to_proto, pool_status_to_proto, status_to_proto
 from services.rollout.config import RolloutManagerConfig
+from services.rollout.launchers import EngineLauncher, KubernetesLauncher, LocalLauncher, cpu_engine_argv
 from services.rollout.manager import RolloutManager
-from services.rollout.pool import EnginePool
+from services.rollout.pool import EnginePool, PoolConfig
 from services.rollout.router import RouterClient
+from services.rollout.sglang_launcher import parse_sglang_options, sglang_server_argv
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +48,47 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return status_to_proto(self.manager.status(request.job_id, request.rollout_id))
 
     @handle_errors
+    async def RunEval(self, request, context):
+        if not self.pool_ready.is_set():
+            raise Unavailable("rollout manager: the engine pool is still starting; wait for health SERVING")
+        metrics = await self.manager.run_eval(config_from_proto(request.config), request.rollout_id,
+                                              request.weight_version)
+        return rollout_pb2.RunEvalResponse(metrics=metrics)
+
+    @handle_errors
     async def ListEngines(self, request, context):
-        engines = await asyncio.to_thread(self.pool.engines)
+        engines = await self.pool.engine_infos()
         return rollout_pb2.ListEnginesResponse(engines=[engine_to_proto(e) for e in engines],
                                                router_url=self.router_url)
+
+    @handle_errors
+    async def Scale(self, request, context):
+        return pool_status_to_proto(self.pool.scale(request.replicas))
+
+    @handle_errors
+    async def GetPoolStatus(self, request, context):
+        return pool_status_to_proto(self.pool.status())
+
+    @handle_errors
+    async def BeginWeightSync(self, request, context):
+        plan = await self.pool.begin_weight_sync(request.weight_version)
+        return rollout_pb2.BeginWeightSyncResponse(engine_urls=plan.engine_urls, snapshot_dir=plan.snapshot_dir)
+
+    @handle_errors
+    async def EndWeightSync(self, request, context):
+        self.pool.end_weight_sync(request.weight_version, success=request.success,
+                                  engine_urls=list(request.engine_urls), failed_urls=list(request.failed_urls),
+                                  snapshot_path=request.snapshot_path, seconds=request.seconds,
+                                  num_bytes=request.bytes, error=request.error)
+        return rollout_pb2.EndWeightSyncResponse()
 
 
 @dataclass
 class RolloutServer:
-    """The running service: gRPC server, manager, pool, and the task that starts the pool."""
+    """The running service: gRPC and REST servers, manager, pool, and the task that starts the pool."""
 
     grpc: GrpcServer
+    rest: RestServer
     manager: RolloutManager
     pool: EnginePool
     pool_start: asyncio.Task
@@ -66,10 +101,11 @@ class RolloutServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop serving, cancel rollouts (their leases are returned), then stop the engines this process started."""
         await stop_grpc_server(self.grpc, grace_s)
+        await self.rest.stop()
         await self.manager.close()
-        self.pool.stopping.set()
+        self.pool_start.cancel()
         await asyncio.wait({self.pool_start})
-        await asyncio.to_thread(self.pool.stop)
+        await self.pool.close()
         for client in self.clients:
             client.close()
 
@@ -79,23 +115,53 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
     buffer = BufferClient(config.buffer_addr, timeout_s=30.0)
     reward = RewardClient(config.reward_addr, timeout_s=60.0)
     router = RouterClient(config.router_url, timeout_s=10.0)
-    pool = EnginePool(router, model_path=config.model_path, num_engines=config.num_engines,
-                      engine_urls=config.engine_urls, num_threads=config.engine_num_threads,
-                      start_timeout_s=config.engine_start_timeout_s, work_dir=config.work_dir)
+    work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix="physarum-rollout-"))
+    pool = EnginePool(build_launcher(config, work_dir), router, PoolConfig(
+        replicas=config.num_engines, join_mode=config.engine_join_mode,
+        snapshot_dir=config.weight_snapshot_dir or str(work_dir / "snapshots"),
+        health_check_interval_s=config.health_check_interval_s, health_check_timeout_s=config.health_check_timeout_s,
+        health_check_first_wait_s=config.health_check_first_wait_s, start_timeout_s=config.engine_start_timeout_s,
+        drain_timeout_s=config.drain_timeout_s), external_urls=config.engine_urls)
     manager = RolloutManager(buffer, reward, config.router_url, model_path=config.model_path,
-                             request_timeout_s=config.request_timeout_s)
+                             router_policy=config.router_policy, request_timeout_s=config.request_timeout_s)
     pool_ready = asyncio.Event()
     servicer = RolloutServicer(manager, pool, pool_ready, config.router_url)
     grpc_server = await start_grpc_server(
         [ServiceBinding(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "physarum.v1.Rollout")],
         config.host, config.port, serving=False)
+    rest_server = RestServer(rest.create_app(pool), config.host, config.rest_port)
+    await rest_server.start()
+    pool.rest_url = f"http://{config.host}:{rest_server.port}"
+    log.info("rollout manager REST API on %s (scale, engines, metrics)", pool.rest_url)
 
     async def start_pool() -> None:
-        await asyncio.to_thread(pool.start)
+        await pool.start()
         pool_ready.set()
         grpc_server.set_serving(True)
         log.info("rollout manager serving on %s:%d: %d engines behind router %s", config.host, grpc_server.port,
-                 len(pool.urls), config.router_url)
+                 len(pool.records), config.router_url)
 
-    return RolloutServer(grpc=grpc_server, manager=manager, pool=pool, pool_start=asyncio.create_task(start_pool()),
-                         clients=[buffer, reward, router])
+    return RolloutServer(grpc=grpc_server, rest=rest_server, manager=manager, pool=pool,
+                         pool_start=asyncio.create_task(start_pool()), clients=[buffer, reward, router])
+
+
+def build_launcher(config: RolloutManagerConfig, work_dir: Path) -> EngineLauncher | None:
+    """The engines' launcher: local processes (CPU engines or SGLang servers) or the Kubernetes Deployment; None when
+    local engines have no model (the pool then has only --engine-urls)."""
+    if config.engine_launcher == "kubernetes":
+        from services.rollout.k8s import KubernetesEngineLauncher
+
+        return KubernetesLauncher(KubernetesEngineLauncher(
+            namespace=config.k8s_namespace, deployment=config.k8s_engine_deployment,
+            label_selector=config.k8s_engine_selector, engine_port=config.k8s_engine_port))
+    if not config.model_path:
+        return None
+    if config.engine_type == "sglang":
+        options = parse_sglang_options(config.sglang_args)
+        argv = lambda port, index: sglang_server_argv(config.model_path, "127.0.0.1", port, options)  # noqa: E731
+    else:
+        argv = cpu_engine_argv(config.model_path, num_threads=config.engine_num_threads,
+                               per_token_delay_s=config.engine_per_token_delay_s,
+                               fake_compute=config.engine_fake_compute,
+                               weight_sync_timeout_s=config.engine_weight_sync_timeout_s)
+    return LocalLauncher(argv, work_dir)

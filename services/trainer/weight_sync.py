@@ -3,7 +3,8 @@
 The trainer is rank 0 of a separate torch.distributed group whose other ranks are the engines. Each bucket of
 tensors is announced to every engine by HTTP (/update_weights_from_distributed) while rank 0 broadcasts the tensors
 in the order of its names. Any failure raises within about timeout_s and drops the group; the next broadcast
-rebuilds it with the current engines.
+rebuilds it with the current engines. `sync_engine_pool` runs one sync with the rollout manager's pool: it names the
+engines, receives a snapshot on disk for engines that join later, and hears how the broadcast went.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import contextlib
 import datetime
 import logging
 import os
+import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,9 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 RESUME_TIMEOUT_S = 2.0  # for the best-effort end/continue calls after a failure
+SNAPSHOT_PREFIX = "weight_v"  # slime's update_weight_disk_dir layout: <dir>/weight_v<version>
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 class WeightSyncError(Unavailable):
@@ -196,10 +202,12 @@ class WeightBroadcaster:
             _on_all(self.clients, "end_weight_update", lambda c: c.end_weight_update(), wait_s)
             _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
         except Exception as err:
-            self._resume_engines(getattr(err, "failed_urls", ()))
+            failed = getattr(err, "failed_urls", ())
+            self._resume_engines(failed)
             self._drop_group()
             raise WeightSyncError(f"weight broadcast of version {weight_version} to {self.engine_urls} failed after "
-                                  f"{time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}") from err
+                                  f"{time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}",
+                                  failed) from err
         stats["seconds"] = time.monotonic() - start
         log.info("weights version %s: %d tensors, %.1f MB in %d buckets to %d engines in %.2f s", weight_version,
                  stats["num_tensors"], stats["bytes"] / 1e6, stats["num_buckets"], len(self.clients), stats["seconds"])
@@ -266,3 +274,66 @@ class WeightBroadcaster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str | Path, version: str, *,
+                   base_model_dir: str | Path | None = None, keep: int = 2) -> str:
+    """Save the weights under HF names as `root/weight_v<version>/model.safetensors` (plus the base model's config and
+    tokenizer files, so SGLang's /update_weights_from_disk can read it); written aside, then renamed into place.
+    Older snapshots beyond the newest `keep` are deleted. Returns the snapshot's directory."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final, staging = root / f"{SNAPSHOT_PREFIX}{version}", root / f".staging-{SNAPSHOT_PREFIX}{version}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt", "weight_version": str(version)})
+    for name in MODEL_FILES if base_model_dir else ():
+        if (Path(base_model_dir) / name).is_file():
+            shutil.copy2(Path(base_model_dir) / name, staging / name)
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    snapshots = sorted((p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in snapshots[:-keep] if keep > 0 else ():
+        shutil.rmtree(old, ignore_errors=True)
+    return str(final)
+
+
+def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Sequence[tuple[str, torch.Tensor]],
+                     version: str, *, base_model_dir: str | Path | None = None, max_attempts: int = 3) -> dict:
+    """One weight sync through the rollout manager's pool (`rollout` is a RolloutClient).
+
+    BeginWeightSync names the engines to broadcast to (serving ones, and new ones waiting for weights) and where to
+    write a snapshot; the snapshot is written, the weights broadcast, and EndWeightSync reports the outcome. When an
+    engine dies or hangs mid-broadcast the broadcast fails within the broadcaster's timeout; the pool checks the
+    engines it names (replacing dead ones) and the sync is tried again with the engines the pool names then.
+    """
+    last_error: Exception | None = None
+    for attempt in range(1, max_attempts + 1):
+        plan = rollout.begin_weight_sync(version)
+        snapshot, start = "", time.monotonic()
+        try:
+            if plan.snapshot_dir:
+                snapshot = write_snapshot(named_tensors, plan.snapshot_dir, version, base_model_dir=base_model_dir)
+            snapshot_s = time.monotonic() - start
+            broadcaster.set_engines(plan.engine_urls)
+            stats = broadcaster.broadcast(named_tensors, version)
+        except WeightSyncError as err:
+            rollout.end_weight_sync(version, success=False, engine_urls=plan.engine_urls,
+                                    failed_urls=list(err.failed_urls), snapshot_path=snapshot, error=str(err))
+            last_error = err
+            log.warning("weight sync of version %s, attempt %d/%d failed: %s", version, attempt, max_attempts, err)
+            continue
+        except BaseException as err:
+            with contextlib.suppress(Exception):
+                rollout.end_weight_sync(version, success=False, engine_urls=plan.engine_urls, snapshot_path=snapshot,
+                                        error=f"{type(err).__name__}: {err}")
+            raise
+        rollout.end_weight_sync(version, success=True, engine_urls=plan.engine_urls, snapshot_path=snapshot,
+                                seconds=time.monotonic() - start, num_bytes=int(stats["bytes"]))
+        return {**stats, "snapshot_seconds": snapshot_s, "attempts": attempt}
+    raise WeightSyncError(f"weight sync of version {version}: {max_attempts} attempts failed; last: {last_error}",
+                          getattr(last_error, "failed_urls", ())) from last_error
+

@@ -262,6 +262,7 @@ def test_manager_killed_mid_rollout_loses_no_prompt(stack, buffer):
         first.popen.wait(timeout=10)
     finally:
         proxy.release()
+        first.stop(grace_s=2)  # a no-op after the SIGKILL; stops it if the test failed before
     assert 1 <= buffer.count_groups(job, 0) <= 2  # the other prompts stay leased by the dead manager
     wait_until(lambda: buffer.stats(job).num_leased == 0, 15, "the dead manager's leases expired")
     second, addr = start_manager(stack, "manager-restarted")
@@ -296,6 +297,7 @@ def test_sigterm_cancels_rollouts_and_returns_their_leases(stack, buffer):
         assert proc.stop(grace_s=20) == 0
     finally:
         proxy.release()
+        proc.stop(grace_s=2)
     stats = buffer.stats(job)  # returned explicitly: the 600 s leases have not expired
     assert stats.num_leased == 0 and stats.num_returned == 4 and buffer.count_groups(job, 0) == 0
 

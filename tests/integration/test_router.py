@@ -1,6 +1,10 @@
-"""The real sglang-router with a real CPU engine started by EnginePool: registration, routing, removal, stop."""
+"""The real sglang-router with a real CPU engine: registration through /workers, routing, removal.
+
+The engine pool that drives it is tested in test_rollout_pool.py."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -8,10 +12,9 @@ import pytest
 from physarum import procs
 from services.common.errors import DeadlineExceeded, NotFound
 from services.common.sglang import SGLangClient
-from services.rollout.client import EngineInfo
-from services.rollout.pool import EnginePool
 from services.rollout.prompts import PromptEncoder
 from services.rollout.router import RouterClient, start_router
+from tests.integration.engine_fixtures import start_engines, stop_engines
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +29,14 @@ def router(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(router, tiny_model_dir, tmp_path_factory):
-    """One local engine, started and registered by the pool; `ready_before` is the router's readiness before."""
+    """One engine registered with the router; `ready_before` is the router's readiness before."""
     ready_before = router.ready()
-    engines = EnginePool(router, model_path=str(tiny_model_dir), num_engines=1, start_timeout_s=120.0,
-                         work_dir=str(tmp_path_factory.mktemp("engines")))
-    engines.start()
-    engines.ready_before = ready_before
-    yield engines
-    engines.stop()
+    engines = start_engines(tiny_model_dir, tmp_path_factory.mktemp("engines"), 1)
+    try:
+        router.add_worker(engines[0][1], timeout_s=60)
+        yield SimpleNamespace(ready_before=ready_before, urls=[url for _, url in engines])
+    finally:
+        stop_engines(engines)
 
 
 def generate_body(tiny_model_dir, **sampling) -> dict:
@@ -75,13 +78,6 @@ def test_router_forwards_the_request_unchanged(router, pool, tiny_model_dir):
         [e[0] for e in direct["meta_info"]["output_token_logprobs"]], abs=1e-5)
 
 
-def test_pool_reports_engines_with_weight_version(pool):
-    (url,) = pool.urls
-    with SGLangClient(url) as engine:
-        version = engine.weight_version()
-    assert pool.engines() == [EngineInfo(url=url, weight_version=version, healthy=True)]
-
-
 def test_remove_worker_removes_it_and_add_worker_is_idempotent(router, pool, tiny_model_dir):
     (url,) = pool.urls
     router.remove_worker(url)
@@ -98,10 +94,3 @@ def test_add_worker_of_a_dead_url_fails_naming_it(router):
     dead = f"http://{procs.HOST}:{procs.free_port()}"
     with pytest.raises(DeadlineExceeded, match=f"worker {dead} not listed"):
         router.add_worker(dead, timeout_s=1.5)
-
-
-def test_pool_stop_deregisters_and_stops_its_engine(router, pool):
-    (url,) = pool.urls
-    proc = pool.processes[url]
-    pool.stop()
-    assert not proc.alive() and router.find_worker(url) is None and pool.urls == []

@@ -3,94 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from services.buffer.client import PutResult
-from services.common.samples import Prompt, SampleGroup, Status, group_id_for
-from services.reward.client import ScoreResult
+from services.common.errors import InvalidArgument
+from services.common.samples import SampleGroup, Status, group_id_for
 from services.rollout.client import RolloutConfig, RolloutState
 from services.rollout.manager import RolloutManager
 from services.rollout.prompts import PromptEncoder
-
-JOB = "job"
-
-
-class FakeBuffer:
-    """The buffer's lease semantics in memory: returned prompts first, then the cursor; groups by id."""
-
-    def __init__(self, num_prompts: int) -> None:
-        self.fresh = [Prompt(job_id=JOB, index=i, epoch=0, prompt=f"{i}+1=", label=str(i + 1))
-                      for i in range(num_prompts)]
-        self.returned: list[Prompt] = []
-        self.leased: dict[str, Prompt] = {}
-        self.groups: dict[str, SampleGroup] = {}
-        self.num_leases = 0
-
-    def count_groups(self, job_id: str, rollout_id: int) -> int:
-        return sum(g.rollout_id == rollout_id for g in self.groups.values())
-
-    def lease_prompts(self, job_id: str, rollout_id: int, count: int, lease_timeout_s: float) -> list[Prompt]:
-        prompts = []
-        while len(prompts) < count and (self.returned or self.fresh):
-            prompt = (self.returned or self.fresh).pop(0)
-            self.num_leases += 1
-            prompt.lease_id = f"lease-{self.num_leases}"
-            self.leased[prompt.lease_id] = prompt
-            prompts.append(prompt)
-        return prompts
-
-    def return_prompts(self, job_id: str, lease_ids: list[str]) -> int:
-        back = [self.leased.pop(i) for i in lease_ids if i in self.leased]
-        self.returned.extend(back)
-        return len(back)
-
-    def put_groups(self, groups: list[SampleGroup]) -> PutResult:
-        written = 0
-        for group in groups:
-            self.leased.pop(group.lease_id, None)
-            if group.group_id not in self.groups:
-                self.groups[group.group_id], written = group, written + 1
-        return PutResult(num_written=written, num_duplicate=len(groups) - written)
-
-
-class FakeReward:
-    """reward = number of response characters; a sample whose response is "x" fails to score."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict] = []
-
-    def score(self, samples, **kwargs) -> list[ScoreResult]:
-        self.calls.append(kwargs)
-        return [ScoreResult(reward=0.0, ok=False, error="boom") if s.response == "x"
-                else ScoreResult(reward=float(len(s.response)), ok=True, scores={"len": float(len(s.response))})
-                for s in samples]
-
-
-@dataclass
-class Engine:
-    """The router's /generate: replies "12" + eos (ids 17, 18, 0) with fixed logprobs, after `failures` errors
-    (counted over the requests for `fail_input` only, when it is set)."""
-
-    failures: int = 0
-    status_code: int = 503
-    finish: str = "stop"
-    fail_input: list[int] | None = None
-    num_calls: int = 0
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.num_calls += 1
-        body = json.loads(request.content)
-        self.bodies = getattr(self, "bodies", []) + [body]
-        if self.failures > 0 and self.fail_input in (None, body["input_ids"]):
-            self.failures -= 1
-            return httpx.Response(self.status_code, text="no healthy workers")
-        meta = {"finish_reason": {"type": self.finish}, "weight_version": "v7", "prompt_tokens": len(body["input_ids"]),
-                "output_token_logprobs": [[-0.5, 17, None], [-1.25, 18, None], [-0.125, 0, None]]}
-        return httpx.Response(200, json={"text": "12", "output_ids": [17, 18, 0], "meta_info": meta})
+from tests.unit.rollout_fakes import (
+    JOB,
+    Engine,
+    FakeBuffer,
+    FakeReward,
+    ScriptedRouter,
+    new_manager,
+    reply,
+    rollout,
+    rollout_config,
+    sample_of,
+)
 
 
 @pytest.fixture
@@ -185,7 +118,7 @@ def test_rollout_fails_clearly_after_bounded_rounds(tiny_model_dir):
     status, _ = asyncio.run(run_rollout(buffer, engine, config(rollout_batch_size=1, n_samples_per_prompt=1),
                                         tiny_model_dir, max_generate_attempts=2))
     assert status.state == RolloutState.FAILED and not buffer.groups and not buffer.leased
-    assert "3 lease rounds in a row wrote no group" in status.error and "HTTP 503" in status.error
+    assert "3 groups in a row failed" in status.error and "HTTP 503" in status.error
     assert engine.num_calls == 6
 
 
@@ -237,3 +170,118 @@ def test_sft_without_label_fails_naming_the_prompt(tiny_model_dir):
     status, _ = asyncio.run(run_rollout(buffer, Engine(), config(loss_type="sft_loss", rollout_batch_size=1),
                                         tiny_model_dir))
     assert status.state == RolloutState.FAILED and "prompt 0 has none" in status.error
+
+
+# ----- over-sampling, abort, dynamic filters, custom generate functions (issue 5) -----
+
+def held_for(prompts: set[int], text: str = "12"):
+    """A router script: requests for `prompts` are held until an engine is told to abort, the rest answered."""
+    return lambda body, headers: None if sample_of(body)[0] in prompts else reply([17, 18, 0], text)
+
+
+def test_oversampling_aborts_the_surplus_and_gives_its_prompts_back(tiny_model_dir):
+    buffer = FakeBuffer(8)
+    router = ScriptedRouter(script=held_for({2, 3}))
+    manager, _ = new_manager(buffer, router, tiny_model_dir)
+    cfg = rollout_config(rollout_batch_size=2, over_sampling_batch_size=4)
+
+    async def run():
+        first = await rollout(manager, cfg, 0)
+        router.script = held_for(set())
+        second = await rollout(manager, rollout_config(rollout_batch_size=2), 1)
+        await manager.close()
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert first.state == second.state == RolloutState.DONE
+    assert [g.prompt_index for g in buffer.rollout_groups(0)] == [0, 1]  # 4 leased, the 2 that finished written
+    assert router.num_held == 4  # both samples of prompts 2 and 3 were running when the batch filled
+    assert router.aborts == [("http://engine-1/abort_request", {"abort_all": True}),
+                             ("http://engine-2/abort_request", {"abort_all": True})]
+    # The surplus prompts came back and were served first: none lost, none generated twice.
+    assert [g.prompt_index for g in buffer.rollout_groups(1)] == [2, 3]
+    assert not buffer.leased and not buffer.returned and buffer.num_leases == 6 and len(buffer.groups) == 4
+
+
+def test_dynamic_filter_drops_are_counted_and_refilled(tiny_model_dir):
+    buffer = FakeBuffer(6)
+    router = ScriptedRouter(script=lambda body, headers: reply([17, 18, 0], "12"))
+    manager, _ = new_manager(buffer, router, tiny_model_dir)
+    cfg = rollout_config(rollout_batch_size=2, dynamic_sampling_filter_path="tests.plugins.rollout_fns."
+                                                                            "drop_odd_prompts_with_reason")
+    status = asyncio.run(rollout(manager, cfg, 0))
+    asyncio.run(manager.close())
+    assert status.state == RolloutState.DONE and status.num_groups_done == 2
+    assert [g.prompt_index for g in buffer.rollout_groups(0)] == [0, 2]
+    # prompt 1 was dropped: stored under rollout -1 (its prompt used up for the epoch, as in slime), lease acked
+    assert [g.prompt_index for g in buffer.rollout_groups(-1)] == [1] and not buffer.leased and not buffer.returned
+    assert status.metrics["rollout/dynamic_filter/drop_odd_prompt"] == 1.0
+    assert status.metrics["rollout/reward_mean"] == 2.0  # only the written groups count
+
+
+def test_zero_std_filter_with_fallback_keeps_groups_rather_than_sample_again(tiny_model_dir):
+    buffer = FakeBuffer(8)
+    router = ScriptedRouter(script=lambda body, headers: reply([17, 18, 0], "12"))  # every group has zero std
+    manager, _ = new_manager(buffer, router, tiny_model_dir)
+    cfg = rollout_config(rollout_batch_size=2, over_sampling_batch_size=4,
+                         dynamic_sampling_filter_path="check_reward_nonzero_std_with_fallback")
+    status = asyncio.run(rollout(manager, cfg, 0))
+    asyncio.run(manager.close())
+    # 4 in flight: the first two to finish are dropped (3 and 2 remain for 2 slots), the last two kept.
+    assert status.state == RolloutState.DONE and len(buffer.rollout_groups(0)) == 2
+    assert len(buffer.rollout_groups(-1)) == 2 and status.metrics["rollout/dynamic_filter/drop_zero_std_2.0"] == 2.0
+    assert buffer.num_leases == 4 and not router.aborts  # no second sampling round, nothing to abort
+
+
+def test_a_filter_that_drops_everything_fails_the_rollout_clearly(tiny_model_dir):
+    buffer = FakeBuffer(100)
+    router = ScriptedRouter(script=lambda body, headers: reply([17, 18, 0], "12"))
+    manager, _ = new_manager(buffer, router, tiny_model_dir)
+    status = asyncio.run(rollout(manager, rollout_config(rollout_batch_size=1,
+                                                         dynamic_sampling_filter_path="check_reward_nonzero_std"), 0))
+    asyncio.run(manager.close())
+    assert status.state == RolloutState.FAILED and "dropped 20 groups in a row" in status.error
+    assert not buffer.leased
+    with pytest.raises(InvalidArgument, match="drops every group of one sample"):
+        asyncio.run(rollout(manager, rollout_config(n_samples_per_prompt=1,
+                                                    dynamic_sampling_filter_path="check_reward_nonzero_std"), 1))
+
+
+def multi_turn_router():
+    counter = iter(range(10**6))
+    return ScriptedRouter(script=lambda body, headers: reply([20 + next(counter) % 50, 21], "ab", weight_version="v3"))
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "manual", "consistent_hashing"])
+def test_custom_generate_function_masks_tool_tokens_and_keeps_each_sample_on_one_session(tiny_model_dir, policy):
+    buffer, router = FakeBuffer(2), multi_turn_router()
+    manager, _ = new_manager(buffer, router, tiny_model_dir, router_policy=policy)
+    cfg = rollout_config(rollout_batch_size=2, custom_generate_function_path="tests.plugins.rollout_fns."
+                                                                             "model_tool_model")
+    status = asyncio.run(rollout(manager, cfg, 0))
+    asyncio.run(manager.close())
+    assert status.state == RolloutState.DONE and len(router.requests) == 12  # 2 prompts x 2 samples x 3 turns
+    for group in buffer.rollout_groups(0):
+        for sample in group.samples:
+            model = sample.tokens[sample.prompt_length:]
+            assert model[2:4] == model[6:8] == [5, 6] and sample.response_length == 10
+            assert sample.loss_mask == [1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
+            assert sample.rollout_log_probs == [-0.5, -1.5, 0.0, 0.0, -0.5, -1.5, 0.0, 0.0, -0.5, -1.5]
+            assert sample.weight_versions == ["v3"] * 3 and sample.response == "ab<tool>ab<tool>ab"
+    keys = {}
+    for body, headers in router.requests:
+        keys.setdefault(sample_of(body), set()).add(headers.get("X-SMG-Routing-Key"))
+    if policy == "round_robin":
+        assert all(k == {None} for k in keys.values())
+    else:  # one key per sample, all different
+        assert all(len(k) == 1 and None not in k for k in keys.values()) and len(set.union(*keys.values())) == 4
+
+
+def test_a_bad_plugin_path_fails_at_start(tiny_model_dir):
+    manager, _ = new_manager(FakeBuffer(2), Engine(), tiny_model_dir)
+    with pytest.raises(InvalidArgument, match="custom_generate_function_path: cannot import module 'nope'"):
+        manager.start_rollout(rollout_config(custom_generate_function_path="nope.generate"), 0, "v1")
+    with pytest.raises(InvalidArgument, match="group_rm needs custom_rm_path"):
+        manager.start_rollout(rollout_config(group_rm=True), 0, "v1")
+    assert not manager.runs
+    asyncio.run(manager.close())

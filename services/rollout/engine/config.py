@@ -1,4 +1,5 @@
-"""Settings of the CPU engine: where it listens, which Hugging Face model directory it serves, batching and RNG."""
+"""Settings of the CPU engine: where it listens, which Hugging Face model directory it serves, batching, RNG, and
+the latency-controlled and fake-compute modes of tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class EngineConfig:
     seed: int = field(0, "seed of the engine's RNG, used by requests without a sampling_seed")
     weight_version: str = field("default", "initial weight_version reported in meta_info and /model_info")
     weight_sync_timeout_s: float = field(60.0, "timeout of the weight-update process group and of update calls")
+    per_token_delay_s: float = field(0.0, "extra seconds per decode step: sets the latency of tests and benchmarks")
+    fake_compute: bool = field(False, "no model and no torch: random tokens with SGLang's reply shapes, for control-"
+                               "plane tests and benchmarks of many engines (weights: update_weights_from_disk only)")
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -31,5 +35,7 @@ class EngineConfig:
         for name in ("max_batch_size", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.per_token_delay_s < 0:
+            raise ValueError(f"per_token_delay_s must be >= 0, got {self.per_token_delay_s}")
         if self.weight_sync_timeout_s <= 0:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, fields
 
 from services.common.errors import InvalidArgument
-from services.rollout.engine.generation import Engine, Request, SamplingParams
+from services.rollout.engine.scheduler import Request, SamplingParams, Scheduler
 
 # The keys SGLang's SamplingParams accepts; any other key is rejected with 400, as SGLang does.
 SAMPLING_KEYS = frozenset({
@@ -111,7 +111,7 @@ def _per_prompt(body: dict, key: str, size: int, default):
     return [default if value is None else value] * size
 
 
-def _prompts(body: dict, engine: Engine) -> tuple[list[list[int]], bool]:
+def _prompts(body: dict, engine: Scheduler) -> tuple[list[list[int]], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if body.get("input_embeds") is not None:
         raise InvalidArgument("input_embeds is not supported by the CPU engine; send input_ids or text")
@@ -138,7 +138,7 @@ def _prompts(body: dict, engine: Engine) -> tuple[list[list[int]], bool]:
     return [engine.encode(t) for t in texts], batched
 
 
-def parse_generate(body: dict, engine: Engine) -> GenerateCall:
+def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
     """The Requests of a /generate body, checked against the engine's vocabulary and context length."""
     prompts, batched = _prompts(body, engine)
     if not prompts:

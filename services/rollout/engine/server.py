@@ -1,7 +1,8 @@
 """The CPU engine's HTTP server: SGLang's endpoints and JSON shapes (reference/sglang-protocol.md §3).
 
 Handlers never block the event loop: generation runs on the scheduler thread, lock waits and process-group calls
-in worker threads. The model loads in the background; /health answers 503 until it is ready.
+in worker threads. The model loads in the background; /health answers 503 until it is ready. Torch is imported only
+there, so the fake-compute mode (--fake-compute) starts without it.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from services.common.errors import InvalidArgument, NotFound, PhysarumError, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.rest import RestServer
+from services.common.sglang import DEFAULT_GROUP_NAME
 from services.rollout.engine.config import EngineConfig
-from services.rollout.engine.generation import Engine, SamplingParams, load_model
-from services.rollout.engine.generation import Request as GenRequest
+from services.rollout.engine.fake import FakeEngine, FakeWeights, read_model_config
 from services.rollout.engine.protocol import parse_generate, to_response
-from services.rollout.engine.weights import DEFAULT_GROUP_NAME, WeightUpdater
+from services.rollout.engine.scheduler import Request as GenRequest
+from services.rollout.engine.scheduler import SamplingParams, Scheduler
 
 log = logging.getLogger(__name__)
 
 VERSION = "physarum-cpu-engine 0.1.0"
-HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
+HEALTH_GENERATE_POLL_S = 0.05
 
 
 class EngineState:
@@ -39,16 +42,28 @@ class EngineState:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = str(Path(config.model_path).resolve())
-        self.engine: Engine | None = None
-        self.updater: WeightUpdater | None = None
+        self.model_config = read_model_config(self.model_path)
+        self.engine: Scheduler | None = None
+        self.updater = None  # weights.WeightUpdater, or fake.FakeWeights in fake-compute mode
         self.load_error: str | None = None
 
     def load(self) -> None:
+        start = time.monotonic()
+        if self.config.fake_compute:
+            engine = FakeEngine(self.model_path, per_token_delay_s=self.config.per_token_delay_s,
+                                max_batch_size=self.config.max_batch_size, seed=self.config.seed,
+                                weight_version=self.config.weight_version).start()
+            self.updater = FakeWeights(engine, self.config.weight_sync_timeout_s)
+            self.engine = engine
+            log.info("fake compute: %.3f s per token, vocabulary %d", self.config.per_token_delay_s, engine.vocab_size)
+            return
         import torch
+
+        from services.rollout.engine.generation import Engine, load_model
+        from services.rollout.engine.weights import WeightUpdater
 
         torch.set_num_threads(self.config.num_threads)
         torch.manual_seed(self.config.seed)
-        start = time.monotonic()
         try:
             model, tokenizer = load_model(self.model_path)
         except Exception as err:
@@ -56,26 +71,26 @@ class EngineState:
             log.exception("could not load the model from %s", self.model_path)
             return
         engine = Engine(model, tokenizer, max_batch_size=self.config.max_batch_size, seed=self.config.seed,
-                        weight_version=self.config.weight_version).start()
+                        weight_version=self.config.weight_version,
+                        per_token_delay_s=self.config.per_token_delay_s).start()
         self.updater = WeightUpdater(engine, self.config.weight_sync_timeout_s)
         self.engine = engine
         log.info("model %s loaded in %.1f s (%d parameters, context %d)", self.model_path, time.monotonic() - start,
                  sum(p.numel() for p in model.parameters()), engine.context_len)
 
-    def ready(self) -> Engine:
+    def ready(self) -> Scheduler:
         if self.engine is None:
             raise Unavailable(f"model failed to load: {self.load_error}" if self.load_error
                               else "the model is still loading")
         return self.engine
 
     def model_info(self) -> dict:
-        config = self.ready().model.config
         return {"model_path": self.model_path, "served_model_name": self.config.served_model_name or self.model_path,
                 "tokenizer_path": self.model_path, "is_generation": True, "preferred_sampling_params": None,
                 "weight_version": self.ready().weight_version, "load_format": "auto", "reasoning_parser": None,
                 "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": config.model_type,
-                "architectures": list(config.architectures or [])}
+                "has_audio_understanding": False, "model_type": self.model_config.get("model_type"),
+                "architectures": list(self.model_config.get("architectures") or [])}
 
     def server_info(self) -> dict:
         engine = self.ready()
@@ -121,7 +136,7 @@ async def _update_call(fn: Callable[..., str], **kwargs) -> JSONResponse:
     return JSONResponse({"success": True, "message": message})
 
 
-async def _wait_for(engine: Engine, requests: list[GenRequest]) -> None:
+async def _wait_for(engine: Scheduler, requests: list[GenRequest]) -> None:
     """Submit and wait for every request; cancelled waits abort their requests."""
     loop = asyncio.get_running_loop()
     futures = [loop.create_future() for _ in requests]
@@ -142,7 +157,7 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.exception_handler(PhysarumError)
     async def physarum_error(request: Request, err: PhysarumError) -> JSONResponse:
-        status = {InvalidArgument: 400, NotFound: 404, Unavailable: 503}.get(type(err), 500)
+        status = {InvalidArgument: 400, FailedPrecondition: 400, NotFound: 404, Unavailable: 503}.get(type(err), 500)
         return JSONResponse({"error": {"message": str(err)}}, status_code=status)
 
     @app.exception_handler(ValueError)
@@ -168,13 +183,19 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        """SGLang's check: 200 as soon as the engine makes progress (the probe or any other request gets a token)."""
         engine = state.ready()
         probe = GenRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                            params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        since = time.monotonic()
+        engine.submit([probe])
         try:
-            await asyncio.wait_for(_wait_for(engine, [probe]), HEALTH_GENERATE_TIMEOUT_S)
-        except TimeoutError:
-            return Response(status_code=503)
+            while not (probe.finished or engine.last_progress_s > since):
+                if time.monotonic() - since > HEALTH_GENERATE_TIMEOUT_S:
+                    return Response(status_code=503)
+                await asyncio.sleep(HEALTH_GENERATE_POLL_S)
+        finally:
+            engine.abort(probe.rid, message="health check done")
         return Response(status_code=200)
 
     @app.get("/model_info")

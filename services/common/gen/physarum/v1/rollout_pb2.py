@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19physarum/v1/rollout.proto\x12\x0bphysarum.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xbe\x03\n\rRolloutConfig\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x02 \x01(\t\x12\x1a\n\x12rollout_batch_size\x18\x03 \x01(\x05\x12\x1c\n\x14n_samples_per_prompt\x18\x04 \x01(\x05\x12\x1b\n\x13rollout_temperature\x18\x05 \x01(\x01\x12\x15\n\rrollout_top_p\x18\x06 \x01(\x01\x12\x15\n\rrollout_top_k\x18\x07 \x01(\x05\x12 \n\x18rollout_max_response_len\x18\x08 \x01(\x05\x12\x14\n\x0crollout_stop\x18\t \x03(\t\x12\x1e\n\x16rollout_stop_token_ids\x18\n \x03(\x05\x12\x0f\n\x07rm_type\x18\x0b \x01(\t\x12\x16\n\x0e\x63ustom_rm_path\x18\x0c \x01(\t\x12\x12\n\nreward_key\x18\r \x01(\t\x12\x18\n\x10reward_timeout_s\x18\x0e \x01(\x01\x12\x11\n\tloss_type\x18\x0f \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x10 \x01(\x01\x12%\n\x04\x61rgs\x18\x11 \x01(\x0b\x32\x17.google.protobuf.Struct\"m\n\x13StartRolloutRequest\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.physarum.v1.RolloutConfig\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\"/\n\x14StartRolloutResponse\x12\x17\n\x0f\x61lready_running\x18\x01 \x01(\x08\"=\n\x17GetRolloutStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\"\xe6\x01\n\rRolloutStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.physarum.v1.RolloutState\x12\x17\n\x0fnum_groups_done\x18\x02 \x01(\x05\x12\x19\n\x11num_groups_target\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x38\n\x07metrics\x18\x05 \x03(\x0b\x32\'.physarum.v1.RolloutStatus.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12ListEnginesRequest\"B\n\nEngineInfo\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"S\n\x13ListEnginesResponse\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.physarum.v1.EngineInfo\x12\x12\n\nrouter_url\x18\x02 \x01(\t*\x95\x01\n\x0cRolloutState\x12\x1d\n\x19ROLLOUT_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15ROLLOUT_STATE_UNKNOWN\x10\x01\x12\x19\n\x15ROLLOUT_STATE_RUNNING\x10\x02\x12\x16\n\x12ROLLOUT_STATE_DONE\x10\x03\x12\x18\n\x14ROLLOUT_STATE_FAILED\x10\x04\x32\x86\x02\n\x07Rollout\x12S\n\x0cStartRollout\x12 .physarum.v1.StartRolloutRequest\x1a!.physarum.v1.StartRolloutResponse\x12T\n\x10GetRolloutStatus\x12$.physarum.v1.GetRolloutStatusRequest\x1a\x1a.physarum.v1.RolloutStatus\x12P\n\x0bListEngines\x12\x1f.physarum.v1.ListEnginesRequest\x1a .physarum.v1.ListEnginesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19physarum/v1/rollout.proto\x12\x0bphysarum.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xe6\x06\n\rRolloutConfig\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x02 \x01(\t\x12\x1a\n\x12rollout_batch_size\x18\x03 \x01(\x05\x12\x1c\n\x14n_samples_per_prompt\x18\x04 \x01(\x05\x12\x1b\n\x13rollout_temperature\x18\x05 \x01(\x01\x12\x15\n\rrollout_top_p\x18\x06 \x01(\x01\x12\x15\n\rrollout_top_k\x18\x07 \x01(\x05\x12 \n\x18rollout_max_response_len\x18\x08 \x01(\x05\x12\x14\n\x0crollout_stop\x18\t \x03(\t\x12\x1e\n\x16rollout_stop_token_ids\x18\n \x03(\x05\x12\x0f\n\x07rm_type\x18\x0b \x01(\t\x12\x16\n\x0e\x63ustom_rm_path\x18\x0c \x01(\t\x12\x12\n\nreward_key\x18\r \x01(\t\x12\x18\n\x10reward_timeout_s\x18\x0e \x01(\x01\x12\x11\n\tloss_type\x18\x0f \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x10 \x01(\x01\x12%\n\x04\x61rgs\x18\x11 \x01(\x0b\x32\x17.google.protobuf.Struct\x12 \n\x18over_sampling_batch_size\x18( \x01(\x05\x12$\n\x1c\x64ynamic_sampling_filter_path\x18) \x01(\t\x12\x17\n\x0fpartial_rollout\x18* \x01(\x08\x12)\n!mask_offpolicy_in_partial_rollout\x18+ \x01(\x08\x12%\n\x1d\x63ustom_generate_function_path\x18, \x01(\t\x12\x10\n\x08group_rm\x18- \x01(\x08\x12\x18\n\x10\x65val_prompt_data\x18. \x03(\t\x12!\n\x19n_samples_per_eval_prompt\x18/ \x01(\x05\x12\x18\n\x10\x65val_temperature\x18\x30 \x01(\x01\x12\x12\n\neval_top_p\x18\x31 \x01(\x01\x12\x1d\n\x15\x65val_max_response_len\x18\x32 \x01(\x05\x12\x11\n\tinput_key\x18\x33 \x01(\t\x12\x11\n\tlabel_key\x18\x34 \x01(\t\x12\x14\n\x0cmetadata_key\x18\x35 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x36 \x01(\x08\"m\n\x13StartRolloutRequest\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.physarum.v1.RolloutConfig\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\"/\n\x14StartRolloutResponse\x12\x17\n\x0f\x61lready_running\x18\x01 \x01(\x08\"=\n\x17GetRolloutStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\"\xe6\x01\n\rRolloutStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.physarum.v1.RolloutState\x12\x17\n\x0fnum_groups_done\x18\x02 \x01(\x05\x12\x19\n\x11num_groups_target\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x38\n\x07metrics\x18\x05 \x03(\x0b\x32\'.physarum.v1.RolloutStatus.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"h\n\x0eRunEvalRequest\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.physarum.v1.RolloutConfig\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\"}\n\x0fRunEvalResponse\x12:\n\x07metrics\x18\x01 \x03(\x0b\x32).physarum.v1.RunEvalResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12ListEnginesRequest\"B\n\nEngineInfo\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"S\n\x13ListEnginesResponse\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.physarum.v1.EngineInfo\x12\x12\n\nrouter_url\x18\x02 \x01(\t\" \n\x0cScaleRequest\x12\x10\n\x08replicas\x18\x01 \x01(\x05\"\x16\n\x14GetPoolStatusRequest\"\xa8\x01\n\x0c\x45ngineStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.physarum.v1.EngineState\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x0c\n\x04load\x18\x07 \x01(\x05\x12\x10\n\x08\x65xternal\x18\x08 \x01(\x08\"J\n\nScaleEvent\x12\x0e\n\x06time_s\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x83\x02\n\nPoolStatus\x12\x18\n\x10\x64\x65sired_replicas\x18\x01 \x01(\x05\x12*\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x19.physarum.v1.EngineStatus\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\x12\x11\n\tjoin_mode\x18\x04 \x01(\t\x12\x14\n\x0csnapshot_dir\x18\x05 \x01(\t\x12\x12\n\nrouter_url\x18\x06 \x01(\t\x12\x10\n\x08rest_url\x18\x07 \x01(\t\x12\'\n\x06\x65vents\x18\x08 \x03(\x0b\x32\x17.physarum.v1.ScaleEvent\x12\x1f\n\x17weight_sync_in_progress\x18\t \x01(\x08\"0\n\x16\x42\x65ginWeightSyncRequest\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\"D\n\x17\x42\x65ginWeightSyncResponse\x12\x13\n\x0b\x65ngine_urls\x18\x01 \x03(\t\x12\x14\n\x0csnapshot_dir\x18\x02 \x01(\t\"\xaf\x01\n\x14\x45ndWeightSyncRequest\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x13\n\x0b\x65ngine_urls\x18\x03 \x03(\t\x12\x13\n\x0b\x66\x61iled_urls\x18\x04 \x03(\t\x12\x15\n\rsnapshot_path\x18\x05 \x01(\t\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\r\n\x05\x62ytes\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\x17\n\x15\x45ndWeightSyncResponse*\x95\x01\n\x0cRolloutState\x12\x1d\n\x19ROLLOUT_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15ROLLOUT_STATE_UNKNOWN\x10\x01\x12\x19\n\x15ROLLOUT_STATE_RUNNING\x10\x02\x12\x16\n\x12ROLLOUT_STATE_DONE\x10\x03\x12\x18\n\x14ROLLOUT_STATE_FAILED\x10\x04*\xae\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x18\n\x14\x45NGINE_STATE_JOINING\x10\x02\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x03\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x04\x12\x17\n\x13\x45NGINE_STATE_FAILED\x10\x05\x32\x8c\x05\n\x07Rollout\x12S\n\x0cStartRollout\x12 .physarum.v1.StartRolloutRequest\x1a!.physarum.v1.StartRolloutResponse\x12T\n\x10GetRolloutStatus\x12$.physarum.v1.GetRolloutStatusRequest\x1a\x1a.physarum.v1.RolloutStatus\x12P\n\x0bListEngines\x12\x1f.physarum.v1.ListEnginesRequest\x1a .physarum.v1.ListEnginesResponse\x12\x44\n\x07RunEval\x12\x1b.physarum.v1.RunEvalRequest\x1a\x1c.physarum.v1.RunEvalResponse\x12;\n\x05Scale\x12\x19.physarum.v1.ScaleRequest\x1a\x17.physarum.v1.PoolStatus\x12K\n\rGetPoolStatus\x12!.physarum.v1.GetPoolStatusRequest\x1a\x17.physarum.v1.PoolStatus\x12\\\n\x0f\x42\x65ginWeightSync\x12#.physarum.v1.BeginWeightSyncRequest\x1a$.physarum.v1.BeginWeightSyncResponse\x12V\n\rEndWeightSync\x12!.physarum.v1.EndWeightSyncRequest\x1a\".physarum.v1.EndWeightSyncResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROLLOUTSTATUS_METRICSENTRY']._loaded_options = None
   _globals['_ROLLOUTSTATUS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLLOUTSTATE']._serialized_start=1153
-  _globals['_ROLLOUTSTATE']._serialized_end=1302
+  _globals['_RUNEVALRESPONSE_METRICSENTRY']._loaded_options = None
+  _globals['_RUNEVALRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_ROLLOUTSTATE']._serialized_start=2700
+  _globals['_ROLLOUTSTATE']._serialized_end=2849
+  _globals['_ENGINESTATE']._serialized_start=2852
+  _globals['_ENGINESTATE']._serialized_end=3026
   _globals['_ROLLOUTCONFIG']._serialized_start=73
-  _globals['_ROLLOUTCONFIG']._serialized_end=519
-  _globals['_STARTROLLOUTREQUEST']._serialized_start=521
-  _globals['_STARTROLLOUTREQUEST']._serialized_end=630
-  _globals['_STARTROLLOUTRESPONSE']._serialized_start=632
-  _globals['_STARTROLLOUTRESPONSE']._serialized_end=679
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=681
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=742
-  _globals['_ROLLOUTSTATUS']._serialized_start=745
-  _globals['_ROLLOUTSTATUS']._serialized_end=975
-  _globals['_ROLLOUTSTATUS_METRICSENTRY']._serialized_start=929
-  _globals['_ROLLOUTSTATUS_METRICSENTRY']._serialized_end=975
-  _globals['_LISTENGINESREQUEST']._serialized_start=977
-  _globals['_LISTENGINESREQUEST']._serialized_end=997
-  _globals['_ENGINEINFO']._serialized_start=999
-  _globals['_ENGINEINFO']._serialized_end=1065
-  _globals['_LISTENGINESRESPONSE']._serialized_start=1067
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1150
-  _globals['_ROLLOUT']._serialized_start=1305
-  _globals['_ROLLOUT']._serialized_end=1567
+  _globals['_ROLLOUTCONFIG']._serialized_end=943
+  _globals['_STARTROLLOUTREQUEST']._serialized_start=945
+  _globals['_STARTROLLOUTREQUEST']._serialized_end=1054
+  _globals['_STARTROLLOUTRESPONSE']._serialized_start=1056
+  _globals['_STARTROLLOUTRESPONSE']._serialized_end=1103
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1105
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1166
+  _globals['_ROLLOUTSTATUS']._serialized_start=1169
+  _globals['_ROLLOUTSTATUS']._serialized_end=1399
+  _globals['_ROLLOUTSTATUS_METRICSENTRY']._serialized_start=1353
+  _globals['_ROLLOUTSTATUS_METRICSENTRY']._serialized_end=1399
+  _globals['_RUNEVALREQUEST']._serialized_start=1401
+  _globals['_RUNEVALREQUEST']._serialized_end=1505
+  _globals['_RUNEVALRESPONSE']._serialized_start=1507
+  _globals['_RUNEVALRESPONSE']._serialized_end=1632
+  _globals['_RUNEVALRESPONSE_METRICSENTRY']._serialized_start=1353
+  _globals['_RUNEVALRESPONSE_METRICSENTRY']._serialized_end=1399
+  _globals['_LISTENGINESREQUEST']._serialized_start=1634
+  _globals['_LISTENGINESREQUEST']._serialized_end=1654
+  _globals['_ENGINEINFO']._serialized_start=1656
+  _globals['_ENGINEINFO']._serialized_end=1722
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1724
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1807
+  _globals['_SCALEREQUEST']._serialized_start=1809
+  _globals['_SCALEREQUEST']._serialized_end=1841
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_start=1843
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_end=1865
+  _globals['_ENGINESTATUS']._serialized_start=1868
+  _globals['_ENGINESTATUS']._serialized_end=2036
+  _globals['_SCALEEVENT']._serialized_start=2038
+  _globals['_SCALEEVENT']._serialized_end=2112
+  _globals['_POOLSTATUS']._serialized_start=2115
+  _globals['_POOLSTATUS']._serialized_end=2374
+  _globals['_BEGINWEIGHTSYNCREQUEST']._serialized_start=2376
+  _globals['_BEGINWEIGHTSYNCREQUEST']._serialized_end=2424
+  _globals['_BEGINWEIGHTSYNCRESPONSE']._serialized_start=2426
+  _globals['_BEGINWEIGHTSYNCRESPONSE']._serialized_end=2494
+  _globals['_ENDWEIGHTSYNCREQUEST']._serialized_start=2497
+  _globals['_ENDWEIGHTSYNCREQUEST']._serialized_end=2672
+  _globals['_ENDWEIGHTSYNCRESPONSE']._serialized_start=2674
+  _globals['_ENDWEIGHTSYNCRESPONSE']._serialized_end=2697
+  _globals['_ROLLOUT']._serialized_start=3029
+  _globals['_ROLLOUT']._serialized_end=3681
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,31 @@ class RolloutStub:
                 request_serializer=physarum_dot_v1_dot_rollout__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=physarum_dot_v1_dot_rollout__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
+        self.RunEval = channel.unary_unary(
+                '/physarum.v1.Rollout/RunEval',
+                request_serializer=physarum_dot_v1_dot_rollout__pb2.RunEvalRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_rollout__pb2.RunEvalResponse.FromString,
+                _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/physarum.v1.Rollout/Scale',
+                request_serializer=physarum_dot_v1_dot_rollout__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_rollout__pb2.PoolStatus.FromString,
+                _registered_method=True)
+        self.GetPoolStatus = channel.unary_unary(
+                '/physarum.v1.Rollout/GetPoolStatus',
+                request_serializer=physarum_dot_v1_dot_rollout__pb2.GetPoolStatusRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_rollout__pb2.PoolStatus.FromString,
+                _registered_method=True)
+        self.BeginWeightSync = channel.unary_unary(
+                '/physarum.v1.Rollout/BeginWeightSync',
+                request_serializer=physarum_dot_v1_dot_rollout__pb2.BeginWeightSyncRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_rollout__pb2.BeginWeightSyncResponse.FromString,
+                _registered_method=True)
+        self.EndWeightSync = channel.unary_unary(
+                '/physarum.v1.Rollout/EndWeightSync',
+                request_serializer=physarum_dot_v1_dot_rollout__pb2.EndWeightSyncRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_rollout__pb2.EndWeightSyncResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -72,6 +97,39 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunEval(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scale(self, request, context):
+        """The engine pool: set the desired number of engines (also while a job runs), read its state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPoolStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginWeightSync(self, request, context):
+        """The trainer brackets each weight broadcast with these, so the pool knows the current version,
+        which engines take part, and where a snapshot of the weights lies for engines that join later.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndWeightSync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +147,31 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.ListEngines,
                     request_deserializer=physarum_dot_v1_dot_rollout__pb2.ListEnginesRequest.FromString,
                     response_serializer=physarum_dot_v1_dot_rollout__pb2.ListEnginesResponse.SerializeToString,
+            ),
+            'RunEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunEval,
+                    request_deserializer=physarum_dot_v1_dot_rollout__pb2.RunEvalRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_rollout__pb2.RunEvalResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=physarum_dot_v1_dot_rollout__pb2.ScaleRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_rollout__pb2.PoolStatus.SerializeToString,
+            ),
+            'GetPoolStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPoolStatus,
+                    request_deserializer=physarum_dot_v1_dot_rollout__pb2.GetPoolStatusRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_rollout__pb2.PoolStatus.SerializeToString,
+            ),
+            'BeginWeightSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginWeightSync,
+                    request_deserializer=physarum_dot_v1_dot_rollout__pb2.BeginWeightSyncRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_rollout__pb2.BeginWeightSyncResponse.SerializeToString,
+            ),
+            'EndWeightSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndWeightSync,
+                    request_deserializer=physarum_dot_v1_dot_rollout__pb2.EndWeightSyncRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_rollout__pb2.EndWeightSyncResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +255,141 @@ class Rollout:
             '/physarum.v1.Rollout/ListEngines',
             physarum_dot_v1_dot_rollout__pb2.ListEnginesRequest.SerializeToString,
             physarum_dot_v1_dot_rollout__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Rollout/RunEval',
+            physarum_dot_v1_dot_rollout__pb2.RunEvalRequest.SerializeToString,
+            physarum_dot_v1_dot_rollout__pb2.RunEvalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Rollout/Scale',
+            physarum_dot_v1_dot_rollout__pb2.ScaleRequest.SerializeToString,
+            physarum_dot_v1_dot_rollout__pb2.PoolStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPoolStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Rollout/GetPoolStatus',
+            physarum_dot_v1_dot_rollout__pb2.GetPoolStatusRequest.SerializeToString,
+            physarum_dot_v1_dot_rollout__pb2.PoolStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginWeightSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Rollout/BeginWeightSync',
+            physarum_dot_v1_dot_rollout__pb2.BeginWeightSyncRequest.SerializeToString,
+            physarum_dot_v1_dot_rollout__pb2.BeginWeightSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndWeightSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Rollout/EndWeightSync',
+            physarum_dot_v1_dot_rollout__pb2.EndWeightSyncRequest.SerializeToString,
+            physarum_dot_v1_dot_rollout__pb2.EndWeightSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,239 @@
+"""Generating one sample: slime's default `generate` (token in, token out through the router) and what custom
+generate functions build on: `router_generate` (the manager's router client, with deadlines, bounded retries, session
+routing and abort) and `append_response_tokens` (loss masks and log-probs of multi-turn samples).
+
+A custom function keeps slime's signature, `async def generate(args, sample, sampling_params) -> Sample`; `args` is
+the job spec as a namespace (plus `sglang_router_ip` / `sglang_router_port`). Knows nothing of the buffer or gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import types
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import httpx
+
+from services.common import plugins
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.samples import Sample, Status
+
+log = logging.getLogger(__name__)
+
+STICKY_POLICIES = ("consistent_hashing", "manual")  # router policies that route by X-SMG-Routing-Key
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+EXPECTED = "async def generate(args, sample, sampling_params) -> Sample"
+
+
+class _RetryableError(Exception):
+    """A /generate attempt that may succeed on another try (engine restarting, request aborted by the engine)."""
+
+
+@dataclass
+class RolloutSample(Sample):
+    """The Sample a generate function gets: slime's field names, plus slime's `session_id`, `Sample.Status` and
+    `append_response_tokens`."""
+
+    Status: ClassVar[type[Status]] = Status
+    session_id: str = ""  # one per sample; the routing key under a sticky router policy
+
+    def append_response_tokens(self, args: Any = None, *, tokens: list[int], log_probs: list[float] | None = None,
+                               trainable: bool = True, meta_info: dict | None = None, text: str | None = None,
+                               update_terminal_info: bool = True) -> None:
+        """slime's signature (`args` is unused)."""
+        append_response_tokens(self, tokens, log_probs=log_probs, trainable=trainable, meta_info=meta_info,
+                               text=text, update_terminal_info=update_terminal_info)
+
+
+def append_response_tokens(sample: Sample, tokens: list[int], *, log_probs: list[float] | None = None,
+                           trainable: bool = True, meta_info: dict | None = None, text: str | None = None,
+                           update_terminal_info: bool = True) -> None:
+    """Extend the response as slime's Sample.append_response_tokens does: model tokens (trainable) need their
+    log-probs and get loss_mask 1; tool or environment tokens get loss_mask 0 and log-prob 0. A segment with tokens
+    records meta_info's weight_version; with update_terminal_info, meta_info's finish_reason sets the status."""
+    tokens = [int(t) for t in tokens]
+    if log_probs is not None and len(log_probs) != len(tokens):
+        raise InvalidArgument(f"append_response_tokens: {len(log_probs)} log_probs for {len(tokens)} tokens")
+    if tokens and trainable and log_probs is None:
+        raise InvalidArgument("append_response_tokens: trainable tokens need their log_probs")
+    if tokens and not trainable and log_probs is not None:
+        raise InvalidArgument("append_response_tokens: tokens that are not trainable take no log_probs (they get 0)")
+    sample.tokens = list(sample.tokens) + tokens
+    sample.response_length += len(tokens)
+    sample.loss_mask = list(sample.loss_mask) + [int(trainable)] * len(tokens)
+    sample.rollout_log_probs = list(sample.rollout_log_probs) + (
+        [float(lp) for lp in log_probs] if trainable else [0.0] * len(tokens))
+    if text:
+        sample.response += text
+    meta_info = meta_info or {}
+    if tokens and meta_info.get("weight_version") is not None:
+        sample.weight_versions = [*sample.weight_versions, str(meta_info["weight_version"])]
+    if update_terminal_info and meta_info.get("finish_reason"):
+        sample.status = Status.from_finish_reason(meta_info["finish_reason"].get("type", ""))
+
+
+def append_reply(sample: Sample, reply: dict[str, Any], trainable: bool = True) -> str:
+    """Append a /generate reply's tokens (from meta_info.output_token_logprobs, as slime does) and set the sample's
+    status from finish_reason; returns finish_reason.type ("stop", "length" or "abort")."""
+    meta = reply.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise FailedPrecondition("a /generate reply without meta_info.output_token_logprobs (send return_logprob)")
+    tokens = [int(entry[1]) for entry in entries]
+    output_ids = reply.get("output_ids")
+    if output_ids is not None and [int(t) for t in output_ids] != tokens:
+        raise FailedPrecondition(f"a /generate reply with {len(output_ids)} output_ids that differ from its "
+                                 f"{len(tokens)} output_token_logprobs")
+    append_response_tokens(sample, tokens, log_probs=[entry[0] for entry in entries] if trainable else None,
+                           trainable=trainable, meta_info=meta, text=reply.get("text") or "",
+                           update_terminal_info=False)
+    finish = (meta.get("finish_reason") or {}).get("type", "")
+    sample.status = Status.from_finish_reason(finish)
+    return finish
+
+
+@dataclass
+class GenerateContext:
+    """How the generate functions of one rollout (or eval) of one job reach the router."""
+
+    http: httpx.AsyncClient
+    router_url: str
+    name: str  # "rollout 3 of job j", for messages
+    rid_prefix: str
+    sticky_routing: bool = False  # send each sample's session_id as X-SMG-Routing-Key
+    max_attempts: int = 5
+    retry_delay_s: float = 1.0
+    slots: asyncio.Semaphore | None = None  # bounds the requests in flight
+    aborting: bool = False  # the manager aborts the rest of the rollout: its batch is full
+
+
+_CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
+
+
+def use_context(ctx: GenerateContext) -> None:
+    """Bind `ctx` to the calling task; tasks it creates afterwards inherit it."""
+    _CONTEXT.set(ctx)
+
+
+def abort_reply(message: str) -> dict[str, Any]:
+    """What router_generate returns for a request it did not send because the rollout was aborted."""
+    return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": message},
+                                                        "output_token_logprobs": []}}
+
+
+async def router_generate(sample: Sample, payload: dict[str, Any]) -> dict[str, Any]:
+    """POST /generate through the rollout manager's router client and return SGLang's reply.
+
+    Sets a fresh `rid`; sends the sample's session_id as X-SMG-Routing-Key under the consistent_hashing and manual
+    router policies (every turn of a sample then reaches the same engine and its prefix cache). Retries, bounded,
+    while engines restart or abort requests on their own. Once the manager aborts the rollout it returns the
+    engine's abort reply with the partial output (or an empty one if nothing was sent): check
+    `reply["meta_info"]["finish_reason"]["type"] == "abort"`. Raises InvalidArgument when the router rejects the
+    request (4xx) and Unavailable when every attempt failed.
+    """
+    ctx = _CONTEXT.get(None)
+    if ctx is None:
+        raise FailedPrecondition("router_generate: called outside a rollout of the rollout manager")
+    what = f"{ctx.name}: prompt {sample.group_index} sample {sample.index}"
+    session_id = getattr(sample, "session_id", "")
+    headers = {ROUTING_KEY_HEADER: session_id} if ctx.sticky_routing and session_id else None
+    last_error = ""
+    for attempt in range(1, ctx.max_attempts + 1):
+        body = {**payload, "rid": f"{ctx.rid_prefix}-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:10]}"}
+        try:
+            async with ctx.slots or contextlib.nullcontext():
+                if ctx.aborting:
+                    return abort_reply(f"{ctx.name} was aborted: its batch is full")
+                reply = await ctx.http.post(f"{ctx.router_url}/generate", json=body, headers=headers)
+            if 400 <= reply.status_code < 500:
+                raise InvalidArgument(f"{what}: router {ctx.router_url} rejected /generate: HTTP {reply.status_code}: "
+                                      f"{reply.text[:500]}")
+            if reply.status_code >= 500:
+                raise _RetryableError(f"HTTP {reply.status_code}: {reply.text[:300]}")
+            data = reply.json()
+            finish = (data.get("meta_info", {}).get("finish_reason") or {})
+            if finish.get("type") == "abort" and not ctx.aborting:
+                raise _RetryableError(f"aborted by the engine: {finish.get('message', '')}")
+            return data
+        except (httpx.TransportError, _RetryableError) as err:
+            last_error = f"{type(err).__name__}: {err}"
+        if ctx.aborting:
+            return abort_reply(f"{ctx.name} was aborted; last attempt: {last_error}")
+        if attempt < ctx.max_attempts:
+            delay_s = min(ctx.retry_delay_s * 2 ** (attempt - 1), 8.0)
+            log.warning("%s: /generate attempt %d/%d failed (%s); retry in %.1f s", what, attempt, ctx.max_attempts,
+                        last_error, delay_s)
+            await asyncio.sleep(delay_s)
+    raise Unavailable(f"{what}: /generate through router {ctx.router_url} failed {ctx.max_attempts} times; "
+                      f"last: {last_error}")
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """slime's default: one /generate call from sample.tokens, which continues a partial sample with the budget
+    left (max_new_tokens minus the response so far)."""
+    params = dict(sampling_params)
+    params["max_new_tokens"] -= sample.response_length
+    if params["max_new_tokens"] <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    reply = await router_generate(sample, {"input_ids": list(sample.tokens), "sampling_params": params,
+                                           "return_logprob": True})
+    append_reply(sample, reply)
+    return sample
+
+
+@functools.cache
+def load_generate_function(path: str) -> Callable[..., Any]:
+    """The default `generate` for an empty path, else the user's function (its signature checked once)."""
+    if not path:
+        return generate
+    return plugins.load_function(path, flag="custom_generate_function_path", expected=EXPECTED, is_async=True,
+                                 num_params=3)
+
+
+async def run_generate(fn: Callable[..., Any], args: Any, sample: Sample, sampling_params: dict[str, Any], *,
+                       evaluation: bool, what: str) -> Sample:
+    """Call a generate function (with `evaluation=` when it takes it, as slime does) and check what it returns."""
+    kwargs = {"evaluation": evaluation} if "evaluation" in inspect.signature(fn).parameters else {}
+    result = await fn(args, sample, dict(sampling_params), **kwargs)
+    name = getattr(fn, "__qualname__", str(fn))
+    if isinstance(result, list):
+        raise InvalidArgument(f"{what}: generate function {name} returned a list: fan-out to several samples is not "
+                              f"supported; return one Sample")
+    if not isinstance(result, Sample):
+        raise InvalidArgument(f"{what}: generate function {name} returned {type(result).__name__}; expected {EXPECTED}")
+    n = result.response_length
+    if not (len(result.loss_mask) == len(result.rollout_log_probs) == n < len(result.tokens)):
+        raise InvalidArgument(f"{what}: generate function {name} returned response_length {n} with "
+                              f"{len(result.loss_mask)} loss_mask, {len(result.rollout_log_probs)} rollout_log_probs "
+                              f"and {len(result.tokens)} tokens (use sample.append_response_tokens)")
+    if result.status == Status.PENDING:
+        result.status = Status.COMPLETED
+    return result
+
+
+def sampling_params(*, temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop: list[str],
+                    stop_token_ids: list[int]) -> dict[str, Any]:
+    """The sampling_params slime sends (reference/slime.md §3.1), only keys the router passes through."""
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k if top_k > 0 else -1,
+            "max_new_tokens": max_new_tokens, "stop": list(stop), "stop_token_ids": list(stop_token_ids),
+            "no_stop_trim": True, "skip_special_tokens": True}
+
+
+def plugin_args(job_args: dict[str, Any], router_url: str) -> types.SimpleNamespace:
+    """slime's `args` for plugins: the job spec, plus where the router is (sglang_router_ip / _port)."""
+    url = httpx.URL(router_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return types.SimpleNamespace(**{**job_args, "sglang_router_ip": url.host, "sglang_router_port": port})
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,90 @@
+"""One group: the samples answering one prompt, each run through the generate function concurrently, and the
+generation settings one rollout (or eval) of a job shares. Knows nothing of the buffer, rewards or filters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from services.common.samples import Prompt, Sample
+from services.rollout.client import RolloutConfig
+from services.rollout.generate import (
+    GenerateContext,
+    RolloutSample,
+    load_generate_function,
+    new_session_id,
+    plugin_args,
+    run_generate,
+    sampling_params,
+    use_context,
+)
+from services.rollout.partial import FINISHED
+from services.rollout.prompts import PromptEncoder
+from services.rollout.scoring import load_group_reward
+
+
+@dataclass
+class Generation:
+    """What generating the groups of one rollout (or one eval) needs."""
+
+    config: RolloutConfig
+    encoder: PromptEncoder
+    ctx: GenerateContext
+    args: types.SimpleNamespace  # slime's `args`, for plugins
+    generate_fn: Callable[..., Any]
+    sampling_params: dict[str, Any]
+    n_samples: int
+    evaluation: bool = False
+
+
+def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: int, *, evaluation: bool,
+                   http: httpx.AsyncClient, router_url: str, **ctx_options: Any) -> Generation:
+    """Load the job's plugins (once per path) and fix its sampling; InvalidArgument names what is wrong.
+
+    ctx_options go to GenerateContext (sticky_routing, max_attempts, retry_delay_s, slots).
+    """
+    fn = load_generate_function(config.custom_generate_function_path)
+    if config.group_rm:
+        load_group_reward(config.custom_rm_path)
+    job = config.job_id
+    if evaluation:
+        name, rid_prefix = f"eval at rollout {rollout_id} of job {job}", f"{job}-eval{rollout_id}"
+        temperature, top_p, max_new_tokens, n = (config.eval_temperature, config.eval_top_p,
+                                                 config.eval_max_response_len, config.n_samples_per_eval_prompt)
+    else:
+        name, rid_prefix = f"rollout {rollout_id} of job {job}", f"{job}-{rollout_id}"
+        temperature, top_p, max_new_tokens, n = (config.rollout_temperature, config.rollout_top_p,
+                                                 config.rollout_max_response_len, config.n_samples_per_prompt)
+    params = sampling_params(temperature=temperature, top_p=top_p, top_k=config.rollout_top_k,
+                             max_new_tokens=max_new_tokens, stop=config.rollout_stop,
+                             stop_token_ids=config.rollout_stop_token_ids)
+    ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
+    return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
+                      generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation)
+
+
+def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> RolloutSample:
+    """Sample j of the group answering `prompt`: its tokens are the prompt's, its response empty."""
+    return RolloutSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
+                         metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
+                         session_id=new_session_id())
+
+
+async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:
+    """Run the generate function on every unfinished sample of a group, concurrently; the first error fails it."""
+    use_context(gen.ctx)
+    todo = [j for j, s in enumerate(samples) if s.status not in FINISHED]
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            running = {j: tasks.create_task(run_generate(
+                gen.generate_fn, gen.args, samples[j], gen.sampling_params, evaluation=gen.evaluation,
+                what=f"{gen.ctx.name}: prompt {samples[j].group_index} sample {j}")) for j in todo}
+    except ExceptionGroup as group_err:
+        raise group_err.exceptions[0] from None
+    return [running[j].result() if j in running else s for j, s in enumerate(samples)]

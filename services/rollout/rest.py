@@ -1,0 +1,57 @@
+"""The rollout manager's REST API (FastAPI): the engine pool by hand or by script, and its Prometheus metrics.
+
+POST /v1/scale {"replicas": N}, GET /v1/engines, GET /metrics, GET /healthz; OpenAPI at /docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.errors import InvalidArgument
+from services.rollout.client import PoolStatus
+from services.rollout.pool import EnginePool
+
+
+class ScaleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: int = Field(ge=0, description="desired number of engines the pool launches (external ones not counted)")
+
+
+def status_json(status: PoolStatus) -> dict:
+    """PoolStatus as JSON, engine states by name ("SERVING")."""
+    values = dataclasses.asdict(status)
+    for engine, record in zip(values["engines"], status.engines, strict=True):
+        engine["state"] = record.state.name
+    return values
+
+
+def create_app(pool: EnginePool) -> FastAPI:
+    app = FastAPI(title="Physarum rollout manager", description="The engine pool: scale it, list its engines.")
+
+    @app.exception_handler(InvalidArgument)
+    async def invalid_argument(request, err: InvalidArgument) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": str(err)})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/engines")
+    async def engines() -> dict:
+        return status_json(pool.status())
+
+    @app.post("/v1/scale")
+    async def scale(request: ScaleIn) -> dict:
+        return status_json(pool.scale(request.replicas))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        pool.update_gauges()
+        return Response(pool.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,98 @@
+"""Eval metrics: pass@k by the unbiased estimator against hand-computed values, and the eval/<name> family."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from services.common.samples import Sample, Status
+from services.rollout.evaluation import eval_metrics, pass_at_k, pass_ks
+from tests.unit.rollout_fakes import FakeBuffer, ScriptedRouter, new_manager, reply, rollout_config, sample_of
+
+
+@pytest.mark.parametrize(("n", "c", "k", "expected"), [
+    (4, 1, 1, 0.25),  # c / n
+    (4, 1, 2, 1 - 3 / 6),  # 1 - C(3,2)/C(4,2)
+    (4, 2, 2, 1 - 1 / 6),  # 1 - C(2,2)/C(4,2)
+    (4, 3, 2, 1.0),  # n - c < k: every pair holds a correct one
+    (4, 0, 4, 0.0),
+    (8, 2, 4, 1 - 15 / 70),  # 1 - C(6,4)/C(8,4)
+    (8, 3, 8, 1.0),
+    (5, 1, 4, 1 - 1 / 5),  # 1 - C(4,4)/C(5,4)
+])
+def test_pass_at_k_matches_the_binomial_formula(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_rejects_impossible_arguments():
+    for n, c, k in ((4, 1, 5), (4, 5, 1), (4, 1, 0)):
+        with pytest.raises(ValueError):
+            pass_at_k(n, c, k)
+
+
+def test_ks_are_powers_of_two_up_to_n():
+    assert pass_ks(1) == [] and pass_ks(2) == [1, 2] and pass_ks(6) == [1, 2, 4] and pass_ks(8) == [1, 2, 4, 8]
+
+
+def test_eval_metrics_of_two_prompts():
+    def group(*rewards, truncated=()):
+        return [Sample(reward=r, status=Status.TRUNCATED if i in truncated else Status.COMPLETED)
+                for i, r in enumerate(rewards)]
+
+    groups = [group(1.0, 0.0, 0.0, 0.0, truncated=(1,)), group(1.0, 1.0, 0.5, 0.0)]  # 0.5 is not a pass
+    metrics = eval_metrics("aime", groups)
+    assert metrics == pytest.approx({
+        "eval/aime": 3.5 / 8,
+        "eval/aime-truncated_ratio": 1 / 8,
+        "eval/aime-pass@1": (1 / 4 + 2 / 4) / 2,
+        "eval/aime-pass@2": ((1 - 3 / 6) + (1 - 1 / 6)) / 2,
+        "eval/aime-pass@4": 1.0,
+    })
+    assert eval_metrics("one", [[Sample(reward=1.0)], [Sample(reward=0.0)]]) == {
+        "eval/one": 0.5, "eval/one-truncated_ratio": 0.0}  # no pass@k with one sample per prompt, as in slime
+    assert eval_metrics("none", []) == {}
+
+
+def test_run_eval_generates_every_prompt_with_eval_sampling_and_gives_the_prompts_back(tiny_model_dir, tmp_path):
+    """3 eval prompts x 4 samples; prompt i's first c_i requests answer "1" (reward 1), the others "12" (reward 2,
+    not a pass): c = 4, 1, 0."""
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    served = {0: 0, 1: 0, 2: 0}
+    correct = {0: 4, 1: 1, 2: 0}
+
+    def script(body, headers):
+        prompt = sample_of(body)[0]
+        served[prompt] += 1
+        return reply([17], "1") if served[prompt] <= correct[prompt] else reply([17, 18], "12", finish="length")
+
+    buffer, router = FakeBuffer(2), ScriptedRouter(script=script)
+    manager, reward = new_manager(buffer, router, tiny_model_dir)
+    cfg = rollout_config(eval_prompt_data=[f"math={data}"], n_samples_per_eval_prompt=4, eval_temperature=0.3,
+                         eval_top_p=0.5, eval_max_response_len=3, label_key="answer")
+
+    async def run():
+        first = await manager.run_eval(cfg, 4, "5")
+        again = await manager.run_eval(cfg, 4, "5")  # idempotent: the same result, nothing generated again
+        num_requests = len(router.requests)
+        later = await manager.run_eval(cfg, 9, "10")  # the next eval leases the same prompts again
+        await manager.close()
+        return first, again, num_requests, later
+
+    first, again, num_requests, later = asyncio.run(run())
+    assert first == again and num_requests == 12 and len(router.requests) == 24
+    assert first == pytest.approx({
+        "eval/math": (4 * 1 + (1 + 3 * 2) + 4 * 2) / 12,
+        "eval/math-truncated_ratio": 7 / 12,
+        "eval/math-pass@1": (1 + 1 / 4 + 0) / 3,
+        "eval/math-pass@2": (1 + 1 / 2 + 0) / 3,
+        "eval/math-pass@4": (1 + 1 + 0) / 3})
+    body, _ = router.requests[0]
+    assert body["rid"].startswith("job-eval4-")
+    assert {k: body["sampling_params"][k] for k in ("temperature", "top_p", "max_new_tokens")} == {
+        "temperature": 0.3, "top_p": 0.5, "max_new_tokens": 3}
+    eval_buffer = buffer.others["job.eval.math"]
+    assert not eval_buffer.leased and len(eval_buffer.returned) == 3 and not buffer.groups  # eval writes nothing
+    assert {s.label for s in eval_buffer.returned} == {"1", "2", "3"} and reward.calls
