@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test unit lint proto redis-server clean
+.PHONY: setup demo test chart-test unit lint proto redis-server clean
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -24,8 +24,13 @@ setup: $(STAMP) redis-server
 demo: setup
 	$(BIN)/python -m physarum.demo
 
-test: setup
-	$(BIN)/python -m pytest -q -ra
+test: setup chart-test
+	$(BIN)/python -m pytest -q -ra --ignore=tests/chart
+
+# The Helm chart (deploy/helm): strict lint, render of every deploy/helm/ci/*.yaml, values.schema.json rules and
+# template guards, Kubernetes 1.28 and 1.37 schemas, GPU-cluster conventions; in-process Helm SDK, offline, seconds.
+chart-test: setup
+	$(BIN)/python -m pytest -q -ra tests/chart
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
@@ -38,3 +43,22 @@ proto: setup
 
 clean:
 	rm -rf .physarum .pytest_cache
+
+# Container images, one per service (deploy/docker/<name>.Dockerfile), built from the repository root.
+# VARIANT=gpu builds trainer and engine on the CUDA base with CUDA torch, tagged <tag>-gpu.
+IMAGES := buffer reward rollout engine trainer router
+IMAGE_PREFIX ?= physarum
+IMAGE_TAG ?= 0.1.0
+VARIANT ?= cpu
+DOCKER ?= docker
+.PHONY: images
+images:
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found: install Docker (the CLI and a running engine) to build images" >&2; exit 1; }
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: '$(DOCKER) info' failed: no Docker engine is running or reachable (see DOCKER_HOST)" >&2; exit 1; }
+	@set -e; for name in $(IMAGES); do \
+	  case $$name in trainer|engine) args="--build-arg VARIANT=$(VARIANT)"; \
+	    tag=$(IMAGE_TAG)$$( [ "$(VARIANT)" = gpu ] && echo -gpu || true );; \
+	    *) args=""; tag=$(IMAGE_TAG);; esac; \
+	  echo "building $(IMAGE_PREFIX)/$$name:$$tag"; \
+	  $(DOCKER) build -f deploy/docker/$$name.Dockerfile $$args -t $(IMAGE_PREFIX)/$$name:$$tag .; \
+	done

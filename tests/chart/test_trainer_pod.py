@@ -1,0 +1,66 @@
+"""The trainer pod's shell and probe scripts, run for real: RANK picks rank 0's service or a worker, and the exec
+probes check rank 0's gRPC health (a worker, which serves nothing, passes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tests.chart.chart import one, pod_spec, render
+
+
+def trainer_container(values: dict) -> dict:
+    return pod_spec(one(render(values), "StatefulSet", "trainer"))["containers"][0]
+
+
+@pytest.mark.parametrize("rank, module", [("0", "services.trainer"), ("1", "services.trainer.worker"),
+                                          ("12", "services.trainer.worker")])
+def test_rank_picks_the_entry_point(rank, module, tmp_path):
+    container = trainer_container({})
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\necho "$@"\n')
+    fake_python.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "RANK": rank}
+    out = subprocess.run([*container["command"], *container["args"]], env=env, capture_output=True, text=True,
+                         timeout=10, check=True)
+    assert out.stdout.strip() == f"-m {module}"
+
+
+def run_probe(container: dict, kind: str, rank: str) -> int:
+    command = container[kind]["exec"]["command"]
+    assert command[:2] == ["python", "-c"]
+    env = {**os.environ, "RANK": rank}
+    return subprocess.run([sys.executable, "-c", command[2]], env=env, capture_output=True, timeout=15).returncode
+
+
+@pytest.fixture
+def health_server():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield server, servicer, port
+    server.stop(grace=None)
+
+
+def test_probes_check_rank_zeros_grpc_health(health_server):
+    server, servicer, port = health_server
+    container = trainer_container({"trainer": {"port": port}})
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert [run_probe(container, k, "0") for k in ("startupProbe", "readinessProbe", "livenessProbe")] == [0, 0, 0]
+
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # e.g. draining: unready, but alive
+    assert run_probe(container, "readinessProbe", "0") == 1
+    assert run_probe(container, "livenessProbe", "0") == 0
+
+    server.stop(grace=None).wait()  # nothing listens: rank 0 is neither ready nor alive
+    assert run_probe(container, "readinessProbe", "0") != 0
+    assert run_probe(container, "livenessProbe", "0") != 0
+    assert run_probe(container, "readinessProbe", "3") == 0  # a worker serves nothing; its process is the container

@@ -1,0 +1,367 @@
+"""How the chart wires the services: entry points and images, the PHYSARUM_<SERVICE>_<FIELD> env the services read,
+peer addresses, scaling ownership (HPA or rollout manager), minimal RBAC, NetworkPolicies, Redis, the Secret and
+ServiceMonitors."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import importlib.util
+import json
+
+import pytest
+
+from services.buffer.config import BufferConfig
+from services.common.config import load_config
+from services.reward.config import RewardConfig
+from services.rollout.config import RolloutManagerConfig
+from services.rollout.engine.config import EngineConfig
+from services.trainer.config import TrainerConfig
+from tests.chart.chart import (
+    ROOT,
+    component,
+    container_ports,
+    containers,
+    env_of,
+    find,
+    one,
+    pod_labels,
+    pod_spec,
+    render,
+    values_of,
+    workloads,
+)
+
+# service name in PHYSARUM_<SERVICE>_<FIELD> -> (entry module, config class)
+SERVICES = {
+    "buffer": ("services.buffer", BufferConfig),
+    "reward": ("services.reward", RewardConfig),
+    "rollout": ("services.rollout", RolloutManagerConfig),
+    "engine": ("services.rollout.engine", EngineConfig),
+    "trainer": ("services.trainer", TrainerConfig),
+}
+# Settings the chart passes that the services do not read yet: the job API's bearer token (issue 6). load_config
+# ignores unknown variables, so it is harmless until the trainer reads it.
+PENDING_FIELDS: dict[str, set[str]] = {}
+RELEASE_PEER = {"app.kubernetes.io/instance": "demo", "app.kubernetes.io/part-of": "physarum"}
+
+
+TRAINER_DISPATCH = ('if [ "$RANK" = 0 ]; then exec python -m services.trainer; '
+                    'else exec python -m services.trainer.worker; fi')
+
+
+def physarum_containers(objects):
+    """(workload, container, service) for each container that runs a Physarum entry point."""
+    for w in workloads(objects):
+        for c in containers(w):
+            if c.get("command") == ["/bin/sh", "-c"] and c["args"] == [TRAINER_DISPATCH]:
+                yield w, c, "trainer"
+                continue
+            for service, (module, _) in SERVICES.items():
+                if c.get("command") == ["python", "-m", module]:
+                    yield w, c, service
+
+
+def test_containers_run_the_local_entry_points(objects, value_set):
+    found = {service for _, _, service in physarum_containers(objects)}
+    backend = values_of(value_set)["engines"]["backend"]
+    assert found == {"buffer", "reward", "rollout", "trainer"} | ({"engine"} if backend == "cpu" else set())
+    for module in [m for m, _ in SERVICES.values()] + ["services.trainer.worker"]:
+        assert importlib.util.find_spec(module) is not None, module
+    router = one(objects, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["command"] == ["python", "-m", "sglang_router.launch_router"]
+    assert importlib.util.find_spec("sglang_router.launch_router") is not None
+
+
+def test_images_are_the_ones_make_images_builds(objects, value_set):
+    """`make images IMAGE_PREFIX=<registry> IMAGE_TAG=<tag>` builds <registry>/<service>:<tag> (VARIANT=gpu:
+    <tag>-gpu)."""
+    values = values_of(value_set)
+    registry, tag = values["image"]["registry"], values["image"]["tag"] or "0.1.0"
+    for _, c, service in physarum_containers(objects):
+        variant = "-gpu" if service == "trainer" and values["trainer"]["gpus"] > 0 else ""
+        assert c["image"] == f"{registry}/{service}:{tag}{variant}"
+        assert (ROOT / "deploy" / "docker" / f"{service}.Dockerfile").is_file()
+    router = one(objects, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["image"] == f"{registry}/router:{tag}"
+
+
+def test_sglang_backend_runs_sglang_server(objects, value_set):
+    values = values_of(value_set)
+    if values["engines"]["backend"] != "sglang":
+        return
+    c = one(objects, "Deployment", "engine")["spec"]["template"]["spec"]["containers"][0]
+    image = values["engines"]["sglang"]["image"]
+    assert c["image"] == f"{image['repository']}:{image['tag']}"
+    assert c["command"] == ["python3", "-m", "sglang.launch_server"]
+    assert f"--model-path={values['model']['path']}" in c["args"]
+    assert f"--tp-size={values['engines']['gpus']}" in c["args"]
+    assert f"--port={values['engines']['port']}" in c["args"] and "--host=0.0.0.0" in c["args"]
+    assert not any(name.startswith("PHYSARUM_") for name in env_of(c))
+
+
+def test_env_names_are_config_fields(objects):
+    for _, c, service in physarum_containers(objects):
+        fields = {f.name for f in dataclasses.fields(SERVICES[service][1])} | PENDING_FIELDS.get(service, set())
+        prefix = f"PHYSARUM_{service.upper()}_"
+        for name in env_of(c):
+            if name.startswith("PHYSARUM_"):
+                assert name.startswith(prefix), (service, name)
+                assert name[len(prefix):].lower() in fields, (service, name)
+
+
+def resolve_env(objects, container, tmp_path) -> dict[str, str]:
+    """The container's environment as Kubernetes would set it, from the rendered Secret and placeholder fieldRefs."""
+    secrets = {s["metadata"]["name"]: s.get("data", {}) for s in find(objects, "Secret")}
+    env = {}
+    for name, entry in env_of(container).items():
+        if "value" in entry:
+            env[name] = entry["value"]
+        elif "secretKeyRef" in entry["valueFrom"]:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            data = secrets.get(ref["name"], {})
+            env[name] = base64.b64decode(data[ref["key"]]).decode() if ref["key"] in data else "external-secret"
+        else:
+            env[name] = "0"
+    return env
+
+
+def test_services_accept_the_env_the_chart_gives_them(objects, monkeypatch, tmp_path):
+    """load_config reads every container's env as the service would at start (the engine's model dir is faked)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    for _, c, service in physarum_containers(objects):
+        with monkeypatch.context() as patch:
+            env = resolve_env(objects, c, tmp_path)
+            if service == "engine":
+                env["PHYSARUM_ENGINE_MODEL_PATH"] = str(model_dir)
+            for name, value in env.items():
+                patch.setenv(name, value)
+            config = load_config(SERVICES[service][1], service, argv=[])
+        assert config.host == "0.0.0.0"  # reachable through its Service
+        assert config.port == container_ports(c)["grpc" if service != "engine" else "http"]
+
+
+def test_config_values_reach_the_services_typed():
+    objects = render({"trainer": {"config": {"num_threads": 1000000, "client_timeout_s": 0.5}},
+                      "rollout": {"config": {"engine_urls": ["http://a:30000", "http://b:30000"],
+                                             "request_timeout_s": 300}},
+                      "buffer": {"config": {"redis_wait_s": 2.5}}})
+    env = {s: env_of(c) for _, c, s in physarum_containers(objects)}
+    assert env["trainer"]["PHYSARUM_TRAINER_NUM_THREADS"]["value"] == "1000000"  # not 1e+06
+    assert env["trainer"]["PHYSARUM_TRAINER_CLIENT_TIMEOUT_S"]["value"] == "0.5"
+    assert env["rollout"]["PHYSARUM_ROLLOUT_ENGINE_URLS"]["value"] == "http://a:30000,http://b:30000"
+    assert env["rollout"]["PHYSARUM_ROLLOUT_REQUEST_TIMEOUT_S"]["value"] == "300"
+    assert env["buffer"]["PHYSARUM_BUFFER_REDIS_WAIT_S"]["value"] == "2.5"
+
+
+def test_peers_are_addressed_by_service_name_and_port(objects, value_set):
+    values = values_of(value_set)
+    services = {s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]} for s in find(objects, "Service")}
+    env = {s: env_of(c) for _, c, s in physarum_containers(objects)}
+    addrs = [env["trainer"]["PHYSARUM_TRAINER_BUFFER_ADDR"]["value"], env["trainer"]["PHYSARUM_TRAINER_ROLLOUT_ADDR"]
+             ["value"], env["rollout"]["PHYSARUM_ROLLOUT_BUFFER_ADDR"]["value"],
+             env["rollout"]["PHYSARUM_ROLLOUT_REWARD_ADDR"]["value"],
+             env["rollout"]["PHYSARUM_ROLLOUT_ROUTER_URL"]["value"].removeprefix("http://")]
+    for addr in addrs:
+        host, port = addr.rsplit(":", 1)
+        assert int(port) in services[host], addr
+    assert env["rollout"]["PHYSARUM_ROLLOUT_MODEL_PATH"]["value"] == values["model"]["path"]
+    assert env["rollout"]["PHYSARUM_ROLLOUT_ROUTER_POLICY"]["value"] == values["router"]["policy"]
+
+
+def test_rollout_manager_finds_engine_pods_by_their_labels(objects, value_set):
+    env = env_of(one(objects, "Deployment", "rollout")["spec"]["template"]["spec"]["containers"][0])
+    engines = one(objects, "Deployment", "engine")
+    assert env["PHYSARUM_ROLLOUT_ENGINE_LAUNCHER"]["value"] == "kubernetes"
+    selector = dict(pair.split("=") for pair in env["PHYSARUM_ROLLOUT_K8S_ENGINE_SELECTOR"]["value"].split(","))
+    assert selector == engines["spec"]["selector"]["matchLabels"]
+    assert env["PHYSARUM_ROLLOUT_K8S_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["PHYSARUM_ROLLOUT_K8S_ENGINE_DEPLOYMENT"]["value"] == engines["metadata"]["name"]
+    assert int(env["PHYSARUM_ROLLOUT_K8S_ENGINE_PORT"]["value"]) == container_ports(containers(engines)[0])["http"]
+
+
+def test_new_engines_get_weights_from_a_volume_the_trainer_shares(objects, value_set):
+    values = values_of(value_set)
+    env = env_of(one(objects, "Deployment", "rollout")["spec"]["template"]["spec"]["containers"][0])
+    assert env["PHYSARUM_ROLLOUT_ENGINE_JOIN_MODE"]["value"] == values["engines"]["joinMode"]
+    engine_mounts = {m["name"]: m for m in containers(one(objects, "Deployment", "engine"))[0]["volumeMounts"]}
+    if values["engines"]["joinMode"] == "sync":
+        assert "PHYSARUM_ROLLOUT_WEIGHT_SNAPSHOT_DIR" not in env and "checkpoints" not in engine_mounts
+        return
+    snapshots = env["PHYSARUM_ROLLOUT_WEIGHT_SNAPSHOT_DIR"]["value"]
+    trainer = one(objects, "StatefulSet", "trainer")
+    trainer_mount = next(m for m in containers(trainer)[0]["volumeMounts"] if m["name"] == "checkpoints")
+    assert snapshots.startswith(trainer_mount["mountPath"] + "/") and not trainer_mount.get("readOnly")
+    assert engine_mounts["checkpoints"]["mountPath"] == trainer_mount["mountPath"]  # same paths on both sides
+    assert engine_mounts["checkpoints"]["readOnly"] is True
+    claims = [v["persistentVolumeClaim"]["claimName"] for w in (trainer, one(objects, "Deployment", "engine"))
+              for v in pod_spec(w)["volumes"] if v["name"] == "checkpoints"]
+    assert len(claims) == 2 and claims[0] == claims[1]
+
+
+def test_one_scaler_owns_engine_replicas(objects, value_set):
+    engines = values_of(value_set)["engines"]
+    deployment = one(objects, "Deployment", "engine")
+    hpas = find(objects, "HorizontalPodAutoscaler", "engine")
+    manager_env = env_of(one(objects, "Deployment", "rollout")["spec"]["template"]["spec"]["containers"][0])
+    rules = one(objects, "Role", "rollout")["rules"]
+    can_scale = any("deployments/scale" in r["resources"] and "patch" in r["verbs"] for r in rules)
+    assert not (hpas and can_scale)
+    desired = int(manager_env["PHYSARUM_ROLLOUT_NUM_ENGINES"]["value"])  # 0: the manager never patches the scale
+    if engines["hpa"].get("enabled"):
+        assert "replicas" not in deployment["spec"]  # the HPA owns it; helm upgrade must not reset it
+        assert hpas[0]["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                     "name": deployment["metadata"]["name"]}
+        assert desired == 0 and not can_scale
+    elif engines["managerScaling"]["enabled"]:
+        assert "replicas" not in deployment["spec"] and not hpas and can_scale
+        assert desired == engines["replicas"]
+    else:
+        assert deployment["spec"]["replicas"] == engines["replicas"] and not hpas and not can_scale
+        assert desired == 0
+
+
+def test_reward_hpa_scales_on_cpu_requests(objects, value_set):
+    hpa_values = values_of(value_set)["reward"]["hpa"]
+    deployment = one(objects, "Deployment", "reward")
+    hpas = find(objects, "HorizontalPodAutoscaler", "reward")
+    if not hpa_values["enabled"]:
+        assert not hpas and deployment["spec"]["replicas"] == values_of(value_set)["reward"]["replicas"]
+        return
+    assert "replicas" not in deployment["spec"]
+    metric = hpas[0]["spec"]["metrics"][0]["resource"]
+    assert metric["name"] == "cpu"
+    assert metric["target"]["averageUtilization"] == hpa_values["targetCPUUtilizationPercentage"]
+    assert all("cpu" in c["resources"]["requests"] for c in containers(deployment))  # utilization needs a request
+
+
+def test_rbac_is_the_rollout_managers_and_minimal(objects, value_set):
+    assert not find(objects, "ClusterRole") and not find(objects, "ClusterRoleBinding")
+    role = one(objects, "Role", "rollout")
+    manager_scales = values_of(value_set)["engines"]["managerScaling"]["enabled"]
+    engine = one(objects, "Deployment", "engine")["metadata"]["name"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": [engine],
+         "verbs": ["get", "patch"] if manager_scales else ["get"]},
+    ]
+    binding = one(objects, "RoleBinding", "rollout")
+    manager = one(objects, "Deployment", "rollout")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod_spec(manager)["serviceAccountName"],
+                                    "namespace": "rl"}]
+    for w in workloads(objects):  # only the manager's pods get an API token
+        assert pod_spec(w)["automountServiceAccountToken"] is (w is manager), w["metadata"]["name"]
+
+
+def policies_for(objects, workload):
+    return [p for p in find(objects, "NetworkPolicy")
+            if p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(workload).items()]
+
+
+def test_network_policies_cover_every_pod(objects, value_set):
+    values = values_of(value_set)
+    if not values["networkPolicy"]["enabled"]:
+        assert not find(objects, "NetworkPolicy")
+        return
+    for w in workloads(objects):
+        policies = policies_for(objects, w)
+        assert len(policies) == 1, w["metadata"]["name"]
+        assert policies[0]["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_engines_and_redis_admit_only_the_release(objects, value_set):
+    values = values_of(value_set)
+    if not values["networkPolicy"]["enabled"]:
+        return
+    metrics_from = values["networkPolicy"]["metricsFrom"]
+    for w in workloads(objects):
+        for rule in policies_for(objects, w)[0]["spec"]["ingress"]:
+            peers = rule.get("from")
+            if component(w) == "trainer" and "from" not in rule:  # the job API ports, open to any client
+                assert {p["port"] for p in rule["ports"]} == {values["trainer"]["port"], values["trainer"]["restPort"]}
+                continue
+            assert peers, (w["metadata"]["name"], rule)  # no rule admits everyone
+            if peers == metrics_from:  # Prometheus, on the metrics port only
+                assert values["metrics"]["serviceMonitor"]["enabled"] and len(rule["ports"]) == 1
+                continue
+            if component(w) == "trainer" and peers == values["networkPolicy"]["jobApiFrom"]:
+                continue
+            for peer in peers:
+                assert set(peer) == {"podSelector"}, (w["metadata"]["name"], peer)  # this namespace, no ipBlock
+                labels = peer["podSelector"]["matchLabels"]
+                if component(w) == "redis":
+                    assert labels["app.kubernetes.io/component"] == "buffer"
+                    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+                assert labels.items() >= {"app.kubernetes.io/instance": "demo"}.items()
+
+
+def test_release_pods_carry_the_peer_labels(objects):
+    for w in workloads(objects):
+        assert RELEASE_PEER.items() <= pod_labels(w).items()
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume(objects, value_set):
+    values = values_of(value_set)["redis"]
+    if not values["enabled"]:
+        assert not find(objects, "StatefulSet", "redis")
+        return
+    sts = one(objects, "StatefulSet", "redis")
+    args = pod_spec(sts)["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == values["appendfsync"]
+    assert args[args.index("--dir") + 1] == "/data"
+    claims = [t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])]
+    assert claims == (["data"] if values["persistence"]["enabled"] else [])
+    assert sts["spec"]["serviceName"] == one(objects, "Service", "redis")["metadata"]["name"]
+
+
+def test_secret_holds_the_token_and_the_redis_url(objects, value_set):
+    values = values_of(value_set)
+    data = {k: base64.b64decode(v).decode() for k, v in one(objects, "Secret", "config")["data"].items()}
+    expected_url = values["redis"]["externalUrl"] or "redis://demo-physarum-redis:6379/0"
+    assert data["redis-url"] == expected_url
+    token_ref = env_of(pod_spec(one(objects, "StatefulSet", "trainer"))["containers"][0])["PHYSARUM_TRAINER_API_TOKEN"]
+    if values["jobApi"]["existingSecret"]:
+        assert "api-token" not in data
+        secret = values["jobApi"]["existingSecret"]
+        assert token_ref["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "api-token"}
+    else:
+        assert len(data["api-token"]) >= 16
+        assert token_ref["valueFrom"]["secretKeyRef"] == {"name": "demo-physarum", "key": "api-token"}
+
+
+def test_a_given_token_is_used_as_is():
+    secret = one(render({"jobApi": {"token": "s3cret-token-of-mine"}}), "Secret", "config")
+    assert base64.b64decode(secret["data"]["api-token"]).decode() == "s3cret-token-of-mine"
+
+
+def test_shared_volumes_are_mounted_and_kept(objects, value_set):
+    values = values_of(value_set)
+    claims = {c["metadata"]["name"]: c for c in find(objects, "PersistentVolumeClaim")}
+    for c in claims.values():
+        assert c["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # uninstall keeps checkpoints
+    trainer = pod_spec(one(objects, "StatefulSet", "trainer"))
+    mounts = {m["mountPath"]: m for m in trainer["containers"][0]["volumeMounts"]}
+    assert (values["checkpoints"]["mountPath"] in mounts) is values["checkpoints"]["persistence"]["enabled"]
+    if values["models"]["persistence"]["enabled"]:
+        for comp, kind in (("trainer", "StatefulSet"), ("engine", "Deployment"), ("rollout", "Deployment")):
+            mount = next(m for m in pod_spec(one(objects, kind, comp))["containers"][0]["volumeMounts"]
+                         if m["name"] == "models")
+            assert mount["readOnly"] is True and mount["mountPath"] == values["models"]["mountPath"]
+
+
+@pytest.mark.parametrize("value_set", ["gpu-cluster"])
+def test_service_monitors_select_a_metrics_port(objects):
+    monitors = find(objects, "ServiceMonitor")
+    assert {component(m) for m in monitors} == {"trainer", "rollout", "router", "engine"}
+    for m in monitors:
+        services = [s for s in find(objects, "Service")
+                    if m["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        ports = {p["name"] for s in services for p in s["spec"]["ports"]}
+        for endpoint in m["spec"]["endpoints"]:
+            assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        assert json.dumps(m["spec"]["namespaceSelector"]) == '{"matchNames": ["rl"]}'

@@ -1,0 +1,86 @@
+"""The README's Configuration table: generated from the config classes, current, and true (each variable is read)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.buffer.config import BufferConfig
+from services.common.config import env_name, field, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+config_table = load_script("config_table")
+SERVICES = config_table.discover()
+
+
+def test_readme_table_is_current():
+    readme = (ROOT / "README.md").read_text()
+    assert "## Configuration" in readme
+    assert config_table.replace_table(readme, config_table.render(SERVICES)) == readme, (
+        "README.md's Configuration table is stale: run .venv/bin/python scripts/config_table.py")
+
+
+def test_every_service_main_is_found_with_its_config_class():
+    mains = sorted((ROOT / "services").rglob("__main__.py"))
+    assert len(SERVICES) == len(mains) >= 5
+    by_module = {s.module: s for s in SERVICES}
+    assert by_module["services.buffer"].name == "buffer" and by_module["services.buffer"].config_cls is BufferConfig
+    assert by_module["services.rollout.engine"].name == "engine"
+
+
+def test_a_service_that_bypasses_load_config_is_an_error(tmp_path):
+    (tmp_path / "services" / "rogue").mkdir(parents=True)
+    (tmp_path / "services" / "rogue" / "__main__.py").write_text("import os\nPORT = os.environ['ROGUE_PORT']\n")
+    with pytest.raises(ValueError, match=r"services/rogue/__main__.py: no load_config\(ConfigClass"):
+        config_table.discover(tmp_path)
+
+
+def required_args(service, tmp_path) -> list[str]:
+    """Flags a config cannot do without (the engine needs a model directory)."""
+    if service.name == "engine":
+        (tmp_path / "config.json").write_text("{}")
+        return ["--model-path", str(tmp_path)]
+    return []
+
+
+@pytest.mark.parametrize("service", SERVICES, ids=[s.name for s in SERVICES])
+def test_each_listed_variable_is_read_and_its_default_text_parses_back(service, tmp_path, monkeypatch):
+    argv = required_args(service, tmp_path)
+    expected = load_config(service.config_cls, service.name, argv)
+    for row in config_table.rows(service):
+        variable, default = row[2].strip("`"), row[3]
+        monkeypatch.setenv(variable, "" if default == "(empty)" else default.strip("`"))
+    assert load_config(service.config_cls, service.name, argv) == expected
+    monkeypatch.setenv(env_name(service.name, "port"), "4321")
+    assert load_config(service.config_cls, service.name, argv).port == 4321
+    assert load_config(service.config_cls, service.name, [*argv, "--port", "4322"]).port == 4322  # flag beats env
+
+
+def test_rows_render_flags_variables_defaults_and_escape_pipes():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class DemoConfig:
+        peer_urls: list[str] = field(["http://a:1", "http://b:2"], "peers | comma-separated")
+        verbose: bool = field(False, "log more")
+        name: str = field("", "optional name")
+
+    service = config_table.Service("demo", "services.demo", DemoConfig)
+    assert config_table.rows(service) == [
+        ["`services.demo`", "`--peer-urls`", "`PHYSARUM_DEMO_PEER_URLS`", "`http://a:1,http://b:2`",
+         "peers \\| comma-separated"],
+        ["`services.demo`", "`--verbose`", "`PHYSARUM_DEMO_VERBOSE`", "`false`", "log more"],
+        ["`services.demo`", "`--name`", "`PHYSARUM_DEMO_NAME`", "(empty)", "optional name"],
+    ]

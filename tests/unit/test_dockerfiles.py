@@ -1,0 +1,263 @@
+"""The images, checked without Docker: one Dockerfile per service under deploy/docker/, each copying files that exist,
+installing its service's extra with pinned versions, running a real `python -m` module as a non-root user, on pinned
+base images (CUDA only for the trainer and the engine); `make images` builds them all or says why it cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER_DIR = ROOT / "deploy" / "docker"
+# image -> (pyproject extra, `python -m` module, config service name); the router is sglang-router's own module
+IMAGES = {
+    "buffer": ("buffer", "services.buffer", "buffer"),
+    "reward": ("reward", "services.reward", "reward"),
+    "rollout": ("rollout", "services.rollout", "rollout"),
+    "engine": ("engine", "services.rollout.engine", "engine"),
+    "trainer": ("trainer", "services.trainer", "trainer"),
+    "router": (None, "sglang_router.launch_router", None),
+}
+GPU_IMAGES = {"trainer", "engine"}
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per logical line: comments dropped, backslash continuations joined."""
+    result, pending = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        if full:
+            word, _, rest = full.partition(" ")
+            result.append((word.upper(), rest.strip()))
+    return result
+
+
+class Dockerfile:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.path = DOCKER_DIR / f"{name}.Dockerfile"
+        self.args: dict[str, str] = {}  # ARGs before the first FROM, with their defaults
+        self.stages: list[dict] = []  # {"image": ..., "name": ..., "steps": [(INSTRUCTION, args)]}
+        for word, rest in instructions(self.path):
+            if word == "FROM":
+                parts = rest.split()
+                self.stages.append({"image": parts[0], "name": parts[2] if len(parts) > 2 else None, "steps": []})
+            elif not self.stages and word == "ARG":
+                key, _, default = rest.partition("=")
+                self.args[key] = default
+            elif self.stages:
+                self.stages[-1]["steps"].append((word, rest))
+
+    @property
+    def final(self) -> list[tuple[str, str]]:
+        return self.stages[-1]["steps"]
+
+    def all_steps(self, word: str) -> list[str]:
+        return [rest for stage in self.stages for w, rest in stage["steps"] if w == word]
+
+    def external_images(self) -> list[str]:
+        """Base images with ARG defaults filled in; FROM <earlier stage> is not one."""
+        stage_names = {s["name"] for s in self.stages if s["name"]}
+        images = []
+        for stage in self.stages:
+            image = re.sub(r"\$\{(\w+)\}", lambda m: self.args.get(m.group(1), m.group(0)), stage["image"])
+            if image not in stage_names:
+                images.append(image)
+        return images
+
+    def pip_installs(self) -> list[list[str]]:
+        """The arguments of every `pip install` in the file."""
+        found = []
+        for run in self.all_steps("RUN"):
+            for command in re.split(r"&&|;", run):
+                words = shlex.split(command)
+                if words[:2] == ["pip", "install"]:
+                    found.append(words[2:])
+                elif words[:4] == ["python", "-m", "pip", "install"]:
+                    found.append(words[4:])
+        return found
+
+
+DOCKERFILES = {name: Dockerfile(name) for name in IMAGES}
+params = pytest.mark.parametrize("name", list(IMAGES))
+
+
+def test_one_dockerfile_per_service():
+    assert sorted(p.name for p in DOCKER_DIR.glob("*.Dockerfile")) == sorted(f"{n}.Dockerfile" for n in IMAGES)
+
+
+@params
+def test_every_copied_file_exists(name):
+    copies = DOCKERFILES[name].all_steps("COPY")
+    assert copies
+    for copy in copies:
+        words = [w for w in copy.split() if not w.startswith("--")]
+        assert not any(w.startswith("--from") for w in copy.split()), copy
+        for source in words[:-1]:
+            assert (ROOT / source).exists(), f"{name}.Dockerfile: COPY {source}: no such file in the repository"
+
+
+@params
+def test_installs_its_service_extra_with_the_constraints(name):
+    extra = IMAGES[name][0]
+    installs = DOCKERFILES[name].pip_installs()
+    if extra is None:  # the router: sglang-router, at the rollout extra's pin
+        pin = next(r for r in PYPROJECT["optional-dependencies"]["rollout"] if r.startswith("sglang-router"))
+        assert any(pin in words for words in installs), installs
+    else:
+        assert extra in PYPROJECT["optional-dependencies"]
+        (project,) = [words for words in installs if any(w.startswith(".[") for w in words)]
+        assert f".[{extra}]" in project
+        assert project[project.index("-c") + 1] == "constraints.txt"
+    assert all("-c" in words for words in installs if not set(words) & {"pip==26.3", "--no-deps"})
+
+
+@params
+def test_every_pip_install_is_pinned(name):
+    torch_pin = next(r for r in PYPROJECT["optional-dependencies"]["trainer"] if r.startswith("torch"))
+    for words in DOCKERFILES[name].pip_installs():
+        takes_value = {"-c", "--index-url", "--extra-index-url", "-r"}
+        packages = [w for i, w in enumerate(words) if not w.startswith("-") and words[i - 1] not in takes_value]
+        for package in packages:
+            if package.startswith(".["):
+                continue
+            assert re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.]*", package), f"{name}: unpinned {package}"
+            if package.startswith("torch=="):
+                assert package == torch_pin
+
+
+def test_constraints_pin_every_package_the_images_install():
+    constraints = load_script("docker_constraints")
+    lines = [x for x in constraints.CONSTRAINTS.read_text().splitlines() if x and not x.startswith("#")]
+    assert all(re.fullmatch(r"[a-z0-9\-]+==[0-9][0-9A-Za-z.]*", x) for x in lines), "only name==version lines"
+    pins = constraints.read_pins()
+    missing = set(constraints.closure(constraints.project_requirements())) - set(pins)
+    assert not missing, f"constraints.txt lacks {sorted(missing)}: run .venv/bin/python scripts/docker_constraints.py"
+    for req in constraints.project_requirements():  # and every pin satisfies pyproject's own specifier
+        assert req.specifier.contains(pins[canonicalize_name(req.name)]), (req, pins[canonicalize_name(req.name)])
+    assert Requirement("torch==2.13.0").specifier.contains("2.13.0+cu130")  # a pin the CUDA build also meets
+
+
+@params
+def test_entrypoint_is_an_importable_python_module(name):
+    (entrypoint,) = [rest for word, rest in DOCKERFILES[name].final if word == "ENTRYPOINT"]
+    python, flag, module = json.loads(entrypoint)
+    assert (python, flag, module) == ("python", "-m", IMAGES[name][1])
+    assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
+    if module.startswith("services."):
+        assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{name}: {module} has no __main__"
+
+
+@params
+def test_runs_as_a_non_root_user_it_creates(name):
+    final = DOCKERFILES[name].final
+    users = [i for i, (word, _) in enumerate(final) if word == "USER"]
+    assert users, f"{name}: the final stage sets no USER"
+    user = final[users[-1]][1]
+    uid = user.split(":")[0]
+    assert uid not in ("root", "0") and uid.isdigit(), f"{name}: USER {user} (want a numeric non-root uid)"
+    assert any(word == "RUN" and f"--uid {uid}" in rest for word, rest in final[:users[-1]])
+
+
+@params
+def test_base_images_are_pinned_and_only_trainer_and_engine_use_cuda(name):
+    images = DOCKERFILES[name].external_images()
+    assert images
+    for image in images:
+        assert "$" not in image, f"{name}: unresolved {image}"
+        tag = image.split("/")[-1].partition(":")[2]
+        assert "@sha256:" in image or re.search(r"\d+\.\d+\.\d+", tag), f"{name}: base image {image} is not pinned"
+    cuda = [image for image in images if "cuda" in image]
+    assert bool(cuda) == (name in GPU_IMAGES), f"{name}: CUDA base images {cuda}"
+
+
+@pytest.mark.parametrize("name", sorted(GPU_IMAGES))
+def test_gpu_images_build_cpu_by_default_with_the_cpu_torch_wheel(name):
+    dockerfile = DOCKERFILES[name]
+    assert dockerfile.args["VARIANT"] == "cpu" and dockerfile.stages[-1]["image"] == "base-${VARIANT}"
+    stages = {s["name"]: s for s in dockerfile.stages}
+    index = {stage: next(rest for word, rest in stages[stage]["steps"] if word == "ENV") for stage in stages if stage}
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in index["base-cpu"]
+    assert re.search(r"TORCH_INDEX_URL=https://download.pytorch.org/whl/cu\d+", index["base-gpu"])
+    assert "cuda" not in dockerfile.args["PYTHON_IMAGE"] and "cuda" in dockerfile.args["CUDA_IMAGE"]
+    (torch,) = [w for w in dockerfile.pip_installs() if "torch==2.13.0" in w]
+    assert torch[torch.index("--index-url") + 1] == "$TORCH_INDEX_URL" and "--no-deps" in torch
+
+
+@params
+def test_services_listen_on_all_interfaces_and_expose_their_default_ports(name):
+    service = IMAGES[name][2]
+    if service is None:
+        return
+    config_cls = {s.name: s.config_cls for s in load_script("config_table").discover()}[service]
+    envs = " ".join(rest for word, rest in DOCKERFILES[name].final if word == "ENV")
+    assert f"PHYSARUM_{service.upper()}_HOST=0.0.0.0" in envs.split()
+    # Fixed ports the service listens on: 0 means "a free one" (the chart sets it), k8s_* ports are the engine pods'.
+    ports = {f.default for f in dataclasses.fields(config_cls)
+             if (f.name == "port" or f.name.endswith("_port")) and not f.name.startswith("k8s_")} - {0}
+    (expose,) = [rest for word, rest in DOCKERFILES[name].final if word == "EXPOSE"]
+    assert {int(p) for p in expose.split()} == ports
+
+
+def make_images(tmp_path, docker_script: str | None, *args: str) -> subprocess.CompletedProcess:
+    """`make images` with a stand-in `docker` (a shell script) or none at all."""
+    docker = tmp_path / "docker"
+    if docker_script is not None:
+        docker.write_text("#!/bin/sh\n" + docker_script)
+        docker.chmod(0o755)
+    env = {**os.environ, "DOCKER_LOG": str(tmp_path / "calls")}
+    return subprocess.run(["make", "-s", "-C", str(ROOT), "images", f"DOCKER={docker}", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_make_images_says_docker_is_missing(tmp_path):
+    result = make_images(tmp_path, None)
+    assert result.returncode != 0 and "not found: install Docker" in result.stderr
+
+
+def test_make_images_says_no_engine_runs(tmp_path):
+    result = make_images(tmp_path, 'echo "Cannot connect to the Docker daemon" >&2; exit 1\n')
+    assert result.returncode != 0 and "no Docker engine is running" in result.stderr
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_make_images_builds_every_image_from_the_repository_root(tmp_path, variant):
+    result = make_images(tmp_path, 'echo "$@" >> "$DOCKER_LOG"\n', f"VARIANT={variant}", "IMAGE_TAG=9.9")
+    assert result.returncode == 0, result.stderr
+    builds = [line.split() for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("build")]
+    assert [b[b.index("-f") + 1] for b in builds] == [f"deploy/docker/{n}.Dockerfile" for n in
+                                                       ["buffer", "reward", "rollout", "engine", "trainer", "router"]]
+    for build in builds:
+        name = Path(build[build.index("-f") + 1]).name.removesuffix(".Dockerfile")
+        gpu = name in GPU_IMAGES and variant == "gpu"
+        assert build[build.index("-t") + 1] == f"physarum/{name}:9.9" + ("-gpu" if gpu else "")
+        assert (f"VARIANT={variant}" in build) == (name in GPU_IMAGES)
+        assert build[-1] == "."
