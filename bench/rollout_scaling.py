@@ -77,7 +77,9 @@ async def _load(router_url: str, concurrency: int, duration_s: float) -> float:
     done, stop_at = 0, time.monotonic() + duration_s
     body = {"input_ids": [5, 6, 7, 8], "return_logprob": True,
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # No keep-alive: httpx's reused connections to sglang-router 0.3.2 stall for seconds past ~64 concurrent requests
+    # (aiohttp, or a connection per request, reach the engines' rate); this measures the pool, not that stall.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=router_url, timeout=120, limits=limits) as http:
         async def worker() -> None:
             nonlocal done

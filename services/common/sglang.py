@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
+from services.common.http_client import HttpClient
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 FALLBACKS = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}  # newer path -> older one
@@ -61,13 +62,11 @@ def disk_update_body(model_path: str, weight_version: str | None, abort_all_requ
     return {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": abort_all_requests}
 
 
-class SGLangClient:
+class SGLangClient(HttpClient):
     """Synchronous client of one engine URL ("http://127.0.0.1:31001")."""
 
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        super().__init__(url, timeout_s)
         self.weight_sessions: bool | None = None  # whether /begin_weight_update exists; None until first asked
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
@@ -163,15 +162,6 @@ class SGLangClient:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class AsyncSGLangClient:

@@ -12,6 +12,7 @@ import httpx
 
 from physarum import procs
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
+from services.common.http_client import HttpClient
 
 
 def start_router(port: int, prometheus_port: int, log_path: Path, policy: str = "round_robin",
@@ -32,13 +33,11 @@ def start_router(port: int, prometheus_port: int, log_path: Path, policy: str = 
     return proc
 
 
-class RouterClient:
+class RouterClient(HttpClient):
     """Worker management of one sglang-router ("http://127.0.0.1:30000"); every call has a timeout."""
 
     def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        super().__init__(url, timeout_s)
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
@@ -113,12 +112,3 @@ class RouterClient:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"router {self.url}: worker {url} still listed {timeout_s} s after DELETE")
             time.sleep(0.1)
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -9,6 +9,7 @@ import httpx
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_client import GrpcClient
+from services.common.http_client import HttpClient
 from services.common.samples import dict_to_struct, struct_to_dict
 
 TERMINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -53,13 +54,11 @@ class JobsClient(GrpcClient):
                    "time": event.time}
 
 
-class JobsRestClient:
+class JobsRestClient(HttpClient):
     """The REST job API at `url` ("http://127.0.0.1:8080")."""
 
     def __init__(self, url: str, timeout_s: float = 10.0, token: str = "") -> None:
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+        super().__init__(url, timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None)
 
     def _call(self, method: str, path: str, **kwargs) -> Any:
         try:
@@ -88,12 +87,3 @@ class JobsRestClient:
 
     def events(self, job_id: str, after_seq: int = 0) -> list[dict[str, Any]]:
         return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after_seq": after_seq})["events"]
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
