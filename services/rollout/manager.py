@@ -105,9 +105,11 @@ class RolloutManager:
         self.sticky_routing = router_policy in STICKY_POLICIES
         self.max_generate_attempts = max_generate_attempts
         self.retry_delay_s = retry_delay_s
+        # No keep-alive: reused connections through sglang-router 0.3.2 stall at 100+ concurrent requests
+        # (bench/rollout_scaling.py: 84 samples/s and 5.5 s worst latency with keep-alive, 271/s and 0.77 s without).
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
                                       limits=httpx.Limits(max_connections=MAX_CONCURRENT_REQUESTS,
-                                                          max_keepalive_connections=64),
+                                                          max_keepalive_connections=0),
                                       transport=transport)
         self.slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self.encoders: dict[str, PromptEncoder] = {}
