@@ -7,6 +7,10 @@ import contextlib
 import socket
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from services.common.errors import InvalidArgument
 
 
 class RestServer:
@@ -34,3 +38,18 @@ class RestServer:
         self.server.should_exit = True
         if self.task is not None:
             await self.task
+
+
+def create_rest_app(title: str, description: str) -> FastAPI:
+    """A service's FastAPI app with what every one has: GET /healthz and InvalidArgument as HTTP 400."""
+    app = FastAPI(title=title, description=description)
+
+    @app.exception_handler(InvalidArgument)
+    async def invalid_argument(request, err: InvalidArgument) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": str(err)})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

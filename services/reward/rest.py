@@ -6,10 +6,9 @@ import asyncio
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.errors import InvalidArgument
+from services.common.rest import create_rest_app
 from services.common.samples import Sample
 from services.reward import scorers
 from services.reward.config import RewardConfig
@@ -45,15 +44,7 @@ class ScoreResponse(BaseModel):
 
 
 def create_app(config: RewardConfig, semaphore: asyncio.Semaphore) -> FastAPI:
-    app = FastAPI(title="Physarum Reward", description="Score samples with built-in verifiers or user functions.")
-
-    @app.exception_handler(InvalidArgument)
-    async def invalid_argument(request, err: InvalidArgument) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"detail": str(err)})
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.")
 
     @app.post("/v1/score", response_model=ScoreResponse)
     async def score(request: ScoreRequest) -> ScoreResponse:

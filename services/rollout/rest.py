@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.errors import InvalidArgument
+from services.common.rest import create_rest_app
 from services.rollout.client import PoolStatus
 from services.rollout.pool import EnginePool
 
@@ -31,15 +31,7 @@ def status_json(status: PoolStatus) -> dict:
 
 
 def create_app(pool: EnginePool) -> FastAPI:
-    app = FastAPI(title="Physarum rollout manager", description="The engine pool: scale it, list its engines.")
-
-    @app.exception_handler(InvalidArgument)
-    async def invalid_argument(request, err: InvalidArgument) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"detail": str(err)})
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    app = create_rest_app("Physarum rollout manager", "The engine pool: scale it, list its engines.")
 
     @app.get("/v1/engines")
     async def engines() -> dict:

@@ -3,7 +3,6 @@ through the whole stack, with calculator tokens masked out of the loss, and is e
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import yaml
@@ -13,19 +12,9 @@ from examples.multiturn import calculator
 from examples.multiturn.build_dataset import write_dataset
 from services.buffer.client import BufferClient
 from services.common.samples import Sample
-from services.trainer.client import JobsRestClient
+from tests.e2e.test_loop import run
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multiturn"
-
-
-def run(state: dict, spec: dict, timeout_s: float = 400.0) -> tuple[dict, list[dict]]:
-    with JobsRestClient(state["trainer_url"], timeout_s=30) as client:
-        job = client.submit(spec)
-        deadline = time.monotonic() + timeout_s
-        while (job := client.get(job["job_id"]))["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            assert time.monotonic() < deadline, f"job {job['job_id']} still {job['state']}"
-            time.sleep(0.5)
-        return job, client.events(job["job_id"])
 
 
 def tool_spans(sample: Sample, tokenizer: Tokenizer) -> list[tuple[int, int]]:
@@ -55,7 +44,7 @@ def test_calculator_example_trains_with_tool_tokens_masked(local_stack, tiny_mod
                 rollout_batch_size=8, n_samples_per_prompt=8, global_batch_size=64, rollout_max_response_len=64,
                 eval_prompt_data=[f"calc={test}"], eval_interval=1, n_samples_per_eval_prompt=2,
                 weight_sync_timeout_s=30.0, lease_timeout_s=60.0, rollout_timeout_s=300.0)
-    job, events = run(local_stack, spec)
+    job, events = run(local_stack, spec, timeout_s=400.0)
     assert job["state"] == "SUCCEEDED", job["error"]
     steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
     assert len(steps) == 2
