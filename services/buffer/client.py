@@ -1,7 +1,7 @@
 """A synchronous client of the buffer service; every call has a deadline, idempotent calls retry.
 
-Its result types (DatasetInfo, PutResult, BufferStats, DataSourceState) are the buffer's public records; it imports only
-services.common, so callers never pull in Redis.
+Its result types (DatasetInfo, PutResult, TakenBatch, BufferStats, DataSourceState) are the buffer's public records;
+it imports only services.common, so callers never pull in Redis.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
 from services.common.grpc_client import GrpcClient
 from services.common.samples import Prompt, SampleGroup, group_from_proto, group_to_proto, prompt_from_proto
 
+STREAM_ROLLOUT_ID = -2  # the rollout id of a fully_async manager's stream (groups not yet taken)
 LOAD_TIMEOUT_S = 300.0  # reading and storing a large dataset takes longer than an ordinary call
 
 
@@ -28,6 +29,13 @@ class DatasetInfo:
 class PutResult:
     num_written: int
     num_duplicate: int
+
+
+@dataclass
+class TakenBatch:
+    groups: list[SampleGroup]
+    num_stale_dropped: int  # the job's totals so far
+    num_stale_regenerated: int
 
 
 @dataclass
@@ -112,6 +120,17 @@ class BufferClient(GrpcClient):
                                              timeout_s=timeout_s)
         reply = self.call(self.stub.GetBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
         return [group_from_proto(g) for g in reply.groups]
+
+    def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
+                   stale_policy: str = "regenerate", timeout_s: float) -> TakenBatch:
+        """fully_async: the rollout's num_groups groups, taken from the job's stream (fresh enough ones only);
+        repeated calls for a rollout return the same groups."""
+        request = buffer_pb2.TakeBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
+                                              min_weight_version=min_weight_version, stale_policy=stale_policy,
+                                              timeout_s=timeout_s)
+        reply = self.call(self.stub.TakeBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return TakenBatch(groups=[group_from_proto(g) for g in reply.groups], num_stale_dropped=reply.num_stale_dropped,
+                          num_stale_regenerated=reply.num_stale_regenerated)
 
     def count_groups(self, job_id: str, rollout_id: int) -> int:
         request = buffer_pb2.CountGroupsRequest(job_id=job_id, rollout_id=rollout_id)

@@ -102,18 +102,19 @@ for i = 3, #ARGV do num = num + give_back(p, job, ARGV[i]) end
 return num
 """
 
-# ARGV: per group (prefix, group_id, rollout_id, lease_id, slot, payload)
+# ARGV: per group (prefix, group_id, rollout_id, lease_id, slot, oldest weight version, payload)
 # -> {1 written | 0 duplicate, ...} | {-1, position of a group of an unknown job}
 PUT_GROUPS = """
-for i = 1, #ARGV, 6 do
-  if redis.call('EXISTS', ARGV[i] .. 'meta') == 0 then return {-1, (i - 1) / 6} end
+for i = 1, #ARGV, 7 do
+  if redis.call('EXISTS', ARGV[i] .. 'meta') == 0 then return {-1, (i - 1) / 7} end
 end
 local out = {}
-for i = 1, #ARGV, 6 do
+for i = 1, #ARGV, 7 do
   local p, gid, rollout, lease, slot = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
-  local new = redis.call('SET', p .. 'group:' .. gid, ARGV[i + 5], 'NX')
+  local new = redis.call('SET', p .. 'group:' .. gid, ARGV[i + 6], 'NX')
   if new then
     redis.call('RPUSH', p .. 'rollout:' .. rollout, gid)
+    redis.call('HSET', p .. 'versions', gid, ARGV[i + 5])
     redis.call('HINCRBY', p .. 'meta', 'num_groups', 1)
     if tonumber(rollout) > tonumber(redis.call('HGET', p .. 'meta', 'max_rollout') or -1) then
       redis.call('HSET', p .. 'meta', 'max_rollout', rollout)
@@ -127,6 +128,40 @@ for i = 1, #ARGV, 6 do
   table.insert(out, new and 1 or 0)
 end
 return out
+"""
+
+# ARGV: prefix, rollout_id, num_groups, min_weight_version, policy ('drop' | 'regenerate')
+# -> {num assigned to the rollout, stale dropped so far, stale regenerated so far} | false unknown job
+# Moves stream groups (rollout -2) to the rollout in write order until it has num_groups. A stale group (its oldest
+# token's version below the minimum) goes to the dropped list (rollout -1) or is deleted and its slot queued again.
+TAKE = """
+local p, rollout, want, min_version, policy = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+if redis.call('EXISTS', p .. 'meta') == 0 then return false end
+local have = redis.call('LLEN', p .. 'rollout:' .. rollout)
+while have < want do
+  local gid = redis.call('LPOP', p .. 'rollout:-2')
+  if not gid then break end
+  if tonumber(redis.call('HGET', p .. 'versions', gid) or -1) < min_version then
+    if policy == 'drop' then
+      redis.call('RPUSH', p .. 'rollout:-1', gid)
+      redis.call('HINCRBY', p .. 'meta', 'stale_dropped', 1)
+    else
+      redis.call('DEL', p .. 'group:' .. gid)
+      redis.call('HDEL', p .. 'versions', gid)
+      redis.call('RPUSH', p .. 'returned', string.match(gid, '(%d+:%d+)$'))
+      redis.call('HINCRBY', p .. 'meta', 'stale_regenerated', 1)
+      redis.call('HINCRBY', p .. 'meta', 'num_groups', -1)
+    end
+  else
+    redis.call('RPUSH', p .. 'rollout:' .. rollout, gid)
+    have = have + 1
+    if tonumber(rollout) > tonumber(redis.call('HGET', p .. 'meta', 'max_rollout') or -1) then
+      redis.call('HSET', p .. 'meta', 'max_rollout', rollout)
+    end
+  end
+end
+local m = redis.call('HMGET', p .. 'meta', 'stale_dropped', 'stale_regenerated')
+return {have, tonumber(m[1] or 0), tonumber(m[2] or 0)}
 """
 
 # ARGV: prefix, job_id -> {num_prompts, epoch, cursor, num_leased, num_returned, num_groups} | nil unknown job

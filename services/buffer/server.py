@@ -53,6 +53,14 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.GetBatchResponse(groups=[group_to_proto(g) for g in groups])
 
     @handle_errors
+    async def TakeBatch(self, request, context):
+        groups, dropped, regenerated = await self.store.take_batch(
+            request.job_id, request.rollout_id, request.num_groups, min_weight_version=request.min_weight_version,
+            stale_policy=request.stale_policy or "regenerate", timeout_s=request.timeout_s)
+        return buffer_pb2.TakeBatchResponse(groups=[group_to_proto(g) for g in groups], num_stale_dropped=dropped,
+                                            num_stale_regenerated=regenerated)
+
+    @handle_errors
     async def CountGroups(self, request, context):
         num_groups = await self.store.count_groups(request.job_id, request.rollout_id)
         return buffer_pb2.CountGroupsResponse(num_groups=num_groups)

@@ -32,6 +32,7 @@ from services.buffer.scripts import (
     SAVE_STATE,
     SET_ORDER,
     STATS,
+    TAKE,
 )
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.physarum.v1 import sample_pb2
@@ -41,6 +42,7 @@ from services.common.samples import (
     group_from_proto,
     group_id_for,
     group_to_proto,
+    oldest_weight_version,
     prompt_from_proto,
     prompt_to_proto,
 )
@@ -51,6 +53,7 @@ POLL_S = 0.05             # get_batch's polling interval
 LOAD_CHUNK = 2000         # prompts per HSET while loading
 LOAD_TTL_S = 3600         # a half-written dataset (a replica died while loading) expires after this
 SOCKET_TIMEOUT_S = 30.0
+STALE_POLICIES = ("regenerate", "drop")
 
 
 def _prefix(job_id: str) -> str:
@@ -77,7 +80,7 @@ class BufferStore:
         self._scripts = {name: self.redis.register_script(text) for name, text in [
             ("finish_load", FINISH_LOAD), ("lease", LEASE), ("set_order", SET_ORDER), ("return", RETURN),
             ("put_groups", PUT_GROUPS), ("stats", STATS), ("save_state", SAVE_STATE),
-            ("restore_state", RESTORE_STATE)]}
+            ("restore_state", RESTORE_STATE), ("take", TAKE)]}
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Ping Redis until it answers; Unavailable after timeout_s."""
@@ -189,7 +192,8 @@ class BufferStore:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
                                       "(job_id:epoch:prompt_index)")
             args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
-                     f"{group.epoch}:{group.prompt_index}", group_to_proto(group).SerializeToString()]
+                     f"{group.epoch}:{group.prompt_index}", oldest_weight_version(group.samples),
+                     group_to_proto(group).SerializeToString()]
         if not groups:
             return 0, 0
         reply = await self._run("put_groups", *args)
@@ -215,9 +219,42 @@ class BufferStore:
                                        f"groups after {timeout_s} s")
             await asyncio.sleep(min(POLL_S, left_s))
             have = await self.redis.llen(f"{p}rollout:{rollout_id}")
+        return await self._read_groups(p, rollout_id, num_groups)
+
+    async def _read_groups(self, p: str, rollout_id: int, num_groups: int) -> list[SampleGroup]:
+        """The rollout's first num_groups groups, in the order they were assigned to it."""
         group_ids = await self.redis.lrange(f"{p}rollout:{rollout_id}", 0, num_groups - 1)
         payloads = await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
-        return [group_from_proto(sample_pb2.SampleGroup.FromString(payload)) for payload in payloads]
+        groups = [group_from_proto(sample_pb2.SampleGroup.FromString(payload)) for payload in payloads]
+        for group in groups:
+            group.rollout_id = rollout_id  # a stream group is stored as written (rollout -2)
+        return groups
+
+    @_redis_errors
+    async def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
+                         stale_policy: str, timeout_s: float) -> tuple[list[SampleGroup], int, int]:
+        """fully_async: assign stream groups fresh enough (oldest token version >= min_weight_version) to the
+        rollout until it has num_groups, polling up to timeout_s; the stale ones are dropped or regenerated.
+        Returns (groups, stale dropped so far, stale regenerated so far)."""
+        p = _prefix(job_id)
+        if num_groups <= 0 or rollout_id < 0:
+            raise InvalidArgument(f"take_batch: num_groups must be > 0 and rollout_id >= 0, got {num_groups}, "
+                                  f"{rollout_id}")
+        if stale_policy not in STALE_POLICIES:
+            raise InvalidArgument(f"stale_policy must be one of {', '.join(STALE_POLICIES)}, got {stale_policy!r}")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            reply = await self._run("take", p, rollout_id, num_groups, min_weight_version, stale_policy)
+            if reply is None:
+                raise NotFound(f"buffer: job {job_id!r} has no dataset")
+            have, dropped, regenerated = (int(x) for x in reply)
+            if have >= num_groups:
+                return await self._read_groups(p, rollout_id, num_groups), dropped, regenerated
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise DeadlineExceeded(f"buffer: rollout {rollout_id} of job {job_id} has {have}/{num_groups} "
+                                       f"fresh groups after {timeout_s} s")
+            await asyncio.sleep(min(POLL_S, left_s))
 
     @_redis_errors
     async def count_groups(self, job_id: str, rollout_id: int) -> int:

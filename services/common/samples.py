@@ -74,6 +74,13 @@ class Prompt:
     lease_id: str = ""
 
 
+def oldest_weight_version(samples: list[Sample]) -> int:
+    """The oldest policy version any of the samples' tokens came from; -1 when one is unknown or not a number
+    (SGLang's initial "default"), so a staleness bound never passes a group of unknown age."""
+    versions = [v for s in samples for v in s.weight_versions] or ["?"]
+    return min(int(v) if v.lstrip("-").isdigit() else -1 for v in versions)
+
+
 def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:
     """The idempotency key of the group answering one prompt of one epoch."""
     return f"{job_id}:{epoch}:{prompt_index}"

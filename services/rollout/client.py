@@ -54,6 +54,7 @@ class RolloutConfig:
     label_key: str = ""
     metadata_key: str = "metadata"
     apply_chat_template: bool = False
+    max_inflight_groups: int = 0  # > 0: a fully_async stream with this many groups generating or waiting
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -77,6 +78,11 @@ class RolloutConfig:
         for name in ("n_samples_per_eval_prompt", "eval_max_response_len"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"rollout config: {name} must be > 0, got {getattr(self, name)}")
+        if self.max_inflight_groups < 0:
+            raise InvalidArgument(f"rollout config: max_inflight_groups must be >= 0, got {self.max_inflight_groups}")
+        if self.max_inflight_groups and self.partial_rollout:
+            raise InvalidArgument("rollout config: partial_rollout does not apply to a fully_async stream (it never "
+                                  "aborts groups to end a batch)")
         if self.eval_temperature < 0 or not 0 < self.eval_top_p <= 1:
             raise InvalidArgument(f"rollout config: eval_temperature must be >= 0 and eval_top_p in (0, 1], got "
                                   f"{self.eval_temperature} and {self.eval_top_p}")
@@ -228,6 +234,11 @@ class RolloutClient(GrpcClient):
         request = rollout_pb2.StartRolloutRequest(config=config_to_proto(config), rollout_id=rollout_id,
                                                   weight_version=weight_version)
         return self.call(self.stub.StartRollout, request, idempotent=True).already_running
+
+    def stop_rollout(self, job_id: str, rollout_id: int) -> RolloutStatus:
+        """Cancel a running rollout (a fully_async stream); its leased prompts go back to the buffer."""
+        request = rollout_pb2.StopRolloutRequest(job_id=job_id, rollout_id=rollout_id)
+        return status_from_proto(self.call(self.stub.StopRollout, request, idempotent=True))
 
     def rollout_status(self, job_id: str, rollout_id: int) -> RolloutStatus:
         request = rollout_pb2.GetRolloutStatusRequest(job_id=job_id, rollout_id=rollout_id)

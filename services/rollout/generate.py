@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 STICKY_POLICIES = ("consistent_hashing", "manual")  # router policies that route by X-SMG-Routing-Key
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 EXPECTED = "async def generate(args, sample, sampling_params) -> Sample"
+# meta_info key router_generate adds: the pool's settled weight version when the request was sent (the engine's
+# weight_version is the one it ended with; an update in between makes the sample's tokens span both).
+START_VERSION_KEY = "physarum_start_weight_version"
 
 
 class _RetryableError(Exception):
@@ -75,7 +78,9 @@ def append_response_tokens(sample: Sample, tokens: list[int], *, log_probs: list
         sample.response += text
     meta_info = meta_info or {}
     if tokens and meta_info.get("weight_version") is not None:
-        sample.weight_versions = [*sample.weight_versions, str(meta_info["weight_version"])]
+        # A request that crossed a weight update records the version it started with too: its oldest tokens'.
+        end, start = str(meta_info["weight_version"]), meta_info.get(START_VERSION_KEY)
+        sample.weight_versions = [*sample.weight_versions, *([str(start)] if start not in (None, end) else []), end]
     if update_terminal_info and meta_info.get("finish_reason"):
         sample.status = Status.from_finish_reason(meta_info["finish_reason"].get("type", ""))
 
@@ -113,6 +118,7 @@ class GenerateContext:
     retry_delay_s: float = 1.0
     slots: asyncio.Semaphore | None = None  # bounds the requests in flight
     aborting: bool = False  # the manager aborts the rest of the rollout: its batch is full
+    version_now: Callable[[], str | None] | None = None  # the pool's settled weight version (recorded per request)
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
@@ -152,6 +158,7 @@ async def router_generate(sample: Sample, payload: dict[str, Any]) -> dict[str, 
             async with ctx.slots or contextlib.nullcontext():
                 if ctx.aborting:
                     return abort_reply(f"{ctx.name} was aborted: its batch is full")
+                start_version = ctx.version_now() if ctx.version_now is not None else None
                 reply = await ctx.http.post(f"{ctx.router_url}/generate", json=body, headers=headers)
             if 400 <= reply.status_code < 500:
                 raise InvalidArgument(f"{what}: router {ctx.router_url} rejected /generate: HTTP {reply.status_code}: "
@@ -162,6 +169,8 @@ async def router_generate(sample: Sample, payload: dict[str, Any]) -> dict[str, 
             finish = (data.get("meta_info", {}).get("finish_reason") or {})
             if finish.get("type") == "abort" and not ctx.aborting:
                 raise _RetryableError(f"aborted by the engine: {finish.get('message', '')}")
+            if start_version is not None and isinstance(data.get("meta_info"), dict):
+                data["meta_info"][START_VERSION_KEY] = start_version
             return data
         except (httpx.TransportError, _RetryableError) as err:
             last_error = f"{type(err).__name__}: {err}"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
 from services.rollout import filters
@@ -65,6 +66,7 @@ class _Run:
     num_dropped_in_a_row: int = 0
     drops: collections.Counter[str] = field(default_factory=collections.Counter)
     task: asyncio.Task | None = None
+    stopping: bool = False  # StopRollout cancelled it: it ends DONE, not FAILED
 
     @property
     def config(self) -> RolloutConfig:
@@ -97,8 +99,10 @@ class RolloutManager:
 
     def __init__(self, buffer: BufferClient, reward: RewardClient, router_url: str, *, model_path: str = "",
                  router_policy: str = "round_robin", request_timeout_s: float = 120.0, max_generate_attempts: int = 5,
-                 retry_delay_s: float = 1.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 retry_delay_s: float = 1.0, transport: httpx.AsyncBaseTransport | None = None,
+                 version_now: Callable[[], str | None] | None = None) -> None:
         self.buffer = buffer
+        self.version_now = version_now  # the pool's settled weight version, recorded with each request
         self.reward = reward
         self.router_url = router_url.rstrip("/")
         self.model_path = model_path
@@ -129,7 +133,7 @@ class RolloutManager:
         return new_generation(config, self._encoder(config), rollout_id, evaluation=evaluation, http=self.http,
                               router_url=self.router_url, sticky_routing=self.sticky_routing,
                               max_attempts=self.max_generate_attempts, retry_delay_s=self.retry_delay_s,
-                              slots=self.slots)
+                              slots=self.slots, version_now=self.version_now)
 
     def _filter(self, config: RolloutConfig) -> Callable[..., Any] | None:
         if not config.dynamic_sampling_filter_path:
@@ -143,18 +147,33 @@ class RolloutManager:
     def start_rollout(self, config: RolloutConfig, rollout_id: int, weight_version: str) -> bool:
         """Start the rollout in the background unless it is running or done; returns already_running."""
         key = (config.job_id, rollout_id)
+        stream = config.max_inflight_groups > 0
+        if stream != (rollout_id == STREAM_ROLLOUT_ID):
+            raise InvalidArgument(f"job {config.job_id}: rollout {rollout_id}: a fully_async stream (max_inflight_"
+                                  f"groups > 0) is rollout {STREAM_ROLLOUT_ID}, and rollout {STREAM_ROLLOUT_ID} is a "
+                                  "stream")
         run = self.runs.get(key)
-        if run is not None and run.state in (RolloutState.RUNNING, RolloutState.DONE):
-            return True
+        if run is not None and (run.state == RolloutState.RUNNING or (run.state == RolloutState.DONE and not stream)):
+            return True  # a stopped stream starts again (its trainer resumed)
         run = _Run(gen=self._generation(config, rollout_id, evaluation=False), rollout_id=rollout_id,
                    weight_version=weight_version, filter_fn=self._filter(config))
         self._forget_finished()
         self.runs[key] = run
-        run.task = asyncio.get_running_loop().create_task(self._run(run), name=run.name)
+        run.task = asyncio.get_running_loop().create_task(self._stream(run) if stream else self._run(run),
+                                                           name=run.name)
         log.info("%s started: %d groups of %d (over-sampling %d), weight version %s, %s", run.name,
                  config.rollout_batch_size, config.n_samples_per_prompt, config.over_sampling_batch_size,
                  weight_version, config.loss_type)
         return False
+
+    async def stop_rollout(self, job_id: str, rollout_id: int) -> RolloutStatus:
+        """Cancel a running rollout (a fully_async stream ends this way); its leases go back to the buffer."""
+        run = self.runs.get((job_id, rollout_id))
+        if run is not None and run.task is not None and not run.task.done():
+            run.stopping = True
+            run.task.cancel()
+            await asyncio.gather(run.task, return_exceptions=True)
+        return self.status(job_id, rollout_id)
 
     def status(self, job_id: str, rollout_id: int) -> RolloutStatus:
         run = self.runs.get((job_id, rollout_id))
@@ -177,16 +196,9 @@ class RolloutManager:
             run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
             empty_since = None
             while run.num_groups_done < target:
-                while (missing := target - run.num_groups_done - len(pending)) > 0:
-                    # slime leases over_sampling_batch_size groups at a time; unset, exactly the missing ones
-                    prompts = await asyncio.to_thread(self.buffer.lease_prompts, config.job_id, run.rollout_id,
-                                                      max(missing, config.over_sampling_batch_size),
-                                                      config.lease_timeout_s)
-                    if not prompts:
-                        break
-                    for prompt in prompts:
-                        run.leased[prompt.lease_id] = prompt
-                        pending[asyncio.create_task(self._group(run, prompt))] = prompt
+                missing = target - run.num_groups_done - len(pending)
+                if missing > 0:  # slime leases over_sampling_batch_size groups at a time; unset, the missing ones
+                    await self._lease_groups(run, pending, max(missing, config.over_sampling_batch_size))
                 if not pending:  # every prompt is leased, e.g. by a manager that died: wait for its leases to expire
                     empty_since = empty_since or time.monotonic()
                     if time.monotonic() - empty_since > config.lease_timeout_s + 30:
@@ -203,18 +215,61 @@ class RolloutManager:
             await self._drain(run, pending)
             run.state = RolloutState.DONE
             log.info("%s done: %d groups; %s", run.name, run.num_groups_done, run.metrics())
-        except asyncio.CancelledError:
-            run.state, run.error = RolloutState.FAILED, f"{run.name}: cancelled (the manager is stopping)"
-            raise
-        except Exception as err:  # noqa: BLE001 - reported through status(), the service stays up
+        except BaseException as err:
+            self._fail(run, err)
+            if isinstance(err, asyncio.CancelledError):
+                raise
+        finally:
+            await self._stop_groups(run, pending)
+
+    async def _stream(self, run: _Run) -> None:
+        """fully_async: generate across rollout boundaries until StopRollout, keeping max_inflight_groups groups
+        generating or written and not yet taken by the trainer (buffer TakeBatch)."""
+        config = run.config
+        pending: dict[asyncio.Task, Prompt] = {}
+        try:
+            while True:
+                waiting = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
+                if (missing := config.max_inflight_groups - waiting - len(pending)) > 0:
+                    await self._lease_groups(run, pending, missing)
+                if not pending:  # the bound is reached, or every prompt is leased: look again shortly
+                    await asyncio.sleep(EMPTY_LEASE_POLL_S)
+                    continue
+                done, _ = await asyncio.wait(pending, timeout=EMPTY_LEASE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    await self._settle(run, pending.pop(task), task, num_pending=len(pending))
+        except BaseException as err:
+            self._fail(run, err)
+            if isinstance(err, asyncio.CancelledError):
+                raise
+        finally:
+            await self._stop_groups(run, pending)
+
+    async def _lease_groups(self, run: _Run, pending: dict[asyncio.Task, Prompt], count: int) -> None:
+        """Lease up to `count` prompts and start a group task for each."""
+        prompts = await asyncio.to_thread(self.buffer.lease_prompts, run.config.job_id, run.rollout_id, count,
+                                          run.config.lease_timeout_s)
+        for prompt in prompts:
+            run.leased[prompt.lease_id] = prompt
+            pending[asyncio.create_task(self._group(run, prompt))] = prompt
+
+    def _fail(self, run: _Run, err: BaseException) -> None:
+        """Record how a run ended early: stopped (StopRollout), cancelled (the manager stops) or failed."""
+        if isinstance(err, asyncio.CancelledError):
+            run.state = RolloutState.DONE if run.stopping else RolloutState.FAILED
+            run.error = "" if run.stopping else f"{run.name}: cancelled (the manager is stopping)"
+            if run.stopping:
+                log.info("%s stopped: %d groups; %s", run.name, run.num_groups_done, run.metrics())
+        elif isinstance(err, Exception):  # reported through status(), the service stays up
             run.state, run.error = RolloutState.FAILED, str(err) if isinstance(err, PhysarumError) else repr(err)
             log.error("%s failed: %s", run.name, run.error, exc_info=not isinstance(err, PhysarumError))
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await self._return_leases(run, list(run.leased))
-            run.finished_at = time.monotonic()
+
+    async def _stop_groups(self, run: _Run, pending: dict[asyncio.Task, Prompt]) -> None:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await self._return_leases(run, list(run.leased))
+        run.finished_at = time.monotonic()
 
     async def _settle(self, run: _Run, prompt: Prompt, task: asyncio.Task, num_pending: int) -> None:
         """A group finished: write it, drop it (dynamic filter) or, if it failed, give its prompt back."""

@@ -75,6 +75,7 @@ class EnginePool:
         self.rest_url = ""
         self.last_error = ""
         self.weight_version: str | None = None  # the trainer's current version (None before its first sync)
+        self.settled_version: str | None = None  # the last version every serving engine holds (not mid-sync)
         self.snapshot_path = ""
         self.sync_started_s: float | None = None
         self.events: collections.deque[ScaleEvent] = collections.deque(maxlen=MAX_EVENTS)
@@ -180,6 +181,7 @@ class EnginePool:
             for url in engine_urls:
                 if (e := by_url.get(url.rstrip("/"))) is not None:
                     e.weight_version = version
+                    self.settled_version = version
                     if e.state == EngineState.JOINING:
                         e.join_mode = "sync"
             log.info("weight sync of version %s: %d engines in %.2f s, %.1f MB", version, len(engine_urls), seconds,

@@ -44,6 +44,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.StartRolloutResponse(already_running=already_running)
 
     @handle_errors
+    async def StopRollout(self, request, context):
+        return status_to_proto(await self.manager.stop_rollout(request.job_id, request.rollout_id))
+
+    @handle_errors
     async def GetRolloutStatus(self, request, context):
         return status_to_proto(self.manager.status(request.job_id, request.rollout_id))
 
@@ -123,7 +127,8 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
         health_check_first_wait_s=config.health_check_first_wait_s, start_timeout_s=config.engine_start_timeout_s,
         drain_timeout_s=config.drain_timeout_s), external_urls=config.engine_urls)
     manager = RolloutManager(buffer, reward, config.router_url, model_path=config.model_path,
-                             router_policy=config.router_policy, request_timeout_s=config.request_timeout_s)
+                             router_policy=config.router_policy, request_timeout_s=config.request_timeout_s,
+                             version_now=lambda: pool.settled_version)
     pool_ready = asyncio.Event()
     servicer = RolloutServicer(manager, pool, pool_ready, config.router_url)
     grpc_server = await start_grpc_server(

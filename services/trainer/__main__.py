@@ -21,7 +21,7 @@ async def serve(config: TrainerConfig) -> None:
 
     from services.buffer.client import BufferClient
     from services.rollout.client import RolloutClient
-    from services.trainer.loop import TrainerDeps, train_sync
+    from services.trainer.loop import TrainerDeps, train
     from services.trainer.parallel import init_world
     from services.trainer.server import create_server
     from services.trainer.worker import Dispatcher
@@ -34,7 +34,7 @@ async def serve(config: TrainerConfig) -> None:
     rollout = RolloutClient(config.rollout_addr, timeout_s=config.client_timeout_s)
     deps = TrainerDeps(buffer=buffer, rollout=rollout, master_address=config.master_address,
                        num_threads=config.num_threads, world=world, tensorboard_dir=config.tensorboard_dir)
-    dispatcher = Dispatcher(world, functools.partial(train_sync, deps=deps))
+    dispatcher = Dispatcher(world, functools.partial(train, deps=deps))
     servers = await create_server(config, dispatcher)
     log.info("trainer serving (rank 0 of %d): gRPC %s:%d, REST http://%s:%d (docs at /docs)", world.world_size,
              config.host, servers.grpc.port, config.host, servers.rest.port)

@@ -1,4 +1,5 @@
-"""The synchronous training driver (slime's train.py): rollout -> train -> checkpoint -> broadcast weights.
+"""The training driver (slime's train.py and train_async.py): rollout -> train -> checkpoint -> broadcast weights,
+with the rollouts coming from `feed.RolloutFeed` in the job's mode (sync, one_step_async or fully_async).
 
 Every trainer rank runs it (SPMD). Rank 0 alone talks to the buffer, the manager and the engines; it hands each
 rollout to the other ranks, and each trains its share (`parallel.shard_rollout`). Rank-0-only work goes through
@@ -16,21 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.buffer.client import BufferClient, DataSourceState
-from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.common.samples import Sample, SampleGroup, Status
-from services.rollout.client import RolloutClient, RolloutState
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample, Status
+from services.rollout.client import RolloutClient
 from services.trainer import checkpoint
+from services.trainer.feed import RolloutFeed, staleness_metrics
 from services.trainer.generation import generation_metrics
 from services.trainer.jobs import JobContext
 from services.trainer.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.parallel import World, shard_rollout
 from services.trainer.spec import JobSpec
-from services.trainer.train_config import rollout_config, train_config
+from services.trainer.train_config import train_config
 
 log = logging.getLogger(__name__)
 
-POLL_S = 2.0
-BACKENDS = {"fsdp": "services.trainer.backends.fsdp:TorchBackend"}  # train_backend -> class
+BACKENDS = {"fsdp": "services.trainer.backends.fsdp:TorchBackend",  # train_backend -> class
+            "megatron": "services.trainer.backends.megatron.backend:MegatronBackend"}
 
 
 @dataclass
@@ -44,49 +46,6 @@ class TrainerDeps:
     num_threads: int = 2
     world: World = field(default_factory=World)
     tensorboard_dir: str = ""
-
-
-def collect_rollout(spec: JobSpec, deps: TrainerDeps, rollout_id: int, weight_version: str,
-                    ctx: JobContext) -> list[SampleGroup]:
-    """Ask the manager for rollout `rollout_id` and wait for its groups in the buffer.
-
-    Starting a rollout is idempotent; a manager that restarted reports it UNKNOWN and is asked again, and the
-    buffer's leases make sure no prompt is lost or trained twice.
-    """
-    config = rollout_config(spec)
-    deps.rollout.start_rollout(config, rollout_id, weight_version)
-    deadline = time.monotonic() + spec.rollout_timeout_s
-    while True:
-        ctx.check_cancelled()
-        try:
-            return deps.buffer.get_batch(spec.job_id, rollout_id, spec.rollout_batch_size, timeout_s=POLL_S)
-        except (DeadlineExceeded, Unavailable) as err:
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"rollout {rollout_id} of job {spec.job_id}: not complete after "
-                                       f"{spec.rollout_timeout_s} s ({err})") from err
-        try:
-            status = deps.rollout.rollout_status(spec.job_id, rollout_id)
-        except Unavailable as err:
-            log.warning("rollout manager unavailable (%s); waiting", err)
-            continue
-        if status.state == RolloutState.FAILED:
-            raise RuntimeError(f"rollout {rollout_id} of job {spec.job_id} failed: {status.error}")
-        if status.state == RolloutState.UNKNOWN:
-            log.warning("rollout manager does not know rollout %d (restarted?); starting it again", rollout_id)
-            deps.rollout.start_rollout(config, rollout_id, weight_version)
-
-
-def rollout_samples(spec: JobSpec, deps: TrainerDeps, rollout_id: int, ctx: JobContext) -> list[Sample]:
-    """Rank 0: rollout `rollout_id`'s samples, from the engines or a debug dump; dumped when asked."""
-    ctx.check_cancelled()
-    if spec.load_debug_rollout_data:
-        samples = checkpoint.load_debug_rollout_data(spec.load_debug_rollout_data, rollout_id)
-    else:
-        groups = collect_rollout(spec, deps, rollout_id, str(rollout_id), ctx)
-        samples = [s for g in sorted(groups, key=lambda g: g.group_id) for s in g.samples]
-    if spec.save_debug_rollout_data:
-        checkpoint.save_debug_rollout_data(spec.save_debug_rollout_data, rollout_id, samples)
-    return samples
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -117,23 +76,43 @@ def sync_weights(broadcaster, backend, deps: TrainerDeps, version: int) -> dict[
         stats = sync_engine_pool(broadcaster, deps.rollout, weights, str(version),
                                  base_model_dir=getattr(backend, "model_path", None))
         return {"perf/update_weights_seconds": time.monotonic() - start,
-                "perf/update_weights_bytes": float(stats.get("bytes", 0))}
+                "perf/update_weights_bytes": float(stats.get("bytes", 0)),
+                "perf/engine_pause_seconds": float(stats.get("pause_seconds", 0.0))}
 
     return deps.world.on_rank0(push)
 
 
 def make_backend(spec: JobSpec, world: World, num_threads: int):
-    """The spec's train_backend on this rank, its TrainConfig cut to this rank's share of each step."""
+    """The spec's train_backend on this rank. FSDP ranks each get a TrainConfig cut to their share of each step;
+    Megatron takes whole steps and splits them over its data-parallel ranks itself."""
     module, name = BACKENDS[spec.train_backend].split(":")
     config = train_config(spec)
+    cls = getattr(importlib.import_module(module), name)
+    if spec.train_backend == "megatron":
+        parallel = spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size
+        if world.world_size % parallel:
+            raise InvalidArgument(f"train_backend megatron: {world.world_size} trainer ranks are not a multiple of "
+                                  f"tensor_model_parallel_size × pipeline_model_parallel_size ({parallel})")
+        return cls(spec.hf_checkpoint, config, tensor_model_parallel_size=spec.tensor_model_parallel_size,
+                   pipeline_model_parallel_size=spec.pipeline_model_parallel_size,
+                   use_distributed_optimizer=spec.use_distributed_optimizer, megatron_args=spec.megatron,
+                   num_threads=num_threads, world=world)
     if world.distributed:
         if config.use_dynamic_batch_size:
             raise InvalidArgument("use_dynamic_batch_size is not supported with more than one trainer rank (ranks "
                                   "must run the same number of micro-batches)")
         local = config.global_batch_size and config.global_batch_size // world.world_size
         config = dataclasses.replace(config, global_batch_size=local)
-    return getattr(importlib.import_module(module), name)(spec.hf_checkpoint, config, num_threads=num_threads,
-                                                         world=world)
+    return cls(spec.hf_checkpoint, config, num_threads=num_threads, world=world)
+
+
+def rank_samples(spec: JobSpec, world: World, samples: list[Sample]) -> list[Sample]:
+    """What this rank trains on: its share of each step under FSDP, the whole rollout under Megatron."""
+    if spec.train_backend == "megatron":
+        return samples
+    return shard_rollout(samples, rank=world.rank, world_size=world.world_size,
+                         global_batch_size=spec.resolved_global_batch_size,
+                         n_samples_per_prompt=spec.n_samples_per_prompt)
 
 
 def resume(spec: JobSpec, backend, deps: TrainerDeps) -> int:
@@ -175,17 +154,18 @@ def rollout_only(spec: JobSpec, ctx: JobContext, deps: TrainerDeps) -> None:
     """debug_rollout_only (rank 0): generate (and dump) rollouts with the engines' weights; train nothing."""
     load_dataset(spec, deps, ctx)
     writer = metrics_writer(spec, deps)
+    feed = RolloutFeed(spec, deps, ctx)
     try:
         for rollout_id in range(spec.num_rollout):
-            metrics = rollout_metrics(rollout_samples(spec, deps, rollout_id, ctx))
+            metrics = rollout_metrics(feed.samples(rollout_id, rollout_id))
             writer.write(rollout_id, metrics)
             ctx.report(rollout_id, metrics)
     finally:
         writer.close()
 
 
-def train_sync(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
-    """Run a job on this rank; `ctx` is rank 0's (None on the other ranks)."""
+def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
+    """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks)."""
     from services.trainer.weight_sync import WeightBroadcaster
 
     world = deps.world
@@ -202,20 +182,22 @@ def train_sync(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None
                                     timeout_s=spec.weight_sync_timeout_s,
                                     bucket_bytes=spec.update_weight_buffer_size) if lead and engines else None
     writer = metrics_writer(spec, deps) if lead else None
+    feed = RolloutFeed(spec, deps, ctx) if lead else None
     if start_id:
         world.on_rank0(lambda: ctx.report(start_id - 1, {}, f"resumed from {spec.load} at rollout {start_id}"))
     try:
         if engines:  # like slime, push the trainer's weights first: engines may hold another job's
             sync_weights(broadcaster, backend, deps, version=start_id)
+        engine_version = start_id  # what the engines hold; the trainer's weights are version rollout_id
         for rollout_id in range(start_id, spec.num_rollout):
             start = time.monotonic()
-            samples = world.on_rank0(lambda: rollout_samples(spec, deps, rollout_id, ctx))  # noqa: B023
+            samples = world.on_rank0(lambda: feed.samples(rollout_id, engine_version))  # noqa: B023
             rollout_s = time.monotonic() - start
+            world.on_rank0(lambda: feed.started(rollout_id, engine_version))  # noqa: B023
             start = time.monotonic()
-            steps = backend.train_rollout(shard_rollout(
-                samples, rank=world.rank, world_size=world.world_size,
-                global_batch_size=spec.resolved_global_batch_size, n_samples_per_prompt=spec.n_samples_per_prompt))
-            metrics = {**rollout_metrics(samples), **world.mean(mean_metrics(steps)),
+            steps = backend.train_rollout(rank_samples(spec, world, samples))
+            metrics = {**rollout_metrics(samples), **staleness_metrics(samples, rollout_id),
+                       **world.mean(mean_metrics(steps)),
                        "perf/rollout_seconds": rollout_s, "perf/train_seconds": time.monotonic() - start}
             if spec.ref_update_interval and (rollout_id + 1) % spec.ref_update_interval == 0:
                 backend.update_ref_model()
@@ -225,18 +207,33 @@ def train_sync(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None
                 checkpoint.save_checkpoint(spec.save, rollout_id, backend, world,
                                            lambda: trainer_state(spec, deps, rollout_id))  # noqa: B023
                 metrics["perf/save_seconds"] = time.monotonic() - start
-            if engines:
+            if engines and weight_update_due(spec, rollout_id):
+                if spec.mode == "one_step_async":
+                    start = time.monotonic()
+                    world.on_rank0(lambda: feed.before_weight_update(rollout_id, engine_version))  # noqa: B023
+                    metrics["perf/wait_next_rollout_seconds"] = time.monotonic() - start
                 metrics.update(sync_weights(broadcaster, backend, deps, version=rollout_id + 1))
-                # -- generation features (issue 5): the manager's dynamic-filter counters, and eval when due --
+                engine_version = rollout_id + 1
+            if engines:  # -- generation features (issue 5): dynamic-filter counters, and eval when due --
                 metrics.update(world.on_rank0(lambda: generation_metrics(spec, deps, rollout_id)))  # noqa: B023
+                metrics.update(world.on_rank0(lambda: feed.metrics()))
             world.on_rank0(lambda: report(spec, ctx, writer, rollout_id, metrics))  # noqa: B023
         if spec.save_hf:
             backend.save_hf(spec.save_hf.format(rollout_id=spec.num_rollout - 1))
     finally:
+        if feed is not None:
+            feed.close()
         if broadcaster is not None:
             broadcaster.close()
         if writer is not None:
             writer.close()
+
+
+def weight_update_due(spec: JobSpec, rollout_id: int) -> bool:
+    """sync pushes after every rollout; the async modes every update_weights_interval rollouts and after the last."""
+    if spec.mode == "sync":
+        return True
+    return (rollout_id + 1) % spec.update_weights_interval == 0 or rollout_id == spec.num_rollout - 1
 
 
 def trainer_state(spec: JobSpec, deps: TrainerDeps, rollout_id: int) -> checkpoint.TrainerState:

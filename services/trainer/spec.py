@@ -42,7 +42,7 @@ class JobSpec(BaseModel):
     custom_rm_path: str = ""
     reward_key: str = ""
     # Training (slime's algorithm flags; Megatron's optimizer and lr-schedule flags, with their defaults).
-    train_backend: Literal["fsdp"] = "fsdp"
+    train_backend: Literal["fsdp", "megatron"] = "fsdp"
     loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
     custom_loss_function_path: str = ""    # loaded (and its signature checked) when the spec is validated
     advantage_estimator: Literal["grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus",
@@ -225,6 +225,54 @@ class JobSpec(BaseModel):
             raise ValueError("group_rm needs custom_rm_path (async def f(args, samples) -> list[float])")
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise ValueError("mask_offpolicy_in_partial_rollout needs partial_rollout")
+        return self
+
+
+    # Megatron (issue 4): the parallel layout of train_backend megatron; other Megatron flags pass through unchanged.
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    use_distributed_optimizer: bool = True
+    megatron: dict[str, Any] = {}  # extra TransformerConfig/optimizer flags by Megatron's names (slime passes them on)
+
+    @model_validator(mode="after")
+    def _check_megatron(self) -> JobSpec:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if self.train_backend != "megatron" and (parallel > 1 or self.megatron):
+            raise ValueError("tensor_model_parallel_size, pipeline_model_parallel_size and megatron need "
+                             "train_backend: megatron")
+        return self
+
+
+    # Asynchronous training (issue 7): sync (slime's train.py), one_step_async (train_async.py: rollout i+1 generates
+    # while rollout i trains) or fully_async (the manager streams groups across rollouts; stale ones are refused).
+    mode: Literal["sync", "one_step_async", "fully_async"] = "sync"
+    update_weights_interval: int = 1  # push weights to the engines every N rollouts (async modes)
+    max_weight_staleness: int = 1  # fully_async: a trained token's policy is at most this many versions old
+    stale_policy: Literal["regenerate", "drop"] = "regenerate"  # a too-stale group: regenerated, or dropped
+    max_inflight_groups: int | None = None  # fully_async: groups generating or waiting (default rollout_batch_size)
+
+    @model_validator(mode="after")
+    def _check_async(self) -> JobSpec:
+        if self.update_weights_interval <= 0 or self.max_weight_staleness < 0:
+            raise ValueError(f"update_weights_interval must be > 0 and max_weight_staleness >= 0, got "
+                             f"{self.update_weights_interval} and {self.max_weight_staleness}")
+        if self.max_inflight_groups is not None and self.max_inflight_groups < self.rollout_batch_size:
+            raise ValueError(f"max_inflight_groups ({self.max_inflight_groups}) must be >= rollout_batch_size "
+                             f"({self.rollout_batch_size})")
+        if self.mode == "fully_async":
+            if self.partial_rollout or self.over_sampling_batch_size:
+                raise ValueError("mode fully_async streams groups without batch boundaries: partial_rollout and "
+                                 "over_sampling_batch_size do not apply")
+            if self.update_weights_interval - 1 > self.max_weight_staleness:
+                raise ValueError(f"mode fully_async: update_weights_interval {self.update_weights_interval} leaves "
+                                 f"the engines more than max_weight_staleness ({self.max_weight_staleness}) "
+                                 "versions behind")
+        if self.mode != "sync" and (self.debug_rollout_only or self.train_only):
+            raise ValueError(f"mode {self.mode} needs engines and a trainer: not with debug_rollout_only, "
+                             "debug_train_only or load_debug_rollout_data")
         return self
 
 

@@ -32,7 +32,8 @@ def generation_features(spec: JobSpec) -> dict:
         eval_top_p=spec.rollout_top_p if spec.eval_top_p is None else spec.eval_top_p,
         eval_max_response_len=spec.eval_max_response_len or spec.rollout_max_response_len,
         input_key=spec.input_key, label_key=spec.label_key, metadata_key=spec.metadata_key,
-        apply_chat_template=spec.apply_chat_template)
+        apply_chat_template=spec.apply_chat_template,
+        max_inflight_groups=(spec.max_inflight_groups or spec.rollout_batch_size) if spec.mode == "fully_async" else 0)
 
 
 def train_config(spec: JobSpec):

@@ -184,14 +184,16 @@ class WeightBroadcaster:
     def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict:
         """Pause, push every tensor (HF names, in buckets), set `weight_version`, continue. Returns stats."""
         start = time.monotonic()
-        stats = {"seconds": 0.0, "bytes": 0, "num_tensors": 0, "num_buckets": 0, "num_engines": len(self.engine_urls)}
+        stats = {"seconds": 0.0, "pause_seconds": 0.0, "bytes": 0, "num_tensors": 0, "num_buckets": 0,
+                 "num_engines": len(self.engine_urls)}
         if not self.engine_urls:
             log.warning("weight broadcast of version %s: no engines", weight_version)
             return stats
         if self.group is None:
             self.init_group()
         wait_s = self.timeout_s + 1
-        try:
+        try:  # the engines stop only from pause_generation to continue_generation: the transfer itself
+            paused_at = time.monotonic()
             _on_all(self.clients, "pause_generation", lambda c: c.pause_generation(self.pause_mode), wait_s)
             _on_all(self.clients, "begin_weight_update", lambda c: c.begin_weight_update(), wait_s)
             for bucket in buckets(named_tensors, self.bucket_bytes):
@@ -201,6 +203,7 @@ class WeightBroadcaster:
                 stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
             _on_all(self.clients, "end_weight_update", lambda c: c.end_weight_update(), wait_s)
             _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
+            stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
             failed = getattr(err, "failed_urls", ())
             self._resume_engines(failed)

@@ -67,7 +67,7 @@ class Dispatcher:
 def run_worker(config: TrainerConfig) -> int:
     import torch
 
-    from services.trainer.loop import TrainerDeps, train_sync
+    from services.trainer.loop import TrainerDeps, train
 
     torch.set_num_threads(config.num_threads)
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
@@ -84,7 +84,7 @@ def run_worker(config: TrainerConfig) -> int:
             log.info("rank %d: stop", world.rank)
             return 0
         try:
-            train_sync(JobSpec.model_validate_json(payload), None, deps)
+            train(JobSpec.model_validate_json(payload), None, deps)
         except RankAborted as err:
             log.info("rank %d: job %d: %s", world.rank, seq, err)
         except Exception:  # noqa: BLE001 - the job fails on rank 0 too; this rank waits for the next one

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from physarum import procs
-from services.buffer.client import BufferClient
+from services.buffer.client import STREAM_ROLLOUT_ID, BufferClient
 from services.buffer.config import BufferConfig
 from services.buffer.server import create_server, stop_server
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
@@ -349,3 +349,29 @@ def test_buffer_imports_no_torch():
     modules = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import")]
     assert "services.buffer.server" in modules and "redis" in modules
     assert not [m for m in modules if m.split(".")[0] == "torch"]
+
+
+def test_take_batch_assigns_fresh_stream_groups_and_refuses_stale_ones(client, loaded):
+    """fully_async: versions 3, 1, 4, 2, 5 on the stream; min version 3 takes 3 and 4 (and 5 on the next call);
+    the stale 1 is regenerated (its prompt leased again), the stale 2 dropped (used up for the epoch)."""
+    prompts = client.lease_prompts(loaded, STREAM_ROLLOUT_ID, 5, 60.0)
+    versions = ["3", "1", "4", "2", "5"]
+    client.put_groups([group_for(p, STREAM_ROLLOUT_ID, weight_versions=[v])
+                       for p, v in zip(prompts, versions, strict=True)])
+    first = client.take_batch(loaded, 0, 2, min_weight_version=3, timeout_s=1.0)
+    assert [g.prompt_index for g in first.groups] == [0, 2] and {g.rollout_id for g in first.groups} == {0}
+    assert (first.num_stale_dropped, first.num_stale_regenerated) == (0, 1)
+    assert client.take_batch(loaded, 0, 2, min_weight_version=9, timeout_s=0.0).groups == first.groups  # idempotent
+    second = client.take_batch(loaded, 1, 1, min_weight_version=3, stale_policy="drop", timeout_s=1.0)
+    assert [g.prompt_index for g in second.groups] == [4] and second.num_stale_dropped == 1
+    assert [p.index for p in client.lease_prompts(loaded, 0, 1, 60.0)] == [1]  # the regenerated prompt first
+    with pytest.raises(DeadlineExceeded, match="0/1 fresh groups"):
+        client.take_batch(loaded, 2, 1, min_weight_version=0, timeout_s=0.2)
+    # a group with an unknown version (SGLang's "default") is never fresh enough
+    [late] = client.lease_prompts(loaded, STREAM_ROLLOUT_ID, 1, 60.0)
+    client.put_groups([group_for(late, STREAM_ROLLOUT_ID, weight_versions=["default"])])
+    with pytest.raises(DeadlineExceeded):
+        client.take_batch(loaded, 2, 1, min_weight_version=0, timeout_s=0.2)
+    assert client.stats(loaded).num_returned == 1
+    with pytest.raises(InvalidArgument, match="stale_policy"):
+        client.take_batch(loaded, 2, 1, min_weight_version=0, stale_policy="keep", timeout_s=0.2)

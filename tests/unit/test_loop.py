@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 
 from services.trainer import checkpoint
 from services.trainer.jobs import JobRegistry, JobState
-from services.trainer.loop import TrainerDeps, train_sync
+from services.trainer.loop import TrainerDeps, train
 from services.trainer.spec import parse_spec
 from tests.integration.trainer_ranks import make_samples
 
@@ -22,7 +22,7 @@ NUM_ROLLOUTS = 3
 
 @pytest.fixture(scope="module")
 def registry():
-    registry = JobRegistry(functools.partial(train_sync, deps=TrainerDeps(num_threads=1)))
+    registry = JobRegistry(functools.partial(train, deps=TrainerDeps(num_threads=1)))
     yield registry
     registry.close()
 

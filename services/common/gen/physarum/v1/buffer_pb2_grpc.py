@@ -69,6 +69,11 @@ class BufferStub:
                 request_serializer=physarum_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=physarum_dot_v1_dot_buffer__pb2.BufferStats.FromString,
                 _registered_method=True)
+        self.TakeBatch = channel.unary_unary(
+                '/physarum.v1.Buffer/TakeBatch',
+                request_serializer=physarum_dot_v1_dot_buffer__pb2.TakeBatchRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_buffer__pb2.TakeBatchResponse.FromString,
+                _registered_method=True)
         self.SaveState = channel.unary_unary(
                 '/physarum.v1.Buffer/SaveState',
                 request_serializer=physarum_dot_v1_dot_buffer__pb2.SaveStateRequest.SerializeToString,
@@ -126,6 +131,13 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeBatch(self, request, context):
+        """fully_async: assign finished stream groups to a rollout, refusing those too stale to train on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SaveState(self, request, context):
         """The job's data-source state, for the trainer's checkpoints, and its restore when a job resumes.
         """
@@ -176,6 +188,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=physarum_dot_v1_dot_buffer__pb2.GetStatsRequest.FromString,
                     response_serializer=physarum_dot_v1_dot_buffer__pb2.BufferStats.SerializeToString,
+            ),
+            'TakeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeBatch,
+                    request_deserializer=physarum_dot_v1_dot_buffer__pb2.TakeBatchRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_buffer__pb2.TakeBatchResponse.SerializeToString,
             ),
             'SaveState': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveState,
@@ -377,6 +394,33 @@ class Buffer:
             '/physarum.v1.Buffer/GetStats',
             physarum_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
             physarum_dot_v1_dot_buffer__pb2.BufferStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Buffer/TakeBatch',
+            physarum_dot_v1_dot_buffer__pb2.TakeBatchRequest.SerializeToString,
+            physarum_dot_v1_dot_buffer__pb2.TakeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,11 @@ class RolloutStub:
                 request_serializer=physarum_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
                 response_deserializer=physarum_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.StopRollout = channel.unary_unary(
+                '/physarum.v1.Rollout/StopRollout',
+                request_serializer=physarum_dot_v1_dot_rollout__pb2.StopRolloutRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+                _registered_method=True)
         self.ListEngines = channel.unary_unary(
                 '/physarum.v1.Rollout/ListEngines',
                 request_serializer=physarum_dot_v1_dot_rollout__pb2.ListEnginesRequest.SerializeToString,
@@ -86,6 +91,12 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetRolloutStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopRollout(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,6 +152,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'GetRolloutStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRolloutStatus,
                     request_deserializer=physarum_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'StopRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopRollout,
+                    request_deserializer=physarum_dot_v1_dot_rollout__pb2.StopRolloutRequest.FromString,
                     response_serializer=physarum_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
             ),
             'ListEngines': grpc.unary_unary_rpc_method_handler(
@@ -227,6 +243,33 @@ class Rollout:
             target,
             '/physarum.v1.Rollout/GetRolloutStatus',
             physarum_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
+            physarum_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Rollout/StopRollout',
+            physarum_dot_v1_dot_rollout__pb2.StopRolloutRequest.SerializeToString,
             physarum_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,144 @@
+"""Rank 0's source of rollouts in each training mode (issue 7): where the samples of rollout i come from, and what
+runs alongside training.
+
+- sync (slime's train.py): rollout i is generated after the weights of rollout i-1 reached the engines.
+- one_step_async (slime's train_async.py): rollout i+1 starts before rollout i trains; before a weight update the
+  trainer waits for it, so each rollout comes from one policy, one version behind.
+- fully_async: the manager streams groups across rollouts (rollout -2 in the buffer, max_inflight_groups bound);
+  rollout i takes the first finished groups whose oldest token is at most max_weight_staleness versions behind the
+  trainer's weights (buffer TakeBatch; staler ones are regenerated or dropped and counted).
+
+A rollout id's groups stay in the buffer under that id, so a trainer that resumes gets the same groups again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from services.buffer.client import STREAM_ROLLOUT_ID
+from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
+from services.common.samples import Sample, SampleGroup, oldest_weight_version
+from services.rollout.client import RolloutState
+from services.trainer import checkpoint
+from services.trainer.jobs import JobContext
+from services.trainer.spec import JobSpec
+from services.trainer.train_config import rollout_config
+
+if TYPE_CHECKING:
+    from services.trainer.loop import TrainerDeps
+
+log = logging.getLogger(__name__)
+
+POLL_S = 2.0
+
+
+class RolloutFeed:
+    """Rank 0: `samples(i, version)` is rollout i (version: the weights the engines hold; the trainer's own before
+    training rollout i are version i); `started` runs right after it, `before_weight_update` before each push of
+    the weights to the engines; `close` at the end."""
+
+    def __init__(self, spec: JobSpec, deps: TrainerDeps, ctx: JobContext) -> None:
+        self.spec, self.deps, self.ctx = spec, deps, ctx
+        self.config = rollout_config(spec)
+        self.ready: dict[int, list[SampleGroup]] = {}  # one_step_async: rollouts waited for before an update
+        self.stale = {"buffer/stale_dropped": 0.0, "buffer/stale_regenerated": 0.0}
+
+    def samples(self, rollout_id: int, version: int) -> list[Sample]:
+        """Rollout `rollout_id`'s samples in group order (from the engines or a debug dump); dumped when asked."""
+        self.ctx.check_cancelled()
+        spec = self.spec
+        if spec.load_debug_rollout_data:
+            samples = checkpoint.load_debug_rollout_data(spec.load_debug_rollout_data, rollout_id)
+        else:
+            if rollout_id in self.ready:
+                groups = self.ready.pop(rollout_id)
+            elif spec.mode == "fully_async":
+                groups = self._take(rollout_id, version)
+            else:
+                groups = self._collect(rollout_id, version)
+            samples = [s for g in sorted(groups, key=lambda g: g.group_id) for s in g.samples]
+        if spec.save_debug_rollout_data:
+            checkpoint.save_debug_rollout_data(spec.save_debug_rollout_data, rollout_id, samples)
+        return samples
+
+    def started(self, rollout_id: int, version: int) -> None:
+        """After rollout `rollout_id` is in hand: one_step_async starts the next one, generated while this trains."""
+        if self.spec.mode == "one_step_async" and rollout_id + 1 < self.spec.num_rollout:
+            self.deps.rollout.start_rollout(self.config, rollout_id + 1, str(version))
+
+    def before_weight_update(self, rollout_id: int, version: int) -> None:
+        """one_step_async: the next rollout finishes with the weights it started with (slime waits likewise)."""
+        if self.spec.mode == "one_step_async" and rollout_id + 1 < self.spec.num_rollout:
+            self.ready[rollout_id + 1] = self._collect(rollout_id + 1, version)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.stale) if self.spec.mode == "fully_async" else {}
+
+    def close(self) -> None:
+        """End the fully_async stream (its in-flight prompts go back to the buffer); never raises."""
+        if self.spec.mode == "fully_async":
+            with contextlib.suppress(PhysarumError):
+                self.deps.rollout.stop_rollout(self.spec.job_id, STREAM_ROLLOUT_ID)
+
+    # -- the two ways of getting a rollout's groups
+
+    def _collect(self, rollout_id: int, version: int) -> list[SampleGroup]:
+        """Ask the manager for rollout `rollout_id` and wait for its groups in the buffer."""
+        spec, deps = self.spec, self.deps
+        deps.rollout.start_rollout(self.config, rollout_id, str(version))
+        return self._wait(rollout_id, rollout_id, version, lambda timeout_s: deps.buffer.get_batch(
+            spec.job_id, rollout_id, spec.rollout_batch_size, timeout_s=timeout_s))
+
+    def _take(self, rollout_id: int, version: int) -> list[SampleGroup]:
+        """fully_async: make sure the stream runs, then take rollout_batch_size groups from it whose oldest token is
+        at most max_weight_staleness versions behind the trainer's weights (version rollout_id)."""
+        spec, deps = self.spec, self.deps
+        deps.rollout.start_rollout(self.config, STREAM_ROLLOUT_ID, str(version))
+
+        def take(timeout_s: float) -> list[SampleGroup]:
+            batch = deps.buffer.take_batch(spec.job_id, rollout_id, spec.rollout_batch_size,
+                                           min_weight_version=rollout_id - spec.max_weight_staleness,
+                                           stale_policy=spec.stale_policy, timeout_s=timeout_s)
+            self.stale = {"buffer/stale_dropped": float(batch.num_stale_dropped),
+                          "buffer/stale_regenerated": float(batch.num_stale_regenerated)}
+            return batch.groups
+
+        return self._wait(rollout_id, STREAM_ROLLOUT_ID, version, take)
+
+    def _wait(self, rollout_id: int, manager_rollout_id: int, version: int, fetch) -> list[SampleGroup]:
+        """Poll `fetch` until it returns; between polls check the manager's run (`manager_rollout_id`): a manager
+        that restarted reports it UNKNOWN and is asked again (the buffer's leases lose no prompt), a failed one
+        fails the job."""
+        spec, deps = self.spec, self.deps
+        deadline = time.monotonic() + spec.rollout_timeout_s
+        while True:
+            self.ctx.check_cancelled()
+            try:
+                return fetch(POLL_S)
+            except (DeadlineExceeded, Unavailable) as err:
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"rollout {rollout_id} of job {spec.job_id}: not complete after "
+                                           f"{spec.rollout_timeout_s} s ({err})") from err
+            try:
+                status = deps.rollout.rollout_status(spec.job_id, manager_rollout_id)
+                if status.state == RolloutState.FAILED:
+                    raise RuntimeError(f"rollout {manager_rollout_id} of job {spec.job_id} failed: {status.error}")
+                if status.state == RolloutState.UNKNOWN or (status.state == RolloutState.DONE
+                                                            and manager_rollout_id == STREAM_ROLLOUT_ID):
+                    log.warning("rollout manager does not run rollout %d (restarted?); starting it again",
+                                manager_rollout_id)
+                    deps.rollout.start_rollout(self.config, manager_rollout_id, str(version))
+            except Unavailable as err:
+                log.warning("rollout manager unavailable (%s); waiting", err)
+
+
+def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
+    """How many versions behind the trainer's weights (`version`) each sample's oldest token is (0 in sync mode)."""
+    behind = [version - oldest_weight_version([s]) for s in samples if s.weight_versions]
+    if not behind:
+        return {}
+    return {"rollout/weight_staleness_max": float(max(behind)),
+            "rollout/weight_staleness_mean": sum(behind) / len(behind)}
