@@ -108,12 +108,19 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def start_redis(work_dir: Path, port: int | None = None, appendonly: bool = True) -> tuple[ManagedProcess, str]:
-    """A private redis-server in work_dir on a free loopback port; returns it with its URL."""
+APPENDFSYNC = ("always", "everysec", "no")
+
+
+def start_redis(work_dir: Path, port: int | None = None, appendonly: bool = True,
+                appendfsync: str = "everysec") -> tuple[ManagedProcess, str]:
+    """A private redis-server in work_dir on a free loopback port (an AOF there is replayed); returns it with its
+    URL. appendfsync: everysec may lose the last second of writes to a crash of the machine, always none."""
+    if appendfsync not in APPENDFSYNC:
+        raise ValueError(f"appendfsync must be one of {', '.join(APPENDFSYNC)}, got {appendfsync!r}")
     port = port or free_port()
     work_dir.mkdir(parents=True, exist_ok=True)
     argv = ["redis-server", "--port", str(port), "--bind", HOST, "--dir", str(work_dir), "--save", "",
-            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec", "--protected-mode", "yes",
+            "--appendonly", "yes" if appendonly else "no", "--appendfsync", appendfsync, "--protected-mode", "yes",
             "--set-proc-title", "no"]  # keep argv in /proc/PID/cmdline, so owns_pid() lets stop() signal it
     proc = ManagedProcess("redis", argv, work_dir / "redis.log").start()
 

@@ -33,6 +33,8 @@ class StackOptions:
     engine_threads: int = 1
     trainer_threads: int = 2
     trainer_ranks: int = 1              # data-parallel trainer processes (FSDP2 over gloo)
+    engine_per_token_delay_s: float = 0.0  # latency-controlled engines (benchmarks): extra seconds per decode step
+    redis_appendfsync: str = "everysec"  # Redis AOF fsync policy: always, everysec or no
     start_timeout_s: float = 180.0
 
 
@@ -76,7 +78,7 @@ def up(options: StackOptions) -> dict:
     logs = work_dir / "logs"
     # The local stack is ephemeral: a fresh Redis, so a job id reused across `up`s never meets old groups.
     shutil.rmtree(work_dir / "redis", ignore_errors=True)
-    redis, redis_url = start_redis(work_dir / "redis")
+    redis, redis_url = start_redis(work_dir / "redis", appendfsync=options.redis_appendfsync)
     ports = {name: free_port() for name in ("buffer", "reward", "reward_rest", "router", "router_metrics",
                                             "rollout", "trainer", "trainer_rest")}
     addr = {name: f"{HOST}:{port}" for name, port in ports.items()}
@@ -94,6 +96,7 @@ def up(options: StackOptions) -> dict:
                                      "--router-url", router_url, "--model-path", str(options.model_path.resolve()),
                                      "--num-engines", str(options.num_engines),
                                      "--engine-num-threads", str(options.engine_threads),
+                                     "--engine-per-token-delay-s", str(options.engine_per_token_delay_s),
                                      "--work-dir", str(work_dir / "engines")),
         }
         started = {name: ManagedProcess(name, argv, logs / f"{name}.log").start() for name, argv in specs.items()}
