@@ -285,3 +285,46 @@ def test_a_bad_plugin_path_fails_at_start(tiny_model_dir):
         manager.start_rollout(rollout_config(group_rm=True), 0, "v1")
     assert not manager.runs
     asyncio.run(manager.close())
+
+
+def test_a_fully_async_stream_keeps_its_bound_records_start_versions_and_stops_cleanly(tiny_model_dir):
+    """Stream of max_inflight_groups 4 over 10 prompts: 4 groups are written and no more while none is taken; a
+    request sent at the pool's version 3 and answered by version 4 records both; StopRollout returns nothing leased
+    (all written) and ends DONE; taking two groups lets the restarted stream write two more."""
+    from services.buffer.client import STREAM_ROLLOUT_ID
+
+    async def main() -> None:
+        buffer = FakeBuffer(num_prompts=10)
+        version = {"now": "3"}
+
+        def answer(body, headers):
+            version["now"] = "4"  # a weight update lands while the request runs
+            return reply([17, 18, 0], "12", weight_version="4")
+
+        manager, _ = new_manager(buffer, ScriptedRouter(answer), tiny_model_dir, version_now=lambda: version["now"])
+        cfg = rollout_config(max_inflight_groups=4)
+        with pytest.raises(InvalidArgument, match="stream"):
+            manager.start_rollout(cfg, 0, "3")
+        assert manager.start_rollout(cfg, STREAM_ROLLOUT_ID, "3") is False
+        for _ in range(100):
+            if buffer.count_groups(JOB, STREAM_ROLLOUT_ID) == 4:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.6)  # longer than the stream's poll: it must not write a fifth
+        groups = buffer.rollout_groups(STREAM_ROLLOUT_ID)
+        assert [g.prompt_index for g in groups] == [0, 1, 2, 3]
+        assert groups[0].samples[0].weight_versions == ["3", "4"]  # started at 3, ended at 4
+        assert {tuple(s.weight_versions) for g in groups[1:] for s in g.samples} == {("4",)}
+        status = await manager.stop_rollout(JOB, STREAM_ROLLOUT_ID)
+        assert (status.state, status.error, buffer.leased) == (RolloutState.DONE, "", {})
+        for group in groups[:2]:  # the trainer takes two
+            group.rollout_id = 0
+        assert manager.start_rollout(cfg, STREAM_ROLLOUT_ID, "4") is False  # a stopped stream starts again
+        for _ in range(100):
+            if buffer.count_groups(JOB, STREAM_ROLLOUT_ID) == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert [g.prompt_index for g in buffer.rollout_groups(STREAM_ROLLOUT_ID)] == [2, 3, 4, 5]
+        await manager.close()
+
+    asyncio.run(main())

@@ -50,10 +50,27 @@ def test_unknown_key_is_named_with_a_suggestion():
     ({"loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.two_args"},
      r"takes 2 positional parameters; expected def fn\(args, batch, logits, sum_of_sample_mean\)"),
     ({"rollout_top_p": 1.5}, r"rollout_top_p must be in \(0, 1\]"),
+    ({"mode": "async"}, "mode: Input should be 'sync', 'one_step_async' or 'fully_async'"),
+    ({"mode": "fully_async", "partial_rollout": True}, "partial_rollout and over_sampling_batch_size do not apply"),
+    ({"mode": "fully_async", "update_weights_interval": 3}, r"update_weights_interval 3 leaves the engines more "
+                                                            r"than max_weight_staleness \(1\)"),
+    ({"max_inflight_groups": 2}, r"max_inflight_groups \(2\) must be >= rollout_batch_size \(4\)"),
+    ({"mode": "one_step_async", "debug_rollout_only": True}, "mode one_step_async needs engines and a trainer"),
+    ({"tensor_model_parallel_size": 2}, "need train_backend: megatron"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(InvalidArgument, match=message):
         parse_spec({**BASE, **override})
+
+
+def test_fully_async_sends_the_manager_a_stream_bound():
+    from services.trainer.train_config import rollout_config
+
+    assert rollout_config(parse_spec({**BASE, "mode": "fully_async"})).max_inflight_groups == 4  # rollout_batch_size
+    assert rollout_config(parse_spec({**BASE, "mode": "fully_async", "max_inflight_groups": 20})).max_inflight_groups \
+        == 20
+    assert rollout_config(parse_spec({**BASE, "mode": "one_step_async", "max_inflight_groups": 20})) \
+        .max_inflight_groups == 0  # not a stream
 
 
 def test_missing_required_key_is_named():
