@@ -195,6 +195,11 @@ for r = after + 1, tonumber(m[6] or -1) do
     table.insert(out, string.match(gid, '(%d+:%d+)$'))
   end
 end
+-- a fully_async stream's groups not yet taken: one that is refused as stale later is deleted, and a restore must
+-- queue its prompt again
+for _, gid in ipairs(redis.call('LRANGE', p .. 'rollout:-2', 0, -1)) do
+  table.insert(out, string.match(gid, '(%d+:%d+)$'))
+end
 return out
 """
 

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from services.buffer.client import BufferClient, DataSourceState
+from services.buffer.client import STREAM_ROLLOUT_ID, BufferClient, DataSourceState
 from services.buffer.server import stop_server
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from services.common.samples import Prompt, Sample, SampleGroup, group_id_for
 from tests.integration.test_buffer import LoopThread, start_buffer
 
@@ -109,6 +109,21 @@ def test_pending_leased_and_returned_slots_come_back_first(client, dataset):
     # Into the same job: the written group stays stored and is not served again; the lease is dropped.
     assert client.restore_state(job, state) == (2, 1)
     assert [slot(p) for p in client.lease_prompts(job, 1, 2, lease_timeout_s=60)] == [slot(leased), slot(returned)]
+
+
+def test_a_stream_group_refused_as_stale_after_the_checkpoint_is_served_again_after_a_restore(client, dataset):
+    """fully_async: a group waits in the stream at the checkpoint, is then refused as stale (deleted, its prompt
+    queued), and the job restores the checkpoint: the prompt must not be lost with the queue."""
+    job = new_job(client, dataset)
+    waiting = client.lease_prompts(job, STREAM_ROLLOUT_ID, 1, lease_timeout_s=60)
+    write(client, STREAM_ROLLOUT_ID, waiting)  # version -1: "unknown", stale for any bound
+    state = client.save_state(job, rollout_id=0)
+    assert state.pending == [f"{waiting[0].epoch}:{waiting[0].index}"]
+    with pytest.raises(DeadlineExceeded):
+        client.take_batch(job, 1, 1, min_weight_version=0, timeout_s=0.1)
+    assert client.stats(job).num_returned == 1
+    assert client.restore_state(job, state) == (1, 0)
+    assert [p.index for p in client.lease_prompts(job, 1, 1, lease_timeout_s=60)] == [waiting[0].index]
 
 
 def test_restore_checks_the_dataset_and_the_state(client, dataset):
