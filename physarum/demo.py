@@ -2,6 +2,9 @@
 
 Builds the model and task on the spot, starts the local stack, measures held-out reward, runs an SFT warm-up
 job and the GRPO job from examples/demo/, measures again, saves a reward curve, and stops what it started.
+
+`--train-backend megatron` trains both jobs with megatron-core instead of torch FSDP2: by default tensor parallel
+over two local trainer processes (TP=2), so the engines run on weights converted from Megatron's shards.
 """
 
 from __future__ import annotations
@@ -74,30 +77,54 @@ def plot_curves(sft_loss: list[float], grpo_reward: list[float], out: Path) -> N
     fig.savefig(out, dpi=100)
 
 
+def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> list[str]:
+    """The `--set` overrides that put both demo jobs on `train_backend` (the job files keep the default)."""
+    if train_backend == "fsdp":
+        return []
+    return [f"train_backend={train_backend}", f"tensor_model_parallel_size={tensor_model_parallel_size}"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
+    parser.add_argument("--train-backend", choices=("fsdp", "megatron"), default="fsdp",
+                        help="trainer backend of both jobs (default: fsdp)")
+    parser.add_argument("--trainer-ranks", type=int, default=None,
+                        help="trainer processes (default: 1 for fsdp, 2 for megatron)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                        help="megatron: TP size (default: the trainer ranks)")
     args = parser.parse_args(argv)
+    megatron = args.train_backend == "megatron"
+    ranks = args.trainer_ranks or (2 if megatron else 1)
+    tp = args.tensor_model_parallel_size or ranks
+    if ranks < 1 or (megatron and ranks % tp):
+        raise SystemExit(f"demo: --trainer-ranks {ranks} must be >= 1 and a multiple of the TP size {tp}")
+    backend_sets = backend_overrides(args.train_backend, tp)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
     model_dir = tinymodel.build_tiny_model(DEMO_DIR / "model", tasks.corpus())
     _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
     work_dir = DEMO_DIR / "stack"
-    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model_dir, num_engines=args.engines))
+    # the trainer's ranks share the machine's cores: one thread each when there are several
+    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model_dir, num_engines=args.engines,
+                                        trainer_ranks=ranks, trainer_threads=2 if ranks == 1 else 1))
     try:
-        print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs", flush=True)
+        print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
+              f"{args.train_backend}{f' TP={tp}' if megatron else ''} on {ranks} rank(s)", flush=True)
         before = evaluate(state, model_dir, test_path)
         print(f"held-out reward before training: {before:.3f}", flush=True)
         train_start = time.monotonic()
-        sft_events = run_job(state, EXAMPLES / "sft.yaml", [])
-        grpo_events = run_job(state, EXAMPLES / "job.yaml", args.set)
+        sft_events = run_job(state, EXAMPLES / "sft.yaml", backend_sets)
+        sft_s = time.monotonic() - train_start
+        grpo_events = run_job(state, EXAMPLES / "job.yaml", [*backend_sets, *args.set])
         train_s = time.monotonic() - train_start
         after = evaluate(state, model_dir, test_path)
         plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
                     [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
                     DEMO_DIR / "reward_curve.png")
-        print(f"training took {train_s:.0f} s; reward curve: {DEMO_DIR / 'reward_curve.png'}")
+        print(f"training took {train_s:.0f} s (SFT {sft_s:.0f} s, GRPO {train_s - sft_s:.0f} s); reward curve: "
+              f"{DEMO_DIR / 'reward_curve.png'}")
     finally:
         stack.down(work_dir)
     print(f"demo: reward {before:.3f} -> {after:.3f}")

@@ -1,7 +1,8 @@
 """Checkpoints and debug rollout dumps on disk, in slime's layout.
 
-`{save}/iter_{rollout_id:07d}/` holds the model, optimizer and reference model (torch.distributed.checkpoint: each
-rank writes its own shards, and a load reshards to any number of ranks), each rank's RNG states and
+`{save}/iter_{rollout_id:07d}/` holds the model, optimizer and reference model (torch.distributed.checkpoint in
+dcp/: each rank writes its own shards, and a load reshards to any number of ranks; a backend with its own sharded
+format, Megatron's dist-checkpointing, writes its directory instead, e.g. mcore/), each rank's RNG states and
 trainer_state.json (the rollout id and the buffer's data-source state). `latest_checkpointed_iteration.txt` names
 the newest complete one: it is rewritten last, so a save cut short leaves the previous checkpoint in force.
 """
@@ -35,9 +36,42 @@ DCP_DIR = "dcp"
 
 
 class Checkpointable(Protocol):
+    """A backend whose state DCP saves and loads (TorchBackend)."""
+
     def state_dict(self, parts: Iterable[str] | None = None) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ShardedCheckpointable(Protocol):
+    """A backend that writes its own sharded format into iter_N/<checkpoint_format>/ (MegatronBackend: megatron-core
+    dist-checkpointing). Each method is collective."""
+
+    checkpoint_format: str
+
+    def checkpoint_parts(self) -> set[str]: ...
+
+    def save_sharded(self, path: str | Path) -> None: ...
+
+    def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]: ...
+
+    def load_ref_sharded(self, path: str | Path) -> None: ...
+
+
+def checkpoint_format(backend) -> str:
+    """The directory a backend's state takes inside iter_N/: dcp, or its own format's."""
+    return getattr(backend, "checkpoint_format", DCP_DIR)
+
+
+def _state_dir(path: Path, backend) -> Path:
+    """iter_N/<format>/ of the backend; a checkpoint written by a backend of another format is refused."""
+    fmt = checkpoint_format(backend)
+    if not (path / fmt).is_dir():
+        others = sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+        if others:
+            raise InvalidArgument(f"checkpoint {path}: holds {', '.join(others)}/, written by another train_backend; "
+                                  f"this job's backend reads {fmt}/")
+    return path / fmt
 
 
 @dataclass
@@ -102,8 +136,11 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: Checkpointable, 
         _write_atomic(path / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
 
     world.on_rank0(write_trainer_state)
-    with _one_process_is_intended():
-        dcp.save(backend.state_dict(), checkpoint_id=path / DCP_DIR, no_dist=not world.distributed)
+    if checkpoint_format(backend) != DCP_DIR:
+        backend.save_sharded(path / checkpoint_format(backend))
+    else:
+        with _one_process_is_intended():
+            dcp.save(backend.state_dict(), checkpoint_id=path / DCP_DIR, no_dist=not world.distributed)
     torch.save(rng_state(), path / f"rng_rank{world.rank}.pt")
     world.barrier()
     if world.rank == 0:
@@ -126,7 +163,7 @@ def load_checkpoint(root: str | Path, backend: Checkpointable, world: World,
     if not (path / STATE_FILE).is_file():
         raise InvalidArgument(f"checkpoint {path}: no {STATE_FILE} (not a complete checkpoint)")
     state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
-    load_state(path / DCP_DIR, backend, world)
+    load_state(_state_dir(path, backend), backend, world)
     rng_path = path / f"rng_rank{world.rank}.pt"
     if rng_path.is_file():
         set_rng_state(torch.load(rng_path, weights_only=False))
@@ -137,9 +174,18 @@ def load_checkpoint(root: str | Path, backend: Checkpointable, world: World,
     return state
 
 
-def load_state(path: Path, backend: Checkpointable, world: World, parts: tuple[str, ...] | None = None) -> None:
-    """Load the top-level parts (model, optim, ref_model, ...) of a DCP checkpoint that the backend has, or only
-    `parts`; the backend's parts the checkpoint lacks keep their values."""
+def load_state(path: Path, backend: Checkpointable | ShardedCheckpointable, world: World,
+               parts: tuple[str, ...] | None = None) -> None:
+    """Load the top-level parts (model, optim, ref_model, ...) of a checkpoint's state directory (dcp/ or the
+    backend's own format) that the backend has, or only `parts`; the backend's parts the checkpoint lacks keep
+    their values."""
+    if checkpoint_format(backend) != DCP_DIR:
+        if not path.is_dir():
+            raise InvalidArgument(f"checkpoint {path}: no such directory")
+        loaded = backend.load_sharded(path, None if parts is None else set(parts))
+        if missing := set(parts if parts is not None else backend.checkpoint_parts()) - loaded:
+            log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
+        return
     try:
         saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
     except FileNotFoundError:
@@ -161,7 +207,11 @@ def load_reference(root: str | Path, backend, world: World) -> None:
     if rollout_id is None:
         backend.load_ref(root)
         return
-    path = iteration_dir(root, rollout_id) / DCP_DIR
+    path = _state_dir(iteration_dir(root, rollout_id), backend)
+    if checkpoint_format(backend) != DCP_DIR:
+        backend.load_ref_sharded(path)
+        log.info("reference model from checkpoint %s", path)
+        return
     state = {"model": backend.state_dict(parts=("ref_model",))["ref_model"]}
     with _one_process_is_intended():
         dcp.load(state, checkpoint_id=path, no_dist=not world.distributed)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from services.common.config import field
 
 DIST_BACKENDS = ("gloo", "nccl")
+TRAIN_BACKENDS = ("fsdp", "megatron")  # the job spec's train_backend values (a unit test keeps them equal)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,8 @@ class TrainerConfig:
     dist_backend: str = field("gloo", "collectives between trainer ranks: gloo (CPU) or nccl (GPU)")
     dist_timeout_s: float = field(1800.0, "deadline of a collective between trainer ranks; must exceed the longest "
                                           "rank-0-only phase (a job's rollout_timeout_s, a weight sync)")
+    default_train_backend: str = field("fsdp", "train_backend of submitted jobs that name none: fsdp (torch FSDP2) "
+                                               "or megatron (megatron-core, TP/PP)")
     tensorboard_dir: str = field("", "write TensorBoard event files under DIR/<job_id> (default: <save>/tensorboard "
                                      "for jobs with `save`)")
 
@@ -46,5 +49,8 @@ class TrainerConfig:
             raise ValueError(f"rank must be in [0, world_size), got rank {self.rank} of world_size {self.world_size}")
         if self.dist_backend not in DIST_BACKENDS:
             raise ValueError(f"dist_backend must be one of {', '.join(DIST_BACKENDS)}, got {self.dist_backend!r}")
+        if self.default_train_backend not in TRAIN_BACKENDS:
+            raise ValueError(f"default_train_backend must be one of {', '.join(TRAIN_BACKENDS)}, got "
+                             f"{self.default_train_backend!r}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")

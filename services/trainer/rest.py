@@ -12,6 +12,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.trainer.auth import check_bearer
 from services.trainer.jobs import JobRegistry
 from services.trainer.spec import parse_spec
+from services.trainer.spec_defaults import SpecParser
 
 _STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409}
 
@@ -20,7 +21,8 @@ def _http_error(err: Exception) -> HTTPException:
     return HTTPException(status_code=_STATUS.get(type(err), 500), detail=str(err))
 
 
-def create_app(registry: JobRegistry, api_token: str = "") -> FastAPI:
+def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = parse_spec) -> FastAPI:
+    """The job API; `parse` validates submitted specs (parse_spec with the trainer's spec defaults)."""
     app = FastAPI(title="Physarum job API", version="v1",
                   description="Submit, follow and cancel RL post-training jobs. Spec keys are slime's flag names.")
 
@@ -46,7 +48,7 @@ def create_app(registry: JobRegistry, api_token: str = "") -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201)
     def submit_job(spec: dict[str, Any] = Body(..., description="job spec keyed by slime's flag names")):
-        return JobRegistry.to_dict(call(registry.submit, call(parse_spec, spec)))
+        return JobRegistry.to_dict(call(registry.submit, call(parse, spec)))
 
     @app.get("/v1/jobs")
     def list_jobs():

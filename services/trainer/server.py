@@ -14,6 +14,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
 from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
+from services.trainer.spec_defaults import SpecParser, spec_defaults, spec_parser
 
 EVENT_POLL_S = 0.2
 
@@ -33,9 +34,10 @@ def event_to_proto(event: JobEvent) -> jobs_pb2.JobEvent:
 
 
 class JobsServicer(jobs_pb2_grpc.JobsServicer):
-    def __init__(self, registry: JobRegistry, api_token: str = "") -> None:
+    def __init__(self, registry: JobRegistry, api_token: str = "", parse: SpecParser = parse_spec) -> None:
         self.registry = registry
         self.api_token = api_token
+        self.parse = parse  # parse_spec with the trainer's spec defaults
 
     def _authorize(self, context) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -44,7 +46,7 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     @handle_errors
     async def SubmitJob(self, request, context):
         self._authorize(context)
-        return job_to_proto(self.registry.submit(parse_spec(struct_to_dict(request.spec))))
+        return job_to_proto(self.registry.submit(self.parse(struct_to_dict(request.spec))))
 
     @handle_errors
     async def GetJob(self, request, context):
@@ -89,10 +91,11 @@ class TrainerServers:
 
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
     registry = JobRegistry(runner)
+    parse = spec_parser(spec_defaults(config))
     grpc_server = await start_grpc_server(
-        [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, config.api_token),
+        [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, config.api_token, parse),
                        "physarum.v1.Jobs")],
         config.host, config.port)
-    rest = RestServer(create_app(registry, config.api_token), config.host, config.rest_port)
+    rest = RestServer(create_app(registry, config.api_token, parse), config.host, config.rest_port)
     await rest.start()
     return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)

@@ -64,3 +64,17 @@ def test_probes_check_rank_zeros_grpc_health(health_server):
     assert run_probe(container, "readinessProbe", "0") != 0
     assert run_probe(container, "livenessProbe", "0") != 0
     assert run_probe(container, "readinessProbe", "3") == 0  # a worker serves nothing; its process is the container
+
+
+@pytest.mark.parametrize("values, backend", [({}, "megatron"), ({"trainer": {"defaultTrainBackend": "fsdp"}}, "fsdp")])
+def test_jobs_default_to_the_megatron_backend_on_the_cluster(values, backend, monkeypatch):
+    from services.common.config import load_config
+    from services.trainer.config import TrainerConfig
+    from services.trainer.spec_defaults import spec_defaults, spec_parser
+
+    env = {e["name"]: e.get("value") for e in trainer_container(values)["env"]}
+    assert env["PHYSARUM_TRAINER_DEFAULT_TRAIN_BACKEND"] == backend
+    monkeypatch.setenv("PHYSARUM_TRAINER_DEFAULT_TRAIN_BACKEND", backend)
+    parse = spec_parser(spec_defaults(load_config(TrainerConfig, "trainer", argv=[])))
+    spec = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 1, "rollout_batch_size": 2}
+    assert parse(spec).train_backend == backend

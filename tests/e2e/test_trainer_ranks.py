@@ -1,6 +1,7 @@
 """End to end on a stack of its own with two trainer ranks (FSDP2 over gloo): the demo job from the CLI, a job
 killed with SIGKILL after a checkpoint and resumed with `load` on exactly the prompts of a never-stopped job, and
-rollouts dumped without training, then replayed through training without engines."""
+rollouts dumped without training, then replayed through training without engines. Then the same two ranks as one
+Megatron TP=2 group: the engines get weights converted from Megatron, and a job resumes from its dist-checkpoint."""
 
 from __future__ import annotations
 
@@ -136,3 +137,45 @@ def test_rollouts_dumped_without_training_replay_through_training_without_engine
     (metrics,) = [e["metrics"] for e in events if e["metrics"]]
     assert metrics["rollout/reward_mean"] == pytest.approx(sum(s.reward for s in samples) / 4)
     assert "train/loss" in metrics and "perf/update_weights_seconds" not in metrics  # no engines were involved
+
+
+def test_a_megatron_tp2_job_feeds_the_engines_converted_weights_and_resumes_from_its_checkpoint(
+        ranks_stack, tiny_model_dir, addition_task, tmp_path):
+    train_path, _ = addition_task
+    save = tmp_path / "ckpt"
+    spec = job_spec(tiny_model_dir, train_path, "megatron-tp2", num_rollout=3, train_backend="megatron",
+                    tensor_model_parallel_size=2, use_kl_loss=True, kl_loss_coef=0.01, ref_update_interval=2,
+                    save=str(save), save_hf=str(tmp_path / "hf"),
+                    megatron={"attention_dropout": 0.0, "hidden_dropout": 0.0, "bucket_size": 1 << 20})
+    job, events = run(ranks_stack, spec)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
+    assert len(steps) == 3
+    # the engines started from the trainer's first push (HF -> Megatron -> HF) and sampled the log-probs that
+    # Megatron's TP=2 forward recomputes
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
+    assert steps[0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the reference is the initial policy
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    with RolloutClient(ranks_stack["rollout_addr"]) as rollout:
+        engines, _ = rollout.list_engines()
+    for engine in engines:
+        with SGLangClient(engine.url) as client:
+            assert client.model_info()["weight_version"] == "3"
+            for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+                         "model.embed_tokens.weight"):
+                got = client.get_weights_by_name(name, truncate_size=64)
+                assert got == pytest.approx(exported[name].flatten()[:64].tolist(), abs=1e-7), name
+    assert sorted(p.name for p in checkpoint.iteration_dir(save, 2).iterdir()) == [
+        "mcore", "rng_rank0.pt", "rng_rank1.pt", "trainer_state.json"]
+
+    # one more rollout from the checkpoint, with its policy as the reference model too (ref_load)
+    resumed, events = run(ranks_stack, {**spec, "job_id": "megatron-tp2-resumed", "num_rollout": 4,
+                                        "load": str(save), "ref_load": str(save), "save_hf": ""})
+    assert resumed["state"] == "SUCCEEDED", resumed["error"]
+    trained = [e for e in events if "train/loss" in e["metrics"]]
+    assert [e["rollout_id"] for e in trained] == [3]
+    assert any("at rollout 3" in e["message"] for e in events)
+
+    # a misspelt Megatron flag fails the job on every rank, naming it, and the ranks take the next job
+    bad, _ = run(ranks_stack, {**spec, "job_id": "megatron-bad-flag", "megatron": {"attention_dropuot": 0.1}})
+    assert bad["state"] == "FAILED" and "megatron.attention_dropuot: not a field" in bad["error"], bad

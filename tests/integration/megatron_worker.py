@@ -1,5 +1,6 @@
-"""Two gloo ranks for test_megatron_parity: bench/megatron_parity's HF parity scenarios, then the first GRPO steps
-of MegatronBackend at TP=1 (DP=2), TP=2 and PP=2 on one fixed synthetic rollout, and SFT steps at TP=2.
+"""Two gloo ranks for test_megatron_parity: bench/megatron_parity's HF parity scenarios, then the first ten GRPO
+steps of MegatronBackend (five fixed synthetic rollouts of two steps) at TP=1 (DP=2), TP=2 and PP=2, each with a
+checkpoint after rollout 2 that a fresh backend resumes from, and SFT steps at TP=2.
 
 Run: python -m tests.integration.megatron_worker MODEL_DIR OUT_DIR  (writes OUT_DIR/results.json)
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import torch
 from bench.megatron_parity import LAYOUTS, build_tiny_qwen3, parity_scenario, spawn
 from services.common.samples import Sample
 
+NUM_ROLLOUTS, CKPT_ROLLOUT = 5, 2  # 5 rollouts × 2 steps; the checkpoint after rollout 2 is resumed from
+GRPO_LAYOUTS = ((1, 1, True), (2, 1, True), (1, 2, False))  # (tp, pp, use_distributed_optimizer) on a world of 2
 GRPO_CONFIG = {"n_samples_per_prompt": 2, "global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-3,
                "use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01, "use_tis": True}
 
@@ -25,47 +29,98 @@ SFT_LOSSES = {"sft": {"loss_type": "sft_loss"},
               "custom": {"loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.mean_nll"}}
 
 
-def grpo_rollout(vocab_size: int, pad_token_id: int) -> list[Sample]:
-    """8 samples (4 prompts × 2) with fixed tokens, rewards, engine log-probs and one masked token.
+def grpo_rollout(vocab_size: int, pad_token_id: int, rollout_id: int = 0) -> list[Sample]:
+    """8 samples (4 prompts × 2) with fixed tokens, rewards, engine log-probs and one masked token; each rollout id
+    its own.
 
     No input is the pad token: HF embeddings never train the pad row (nn.Embedding padding_idx), Megatron's do.
     """
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(7 + rollout_id)
     samples = []
     for i in range(8):
-        prompt_len, response_len = 3 + i % 3, 2 + (i * 5) % 4
+        prompt_len, response_len = 3 + (i + rollout_id) % 3, 2 + (i * 5 + rollout_id) % 4
         tokens = torch.randint(0, vocab_size - 1, (prompt_len + response_len,), generator=gen)
         tokens = (tokens + (tokens >= pad_token_id).long()).tolist()
         log_probs = (-0.5 - torch.rand(response_len, generator=gen) * 3).tolist()
-        samples.append(Sample(tokens=tokens, response_length=response_len, reward=float(i % 3 == 0),
+        samples.append(Sample(tokens=tokens, response_length=response_len, reward=float((i + rollout_id) % 3 == 0),
                               rollout_log_probs=log_probs))
     samples[3].loss_mask = [1, 0] + [1] * (samples[3].response_length - 2)
     return samples
 
 
-def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int) -> dict:
+def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distributed_optimizer: bool) -> dict:
+    """Ten GRPO steps (checkpointed after rollout CKPT_ROLLOUT), the HF export, a reference update and an HF reload;
+    then a fresh backend resumes from the checkpoint and trains the last rollouts again, and takes the checkpoint's
+    policy as its reference model (ref_load)."""
     import torch.distributed as dist
 
+    from services.trainer import checkpoint
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.parallel import World
 
-    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
-                              pipeline_model_parallel_size=pp)
-    samples = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id)
+    world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
+    name = f"grpo-tp{tp}-pp{pp}"
+    ckpt_root = out_dir / name / "ckpt"
+
+    def build() -> MegatronBackend:
+        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp, use_distributed_optimizer=distributed_optimizer)
+
+    backend = build()
+    rollouts = [grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
+    samples = rollouts[0]
     before = backend.compute_log_probs(samples)
-    metrics = backend.train_rollout(samples)
+    metrics, save_seconds = [], 0.0
+    for rollout_id, rollout in enumerate(rollouts):
+        metrics += backend.train_rollout(rollout)
+        if rollout_id == CKPT_ROLLOUT:
+            start = time.monotonic()
+            checkpoint.save_checkpoint(ckpt_root, rollout_id, backend, world, lambda: checkpoint.TrainerState(
+                rollout_id=CKPT_ROLLOUT, job_id=name, world_size=world.world_size))
+            save_seconds = time.monotonic() - start
+            at_checkpoint = backend.compute_log_probs(samples)
     after = backend.compute_log_probs(samples)
-    save_dir = out_dir / f"grpo-tp{tp}-pp{pp}"
+    save_dir = out_dir / name / "hf"
     backend.save_hf(save_dir)
     backend.update_ref_model()
     kl_after_ref_update = backend.train_rollout(samples)[0]["train/kl_loss"]
     backend.load(model_dir)
     reloaded = backend.compute_log_probs(samples)
     backend.close()
+
+    resumed = build()
+    state = checkpoint.load_checkpoint(ckpt_root, resumed, world)
+    resumed_version = resumed.weight_version
+    resumed_metrics = [m for rollout in rollouts[state.rollout_id + 1:] for m in resumed.train_rollout(rollout)]
+    resumed_after = resumed.compute_log_probs(samples)
+    resumed_weights = dict(resumed.named_weights())
+    checkpoint.load_reference(ckpt_root, resumed, world)
+    ref_log_probs = _ref_log_probs(resumed, samples)
+    resumed.close()
     if dist.get_rank() != 0:
         return {}
+    from safetensors.torch import load_file
+
+    final = load_file(save_dir / "model.safetensors")
     return {"tp": tp, "pp": pp, "metrics": metrics, "log_probs_before": before, "log_probs_after": after,
-            "log_probs_reloaded": reloaded, "kl_after_ref_update": kl_after_ref_update, "save_dir": str(save_dir)}
+            "log_probs_reloaded": reloaded, "kl_after_ref_update": kl_after_ref_update, "save_dir": str(save_dir),
+            "save_seconds": save_seconds,
+            "checkpoint_files": sorted(p.name for p in checkpoint.iteration_dir(ckpt_root, CKPT_ROLLOUT).iterdir()),
+            "resumed_rollout_id": state.rollout_id, "resumed_version": resumed_version,
+            "resumed_metrics": resumed_metrics, "resumed_log_probs_after": resumed_after,
+            "resumed_max_weight_diff": max((resumed_weights[k] - final[k]).abs().max().item() for k in final),
+            "log_probs_at_checkpoint": at_checkpoint, "ref_loaded_log_probs": ref_log_probs}
+
+
+def _ref_log_probs(backend, samples: list[Sample]) -> list[list[float]]:
+    """The reference model's log-probs of `samples` (the backend's own recompute, run on its ref_model)."""
+    from services.trainer.batch import build_rollout_batch
+
+    batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
+    micro = backend._micro_batches(batch, list(range(batch.size)), training=False)
+    log_probs = backend._log_probs(backend.ref_model, batch, micro)
+    return [log_probs[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
 
 def sft_scenario(model_dir: Path, *, tp: int, pp: int, loss: str) -> list[dict]:
@@ -84,7 +139,8 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path, parity_dirs:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     parity = [parity_scenario(d, tp=tp, pp=pp) for d in parity_dirs for tp, pp in LAYOUTS]
-    grpo = [grpo_scenario(model_dir, out_dir, tp=tp, pp=pp) for tp, pp in LAYOUTS]
+    grpo = [grpo_scenario(model_dir, out_dir, tp=tp, pp=pp, distributed_optimizer=distributed)
+            for tp, pp, distributed in GRPO_LAYOUTS]
     sft = {loss: sft_scenario(model_dir, tp=2, pp=1, loss=loss) for loss in SFT_LOSSES}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps({"parity": parity, "grpo": grpo, "sft_tp2": sft}))

@@ -1,6 +1,7 @@
-"""MegatronBackend on 2 gloo processes: HF parity at TP=1/TP=2/PP=2, and the first GRPO steps against TorchBackend.
+"""MegatronBackend on 2 gloo processes: HF parity at TP=1/TP=2/PP=2, the first ten GRPO steps across layouts and
+against TorchBackend on the same data, and an exact resume from a dist-checkpoint.
 
-One launch of tests/integration/megatron_worker.py (2 ranks, ~20 s) serves every test here.
+One launch of tests/integration/megatron_worker.py (2 ranks) serves every test here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from bench.megatron_parity import summary_line
 from services.trainer.backends.base import TrainConfig
-from tests.integration.megatron_worker import GRPO_CONFIG, SFT_CONFIG, grpo_rollout
+from tests.integration.megatron_worker import CKPT_ROLLOUT, GRPO_CONFIG, NUM_ROLLOUTS, SFT_CONFIG, grpo_rollout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,9 +46,10 @@ def torch_reference(tiny_model_dir) -> dict:
     from services.trainer.backends.fsdp import TorchBackend
 
     backend = TorchBackend(tiny_model_dir, TrainConfig(**GRPO_CONFIG), num_threads=1)
-    samples = grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id)
+    rollouts = [grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
+    samples = rollouts[0]
     before = backend.compute_log_probs(samples)
-    metrics = backend.train_rollout(samples)
+    metrics = [m for rollout in rollouts for m in backend.train_rollout(rollout)]
     return {"metrics": metrics, "log_probs_before": before, "log_probs_after": backend.compute_log_probs(samples),
             "weights": dict(backend.named_weights())}
 
@@ -65,8 +67,8 @@ def test_megatron_matches_hf_logits_log_probs_and_weights(results):
     assert match and float(match[1]) <= 1e-5 and float(match[2]) <= 1e-5 and match[3] == "true"
 
 
-def assert_same_metrics(got: list[dict], want: list[dict], what: str) -> None:
-    assert len(got) == len(want) == 2, what
+def assert_same_metrics(got: list[dict], want: list[dict], what: str, steps: int = 2 * NUM_ROLLOUTS) -> None:
+    assert len(got) == len(want) == steps, what
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.keys() == w.keys(), (what, step)
         for key in w:
@@ -77,13 +79,16 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
 
 
-def test_first_grpo_steps_match_across_layouts(results):
+def test_first_ten_grpo_steps_match_across_layouts(results):
     base, *others = results["grpo"]
     assert (base["tp"], base["pp"]) == (1, 1)
-    step1, step2 = base["metrics"]
+    step1, step2 = base["metrics"][:2]
     # the second step sees the policy the first one moved, and every loss term is live
     assert step1["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6) and abs(step2["train/ppo_kl"]) > 1e-4
     assert step1["train/pg_loss"] != 0.0 and step1["train/grad_norm"] > 0 and "train/tis" in step1
+    losses = [m["train/loss"] for m in base["metrics"]]
+    assert len(set(losses)) == len(losses)  # ten distinct steps, not one repeated
+    assert {(r["tp"], r["pp"]) for r in others} == {(2, 1), (1, 2)}
     for other in others:
         what = f"tp{other['tp']} pp{other['pp']} vs tp1 (dp2)"
         assert_same_metrics(other["metrics"], base["metrics"], what)
@@ -95,7 +100,7 @@ def test_first_grpo_steps_match_across_layouts(results):
         assert max_diff(run["log_probs_after"], run["log_probs_before"]) > 1e-3
 
 
-def test_first_grpo_steps_match_torch_backend(results, torch_reference):
+def test_first_ten_grpo_steps_match_torch_backend(results, torch_reference):
     from safetensors.torch import load_file
 
     for run in results["grpo"]:
@@ -111,13 +116,29 @@ def test_first_grpo_steps_match_torch_backend(results, torch_reference):
     assert (Path(results["grpo"][0]["save_dir"]) / "tokenizer.json").is_file()
 
 
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_as_if_never_stopped(results):
+    for run in results["grpo"]:
+        what = f"tp{run['tp']} pp{run['pp']}"
+        assert run["checkpoint_files"] == ["mcore", "rng_rank0.pt", "rng_rank1.pt", "trainer_state.json"], what
+        assert (run["resumed_rollout_id"], run["resumed_version"]) == (CKPT_ROLLOUT, CKPT_ROLLOUT + 1), what
+        # the steps after the checkpoint, and the weights they end with: the same as the run that never stopped
+        never_stopped = run["metrics"][2 * (CKPT_ROLLOUT + 1):]
+        assert_same_metrics(run["resumed_metrics"], never_stopped, what, steps=2 * (NUM_ROLLOUTS - CKPT_ROLLOUT - 1))
+        for got, want in zip(run["resumed_metrics"], never_stopped, strict=True):
+            assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-6), what
+        assert max_diff(run["resumed_log_probs_after"], run["log_probs_after"]) < 1e-6, what
+        assert run["resumed_max_weight_diff"] < 1e-6, what
+        # ref_load of a checkpoint root: its policy becomes the reference model
+        assert max_diff(run["ref_loaded_log_probs"], run["log_probs_at_checkpoint"]) < 1e-6, what
+
+
 def test_sft_and_custom_loss_at_tp2_match_torch_backend(results, tiny_model_dir):
     from services.trainer.backends.fsdp import TorchBackend
 
     backend = TorchBackend(tiny_model_dir, TrainConfig(**SFT_CONFIG, loss_type="sft_loss"), num_threads=1)
     want = backend.train_rollout(grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id))
     sft, custom = results["sft_tp2"]["sft"], results["sft_tp2"]["custom"]
-    assert_same_metrics(sft, want, "sft tp2 vs TorchBackend")
+    assert_same_metrics(sft, want, "sft tp2 vs TorchBackend", steps=2)
     for got, ref in zip(custom, want, strict=True):  # the same masked mean NLL through logits gathered over TP
         for key in ("train/loss", "train/grad_norm"):
             assert got[key] == pytest.approx(ref[key], abs=2e-5, rel=1e-4), key

@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from services.common.samples import Sample
 from services.trainer import optim, rl_step
 from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends.base import TrainConfig, load_custom_loss
+from services.trainer.backends.megatron import args as margs
 from services.trainer.backends.megatron import convert, cpu_compat, hf_io
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
@@ -32,6 +34,9 @@ from services.trainer.schedule import MicroBatch, first_fit
 
 log = logging.getLogger(__name__)
 
+# Megatron-LM's default layout of the distributed optimizer's state: each rank's buffers as they are (no gather);
+# a load may change the data-parallel size only.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 LossFn = Callable[[MicroBatch, RolloutBatch, torch.Tensor], torch.Tensor]  # (rows, micro-batch, logits) -> loss
 
 
@@ -40,11 +45,11 @@ class MegatronBackend:
 
     Joins the default process group that is already there (the trainer's `parallel.World`, passed as `world` and
     otherwise unused) or forms one from torchrun's env (a world of one without it); every rank gets the whole
-    rollout."""
+    rollout. `megatron_args` is the job spec's `megatron:` section (Megatron's config fields, `args.split`)."""
 
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
-                 num_threads: int | None = None, world=None) -> None:
+                 megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -53,6 +58,7 @@ class MegatronBackend:
                                   "backend does not train; use train_backend fsdp")
         self.model_path = Path(model_path)
         self.config = config
+        self.megatron_args = margs.split(megatron_args)
         if num_threads:
             torch.set_num_threads(num_threads)
         hf_config = hf_io.read_config(self.model_path)
@@ -75,10 +81,11 @@ class MegatronBackend:
         gpt = self._build_gpt()
         self._copy_hf_weights(gpt, hf)
         model_config = gpt.config
-        self.model = mcore.wrap_ddp(gpt, model_config, use_distributed_optimizer=use_distributed_optimizer)
+        self.model = mcore.wrap_ddp(gpt, model_config, use_distributed_optimizer=use_distributed_optimizer,
+                                    overrides=self.megatron_args.ddp)
         model_config.no_sync_func = self.model.no_sync
         model_config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = mcore.build_optimizer(config, self.model, use_distributed_optimizer=use_distributed_optimizer)
+        self.optimizer = self._build_optimizer()
         self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
         self.ref_model = None
         if config.needs_ref_model:
@@ -101,8 +108,14 @@ class MegatronBackend:
         return self.model.module
 
     def _build_gpt(self):
-        config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size)
-        return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()  # eval: no dropout anywhere
+        config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size,
+                                          overrides=self.megatron_args.transformer)
+        # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
+        return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()
+
+    def _build_optimizer(self):
+        return mcore.build_optimizer(self.config, self.model, use_distributed_optimizer=self.use_distributed_optimizer,
+                                     overrides=self.megatron_args.optimizer)
 
     def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
         state = convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -119,8 +132,7 @@ class MegatronBackend:
         if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
             raise InvalidArgument(f"model {path}: architecture {arch} differs from the policy's {self.arch}")
         self._copy_hf_weights(self.gpt, hf_io.HFTensors(path))
-        self.optimizer = mcore.build_optimizer(self.config, self.model,
-                                               use_distributed_optimizer=self.use_distributed_optimizer)
+        self.optimizer = self._build_optimizer()
         self._num_steps = 0
 
     def load_ref(self, path: str | Path) -> None:
@@ -292,7 +304,11 @@ class MegatronBackend:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(self.model, batch, micro_batches, step_loss, forward_only=False)
+        self.model.train(self.megatron_args.dropout)
+        try:
+            self._run(self.model, batch, micro_batches, step_loss, forward_only=False)
+        finally:
+            self.model.eval()
         grad_norm, lr = self._optimizer_step(rows)
         return {**{f"train/{key}": value for key, value in self._sum_metrics(totals).items()},
                 "train/grad_norm": grad_norm, "train/lr": lr}
@@ -327,6 +343,99 @@ class MegatronBackend:
                 summed[key] = summed.get(key, 0.0) + float(value)
         return summed
 
+    # -- checkpoints: megatron-core dist-checkpointing (each rank writes its shards of global tensors: the models
+    # load into another TP/PP/DP layout, the distributed optimizer's state into another DP size only)
+
+    checkpoint_format = "mcore"  # checkpoint.py: the directory of this backend's state inside iter_N/
+
+    def checkpoint_parts(self) -> set[str]:
+        """What a checkpoint of this backend holds: model and optim (the policy and its optimizer), ref_model."""
+        return {"model", "optim"} | ({"ref_model"} if self.ref_model is not None else set())
+
+    def _sharded_state_dict(self, parts: set[str], *, loading: bool) -> dict[str, Any]:
+        model = self.gpt.sharded_state_dict(prefix="model.")
+        state: dict[str, Any] = {"model": model} if "model" in parts else {}
+        if "optim" in parts:
+            self._init_optimizer_state()
+            with cpu_compat.cuda_to_cpu():
+                state["optim"] = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIM_METADATA)
+        if "ref_model" in parts:
+            state["ref_model"] = self.ref_model.sharded_state_dict(prefix="ref_model.")
+        return state
+
+    def _init_optimizer_state(self) -> None:
+        """Allocate a fresh torch Adam's state as it would itself (step 0, zero moments; its next update is a
+        fresh Adam's): Megatron's state dict reads the step count off that state, which torch creates only at the
+        first step (TE's and Apex's Adam keep it elsewhere)."""
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = optimizer.optimizer
+            if not isinstance(inner, torch.optim.Adam):
+                continue
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    if not inner.state[param]:
+                        inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                                  exp_avg_sq=torch.zeros_like(param))
+
+    def _set_adam_steps(self, num_steps: int) -> None:
+        """Each parameter's Adam step count (its bias correction), one tensor each. megatron-core 0.16 restores it
+        wrongly for torch's Adam: the distributed optimizer overwrites the loaded count with the fresh one (it
+        keeps it out of the checkpoint's tensors) and shares one tensor among all parameters (incremented once
+        per parameter per step). Every optimizer step of this backend steps every parameter, so each count is
+        the backend's step count."""
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = optimizer.optimizer
+            if isinstance(inner, torch.optim.Adam):
+                for state in inner.state.values():
+                    state["step"] = torch.tensor(float(num_steps))
+
+    def save_sharded(self, path: str | Path) -> None:
+        """Collective: write the checkpoint's parts, the lr schedule's step count and the weight version."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        parts = self.checkpoint_parts()
+        state = {**self._sharded_state_dict(parts, loading=False), "parts": sorted(parts),
+                 "num_steps": self._num_steps, "weight_version": self._weight_version}
+        with cpu_compat.cuda_to_cpu():
+            dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy())
+
+    def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]:
+        """Collective: load the parts of a checkpoint (default: all that both it and this backend have); returns
+        the parts loaded. The others keep their current values."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        saved = set(dist_checkpointing.load_common_state_dict(str(path))["parts"])
+        wanted = self.checkpoint_parts() & saved & (parts if parts is not None else saved)
+        if "optim" in wanted and "model" not in wanted:
+            raise InvalidArgument(f"checkpoint {path}: an optimizer loads only with its model")
+        with cpu_compat.cuda_to_cpu():
+            loaded = dist_checkpointing.load(self._sharded_state_dict(wanted, loading=True), str(path))
+        if "model" in wanted:
+            self.gpt.load_state_dict(_strip(loaded["model"], "model."))
+        if "optim" in wanted:
+            with torch.no_grad(), cpu_compat.cuda_to_cpu():  # the main params are views of the model's
+                self.optimizer.load_state_dict(loaded["optim"])
+            self._num_steps = int(loaded["num_steps"])
+            self._set_adam_steps(self._num_steps)
+        if "ref_model" in wanted:
+            self.ref_model.load_state_dict(_strip(loaded["ref_model"], "ref_model."))
+        if parts is None:
+            self._weight_version = int(loaded["weight_version"])
+        return wanted
+
+    def load_ref_sharded(self, path: str | Path) -> None:
+        """Collective: the policy of a checkpoint as the reference model (slime's --ref-load of a checkpoint)."""
+        from megatron.core import dist_checkpointing
+
+        if self.ref_model is None:
+            raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
+        with cpu_compat.cuda_to_cpu():
+            loaded = dist_checkpointing.load({"model": self.ref_model.sharded_state_dict(prefix="model.")}, str(path))
+        self.ref_model.load_state_dict(_strip(loaded["model"], "model."))
+
     # -- weights out
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -354,3 +463,30 @@ class MegatronBackend:
 def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor):
     """Megatron's loss_func contract: (loss, reported); the schedule divides the loss by num_microbatches."""
     return loss_fn(rows, mb, logits), {}
+
+
+def _strip(state: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A loaded sharded state dict's keys as the module's own state-dict keys."""
+    return {key.removeprefix(prefix): value for key, value in state.items()}
+
+
+def _save_strategy():
+    """Megatron's torch_dist format (DCP files plus metadata.json), written synchronously by this process: its own
+    strategy forks writer processes and spawns a queue manager, which a trainer serving gRPC must not do."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(mcore_to_pyt_state_dict(state, False),
+                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                              flatten_state_dict=False))
+
+    return SyncTorchDistSave("torch_dist", 1)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
 from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.megatron import cpu_compat
+from services.trainer.backends.megatron import args, cpu_compat
 from services.trainer.backends.megatron.arch import ModelArch
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,14 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int):
-    """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout."""
+def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, overrides: dict | None = None):
+    """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout;
+    then the `megatron:` section's TransformerConfig fields (`args.split`)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
-    return TransformerConfig(
+    return args.build(TransformerConfig, "TransformerConfig", dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
         kv_channels=arch.head_dim, normalization="RMSNorm", layernorm_epsilon=arch.norm_epsilon,
@@ -80,7 +81,7 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int):
         moe_token_dispatcher_type="alltoall",  # dense model; the default rejects variable_seq_lengths
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False), overrides or {})
 
 
 def build_gpt(arch: ModelArch, config, *, use_te: bool):
@@ -108,24 +109,27 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
     return model.cuda() if torch.cuda.is_available() else model
 
 
-def wrap_ddp(model, config, *, use_distributed_optimizer: bool):
+def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict | None = None):
     """Megatron DDP: grads in contiguous fp32 buffers, averaged over DP once per step (the loss undoes the mean)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=use_distributed_optimizer)
+    ddp_config = args.build(DistributedDataParallelConfig, "DistributedDataParallelConfig", dict(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer),
+        overrides or {})
     with cpu_compat.cuda_to_cpu():
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
-def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_optimizer: bool):
-    """Megatron's Adam (decoupled weight decay, no decay on biases and norms), a constant lr, global-norm clip."""
+def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_optimizer: bool,
+                    overrides: dict | None = None):
+    """Megatron's Adam (decoupled weight decay, no decay on biases and norms), a constant lr (the backend sets each
+    step's), global-norm clip; then the `megatron:` section's OptimizerConfig fields."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = train_config
-    opt_config = OptimizerConfig(
+    opt_config = args.build(OptimizerConfig, "OptimizerConfig", dict(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
         adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=torch.float32,
-        use_distributed_optimizer=use_distributed_optimizer)
+        use_distributed_optimizer=use_distributed_optimizer), overrides or {})
     with cpu_compat.cuda_to_cpu():
         return get_megatron_optimizer(opt_config, [ddp_model])

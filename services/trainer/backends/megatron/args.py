@@ -1,0 +1,85 @@
+"""A job spec's `megatron:` section: Megatron's own flags, by their config field names, passed through unchanged.
+
+slime hands Megatron's flags on as they are; here each key names a field of megatron-core's TransformerConfig,
+OptimizerConfig or DistributedDataParallelConfig (a key in several goes to each), e.g. `attention_dropout: 0.1` or
+`recompute_granularity: full`. Keys the backend derives itself (the architecture from the HF config, the layout and
+the optimizer from the spec's own keys) are refused, naming where they come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+_ARCH = "is read from hf_checkpoint's config.json"
+OWNED: dict[str, str] = {
+    **{name: _ARCH for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+        "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
+        "add_qkv_bias", "qk_layernorm", "rotary_base", "rope_scaling", "rope_scaling_factor")},
+    **{name: f"is the job spec's own key: set `{name}` at the top level" for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer", "lr", "min_lr",
+        "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")},
+    **{name: "is fixed: the backend trains in float32" for name in (
+        "params_dtype", "pipeline_dtype", "bf16", "fp16", "main_params_dtype", "main_grads_dtype")},
+}
+
+
+@dataclass(frozen=True)
+class MegatronArgs:
+    """The `megatron:` section cut by the config class each key belongs to."""
+
+    transformer: dict[str, Any] = field(default_factory=dict)
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    ddp: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dropout(self) -> bool:
+        """Whether training forwards must run in train mode (log-prob recomputes always run in eval mode)."""
+        return any(self.transformer.get(name, 0.0) for name in ("hidden_dropout", "attention_dropout"))
+
+
+def split(args: Mapping[str, Any] | None) -> MegatronArgs:
+    """Check every key of `args` against megatron-core's config classes and sort it into their overrides."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    classes = {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+    fields = {part: {f.name: f for f in dataclasses.fields(cls) if f.init} for part, cls in classes.items()}
+    out: dict[str, dict[str, Any]] = {part: {} for part in classes}
+    for key, value in (args or {}).items():
+        if key in OWNED:
+            raise InvalidArgument(f"megatron.{key}: {OWNED[key]}")
+        parts = [part for part in classes if key in fields[part]]
+        if not parts:
+            raise InvalidArgument(f"megatron.{key}: not a field of megatron-core's TransformerConfig, "
+                                  "OptimizerConfig or DistributedDataParallelConfig")
+        for part in parts:
+            _check_type(key, value, fields[part][key].default)
+            out[part][key] = value
+    return MegatronArgs(**out)
+
+
+def _check_type(key: str, value: Any, default: Any) -> None:
+    """A value of the kind the field's scalar default has (Megatron's configs check few types themselves)."""
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+    want = kinds.get(type(default))
+    if want and (not isinstance(value, want) or (isinstance(value, bool) and bool not in want)):
+        raise InvalidArgument(f"megatron.{key}: expected {type(default).__name__} (default {default!r}), "
+                              f"got {value!r}")
+
+
+def build(cls: Callable[..., Any], what: str, values: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    """cls(**values, **overrides); Megatron's own checks of the result come back as InvalidArgument."""
+    try:
+        return cls(**{**values, **overrides})
+    except (ValueError, AssertionError, TypeError) as err:
+        if not overrides:
+            raise
+        keys = ", ".join(f"megatron.{k}" for k in overrides)
+        raise InvalidArgument(f"{keys}: megatron-core's {what} refused them: {err}") from err

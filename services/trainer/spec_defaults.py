@@ -1,0 +1,26 @@
+"""The trainer's defaults for submitted job specs: the deployment's choices (e.g. `train_backend: megatron` on a GPU
+cluster) filled into the keys a spec leaves out, before it is validated. A spec that sets a key keeps its value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from services.trainer.config import TrainerConfig
+from services.trainer.spec import JobSpec, parse_spec
+
+SpecParser = Callable[[Any], JobSpec]
+
+
+def spec_defaults(config: TrainerConfig) -> dict[str, Any]:
+    """The spec keys this trainer fills in when a submitted spec lacks them."""
+    return {"train_backend": config.default_train_backend}
+
+
+def spec_parser(defaults: dict[str, Any]) -> SpecParser:
+    """parse_spec after filling in `defaults` (a spec that is not a mapping is parse_spec's to refuse)."""
+
+    def parse(data: Any) -> JobSpec:
+        return parse_spec({**defaults, **data} if isinstance(data, dict) else data)
+
+    return parse

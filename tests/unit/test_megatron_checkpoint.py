@@ -1,0 +1,70 @@
+"""checkpoint.py with a backend of its own sharded format (Megatron's dist-checkpointing): where its state goes, what
+a load asks of it, and a checkpoint of the other format refused. (The real save/resume runs in
+tests/integration/test_megatron_parity.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.trainer import checkpoint
+from services.trainer.parallel import World
+
+
+class FakeSharded:
+    """Records what checkpoint.py asks of a ShardedCheckpointable; its state is one file per part."""
+
+    checkpoint_format = "mcore"
+
+    def __init__(self, parts=("model", "optim", "ref_model")) -> None:
+        self.parts = set(parts)
+        self.calls: list[tuple] = []
+
+    def checkpoint_parts(self) -> set[str]:
+        return set(self.parts)
+
+    def save_sharded(self, path) -> None:
+        path.mkdir(parents=True)
+        for part in self.parts:
+            (path / part).write_text(part)
+        self.calls.append(("save", path))
+
+    def load_sharded(self, path, parts=None) -> set[str]:
+        saved = {p.name for p in path.iterdir()}
+        loaded = self.parts & saved & (parts if parts is not None else saved)
+        self.calls.append(("load", path, parts, loaded))
+        return loaded
+
+    def load_ref_sharded(self, path) -> None:
+        self.calls.append(("load_ref", path))
+
+
+def state(rollout_id: int) -> checkpoint.TrainerState:
+    return checkpoint.TrainerState(rollout_id=rollout_id, job_id="j", world_size=1)
+
+
+def test_a_sharded_backend_writes_and_reads_its_own_directory(tmp_path, caplog):
+    saver = FakeSharded(parts=("model", "optim"))
+    path = checkpoint.save_checkpoint(tmp_path, 3, saver, World(), lambda: state(3))
+    assert saver.calls == [("save", path / "mcore")]
+    assert sorted(p.name for p in path.iterdir()) == ["mcore", "rng_rank0.pt", "trainer_state.json"]
+    assert checkpoint.latest_iteration(tmp_path) == 3
+
+    loader = FakeSharded()  # has a reference model the checkpoint lacks: it keeps its own
+    assert checkpoint.load_checkpoint(tmp_path, loader, World()).rollout_id == 3
+    assert loader.calls == [("load", path / "mcore", None, {"model", "optim"})]
+    assert "has no ref_model; keeping the current ones" in caplog.text
+    checkpoint.load_reference(tmp_path, loader, World())
+    assert loader.calls[-1] == ("load_ref", path / "mcore")
+
+
+def test_a_checkpoint_of_the_other_format_is_refused_by_name(tmp_path):
+    iteration = checkpoint.iteration_dir(tmp_path, 0)
+    (iteration / "dcp").mkdir(parents=True)
+    (iteration / checkpoint.STATE_FILE).write_text('{"rollout_id": 0, "job_id": "j", "world_size": 1}')
+    (tmp_path / checkpoint.LATEST_FILE).write_text("0\n")
+    with pytest.raises(InvalidArgument, match=r"holds dcp/, written by another train_backend; this job's backend "
+                                              r"reads mcore/"):
+        checkpoint.load_checkpoint(tmp_path, FakeSharded(), World())
+    with pytest.raises(InvalidArgument, match="written by another train_backend"):
+        checkpoint.load_reference(tmp_path, FakeSharded(), World())
