@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test chart-test unit lint proto redis-server clean
+.PHONY: setup demo demo-megatron test chart-test unit lint proto redis-server clean
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -23,6 +23,9 @@ setup: $(STAMP) redis-server
 
 demo: setup
 	$(BIN)/python -m physarum.demo
+
+demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes
+	$(BIN)/python -m physarum.demo --train-backend megatron
 
 test: setup chart-test
 	$(BIN)/python -m pytest -q -ra --ignore=tests/chart

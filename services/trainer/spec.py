@@ -243,6 +243,9 @@ class JobSpec(BaseModel):
         if self.train_backend != "megatron" and (parallel > 1 or self.megatron):
             raise ValueError("tensor_model_parallel_size, pipeline_model_parallel_size and megatron need "
                              "train_backend: megatron")
+        if self.train_backend == "megatron" and self.advantage_estimator == "ppo":
+            raise ValueError("advantage_estimator ppo trains a critic, which train_backend megatron does not; set "
+                             "train_backend: fsdp")
         return self
 
 

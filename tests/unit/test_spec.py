@@ -57,6 +57,7 @@ def test_unknown_key_is_named_with_a_suggestion():
     ({"max_inflight_groups": 2}, r"max_inflight_groups \(2\) must be >= rollout_batch_size \(4\)"),
     ({"mode": "one_step_async", "debug_rollout_only": True}, "mode one_step_async needs engines and a trainer"),
     ({"tensor_model_parallel_size": 2}, "need train_backend: megatron"),
+    ({"train_backend": "megatron", "advantage_estimator": "ppo"}, "set train_backend: fsdp"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(InvalidArgument, match=message):
