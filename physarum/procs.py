@@ -123,14 +123,15 @@ def start_redis(work_dir: Path, port: int | None = None, appendonly: bool = True
             "--appendonly", "yes" if appendonly else "no", "--appendfsync", appendfsync, "--protected-mode", "yes",
             "--set-proc-title", "no"]  # keep argv in /proc/PID/cmdline, so owns_pid() lets stop() signal it
     proc = ManagedProcess("redis", argv, work_dir / "redis.log").start()
-
-    def answers() -> bool:
-        try:
-            with socket.create_connection((HOST, port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    proc.wait_ready(answers, timeout_s=15)
+    proc.wait_ready(lambda: redis_answers(HOST, port), timeout_s=15)
     return proc, f"redis://{HOST}:{port}/0"
+
+
+def redis_answers(host: str, port: int) -> bool:
+    """Redis at host:port answers PING (not -LOADING, as while it replays its AOF)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from physarum.procs import HOST, ManagedProcess, cmdline_of, free_port, python_module, start_redis
+from physarum.procs import HOST, ManagedProcess, cmdline_of, free_port, python_module, redis_answers, start_redis
 
 log = logging.getLogger(__name__)
 
@@ -207,3 +207,46 @@ def _stop(entry: dict, grace_s: float) -> bool:
     if _owned(entry):
         os.kill(entry["pid"], signal.SIGKILL)
     return True
+
+
+def _redis_ready(url: str):
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    return lambda: redis_answers(parsed.hostname, parsed.port)
+
+
+def _ready_check(state: dict, name: str):
+    """How to tell that the recorded process `name` serves again (one that serves nothing: it runs)."""
+    checks = {"redis": lambda: _redis_ready(state["redis_url"]),
+              "sglang-router": lambda: _http_ready(f"{state['router_url']}/liveness"),
+              "buffer": lambda: _grpc_ready(state["buffer_addr"]), "reward": lambda: _grpc_ready(state["reward_addr"]),
+              "rollout": lambda: _grpc_ready(state["rollout_addr"])}
+    return checks[name]() if name in checks else (lambda: True)
+
+
+def restart(work_dir: Path = DEFAULT_WORK_DIR, name: str = "", start_timeout_s: float = 180.0) -> dict:
+    """Start the recorded process `name` again with its command line and environment (same ports, same Redis
+    directory, whose AOF it replays) after a crash; one still running is stopped first. Records the new PID and
+    start time so `down` stops it; returns its new entry. The trainer's ranks restart together (restart_trainer)."""
+    state = read_state(work_dir)
+    if state is None:
+        raise ValueError(f"restart: no stack in {work_dir}")
+    entry = next((e for e in state["processes"] if e["name"] == name), None)
+    if entry is None:
+        raise ValueError(f"restart: {work_dir}/{STATE_FILE} records no process {name!r} (it has "
+                         f"{', '.join(e['name'] for e in state['processes'])})")
+    if _is_trainer(entry):
+        state = restart_trainer(work_dir, start_timeout_s)
+        return next(e for e in state["processes"] if e["name"] == name)
+    _stop(entry, grace_s=10.0)
+    proc = ManagedProcess(name, entry["argv"], Path(entry["log"]), env=entry.get("env", {})).start()
+    try:
+        proc.wait_ready(_ready_check(state, name), timeout_s=start_timeout_s)
+    except BaseException:
+        proc.stop()
+        raise
+    new = _entry(proc)
+    state["processes"] = [new if e["name"] == name else e for e in state["processes"]]
+    (Path(work_dir) / STATE_FILE).write_text(json.dumps(state, indent=2))
+    return new

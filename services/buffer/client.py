@@ -100,10 +100,11 @@ class BufferClient(GrpcClient):
                            already_loaded=reply.already_loaded)
 
     def lease_prompts(self, job_id: str, rollout_id: int, count: int, lease_timeout_s: float) -> list[Prompt]:
-        """Not retried: a lost reply's leases expire and their prompts are served again."""
+        """Retried like an idempotent call: a retry after a lost reply leaves that reply's leases unused, and they
+        expire (their prompts served again), so a buffer that restarts loses no prompt and stops no rollout."""
         request = buffer_pb2.LeasePromptsRequest(job_id=job_id, rollout_id=rollout_id, count=count,
                                                  lease_timeout_s=lease_timeout_s)
-        return [prompt_from_proto(p) for p in self.call(self.stub.LeasePrompts, request).prompts]
+        return [prompt_from_proto(p) for p in self.call(self.stub.LeasePrompts, request, idempotent=True).prompts]
 
     def return_prompts(self, job_id: str, lease_ids: list[str]) -> int:
         request = buffer_pb2.ReturnPromptsRequest(job_id=job_id, lease_ids=lease_ids)

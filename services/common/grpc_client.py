@@ -1,6 +1,7 @@
 """The shared shape of every gRPC client: a channel, a deadline on every call, bounded retries.
 
-Only idempotent calls retry, on UNAVAILABLE, with jittered exponential backoff; each retry is logged.
+Only idempotent calls retry, on UNAVAILABLE, with jittered exponential backoff, at least max_retries times and until
+retry_window_s has passed (a restarting peer comes back within it); each retry is logged.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from services.common.errors import from_rpc_error
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+RETRY_WINDOW_S = 30.0  # a restarted buffer or rollout manager (or Redis behind the buffer) serves again within it
+MAX_BACKOFF_S = 2.0
+# A channel that failed to connect waits before it tries again (gRPC's default backoff grows to 120 s): capped, so a
+# peer that restarted on its port is reached within a couple of seconds.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class GrpcClient:
@@ -25,12 +31,14 @@ class GrpcClient:
 
     service = "service"
 
-    def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3) -> None:
+    def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3,
+                 retry_window_s: float = RETRY_WINDOW_S) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.addr = addr
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        self.retry_window_s = retry_window_s
         self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self.metadata: tuple[tuple[str, str], ...] | None = None  # sent with every call (e.g. a bearer token)
 
@@ -38,19 +46,21 @@ class GrpcClient:
              idempotent: bool = False) -> Any:
         name = getattr(method, "_method", b"").decode() if hasattr(method, "_method") else str(method)
         what = f"{self.service} {self.addr} {name.rsplit('/', 1)[-1]}"
-        attempts = 1 + (self.max_retries if idempotent else 0)
-        for attempt in range(attempts):
+        give_up_at, attempt = None, 0
+        while True:
             try:
                 return method(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                retryable = err.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts
+                delay_s = min(MAX_BACKOFF_S, 0.1 * 2**attempt) * (0.5 + random.random())
+                attempt += 1
+                give_up_at = give_up_at or time.monotonic() + self.retry_window_s  # from the first failure
+                retryable = idempotent and err.code() == grpc.StatusCode.UNAVAILABLE and (
+                    attempt <= self.max_retries or time.monotonic() + delay_s < give_up_at)
                 if not retryable:
                     raise from_rpc_error(err, what) from None
-                delay_s = min(2.0, 0.1 * 2**attempt) * (0.5 + random.random())
-                log.warning("%s: unavailable (%s); retry %d/%d in %.2f s", what, err.details(), attempt + 1,
-                            self.max_retries, delay_s)
+                log.warning("%s: unavailable (%s); retry %d in %.2f s (for up to %.0f s)",
+                            what, err.details(), attempt, delay_s, self.retry_window_s)
                 time.sleep(delay_s)
-        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.channel.close()

@@ -307,6 +307,11 @@ class RolloutManager:
         run.num_dropped_in_a_row = 0
         if await self._write(run, prompt, samples, run.rollout_id):
             run.num_groups_done += 1
+        elif run.rollout_id != STREAM_ROLLOUT_ID:
+            # Already stored, maybe by this very write: PutGroups retried after its reply was lost (the buffer or Redis
+            # died) finds its own group. Count what the rollout holds, or it gets a group more than its batch, which
+            # no one trains and no one generates again.
+            run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
 
     async def _write(self, run: _Run, prompt: Prompt, samples: list[Sample], rollout_id: int) -> bool:
         """Store the group (acking its lease); False if it was already stored."""

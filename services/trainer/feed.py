@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.buffer.client import STREAM_ROLLOUT_ID
@@ -26,6 +27,8 @@ from services.trainer import checkpoint
 from services.trainer.jobs import JobContext
 from services.trainer.spec import JobSpec
 from services.trainer.train_config import rollout_config
+
+SNAPSHOT_PREFIX = "weight_v"  # services.trainer.weight_sync.SNAPSHOT_PREFIX (not imported: it imports torch)
 
 if TYPE_CHECKING:
     from services.trainer.loop import TrainerDeps
@@ -67,7 +70,7 @@ class RolloutFeed:
     def started(self, rollout_id: int, version: int) -> None:
         """After rollout `rollout_id` is in hand: one_step_async starts the next one, generated while this trains."""
         if self.spec.mode == "one_step_async" and rollout_id + 1 < self.spec.num_rollout:
-            self.deps.rollout.start_rollout(self.config, rollout_id + 1, str(version))
+            self._start(rollout_id + 1, version)
 
     def before_weight_update(self, rollout_id: int, version: int) -> None:
         """one_step_async: the next rollout finishes with the weights it started with (slime waits likewise)."""
@@ -88,7 +91,7 @@ class RolloutFeed:
     def _collect(self, rollout_id: int, version: int) -> list[SampleGroup]:
         """Ask the manager for rollout `rollout_id` and wait for its groups in the buffer."""
         spec, deps = self.spec, self.deps
-        deps.rollout.start_rollout(self.config, rollout_id, str(version))
+        self._start(rollout_id, version)
         return self._wait(rollout_id, rollout_id, version, lambda timeout_s: deps.buffer.get_batch(
             spec.job_id, rollout_id, spec.rollout_batch_size, timeout_s=timeout_s))
 
@@ -96,7 +99,7 @@ class RolloutFeed:
         """fully_async: make sure the stream runs, then take rollout_batch_size groups from it whose oldest token is
         at most max_weight_staleness versions behind the trainer's weights (version rollout_id)."""
         spec, deps = self.spec, self.deps
-        deps.rollout.start_rollout(self.config, STREAM_ROLLOUT_ID, str(version))
+        self._start(STREAM_ROLLOUT_ID, version)
 
         def take(timeout_s: float) -> list[SampleGroup]:
             batch = deps.buffer.take_batch(spec.job_id, rollout_id, spec.rollout_batch_size,
@@ -107,6 +110,33 @@ class RolloutFeed:
             return batch.groups
 
         return self._wait(rollout_id, STREAM_ROLLOUT_ID, version, take)
+
+    def _start(self, manager_rollout_id: int, version: int) -> None:
+        """Have the manager run `manager_rollout_id` with the engines holding `version` (the trainer's last push)."""
+        self._announce_weights(version)
+        self.deps.rollout.start_rollout(self.config, manager_rollout_id, str(version))
+
+    def _announce_weights(self, version: int) -> None:
+        """A rollout manager that restarted knows no weights: its new engines serve the base model, and in fully_async
+        every group they generate would be refused as stale while the trainer, waiting for fresh ones, never pushes
+        weights again. Tell its pool the version the trainer last pushed, with the snapshot written at that push
+        (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining (disk join)."""
+        if self.spec.debug_rollout_only:  # no push: the engines keep whatever weights they hold
+            return
+        rollout = self.deps.rollout
+        pool = rollout.pool_status()
+        if pool.weight_version == str(version):
+            return
+        snapshot = Path(pool.snapshot_dir) / f"{SNAPSHOT_PREFIX}{version}" if pool.snapshot_dir else None
+        if snapshot is None or not (snapshot / "model.safetensors").is_file():
+            log.warning("the rollout manager's pool holds weight version %r, not %d, and there is no snapshot of %d "
+                        "(join mode sync?): its engines get the trainer's weights with the next sync",
+                        pool.weight_version, version, version)
+            return
+        rollout.begin_weight_sync(str(version))
+        rollout.end_weight_sync(str(version), success=True, engine_urls=[], snapshot_path=str(snapshot))
+        log.warning("the rollout manager's pool held weight version %r, not %d (restarted?): announced %d with its "
+                    "snapshot %s", pool.weight_version, version, version, snapshot)
 
     def _wait(self, rollout_id: int, manager_rollout_id: int, version: int, fetch) -> list[SampleGroup]:
         """Poll `fetch` until it returns; between polls check the manager's run (`manager_rollout_id`): a manager
@@ -130,7 +160,7 @@ class RolloutFeed:
                                                             and manager_rollout_id == STREAM_ROLLOUT_ID):
                     log.warning("rollout manager does not run rollout %d (restarted?); starting it again",
                                 manager_rollout_id)
-                    deps.rollout.start_rollout(self.config, manager_rollout_id, str(version))
+                    self._start(manager_rollout_id, version)
             except Unavailable as err:
                 log.warning("rollout manager unavailable (%s); waiting", err)
 
