@@ -123,12 +123,12 @@ class BufferClient(GrpcClient):
         return [group_from_proto(g) for g in reply.groups]
 
     def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
-                   stale_policy: str = "regenerate", timeout_s: float) -> TakenBatch:
-        """fully_async: the rollout's num_groups groups, taken from the job's stream (fresh enough ones only);
-        repeated calls for a rollout return the same groups."""
+                   stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1) -> TakenBatch:
+        """fully_async: the rollout's num_groups groups, taken from the job's stream (only those whose tokens'
+        versions lie in [min_weight_version, max_weight_version]); repeated calls for a rollout return the same."""
         request = buffer_pb2.TakeBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
                                               min_weight_version=min_weight_version, stale_policy=stale_policy,
-                                              timeout_s=timeout_s)
+                                              timeout_s=timeout_s, max_weight_version=max_weight_version)
         reply = self.call(self.stub.TakeBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
         return TakenBatch(groups=[group_from_proto(g) for g in reply.groups], num_stale_dropped=reply.num_stale_dropped,
                           num_stale_regenerated=reply.num_stale_regenerated)

@@ -102,7 +102,7 @@ for i = 3, #ARGV do num = num + give_back(p, job, ARGV[i]) end
 return num
 """
 
-# ARGV: per group (prefix, group_id, rollout_id, lease_id, slot, oldest weight version, payload)
+# ARGV: per group (prefix, group_id, rollout_id, lease_id, slot, "oldest newest" weight versions, payload)
 # -> {1 written | 0 duplicate, ...} | {-1, position of a group of an unknown job}
 PUT_GROUPS = """
 for i = 1, #ARGV, 7 do
@@ -130,18 +130,25 @@ end
 return out
 """
 
-# ARGV: prefix, rollout_id, num_groups, min_weight_version, policy ('drop' | 'regenerate')
+# ARGV: prefix, rollout_id, num_groups, min_weight_version, policy ('drop' | 'regenerate'), max_weight_version
 # -> {num assigned to the rollout, stale dropped so far, stale regenerated so far} | false unknown job
 # Moves stream groups (rollout -2) to the rollout in write order until it has num_groups. A stale group (its oldest
-# token's version below the minimum) goes to the dropped list (rollout -1) or is deleted and its slot queued again.
+# token's version below the minimum, or its newest above a maximum >= 0) goes to the dropped list (rollout -1) or is
+# deleted and its slot queued again.
 TAKE = """
 local p, rollout, want, min_version, policy = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local max_version = tonumber(ARGV[6])
+local function stale(gid)
+  local versions = redis.call('HGET', p .. 'versions', gid) or '-1 -1'
+  local oldest, newest = string.match(versions, '^(%-?%d+) (%-?%d+)$')
+  return tonumber(oldest) < min_version or (max_version >= 0 and tonumber(newest) > max_version)
+end
 if redis.call('EXISTS', p .. 'meta') == 0 then return false end
 local have = redis.call('LLEN', p .. 'rollout:' .. rollout)
 while have < want do
   local gid = redis.call('LPOP', p .. 'rollout:-2')
   if not gid then break end
-  if tonumber(redis.call('HGET', p .. 'versions', gid) or -1) < min_version then
+  if stale(gid) then
     if policy == 'drop' then
       redis.call('RPUSH', p .. 'rollout:-1', gid)
       redis.call('HINCRBY', p .. 'meta', 'stale_dropped', 1)

@@ -56,7 +56,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def TakeBatch(self, request, context):
         groups, dropped, regenerated = await self.store.take_batch(
             request.job_id, request.rollout_id, request.num_groups, min_weight_version=request.min_weight_version,
-            stale_policy=request.stale_policy or "regenerate", timeout_s=request.timeout_s)
+            stale_policy=request.stale_policy or "regenerate", timeout_s=request.timeout_s,
+            max_weight_version=request.max_weight_version)
         return buffer_pb2.TakeBatchResponse(groups=[group_to_proto(g) for g in groups], num_stale_dropped=dropped,
                                             num_stale_regenerated=regenerated)
 

@@ -42,9 +42,9 @@ from services.common.samples import (
     group_from_proto,
     group_id_for,
     group_to_proto,
-    oldest_weight_version,
     prompt_from_proto,
     prompt_to_proto,
+    weight_version_range,
 )
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class BufferStore:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
                                       "(job_id:epoch:prompt_index)")
             args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
-                     f"{group.epoch}:{group.prompt_index}", oldest_weight_version(group.samples),
+                     f"{group.epoch}:{group.prompt_index}", " ".join(map(str, weight_version_range(group.samples))),
                      group_to_proto(group).SerializeToString()]
         if not groups:
             return 0, 0
@@ -232,9 +232,11 @@ class BufferStore:
 
     @_redis_errors
     async def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
-                         stale_policy: str, timeout_s: float) -> tuple[list[SampleGroup], int, int]:
-        """fully_async: assign stream groups fresh enough (oldest token version >= min_weight_version) to the
-        rollout until it has num_groups, polling up to timeout_s; the stale ones are dropped or regenerated.
+                         stale_policy: str, timeout_s: float,
+                         max_weight_version: int = -1) -> tuple[list[SampleGroup], int, int]:
+        """fully_async: assign stream groups whose tokens' versions lie in [min_weight_version, max_weight_version]
+        (no maximum when it is < 0) to the rollout until it has num_groups, polling up to timeout_s; the others are
+        dropped or regenerated.
         Returns (groups, stale dropped so far, stale regenerated so far)."""
         p = _prefix(job_id)
         if num_groups <= 0 or rollout_id < 0:
@@ -244,7 +246,8 @@ class BufferStore:
             raise InvalidArgument(f"stale_policy must be one of {', '.join(STALE_POLICIES)}, got {stale_policy!r}")
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            reply = await self._run("take", p, rollout_id, num_groups, min_weight_version, stale_policy)
+            reply = await self._run("take", p, rollout_id, num_groups, min_weight_version, stale_policy,
+                                    max_weight_version)
             if reply is None:
                 raise NotFound(f"buffer: job {job_id!r} has no dataset")
             have, dropped, regenerated = (int(x) for x in reply)

@@ -74,11 +74,11 @@ class Prompt:
     lease_id: str = ""
 
 
-def oldest_weight_version(samples: list[Sample]) -> int:
-    """The oldest policy version any of the samples' tokens came from; -1 when one is unknown or not a number
-    (SGLang's initial "default"), so a staleness bound never passes a group of unknown age."""
-    versions = [v for s in samples for v in s.weight_versions] or ["?"]
-    return min(int(v) if v.lstrip("-").isdigit() else -1 for v in versions)
+def weight_version_range(samples: list[Sample]) -> tuple[int, int]:
+    """The oldest and newest policy versions the samples' tokens came from; an unknown or non-numeric version
+    (SGLang's initial "default") counts as -1, so a staleness bound never passes a group of unknown age."""
+    versions = [int(v) if v.lstrip("-").isdigit() else -1 for s in samples for v in s.weight_versions] or [-1]
+    return min(versions), max(versions)
 
 
 def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
-from services.common.samples import Sample, SampleGroup, oldest_weight_version
+from services.common.samples import Sample, SampleGroup, weight_version_range
 from services.rollout.client import RolloutState
 from services.trainer import checkpoint
 from services.trainer.jobs import JobContext
@@ -97,14 +97,16 @@ class RolloutFeed:
 
     def _take(self, rollout_id: int, version: int) -> list[SampleGroup]:
         """fully_async: make sure the stream runs, then take rollout_batch_size groups from it whose oldest token is
-        at most max_weight_staleness versions behind the trainer's weights (version rollout_id)."""
+        at most max_weight_staleness versions behind the trainer's weights (version rollout_id) and none newer: a
+        newer one came from a policy a trainer had after the checkpoint this one resumed from."""
         spec, deps = self.spec, self.deps
         self._start(STREAM_ROLLOUT_ID, version)
 
         def take(timeout_s: float) -> list[SampleGroup]:
             batch = deps.buffer.take_batch(spec.job_id, rollout_id, spec.rollout_batch_size,
                                            min_weight_version=rollout_id - spec.max_weight_staleness,
-                                           stale_policy=spec.stale_policy, timeout_s=timeout_s)
+                                           max_weight_version=rollout_id, stale_policy=spec.stale_policy,
+                                           timeout_s=timeout_s)
             self.stale = {"buffer/stale_dropped": float(batch.num_stale_dropped),
                           "buffer/stale_regenerated": float(batch.num_stale_regenerated)}
             return batch.groups
@@ -167,7 +169,7 @@ class RolloutFeed:
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
     """How many versions behind the trainer's weights (`version`) each sample's oldest token is (0 in sync mode)."""
-    behind = [version - oldest_weight_version([s]) for s in samples if s.weight_versions]
+    behind = [version - weight_version_range([s])[0] for s in samples if s.weight_versions]
     if not behind:
         return {}
     return {"rollout/weight_staleness_max": float(max(behind)),

@@ -373,5 +373,11 @@ def test_take_batch_assigns_fresh_stream_groups_and_refuses_stale_ones(client, l
     with pytest.raises(DeadlineExceeded):
         client.take_batch(loaded, 2, 1, min_weight_version=0, timeout_s=0.2)
     assert client.stats(loaded).num_returned == 1
+    # a group with a token newer than the trainer's weights came from a policy it no longer has (before a resume)
+    [future] = client.lease_prompts(loaded, STREAM_ROLLOUT_ID, 1, 60.0)
+    client.put_groups([group_for(future, STREAM_ROLLOUT_ID, weight_versions=["4", "6"])])
+    with pytest.raises(DeadlineExceeded):
+        client.take_batch(loaded, 2, 1, min_weight_version=3, max_weight_version=5, timeout_s=0.2)
+    assert client.stats(loaded).num_returned == 1 and client.lease_prompts(loaded, 0, 1, 60.0)[0].index == future.index
     with pytest.raises(InvalidArgument, match="stale_policy"):
         client.take_batch(loaded, 2, 1, min_weight_version=0, stale_policy="keep", timeout_s=0.2)

@@ -104,20 +104,22 @@ class GetBatchResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
 
 class TakeBatchRequest(_message.Message):
-    __slots__ = ("job_id", "rollout_id", "num_groups", "min_weight_version", "stale_policy", "timeout_s")
+    __slots__ = ("job_id", "rollout_id", "num_groups", "min_weight_version", "stale_policy", "timeout_s", "max_weight_version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rollout_id: int
     num_groups: int
     min_weight_version: int
     stale_policy: str
     timeout_s: float
-    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., stale_policy: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    max_weight_version: int
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., stale_policy: _Optional[str] = ..., timeout_s: _Optional[float] = ..., max_weight_version: _Optional[int] = ...) -> None: ...
 
 class TakeBatchResponse(_message.Message):
     __slots__ = ("groups", "num_stale_dropped", "num_stale_regenerated")
