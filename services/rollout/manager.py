@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -192,7 +193,7 @@ class RolloutManager:
     async def _run(self, run: _Run) -> None:
         config, target = run.config, run.config.rollout_batch_size
         pending: dict[asyncio.Task, Prompt] = {}
-        try:
+        async with self._ending(run, pending):
             run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
             empty_since = None
             while run.num_groups_done < target:
@@ -215,19 +216,13 @@ class RolloutManager:
             await self._drain(run, pending)
             run.state = RolloutState.DONE
             log.info("%s done: %d groups; %s", run.name, run.num_groups_done, run.metrics())
-        except BaseException as err:
-            self._fail(run, err)
-            if isinstance(err, asyncio.CancelledError):
-                raise
-        finally:
-            await self._stop_groups(run, pending)
 
     async def _stream(self, run: _Run) -> None:
         """fully_async: generate across rollout boundaries until StopRollout, keeping max_inflight_groups groups
         generating or written and not yet taken by the trainer (buffer TakeBatch)."""
         config = run.config
         pending: dict[asyncio.Task, Prompt] = {}
-        try:
+        async with self._ending(run, pending):
             while True:
                 waiting = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
                 if (missing := config.max_inflight_groups - waiting - len(pending)) > 0:
@@ -238,12 +233,6 @@ class RolloutManager:
                 done, _ = await asyncio.wait(pending, timeout=EMPTY_LEASE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     await self._settle(run, pending.pop(task), task, num_pending=len(pending))
-        except BaseException as err:
-            self._fail(run, err)
-            if isinstance(err, asyncio.CancelledError):
-                raise
-        finally:
-            await self._stop_groups(run, pending)
 
     async def _lease_groups(self, run: _Run, pending: dict[asyncio.Task, Prompt], count: int) -> None:
         """Lease up to `count` prompts and start a group task for each."""
@@ -252,6 +241,19 @@ class RolloutManager:
         for prompt in prompts:
             run.leased[prompt.lease_id] = prompt
             pending[asyncio.create_task(self._group(run, prompt))] = prompt
+
+    @contextlib.asynccontextmanager
+    async def _ending(self, run: _Run, pending: dict[asyncio.Task, Prompt]) -> AsyncIterator[None]:
+        """How a run ends: an error is recorded (reported through status(); the service stays up), cancellation
+        goes on; either way its groups stop and its leases go back."""
+        try:
+            yield
+        except BaseException as err:
+            self._fail(run, err)
+            if isinstance(err, asyncio.CancelledError):
+                raise
+        finally:
+            await self._stop_groups(run, pending)
 
     def _fail(self, run: _Run, err: BaseException) -> None:
         """Record how a run ended early: stopped (StopRollout), cancelled (the manager stops) or failed."""
