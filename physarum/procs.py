@@ -34,6 +34,16 @@ def cmdline_of(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]  # keeps empty args ("--save", "")
 
 
+def start_time(pid: int) -> int | None:
+    """When the running process PID started (clock ticks since boot, /proc/PID/stat field 22): with the PID, its
+    identity, since a reused PID belongs to a process started later. None once it has exited (a zombie included)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 @dataclass
 class ManagedProcess:
     """A child process with its recorded PID, command line and log file."""

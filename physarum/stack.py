@@ -17,7 +17,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from physarum.procs import HOST, ManagedProcess, cmdline_of, free_port, python_module, redis_answers, start_redis
+from physarum.procs import (
+    HOST,
+    ManagedProcess,
+    cmdline_of,
+    free_port,
+    python_module,
+    redis_answers,
+    start_redis,
+    start_time,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +149,7 @@ def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, 
 
 def _entry(proc: ManagedProcess) -> dict:
     return {"name": proc.name, "pid": proc.pid, "argv": proc.argv, "env": proc.env, "log": str(proc.log_path),
-            "start_time": _start_time(proc.pid)}
-
-
-def _start_time(pid: int) -> int | None:
-    """When the running process PID started (clock ticks since boot, /proc/PID/stat field 22): with the PID, its
-    identity. None once it has exited (a zombie included)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
+            "start_time": start_time(proc.pid)}
 
 
 def _is_trainer(entry: dict) -> bool:
@@ -178,7 +177,7 @@ def _owned(entry: dict) -> bool:
     """The recorded process still runs: same PID and start time (sglang-router rewrites its command line, so the
     command line alone does not tell), or, for an entry without a start time, the same command line."""
     if entry.get("start_time") is not None:
-        return _start_time(entry["pid"]) == entry["start_time"]
+        return start_time(entry["pid"]) == entry["start_time"]
     return cmdline_of(entry["pid"])[: len(entry["argv"])] == entry["argv"]
 
 

@@ -4,7 +4,10 @@ services/rollout/k8s.py). A launcher only starts and stops engines; how many, an
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -13,10 +16,13 @@ from pathlib import Path
 from typing import Protocol
 
 from physarum import procs
+from services.common.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
 EXEC_WAIT_S = 5.0
+RECORD_FILE = "engines.json"
+GONE_WAIT_S = 5.0  # after SIGKILL, until /proc no longer shows the leftover
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,9 @@ class LaunchedEngine:
 
 
 class EngineLauncher(Protocol):
+    """A launcher whose engines can outlive a killed manager (local processes) also has `stop_leftovers()`, which the
+    pool calls once before it starts any engine."""
+
     def engines(self) -> list[LaunchedEngine]:
         """The engines that exist now (started, maybe not yet answering)."""
 
@@ -51,7 +60,12 @@ def cpu_engine_argv(model_path: str, *, num_threads: int = 1, per_token_delay_s:
 
 
 class LocalLauncher:
-    """Engines as child processes on loopback free ports, each stopped by the PID recorded at start."""
+    """Engines as child processes on loopback free ports, each stopped by the PID recorded at start.
+
+    Engines run in their own sessions, so they outlive a SIGKILLed manager, still registered with the router. The
+    launcher therefore keeps work_dir/engines.json (PID, start time, argv, URL of each engine it runs) up to date,
+    and a new launcher in the same work dir stops those leftovers (`stop_leftovers`). One manager per work dir.
+    """
 
     def __init__(self, argv_for: Callable[[int, int], list[str]], work_dir: Path, *, stop_grace_s: float = 10.0,
                  env: dict[str, str] | None = None) -> None:
@@ -60,8 +74,12 @@ class LocalLauncher:
         self.stop_grace_s = stop_grace_s
         self.env = env or {}
         self.processes: dict[str, tuple[procs.ManagedProcess, str]] = {}  # name -> (process, url), oldest first
+        self.recorded: dict[str, dict] = {}  # name -> its engines.json entry, from its start until it is stopped
         self.num_started = 0
         self.stoppers: list[threading.Thread] = []
+        self.record_path = self.work_dir / RECORD_FILE
+        self.record_lock = threading.Lock()
+        self.owner = {"pid": os.getpid(), "start_time": procs.start_time(os.getpid())}
 
     def engines(self) -> list[LaunchedEngine]:
         return [LaunchedEngine(name, url, proc.pid, proc.alive()) for name, (proc, url) in self.processes.items()]
@@ -83,7 +101,11 @@ class LocalLauncher:
         name = f"engine-{index}"
         proc = procs.ManagedProcess(name, self.argv_for(port, index), self.work_dir / f"{name}-{port}.log",
                                     env=self.env).start()
-        self.processes[name] = (proc, f"http://{procs.HOST}:{port}")
+        url = f"http://{procs.HOST}:{port}"
+        self.processes[name] = (proc, url)
+        # The start time now, while the PID is surely this child's (Popen returns once it has exec'd).
+        self._record(name, {"name": name, "pid": proc.pid, "start_time": procs.start_time(proc.pid),
+                            "argv": proc.argv, "url": url})
         log.info("started %s (pid %d) on port %d, log %s", name, proc.pid, port, proc.log_path)
 
     def _stop(self, name: str) -> None:
@@ -96,6 +118,7 @@ class LocalLauncher:
                 time.sleep(0.01)
             code = proc.stop(self.stop_grace_s)
             log.info("stopped %s (pid %d, %s), exit code %s", name, proc.pid, url, code)
+            self._record(name, None)
 
         thread = threading.Thread(target=stop, name=f"stop-{name}", daemon=True)
         thread.start()
@@ -107,6 +130,78 @@ class LocalLauncher:
         for thread in self.stoppers:
             thread.join(self.stop_grace_s * 2 + 5)
         self.stoppers = []
+
+    def _record(self, name: str, entry: dict | None) -> None:
+        """Record engine `name` (entry None: forget it) in engines.json."""
+        with self.record_lock:
+            if entry is None:
+                self.recorded.pop(name, None)
+            else:
+                self.recorded[name] = entry
+            self._write_record()
+
+    def _write_record(self) -> None:
+        """Rewrite engines.json atomically (a manager killed mid-write leaves the previous one); hold record_lock."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.record_path.with_name(f".{RECORD_FILE}.tmp")
+        tmp.write_text(json.dumps({"owner": self.owner, "engines": list(self.recorded.values())}, indent=2))
+        os.replace(tmp, self.record_path)
+
+    def stop_leftovers(self) -> list[LaunchedEngine]:
+        """The engines engines.json records from an earlier launcher in this work dir (its manager was killed): stop
+        those that still run, by PID, only when start time and command line match the record (a reused PID is never
+        signalled); returns all of them, for the pool to remove their URLs from the router. FailedPrecondition when
+        the process that wrote the record still runs."""
+        try:
+            record = json.loads(self.record_path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as err:
+            log.warning("ignoring %s, unreadable: %s", self.record_path, err)
+            return []
+        owner = record.get("owner", {})
+        if owner.get("pid") != os.getpid() and _still_runs(owner):
+            raise FailedPrecondition(f"engine work dir {self.work_dir} belongs to process {owner['pid']}, which still "
+                                     f"runs: give each rollout manager its own --work-dir")
+        leftovers = [LaunchedEngine(e["name"], e["url"], e["pid"], alive=False) for e in record.get("engines", [])]
+        threads = [threading.Thread(target=_stop_leftover, args=(e, self.stop_grace_s), daemon=True,
+                                    name=f"stop-leftover-{e['name']}") for e in record.get("engines", [])]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(self.stop_grace_s + GONE_WAIT_S + 5)
+        with self.record_lock:  # the leftovers are gone: from now on the record lists this launcher's engines
+            self._write_record()
+        return leftovers
+
+
+def _still_runs(entry: dict) -> bool:
+    """The process recorded in `entry` (pid, start_time and, for an engine, argv) is still that process."""
+    pid, started = entry.get("pid"), entry.get("start_time")
+    if not pid or started is None or procs.start_time(pid) != started:
+        return False
+    return "argv" not in entry or procs.cmdline_of(pid) == entry["argv"]
+
+
+def _stop_leftover(entry: dict, grace_s: float) -> None:
+    """SIGTERM a recorded engine that still runs, SIGKILL after grace_s; returns once it is gone (or a timeout)."""
+    what = f"leftover {entry['name']} (pid {entry['pid']}, {entry['url']})"
+    if not _still_runs(entry):
+        log.info("%s: no longer runs", what)
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, GONE_WAIT_S)):
+        try:
+            os.kill(entry["pid"], sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while _still_runs(entry) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _still_runs(entry):
+            log.info("%s stopped (%s)", what, signal.Signals(sig).name)
+            return
+    if _still_runs(entry):
+        log.warning("%s still runs after SIGKILL", what)
 
 
 class KubernetesLauncher:

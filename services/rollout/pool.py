@@ -98,6 +98,7 @@ class EnginePool:
         self.event("scale", detail=f"start: {self.desired} engines" +
                     (f" + {len(self.records)} external" if self.records else ""))
         self.metrics.desired.set(self.desired)
+        await self._remove_leftovers()
         self.controller = asyncio.create_task(self._control(), name="engine-pool")
         ready = asyncio.create_task(self.ready.wait())
         await asyncio.wait({self.controller, ready}, return_when=asyncio.FIRST_COMPLETED)
@@ -210,6 +211,25 @@ class EnginePool:
             await self._launcher_call(self.launcher.close)
         self.executor.shutdown(wait=False)
         await self.engines.close()
+
+    async def _remove_leftovers(self) -> None:
+        """Stop the engines a killed manager left running (same launcher work dir) and remove them from the router
+        before any engine starts: nothing would ever update their weights again."""
+        stop_leftovers = getattr(self.launcher, "stop_leftovers", None)  # only where engines can outlive a manager
+        if stop_leftovers is None:
+            return
+        leftovers = await self._launcher_call(stop_leftovers)
+        if not leftovers:
+            return
+        for e in leftovers:
+            self.event("stop", detail=f"{e.name} {e.url} (pid {e.pid}), left by an earlier manager")
+        urls = {e.url.rstrip("/") for e in leftovers}
+        self.registrations.inherit(urls)  # should the router not answer now, the controller's refreshes remove them
+        try:
+            await self.registrations.deregister_all(urls)
+        except PhysarumError as err:
+            log.warning("engine pool: could not remove engines left by an earlier manager from the router yet: %s",
+                        err)
 
     # -- the controller ----------------------------------------------------------------------------------------
 

@@ -56,6 +56,11 @@ class Registrations:
         """Listed, or a POST is on its way."""
         return url in self.workers or url in self.posted
 
+    def inherit(self, urls: set[str]) -> None:
+        """URLs an earlier pool registered (its manager was killed): each refresh removes them like this pool's own
+        former engines, unless an engine of this pool has the URL."""
+        self.ever_posted |= urls
+
     async def register(self, url: str) -> None:
         """POST /workers unless listed or posted lately; the router lists the URL once its probes pass."""
         if url in self.workers or time.monotonic() - self.posted.get(url, float("-inf")) < REPOST_S:

@@ -37,22 +37,15 @@ def kill(work_dir: Path, name: str, timeout_s: float = 10.0) -> dict:
     return entry
 
 
-def kill_pid(pid: int, start_time: int | None, what: str, timeout_s: float = 10.0, missing_ok: bool = False) -> None:
-    """SIGKILL `pid` if it is still the process that started at `start_time` (else AssertionError, or nothing with
-    missing_ok); wait until it is gone."""
+def kill_pid(pid: int, start_time: int | None, what: str, timeout_s: float = 10.0) -> None:
+    """SIGKILL `pid`, which must still be the process that started at `start_time`; wait until it is gone."""
     owned = {"pid": pid, "start_time": start_time, "argv": []}
-    if missing_ok and (start_time is None or not stack._owned(owned)):
-        return
     assert start_time is not None and stack._owned(owned), f"{what} (pid {pid}) does not run"
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
     while stack._owned(owned):
         assert time.monotonic() < deadline, f"{what} (pid {pid}) still runs {timeout_s} s after SIGKILL"
         time.sleep(0.05)
-
-
-def start_time(pid: int) -> int | None:
-    return stack._start_time(pid)
 
 
 def wait_for(what: str, predicate, timeout_s: float, interval_s: float = 0.05):

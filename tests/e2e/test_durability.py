@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from physarum import stack
+from physarum import procs, stack
 from services.rollout.client import EngineState, RolloutClient
+from services.rollout.router import RouterClient
 from services.trainer.client import TERMINAL_STATES
 from tests.e2e import durability as d
 from tests.e2e.test_loop import job_spec
@@ -122,23 +123,34 @@ def test_trainer_killed_resumes_from_its_checkpoint(durable_stack, tiny_model_di
     check_job(durable_stack, job_id, dumps)
 
 
+def router_urls(state: dict) -> set[str]:
+    with RouterClient(state["router_url"], timeout_s=10.0) as router:
+        return {w["url"].rstrip("/") for w in router.list_workers()}
+
+
 def test_rollout_manager_killed_restarts_and_the_job_goes_on(durable_stack, tiny_model_dir, prompts, tmp_path):
-    """fully_async: SIGKILL the manager mid-job and start it again on its port (new engines); the trainer re-starts
-    its stream when the new manager reports it UNKNOWN and announces its weights to the new pool (the snapshot of
-    its last push), the dead manager's leases expire (lease_timeout_s 5)."""
+    """fully_async: SIGKILL the manager mid-job and start it again on its port; the new manager stops the engines the
+    dead one left running and removes them from the router before it starts its own; the trainer re-starts its
+    stream when the new manager reports it UNKNOWN and announces its weights to the new pool (the snapshot of its
+    last push), the dead manager's leases expire (lease_timeout_s 5)."""
     state = stack.read_state(durable_stack)
     job_id, dumps = "durable-manager", tmp_path / "dumps"
     with RolloutClient(state["rollout_addr"]) as rollout:
-        engines = [(e.pid, d.start_time(e.pid), e.url) for e in rollout.pool_status().engines]
+        engines = [(e.pid, procs.start_time(e.pid), e.url) for e in rollout.pool_status().engines]
+    assert len(engines) == 2 and all(started is not None for _, started, _ in engines), engines
     d.submit(state, spec(tiny_model_dir, prompts, job_id, dumps, mode="fully_async"))
     wait_rollout(state, job_id, 1)
     d.kill(durable_stack, "rollout")
-    # The local launcher starts each engine in its own session: engines outlive a killed manager, still registered
-    # with the router and never updated again (the new manager does not know them). Kill them too, by the PIDs the
-    # pool reported, as the loss of the manager's machine would.
-    for pid, started, url in engines:
-        d.kill_pid(pid, started, f"engine {url}", missing_ok=True)
-    stack.restart(durable_stack, "rollout")
+    # Each engine runs in its own session: it outlives the killed manager, still registered with the router.
+    assert all(procs.start_time(pid) == started for pid, started, _ in engines), "engines died with the manager"
+    stack.restart(durable_stack, "rollout")  # returns once the new pool serves
+    # The new manager found them in its launcher's engines.json: stopped, and no longer listed by the router, so
+    # that no request reaches an engine that never takes the trainer's weights again.
+    assert [url for pid, started, url in engines if procs.start_time(pid) == started] == []
+    with RolloutClient(state["rollout_addr"]) as rollout:
+        new = {e.url for e in rollout.pool_status().engines}  # a new engine may have got an old one's port
+    stale = {url for _, _, url in engines} & (router_urls(state) - new)
+    assert not stale, f"the router still lists the dead manager's engines {stale}"
     final, events = d.wait_job(state, job_id, JOB_TIMEOUT_S)
 
     assert final["state"] == "SUCCEEDED", final["error"]
@@ -149,6 +161,7 @@ def test_rollout_manager_killed_restarts_and_the_job_goes_on(durable_stack, tiny
     # The new manager's engines took every push after the restart: they end with the trainer's last weights.
     assert pool.weight_version == str(NUM_ROLLOUT)
     assert {(e.state, e.weight_version) for e in pool.engines} == {(EngineState.SERVING, str(NUM_ROLLOUT))}
+    assert router_urls(state) == {e.url for e in pool.engines}  # the router sends requests to these only
 
 
 def test_buffer_killed_restarts_and_the_job_goes_on(durable_stack, tiny_model_dir, prompts, tmp_path):

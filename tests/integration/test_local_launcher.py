@@ -1,14 +1,24 @@
 """LocalLauncher with real (stand-in) processes: starts to a count, stops the named ones and the newest by the PIDs it
-recorded, reports exited ones as not alive, and stops everything on close."""
+recorded, reports exited ones as not alive, and stops everything on close; a new launcher in the same work dir stops
+the engines a SIGKILLed one left running (engines.json), never a process that merely has a recorded PID."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from physarum import procs
-from services.rollout.launchers import LocalLauncher
+from services.common.errors import FailedPrecondition
+from services.rollout.launchers import RECORD_FILE, LocalLauncher
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sleeper(port: int, index: int) -> list[str]:
@@ -50,3 +60,94 @@ def test_scale_remove_and_close_by_recorded_pids(tmp_path):
     finally:
         launcher.close()
     assert launcher.engines() == [] and not procs.cmdline_of(pids["engine-1"])
+
+
+# A manager stand-in in its own process: a LocalLauncher with two engines; engine 1 ignores SIGTERM (SIGKILL needed).
+MANAGER = """
+import sys, time
+from pathlib import Path
+from services.rollout.launchers import LocalLauncher
+
+def argv(port, index):
+    ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " if index == 1 else ""
+    return [sys.executable, "-c", ignore + f"import time; time.sleep(60)  # engine {index} on port {port}"]
+
+LocalLauncher(argv, Path(sys.argv[1])).scale(2)
+time.sleep(60)
+"""
+
+
+def recorded(work_dir: Path) -> dict:
+    return json.loads((work_dir / RECORD_FILE).read_text())
+
+
+def ignores_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+def kill_if_same(pid: int, start_time: int | None) -> None:
+    """Clean-up after a failure: SIGKILL `pid` only while it is still the process that started at start_time."""
+    if start_time is not None and procs.start_time(pid) == start_time:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_new_launcher_stops_what_a_killed_one_left_and_only_that(tmp_path):
+    manager = subprocess.Popen([sys.executable, "-c", MANAGER, str(tmp_path)], cwd=REPO, start_new_session=True)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # holds a recorded PID
+    engines: list[dict] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / RECORD_FILE).is_file() or len(engines := recorded(tmp_path)["engines"]) < 2:
+            assert manager.poll() is None and time.monotonic() < deadline, "the manager stand-in did not start 2"
+            time.sleep(0.05)
+        while not ignores_sigterm(engines[1]["pid"]):  # else SIGTERM could still end it
+            assert time.monotonic() < deadline, "engine 1 does not ignore SIGTERM"
+            time.sleep(0.05)
+        # A second manager while the first runs would stop its engines: refused, nothing signalled.
+        with pytest.raises(FailedPrecondition, match=f"belongs to process {manager.pid}, which still runs"):
+            LocalLauncher(sleeper, tmp_path).stop_leftovers()
+        manager.send_signal(signal.SIGKILL)
+        manager.wait(10)
+        assert all(procs.start_time(e["pid"]) == e["start_time"] for e in engines), "engines died with the manager"
+
+        # Entries naming the bystander's PID: one with another start time (a reused PID), one with its start time
+        # but another command line. Neither is the recorded process: it must survive.
+        started = procs.start_time(bystander.pid)
+        impostors = [{"name": "engine-7", "pid": bystander.pid, "start_time": started + 1, "argv": bystander.args,
+                      "url": "http://127.0.0.1:7"},
+                     {"name": "engine-8", "pid": bystander.pid, "start_time": started, "argv": ["an-engine"],
+                      "url": "http://127.0.0.1:8"}]
+        record = recorded(tmp_path)
+        (tmp_path / RECORD_FILE).write_text(json.dumps({**record, "engines": record["engines"] + impostors}))
+
+        launcher = LocalLauncher(sleeper, tmp_path, stop_grace_s=1.0)
+        began = time.monotonic()
+        leftovers = launcher.stop_leftovers()
+        assert 1.0 <= time.monotonic() - began < 8.0  # engine 1 ignored SIGTERM: SIGKILL after the 1 s grace
+        assert [(e.name, e.url, e.pid, e.alive) for e in leftovers] == \
+               [(e["name"], e["url"], e["pid"], False) for e in engines + impostors]
+        assert all(procs.start_time(e["pid"]) != e["start_time"] for e in engines), "a leftover still runs"
+        assert bystander.poll() is None and procs.start_time(bystander.pid) == started
+        assert recorded(tmp_path) == {"owner": {"pid": os.getpid(), "start_time": procs.start_time(os.getpid())},
+                                      "engines": []}
+
+        # From now on the record follows this launcher's own engines.
+        try:
+            launcher.scale(1)
+            (name, (proc, url)), = launcher.processes.items()
+            assert recorded(tmp_path)["engines"] == [{"name": name, "pid": proc.pid, "argv": proc.argv, "url": url,
+                                                      "start_time": procs.start_time(proc.pid)}]
+        finally:
+            launcher.close()
+        assert recorded(tmp_path)["engines"] == []
+        assert LocalLauncher(sleeper, tmp_path).stop_leftovers() == []
+    finally:
+        if manager.poll() is None:
+            manager.kill()
+            manager.wait(10)
+        for e in engines:
+            kill_if_same(e["pid"], e["start_time"])
+        bystander.kill()
+        bystander.wait(10)
