@@ -164,21 +164,27 @@ def test_rollout_manager_killed_restarts_and_the_job_goes_on(durable_stack, tiny
     assert router_urls(state) == {e.url for e in pool.engines}  # the router sends requests to these only
 
 
+def outage_mid_job(work_dir: Path, name: str, job_id: str, dumps: Path, down_s: float = 2.0) -> d.Ledger:
+    """Once the job reported rollout 1, SIGKILL `name`, start it again down_s later; the job must go on to the end
+    without being resubmitted, and the buffer's ledger must balance."""
+    state = stack.read_state(work_dir)
+    wait_rollout(state, job_id, 1)
+    d.kill(work_dir, name)
+    time.sleep(down_s)
+    stack.restart(work_dir, name)
+    final, events = d.wait_job(state, job_id, JOB_TIMEOUT_S)
+    assert final["state"] == "SUCCEEDED", final["error"]
+    assert d.trained_rollouts(events) == list(range(NUM_ROLLOUT))
+    return check_job(work_dir, job_id, dumps)
+
+
 def test_buffer_killed_restarts_and_the_job_goes_on(durable_stack, tiny_model_dir, prompts, tmp_path):
     """one_step_async: SIGKILL the buffer service mid-job, start it again on its port two seconds later; its
     clients (trainer and manager) retry until it answers again."""
     state = stack.read_state(durable_stack)
     job_id, dumps = "durable-buffer", tmp_path / "dumps"
     d.submit(state, spec(tiny_model_dir, prompts, job_id, dumps, mode="one_step_async"))
-    wait_rollout(state, job_id, 1)
-    d.kill(durable_stack, "buffer")
-    time.sleep(2.0)
-    stack.restart(durable_stack, "buffer")
-    final, events = d.wait_job(state, job_id, JOB_TIMEOUT_S)
-
-    assert final["state"] == "SUCCEEDED", final["error"]
-    assert d.trained_rollouts(events) == list(range(NUM_ROLLOUT))
-    book = check_job(durable_stack, job_id, dumps)
+    book = outage_mid_job(durable_stack, "buffer", job_id, dumps)
     # No stream: a slot served and not trained can only be back in the buffer, to be leased again (a lease whose
     # reply died with the buffer expires).
     untrained = {where[0] for where in book.places.values() if not where[0].startswith("trained")}
@@ -193,12 +199,4 @@ def test_redis_killed_restarts_from_its_aof_and_the_job_goes_on(durable_stack, t
     job_id, dumps = "durable-redis", tmp_path / "dumps"
     d.submit(state, spec(tiny_model_dir, prompts, job_id, dumps, mode="fully_async", max_inflight_groups=2 * BATCH,
                          stale_policy="drop"))
-    wait_rollout(state, job_id, 1)
-    d.kill(durable_stack, "redis")
-    time.sleep(2.0)
-    stack.restart(durable_stack, "redis")
-    final, events = d.wait_job(state, job_id, JOB_TIMEOUT_S)
-
-    assert final["state"] == "SUCCEEDED", final["error"]
-    assert d.trained_rollouts(events) == list(range(NUM_ROLLOUT))
-    check_job(durable_stack, job_id, dumps)
+    outage_mid_job(durable_stack, "redis", job_id, dumps)
