@@ -151,3 +151,22 @@ def test_a_new_launcher_stops_what_a_killed_one_left_and_only_that(tmp_path):
             kill_if_same(e["pid"], e["start_time"])
         bystander.kill()
         bystander.wait(10)
+
+
+def test_stack_down_stops_engines_a_killed_manager_left(tmp_path):
+    """`physarum down` after the manager was SIGKILLed: the engines it recorded still run, and down stops them."""
+    from physarum import stack
+
+    engine = subprocess.Popen(sleeper(0, 0), start_new_session=True)
+    try:
+        entry = {"name": "engine-0", "pid": engine.pid, "start_time": procs.start_time(engine.pid),
+                 "argv": engine.args, "url": "http://127.0.0.1:1"}
+        (tmp_path / "engines").mkdir()
+        (tmp_path / "engines" / RECORD_FILE).write_text(json.dumps({"owner": {"pid": 1, "start_time": 0},
+                                                                     "engines": [entry]}))
+        (tmp_path / stack.STATE_FILE).write_text(json.dumps({"processes": []}))
+        assert stack.down(tmp_path, grace_s=5.0) == ["engine-0"]
+        assert engine.wait(10) == -signal.SIGTERM
+    finally:
+        kill_if_same(engine.pid, entry["start_time"])
+        engine.wait(10)
