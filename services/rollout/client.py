@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidArgument
@@ -172,6 +173,14 @@ class WeightSyncPlan:
 
     engine_urls: list[str]
     snapshot_dir: str = ""
+
+
+SNAPSHOT_PREFIX = "weight_v"  # slime's update_weight_disk_dir layout: <snapshot_dir>/weight_v<version>
+
+
+def snapshot_path(snapshot_dir: str | Path, version: str | int) -> Path:
+    """Where the trainer writes the snapshot of weight version `version` (engines joining by disk load it there)."""
+    return Path(snapshot_dir) / f"{SNAPSHOT_PREFIX}{version}"
 
 
 def config_to_proto(config: RolloutConfig) -> rollout_pb2.RolloutConfig:

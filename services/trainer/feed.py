@@ -16,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
 from services.common.samples import Sample, SampleGroup, weight_version_range
-from services.rollout.client import RolloutState
+from services.rollout.client import RolloutState, snapshot_path
 from services.trainer import checkpoint
 from services.trainer.jobs import JobContext
 from services.trainer.spec import JobSpec
 from services.trainer.train_config import rollout_config
-
-SNAPSHOT_PREFIX = "weight_v"  # services.trainer.weight_sync.SNAPSHOT_PREFIX (not imported: it imports torch)
 
 if TYPE_CHECKING:
     from services.trainer.loop import TrainerDeps
@@ -129,7 +126,7 @@ class RolloutFeed:
         pool = rollout.pool_status()
         if pool.weight_version == str(version):
             return
-        snapshot = Path(pool.snapshot_dir) / f"{SNAPSHOT_PREFIX}{version}" if pool.snapshot_dir else None
+        snapshot = snapshot_path(pool.snapshot_dir, version) if pool.snapshot_dir else None
         if snapshot is None or not (snapshot / "model.safetensors").is_file():
             log.warning("the rollout manager's pool holds weight version %r, not %d, and there is no snapshot of %d "
                         "(join mode sync?): its engines get the trainer's weights with the next sync",

@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
+from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 RESUME_TIMEOUT_S = 2.0  # for the best-effort end/continue calls after a failure
-SNAPSHOT_PREFIX = "weight_v"  # slime's update_weight_disk_dir layout: <dir>/weight_v<version>
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
@@ -288,7 +288,8 @@ def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str 
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final, staging = root / f"{SNAPSHOT_PREFIX}{version}", root / f".staging-{SNAPSHOT_PREFIX}{version}-{os.getpid()}"
+    final = snapshot_path(root, version)
+    staging = root / f".staging-{final.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}
