@@ -44,6 +44,25 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
+def terminate(pid: int, still_runs: Callable[[], bool], grace_s: float, kill_wait_s: float = 5.0) -> str | None:
+    """Stop a process that is not our child (recorded by an earlier run): SIGTERM while `still_runs()` says it is
+    still the recorded process, SIGKILL after grace_s, then wait up to kill_wait_s for it to go. Returns the name of
+    the signal that ended it ("SIGTERM", "SIGKILL", or "" if it outlived both), None if it was not running."""
+    if not still_runs():
+        return None
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return sig.name
+        deadline = time.monotonic() + wait_s
+        while still_runs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not still_runs():
+            return sig.name
+    return ""
+
+
 @dataclass
 class ManagedProcess:
     """A child process with its recorded PID, command line and log file."""

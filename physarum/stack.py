@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from physarum.procs import (
     redis_answers,
     start_redis,
     start_time,
+    terminate,
 )
 
 log = logging.getLogger(__name__)
@@ -208,15 +206,7 @@ def _stop_leftover_engines(engine_dir: Path, grace_s: float) -> list[str]:
 
 def _stop(entry: dict, grace_s: float) -> bool:
     """SIGTERM the recorded process if it is still ours, SIGKILL after grace_s; False if it was not running."""
-    if not _owned(entry):
-        return False
-    os.kill(entry["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while _owned(entry) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _owned(entry):
-        os.kill(entry["pid"], signal.SIGKILL)
-    return True
+    return terminate(entry["pid"], lambda: _owned(entry), grace_s) is not None
 
 
 def _redis_ready(url: str):

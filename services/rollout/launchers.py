@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -186,21 +185,12 @@ def _still_runs(entry: dict) -> bool:
 def _stop_leftover(entry: dict, grace_s: float) -> None:
     """SIGTERM a recorded engine that still runs, SIGKILL after grace_s; returns once it is gone (or a timeout)."""
     what = f"leftover {entry['name']} (pid {entry['pid']}, {entry['url']})"
-    if not _still_runs(entry):
+    ended = procs.terminate(entry["pid"], lambda: _still_runs(entry), grace_s, kill_wait_s=GONE_WAIT_S)
+    if ended is None:
         log.info("%s: no longer runs", what)
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, GONE_WAIT_S)):
-        try:
-            os.kill(entry["pid"], sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait_s
-        while _still_runs(entry) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not _still_runs(entry):
-            log.info("%s stopped (%s)", what, signal.Signals(sig).name)
-            return
-    if _still_runs(entry):
+    elif ended:
+        log.info("%s stopped (%s)", what, ended)
+    else:
         log.warning("%s still runs after SIGKILL", what)
 
 
