@@ -57,6 +57,9 @@ class WeightUpdater:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.group_lock = threading.Lock()
         self.session_open = False
+        # receive buffers by (name, dtype, shape), kept from one sync to the next: allocating (and faulting in) a
+        # model's worth of fresh memory per sync cost more than the copy into the model
+        self.buffers: dict[tuple[str, str, tuple[int, ...]], torch.Tensor] = {}
 
     @contextlib.contextmanager
     def _groups_locked(self) -> Iterator[None]:
@@ -111,8 +114,7 @@ class WeightUpdater:
                                   f"{len(shapes)}")
         if load_format not in (None, "direct"):
             raise InvalidArgument(f"load_format {load_format!r} is not supported by the CPU engine (use null)")
-        buffers = [torch.empty([int(d) for d in shape], dtype=_dtype(dtype))
-                   for dtype, shape in zip(dtypes, shapes, strict=True)]
+        buffers = [self._buffer(name, dtype, shape) for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
         with self.engine.exclusive(self.timeout_s), self._groups_locked():
@@ -124,6 +126,12 @@ class WeightUpdater:
                 work.wait()
             self._load(list(zip(names, buffers, strict=True)), weight_version)
         return "Succeeded to update parameter online."
+
+    def _buffer(self, name: str, dtype: str, shape: list[int]) -> torch.Tensor:
+        key = (name, dtype, tuple(int(d) for d in shape))
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(key[2], dtype=_dtype(dtype))
+        return self.buffers[key]
 
     def update_from_disk(self, model_path: str, weight_version: str | None = None,
                          abort_all_requests: bool = False) -> str:
