@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     backend_sets = backend_overrides(args.train_backend, tp)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
-    model_dir = tinymodel.build_tiny_model(DEMO_DIR / f"model-seed{args.seed}", tasks.corpus(), seed=args.seed)
+    model_name = "model" if args.seed == 0 else f"model-seed{args.seed}"  # `physarum up --model` names seed 0's
+    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name, tasks.corpus(), seed=args.seed)
     seed_sets = [f"seed={args.seed}", f"rollout_seed={args.seed}", f"hf_checkpoint={model_dir}"]
     _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
     work_dir = DEMO_DIR / "stack"
