@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.trainer.metrics import JOBS
+from services.trainer.driver.metrics import JOBS
 from services.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,8 @@
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer import checkpoint
-from services.trainer.metrics import prometheus_name
+from services.trainer.driver import checkpoint
+from services.trainer.driver.metrics import prometheus_name
 from services.trainer.spec import parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 2}

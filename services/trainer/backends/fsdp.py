@@ -2,7 +2,7 @@
 data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`).
 
 It owns the models (policy, reference, PPO critic), the optimizers and the step loop; every formula from the forward
-outputs to the loss is in `services.trainer.rl_step` (shared with the Megatron backend). Sharding and the ranks are
+outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding and the ranks are
 `parallel.py`'s; checkpoint files `checkpoint.py`'s; the weight broadcast to engines `weight_sync.py`'s.
 """
 
@@ -20,12 +20,13 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer import parallel, rl_step
+from services.trainer import parallel
+from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig, load_custom_loss
+from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
-from services.trainer.batch import RolloutBatch, build_rollout_batch
-from services.trainer.optim import lr_schedule, make_adamw, scheduled_step
-from services.trainer.schedule import MicroBatch, Step, step_schedule
+from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
+from services.trainer.backends.schedule import MicroBatch, Step, step_schedule
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from services.trainer.spec import JobSpec
 from services.trainer.train_config import rollout_config
 
 if TYPE_CHECKING:
-    from services.trainer.loop import TrainerDeps
+    from services.trainer.driver.loop import TrainerDeps
 
 log = logging.getLogger(__name__)
 

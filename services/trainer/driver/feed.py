@@ -22,13 +22,13 @@ from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
 from services.common.samples import Sample, SampleGroup, weight_version_range
 from services.rollout.client import RolloutState, snapshot_path
-from services.trainer import checkpoint
+from services.trainer.driver import checkpoint
 from services.trainer.jobs import JobContext
 from services.trainer.spec import JobSpec
 from services.trainer.train_config import rollout_config
 
 if TYPE_CHECKING:
-    from services.trainer.loop import TrainerDeps
+    from services.trainer.driver.loop import TrainerDeps
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from services.buffer.client import BufferClient, DataSourceState
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
 from services.rollout.client import RolloutClient
-from services.trainer import checkpoint
-from services.trainer.feed import RolloutFeed, staleness_metrics
-from services.trainer.generation import generation_metrics
+from services.trainer.driver import checkpoint
+from services.trainer.driver.evaluation import generation_metrics
+from services.trainer.driver.feed import RolloutFeed, staleness_metrics
+from services.trainer.driver.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.jobs import JobContext
-from services.trainer.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.parallel import World, shard_rollout
 from services.trainer.spec import JobSpec
 from services.trainer.train_config import train_config
@@ -71,7 +71,7 @@ def sync_weights(broadcaster, backend, deps: TrainerDeps, version: int) -> dict[
     weights = list(backend.named_weights())
 
     def push() -> dict[str, float]:
-        from services.trainer.weight_sync import sync_engine_pool  # the pool names the engines (issue 5)
+        from services.trainer.sync.weight_sync import sync_engine_pool  # the pool names the engines (issue 5)
 
         stats = sync_engine_pool(broadcaster, deps.rollout, weights, str(version),
                                  base_model_dir=getattr(backend, "model_path", None))
@@ -166,7 +166,7 @@ def rollout_only(spec: JobSpec, ctx: JobContext, deps: TrainerDeps) -> None:
 
 def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
     """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks)."""
-    from services.trainer.weight_sync import WeightBroadcaster
+    from services.trainer.sync.weight_sync import WeightBroadcaster
 
     world = deps.world
     lead, engines = world.rank == 0, not spec.train_only

@@ -2,7 +2,7 @@
 
 Every rank of the job builds one and makes the same calls with the same samples (each method is collective). A
 step's samples are split over the data-parallel ranks and cut into micro-batches that Megatron's schedule runs
-(1F1B under PP). Every formula comes from `services.trainer.rl_step`, on log-probs that `vocab_parallel` computes from
+(1F1B under PP). Every formula comes from `backends.rl_step`, on log-probs that `vocab_parallel` computes from
 the TP-sharded logits. Results (log-probs, metrics) are the same on every rank; HF weights come out on rank 0.
 """
 
@@ -21,16 +21,16 @@ import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer import optim, rl_step
 from services.trainer.algorithms.losses import Reducer
+from services.trainer.backends import optim, rl_step
 from services.trainer.backends.base import TrainConfig, load_custom_loss
+from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
 from services.trainer.backends.megatron import convert, cpu_compat, hf_io
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
-from services.trainer.batch import RolloutBatch, build_rollout_batch
-from services.trainer.schedule import MicroBatch, first_fit
+from services.trainer.backends.schedule import MicroBatch, first_fit
 
 log = logging.getLogger(__name__)
 
