@@ -7,8 +7,8 @@ import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus, config_from_proto, config_to_proto
-from services.trainer.driver.evaluation import eval_due, generation_metrics
 from services.trainer.driver.loop import TrainerDeps
+from services.trainer.driver.post_rollout import eval_due, generation_metrics
 from services.trainer.spec import parse_spec, slime_args_to_dict
 from services.trainer.train_config import rollout_config
 

@@ -21,9 +21,9 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
 from services.rollout.client import RolloutClient
 from services.trainer.driver import checkpoint
-from services.trainer.driver.evaluation import generation_metrics
 from services.trainer.driver.feed import RolloutFeed, staleness_metrics
 from services.trainer.driver.metrics import CHECKPOINTS, MetricsWriter
+from services.trainer.driver.post_rollout import generation_metrics
 from services.trainer.jobs import JobContext
 from services.trainer.parallel import World, shard_rollout
 from services.trainer.spec import JobSpec
