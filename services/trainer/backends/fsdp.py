@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import logging
 import math
-import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,10 @@ from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
 from services.trainer.backends.registry import register
 from services.trainer.backends.schedule import MicroBatch, Step, step_schedule
+from services.trainer.hf_files import TOKENIZER_FILES, copy_side_files
 
 log = logging.getLogger(__name__)
 
-# Copied next to the weights by save_hf, so the directory is a complete model for transformers and the engines.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def _load_causal_lm(path: Path):
@@ -285,9 +282,7 @@ class TorchBackend(DCPCheckpointing):
             path.mkdir(parents=True, exist_ok=True)
             # transformers 5 empties the state_dict it is given: pass a copy.
             self.model.save_pretrained(path, state_dict=dict(weights))
-            for name in TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, path / name)
+            copy_side_files(self.model_path, path, TOKENIZER_FILES)  # save_pretrained wrote the configs
             log.info("saved HF checkpoint to %s", path)
         self.world.barrier()
 

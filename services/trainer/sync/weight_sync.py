@@ -25,13 +25,12 @@ import torch.distributed as dist
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
 from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
+from services.trainer.hf_files import copy_side_files
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 RESUME_TIMEOUT_S = 2.0  # for the best-effort end/continue calls after a failure
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 class WeightSyncError(Unavailable):
@@ -294,9 +293,8 @@ def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str 
     staging.mkdir()
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt", "weight_version": str(version)})
-    for name in MODEL_FILES if base_model_dir else ():
-        if (Path(base_model_dir) / name).is_file():
-            shutil.copy2(Path(base_model_dir) / name, staging / name)
+    if base_model_dir:
+        copy_side_files(base_model_dir, staging)
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     snapshots = sorted((p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
