@@ -15,7 +15,8 @@ from pathlib import Path
 
 from services.buffer.client import DataSourceState
 from services.common.errors import InvalidArgument
-from services.common.samples import Sample, Status
+from services.common.rollout_stats import RolloutStats
+from services.common.samples import Sample
 from services.rollout.client import RolloutConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
 from services.trainer.backends.base import TrainBackend
@@ -37,15 +38,9 @@ __all__ = ["TrainerDeps", "train"]
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
-    rewards = [s.reward for s in samples]
-    lengths = [s.response_length for s in samples]
-    return {
-        "rollout/reward_mean": statistics.fmean(rewards),
-        "rollout/reward_std": statistics.pstdev(rewards),
-        "rollout/response_len_mean": statistics.fmean(lengths),
-        "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
-        "rollout/reward_failed_ratio": sum(bool(s.reward_error) for s in samples) / len(samples),
-    }
+    """The manager's rollout/* means, plus the reward spread and the share of failed rewards."""
+    return {**RolloutStats.of(samples).metrics(), "rollout/reward_std": statistics.pstdev(s.reward for s in samples),
+            "rollout/reward_failed_ratio": sum(bool(s.reward_error) for s in samples) / len(samples)}
 
 
 def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
