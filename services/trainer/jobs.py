@@ -1,6 +1,7 @@
 """The job registry: accepts validated specs, runs them one at a time on a worker thread, records events.
 
-It knows nothing of gRPC or HTTP; `server.py` and `rest.py` translate. The training itself is `run_job`.
+It knows nothing of gRPC or HTTP; `server.py` and `rest.py` translate. The training itself is the `Runner` it is
+given (the driver, `driver.loop.train`, through `worker.Dispatcher` on a multi-rank trainer).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The training driver (slime's train.py and train_async.py): rollout -> train -> checkpoint -> broadcast weights,
-with the rollouts coming from `feed.RolloutFeed` in the job's mode (sync, one_step_async or fully_async).
+with the rollouts coming from the feed of the job's mode (`feed.make_feed`: sync, one_step_async or fully_async).
 
 Every trainer rank runs it (SPMD). Rank 0 alone talks to the buffer, the manager and the engines; it hands each
-rollout to the other ranks, and each trains its share (`parallel.shard_rollout`). Rank-0-only work goes through
+rollout to the other ranks, and each trains its share (`TrainBackend.rank_samples`). Rank-0-only work goes through
 `world.on_rank0`, so a failure there ends the job on every rank instead of leaving them in a collective.
 """
 

@@ -1,4 +1,5 @@
-"""The trainer's side of the weight broadcast to engines, in SGLang's protocol (reference/sglang-protocol.md §3.5-3.6).
+"""The trainer's side of the weight broadcast to engines, in SGLang's protocol (/init_weights_update_group and
+/update_weights_from_distributed).
 
 The trainer is rank 0 of a separate torch.distributed group whose other ranks are the engines. Each bucket of
 tensors is announced to every engine by HTTP (/update_weights_from_distributed) while rank 0 broadcasts the tensors
