@@ -91,10 +91,10 @@ class JobSpec(_JobSettings):
                              f"'_', '-' and '.', got {[e.split('=', 1)[0] for e in rollout.eval_prompt_data]}")
         if driver.eval_interval is not None and not rollout.eval_prompt_data:
             raise ValueError("eval_interval is set but eval_prompt_data is empty")
-        if driver.mode == "fully_async" and (rollout.partial_rollout or rollout.over_sampling_batch_size):
+        if driver.streams and (rollout.partial_rollout or rollout.over_sampling_batch_size):
             raise ValueError("mode fully_async streams groups without batch boundaries: partial_rollout and "
                              "over_sampling_batch_size do not apply")
-        if layout.train_backend == "megatron" and train.use_critic:
+        if train.use_critic and not layout.trains_critic:
             raise ValueError("advantage_estimator ppo trains a critic, which train_backend megatron does not; set "
                              "train_backend: fsdp")
         return self
@@ -117,7 +117,7 @@ class JobSpec(_JobSettings):
     @property
     def rollout(self) -> RolloutConfig:
         """What the manager runs with: the whole spec as the plugins' `args`; a stream bound only in fully_async."""
-        stream = (self.max_inflight_groups or self.rollout_batch_size) if self.mode == "fully_async" else 0
+        stream = (self.max_inflight_groups or self.rollout_batch_size) if self.driver.streams else 0
         return RolloutConfig(**{**self._values(RolloutConfig), "max_inflight_groups": stream}, job_id=self.job_id,
                              tokenizer_path=self.hf_checkpoint, args=self.model_dump())
 

@@ -26,5 +26,10 @@ class LayoutConfig:
                              "train_backend: megatron")
 
     @property
+    def trains_critic(self) -> bool:
+        """Whether the backend can train PPO's critic (megatron does not)."""
+        return self.train_backend == "fsdp"
+
+    @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size

@@ -57,12 +57,17 @@ class DriverConfig:
             except (KeyError, IndexError, ValueError) as err:
                 raise ValueError(f"{name}: bad pattern {getattr(self, name)!r} (only {{rollout_id}} is filled in: "
                                  f"{err})") from None
-        if self.mode == "fully_async" and self.update_weights_interval - 1 > self.max_weight_staleness:
+        if self.streams and self.update_weights_interval - 1 > self.max_weight_staleness:
             raise ValueError(f"mode fully_async: update_weights_interval {self.update_weights_interval} leaves the "
                              f"engines more than max_weight_staleness ({self.max_weight_staleness}) versions behind")
         if self.mode != "sync" and (self.debug_rollout_only or self.train_only):
             raise ValueError(f"mode {self.mode} needs engines and a trainer: not with debug_rollout_only, "
                              "debug_train_only or load_debug_rollout_data")
+
+    @property
+    def streams(self) -> bool:
+        """fully_async: the manager streams groups across rollouts (no batch boundaries)."""
+        return self.mode == "fully_async"
 
     @property
     def train_only(self) -> bool:
