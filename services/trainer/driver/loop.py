@@ -29,12 +29,13 @@ from services.trainer.driver.intervals import should_run_periodic_action
 from services.trainer.driver.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.driver.post_rollout import generation_metrics
 from services.trainer.jobs import JobContext
+from services.trainer.parallel import World
 from services.trainer.spec import JobSpec
 from services.trainer.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainerDeps", "train"]
+__all__ = ["TrainerDeps", "make_backend", "train"]
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -113,6 +114,11 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobContext, 
         writer.close()
 
 
+def make_backend(spec: JobSpec, world: World, num_threads: int) -> TrainBackend:
+    """The spec's train_backend on this rank, built from the spec's training settings and layout."""
+    return build_backend(spec.hf_checkpoint, spec.train, spec.layout, world, num_threads)
+
+
 def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
     """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks). The spec is cut
     into its parts here, once: the loop reads the driver's settings, each part gets its own config."""
@@ -123,7 +129,7 @@ def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
         return
     if driver.engines:
         deps.world.on_rank0(lambda: load_dataset(driver, rollout, deps, ctx))
-    backend = build_backend(driver.hf_checkpoint, spec.train, spec.layout, deps.world, deps.num_threads)
+    backend = make_backend(spec, deps.world, deps.num_threads)
     run(driver, rollout, spec.sync, backend, ctx, deps)
 
 
