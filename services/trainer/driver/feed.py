@@ -54,9 +54,12 @@ class RolloutFeed:
             checkpoint.save_debug_rollout_data(driver.save_debug_rollout_data, rollout_id, samples)
         return samples
 
+    every_rollout = True  # sync pushes weights after every rollout; the async modes every update_weights_interval
+
     def weight_update_due(self, rollout_id: int) -> bool:
-        """sync pushes after every rollout."""
-        return True
+        """Whether the weights of rollout `rollout_id` go to the engines (the async modes: also after the last)."""
+        return self.every_rollout or should_run_periodic_action(rollout_id, self.driver.update_weights_interval,
+                                                                num_rollout=self.driver.num_rollout)
 
     def started(self, rollout_id: int, version: int) -> None:
         """After rollout `rollout_id` is in hand."""
@@ -163,9 +166,7 @@ class OneStepAsyncFeed(RolloutFeed):
         super().__init__(driver, rollout, deps, ctx)
         self.ready: dict[int, list[SampleGroup]] = {}  # rollouts waited for before an update
 
-    def weight_update_due(self, rollout_id: int) -> bool:
-        return should_run_periodic_action(rollout_id, self.driver.update_weights_interval,
-                                          num_rollout=self.driver.num_rollout)
+    every_rollout = False
 
     def started(self, rollout_id: int, version: int) -> None:
         """Start the next rollout, generated while this one trains."""
@@ -192,9 +193,7 @@ class FullyAsyncFeed(RolloutFeed):
         super().__init__(driver, rollout, deps, ctx)
         self.stale = {"buffer/stale_dropped": 0.0, "buffer/stale_regenerated": 0.0}
 
-    def weight_update_due(self, rollout_id: int) -> bool:
-        return should_run_periodic_action(rollout_id, self.driver.update_weights_interval,
-                                          num_rollout=self.driver.num_rollout)
+    every_rollout = False
 
     def metrics(self) -> dict[str, float]:
         return dict(self.stale)
