@@ -64,6 +64,11 @@ def settings(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
 
 
+def own_settings(cls: type) -> list[dataclasses.Field]:
+    """The settings `cls` declares itself (not those it shares from another config)."""
+    return [f for f in settings(cls) if declared_in(cls, f) is cls]
+
+
 def check_fields(config: Any, error: type[ValueError] = ValueError, where: str = "") -> None:
     """Raise `error` naming the first field whose value breaks its `Rule` or is not one of its `Literal` values."""
     hints = typing.get_type_hints(type(config))

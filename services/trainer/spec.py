@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from services.common.config import declared_in, settings
+from services.common.config import own_settings, settings
 from services.common.errors import InvalidArgument
 from services.rollout.client import RolloutConfig
 from services.trainer.backends.base import TrainConfig
@@ -31,9 +31,7 @@ def _declared_settings() -> dict[str, tuple[Any, Any]]:
     out: dict[str, tuple[Any, Any]] = {}
     for part in PARTS:
         hints = typing.get_type_hints(part)
-        for f in settings(part):
-            if declared_in(part, f) is not part:
-                continue
+        for f in own_settings(part):
             if f.default_factory is not dataclasses.MISSING:
                 spec_field = Field(default_factory=f.default_factory, description=f.metadata["help"])
             elif f.default is dataclasses.MISSING:

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from services.common.config import POSITIVE, check_fields, declared_in, field, settings, shared
+from services.common.config import POSITIVE, check_fields, declared_in, field, own_settings, settings, shared
 from services.rollout.client import RolloutConfig
 from services.trainer.backends.base import TrainConfig
 from services.trainer.spec import PARTS, JobSpec, parse_spec
@@ -53,7 +53,7 @@ def test_a_setting_declared_again_is_caught_and_a_shared_one_is_not():
 
 
 def test_the_job_spec_is_exactly_the_declared_settings_with_their_defaults_and_help():
-    declared = {f.name: f for cls in PARTS for f in settings(cls) if declared_in(cls, f) is cls}
+    declared = {f.name: f for cls in PARTS for f in own_settings(cls)}
     assert set(JobSpec.model_fields) == set(declared)
     for name, f in declared.items():
         spec_field = JobSpec.model_fields[name]
