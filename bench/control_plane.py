@@ -41,7 +41,7 @@ def start_sim(work: Path, num_engines: int, latency_s: float) -> tuple[procs.Man
 
 def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     """WeightBroadcaster.init_group with every engine: health checks, drop of the old group, all ranks joining."""
-    from services.trainer.weight_sync import WeightBroadcaster
+    from services.trainer.sync.weight_sync import WeightBroadcaster
 
     times = []
     with WeightBroadcaster(urls, timeout_s=120.0) as broadcaster:

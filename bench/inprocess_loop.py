@@ -24,12 +24,12 @@ class InProcessLoop:
         import torch
         from tokenizers import Tokenizer
 
-        from services.trainer.loop import make_backend
+        from services.trainer.driver.loop import make_backend
         from services.trainer.parallel import World
-        from services.trainer.spec import JobSpec
+        from services.trainer.spec import parse_spec
 
         torch.set_num_threads(num_threads)
-        self.spec = JobSpec(**spec)
+        self.spec = parse_spec(spec)
         self.backend = make_backend(self.spec, World(), num_threads)
         self.model = self.backend.model
         self.tokenizer = Tokenizer.from_file(str(Path(self.spec.hf_checkpoint) / "tokenizer.json"))

@@ -39,7 +39,7 @@ def shm_round_trip(tensors: list, targets: list) -> None:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from services.trainer.weight_sync import WeightBroadcaster
+    from services.trainer.sync.weight_sync import WeightBroadcaster
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from services.trainer.weight_sync import WeightBroadcaster
+    from services.trainer.sync.weight_sync import WeightBroadcaster
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
