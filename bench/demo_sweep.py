@@ -24,15 +24,12 @@ from physarum.cli import load_job_file  # noqa: E402
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples/demo"
 
 
-def run_seed(seed: int, work: Path, sft_sets: list[str], grpo_sets: list[str], threads: int,
-             warmup_max_operand: int | None) -> dict:
+def run_seed(seed: int, work: Path, sft_sets: list[str], grpo_sets: list[str], threads: int) -> dict:
     model = tinymodel.build_tiny_model(work / f"model-{seed}", tasks.corpus(), seed=seed)
-    train, test = tasks.write_addition_task(work / "task", warmup_max_operand=warmup_max_operand)
+    train, test = tasks.write_addition_task(work / "task")
     test_rows = [json.loads(line) for line in test.read_text().splitlines()]
     common = {"prompt_data": str(train), "seed": seed, "rollout_seed": seed}
     sft_spec = {**load_job_file(EXAMPLES / "sft.yaml", sft_sets), **common, "hf_checkpoint": str(model)}
-    if warmup_max_operand is not None:
-        sft_spec["prompt_data"] = str(train.with_name("warmup.jsonl"))
     sft_spec.pop("save_hf", None)
     start = time.monotonic()
     sft = InProcessLoop(sft_spec, num_threads=threads)
@@ -66,11 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft", action="append", default=[], help="override an SFT job key (KEY=VALUE)")
     parser.add_argument("--grpo", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--warmup-max-operand", type=int, help="SFT on the pairs with operands up to this only")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="physarum-demo-sweep-"))
-    results = [run_seed(int(s), work, args.sft, args.grpo, args.threads, args.warmup_max_operand)
-               for s in args.seeds.split(",")]
+    results = [run_seed(int(s), work, args.sft, args.grpo, args.threads) for s in args.seeds.split(",")]
     print(json.dumps({"sft": args.sft, "grpo": args.grpo, "results": results}))
     return 0
 

@@ -16,21 +16,19 @@ def addition_rows(pairs: list[tuple[int, int]]) -> list[dict[str, str]]:
     return [{"input": f"{a}+{b}=", "label": str(a + b)} for a, b in pairs]
 
 
-def write_addition_task(out_dir: Path, *, num_test: int = 200, max_operand: int = 99, seed: int = 0,
-                        warmup_max_operand: int | None = None) -> tuple[Path, Path]:
-    """Write train.jsonl and test.jsonl (held out); returns their paths. With `warmup_max_operand`, also
-    warmup.jsonl: the training pairs whose operands are all at most that (a part of the distribution to warm up on,
-    leaving the rest to RL)."""
+def write_addition_task(out_dir: Path, *, num_test: int = 200, max_operand: int = 99,
+                        seed: int = 0) -> tuple[Path, Path]:
+    """Write train.jsonl and test.jsonl (held out); returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pairs = addition_pairs(max_operand)
     random.Random(seed).shuffle(pairs)
-    splits = {"train": pairs[num_test:], "test": pairs[:num_test]}
-    if warmup_max_operand is not None:
-        splits["warmup"] = [(a, b) for a, b in splits["train"] if max(a, b) <= warmup_max_operand]
-    for name, split in splits.items():
-        (out_dir / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in addition_rows(split)))
-    return out_dir / "train.jsonl", out_dir / "test.jsonl"
+    paths = []
+    for name, split in (("train", pairs[num_test:]), ("test", pairs[:num_test])):
+        path = out_dir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in addition_rows(split)))
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def corpus() -> list[str]:
