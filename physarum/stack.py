@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from physarum.procs import (
+from services.common.procs import (
     HOST,
     ManagedProcess,
     cmdline_of,
@@ -75,7 +75,7 @@ def read_state(work_dir: Path = DEFAULT_WORK_DIR) -> dict | None:
 
 def up(options: StackOptions) -> dict:
     """Start the stack unless it is already up; returns its state (addresses and processes)."""
-    from services.rollout.router import start_router
+    from services.rollout.pool.router import start_router
 
     work_dir = options.work_dir.resolve()
     if (state := read_state(work_dir)) and all_alive(state):
@@ -196,7 +196,7 @@ def down(work_dir: Path = DEFAULT_WORK_DIR, grace_s: float = 20.0) -> list[str]:
 
 def _stop_leftover_engines(engine_dir: Path, grace_s: float) -> list[str]:
     """Engines a killed rollout manager left running (its engines.json: PID, start time and argv checked)."""
-    from services.rollout.launchers import LocalLauncher
+    from services.rollout.pool.launchers import LocalLauncher
 
     if not engine_dir.is_dir():
         return []

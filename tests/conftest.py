@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from physarum import procs, tasks, tinymodel
+from physarum import tasks, tinymodel
+from services.common import procs
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, fields
 
 from services.common.errors import InvalidArgument
-from services.rollout.engine.scheduler import Request, SamplingParams, Scheduler
+from services.engine.scheduler import Request, SamplingParams, Scheduler
 
 # The keys SGLang's SamplingParams accepts; any other key is rejected with 400, as SGLang does.
 SAMPLING_KEYS = frozenset({

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
-from services.rollout.engine.generation import Engine
+from services.engine.generation import Engine
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ class RolloutConfig:
     loss_type: str = "policy_loss"  # "sft_loss": samples are prompt + label, no generation
     lease_timeout_s: float = 300.0
     args: dict[str, Any] = field(default_factory=dict)  # the whole job spec, for plugins
-    # Generation features (issue 5); see services/rollout/manager.py.
+    # Generation features (issue 5); see services/rollout/generation/manager.py.
     over_sampling_batch_size: int = 0  # groups leased per refill; 0: rollout_batch_size
     dynamic_sampling_filter_path: str = ""
     partial_rollout: bool = False

@@ -13,9 +13,9 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.common.config import load_config
+from services.engine.config import EngineConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.engine.config import EngineConfig
 from services.trainer.config import TrainerConfig
 from tests.chart.chart import (
     ROOT,
@@ -37,7 +37,7 @@ SERVICES = {
     "buffer": ("services.buffer", BufferConfig),
     "reward": ("services.reward", RewardConfig),
     "rollout": ("services.rollout", RolloutManagerConfig),
-    "engine": ("services.rollout.engine", EngineConfig),
+    "engine": ("services.engine", EngineConfig),
     "trainer": ("services.trainer", TrainerConfig),
 }
 # Settings the chart passes that the services do not read yet: the job API's bearer token (issue 6). load_config

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from physarum import procs, stack
+from physarum import stack
+from services.common import procs
 from services.rollout.client import EngineState, RolloutClient
-from services.rollout.router import RouterClient
+from services.rollout.pool.router import RouterClient
 from services.trainer.client import TERMINAL_STATES
 from tests.e2e import durability as d
 from tests.e2e.test_loop import job_spec

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from physarum import procs
+from services.common import procs
 
 SUBNET = "10.200.0"  # /24; never routed outside the namespaces made here
 SWITCH_IFNAME = "br0"

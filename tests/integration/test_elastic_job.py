@@ -22,13 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.errors import NotFound
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.router import start_router
+from services.rollout.pool.router import start_router
 from services.trainer.client import JobsRestClient
 from tests.integration.inprocess import InProcessManager
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from physarum import procs
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import EngineState, PoolStatus, RolloutClient
-from services.rollout.router import RouterClient, start_router
+from services.rollout.pool.router import RouterClient, start_router
 
 DELAY_S = 0.02
 INTERVAL_S, TIMEOUT_S = 0.5, 2.0

@@ -17,14 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status, group_id_for
 from services.common.sglang import SGLangClient
 from services.rollout.client import EngineInfo, RolloutClient, RolloutConfig, RolloutState
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import start_router
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.pool.router import start_router
 
 REWARD_FN = "tests.integration.rollout_rewards.response_length_reward"
 
@@ -117,7 +117,7 @@ def stack(redis_url, tiny_model_dir, tmp_path_factory):
         started.append(start_router(router_port, procs.free_port(), work / "router.log"))
         engine_port = procs.free_port()
         engine = procs.ManagedProcess("engine", procs.python_module(
-            "services.rollout.engine", "--host", procs.HOST, "--port", str(engine_port), "--model-path",
+            "services.engine", "--host", procs.HOST, "--port", str(engine_port), "--model-path",
             str(tiny_model_dir), "--num-threads", "1"), work / "engine.log").start()
         started.append(engine)
         engine_url = f"http://{procs.HOST}:{engine_port}"

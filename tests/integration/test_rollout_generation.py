@@ -15,15 +15,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status
 from services.reward.client import RewardClient
 from services.rollout.client import RolloutConfig, RolloutState
-from services.rollout.manager import RolloutManager
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import RouterClient, start_router
+from services.rollout.generation.manager import RolloutManager
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.pool.router import RouterClient, start_router
 
 FAST_DELAY_S, SLOW_DELAY_S = 0.005, 0.04  # per decode step
 MAX_LEN = 20  # tokens: a fast request takes 0.1 s, a slow one 0.8 s
@@ -108,7 +108,7 @@ def stack(redis_url, fake_model, tmp_path_factory):
             started.append(procs.ManagedProcess(name, argv, work / f"{name}.log").start())
         engines = {}
         for name, delay_s in (("fast", FAST_DELAY_S), ("slow", SLOW_DELAY_S)):
-            argv = procs.python_module("services.rollout.engine", "--host", procs.HOST, "--port", str(ports[name]),
+            argv = procs.python_module("services.engine", "--host", procs.HOST, "--port", str(ports[name]),
                                        "--model-path", str(fake_model), "--fake-compute", "true",
                                        "--per-token-delay-s", str(delay_s))
             started.append(procs.ManagedProcess(f"engine-{name}", argv, work / f"engine-{name}.log").start())

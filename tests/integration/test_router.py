@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import DeadlineExceeded, NotFound
 from services.common.sglang import SGLangClient
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import RouterClient, start_router
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.pool.router import RouterClient, start_router
 from tests.integration.engine_fixtures import start_engines, stop_engines
 
 

@@ -10,8 +10,8 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.common.samples import SampleGroup, Status, group_id_for
 from services.rollout.client import RolloutConfig, RolloutState
-from services.rollout.manager import RolloutManager
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.manager import RolloutManager
+from services.rollout.generation.prompts import PromptEncoder
 from tests.unit.rollout_fakes import (
     JOB,
     Engine,

@@ -14,7 +14,7 @@ import httpx
 
 from services.common.samples import Prompt, Sample
 from services.rollout.client import RolloutConfig
-from services.rollout.generate import (
+from services.rollout.generation.generate import (
     GenerateContext,
     RolloutSample,
     load_generate_function,
@@ -24,9 +24,9 @@ from services.rollout.generate import (
     sampling_params,
     use_context,
 )
-from services.rollout.partial import FINISHED
-from services.rollout.prompts import PromptEncoder
-from services.rollout.scoring import load_group_reward
+from services.rollout.generation.partial import FINISHED
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.scoring import load_group_reward
 
 
 @dataclass

@@ -20,14 +20,14 @@ import httpx
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
-from services.rollout import filters
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
-from services.rollout.evaluation import run_eval
-from services.rollout.generate import STICKY_POLICIES
-from services.rollout.groups import Generation, generate_group, new_generation, new_sample
-from services.rollout.partial import PartialGroups, prepare_resumed
-from services.rollout.prompts import PromptEncoder
-from services.rollout.scoring import score_group
+from services.rollout.generation import filters
+from services.rollout.generation.evaluation import run_eval
+from services.rollout.generation.generate import STICKY_POLICIES
+from services.rollout.generation.groups import Generation, generate_group, new_generation, new_sample
+from services.rollout.generation.partial import PartialGroups, prepare_resumed
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.scoring import score_group
 
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient

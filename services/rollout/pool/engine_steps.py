@@ -15,7 +15,7 @@ from services.common.errors import PhysarumError, Unavailable
 from services.rollout.client import EngineState
 
 if TYPE_CHECKING:
-    from services.rollout.pool import EnginePool
+    from services.rollout.pool.pool import EnginePool
 
 log = logging.getLogger(__name__)
 

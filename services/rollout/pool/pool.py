@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument, PhysarumError
 from services.common.sglang import AsyncSGLangClient
-from services.rollout import engine_steps as steps
 from services.rollout.client import EngineInfo, EngineState, EngineStatus, PoolStatus, ScaleEvent, WeightSyncPlan
-from services.rollout.engine_steps import EngineRecord
-from services.rollout.launchers import EngineLauncher
-from services.rollout.metrics import PoolMetrics
-from services.rollout.registrations import Registrations
-from services.rollout.router import RouterClient
+from services.rollout.pool import engine_steps as steps
+from services.rollout.pool.engine_steps import EngineRecord
+from services.rollout.pool.launchers import EngineLauncher
+from services.rollout.pool.metrics import PoolMetrics
+from services.rollout.pool.registrations import Registrations
+from services.rollout.pool.router import RouterClient
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from services.common.http_client import HttpClient
 
