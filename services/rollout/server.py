@@ -20,8 +20,9 @@ from services.rollout import rest
 from services.rollout.client import config_from_proto, engine_to_proto, pool_status_to_proto, status_to_proto
 from services.rollout.config import RolloutManagerConfig
 from services.rollout.generation.manager import RolloutManager
+from services.rollout.pool.config import PoolConfig
 from services.rollout.pool.launchers import EngineLauncher, KubernetesLauncher, LocalLauncher, cpu_engine_argv
-from services.rollout.pool.pool import EnginePool, PoolConfig
+from services.rollout.pool.pool import EnginePool
 from services.rollout.pool.router import RouterClient
 from services.rollout.pool.sglang_launcher import parse_sglang_options, sglang_server_argv
 
