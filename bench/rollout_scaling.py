@@ -26,7 +26,7 @@ from physarum import tasks, tinymodel  # noqa: E402
 from services.common import procs  # noqa: E402
 from services.common.grpc_client import wait_for_health  # noqa: E402
 from services.rollout.client import EngineState, RolloutClient  # noqa: E402
-from services.rollout.pool.router import start_router  # noqa: E402
+from services.rollout.local import start_router  # noqa: E402
 
 MAX_NEW_TOKENS = 16
 

@@ -28,7 +28,7 @@ from services.common.errors import NotFound
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.pool.router import start_router
+from services.rollout.local import start_router
 from services.trainer.client import JobsRestClient
 from tests.integration.inprocess import InProcessManager
 

@@ -19,7 +19,8 @@ import pytest
 from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import EngineState, PoolStatus, RolloutClient
-from services.rollout.pool.router import RouterClient, start_router
+from services.rollout.local import start_router
+from services.rollout.pool.router import RouterClient
 
 DELAY_S = 0.02
 INTERVAL_S, TIMEOUT_S = 0.5, 2.0

@@ -24,7 +24,7 @@ from services.common.samples import Status, group_id_for
 from services.common.sglang import SGLangClient
 from services.rollout.client import EngineInfo, RolloutClient, RolloutConfig, RolloutState
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.pool.router import start_router
+from services.rollout.local import start_router
 
 REWARD_FN = "tests.integration.rollout_rewards.response_length_reward"
 

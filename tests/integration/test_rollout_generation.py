@@ -23,7 +23,8 @@ from services.reward.client import RewardClient
 from services.rollout.client import RolloutConfig, RolloutState
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.pool.router import RouterClient, start_router
+from services.rollout.local import start_router
+from services.rollout.pool.router import RouterClient
 
 FAST_DELAY_S, SLOW_DELAY_S = 0.005, 0.04  # per decode step
 MAX_LEN = 20  # tokens: a fast request takes 0.1 s, a slow one 0.8 s

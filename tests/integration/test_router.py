@@ -13,7 +13,8 @@ from services.common import procs
 from services.common.errors import DeadlineExceeded, NotFound
 from services.common.sglang import SGLangClient
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.pool.router import RouterClient, start_router
+from services.rollout.local import start_router
+from services.rollout.pool.router import RouterClient
 from tests.integration.engine_fixtures import start_engines, stop_engines
 
 

@@ -17,7 +17,7 @@ import torch
 from services.common import procs
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.pool.router import start_router
+from services.rollout.local import start_router
 from services.trainer.weight_sync import WeightBroadcaster, WeightSyncError, sync_engine_pool
 from tests.integration.inprocess import InProcessManager
 

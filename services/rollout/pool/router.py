@@ -1,4 +1,4 @@
-"""The real sglang-router: start it as a local process, and register or remove its workers over its REST API.
+"""The real sglang-router's worker API: register or remove workers, list them (local.py starts a router process).
 
 Only /generate goes through the router; admin calls go to each engine directly (reference/sglang-protocol.md §1).
 """
@@ -6,31 +6,11 @@ Only /generate goes through the router; admin calls go to each engine directly (
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import httpx
 
-from services.common import procs
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from services.common.http_client import HttpClient
-
-
-def start_router(port: int, prometheus_port: int, log_path: Path, policy: str = "round_robin",
-                 timeout_s: float = 30.0) -> procs.ManagedProcess:
-    """Start sglang-router on 127.0.0.1:port; return once GET /liveness answers 200."""
-    argv = procs.python_module("sglang_router.launch_router", "--host", procs.HOST, "--port", str(port),
-                               "--prometheus-host", procs.HOST, "--prometheus-port", str(prometheus_port),
-                               "--log-level", "warn", "--policy", policy)
-    proc = procs.ManagedProcess("sglang-router", argv, Path(log_path)).start()
-    client = RouterClient(f"http://{procs.HOST}:{port}", timeout_s=2.0)
-    try:
-        proc.wait_ready(client.live, timeout_s=timeout_s)
-    except Exception:
-        proc.stop()
-        raise
-    finally:
-        client.close()
-    return proc
 
 
 class RouterClient(HttpClient):
