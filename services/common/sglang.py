@@ -212,7 +212,9 @@ class AsyncSGLangClient:
 
     async def abort_request(self, url: str, rid: str = "", abort_all: bool = False,
                             timeout_s: float | None = None) -> None:
-        await self._request(url, "POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, timeout_s)
+        """Abort request `rid`, or every request with abort_all (the body names only the one that applies)."""
+        body = {"abort_all": True} if abort_all else {"rid": rid}
+        await self._request(url, "POST", "/abort_request", body, timeout_s)
 
     async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str | None = None,
                                        timeout_s: float | None = None) -> dict:
