@@ -3,7 +3,7 @@
 # settings from flags or PHYSARUM_ENGINE_* (README "Configuration"); the model directory is mounted at run time.
 # VARIANT=cpu (default): python slim + the CPU build of torch 2.13.0; VARIANT=gpu: the CUDA runtime base + the CUDA
 # build (the engine itself still computes on CPU). On GPU nodes the engine is SGLang itself, from SGLang's own image
-# (reference/sglang-protocol.md §2), which this repository does not build: point the engine Deployment at e.g.
+# (SGLang's own Docker images), which this repository does not build: point the engine Deployment at e.g.
 # lmsysorg/sglang:v0.5.23-cu130 with `python3 -m sglang.launch_server`; manager and trainer speak one HTTP API to both.
 # Build from the repository root: docker build -f deploy/docker/engine.Dockerfile -t physarum/engine .  (or make images)
 ARG VARIANT=cpu

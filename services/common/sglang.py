@@ -1,6 +1,6 @@
 """Clients for the SGLang HTTP API of one engine (a real SGLang server or Physarum's CPU engine).
 
-Speaks exactly SGLang's request and response shapes (reference/sglang-protocol.md §3); every call has a timeout.
+Speaks exactly SGLang's request and response shapes; every call has a timeout.
 Admin calls go to each engine directly: the router answers 404 for them. Tolerates SGLang releases: `/model_info` or
 the older `/get_model_info` (and `/server_info` or `/get_server_info`); `/begin_weight_update` and
 `/end_weight_update` present (0.5.23+, then required) or absent (older releases, then skipped).

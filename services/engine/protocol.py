@@ -1,4 +1,4 @@
-"""SGLang's /generate wire format (reference/sglang-protocol.md §3.1-3.2): request bodies to Requests, and back.
+"""SGLang's /generate wire format (GenerateReqInput fields, meta_info replies): request bodies to Requests, and back.
 
 Validation errors are InvalidArgument naming the field; the server answers them with HTTP 400.
 """

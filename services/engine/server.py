@@ -1,4 +1,4 @@
-"""The CPU engine's HTTP server: SGLang's endpoints and JSON shapes (reference/sglang-protocol.md §3).
+"""The CPU engine's HTTP server: SGLang's endpoints and JSON shapes.
 
 Handlers never block the event loop: generation runs on the scheduler thread, lock waits and process-group calls
 in worker threads. The model loads in the background; /health answers 503 until it is ready. Torch is imported only

@@ -39,7 +39,7 @@ class RolloutConfig:
     loss_type: str = "policy_loss"  # "sft_loss": samples are prompt + label, no generation
     lease_timeout_s: float = 300.0
     args: dict[str, Any] = field(default_factory=dict)  # the whole job spec, for plugins
-    # Generation features (issue 5); see services/rollout/generation/manager.py.
+    # Generation features: over-sampling, dynamic filter, partial rollout, custom generate (rollout/generation/).
     over_sampling_batch_size: int = 0  # groups leased per refill; 0: rollout_batch_size
     dynamic_sampling_filter_path: str = ""
     partial_rollout: bool = False
@@ -255,7 +255,7 @@ class RolloutClient(GrpcClient):
 
     def run_eval(self, config: RolloutConfig, rollout_id: int, weight_version: str,
                  timeout_s: float = 600.0) -> dict[str, float]:
-        """Evaluate on config.eval_prompt_data and wait: eval/<name>, eval/<name>-pass@k, ... (issue 5).
+        """Evaluate on config.eval_prompt_data and wait: eval/<name>, eval/<name>-pass@k, ...
 
         Idempotent per (job_id, rollout_id): a retried call joins the eval already running.
         """

@@ -40,7 +40,7 @@ SERVICES = {
     "engine": ("services.engine", EngineConfig),
     "trainer": ("services.trainer", TrainerConfig),
 }
-# Settings the chart passes that the services do not read yet: the job API's bearer token (issue 6). load_config
+# Settings the chart passes that the services do not read yet: the job API's bearer token. load_config
 # ignores unknown variables, so it is harmless until the trainer reads it.
 PENDING_FIELDS: dict[str, set[str]] = {}
 RELEASE_PEER = {"app.kubernetes.io/instance": "demo", "app.kubernetes.io/part-of": "physarum"}

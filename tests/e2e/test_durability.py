@@ -1,4 +1,4 @@
-"""Durability (issue 7): a process of the stack SIGKILLed in the middle of an asynchronous job — the trainer, the
+"""Durability: a process of the stack SIGKILLed in the middle of an asynchronous job — the trainer, the
 rollout manager, the buffer, Redis — and started again; the job still succeeds, each rollout trained exactly the
 groups the buffer assigned it (its debug dump against Redis), and Redis shows no prompt lost and none trained twice.
 

@@ -1,5 +1,5 @@
 """KubernetesEngineLauncher against kmock over real HTTP: the exact /scale PATCH, pods listed and watched by label,
-404/409/500 and connection errors retried with backoff, and a timeout on every watch (reference/k8s.md §3).
+404/409/500 and connection errors retried with backoff, and a timeout on every watch.
 
 kmock 0.8 serves the Kubernetes API in memory on 127.0.0.1; it runs on its own event loop in a thread because the
 official client is synchronous. Its caveats, handled here: it ignores ?labelSelector= (patched below) and

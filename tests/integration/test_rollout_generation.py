@@ -1,4 +1,4 @@
-"""Generation features (issue 5) against the real sglang-router and real engine processes in fake-compute mode (each
+"""Generation features against the real sglang-router and real engine processes in fake-compute mode (each
 decode step waits a fixed delay, so which request is still running when is known): over-sampling with abort,
 partial rollout across two rollouts, session affinity under the manual policy, and eval. Buffer and reward are real
 services; the manager runs in-process, as the service builds it, so the tests can look at what it keeps.

@@ -172,7 +172,7 @@ def test_sft_without_label_fails_naming_the_prompt(tiny_model_dir):
     assert status.state == RolloutState.FAILED and "prompt 0 has none" in status.error
 
 
-# ----- over-sampling, abort, dynamic filters, custom generate functions (issue 5) -----
+# ----- over-sampling, abort, dynamic filters, custom generate functions -----
 
 def held_for(prompts: set[int], text: str = "12"):
     """A router script: requests for `prompts` are held until an engine is told to abort, the rest answered."""
