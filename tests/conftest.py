@@ -1,4 +1,5 @@
-"""Session fixtures: real processes started once per test session, stopped by their recorded PIDs."""
+"""Markers by folder, and session fixtures: real processes started once per test session, stopped by their recorded
+PIDs (the router and engine fixtures of the integration tests are in tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ import pytest
 
 from physarum import tasks, tinymodel
 from services.common import procs
+
+TESTS = Path(__file__).resolve().parent
+KIND_BY_FOLDER = {"unit": "unit", "chart": "unit", "integration": "integration", "e2e": "e2e"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """unit, integration or e2e from the test's folder under tests/, so `-m "not e2e and not slow"` is the fast set."""
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if TESTS in path.parents:
+            kind = KIND_BY_FOLDER.get(path.relative_to(TESTS).parts[0])
+            if kind is not None:
+                item.add_marker(kind)
 
 
 @pytest.fixture(scope="session")

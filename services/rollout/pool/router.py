@@ -1,4 +1,4 @@
-"""The real sglang-router's worker API: register or remove workers, list them (local.py starts a router process).
+"""The real sglang-router's worker API: register or remove workers, list them (../local.py starts a router process).
 
 Only /generate goes through the router; admin calls (pause, abort, weight updates) go to each engine directly.
 """
