@@ -13,6 +13,9 @@ from services.common import procs
 
 TESTS = Path(__file__).resolve().parent
 KIND_BY_FOLDER = {"unit": "unit", "chart": "unit", "integration": "integration", "e2e": "e2e"}
+# Integration modules over about half a minute on 2 cores (pytest --durations), left out of make test-fast; a module
+# may also set pytestmark = pytest.mark.slow itself (test_elastic_job.py).
+SLOW_MODULES = {"integration/test_weight_sync.py", "integration/test_netns_weight_sync.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -20,9 +23,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         path = Path(str(item.fspath)).resolve()
         if TESTS in path.parents:
-            kind = KIND_BY_FOLDER.get(path.relative_to(TESTS).parts[0])
+            relative = path.relative_to(TESTS)
+            kind = KIND_BY_FOLDER.get(relative.parts[0])
             if kind is not None:
                 item.add_marker(kind)
+            if relative.as_posix() in SLOW_MODULES:
+                item.add_marker("slow")
 
 
 @pytest.fixture(scope="session")

@@ -19,3 +19,10 @@ def test_each_folder_gets_its_marker_and_files_outside_tests_get_none(tmp_path):
              item(TESTS / "plugins" / "reward_fns.py"), item(tmp_path / "test_elsewhere.py")]
     pytest_collection_modifyitems(None, items)
     assert [i.marks for i in items] == [["unit"], ["unit"], ["integration"], ["e2e"], [], []]
+
+
+def test_the_slow_integration_modules_are_marked_slow_too():
+    folder = TESTS / "integration"
+    items = [item(folder / "test_weight_sync.py"), item(folder / "test_weight_sync_pool.py")]
+    pytest_collection_modifyitems(None, items)
+    assert [i.marks for i in items] == [["integration", "slow"], ["integration"]]
