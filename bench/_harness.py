@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from physarum import procs  # noqa: E402
+from services.common import procs  # noqa: E402
 
-ENGINE_MODULE = "services.rollout.engine"  # the CPU engine's package (python -m ...)
+ENGINE_MODULE = "services.engine"  # the CPU engine's package (python -m ...)
 
 
 def machine() -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._harness import emit, median, print_table, start_grpc_service  # noqa: E402
-from physarum import procs  # noqa: E402
 from services.buffer.client import BufferClient  # noqa: E402
+from services.common import procs  # noqa: E402
 from services.common.samples import Sample, SampleGroup, Status, group_id_for, group_to_proto  # noqa: E402
 
 JOB = "bench-buffer"

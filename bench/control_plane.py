@@ -21,10 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._harness import emit, print_table, start_grpc_service, wait_until  # noqa: E402
-from physarum import procs, tasks, tinymodel  # noqa: E402
+from physarum import tasks, tinymodel  # noqa: E402
 from services.buffer.client import BufferClient  # noqa: E402
+from services.common import procs  # noqa: E402
 from services.rollout.client import EngineState, RolloutClient, RolloutConfig  # noqa: E402
-from services.rollout.router import start_router  # noqa: E402
+from services.rollout.local import start_router  # noqa: E402
 
 JOB = "bench-control-plane"
 NEW_TOKENS = 16

@@ -17,8 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._harness import emit, percentile, print_table, start_engine  # noqa: E402
-from physarum import procs, tasks, tinymodel  # noqa: E402
-from services.rollout.router import RouterClient, start_router  # noqa: E402
+from physarum import tasks, tinymodel  # noqa: E402
+from services.common import procs  # noqa: E402
+from services.rollout.local import start_router  # noqa: E402
+from services.rollout.pool.router import RouterClient  # noqa: E402
 
 
 def latencies(http, urls: dict[str, str], body: dict, num_requests: int) -> dict[str, list[float]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._harness import build_sync_model, emit, named_weights, print_table, start_engine  # noqa: E402
-from physarum import procs  # noqa: E402
+from services.common import procs  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=300)
 

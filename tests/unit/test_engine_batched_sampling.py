@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from services.rollout.engine.generation import Request, SamplingParams, plain, sample_rows
+from services.engine.generation import Request, SamplingParams, plain, sample_rows
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()
