@@ -84,6 +84,9 @@ class JobSpec(BaseModel):
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     seed: int = 1234
+    bf16: bool | None = None               # None: bf16 on CUDA, float32 on CPU (slime's --bf16)
+    fp16: bool = False                     # refused by TrainConfig: no loss scaling
+    allow_tf32: bool = True
     save_hf: str = ""                      # export the final model here ("{rollout_id}" is filled in)
     # Weight sync and timeouts (Physarum's own).
     update_weight_buffer_size: int = 64 << 20

@@ -78,6 +78,10 @@ class TrainConfig:
     adam_eps: float = field(1e-8, "Adam epsilon")
     clip_grad: float = field(1.0, "max global gradient norm; 0 disables clipping")
     seed: int = field(1234, "random seed of the trainer")
+    bf16: bool | None = field(None, "train in bfloat16 (fp32 master weights, log-probs and losses); None: bf16 on "
+                                    "CUDA, float32 on CPU (slime's --bf16)")
+    fp16: bool = field(False, "slime's --fp16: refused (no loss scaling); use bf16")
+    allow_tf32: bool = field(True, "TF32 tensor cores for float32 matmuls on CUDA; false: bit-faithful float32")
 
     def __post_init__(self) -> None:
         def one_of(name: str, valid) -> None:
@@ -89,6 +93,9 @@ class TrainConfig:
             if value is not None and not ok(value):
                 raise ValueError(f"{name} must be {rule}, got {value}")
 
+        if self.fp16:
+            raise ValueError("fp16: not supported (fp16 training needs dynamic loss scaling, which Physarum does not "
+                             "implement); use bf16")
         one_of("loss_type", LOSS_TYPES)
         one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
         one_of("kl_loss_type", KL_LOSS_TYPES)
