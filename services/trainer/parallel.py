@@ -133,6 +133,8 @@ def init_world(*, rank: int, world_size: int, master_addr: str, master_port: int
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
     rank_device = devices.rank_device(device)
+    if backend == "auto":
+        backend = "nccl" if rank_device.type == "cuda" else "gloo"
     if backend == "nccl" and rank_device.type != "cuda":
         raise ValueError("dist_backend nccl needs the ranks on CUDA devices (device cpu, or no CUDA visible)")
     if world_size == 1:
@@ -175,6 +177,8 @@ def shard_model(model: torch.nn.Module, world: World, *, param_dtype: torch.dtyp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if world.device.type == "cuda" and world.backend != "nccl":
+        raise InvalidArgument(f"FSDP on CUDA ranks needs dist_backend nccl, not {world.backend}")
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
     layers = _decoder_layers(model)

@@ -55,6 +55,9 @@ class MegatronBackend:
         if config.use_critic:
             raise InvalidArgument("train_backend megatron: advantage_estimator 'ppo' needs a critic, which this "
                                   "backend does not train; use train_backend fsdp")
+        if world is not None and world.device.type == "cpu" and torch.cuda.is_available():
+            raise InvalidArgument("train_backend megatron on device cpu while CUDA is visible: Megatron takes every "
+                                  "visible GPU; hide them (CUDA_VISIBLE_DEVICES=) to train on the CPU")
         self.model_path = Path(model_path)
         self.config = config
         self.megatron_args = margs.split(megatron_args)
