@@ -179,7 +179,7 @@ def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
     backend = make_backend(spec, world, deps.num_threads)
     start_id = resume(spec, backend, deps)
     broadcaster = WeightBroadcaster([], master_address=deps.master_address, backend=spec.weight_sync_backend,
-                                    timeout_s=spec.weight_sync_timeout_s,
+                                    timeout_s=spec.weight_sync_timeout_s, model_dir=spec.hf_checkpoint,
                                     bucket_bytes=spec.update_weight_buffer_size) if lead and engines else None
     writer = metrics_writer(spec, deps) if lead else None
     feed = RolloutFeed(spec, deps, ctx) if lead else None
