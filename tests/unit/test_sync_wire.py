@@ -41,7 +41,7 @@ def test_a_blocked_local_side_is_aborted_at_the_deadline():
         _alongside([Engine("http://a"), Engine("http://b")], "update", lambda i, c: time.sleep(0.05 if i else 30),
                    lambda: released.wait(30), 0.5, on_stuck=released.set)
     assert released.is_set() and time.monotonic() - start < 5
-    assert err.value.failed_urls == ("http://b",)  # the engine that never answered
+    assert err.value.failed_urls == ("http://a",)  # the engine that never answered
 
 
 def test_a_failing_engine_aborts_at_once_without_waiting_for_the_deadline():
