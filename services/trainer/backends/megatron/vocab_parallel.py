@@ -34,6 +34,10 @@ def vocab_parallel_log_probs_and_entropy(logits: torch.Tensor, targets: torch.Te
     targets: [...] int64 global token ids. Returns (log_probs, entropy), each [...] float32, identical on every
     rank of the group. With tp_size 1 this equals `algorithms.losses.token_log_probs_and_entropy`.
     """
+    if tp_size == 1:  # the whole vocabulary here: the fused log-softmax path
+        from services.trainer.algorithms.losses import token_log_probs_and_entropy
+
+        return token_log_probs_and_entropy(logits[..., :vocab_size], targets, temperature=temperature)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
