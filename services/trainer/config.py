@@ -10,6 +10,7 @@ from services.common.config import field
 
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")  # devices.DEVICES, kept here so the config imports no torch
+WEIGHT_SYNC_BACKENDS = ("auto", "gloo", "nccl")  # the job spec's weight_sync_backend values
 TRAIN_BACKENDS = ("fsdp", "megatron")  # the job spec's train_backend values (a unit test keeps them equal)
 
 
@@ -40,6 +41,8 @@ class TrainerConfig:
                                           "rank-0-only phase (a job's rollout_timeout_s, a weight sync)")
     default_train_backend: str = field("fsdp", "train_backend of submitted jobs that name none: fsdp (torch FSDP2) "
                                                "or megatron (megatron-core, TP/PP)")
+    default_weight_sync_backend: str = field("auto", "weight_sync_backend of submitted jobs that name none: auto "
+                                                     "(nccl to GPU engines on other hosts from CUDA ranks), nccl, gloo")
     tensorboard_dir: str = field("", "write TensorBoard event files under DIR/<job_id> (default: <save>/tensorboard "
                                      "for jobs with `save`)")
 
@@ -57,5 +60,8 @@ class TrainerConfig:
         if self.default_train_backend not in TRAIN_BACKENDS:
             raise ValueError(f"default_train_backend must be one of {', '.join(TRAIN_BACKENDS)}, got "
                              f"{self.default_train_backend!r}")
+        if self.default_weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
+            raise ValueError(f"default_weight_sync_backend must be one of {', '.join(WEIGHT_SYNC_BACKENDS)}, got "
+                             f"{self.default_weight_sync_backend!r}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")

@@ -30,7 +30,8 @@ class LaunchConfig:
     pod_index: int = field(int(os.environ.get("POD_INDEX", "0")), "this pod's index among the trainer's pods "
                                                                    "(default: $POD_INDEX)")
     num_pods: int = field(int(os.environ.get("NUM_PODS", "1")), "trainer pods (default: $NUM_PODS)")
-    nproc_per_pod: int = field(0, "ranks in this pod; 0: one per visible CUDA device (one without CUDA)")
+    nproc_per_pod: int = field(int(os.environ.get("NPROC_PER_POD", "0")), "ranks in this pod; 0: one per visible "
+                                                                           "CUDA device (one without CUDA)")
     rank_module: str = field("", "run `python -m MODULE` on every rank instead of the trainer (a diagnostic)")
 
     def __post_init__(self) -> None:

@@ -169,3 +169,17 @@ def test_rank_device():
             devices.rank_device("cuda")
     with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
         devices.rank_device("tpu")
+
+
+def test_torch_free_copies_of_the_choices_match():
+    import typing
+
+    from services.trainer import config
+    from services.trainer.spec import JobSpec
+    from services.trainer.spec_defaults import spec_defaults
+
+    assert config.DEVICES == devices.DEVICES
+    assert set(config.WEIGHT_SYNC_BACKENDS) == set(typing.get_args(JobSpec.model_fields["weight_sync_backend"]
+                                                                   .annotation))
+    trainer = config.TrainerConfig(default_weight_sync_backend="nccl")
+    assert spec_defaults(trainer)["weight_sync_backend"] == "nccl"
