@@ -166,6 +166,7 @@ def rollout_only(spec: JobSpec, ctx: JobContext, deps: TrainerDeps) -> None:
 
 def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
     """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks)."""
+    from services.trainer.shm_sync import SharedMemoryBroadcaster
     from services.trainer.weight_sync import WeightBroadcaster
 
     world = deps.world
@@ -178,7 +179,8 @@ def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
         world.on_rank0(lambda: load_dataset(spec, deps, ctx))
     backend = make_backend(spec, world, deps.num_threads)
     start_id = resume(spec, backend, deps)
-    broadcaster = WeightBroadcaster([], master_address=deps.master_address, backend=spec.weight_sync_backend,
+    sync_cls = SharedMemoryBroadcaster if spec.weight_sync_backend == "shm" else WeightBroadcaster
+    broadcaster = sync_cls([], master_address=deps.master_address, backend=spec.weight_sync_backend,
                                     timeout_s=spec.weight_sync_timeout_s, model_dir=spec.hf_checkpoint,
                                     bucket_bytes=spec.update_weight_buffer_size) if lead and engines else None
     writer = metrics_writer(spec, deps) if lead else None

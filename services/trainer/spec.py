@@ -90,7 +90,8 @@ class JobSpec(BaseModel):
     save_hf: str = ""                      # export the final model here ("{rollout_id}" is filled in)
     # Weight sync and timeouts (Physarum's own).
     update_weight_buffer_size: int = 64 << 20
-    weight_sync_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl to remote GPU engines from CUDA
+    # auto: nccl to remote GPU engines from CUDA, else gloo; shm: same-host engines through /dev/shm
+    weight_sync_backend: Literal["auto", "gloo", "nccl", "shm"] = "auto"
     weight_sync_timeout_s: float = 60.0
     lease_timeout_s: float = 60.0
     reward_timeout_s: float = 10.0
