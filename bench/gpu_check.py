@@ -2,7 +2,7 @@
 
 1. Both backends' GRPO steps on CUDA against the same steps on CPU, float32 with TF32 off: losses equal within
    1e-5, log-probs within 1e-4; bf16 on CUDA reported next to them.
-2. Two FSDP ranks over NCCL (when two GPUs are visible).
+2. With two GPUs: the NCCL weight sync's failure case, the launcher and the bf16 tests.
 3. The demo with the trainer and a CPU engine on the GPU (`physarum.demo --device cuda --engine-device cuda`).
 4. The throughput table (bench/trainer_throughput.py) in bf16 and float32.
 
@@ -96,11 +96,13 @@ def parity(tmp: Path) -> list[tuple[str, bool, str]]:
     return rows
 
 
-def two_ranks() -> tuple[str, bool, str]:
-    if torch.cuda.device_count() < 2:
-        return ("two FSDP ranks over NCCL", True, f"skipped: {torch.cuda.device_count()} GPU visible, 2 needed")
-    proc = run(["-m", "pytest", "-q", "-x", "tests/integration/test_launch.py", "tests/integration/test_precision.py"])
-    return ("two ranks (launcher) and bf16 tests", proc.returncode == 0, proc.stdout.strip().splitlines()[-1])
+def two_gpus() -> tuple[str, bool, str]:
+    if (count := torch.cuda.device_count()) < 2:
+        return ("NCCL weight sync failure (two GPUs)", True, f"skipped: {count} GPU visible, 2 needed")
+    proc = run(["-m", "pytest", "-q", "-x", "tests/integration/test_weight_sync_nccl.py",
+                "tests/integration/test_launch.py", "tests/integration/test_precision.py"])
+    return ("NCCL weight sync failure, launcher, bf16 tests", proc.returncode == 0,
+            proc.stdout.strip().splitlines()[-1])
 
 
 def demo() -> tuple[str, bool, str]:
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = parity(Path(tmp))
-    rows.append(two_ranks())
+    rows.append(two_gpus())
     if not args.skip_demo:
         rows.append(demo())
     if not args.skip_throughput:
