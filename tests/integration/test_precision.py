@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.batch import build_rollout_batch
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
 REPO = Path(__file__).resolve().parents[2]

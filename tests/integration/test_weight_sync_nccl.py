@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from services.trainer.weight_sync import WeightBroadcaster, WeightSyncError
+from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError
 from tests.integration.engine_fixtures import start_engines, stop_engines
 from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has, base_weights, perturbed
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from services.common.samples import Sample
-from services.trainer import devices, rl_step
+from services.trainer import devices
 from services.trainer.algorithms.kl import KL_LOSS_TYPES, compute_approx_kl
+from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.batch import build_rollout_batch
 from services.trainer.parallel import World
 from tests.device_check import DeviceMismatch, SameDevice
 from tests.unit.test_fsdp_rl import ESTIMATOR_CONFIGS
@@ -47,7 +48,7 @@ def test_the_check_catches_what_meta_alone_lets_through():
 
 
 def test_the_factory_rule_flags_project_code_only():
-    from services.trainer.batch import RolloutBatch
+    from services.trainer.backends.batch import RolloutBatch
 
     batch = host_batch()
     with SameDevice(named_factories=True):

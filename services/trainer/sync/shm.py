@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from services.common.sglang import SGLangClient
-from services.trainer.weight_sync import WeightBroadcaster, WeightSyncError, _on_all, write_snapshot
+from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, _on_all, write_snapshot
 
 log = logging.getLogger(__name__)
 
