@@ -95,10 +95,13 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from services.trainer.backends.megatron.attention import SDPAttention
+
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention  # torch's fused kernels
     with cpu_compat.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
