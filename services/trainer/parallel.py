@@ -180,7 +180,7 @@ def shard_model(model: torch.nn.Module, world: World, *, param_dtype: torch.dtyp
     if world.device.type == "cuda" and world.backend != "nccl":
         raise InvalidArgument(f"FSDP on CUDA ranks needs dist_backend nccl, not {world.backend}")
     mesh = init_device_mesh(world.device.type, (world.world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)  # the losses upcast
     layers = _decoder_layers(model)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
