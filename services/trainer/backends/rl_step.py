@@ -112,7 +112,8 @@ def response_log_probs(logits: torch.Tensor, mb: RolloutBatch, config: TrainConf
                        with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L, V] logits -> response-aligned (log_probs, entropy) [b, R] at the rollout temperature."""
     return token_log_probs_and_entropy(gather_response(logits, mb), mb.response_tokens,
-                                       temperature=config.rollout_temperature, with_entropy=with_entropy)
+                                       temperature=config.rollout_temperature, with_entropy=with_entropy,
+                                       entropy_grad=config.entropy_coef != 0)
 
 
 def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tensor, entropy: torch.Tensor,

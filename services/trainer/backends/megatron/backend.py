@@ -216,7 +216,7 @@ class MegatronBackend(MegatronCheckpointing):
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             rl_step.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
             temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
-            group=self.tp_group)
+            group=self.tp_group, with_entropy=with_entropy, entropy_grad=self.config.entropy_coef != 0)
         return log_probs, entropy if with_entropy else None
 
     def _log_probs(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
