@@ -31,11 +31,12 @@ class DeviceMismatch(AssertionError):
 
 
 def _caller() -> Path | None:
-    """The file of the first frame outside torch and this module: who made the call."""
+    """The file of the first frame outside torch, this module and other torch-function modes: who made the call."""
     frame = sys._getframe(2)
     while frame is not None:
         path = Path(frame.f_code.co_filename).resolve()
-        if path != Path(__file__).resolve() and TORCH_ROOT not in path.parents:
+        if (path != Path(__file__).resolve() and TORCH_ROOT not in path.parents
+                and frame.f_code.co_name != "__torch_function__"):
             return path
         frame = frame.f_back
     return None
