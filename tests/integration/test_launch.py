@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from physarum.procs import free_port
+from services.common.procs import free_port
 from services.trainer.launch import rank_envs
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,6 +14,7 @@ from tests.integration.engine_fixtures import start_engines, stop_engines
 from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has, base_weights, perturbed
 
 __all__ = ["base_weights"]  # a fixture used here
+pytestmark = pytest.mark.slow  # two engines, about 40 s on 2 cores
 
 
 @pytest.fixture(scope="module")
