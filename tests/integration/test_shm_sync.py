@@ -11,10 +11,15 @@ import pytest
 from services.trainer.sync.shm import SharedMemoryBroadcaster
 from services.trainer.sync.weight_sync import WeightSyncError
 from tests.integration.engine_fixtures import start_engines, stop_engines
-from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has, base_weights, perturbed
+from tests.integration.hf_weights import hf_weights, perturbed
+from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has
 
-__all__ = ["base_weights"]  # a fixture used here
 pytestmark = pytest.mark.slow  # two engines, about 40 s on 2 cores
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_model_dir):
+    return hf_weights(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,15 @@ import torch
 
 from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError
 from tests.integration.engine_fixtures import start_engines, stop_engines
-from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has, base_weights, perturbed
+from tests.integration.hf_weights import hf_weights, perturbed
+from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has
 
-__all__ = ["base_weights"]  # a fixture used here
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two processes needs two GPUs")
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_model_dir):
+    return hf_weights(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
 from services.trainer.parallel import World
 from tests.device_check import DeviceMismatch, SameDevice
-from tests.unit.test_fsdp_rl import ESTIMATOR_CONFIGS
+from tests.tiny_samples import samples_of
+from tests.unit.test_fsdp_rl import ESTIMATOR_CONFIGS, ROLLOUT
 
 META = torch.device("meta")
 VOCAB = 16
@@ -127,13 +128,7 @@ def test_batch_is_built_on_the_host_and_moved_once():
 
 @pytest.fixture
 def samples(tiny_model_dir):
-    import json
-
-    vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    eos = vocab["<|endoftext|>"]
-    return [Sample(tokens=[vocab[c] for c in p] + [vocab[c] for c in r] + [eos], response_length=len(r) + 1,
-                   reward=reward) for p, r, reward in
-            [("12+34=", "46", 1.0), ("12+34=", "55", 0.0), ("1+2=", "3", 0.0), ("1+2=", "4", 1.0)]]
+    return samples_of(tiny_model_dir, ROLLOUT)
 
 
 @pytest.mark.parametrize("overrides", [{"use_kl_loss": True, "kl_loss_coef": 0.1, "global_batch_size": 2},
