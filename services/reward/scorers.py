@@ -18,8 +18,8 @@ from typing import Any
 from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+from services.reward import verifiers
 from services.reward.client import ScoreResult
-from services.reward.verifiers import builtin_scorer
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: 
         def call(sample: Sample) -> Awaitable[Any]:
             return fn(namespace, sample)
     else:
-        verifier = builtin_scorer(rm_type)
+        verifiers.check_job_rm_type(rm_type)
         name = f"rm_type {rm_type}"
 
         def call(sample: Sample) -> Awaitable[Any]:
-            return asyncio.to_thread(verifier, sample.response, sample.label)
+            return verifiers.score_builtin(sample, rm_type, args)
 
     semaphore = semaphore or asyncio.Semaphore(DEFAULT_MAX_CONCURRENCY)
 

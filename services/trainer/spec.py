@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from services.common.errors import InvalidArgument
+from services.reward.client import check_rm_type
 
 
 class JobSpec(BaseModel):
@@ -41,6 +42,16 @@ class JobSpec(BaseModel):
     rm_type: str = "math"
     custom_rm_path: str = ""
     reward_key: str = ""
+    rm_url: str = ""  # rm_type remote_rm: the reward model's HTTP endpoint
+
+    @model_validator(mode="after")
+    def _check_reward(self) -> JobSpec:
+        if not self.custom_rm_path:
+            if self.rm_type:
+                check_rm_type(self.rm_type)  # an InvalidArgument is a ValueError: pydantic reports it
+            if self.rm_type.removeprefix("boxed_") == "remote_rm" and not self.rm_url:
+                raise ValueError("rm_type remote_rm needs rm_url (the reward model's HTTP endpoint)")
+        return self
     # Training (slime's algorithm flags; Megatron's optimizer and lr-schedule flags, with their defaults).
     train_backend: Literal["fsdp", "megatron"] = "fsdp"
     loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
