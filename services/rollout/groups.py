@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 
+from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample
 from services.rollout.client import RolloutConfig
 from services.rollout.generate import (
     GenerateContext,
-    RolloutSample,
     load_generate_function,
     new_session_id,
     plugin_args,
@@ -69,15 +69,16 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: in
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation)
 
 
-def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> RolloutSample:
-    """Sample j of the group answering `prompt`: its tokens are the prompt's, its response empty."""
-    return RolloutSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
+def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> PluginSample:
+    """Sample j of the group answering `prompt` (slime's Sample): its tokens are the prompt's, its response empty."""
+    return PluginSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
                          metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
                          session_id=new_session_id())
 
 
 async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:
-    """Run the generate function on every unfinished sample of a group, concurrently; the first error fails it."""
+    """Run the generate function on every unfinished sample of a group, concurrently; the first error fails it.
+    A function that returns a list (slime's fan-out) puts all its samples in the group, renumbered in order."""
     use_context(gen.ctx)
     todo = [j for j, s in enumerate(samples) if s.status not in FINISHED]
     try:
@@ -87,4 +88,8 @@ async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]
                 what=f"{gen.ctx.name}: prompt {samples[j].group_index} sample {j}")) for j in todo}
     except ExceptionGroup as group_err:
         raise group_err.exceptions[0] from None
-    return [running[j].result() if j in running else s for j, s in enumerate(samples)]
+    group = [out for j, s in enumerate(samples) for out in (running[j].result() if j in running else [s])]
+    if len(group) != len(samples):
+        for position, sample in enumerate(group):
+            sample.index = position
+    return group

@@ -424,7 +424,7 @@ class RolloutManager:
         sample.tokens = prompt_ids + response_ids
         sample.response, sample.response_length = prompt.label, len(response_ids)
         sample.loss_mask, sample.rollout_log_probs = [1] * len(response_ids), [0.0] * len(response_ids)
-        sample.status, sample.weight_versions = Status.COMPLETED, [run.weight_version]
+        sample.status, sample.weight_versions, sample.reward = Status.COMPLETED, [run.weight_version], 0.0
         return sample
 
     # ----- eval -----

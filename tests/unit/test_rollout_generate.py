@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 
 import httpx
 import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.plugin_sample import PluginSample as RolloutSample
 from services.common.samples import Sample, Status
 from services.rollout import generate as gen
-from services.rollout.generate import GenerateContext, RolloutSample
+from services.rollout.generate import GenerateContext
 from tests.unit.rollout_fakes import reply
 
 
@@ -157,12 +159,40 @@ def test_run_generate_passes_evaluation_and_checks_the_result():
         return fn
 
     async def run():
-        ok = await gen.run_generate(takes_evaluation, None, RolloutSample(tokens=[1]), {}, evaluation=True, what="w")
+        [ok] = await gen.run_generate(takes_evaluation, None, RolloutSample(tokens=[1]), {}, evaluation=True,
+                                      what="w")
         assert ok.metadata["evaluation"] is True and ok.status == Status.COMPLETED  # PENDING -> COMPLETED
-        for value, message in (([RolloutSample()], "fan-out"), ("x", "returned str"),
+        for value, message in (([], "returned an empty list"), ("x", "returned str"),
                                (Sample(tokens=[1, 2], response_length=1), "response_length 1 with 0 loss_mask")):
             with pytest.raises(InvalidArgument, match=message):
                 await gen.run_generate(await returns(value), None, RolloutSample(), {}, evaluation=False, what="w")
+
+    asyncio.run(run())
+
+
+def test_run_generate_takes_slimes_docs_function_a_list_and_none_log_probs():
+    """slime's docs' generate sets tokens, response and response_length only: loss_mask becomes all ones,
+    rollout_log_probs none (refused when the job trains on them); a list of samples joins the group."""
+    async def docs_style(args, sample, sampling_params):
+        sample.tokens, sample.response, sample.response_length = sample.tokens + [5, 6], "ab", 2
+        return sample
+
+    async def fan_out(args, sample, sampling_params):
+        first = RolloutSample(tokens=[1, 5], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5])
+        second = RolloutSample(tokens=[1, 6], response_length=1, rollout_id=7)
+        return [first, second]
+
+    async def run():
+        sample = RolloutSample(tokens=[1], group_index=3, index=1)
+        [out] = await gen.run_generate(docs_style, types.SimpleNamespace(), sample, {}, evaluation=False, what="w")
+        assert (out.loss_mask, out.rollout_log_probs, out.status) == ([1, 1], [], Status.COMPLETED)
+        with pytest.raises(InvalidArgument, match="left rollout_log_probs None, but use_tis trains on"):
+            await gen.run_generate(docs_style, types.SimpleNamespace(use_tis=True), RolloutSample(tokens=[1]), {},
+                                   evaluation=False, what="w")
+        outs = await gen.run_generate(fan_out, None, RolloutSample(tokens=[1], group_index=3, index=1), {},
+                                      evaluation=False, what="w")
+        assert [(o.group_index, o.index, o.rollout_id, o.loss_mask) for o in outs] == [(3, 1, None, [1]),
+                                                                                       (3, 1, 7, [1])]
 
     asyncio.run(run())
 
