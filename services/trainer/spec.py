@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from services.common.errors import InvalidArgument
 from services.reward.client import check_rm_type
+from services.trainer import slime_args
 
 
 class JobSpec(BaseModel):
@@ -97,7 +98,7 @@ class JobSpec(BaseModel):
     seed: int = 1234
     save_hf: str = ""                      # export the final model here ("{rollout_id}" is filled in)
     # Weight sync and timeouts (Physarum's own).
-    update_weight_buffer_size: int = 64 << 20
+    update_weight_buffer_size: int = 512 << 20  # slime's default: the largest bucket of one weight-sync call
     weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
     weight_sync_timeout_s: float = 60.0
     lease_timeout_s: float = 60.0
@@ -289,6 +290,22 @@ class JobSpec(BaseModel):
                              "debug_train_only or load_debug_rollout_data")
         return self
 
+    # slime compatibility: multi-turn SFT masks, W&B, what plugins see in args, and what slime_args noted.
+    loss_mask_type: Literal["qwen", "qwen3", "distill"] = "qwen"  # which tokens of a chat sft_loss trains on
+    use_wandb: bool = False
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None  # None: WANDB_MODE, else online
+    wandb_project: str | None = None
+    wandb_group: str | None = None
+    wandb_team: str | None = None
+    wandb_host: str | None = None
+    wandb_key: str | None = None
+    wandb_dir: str | None = None
+    wandb_run_id: str | None = None
+    wandb_always_use_train_step: bool = False
+    disable_wandb_random_suffix: bool = False
+    plugin_args: dict[str, Any] = {}  # extra `args` for plugins (slime flags with no spec key, custom settings)
+    slime_notes: list[str] = []  # what converting slime_args mapped onto the deployment (set by the conversion)
+
 
 def _unknown_key_message(key: str) -> str:
     close = difflib.get_close_matches(key, JobSpec.model_fields, n=1)
@@ -297,9 +314,11 @@ def _unknown_key_message(key: str) -> str:
 
 
 def parse_spec(data: dict[str, Any]) -> JobSpec:
-    """Validate a spec dict; raise InvalidArgument naming the offending field."""
+    """Validate a spec dict (its `slime_args`, a slime argv, converted first); raise InvalidArgument naming the
+    offending field."""
     if not isinstance(data, dict):
         raise InvalidArgument(f"job spec: expected a mapping of slime flag names to values, got {type(data).__name__}")
+    data = slime_args.apply(data, set(JobSpec.model_fields))
     unknown = [k for k in data if k not in JobSpec.model_fields]
     if unknown:
         raise InvalidArgument("; ".join(_unknown_key_message(k) for k in unknown))

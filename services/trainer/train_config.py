@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.rollout.client import RolloutConfig
+from services.trainer.slime_flags import slime_defaults
 from services.trainer.spec import JobSpec
 
 
@@ -16,8 +17,14 @@ def rollout_config(spec: JobSpec) -> RolloutConfig:
         rollout_max_response_len=spec.rollout_max_response_len, rollout_stop=list(spec.rollout_stop),
         rollout_stop_token_ids=list(spec.rollout_stop_token_ids), rm_type=spec.rm_type,
         custom_rm_path=spec.custom_rm_path, reward_key=spec.reward_key, reward_timeout_s=spec.reward_timeout_s,
-        loss_type=spec.loss_type, lease_timeout_s=spec.lease_timeout_s, args=spec.model_dump(),
+        loss_type=spec.loss_type, lease_timeout_s=spec.lease_timeout_s, args=plugin_args(spec),
         **generation_features(spec))
+
+
+def plugin_args(spec: JobSpec) -> dict:
+    """slime's `args` for plugins: slime's default for every flag, the spec's plugin_args, then the spec itself."""
+    spec_values = spec.model_dump(exclude={"plugin_args", "slime_notes"})
+    return {**slime_defaults(), **spec.plugin_args, **spec_values}
 
 
 def generation_features(spec: JobSpec) -> dict:
