@@ -25,6 +25,7 @@ from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
 from services.rollout.evaluation import run_eval
 from services.rollout.generate import STICKY_POLICIES
 from services.rollout.groups import Generation, generate_group, new_generation, new_sample
+from services.rollout.loss_masks import conversation_sample, is_conversation
 from services.rollout.partial import PartialGroups, prepare_resumed
 from services.rollout.prompts import PromptEncoder
 from services.rollout.scoring import score_group
@@ -413,11 +414,17 @@ class RolloutManager:
         return samples
 
     def _sft_sample(self, run: _Run, prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Sample:
-        """slime's sft rollout: the response is the label's tokens + eos; no generation, no reward."""
+        """slime's sft rollout: a conversation trains on its assistant turns (loss_mask_type); a prompt on its
+        label's tokens + eos. No generation, no reward."""
         encoder = run.gen.encoder
-        if not prompt.label:
-            raise InvalidArgument(f"{run.name}: sft_loss needs a label, prompt {prompt.index} has none "
-                                  f"(load the dataset with label_key)")
+        if is_conversation(prompt.messages):
+            sample = conversation_sample(new_sample(prompt, text, prompt_ids, j), encoder, prompt.messages,
+                                         run.config.args.get("loss_mask_type", "qwen"))
+            sample.status, sample.weight_versions = Status.COMPLETED, [run.weight_version]
+            return sample
+        if not prompt.label or not isinstance(prompt.label, str):
+            raise InvalidArgument(f"{run.name}: sft_loss needs a text label or a conversation with assistant turns, "
+                                  f"prompt {prompt.index} has neither (load the dataset with label_key)")
         eos = [] if encoder.eos_token_id is None else [encoder.eos_token_id]
         response_ids = encoder.encode_text(prompt.label) + eos
         sample = new_sample(prompt, text, prompt_ids, j)
