@@ -20,7 +20,7 @@ from services.buffer.client import BufferClient, DataSourceState
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
 from services.rollout.client import RolloutClient
-from services.trainer import checkpoint
+from services.trainer import checkpoint, wandb_log
 from services.trainer.feed import RolloutFeed, staleness_metrics
 from services.trainer.generation import generation_metrics
 from services.trainer.jobs import JobContext
@@ -146,8 +146,8 @@ def load_dataset(spec: JobSpec, deps: TrainerDeps, ctx: JobContext) -> None:
 
 def metrics_writer(spec: JobSpec, deps: TrainerDeps) -> MetricsWriter:
     if deps.tensorboard_dir:
-        return MetricsWriter(Path(deps.tensorboard_dir) / spec.job_id)
-    return MetricsWriter(Path(spec.save) / "tensorboard" if spec.save else None)
+        return MetricsWriter(Path(deps.tensorboard_dir) / spec.job_id, wandb_log.start(spec))
+    return MetricsWriter(Path(spec.save) / "tensorboard" if spec.save else None, wandb_log.start(spec))
 
 
 def rollout_only(spec: JobSpec, ctx: JobContext, deps: TrainerDeps) -> None:
