@@ -8,6 +8,7 @@ turns what a generate function returned back into a core record (or refuses it, 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -18,6 +19,9 @@ from services.common.samples import Sample, Status
 # weight_version is the one it ended with; an update in between makes the tokens span both).
 START_VERSION_KEY = "physarum_start_weight_version"
 _SLIME_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+# metadata key holding the attributes a plugin set on its sample beyond slime's fields (retool's tool_call_count):
+# in slime they reach the reward function on the same object; here they travel with the sample.
+PLUGIN_ATTRS_KEY = "slime_sample_attrs"
 
 
 @dataclass
@@ -148,10 +152,14 @@ class PluginSample(Sample):
 
     @classmethod
     def from_record(cls, sample: Sample) -> PluginSample:
-        """A plugin's view of a core record (same field values)."""
+        """A plugin's view of a core record (same field values, and the attributes its generate function set)."""
         if isinstance(sample, cls):
             return sample
-        return cls(**{f.name: getattr(sample, f.name) for f in dataclasses.fields(Sample)})
+        out = cls(**{f.name: getattr(sample, f.name) for f in dataclasses.fields(Sample)})
+        out.metadata = dict(sample.metadata)
+        for name, value in (out.metadata.pop(PLUGIN_ATTRS_KEY, None) or {}).items():
+            setattr(out, name, value)
+        return out
 
 
 def _int_list(values: Any) -> list[int]:
@@ -184,18 +192,20 @@ def append_response_tokens(sample: Sample, tokens: Any, *, log_probs: Any = None
     if text is not None:
         sample.response += text
     before = sample.response_length
+    # Lists grow in place, as in slime: plugins keep references to them (retool's `loss_masks = sample.loss_mask`).
     if tokens:
-        sample.tokens = list(sample.tokens) + tokens
+        sample.tokens += tokens
         sample.response_length += len(tokens)
-        mask = [1] * before if sample.loss_mask is None else list(sample.loss_mask)
-        sample.loss_mask = mask + [int(trainable)] * len(tokens)
+        if sample.loss_mask is None:
+            sample.loss_mask = [1] * before
+        sample.loss_mask += [int(trainable)] * len(tokens)
     if log_probs is not None:
         if sample.rollout_log_probs is None:
             if trainable and before:
                 raise InvalidArgument("append_response_tokens: cannot append trainable log_probs to a response "
                                       "whose earlier tokens have none")
             sample.rollout_log_probs = [0.0] * before
-        sample.rollout_log_probs = list(sample.rollout_log_probs) + log_probs
+        sample.rollout_log_probs += log_probs
     meta_info = meta_info or {}
     if tokens and meta_info.get("weight_version") is not None:
         # A request that crossed a weight update records the version it started with too: its oldest tokens'.
@@ -233,4 +243,22 @@ def finish_plugin_sample(sample: Sample, *, needs_log_probs: str, what: str) -> 
                               f"rollout_log_probs and {len(sample.tokens)} tokens (use sample.append_response_tokens)")
     if sample.status == Status.PENDING:
         sample.status = Status.COMPLETED
+    extras = _plugin_attrs(sample)
+    if extras:
+        sample.metadata = {**sample.metadata, PLUGIN_ATTRS_KEY: extras}
     return sample
+
+
+def _plugin_attrs(sample: Sample) -> dict[str, Any]:
+    """The JSON-representable attributes set on the sample beyond its dataclass fields."""
+    names = {f.name for f in dataclasses.fields(sample)}
+    extras = {}
+    for name, value in vars(sample).items():
+        if name in names or name.startswith("_"):
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        extras[name] = value
+    return extras

@@ -1,4 +1,5 @@
-"""slime's own example plugins, copied unmodified under tests/slime_examples, run two rollouts of a job: the
+"""slime's own example plugins (search-r1, retool), copied unmodified under tests/slime_examples, run two rollouts
+of a job each: the
 rollout manager calls their generate function, the Reward service their reward function, both through the `slime`
 compatibility package. The engine is scripted (SGLang's /generate format), so what the model "says" is known.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import string
 
 import pytest
 from tokenizers import Tokenizer
@@ -98,3 +100,55 @@ def test_search_r1_generate_and_reward_run_two_rollouts(buffer_addr, search_serv
                                       for b in searches)
     turns = router.posts("/generate")
     assert len(turns) == 16 and all("</search>" in b["sampling_params"]["stop"] for b in turns)
+
+
+@pytest.fixture(scope="module")
+def printable_model(tmp_path_factory):
+    """A character-level tokenizer over printable ASCII (the tiny model's knows only its task's characters, and
+    retool decodes the engine's tokens back to text)."""
+    from physarum.tinymodel import build_tokenizer
+
+    out = tmp_path_factory.mktemp("printable-model")
+    build_tokenizer([string.printable], out)
+    return out
+
+
+def test_retool_generate_and_reward_run_two_rollouts(buffer_addr, printable_model, tmp_path):
+    tokenizer = Tokenizer.from_file(str(printable_model / "tokenizer.json"))
+    answers = itertools.cycle(["5", "6"])
+
+    def engine(path: str, body: dict) -> tuple[int, dict]:
+        """Turn 1 runs code; turn 2 (the interpreter's output is in the context) answers, right or wrong."""
+        context = tokenizer.decode(body["input_ids"], skip_special_tokens=False)
+        if "<interpreter>" not in context:
+            return 200, engine_reply(tokenizer, "Let me compute. <code>print(2+3)</code>")
+        return 200, engine_reply(tokenizer, f"So the result is Answer: \\boxed{{{next(answers)}}}")
+
+    router = JsonServer(engine)
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "What is 2+3?", "label": "5"}) + "\n" for _ in range(4)))
+    spec = {"job_id": "retool", "hf_checkpoint": str(printable_model), "prompt_data": str(data),
+            "input_key": "prompt", "label_key": "label", "apply_chat_template": True, "reward_key": "score",
+            "num_rollout": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2, "rollout_max_response_len": 64,
+            "max_tokens_per_gpu": 4096, "use_dynamic_batch_size": True,
+            "custom_generate_function_path": "generate_with_retool.generate",
+            "custom_rm_path": "generate_with_retool.reward_func"}
+    try:
+        with on_sys_path(EXAMPLES / "retool"), reward_service() as reward_addr:
+            rollouts = run_job_rollouts(spec, buffer_addr=buffer_addr, reward_addr=reward_addr,
+                                        router_url=router.url, num_rollouts=2)
+    finally:
+        router.close()
+
+    samples = [s for groups in rollouts for g in groups for s in g.samples]
+    assert len(samples) == 8
+    for sample in samples:
+        assert "<interpreter>\nOutput:\n5\n</interpreter>" in sample.response  # the sandbox ran the model's code
+        assert sample.metadata["slime_sample_attrs"]["tool_call_count"] == 1
+        right = sample.response.endswith("\\boxed{5}")
+        # wrong: -1 plus retool's tool bonus (1 call - 2) / 2 × 0.1, which needs tool_call_count at the reward
+        assert sample.reward == pytest.approx(1.0 if right else -1.05)
+        assert sample.reward_scores["score"] == sample.reward and sample.reward_error == ""
+        info = [m == 0 for m in sample.loss_mask]
+        assert any(info) and not all(info)
+    assert sorted(s.reward > 0 for s in samples) == [False] * 4 + [True] * 4

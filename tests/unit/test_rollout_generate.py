@@ -204,3 +204,19 @@ def test_load_generate_function_checks_the_signature():
     assert gen.load_generate_function("tests.plugins.rollout_fns.model_tool_model") is model_tool_model
     with pytest.raises(InvalidArgument, match="custom_generate_function_path: .* must be an async function"):
         gen.load_generate_function("tests.plugins.rollout_fns.keep_even_prompts")
+
+
+def test_attributes_a_generate_function_sets_reach_the_reward_function():
+    from services.common.plugin_sample import PluginSample
+    from services.common.samples import sample_from_proto, sample_to_proto
+
+    async def counts_tools(args, sample, sampling_params):
+        sample.append_response_tokens(args, tokens=[5], log_probs=[-0.1])
+        sample.tool_call_count, sample.payload_text, sample.unsendable = 2, "text", object()
+        return sample
+
+    [out] = asyncio.run(gen.run_generate(counts_tools, None, RolloutSample(tokens=[1]), {}, evaluation=False,
+                                         what="w"))
+    at_reward = PluginSample.from_record(sample_from_proto(sample_to_proto(out)))  # as the reward service sees it
+    assert (at_reward.tool_call_count, at_reward.payload_text) == (2, "text")
+    assert not hasattr(at_reward, "unsendable") and "slime_sample_attrs" not in at_reward.metadata

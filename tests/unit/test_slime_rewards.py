@@ -139,3 +139,11 @@ def test_remote_rm_through_the_dispatch_needs_rm_url(rm_url):
     assert builtin("remote_rm", "abc", "x", args={"rm_url": rm_url}) == {"score": 3}
     with pytest.raises(ValueError, match="remote_rm needs rm_url"):
         builtin("remote_rm", "abc", "x")
+
+
+@pytest.mark.parametrize("response, label, expected", cases("dapo_strict"))
+def test_dapo_strict_box_equals_slime(response, label, expected):
+    """slime's compute_score(strict_box_verify=True), which its retool example's reward uses."""
+    from services.reward.rm.dapo import dapo_reward
+
+    assert dapo_reward(response, label, strict_box=True) == expected

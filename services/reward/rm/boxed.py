@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def _balanced_from(text: str, start: int) -> str | None:
+def balanced_from(text: str, start: int) -> str | None:
     """text[start:] up to the brace that closes the first one opened after start; None if none closes."""
     depth = 0
     for i in range(start, len(text)):
@@ -21,7 +21,7 @@ def last_boxed_command(text: str, *, fbox: bool = True) -> str | None:
     start = text.rfind("\\boxed")
     if start < 0 and fbox:
         start = text.rfind("\\fbox")
-    return None if start < 0 else _balanced_from(text, start)
+    return None if start < 0 else balanced_from(text, start)
 
 
 def unbox(command: str | None) -> str | None:

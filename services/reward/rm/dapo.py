@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from services.reward.rm.boxed import balanced_from, unbox
+
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 _REPLACED = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
               (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
@@ -36,10 +38,17 @@ def normalize_final_answer(answer: Any) -> str:
     return answer.strip()
 
 
-def dapo_reward(response: str, label: Any) -> dict[str, Any]:
+def dapo_reward(response: str, label: Any, *, strict_box: bool = False) -> dict[str, Any]:
     """{"score": 1.0 or -1.0, "acc": bool, "pred": the normalised answer}; raises ValueError for a label that is
-    not a number (DAPO's answers are integers)."""
-    found = _ANSWER_LINE.findall(response[-300:])
+    not a number (DAPO's answers are integers). strict_box: the last \\boxed{} of the last 100 characters must
+    equal the label as written (pred is None without one)."""
+    tail = response[-300:]
+    if strict_box:
+        command = balanced_from(tail[-100:], tail[-100:].rfind("\\boxed{")) if "\\boxed{" in tail[-100:] else None
+        pred = unbox(command)
+        correct = pred == label
+        return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+    found = _ANSWER_LINE.findall(tail)
     pred = normalize_final_answer(found[-1] if found else "[INVALID]")
     truth = str(int(float(normalize_final_answer(label))))
     correct = pred == truth

@@ -9,10 +9,10 @@ from services.reward.rm.dapo import dapo_reward, normalize_final_answer
 
 def compute_score(solution_str: str, ground_truth: Any, strict_box_verify: bool = False,
                   pause_tokens_index: list[int] | None = None) -> dict[str, Any]:
-    if strict_box_verify or pause_tokens_index is not None:
-        raise NotImplementedError("math_dapo_utils.compute_score: strict_box_verify and pause_tokens_index are not "
-                                  "provided by Physarum's slime compatibility layer")
-    return dapo_reward(solution_str, ground_truth)
+    if pause_tokens_index is not None:
+        raise NotImplementedError("math_dapo_utils.compute_score: pause_tokens_index is not provided by Physarum's "
+                                  "slime compatibility layer")
+    return dapo_reward(solution_str, ground_truth, strict_box=strict_box_verify)
 
 
 __all__ = ["compute_score", "normalize_final_answer"]
