@@ -165,7 +165,21 @@ def _no_advantages(out: Conversion, value: Any) -> None:
     out.no_advantages = True
 
 
-_SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages}
+def _custom_config(out: Conversion, value: Any) -> None:
+    """slime sets each key of the YAML file on args; here they join plugin_args."""
+    try:
+        data = yaml.safe_load(Path(str(value)).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        out.refused.append(f"--custom-config-path {value}: cannot read it: {err}")
+        return
+    if not isinstance(data, dict):
+        out.refused.append(f"--custom-config-path {value}: expected a YAML mapping, got {type(data).__name__}")
+        return
+    out.plugin_args.update({str(k): v for k, v in data.items()})
+
+
+_SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
+            "custom-config-path": _custom_config}
 SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
 
 

@@ -169,8 +169,8 @@ FLAGS: dict[str, Flag] = {
     "disable-rollout-global-dataset": R(None, "the buffer service always holds the dataset", bare=True),
     "custom-generate-function-path": I(),
     "custom-rm-path": I(),
-    "custom-config-path": R(None, "put plugin settings in the spec's `plugin_args:` section (they reach plugins "
-                                  "as args)"),
+    "custom-config-path": M(None, "its YAML mapping (read where the job runs, like prompt_data) joins the spec's "
+                                  "plugin_args: plugins see each key in args"),
     "custom-reward-post-process-path": R(None, "post-process rewards in a group_rm function"),
     "custom-convert-samples-to-train-data-path": R(None, "samples become training data in the trainer; use "
                                                          "custom_loss_function_path to change the loss"),

@@ -152,3 +152,14 @@ def test_the_docs_table_is_current_and_lists_every_slime_flag():
     text = (Path(__file__).resolve().parents[2] / "docs" / "slime-flags.md").read_text()
     assert text == table.render(), "run .venv/bin/python scripts/slime_flag_table.py"
     assert all(f"| `--{name}` |" in text for name in SLIME_FLAGS)
+
+
+def test_custom_config_path_joins_plugin_args(tmp_path):
+    (tmp_path / "mis.yaml").write_text("use_tis_mis: true\nmis_threshold: 2.5\n")
+    conv = slime_args.convert(["--custom-config-path", str(tmp_path / "mis.yaml")], spec_keys=SPEC_KEYS,
+                              check_architecture=False)
+    assert conv.refused == [] and conv.plugin_args["use_tis_mis"] is True and conv.plugin_args["mis_threshold"] == 2.5
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    for path, why in ((tmp_path / "missing.yaml", "cannot read it"), (tmp_path / "list.yaml", "a YAML mapping")):
+        conv = slime_args.convert(["--custom-config-path", str(path)], spec_keys=SPEC_KEYS, check_architecture=False)
+        assert why in conv.refused[0]
