@@ -19,6 +19,7 @@ import yaml
 
 from services.common.errors import InvalidArgument
 from services.trainer.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
+from services.trainer.slime_eval_config import eval_spec
 from services.trainer.slime_flags import FLAGS, Flag, spec_key
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
@@ -37,6 +38,7 @@ class Conversion:
     refused: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
     no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
+    eval_config: str = ""  # --eval-config's path
 
 
 def split_argv(argv: str | list[str]) -> list[tuple[str, list[str]]]:
@@ -106,6 +108,10 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
             continue
         _convert_one(out, name, values, spec_keys, hf_config, check_architecture)
     out.spec.setdefault("train_backend", "megatron")
+    if out.eval_config:
+        eval_keys, problems = eval_spec(out.eval_config, out.spec)
+        out.spec.update(eval_keys)
+        out.refused += problems
     if out.no_advantages and out.spec.get("loss_type") != "sft_loss":
         out.refused.append("--disable-compute-advantages-and-returns: " +
                            FLAGS["disable-compute-advantages-and-returns"].note)
@@ -178,8 +184,12 @@ def _custom_config(out: Conversion, value: Any) -> None:
     out.plugin_args.update({str(k): v for k, v in data.items()})
 
 
+def _eval_config(out: Conversion, value: Any) -> None:
+    out.eval_config = str(value)  # read once every other flag is converted: it checks against the job's keys
+
+
 _SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
-            "custom-config-path": _custom_config}
+            "custom-config-path": _custom_config, "eval-config": _eval_config}
 SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
 
 

@@ -190,7 +190,8 @@ FLAGS: dict[str, Flag] = {
     # eval
     "eval-interval": I(),
     "eval-prompt-data": I(nargs=True),
-    "eval-config": R(None, "per-dataset eval settings are not supported; give eval_prompt_data and the eval_* keys"),
+    "eval-config": M(None, "its datasets become eval_prompt_data, settings shared by all of them the eval_* keys; "
+                           "settings that differ between datasets are refused (services/trainer/slime_eval_config.py)"),
     "eval-function-path": R(None, "evaluation runs the job's generate function (with evaluation=True)"),
     "eval-input-key": R(None, "eval datasets use input_key"),
     "eval-label-key": R(None, "eval datasets use label_key"),

@@ -163,3 +163,24 @@ def test_custom_config_path_joins_plugin_args(tmp_path):
     for path, why in ((tmp_path / "missing.yaml", "cannot read it"), (tmp_path / "list.yaml", "a YAML mapping")):
         conv = slime_args.convert(["--custom-config-path", str(path)], spec_keys=SPEC_KEYS, check_architecture=False)
         assert why in conv.refused[0]
+
+
+def test_eval_config_becomes_the_eval_keys(tmp_path):
+    config = tmp_path / "eval.yaml"
+    config.write_text("eval:\n  defaults:\n    n_samples_per_eval_prompt: 4\n    temperature: 0.6\n  datasets:\n"
+                      "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, max_response_len: 512}\n"
+                      "    - {name: math500, path: /d/math.jsonl, max_response_len: 512}\n")
+    argv = ["--rm-type", "deepscaler", "--eval-config", str(config)]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [
+        f"--eval-config {config}: `rm_type` differs between datasets (['deepscaler', None]); Physarum's eval "
+        "settings hold for all its datasets"]
+    config.write_text("datasets:\n  - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, top_k: 20}\n")
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["eval_prompt_data"] == ["aime=/d/aime.jsonl"]
+    assert conv.refused == [f"--eval-config {config}: `top_k` has no counterpart in Physarum's eval"]
+    config.write_text("eval:\n  defaults: {temperature: 0.6, n_samples_per_eval_prompt: 4}\n  datasets:\n"
+                      "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler}\n")
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [] and {k: conv.spec[k] for k in ("eval_temperature", "n_samples_per_eval_prompt")} == \
+        {"eval_temperature": 0.6, "n_samples_per_eval_prompt": 4}
