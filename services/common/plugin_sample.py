@@ -189,9 +189,12 @@ def append_response_tokens(sample: Sample, tokens: Any, *, log_probs: Any = None
             raise InvalidArgument("append_response_tokens: tokens that are not trainable take no log_probs "
                                   "(they get 0)")
         log_probs = [0.0] * len(tokens)
+    before = sample.response_length
+    if log_probs is not None and trainable and before and sample.rollout_log_probs is None:
+        raise InvalidArgument("append_response_tokens: cannot append trainable log_probs to a response whose "
+                              "earlier tokens have none")
     if text is not None:
         sample.response += text
-    before = sample.response_length
     # Lists grow in place, as in slime: plugins keep references to them (retool's `loss_masks = sample.loss_mask`).
     if tokens:
         sample.tokens += tokens
@@ -201,9 +204,6 @@ def append_response_tokens(sample: Sample, tokens: Any, *, log_probs: Any = None
         sample.loss_mask += [int(trainable)] * len(tokens)
     if log_probs is not None:
         if sample.rollout_log_probs is None:
-            if trainable and before:
-                raise InvalidArgument("append_response_tokens: cannot append trainable log_probs to a response "
-                                      "whose earlier tokens have none")
             sample.rollout_log_probs = [0.0] * before
         sample.rollout_log_probs += log_probs
     meta_info = meta_info or {}
