@@ -20,7 +20,7 @@ import yaml
 from services.common.errors import InvalidArgument
 from services.trainer.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 from services.trainer.slime_eval_config import eval_spec
-from services.trainer.slime_flags import FLAGS, Flag, spec_key
+from services.trainer.slime_flags import FLAGS, STORE_FALSE, Flag, spec_key
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
 _LAYOUT_ONE = ("context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size")
@@ -39,6 +39,12 @@ class Conversion:
     unknown: list[str] = field(default_factory=list)
     no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
     eval_config: str = ""  # --eval-config's path
+
+
+def slime_defaults() -> dict[str, Any]:
+    """What slime's `args` holds for every flag not given, by spec key (plugins read these)."""
+    flags = {**MEGATRON, **FLAGS}
+    return {spec_key(name): (False if name in STORE_FALSE else flag.default) for name, flag in flags.items()}
 
 
 def split_argv(argv: str | list[str]) -> list[tuple[str, list[str]]]:

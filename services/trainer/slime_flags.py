@@ -332,14 +332,6 @@ STORE_FALSE = ("disable-compute-advantages-and-returns", "disable-grpo-std-norma
                "disable-rewards-normalization", "disable-rollout-global-dataset", "disable-wandb-random-suffix")
 
 
-def slime_defaults() -> dict[str, Any]:
-    """What slime's `args` holds for every flag not given, by spec key (plugins read these)."""
-    from services.trainer.megatron_flags import MEGATRON
-
-    flags = {**MEGATRON, **FLAGS}
-    return {spec_key(name): (False if name in STORE_FALSE else flag.default) for name, flag in flags.items()}
-
-
 def implemented() -> list[str]:
     return sorted(name for name, flag in FLAGS.items() if flag.status == "implemented")
 

@@ -23,7 +23,6 @@ from services.reward.server import create_server
 from services.rollout.client import RolloutState
 from services.rollout.manager import RolloutManager
 from services.trainer.spec import parse_spec
-from services.trainer.train_config import rollout_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "slime_examples"
 
@@ -113,7 +112,7 @@ def run_job_rollouts(spec: dict[str, Any], *, buffer_addr: str, reward_addr: str
     """Load the spec's dataset into the buffer and run rollouts 0..num_rollouts-1 of it on an in-process manager,
     as the trainer would; returns each rollout's groups."""
     job = parse_spec(spec)
-    config = rollout_config(job)
+    config = job.rollout
 
     async def main() -> list[list]:
         with BufferClient(buffer_addr, timeout_s=30.0) as buffer, RewardClient(reward_addr, timeout_s=30.0) as reward:

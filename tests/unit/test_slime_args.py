@@ -12,7 +12,6 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.trainer import megatron_flags, slime_args, slime_flags
 from services.trainer.spec import JobSpec, parse_spec
-from services.trainer.train_config import rollout_config
 
 DATA = Path(__file__).parent.parent / "data"
 SLIME_FLAGS = json.loads((DATA / "slime_flags.json").read_text())
@@ -42,7 +41,7 @@ def test_implemented_flags_are_spec_keys_with_slimes_default_or_a_reason():
         assert (flag.status == "implemented") == (key in SPEC_KEYS), name
         if flag.status != "implemented" or name in slime_flags.DEFAULTS_DIFFER:
             continue
-        spec_default = JobSpec.model_fields[key].default
+        spec_default = JobSpec.model_fields[key].get_default(call_default_factory=True)
         slime_default = False if name in slime_flags.STORE_FALSE else flag.default
         assert spec_default == slime_default or (slime_default is None and spec_default in ("", [])), name
 
@@ -121,7 +120,7 @@ def test_slime_args_submit_through_parse_spec(tmp_path):
     assert (spec.train_backend, spec.rm_type, spec.reward_key, spec.input_key, spec.lr_warmup_iters) == \
         ("fsdp", "dapo", "score", "prompt", 5)  # the spec's own train_backend wins; 0.5 × 10 optimizer steps
     assert any(n.startswith("--colocate: ") for n in spec.slime_notes)
-    args = rollout_config(spec).args
+    args = spec.rollout.args
     assert (args["rollout_max_context_len"], args["context_parallel_size"], args["extra"], args["colocate"]) == \
         (4096, 1, 1, True)
     assert args["tool_key"] == "tools" and args["use_wandb"] is False  # slime's defaults for what is not given

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer import wandb_log
-from services.trainer.metrics import MetricsWriter
+from services.trainer.driver import wandb_log
+from services.trainer.driver.metrics import MetricsWriter
 from services.trainer.spec import parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 1,
@@ -15,7 +15,8 @@ BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rol
 
 
 def test_no_run_without_use_wandb():
-    assert wandb_log.start(parse_spec(BASE)) is None
+    spec = parse_spec(BASE)
+    assert wandb_log.start(spec.driver, spec.rollout.args) is None
 
 
 def test_offline_run_logs_slimes_metric_names(tmp_path, monkeypatch):
@@ -24,7 +25,7 @@ def test_offline_run_logs_slimes_metric_names(tmp_path, monkeypatch):
     spec = parse_spec({**BASE, "use_wandb": True, "wandb_mode": "offline", "wandb_project": "p",
                        "wandb_group": "g", "wandb_dir": str(tmp_path / "wandb"), "wandb_key": "secret-key",
                        "disable_wandb_random_suffix": True})
-    run = wandb_log.start(spec)
+    run = wandb_log.start(spec.driver, spec.rollout.args)
     writer = MetricsWriter(tmp_path / "tb", run)
     writer.write(0, {"rollout/raw_reward": 0.25, "train/loss": 1.5, "eval/aime": 0.1})
     writer.write(1, {"rollout/raw_reward": 0.5, "train/loss": 1.25})
@@ -51,4 +52,5 @@ def test_use_wandb_without_the_package_says_how_to_install(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(InvalidArgument, match=r"pip install 'physarum\[trainer\]'"):
-        wandb_log.start(parse_spec({**BASE, "use_wandb": True, "wandb_mode": "offline"}))
+        spec = parse_spec({**BASE, "use_wandb": True, "wandb_mode": "offline"})
+        wandb_log.start(spec.driver, spec.rollout.args)

@@ -47,7 +47,7 @@ class MetricsWriter:
     when the job has use_wandb."""
 
     def __init__(self, tensorboard_dir: str | Path | None = None, wandb_run: Any = None) -> None:
-        self.wandb_run = wandb_run  # services/trainer/wandb_log.py's WandbRun, when the job uses W&B
+        self.wandb_run = wandb_run  # driver/wandb_log.py's WandbRun, when the job uses W&B
         self.writer = None
         if tensorboard_dir:
             try:

@@ -35,8 +35,9 @@ class WandbRun:
         self.run.finish()
 
 
-def start(spec: Any) -> WandbRun | None:
-    """The job's run when spec.use_wandb, as slime's init_wandb_primary makes it; None otherwise."""
+def start(spec: Any, config: dict[str, Any]) -> WandbRun | None:
+    """The job's run when spec.use_wandb (spec: the DriverConfig), as slime's init_wandb_primary makes it, logging
+    `config` (the job's args) as the run's config; None otherwise."""
     if not spec.use_wandb:
         return None
     try:
@@ -54,7 +55,7 @@ def start(spec: Any) -> WandbRun | None:
         name = f"{group}-RANK_0"
     if spec.wandb_dir:
         os.makedirs(spec.wandb_dir, exist_ok=True)
-    config = {k: v for k, v in spec.model_dump().items() if k not in _SECRET}
+    config = {k: v for k, v in config.items() if k not in _SECRET}
     run = wandb.init(entity=spec.wandb_team, project=spec.wandb_project, group=group, name=name, config=config,
                      dir=spec.wandb_dir or None, id=spec.wandb_run_id, resume="allow" if spec.wandb_run_id else None,
                      settings=wandb.Settings(mode=mode, console="off", x_disable_stats=True))
