@@ -39,6 +39,7 @@ class Conversion:
     unknown: list[str] = field(default_factory=list)
     no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
     eval_config: str = ""  # --eval-config's path
+    num_epoch: int = 0  # --num-epoch
 
 
 def slime_defaults() -> dict[str, Any]:
@@ -114,6 +115,8 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
             continue
         _convert_one(out, name, values, spec_keys, hf_config, check_architecture)
     out.spec.setdefault("train_backend", "megatron")
+    if out.num_epoch:
+        _resolve_num_epoch(out)
     if out.eval_config:
         eval_keys, problems = eval_spec(out.eval_config, out.spec)
         out.spec.update(eval_keys)
@@ -190,12 +193,35 @@ def _custom_config(out: Conversion, value: Any) -> None:
     out.plugin_args.update({str(k): v for k, v in data.items()})
 
 
+def _num_epoch(out: Conversion, value: Any) -> None:
+    out.num_epoch = int(value)  # resolved once prompt_data, rollout_batch_size and num_rollout are known
+
+
+def _resolve_num_epoch(out: Conversion) -> None:
+    """slime's num_rollout from num_epoch: epochs × (dataset rows // rollout_batch_size)."""
+    if "num_rollout" in out.spec:
+        out.notes.append("--num-epoch: ignored, num_rollout is given (as slime does)")
+        return
+    path, batch = Path(str(out.spec.get("prompt_data", ""))), out.spec.get("rollout_batch_size")
+    try:
+        if path.suffix != ".jsonl" or not batch:
+            raise ValueError("needs a .jsonl prompt_data and rollout_batch_size")
+        with path.open() as rows:
+            count = sum(1 for row in rows if row.strip())
+    except (OSError, ValueError) as err:
+        out.refused.append(f"--num-epoch {out.num_epoch}: cannot count the prompts ({err}); give num_rollout")
+        return
+    out.spec["num_rollout"] = out.num_epoch * (count // int(batch))
+    out.notes.append(f"--num-epoch {out.num_epoch}: num_rollout {out.spec['num_rollout']} ({count} prompts, "
+                     f"{batch} per rollout)")
+
+
 def _eval_config(out: Conversion, value: Any) -> None:
     out.eval_config = str(value)  # read once every other flag is converted: it checks against the job's keys
 
 
 _SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
-            "custom-config-path": _custom_config, "eval-config": _eval_config}
+            "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch}
 SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
 
 

@@ -59,7 +59,7 @@ def test_what_the_launch_scripts_still_cannot_use():
     assert {s: r for s, r in refused.items() if r} == {
         "run-glm4-9B.sh": ["--context-parallel-size 2"],
         "run-qwen2.5-0.5B-reproducibility.sh": ["--eval-top-k"],
-        "run-qwen3-4B-base-sft.sh": ["--num-epoch"],
+        "run-qwen3-4B-base-sft.sh": ["--num-epoch 3"],  # its prompt_data is not here to count
         "run-qwen3.5-27B.sh": ["--context-parallel-size 4", "--decoder-last-pipeline-num-layers"],
         "run-mimo-7B-rl-eagle.sh": ["--enable-mtp-training", "--mtp-loss-scaling-factor", "--mtp-num-layers"],
     }
@@ -183,3 +183,13 @@ def test_eval_config_becomes_the_eval_keys(tmp_path):
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
     assert conv.refused == [] and {k: conv.spec[k] for k in ("eval_temperature", "n_samples_per_eval_prompt")} == \
         {"eval_temperature": 0.6, "n_samples_per_eval_prompt": 4}
+
+
+def test_num_epoch_counts_the_prompts_as_slime_does(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"input": "{i}"}}\n' for i in range(10)) + "\n")
+    argv = ["--prompt-data", str(data), "--rollout-batch-size", "3", "--num-epoch", "2"]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 6 and conv.refused == []  # 2 × (10 // 3)
+    conv = slime_args.convert(argv + ["--num-rollout", "4"], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 4 and "--num-epoch: ignored, num_rollout is given (as slime does)" in conv.notes
