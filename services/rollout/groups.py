@@ -61,7 +61,8 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: in
         name, rid_prefix = f"rollout {rollout_id} of job {job}", f"{job}-{rollout_id}"
         temperature, top_p, max_new_tokens, n = (config.rollout_temperature, config.rollout_top_p,
                                                  config.rollout_max_response_len, config.n_samples_per_prompt)
-    params = sampling_params(temperature=temperature, top_p=top_p, top_k=config.rollout_top_k,
+    top_k = config.eval_top_k if evaluation else config.rollout_top_k
+    params = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k,
                              max_new_tokens=max_new_tokens, stop=config.rollout_stop,
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)

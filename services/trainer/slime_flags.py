@@ -201,7 +201,7 @@ FLAGS: dict[str, Flag] = {
     "n-samples-per-eval-prompt": I(1),
     "eval-temperature": I(),
     "eval-top-p": I(),
-    "eval-top-k": R(None, "evaluation uses rollout_top_k"),
+    "eval-top-k": I(),
     "eval-max-response-len": I(),
     "eval-max-prompt-len": R(None, "prompts are not filtered by length"),
     "eval-max-context-len": R(None, "evaluation bounds responses by eval_max_response_len"),
