@@ -72,6 +72,8 @@ class RolloutConfig:
     eval_max_response_len: int | None = field(None, "eval response limit (None: rollout_max_response_len)",
                                               POSITIVE)
     eval_top_k: int | None = field(None, "eval top-k sampling (None: rollout_top_k; -1: off)")
+    eval_input_key: str | None = field(None, "the prompt's key in the eval datasets (None: input_key)")
+    eval_label_key: str | None = field(None, "the label's key in the eval datasets (None: label_key)")
     input_key: str = field("input", "the prompt's key in each data row")
     label_key: str = field("label", "the label's key in each data row (slime's default)")
     metadata_key: str = field("metadata", "the metadata's key in each data row")
@@ -85,7 +87,8 @@ class RolloutConfig:
         check_fields(self, InvalidArgument, "rollout config")
         fallbacks = {"eval_temperature": self.rollout_temperature, "eval_top_p": self.rollout_top_p,
                      "eval_max_response_len": self.rollout_max_response_len, "over_sampling_batch_size": 0,
-                     "eval_top_k": self.rollout_top_k,
+                     "eval_top_k": self.rollout_top_k, "eval_input_key": self.input_key,
+                     "eval_label_key": self.label_key,
                      "max_inflight_groups": 0}
         for name, value in fallbacks.items():
             if getattr(self, name) is None:

@@ -14,10 +14,10 @@ import yaml
 
 # slime's dataset setting -> the spec key that holds it for all eval datasets
 SETTINGS = {"n_samples_per_eval_prompt": "n_samples_per_eval_prompt", "temperature": "eval_temperature",
-            "top_p": "eval_top_p", "max_response_len": "eval_max_response_len"}
+            "top_p": "eval_top_p", "top_k": "eval_top_k", "max_response_len": "eval_max_response_len",
+            "input_key": "eval_input_key", "label_key": "eval_label_key"}
 # settings that must equal the job's own (the eval uses the job's)
-JOB_SETTINGS = ("rm_type", "custom_rm_path", "input_key", "label_key", "metadata_key", "apply_chat_template",
-                "custom_generate_function_path")
+JOB_SETTINGS = ("rm_type", "custom_rm_path", "metadata_key", "apply_chat_template", "custom_generate_function_path")
 
 
 def eval_spec(path: str, job: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -194,8 +194,8 @@ FLAGS: dict[str, Flag] = {
     "eval-config": M(None, "its datasets become eval_prompt_data, settings shared by all of them the eval_* keys; "
                            "settings that differ between datasets are refused (services/trainer/slime_eval_config.py)"),
     "eval-function-path": R(None, "evaluation runs the job's generate function (with evaluation=True)"),
-    "eval-input-key": R(None, "eval datasets use input_key"),
-    "eval-label-key": R(None, "eval datasets use label_key"),
+    "eval-input-key": I(),
+    "eval-label-key": I(),
     "eval-tool-key": R(None, "tool schemas in the data are not rendered (see tool_key)"),
     "eval-reward-key": R(None, "evaluation uses reward_key"),
     "n-samples-per-eval-prompt": I(1),

@@ -173,10 +173,11 @@ def test_eval_config_becomes_the_eval_keys(tmp_path):
     assert conv.refused == [
         f"--eval-config {config}: `rm_type` differs between datasets (['deepscaler', None]); Physarum's eval "
         "settings hold for all its datasets"]
-    config.write_text("datasets:\n  - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, top_k: 20}\n")
+    config.write_text("datasets:\n  - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, top_k: 20, "
+                      "repetition_penalty: 1.1}\n")
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
-    assert conv.spec["eval_prompt_data"] == ["aime=/d/aime.jsonl"]
-    assert conv.refused == [f"--eval-config {config}: `top_k` has no counterpart in Physarum's eval"]
+    assert conv.spec["eval_prompt_data"] == ["aime=/d/aime.jsonl"] and conv.spec["eval_top_k"] == 20
+    assert conv.refused == [f"--eval-config {config}: `repetition_penalty` has no counterpart in Physarum's eval"]
     config.write_text("eval:\n  defaults: {temperature: 0.6, n_samples_per_eval_prompt: 4}\n  datasets:\n"
                       "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler}\n")
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
