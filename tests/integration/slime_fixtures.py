@@ -15,13 +15,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.reward.client import RewardClient
 from services.reward.config import RewardConfig
 from services.reward.server import create_server
 from services.rollout.client import RolloutState
-from services.rollout.manager import RolloutManager
+from services.rollout.generation.manager import RolloutManager
 from services.trainer.spec import parse_spec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "slime_examples"

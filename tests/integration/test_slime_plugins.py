@@ -14,8 +14,7 @@ import string
 import pytest
 from tokenizers import Tokenizer
 
-from physarum import procs
-from services.common import plugins
+from services.common import plugins, procs
 from services.common.grpc_client import wait_for_health
 from tests.integration.slime_fixtures import (
     EXAMPLES,

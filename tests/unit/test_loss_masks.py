@@ -11,8 +11,8 @@ from tokenizers import Tokenizer
 
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
-from services.rollout.loss_masks import LossMasker, conversation_sample, response_length
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.loss_masks import LossMasker, conversation_sample, response_length
+from services.rollout.generation.prompts import PromptEncoder
 
 QWEN25_TEMPLATE = (
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n42<|im_end|>\n{% endif %}"

@@ -24,7 +24,7 @@ def test_slime_imports_resolve_to_physarums_classes():
     from slime.utils.misc import load_function
     from slime.utils.types import Sample as SlimeSample
 
-    from services.rollout.filters import DynamicFilterOutput as Ours
+    from services.rollout.generation.filters import DynamicFilterOutput as Ours
 
     assert SlimeSample is PluginSample and DynamicFilterOutput is Ours
     assert load_function("slime.rollout.rm_hub.grade_answer_verl") is grade_answer_verl

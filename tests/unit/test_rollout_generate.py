@@ -13,8 +13,8 @@ import pytest
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import PluginSample as RolloutSample
 from services.common.samples import Sample, Status
-from services.rollout import generate as gen
-from services.rollout.generate import GenerateContext
+from services.rollout.generation import generate as gen
+from services.rollout.generation.generate import GenerateContext
 from tests.unit.rollout_fakes import reply
 
 

@@ -10,8 +10,8 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.common.samples import Prompt, SampleGroup, Status, group_id_for
 from services.rollout.client import RolloutConfig, RolloutState
-from services.rollout.manager import RolloutManager
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.manager import RolloutManager
+from services.rollout.generation.prompts import PromptEncoder
 from tests.unit.rollout_fakes import (
     JOB,
     Engine,
@@ -165,7 +165,7 @@ def test_sft_rollout_builds_label_responses_without_generation(tiny_model_dir, e
 
 
 def test_sft_on_conversations_trains_the_assistant_turns(tiny_model_dir, encoder):
-    from services.rollout.loss_masks import LossMasker, response_length
+    from services.rollout.generation.loss_masks import LossMasker, response_length
 
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
             {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
@@ -188,7 +188,7 @@ def test_sft_without_label_fails_naming_the_prompt(tiny_model_dir):
     assert status.state == RolloutState.FAILED and "prompt 0 has neither" in status.error
 
 
-# ----- over-sampling, abort, dynamic filters, custom generate functions (issue 5) -----
+# ----- over-sampling, abort, dynamic filters, custom generate functions -----
 
 def held_for(prompts: set[int], text: str = "12"):
     """A router script: requests for `prompts` are held until an engine is told to abort, the rest answered."""

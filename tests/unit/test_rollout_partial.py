@@ -7,8 +7,8 @@ import asyncio
 
 from services.common.samples import Prompt, Status
 from services.rollout.client import RolloutState
-from services.rollout.partial import PartialGroups, prepare_resumed
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.partial import PartialGroups, prepare_resumed
+from services.rollout.generation.prompts import PromptEncoder
 from tests.unit.rollout_fakes import FakeBuffer, ScriptedRouter, new_manager, reply, rollout, rollout_config, sample_of
 
 PROMPT = Prompt(job_id="job", index=4, epoch=1, prompt="4+1=")

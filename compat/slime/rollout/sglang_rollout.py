@@ -7,9 +7,9 @@ import asyncio
 import functools
 from typing import Any
 
-from services.rollout.generate import generate as _physarum_generate
-from services.rollout.generate import sampling_params as _sampling_params
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.generate import generate as _physarum_generate
+from services.rollout.generation.generate import sampling_params as _sampling_params
+from services.rollout.generation.prompts import PromptEncoder
 
 
 class Tokenizer:

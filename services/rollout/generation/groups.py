@@ -12,10 +12,11 @@ from typing import Any
 
 import httpx
 
+from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
-from services.common.samples import Prompt, Sample
+from services.common.samples import Prompt, Sample, Status
 from services.rollout.client import RolloutConfig
-from services.rollout.generate import (
+from services.rollout.generation.generate import (
     GenerateContext,
     load_generate_function,
     new_session_id,
@@ -24,9 +25,10 @@ from services.rollout.generate import (
     sampling_params,
     use_context,
 )
-from services.rollout.partial import FINISHED
-from services.rollout.prompts import PromptEncoder
-from services.rollout.scoring import load_group_reward
+from services.rollout.generation.loss_masks import conversation_sample, is_conversation
+from services.rollout.generation.partial import FINISHED
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.scoring import load_group_reward
 
 
 @dataclass
@@ -94,3 +96,25 @@ async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]
         for position, sample in enumerate(group):
             sample.index = position
     return group
+
+
+def sft_sample(encoder: PromptEncoder, prompt: Prompt, text: str, prompt_ids: list[int], index: int,
+               weight_version: str, what: str, loss_mask_type: str = "qwen") -> Sample:
+    """slime's sft rollout: a conversation trains on its assistant turns (loss_mask_type); a prompt on its label's
+    tokens + eos. No generation; reward 0."""
+    if is_conversation(prompt.messages):
+        sample = conversation_sample(new_sample(prompt, text, prompt_ids, index), encoder, prompt.messages,
+                                     loss_mask_type)
+        sample.status, sample.weight_versions = Status.COMPLETED, [weight_version]
+        return sample
+    if not prompt.label or not isinstance(prompt.label, str):
+        raise InvalidArgument(f"{what}: sft_loss needs a text label or a conversation with assistant turns, "
+                              f"prompt {prompt.index} has neither (load the dataset with label_key)")
+    eos = [] if encoder.eos_token_id is None else [encoder.eos_token_id]
+    response_ids = encoder.encode_text(prompt.label) + eos
+    sample = new_sample(prompt, text, prompt_ids, index)
+    sample.tokens = prompt_ids + response_ids
+    sample.response, sample.response_length = prompt.label, len(response_ids)
+    sample.loss_mask, sample.rollout_log_probs = [1] * len(response_ids), [0.0] * len(response_ids)
+    sample.status, sample.weight_versions, sample.reward = Status.COMPLETED, [weight_version], 0.0
+    return sample

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.errors import InvalidArgument
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.prompts import PromptEncoder
 
 LOSS_MASK_TYPES = ("qwen", "qwen3", "distill")
 _PROBE = "FOR TESTING ONLY"
