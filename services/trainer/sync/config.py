@@ -10,7 +10,7 @@ from services.common.config import POSITIVE, check_fields, field
 
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
-    update_weight_buffer_size: int = field(64 << 20, "bytes per broadcast bucket", POSITIVE)
+    update_weight_buffer_size: int = field(512 << 20, "bytes per broadcast bucket (slime's default)", POSITIVE)
     weight_sync_backend: Literal["auto", "gloo", "nccl", "shm"] = field(
         "auto", "how weights reach the engines: nccl, gloo (torch.distributed groups), shm (engines on the trainer's "
                 "host load a snapshot from /dev/shm), auto (nccl from CUDA ranks to GPU engines on other hosts, else "
