@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -83,11 +85,30 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.RestoreStateResponse(num_requeued=num_requeued, num_leases_dropped=num_dropped)
 
 
+REDIS_CHECK_S = 1.0  # how often health follows Redis (busy with a script, loading its data, gone)
+
+
 @dataclass
 class BufferServer(GrpcServer):
-    """The running server and the store it closes on stop."""
+    """The running server, the store it closes on stop and the task that keeps health in step with Redis."""
 
     store: BufferStore = field(kw_only=True)
+    watcher: asyncio.Task | None = None
+
+
+async def _follow_redis(server: BufferServer) -> None:
+    """Health is NOT_SERVING while Redis does not answer PING (BUSY, LOADING, unreachable), SERVING once it does."""
+    serving = True
+    while True:
+        await asyncio.sleep(REDIS_CHECK_S)
+        why = await server.store.ping(timeout_s=max(REDIS_CHECK_S, 2.0))
+        if (why is None) != serving:
+            serving = why is None
+            if serving:
+                log.info("Redis %s answers again: SERVING", server.store.where)
+            else:
+                log.warning("Redis %s cannot answer (%s): NOT_SERVING", server.store.where, why)
+            await server.set_serving(serving)
 
 
 async def create_server(config: BufferConfig) -> BufferServer:
@@ -102,11 +123,16 @@ async def create_server(config: BufferConfig) -> BufferServer:
         await stop_server(server, grace_s=0)
         raise
     await server.set_serving(True)
+    server.watcher = asyncio.create_task(_follow_redis(server))
     log.info("buffer serving on %s:%d, Redis %s", config.host, server.port, store.where)
     return server
 
 
 async def stop_server(server: BufferServer, grace_s: float) -> None:
     """Stop serving (NOT_SERVING first, in-flight calls get grace_s), then close the Redis connections."""
+    if server.watcher is not None:
+        server.watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server.watcher
     await stop_grpc_server(server, grace_s)
     await server.store.close()

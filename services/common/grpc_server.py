@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import PhysarumError
+from services.common.grpc_guard import DecodeGuard
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ async def start_grpc_server(bindings: Iterable[ServiceBinding], host: str, port:
                             serving: bool = True) -> GrpcServer:
     """Start an aio server on host:port (0 picks a free port) with health and reflection."""
     bindings = list(bindings)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
+    server = grpc.aio.server(interceptors=[DecodeGuard()], options=[("grpc.max_receive_message_length", 256 << 20),
                                       ("grpc.max_send_message_length", 256 << 20)])
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
