@@ -12,6 +12,7 @@ from services.common.rest import create_rest_app
 from services.common.samples import Sample
 from services.reward import scorers
 from services.reward.config import RewardConfig
+from services.reward.workers import WorkerPool
 
 
 class SampleIn(BaseModel):
@@ -43,7 +44,7 @@ class ScoreResponse(BaseModel):
     scores: list[ScoreOut]
 
 
-def create_app(config: RewardConfig, semaphore: asyncio.Semaphore) -> FastAPI:
+def create_app(config: RewardConfig, semaphore: asyncio.Semaphore, pool: WorkerPool) -> FastAPI:
     app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.")
 
     @app.post("/v1/score", response_model=ScoreResponse)
@@ -52,7 +53,7 @@ def create_app(config: RewardConfig, semaphore: asyncio.Semaphore) -> FastAPI:
                    for i, s in enumerate(request.samples)]
         results = await scorers.score_samples(
             samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
-            timeout_s=request.timeout_s or config.default_timeout_s, args=request.args, semaphore=semaphore)
+            timeout_s=request.timeout_s or config.default_timeout_s, args=request.args, semaphore=semaphore, pool=pool)
         return ScoreResponse(scores=[ScoreOut(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores)
                                      for r in results])
 

@@ -1,7 +1,7 @@
 """Score a batch of samples: each under its own timeout, a bounded number at once, failures kept per sample.
 
-A built-in verifier runs in a worker thread; a user function (slime's `async def f(args, sample)`) runs on the loop.
-Knows nothing of gRPC or HTTP.
+Built-in verifiers and user functions (slime's `async def f(args, sample)`) run in `workers`' processes, which
+call `call_scorer` there. Knows nothing of gRPC or HTTP.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.reward.client import ScoreResult
 from services.reward.verifiers import builtin_scorer
+from services.reward.workers import Task, WorkerPool
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENCY = 64
+MAX_TIMEOUT_S = 3600.0
+_shared_pool: WorkerPool | None = None
 
 
 @functools.cache
@@ -33,43 +36,42 @@ def load_reward_function(path: str) -> Callable[..., Awaitable[Any]]:
                                  is_async=True, num_params=2)
 
 
+async def call_scorer(kind: str, target: str, sample: Sample, args: dict[str, Any]) -> Any:
+    """What the scorer returns for one sample; runs inside a worker process, never in the service."""
+    if kind == "custom":
+        return await load_reward_function(target)(types.SimpleNamespace(**args), sample)
+    return builtin_scorer(target)(sample.response, sample.label)
+
+
+def shared_pool() -> WorkerPool:
+    """The process's default pool, for callers that bring none (a server brings its own, sized by its config)."""
+    global _shared_pool
+    if _shared_pool is None:
+        _shared_pool = WorkerPool()
+    return _shared_pool
+
+
 async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: str, reward_key: str,
-                        timeout_s: float, args: dict[str, Any],
-                        semaphore: asyncio.Semaphore | None = None) -> list[ScoreResult]:
+                        timeout_s: float, args: dict[str, Any], semaphore: asyncio.Semaphore | None = None,
+                        pool: WorkerPool | None = None) -> list[ScoreResult]:
     """One ScoreResult per sample, in order. custom_rm_path wins over rm_type.
 
     `semaphore` bounds the samples scored at once (the server shares one over all requests); by default a fresh
-    one of DEFAULT_MAX_CONCURRENCY. Raises InvalidArgument for a bad request, never for a failing sample.
+    one of DEFAULT_MAX_CONCURRENCY. Each sample runs in one of `pool`'s workers (default: `shared_pool()`), killed
+    past timeout_s. Raises InvalidArgument for a bad request, never for a failing sample.
     """
-    if not timeout_s > 0:
-        raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
-    if custom_rm_path:
-        fn = load_reward_function(custom_rm_path)
-        namespace = types.SimpleNamespace(**args)
-        name = f"custom_rm_path {custom_rm_path}"
-
-        def call(sample: Sample) -> Awaitable[Any]:
-            return fn(namespace, sample)
-    else:
-        verifier = builtin_scorer(rm_type)
-        name = f"rm_type {rm_type}"
-
-        def call(sample: Sample) -> Awaitable[Any]:
-            return asyncio.to_thread(verifier, sample.response, sample.label)
-
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise InvalidArgument(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s}")
+    if not custom_rm_path:
+        builtin_scorer(rm_type)  # an unknown rm_type fails the request here, listing the valid ones
+    kind, target = ("custom", custom_rm_path) if custom_rm_path else ("builtin", rm_type)
     semaphore = semaphore or asyncio.Semaphore(DEFAULT_MAX_CONCURRENCY)
+    pool = pool or shared_pool()
 
     async def score_one(sample: Sample) -> ScoreResult:
         async with semaphore:
-            try:
-                value = await asyncio.wait_for(call(sample), timeout_s)
-            except TimeoutError:
-                log.warning("%s: sample %d timed out after %g s", name, sample.index, timeout_s)
-                return ScoreResult(reward=0.0, ok=False, error=f"timed out after {timeout_s:g} s")
-            except Exception as err:  # noqa: BLE001 - a failing scorer fails its sample, never the service
-                log.warning("%s: sample %d failed: %s: %s", name, sample.index, type(err).__name__, err)
-                return ScoreResult(reward=0.0, ok=False, error=f"{name}: {type(err).__name__}: {err}")
-        return to_result(value, reward_key, name)
+            outcome = await pool.run(Task(kind, target, reward_key, sample, args), timeout_s)
+        return ScoreResult(outcome.reward, outcome.ok, outcome.error, outcome.scores)
 
     return list(await asyncio.gather(*(score_one(s) for s in samples)))
 
