@@ -34,6 +34,14 @@ def integer(name: str, value: int, low: int, high: int) -> int:
     return value
 
 
+def int64_fields(model: object) -> None:
+    """Every int in a pydantic model's fields (lists included) fits int64: a bigger one breaks proto and JSON."""
+    for name, value in vars(model).items():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool) and not -INT64_MAX - 1 <= item <= INT64_MAX:
+                raise InvalidArgument(f"{name} must fit in 64 bits, got {item}")
+
+
 def job_id(value: str) -> str:
     """A job id: lowercase letters, digits and '-', starting and ending alphanumeric, at most 63 characters."""
     if not isinstance(value, str) or len(value) > JOB_ID_MAX_LEN or not _JOB_ID.fullmatch(value):

@@ -11,11 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from services.common import bounds
 from services.common.errors import InvalidArgument
 
 
 class JobSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # NaN/inf would pass every `<=`
 
     job_id: str = ""
     # Model and data (slime: --hf-checkpoint, --prompt-data, --input-key, ...).
@@ -97,8 +98,11 @@ class JobSpec(BaseModel):
     def _check(self) -> JobSpec:
         positive = ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "micro_batch_size",
                     "rollout_max_response_len", "update_weight_buffer_size")
-        for name in positive:
-            if getattr(self, name) <= 0:
+        bounds.int64_fields(self)
+        if self.job_id:
+            bounds.job_id(self.job_id)
+        for name in (*positive, "global_batch_size", "num_steps_per_rollout"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("lr", "rollout_temperature", "weight_sync_timeout_s", "lease_timeout_s", "reward_timeout_s",
                      "rollout_timeout_s"):
