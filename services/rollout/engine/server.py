@@ -102,17 +102,35 @@ class EngineState:
                                      "paused": engine.is_paused}]}
 
 
+MAX_BODY_BYTES = 16 << 20  # a longer request body is refused unread (413): parsing it would hold the engine
+
+
 async def _body(request: Request) -> dict:
-    raw = await request.body()
+    """The JSON object of a request body of at most MAX_BODY_BYTES, parsed off the event loop."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
+        body = await asyncio.to_thread(json.loads, raw)
     except ValueError as err:
         raise InvalidArgument(f"request body is not valid JSON: {err}") from err
+    except RecursionError:
+        raise InvalidArgument("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+class BodyTooLarge(InvalidArgument):
+    """Answered with HTTP 413."""
 
 
 def _required(body: dict, *keys: str) -> None:
@@ -157,7 +175,8 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.exception_handler(PhysarumError)
     async def physarum_error(request: Request, err: PhysarumError) -> JSONResponse:
-        status = {InvalidArgument: 400, FailedPrecondition: 400, NotFound: 404, Unavailable: 503}.get(type(err), 500)
+        status = {BodyTooLarge: 413, InvalidArgument: 400, FailedPrecondition: 400, NotFound: 404,
+                  Unavailable: 503}.get(type(err), 500)
         return JSONResponse({"error": {"message": str(err)}}, status_code=status)
 
     @app.exception_handler(ValueError)
@@ -170,7 +189,7 @@ def create_app(state: EngineState) -> FastAPI:
         body = await _body(request)
         if body.get("stream"):
             raise InvalidArgument("stream is not supported by the CPU engine; send stream=false")
-        call = parse_generate(body, engine)
+        call = await asyncio.to_thread(parse_generate, body, engine)  # tokenizing a long text holds no loop
         await _wait_for(engine, call.requests)
         outs = [to_response(r, lp, i if call.listed else None)
                 for i, (r, lp) in enumerate(zip(call.requests, call.return_logprob, strict=True))]
