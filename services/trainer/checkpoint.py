@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
 from services.trainer.parallel import World
+from services.trainer.safe_dcp import SafeFileSystemReader
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ def load_checkpoint(root: str | Path, backend: Checkpointable, world: World,
     load_state(_state_dir(path, backend), backend, world)
     rng_path = path / f"rng_rank{world.rank}.pt"
     if rng_path.is_file():
-        set_rng_state(torch.load(rng_path, weights_only=False))
+        set_rng_state(torch.load(rng_path, weights_only=True))  # a checkpoint runs no pickle
     else:
         log.warning("checkpoint %s has no RNG state for rank %d (saved by %d ranks); keeping this rank's", path,
                     world.rank, state.world_size)
@@ -187,7 +188,7 @@ def load_state(path: Path, backend: Checkpointable | ShardedCheckpointable, worl
             log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
         return
     try:
-        saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+        saved = {key.split(".", 1)[0] for key in SafeFileSystemReader(path).read_metadata().state_dict_metadata}
     except FileNotFoundError:
         raise InvalidArgument(f"checkpoint {path}: no torch.distributed.checkpoint metadata") from None
     wanted = saved if parts is None else saved & set(parts)
@@ -196,7 +197,7 @@ def load_state(path: Path, backend: Checkpointable | ShardedCheckpointable, worl
         log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
     state = backend.state_dict(parts=wanted)
     with _one_process_is_intended():
-        dcp.load(state, checkpoint_id=path, no_dist=not world.distributed)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not world.distributed)
     backend.load_state_dict(state)
 
 
@@ -214,7 +215,7 @@ def load_reference(root: str | Path, backend, world: World) -> None:
         return
     state = {"model": backend.state_dict(parts=("ref_model",))["ref_model"]}
     with _one_process_is_intended():
-        dcp.load(state, checkpoint_id=path, no_dist=not world.distributed)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not world.distributed)
     backend.load_state_dict({"ref_model": state["model"]})
     log.info("reference model from checkpoint %s", path)
 
