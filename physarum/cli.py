@@ -69,7 +69,8 @@ def cmd_up(args) -> int:
     if args.trainer_ranks < 1:
         raise SystemExit(f"physarum: --trainer-ranks must be >= 1, got {args.trainer_ranks}")
     state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines,
-                                        trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync))
+                                        trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync,
+                                        plugin_allowlist=args.plugin_allowlist))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
     return 0
 
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
     p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="everysec",
                    help="fsync policy of the local Redis's append-only file (everysec: at most 1 s lost to a crash)")
+    p.add_argument("--plugin-allowlist", default=os.environ.get("PHYSARUM_PLUGIN_ALLOWLIST", "examples"),
+                   help="comma-separated module prefixes that jobs may name as plugins (reward, generate, loss, "
+                        "filters)")
     p.add_argument("--trainer-ranks", type=int, default=1,
                    help="trainer processes: rank 0 serves the job API, the others train data-parallel (FSDP2)")
     p.set_defaults(fn=cmd_up)

@@ -42,6 +42,7 @@ class StackOptions:
     trainer_ranks: int = 1              # data-parallel trainer processes (FSDP2 over gloo)
     engine_per_token_delay_s: float = 0.0  # latency-controlled engines (benchmarks): extra seconds per decode step
     redis_appendfsync: str = "everysec"  # Redis AOF fsync policy: always, everysec or no
+    plugin_allowlist: str | None = None  # module prefixes jobs may name as plugins (None: the caller's environment)
     start_timeout_s: float = 180.0
 
 
@@ -106,7 +107,8 @@ def up(options: StackOptions) -> dict:
                                      "--engine-per-token-delay-s", str(options.engine_per_token_delay_s),
                                      "--work-dir", str(work_dir / "engines")),
         }
-        started = {name: ManagedProcess(name, argv, logs / f"{name}.log").start() for name, argv in specs.items()}
+        started = {name: ManagedProcess(name, argv, logs / f"{name}.log", env=_plugin_env(options)).start()
+                   for name, argv in specs.items()}
         processes.extend(started.values())
         ranks = trainer_ranks(options, ports, addr, logs)
         started["trainer"] = ranks[0]
@@ -133,7 +135,8 @@ def up(options: StackOptions) -> dict:
 def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, str],
                   logs: Path) -> list[ManagedProcess]:
     """The trainer's ranks (not started): rank 0 serves the job API, ranks 1.. are workers; torchrun's env."""
-    env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port())}
+    env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port()),
+           **_plugin_env(options)}
     flags = ["--buffer-addr", addr["buffer"], "--rollout-addr", addr["rollout"],
              "--num-threads", str(options.trainer_threads)]
     rank0 = python_module("services.trainer", "--host", HOST, "--port", str(ports["trainer"]),
@@ -143,6 +146,12 @@ def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, 
         ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.worker", *flags),
                                     logs / f"trainer-{rank}.log", env={**env, "RANK": str(rank)}))
     return ranks
+
+
+def _plugin_env(options: StackOptions) -> dict[str, str]:
+    from services.common.plugins import ALLOWLIST_ENV
+
+    return {} if options.plugin_allowlist is None else {ALLOWLIST_ENV: options.plugin_allowlist}
 
 
 def _entry(proc: ManagedProcess) -> dict:

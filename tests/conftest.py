@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from physarum import procs, tasks, tinymodel
+from services.common.plugins import ALLOWLIST_ENV
+
+# The plugin modules the tests' jobs and requests name; every process the tests start inherits it.
+os.environ.setdefault(ALLOWLIST_ENV, "tests.plugins,examples")
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,8 @@ def test_unknown_key_is_named_with_a_suggestion():
     ({"tensor_model_parallel_size": 2}, "need train_backend: megatron"),
     ({"train_backend": "megatron", "advantage_estimator": "ppo"}, "set train_backend: fsdp"),
     # hostile numbers and names: each refused by name, never a crash later
+    ({"loss_type": "custom_loss", "custom_loss_function_path": "os.system"},
+     "custom_loss_function_path: 'os.system' is not under an allowed plugin module"),
     ({"global_batch_size": 0}, "global_batch_size must be > 0, got 0"),
     ({"num_steps_per_rollout": 0}, "num_steps_per_rollout must be > 0, got 0"),
     ({"lr": float("nan")}, "lr: Input should be a finite number"),
