@@ -10,12 +10,13 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.common.paths import confine
 from services.common.samples import Prompt, dict_to_struct
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,11 @@ def parse_path(spec: str) -> tuple[Path, slice]:
 
 
 def read_prompts(spec: str, *, input_key: str = "input", label_key: str = "", metadata_key: str = "metadata",
-                 apply_chat_template: bool = False) -> PromptRows:
-    """Read and validate the rows selected by `spec` (a path, optionally with `@[start:end]`)."""
+                 apply_chat_template: bool = False, roots: Sequence[str] = ()) -> PromptRows:
+    """Read and validate the rows selected by `spec` (a path, optionally with `@[start:end]`), which must lie
+    under one of `roots` (when any are given)."""
     path, rows = parse_path(spec)
+    path = confine(str(path), roots, "dataset")
     if not path.is_file():
         raise InvalidArgument(f"dataset {path}: no such file")
     if path.suffix == ".jsonl":

@@ -21,14 +21,15 @@ log = logging.getLogger(__name__)
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
-    def __init__(self, store: BufferStore) -> None:
+    def __init__(self, store: BufferStore, data_roots: list[str]) -> None:
         self.store = store
+        self.data_roots = data_roots
 
     @handle_errors
     async def LoadDataset(self, request, context):
         read = functools.partial(read_prompts, request.path, input_key=request.input_key or "input",
                                  label_key=request.label_key, metadata_key=request.metadata_key or "metadata",
-                                 apply_chat_template=request.apply_chat_template)
+                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots)
         info = await self.store.load_dataset(request.job_id, read, shuffle=request.rollout_shuffle,
                                              seed=request.rollout_seed, path=request.path)
         return buffer_pb2.LoadDatasetResponse(num_prompts=info.num_prompts, num_skipped=info.num_skipped,
@@ -114,7 +115,8 @@ async def _follow_redis(server: BufferServer) -> None:
 async def create_server(config: BufferConfig) -> BufferServer:
     """Start the server NOT_SERVING, wait (bounded) for Redis, then report SERVING."""
     store = BufferStore(config.redis_url)
-    binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store), "physarum.v1.Buffer")
+    binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store, config.data_roots),
+                             "physarum.v1.Buffer")
     grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False)
     server = BufferServer(**vars(grpc_server), store=store)
     try:
@@ -124,6 +126,8 @@ async def create_server(config: BufferConfig) -> BufferServer:
         raise
     await server.set_serving(True)
     server.watcher = asyncio.create_task(_follow_redis(server))
+    if not config.data_roots:
+        log.warning("data_roots is empty: LoadDataset reads any path this process can (set it outside local runs)")
     log.info("buffer serving on %s:%d, Redis %s", config.host, server.port, store.where)
     return server
 

@@ -155,3 +155,15 @@ def test_non_finite_numbers_and_deep_nesting_are_skipped_at_load(tmp_path):
     rows = read_prompts(str(parquet))
     assert [p.prompt for p in rows.prompts] == ["b"]
     assert rows.errors == [f"dataset {parquet} row 1: holds nan, not a finite number"]
+
+
+def test_paths_outside_the_data_roots_are_refused_after_normalisation(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    inside = write_jsonl(root / "train.jsonl", [json.dumps({"input": "1+1="})])
+    (tmp_path / "secret.jsonl").write_text(json.dumps({"input": "secret"}) + "\n")
+    (root / "link.jsonl").symlink_to(tmp_path / "secret.jsonl")
+    assert [p.prompt for p in read_prompts(inside + "@[0:1]", roots=[str(root)]).prompts] == ["1+1="]
+    for escape in (f"{root}/../secret.jsonl", str(root / "link.jsonl"), "/etc/passwd", f"{root}/a\x00b.jsonl"):
+        with pytest.raises(InvalidArgument, match="dataset"):
+            read_prompts(escape, roots=[str(root)])
