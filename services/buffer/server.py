@@ -12,6 +12,7 @@ from services.buffer.client import state_from_proto, state_to_proto
 from services.buffer.config import BufferConfig
 from services.buffer.dataset import read_prompts
 from services.buffer.store import BufferStore
+from services.common import auth
 from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
@@ -117,7 +118,8 @@ async def create_server(config: BufferConfig) -> BufferServer:
     store = BufferStore(config.redis_url)
     binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store, config.data_roots),
                              "physarum.v1.Buffer")
-    grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False)
+    grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False,
+                                          token=auth.read_token("buffer"), service="buffer")
     server = BufferServer(**vars(grpc_server), store=store)
     try:
         await store.wait_ready(config.redis_wait_s)

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common import auth
 from services.common.rest import create_rest_app
 from services.common.samples import Sample
 from services.reward import scorers
@@ -45,7 +46,8 @@ class ScoreResponse(BaseModel):
 
 
 def create_app(config: RewardConfig, semaphore: asyncio.Semaphore, pool: WorkerPool) -> FastAPI:
-    app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.")
+    app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.",
+                          token=auth.read_token("reward"), service="reward")
 
     @app.post("/v1/score", response_model=ScoreResponse)
     async def score(request: ScoreRequest) -> ScoreResponse:

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from services.common import auth
 from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
 from services.common.rest import RestServer
@@ -72,7 +73,7 @@ async def create_server(config: RewardConfig) -> RewardServer:
     try:
         grpc_server = await start_grpc_server(
             [ServiceBinding(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "physarum.v1.Reward")],
-            config.host, config.port)
+            config.host, config.port, token=auth.read_token("reward"), service="reward")
     except BaseException:
         pool.close()
         raise

@@ -20,6 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from services.common import auth
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.rest import RestServer
 from services.common.sglang import DEFAULT_GROUP_NAME
@@ -102,6 +103,7 @@ class EngineState:
                                      "paused": engine.is_paused}]}
 
 
+PUBLIC_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
 MAX_BODY_BYTES = 16 << 20  # a longer request body is refused unread (413): parsing it would hold the engine
 
 
@@ -171,6 +173,8 @@ async def _wait_for(engine: Scheduler, requests: list[GenRequest]) -> None:
 
 def create_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="Physarum CPU engine (SGLang HTTP API)", version=VERSION)
+    # admin calls (weights, pause, abort, flush) only from holders of the engine token: the manager and the trainer
+    auth.require_bearer(app, auth.read_token("engine"), "engine", auth.OPEN_PATHS | PUBLIC_PATHS)
     timeout_s = state.config.weight_sync_timeout_s
 
     @app.exception_handler(PhysarumError)
