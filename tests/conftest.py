@@ -12,7 +12,7 @@ from physarum import procs, tasks, tinymodel
 from services.common.plugins import ALLOWLIST_ENV
 
 # The plugin modules the tests' jobs and requests name; every process the tests start inherits it.
-os.environ.setdefault(ALLOWLIST_ENV, "tests.plugins,examples")
+os.environ.setdefault(ALLOWLIST_ENV, "tests,examples")
 
 
 @pytest.fixture(scope="session")

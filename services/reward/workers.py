@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_REPLY_BYTES = 1 << 20   # a worker's JSON reply; a longer one fails its sample and the worker is replaced
 MAX_ERROR_CHARS = 2000      # an error message is cut to this many characters
+START_TIMEOUT_S = 120.0     # a worker imports the scorers before its first task: not counted in any sample's timeout
 KINDS = ("custom", "builtin")
 
 
@@ -66,6 +67,9 @@ class _Worker:
                                    name="reward-worker")
         self.process.start()
         child.close()
+        if not self.conn.poll(START_TIMEOUT_S) or self.conn.recv_bytes() != b"ready":
+            self.kill()
+            raise RuntimeError(f"reward worker did not start within {START_TIMEOUT_S:g} s")
 
     def call(self, task: Task, timeout_s: float) -> Outcome:
         """The task's outcome; raises _Lost (after killing the worker) if it overran, died or answered nonsense."""
@@ -163,6 +167,9 @@ def _serve(conn: Connection, memory_limit_bytes: int) -> None:
     if memory_limit_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     loop = asyncio.new_event_loop()
+    from services.reward import scorers  # noqa: F401 - imported once, before the first task's clock starts
+
+    conn.send_bytes(b"ready")
     while True:
         try:
             task = conn.recv()
