@@ -84,3 +84,14 @@ def test_rows_render_flags_variables_defaults_and_escape_pipes():
         ["`services.demo`", "`--verbose`", "`PHYSARUM_DEMO_VERBOSE`", "`false`", "log more"],
         ["`services.demo`", "`--name`", "`PHYSARUM_DEMO_NAME`", "(empty)", "optional name"],
     ]
+
+
+def test_config_logs_redact_secrets():
+    from services.common.config import redacted
+
+    config = {"api_token": "s3cr3t", "redis_url": "redis://user:pw@10.0.0.1:6379/0", "engine_per_token_delay_s": 0.5,
+              "nested": {"password": "x", "peers": ["rediss://:pw@h:1"]}, "empty_token": ""}
+    assert redacted(config) == {"api_token": "***", "redis_url": "redis://***@10.0.0.1:6379/0",
+                                "engine_per_token_delay_s": 0.5, "nested": {"password": "***",
+                                                                            "peers": ["rediss://***@h:1"]},
+                                "empty_token": ""}
