@@ -97,7 +97,7 @@ async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers
     grpc_server = await start_grpc_server(
         [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, token, parse),
                        "physarum.v1.Jobs")],
-        config.host, config.port)
+        config.host, config.port, token=token, service="trainer")  # checked before a request is even decoded
     rest = RestServer(create_app(registry, token, parse), config.host, config.rest_port)
     await rest.start()
     return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)
