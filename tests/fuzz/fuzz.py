@@ -60,7 +60,7 @@ def _rollout_rest(state: dict) -> str:
 
 
 def all_inputs(t: inputs.Target, model_dir: Path, train_path: Path, rng: random.Random, quick: bool):
-    per_method = 2 if quick else 24
+    per_method = 2 if quick else 40
     classes = [inputs.unauthenticated_grpc(t, rng), inputs.random_grpc(t, rng, per_method), inputs.hostile_fields(t),
                inputs.unauthenticated_rest(t), inputs.engine_bodies(t, rng), inputs.job_specs(t, model_dir, train_path),
                inputs.dataset_rows(t), inputs.reward_functions(t)]
