@@ -32,15 +32,19 @@ class Registrations:
         self.deleted_ids: set[str] = set()  # DELETE sent, still listed
 
     async def refresh(self, owned: set[str]) -> None:
-        """Read GET /workers; remove workers this pool registered that no engine in `owned` has any more."""
+        """Read GET /workers; remove every worker no engine in `owned` has: one this pool registered before, and a
+        foreign one (the pool owns the router's list: a worker someone else registered would get requests)."""
         workers = await self.blocking(self.router.list_workers)
         self.workers = {str(w.get("url", "")).rstrip("/"): w for w in workers}
         self.deleted_ids &= {str(w.get("id")) for w in workers}
         for url in self.workers:  # the POST took effect
             self.posted.pop(url, None)
         for url, worker in self.workers.items():
-            if url in self.ever_posted and url not in owned and str(worker.get("id")) not in self.deleted_ids:
-                log.info("router still lists %s, which left the pool: removing it", url)
+            if url not in owned and url not in self.posted and str(worker.get("id")) not in self.deleted_ids:
+                if url in self.ever_posted:
+                    log.info("router still lists %s, which left the pool: removing it", url)
+                else:
+                    log.warning("router lists %s, which this pool never registered: removing it", url)
                 await self._delete(str(worker["id"]))
 
     def listed(self, url: str) -> bool:

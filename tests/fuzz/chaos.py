@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -19,10 +18,10 @@ import time
 from pathlib import Path
 
 from physarum import procs, stack, tasks, tinymodel
-from services.common import auth
 from services.rollout.client import RolloutClient
 from services.trainer.client import TERMINAL_STATES, JobsRestClient
 from tests.e2e import durability as d
+from tests.fuzz.fuzz import operator_credentials
 
 KINDS = ("engine", "rollout", "buffer", "reward", "redis")
 BATCH, SAMPLES = 4, 2
@@ -62,7 +61,6 @@ def run(work_dir: Path, *, num_rollout: int, extra_kills: int, seed: int) -> dic
     state = stack.up(stack.StackOptions(work_dir=stack_dir, model_path=model_dir, num_engines=2, trainer_threads=1,
                                         redis_appendfsync="always", engine_per_token_delay_s=0.05, auth=True,
                                         plugin_allowlist="tests,examples"))
-    os.environ[auth.TOKEN_DIR_ENV] = str(stack.operator_token_dir(stack_dir))
     schedule = [*rng.sample(KINDS, len(KINDS)), *(rng.choice(KINDS) for _ in range(extra_kills))]
     kinds: dict[str, int] = {}
     job_id = "chaos"
@@ -71,7 +69,7 @@ def run(work_dir: Path, *, num_rollout: int, extra_kills: int, seed: int) -> dic
             "global_batch_size": SAMPLES * BATCH, "rollout_max_response_len": 4, "rm_type": "exact_match",
             "lr": 1e-4, "lease_timeout_s": 5.0, "rollout_timeout_s": 300.0, "mode": "one_step_async"}
     try:
-        with JobsRestClient(state["trainer_url"], timeout_s=30) as client:
+        with operator_credentials(stack_dir), JobsRestClient(state["trainer_url"], timeout_s=30) as client:
             client.submit(spec)
             for kind in schedule:
                 job = job_state(client, job_id)
@@ -83,7 +81,7 @@ def run(work_dir: Path, *, num_rollout: int, extra_kills: int, seed: int) -> dic
                 kinds[kind] = kinds.get(kind, 0) + 1
             final = d.wait_for(f"job {job_id} ends", lambda: (j := _get(client, job_id)) and
                                j["state"] in TERMINAL_STATES and j, 900.0, interval_s=1.0)
-        book = d.ledger(stack.read_state(stack_dir)["redis_url"], job_id, num_rollout, BATCH)
+            book = d.ledger(stack.read_state(stack_dir)["redis_url"], job_id, num_rollout, BATCH)
     finally:
         stack.down(stack_dir)
     duplicated = sum(1 for where in book.places.values() if len(where) > 1)

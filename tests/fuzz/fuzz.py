@@ -10,12 +10,14 @@ class and ends with one JSON line:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,8 +40,21 @@ def start(work_dir: Path, num_engines: int) -> tuple[dict, Path, Path]:
     train_path, _ = tasks.write_addition_task(work_dir / "task", num_test=20, max_operand=9)
     state = stack.up(stack.StackOptions(work_dir=work_dir / "stack", model_path=model_dir, num_engines=num_engines,
                                         trainer_threads=1, auth=True, plugin_allowlist="tests,examples"))
-    os.environ[auth.TOKEN_DIR_ENV] = str(stack.operator_token_dir(work_dir / "stack"))  # this process: the operator
     return state, model_dir, train_path
+
+
+@contextlib.contextmanager
+def operator_credentials(stack_dir: Path) -> Iterator[None]:
+    """This process calls the stack as its operator (the tokens `up` issued it) until the block ends."""
+    before = os.environ.get(auth.TOKEN_DIR_ENV)
+    os.environ[auth.TOKEN_DIR_ENV] = str(stack.operator_token_dir(stack_dir))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(auth.TOKEN_DIR_ENV, None)
+        else:
+            os.environ[auth.TOKEN_DIR_ENV] = before
 
 
 def target_of(state: dict, work_dir: Path, http: httpx.Client) -> inputs.Target:
@@ -104,7 +119,7 @@ def run(work_dir: Path, *, quick: bool, seed: int = 0) -> dict:
     state, model_dir, train_path = start(work_dir, num_engines=1)
     tally = probes.Tally()
     try:
-        with httpx.Client() as http:
+        with operator_credentials(work_dir / "stack"), httpx.Client() as http:
             t = target_of(state, work_dir, http)
             with ThreadPoolExecutor(4) as pool:  # a few at once: hostile inputs must not starve each other
                 results = pool.map(lambda item: (item[0], item[1], item[2]()), all_inputs(t, model_dir, train_path,
@@ -112,7 +127,7 @@ def run(work_dir: Path, *, quick: bool, seed: int = 0) -> dict:
                 for input_class, what, outcome in results:
                     tally.add(input_class, outcome, what)
             down = healthy(state, t.engine_urls)
-        job_ok = normal_job(state, model_dir, train_path) if not down else False
+            job_ok = normal_job(state, model_dir, train_path) if not down else False
     finally:
         stack.down(work_dir / "stack")
     report(tally)

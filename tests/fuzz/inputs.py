@@ -202,8 +202,7 @@ def job_specs(t: Target, model_dir: Path, data_path: Path) -> Iterator[tuple[str
             t.http, "POST", url, content=b, headers=headers, authenticated=True))
     for override in overrides:
         text = yaml.safe_dump({**base, **override})
-        yield ("job_specs", f"YAML {str(override)[:60]}", lambda s=text: probes.http_call(
-            t.http, "POST", url, json=yaml.safe_load(s), headers=headers, authenticated=True))
+        yield ("job_specs", f"YAML {str(override)[:60]}", lambda s=text: _yaml_spec(t, url, headers, s))
     for text in ("a: &a [1, 2]\nb: [*a, *a, *a]\n", "!!python/object/apply:os.system ['true']\n", ":\n- : -\n"):
         yield ("job_specs", f"YAML {text[:40]!r}", lambda s=text: _yaml_spec(t, url, headers, s))
 
@@ -213,7 +212,8 @@ def _yaml_spec(t: Target, url: str, headers: dict, text: str) -> str:
         spec = yaml.safe_load(text)  # what physarum submit does; a tag that would run code is refused here
     except yaml.YAMLError:
         return probes.CLEAR
-    return probes.http_call(t.http, "POST", url, json=spec, headers=headers, authenticated=True)
+    body = json.dumps(spec).encode()  # as Python writes it: NaN and Infinity included
+    return probes.http_call(t.http, "POST", url, content=body, headers=headers, authenticated=True)
 
 
 def dataset_rows(t: Target) -> Iterator[tuple[str, str, Send]]:
