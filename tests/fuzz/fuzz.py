@@ -30,6 +30,7 @@ from services.common.grpc_client import wait_for_health
 from services.rollout.client import RolloutClient
 from services.trainer.client import TERMINAL_STATES, JobsRestClient
 from tests.fuzz import inputs, probes
+from tests.integration.engine_fixtures import start_engines
 
 GRPC_SERVICES = {"buffer": "buffer_addr", "reward": "reward_addr", "rollout": "rollout_addr", "trainer": "trainer_addr"}
 
@@ -57,7 +58,7 @@ def operator_credentials(stack_dir: Path) -> Iterator[None]:
             os.environ[auth.TOKEN_DIR_ENV] = before
 
 
-def target_of(state: dict, work_dir: Path, http: httpx.Client) -> inputs.Target:
+def target_of(state: dict, work_dir: Path, http: httpx.Client, foreign_engine_url: str) -> inputs.Target:
     tokens = {s: auth.read_token(s) for s in ("buffer", "reward", "rollout", "trainer")}
     with RolloutClient(state["rollout_addr"]) as rollout:
         engine_urls = [e.url for e in rollout.pool_status().engines]
@@ -66,7 +67,8 @@ def target_of(state: dict, work_dir: Path, http: httpx.Client) -> inputs.Target:
     rollout_url = state.get("rollout_url") or _rollout_rest(state)
     return inputs.Target(addr={s: state[k] for s, k in GRPC_SERVICES.items()},
                          urls={"reward": state["reward_url"], "rollout": rollout_url, "trainer": state["trainer_url"]},
-                         engine_urls=engine_urls, tokens=tokens, work_dir=work_dir, channels=channels, http=http)
+                         engine_urls=engine_urls, tokens=tokens, router_url=state["router_url"],
+                         foreign_engine_url=foreign_engine_url, work_dir=work_dir, channels=channels, http=http)
 
 
 def _rollout_rest(state: dict) -> str:
@@ -76,7 +78,8 @@ def _rollout_rest(state: dict) -> str:
 
 def all_inputs(t: inputs.Target, model_dir: Path, train_path: Path, rng: random.Random, quick: bool):
     per_method = 2 if quick else 40
-    classes = [inputs.unauthenticated_grpc(t, rng), inputs.random_grpc(t, rng, per_method), inputs.hostile_fields(t),
+    classes = [inputs.foreign_worker(t),
+               inputs.unauthenticated_grpc(t, rng), inputs.random_grpc(t, rng, per_method), inputs.hostile_fields(t),
                inputs.unauthenticated_rest(t), inputs.engine_bodies(t, rng), inputs.job_specs(t, model_dir, train_path),
                inputs.dataset_rows(t), inputs.reward_functions(t)]
     for generated in classes:
@@ -118,9 +121,10 @@ def run(work_dir: Path, *, quick: bool, seed: int = 0) -> dict:
     rng = random.Random(seed)
     state, model_dir, train_path = start(work_dir, num_engines=1)
     tally = probes.Tally()
+    [(foreign, foreign_url)] = start_engines(model_dir, work_dir / "foreign", 1, "--fake-compute", "true")
     try:
         with operator_credentials(work_dir / "stack"), httpx.Client() as http:
-            t = target_of(state, work_dir, http)
+            t = target_of(state, work_dir, http, foreign_url)
             with ThreadPoolExecutor(4) as pool:  # a few at once: hostile inputs must not starve each other
                 results = pool.map(lambda item: (item[0], item[1], item[2]()), all_inputs(t, model_dir, train_path,
                                                                                          rng, quick))
@@ -129,6 +133,7 @@ def run(work_dir: Path, *, quick: bool, seed: int = 0) -> dict:
             down = healthy(state, t.engine_urls)
             job_ok = normal_job(state, model_dir, train_path) if not down else False
     finally:
+        foreign.stop()
         stack.down(work_dir / "stack")
     report(tally)
     return {"inputs": tally.total(), "clear_errors": tally.total(probes.CLEAR),

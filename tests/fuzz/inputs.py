@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import yaml
 
 from services.common import auth
 from services.common.gen.physarum.v1 import buffer_pb2, jobs_pb2, reward_pb2, rollout_pb2, sample_pb2
+from services.rollout.router import RouterClient
 from tests.fuzz import probes
 
 Send = Callable[[], str]
@@ -38,6 +40,8 @@ class Target:
     urls: dict[str, str]        # reward, rollout, trainer REST base URLs
     engine_urls: list[str]
     tokens: dict[str, str]      # service -> the operator's token of it
+    router_url: str
+    foreign_engine_url: str     # an engine the manager never started, answering like one
     work_dir: Path
     channels: dict[str, grpc.Channel]
     http: httpx.Client
@@ -161,6 +165,23 @@ def unauthenticated_rest(t: Target) -> Iterator[tuple[str, str, Send]]:
             yield ("rest_unauthenticated", f"{method} {url} token={label}",
                    lambda m=method, u=url, b=body, h=headers: probes.http_call(
                        t.http, m, u, json=b, headers=h, authenticated=False))
+
+
+def foreign_worker(t: Target) -> Iterator[tuple[str, str, Send]]:
+    """Register a foreign engine with the router (which takes no credentials): the manager owns the router's list
+    and must remove it; accepted if the router still lists it after 60 s."""
+    def send() -> str:
+        with RouterClient(t.router_url, timeout_s=10.0) as router:
+            router.post_worker(t.foreign_engine_url)
+            deadline, seen = time.monotonic() + 60.0, False
+            while time.monotonic() < deadline:
+                listed = router.find_worker(t.foreign_engine_url) is not None
+                if seen and not listed:
+                    return probes.CLEAR
+                seen = seen or listed
+                time.sleep(0.2)
+        return probes.UNAUTH if seen else probes.CLEAR  # never listed: the router refused it itself
+    yield ("router_foreign_worker", f"POST /workers {t.foreign_engine_url}", send)
 
 
 def engine_bodies(t: Target, rng: random.Random) -> Iterator[tuple[str, str, Send]]:
