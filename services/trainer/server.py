@@ -15,7 +15,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
 from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
-from services.trainer.spec_defaults import SpecParser, spec_defaults, spec_parser
+from services.trainer.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
 
 EVENT_POLL_S = 0.2
 
@@ -92,7 +92,7 @@ class TrainerServers:
 
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
     registry = JobRegistry(runner)
-    parse = spec_parser(spec_defaults(config))
+    parse = spec_parser(spec_defaults(config), path_roots(config))
     token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment
     grpc_server = await start_grpc_server(
         [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, token, parse),
