@@ -65,7 +65,7 @@ _TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "OOM")  # Red
 
 
 def _prefix(job_id: str) -> str:
-    return f"physarum:{{{bounds.job_id(job_id)}}}:"
+    return f"physarum:{{{bounds.dataset_key(job_id)}}}:"
 
 
 def _rollout_id(value: int, low: int = -1) -> int:
