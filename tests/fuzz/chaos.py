@@ -73,9 +73,9 @@ def run(work_dir: Path, *, num_rollout: int, extra_kills: int, seed: int) -> dic
             client.submit(spec)
             for kind in schedule:
                 job = job_state(client, job_id)
-                if job["state"] in TERMINAL_STATES or job["rollout_id"] >= num_rollout - 2:
-                    break  # kills after the last rollouts could only hit a job that has ended
-                time.sleep(rng.uniform(1.0, 4.0))
+                if job["state"] in TERMINAL_STATES or job["rollout_id"] >= num_rollout - 1:
+                    break  # a kill after the last rollout could only hit a job that has ended
+                time.sleep(rng.uniform(0.5, 2.0))
                 print(f"kill {kind} at rollout {job['rollout_id']}", flush=True)
                 kill_one(stack_dir, kind, rng)
                 kinds[kind] = kinds.get(kind, 0) + 1
