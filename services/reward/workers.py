@@ -3,7 +3,7 @@
 A worker runs one sample at a time under an address-space limit; past its timeout it is killed (SIGKILL) and
 replaced; whatever it raises, SystemExit and KeyboardInterrupt included, fails only its sample. The worker sends back
 JSON, never a pickle, so nothing it returns can run code here. The service's event loop only waits, so health checks
-answer while workers run. Scoring itself (what a verifier or function returns) is left to `scorers`.
+answer while workers run. Scoring itself (what a verifier or function returns) is left to `one_sample`.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _serve(conn: Connection, memory_limit_bytes: int) -> None:
     if memory_limit_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     loop = asyncio.new_event_loop()
-    from services.reward import scorers  # noqa: F401 - imported once, before the first task's clock starts
+    from services.reward import one_sample  # noqa: F401 - imported once, before the first task's clock starts
 
     conn.send_bytes(b"ready")
     while True:
@@ -179,11 +179,11 @@ def _serve(conn: Connection, memory_limit_bytes: int) -> None:
 
 
 def _reply(task: Task, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
-    from services.reward import scorers  # imported here: the service's modules stay out of a worker until needed
+    from services.reward import one_sample  # already imported by _serve; here for the name
 
     try:
-        value = loop.run_until_complete(scorers.call_scorer(task.kind, task.target, task.sample, task.args))
-        result = scorers.to_result(value, task.reward_key, task.name)
+        value = loop.run_until_complete(one_sample.call_scorer(task.kind, task.target, task.sample, task.args))
+        result = one_sample.to_result(value, task.reward_key, task.name)
         return {"kind": "ok", "reward": result.reward, "ok": result.ok, "error": result.error[:MAX_ERROR_CHARS],
                 "scores": result.scores}
     except InvalidArgument as err:

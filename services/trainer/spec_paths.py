@@ -8,15 +8,16 @@ in. Empty roots leave that kind unconfined (local runs). What the paths hold is 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from services.buffer.dataset import parse_path
 from services.common.paths import confine
 from services.trainer.spec import JobSpec
 
 READS = ("hf_checkpoint", "load", "ref_load", "load_debug_rollout_data")
 CHECKPOINT_WRITES = ("save",)
 EXPORT_WRITES = ("save_hf", "save_debug_rollout_data")
+_ROW_SLICE = re.compile(r"@\[-?\d*:-?\d*\]$")  # the buffer's "path@[start:end]" row selection
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def confine_paths(spec: JobSpec, roots: PathRoots) -> None:
     """InvalidArgument naming the key of the first path outside its roots."""
     datasets = [spec.prompt_data, *(entry.split("=", 1)[1] for entry in spec.eval_prompt_data if "=" in entry)]
     for path in datasets:
-        confine(str(parse_path(path)[0]), roots.data, "job spec: prompt_data/eval_prompt_data")
+        confine(_ROW_SLICE.sub("", path), roots.data, "job spec: prompt_data/eval_prompt_data")
     for key, allowed in [*((k, roots.readable) for k in READS), *((k, roots.checkpoints) for k in CHECKPOINT_WRITES),
                          *((k, roots.exports) for k in EXPORT_WRITES)]:
         value = getattr(spec, key)

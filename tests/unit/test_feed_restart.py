@@ -16,7 +16,7 @@ import pytest
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.common.samples import Sample, SampleGroup, Status
 from services.rollout.client import PoolStatus, RolloutState, RolloutStatus, snapshot_path
-from services.trainer import feed
+from services.trainer.driver import feed
 from services.trainer.spec import parse_spec
 
 VERSION = 3  # the trainer's weights: rollout 3 of a fully_async job, every earlier version pushed
@@ -89,7 +89,7 @@ def run_feed(tmp_path: Path, restart_after: int) -> tuple[list[Sample], FakeMana
     manager = FakeManager(tmp_path, restart_after)
     deps = types.SimpleNamespace(rollout=manager, buffer=FakeBuffer(manager))
     ctx = types.SimpleNamespace(check_cancelled=lambda: None)
-    return feed.RolloutFeed(spec, deps, ctx).samples(VERSION, VERSION), manager
+    return feed.make_feed(spec.driver, spec.rollout, deps, ctx).samples(VERSION, VERSION), manager
 
 
 @pytest.mark.parametrize("restart_after", range(0, 8))  # 7 calls in all without a restart

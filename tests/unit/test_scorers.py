@@ -123,7 +123,7 @@ def test_non_numeric_result_fails():
     ("tests.plugins.no_such_module.reward", "cannot import module 'tests.plugins.no_such_module'"),
     ("reward", "is not an import path"),
     ("os.system", "'os.system' is not under an allowed plugin module"),
-    ("services.reward.scorers.call_scorer", "is not under an allowed plugin module"),
+    ("services.reward.one_sample.call_scorer", "is not under an allowed plugin module"),
     ("testsXplugins.reward_fns.boom", "is not under an allowed plugin module"),
 ])
 def test_unloadable_user_function_is_invalid(path, message):
