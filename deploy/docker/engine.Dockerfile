@@ -1,9 +1,9 @@
 # syntax=docker/dockerfile:1
-# The CPU engine: a transformers model behind SGLang's HTTP API. `python -m services.rollout.engine`,
+# The CPU engine: a transformers model behind SGLang's HTTP API. `python -m services.engine`,
 # settings from flags or PHYSARUM_ENGINE_* (README "Configuration"); the model directory is mounted at run time.
 # VARIANT=cpu (default): python slim + the CPU build of torch 2.13.0; VARIANT=gpu: the CUDA runtime base + the CUDA
 # build (the engine itself still computes on CPU). On GPU nodes the engine is SGLang itself, from SGLang's own image
-# (reference/sglang-protocol.md §2), which this repository does not build: point the engine Deployment at e.g.
+# (SGLang's own Docker images), which this repository does not build: point the engine Deployment at e.g.
 # lmsysorg/sglang:v0.5.23-cu130 with `python3 -m sglang.launch_server`; manager and trainer speak one HTTP API to both.
 # Build from the repository root: docker build -f deploy/docker/engine.Dockerfile -t physarum/engine .  (or make images)
 ARG VARIANT=cpu
@@ -28,10 +28,9 @@ RUN pip install pip==26.3 setuptools==84.2.1 \
 WORKDIR /app
 COPY deploy/docker/constraints.txt pyproject.toml ./
 COPY services ./services
-COPY physarum ./physarum
 RUN pip install --no-build-isolation -c constraints.txt ".[engine]"
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
 USER 10001:10001
 ENV PHYSARUM_ENGINE_HOST=0.0.0.0
 EXPOSE 30000
-ENTRYPOINT ["python", "-m", "services.rollout.engine"]
+ENTRYPOINT ["python", "-m", "services.engine"]

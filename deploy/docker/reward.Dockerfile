@@ -11,7 +11,6 @@ RUN python -m venv /opt/venv && pip install pip==26.3 setuptools==84.2.1
 WORKDIR /app
 COPY deploy/docker/constraints.txt pyproject.toml ./
 COPY services ./services
-COPY physarum ./physarum
 RUN pip install --no-build-isolation -c constraints.txt ".[reward]"
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
 USER 10001:10001

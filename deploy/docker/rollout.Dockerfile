@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The rollout manager: the generation loop and the engine pool (in a cluster its engines are the pods of the
-# engine Deployment, scaled by services/rollout/k8s.py). `python -m services.rollout`,
+# engine Deployment, scaled by services/rollout/pool/k8s.py). `python -m services.rollout`,
 # settings from flags or PHYSARUM_ROLLOUT_* (README "Configuration").
 # Build from the repository root: docker build -f deploy/docker/rollout.Dockerfile -t physarum/rollout .  (or make images)
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
@@ -12,7 +12,6 @@ RUN python -m venv /opt/venv && pip install pip==26.3 setuptools==84.2.1
 WORKDIR /app
 COPY deploy/docker/constraints.txt pyproject.toml ./
 COPY services ./services
-COPY physarum ./physarum
 RUN pip install --no-build-isolation -c constraints.txt ".[rollout]"
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
 USER 10001:10001

@@ -25,7 +25,6 @@ RUN pip install pip==26.3 setuptools==84.2.1 \
 WORKDIR /app
 COPY deploy/docker/constraints.txt pyproject.toml ./
 COPY services ./services
-COPY physarum ./physarum
 RUN pip install --no-build-isolation -c constraints.txt ".[trainer]"
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
 USER 10001:10001

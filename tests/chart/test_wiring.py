@@ -13,9 +13,9 @@ import pytest
 
 from services.buffer.config import BufferConfig
 from services.common.config import load_config
+from services.engine.config import EngineConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.engine.config import EngineConfig
 from services.trainer.config import TrainerConfig
 from tests.chart.chart import (
     ROOT,
@@ -37,10 +37,10 @@ SERVICES = {
     "buffer": ("services.buffer", BufferConfig),
     "reward": ("services.reward", RewardConfig),
     "rollout": ("services.rollout", RolloutManagerConfig),
-    "engine": ("services.rollout.engine", EngineConfig),
+    "engine": ("services.engine", EngineConfig),
     "trainer": ("services.trainer", TrainerConfig),
 }
-# Settings the chart passes that the services do not read yet: the job API's bearer token (issue 6). load_config
+# Settings the chart passes that the services do not read yet: the job API's bearer token. load_config
 # ignores unknown variables, so it is harmless until the trainer reads it.
 PENDING_FIELDS: dict[str, set[str]] = {}
 RELEASE_PEER = {"app.kubernetes.io/instance": "demo", "app.kubernetes.io/part-of": "physarum"}

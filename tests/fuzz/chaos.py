@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from physarum import procs, stack, tasks, tinymodel
+from physarum import stack, tasks, tinymodel
+from services.common import procs
 from services.rollout.client import RolloutClient
 from services.trainer.client import TERMINAL_STATES, JobsRestClient
 from tests.e2e import durability as d

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 
-from physarum import procs
+from services.common import procs
 
 
 def _healthy(url: str) -> bool:
@@ -23,7 +23,7 @@ def start_engines(model_dir: Path, log_dir: Path, count: int, *args: str,
     try:
         for i in range(count):
             port = procs.free_port()
-            argv = procs.python_module("services.rollout.engine", "--host", procs.HOST, "--port", str(port),
+            argv = procs.python_module("services.engine", "--host", procs.HOST, "--port", str(port),
                                        "--model-path", str(model_dir), *args)
             proc = procs.ManagedProcess(f"engine-{i}", argv, log_dir / f"engine-{i}-{port}.log").start()
             engines.append((proc, f"http://{procs.HOST}:{port}"))

@@ -14,9 +14,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from physarum import procs
 from services.buffer.client import BufferClient
 from services.buffer.server import stop_server
+from services.common import procs
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.gen.physarum.v1 import buffer_pb2
 from tests.integration.test_buffer import group_for, loop_thread, start_buffer, write_dataset  # noqa: F401

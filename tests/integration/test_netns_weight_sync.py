@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from physarum import procs
+from services.common import procs
 from tests.integration import netns
 from tests.integration.netns_trainer import TrainerPod, base_weights, digest, perturbed
 
@@ -52,7 +52,7 @@ def pods(network, tiny_model_dir, session_dir):
     try:
         engines = {}
         for name in ENGINES:
-            argv = [sys.executable, "-m", "services.rollout.engine", "--host", network.pods[name].address,
+            argv = [sys.executable, "-m", "services.engine", "--host", network.pods[name].address,
                     "--port", str(ENGINE_PORT), "--model-path", str(tiny_model_dir),
                     "--weight-sync-timeout-s", str(TIMEOUT_S)]
             proc = netns.PodProcess(name, network.exec_argv(name, argv), log_dir / f"{name}.log", env=env).start()

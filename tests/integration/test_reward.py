@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import InvalidArgument
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Sample

@@ -17,14 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status, group_id_for
 from services.common.sglang import SGLangClient
 from services.rollout.client import EngineInfo, RolloutClient, RolloutConfig, RolloutState
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import start_router
+from services.rollout.generation.prompts import PromptEncoder
 
 REWARD_FN = "tests.integration.rollout_rewards.response_length_reward"
 
@@ -102,8 +101,8 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, tiny_model_dir, tmp_path_factory):
-    """buffer, reward, router, one engine behind a RecordingProxy; stopped by PID at the end."""
+def stack(redis_url, tiny_model_dir, tmp_path_factory, shared_router, cpu_engine_url):
+    """buffer, reward, the session's router and engine (behind a RecordingProxy); stopped by PID at the end."""
     work = tmp_path_factory.mktemp("rollout")
     started: list[procs.ManagedProcess] = []
     proxy = None
@@ -113,21 +112,12 @@ def stack(redis_url, tiny_model_dir, tmp_path_factory):
                            ("reward", ["--port", str(reward_port), "--rest-port", str(procs.free_port())])):
             argv = procs.python_module(f"services.{name}", "--host", procs.HOST, *args)
             started.append(procs.ManagedProcess(name, argv, work / f"{name}.log").start())
-        router_port = procs.free_port()
-        started.append(start_router(router_port, procs.free_port(), work / "router.log"))
-        engine_port = procs.free_port()
-        engine = procs.ManagedProcess("engine", procs.python_module(
-            "services.rollout.engine", "--host", procs.HOST, "--port", str(engine_port), "--model-path",
-            str(tiny_model_dir), "--num-threads", "1"), work / "engine.log").start()
-        started.append(engine)
-        engine_url = f"http://{procs.HOST}:{engine_port}"
-        with SGLangClient(engine_url) as client:
-            engine.wait_ready(lambda: client.health(timeout_s=2.0), timeout_s=120)
+        engine_url = cpu_engine_url
         for port in (buffer_port, reward_port):
             wait_for_health(f"{procs.HOST}:{port}", timeout_s=30)
         proxy = RecordingProxy(engine_url)
         yield {"work": work, "buffer_addr": f"{procs.HOST}:{buffer_port}", "reward_addr": f"{procs.HOST}:{reward_port}",
-               "router_url": f"http://{procs.HOST}:{router_port}", "engine_url": engine_url, "proxy": proxy,
+               "router_url": shared_router.url, "engine_url": engine_url, "proxy": proxy,
                "model_dir": tiny_model_dir}
     finally:
         if proxy is not None:

@@ -1,4 +1,4 @@
-"""Generation features (issue 5) against the real sglang-router and real engine processes in fake-compute mode (each
+"""Generation features against the real sglang-router and real engine processes in fake-compute mode (each
 decode step waits a fixed delay, so which request is still running when is known): over-sampling with abort,
 partial rollout across two rollouts, session affinity under the manual policy, and eval. Buffer and reward are real
 services; the manager runs in-process, as the service builds it, so the tests can look at what it keeps.
@@ -15,15 +15,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status
 from services.reward.client import RewardClient
 from services.rollout.client import RolloutConfig, RolloutState
-from services.rollout.manager import RolloutManager
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import RouterClient, start_router
+from services.rollout.generation.manager import RolloutManager
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.local import start_router
+from services.rollout.pool.router import RouterClient
 
 FAST_DELAY_S, SLOW_DELAY_S = 0.005, 0.04  # per decode step
 MAX_LEN = 20  # tokens: a fast request takes 0.1 s, a slow one 0.8 s
@@ -108,7 +109,7 @@ def stack(redis_url, fake_model, tmp_path_factory):
             started.append(procs.ManagedProcess(name, argv, work / f"{name}.log").start())
         engines = {}
         for name, delay_s in (("fast", FAST_DELAY_S), ("slow", SLOW_DELAY_S)):
-            argv = procs.python_module("services.rollout.engine", "--host", procs.HOST, "--port", str(ports[name]),
+            argv = procs.python_module("services.engine", "--host", procs.HOST, "--port", str(ports[name]),
                                        "--model-path", str(fake_model), "--fake-compute", "true",
                                        "--per-token-delay-s", str(delay_s))
             started.append(procs.ManagedProcess(f"engine-{name}", argv, work / f"engine-{name}.log").start())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.rollout.registrations import Registrations
+from services.rollout.pool.registrations import Registrations
 
 
 class FakeRouter:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import stat
 
-from physarum import procs, stack
-from services.common import auth
+from physarum import stack
+from services.common import auth, procs
 
 
 def test_children_inherit_no_variable_named_like_a_secret(monkeypatch):
