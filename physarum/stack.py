@@ -106,7 +106,8 @@ def up(options: StackOptions) -> dict:
                                      "--num-engines", str(options.num_engines),
                                      "--engine-num-threads", str(options.engine_threads),
                                      "--engine-per-token-delay-s", str(options.engine_per_token_delay_s),
-                                     "--work-dir", str(work_dir / "engines")),
+                                     "--work-dir", str(work_dir / "engines"),
+                                     "--own-router", str(options.auth).lower()),
         }
         started = {name: ManagedProcess(name, argv, logs / f"{name}.log",
                                         env={**_plugin_env(options), **token_dirs[name]}).start()

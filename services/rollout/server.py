@@ -127,7 +127,7 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
         snapshot_dir=config.weight_snapshot_dir or str(work_dir / "snapshots"),
         health_check_interval_s=config.health_check_interval_s, health_check_timeout_s=config.health_check_timeout_s,
         health_check_first_wait_s=config.health_check_first_wait_s, start_timeout_s=config.engine_start_timeout_s,
-        drain_timeout_s=config.drain_timeout_s), external_urls=config.engine_urls)
+        drain_timeout_s=config.drain_timeout_s, own_router=config.own_router), external_urls=config.engine_urls)
     manager = RolloutManager(buffer, reward, config.router_url, model_path=config.model_path,
                              router_policy=config.router_policy, request_timeout_s=config.request_timeout_s,
                              version_now=lambda: pool.settled_version)

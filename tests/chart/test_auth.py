@@ -51,3 +51,8 @@ def test_auth_off_mounts_nothing_and_the_allow_list_is_the_operators():
             assert "PHYSARUM_TOKEN_DIR" not in env
             if "PHYSARUM_PLUGIN_ALLOWLIST" in env:
                 assert env["PHYSARUM_PLUGIN_ALLOWLIST"]["value"] == "examples,acme.rl"
+
+
+def test_the_manager_owns_the_routers_worker_list(objects):
+    [manager] = [w for w in workloads(objects) if component_of(w) == "rollout"]
+    assert env_of(containers(manager)[-1])["PHYSARUM_ROLLOUT_OWN_ROUTER"]["value"] == "true"

@@ -27,7 +27,7 @@ async def _blocking(fn, *args):
 
 def test_foreign_workers_are_removed_and_the_pools_own_kept():
     router = FakeRouter([{"id": "1", "url": "http://10.6.6.6:30000", "is_healthy": True}])
-    registrations = Registrations(router, _blocking, poll_s=0.01)
+    registrations = Registrations(router, _blocking, poll_s=0.01, own_router=True)
 
     async def scenario() -> None:
         await registrations.register("http://127.0.0.1:31001")   # this pool's engine: POST, not yet listed
