@@ -21,7 +21,7 @@ import yaml
 
 from services.common import auth
 from services.common.gen.physarum.v1 import buffer_pb2, jobs_pb2, reward_pb2, rollout_pb2, sample_pb2
-from services.rollout.router import RouterClient
+from services.rollout.pool.router import RouterClient
 from tests.fuzz import probes
 
 Send = Callable[[], str]
