@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common import plugins
+from services.common.plugin_sample import PluginSample
 from services.common.samples import Sample
+from services.reward import verifiers
 from services.reward.client import ScoreResult
-from services.reward.verifiers import builtin_scorer
 
 
 @functools.cache
@@ -25,10 +26,11 @@ def load_reward_function(path: str) -> Callable[..., Awaitable[Any]]:
 
 
 async def call_scorer(kind: str, target: str, sample: Sample, args: dict[str, Any]) -> Any:
-    """What the scorer returns for one sample; runs inside a worker process, never in the service."""
+    """What the scorer returns for one sample (a user function gets slime's Sample); runs inside a worker process,
+    never in the service."""
     if kind == "custom":
-        return await load_reward_function(target)(types.SimpleNamespace(**args), sample)
-    return builtin_scorer(target)(sample.response, sample.label)
+        return await load_reward_function(target)(types.SimpleNamespace(**args), PluginSample.from_record(sample))
+    return await verifiers.score_builtin(sample, target, args)
 
 
 def _is_number(value: Any) -> bool:

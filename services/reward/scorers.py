@@ -12,8 +12,8 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+from services.reward import verifiers
 from services.reward.client import ScoreResult
-from services.reward.verifiers import builtin_scorer
 from services.reward.workers import Task, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ def shared_pool() -> WorkerPool:
 async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: str, reward_key: str,
                         timeout_s: float, args: dict[str, Any], semaphore: asyncio.Semaphore | None = None,
                         pool: WorkerPool | None = None) -> list[ScoreResult]:
-    """One ScoreResult per sample, in order. custom_rm_path wins over rm_type.
+    """One ScoreResult per sample, in order. A sample's custom_rm_path wins over the request's, which wins over
+    rm_type; a user function gets slime's Sample (`slime.utils.types.Sample`).
 
     `semaphore` bounds the samples scored at once (the server shares one over all requests); by default a fresh
     one of DEFAULT_MAX_CONCURRENCY. Each sample runs in one of `pool`'s workers (default: `shared_pool()`), killed
@@ -43,14 +44,16 @@ async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: 
     if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= MAX_TIMEOUT_S):
         raise InvalidArgument(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s}")
     if not custom_rm_path:
-        builtin_scorer(rm_type)  # an unknown rm_type fails the request here, listing the valid ones
-    kind, target = ("custom", custom_rm_path) if custom_rm_path else ("builtin", rm_type)
+        verifiers.check_job_rm_type(rm_type)  # an unknown rm_type fails the request here, listing the valid ones
     semaphore = semaphore or asyncio.Semaphore(DEFAULT_MAX_CONCURRENCY)
     pool = pool or shared_pool()
 
     async def score_one(sample: Sample) -> ScoreResult:
+        path = sample.custom_rm_path or custom_rm_path  # slime's order: the sample's, the job's, then the rm_type
+        task = Task("custom", path, reward_key, sample, args, request_path=not sample.custom_rm_path) if path else \
+            Task("builtin", rm_type, reward_key, sample, args)
         async with semaphore:
-            outcome = await pool.run(Task(kind, target, reward_key, sample, args), timeout_s)
+            outcome = await pool.run(task, timeout_s)
         return ScoreResult(outcome.reward, outcome.ok, outcome.error, outcome.scores)
 
     return list(await asyncio.gather(*(score_one(s) for s in samples)))

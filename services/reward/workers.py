@@ -41,6 +41,7 @@ class Task:
     reward_key: str
     sample: Sample
     args: dict[str, Any] = field(default_factory=dict)
+    request_path: bool = False  # the request's own custom_rm_path: code it cannot load fails the request
 
     @property
     def name(self) -> str:
@@ -182,12 +183,15 @@ def _reply(task: Task, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
     from services.reward import one_sample  # already imported by _serve; here for the name
 
     try:
+        if task.request_path:
+            one_sample.load_reward_function(task.target)  # InvalidArgument: the request names unusable code
+    except InvalidArgument as err:
+        return {"kind": "invalid", "error": str(err)[:MAX_ERROR_CHARS]}
+    try:
         value = loop.run_until_complete(one_sample.call_scorer(task.kind, task.target, task.sample, task.args))
         result = one_sample.to_result(value, task.reward_key, task.name)
         return {"kind": "ok", "reward": result.reward, "ok": result.ok, "error": result.error[:MAX_ERROR_CHARS],
                 "scores": result.scores}
-    except InvalidArgument as err:
-        return {"kind": "invalid", "error": str(err)[:MAX_ERROR_CHARS]}
     except BaseException as err:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from user code fail the sample
         error = f"{task.name}: {type(err).__name__}: {err}"[:MAX_ERROR_CHARS]
         return {"kind": "ok", "reward": 0.0, "ok": False, "error": error, "scores": {}}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from services.trainer import slime_args
 from services.trainer.config import TrainerConfig
 from services.trainer.spec import JobSpec, parse_spec
 from services.trainer.spec_paths import PathRoots, confine_paths
@@ -28,7 +29,9 @@ def spec_parser(defaults: dict[str, Any], roots: PathRoots = PathRoots()) -> Spe
     paths confined to `roots`."""
 
     def parse(data: Any) -> JobSpec:
-        spec = parse_spec({**defaults, **data} if isinstance(data, dict) else data)
+        if isinstance(data, dict):  # slime_args carries slime's own defaults (train_backend megatron): first
+            data = {**defaults, **slime_args.apply(data, set(JobSpec.model_fields))}
+        spec = parse_spec(data)
         confine_paths(spec, roots)
         return spec
 

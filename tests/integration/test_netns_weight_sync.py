@@ -14,7 +14,8 @@ import pytest
 
 from services.common import procs
 from tests.integration import netns
-from tests.integration.netns_trainer import TrainerPod, base_weights, digest, perturbed
+from tests.integration.hf_weights import hf_weights, perturbed
+from tests.integration.netns_trainer import TrainerPod, digest
 
 TIMEOUT_S = 5.0
 SLACK_S = 2.0
@@ -76,7 +77,7 @@ def pods(network, tiny_model_dir, session_dir):
 
 @pytest.fixture(scope="module")
 def weights(tiny_model_dir) -> dict:
-    return base_weights(str(tiny_model_dir))
+    return hf_weights(tiny_model_dir)
 
 
 def assert_engine_has(trainer: TrainerPod, url: str, weights: dict, version: str) -> None:
