@@ -110,7 +110,9 @@ def test_blocking_functions_and_huge_responses_are_stopped_while_health_answers(
                 assert http.get("/healthz", timeout=60.0).json() == {"status": "ok"}
             blocked_scores, math_scores = blocked.result().json()["scores"], math_scored.result().json()["scores"]
     expected = {"reward": 0.0, "ok": False, "error": "timed out after 2 s (worker killed)", "scores": {}}
-    assert blocked_scores == [expected, expected] and math_scores == [expected]
+    assert blocked_scores == [expected, expected]
+    # the math scorer on 10 MB either finishes within its 2 s or is stopped then: never longer, never INTERNAL
+    assert math_scores in ([expected], [{"reward": 0.0, "ok": True, "error": "", "scores": {}}]), math_scores
     [error] = client.score([Sample()], custom_rm_path=f"{PLUGINS}.huge_error")
     assert not error.ok and len(error.error) == 2000 and error.error.startswith(f"custom_rm_path {PLUGINS}")
 
