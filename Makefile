@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench
+.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -45,6 +45,14 @@ test-fast: setup
 chart-test: setup
 	$(BIN)/python -m pytest -q -ra tests/chart
 
+# Hostile inputs (>= 1000) against a local stack with authentication on, and random kills during a 16-rollout job;
+# each ends with one JSON line (tests/fuzz). `make test` runs a short form of each (tests/fuzz/test_short.py).
+fuzz: setup
+	$(BIN)/python -m tests.fuzz.fuzz
+
+chaos: setup
+	$(BIN)/python -m tests.fuzz.chaos
+
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
@@ -56,6 +64,12 @@ proto: setup
 
 clean:
 	rm -rf .physarum .pytest_cache
+
+# What only a CUDA machine confirms (bench/gpu_check.py): both backends on CUDA against CPU, bf16, the demo on the
+# GPU, throughput against a plain PyTorch loop. Without CUDA it says so and exits 0. On a machine with no venv (the
+# GPU machine: `source .gpu-carry/env.sh` first) it runs the system python.
+gpu-check:
+	$$( [ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON) ) -m bench.gpu_check
 
 # Container images, one per service (deploy/docker/<name>.Dockerfile), built from the repository root.
 # VARIANT=gpu builds trainer and engine on the CUDA base with CUDA torch, tagged <tag>-gpu.

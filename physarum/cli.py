@@ -16,19 +16,26 @@ from physarum import stack
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
-def load_job_file(path: Path, overrides: list[str]) -> dict[str, Any]:
-    """The job YAML with `--set key=value` overrides (values parsed as YAML scalars or lists)."""
-    try:
-        spec = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise SystemExit(f"physarum: cannot read job file {path}: {err}") from None
+def load_job_file(path: Path | None, overrides: list[str], slime_args: str = "") -> dict[str, Any]:
+    """The job YAML (none: an empty spec) with `--set key=value` overrides (values parsed as YAML scalars or
+    lists) and slime's argv (`--slime-args`, converted by the job API; the YAML's and --set's keys win)."""
+    spec: Any = {}
+    if path is not None:
+        try:
+            spec = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise SystemExit(f"physarum: cannot read job file {path}: {err}") from None
     if not isinstance(spec, dict):
         raise SystemExit(f"physarum: job file {path}: expected a mapping of slime flag names to values")
+    if slime_args:
+        spec["slime_args"] = slime_args
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"physarum: --set expects key=value, got {item!r}")
         spec[key.strip()] = yaml.safe_load(value)
+    if not spec:
+        raise SystemExit("physarum: submit needs a job file, --slime-args, or both")
     return spec
 
 
@@ -65,11 +72,21 @@ def follow(client, job_id: str, num_rollout: int, poll_s: float = 0.5, timeout_s
     raise SystemExit(f"physarum: job {job_id} still running after {timeout_s} s")
 
 
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    """--device (the trainer's) and --engine-device (the CPU engines'), shared by `up` and the demo."""
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="the trainer's ranks: auto (rank r on cuda:r when CUDA is present), cuda, or cpu")
+    parser.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
+                        help="the CPU engines' device (cuda: the whole loop on one GPU)")
+
+
 def cmd_up(args) -> int:
     if args.trainer_ranks < 1:
         raise SystemExit(f"physarum: --trainer-ranks must be >= 1, got {args.trainer_ranks}")
     state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines,
-                                        trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync))
+                                        trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync,
+                                        plugin_allowlist=args.plugin_allowlist, auth=args.auth,
+                                        trainer_device=args.device, engine_device=args.engine_device))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
     return 0
 
@@ -83,10 +100,12 @@ def cmd_down(args) -> int:
 def cmd_submit(args) -> int:
     from services.trainer.client import JobsRestClient
 
-    spec = load_job_file(args.job_file, args.set or [])
+    spec = load_job_file(args.job_file, args.set or [], args.slime_args)
     with JobsRestClient(_job_api(args), token=args.token) as client:
         job = client.submit(spec)
         print(f"submitted {job['job_id']}")
+        for note in job["spec"].get("slime_notes", []):
+            print(f"  note: {note}")
         if not args.wait:
             return 0
         job = follow(client, job["job_id"], job["num_rollout"])
@@ -143,12 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
     p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="everysec",
                    help="fsync policy of the local Redis's append-only file (everysec: at most 1 s lost to a crash)")
+    p.add_argument("--plugin-allowlist", default=os.environ.get("PHYSARUM_PLUGIN_ALLOWLIST", "examples"),
+                   help="comma-separated module prefixes that jobs may name as plugins (reward, generate, loss, "
+                        "filters)")
+    p.add_argument("--no-auth", dest="auth", action="store_false",
+                   help="no per-service tokens (by default every port but health and metrics needs one)")
     p.add_argument("--trainer-ranks", type=int, default=1,
                    help="trainer processes: rank 0 serves the job API, the others train data-parallel (FSDP2)")
+    add_device_flags(p)
     p.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the local stack").set_defaults(fn=cmd_down)
     p = sub.add_parser("submit", help="submit a job spec (YAML keyed by slime's flag names)")
-    p.add_argument("job_file", type=Path)
+    p.add_argument("job_file", type=Path, nargs="?", default=None)
+    p.add_argument("--slime-args", default="", metavar="ARGV",
+                   help="slime's train.py arguments as one string, pasted from a launch script (docs/slime-flags.md)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec key (repeatable)")
     p.add_argument("--wait", action="store_true", help="follow the job and exit 0 only if it succeeds")
     p.add_argument("--url", default="", help="job API URL (default: the local stack's)")
@@ -172,7 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from services.common import auth
     from services.common.errors import PhysarumError
+
+    operator_dir = stack.operator_token_dir(args.work_dir)
+    if args.command != "up" and not os.environ.get(auth.TOKEN_DIR_ENV) and operator_dir.is_dir():
+        os.environ[auth.TOKEN_DIR_ENV] = str(operator_dir)  # the tokens the local stack issued its operator
+    args.token = args.token or auth.read_token("trainer")
 
     try:
         return args.fn(args)

@@ -16,6 +16,7 @@ class BufferConfig:
     redis_url: str = field("redis://127.0.0.1:6379/0", "Redis that stores every dataset, lease and group")
     redis_wait_s: float = field(30.0, "how long to wait for Redis at start (health is NOT_SERVING meanwhile)")
     grace_s: float = field(5.0, "how long in-flight calls may finish after SIGTERM")
+    data_roots: list[str] = field([], "directories LoadDataset may read under (empty: any path, for local runs)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -81,11 +81,11 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Genera
     rows = [i for i, r in enumerate(requests) if plain(r)]
     if rows:
         temperatures = torch.tensor([1.0 if requests[i].params.temperature < 1e-6 else requests[i].params.temperature
-                                     for i in rows], dtype=logits.dtype)
+                                     for i in rows], dtype=logits.dtype, device=logits.device)
         picked = logits[rows]
         logprobs = torch.log_softmax(picked / temperatures[:, None], dim=-1)
         tokens = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(1)
-        greedy = torch.tensor([requests[i].params.greedy for i in rows])
+        greedy = torch.tensor([requests[i].params.greedy for i in rows], device=logits.device)
         tokens = torch.where(greedy, picked.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         for i, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
@@ -96,11 +96,11 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Genera
     return out  # type: ignore[return-value]
 
 
-def load_model(model_path: str):
-    """(model, tokenizer) from a Hugging Face directory: float32, eval mode, no gradients."""
+def load_model(model_path: str, *, device: str = "cpu", dtype: str = "float32"):
+    """(model, tokenizer) from a Hugging Face directory: on `device` in `dtype`, eval mode, no gradients."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return model, tokenizer
@@ -138,17 +138,20 @@ class Engine(Scheduler):
         from transformers import DynamicCache
 
         size, width = len(batch), max(len(r.input_ids) for r in batch)
-        input_ids = torch.full((size, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((size, width), dtype=torch.long)
+        device = self.model.device  # the batch is padded on the host, then moved; sampling stays on the host
+        input_ids = torch.full((size, width), self.pad_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros((size, width), dtype=torch.long, device="cpu")
         for row, request in enumerate(batch):
-            input_ids[row, width - len(request.input_ids):] = torch.tensor(request.input_ids, dtype=torch.long)
+            input_ids[row, width - len(request.input_ids):] = torch.tensor(request.input_ids, dtype=torch.long,
+                                                                           device="cpu")
             mask[row, width - len(request.input_ids):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
         while True:
-            logits = out.logits[:, -1, :].float()
-            next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long)
+            logits = out.logits[:, -1, :].float().cpu()
+            next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long, device="cpu")
             done = []
             active = [row for row, request in enumerate(batch) if not request.finished]
             drawn = sample_rows(logits[active], [batch[row] for row in active], self.rng, self.eos_ids)
@@ -164,5 +167,5 @@ class Engine(Scheduler):
                 return
             mask = torch.cat([mask, mask.new_ones((size, 1))], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=positions,
+            out = self.model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
                              past_key_values=out.past_key_values, use_cache=True)

@@ -55,11 +55,12 @@ class WeightUpdater:
         # HF checkpoint names of every parameter and persistent buffer; a tied lm_head.weight shares the embedding
         self.params: dict[str, torch.Tensor] = engine.model.state_dict(keep_vars=True)
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.backends: dict[str, str] = {}  # each group's backend
         self.group_lock = threading.Lock()
         self.session_open = False
         # receive buffers by (name, dtype, shape), kept from one sync to the next: allocating (and faulting in) a
         # model's worth of fresh memory per sync cost more than the copy into the model
-        self.buffers: dict[tuple[str, str, tuple[int, ...]], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, str, tuple[int, ...], str], torch.Tensor] = {}
 
     @contextlib.contextmanager
     def _groups_locked(self) -> Iterator[None]:
@@ -82,6 +83,7 @@ class WeightUpdater:
             self.groups[group_name] = init_custom_process_group(
                 backend=backend, init_method=init_method, world_size=world_size, rank=rank_offset,
                 group_name=group_name, timeout=datetime.timedelta(seconds=self.timeout_s))
+            self.backends[group_name] = backend
         return "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str = DEFAULT_GROUP_NAME) -> str:
@@ -114,7 +116,11 @@ class WeightUpdater:
                                   f"{len(shapes)}")
         if load_format not in (None, "direct"):
             raise InvalidArgument(f"load_format {load_format!r} is not supported by the CPU engine (use null)")
-        buffers = [self._buffer(name, dtype, shape) for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
+        # NCCL receives on the model's GPU, gloo in host memory; _load copies into the parameters either way
+        nccl = self.backends.get(group_name) == "nccl"
+        device = self.engine.model.device if nccl else torch.device("cpu")
+        buffers = [self._buffer(name, dtype, shape, device)
+                   for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
         with self.engine.exclusive(self.timeout_s), self._groups_locked():
@@ -127,10 +133,10 @@ class WeightUpdater:
             self._load(list(zip(names, buffers, strict=True)), weight_version)
         return "Succeeded to update parameter online."
 
-    def _buffer(self, name: str, dtype: str, shape: list[int]) -> torch.Tensor:
-        key = (name, dtype, tuple(int(d) for d in shape))
+    def _buffer(self, name: str, dtype: str, shape: list[int], device: torch.device) -> torch.Tensor:
+        key = (name, dtype, tuple(int(d) for d in shape), str(device))
         if key not in self.buffers:
-            self.buffers[key] = torch.empty(key[2], dtype=_dtype(dtype))
+            self.buffers[key] = torch.empty(key[2], dtype=_dtype(dtype), device=device)
         return self.buffers[key]
 
     def update_from_disk(self, model_path: str, weight_version: str | None = None,

@@ -8,23 +8,26 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common import auth
 from services.common.rest import create_rest_app
 from services.common.samples import Sample
 from services.reward import scorers
 from services.reward.config import RewardConfig
+from services.reward.workers import WorkerPool
 
 
 class SampleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str = ""
     response: str = ""
-    label: str = ""
+    label: Any = ""  # slime keeps a label's JSON type
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rm_type: str = Field("", description="built-in scorer: 'math' or 'exact_match'")
+    rm_type: str = Field("", description="built-in scorer: one of slime's rm types (math, deepscaler, dapo, f1, gpqa, "
+                                              "remote_rm, random; boxed_ prefix) or exact_match")
     custom_rm_path: str = Field("", description="'pkg.mod.fn', slime's `async def f(args, sample)`; wins over rm_type")
     reward_key: str = Field("", description="picks the reward when a scorer returns a dict")
     timeout_s: float | None = Field(None, gt=0, description="per-sample timeout (default: the service's)")
@@ -43,8 +46,9 @@ class ScoreResponse(BaseModel):
     scores: list[ScoreOut]
 
 
-def create_app(config: RewardConfig, semaphore: asyncio.Semaphore) -> FastAPI:
-    app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.")
+def create_app(config: RewardConfig, semaphore: asyncio.Semaphore, pool: WorkerPool) -> FastAPI:
+    app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.",
+                          token=auth.read_token("reward"), service="reward")
 
     @app.post("/v1/score", response_model=ScoreResponse)
     async def score(request: ScoreRequest) -> ScoreResponse:
@@ -52,7 +56,7 @@ def create_app(config: RewardConfig, semaphore: asyncio.Semaphore) -> FastAPI:
                    for i, s in enumerate(request.samples)]
         results = await scorers.score_samples(
             samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
-            timeout_s=request.timeout_s or config.default_timeout_s, args=request.args, semaphore=semaphore)
+            timeout_s=request.timeout_s or config.default_timeout_s, args=request.args, semaphore=semaphore, pool=pool)
         return ScoreResponse(scores=[ScoreOut(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores)
                                      for r in results])
 

@@ -25,6 +25,7 @@ class RolloutManagerConfig:
     sglang_args: list[str] = field([], "sglang_<server flag>=<value> options of SGLang engines (comma-separated)")
     engine_num_threads: int = field(1, "torch threads per local CPU engine")
     engine_per_token_delay_s: float = field(0.0, "extra seconds per decode step of local CPU engines (tests)")
+    engine_device: str = field("cpu", "device of local CPU engines: cpu or cuda (the CPU engine on one GPU)")
     engine_fake_compute: bool = field(False, "local CPU engines run fake compute (no model; control-plane tests)")
     engine_weight_sync_timeout_s: float = field(60.0, "weight-sync timeout of local CPU engines")
     engine_start_timeout_s: float = field(120.0, "how long a new engine may take to answer /health")
@@ -39,6 +40,8 @@ class RolloutManagerConfig:
     health_check_first_wait_s: float = field(0.0, "wait before the first check of a new engine "
                                              "(slime's rollout_health_check_first_wait)")
     drain_timeout_s: float = field(30.0, "how long a leaving engine may take to finish its aborted requests")
+    own_router: bool = field(False, "the manager owns the router's worker list: a worker it never registered is "
+                             "removed (on in the chart and `physarum up`; off where managers share a router)")
     k8s_namespace: str = field("default", "kubernetes launcher: namespace of the engine Deployment")
     k8s_engine_deployment: str = field("", "kubernetes launcher: name of the engine Deployment")
     k8s_engine_selector: str = field("", "kubernetes launcher: label selector of the engine pods")

@@ -13,17 +13,20 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from services.common import bounds
 from services.common.config import own_settings, settings
 from services.common.errors import InvalidArgument
 from services.rollout.client import RolloutConfig
+from services.trainer import slime_args
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.driver.config import DriverConfig
+from services.trainer.slime_config import SlimeConfig
 from services.trainer.sync.config import SyncConfig
 
 # The parts a job configures, in the order the README lists them. Every job-spec key is a setting declared by one of
 # them (a part reusing another's declaration, like TrainConfig's n_samples_per_prompt, adds no key).
-PARTS: tuple[type, ...] = (DriverConfig, RolloutConfig, TrainConfig, LayoutConfig, SyncConfig)
+PARTS: tuple[type, ...] = (DriverConfig, RolloutConfig, TrainConfig, LayoutConfig, SyncConfig, SlimeConfig)
 
 
 def _declared_settings() -> dict[str, tuple[Any, Any]]:
@@ -42,7 +45,8 @@ def _declared_settings() -> dict[str, tuple[Any, Any]]:
     return out
 
 
-_JobSettings = create_model("JobSettings", __config__=ConfigDict(extra="forbid", frozen=True),
+# allow_inf_nan=False: NaN and Infinity would pass every range check (`<=` is false both ways)
+_JobSettings = create_model("JobSettings", __config__=ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False),
                             **_declared_settings())
 
 
@@ -65,6 +69,12 @@ class JobSpec(_JobSettings):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
+        bounds.int64_fields(self)  # a bigger int breaks proto and JSON later (job listing, events)
+        if self.job_id:
+            bounds.job_id(self.job_id)
+        for name in ("global_batch_size", "num_steps_per_rollout"):  # divisors below, before TrainConfig checks them
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         # Each part validates its own settings; the rollout's as the user set them (before the mode resolves any).
         rollout = RolloutConfig(**self._values(RolloutConfig), job_id=self.job_id or "unnamed")
         driver, layout, _ = self.driver, self.layout, self.sync
@@ -117,7 +127,12 @@ class JobSpec(_JobSettings):
         """What the manager runs with: the whole spec as the plugins' `args`; a stream bound only in fully_async."""
         stream = (self.max_inflight_groups or self.rollout_batch_size) if self.driver.streams else 0
         return RolloutConfig(**{**self._values(RolloutConfig), "max_inflight_groups": stream}, job_id=self.job_id,
-                             tokenizer_path=self.hf_checkpoint, args=self.model_dump())
+                             tokenizer_path=self.hf_checkpoint, args=self.plugin_args_view())
+
+    def plugin_args_view(self) -> dict[str, Any]:
+        """slime's `args`: slime's default for every flag, the spec's plugin_args, then the spec's own keys."""
+        own = self.model_dump(exclude={"plugin_args", "slime_notes"})
+        return {**slime_args.slime_defaults(), **self.plugin_args, **own}
 
     @property
     def train(self) -> TrainConfig:
@@ -151,9 +166,11 @@ def _unknown_key_message(key: str) -> str:
 
 
 def parse_spec(data: dict[str, Any]) -> JobSpec:
-    """Validate a spec dict; raise InvalidArgument naming the offending field."""
+    """Validate a spec dict (its `slime_args`, a slime argv, converted first); raise InvalidArgument naming the
+    offending field."""
     if not isinstance(data, dict):
         raise InvalidArgument(f"job spec: expected a mapping of slime flag names to values, got {type(data).__name__}")
+    data = slime_args.apply(data, set(JobSpec.model_fields))
     unknown = [k for k in data if k not in JobSpec.model_fields]
     if unknown:
         raise InvalidArgument("; ".join(_unknown_key_message(k) for k in unknown))

@@ -111,3 +111,14 @@ def test_job_spec_rows_name_the_part_mark_required_keys_and_skip_shared_ones():
         ["`name`", "PartA", "`'x'`", "a name"],
         ["`tags`", "PartB", "`['a']`", "tags"],
     ]
+
+
+def test_config_logs_redact_secrets():
+    from services.common.config import redacted
+
+    config = {"api_token": "s3cr3t", "redis_url": "redis://user:pw@10.0.0.1:6379/0", "engine_per_token_delay_s": 0.5,
+              "nested": {"password": "x", "peers": ["rediss://:pw@h:1"]}, "empty_token": ""}
+    assert redacted(config) == {"api_token": "***", "redis_url": "redis://***@10.0.0.1:6379/0",
+                                "engine_per_token_delay_s": 0.5, "nested": {"password": "***",
+                                                                            "peers": ["rediss://***@h:1"]},
+                                "empty_token": ""}

@@ -11,6 +11,7 @@ import logging
 import re
 import threading
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import Counter, Gauge
 
@@ -42,9 +43,11 @@ def set_gauges(metrics: dict[str, float]) -> None:
 
 
 class MetricsWriter:
-    """One job's metrics sink (rank 0): Prometheus gauges always, TensorBoard when `tensorboard_dir` is set."""
+    """One job's metrics sink (rank 0): Prometheus gauges always, TensorBoard when `tensorboard_dir` is set, W&B
+    when the job has use_wandb."""
 
-    def __init__(self, tensorboard_dir: str | Path | None = None) -> None:
+    def __init__(self, tensorboard_dir: str | Path | None = None, wandb_run: Any = None) -> None:
+        self.wandb_run = wandb_run  # driver/wandb_log.py's WandbRun, when the job uses W&B
         self.writer = None
         if tensorboard_dir:
             try:
@@ -62,6 +65,12 @@ class MetricsWriter:
         set_gauges(metrics)
         ROLLOUT_ID.set(rollout_id)
         ROLLOUTS.inc()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log(rollout_id, metrics)
+            except Exception as err:  # noqa: BLE001 - best effort, like the event files
+                log.warning("W&B: %s; no more W&B logging for this job", err)
+                self.wandb_run = None
         if self.writer is not None:
             try:
                 for key, value in metrics.items():
@@ -74,3 +83,5 @@ class MetricsWriter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.close()
