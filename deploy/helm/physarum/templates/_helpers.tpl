@@ -100,13 +100,26 @@ app.kubernetes.io/part-of: physarum
 {{- include "physarum.fullname" . -}}
 {{- end -}}
 
+{{- define "physarum.redisSecretName" -}}
+{{- default (include "physarum.secretName" .) .Values.redis.existingSecret -}}
+{{- end -}}
+
+{{/* REDIS_PASSWORD from the chart's Secret (or redis.existingSecret), for the Redis URL and redis-cli (REDISCLI_AUTH). */}}
+{{- define "physarum.redisPasswordEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef: {name: {{ include "physarum.redisSecretName" .root }}, key: redis-password}
+{{- end -}}
+
 {{- define "physarum.tokenSecretName" -}}
 {{- default (include "physarum.secretName" .) .Values.jobApi.existingSecret -}}
 {{- end -}}
 
+{{/* The buffer's Redis URL: the chart's Redis with the password from REDIS_PASSWORD (an env var set before it), or
+     the external URL. */}}
 {{- define "physarum.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s:6379/0" (include "physarum.name" (dict "root" . "component" "redis")) -}}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "physarum.name" (dict "root" . "component" "redis")) -}}
 {{- else -}}
 {{- required "redis.externalUrl is required when redis.enabled is false (e.g. redis://my-redis:6379/0)" .Values.redis.externalUrl -}}
 {{- end -}}
@@ -219,7 +232,7 @@ affinity:
 
 {{/* Restart pods when what they read from the Secret changes (not the generated token: it is kept on upgrades). */}}
 {{- define "physarum.checksum" -}}
-checksum/secret: {{ list .Values.jobApi (include "physarum.redisUrl" .) | toJson | sha256sum }}
+checksum/secret: {{ list .Values.jobApi .Values.redis.existingSecret (include "physarum.redisUrl" .) | toJson | sha256sum }}
 {{- end -}}
 
 {{/* Guards the schema cannot express (or that must hold even with --skip-schema-validation). */}}
@@ -235,6 +248,25 @@ checksum/secret: {{ list .Values.jobApi (include "physarum.redisUrl" .) | toJson
 {{- end -}}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) -}}
 {{- fail "redis: enabled is false but externalUrl is empty; set redis.externalUrl (redis://host:6379/0) or redis.enabled=true" -}}
+{{- end -}}
+{{- range $what, $spec := dict "model" .Values.model "datasets" .Values.datasets -}}
+{{- if has $spec.source (list "hf" "s3") -}}
+{{- if not $.Values.models.persistence.enabled -}}
+{{- fail (printf "%s.source %s downloads into the models volume: enable models.persistence (or use a pre-filled volume with source %s)" $what $spec.source (ternary "pvc" "none" (eq $what "model"))) -}}
+{{- end -}}
+{{- if not (hasPrefix (printf "%s/" (trimSuffix "/" $.Values.models.mountPath)) $spec.path) -}}
+{{- fail (printf "%s.path %s must be a directory under models.mountPath %s (the fetch Job writes it there)" $what $spec.path $.Values.models.mountPath) -}}
+{{- end -}}
+{{- if and (eq $spec.source "hf") (not $spec.hf.repo) -}}
+{{- fail (printf "%s.source hf needs %s.hf.repo (owner/name on the hub)" $what $what) -}}
+{{- end -}}
+{{- if and (eq $spec.source "s3") (not $spec.s3.uri) -}}
+{{- fail (printf "%s.source s3 needs %s.s3.uri (s3://bucket/prefix)" $what $what) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.trainer.network.hostNetwork .Values.networkPolicy.enabled (not .Values.networkPolicy.nodeCIDRs) -}}
+{{- fail "trainer.network.hostNetwork with networkPolicy.enabled: the trainer sends from node addresses, which pod-selector rules do not admit; list the GPU nodes' CIDRs in networkPolicy.nodeCIDRs (or disable networkPolicy)" -}}
 {{- end -}}
 {{- $ckpt := .Values.checkpoints.persistence -}}
 {{- if and (eq $e.joinMode "disk") (not $ckpt.enabled) -}}
@@ -280,6 +312,7 @@ livenessProbe:
 {{/* The pod-spec fields shared by every Physarum workload: (dict "root" $ "component" "buffer" "values" .Values.buffer). */}}
 {{- define "physarum.podCommon" -}}
 enableServiceLinks: false
+{{- include "physarum.initContainers" . }}
 securityContext:
   {{- include "physarum.podSecurityContext" . | nindent 2 }}
 {{- with .root.Values.imagePullSecrets }}
@@ -329,5 +362,71 @@ imagePullSecrets:
   periodSeconds: {{ $timing.periodSeconds }}
   timeoutSeconds: {{ $timing.timeoutSeconds }}
   failureThreshold: {{ $timing.failureThreshold }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod metadata: the component's labels and podLabels; the annotations given (a map) and podAnnotations.
+     (dict "root" $ "component" "buffer" "values" .Values.buffer "annotations" (dict ...)) */}}
+{{- define "physarum.podMetadata" -}}
+labels:
+  {{- include "physarum.labels" . | nindent 2 }}
+  {{- with .values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with mergeOverwrite (deepCopy (default dict .annotations)) (default dict .values.podAnnotations) }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A Physarum service's or Redis's image with an optional digest: repository[:tag][@digest]. */}}
+{{- define "physarum.pinnedImage" -}}
+{{- .repository -}}{{- with .tag }}:{{ . }}{{ end -}}{{- with .digest }}@{{ . }}{{ end -}}
+{{- end -}}
+
+{{/* Where the fetch Jobs put the model and the datasets, and whether any is fetched: (root). */}}
+{{- define "physarum.fetches" -}}
+{{- $out := dict -}}
+{{- range $what, $spec := dict "model" .Values.model "datasets" .Values.datasets -}}
+{{- if has $spec.source (list "hf" "s3") -}}
+{{- $kind := ternary (ternary "hf-dataset" "hf" (eq $what "datasets")) "s3" (eq $spec.source "hf") -}}
+{{- $src := ternary $spec.hf.repo $spec.s3.uri (eq $spec.source "hf") -}}
+{{- $rev := ternary $spec.hf.revision "" (eq $spec.source "hf") -}}
+{{- $_ := set $out $what (dict "kind" $kind "source" $src "revision" $rev "path" $spec.path) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* Init containers of a pod: one that waits for each fetched directory's ready marker (pods that read the models
+     volume), then the component's own initContainers. (dict "root" $ "values" ... "image" "<image>" "waitForData" bool) */}}
+{{- define "physarum.initContainers" -}}
+{{- $fetches := include "physarum.fetches" .root | fromJson -}}
+{{- $waits := list -}}
+{{- if and .waitForData .root.Values.models.persistence.enabled -}}
+{{- range $what := keys $fetches | sortAlpha -}}{{ $waits = append $waits (get $fetches $what).path }}{{- end -}}
+{{- end -}}
+{{- if or $waits .values.initContainers }}
+initContainers:
+  {{- if $waits }}
+  - name: wait-for-data
+    image: {{ .image }}
+    command: [/bin/sh, -c]
+    args:
+      - |
+        for dir in {{ join " " $waits }}; do
+          until [ -f "$dir/.physarum-ready" ]; do echo "waiting for $dir/.physarum-ready (the fetch Job)"; sleep 10; done
+        done
+    securityContext:
+      {{- include "physarum.securityContext" . | nindent 6 }}
+    resources:
+      requests: {cpu: 10m, memory: 16Mi}
+      limits: {memory: 64Mi}
+    volumeMounts:
+      {{- include "physarum.modelsMount" .root | nindent 6 }}
+  {{- end }}
+  {{- with .values.initContainers }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end }}
 {{- end -}}
