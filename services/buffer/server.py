@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from services.buffer.client import state_from_proto, state_to_proto
 from services.buffer.config import BufferConfig
 from services.buffer.dataset import read_prompts
+from services.buffer.metrics import BufferMetrics, MeteredStore, MetricsExporter, start_exporter
 from services.buffer.store import BufferStore
 from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
@@ -88,11 +89,12 @@ class BufferServer(GrpcServer):
     """The running server and the store it closes on stop."""
 
     store: BufferStore = field(kw_only=True)
+    metrics: MetricsExporter | None = field(default=None, kw_only=True)  # with config.metrics_port
 
 
 async def create_server(config: BufferConfig) -> BufferServer:
     """Start the server NOT_SERVING, wait (bounded) for Redis, then report SERVING."""
-    store = BufferStore(config.redis_url)
+    store = MeteredStore(config.redis_url, BufferMetrics())
     binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store), "physarum.v1.Buffer")
     grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False)
     server = BufferServer(**vars(grpc_server), store=store)
@@ -101,6 +103,8 @@ async def create_server(config: BufferConfig) -> BufferServer:
     except Unavailable:
         await stop_server(server, grace_s=0)
         raise
+    if config.metrics_port:
+        server.metrics = await start_exporter(store, config.host, config.metrics_port, config.metrics_interval_s)
     await server.set_serving(True)
     log.info("buffer serving on %s:%d, Redis %s", config.host, server.port, store.where)
     return server
@@ -109,4 +113,6 @@ async def create_server(config: BufferConfig) -> BufferServer:
 async def stop_server(server: BufferServer, grace_s: float) -> None:
     """Stop serving (NOT_SERVING first, in-flight calls get grace_s), then close the Redis connections."""
     await stop_grpc_server(server, grace_s)
+    if server.metrics:
+        await server.metrics.stop()
     await server.store.close()

@@ -146,8 +146,8 @@ def load_dataset(spec: JobSpec, deps: TrainerDeps, ctx: JobContext) -> None:
 
 def metrics_writer(spec: JobSpec, deps: TrainerDeps) -> MetricsWriter:
     if deps.tensorboard_dir:
-        return MetricsWriter(Path(deps.tensorboard_dir) / spec.job_id)
-    return MetricsWriter(Path(spec.save) / "tensorboard" if spec.save else None)
+        return MetricsWriter(Path(deps.tensorboard_dir) / spec.job_id, job_id=spec.job_id)
+    return MetricsWriter(Path(spec.save) / "tensorboard" if spec.save else None, job_id=spec.job_id)
 
 
 def rollout_only(spec: JobSpec, ctx: JobContext, deps: TrainerDeps) -> None:
