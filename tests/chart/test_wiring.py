@@ -385,7 +385,7 @@ def test_shared_volumes_are_mounted_and_kept(objects, value_set):
 @pytest.mark.parametrize("value_set", ["gpu-cluster"])
 def test_service_monitors_select_a_metrics_port(objects):
     monitors = find(objects, "ServiceMonitor")
-    assert {component(m) for m in monitors} == {"trainer", "rollout", "router", "engine"}
+    assert {component(m) for m in monitors} == {"trainer", "rollout", "router", "engine", "buffer", "reward"}
     for m in monitors:
         services = [s for s in find(objects, "Service")
                     if m["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
