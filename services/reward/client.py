@@ -11,6 +11,8 @@ from services.common.grpc_client import GrpcClient
 from services.common.samples import Sample, dict_to_struct, sample_to_proto
 
 _SERVER_MAX_CONCURRENCY = 64  # the server's default: it scores this many samples at once
+# The built-in scorers' names (verifiers.BUILTIN_SCORERS), for callers that check an rm_type before scoring
+BUILTIN_RM_TYPES = ("exact_match", "math")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from services.common.samples import dict_to_struct, struct_to_dict
 from services.trainer.auth import check_bearer
 from services.trainer.config import TrainerConfig
 from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
+from services.trainer.preflight import with_preflight
 from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
 from services.trainer.spec_defaults import SpecParser, spec_defaults, spec_parser
@@ -91,7 +92,7 @@ class TrainerServers:
 
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
     registry = JobRegistry(runner)
-    parse = spec_parser(spec_defaults(config))
+    parse = with_preflight(spec_parser(spec_defaults(config)))  # refuse at submit what would fail on the GPUs
     grpc_server = await start_grpc_server(
         [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, config.api_token, parse),
                        "physarum.v1.Jobs")],

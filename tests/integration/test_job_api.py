@@ -1,8 +1,10 @@
 """The job API over REST and gRPC, in-process, with a stand-in runner (the real loop runs in tests/e2e)."""
 
 import asyncio
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,7 +14,12 @@ from services.trainer.client import JobsClient, JobsRestClient
 from services.trainer.config import TrainerConfig
 from services.trainer.server import create_server
 
-SPEC = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2}
+DATA = Path(tempfile.mkdtemp(prefix="physarum-job-api-"))  # submit checks that a spec's paths exist
+(DATA / "m").mkdir()
+(DATA / "m" / "config.json").write_text("{}")
+(DATA / "d.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+SPEC = {"hf_checkpoint": str(DATA / "m"), "prompt_data": str(DATA / "d.jsonl"), "num_rollout": 3,
+        "rollout_batch_size": 2}
 
 
 def runner(spec, ctx):
