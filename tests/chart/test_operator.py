@@ -96,7 +96,7 @@ def test_fetched_model_and_data_are_waited_for_by_the_pods_that_read_them():
     assert script.strip() == PROVISION.read_text().strip()
     for w in workloads(objects):
         waits = [c for c in pod_spec(w).get("initContainers", []) if c["name"] == "wait-for-data"]
-        assert bool(waits) == (component(w) in ("trainer", "engine", "rollout")), component(w)
+        assert bool(waits) == (component(w) in ("trainer", "engine", "rollout", "buffer")), component(w)
         for wait in waits:
             assert "/models/datasets /models/model" in wait["args"][0]
             assert wait["image"] == containers(w)[0]["image"]  # no extra image to pull
