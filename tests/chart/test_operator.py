@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import socket
 import subprocess
 import time
@@ -15,7 +16,19 @@ import helm_python as helm
 import pytest
 import redis
 
-from tests.chart.chart import CHART, component, containers, env_of, find, one, pod_spec, render, workloads
+from tests.chart.chart import (
+    CHART,
+    VALUE_SETS,
+    component,
+    containers,
+    env_of,
+    find,
+    one,
+    pod_spec,
+    render,
+    values_of,
+    workloads,
+)
 
 COMPONENTS = {"trainer": "trainer", "engines": "engine", "rollout": "rollout", "router": "router", "buffer": "buffer",
               "reward": "reward", "redis": "redis"}
@@ -169,6 +182,24 @@ def test_redis_runs_as_rendered_and_refuses_a_client_without_the_password(tmp_pa
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "kb": 2**10, "mb": 2**20, "gb": 2**30}
+
+
+def to_bytes(text: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", text).groups()
+    return int(number) * QUANTITY.get(unit, 1)
+
+
+@pytest.mark.parametrize("value_set", list(VALUE_SETS))
+def test_redis_maxmemory_leaves_room_under_its_memory_limit(value_set):
+    """Past maxmemory Redis refuses writes (noeviction); past the limit the kernel kills it: the first must come
+    first, with room for the append-only file rewrite's fork."""
+    redis_values = values_of(value_set)["redis"]
+    if not redis_values["enabled"]:
+        return
+    assert to_bytes(redis_values["maxmemory"]) <= 0.8 * to_bytes(redis_values["resources"]["limits"]["memory"])
 
 
 def test_trainer_pdb_holds_drains_by_default_and_can_let_one_through():
