@@ -101,7 +101,7 @@ def test_fetched_model_and_data_are_waited_for_by_the_pods_that_read_them():
     assert set(jobs) == {"model", "datasets"}
     model, data = (pod_spec(jobs[k])["containers"][0] for k in ("model", "datasets"))
     assert model["args"] == ["hf", "Qwen/Qwen3-8B", "/models/model", "v1"]
-    assert model["image"].endswith("/physarum-trainer:0.1.0")  # huggingface_hub's hf CLI
+    assert model["image"].endswith("/physarum-rollout:0.1.0")  # a CPU image with huggingface_hub's hf CLI
     assert data["args"] == ["s3", "s3://bucket/math", "/models/datasets", ""]
     assert "aws-cli" in data["image"] and {"secretRef": {"name": "keys"}} in data["envFrom"]
     assert env_of(data)["AWS_ENDPOINT_URL"]["value"] == "https://s3.example.com"

@@ -317,3 +317,11 @@ def test_make_images_builds_every_image_from_the_repository_root(tmp_path, varia
         assert build[build.index("-t") + 1] == f"localhost:5000/physarum-{name}:9.9" + ("-gpu" if gpu else "")
         assert (f"VARIANT={variant}" in build) == (name in GPU_IMAGES)
         assert build[-1] == "."
+
+
+def test_the_rollout_image_has_the_hf_cli_the_chart_fetches_models_with():
+    """The chart's hf fetch Job runs `hf download` in the rollout image (a CPU image): huggingface_hub must come with
+    the rollout extra (through tokenizers)."""
+    constraints = load_script("docker_constraints")
+    rollout = [Requirement(r) for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["rollout"]]
+    assert "huggingface-hub" in constraints.closure(rollout)
