@@ -213,3 +213,13 @@ def test_trainer_pdb_holds_drains_by_default_and_can_let_one_through():
 def test_readme_documents_the_drain_procedure():
     readme = (Path(CHART).parents[2] / "README.md").read_text()
     assert "### Draining a GPU node" in readme and "trainer.pdb.maxUnavailable" in readme
+
+
+def test_notes_export_the_variable_the_cli_reads():
+    from tests.chart.chart import render_raw
+
+    notes = next(text for path, text in render_raw({}).items() if path.endswith("NOTES.txt"))
+    cli = (Path(CHART).parents[2] / "physarum" / "cli.py").read_text()
+    (variable,) = set(re.findall(r"os\.environ\.get\(\"(PHYSARUM_\w*TOKEN)\"", cli))
+    assert f"export {variable}=$(kubectl" in notes
+    assert not set(re.findall(r"\$(PHYSARUM_\w+)", notes)) - {variable}
