@@ -26,6 +26,7 @@ from tests.chart.chart import (
     one,
     pod_spec,
     render,
+    render_raw,
     values_of,
     workloads,
 )
@@ -216,8 +217,6 @@ def test_readme_documents_the_drain_procedure():
 
 
 def test_notes_export_the_variable_the_cli_reads():
-    from tests.chart.chart import render_raw
-
     notes = next(text for path, text in render_raw({}).items() if path.endswith("NOTES.txt"))
     cli = (Path(CHART).parents[2] / "physarum" / "cli.py").read_text()
     (variable,) = set(re.findall(r"os\.environ\.get\(\"(PHYSARUM_\w*TOKEN)\"", cli))
