@@ -99,8 +99,8 @@ def test_fetched_model_and_data_are_waited_for_by_the_pods_that_read_them():
                       "datasets": {"source": "s3", "s3": {"uri": "s3://bucket/math"}},
                       "provisioning": {"objectStore": {"endpoint": "https://s3.example.com", "secretName": "keys"}}})
     jobs = {j["metadata"]["name"].split("-")[-2]: j for j in find(objects, "Job")}
-    assert set(jobs) == {"model", "datasets"}
-    model, data = (pod_spec(jobs[k])["containers"][0] for k in ("model", "datasets"))
+    assert set(jobs) == {"model", "data"}
+    model, data = (pod_spec(jobs[k])["containers"][0] for k in ("model", "data"))
     assert model["args"] == ["hf", "Qwen/Qwen3-8B", "/models/model", "v1"]
     assert model["image"].endswith("/physarum-rollout:0.1.0")  # a CPU image with huggingface_hub's hf CLI
     assert data["args"] == ["s3", "s3://bucket/math", "/models/datasets", ""]
