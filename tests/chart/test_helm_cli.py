@@ -39,6 +39,9 @@ def test_helm_binary_renders_what_the_sdk_renders(value_set, tmp_path):
     assert result.returncode == 0, result.stderr
     cli = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     assert comparable(cli) == comparable(render(VALUE_SETS[value_set]))
+    lint = subprocess.run([str(HELM), "lint", "--strict", str(CHART), "-f", str(tmp_path / "values.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert lint.returncode == 0 and "0 chart(s) failed" in lint.stdout, lint.stdout + lint.stderr
 
 
 @pytest.mark.parametrize("values", [
