@@ -1,8 +1,9 @@
 """Service settings from flags, environment variables and defaults, in that order of precedence.
 
 A config is a kw-only frozen dataclass; field `redis_url` of service `buffer` becomes the flag `--redis-url`
-and the variable `PHYSARUM_BUFFER_REDIS_URL`. The field's `help` metadata is the flag's help text. A
-`PHYSARUM_BUFFER_*` variable that names no field is an error (a typo would otherwise be silently ignored).
+and the variable `PHYSARUM_BUFFER_REDIS_URL`. The field's `help` metadata is the flag's help text; its `check` (a
+`Rule`) is its validation, run by `check_fields`, so a field declared once carries its rule wherever `shared` reuses
+it. A `PHYSARUM_BUFFER_*` variable that names no field is an error (a typo would otherwise be silently ignored).
 """
 
 from __future__ import annotations
@@ -13,16 +14,81 @@ import difflib
 import os
 import types
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+REQUIRED: Any = dataclasses.MISSING  # field(REQUIRED, ...): a setting without a default
 
 
-def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
-    """A config field with its documentation."""
+@dataclass(frozen=True)
+class Rule:
+    """A field's validation: `ok(value)` must hold; `text` completes "<name> must be ...". None always passes."""
+
+    ok: Callable[[Any], bool]
+    text: str
+
+
+POSITIVE = Rule(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
+AT_LEAST_ONE = Rule(lambda v: v >= 1, ">= 1")
+PROBABILITY = Rule(lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def field(default: Any, help: str, check: Rule | None = None, internal: bool = False) -> Any:  # noqa: A002
+    """A config field with its documentation and validation. `internal`: set by code, not a user's setting."""
+    metadata = {"help": help, "check": check, "internal": internal}
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def shared(owner: type, name: str) -> Any:
+    """Field `name` of config class `owner`, reused by another config: the same default, help and rule."""
+    declared = next((f for f in dataclasses.fields(owner) if f.name == name), None)
+    if declared is None:
+        raise AttributeError(f"{owner.__name__} declares no field {name!r} to share")
+    metadata = {**declared.metadata, "declared_in": declared.metadata.get("declared_in", owner)}
+    if declared.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=declared.default_factory, metadata=metadata)
+    return dataclasses.field(default=declared.default, metadata=metadata)
+
+
+def declared_in(cls: type, f: dataclasses.Field) -> type:
+    """The config class that declares field `f` of `cls` (another one's, for a `shared` field)."""
+    return f.metadata.get("declared_in", cls)
+
+
+def settings(cls: type) -> list[dataclasses.Field]:
+    """The user-facing fields of a config class (not the internal ones)."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def own_settings(cls: type) -> list[dataclasses.Field]:
+    """The settings `cls` declares itself (not those it shares from another config)."""
+    return [f for f in settings(cls) if declared_in(cls, f) is cls]
+
+
+def check_fields(config: Any, error: type[ValueError] = ValueError, where: str = "") -> None:
+    """Raise `error` naming the first field whose value breaks its `Rule` or is not one of its `Literal` values."""
+    hints = typing.get_type_hints(type(config))
+    prefix = f"{where}: " if where else ""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        valid = literal_values(hints[f.name])
+        if valid and value not in valid:
+            raise error(f"{prefix}{f.name} must be one of {', '.join(map(str, valid))}, got {value!r}")
+        rule = f.metadata.get("check")
+        if rule is not None and value is not None and not rule.ok(value):
+            raise error(f"{prefix}{f.name} must be {rule.text}, got {value}")
+
+
+def literal_values(tp: Any) -> tuple:
+    """The values of a `Literal[...]` type (or of an optional one); () for any other type."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next((v for a in typing.get_args(tp) if (v := literal_values(a))), ())
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
 
 
 def _parse_bool(text: str) -> bool:

@@ -8,89 +8,100 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from services.common.config import NON_NEGATIVE, POSITIVE, PROBABILITY, REQUIRED, check_fields, field
 from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_client import GrpcClient
 from services.common.samples import dict_to_struct, struct_to_dict
 
+LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """What the manager needs to know of a job; field names are slime's flags (proto RolloutConfig)."""
+    """What the manager needs to know of a job (proto RolloutConfig). Field names are slime's flags; each setting's
+    declaration here (default, help, rule) is the job spec's, and the trainer's TrainConfig shares the ones it needs.
+    """
 
-    job_id: str
-    rollout_batch_size: int
-    n_samples_per_prompt: int = 1
-    tokenizer_path: str = ""  # default: the engines' model directory
-    rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
-    rollout_top_k: int = -1
-    rollout_max_response_len: int = 1024
-    rollout_stop: list[str] = field(default_factory=list)
-    rollout_stop_token_ids: list[int] = field(default_factory=list)
-    rm_type: str = "math"
-    custom_rm_path: str = ""
-    reward_key: str = ""
-    reward_timeout_s: float = 10.0
-    loss_type: str = "policy_loss"  # "sft_loss": samples are prompt + label, no generation
-    lease_timeout_s: float = 300.0
-    args: dict[str, Any] = field(default_factory=dict)  # the whole job spec, for plugins
-    # Generation features (issue 5); see services/rollout/manager.py.
-    over_sampling_batch_size: int = 0  # groups leased per refill; 0: rollout_batch_size
-    dynamic_sampling_filter_path: str = ""
-    partial_rollout: bool = False
-    mask_offpolicy_in_partial_rollout: bool = False
-    custom_generate_function_path: str = ""
-    group_rm: bool = False
-    eval_prompt_data: list[str] = field(default_factory=list)  # "name=path"
-    n_samples_per_eval_prompt: int = 1
-    eval_temperature: float = 1.0
-    eval_top_p: float = 1.0
-    eval_max_response_len: int = 1024
-    input_key: str = "input"  # the eval datasets' keys
-    label_key: str = ""
-    metadata_key: str = "metadata"
-    apply_chat_template: bool = False
-    max_inflight_groups: int = 0  # > 0: a fully_async stream with this many groups generating or waiting
+    job_id: str = field("", "the job's id", internal=True)
+    tokenizer_path: str = field("", "the tokenizer (the job's hf_checkpoint; empty: the engines' model directory)",
+                                internal=True)
+    args: dict[str, Any] = field({}, "the whole job spec, for plugins (slime's `args`)", internal=True)
+    rollout_batch_size: int = field(REQUIRED, "prompts (groups) per rollout", POSITIVE)
+    n_samples_per_prompt: int = field(1, "samples per prompt; consecutive samples form one reward group", POSITIVE)
+    rollout_temperature: float = field(1.0, "sampling temperature (the trainer divides logits by it too)",
+                                       NON_NEGATIVE)
+    rollout_top_p: float = field(1.0, "nucleus sampling threshold", PROBABILITY)
+    rollout_top_k: int = field(-1, "top-k sampling (-1: off)")
+    rollout_max_response_len: int = field(1024, "most tokens generated per sample", POSITIVE)
+    rollout_stop: list[str] = field([], "stop strings")
+    rollout_stop_token_ids: list[int] = field([], "stop token ids")
+    rm_type: str = field("math", "built-in reward: math, dapo, deepscaler, f1, gpqa, exact match, ...")
+    custom_rm_path: str = field("", "import path of async def reward(args, sample) -> float (or dict)")
+    reward_key: str = field("", "train on sample.reward_scores[reward_key] when a reward function returns a dict")
+    reward_timeout_s: float = field(10.0, "seconds a sample's reward may take", POSITIVE)
+    loss_type: LossType = field("policy_loss", "policy_loss (RL), sft_loss (NLL of prompt + label, no generation) "
+                                               "or custom_loss")
+    # The job spec's user-facing default (slime has no such flag): a lease not acked in this time goes back.
+    lease_timeout_s: float = field(60.0, "seconds before a leased prompt goes back to the buffer", POSITIVE)
+    over_sampling_batch_size: int | None = field(
+        None, "groups leased per refill, >= rollout_batch_size (None or 0: the missing ones)")
+    dynamic_sampling_filter_path: str = field(
+        "", "fn(args, samples) -> DynamicFilterOutput | bool, or a built-in filter's name")
+    partial_rollout: bool = field(False, "groups aborted once the batch is full keep their tokens for the next "
+                                         "rollout")
+    mask_offpolicy_in_partial_rollout: bool = field(False, "an earlier rollout's tokens get loss_mask 0")
+    custom_generate_function_path: str = field("", "async def generate(args, sample, sampling_params) -> Sample")
+    group_rm: bool = field(False, "custom_rm_path is async def f(args, samples) -> list[float], once per group")
+    eval_prompt_data: list[str] = field([], "eval datasets as name=path (slime's name path pairs are accepted)")
+    n_samples_per_eval_prompt: int = field(1, "samples per eval prompt", POSITIVE)
+    eval_temperature: float | None = field(None, "eval sampling temperature (None: rollout_temperature)",
+                                           NON_NEGATIVE)
+    eval_top_p: float | None = field(None, "eval nucleus threshold (None: rollout_top_p)", PROBABILITY)
+    eval_max_response_len: int | None = field(None, "eval response limit (None: rollout_max_response_len)",
+                                              POSITIVE)
+    input_key: str = field("input", "the prompt's key in each data row")
+    label_key: str = field("label", "the label's key in each data row (slime's default)")
+    metadata_key: str = field("metadata", "the metadata's key in each data row")
+    apply_chat_template: bool = field(False, "wrap each prompt in the tokenizer's chat template")
+    max_inflight_groups: int | None = field(
+        None, "fully_async: groups generating or waiting (None: rollout_batch_size); > 0 makes the manager stream")
 
     def __post_init__(self) -> None:
         if not self.job_id:
             raise InvalidArgument("rollout config: job_id must not be empty")
-        for name in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(f"rollout config: {name} must be > 0, got {getattr(self, name)}")
-        for name in ("reward_timeout_s", "lease_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(f"rollout config: {name} must be > 0, got {getattr(self, name)}")
-        if self.rollout_temperature < 0:
-            raise InvalidArgument(f"rollout config: rollout_temperature must be >= 0, got {self.rollout_temperature}")
-        if not 0 < self.rollout_top_p <= 1:
-            raise InvalidArgument(f"rollout config: rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
-        self._check_generation_features()
-
-    def _check_generation_features(self) -> None:
+        check_fields(self, InvalidArgument, "rollout config")
+        fallbacks = {"eval_temperature": self.rollout_temperature, "eval_top_p": self.rollout_top_p,
+                     "eval_max_response_len": self.rollout_max_response_len, "over_sampling_batch_size": 0,
+                     "max_inflight_groups": 0}
+        for name, value in fallbacks.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.over_sampling_batch_size and self.over_sampling_batch_size < self.rollout_batch_size:
             raise InvalidArgument(f"rollout config: over_sampling_batch_size ({self.over_sampling_batch_size}) must "
                                   f"be >= rollout_batch_size ({self.rollout_batch_size}), or 0")
-        for name in ("n_samples_per_eval_prompt", "eval_max_response_len"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(f"rollout config: {name} must be > 0, got {getattr(self, name)}")
         if self.max_inflight_groups < 0:
             raise InvalidArgument(f"rollout config: max_inflight_groups must be >= 0, got {self.max_inflight_groups}")
+        if 0 < self.max_inflight_groups < self.rollout_batch_size:
+            raise InvalidArgument(f"rollout config: max_inflight_groups ({self.max_inflight_groups}) must be >= "
+                                  f"rollout_batch_size ({self.rollout_batch_size})")
         if self.max_inflight_groups and self.partial_rollout:
             raise InvalidArgument("rollout config: partial_rollout does not apply to a fully_async stream (it never "
                                   "aborts groups to end a batch)")
-        if self.eval_temperature < 0 or not 0 < self.eval_top_p <= 1:
-            raise InvalidArgument(f"rollout config: eval_temperature must be >= 0 and eval_top_p in (0, 1], got "
-                                  f"{self.eval_temperature} and {self.eval_top_p}")
         for entry in self.eval_prompt_data:
             name, _, path = entry.partition("=")
             if not name or not path:
                 raise InvalidArgument(f"rollout config: eval_prompt_data entry {entry!r} is not 'name=path'")
+        if self.group_rm and not self.custom_rm_path:
+            raise InvalidArgument("rollout config: group_rm needs custom_rm_path (async def f(args, samples) -> "
+                                  "list[float])")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise InvalidArgument("rollout config: mask_offpolicy_in_partial_rollout needs partial_rollout")
 
     @property
     def eval_datasets(self) -> dict[str, str]:
@@ -111,7 +122,7 @@ class RolloutStatus:
     num_groups_done: int = 0
     num_groups_target: int = 0
     error: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)  # rollout/* statistics
+    metrics: dict[str, float] = dataclass_field(default_factory=dict)  # rollout/* statistics
 
 
 @dataclass
@@ -154,13 +165,13 @@ class ScaleEvent:
 @dataclass
 class PoolStatus:
     desired_replicas: int
-    engines: list[EngineStatus] = field(default_factory=list)
+    engines: list[EngineStatus] = dataclass_field(default_factory=list)
     weight_version: str = ""  # the trainer's current version ("" before its first sync)
     join_mode: str = "disk"
     snapshot_dir: str = ""
     router_url: str = ""
     rest_url: str = ""
-    events: list[ScaleEvent] = field(default_factory=list)
+    events: list[ScaleEvent] = dataclass_field(default_factory=list)
     weight_sync_in_progress: bool = False
 
     def count(self, *states: EngineState) -> int:

@@ -19,6 +19,7 @@ import httpx
 
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
+from services.common.rollout_stats import RolloutStats
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
 from services.rollout import filters
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
@@ -59,10 +60,7 @@ class _Run:
     num_groups_done: int = 0
     error: str = ""
     leased: dict[str, Prompt] = field(default_factory=dict)  # lease_id -> prompt not yet written or returned
-    num_samples: int = 0
-    reward_sum: float = 0.0
-    response_len_sum: int = 0
-    num_truncated: int = 0
+    stats: RolloutStats = field(default_factory=RolloutStats)
     num_failed_in_a_row: int = 0
     num_dropped_in_a_row: int = 0
     drops: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -78,20 +76,14 @@ class _Run:
         return f"rollout {self.rollout_id} of job {self.config.job_id}"
 
     def record(self, samples: list[Sample]) -> None:
-        self.num_samples += len(samples)
-        self.reward_sum += sum(s.reward for s in samples)
-        self.response_len_sum += sum(s.response_length for s in samples)
-        self.num_truncated += sum(s.status == Status.TRUNCATED for s in samples)
+        self.stats.add(samples)
 
     def metrics(self) -> dict[str, float]:
         metrics = {name: float(count) for name, count in self.drops.items()}
-        if not self.num_samples:
+        if not self.stats.num_samples:
             return metrics
         elapsed_s = max((self.finished_at or time.monotonic()) - self.started_at, 1e-9)
-        return {**metrics, "rollout/reward_mean": self.reward_sum / self.num_samples,
-                "rollout/response_len_mean": self.response_len_sum / self.num_samples,
-                "rollout/truncated_ratio": self.num_truncated / self.num_samples,
-                "rollout/samples_per_second": self.num_samples / elapsed_s}
+        return {**metrics, **self.stats.metrics(), "rollout/samples_per_second": self.stats.num_samples / elapsed_s}
 
 
 class RolloutManager:

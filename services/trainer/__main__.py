@@ -21,7 +21,8 @@ async def serve(config: TrainerConfig) -> None:
 
     from services.buffer.client import BufferClient
     from services.rollout.client import RolloutClient
-    from services.trainer.loop import TrainerDeps, train
+    from services.trainer.driver.deps import TrainerDeps
+    from services.trainer.driver.loop import train
     from services.trainer.parallel import init_world
     from services.trainer.server import create_server
     from services.trainer.worker import Dispatcher

@@ -1,6 +1,7 @@
 """The job registry: accepts validated specs, runs them one at a time on a worker thread, records events.
 
-It knows nothing of gRPC or HTTP; `server.py` and `rest.py` translate. The training itself is `run_job`.
+It knows nothing of gRPC or HTTP; `server.py` and `rest.py` translate. The training itself is the `Runner` it is
+given (the driver, `driver.loop.train`, through `worker.Dispatcher` on a multi-rank trainer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.trainer.metrics import JOBS
+from services.trainer.driver.metrics import JOBS
 from services.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from services.trainer.auth import check_bearer
 from services.trainer.jobs import JobRegistry
-from services.trainer.spec import parse_spec
+from services.trainer.spec import JobSpec, parse_spec
 from services.trainer.spec_defaults import SpecParser
 
 _STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409}
@@ -46,7 +46,9 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/jobs", status_code=201)
+    # The body stays a mapping so that parse_spec names a bad key; its documented schema is the job spec's.
+    @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": JobSpec.model_json_schema()}}}})
     def submit_job(spec: dict[str, Any] = Body(..., description="job spec keyed by slime's flag names")):
         return JobRegistry.to_dict(call(registry.submit, call(parse, spec)))
 

@@ -67,7 +67,8 @@ class Dispatcher:
 def run_worker(config: TrainerConfig) -> int:
     import torch
 
-    from services.trainer.loop import TrainerDeps, train
+    from services.trainer.driver.deps import TrainerDeps
+    from services.trainer.driver.loop import train
 
     torch.set_num_threads(config.num_threads)
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from services.buffer.metrics import BufferMetrics
 from services.reward.metrics import RewardMetrics
 from services.rollout.metrics import PoolMetrics
-from services.trainer import metrics as trainer_metrics
+from services.trainer.driver import metrics as trainer_metrics
 from tests.chart.chart import CHART, ROOT, VALUE_SETS, find, render, values_of
 
 # SGLang's scheduler metrics (sglang/srt/metrics/collector.py registers them as Gauges named so)

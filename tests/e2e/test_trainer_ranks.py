@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from physarum import stack
 from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
-from services.trainer import checkpoint
 from services.trainer.client import JobsRestClient
+from services.trainer.driver import checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")

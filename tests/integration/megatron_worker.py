@@ -54,9 +54,9 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
     policy as its reference model (ref_load)."""
     import torch.distributed as dist
 
-    from services.trainer import checkpoint
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.driver import checkpoint
     from services.trainer.parallel import World
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
@@ -115,7 +115,7 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
 
 def _ref_log_probs(backend, samples: list[Sample]) -> list[list[float]]:
     """The reference model's log-probs of `samples` (the backend's own recompute, run on its ref_model)."""
-    from services.trainer.batch import build_rollout_batch
+    from services.trainer.backends.batch import build_rollout_batch
 
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
     micro = backend._micro_batches(batch, list(range(batch.size)), training=False)

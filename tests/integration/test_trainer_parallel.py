@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from physarum.procs import ManagedProcess, free_port, python_module
-from services.trainer import checkpoint
-from services.trainer.loop import make_backend
+from services.trainer.driver import checkpoint
+from services.trainer.driver.loop import make_backend
 from services.trainer.parallel import World, shard_rollout
 from services.trainer.spec import parse_spec
 from tests.integration.trainer_ranks import BASE, CASES, NUM_ROLLOUTS, make_samples, run_case

@@ -15,7 +15,7 @@ import torch
 
 from services.common.errors import FailedPrecondition
 from services.common.sglang import SGLangClient
-from services.trainer.weight_sync import WeightBroadcaster, WeightSyncError
+from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError
 from tests.integration.engine_fixtures import start_engines, stop_engines
 
 TIMEOUT_S = 5.0

@@ -18,7 +18,7 @@ from physarum import procs
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
 from services.rollout.router import start_router
-from services.trainer.weight_sync import WeightBroadcaster, WeightSyncError, sync_engine_pool
+from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, sync_engine_pool
 from tests.integration.inprocess import InProcessManager
 
 TIMEOUT_S = 5.0

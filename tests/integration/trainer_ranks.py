@@ -41,8 +41,8 @@ def make_samples(model_dir: Path) -> list[Sample]:
 def run_case(name: str, model_dir: Path, out_dir: Path, world):
     """Train NUM_ROLLOUTS rollouts of the case; export HF and a checkpoint. Returns per rollout, per step, the
     metrics averaged over the ranks, and the backend."""
-    from services.trainer import checkpoint
-    from services.trainer.loop import make_backend
+    from services.trainer.driver import checkpoint
+    from services.trainer.driver.loop import make_backend
     from services.trainer.parallel import shard_rollout
     from services.trainer.spec import parse_spec
 

@@ -3,8 +3,8 @@
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer import checkpoint
-from services.trainer.metrics import prometheus_name
+from services.trainer.driver import checkpoint, intervals
+from services.trainer.driver.metrics import prometheus_name
 from services.trainer.spec import parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 2}
@@ -12,7 +12,7 @@ BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rol
 
 def test_periodic_actions_follow_slime():
     def fired(interval, per_epoch=None):
-        return [r for r in range(10) if checkpoint.should_run_periodic_action(r, interval, per_epoch, 10)]
+        return [r for r in range(10) if intervals.should_run_periodic_action(r, interval, per_epoch, 10)]
 
     assert fired(3) == [2, 5, 8, 9]  # every 3 rollouts and the last
     assert fired(4, per_epoch=3) == [2, 3, 5, 7, 8, 9]  # and at each epoch's end

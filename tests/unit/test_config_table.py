@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.buffer.config import BufferConfig
-from services.common.config import env_name, field, load_config
+from services.common.config import REQUIRED, env_name, field, load_config, shared
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +83,33 @@ def test_rows_render_flags_variables_defaults_and_escape_pipes():
          "peers \\| comma-separated"],
         ["`services.demo`", "`--verbose`", "`PHYSARUM_DEMO_VERBOSE`", "`false`", "log more"],
         ["`services.demo`", "`--name`", "`PHYSARUM_DEMO_NAME`", "(empty)", "optional name"],
+    ]
+
+
+def test_readme_job_spec_table_is_current():
+    readme = (ROOT / "README.md").read_text()
+    table = config_table.render_spec(config_table.job_parts())
+    assert config_table.replace_table(readme, table, config_table.SPEC_BEGIN, config_table.SPEC_END) == readme, (
+        "README.md's job-spec table is stale: run .venv/bin/python scripts/config_table.py")
+    assert config_table.current_readme(readme) == readme
+
+
+def test_job_spec_rows_name_the_part_mark_required_keys_and_skip_shared_ones():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class PartA:
+        size: int = field(REQUIRED, "how many | at least one")
+        name: str = field("x", "a name")
+        secret: str = field("", "set by code", internal=True)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class PartB:
+        size: int = shared(PartA, "size")
+        tags: list[str] = field(["a"], "tags")
+
+    assert config_table.spec_rows([PartA, PartB]) == [
+        ["`size`", "PartA", "required", "how many \\| at least one"],
+        ["`name`", "PartA", "`'x'`", "a name"],
+        ["`tags`", "PartB", "`['a']`", "tags"],
     ]
 
 

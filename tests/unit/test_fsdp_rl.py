@@ -11,8 +11,8 @@ import torch
 
 from services.common.samples import Sample
 from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.batch import build_rollout_batch
 
 # (prompt, response, reward): two groups of n = 2; token counts 9, 9, 6, 6 (+1 eos on each response)
 ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "55", 0.0), ("1+2=", "3", 0.0), ("1+2=", "4", 1.0)]

@@ -82,3 +82,18 @@ def test_duplicate_and_unknown_jobs_are_clear_errors():
     with pytest.raises(NotFound, match="job 'nope' not found"):
         registry.get("nope")
     registry.close()
+
+
+def test_the_rest_api_documents_the_job_spec_from_its_declarations():
+    from services.trainer.rest import create_app
+
+    registry = JobRegistry(lambda spec, ctx: None)
+    try:
+        body = create_app(registry).openapi()["paths"]["/v1/jobs"]["post"]["requestBody"]
+    finally:
+        registry.close()
+    schema = body["content"]["application/json"]["schema"]
+    assert {"hf_checkpoint", "prompt_data", "num_rollout", "rollout_batch_size"} <= set(schema["required"])
+    assert schema["properties"]["label_key"] == {"default": "label", "title": "Label Key", "type": "string",
+                                                 "description": "the label's key in each data row (slime's default)"}
+    assert schema["properties"]["mode"]["enum"] == ["sync", "one_step_async", "fully_async"]

@@ -11,9 +11,9 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
-from services.trainer import checkpoint
+from services.trainer.driver import checkpoint
+from services.trainer.driver.loop import TrainerDeps, train
 from services.trainer.jobs import JobRegistry, JobState
-from services.trainer.loop import TrainerDeps, train
 from services.trainer.spec import parse_spec
 from tests.integration.trainer_ranks import make_samples
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer import checkpoint
+from services.trainer.driver import checkpoint
 from services.trainer.parallel import World
 
 

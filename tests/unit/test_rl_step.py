@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from services.common.samples import Sample
-from services.trainer import rl_step
+from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig
-from services.trainer.batch import build_rollout_batch
+from services.trainer.backends.batch import build_rollout_batch
 
 
 def make_batch():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.trainer.schedule import first_fit, step_schedule
+from services.trainer.backends.schedule import first_fit, step_schedule
 
 
 def test_fixed_micro_batches_and_trailing_samples_dropped():

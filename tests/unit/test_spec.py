@@ -65,12 +65,10 @@ def test_bad_values_name_the_field(override, message):
 
 
 def test_fully_async_sends_the_manager_a_stream_bound():
-    from services.trainer.train_config import rollout_config
-
-    assert rollout_config(parse_spec({**BASE, "mode": "fully_async"})).max_inflight_groups == 4  # rollout_batch_size
-    assert rollout_config(parse_spec({**BASE, "mode": "fully_async", "max_inflight_groups": 20})).max_inflight_groups \
+    assert parse_spec({**BASE, "mode": "fully_async"}).rollout.max_inflight_groups == 4  # rollout_batch_size
+    assert parse_spec({**BASE, "mode": "fully_async", "max_inflight_groups": 20}).rollout.max_inflight_groups \
         == 20
-    assert rollout_config(parse_spec({**BASE, "mode": "one_step_async", "max_inflight_groups": 20})) \
+    assert parse_spec({**BASE, "mode": "one_step_async", "max_inflight_groups": 20}).rollout \
         .max_inflight_groups == 0  # not a stream
 
 
@@ -81,16 +79,15 @@ def test_missing_required_key_is_named():
 
 def test_train_config_takes_every_training_key_and_defaults_lr_decay_to_the_run():
     from services.trainer.backends.base import TrainConfig
-    from services.trainer.train_config import train_config
 
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(JobSpec.model_fields)
     spec = parse_spec({**BASE, "num_steps_per_rollout": 4, "advantage_estimator": "ppo", "gamma": 0.9, "kl_coef": 0.1,
                        "loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.mean_nll"})
-    config = train_config(spec)
+    config = spec.train
     assert (config.advantage_estimator, config.gamma, config.kl_coef, config.global_batch_size) == ("ppo", 0.9, 0.1, 8)
     assert config.custom_loss_function_path == "tests.plugins.loss_fns.mean_nll"
     assert config.lr_decay_iters == 3 * 4  # num_rollout × steps per rollout, as slime's train_iters
-    assert train_config(parse_spec({**BASE, "lr_decay_iters": 5})).lr_decay_iters == 5
+    assert parse_spec({**BASE, "lr_decay_iters": 5}).train.lr_decay_iters == 5
     # Megatron's optimizer defaults, which slime keeps
     assert (config.weight_decay, config.adam_beta2, config.lr_decay_style, config.min_lr) == (0.01, 0.999, "linear", 0)
 

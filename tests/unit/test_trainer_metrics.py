@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from services.trainer.metrics import MetricsWriter
+from services.trainer.driver.metrics import MetricsWriter
 
 
 def value(name: str, job: str) -> float | None:

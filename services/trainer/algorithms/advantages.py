@@ -20,8 +20,6 @@ from services.trainer.algorithms.returns import discounted_returns, gae
 # --disable-grpo-std-normalization, i.e. Dr.GRPO). Other estimators get raw rewards.
 GROUP_MEAN_ESTIMATORS = frozenset({"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"})
 GROUP_STD_ESTIMATORS = frozenset({"grpo", "gspo", "cispo"})
-# Estimators that shape token rewards with -kl_coef·KL(π_old || π_ref); the GRPO family ignores kl_coef.
-KL_REWARD_ESTIMATORS = frozenset({"ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"})
 # Estimators whose advantages slime only accepts whitened (--normalize-advantages).
 NEEDS_NORMALIZED_ADVANTAGES = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+from services.trainer.algorithms.names import KL_LOSS_TYPES
 
 
 def compute_approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, kl_loss_type: str,

@@ -1,6 +1,8 @@
-"""Training backends behind one Protocol (`base.TrainBackend`): `fsdp.TorchBackend` (torch, one process) for now.
+"""Training backends behind one Protocol (`base.TrainBackend`): `fsdp.TorchBackend` (torch FSDP2) and
+`megatron.backend.MegatronBackend` (megatron-core), each registering its builder with `registry`; `layout.py` holds
+which backend a job uses and how its ranks are laid out.
 
-Import a backend's module directly; importing this package loads neither torch nor transformers.
+Importing this package loads neither torch nor transformers.
 """
 
 from services.trainer.backends.base import TrainBackend, TrainConfig

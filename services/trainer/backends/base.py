@@ -1,6 +1,6 @@
 """What every training backend offers the loop (`TrainBackend`), and the training settings it takes (`TrainConfig`).
 
-Field names and defaults are slime's flags; the job spec is cut into this config by the trainer.
+Field names and defaults are slime's flags; each field is a job-spec key declared here once.
 """
 
 from __future__ import annotations
@@ -10,105 +10,103 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from services.common import plugins
-from services.common.config import field
+from services.common.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Rule, check_fields, field, shared
 from services.common.samples import Sample
+from services.rollout.client import LossType, RolloutConfig
+from services.trainer.algorithms.names import (
+    ADVANTAGE_ESTIMATORS,
+    KL_LOSS_TYPES,  # noqa: F401 - re-exported: the names a config accepts
+    KL_REWARD_ESTIMATORS,
+    AdvantageEstimator,
+    KLLossType,
+)
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
-# The names of algorithms.advantages.ESTIMATORS / algorithms.kl.KL_LOSS_TYPES / optim.LR_DECAY_STYLES, kept here
-# so that validating a config needs no torch (a unit test keeps them equal).
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-KL_REWARD_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+LRDecayStyle = Literal["constant", "linear", "cosine"]
 CUSTOM_LOSS_SIGNATURE = "def fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"
+BETA = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+FINITE = Rule(math.isfinite, "finite")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    loss_type: str = field("policy_loss", "policy_loss (RL), sft_loss (NLL of the response tokens) or custom_loss")
+    """The algorithm and optimizer settings a backend trains with (slime's flags, Megatron's optimizer defaults).
+    The sampling settings it shares with the rollout are RolloutConfig's declarations."""
+
+    loss_type: LossType = shared(RolloutConfig, "loss_type")
     custom_loss_function_path: str = field("", "custom_loss: import path of " + CUSTOM_LOSS_SIGNATURE)
-    advantage_estimator: str = field("grpo", "how rewards become per-token advantages: " +
-                                     ", ".join(ADVANTAGE_ESTIMATORS))
-    n_samples_per_prompt: int = field(1, "samples per prompt; consecutive samples form one reward group")
-    reward_key: str = field("", "train on sample.reward_scores[reward_key] when a reward function returns a dict")
+    advantage_estimator: AdvantageEstimator = field(
+        "grpo", "how rewards become per-token advantages: " + ", ".join(ADVANTAGE_ESTIMATORS))
+    n_samples_per_prompt: int = shared(RolloutConfig, "n_samples_per_prompt")
+    reward_key: str = shared(RolloutConfig, "reward_key")
+    rollout_temperature: float = shared(RolloutConfig, "rollout_temperature")
     global_batch_size: int | None = field(
-        None, "samples per optimizer step; trailing samples that do not fill a step are dropped "
-              "(None: the whole rollout is one step)")
-    micro_batch_size: int = field(1, "samples per forward/backward; gradients accumulate over a step")
+        None, "samples per optimizer step; trailing samples that do not fill a step are dropped (None: the rollout's "
+              "samples / num_steps_per_rollout)", AT_LEAST_ONE)
+    num_steps_per_rollout: int | None = field(
+        None, "optimizer steps per rollout, when global_batch_size is unset (None: 1)", AT_LEAST_ONE)
+    micro_batch_size: int = field(1, "samples per forward/backward; gradients accumulate over a step", AT_LEAST_ONE)
     use_dynamic_batch_size: bool = field(False, "pack micro-batches first-fit by token count instead")
-    max_tokens_per_gpu: int | None = field(None, "token budget of a micro-batch under use_dynamic_batch_size")
-    rollout_temperature: float = field(1.0, "sampling temperature; logits are divided by it before log-softmax")
-    eps_clip: float = field(0.2, "PPO clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]")
-    eps_clip_high: float | None = field(None, "upper clip range (DAPO clip-higher); None: eps_clip")
-    eps_clip_c: float | None = field(None, "dual-clip PPO bound (> 1) on the loss of negative advantages")
-    value_clip: float = field(0.2, "ppo: clip range of the critic's value update")
-    gamma: float = field(1.0, "discount of ppo's GAE and reinforce_plus_plus's returns")
-    lambd: float = field(1.0, "GAE lambda (ppo)")
-    num_critic_only_steps: int = field(0, "ppo: train only the critic for the first N rollouts")
+    max_tokens_per_gpu: int | None = field(None, "token budget of a micro-batch under use_dynamic_batch_size",
+                                           AT_LEAST_ONE)
+    eps_clip: float = field(0.2, "PPO clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]",
+                            NON_NEGATIVE)
+    eps_clip_high: float | None = field(None, "upper clip range (DAPO clip-higher); None: eps_clip", NON_NEGATIVE)
+    eps_clip_c: float | None = field(None, "dual-clip PPO bound (> 1) on the loss of negative advantages",
+                                     Rule(lambda v: v > 1, "> 1 (dual-clip PPO)"))
+    value_clip: float = field(0.2, "ppo: clip range of the critic's value update", NON_NEGATIVE)
+    gamma: float = field(1.0, "discount of ppo's GAE and reinforce_plus_plus's returns", NON_NEGATIVE)
+    lambd: float = field(1.0, "GAE lambda (ppo)", NON_NEGATIVE)
+    num_critic_only_steps: int = field(0, "ppo: train only the critic for the first N rollouts", NON_NEGATIVE)
     normalize_advantages: bool = field(False, "whiten advantages over the rollout's unmasked tokens")
     use_kl_loss: bool = field(False, "keep a frozen reference model and compute a KL-to-reference loss")
-    kl_loss_coef: float = field(0.0, "weight of the KL loss (needs use_kl_loss)")
-    kl_loss_type: str = field("k1", "KL estimator: k1, k2, k3 or low_var_kl")
+    kl_loss_coef: float = field(0.0, "weight of the KL loss (needs use_kl_loss)", NON_NEGATIVE)
+    kl_loss_type: KLLossType = field("k1", "KL estimator: k1, k2, k3 or low_var_kl")
     use_unbiased_kl: bool = field(False, "multiply the KL loss by the importance ratio π/π_old (DeepSeek-V3.2)")
-    kl_coef: float = field(0.0, "KL reward shaping (ppo and the reinforce_plus_plus family): r_t -= kl_coef·KL")
-    entropy_coef: float = field(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    kl_coef: float = field(0.0, "KL reward shaping (ppo and the reinforce_plus_plus family): r_t -= kl_coef·KL",
+                           FINITE)
+    entropy_coef: float = field(0.0, "weight of the entropy bonus (subtracted from the loss)", FINITE)
     use_tis: bool = field(False, "truncated importance sampling by the trainer/engine log-prob ratio")
-    tis_clip: float = field(2.0, "upper clamp of the TIS weight")
-    tis_clip_low: float = field(0.0, "lower clamp of the TIS weight")
+    tis_clip: float = field(2.0, "upper clamp of the TIS weight", NON_NEGATIVE)
+    tis_clip_low: float = field(0.0, "lower clamp of the TIS weight", NON_NEGATIVE)
     use_rollout_logprobs: bool = field(False, "use the engines' log-probs as the old policy instead of recomputing")
     disable_grpo_std_normalization: bool = field(False, "group mean baseline only, no std division (Dr.GRPO)")
     disable_rewards_normalization: bool = field(False, "use raw rewards, no group baseline")
     calculate_per_token_loss: bool = field(False, "global token mean instead of the mean of per-sample means")
-    lr: float = field(1e-6, "peak learning rate")
-    min_lr: float = field(0.0, "learning rate at the end of the decay")
-    lr_warmup_iters: int = field(0, "optimizer steps of linear warmup from 0")
-    lr_decay_style: str = field("linear", "constant, linear or cosine decay after warmup")
-    lr_decay_iters: int | None = field(None, "optimizer step at which the decay reaches min_lr (None: no decay)")
-    weight_decay: float = field(0.01, "AdamW decoupled weight decay (not on biases and norms)")
-    adam_beta1: float = field(0.9, "Adam beta1")
-    adam_beta2: float = field(0.999, "Adam beta2")
-    adam_eps: float = field(1e-8, "Adam epsilon")
-    clip_grad: float = field(1.0, "max global gradient norm; 0 disables clipping")
+    lr: float = field(1e-6, "peak learning rate", POSITIVE)
+    min_lr: float = field(0.0, "learning rate at the end of the decay", NON_NEGATIVE)
+    lr_warmup_iters: int = field(0, "optimizer steps of linear warmup from 0", NON_NEGATIVE)
+    lr_decay_style: LRDecayStyle = field("linear", "constant, linear or cosine decay after warmup")
+    lr_decay_iters: int | None = field(
+        None, "optimizer step at which the decay reaches min_lr (a job's None: its last step, as slime's train_iters)")
+    weight_decay: float = field(0.01, "AdamW decoupled weight decay (not on biases and norms)", NON_NEGATIVE)
+    adam_beta1: float = field(0.9, "Adam beta1", BETA)
+    adam_beta2: float = field(0.999, "Adam beta2", BETA)
+    adam_eps: float = field(1e-8, "Adam epsilon", POSITIVE)
+    clip_grad: float = field(1.0, "max global gradient norm; 0 disables clipping", NON_NEGATIVE)
     seed: int = field(1234, "random seed of the trainer")
 
     def __post_init__(self) -> None:
-        def one_of(name: str, valid) -> None:
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
-
-        def check(name: str, ok, rule: str) -> None:
-            value = getattr(self, name)
-            if value is not None and not ok(value):
-                raise ValueError(f"{name} must be {rule}, got {value}")
-
-        one_of("loss_type", LOSS_TYPES)
-        one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
-        one_of("kl_loss_type", KL_LOSS_TYPES)
-        one_of("lr_decay_style", LR_DECAY_STYLES)
-        for name in ("n_samples_per_prompt", "micro_batch_size", "global_batch_size", "max_tokens_per_gpu"):
-            check(name, lambda v: v >= 1, ">= 1")
-        for name in ("rollout_temperature", "adam_eps", "lr"):
-            check(name, lambda v: v > 0, "> 0")
-        for name in ("eps_clip", "eps_clip_high", "value_clip", "kl_loss_coef", "min_lr", "weight_decay", "clip_grad",
-                     "tis_clip", "tis_clip_low", "lr_warmup_iters", "num_critic_only_steps", "gamma", "lambd"):
-            check(name, lambda v: v >= 0, ">= 0")
-        for name in ("adam_beta1", "adam_beta2"):
-            check(name, lambda v: 0 <= v < 1, "in [0, 1)")
-        check("eps_clip_c", lambda v: v > 1, "> 1 (dual-clip PPO)")
-        check("min_lr", lambda v: v <= self.lr, f"<= lr ({self.lr})")
-        check("tis_clip", lambda v: v >= self.tis_clip_low, f">= tis_clip_low ({self.tis_clip_low})")
-        for name in ("entropy_coef", "kl_coef"):
-            check(name, math.isfinite, "finite")
+        check_fields(self)
+        if self.rollout_temperature <= 0:  # the trainer divides logits by it (the engines also accept 0: greedy)
+            raise ValueError(f"rollout_temperature must be > 0, got {self.rollout_temperature}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr must be <= lr ({self.lr}), got {self.min_lr}")
+        if self.tis_clip < self.tis_clip_low:
+            raise ValueError(f"tis_clip must be >= tis_clip_low ({self.tis_clip_low}), got {self.tis_clip}")
         if self.eps_clip_high is None:
             object.__setattr__(self, "eps_clip_high", self.eps_clip)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
         if self.kl_loss_coef != 0 and not self.use_kl_loss:
             raise ValueError(f"kl_loss_coef is {self.kl_loss_coef} but use_kl_loss is false")
         if self.use_kl_loss and self.loss_type == "sft_loss":
@@ -156,17 +154,21 @@ def load_custom_loss(path: str) -> Callable:
 
 
 class TrainBackend(Protocol):
-    """A policy being trained: log-probs, one rollout's optimizer steps, its weights for the engines, HF export."""
+    """A policy being trained: everything the driver calls. Log-probs, one rollout's optimizer steps, the reference
+    model, checkpoints in the backend's own format, HF export, and its weights for the engines. Methods of a backend
+    spread over ranks are collective: every rank calls them."""
 
     config: TrainConfig
+    model_path: Path  # the HF directory it started from: the engines' base model and the tokenizer files
+    checkpoint_format: str  # the directory of its state inside a checkpoint's iter_N/ (dcp, mcore)
 
     @property
     def weight_version(self) -> int:
         """0 for the loaded weights, +1 for every rollout trained on."""
         ...
 
-    def load(self, path: str | Path) -> None:
-        """Replace the policy's weights with those of an HF checkpoint directory (e.g. one `save_hf` wrote)."""
+    def rank_samples(self, samples: Sequence[Sample]) -> list[Sample]:
+        """The share of a rollout this rank trains on (what `train_rollout` takes)."""
         ...
 
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
@@ -175,6 +177,34 @@ class TrainBackend(Protocol):
 
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         """Train on one rollout; one `train/...` metrics dict per optimizer step."""
+        ...
+
+    def load(self, path: str | Path) -> None:
+        """Replace the policy's weights with those of an HF checkpoint directory (e.g. one `save_hf` wrote)."""
+        ...
+
+    def load_ref(self, path: str | Path) -> None:
+        """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
+        ...
+
+    def update_ref_model(self) -> None:
+        """Copy the policy into the reference model (slime's --ref-update-interval)."""
+        ...
+
+    def checkpoint_parts(self) -> set[str]:
+        """The parts a checkpoint of this backend holds (model, optim, ref_model, ...)."""
+        ...
+
+    def save_sharded(self, path: str | Path) -> None:
+        """Write its state into `path` (iter_N/<checkpoint_format>/), each rank its shards."""
+        ...
+
+    def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]:
+        """Load the parts (default: all) a checkpoint's state directory has; returns the parts loaded."""
+        ...
+
+    def load_ref_sharded(self, path: str | Path) -> None:
+        """The policy of a checkpoint's state directory as the reference model."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,9 +12,9 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.trainer.backends.base import TrainConfig
-from services.trainer.batch import RolloutBatch
-from services.trainer.optim import make_adamw
-from services.trainer.rl_step import gather_response
+from services.trainer.backends.batch import RolloutBatch
+from services.trainer.backends.optim import make_adamw
+from services.trainer.backends.rl_step import gather_response
 
 
 class ValueModel(torch.nn.Module):

@@ -2,16 +2,16 @@
 data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`).
 
 It owns the models (policy, reference, PPO critic), the optimizers and the step loop; every formula from the forward
-outputs to the loss is in `services.trainer.rl_step` (shared with the Megatron backend). Sharding and the ranks are
+outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding and the ranks are
 `parallel.py`'s; checkpoint files `checkpoint.py`'s; the weight broadcast to engines `weight_sync.py`'s.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
-import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,18 +20,20 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer import parallel, rl_step
+from services.trainer import parallel
+from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig, load_custom_loss
+from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
-from services.trainer.batch import RolloutBatch, build_rollout_batch
-from services.trainer.optim import lr_schedule, make_adamw, scheduled_step
-from services.trainer.schedule import MicroBatch, Step, step_schedule
+from services.trainer.backends.dcp import DCPCheckpointing
+from services.trainer.backends.layout import LayoutConfig
+from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
+from services.trainer.backends.registry import register
+from services.trainer.backends.schedule import MicroBatch, Step, step_schedule
+from services.trainer.hf_files import TOKENIZER_FILES, copy_side_files
 
 log = logging.getLogger(__name__)
 
-# Copied next to the weights by save_hf, so the directory is a complete model for transformers and the engines.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def _load_causal_lm(path: Path):
@@ -45,14 +47,16 @@ def _load_causal_lm(path: Path):
     return model.eval()
 
 
-class TorchBackend:
+class TorchBackend(DCPCheckpointing):
     """One process, one model: `train_rollout` runs slime's per-rollout schedule (recompute old / reference
     log-probs and critic values, advantages, then global_batch_size steps of micro-batches)."""
 
     def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
-                 world: parallel.World | None = None) -> None:
+                 world: parallel.World | None = None, job_global_batch_size: int | None = None) -> None:
         self.model_path = Path(model_path)
         self.config = config
+        # the job's step size: `config` holds this rank's share of it when the world has more than one rank
+        self.job_global_batch_size = job_global_batch_size or config.global_batch_size
         self.world = world or parallel.World()
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -167,6 +171,12 @@ class TorchBackend:
             out[rows, :values.shape[1]] = values
         return out
 
+    def rank_samples(self, samples: Sequence[Sample]) -> list[Sample]:
+        """This rank's share of each step (`parallel.shard_rollout`)."""
+        return parallel.shard_rollout(samples, rank=self.world.rank, world_size=self.world.world_size,
+                                      global_batch_size=self.job_global_batch_size,
+                                      n_samples_per_prompt=self.config.n_samples_per_prompt)
+
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)
         (micro_batches,) = self._schedule(batch, None)
@@ -272,8 +282,21 @@ class TorchBackend:
             path.mkdir(parents=True, exist_ok=True)
             # transformers 5 empties the state_dict it is given: pass a copy.
             self.model.save_pretrained(path, state_dict=dict(weights))
-            for name in TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, path / name)
+            copy_side_files(self.model_path, path, TOKENIZER_FILES)  # save_pretrained wrote the configs
             log.info("saved HF checkpoint to %s", path)
         self.world.barrier()
+
+
+@register("fsdp")
+def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: parallel.World,
+          num_threads: int) -> TorchBackend:
+    """Each rank gets a TrainConfig cut to its share of each step."""
+    job_global_batch_size = config.global_batch_size
+    if world.distributed:
+        if config.use_dynamic_batch_size:
+            raise InvalidArgument("use_dynamic_batch_size is not supported with more than one trainer rank (ranks "
+                                  "must run the same number of micro-batches)")
+        local = config.global_batch_size and config.global_batch_size // world.world_size
+        config = dataclasses.replace(config, global_batch_size=local)
+    return TorchBackend(hf_checkpoint, config, num_threads=num_threads, world=world,
+                        job_global_batch_size=job_global_batch_size)

@@ -2,7 +2,7 @@
 
 Every rank of the job builds one and makes the same calls with the same samples (each method is collective). A
 step's samples are split over the data-parallel ranks and cut into micro-batches that Megatron's schedule runs
-(1F1B under PP). Every formula comes from `services.trainer.rl_step`, on log-probs that `vocab_parallel` computes from
+(1F1B under PP). Every formula comes from `backends.rl_step`, on log-probs that `vocab_parallel` computes from
 the TP-sharded logits. Results (log-probs, metrics) are the same on every rank; HF weights come out on rank 0.
 """
 
@@ -21,26 +21,24 @@ import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer import optim, rl_step
 from services.trainer.algorithms.losses import Reducer
+from services.trainer.backends import optim, rl_step
 from services.trainer.backends.base import TrainConfig, load_custom_loss
+from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
 from services.trainer.backends.megatron import convert, cpu_compat, hf_io
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
+from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
-from services.trainer.batch import RolloutBatch, build_rollout_batch
-from services.trainer.schedule import MicroBatch, first_fit
+from services.trainer.backends.schedule import MicroBatch, first_fit
 
 log = logging.getLogger(__name__)
 
-# Megatron-LM's default layout of the distributed optimizer's state: each rank's buffers as they are (no gather);
-# a load may change the data-parallel size only.
-OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 LossFn = Callable[[MicroBatch, RolloutBatch, torch.Tensor], torch.Tensor]  # (rows, micro-batch, logits) -> loss
 
 
-class MegatronBackend:
+class MegatronBackend(MegatronCheckpointing):
     """A policy as a Megatron GPTModel; `train_rollout` runs the same per-rollout schedule as TorchBackend.
 
     Joins the default process group that is already there (the trainer's `parallel.World`, passed as `world` and
@@ -246,6 +244,10 @@ class MegatronBackend:
         dist.all_reduce(tensor)
         return tensor.cpu()
 
+    def rank_samples(self, samples: Sequence[Sample]) -> list[Sample]:
+        """Every rank takes the whole rollout: the backend splits each step over its data-parallel ranks."""
+        return list(samples)
+
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)
         micro = self._micro_batches(batch, list(range(batch.size)), training=False)
@@ -343,99 +345,6 @@ class MegatronBackend:
                 summed[key] = summed.get(key, 0.0) + float(value)
         return summed
 
-    # -- checkpoints: megatron-core dist-checkpointing (each rank writes its shards of global tensors: the models
-    # load into another TP/PP/DP layout, the distributed optimizer's state into another DP size only)
-
-    checkpoint_format = "mcore"  # checkpoint.py: the directory of this backend's state inside iter_N/
-
-    def checkpoint_parts(self) -> set[str]:
-        """What a checkpoint of this backend holds: model and optim (the policy and its optimizer), ref_model."""
-        return {"model", "optim"} | ({"ref_model"} if self.ref_model is not None else set())
-
-    def _sharded_state_dict(self, parts: set[str], *, loading: bool) -> dict[str, Any]:
-        model = self.gpt.sharded_state_dict(prefix="model.")
-        state: dict[str, Any] = {"model": model} if "model" in parts else {}
-        if "optim" in parts:
-            self._init_optimizer_state()
-            with cpu_compat.cuda_to_cpu():
-                state["optim"] = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIM_METADATA)
-        if "ref_model" in parts:
-            state["ref_model"] = self.ref_model.sharded_state_dict(prefix="ref_model.")
-        return state
-
-    def _init_optimizer_state(self) -> None:
-        """Allocate a fresh torch Adam's state as it would itself (step 0, zero moments; its next update is a
-        fresh Adam's): Megatron's state dict reads the step count off that state, which torch creates only at the
-        first step (TE's and Apex's Adam keep it elsewhere)."""
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = optimizer.optimizer
-            if not isinstance(inner, torch.optim.Adam):
-                continue
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    if not inner.state[param]:
-                        inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                                                  exp_avg_sq=torch.zeros_like(param))
-
-    def _set_adam_steps(self, num_steps: int) -> None:
-        """Each parameter's Adam step count (its bias correction), one tensor each. megatron-core 0.16 restores it
-        wrongly for torch's Adam: the distributed optimizer overwrites the loaded count with the fresh one (it
-        keeps it out of the checkpoint's tensors) and shares one tensor among all parameters (incremented once
-        per parameter per step). Every optimizer step of this backend steps every parameter, so each count is
-        the backend's step count."""
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = optimizer.optimizer
-            if isinstance(inner, torch.optim.Adam):
-                for state in inner.state.values():
-                    state["step"] = torch.tensor(float(num_steps))
-
-    def save_sharded(self, path: str | Path) -> None:
-        """Collective: write the checkpoint's parts, the lr schedule's step count and the weight version."""
-        from megatron.core import dist_checkpointing
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        parts = self.checkpoint_parts()
-        state = {**self._sharded_state_dict(parts, loading=False), "parts": sorted(parts),
-                 "num_steps": self._num_steps, "weight_version": self._weight_version}
-        with cpu_compat.cuda_to_cpu():
-            dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy())
-
-    def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]:
-        """Collective: load the parts of a checkpoint (default: all that both it and this backend have); returns
-        the parts loaded. The others keep their current values."""
-        from megatron.core import dist_checkpointing
-
-        path = Path(path)
-        saved = set(dist_checkpointing.load_common_state_dict(str(path))["parts"])
-        wanted = self.checkpoint_parts() & saved & (parts if parts is not None else saved)
-        if "optim" in wanted and "model" not in wanted:
-            raise InvalidArgument(f"checkpoint {path}: an optimizer loads only with its model")
-        with cpu_compat.cuda_to_cpu():
-            loaded = dist_checkpointing.load(self._sharded_state_dict(wanted, loading=True), str(path))
-        if "model" in wanted:
-            self.gpt.load_state_dict(_strip(loaded["model"], "model."))
-        if "optim" in wanted:
-            with torch.no_grad(), cpu_compat.cuda_to_cpu():  # the main params are views of the model's
-                self.optimizer.load_state_dict(loaded["optim"])
-            self._num_steps = int(loaded["num_steps"])
-            self._set_adam_steps(self._num_steps)
-        if "ref_model" in wanted:
-            self.ref_model.load_state_dict(_strip(loaded["ref_model"], "ref_model."))
-        if parts is None:
-            self._weight_version = int(loaded["weight_version"])
-        return wanted
-
-    def load_ref_sharded(self, path: str | Path) -> None:
-        """Collective: the policy of a checkpoint as the reference model (slime's --ref-load of a checkpoint)."""
-        from megatron.core import dist_checkpointing
-
-        if self.ref_model is None:
-            raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
-        with cpu_compat.cuda_to_cpu():
-            loaded = dist_checkpointing.load({"model": self.ref_model.sharded_state_dict(prefix="model.")}, str(path))
-        self.ref_model.load_state_dict(_strip(loaded["model"], "model."))
-
     # -- weights out
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -463,30 +372,3 @@ class MegatronBackend:
 def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor):
     """Megatron's loss_func contract: (loss, reported); the schedule divides the loss by num_microbatches."""
     return loss_fn(rows, mb, logits), {}
-
-
-def _strip(state: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """A loaded sharded state dict's keys as the module's own state-dict keys."""
-    return {key.removeprefix(prefix): value for key, value in state.items()}
-
-
-def _save_strategy():
-    """Megatron's torch_dist format (DCP files plus metadata.json), written synchronously by this process: its own
-    strategy forks writer processes and spawns a queue manager, which a trainer serving gRPC must not do."""
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-
-    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            dcp.save(mcore_to_pyt_state_dict(state, False),
-                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                              flatten_state_dict=False))
-
-    return SyncTorchDistSave("torch_dist", 1)

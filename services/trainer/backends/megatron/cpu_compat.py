@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16 without a GPU (reference/megatron-cpu.md §2b): a shim applied only when CUDA is absent.
+"""Run megatron-core 0.16 without a GPU: a shim over the CUDA-only calls it makes, applied only when CUDA is absent.
 
 P1: the model-parallel RNG tracker reads and writes the CPU generator instead of the CUDA one.
 P2: `torch.cuda.current_device()` is the CPU device (rotary embeddings, the attention buffer, pipeline p2p).

@@ -6,18 +6,15 @@ Reading is lazy, so each rank loads only the tensors of its own pipeline stage.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from services.common.errors import InvalidArgument
+from services.trainer.hf_files import copy_side_files
 
 # Copied next to the weights, so the directory is a complete model for transformers and the engines.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
-              "merges.txt", "tokenizer.model")
 
 
 def read_config(path: Path) -> dict:
@@ -66,6 +63,4 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], source: Path)
     path.mkdir(parents=True, exist_ok=True)
     save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
-    for name in SIDE_FILES:
-        if (source / name).is_file() and (source / name).resolve() != (path / name).resolve():
-            shutil.copy2(source / name, path / name)
+    copy_side_files(source, path)

@@ -1,5 +1,5 @@
-"""Issue 5 on the trainer's side: the generation-feature keys of the job spec, their RolloutConfig (and its proto),
-the eval schedule, and the metrics the trainer adds to a rollout's event."""
+"""The generation features on the trainer's side: their job-spec keys, their RolloutConfig (and its proto), the eval
+schedule, and the metrics the trainer adds to a rollout's event."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus, config_from_proto, config_to_proto
-from services.trainer.generation import eval_due, generation_metrics
-from services.trainer.loop import TrainerDeps
+from services.trainer.driver.deps import TrainerDeps
+from services.trainer.driver.post_rollout import eval_due, generation_metrics
 from services.trainer.spec import parse_spec, slime_args_to_dict
-from services.trainer.train_config import rollout_config
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 4,
         "n_samples_per_prompt": 2, "rollout_temperature": 0.8, "rollout_max_response_len": 64}
@@ -23,7 +22,7 @@ def test_spec_keys_map_to_the_rollout_config_with_eval_falling_back_to_rollout_s
                        "custom_generate_function_path": "a.b.generate", "custom_rm_path": "a.b.rm", "group_rm": True,
                        "eval_prompt_data": ["aime=/e/aime.jsonl", "gsm=/e/gsm.parquet"], "eval_interval": 2,
                        "n_samples_per_eval_prompt": 8, "eval_top_p": 0.7})
-    config = rollout_config(spec)
+    config = spec.rollout
     assert (config.over_sampling_batch_size, config.dynamic_sampling_filter_path) == (8, "check_reward_nonzero_std")
     assert config.partial_rollout and config.mask_offpolicy_in_partial_rollout and config.group_rm
     assert config.custom_generate_function_path == "a.b.generate"
@@ -32,7 +31,7 @@ def test_spec_keys_map_to_the_rollout_config_with_eval_falling_back_to_rollout_s
             config.eval_max_response_len) == (8, 0.8, 0.7, 64)
     assert (config.input_key, config.label_key, config.metadata_key) == ("input", "label", "metadata")
     assert config_from_proto(config_to_proto(config)) == config
-    plain = rollout_config(parse_spec(BASE))
+    plain = parse_spec(BASE).rollout
     assert plain.over_sampling_batch_size == 0 and not plain.eval_prompt_data and not plain.partial_rollout
 
 
@@ -73,8 +72,8 @@ def test_rollout_config_rejects_bad_generation_fields():
 
 def test_eval_runs_every_interval_and_after_the_last_rollout():
     spec = parse_spec({**BASE, "eval_prompt_data": ["a=/x"], "eval_interval": 2})
-    assert [r for r in range(5) if eval_due(spec, r)] == [1, 3, 4]
-    assert not any(eval_due(parse_spec(BASE), r) for r in range(5))
+    assert [r for r in range(5) if eval_due(spec.driver, spec.rollout, r)] == [1, 3, 4]
+    assert not any(eval_due(parse_spec(BASE).driver, parse_spec(BASE).rollout, r) for r in range(5))
 
 
 class FakeRollout:
@@ -97,12 +96,12 @@ def test_generation_metrics_add_the_managers_counters_and_eval_when_due():
     spec = parse_spec({**BASE, "job_id": "j", "eval_prompt_data": ["a=/x"], "eval_interval": 2})
     rollout = FakeRollout()
     deps = TrainerDeps(rollout=rollout)
-    assert generation_metrics(spec, deps, 0) == {"rollout/dynamic_filter/drop_zero_std_1.0": 3.0}
-    metrics = generation_metrics(spec, deps, 1)
+    assert generation_metrics(spec.driver, spec.rollout, deps, 0) == {"rollout/dynamic_filter/drop_zero_std_1.0": 3.0}
+    metrics = generation_metrics(spec.driver, spec.rollout, deps, 1)
     assert metrics["eval/a"] == 0.25 and metrics["perf/eval_seconds"] >= 0
     assert rollout.evals == [(["a=/x"], 1, "2", 600.0)]  # evaluated with the weights pushed after rollout 1
     deps.rollout = FakeRollout(eval_error=Unavailable("no engines"))
-    assert "eval/a" not in generation_metrics(spec, deps, 1)  # logged and skipped
+    assert "eval/a" not in generation_metrics(spec.driver, spec.rollout, deps, 1)  # logged and skipped
     deps.rollout = FakeRollout(eval_error=InvalidArgument("eval dataset a (/x): no usable prompts"))
     with pytest.raises(InvalidArgument, match="no usable prompts"):
-        generation_metrics(spec, deps, 1)
+        generation_metrics(spec.driver, spec.rollout, deps, 1)

@@ -25,7 +25,7 @@ from services.trainer.algorithms.losses import (
     value_loss_function,
 )
 from services.trainer.backends.base import TrainConfig
-from services.trainer.batch import RolloutBatch
+from services.trainer.backends.batch import RolloutBatch
 
 LossFn = Callable[[RolloutBatch, Reducer], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

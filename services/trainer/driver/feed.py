@@ -1,5 +1,5 @@
-"""Rank 0's source of rollouts in each training mode (issue 7): where the samples of rollout i come from, and what
-runs alongside training.
+"""Rank 0's source of rollouts, one feed per training mode, chosen once by `make_feed`: where the samples of rollout
+i come from, what runs alongside training, and when the weights go to the engines.
 
 - sync (slime's train.py): rollout i is generated after the weights of rollout i-1 reached the engines.
 - one_step_async (slime's train_async.py): rollout i+1 starts before rollout i trains; before a weight update the
@@ -16,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
 from services.common.samples import Sample, SampleGroup, weight_version_range
-from services.rollout.client import RolloutState, snapshot_path
-from services.trainer import checkpoint
+from services.rollout.client import RolloutConfig, RolloutState, snapshot_path
+from services.trainer.driver import checkpoint
+from services.trainer.driver.config import DriverConfig
+from services.trainer.driver.deps import TrainerDeps
+from services.trainer.driver.intervals import should_run_periodic_action
 from services.trainer.jobs import JobContext
-from services.trainer.spec import JobSpec
-from services.trainer.train_config import rollout_config
-
-if TYPE_CHECKING:
-    from services.trainer.loop import TrainerDeps
 
 log = logging.getLogger(__name__)
 
@@ -36,73 +33,70 @@ POLL_S = 2.0
 
 
 class RolloutFeed:
-    """Rank 0: `samples(i, version)` is rollout i (version: the weights the engines hold; the trainer's own before
-    training rollout i are version i); `started` runs right after it, `before_weight_update` before each push of
-    the weights to the engines; `close` at the end."""
+    """The sync feed, and the base of the others. Rank 0: `samples(i, version)` is rollout i (version: the weights
+    the engines hold; the trainer's own before training rollout i are version i); `started` runs right after it,
+    `before_weight_update` before each push of the weights to the engines; `close` at the end."""
 
-    def __init__(self, spec: JobSpec, deps: TrainerDeps, ctx: JobContext) -> None:
-        self.spec, self.deps, self.ctx = spec, deps, ctx
-        self.config = rollout_config(spec)
-        self.ready: dict[int, list[SampleGroup]] = {}  # one_step_async: rollouts waited for before an update
-        self.stale = {"buffer/stale_dropped": 0.0, "buffer/stale_regenerated": 0.0}
+    def __init__(self, driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext) -> None:
+        self.driver, self.config, self.deps, self.ctx = driver, rollout, deps, ctx
+        self.job_id = driver.job_id
 
     def samples(self, rollout_id: int, version: int) -> list[Sample]:
         """Rollout `rollout_id`'s samples in group order (from the engines or a debug dump); dumped when asked."""
         self.ctx.check_cancelled()
-        spec = self.spec
-        if spec.load_debug_rollout_data:
-            samples = checkpoint.load_debug_rollout_data(spec.load_debug_rollout_data, rollout_id)
+        driver = self.driver
+        if driver.load_debug_rollout_data:
+            samples = checkpoint.load_debug_rollout_data(driver.load_debug_rollout_data, rollout_id)
         else:
-            if rollout_id in self.ready:
-                groups = self.ready.pop(rollout_id)
-            elif spec.mode == "fully_async":
-                groups = self._take(rollout_id, version)
-            else:
-                groups = self._collect(rollout_id, version)
+            groups = self._groups(rollout_id, version)
             samples = [s for g in sorted(groups, key=lambda g: g.group_id) for s in g.samples]
-        if spec.save_debug_rollout_data:
-            checkpoint.save_debug_rollout_data(spec.save_debug_rollout_data, rollout_id, samples)
+        if driver.save_debug_rollout_data:
+            checkpoint.save_debug_rollout_data(driver.save_debug_rollout_data, rollout_id, samples)
         return samples
 
-    def started(self, rollout_id: int, version: int) -> None:
-        """After rollout `rollout_id` is in hand: one_step_async starts the next one, generated while this trains."""
-        if self.spec.mode == "one_step_async" and rollout_id + 1 < self.spec.num_rollout:
-            self._start(rollout_id + 1, version)
+    every_rollout = True  # sync pushes weights after every rollout; the async modes every update_weights_interval
 
-    def before_weight_update(self, rollout_id: int, version: int) -> None:
-        """one_step_async: the next rollout finishes with the weights it started with (slime waits likewise)."""
-        if self.spec.mode == "one_step_async" and rollout_id + 1 < self.spec.num_rollout:
-            self.ready[rollout_id + 1] = self._collect(rollout_id + 1, version)
+    def weight_update_due(self, rollout_id: int) -> bool:
+        """Whether the weights of rollout `rollout_id` go to the engines (the async modes: also after the last)."""
+        return self.every_rollout or should_run_periodic_action(rollout_id, self.driver.update_weights_interval,
+                                                                num_rollout=self.driver.num_rollout)
+
+    def started(self, rollout_id: int, version: int) -> None:
+        """After rollout `rollout_id` is in hand."""
+
+    def before_weight_update(self, rollout_id: int, version: int) -> dict[str, float]:
+        """Before the weights of rollout `rollout_id` go to the engines; returns perf metrics."""
+        return {}
 
     def metrics(self) -> dict[str, float]:
-        return dict(self.stale) if self.spec.mode == "fully_async" else {}
+        return {}
 
     def close(self) -> None:
-        """End the fully_async stream (its in-flight prompts go back to the buffer); never raises."""
-        if self.spec.mode == "fully_async":
-            with contextlib.suppress(PhysarumError):
-                self.deps.rollout.stop_rollout(self.spec.job_id, STREAM_ROLLOUT_ID)
+        """End what the feed runs in the background; never raises."""
+
+    def _groups(self, rollout_id: int, version: int) -> list[SampleGroup]:
+        return self._collect(rollout_id, version)
 
     # -- the two ways of getting a rollout's groups
 
     def _collect(self, rollout_id: int, version: int) -> list[SampleGroup]:
         """Ask the manager for rollout `rollout_id` and wait for its groups in the buffer."""
-        spec, deps = self.spec, self.deps
+        deps, config = self.deps, self.config
         self._start(rollout_id, version)
         return self._wait(rollout_id, rollout_id, version, lambda timeout_s: deps.buffer.get_batch(
-            spec.job_id, rollout_id, spec.rollout_batch_size, timeout_s=timeout_s))
+            self.job_id, rollout_id, config.rollout_batch_size, timeout_s=timeout_s))
 
     def _take(self, rollout_id: int, version: int) -> list[SampleGroup]:
         """fully_async: make sure the stream runs, then take rollout_batch_size groups from it whose oldest token is
         at most max_weight_staleness versions behind the trainer's weights (version rollout_id) and none newer: a
         newer one came from a policy a trainer had after the checkpoint this one resumed from."""
-        spec, deps = self.spec, self.deps
+        driver, deps = self.driver, self.deps
         self._start(STREAM_ROLLOUT_ID, version)
 
         def take(timeout_s: float) -> list[SampleGroup]:
-            batch = deps.buffer.take_batch(spec.job_id, rollout_id, spec.rollout_batch_size,
-                                           min_weight_version=rollout_id - spec.max_weight_staleness,
-                                           max_weight_version=rollout_id, stale_policy=spec.stale_policy,
+            batch = deps.buffer.take_batch(self.job_id, rollout_id, self.config.rollout_batch_size,
+                                           min_weight_version=rollout_id - driver.max_weight_staleness,
+                                           max_weight_version=rollout_id, stale_policy=driver.stale_policy,
                                            timeout_s=timeout_s)
             self.stale = {"buffer/stale_dropped": float(batch.num_stale_dropped),
                           "buffer/stale_regenerated": float(batch.num_stale_regenerated)}
@@ -120,7 +114,7 @@ class RolloutFeed:
         every group they generate would be refused as stale while the trainer, waiting for fresh ones, never pushes
         weights again. Tell its pool the version the trainer last pushed, with the snapshot written at that push
         (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining (disk join)."""
-        if self.spec.debug_rollout_only:  # no push: the engines keep whatever weights they hold
+        if self.driver.debug_rollout_only:  # no push: the engines keep whatever weights they hold
             return
         rollout = self.deps.rollout
         pool = rollout.pool_status()
@@ -141,20 +135,20 @@ class RolloutFeed:
         """Poll `fetch` until it returns; between polls check the manager's run (`manager_rollout_id`): a manager
         that restarted reports it UNKNOWN and is asked again (the buffer's leases lose no prompt), a failed one
         fails the job."""
-        spec, deps = self.spec, self.deps
-        deadline = time.monotonic() + spec.rollout_timeout_s
+        deps, job_id, timeout_s = self.deps, self.job_id, self.driver.rollout_timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             self.ctx.check_cancelled()
             try:
                 return fetch(POLL_S)
             except (DeadlineExceeded, Unavailable) as err:
                 if time.monotonic() > deadline:
-                    raise DeadlineExceeded(f"rollout {rollout_id} of job {spec.job_id}: not complete after "
-                                           f"{spec.rollout_timeout_s} s ({err})") from err
+                    raise DeadlineExceeded(f"rollout {rollout_id} of job {job_id}: not complete after "
+                                           f"{timeout_s} s ({err})") from err
             try:
-                status = deps.rollout.rollout_status(spec.job_id, manager_rollout_id)
+                status = deps.rollout.rollout_status(job_id, manager_rollout_id)
                 if status.state == RolloutState.FAILED:
-                    raise RuntimeError(f"rollout {manager_rollout_id} of job {spec.job_id} failed: {status.error}")
+                    raise RuntimeError(f"rollout {manager_rollout_id} of job {job_id} failed: {status.error}")
                 if status.state == RolloutState.UNKNOWN or (status.state == RolloutState.DONE
                                                             and manager_rollout_id == STREAM_ROLLOUT_ID):
                     log.warning("rollout manager does not run rollout %d (restarted?); starting it again",
@@ -162,6 +156,64 @@ class RolloutFeed:
                     self._start(manager_rollout_id, version)
             except Unavailable as err:
                 log.warning("rollout manager unavailable (%s); waiting", err)
+
+
+class OneStepAsyncFeed(RolloutFeed):
+    """one_step_async: rollout i+1 generates while rollout i trains; weights go out every update_weights_interval
+    rollouts and after the last, once the next rollout finished with the weights it started with."""
+
+    def __init__(self, driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext) -> None:
+        super().__init__(driver, rollout, deps, ctx)
+        self.ready: dict[int, list[SampleGroup]] = {}  # rollouts waited for before an update
+
+    every_rollout = False
+
+    def started(self, rollout_id: int, version: int) -> None:
+        """Start the next rollout, generated while this one trains."""
+        if rollout_id + 1 < self.driver.num_rollout:
+            self._start(rollout_id + 1, version)
+
+    def before_weight_update(self, rollout_id: int, version: int) -> dict[str, float]:
+        """The next rollout finishes with the weights it started with (slime waits likewise)."""
+        start = time.monotonic()
+        if rollout_id + 1 < self.driver.num_rollout:
+            self.ready[rollout_id + 1] = self._collect(rollout_id + 1, version)
+        return {"perf/wait_next_rollout_seconds": time.monotonic() - start}
+
+    def _groups(self, rollout_id: int, version: int) -> list[SampleGroup]:
+        if rollout_id in self.ready:
+            return self.ready.pop(rollout_id)
+        return self._collect(rollout_id, version)
+
+
+class FullyAsyncFeed(RolloutFeed):
+    """fully_async: rollouts come from the manager's stream, within the staleness bound."""
+
+    def __init__(self, driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext) -> None:
+        super().__init__(driver, rollout, deps, ctx)
+        self.stale = {"buffer/stale_dropped": 0.0, "buffer/stale_regenerated": 0.0}
+
+    every_rollout = False
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.stale)
+
+    def close(self) -> None:
+        """End the stream (its in-flight prompts go back to the buffer)."""
+        with contextlib.suppress(PhysarumError):
+            self.deps.rollout.stop_rollout(self.job_id, STREAM_ROLLOUT_ID)
+
+    def _groups(self, rollout_id: int, version: int) -> list[SampleGroup]:
+        return self._take(rollout_id, version)
+
+
+FEEDS: dict[str, type[RolloutFeed]] = {"sync": RolloutFeed, "one_step_async": OneStepAsyncFeed,
+                                       "fully_async": FullyAsyncFeed}
+
+
+def make_feed(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext) -> RolloutFeed:
+    """The feed of the job's mode."""
+    return FEEDS[driver.mode](driver, rollout, deps, ctx)
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:

@@ -1,71 +1,42 @@
 """Checkpoints and debug rollout dumps on disk, in slime's layout.
 
-`{save}/iter_{rollout_id:07d}/` holds the model, optimizer and reference model (torch.distributed.checkpoint in
-dcp/: each rank writes its own shards, and a load reshards to any number of ranks; a backend with its own sharded
-format, Megatron's dist-checkpointing, writes its directory instead, e.g. mcore/), each rank's RNG states and
-trainer_state.json (the rollout id and the buffer's data-source state). `latest_checkpointed_iteration.txt` names
+`{save}/iter_{rollout_id:07d}/` holds each rank's RNG states, trainer_state.json (the rollout id and the buffer's
+data-source state) and the backend's state in the directory its `checkpoint_format` names (dcp/:
+torch.distributed.checkpoint; mcore/: Megatron's dist-checkpointing), written and read through `TrainBackend`.
+`latest_checkpointed_iteration.txt` names
 the newest complete one: it is rewritten last, so a save cut short leaves the previous checkpoint in force.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import random
-import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
 from services.trainer.parallel import World
 
+if TYPE_CHECKING:
+    from services.trainer.backends.base import TrainBackend
+
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
-DCP_DIR = "dcp"
 
 
-class Checkpointable(Protocol):
-    """A backend whose state DCP saves and loads (TorchBackend)."""
-
-    def state_dict(self, parts: Iterable[str] | None = None) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class ShardedCheckpointable(Protocol):
-    """A backend that writes its own sharded format into iter_N/<checkpoint_format>/ (MegatronBackend: megatron-core
-    dist-checkpointing). Each method is collective."""
-
-    checkpoint_format: str
-
-    def checkpoint_parts(self) -> set[str]: ...
-
-    def save_sharded(self, path: str | Path) -> None: ...
-
-    def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]: ...
-
-    def load_ref_sharded(self, path: str | Path) -> None: ...
-
-
-def checkpoint_format(backend) -> str:
-    """The directory a backend's state takes inside iter_N/: dcp, or its own format's."""
-    return getattr(backend, "checkpoint_format", DCP_DIR)
-
-
-def _state_dir(path: Path, backend) -> Path:
+def _state_dir(path: Path, backend: TrainBackend) -> Path:
     """iter_N/<format>/ of the backend; a checkpoint written by a backend of another format is refused."""
-    fmt = checkpoint_format(backend)
+    fmt = backend.checkpoint_format
     if not (path / fmt).is_dir():
         others = sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
         if others:
@@ -99,17 +70,6 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
-def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None = None,
-                               num_rollout: int | None = None) -> bool:
-    """slime's rule: every `interval` rollouts, at each epoch's end, and at the last rollout (interval None: never)."""
-    if interval is None:
-        return False
-    if num_rollout is not None and rollout_id == num_rollout - 1:
-        return True
-    step = rollout_id + 1
-    return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
-
-
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -124,7 +84,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: str | Path, rollout_id: int, backend: Checkpointable, world: World,
+def save_checkpoint(root: str | Path, rollout_id: int, backend: TrainBackend, world: World,
                     trainer_state: Callable[[], TrainerState]) -> Path:
     """Every rank: write checkpoint `rollout_id` under root. `trainer_state` runs on rank 0 only, first (it takes
     the buffer's snapshot); a failure there ends the save on every rank before anything is written."""
@@ -136,11 +96,7 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: Checkpointable, 
         _write_atomic(path / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
 
     world.on_rank0(write_trainer_state)
-    if checkpoint_format(backend) != DCP_DIR:
-        backend.save_sharded(path / checkpoint_format(backend))
-    else:
-        with _one_process_is_intended():
-            dcp.save(backend.state_dict(), checkpoint_id=path / DCP_DIR, no_dist=not world.distributed)
+    backend.save_sharded(path / backend.checkpoint_format)
     torch.save(rng_state(), path / f"rng_rank{world.rank}.pt")
     world.barrier()
     if world.rank == 0:
@@ -149,7 +105,7 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: Checkpointable, 
     return path
 
 
-def load_checkpoint(root: str | Path, backend: Checkpointable, world: World,
+def load_checkpoint(root: str | Path, backend: TrainBackend, world: World,
                     rollout_id: int | None = None) -> TrainerState | None:
     """Every rank: restore checkpoint `rollout_id` (default: the latest) into the backend and this rank's RNG.
 
@@ -174,33 +130,17 @@ def load_checkpoint(root: str | Path, backend: Checkpointable, world: World,
     return state
 
 
-def load_state(path: Path, backend: Checkpointable | ShardedCheckpointable, world: World,
-               parts: tuple[str, ...] | None = None) -> None:
-    """Load the top-level parts (model, optim, ref_model, ...) of a checkpoint's state directory (dcp/ or the
-    backend's own format) that the backend has, or only `parts`; the backend's parts the checkpoint lacks keep
-    their values."""
-    if checkpoint_format(backend) != DCP_DIR:
-        if not path.is_dir():
-            raise InvalidArgument(f"checkpoint {path}: no such directory")
-        loaded = backend.load_sharded(path, None if parts is None else set(parts))
-        if missing := set(parts if parts is not None else backend.checkpoint_parts()) - loaded:
-            log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
-        return
-    try:
-        saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
-    except FileNotFoundError:
-        raise InvalidArgument(f"checkpoint {path}: no torch.distributed.checkpoint metadata") from None
-    wanted = saved if parts is None else saved & set(parts)
-    missing = set(parts if parts is not None else backend.state_dict()) - saved
-    if missing:
+def load_state(path: Path, backend: TrainBackend, world: World, parts: tuple[str, ...] | None = None) -> None:
+    """Load the top-level parts (model, optim, ref_model, ...) of a checkpoint's state directory (the backend's
+    format) that the backend has, or only `parts`; the backend's parts the checkpoint lacks keep their values."""
+    if not path.is_dir():
+        raise InvalidArgument(f"checkpoint {path}: no such directory")
+    loaded = backend.load_sharded(path, None if parts is None else set(parts))
+    if missing := set(parts if parts is not None else backend.checkpoint_parts()) - loaded:
         log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
-    state = backend.state_dict(parts=wanted)
-    with _one_process_is_intended():
-        dcp.load(state, checkpoint_id=path, no_dist=not world.distributed)
-    backend.load_state_dict(state)
 
 
-def load_reference(root: str | Path, backend, world: World) -> None:
+def load_reference(root: str | Path, backend: TrainBackend, world: World) -> None:
     """slime's --ref-load: the reference model from an HF directory, or from the policy of a checkpoint root's
     latest checkpoint."""
     rollout_id = latest_iteration(root)
@@ -208,23 +148,8 @@ def load_reference(root: str | Path, backend, world: World) -> None:
         backend.load_ref(root)
         return
     path = _state_dir(iteration_dir(root, rollout_id), backend)
-    if checkpoint_format(backend) != DCP_DIR:
-        backend.load_ref_sharded(path)
-        log.info("reference model from checkpoint %s", path)
-        return
-    state = {"model": backend.state_dict(parts=("ref_model",))["ref_model"]}
-    with _one_process_is_intended():
-        dcp.load(state, checkpoint_id=path, no_dist=not world.distributed)
-    backend.load_state_dict({"ref_model": state["model"]})
+    backend.load_ref_sharded(path)
     log.info("reference model from checkpoint %s", path)
-
-
-@contextlib.contextmanager
-def _one_process_is_intended() -> Iterator[None]:
-    """DCP warns that it assumes one process whenever no process group exists: that is the single-rank trainer."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+from services.trainer.backends.base import LR_DECAY_STYLES
 
 
 def make_adamw(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], *, lr: float, weight_decay: float,

@@ -1,4 +1,5 @@
-"""The trainer's side of the weight broadcast to engines, in SGLang's protocol (reference/sglang-protocol.md §3.5-3.6).
+"""The trainer's side of the weight broadcast to engines, in SGLang's protocol (/init_weights_update_group and
+/update_weights_from_distributed).
 
 The trainer is rank 0 of a separate torch.distributed group whose other ranks are the engines. Each bucket of
 tensors is announced to every engine by HTTP (/update_weights_from_distributed) while rank 0 broadcasts the tensors
@@ -25,13 +26,12 @@ import torch.distributed as dist
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
 from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
+from services.trainer.hf_files import copy_side_files
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 RESUME_TIMEOUT_S = 2.0  # for the best-effort end/continue calls after a failure
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 class WeightSyncError(Unavailable):
@@ -294,9 +294,8 @@ def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str 
     staging.mkdir()
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt", "weight_version": str(version)})
-    for name in MODEL_FILES if base_model_dir else ():
-        if (Path(base_model_dir) / name).is_file():
-            shutil.copy2(Path(base_model_dir) / name, staging / name)
+    if base_model_dir:
+        copy_side_files(base_model_dir, staging)
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     snapshots = sorted((p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), key=lambda p: p.stat().st_mtime)

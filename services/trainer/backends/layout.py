@@ -1,0 +1,35 @@
+"""Which backend trains a job and how its ranks are laid out (Megatron's parallel sizes and pass-through flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from services.common.config import POSITIVE, check_fields, field
+
+BackendName = Literal["fsdp", "megatron"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutConfig:
+    train_backend: BackendName = field("fsdp", "fsdp (torch FSDP2) or megatron (megatron-core)")
+    tensor_model_parallel_size: int = field(1, "megatron: tensor-parallel ranks", POSITIVE)
+    pipeline_model_parallel_size: int = field(1, "megatron: pipeline stages", POSITIVE)
+    use_distributed_optimizer: bool = field(True, "megatron: shard the optimizer state over data-parallel ranks")
+    megatron: dict[str, Any] = field({}, "extra TransformerConfig/optimizer flags by Megatron's names (slime passes "
+                                          "them on)")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.train_backend != "megatron" and (self.model_parallel_size > 1 or self.megatron):
+            raise ValueError("tensor_model_parallel_size, pipeline_model_parallel_size and megatron need "
+                             "train_backend: megatron")
+
+    @property
+    def trains_critic(self) -> bool:
+        """Whether the backend can train PPO's critic (megatron does not)."""
+        return self.train_backend == "fsdp"
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size

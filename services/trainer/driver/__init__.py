@@ -1,0 +1,1 @@
+"""The training driver: the loop, the rollout feeds of each mode, checkpoints, eval and metrics."""

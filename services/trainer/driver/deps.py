@@ -1,0 +1,23 @@
+"""What a job runs with besides its spec: the peers, the trainer's ranks, where the weight group and TensorBoard go.
+Its own module so that the loop and the feeds it builds both import it, and not each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.buffer.client import BufferClient
+from services.rollout.client import RolloutClient
+from services.trainer.parallel import World
+
+
+@dataclass
+class TrainerDeps:
+    """The peers (rank 0 only; None on the other ranks), the trainer's ranks, where rank 0 hosts the weight-sync
+    group, and where TensorBoard event files go."""
+
+    buffer: BufferClient | None = None
+    rollout: RolloutClient | None = None
+    master_address: str = "127.0.0.1"
+    num_threads: int = 2
+    world: World = field(default_factory=World)
+    tensorboard_dir: str = ""

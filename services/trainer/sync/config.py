@@ -1,0 +1,18 @@
+"""The weight broadcast's settings (Physarum's own: slime's update_weight_buffer_size and timeouts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from services.common.config import POSITIVE, check_fields, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    update_weight_buffer_size: int = field(64 << 20, "bytes per broadcast bucket", POSITIVE)
+    weight_sync_backend: Literal["gloo", "nccl"] = field("gloo", "torch.distributed backend of the weight group")
+    weight_sync_timeout_s: float = field(60.0, "seconds one weight sync may take", POSITIVE)
+
+    def __post_init__(self) -> None:
+        check_fields(self)

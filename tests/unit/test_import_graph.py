@@ -1,0 +1,145 @@
+"""The import graph of services/, read with ast (nothing is imported): no circles, and across services only
+`services.<svc>.client` and `services.common` are imported; nothing imports the CLI package `physarum`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Imports the rollout half of the reshape is removing (process helpers move to services.common; the pool stops
+# being written by engine_steps): (importing module, imported module). The graph is checked without them; any other
+# import that breaks a rule fails the test.
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
+    ("services.rollout.launchers", "physarum.procs"),
+    ("services.rollout.router", "physarum.procs"),
+    ("services.rollout.engine_steps", "services.rollout.pool"),  # a circle: pool imports engine_steps
+}
+
+
+def without_known_exceptions(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {a: {b for b in targets if (a, b) not in KNOWN_EXCEPTIONS} for a, targets in graph.items()}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The project modules `path` imports anywhere in it (top level, functions, TYPE_CHECKING blocks)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:  # `from pkg import mod` imports the module pkg.mod
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {m for m in found if m.split(".")[0] in ("services", "physarum")}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    paths = {module_name(p, root): p for p in sorted((root / "services").rglob("*.py"))
+             if "gen" not in p.relative_to(root).parts}
+    modules = set(paths) | {module_name(p, root) for p in (root / "physarum").rglob("*.py")}
+    return {name: imports_of(path, name, modules) for name, path in paths.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in graph:
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                out.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def service_of(module: str) -> str:
+    return module.split(".")[1] if module.startswith("services.") and module.count(".") >= 1 else module
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) pairs that reach into another service's internals or into the CLI package."""
+    bad = set()
+    for importer, imported in ((a, b) for a, targets in graph.items() for b in targets):
+        if imported.split(".")[0] == "physarum":
+            bad.add((importer, imported))
+            continue
+        mine, theirs = service_of(importer), service_of(imported)
+        if imported in ("services", f"services.{theirs}") or theirs in (mine, "common"):
+            continue
+        if imported != f"services.{theirs}.client":
+            bad.add((importer, imported))
+    return bad
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_services_have_no_import_circles():
+    assert circles(without_known_exceptions(import_graph(ROOT))) == []
+
+
+def test_services_import_only_clients_and_common_across_services():
+    bad = forbidden_imports(without_known_exceptions(import_graph(ROOT)))
+    assert bad == set(), "import another service's client.py or services.common instead"
+
+
+def test_a_circle_through_a_function_level_or_relative_import_is_found(tmp_path):
+    root = write(tmp_path, {"services/__init__.py": "", "services/a/__init__.py": "",
+                            "services/a/x.py": "def f():\n    from services.a import y\n",
+                            "services/a/y.py": "from .z import g\n",
+                            "services/a/z.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                               "    import services.a.x\n",
+                            "services/a/w.py": "import services.a.x\n", "physarum/__init__.py": ""})
+    assert circles(import_graph(root)) == [["services.a.x", "services.a.y", "services.a.z"]]
+
+
+def test_internals_of_another_service_and_the_cli_are_forbidden(tmp_path):
+    root = write(tmp_path, {"services/__init__.py": "", "services/a/__init__.py": "", "services/b/__init__.py": "",
+                            "services/common/__init__.py": "", "services/common/util.py": "",
+                            "services/b/client.py": "", "services/b/pool.py": "", "physarum/__init__.py": "",
+                            "physarum/procs.py": "",
+                            "services/a/ok.py": "from services.b.client import C\nfrom services.common import util\n",
+                            "services/a/bad.py": "from services.b import pool\nfrom physarum.procs import p\n"})
+    assert forbidden_imports(import_graph(root)) == {("services.a.bad", "services.b.pool"),
+                                                     ("services.a.bad", "physarum.procs")}
