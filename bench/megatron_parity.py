@@ -46,7 +46,7 @@ def spawn(fn: Callable, *args, world_size: int = 2, start_method: str = "spawn")
     the children inherit the parent's imports (megatron, transformers: ~10 s each) when it has used 1 thread."""
     import torch.multiprocessing as mp
 
-    from physarum.procs import free_port
+    from services.common.procs import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size))
     mp.start_processes(_entry, args=(world_size, fn, args), nprocs=world_size, join=True, start_method=start_method)

@@ -22,10 +22,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from physarum import procs, tasks, tinymodel  # noqa: E402
+from physarum import tasks, tinymodel  # noqa: E402
+from services.common import procs  # noqa: E402
 from services.common.grpc_client import wait_for_health  # noqa: E402
 from services.rollout.client import EngineState, RolloutClient  # noqa: E402
-from services.rollout.router import start_router  # noqa: E402
+from services.rollout.local import start_router  # noqa: E402
 
 MAX_NEW_TOKENS = 16
 

@@ -116,7 +116,7 @@ def cmd_cancel(args) -> int:
     return 0
 
 
-# --- physarum scale: the rollout engine pool (issue 5) ---------------------------------------------------------
+# --- physarum scale: the rollout engine pool -------------------------------------------------------------------
 def cmd_scale(args) -> int:
     from services.rollout.client import RolloutClient
 
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.add_argument("--url", default="")
     p.set_defaults(fn=cmd_cancel)
-    # --- physarum scale (issue 5) ---
+    # --- physarum scale ---
     p = sub.add_parser("scale", help="set the number of rollout engines, also while a job runs")
     p.add_argument("--replicas", type=int, required=True, help="desired number of engines")
     p.add_argument("--addr", default="", help="rollout manager host:port (default: the local stack's)")

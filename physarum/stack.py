@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from physarum.procs import (
+from services.common.procs import (
     HOST,
     ManagedProcess,
     cmdline_of,
@@ -25,6 +25,7 @@ from physarum.procs import (
     start_time,
     terminate,
 )
+from services.rollout.local import start_router, stop_leftover_engines
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ def read_state(work_dir: Path = DEFAULT_WORK_DIR) -> dict | None:
 
 def up(options: StackOptions) -> dict:
     """Start the stack unless it is already up; returns its state (addresses and processes)."""
-    from services.rollout.router import start_router
-
     work_dir = options.work_dir.resolve()
     if (state := read_state(work_dir)) and all_alive(state):
         return state
@@ -189,19 +188,9 @@ def down(work_dir: Path = DEFAULT_WORK_DIR, grace_s: float = 20.0) -> list[str]:
     if state is None:
         return []
     stopped = [entry["name"] for entry in reversed(state["processes"]) if _stop(entry, grace_s)]
-    stopped += _stop_leftover_engines(Path(work_dir) / "engines", grace_s)
+    stopped += stop_leftover_engines(Path(work_dir) / "engines", grace_s)  # a killed manager's
     (Path(work_dir) / STATE_FILE).unlink(missing_ok=True)
     return stopped
-
-
-def _stop_leftover_engines(engine_dir: Path, grace_s: float) -> list[str]:
-    """Engines a killed rollout manager left running (its engines.json: PID, start time and argv checked)."""
-    from services.rollout.launchers import LocalLauncher
-
-    if not engine_dir.is_dir():
-        return []
-    launcher = LocalLauncher(lambda index, port: [], engine_dir, stop_grace_s=grace_s)
-    return [engine.name for engine in launcher.stop_leftovers()]
 
 
 def _stop(entry: dict, grace_s: float) -> bool:

@@ -1,4 +1,5 @@
-"""Session fixtures: real processes started once per test session, stopped by their recorded PIDs."""
+"""Markers by folder, and session fixtures: real processes started once per test session, stopped by their recorded
+PIDs (the router and engine fixtures of the integration tests are in tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from physarum import procs, tasks, tinymodel
+from physarum import tasks, tinymodel
+from services.common import procs
+
+TESTS = Path(__file__).resolve().parent
+KIND_BY_FOLDER = {"unit": "unit", "chart": "unit", "integration": "integration", "e2e": "e2e"}
+# Integration modules over about half a minute on 2 cores (pytest --durations), left out of make test-fast; a module
+# may also set pytestmark = pytest.mark.slow itself (test_elastic_job.py).
+SLOW_MODULES = {"integration/test_weight_sync.py", "integration/test_netns_weight_sync.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """unit, integration or e2e from the test's folder under tests/, so `-m "not e2e and not slow"` is the fast set."""
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if TESTS in path.parents:
+            relative = path.relative_to(TESTS)
+            kind = KIND_BY_FOLDER.get(relative.parts[0])
+            if kind is not None:
+                item.add_marker(kind)
+            if relative.as_posix() in SLOW_MODULES:
+                item.add_marker("slow")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The CPU engine: a transformers model behind SGLang's HTTP API, for clusters without GPUs (engines.backend cpu).
-# `python -m services.rollout.engine`, settings from flags or PHYSARUM_ENGINE_*; the model directory is mounted at run
+# `python -m services.engine`, settings from flags or PHYSARUM_ENGINE_*; the model directory is mounted at run
 # time. GPU engines are SGLang itself, from SGLang's own image pinned by digest in the chart (engines.sglang.image):
 # it serves the same HTTP API, so this repository builds no GPU engine image.
 # Image physarum-engine; build from the repository root: make images (or docker build -f deploy/docker/engine.Dockerfile .)
@@ -19,8 +19,7 @@ WORKDIR /app
 COPY deploy/docker/constraints.txt pyproject.toml ./
 RUN pip install --no-build-isolation -c constraints.txt ".[engine]"
 COPY services ./services
-COPY physarum ./physarum
 USER 10001:10001
 ENV PHYSARUM_ENGINE_HOST=0.0.0.0
 EXPOSE 30000
-ENTRYPOINT ["python", "-m", "services.rollout.engine"]
+ENTRYPOINT ["python", "-m", "services.engine"]

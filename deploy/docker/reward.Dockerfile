@@ -16,7 +16,6 @@ WORKDIR /app
 COPY deploy/docker/constraints.txt pyproject.toml ./
 RUN pip install --no-build-isolation -c constraints.txt ".[reward]"
 COPY services ./services
-COPY physarum ./physarum
 USER 10001:10001
 ENV PHYSARUM_REWARD_HOST=0.0.0.0
 EXPOSE 50052 8082

@@ -31,7 +31,6 @@ WORKDIR /app
 # Dependencies before any source: a code change rebuilds only the COPY layers below (the services run from /app).
 RUN pip install --no-cache-dir --no-build-isolation -c constraints.txt ".[trainer]"
 COPY services ./services
-COPY physarum ./physarum
 USER 10001:10001
 ENV PHYSARUM_TRAINER_HOST=0.0.0.0
 # 50054 gRPC Jobs, 8080 REST job API, 29500 the trainer ranks' store on rank 0 (master_port)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from services.rollout.generate import append_reply, router_generate
+from services.rollout.generation.generate import append_reply, router_generate
 
 CALL = "="  # a turn ending here is a calculator call
 MAX_CALLS = 3  # after this many calls the model only gets to answer

@@ -1,6 +1,6 @@
 """Clients for the SGLang HTTP API of one engine (a real SGLang server or Physarum's CPU engine).
 
-Speaks exactly SGLang's request and response shapes (reference/sglang-protocol.md §3); every call has a timeout.
+Speaks exactly SGLang's request and response shapes; every call has a timeout.
 Admin calls go to each engine directly: the router answers 404 for them. Tolerates SGLang releases: `/model_info` or
 the older `/get_model_info` (and `/server_info` or `/get_server_info`); `/begin_weight_update` and
 `/end_weight_update` present (0.5.23+, then required) or absent (older releases, then skipped).
@@ -212,7 +212,9 @@ class AsyncSGLangClient:
 
     async def abort_request(self, url: str, rid: str = "", abort_all: bool = False,
                             timeout_s: float | None = None) -> None:
-        await self._request(url, "POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, timeout_s)
+        """Abort request `rid`, or every request with abort_all (the body names only the one that applies)."""
+        body = {"abort_all": True} if abort_all else {"rid": rid}
+        await self._request(url, "POST", "/abort_request", body, timeout_s)
 
     async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str | None = None,
                                        timeout_s: float | None = None) -> dict:

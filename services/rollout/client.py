@@ -266,7 +266,7 @@ class RolloutClient(GrpcClient):
 
     def run_eval(self, config: RolloutConfig, rollout_id: int, weight_version: str,
                  timeout_s: float = 600.0) -> dict[str, float]:
-        """Evaluate on config.eval_prompt_data and wait: eval/<name>, eval/<name>-pass@k, ... (issue 5).
+        """Evaluate on config.eval_prompt_data and wait: eval/<name>, eval/<name>-pass@k, ...
 
         Idempotent per (job_id, rollout_id): a retried call joins the eval already running.
         """

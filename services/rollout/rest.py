@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.rest import create_rest_app
 from services.rollout.client import PoolStatus
-from services.rollout.pool import EnginePool
+from services.rollout.pool.pool import EnginePool
 
 
 class ScaleIn(BaseModel):

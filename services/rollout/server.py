@@ -19,11 +19,12 @@ from services.reward.client import RewardClient
 from services.rollout import rest
 from services.rollout.client import config_from_proto, engine_to_proto, pool_status_to_proto, status_to_proto
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.launchers import EngineLauncher, KubernetesLauncher, LocalLauncher, cpu_engine_argv
-from services.rollout.manager import RolloutManager
-from services.rollout.pool import EnginePool, PoolConfig
-from services.rollout.router import RouterClient
-from services.rollout.sglang_launcher import parse_sglang_options, sglang_server_argv
+from services.rollout.generation.manager import RolloutManager
+from services.rollout.pool.config import PoolConfig
+from services.rollout.pool.launchers import EngineLauncher, KubernetesLauncher, LocalLauncher, cpu_engine_argv
+from services.rollout.pool.pool import EnginePool
+from services.rollout.pool.router import RouterClient
+from services.rollout.pool.sglang_launcher import parse_sglang_options, sglang_server_argv
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def build_launcher(config: RolloutManagerConfig, work_dir: Path) -> EngineLaunch
     """The engines' launcher: local processes (CPU engines or SGLang servers) or the Kubernetes Deployment; None when
     local engines have no model (the pool then has only --engine-urls)."""
     if config.engine_launcher == "kubernetes":
-        from services.rollout.k8s import KubernetesEngineLauncher
+        from services.rollout.pool.k8s import KubernetesEngineLauncher
 
         return KubernetesLauncher(KubernetesEngineLauncher(
             namespace=config.k8s_namespace, deployment=config.k8s_engine_deployment,

@@ -1,4 +1,4 @@
-"""GPU-cluster conventions on every rendered value set (reference/k8s.md §5): GPU limits, /dev/shm, probes, non-root,
+"""GPU-cluster conventions on every rendered value set: GPU limits, /dev/shm, probes, non-root,
 resources, PDBs, the trainer's headless Service and rank discovery, selectors, NCCL/gloo interfaces, hostNetwork DNS."""
 
 from __future__ import annotations

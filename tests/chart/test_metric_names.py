@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from services.buffer.metrics import BufferMetrics
 from services.reward.metrics import RewardMetrics
-from services.rollout.metrics import PoolMetrics
+from services.rollout.pool.metrics import PoolMetrics
 from services.trainer.driver import metrics as trainer_metrics
 from tests.chart.chart import CHART, ROOT, VALUE_SETS, find, render, values_of
 

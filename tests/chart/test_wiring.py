@@ -16,9 +16,9 @@ import yaml
 
 from services.buffer.config import BufferConfig
 from services.common.config import load_config
+from services.engine.config import EngineConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.engine.config import EngineConfig
 from services.trainer.config import TrainerConfig
 from tests.chart.chart import (
     CHART,
@@ -41,7 +41,7 @@ SERVICES = {
     "buffer": ("services.buffer", BufferConfig),
     "reward": ("services.reward", RewardConfig),
     "rollout": ("services.rollout", RolloutManagerConfig),
-    "engine": ("services.rollout.engine", EngineConfig),
+    "engine": ("services.engine", EngineConfig),
     "trainer": ("services.trainer", TrainerConfig),
 }
 CHART_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]

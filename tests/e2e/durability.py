@@ -1,4 +1,4 @@
-"""Helpers of the durability tests (issue 7): SIGKILL a process the local stack recorded, follow a job, and account
+"""Helpers of the durability tests: SIGKILL a process the local stack recorded, follow a job, and account
 for every prompt slot of a job in the buffer's Redis once it has ended."""
 
 from __future__ import annotations

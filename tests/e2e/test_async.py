@@ -1,4 +1,4 @@
-"""End to end: the asynchronous modes (issue 7) on the local stack — one_step_async trains each rollout on samples
+"""End to end: the asynchronous modes on the local stack — one_step_async trains each rollout on samples
 one policy version old, fully_async never trains a token more than max_weight_staleness versions old, refuses the
 staler groups it has, and every prompt is trained at most once."""
 

@@ -1,4 +1,4 @@
-"""Durability (issue 7): a process of the stack SIGKILLed in the middle of an asynchronous job — the trainer, the
+"""Durability: a process of the stack SIGKILLed in the middle of an asynchronous job — the trainer, the
 rollout manager, the buffer, Redis — and started again; the job still succeeds, each rollout trained exactly the
 groups the buffer assigned it (its debug dump against Redis), and Redis shows no prompt lost and none trained twice.
 
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from physarum import procs, stack
+from physarum import stack
+from services.common import procs
 from services.rollout.client import EngineState, RolloutClient
-from services.rollout.router import RouterClient
+from services.rollout.pool.router import RouterClient
 from services.trainer.client import TERMINAL_STATES
 from tests.e2e import durability as d
 from tests.e2e.test_loop import job_spec

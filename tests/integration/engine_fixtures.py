@@ -6,10 +6,10 @@ from pathlib import Path
 
 import httpx
 
-from physarum import procs
+from services.common import procs
 
 
-def _healthy(url: str) -> bool:
+def engine_healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
@@ -23,12 +23,12 @@ def start_engines(model_dir: Path, log_dir: Path, count: int, *args: str,
     try:
         for i in range(count):
             port = procs.free_port()
-            argv = procs.python_module("services.rollout.engine", "--host", procs.HOST, "--port", str(port),
+            argv = procs.python_module("services.engine", "--host", procs.HOST, "--port", str(port),
                                        "--model-path", str(model_dir), *args)
             proc = procs.ManagedProcess(f"engine-{i}", argv, log_dir / f"engine-{i}-{port}.log").start()
             engines.append((proc, f"http://{procs.HOST}:{port}"))
         for proc, url in engines:
-            proc.wait_ready(lambda u=url: _healthy(u), timeout_s=timeout_s)
+            proc.wait_ready(lambda u=url: engine_healthy(u), timeout_s=timeout_s)
     except BaseException:
         stop_engines(engines)
         raise

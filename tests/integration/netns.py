@@ -2,7 +2,7 @@
 
 Each pod gets a veth named eth0 with an address in 10.200.0.0/24, which exists only inside these namespaces (no
 default route, nothing in the root namespace), and a hosts file with headless-Service-style names, bind-mounted over
-/etc/hosts in the process's own mount namespace. Needs root and iproute2 (reference/k8s.md §4).
+/etc/hosts in the process's own mount namespace. Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from physarum import procs
+from services.common import procs
 
 SUBNET = "10.200.0"  # /24; never routed outside the namespaces made here
 SWITCH_IFNAME = "br0"

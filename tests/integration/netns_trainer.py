@@ -17,26 +17,8 @@ import time
 import httpx
 import torch
 
+from tests.integration.hf_weights import hf_weights, perturbed
 from tests.integration.netns import PodProcess
-
-
-def base_weights(model_dir: str) -> dict[str, torch.Tensor]:
-    """The model's weights by HF name, each once (a tied lm_head.weight is the embedding)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    seen: set[int] = set()
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            weights[name] = tensor.detach().clone()
-    return weights
-
-
-def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: t + 0.01 * torch.randn(t.shape, generator=gen) for name, t in weights.items()}
 
 
 def digest(values: torch.Tensor) -> str:
@@ -49,7 +31,7 @@ class Trainer:
     def __init__(self, model_dir: str, master_address: str, timeout_s: float) -> None:
         from services.trainer.sync.weight_sync import WeightBroadcaster
 
-        self.weights = base_weights(model_dir)
+        self.weights = hf_weights(model_dir)
         self.timeout_s = timeout_s
         self.sync = WeightBroadcaster([], master_address=master_address, timeout_s=timeout_s,
                                       bucket_bytes=256 << 10)

@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from physarum import procs
 from services.buffer.client import STREAM_ROLLOUT_ID, BufferClient
 from services.buffer.config import BufferConfig
 from services.buffer.server import create_server, stop_server
+from services.common import procs
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for

@@ -22,13 +22,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.errors import NotFound
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.router import start_router
 from services.trainer.client import JobsRestClient
 from tests.integration.inprocess import InProcessManager
 
@@ -74,23 +73,22 @@ pytestmark = pytest.mark.slow  # the whole stack and three CPU engines: about a 
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, tiny_model_dir, tmp_path_factory):
+def stack(redis_url, tiny_model_dir, tmp_path_factory, shared_router):
     work = tmp_path_factory.mktemp("elastic-job")
     gate = work / "reward-gate"
     gate.write_text("-1")
     started: list[procs.ManagedProcess] = []
     manager = None
     try:
-        ports = {name: procs.free_port() for name in ("buffer", "reward", "router", "rollout", "trainer", "rest")}
+        ports = {name: procs.free_port() for name in ("buffer", "reward", "rollout", "trainer", "rest")}
         for name, args in (("buffer", ["--port", str(ports["buffer"]), "--redis-url", redis_url]),
                            ("reward", ["--port", str(ports["reward"]), "--rest-port", str(procs.free_port())])):
             argv = procs.python_module(f"services.{name}", "--host", procs.HOST, *args)
             env = {"PHYSARUM_TEST_REWARD_GATE": str(gate)}
             started.append(procs.ManagedProcess(name, argv, work / f"{name}.log", env=env).start())
-        started.append(start_router(ports["router"], procs.free_port(), work / "router.log"))
         manager = InProcessManager(RolloutManagerConfig(
             port=ports["rollout"], buffer_addr=f"{procs.HOST}:{ports['buffer']}",
-            reward_addr=f"{procs.HOST}:{ports['reward']}", router_url=f"http://{procs.HOST}:{ports['router']}",
+            reward_addr=f"{procs.HOST}:{ports['reward']}", router_url=shared_router.url,
             model_path=str(tiny_model_dir), num_engines=1, engine_per_token_delay_s=0.08,
             health_check_interval_s=1.0, health_check_timeout_s=15.0, drain_timeout_s=10.0,
             request_timeout_s=60.0, work_dir=str(work / "manager"), weight_snapshot_dir=str(work / "snapshots")))

@@ -10,18 +10,14 @@ import httpx
 import pytest
 import torch
 
-from tests.integration.engine_fixtures import start_engines, stop_engines
-
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
              "e2e_latency"}
 EOS_ID = 0  # tinymodel: eos = pad = "<|endoftext|>"
 
 
 @pytest.fixture(scope="module")
-def engine_url(tiny_model_dir, session_dir):
-    engines = start_engines(tiny_model_dir, session_dir / "test_engine", 1)
-    yield engines[0][1]
-    stop_engines(engines)
+def engine_url(cpu_engine_url):
+    return cpu_engine_url
 
 
 @pytest.fixture(scope="module")

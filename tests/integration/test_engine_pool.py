@@ -16,25 +16,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from physarum import procs
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import EngineState, PoolStatus, RolloutClient
-from services.rollout.router import RouterClient, start_router
 
 DELAY_S = 0.02
 INTERVAL_S, TIMEOUT_S = 0.5, 2.0
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    """router + manager (1 fake engine to start with); stopped by PID at the end."""
+def stack(tiny_model_dir, tmp_path_factory, shared_router):
+    """The session's router + a manager (1 fake engine to start with); stopped by PID at the end."""
     work = tmp_path_factory.mktemp("engine-pool")
-    router_port = procs.free_port()
-    router = start_router(router_port, procs.free_port(), work / "router.log")
     port, rest_port = procs.free_port(), procs.free_port()
     argv = procs.python_module(
         "services.rollout", "--host", procs.HOST, "--port", str(port), "--rest-port", str(rest_port),
-        "--router-url", f"http://{procs.HOST}:{router_port}", "--model-path", str(tiny_model_dir),
+        "--router-url", shared_router.url, "--model-path", str(tiny_model_dir),
         "--num-engines", "1", "--engine-fake-compute", "true", "--engine-per-token-delay-s", str(DELAY_S),
         "--health-check-interval-s", str(INTERVAL_S), "--health-check-timeout-s", str(TIMEOUT_S),
         "--drain-timeout-s", "5", "--work-dir", str(work / "manager"), "--weight-snapshot-dir", str(work / "snap"),
@@ -42,12 +39,11 @@ def stack(tiny_model_dir, tmp_path_factory):
     manager = procs.ManagedProcess("manager", argv, work / "manager.log").start()
     try:
         wait_for_health(f"{procs.HOST}:{port}", timeout_s=60)
-        with RolloutClient(f"{procs.HOST}:{port}") as client, RouterClient(f"http://{procs.HOST}:{router_port}") as rc:
-            yield {"client": client, "router": rc, "rest": f"http://{procs.HOST}:{rest_port}", "work": work,
+        with RolloutClient(f"{procs.HOST}:{port}") as client:
+            yield {"client": client, "router": shared_router, "rest": f"http://{procs.HOST}:{rest_port}", "work": work,
                    "addr": f"{procs.HOST}:{port}", "manager": manager}
     finally:
         code = manager.stop(grace_s=40)
-        router.stop()
     assert code == 0, manager.log_tail()
 
 

@@ -1,5 +1,5 @@
 """KubernetesEngineLauncher against kmock over real HTTP: the exact /scale PATCH, pods listed and watched by label,
-404/409/500 and connection errors retried with backoff, and a timeout on every watch (reference/k8s.md §3).
+404/409/500 and connection errors retried with backoff, and a timeout on every watch.
 
 kmock 0.8 serves the Kubernetes API in memory on 127.0.0.1; it runs on its own event loop in a thread because the
 official client is synchronous. Its caveats, handled here: it ignores ?labelSelector= (patched below) and
@@ -20,9 +20,9 @@ import kmock
 import pytest
 from kubernetes import client
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import FailedPrecondition, Unavailable
-from services.rollout.k8s import EngineEvent, KubernetesEngineLauncher
+from services.rollout.pool.k8s import EngineEvent, KubernetesEngineLauncher
 
 DEPLOY, PODS = kmock.resource("apps", "v1", "deployments"), kmock.resource("", "v1", "pods")
 NS, NAME, SELECTOR = "rl", "demo-engine", "app.kubernetes.io/component=engine,app.kubernetes.io/instance=demo"
@@ -220,7 +220,7 @@ def test_every_watch_has_a_timeout_and_a_new_watch_catches_up_by_listing(k8s, ap
 def test_scale_retries_failed_patches_with_backoff_then_succeeds(k8s, api, launcher, caplog, status):
     create_deployment(api)
     k8s.fail((kmock.method.PATCH, kmock.subresource("scale")), [status, status])
-    with caplog.at_level(logging.WARNING, logger="services.rollout.k8s"):
+    with caplog.at_level(logging.WARNING, logger="services.rollout.pool.k8s"):
         launcher.scale(3)
     patches = only(k8s.requests(), "PATCH", SCALE_PATH)
     assert len(patches) == 3 and all(json.loads(p.body) == {"spec": {"replicas": 3}} for p in patches)
@@ -274,7 +274,7 @@ def test_other_statuses_fail_at_once(k8s, api, launcher):
 
 def test_connection_errors_are_retried_then_reported(caplog):
     url = f"http://127.0.0.1:{procs.free_port()}"  # nothing listens there
-    with make_launcher(url, max_attempts=3) as engines, caplog.at_level(logging.WARNING, "services.rollout.k8s"):
+    with make_launcher(url, max_attempts=3) as engines, caplog.at_level(logging.WARNING, "services.rollout.pool.k8s"):
         with pytest.raises(Unavailable, match=r"kubernetes GET /api/v1/namespaces/rl/pods\?labelSelector=.*: "
                                               r"gave up after 3 attempts; last error: MaxRetryError"):
             engines.engine_urls()
@@ -282,5 +282,5 @@ def test_connection_errors_are_retried_then_reported(caplog):
 
 
 def test_the_launcher_does_not_import_torch():
-    code = "import sys, services.rollout.k8s; sys.exit('torch' in sys.modules)"
+    code = "import sys, services.rollout.pool.k8s; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

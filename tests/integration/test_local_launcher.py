@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import FailedPrecondition
-from services.rollout.launchers import RECORD_FILE, LocalLauncher
+from services.rollout.pool.launchers import RECORD_FILE, LocalLauncher
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_scale_remove_and_close_by_recorded_pids(tmp_path):
 MANAGER = """
 import sys, time
 from pathlib import Path
-from services.rollout.launchers import LocalLauncher
+from services.rollout.pool.launchers import LocalLauncher
 
 def argv(port, index):
     ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " if index == 1 else ""

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from physarum import procs
+from services.common import procs
 from tests.integration import netns
-from tests.integration.netns_trainer import TrainerPod, base_weights, digest, perturbed
+from tests.integration.hf_weights import hf_weights, perturbed
+from tests.integration.netns_trainer import TrainerPod, digest
 
 TIMEOUT_S = 5.0
 SLACK_S = 2.0
@@ -52,7 +53,7 @@ def pods(network, tiny_model_dir, session_dir):
     try:
         engines = {}
         for name in ENGINES:
-            argv = [sys.executable, "-m", "services.rollout.engine", "--host", network.pods[name].address,
+            argv = [sys.executable, "-m", "services.engine", "--host", network.pods[name].address,
                     "--port", str(ENGINE_PORT), "--model-path", str(tiny_model_dir),
                     "--weight-sync-timeout-s", str(TIMEOUT_S)]
             proc = netns.PodProcess(name, network.exec_argv(name, argv), log_dir / f"{name}.log", env=env).start()
@@ -76,7 +77,7 @@ def pods(network, tiny_model_dir, session_dir):
 
 @pytest.fixture(scope="module")
 def weights(tiny_model_dir) -> dict:
-    return base_weights(str(tiny_model_dir))
+    return hf_weights(tiny_model_dir)
 
 
 def assert_engine_has(trainer: TrainerPod, url: str, weights: dict, version: str) -> None:

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import InvalidArgument
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Sample

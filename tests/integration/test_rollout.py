@@ -8,89 +8,23 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status, group_id_for
 from services.common.sglang import SGLangClient
 from services.rollout.client import EngineInfo, RolloutClient, RolloutConfig, RolloutState
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import start_router
+from services.rollout.generation.prompts import PromptEncoder
+from tests.integration.engine_proxy import EngineProxy
 
 REWARD_FN = "tests.integration.rollout_rewards.response_length_reward"
-
-
-class RecordingProxy:
-    """An HTTP pass-through to one engine: records /generate (request, reply); can hold /generate requests."""
-
-    def __init__(self, engine_url: str) -> None:
-        self.engine_url = engine_url
-        self.records: list[tuple[dict, dict]] = []
-        self.pass_budget: int | None = None  # /generate requests let through before holding; None: all
-        self.num_held = 0
-        self.released = threading.Event()
-        self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                proxy.forward(self, "GET")
-
-            def do_POST(self) -> None:
-                proxy.forward(self, "POST")
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((procs.HOST, 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://{procs.HOST}:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def hold_after(self, num_requests: int | None) -> None:
-        with self.lock:
-            self.pass_budget, self.num_held = num_requests, 0
-            self.released.clear()
-
-    def release(self) -> None:
-        with self.lock:
-            self.pass_budget = None
-        self.released.set()
-
-    def forward(self, handler: BaseHTTPRequestHandler, method: str) -> None:
-        body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
-        if handler.path == "/generate":
-            with self.lock:
-                hold = self.pass_budget is not None and self.pass_budget <= 0
-                if self.pass_budget is not None and not hold:
-                    self.pass_budget -= 1
-                self.num_held += hold
-            if hold:
-                self.released.wait(timeout=120)
-        reply = httpx.request(method, self.engine_url + handler.path, content=body or None, timeout=120,
-                              headers={"Content-Type": "application/json"} if body else None)
-        if handler.path == "/generate" and reply.status_code == 200:
-            with self.lock:
-                self.records.append((json.loads(body), reply.json()))
-        handler.send_response(reply.status_code)
-        handler.send_header("Content-Type", reply.headers.get("Content-Type", "application/json"))
-        handler.send_header("Content-Length", str(len(reply.content)))
-        handler.end_headers()
-        handler.wfile.write(reply.content)
-
-    def close(self) -> None:
-        self.release()
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -102,8 +36,8 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, tiny_model_dir, tmp_path_factory):
-    """buffer, reward, router, one engine behind a RecordingProxy; stopped by PID at the end."""
+def stack(redis_url, tiny_model_dir, tmp_path_factory, shared_router, cpu_engine_url):
+    """buffer, reward, the session's router and engine (behind an EngineProxy); stopped by PID at the end."""
     work = tmp_path_factory.mktemp("rollout")
     started: list[procs.ManagedProcess] = []
     proxy = None
@@ -113,21 +47,12 @@ def stack(redis_url, tiny_model_dir, tmp_path_factory):
                            ("reward", ["--port", str(reward_port), "--rest-port", str(procs.free_port())])):
             argv = procs.python_module(f"services.{name}", "--host", procs.HOST, *args)
             started.append(procs.ManagedProcess(name, argv, work / f"{name}.log").start())
-        router_port = procs.free_port()
-        started.append(start_router(router_port, procs.free_port(), work / "router.log"))
-        engine_port = procs.free_port()
-        engine = procs.ManagedProcess("engine", procs.python_module(
-            "services.rollout.engine", "--host", procs.HOST, "--port", str(engine_port), "--model-path",
-            str(tiny_model_dir), "--num-threads", "1"), work / "engine.log").start()
-        started.append(engine)
-        engine_url = f"http://{procs.HOST}:{engine_port}"
-        with SGLangClient(engine_url) as client:
-            engine.wait_ready(lambda: client.health(timeout_s=2.0), timeout_s=120)
+        engine_url = cpu_engine_url
         for port in (buffer_port, reward_port):
             wait_for_health(f"{procs.HOST}:{port}", timeout_s=30)
-        proxy = RecordingProxy(engine_url)
+        proxy = EngineProxy(engine_url)
         yield {"work": work, "buffer_addr": f"{procs.HOST}:{buffer_port}", "reward_addr": f"{procs.HOST}:{reward_port}",
-               "router_url": f"http://{procs.HOST}:{router_port}", "engine_url": engine_url, "proxy": proxy,
+               "router_url": shared_router.url, "engine_url": engine_url, "proxy": proxy,
                "model_dir": tiny_model_dir}
     finally:
         if proxy is not None:
@@ -216,7 +141,7 @@ def test_rollout_writes_groups_exactly_as_the_engine_returned_them(stack, manage
             else:
                 assert sample.reward == 0.0 and "sample 2 is never scored" in sample.reward_error
     recorded = sorted((req["input_ids"] + rep["output_ids"], [e[0] for e in rep["meta_info"]["output_token_logprobs"]])
-                      for req, rep in stack["proxy"].records if req["rid"].startswith(f"{job}-"))
+                      for req, rep in stack["proxy"].requests_of(job))
     assert sorted((s.tokens, s.rollout_log_probs) for s in samples) == recorded  # exactly, bit for bit
     mean_len = sum(s.response_length for s in samples) / 12
     assert status.metrics["rollout/response_len_mean"] == pytest.approx(mean_len)
@@ -231,7 +156,7 @@ def test_rollout_writes_groups_exactly_as_the_engine_returned_them(stack, manage
 def test_sft_rollout_builds_label_responses_from_chat_prompts(stack, manager, buffer):
     job = "sft"
     load_addition(buffer, stack, job, 4, apply_chat_template=True)
-    num_records = len(stack["proxy"].records)
+    num_records = len(stack["proxy"].generated)
     assert manager.start_rollout(rollout_config(job, loss_type="sft_loss", n_samples_per_prompt=1), 0, "v3") is False
     wait_done(manager, job, 0)
     encoder = PromptEncoder(stack["model_dir"])
@@ -244,7 +169,7 @@ def test_sft_rollout_builds_label_responses_from_chat_prompts(stack, manager, bu
         assert sample.tokens == encoder.encode_text(text) + label_ids and sample.response_length == len(label_ids)
         assert sample.loss_mask == [1] * len(label_ids) and sample.rollout_log_probs == [0.0] * len(label_ids)
         assert sample.reward == 0.0 and sample.status == Status.COMPLETED and sample.weight_versions == ["v3"]
-    assert len(stack["proxy"].records) == num_records  # nothing was generated
+    assert len(stack["proxy"].generated) == num_records  # nothing was generated
 
 
 def test_manager_killed_mid_rollout_loses_no_prompt(stack, buffer):

@@ -1,4 +1,4 @@
-"""Generation features (issue 5) against the real sglang-router and real engine processes in fake-compute mode (each
+"""Generation features against the real sglang-router and real engine processes in fake-compute mode (each
 decode step waits a fixed delay, so which request is still running when is known): over-sampling with abort,
 partial rollout across two rollouts, session affinity under the manual policy, and eval. Buffer and reward are real
 services; the manager runs in-process, as the service builds it, so the tests can look at what it keeps.
@@ -9,77 +9,25 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
-from physarum import procs
 from services.buffer.client import BufferClient
+from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status
 from services.reward.client import RewardClient
 from services.rollout.client import RolloutConfig, RolloutState
-from services.rollout.manager import RolloutManager
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import RouterClient, start_router
+from services.rollout.generation.manager import RolloutManager
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.local import start_router
+from services.rollout.pool.router import RouterClient
+from tests.integration.engine_fixtures import engine_healthy
+from tests.integration.engine_proxy import EngineProxy
 
 FAST_DELAY_S, SLOW_DELAY_S = 0.005, 0.04  # per decode step
 MAX_LEN = 20  # tokens: a fast request takes 0.1 s, a slow one 0.8 s
-
-
-class Proxy:
-    """A pass-through to one engine that records /generate (request, reply) and /abort_request bodies."""
-
-    def __init__(self, engine_url: str) -> None:
-        self.engine_url = engine_url
-        self.generated: list[tuple[dict, dict]] = []
-        self.aborts: list[dict] = []
-        self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                proxy.forward(self, "GET")
-
-            def do_POST(self) -> None:
-                proxy.forward(self, "POST")
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((procs.HOST, 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://{procs.HOST}:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def forward(self, handler: BaseHTTPRequestHandler, method: str) -> None:
-        body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
-        if handler.path == "/abort_request":
-            with self.lock:
-                self.aborts.append(json.loads(body))
-        reply = httpx.request(method, self.engine_url + handler.path, content=body or None, timeout=60,
-                              headers={"Content-Type": "application/json"} if body else None)
-        if handler.path == "/generate" and reply.status_code == 200:
-            with self.lock:
-                self.generated.append((json.loads(body), reply.json()))
-        try:
-            handler.send_response(reply.status_code)
-            handler.send_header("Content-Type", reply.headers.get("Content-Type", "application/json"))
-            handler.send_header("Content-Length", str(len(reply.content)))
-            handler.end_headers()
-            handler.wfile.write(reply.content)
-        except OSError:
-            pass  # the client went away (a cancelled request)
-
-    def requests_of(self, job_id: str) -> list[tuple[dict, dict]]:
-        with self.lock:
-            return [(req, rep) for req, rep in self.generated if req["rid"].startswith(f"{job_id}-")]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +48,7 @@ def stack(redis_url, fake_model, tmp_path_factory):
     manual. Stopped by PID at the end."""
     work = tmp_path_factory.mktemp("generation")
     started: list[procs.ManagedProcess] = []
-    proxies: list[Proxy] = []
+    proxies: list[EngineProxy] = []
     try:
         ports = {name: procs.free_port() for name in ("buffer", "reward", "fast", "slow")}
         for name, args in (("buffer", ["--redis-url", redis_url]), ("reward", ["--rest-port", str(procs.free_port())])):
@@ -108,7 +56,7 @@ def stack(redis_url, fake_model, tmp_path_factory):
             started.append(procs.ManagedProcess(name, argv, work / f"{name}.log").start())
         engines = {}
         for name, delay_s in (("fast", FAST_DELAY_S), ("slow", SLOW_DELAY_S)):
-            argv = procs.python_module("services.rollout.engine", "--host", procs.HOST, "--port", str(ports[name]),
+            argv = procs.python_module("services.engine", "--host", procs.HOST, "--port", str(ports[name]),
                                        "--model-path", str(fake_model), "--fake-compute", "true",
                                        "--per-token-delay-s", str(delay_s))
             started.append(procs.ManagedProcess(f"engine-{name}", argv, work / f"engine-{name}.log").start())
@@ -119,9 +67,9 @@ def stack(redis_url, fake_model, tmp_path_factory):
             started.append(start_router(port, procs.free_port(), work / f"router-{policy}.log", policy=policy))
             routers[policy] = f"http://{procs.HOST}:{port}"
         for proc, url in engines.values():
-            proc.wait_ready(lambda u=url: _healthy(u), timeout_s=60)
+            proc.wait_ready(lambda u=url: engine_healthy(u), timeout_s=60)
         engines = {name: url for name, (_, url) in engines.items()}
-        proxies = [Proxy(engines["fast"]), Proxy(engines["slow"])]
+        proxies = [EngineProxy(engines["fast"]), EngineProxy(engines["slow"])]
         for router_url in routers.values():
             with RouterClient(router_url) as router:
                 for proxy in proxies:
@@ -136,13 +84,6 @@ def stack(redis_url, fake_model, tmp_path_factory):
             proxy.close()
         for proc in reversed(started):
             proc.stop()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")

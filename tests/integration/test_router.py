@@ -9,34 +9,23 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import DeadlineExceeded, NotFound
 from services.common.sglang import SGLangClient
-from services.rollout.prompts import PromptEncoder
-from services.rollout.router import RouterClient, start_router
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from services.rollout.generation.prompts import PromptEncoder
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
-    work = tmp_path_factory.mktemp("router")
-    proc = start_router(procs.free_port(), procs.free_port(), work / "router.log")
-    client = RouterClient(f"http://{procs.HOST}:{proc.argv[proc.argv.index('--port') + 1]}", timeout_s=5.0)
-    yield client
-    client.close()
-    proc.stop()
+def router(shared_router):
+    return shared_router
 
 
 @pytest.fixture(scope="module")
-def pool(router, tiny_model_dir, tmp_path_factory):
-    """One engine registered with the router; `ready_before` is the router's readiness before."""
+def pool(router, cpu_engine_url):
+    """The session's engine registered with the router; `ready_before` is the router's readiness before."""
     ready_before = router.ready()
-    engines = start_engines(tiny_model_dir, tmp_path_factory.mktemp("engines"), 1)
-    try:
-        router.add_worker(engines[0][1], timeout_s=60)
-        yield SimpleNamespace(ready_before=ready_before, urls=[url for _, url in engines])
-    finally:
-        stop_engines(engines)
+    router.add_worker(cpu_engine_url, timeout_s=60)
+    return SimpleNamespace(ready_before=ready_before, urls=[cpu_engine_url])
 
 
 def generate_body(tiny_model_dir, **sampling) -> dict:

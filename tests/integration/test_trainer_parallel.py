@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from physarum.procs import ManagedProcess, free_port, python_module
+from services.common.procs import ManagedProcess, free_port, python_module
 from services.trainer.driver import checkpoint
 from services.trainer.driver.loop import make_backend
 from services.trainer.parallel import World, shard_rollout

@@ -17,6 +17,7 @@ from services.common.errors import FailedPrecondition
 from services.common.sglang import SGLangClient
 from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError
 from tests.integration.engine_fixtures import start_engines, stop_engines
+from tests.integration.hf_weights import hf_weights, perturbed
 
 TIMEOUT_S = 5.0
 
@@ -32,15 +33,7 @@ def engines(tiny_model_dir, session_dir):
 @pytest.fixture(scope="module")
 def base_weights(tiny_model_dir) -> dict[str, torch.Tensor]:
     """The tiny model's weights by HF name, each once (the tied lm_head.weight is the embedding)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    seen: set[int] = set()
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            weights[name] = tensor.detach().clone()
+    weights = hf_weights(tiny_model_dir)
     assert "lm_head.weight" not in weights
     return weights
 
@@ -50,11 +43,6 @@ def broadcaster(engines):
     sync = WeightBroadcaster([url for _, url in engines], timeout_s=TIMEOUT_S, bucket_bytes=256 << 10)
     yield sync
     sync.close()
-
-
-def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: t + 0.01 * torch.randn(t.shape, generator=gen) for name, t in weights.items()}
 
 
 def engine_weights(url: str, name: str, numel: int) -> torch.Tensor:

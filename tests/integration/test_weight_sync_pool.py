@@ -14,10 +14,9 @@ import httpx
 import pytest
 import torch
 
-from physarum import procs
+from services.common import procs
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.router import start_router
 from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, sync_engine_pool
 from tests.integration.inprocess import InProcessManager
 
@@ -25,25 +24,23 @@ TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
+def stack(tiny_model_dir, tmp_path_factory, shared_router):
     work = tmp_path_factory.mktemp("weight-sync-pool")
-    router_port, port = procs.free_port(), procs.free_port()
-    router = start_router(router_port, procs.free_port(), work / "router.log")
+    port = procs.free_port()
     manager = None
     try:
         manager = InProcessManager(RolloutManagerConfig(
-            port=port, router_url=f"http://{procs.HOST}:{router_port}", model_path=str(tiny_model_dir),
+            port=port, router_url=shared_router.url, model_path=str(tiny_model_dir),
             num_engines=2, engine_join_mode="sync", engine_weight_sync_timeout_s=TIMEOUT_S,
             health_check_interval_s=1.0, health_check_timeout_s=10.0, work_dir=str(work / "manager")))
         manager.wait_ready()
         with RolloutClient(f"{procs.HOST}:{port}", timeout_s=30) as client, \
                 WeightBroadcaster([], timeout_s=TIMEOUT_S, bucket_bytes=64 << 10) as broadcaster:
             yield {"client": client, "broadcaster": broadcaster, "manager": manager,
-                   "router": f"http://{procs.HOST}:{router_port}"}
+                   "router": shared_router.url}
     finally:
         if manager is not None:
             manager.stop()
-        router.stop()
 
 
 @pytest.fixture(scope="module")

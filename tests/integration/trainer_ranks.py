@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from services.common.samples import Sample
+from tests.tiny_samples import samples_of
 
 # (prompt, response, reward) in groups of n = 2: a rollout of 8 samples, two optimizer steps of 4.
 ROLLOUT = [("1+2=", "3", 1.0), ("1+2=", "4", 0.0), ("12+34=", "46", 1.0), ("12+34=", "55", 0.0),
@@ -26,15 +27,11 @@ NUM_ROLLOUTS = 2
 
 
 def make_samples(model_dir: Path) -> list[Sample]:
-    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    out = []
-    for i, (prompt, response, reward) in enumerate(ROLLOUT):
-        response_ids = [vocab[c] for c in response] + [vocab["<|endoftext|>"]]
-        loss_mask = [1] * len(response_ids)
-        if i == 2:
-            loss_mask[1] = 0  # a masked token in the middle
-        out.append(Sample(tokens=[vocab[c] for c in prompt] + response_ids, response_length=len(response_ids),
-                          reward=reward, loss_mask=loss_mask, group_index=i // 2, index=i % 2))
+    out = samples_of(model_dir, ROLLOUT)
+    for i, sample in enumerate(out):
+        sample.loss_mask = [1] * sample.response_length
+        sample.group_index, sample.index = i // 2, i % 2
+    out[2].loss_mask[1] = 0  # a masked token in the middle
     return out
 
 

@@ -15,7 +15,7 @@ from services.buffer.client import DatasetInfo, PutResult
 from services.common.samples import Prompt, SampleGroup
 from services.reward.client import ScoreResult
 from services.rollout.client import RolloutConfig, RolloutStatus
-from services.rollout.manager import RolloutManager
+from services.rollout.generation.manager import RolloutManager
 
 JOB = "job"
 

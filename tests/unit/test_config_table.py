@@ -39,7 +39,7 @@ def test_every_service_main_is_found_with_its_config_class():
     assert len(SERVICES) == len(mains) >= 5
     by_module = {s.module: s for s in SERVICES}
     assert by_module["services.buffer"].name == "buffer" and by_module["services.buffer"].config_cls is BufferConfig
-    assert by_module["services.rollout.engine"].name == "engine"
+    assert by_module["services.engine"].name == "engine"
 
 
 def test_a_service_that_bypasses_load_config_is_an_error(tmp_path):

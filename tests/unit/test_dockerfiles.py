@@ -28,7 +28,7 @@ IMAGES = {
     "buffer": ("buffer", "services.buffer", "buffer"),
     "reward": ("reward", "services.reward", "reward"),
     "rollout": ("rollout", "services.rollout", "rollout"),
-    "engine": ("engine", "services.rollout.engine", "engine"),
+    "engine": ("engine", "services.engine", "engine"),
     "trainer": ("trainer", "services.trainer", "trainer"),
     "router": (None, "sglang_router.launch_router", None),
 }

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.rollout.engine.fake import FakeEngine, FakeWeights, safetensors_names
-from services.rollout.engine.protocol import to_response
-from services.rollout.engine.scheduler import Request, SamplingParams
+from services.engine.fake import FakeEngine, FakeWeights, safetensors_names
+from services.engine.protocol import to_response
+from services.engine.scheduler import Request, SamplingParams
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.rollout.engine.generation import Request, SamplingParams, sample_next
-from services.rollout.engine.protocol import parse_sampling_params
+from services.engine.generation import Request, SamplingParams, sample_next
+from services.engine.protocol import parse_sampling_params
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()  # softmax(LOGITS) == PROBS at temperature 1

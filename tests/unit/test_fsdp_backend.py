@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 
@@ -13,23 +12,15 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.fsdp import TorchBackend
+from tests.tiny_samples import samples_of
 
 # (prompt, response, reward): two groups of n = 2, one rewarded response each.
 ROLLOUT = [("1+2=", "3", 1.0), ("1+2=", "4", 0.0), ("12+34=", "46", 0.0), ("12+34=", "55", 1.0)]
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir) -> dict[str, int]:
-    return json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-
-
 @pytest.fixture
-def samples(vocab) -> list[Sample]:
-    out = []
-    for prompt, response, reward in ROLLOUT:
-        response_ids = [vocab[c] for c in response] + [vocab["<|endoftext|>"]]
-        out.append(Sample(tokens=[vocab[c] for c in prompt] + response_ids, response_length=len(response_ids),
-                          reward=reward))
+def samples(tiny_model_dir) -> list[Sample]:
+    out = samples_of(tiny_model_dir, ROLLOUT)
     out[2].loss_mask = [1, 0, 1]  # a masked token in the middle
     return out
 

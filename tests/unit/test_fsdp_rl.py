@@ -3,7 +3,6 @@ first-step invariants, the PPO critic, custom and SFT losses, reward_key and the
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -13,6 +12,7 @@ from services.common.samples import Sample
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
+from tests.tiny_samples import samples_of
 
 # (prompt, response, reward): two groups of n = 2; token counts 9, 9, 6, 6 (+1 eos on each response)
 ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "55", 0.0), ("1+2=", "3", 0.0), ("1+2=", "4", 1.0)]
@@ -28,18 +28,9 @@ ESTIMATOR_CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir) -> dict[str, int]:
-    return json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-
-
 @pytest.fixture
-def samples(vocab) -> list[Sample]:
-    out = []
-    for prompt, response, reward in ROLLOUT:
-        response_ids = [vocab[c] for c in response] + [vocab["<|endoftext|>"]]
-        out.append(Sample(tokens=[vocab[c] for c in prompt] + response_ids, response_length=len(response_ids),
-                          reward=reward))
+def samples(tiny_model_dir) -> list[Sample]:
+    out = samples_of(tiny_model_dir, ROLLOUT)
     out[1].loss_mask = [1, 0, 1]  # a masked (tool) token in the middle
     return out
 

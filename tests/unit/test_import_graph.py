@@ -8,20 +8,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Imports the rollout half of the reshape is removing (process helpers move to services.common; the pool stops
-# being written by engine_steps): (importing module, imported module). The graph is checked without them; any other
-# import that breaks a rule fails the test.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
-    ("services.rollout.launchers", "physarum.procs"),
-    ("services.rollout.router", "physarum.procs"),
-    ("services.rollout.engine_steps", "services.rollout.pool"),  # a circle: pool imports engine_steps
-}
-
-
-def without_known_exceptions(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {a: {b for b in targets if (a, b) not in KNOWN_EXCEPTIONS} for a, targets in graph.items()}
-
-
 def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -116,11 +102,11 @@ def write(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_services_have_no_import_circles():
-    assert circles(without_known_exceptions(import_graph(ROOT))) == []
+    assert circles(import_graph(ROOT)) == []
 
 
 def test_services_import_only_clients_and_common_across_services():
-    bad = forbidden_imports(without_known_exceptions(import_graph(ROOT)))
+    bad = forbidden_imports(import_graph(ROOT))
     assert bad == set(), "import another service's client.py or services.common instead"
 
 

@@ -14,7 +14,7 @@ from examples.multiturn import calculator
 from examples.multiturn.build_dataset import write_dataset
 from services.common.samples import Sample, Status
 from services.rollout.client import RolloutState
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.prompts import PromptEncoder
 from services.trainer.spec import parse_spec
 from tests.unit.rollout_fakes import FakeBuffer, ScriptedRouter, new_manager, reply, rollout, rollout_config
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.common.samples import Sample, Status
-from services.rollout.evaluation import eval_metrics, pass_at_k, pass_ks
+from services.rollout.generation.evaluation import eval_metrics, pass_at_k, pass_ks
 from tests.unit.rollout_fakes import FakeBuffer, ScriptedRouter, new_manager, reply, rollout_config, sample_of
 
 

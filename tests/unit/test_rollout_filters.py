@@ -8,8 +8,8 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.rollout import filters
-from services.rollout.filters import DynamicFilterOutput
+from services.rollout.generation import filters
+from services.rollout.generation.filters import DynamicFilterOutput
 
 
 def group(*rewards: float) -> list[Sample]:
@@ -59,7 +59,7 @@ def test_load_filter_by_builtin_name_slime_path_or_import_path():
     builtin = filters.check_reward_nonzero_std
     assert filters.load_filter("check_reward_nonzero_std") is builtin
     assert filters.load_filter("slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std") is builtin
-    assert filters.load_filter("services.rollout.filters.check_reward_nonzero_std_with_fallback") is \
+    assert filters.load_filter("services.rollout.generation.filters.check_reward_nonzero_std_with_fallback") is \
         filters.check_reward_nonzero_std_with_fallback
     from tests.plugins.rollout_fns import keep_even_prompts
 

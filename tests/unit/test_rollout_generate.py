@@ -11,8 +11,8 @@ import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.samples import Sample, Status
-from services.rollout import generate as gen
-from services.rollout.generate import GenerateContext, RolloutSample
+from services.rollout.generation import generate as gen
+from services.rollout.generation.generate import GenerateContext, RolloutSample
 from tests.unit.rollout_fakes import reply
 
 

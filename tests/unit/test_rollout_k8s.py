@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.rollout.k8s import backoff_s, pod_engine_url
+from services.rollout.pool.k8s import backoff_s, pod_engine_url
 
 READY = {"phase": "Running", "podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}
 

@@ -9,8 +9,8 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.rollout.config import RolloutManagerConfig
-from services.rollout.launchers import KubernetesLauncher, LaunchedEngine, cpu_engine_argv
-from services.rollout.sglang_launcher import parse_sglang_options, sglang_server_args, sglang_server_argv
+from services.rollout.pool.launchers import KubernetesLauncher, LaunchedEngine, cpu_engine_argv
+from services.rollout.pool.sglang_launcher import parse_sglang_options, sglang_server_args, sglang_server_argv
 
 
 def test_sglang_options_become_server_flags_like_slimes_prefix():
@@ -47,7 +47,7 @@ def test_sglang_options_from_flags_are_typed_yaml():
 def test_cpu_engine_argv():
     argv = cpu_engine_argv("/m", num_threads=2, per_token_delay_s=0.05, fake_compute=True,
                            weight_sync_timeout_s=9.0)(31000, 3)
-    assert argv == [sys.executable, "-m", "services.rollout.engine", "--host", "127.0.0.1", "--port", "31000",
+    assert argv == [sys.executable, "-m", "services.engine", "--host", "127.0.0.1", "--port", "31000",
                     "--model-path", "/m", "--num-threads", "2", "--seed", "3", "--per-token-delay-s", "0.05",
                     "--fake-compute", "True", "--weight-sync-timeout-s", "9.0"]
 

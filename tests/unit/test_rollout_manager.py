@@ -10,8 +10,8 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.common.samples import SampleGroup, Status, group_id_for
 from services.rollout.client import RolloutConfig, RolloutState
-from services.rollout.manager import RolloutManager
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.manager import RolloutManager
+from services.rollout.generation.prompts import PromptEncoder
 from tests.unit.rollout_fakes import (
     JOB,
     Engine,
@@ -172,7 +172,7 @@ def test_sft_without_label_fails_naming_the_prompt(tiny_model_dir):
     assert status.state == RolloutState.FAILED and "prompt 0 has none" in status.error
 
 
-# ----- over-sampling, abort, dynamic filters, custom generate functions (issue 5) -----
+# ----- over-sampling, abort, dynamic filters, custom generate functions -----
 
 def held_for(prompts: set[int], text: str = "12"):
     """A router script: requests for `prompts` are held until an engine is told to abort, the rest answered."""

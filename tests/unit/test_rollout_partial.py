@@ -7,15 +7,15 @@ import asyncio
 
 from services.common.samples import Prompt, Status
 from services.rollout.client import RolloutState
-from services.rollout.partial import PartialGroups, prepare_resumed
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.partial import PartialGroups, prepare_resumed
+from services.rollout.generation.prompts import PromptEncoder
 from tests.unit.rollout_fakes import FakeBuffer, ScriptedRouter, new_manager, reply, rollout, rollout_config, sample_of
 
 PROMPT = Prompt(job_id="job", index=4, epoch=1, prompt="4+1=")
 
 
 def sample(response_length: int, status: Status = Status.ABORTED):
-    from services.rollout.generate import RolloutSample
+    from services.rollout.generation.generate import RolloutSample
 
     return RolloutSample(prompt="4+1=", tokens=[1] * (3 + response_length), response_length=response_length,
                          loss_mask=[1] * response_length, rollout_log_probs=[-1.0] * response_length, status=status)

@@ -11,8 +11,9 @@ import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.rollout.client import EngineState
-from services.rollout.launchers import LaunchedEngine
-from services.rollout.pool import EnginePool, PoolConfig
+from services.rollout.pool.config import PoolConfig
+from services.rollout.pool.launchers import LaunchedEngine
+from services.rollout.pool.pool import EnginePool
 
 FAST = dict(tick_s=0.01, launcher_poll_s=0.0, health_check_interval_s=0.05, health_check_timeout_s=0.2,
             start_timeout_s=2.0, drain_timeout_s=1.0)

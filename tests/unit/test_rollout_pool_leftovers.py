@@ -4,7 +4,7 @@ before it starts any engine of its own (in-memory fakes of test_rollout_pool).""
 from __future__ import annotations
 
 from services.common.errors import Unavailable
-from services.rollout.launchers import LaunchedEngine
+from services.rollout.pool.launchers import LaunchedEngine
 from tests.unit.test_rollout_pool import make_pool, run, serving, until
 
 OLD = ["http://old-0", "http://old-1"]

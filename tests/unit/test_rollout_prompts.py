@@ -9,7 +9,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Prompt
-from services.rollout.prompts import PromptEncoder
+from services.rollout.generation.prompts import PromptEncoder
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+3="}]
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from services.rollout.client import RolloutState
-from services.rollout.scoring import _reward_value
+from services.rollout.generation.scoring import _reward_value
 from tests.plugins import rollout_fns
 from tests.unit.rollout_fakes import FakeBuffer, ScriptedRouter, new_manager, reply, rollout, rollout_config
 

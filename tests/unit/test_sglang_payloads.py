@@ -1,5 +1,5 @@
 """Our SGLang request bodies against SGLang's own request classes, where sglang imports (it needs a GPU build of
-torch, so this is skipped on CPU-only machines; reference/sglang-protocol.md §2)."""
+torch, so this is skipped on CPU-only machines)."""
 
 from __future__ import annotations
 

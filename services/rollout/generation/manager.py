@@ -21,14 +21,15 @@ from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
 from services.common.rollout_stats import RolloutStats
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
-from services.rollout import filters
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
-from services.rollout.evaluation import run_eval
-from services.rollout.generate import STICKY_POLICIES
-from services.rollout.groups import Generation, generate_group, new_generation, new_sample
-from services.rollout.partial import PartialGroups, prepare_resumed
-from services.rollout.prompts import PromptEncoder
-from services.rollout.scoring import score_group
+from services.rollout.generation import filters
+from services.rollout.generation.drain import EngineAborter, drain_surplus
+from services.rollout.generation.evaluation import run_eval
+from services.rollout.generation.generate import STICKY_POLICIES
+from services.rollout.generation.groups import Generation, generate_group, new_generation, new_sample, sft_sample
+from services.rollout.generation.partial import PartialGroups, prepare_resumed
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.scoring import score_group
 
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient
@@ -42,8 +43,6 @@ DROPPED_ROLLOUT_ID = -1  # dropped groups are stored here: their prompts are use
 EMPTY_LEASE_POLL_S = 0.5
 MAX_FINISHED_RUNS = 256
 MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (the HTTP client's connection limit)
-ABORT_REPEAT_S = 3.0  # while draining, engines are told to abort again this often (late requests)
-DRAIN_TIMEOUT_S = 60.0  # drained groups still running after this are cancelled
 
 
 @dataclass
@@ -108,6 +107,7 @@ class RolloutManager:
                                       limits=httpx.Limits(max_connections=MAX_CONCURRENT_REQUESTS,
                                                           max_keepalive_connections=0),
                                       transport=transport)
+        self.aborter = EngineAborter(self.router_url, transport=transport)
         self.slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self.encoders: dict[str, PromptEncoder] = {}
         self.runs: dict[tuple[str, int], _Run] = {}
@@ -323,54 +323,11 @@ class RolloutManager:
         return True
 
     async def _drain(self, run: _Run, pending: dict[asyncio.Task, Prompt]) -> None:
-        """The batch is full: abort the surplus groups and give their prompts back. With partial_rollout, wait for
-        them to stop and keep what they generated (partial.py); otherwise cancel them."""
+        """The batch is full: stop the surplus groups (drain.py) and give their prompts back."""
         if not pending:
             return
-        config = run.config
-        run.gen.ctx.aborting = True
-        if not config.partial_rollout:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await self._abort_engines(run)
-        else:
-            await self._abort_engines(run)
-            deadline = time.monotonic() + DRAIN_TIMEOUT_S
-            waiting = set(pending)
-            while waiting:
-                _, waiting = await asyncio.wait(waiting, timeout=max(0.0, min(ABORT_REPEAT_S,
-                                                                              deadline - time.monotonic())))
-                if waiting and time.monotonic() >= deadline:
-                    log.warning("%s: %d drained groups still running after %.0f s: cancelled", run.name,
-                                len(waiting), DRAIN_TIMEOUT_S)
-                    for task in waiting:
-                        task.cancel()
-                    await asyncio.gather(*waiting, return_exceptions=True)
-                    break
-                if waiting:
-                    await self._abort_engines(run)  # requests that reached an engine after the last abort
-            num_kept = sum(self.partial.keep(config.job_id, prompt, task.result(), run.rollout_id)
-                           for task, prompt in pending.items() if not task.cancelled() and task.exception() is None)
-            log.info("%s: kept %d partial groups of %d drained (%d kept in all)", run.name, num_kept, len(pending),
-                     len(self.partial))
+        await drain_surplus(run.gen, run.rollout_id, pending, self.aborter, self.partial)
         await self._return_leases(run, [prompt.lease_id for prompt in pending.values()])
-
-    async def _abort_engines(self, run: _Run) -> None:
-        """POST /abort_request {"abort_all": true} to every engine the router lists: the router answers 404 for it."""
-        try:
-            reply = await self.http.get(f"{self.router_url}/workers", timeout=10.0)
-            reply.raise_for_status()
-            urls = [w["url"].rstrip("/") for w in reply.json().get("workers", [])]
-        except (httpx.HTTPError, ValueError, KeyError) as err:
-            log.warning("%s: could not list the router's workers to abort them: %s", run.name, err)
-            return
-        replies = await asyncio.gather(*(self.http.post(f"{url}/abort_request", json={"abort_all": True},
-                                                        timeout=10.0) for url in urls), return_exceptions=True)
-        for url, reply in zip(urls, replies, strict=True):
-            if isinstance(reply, BaseException) or reply.status_code >= 400:
-                log.warning("%s: engine %s: /abort_request failed: %s", run.name, url,
-                            reply if isinstance(reply, BaseException) else f"HTTP {reply.status_code}")
 
     async def _return_leases(self, run: _Run, lease_ids: list[str]) -> None:
         """Give prompts back at once; if the buffer cannot be reached they come back when their lease expires."""
@@ -392,7 +349,8 @@ class RolloutManager:
         config, gen = run.config, run.gen
         text, prompt_ids = gen.encoder.encode(prompt)
         if config.loss_type == "sft_loss":
-            return [self._sft_sample(run, prompt, text, prompt_ids, j) for j in range(config.n_samples_per_prompt)]
+            return [sft_sample(gen.encoder, prompt, text, prompt_ids, j, run.weight_version, run.name)
+                    for j in range(config.n_samples_per_prompt)]
         samples = self.partial.take(config.job_id, prompt, text) if config.partial_rollout else None
         if samples is not None:
             prepare_resumed(samples, config.mask_offpolicy_in_partial_rollout)
@@ -403,21 +361,6 @@ class RolloutManager:
             return samples
         await score_group(self.reward, config, gen.args, samples, f"{run.name}: prompt {prompt.index}")
         return samples
-
-    def _sft_sample(self, run: _Run, prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Sample:
-        """slime's sft rollout: the response is the label's tokens + eos; no generation, no reward."""
-        encoder = run.gen.encoder
-        if not prompt.label:
-            raise InvalidArgument(f"{run.name}: sft_loss needs a label, prompt {prompt.index} has none "
-                                  f"(load the dataset with label_key)")
-        eos = [] if encoder.eos_token_id is None else [encoder.eos_token_id]
-        response_ids = encoder.encode_text(prompt.label) + eos
-        sample = new_sample(prompt, text, prompt_ids, j)
-        sample.tokens = prompt_ids + response_ids
-        sample.response, sample.response_length = prompt.label, len(response_ids)
-        sample.loss_mask, sample.rollout_log_probs = [1] * len(response_ids), [0.0] * len(response_ids)
-        sample.status, sample.weight_versions = Status.COMPLETED, [run.weight_version]
-        return sample
 
     # ----- eval -----
 
@@ -445,4 +388,4 @@ class RolloutManager:
         await asyncio.gather(*running, return_exceptions=True)
         for run in self.runs.values():
             await self._return_leases(run, list(run.leased))
-        await self.http.aclose()
+        await asyncio.gather(self.http.aclose(), self.aborter.close())

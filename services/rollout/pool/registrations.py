@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from services.rollout.router import RouterClient
+from services.rollout.pool.router import RouterClient
 
 log = logging.getLogger(__name__)
 

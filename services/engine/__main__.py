@@ -1,4 +1,4 @@
-"""`python -m services.rollout.engine --model-path DIR`: serve SGLang's HTTP API on CPU until SIGTERM."""
+"""`python -m services.engine --model-path DIR`: serve SGLang's HTTP API on CPU until SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import logging
 from services.common.config import as_dict, load_config
 from services.common.grpc_server import wait_for_stop_signal
 from services.common.logging import configure_logging
-from services.rollout.engine.config import EngineConfig
+from services.engine.config import EngineConfig
 
-log = logging.getLogger("services.rollout.engine")
+log = logging.getLogger("services.engine")
 
 
 async def serve(config: EngineConfig) -> None:
-    from services.rollout.engine.server import create_server
+    from services.engine.server import create_server
 
     server = await create_server(config)
     log.info("engine serving on http://%s:%d", config.host, server.port)

@@ -12,9 +12,10 @@ from typing import Any
 
 import httpx
 
-from services.common.samples import Prompt, Sample
+from services.common.errors import InvalidArgument
+from services.common.samples import Prompt, Sample, Status
 from services.rollout.client import RolloutConfig
-from services.rollout.generate import (
+from services.rollout.generation.generate import (
     GenerateContext,
     RolloutSample,
     load_generate_function,
@@ -24,9 +25,9 @@ from services.rollout.generate import (
     sampling_params,
     use_context,
 )
-from services.rollout.partial import FINISHED
-from services.rollout.prompts import PromptEncoder
-from services.rollout.scoring import load_group_reward
+from services.rollout.generation.partial import FINISHED
+from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.scoring import load_group_reward
 
 
 @dataclass
@@ -88,3 +89,19 @@ async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]
     except ExceptionGroup as group_err:
         raise group_err.exceptions[0] from None
     return [running[j].result() if j in running else s for j, s in enumerate(samples)]
+
+
+def sft_sample(encoder: PromptEncoder, prompt: Prompt, text: str, prompt_ids: list[int], index: int,
+               weight_version: str, what: str) -> Sample:
+    """slime's sft rollout: the response is the label's tokens + eos; no generation, no reward."""
+    if not prompt.label:
+        raise InvalidArgument(f"{what}: sft_loss needs a label, prompt {prompt.index} has none "
+                              f"(load the dataset with label_key)")
+    eos = [] if encoder.eos_token_id is None else [encoder.eos_token_id]
+    response_ids = encoder.encode_text(prompt.label) + eos
+    sample = new_sample(prompt, text, prompt_ids, index)
+    sample.tokens = prompt_ids + response_ids
+    sample.response, sample.response_length = prompt.label, len(response_ids)
+    sample.loss_mask, sample.rollout_log_probs = [1] * len(response_ids), [0.0] * len(response_ids)
+    sample.status, sample.weight_versions = Status.COMPLETED, [weight_version]
+    return sample

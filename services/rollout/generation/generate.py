@@ -231,7 +231,7 @@ async def run_generate(fn: Callable[..., Any], args: Any, sample: Sample, sampli
 
 def sampling_params(*, temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop: list[str],
                     stop_token_ids: list[int]) -> dict[str, Any]:
-    """The sampling_params slime sends (reference/slime.md §3.1), only keys the router passes through."""
+    """The sampling_params slime's rollout sends, only keys the router passes through."""
     return {"temperature": temperature, "top_p": top_p, "top_k": top_k if top_k > 0 else -1,
             "max_new_tokens": max_new_tokens, "stop": list(stop), "stop_token_ids": list(stop_token_ids),
             "no_stop_trim": True, "skip_special_tokens": True}

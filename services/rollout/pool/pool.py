@@ -14,45 +14,21 @@ import concurrent.futures
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
-from services.common.errors import InvalidArgument, PhysarumError
+from services.common.errors import InvalidArgument, PhysarumError, Unavailable
 from services.common.sglang import AsyncSGLangClient
-from services.rollout import engine_steps as steps
 from services.rollout.client import EngineInfo, EngineState, EngineStatus, PoolStatus, ScaleEvent, WeightSyncPlan
-from services.rollout.engine_steps import EngineRecord
-from services.rollout.launchers import EngineLauncher
-from services.rollout.metrics import PoolMetrics
-from services.rollout.registrations import Registrations
-from services.rollout.router import RouterClient
+from services.rollout.pool import engine_steps as steps
+from services.rollout.pool.config import PoolConfig
+from services.rollout.pool.engine_steps import EngineRecord
+from services.rollout.pool.launchers import EngineLauncher
+from services.rollout.pool.metrics import PoolMetrics
+from services.rollout.pool.registrations import Registrations
+from services.rollout.pool.router import RouterClient
 
 log = logging.getLogger(__name__)
 
-JOIN_MODES = ("disk", "sync")
 MAX_EVENTS = 200
-
-
-@dataclass(frozen=True, kw_only=True)
-class PoolConfig:
-    replicas: int = 0  # engines to launch (external ones come on top)
-    join_mode: str = "disk"  # how a new engine gets the current weights: "disk" (snapshot now) or "sync" (next sync)
-    snapshot_dir: str = ""  # where the trainer writes weight snapshots for the disk join
-    health_check_interval_s: float = 10.0
-    health_check_timeout_s: float = 30.0
-    health_check_first_wait_s: float = 0.0
-    start_timeout_s: float = 120.0  # launch -> /health
-    drain_timeout_s: float = 30.0
-    disk_load_timeout_s: float = 120.0
-    weight_sync_max_s: float = 600.0  # health checks stay off this long at most for a sync whose end never comes
-    launcher_poll_s: float = 1.0
-    tick_s: float = 0.2
-    max_start_failures: int = 3  # engines failing before the pool first served: then start() fails
-
-    def __post_init__(self) -> None:
-        if self.replicas < 0:
-            raise InvalidArgument(f"replicas must be >= 0, got {self.replicas}")
-        if self.join_mode not in JOIN_MODES:
-            raise InvalidArgument(f"join_mode must be one of {', '.join(JOIN_MODES)}, got {self.join_mode!r}")
 
 
 class EnginePool:
@@ -353,7 +329,32 @@ class EnginePool:
             self.metrics.load.labels(e.name).set(self.registrations.load(e.url))
             self.metrics.healthy.labels(e.name).set(int(e.healthy))
 
-    async def hand_back(self, e: EngineRecord, replicas: int) -> None:
+    # What the engine steps ask of the pool (engine_steps.StepHost): they change its state only through these.
+
+    def engine_served(self) -> None:
+        """An engine began serving: launch failures before it no longer count towards giving up."""
+        self.start_failures = 0
+
+    def start_failed(self, e: EngineRecord, reason: str) -> float | None:
+        """A launched engine failed before it ever served: the back-off before replacing it, or None once the pool
+        gives up (too many such failures before the pool first served; start() then raises)."""
+        self.start_failures += 1
+        if not self.ready.is_set() and self.start_failures >= self.config.max_start_failures:
+            self.fatal = Unavailable(f"engine pool: {self.start_failures} engines failed to start; last: "
+                                     f"{e.name} {e.url}: {reason}")
+            self.wake.set()
+            return None
+        return min(2.0 ** (self.start_failures - 1), 30.0)  # back off a crash loop
+
+    async def replace(self, e: EngineRecord) -> None:
+        """Stop `e` and have the launcher start another in its place."""
+        await self._hand_back(e, self.launcher_replicas)
+
+    async def retire(self, e: EngineRecord) -> None:
+        """Stop `e` for good: the launcher runs one engine fewer."""
+        await self._hand_back(e, self.launcher_replicas - 1)
+
+    async def _hand_back(self, e: EngineRecord, replicas: int) -> None:
         """Forget `e` and have the launcher stop it, then run `replicas` engines."""
         self.records.pop(e.name, None)
         self.metrics.forget_engine(e.name)

@@ -1,4 +1,4 @@
-"""The CPU engine's HTTP server: SGLang's endpoints and JSON shapes (reference/sglang-protocol.md §3).
+"""The CPU engine's HTTP server: SGLang's endpoints and JSON shapes.
 
 Handlers never block the event loop: generation runs on the scheduler thread, lock waits and process-group calls
 in worker threads. The model loads in the background; /health answers 503 until it is ready. Torch is imported only
@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.rest import RestServer
 from services.common.sglang import DEFAULT_GROUP_NAME
-from services.rollout.engine.config import EngineConfig
-from services.rollout.engine.fake import FakeEngine, FakeWeights, read_model_config
-from services.rollout.engine.protocol import parse_generate, to_response
-from services.rollout.engine.scheduler import Request as GenRequest
-from services.rollout.engine.scheduler import SamplingParams, Scheduler
+from services.engine.config import EngineConfig
+from services.engine.fake import FakeEngine, FakeWeights, read_model_config
+from services.engine.protocol import parse_generate, to_response
+from services.engine.scheduler import Request as GenRequest
+from services.engine.scheduler import SamplingParams, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ class EngineState:
             return
         import torch
 
-        from services.rollout.engine.generation import Engine, load_model
-        from services.rollout.engine.weights import WeightUpdater
+        from services.engine.generation import Engine, load_model
+        from services.engine.weights import WeightUpdater
 
         torch.set_num_threads(self.config.num_threads)
         torch.manual_seed(self.config.seed)

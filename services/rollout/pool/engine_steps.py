@@ -1,6 +1,7 @@
 """What the pool does to one engine, one step at a time (one task per engine): bring a new engine to the trainer's
 current weights and register it with the router, check a serving one, and take an engine out (demote it to rejoin,
-fail and replace it, drain and stop it). When each step runs is the pool's decision (pool.py).
+fail and replace it, drain and stop it). When each step runs is the pool's decision (pool.py). A step reads
+the pool through `StepHost` and changes the pool's state only by asking it; it does not import pool.py.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from services.common.errors import PhysarumError, Unavailable
+from services.common.errors import PhysarumError
+from services.common.sglang import AsyncSGLangClient
 from services.rollout.client import EngineState
-
-if TYPE_CHECKING:
-    from services.rollout.pool import EnginePool
+from services.rollout.pool.config import PoolConfig
+from services.rollout.pool.metrics import PoolMetrics
+from services.rollout.pool.registrations import Registrations
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +50,39 @@ class EngineRecord:
         return self.task is not None and not self.task.done()
 
 
-async def probe_started(pool: EnginePool, e: EngineRecord) -> None:
+class StepHost(Protocol):
+    """The pool as a step sees it (EnginePool implements it)."""
+
+    config: PoolConfig
+    engines: AsyncSGLangClient
+    registrations: Registrations
+    metrics: PoolMetrics
+    wake: asyncio.Event  # set: the controller reconsiders at once
+    weight_version: str | None  # the trainer's current version
+    snapshot_path: str  # the latest snapshot of it on disk ("" if none yet)
+
+    @property
+    def syncing(self) -> bool: ...
+
+    def event(self, kind: str, engine: str = "", detail: str = "") -> None: ...
+
+    def engine_served(self) -> None: ...
+
+    def start_failed(self, e: EngineRecord, reason: str) -> float | None: ...
+
+    async def replace(self, e: EngineRecord) -> None: ...
+
+    async def retire(self, e: EngineRecord) -> None: ...
+
+
+async def probe_started(pool: StepHost, e: EngineRecord) -> None:
     """A launched engine: it joins once it answers /health."""
     if await pool.engines.health(e.url, timeout_s=min(5.0, pool.config.health_check_timeout_s)):
         e.state, e.healthy, e.healthy_s = EngineState.JOINING, True, time.monotonic()
         pool.wake.set()
 
 
-async def join(pool: EnginePool, e: EngineRecord) -> None:
+async def join(pool: StepHost, e: EngineRecord) -> None:
     """Bring the engine to the current weights (or wait for the next sync), then register it with the router."""
     current = pool.weight_version
     if current is not None and e.weight_version != current:
@@ -75,20 +102,20 @@ async def join(pool: EnginePool, e: EngineRecord) -> None:
         return
     e.state, e.served, e.healthy = EngineState.SERVING, True, True
     e.next_check_s = time.monotonic() + pool.config.health_check_first_wait_s + pool.config.health_check_interval_s
-    pool.start_failures = 0
+    pool.engine_served()
     join_s = time.monotonic() - e.healthy_s
     pool.metrics.join_seconds.labels(e.join_mode).observe(join_s)
     pool.event("join", e.name, f"{e.url} serving weight version {e.weight_version} ({e.join_mode}) "
                                f"{join_s:.2f} s after it answered /health")
 
 
-async def check_alive(pool: EnginePool, e: EngineRecord) -> None:
+async def check_alive(pool: StepHost, e: EngineRecord) -> None:
     e.healthy = await pool.engines.health(e.url, timeout_s=min(5.0, pool.config.health_check_timeout_s))
     if not e.healthy:
         await fail(pool, e, "it stopped answering /health while joining")
 
 
-async def load_snapshot(pool: EnginePool, e: EngineRecord, version: str) -> None:
+async def load_snapshot(pool: StepHost, e: EngineRecord, version: str) -> None:
     path, start = pool.snapshot_path, time.monotonic()
     e.disk_loading = True
     try:
@@ -105,7 +132,7 @@ async def load_snapshot(pool: EnginePool, e: EngineRecord, version: str) -> None
                  time.monotonic() - start)
 
 
-async def health_check(pool: EnginePool, e: EngineRecord) -> None:
+async def health_check(pool: StepHost, e: EngineRecord) -> None:
     """A serving engine: /health_generate within the timeout, and still the weight version it joined with."""
     ok = await pool.engines.health_generate(e.url, timeout_s=pool.config.health_check_timeout_s)
     if pool.syncing or e.state != EngineState.SERVING:
@@ -127,7 +154,7 @@ async def health_check(pool: EnginePool, e: EngineRecord) -> None:
     e.next_check_s = time.monotonic() + pool.config.health_check_interval_s
 
 
-async def check_suspect(pool: EnginePool, e: EngineRecord) -> None:
+async def check_suspect(pool: StepHost, e: EngineRecord) -> None:
     """Named by a failed weight sync: replaced if dead or hung; else it rejoins (its weights may be partial)."""
     try:
         if not await pool.engines.health(e.url, timeout_s=SUSPECT_CHECK_S):
@@ -138,7 +165,7 @@ async def check_suspect(pool: EnginePool, e: EngineRecord) -> None:
         e.suspect = False
 
 
-async def demote(pool: EnginePool, e: EngineRecord, reason: str, *, weights_ok: bool) -> None:
+async def demote(pool: StepHost, e: EngineRecord, reason: str, *, weights_ok: bool) -> None:
     """Out of the router, back to joining (with its weights, or to get the current ones first)."""
     pool.event("demote", e.name, reason)
     e.state = EngineState.JOINING
@@ -148,7 +175,7 @@ async def demote(pool: EnginePool, e: EngineRecord, reason: str, *, weights_ok: 
     await pool.registrations.deregister(e.url)
 
 
-async def fail(pool: EnginePool, e: EngineRecord, reason: str) -> None:
+async def fail(pool: StepHost, e: EngineRecord, reason: str) -> None:
     """Deregister a dead or hung engine and have the launcher replace it (external engines are only re-probed)."""
     e.state, e.healthy = EngineState.FAILED, False
     pool.event("fail", e.name, f"{e.url}: {reason}")
@@ -157,17 +184,14 @@ async def fail(pool: EnginePool, e: EngineRecord, reason: str) -> None:
         e.state, e.weight_version, e.created_s = EngineState.STARTING, None, time.monotonic()
         return
     if not e.served:
-        pool.start_failures += 1
-        if not pool.ready.is_set() and pool.start_failures >= pool.config.max_start_failures:
-            pool.fatal = Unavailable(f"engine pool: {pool.start_failures} engines failed to start; last: "
-                                     f"{e.name} {e.url}: {reason}")
-            pool.wake.set()
+        backoff_s = pool.start_failed(e, reason)
+        if backoff_s is None:
             return
-        await asyncio.sleep(min(2.0 ** (pool.start_failures - 1), 30.0))  # back off a crash loop
-    await pool.hand_back(e, pool.launcher_replicas)
+        await asyncio.sleep(backoff_s)
+    await pool.replace(e)
 
 
-async def drain(pool: EnginePool, e: EngineRecord) -> None:
+async def drain(pool: StepHost, e: EngineRecord) -> None:
     """Leave: no new requests (deregister), abort the running ones (the manager retries them elsewhere), stop."""
     pool.event("drain", e.name, e.url)
     await pool.registrations.deregister(e.url)
@@ -182,5 +206,5 @@ async def drain(pool: EnginePool, e: EngineRecord) -> None:
         if not sum(int(s.get("num_running_reqs", 0)) + int(s.get("num_waiting_reqs", 0)) for s in states):
             break
         await asyncio.sleep(0.2)
-    await pool.hand_back(e, pool.launcher_replicas - 1)
+    await pool.retire(e)
     pool.event("stop", e.name, e.url)

@@ -1,36 +1,16 @@
-"""The real sglang-router: start it as a local process, and register or remove its workers over its REST API.
+"""The real sglang-router's worker API: register or remove workers, list them (../local.py starts a router process).
 
-Only /generate goes through the router; admin calls go to each engine directly (reference/sglang-protocol.md §1).
+Only /generate goes through the router; admin calls (pause, abort, weight updates) go to each engine directly.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import httpx
 
-from physarum import procs
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from services.common.http_client import HttpClient
-
-
-def start_router(port: int, prometheus_port: int, log_path: Path, policy: str = "round_robin",
-                 timeout_s: float = 30.0) -> procs.ManagedProcess:
-    """Start sglang-router on 127.0.0.1:port; return once GET /liveness answers 200."""
-    argv = procs.python_module("sglang_router.launch_router", "--host", procs.HOST, "--port", str(port),
-                               "--prometheus-host", procs.HOST, "--prometheus-port", str(prometheus_port),
-                               "--log-level", "warn", "--policy", policy)
-    proc = procs.ManagedProcess("sglang-router", argv, Path(log_path)).start()
-    client = RouterClient(f"http://{procs.HOST}:{port}", timeout_s=2.0)
-    try:
-        proc.wait_ready(client.live, timeout_s=timeout_s)
-    except Exception:
-        proc.stop()
-        raise
-    finally:
-        client.close()
-    return proc
 
 
 class RouterClient(HttpClient):
@@ -42,14 +22,9 @@ class RouterClient(HttpClient):
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
             reply = self.http.request(method, path, json=body)
-        except httpx.TimeoutException as err:
-            raise DeadlineExceeded(f"router {self.url}: no {method} {path} reply in {self.timeout_s} s") from err
         except httpx.TransportError as err:
-            raise Unavailable(f"router {self.url}: {method} {path}: {type(err).__name__}: {err}") from err
-        if reply.status_code >= 400:
-            raise FailedPrecondition(f"router {self.url}: {method} {path} -> HTTP {reply.status_code}: "
-                                     f"{reply.text[:500]}")
-        return reply.json()
+            raise _transport_error(self.url, method, path, self.timeout_s, err) from err
+        return _reply_json(self.url, method, path, reply)
 
     def live(self) -> bool:
         """The router process answers (GET /liveness)."""
@@ -68,6 +43,9 @@ class RouterClient(HttpClient):
     def list_workers(self) -> list[dict]:
         """GET /workers: [{"id", "url", "is_healthy", "model_id", ...}]."""
         return self._request("GET", "/workers").get("workers", [])
+
+    def worker_urls(self) -> list[str]:
+        return [w["url"].rstrip("/") for w in self.list_workers()]
 
     def find_worker(self, url: str) -> dict | None:
         url = url.rstrip("/")
@@ -112,3 +90,38 @@ class RouterClient(HttpClient):
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"router {self.url}: worker {url} still listed {timeout_s} s after DELETE")
             time.sleep(0.1)
+
+
+class AsyncRouterClient:
+    """The router's worker list for code on an event loop (the generation loop): RouterClient's GET /workers,
+    without blocking the loop; `transport` lets tests script the router."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport)
+
+    async def worker_urls(self) -> list[str]:
+        try:
+            reply = await self.http.get("/workers")
+        except httpx.TransportError as err:
+            raise _transport_error(self.url, "GET", "/workers", self.timeout_s, err) from err
+        return [w["url"].rstrip("/") for w in _reply_json(self.url, "GET", "/workers", reply).get("workers", [])]
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def _transport_error(url: str, method: str, path: str, timeout_s: float, err: httpx.TransportError) -> Exception:
+    if isinstance(err, httpx.TimeoutException):
+        return DeadlineExceeded(f"router {url}: no {method} {path} reply in {timeout_s} s")
+    return Unavailable(f"router {url}: {method} {path}: {type(err).__name__}: {err}")
+
+
+def _reply_json(url: str, method: str, path: str, reply: httpx.Response) -> dict:
+    if reply.status_code >= 400:
+        raise FailedPrecondition(f"router {url}: {method} {path} -> HTTP {reply.status_code}: {reply.text[:500]}")
+    try:
+        return reply.json()
+    except ValueError as err:
+        raise FailedPrecondition(f"router {url}: {method} {path}: not JSON: {reply.text[:200]!r}") from err

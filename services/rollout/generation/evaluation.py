@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidArgument, PhysarumError
 from services.common.samples import Prompt, Sample, Status
-from services.rollout.groups import Generation, generate_group, new_sample
-from services.rollout.scoring import score_group
+from services.rollout.generation.groups import Generation, generate_group, new_sample
+from services.rollout.generation.scoring import score_group
 
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient

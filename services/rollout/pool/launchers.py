@@ -1,5 +1,5 @@
 """How the pool gets engines: one small interface, two implementations (local processes here, Kubernetes pods through
-services/rollout/k8s.py). A launcher only starts and stops engines; how many, and which ones leave, the pool decides.
+k8s.py beside this file). A launcher only starts and stops engines; how many, and which ones leave, the pool decides.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from physarum import procs
+from services.common import procs
 from services.common.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def cpu_engine_argv(model_path: str, *, num_threads: int = 1, per_token_delay_s:
     """argv of the i-th CPU engine on a port (distinct seeds: engines must not draw alike)."""
 
     def argv(port: int, index: int) -> list[str]:
-        return procs.python_module("services.rollout.engine", "--host", procs.HOST, "--port", str(port),
+        return procs.python_module("services.engine", "--host", procs.HOST, "--port", str(port),
                                    "--model-path", model_path, "--num-threads", str(num_threads), "--seed", str(index),
                                    "--per-token-delay-s", str(per_token_delay_s), "--fake-compute", str(fake_compute),
                                    "--weight-sync-timeout-s", str(weight_sync_timeout_s))

@@ -1,4 +1,4 @@
-"""Weight updates of the CPU engine, done as SGLang does them (reference/sglang-protocol.md §3.5-3.6).
+"""Weight updates of the CPU engine, done as SGLang does them: from a broadcast or from disk.
 
 Join the trainer's separate process group (rendezvous, PrefixStore, _new_process_group_helper), receive one
 broadcast per parameter from rank 0, load tensors by Hugging Face name; or reload safetensors from disk.
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
-from services.rollout.engine.generation import Engine
+from services.engine.generation import Engine
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.rollout.engine.scheduler import Request, Scheduler, token_id_set
+from services.engine.scheduler import Request, Scheduler, token_id_set
 
 NO_WEIGHTS = "this engine runs fake compute (--fake-compute) and holds no weights"
 

@@ -1,4 +1,4 @@
-"""SGLang's /generate wire format (reference/sglang-protocol.md §3.1-3.2): request bodies to Requests, and back.
+"""SGLang's /generate wire format (GenerateReqInput fields, meta_info replies): request bodies to Requests, and back.
 
 Validation errors are InvalidArgument naming the field; the server answers them with HTTP 400.
 """
@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, fields
 
 from services.common.errors import InvalidArgument
-from services.rollout.engine.scheduler import Request, SamplingParams, Scheduler
+from services.engine.scheduler import Request, SamplingParams, Scheduler
 
 # The keys SGLang's SamplingParams accepts; any other key is rejected with 400, as SGLang does.
 SAMPLING_KEYS = frozenset({

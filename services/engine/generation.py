@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from services.rollout.engine.scheduler import (
+from services.engine.scheduler import (
     PAUSE_MODES,
     Request,
     SamplingParams,
