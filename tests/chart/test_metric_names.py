@@ -16,7 +16,7 @@ from services.rollout.pool.metrics import PoolMetrics
 from services.trainer.driver import metrics as trainer_metrics
 from tests.chart.chart import CHART, ROOT, VALUE_SETS, find, render, values_of
 
-# SGLang's scheduler metrics (sglang/srt/metrics/collector.py registers them as Gauges named so)
+# SGLang's scheduler metrics, under the names its metrics collector registers them (its /metrics with --enable-metrics)
 SGLANG = {"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:gen_throughput", "sglang:token_usage",
           "sglang:cache_hit_rate"}
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
