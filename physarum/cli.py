@@ -16,19 +16,26 @@ from physarum import stack
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
-def load_job_file(path: Path, overrides: list[str]) -> dict[str, Any]:
-    """The job YAML with `--set key=value` overrides (values parsed as YAML scalars or lists)."""
-    try:
-        spec = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise SystemExit(f"physarum: cannot read job file {path}: {err}") from None
+def load_job_file(path: Path | None, overrides: list[str], slime_args: str = "") -> dict[str, Any]:
+    """The job YAML (none: an empty spec) with `--set key=value` overrides (values parsed as YAML scalars or
+    lists) and slime's argv (`--slime-args`, converted by the job API; the YAML's and --set's keys win)."""
+    spec: Any = {}
+    if path is not None:
+        try:
+            spec = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise SystemExit(f"physarum: cannot read job file {path}: {err}") from None
     if not isinstance(spec, dict):
         raise SystemExit(f"physarum: job file {path}: expected a mapping of slime flag names to values")
+    if slime_args:
+        spec["slime_args"] = slime_args
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"physarum: --set expects key=value, got {item!r}")
         spec[key.strip()] = yaml.safe_load(value)
+    if not spec:
+        raise SystemExit("physarum: submit needs a job file, --slime-args, or both")
     return spec
 
 
@@ -83,10 +90,12 @@ def cmd_down(args) -> int:
 def cmd_submit(args) -> int:
     from services.trainer.client import JobsRestClient
 
-    spec = load_job_file(args.job_file, args.set or [])
+    spec = load_job_file(args.job_file, args.set or [], args.slime_args)
     with JobsRestClient(_job_api(args), token=args.token) as client:
         job = client.submit(spec)
         print(f"submitted {job['job_id']}")
+        for note in job["spec"].get("slime_notes", []):
+            print(f"  note: {note}")
         if not args.wait:
             return 0
         job = follow(client, job["job_id"], job["num_rollout"])
@@ -148,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the local stack").set_defaults(fn=cmd_down)
     p = sub.add_parser("submit", help="submit a job spec (YAML keyed by slime's flag names)")
-    p.add_argument("job_file", type=Path)
+    p.add_argument("job_file", type=Path, nargs="?", default=None)
+    p.add_argument("--slime-args", default="", metavar="ARGV",
+                   help="slime's train.py arguments as one string, pasted from a launch script (docs/slime-flags.md)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec key (repeatable)")
     p.add_argument("--wait", action="store_true", help="follow the job and exit 0 only if it succeeds")
     p.add_argument("--url", default="", help="job API URL (default: the local stack's)")

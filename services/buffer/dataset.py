@@ -119,9 +119,7 @@ def _to_prompt(record: Any, index: int, input_key: str, label_key: str, metadata
         messages = [_message(m, i, input_key) for i, m in enumerate(value)]
     else:
         raise ValueError(f"{input_key!r} must be a string or a list of chat messages, got {type(value).__name__}")
-    label = record.get(label_key) if label_key else None
-    if label is not None and not isinstance(label, str):
-        label = json.dumps(label)
+    label = record.get(label_key) if label_key else None  # keeps its JSON type, as slime's does
     metadata = record.get(metadata_key) or {}
     if not isinstance(metadata, dict):
         raise ValueError(f"{metadata_key!r} must be an object, got {type(metadata).__name__}")
@@ -129,8 +127,8 @@ def _to_prompt(record: Any, index: int, input_key: str, label_key: str, metadata
         dict_to_struct(metadata)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{metadata_key!r} holds a value JSON cannot represent: {err}") from None
-    return Prompt(job_id="", index=index, epoch=0, prompt=prompt, messages=messages, label=label or "",
-                  metadata=metadata)
+    return Prompt(job_id="", index=index, epoch=0, prompt=prompt, messages=messages,
+                  label="" if label is None else label, metadata=metadata)
 
 
 def _message(message: Any, position: int, input_key: str) -> dict[str, str]:

@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from services.common.errors import InvalidArgument
+
+# The slime compatibility package (compat/slime): what slime's plugins import, for a source checkout where it is
+# not installed (pip install physarum[slime] installs it as `slime`).
+COMPAT_DIR = Path(__file__).resolve().parents[2] / "compat"
+
+
+def ensure_slime_compat() -> None:
+    """Make `import slime` work for plugins: the installed package, else the checkout's compat/ folder."""
+    if importlib.util.find_spec("slime") is None and (COMPAT_DIR / "slime").is_dir():
+        sys.path.append(str(COMPAT_DIR))
 
 
 def load_function(path: str, *, flag: str, expected: str, num_params: int | None = None,
                   is_async: bool | None = None) -> Callable:
     """Import `path`; raise InvalidArgument naming the flag, the path and the expected signature."""
+    ensure_slime_compat()
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise InvalidArgument(f"{flag}: {path!r} is not an import path 'pkg.module.function'; expected {expected}")

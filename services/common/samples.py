@@ -6,6 +6,7 @@ Fields follow slime's `Sample`; `metadata` is free-form plugin data that core co
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     response: str = ""
     response_length: int = 0
-    label: str = ""
+    label: Any = ""  # slime keeps a dataset label's JSON type: a string, a number, a dict, a list
     reward: float = 0.0
     reward_scores: dict[str, float] = field(default_factory=dict)
     loss_mask: list[int] = field(default_factory=list)
@@ -45,6 +46,13 @@ class Sample:
     group_index: int = 0
     index: int = 0
     reward_error: str = ""
+    # slime's remaining fields that travel with a sample
+    rollout_id: int | None = None
+    remove_sample: bool = False
+    teacher_log_probs: list[float] = field(default_factory=list)
+    train_metadata: dict[str, Any] | None = None
+    custom_rm_path: str = ""
+    generate_function_path: str = ""
 
     @property
     def prompt_length(self) -> int:
@@ -69,7 +77,7 @@ class Prompt:
     epoch: int
     prompt: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
-    label: str = ""
+    label: Any = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     lease_id: str = ""
 
@@ -105,25 +113,40 @@ def _messages_from_proto(messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
+def label_to_proto(label: Any) -> dict[str, str]:
+    """The proto's (label, label_json) pair: a string as it is, anything else (None included) as JSON."""
+    return {"label": label} if isinstance(label, str) else {"label_json": json.dumps(label)}
+
+
+def label_from_proto(msg: sample_pb2.Sample | sample_pb2.Prompt) -> Any:
+    return json.loads(msg.label_json) if msg.label_json else msg.label
+
+
 def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
     return sample_pb2.Sample(
         prompt=sample.prompt, prompt_messages=_messages_to_proto(sample.prompt_messages), tokens=sample.tokens,
-        response=sample.response, response_length=sample.response_length, label=sample.label,
+        response=sample.response, response_length=sample.response_length, **label_to_proto(sample.label),
         reward=sample.reward, reward_scores=sample.reward_scores, loss_mask=sample.loss_mask,
         rollout_log_probs=sample.rollout_log_probs, status=sample.status.value,
         metadata=dict_to_struct(sample.metadata), weight_versions=sample.weight_versions,
-        group_index=sample.group_index, index=sample.index, reward_error=sample.reward_error)
+        group_index=sample.group_index, index=sample.index, reward_error=sample.reward_error,
+        rollout_id=sample.rollout_id, remove_sample=sample.remove_sample, teacher_log_probs=sample.teacher_log_probs,
+        train_metadata=dict_to_struct(sample.train_metadata) if sample.train_metadata is not None else None,
+        custom_rm_path=sample.custom_rm_path, generate_function_path=sample.generate_function_path)
 
 
 def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
     status = Status(msg.status) if msg.status else Status.PENDING
     return Sample(
         prompt=msg.prompt, prompt_messages=_messages_from_proto(msg.prompt_messages), tokens=list(msg.tokens),
-        response=msg.response, response_length=msg.response_length, label=msg.label, reward=msg.reward,
+        response=msg.response, response_length=msg.response_length, label=label_from_proto(msg), reward=msg.reward,
         reward_scores=dict(msg.reward_scores), loss_mask=list(msg.loss_mask),
         rollout_log_probs=list(msg.rollout_log_probs), status=status, metadata=struct_to_dict(msg.metadata),
         weight_versions=list(msg.weight_versions), group_index=msg.group_index, index=msg.index,
-        reward_error=msg.reward_error)
+        reward_error=msg.reward_error, rollout_id=msg.rollout_id if msg.HasField("rollout_id") else None,
+        remove_sample=msg.remove_sample, teacher_log_probs=list(msg.teacher_log_probs),
+        train_metadata=struct_to_dict(msg.train_metadata) if msg.HasField("train_metadata") else None,
+        custom_rm_path=msg.custom_rm_path, generate_function_path=msg.generate_function_path)
 
 
 def group_to_proto(group: SampleGroup) -> sample_pb2.SampleGroup:
@@ -142,12 +165,12 @@ def group_from_proto(msg: sample_pb2.SampleGroup) -> SampleGroup:
 def prompt_to_proto(prompt: Prompt) -> sample_pb2.Prompt:
     return sample_pb2.Prompt(
         job_id=prompt.job_id, index=prompt.index, epoch=prompt.epoch, prompt=prompt.prompt,
-        messages=_messages_to_proto(prompt.messages), label=prompt.label,
+        messages=_messages_to_proto(prompt.messages), **label_to_proto(prompt.label),
         metadata=dict_to_struct(prompt.metadata), lease_id=prompt.lease_id)
 
 
 def prompt_from_proto(msg: sample_pb2.Prompt) -> Prompt:
     return Prompt(
         job_id=msg.job_id, index=msg.index, epoch=msg.epoch, prompt=msg.prompt,
-        messages=_messages_from_proto(msg.messages), label=msg.label, metadata=struct_to_dict(msg.metadata),
+        messages=_messages_from_proto(msg.messages), label=label_from_proto(msg), metadata=struct_to_dict(msg.metadata),
         lease_id=msg.lease_id)

@@ -1,6 +1,7 @@
 """Prometheus metrics of the reward service (physarum_reward_*), in a registry of their own that its REST app serves
-at /metrics: requests' latency and samples scored by scorer, and failures by type. `scorer` is the rm_type, or
-"custom" for a custom_rm_path, "unknown" for a name no scorer has: a fixed label set, whatever requests send."""
+at /metrics: requests' latency and samples scored by scorer, and failures by type. `scorer` is the rm_type (without
+slime's boxed_ prefix), "custom" for a custom_rm_path, "unknown" for a name no scorer has: a fixed label set,
+whatever requests send."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.reward import scorers
-from services.reward.client import ScoreResult
-from services.reward.verifiers import BUILTIN_SCORERS
+from services.reward.client import RM_TYPES, ScoreResult
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ERROR_TYPES = ("timeout", "exception", "bad_result", "invalid_request")
@@ -40,7 +40,8 @@ class RewardMetrics:
     async def score_samples(self, samples: list[Sample], *, rm_type: str, custom_rm_path: str,
                             **kwargs: Any) -> list[ScoreResult]:
         """scorers.score_samples, timed and counted."""
-        scorer = "custom" if custom_rm_path else (rm_type if rm_type in BUILTIN_SCORERS else "unknown")
+        base = rm_type.removeprefix("boxed_")
+        scorer = "custom" if custom_rm_path else (base if base in RM_TYPES else "unknown")
         start = time.perf_counter()
         try:
             results = await scorers.score_samples(samples, rm_type=rm_type, custom_rm_path=custom_rm_path, **kwargs)

@@ -19,13 +19,14 @@ class SampleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str = ""
     response: str = ""
-    label: str = ""
+    label: Any = ""  # slime keeps a label's JSON type
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rm_type: str = Field("", description="built-in scorer: 'math' or 'exact_match'")
+    rm_type: str = Field("", description="built-in scorer: one of slime's rm types (math, deepscaler, dapo, f1, gpqa, "
+                                              "remote_rm, random; boxed_ prefix) or exact_match")
     custom_rm_path: str = Field("", description="'pkg.mod.fn', slime's `async def f(args, sample)`; wins over rm_type")
     reward_key: str = Field("", description="picks the reward when a scorer returns a dict")
     timeout_s: float | None = Field(None, gt=0, description="per-sample timeout (default: the service's)")

@@ -17,9 +17,10 @@ from typing import Any
 
 from services.common import plugins
 from services.common.errors import InvalidArgument
+from services.common.plugin_sample import PluginSample
 from services.common.samples import Sample
+from services.reward import verifiers
 from services.reward.client import ScoreResult
-from services.reward.verifiers import builtin_scorer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ def load_reward_function(path: str) -> Callable[..., Awaitable[Any]]:
 async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: str, reward_key: str,
                         timeout_s: float, args: dict[str, Any],
                         semaphore: asyncio.Semaphore | None = None) -> list[ScoreResult]:
-    """One ScoreResult per sample, in order. custom_rm_path wins over rm_type.
+    """One ScoreResult per sample, in order. A sample's custom_rm_path wins over the request's, which wins over
+    rm_type; a user function gets slime's Sample (`slime.utils.types.Sample`).
 
     `semaphore` bounds the samples scored at once (the server shares one over all requests); by default a fresh
     one of DEFAULT_MAX_CONCURRENCY. Raises InvalidArgument for a bad request, never for a failing sample.
@@ -44,18 +46,19 @@ async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: 
     if not timeout_s > 0:
         raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
     if custom_rm_path:
-        fn = load_reward_function(custom_rm_path)
-        namespace = types.SimpleNamespace(**args)
+        load_reward_function(custom_rm_path)
         name = f"custom_rm_path {custom_rm_path}"
-
-        def call(sample: Sample) -> Awaitable[Any]:
-            return fn(namespace, sample)
     else:
-        verifier = builtin_scorer(rm_type)
+        verifiers.check_job_rm_type(rm_type)
         name = f"rm_type {rm_type}"
+    namespace = types.SimpleNamespace(**args)
 
-        def call(sample: Sample) -> Awaitable[Any]:
-            return asyncio.to_thread(verifier, sample.response, sample.label)
+    def call(sample: Sample) -> Awaitable[Any]:
+        """slime's order: the sample's own custom_rm_path, the job's, then the rm_type."""
+        path = sample.custom_rm_path or custom_rm_path
+        if path:
+            return load_reward_function(path)(namespace, PluginSample.from_record(sample))
+        return verifiers.score_builtin(sample, rm_type, args)
 
     semaphore = semaphore or asyncio.Semaphore(DEFAULT_MAX_CONCURRENCY)
 

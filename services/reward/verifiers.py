@@ -1,81 +1,68 @@
-"""Built-in scorers (slime's --rm-type): plain functions (response, label) -> float, picked by name.
+"""Built-in scorers (slime's --rm-type), picked per sample: metadata["rm_type"] wins over the job's rm_type, and a
+"boxed_" prefix scores only the response's last \\boxed{} content, as slime does.
 
-They run in worker threads; math-verify's own signal-based timeouts are off, the caller's per-sample timeout rules.
+The rule-based ones run in worker threads (sympy may be slow); the caller's per-sample timeout rules.
 """
 
 from __future__ import annotations
 
-import logging
-import re
+import asyncio
+import random
 from collections.abc import Callable
+from typing import Any
 
-from math_verify import parse, verify
+from services.common.samples import Sample
+from services.reward.client import RM_TYPES, check_rm_type
+from services.reward.rm.boxed import boxed_answer
+from services.reward.rm.choice import gpqa_reward
+from services.reward.rm.dapo import dapo_reward
+from services.reward.rm.math import deepscaler_reward, math_reward
+from services.reward.rm.remote import remote_reward
+from services.reward.rm.text import f1_reward
 
-from services.common.errors import InvalidArgument
-
-logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings: we time out ourselves
-
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER = re.compile(r"answer\s*:", re.IGNORECASE)
-_NUMBER = re.compile(r"(?<![\d)])-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} in text, braces balanced; None if there is none (or it is unclosed)."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    depth, start = 1, starts[-1]
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start:i]
-    return None
+BOXED_PREFIX = "boxed_"
 
 
-def extract_answer(response: str) -> str | None:
-    """The last \\boxed{} answer, else the line after the last "Answer:", else the last number; None if none."""
-    boxed = last_boxed(response)
-    if boxed is not None:
-        return boxed
-    answers = list(_ANSWER.finditer(response))
-    if answers:
-        line = response[answers[-1].end():].strip().split("\n", 1)[0].strip().rstrip(".").strip("$ ")
-        if line:
-            return line
-    numbers = _NUMBER.findall(response)
-    return numbers[-1].rstrip(",") if numbers else None
+def exact_match(response: str, label: Any) -> float:
+    """1.0 if response and label are equal after stripping surrounding whitespace, else 0.0 (Physarum's own)."""
+    return 1.0 if response.strip() == str(label).strip() else 0.0
 
 
-def _parse(answer: str) -> list:
-    return parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+# (response, label, metadata) -> score
+_RULES: dict[str, Callable[[str, Any, dict[str, Any]], Any]] = {
+    "exact_match": lambda r, label, m: exact_match(r, label),
+    "math": lambda r, label, m: math_reward(r, label),
+    "deepscaler": lambda r, label, m: deepscaler_reward(r, label),
+    "dapo": lambda r, label, m: dapo_reward(r, label),
+    "f1": lambda r, label, m: f1_reward(r, label),
+    "gpqa": lambda r, label, m: gpqa_reward(r, label, metadata=m),
+    "random": lambda r, label, m: random.randint(0, 1),
+}
+assert set(_RULES) | {"remote_rm"} == set(RM_TYPES), "services.reward.client.RM_TYPES lists every built-in"
 
 
-def math(response: str, label: str) -> float:
-    """1.0 if the response's final answer equals the label mathematically (math-verify), else 0.0."""
-    answer = extract_answer(response)
-    if answer is None:
-        return 0.0
-    gold = _parse(last_boxed(label) or label)
-    target = _parse(answer)
-    if not gold or not target:
-        return 0.0
-    return 1.0 if verify(gold, target, timeout_seconds=None) else 0.0
+def sample_rm_type(sample: Sample, job_rm_type: str) -> str:
+    """slime's choice: the sample's metadata["rm_type"], else the job's."""
+    metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+    return str(metadata.get("rm_type") or job_rm_type or "").strip()
 
 
-def exact_match(response: str, label: str) -> float:
-    """1.0 if response and label are equal after stripping surrounding whitespace, else 0.0."""
-    return 1.0 if response.strip() == label.strip() else 0.0
+async def score_builtin(sample: Sample, job_rm_type: str, args: dict[str, Any]) -> Any:
+    """The sample's score under its rm_type; raises (failing only this sample) for an unknown or unset one."""
+    rm_type = sample_rm_type(sample, job_rm_type)
+    check_rm_type(rm_type, where=f"sample {sample.index}")
+    response = sample.response
+    if rm_type.startswith(BOXED_PREFIX):
+        response = boxed_answer(response) or ""
+        rm_type = rm_type[len(BOXED_PREFIX):]
+    if rm_type == "remote_rm":
+        # slime posts the sample as it is, even under boxed_remote_rm
+        return await remote_reward(str(args.get("rm_url") or ""), sample.prompt, sample.response, sample.label)
+    return await asyncio.to_thread(_RULES[rm_type], response, sample.label, sample.metadata)
 
 
-BUILTIN_SCORERS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match, "math": math}
+def check_job_rm_type(rm_type: str) -> None:
+    """A request's rm_type must be a built-in (or empty: then every sample's metadata names one)."""
+    if rm_type:
+        check_rm_type(rm_type)
 
-
-def builtin_scorer(rm_type: str) -> Callable[[str, str], float]:
-    """The built-in scorer named rm_type; InvalidArgument listing the valid names otherwise."""
-    scorer = BUILTIN_SCORERS.get(rm_type)
-    if scorer is None:
-        valid = ", ".join(sorted(BUILTIN_SCORERS))
-        got = f"unknown rm_type {rm_type!r}" if rm_type else "rm_type is empty"
-        raise InvalidArgument(f"{got}; expected one of {valid}, or set custom_rm_path")
-    return scorer

@@ -18,6 +18,7 @@ from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_client import GrpcClient
 from services.common.samples import dict_to_struct, struct_to_dict
+from services.reward.client import check_rm_type
 
 LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
 
@@ -41,9 +42,14 @@ class RolloutConfig:
     rollout_max_response_len: int = field(1024, "most tokens generated per sample", POSITIVE)
     rollout_stop: list[str] = field([], "stop strings")
     rollout_stop_token_ids: list[int] = field([], "stop token ids")
-    rm_type: str = field("math", "built-in reward: math, dapo, deepscaler, f1, gpqa, exact match, ...")
+    rm_type: str = field("math", "built-in reward, slime's rm_hub: math, deepscaler, dapo, f1, gpqa, remote_rm, random "
+                                 "(a boxed_ prefix scores the last \\boxed{}), or exact_match; a sample's "
+                                 "metadata.rm_type wins")
     custom_rm_path: str = field("", "import path of async def reward(args, sample) -> float (or dict)")
     reward_key: str = field("", "train on sample.reward_scores[reward_key] when a reward function returns a dict")
+    rm_url: str = field("", "rm_type remote_rm: the reward model's HTTP endpoint (POST prompt, response, label)")
+    loss_mask_type: Literal["qwen", "qwen3", "distill"] = field(
+        "qwen", "sft_loss on conversations: how the chat template marks the assistant turns that train")
     reward_timeout_s: float = field(10.0, "seconds a sample's reward may take", POSITIVE)
     loss_type: LossType = field("policy_loss", "policy_loss (RL), sft_loss (NLL of prompt + label, no generation) "
                                                "or custom_loss")
@@ -65,6 +71,9 @@ class RolloutConfig:
     eval_top_p: float | None = field(None, "eval nucleus threshold (None: rollout_top_p)", PROBABILITY)
     eval_max_response_len: int | None = field(None, "eval response limit (None: rollout_max_response_len)",
                                               POSITIVE)
+    eval_top_k: int | None = field(None, "eval top-k sampling (None: rollout_top_k; -1: off)")
+    eval_input_key: str | None = field(None, "the prompt's key in the eval datasets (None: input_key)")
+    eval_label_key: str | None = field(None, "the label's key in the eval datasets (None: label_key)")
     input_key: str = field("input", "the prompt's key in each data row")
     label_key: str = field("label", "the label's key in each data row (slime's default)")
     metadata_key: str = field("metadata", "the metadata's key in each data row")
@@ -78,6 +87,8 @@ class RolloutConfig:
         check_fields(self, InvalidArgument, "rollout config")
         fallbacks = {"eval_temperature": self.rollout_temperature, "eval_top_p": self.rollout_top_p,
                      "eval_max_response_len": self.rollout_max_response_len, "over_sampling_batch_size": 0,
+                     "eval_top_k": self.rollout_top_k, "eval_input_key": self.input_key,
+                     "eval_label_key": self.label_key,
                      "max_inflight_groups": 0}
         for name, value in fallbacks.items():
             if getattr(self, name) is None:
@@ -97,6 +108,12 @@ class RolloutConfig:
             name, _, path = entry.partition("=")
             if not name or not path:
                 raise InvalidArgument(f"rollout config: eval_prompt_data entry {entry!r} is not 'name=path'")
+        if not self.custom_rm_path:
+            if self.rm_type:
+                check_rm_type(self.rm_type, where="rollout config")
+            if self.rm_type.removeprefix("boxed_") == "remote_rm" and not self.rm_url:
+                raise InvalidArgument("rollout config: rm_type remote_rm needs rm_url (the reward model's HTTP "
+                                      "endpoint)")
         if self.group_rm and not self.custom_rm_path:
             raise InvalidArgument("rollout config: group_rm needs custom_rm_path (async def f(args, samples) -> "
                                   "list[float])")

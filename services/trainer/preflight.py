@@ -1,6 +1,7 @@
-"""Submit-time checks of a parsed job spec: what would otherwise fail only after GPUs are allocated. rm_type names a
-built-in scorer, the paths the job reads exist where the trainer (and the buffer, on the same volume) sees them,
-`megatron:` keys are megatron-core's, and plugin import paths import. Every problem is reported at once."""
+"""Submit-time checks of a parsed job spec: what would otherwise fail only after GPUs are allocated. The paths the job
+reads exist where the trainer (and the buffer, on the same volume) sees them, `megatron:` keys are megatron-core's,
+and plugin import paths import; every problem is reported at once. (rm_type is checked by the spec itself, against
+the reward client's list of scorers.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
-from services.reward.client import BUILTIN_RM_TYPES
 from services.trainer.spec import JobSpec
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path")
@@ -31,12 +31,6 @@ def check_paths(spec: JobSpec) -> list[str]:
         if not Path(path).is_file():
             problems.append(f"{key}: no file {path} on the trainer's volumes (the buffer reads it from the same path)")
     return problems
-
-
-def check_rm_type(spec: JobSpec) -> list[str]:
-    if spec.custom_rm_path or spec.rm_type in BUILTIN_RM_TYPES:
-        return []
-    return [f"rm_type: unknown {spec.rm_type!r}; expected one of {', '.join(BUILTIN_RM_TYPES)}, or set custom_rm_path"]
 
 
 def check_plugins(spec: JobSpec) -> list[str]:
@@ -67,7 +61,7 @@ def check_megatron(spec: JobSpec) -> list[str]:
     return []
 
 
-CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_rm_type, check_paths, check_megatron, check_plugins)
+CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_paths, check_megatron, check_plugins)
 
 
 def preflight(spec: JobSpec) -> JobSpec:

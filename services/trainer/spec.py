@@ -16,14 +16,16 @@ from pydantic import ConfigDict, Field, ValidationError, create_model, field_val
 from services.common.config import own_settings, settings
 from services.common.errors import InvalidArgument
 from services.rollout.client import RolloutConfig
+from services.trainer import slime_args
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.driver.config import DriverConfig
+from services.trainer.slime_config import SlimeConfig
 from services.trainer.sync.config import SyncConfig
 
 # The parts a job configures, in the order the README lists them. Every job-spec key is a setting declared by one of
 # them (a part reusing another's declaration, like TrainConfig's n_samples_per_prompt, adds no key).
-PARTS: tuple[type, ...] = (DriverConfig, RolloutConfig, TrainConfig, LayoutConfig, SyncConfig)
+PARTS: tuple[type, ...] = (DriverConfig, RolloutConfig, TrainConfig, LayoutConfig, SyncConfig, SlimeConfig)
 
 
 def _declared_settings() -> dict[str, tuple[Any, Any]]:
@@ -117,7 +119,12 @@ class JobSpec(_JobSettings):
         """What the manager runs with: the whole spec as the plugins' `args`; a stream bound only in fully_async."""
         stream = (self.max_inflight_groups or self.rollout_batch_size) if self.driver.streams else 0
         return RolloutConfig(**{**self._values(RolloutConfig), "max_inflight_groups": stream}, job_id=self.job_id,
-                             tokenizer_path=self.hf_checkpoint, args=self.model_dump())
+                             tokenizer_path=self.hf_checkpoint, args=self.plugin_args_view())
+
+    def plugin_args_view(self) -> dict[str, Any]:
+        """slime's `args`: slime's default for every flag, the spec's plugin_args, then the spec's own keys."""
+        own = self.model_dump(exclude={"plugin_args", "slime_notes"})
+        return {**slime_args.slime_defaults(), **self.plugin_args, **own}
 
     @property
     def train(self) -> TrainConfig:
@@ -151,9 +158,11 @@ def _unknown_key_message(key: str) -> str:
 
 
 def parse_spec(data: dict[str, Any]) -> JobSpec:
-    """Validate a spec dict; raise InvalidArgument naming the offending field."""
+    """Validate a spec dict (its `slime_args`, a slime argv, converted first); raise InvalidArgument naming the
+    offending field."""
     if not isinstance(data, dict):
         raise InvalidArgument(f"job spec: expected a mapping of slime flag names to values, got {type(data).__name__}")
+    data = slime_args.apply(data, set(JobSpec.model_fields))
     unknown = [k for k in data if k not in JobSpec.model_fields]
     if unknown:
         raise InvalidArgument("; ".join(_unknown_key_message(k) for k in unknown))

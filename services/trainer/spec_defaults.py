@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from services.trainer import slime_args
 from services.trainer.config import TrainerConfig
 from services.trainer.spec import JobSpec, parse_spec
 
@@ -21,6 +22,8 @@ def spec_parser(defaults: dict[str, Any]) -> SpecParser:
     """parse_spec after filling in `defaults` (a spec that is not a mapping is parse_spec's to refuse)."""
 
     def parse(data: Any) -> JobSpec:
-        return parse_spec({**defaults, **data} if isinstance(data, dict) else data)
+        if isinstance(data, dict):  # slime_args carries slime's own defaults (train_backend megatron): first
+            data = {**defaults, **slime_args.apply(data, set(JobSpec.model_fields))}
+        return parse_spec(data)
 
     return parse

@@ -118,3 +118,26 @@ def test_a_configured_token_is_required_on_rest_and_grpc():
         asyncio.run_coroutine_threadsafe(servers.stop(1.0), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_slime_args_submit_over_rest_grpc_and_the_cli(servers, tmp_path):
+    from physarum.cli import load_job_file
+
+    grpc_addr, url = servers
+    argv = (f"--hf-checkpoint {DATA / 'm'} --prompt-data {DATA / 'd.jsonl'} --num-rollout 2 --rollout-batch-size 2 "
+            "--n-samples-per-prompt 4 --rm-type deepscaler --colocate --train-backend fsdp")
+    with JobsRestClient(url) as rest, JobsClient(grpc_addr) as grpc:
+        via_rest = rest.submit({"slime_args": argv, "job_id": "slime-rest"})
+        via_grpc = grpc.submit({"slime_args": argv.split(), "job_id": "slime-grpc"})
+        for job in (via_rest, rest.get("slime-grpc")):
+            spec = job["spec"]
+            assert (spec["rm_type"], spec["n_samples_per_prompt"], spec["train_backend"]) == ("deepscaler", 4, "fsdp")
+            assert spec["plugin_args"]["colocate"] is True and spec["slime_notes"][0].startswith("--colocate: ")
+        assert via_grpc["job_id"] == "slime-grpc"
+        with pytest.raises(InvalidArgument, match="slime_args: --use-opd: on-policy distillation"):
+            grpc.submit({"slime_args": argv + " --use-opd"})
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("job_id: from-file\nrm_type: math\n")
+    assert load_job_file(job_file, ["num_rollout=5"], argv) == {"job_id": "from-file", "rm_type": "math",
+                                                                 "num_rollout": 5, "slime_args": argv}
+    assert load_job_file(None, [], argv) == {"slime_args": argv}

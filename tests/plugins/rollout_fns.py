@@ -57,3 +57,13 @@ def drop_odd_prompts_with_reason(args, samples, **kwargs) -> DynamicFilterOutput
 async def response_length_is(args, sample) -> float:
     """1.0 when the response has args.expected_response_len tokens (eval's max length was used), else 0."""
     return float(sample.response_length == args.expected_response_len)
+
+
+async def reward_in_generate(args, sample, sampling_params):
+    """The default generation; even samples get their reward here (as a multi-agent generate does in slime)."""
+    from services.rollout.generation.generate import generate
+
+    sample = await generate(args, sample, sampling_params)
+    if sample.index % 2 == 0:
+        sample.reward = 100.0
+    return sample

@@ -30,7 +30,7 @@ def test_good_and_bad_jsonl_rows(tmp_path):
         json.dumps({"input": "4+4=", "label": {"answer": 8}}),                          # line 8
     ])
     rows = read_prompts(path, label_key="label")
-    assert [(p.index, p.prompt, p.label) for p in rows.prompts] == [(0, "1+1=", "2"), (1, "4+4=", '{"answer": 8}')]
+    assert [(p.index, p.prompt, p.label) for p in rows.prompts] == [(0, "1+1=", "2"), (1, "4+4=", {"answer": 8})]
     assert rows.prompts[0].metadata == {"source_name": "add"} and rows.prompts[0].messages == []
     assert rows.num_skipped == 5
     assert rows.errors[0].startswith(f"dataset {path} line 2: invalid JSON: Expecting property name")
@@ -52,7 +52,7 @@ def test_keys_labels_and_chat_messages(tmp_path):
     ])
     rows = read_prompts(path, input_key="q", label_key="a", metadata_key="meta", apply_chat_template=True)
     assert rows.prompts[0].messages == [{"role": "user", "content": "hello"}] and rows.prompts[0].prompt == ""
-    assert rows.prompts[0].label == "46" and rows.prompts[0].metadata == {"k": 1.5}
+    assert rows.prompts[0].label == 46 and rows.prompts[0].metadata == {"k": 1.5}
     assert rows.prompts[1].messages == messages and rows.prompts[1].label == ""
     # a message without content (or with None) is an empty string; a non-string content is an error
     assert rows.prompts[2].messages == [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
@@ -130,3 +130,21 @@ def test_bad_files(tmp_path):
     empty.write_text("\n")
     with pytest.raises(InvalidArgument, match="no valid prompts .0 rows skipped.: the selected rows are empty"):
         read_prompts(str(empty))
+
+
+def test_labels_keep_their_json_type_through_the_proto():
+    from services.common.samples import (
+        Prompt,
+        Sample,
+        prompt_from_proto,
+        prompt_to_proto,
+        sample_from_proto,
+        sample_to_proto,
+    )
+    for label in ["7", {"ground_truth": ["a", "b"]}, [1, 2], 3, 2.5, None, True]:
+        prompt = Prompt(job_id="j", index=0, epoch=0, label=label)
+        assert prompt_from_proto(prompt_to_proto(prompt)).label == label
+        back = sample_from_proto(sample_to_proto(Sample(label=label, rollout_id=4, train_metadata={"k": "v"})))
+        assert (back.label, type(back.label), back.rollout_id, back.train_metadata) == \
+            (label, type(label), 4, {"k": "v"})
+    assert sample_from_proto(sample_to_proto(Sample())).rollout_id is None

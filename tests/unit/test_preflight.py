@@ -1,13 +1,11 @@
-"""Submit-time checks: a bad rm_type, a path the trainer cannot see, a megatron key megatron-core lacks and a plugin
-that does not import are refused at submit, all named in one message; a good spec passes unchanged."""
+"""Submit-time checks: a path the trainer cannot see, a megatron key megatron-core lacks and a plugin that does not
+import are refused at submit, all named in one message; a bad rm_type already at parsing; a good spec passes."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.reward.client import BUILTIN_RM_TYPES
-from services.reward.verifiers import BUILTIN_SCORERS
 from services.trainer.preflight import preflight, with_preflight
 from services.trainer.spec import parse_spec
 
@@ -30,12 +28,11 @@ def test_a_good_spec_passes_unchanged(paths):
 
 def test_every_problem_is_named_in_one_refusal(paths, tmp_path):
     spec = parse_spec({**paths, "hf_checkpoint": str(tmp_path / "nowhere"),
-                       "prompt_data": str(tmp_path / "missing.jsonl"), "rm_type": "maths",
+                       "prompt_data": str(tmp_path / "missing.jsonl"),
                        "dynamic_sampling_filter_path": "no_such_pkg.filters.keep"})
     with pytest.raises(InvalidArgument) as err:
         preflight(spec)
     message = str(err.value)
-    assert "rm_type: unknown 'maths'; expected one of exact_match, math, or set custom_rm_path" in message
     assert f"hf_checkpoint: {tmp_path / 'nowhere'} is no Hugging Face model directory" in message
     assert f"prompt_data: no file {tmp_path / 'missing.jsonl'}" in message
     assert "dynamic_sampling_filter_path: module 'no_such_pkg.filters' of 'no_such_pkg.filters.keep'" in message
@@ -44,6 +41,11 @@ def test_every_problem_is_named_in_one_refusal(paths, tmp_path):
 def test_hub_ids_and_builtin_filter_names_are_not_paths(paths):
     spec = parse_spec({**paths, "hf_checkpoint": "Qwen/Qwen3-0.6B", "dynamic_sampling_filter_path": "nonzero_std"})
     assert preflight(spec) is spec
+
+
+def test_a_bad_rm_type_is_refused_at_submit(paths):
+    with pytest.raises(InvalidArgument, match=r"unknown rm_type 'maths'; expected one of math"):
+        with_preflight(parse_spec)({**paths, "rm_type": "maths"})
 
 
 def test_a_custom_reward_function_replaces_the_rm_type_check(paths):
@@ -63,7 +65,3 @@ def test_the_submit_parser_parses_then_checks(paths):
     assert parse(paths).hf_checkpoint == paths["hf_checkpoint"]
     with pytest.raises(InvalidArgument, match="prompt_data: no file"):
         parse({**paths, "prompt_data": "/nowhere.jsonl"})
-
-
-def test_the_trainer_knows_the_reward_services_builtin_scorers():
-    assert sorted(BUILTIN_RM_TYPES) == sorted(BUILTIN_SCORERS)

@@ -59,7 +59,7 @@ def test_run_eval_generates_every_prompt_with_eval_sampling_and_gives_the_prompt
     """3 eval prompts x 4 samples; prompt i's first c_i requests answer "1" (reward 1), the others "12" (reward 2,
     not a pass): c = 4, 1, 0."""
     data = tmp_path / "eval.jsonl"
-    data.write_text("".join(json.dumps({"input": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
     served = {0: 0, 1: 0, 2: 0}
     correct = {0: 4, 1: 1, 2: 0}
 
@@ -71,7 +71,8 @@ def test_run_eval_generates_every_prompt_with_eval_sampling_and_gives_the_prompt
     buffer, router = FakeBuffer(2), ScriptedRouter(script=script)
     manager, reward = new_manager(buffer, router, tiny_model_dir)
     cfg = rollout_config(eval_prompt_data=[f"math={data}"], n_samples_per_eval_prompt=4, eval_temperature=0.3,
-                         eval_top_p=0.5, eval_max_response_len=3, label_key="answer")
+                         eval_top_p=0.5, eval_max_response_len=3, eval_top_k=20, eval_input_key="question",
+                         eval_label_key="answer")
 
     async def run():
         first = await manager.run_eval(cfg, 4, "5")
@@ -91,8 +92,8 @@ def test_run_eval_generates_every_prompt_with_eval_sampling_and_gives_the_prompt
         "eval/math-pass@4": (1 + 1 + 0) / 3})
     body, _ = router.requests[0]
     assert body["rid"].startswith("job-eval4-")
-    assert {k: body["sampling_params"][k] for k in ("temperature", "top_p", "max_new_tokens")} == {
-        "temperature": 0.3, "top_p": 0.5, "max_new_tokens": 3}
+    assert {k: body["sampling_params"][k] for k in ("temperature", "top_p", "max_new_tokens", "top_k")} == {
+        "temperature": 0.3, "top_p": 0.5, "max_new_tokens": 3, "top_k": 20}
     eval_buffer = buffer.others["job.eval.math"]
     assert not eval_buffer.leased and len(eval_buffer.returned) == 3 and not buffer.groups  # eval writes nothing
     assert {s.label for s in eval_buffer.returned} == {"1", "2", "3"} and reward.calls

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 
 import httpx
 import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.plugin_sample import PluginSample as RolloutSample
 from services.common.samples import Sample, Status
 from services.rollout.generation import generate as gen
-from services.rollout.generation.generate import GenerateContext, RolloutSample
+from services.rollout.generation.generate import GenerateContext
 from tests.unit.rollout_fakes import reply
 
 
@@ -157,12 +159,40 @@ def test_run_generate_passes_evaluation_and_checks_the_result():
         return fn
 
     async def run():
-        ok = await gen.run_generate(takes_evaluation, None, RolloutSample(tokens=[1]), {}, evaluation=True, what="w")
+        [ok] = await gen.run_generate(takes_evaluation, None, RolloutSample(tokens=[1]), {}, evaluation=True,
+                                      what="w")
         assert ok.metadata["evaluation"] is True and ok.status == Status.COMPLETED  # PENDING -> COMPLETED
-        for value, message in (([RolloutSample()], "fan-out"), ("x", "returned str"),
+        for value, message in (([], "returned an empty list"), ("x", "returned str"),
                                (Sample(tokens=[1, 2], response_length=1), "response_length 1 with 0 loss_mask")):
             with pytest.raises(InvalidArgument, match=message):
                 await gen.run_generate(await returns(value), None, RolloutSample(), {}, evaluation=False, what="w")
+
+    asyncio.run(run())
+
+
+def test_run_generate_takes_slimes_docs_function_a_list_and_none_log_probs():
+    """slime's docs' generate sets tokens, response and response_length only: loss_mask becomes all ones,
+    rollout_log_probs none (refused when the job trains on them); a list of samples joins the group."""
+    async def docs_style(args, sample, sampling_params):
+        sample.tokens, sample.response, sample.response_length = sample.tokens + [5, 6], "ab", 2
+        return sample
+
+    async def fan_out(args, sample, sampling_params):
+        first = RolloutSample(tokens=[1, 5], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5])
+        second = RolloutSample(tokens=[1, 6], response_length=1, rollout_id=7)
+        return [first, second]
+
+    async def run():
+        sample = RolloutSample(tokens=[1], group_index=3, index=1)
+        [out] = await gen.run_generate(docs_style, types.SimpleNamespace(), sample, {}, evaluation=False, what="w")
+        assert (out.loss_mask, out.rollout_log_probs, out.status) == ([1, 1], [], Status.COMPLETED)
+        with pytest.raises(InvalidArgument, match="left rollout_log_probs None, but use_tis trains on"):
+            await gen.run_generate(docs_style, types.SimpleNamespace(use_tis=True), RolloutSample(tokens=[1]), {},
+                                   evaluation=False, what="w")
+        outs = await gen.run_generate(fan_out, None, RolloutSample(tokens=[1], group_index=3, index=1), {},
+                                      evaluation=False, what="w")
+        assert [(o.group_index, o.index, o.rollout_id, o.loss_mask) for o in outs] == [(3, 1, None, [1]),
+                                                                                       (3, 1, 7, [1])]
 
     asyncio.run(run())
 
@@ -174,3 +204,19 @@ def test_load_generate_function_checks_the_signature():
     assert gen.load_generate_function("tests.plugins.rollout_fns.model_tool_model") is model_tool_model
     with pytest.raises(InvalidArgument, match="custom_generate_function_path: .* must be an async function"):
         gen.load_generate_function("tests.plugins.rollout_fns.keep_even_prompts")
+
+
+def test_attributes_a_generate_function_sets_reach_the_reward_function():
+    from services.common.plugin_sample import PluginSample
+    from services.common.samples import sample_from_proto, sample_to_proto
+
+    async def counts_tools(args, sample, sampling_params):
+        sample.append_response_tokens(args, tokens=[5], log_probs=[-0.1])
+        sample.tool_call_count, sample.payload_text, sample.unsendable = 2, "text", object()
+        return sample
+
+    [out] = asyncio.run(gen.run_generate(counts_tools, None, RolloutSample(tokens=[1]), {}, evaluation=False,
+                                         what="w"))
+    at_reward = PluginSample.from_record(sample_from_proto(sample_to_proto(out)))  # as the reward service sees it
+    assert (at_reward.tool_call_count, at_reward.payload_text) == (2, "text")
+    assert not hasattr(at_reward, "unsendable") and "slime_sample_attrs" not in at_reward.metadata

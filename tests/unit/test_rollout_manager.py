@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.samples import SampleGroup, Status, group_id_for
+from services.common.samples import Prompt, SampleGroup, Status, group_id_for
 from services.rollout.client import RolloutConfig, RolloutState
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.generation.prompts import PromptEncoder
@@ -164,12 +164,28 @@ def test_sft_rollout_builds_label_responses_without_generation(tiny_model_dir, e
     assert sample.reward == 0.0 and sample.status == Status.COMPLETED and sample.weight_versions == ["v7"]
 
 
+def test_sft_on_conversations_trains_the_assistant_turns(tiny_model_dir, encoder):
+    from services.rollout.generation.loss_masks import LossMasker, response_length
+
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    buffer = FakeBuffer(prompts=[Prompt(job_id=JOB, index=i, epoch=0, messages=chat) for i in range(2)])
+    cfg = config(loss_type="sft_loss", rollout_batch_size=2, args={"loss_mask_type": "qwen3"})
+    status, reward = asyncio.run(run_rollout(buffer, Engine(), cfg, tiny_model_dir))
+    assert status.state == RolloutState.DONE and not reward.calls
+    sample = buffer.groups[group_id_for(JOB, 0, 1)].samples[0]
+    ids, mask = LossMasker(encoder, "qwen3").tokens_and_mask(chat)
+    n = response_length(mask)
+    assert (sample.tokens, sample.response_length, sample.loss_mask) == (ids, n, mask[-n:])
+    assert sample.response.startswith("2") and sum(sample.loss_mask) == 6  # "2" and "4", each + <|im_end|> + "\n"
+
+
 def test_sft_without_label_fails_naming_the_prompt(tiny_model_dir):
     buffer = FakeBuffer(1)
     buffer.fresh[0].label = ""
     status, _ = asyncio.run(run_rollout(buffer, Engine(), config(loss_type="sft_loss", rollout_batch_size=1),
                                         tiny_model_dir))
-    assert status.state == RolloutState.FAILED and "prompt 0 has none" in status.error
+    assert status.state == RolloutState.FAILED and "prompt 0 has neither" in status.error
 
 
 # ----- over-sampling, abort, dynamic filters, custom generate functions -----

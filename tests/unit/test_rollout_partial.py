@@ -15,7 +15,7 @@ PROMPT = Prompt(job_id="job", index=4, epoch=1, prompt="4+1=")
 
 
 def sample(response_length: int, status: Status = Status.ABORTED):
-    from services.rollout.generation.generate import RolloutSample
+    from services.common.plugin_sample import PluginSample as RolloutSample
 
     return RolloutSample(prompt="4+1=", tokens=[1] * (3 + response_length), response_length=response_length,
                          loss_mask=[1] * response_length, rollout_log_probs=[-1.0] * response_length, status=status)

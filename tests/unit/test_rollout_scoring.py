@@ -49,3 +49,16 @@ def test_group_reward_values_may_be_dicts_picked_by_reward_key():
     assert _reward_value({"acc": 1.0}, "", "f")[2] == "f: a dict reward (keys acc) needs reward_key"
     assert _reward_value(float("nan"), "", "f")[2] == "f: reward nan is not a finite number"
     assert _reward_value(True, "", "f") == (1.0, {}, "")
+
+
+def test_a_reward_the_generate_function_set_is_kept(tiny_model_dir):
+    buffer = FakeBuffer(2)
+    router = ScriptedRouter(script=lambda body, headers: reply([17, 18, 0], "12"))
+    manager, reward = new_manager(buffer, router, tiny_model_dir)
+    cfg = rollout_config(rollout_batch_size=2, n_samples_per_prompt=3,
+                         custom_generate_function_path="tests.plugins.rollout_fns.reward_in_generate")
+    status = asyncio.run(rollout(manager, cfg, 0))
+    asyncio.run(manager.close())
+    assert status.state == RolloutState.DONE
+    rewards = [[s.reward for s in g.samples] for g in buffer.rollout_groups(0)]
+    assert rewards == [[100.0, 2.0, 100.0]] * 2  # odd samples scored by the service: len("12")

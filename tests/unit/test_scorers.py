@@ -24,33 +24,6 @@ def score(samples, *, rm_type="", custom_rm_path="", reward_key="", timeout_s=5.
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("response, label, expected", [
-    (r"so the sum is \boxed{46}", "46", 1.0),
-    ("the answer is 46", "46", 1.0),
-    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
-    (r"first \boxed{7}, then \boxed{\frac{3}{4}} in the end", "0.75", 1.0),   # the last box, nested braces
-    (r"\boxed{\frac{3}{4}}", r"\frac{3}{4}", 1.0),
-    ("Answer: 1,000.", "1000", 1.0),
-    ("12+34=46", "46", 1.0),
-    ("5-3", "3", 1.0),                                                    # subtraction, not the number -3
-    (r"\boxed{45}", "46", 0.0),
-    (r"\boxed{\frac{3}{4}}", "0.5", 0.0),
-    ("the answer is 47", "46", 0.0),
-    (r"\boxed{46} wait, no: 45", "45", 0.0),                              # a box wins over later numbers
-    ("I do not know", "46", 0.0),
-    ("", "46", 0.0),
-    ("46", "", 0.0),
-])
-def test_math(response, label, expected):
-    assert verifiers.math(response, label) == expected
-
-
-def test_last_boxed_balances_braces():
-    assert verifiers.last_boxed(r"\boxed{1} and \boxed{\frac{a}{b^{2}}}.") == r"\frac{a}{b^{2}}"
-    assert verifiers.last_boxed(r"\boxed{\frac{3}{4}") is None             # unclosed
-    assert verifiers.last_boxed("46") is None
-
-
 def test_exact_match():
     assert verifiers.exact_match("  46\n", "46 ") == 1.0
     assert verifiers.exact_match("46.0", "46") == 0.0
@@ -64,10 +37,16 @@ def test_builtin_rm_type_through_score_samples():
 
 
 def test_unknown_rm_type_lists_valid_names():
-    with pytest.raises(InvalidArgument, match=r"unknown rm_type 'maths'; expected one of exact_match, math"):
+    with pytest.raises(InvalidArgument, match=r"unknown rm_type 'maths'; expected one of math, deepscaler, dapo"):
         score([Sample()], rm_type="maths")
-    with pytest.raises(InvalidArgument, match="rm_type is empty"):
-        score([Sample()])
+    with pytest.raises(InvalidArgument, match="rm_type 'boxed_ifbench' is not supported: .*IFBench"):
+        score([Sample()], rm_type="boxed_ifbench")
+
+
+def test_empty_rm_type_fails_only_the_samples_whose_metadata_names_none():
+    results = score([Sample(response=r"\boxed{4}", label="4", metadata={"rm_type": "math"}), Sample(index=1)])
+    assert results[0] == ScoreResult(1.0, True)
+    assert not results[1].ok and "sample 1: rm_type is not set" in results[1].error
 
 
 def test_bad_timeout_is_invalid():

@@ -104,3 +104,16 @@ def test_slime_argument_list_gives_the_same_spec():
     assert spec.rollout_stop == ["\n", "END"]
     with pytest.raises(InvalidArgument, match="expected a --flag"):
         slime_args_to_dict(["rollout-batch-size", "4"])
+
+
+def test_unknown_rm_type_is_refused_at_submit():
+    base = {"hf_checkpoint": "m", "prompt_data": "d.jsonl", "num_rollout": 1, "rollout_batch_size": 1}
+    with pytest.raises(InvalidArgument, match="rollout config: unknown rm_type 'deepscalar'; expected one of math"):
+        parse_spec({**base, "rm_type": "deepscalar"})
+    with pytest.raises(InvalidArgument, match="rm_type 'ifbench' is not supported"):
+        parse_spec({**base, "rm_type": "ifbench"})
+    with pytest.raises(InvalidArgument, match="rm_type remote_rm needs rm_url"):
+        parse_spec({**base, "rm_type": "remote_rm"})
+    assert parse_spec({**base, "rm_type": "boxed_deepscaler"}).rm_type == "boxed_deepscaler"
+    assert parse_spec({**base, "rm_type": "remote_rm", "rm_url": "http://rm:8000/score"}).rm_url
+    assert parse_spec({**base, "rm_type": "anything", "custom_rm_path": "pkg.mod.fn"}).custom_rm_path

@@ -62,7 +62,7 @@ async def run_eval(buffer: BufferClient, reward: RewardClient, gen: Generation, 
     for name, path in config.eval_datasets.items():
         eval_job = f"{config.job_id}.eval.{name}"
         info = await asyncio.to_thread(
-            buffer.load_dataset, eval_job, path, input_key=config.input_key, label_key=config.label_key,
+            buffer.load_dataset, eval_job, path, input_key=config.eval_input_key, label_key=config.eval_label_key,
             metadata_key=config.metadata_key, apply_chat_template=config.apply_chat_template)
         if not info.num_prompts:
             raise InvalidArgument(f"eval dataset {name} ({path}): no usable prompts ({'; '.join(info.errors)})")

@@ -2,8 +2,9 @@
 generate functions build on: `router_generate` (the manager's router client, with deadlines, bounded retries, session
 routing and abort) and `append_response_tokens` (loss masks and log-probs of multi-turn samples).
 
-A custom function keeps slime's signature, `async def generate(args, sample, sampling_params) -> Sample`; `args` is
-the job spec as a namespace (plus `sglang_router_ip` / `sglang_router_port`). Knows nothing of the buffer or gRPC.
+A custom function keeps slime's signature, `async def generate(args, sample, sampling_params) -> Sample | list`; it
+gets slime's Sample (services/common/plugin_sample.py); `args` is the job spec as a namespace (plus
+`sglang_router_ip` / `sglang_router_port`). Knows nothing of the buffer or gRPC.
 """
 
 from __future__ import annotations
@@ -18,71 +19,26 @@ import types
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 
 from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Sample, Status
 
 log = logging.getLogger(__name__)
 
 STICKY_POLICIES = ("consistent_hashing", "manual")  # router policies that route by X-SMG-Routing-Key
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-EXPECTED = "async def generate(args, sample, sampling_params) -> Sample"
-# meta_info key router_generate adds: the pool's settled weight version when the request was sent (the engine's
-# weight_version is the one it ended with; an update in between makes the sample's tokens span both).
-START_VERSION_KEY = "physarum_start_weight_version"
+EXPECTED = "async def generate(args, sample, sampling_params) -> Sample | list[Sample]"
+# the settings that train on the engines' log-probs: a generate function must keep them
+LOG_PROB_SETTINGS = ("use_rollout_logprobs", "use_tis")
 
 
 class _RetryableError(Exception):
     """A /generate attempt that may succeed on another try (engine restarting, request aborted by the engine)."""
-
-
-@dataclass
-class RolloutSample(Sample):
-    """The Sample a generate function gets: slime's field names, plus slime's `session_id`, `Sample.Status` and
-    `append_response_tokens`."""
-
-    Status: ClassVar[type[Status]] = Status
-    session_id: str = ""  # one per sample; the routing key under a sticky router policy
-
-    def append_response_tokens(self, args: Any = None, *, tokens: list[int], log_probs: list[float] | None = None,
-                               trainable: bool = True, meta_info: dict | None = None, text: str | None = None,
-                               update_terminal_info: bool = True) -> None:
-        """slime's signature (`args` is unused)."""
-        append_response_tokens(self, tokens, log_probs=log_probs, trainable=trainable, meta_info=meta_info,
-                               text=text, update_terminal_info=update_terminal_info)
-
-
-def append_response_tokens(sample: Sample, tokens: list[int], *, log_probs: list[float] | None = None,
-                           trainable: bool = True, meta_info: dict | None = None, text: str | None = None,
-                           update_terminal_info: bool = True) -> None:
-    """Extend the response as slime's Sample.append_response_tokens does: model tokens (trainable) need their
-    log-probs and get loss_mask 1; tool or environment tokens get loss_mask 0 and log-prob 0. A segment with tokens
-    records meta_info's weight_version; with update_terminal_info, meta_info's finish_reason sets the status."""
-    tokens = [int(t) for t in tokens]
-    if log_probs is not None and len(log_probs) != len(tokens):
-        raise InvalidArgument(f"append_response_tokens: {len(log_probs)} log_probs for {len(tokens)} tokens")
-    if tokens and trainable and log_probs is None:
-        raise InvalidArgument("append_response_tokens: trainable tokens need their log_probs")
-    if tokens and not trainable and log_probs is not None:
-        raise InvalidArgument("append_response_tokens: tokens that are not trainable take no log_probs (they get 0)")
-    sample.tokens = list(sample.tokens) + tokens
-    sample.response_length += len(tokens)
-    sample.loss_mask = list(sample.loss_mask) + [int(trainable)] * len(tokens)
-    sample.rollout_log_probs = list(sample.rollout_log_probs) + (
-        [float(lp) for lp in log_probs] if trainable else [0.0] * len(tokens))
-    if text:
-        sample.response += text
-    meta_info = meta_info or {}
-    if tokens and meta_info.get("weight_version") is not None:
-        # A request that crossed a weight update records the version it started with too: its oldest tokens'.
-        end, start = str(meta_info["weight_version"]), meta_info.get(START_VERSION_KEY)
-        sample.weight_versions = [*sample.weight_versions, *([str(start)] if start not in (None, end) else []), end]
-    if update_terminal_info and meta_info.get("finish_reason"):
-        sample.status = Status.from_finish_reason(meta_info["finish_reason"].get("type", ""))
 
 
 def append_reply(sample: Sample, reply: dict[str, Any], trainable: bool = True) -> str:
@@ -209,24 +165,22 @@ def load_generate_function(path: str) -> Callable[..., Any]:
 
 
 async def run_generate(fn: Callable[..., Any], args: Any, sample: Sample, sampling_params: dict[str, Any], *,
-                       evaluation: bool, what: str) -> Sample:
-    """Call a generate function (with `evaluation=` when it takes it, as slime does) and check what it returns."""
+                       evaluation: bool, what: str) -> list[Sample]:
+    """Call a generate function (with `evaluation=` when it takes it, as slime does) and check what it returns:
+    one sample or a list of them (slime's fan-out), each finished as a core record."""
     kwargs = {"evaluation": evaluation} if "evaluation" in inspect.signature(fn).parameters else {}
     result = await fn(args, sample, dict(sampling_params), **kwargs)
     name = getattr(fn, "__qualname__", str(fn))
-    if isinstance(result, list):
-        raise InvalidArgument(f"{what}: generate function {name} returned a list: fan-out to several samples is not "
-                              f"supported; return one Sample")
-    if not isinstance(result, Sample):
-        raise InvalidArgument(f"{what}: generate function {name} returned {type(result).__name__}; expected {EXPECTED}")
-    n = result.response_length
-    if not (len(result.loss_mask) == len(result.rollout_log_probs) == n < len(result.tokens)):
-        raise InvalidArgument(f"{what}: generate function {name} returned response_length {n} with "
-                              f"{len(result.loss_mask)} loss_mask, {len(result.rollout_log_probs)} rollout_log_probs "
-                              f"and {len(result.tokens)} tokens (use sample.append_response_tokens)")
-    if result.status == Status.PENDING:
-        result.status = Status.COMPLETED
-    return result
+    results = result if isinstance(result, list) else [result]
+    if not results or not all(isinstance(r, Sample) for r in results):
+        got = ", ".join(sorted({type(r).__name__ for r in results})) or "an empty list"
+        raise InvalidArgument(f"{what}: generate function {name} returned {got}; expected {EXPECTED}")
+    needs = next((flag for flag in LOG_PROB_SETTINGS if getattr(args, flag, False)), "")
+    for out in results:  # samples a fan-out built from scratch belong to the same prompt
+        out.group_index = sample.group_index if out.group_index is None else out.group_index
+        out.index = sample.index if out.index is None else out.index
+    return [finish_plugin_sample(r, needs_log_probs=needs, what=f"{what}: generate function {name}")
+            for r in results]
 
 
 def sampling_params(*, temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop: list[str],

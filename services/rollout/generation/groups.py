@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 
 from services.common.errors import InvalidArgument
+from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
 from services.rollout.client import RolloutConfig
 from services.rollout.generation.generate import (
     GenerateContext,
-    RolloutSample,
     load_generate_function,
     new_session_id,
     plugin_args,
@@ -25,6 +25,7 @@ from services.rollout.generation.generate import (
     sampling_params,
     use_context,
 )
+from services.rollout.generation.loss_masks import conversation_sample, is_conversation
 from services.rollout.generation.partial import FINISHED
 from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.generation.scoring import load_group_reward
@@ -62,7 +63,8 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: in
         name, rid_prefix = f"rollout {rollout_id} of job {job}", f"{job}-{rollout_id}"
         temperature, top_p, max_new_tokens, n = (config.rollout_temperature, config.rollout_top_p,
                                                  config.rollout_max_response_len, config.n_samples_per_prompt)
-    params = sampling_params(temperature=temperature, top_p=top_p, top_k=config.rollout_top_k,
+    top_k = config.eval_top_k if evaluation else config.rollout_top_k
+    params = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k,
                              max_new_tokens=max_new_tokens, stop=config.rollout_stop,
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
@@ -70,15 +72,16 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: in
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation)
 
 
-def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> RolloutSample:
-    """Sample j of the group answering `prompt`: its tokens are the prompt's, its response empty."""
-    return RolloutSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
+def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> PluginSample:
+    """Sample j of the group answering `prompt` (slime's Sample): its tokens are the prompt's, its response empty."""
+    return PluginSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
                          metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
                          session_id=new_session_id())
 
 
 async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:
-    """Run the generate function on every unfinished sample of a group, concurrently; the first error fails it."""
+    """Run the generate function on every unfinished sample of a group, concurrently; the first error fails it.
+    A function that returns a list (slime's fan-out) puts all its samples in the group, renumbered in order."""
     use_context(gen.ctx)
     todo = [j for j, s in enumerate(samples) if s.status not in FINISHED]
     try:
@@ -88,20 +91,30 @@ async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]
                 what=f"{gen.ctx.name}: prompt {samples[j].group_index} sample {j}")) for j in todo}
     except ExceptionGroup as group_err:
         raise group_err.exceptions[0] from None
-    return [running[j].result() if j in running else s for j, s in enumerate(samples)]
+    group = [out for j, s in enumerate(samples) for out in (running[j].result() if j in running else [s])]
+    if len(group) != len(samples):
+        for position, sample in enumerate(group):
+            sample.index = position
+    return group
 
 
 def sft_sample(encoder: PromptEncoder, prompt: Prompt, text: str, prompt_ids: list[int], index: int,
-               weight_version: str, what: str) -> Sample:
-    """slime's sft rollout: the response is the label's tokens + eos; no generation, no reward."""
-    if not prompt.label:
-        raise InvalidArgument(f"{what}: sft_loss needs a label, prompt {prompt.index} has none "
-                              f"(load the dataset with label_key)")
+               weight_version: str, what: str, loss_mask_type: str = "qwen") -> Sample:
+    """slime's sft rollout: a conversation trains on its assistant turns (loss_mask_type); a prompt on its label's
+    tokens + eos. No generation; reward 0."""
+    if is_conversation(prompt.messages):
+        sample = conversation_sample(new_sample(prompt, text, prompt_ids, index), encoder, prompt.messages,
+                                     loss_mask_type)
+        sample.status, sample.weight_versions = Status.COMPLETED, [weight_version]
+        return sample
+    if not prompt.label or not isinstance(prompt.label, str):
+        raise InvalidArgument(f"{what}: sft_loss needs a text label or a conversation with assistant turns, "
+                              f"prompt {prompt.index} has neither (load the dataset with label_key)")
     eos = [] if encoder.eos_token_id is None else [encoder.eos_token_id]
     response_ids = encoder.encode_text(prompt.label) + eos
     sample = new_sample(prompt, text, prompt_ids, index)
     sample.tokens = prompt_ids + response_ids
     sample.response, sample.response_length = prompt.label, len(response_ids)
     sample.loss_mask, sample.rollout_log_probs = [1] * len(response_ids), [0.0] * len(response_ids)
-    sample.status, sample.weight_versions = Status.COMPLETED, [weight_version]
+    sample.status, sample.weight_versions, sample.reward = Status.COMPLETED, [weight_version], 0.0
     return sample

@@ -349,7 +349,8 @@ class RolloutManager:
         config, gen = run.config, run.gen
         text, prompt_ids = gen.encoder.encode(prompt)
         if config.loss_type == "sft_loss":
-            return [sft_sample(gen.encoder, prompt, text, prompt_ids, j, run.weight_version, run.name)
+            return [sft_sample(gen.encoder, prompt, text, prompt_ids, j, run.weight_version, run.name,
+                               config.loss_mask_type)
                     for j in range(config.n_samples_per_prompt)]
         samples = self.partial.take(config.job_id, prompt, text) if config.partial_rollout else None
         if samples is not None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common import plugins
 from services.common.errors import InvalidArgument, PhysarumError
+from services.common.plugin_sample import PluginSample
 from services.common.samples import Sample
 from services.rollout.client import RolloutConfig
 
@@ -37,11 +38,18 @@ def load_group_reward(path: str) -> Callable[..., Any]:
 
 async def score_group(reward: RewardClient, config: RolloutConfig, args: Any, samples: list[Sample],
                       what: str) -> None:
-    """Set reward, reward_scores and reward_error on every sample of the group."""
+    """Set reward, reward_scores and reward_error on every sample of the group. As in slime, a reward the generate
+    function already set is kept (only group_rm rescores the whole group)."""
     if config.group_rm:
         await _score_with_group_function(config, args, samples, what)
-    else:
-        await _score_with_service(reward, config, samples, what)
+        return
+    preset = [s for s in samples if isinstance(s, PluginSample) and s.reward is not None]
+    for sample in preset:
+        sample.reward, sample.reward_scores, sample.reward_error = _reward_value(
+            sample.reward, config.reward_key, "the reward the generate function set")
+    todo = [s for s in samples if not any(s is p for p in preset)]
+    if todo:
+        await _score_with_service(reward, config, todo, what)
 
 
 async def _score_with_service(reward: RewardClient, config: RolloutConfig, samples: list[Sample], what: str) -> None:

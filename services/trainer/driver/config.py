@@ -40,6 +40,18 @@ class DriverConfig:
     debug_rollout_only: bool = field(False, "generate rollouts, train nothing")
     debug_train_only: bool = field(False, "no engines, no buffer: needs load_debug_rollout_data")
     rollout_timeout_s: float = field(600.0, "seconds a rollout (or an eval) may take", POSITIVE)
+    # W&B, with slime's flags (driver/wandb_log.py)
+    use_wandb: bool = field(False, "log the job's metrics to W&B too, beside the TensorBoard files")
+    wandb_mode: Literal["", "online", "offline", "disabled"] = field("", "W&B mode (empty: WANDB_MODE, else online)")
+    wandb_project: str | None = field(None, "W&B project")
+    wandb_group: str | None = field(None, "W&B group (None: the job id)")
+    wandb_team: str | None = field(None, "W&B entity")
+    wandb_host: str | None = field(None, "W&B server (online mode)")
+    wandb_key: str | None = field(None, "W&B API key (online mode; never logged)")
+    wandb_dir: str | None = field(None, "directory of the W&B run files")
+    wandb_run_id: str | None = field(None, "resume this W&B run")
+    wandb_always_use_train_step: bool = field(False, "every metric's step is train/step")
+    disable_wandb_random_suffix: bool = field(False, "no random suffix on the W&B group and run name")
 
     def __post_init__(self) -> None:
         check_fields(self)

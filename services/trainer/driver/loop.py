@@ -21,7 +21,7 @@ from services.rollout.client import RolloutConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
 from services.trainer.backends.base import TrainBackend
 from services.trainer.backends.registry import build_backend
-from services.trainer.driver import checkpoint
+from services.trainer.driver import checkpoint, wandb_log
 from services.trainer.driver.config import DriverConfig
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import make_feed, staleness_metrics
@@ -94,16 +94,17 @@ def load_dataset(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps
     ctx.report(-1, {}, f"dataset: {info.num_prompts} prompts, {info.num_skipped} rows skipped")
 
 
-def metrics_writer(driver: DriverConfig, deps: TrainerDeps) -> MetricsWriter:
-    if deps.tensorboard_dir:
-        return MetricsWriter(Path(deps.tensorboard_dir) / driver.job_id, job_id=driver.job_id)
-    return MetricsWriter(Path(driver.save) / "tensorboard" if driver.save else None, job_id=driver.job_id)
+def metrics_writer(driver: DriverConfig, deps: TrainerDeps, args: dict) -> MetricsWriter:
+    """TensorBoard files (and a W&B run under use_wandb, logging the job's `args` as its config)."""
+    tensorboard = Path(deps.tensorboard_dir) / driver.job_id if deps.tensorboard_dir else \
+        Path(driver.save) / "tensorboard" if driver.save else None
+    return MetricsWriter(tensorboard, wandb_log.start(driver, args), job_id=driver.job_id)
 
 
 def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobContext, deps: TrainerDeps) -> None:
     """debug_rollout_only (rank 0): generate (and dump) rollouts with the engines' weights; train nothing."""
     load_dataset(driver, rollout, deps, ctx)
-    writer = metrics_writer(driver, deps)
+    writer = metrics_writer(driver, deps, rollout.args)
     feed = make_feed(driver, rollout, deps, ctx)
     try:
         for rollout_id in range(driver.num_rollout):
@@ -144,7 +145,7 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
     broadcaster = WeightBroadcaster([], master_address=deps.master_address, backend=sync.weight_sync_backend,
                                     timeout_s=sync.weight_sync_timeout_s,
                                     bucket_bytes=sync.update_weight_buffer_size) if lead and engines else None
-    writer = metrics_writer(driver, deps) if lead else None
+    writer = metrics_writer(driver, deps, rollout.args) if lead else None
     feed = make_feed(driver, rollout, deps, ctx) if lead else None
     if start_id:
         world.on_rank0(lambda: ctx.report(start_id - 1, {}, f"resumed from {driver.load} at rollout {start_id}"))

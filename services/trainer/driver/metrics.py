@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import Counter, Gauge
 
@@ -51,9 +52,11 @@ def clear_gauges() -> None:
 
 
 class MetricsWriter:
-    """One job's metrics sink (rank 0): Prometheus gauges always, TensorBoard when `tensorboard_dir` is set."""
+    """One job's metrics sink (rank 0): Prometheus gauges always, TensorBoard when `tensorboard_dir` is set, W&B
+    when the job has use_wandb."""
 
-    def __init__(self, tensorboard_dir: str | Path | None = None, job_id: str = "") -> None:
+    def __init__(self, tensorboard_dir: str | Path | None = None, wandb_run: Any = None, job_id: str = "") -> None:
+        self.wandb_run = wandb_run  # driver/wandb_log.py's WandbRun, when the job uses W&B
         self.job_id = job_id
         clear_gauges()
         self.writer = None
@@ -73,6 +76,12 @@ class MetricsWriter:
         set_gauges(metrics, self.job_id)
         ROLLOUT_ID.labels(self.job_id).set(rollout_id)
         ROLLOUTS.inc()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log(rollout_id, metrics)
+            except Exception as err:  # noqa: BLE001 - best effort, like the event files
+                log.warning("W&B: %s; no more W&B logging for this job", err)
+                self.wandb_run = None
         if self.writer is not None:
             try:
                 for key, value in metrics.items():
@@ -85,3 +94,5 @@ class MetricsWriter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.close()

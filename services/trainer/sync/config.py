@@ -10,7 +10,7 @@ from services.common.config import POSITIVE, check_fields, field
 
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
-    update_weight_buffer_size: int = field(64 << 20, "bytes per broadcast bucket", POSITIVE)
+    update_weight_buffer_size: int = field(512 << 20, "bytes per broadcast bucket (slime's default)", POSITIVE)
     weight_sync_backend: Literal["gloo", "nccl"] = field("gloo", "torch.distributed backend of the weight group")
     weight_sync_timeout_s: float = field(60.0, "seconds one weight sync may take", POSITIVE)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18physarum/v1/sample.proto\x12\x0bphysarum.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xef\x03\n\x06Sample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x0fprompt_messages\x18\x02 \x03(\x0b\x32\x18.physarum.v1.ChatMessage\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x10\n\x08response\x18\x04 \x01(\t\x12\x17\n\x0fresponse_length\x18\x05 \x01(\x05\x12\r\n\x05label\x18\x06 \x01(\t\x12\x0e\n\x06reward\x18\x07 \x01(\x01\x12<\n\rreward_scores\x18\x08 \x03(\x0b\x32%.physarum.v1.Sample.RewardScoresEntry\x12\x11\n\tloss_mask\x18\t \x03(\x05\x12\x19\n\x11rollout_log_probs\x18\n \x03(\x01\x12)\n\x06status\x18\x0b \x01(\x0e\x32\x19.physarum.v1.SampleStatus\x12)\n\x08metadata\x18\x0c \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fweight_versions\x18\r \x03(\t\x12\x13\n\x0bgroup_index\x18\x0e \x01(\x03\x12\r\n\x05index\x18\x0f \x01(\x03\x12\x14\n\x0creward_error\x18\x10 \x01(\t\x1a\x33\n\x11RewardScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa0\x01\n\x0bSampleGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x12\n\nrollout_id\x18\x03 \x01(\x03\x12\x14\n\x0cprompt_index\x18\x04 \x01(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\x05\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12$\n\x07samples\x18\x07 \x03(\x0b\x32\x13.physarum.v1.Sample\"\xbe\x01\n\x06Prompt\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12*\n\x08messages\x18\x05 \x03(\x0b\x32\x18.physarum.v1.ChatMessage\x12\r\n\x05label\x18\x06 \x01(\t\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08lease_id\x18\x08 \x01(\t*\xb7\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLE_STATUS_PENDING\x10\x01\x12\x1b\n\x17SAMPLE_STATUS_COMPLETED\x10\x02\x12\x1b\n\x17SAMPLE_STATUS_TRUNCATED\x10\x03\x12\x19\n\x15SAMPLE_STATUS_ABORTED\x10\x04\x12\x18\n\x14SAMPLE_STATUS_FAILED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18physarum/v1/sample.proto\x12\x0bphysarum.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc6\x05\n\x06Sample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x0fprompt_messages\x18\x02 \x03(\x0b\x32\x18.physarum.v1.ChatMessage\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x10\n\x08response\x18\x04 \x01(\t\x12\x17\n\x0fresponse_length\x18\x05 \x01(\x05\x12\r\n\x05label\x18\x06 \x01(\t\x12\x0e\n\x06reward\x18\x07 \x01(\x01\x12<\n\rreward_scores\x18\x08 \x03(\x0b\x32%.physarum.v1.Sample.RewardScoresEntry\x12\x11\n\tloss_mask\x18\t \x03(\x05\x12\x19\n\x11rollout_log_probs\x18\n \x03(\x01\x12)\n\x06status\x18\x0b \x01(\x0e\x32\x19.physarum.v1.SampleStatus\x12)\n\x08metadata\x18\x0c \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fweight_versions\x18\r \x03(\t\x12\x13\n\x0bgroup_index\x18\x0e \x01(\x03\x12\r\n\x05index\x18\x0f \x01(\x03\x12\x14\n\x0creward_error\x18\x10 \x01(\t\x12\x12\n\nlabel_json\x18\x11 \x01(\t\x12\x17\n\nrollout_id\x18\x12 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rremove_sample\x18\x13 \x01(\x08\x12\x19\n\x11teacher_log_probs\x18\x14 \x03(\x01\x12/\n\x0etrain_metadata\x18\x15 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x16\n\x0e\x63ustom_rm_path\x18\x16 \x01(\t\x12\x1e\n\x16generate_function_path\x18\x17 \x01(\t\x1a\x33\n\x11RewardScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_rollout_id\"\xa0\x01\n\x0bSampleGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x12\n\nrollout_id\x18\x03 \x01(\x03\x12\x14\n\x0cprompt_index\x18\x04 \x01(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\x05\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12$\n\x07samples\x18\x07 \x03(\x0b\x32\x13.physarum.v1.Sample\"\xd2\x01\n\x06Prompt\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12*\n\x08messages\x18\x05 \x03(\x0b\x32\x18.physarum.v1.ChatMessage\x12\r\n\x05label\x18\x06 \x01(\t\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08lease_id\x18\x08 \x01(\t\x12\x12\n\nlabel_json\x18\t \x01(\t*\xb7\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLE_STATUS_PENDING\x10\x01\x12\x1b\n\x17SAMPLE_STATUS_COMPLETED\x10\x02\x12\x1b\n\x17SAMPLE_STATUS_TRUNCATED\x10\x03\x12\x19\n\x15SAMPLE_STATUS_ABORTED\x10\x04\x12\x18\n\x14SAMPLE_STATUS_FAILED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,16 +34,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLE_REWARDSCORESENTRY']._loaded_options = None
   _globals['_SAMPLE_REWARDSCORESENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLESTATUS']._serialized_start=972
-  _globals['_SAMPLESTATUS']._serialized_end=1155
+  _globals['_SAMPLESTATUS']._serialized_start=1207
+  _globals['_SAMPLESTATUS']._serialized_end=1390
   _globals['_CHATMESSAGE']._serialized_start=71
   _globals['_CHATMESSAGE']._serialized_end=115
   _globals['_SAMPLE']._serialized_start=118
-  _globals['_SAMPLE']._serialized_end=613
-  _globals['_SAMPLE_REWARDSCORESENTRY']._serialized_start=562
-  _globals['_SAMPLE_REWARDSCORESENTRY']._serialized_end=613
-  _globals['_SAMPLEGROUP']._serialized_start=616
-  _globals['_SAMPLEGROUP']._serialized_end=776
-  _globals['_PROMPT']._serialized_start=779
-  _globals['_PROMPT']._serialized_end=969
+  _globals['_SAMPLE']._serialized_end=828
+  _globals['_SAMPLE_REWARDSCORESENTRY']._serialized_start=762
+  _globals['_SAMPLE_REWARDSCORESENTRY']._serialized_end=813
+  _globals['_SAMPLEGROUP']._serialized_start=831
+  _globals['_SAMPLEGROUP']._serialized_end=991
+  _globals['_PROMPT']._serialized_start=994
+  _globals['_PROMPT']._serialized_end=1204
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt", "prompt_messages", "tokens", "response", "response_length", "label", "reward", "reward_scores", "loss_mask", "rollout_log_probs", "status", "metadata", "weight_versions", "group_index", "index", "reward_error")
+    __slots__ = ("prompt", "prompt_messages", "tokens", "response", "response_length", "label", "reward", "reward_scores", "loss_mask", "rollout_log_probs", "status", "metadata", "weight_versions", "group_index", "index", "reward_error", "label_json", "rollout_id", "remove_sample", "teacher_log_probs", "train_metadata", "custom_rm_path", "generate_function_path")
     class RewardScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,13 @@ class Sample(_message.Message):
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     REWARD_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LABEL_JSON_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_METADATA_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_RM_PATH_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FUNCTION_PATH_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -72,7 +79,14 @@ class Sample(_message.Message):
     group_index: int
     index: int
     reward_error: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., response: _Optional[str] = ..., response_length: _Optional[int] = ..., label: _Optional[str] = ..., reward: _Optional[float] = ..., reward_scores: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., weight_versions: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., index: _Optional[int] = ..., reward_error: _Optional[str] = ...) -> None: ...
+    label_json: str
+    rollout_id: int
+    remove_sample: bool
+    teacher_log_probs: _containers.RepeatedScalarFieldContainer[float]
+    train_metadata: _struct_pb2.Struct
+    custom_rm_path: str
+    generate_function_path: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., response: _Optional[str] = ..., response_length: _Optional[int] = ..., label: _Optional[str] = ..., reward: _Optional[float] = ..., reward_scores: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., weight_versions: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., index: _Optional[int] = ..., reward_error: _Optional[str] = ..., label_json: _Optional[str] = ..., rollout_id: _Optional[int] = ..., remove_sample: _Optional[bool] = ..., teacher_log_probs: _Optional[_Iterable[float]] = ..., train_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., custom_rm_path: _Optional[str] = ..., generate_function_path: _Optional[str] = ...) -> None: ...
 
 class SampleGroup(_message.Message):
     __slots__ = ("group_id", "job_id", "rollout_id", "prompt_index", "epoch", "lease_id", "samples")
@@ -93,7 +107,7 @@ class SampleGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("job_id", "index", "epoch", "prompt", "messages", "label", "metadata", "lease_id")
+    __slots__ = ("job_id", "index", "epoch", "prompt", "messages", "label", "metadata", "lease_id", "label_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +116,7 @@ class Prompt(_message.Message):
     LABEL_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     index: int
     epoch: int
@@ -110,4 +125,5 @@ class Prompt(_message.Message):
     label: str
     metadata: _struct_pb2.Struct
     lease_id: str
-    def __init__(self, job_id: _Optional[str] = ..., index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    label_json: str
+    def __init__(self, job_id: _Optional[str] = ..., index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., lease_id: _Optional[str] = ..., label_json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,6 @@
+"""slime compatibility for plugins: what slime's custom generate, reward and filter functions import, backed by
+Physarum. Install it with the `slime` extra, or let the services add it to sys.path when they load a plugin.
+
+Only the plugin-facing surface exists here (utils.types, utils.http_utils, utils.misc, rollout.sglang_rollout,
+rollout.filter_hub, rollout.rm_hub); slime's trainer, Ray and Megatron layers do not: Physarum's services do that job.
+"""

@@ -1,0 +1,274 @@
+"""slime's argv as a job spec: `slime_args: "--hf-checkpoint /m --rollout-batch-size 32 ..."` in a submitted spec
+(CLI `--slime-args`, REST and gRPC alike) becomes spec keys, by the flag tables of slime_flags.py and
+megatron_flags.py. Keys the spec sets itself win over converted ones.
+
+Every flag is implemented (the spec key of its name), mapped (to spec keys, to the `megatron:` section, or kept in
+`plugin_args` for plugins), refused (the reason), or unknown (an error). As slime does, train_backend defaults to
+megatron when the arguments do not say.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.common.errors import InvalidArgument
+from services.trainer.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
+from services.trainer.slime_eval_config import eval_spec
+from services.trainer.slime_flags import FLAGS, STORE_FALSE, Flag, spec_key
+
+ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
+_LAYOUT_ONE = ("context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size")
+_SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "use-distributed-optimizer",
+              "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",
+              "adam-beta2", "adam-eps"}
+
+
+@dataclass
+class Conversion:
+    spec: dict[str, Any] = field(default_factory=dict)
+    plugin_args: dict[str, Any] = field(default_factory=dict)  # values of flags with no spec key of their own
+    megatron: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # mapped flags the deployment handles: said, not hidden
+    refused: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
+    eval_config: str = ""  # --eval-config's path
+    num_epoch: int = 0  # --num-epoch
+
+
+def slime_defaults() -> dict[str, Any]:
+    """What slime's `args` holds for every flag not given, by spec key (plugins read these)."""
+    flags = {**MEGATRON, **FLAGS}
+    return {spec_key(name): (False if name in STORE_FALSE else flag.default) for name, flag in flags.items()}
+
+
+def split_argv(argv: str | list[str]) -> list[tuple[str, list[str]]]:
+    """`--a 1 --b --c x y` -> [("a", ["1"]), ("b", []), ("c", ["x", "y"])]; a shell string is split as bash would
+    (comments and line continuations included)."""
+    if isinstance(argv, str):
+        argv = shlex.split(argv.replace("\\\n", " "), comments=True)
+    pairs: list[tuple[str, list[str]]] = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            pairs.append((token[2:], []))
+        elif not pairs:
+            raise InvalidArgument(f"slime_args: expected a --flag first, got {token!r}")
+        else:
+            pairs[-1][1].append(token)
+    return pairs
+
+
+def scalar(text: str) -> Any:
+    """A flag's value as YAML reads it ("8" -> 8, "1e-6" -> 1e-06, "true" -> True), else the string."""
+    if text.lower() in ("none", "null", "~"):
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and text.strip().lstrip("+-").replace(".", "", 1).replace("e-", "", 1).isdigit():
+        return float(text)
+    return value if isinstance(value, (int, float, bool, str)) else text
+
+
+def _value(name: str, flag: Flag | None, values: list[str]) -> Any:
+    if flag is not None and flag.bare:
+        if values:
+            raise InvalidArgument(f"slime_args: --{name} takes no value, got {' '.join(values)}")
+        return True
+    if not values:
+        return True  # a bare flag of an engine option
+    if flag is not None and flag.nargs:
+        return [scalar(v) for v in values]
+    return scalar(values[0]) if len(values) == 1 else [scalar(v) for v in values]
+
+
+def read_hf_config(hf_checkpoint: Any) -> dict[str, Any] | None:
+    path = Path(str(hf_checkpoint or "")) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, Any] | None = None,
+            check_architecture: bool = True) -> Conversion:
+    """Sort each flag; `spec_keys` are the job spec's keys (an implemented flag's key must be one).
+
+    The architecture flags are checked against `hf_config` (by default hf_checkpoint's config.json) unless
+    check_architecture is false."""
+    pairs = split_argv(argv)
+    given = {name: values for name, values in pairs}
+    out = Conversion()
+    if hf_config is None and check_architecture:
+        hf_config = read_hf_config(scalar(given["hf-checkpoint"][0]) if given.get("hf-checkpoint") else None)
+    for name, values in pairs:
+        if name.startswith("no-offload"):  # argparse's BooleanOptionalAction negation
+            _convert_one(out, name.removeprefix("no-"), values, spec_keys, hf_config, check_architecture)
+            out.plugin_args[spec_key(name.removeprefix("no-"))] = False
+            continue
+        _convert_one(out, name, values, spec_keys, hf_config, check_architecture)
+    out.spec.setdefault("train_backend", "megatron")
+    if out.num_epoch:
+        _resolve_num_epoch(out)
+    if out.eval_config:
+        eval_keys, problems = eval_spec(out.eval_config, out.spec)
+        out.spec.update(eval_keys)
+        out.refused += problems
+    if out.no_advantages and out.spec.get("loss_type") != "sft_loss":
+        out.refused.append("--disable-compute-advantages-and-returns: " +
+                           FLAGS["disable-compute-advantages-and-returns"].note)
+    tp = int(out.spec.get("tensor_model_parallel_size", 1) or 1)
+    if out.megatron.get("sequence_parallel") and tp == 1:
+        del out.megatron["sequence_parallel"]
+        out.notes.append("--sequence-parallel: dropped without tensor parallelism, as Megatron does")
+    return out
+
+
+def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[str],
+                 hf_config: dict[str, Any] | None, check_architecture: bool) -> None:
+    key = spec_key(name)
+    if name in FLAGS:
+        flag = FLAGS[name]
+        value = _value(name, flag, values)
+        if name in _SPECIAL:
+            _SPECIAL[name](out, value)
+        elif flag.status == "refused":
+            out.refused.append(f"--{name}: {flag.note}")
+        elif flag.status == "implemented":
+            if key not in spec_keys:
+                raise InvalidArgument(f"slime_args: --{name} is marked implemented but the job spec has no {key!r}")
+            out.spec[key] = value
+        else:
+            out.plugin_args[key] = value
+            if flag.warn:
+                out.notes.append(f"--{name}: {flag.note}")
+        return
+    if name in ARCH:
+        value = _value(name, None if values else Flag("mapped", None, bare=True), values)
+        out.plugin_args[key] = value
+        problem = check_arch(name, value, hf_config) if check_architecture else ""
+        if problem:
+            out.refused.append(problem)
+        return
+    if name in MEGATRON:
+        _convert_megatron(out, name, _value(name, MEGATRON[name], values))
+        return
+    if name.startswith(ENGINE_PREFIXES):
+        out.plugin_args[key] = _value(name, None, values)
+        owner = "engine option" if name.startswith("sglang-") else "router option"
+        out.notes.append(f"--{name}: an {owner} of the rollout service (set `{key}` in its --sglang-args / Helm "
+                         f"values); kept in args for plugins")
+        return
+    out.unknown.append(f"--{name}")
+
+
+def _rollout_function(out: Conversion, value: Any) -> None:
+    if value == SFT_ROLLOUT:
+        out.spec.setdefault("loss_type", "sft_loss")
+    elif value != FLAGS["rollout-function-path"].default:
+        out.refused.append(f"--rollout-function-path {value}: {FLAGS['rollout-function-path'].note}")
+
+
+def _no_advantages(out: Conversion, value: Any) -> None:
+    out.no_advantages = True
+
+
+def _custom_config(out: Conversion, value: Any) -> None:
+    """slime sets each key of the YAML file on args; here they join plugin_args."""
+    try:
+        data = yaml.safe_load(Path(str(value)).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        out.refused.append(f"--custom-config-path {value}: cannot read it: {err}")
+        return
+    if not isinstance(data, dict):
+        out.refused.append(f"--custom-config-path {value}: expected a YAML mapping, got {type(data).__name__}")
+        return
+    out.plugin_args.update({str(k): v for k, v in data.items()})
+
+
+def _num_epoch(out: Conversion, value: Any) -> None:
+    out.num_epoch = int(value)  # resolved once prompt_data, rollout_batch_size and num_rollout are known
+
+
+def _resolve_num_epoch(out: Conversion) -> None:
+    """slime's num_rollout from num_epoch: epochs × (dataset rows // rollout_batch_size)."""
+    if "num_rollout" in out.spec:
+        out.notes.append("--num-epoch: ignored, num_rollout is given (as slime does)")
+        return
+    path, batch = Path(str(out.spec.get("prompt_data", ""))), out.spec.get("rollout_batch_size")
+    try:
+        if path.suffix != ".jsonl" or not batch:
+            raise ValueError("needs a .jsonl prompt_data and rollout_batch_size")
+        with path.open() as rows:
+            count = sum(1 for row in rows if row.strip())
+    except (OSError, ValueError) as err:
+        out.refused.append(f"--num-epoch {out.num_epoch}: cannot count the prompts ({err}); give num_rollout")
+        return
+    out.spec["num_rollout"] = out.num_epoch * (count // int(batch))
+    out.notes.append(f"--num-epoch {out.num_epoch}: num_rollout {out.spec['num_rollout']} ({count} prompts, "
+                     f"{batch} per rollout)")
+
+
+def _eval_config(out: Conversion, value: Any) -> None:
+    out.eval_config = str(value)  # read once every other flag is converted: it checks against the job's keys
+
+
+_SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
+            "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch}
+SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+
+
+def _convert_megatron(out: Conversion, name: str, value: Any) -> None:
+    flag, key = MEGATRON[name], spec_key(name)
+    out.plugin_args[key] = value
+    if name in _SPEC_KEYS:
+        out.spec[key] = value
+    elif name in _LAYOUT_ONE:
+        if value != 1:
+            out.refused.append(f"--{name} {value}: {flag.note}")
+    elif name == "optimizer":
+        if value != "adam":
+            out.refused.append(f"--optimizer {value}: {flag.note}")
+    elif name == "lr-warmup-fraction":
+        out.spec["lr_warmup_fraction"] = value  # resolved against the run's length in apply()
+    elif flag.status == "refused":
+        out.refused.append(f"--{name}: {flag.note}")
+    elif flag.warn:
+        out.notes.append(f"--{name}: {flag.note}")
+    else:
+        field_name = MEGATRON_FIELD.get(name, key)
+        out.megatron[field_name] = (not value) if name in NEGATED else value
+
+
+def apply(data: dict[str, Any], spec_keys: set[str]) -> dict[str, Any]:
+    """A submitted spec with its `slime_args` converted: converted keys first, the spec's own keys over them.
+    InvalidArgument lists every refused and unknown flag at once."""
+    if "slime_args" not in data:
+        return data
+    rest = {k: v for k, v in data.items() if k != "slime_args"}
+    argv = data["slime_args"]
+    if not isinstance(argv, (str, list)):
+        raise InvalidArgument(f"slime_args: expected a string or a list of arguments, got {type(argv).__name__}")
+    conv = convert(argv, spec_keys=spec_keys, check_architecture=True,
+                   hf_config=read_hf_config(rest["hf_checkpoint"]) if "hf_checkpoint" in rest else None)
+    problems = conv.refused + [f"{flag}: not a slime or Megatron flag Physarum knows" for flag in conv.unknown]
+    if problems:
+        raise InvalidArgument("slime_args: " + "; ".join(problems))
+    spec = {**conv.spec, **rest}
+    warmup = spec.pop("lr_warmup_fraction", None)
+    if warmup is not None and "lr_warmup_iters" not in rest:
+        samples = int(spec["rollout_batch_size"]) * int(spec.get("n_samples_per_prompt", 1))
+        steps = int(spec["num_rollout"]) * max(1, samples // int(spec.get("global_batch_size") or samples))
+        spec["lr_warmup_iters"] = int(float(warmup) * steps)
+    if conv.megatron:
+        spec["megatron"] = {**conv.megatron, **dict(rest.get("megatron") or {})}
+    spec["plugin_args"] = {**conv.plugin_args, **dict(rest.get("plugin_args") or {})}
+    spec["slime_notes"] = conv.notes
+    return spec

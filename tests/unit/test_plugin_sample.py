@@ -1,0 +1,74 @@
+"""slime's Sample as plugins see it (services/common/plugin_sample.py, imported as slime.utils.types.Sample), and
+the rest of the `slime` compatibility package."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from services.common import plugins
+from services.common.errors import InvalidArgument
+from services.common.plugin_sample import PluginSample
+from services.common.samples import Sample, Status
+
+plugins.ensure_slime_compat()
+
+
+def test_slime_imports_resolve_to_physarums_classes():
+    from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+    from slime.rollout.rm_hub import async_rm, grade_answer_verl
+    from slime.rollout.sglang_rollout import GenerateState  # noqa: F401 - importable is the point
+    from slime.utils.http_utils import get, post  # noqa: F401
+    from slime.utils.misc import load_function
+    from slime.utils.types import Sample as SlimeSample
+
+    from services.rollout.generation.filters import DynamicFilterOutput as Ours
+
+    assert SlimeSample is PluginSample and DynamicFilterOutput is Ours
+    assert load_function("slime.rollout.rm_hub.grade_answer_verl") is grade_answer_verl
+    assert grade_answer_verl(r"so \boxed{\frac{1}{2}}", "0.5") is True
+    args = types.SimpleNamespace(custom_rm_path=None, rm_type="math")
+    assert asyncio.run(async_rm(args, SlimeSample(response=r"\boxed{4}", label="4"))) == 1
+    assert asyncio.run(async_rm(args, SlimeSample(response="x", label="x", metadata={"rm_type": "f1"}))) == 1.0
+
+
+def test_slimes_fields_and_defaults():
+    sample = PluginSample()
+    assert (sample.label, sample.reward, sample.loss_mask, sample.rollout_log_probs, sample.rollout_id) == \
+        (None, None, None, None, None)
+    assert (sample.group_index, sample.index, sample.remove_sample, sample.train_metadata) == (None, None, False, None)
+    assert sample.Status.PENDING is Status.PENDING and isinstance(sample, Sample)
+    for name in ("multimodal_inputs", "multimodal_train_inputs", "teacher_log_probs", "generate_function_path",
+                 "custom_rm_path", "session_id", "rollout_top_p_token_ids", "rollout_routed_experts",
+                 "apply_chat_template_kwargs", "non_generation_time", "spec_info", "prefix_cache_info"):
+        assert hasattr(sample, name), name
+
+
+def test_methods():
+    sample = PluginSample(tokens=[1, 2], reward={"score": 0.5, "acc": True})
+    assert sample.get_reward_value(types.SimpleNamespace(reward_key="score")) == 0.5
+    assert sample.get_reward_value(types.SimpleNamespace(reward_key=None)) == {"score": 0.5, "acc": True}
+    sample.append_response_tokens(None, tokens=[3, 4], log_probs=[-0.1, -0.2], text="ab",
+                                  meta_info={"finish_reason": {"type": "length"}, "cached_tokens": 1,
+                                             "prompt_tokens": 2})
+    sample.append_response_tokens(None, tokens=[5], trainable=False, text="c")
+    assert (sample.tokens, sample.loss_mask, sample.rollout_log_probs, sample.response) == \
+        ([1, 2, 3, 4, 5], [1, 1, 0], [-0.1, -0.2, 0.0], "abc")
+    assert sample.status is Status.TRUNCATED and sample.effective_response_length == 2
+    assert sample.prefix_cache_info.prefix_cache_hit_rate == 0.5
+    data = sample.to_dict()
+    assert data["status"] == "truncated" and data["prefix_cache_info"] == {"cached_tokens": 1,
+                                                                         "total_prompt_tokens": 2}
+    back = PluginSample.from_dict({**data, "custom_attr": 7})
+    assert (back.tokens, back.status, back.custom_attr, back.prefix_cache_info.cached_tokens) == \
+        ([1, 2, 3, 4, 5], Status.TRUNCATED, 7, 1)
+
+
+def test_a_response_without_log_probs_cannot_take_trainable_ones_later():
+    sample = PluginSample(tokens=[1, 2], response_length=1, loss_mask=None)
+    with pytest.raises(InvalidArgument, match="whose earlier tokens have none"):
+        sample.append_response_tokens(None, tokens=[3], log_probs=[-0.1])
+    sample.append_response_tokens(None, tokens=[4], trainable=False)
+    assert sample.loss_mask == [1, 0] and sample.rollout_log_probs == [0.0, 0.0]

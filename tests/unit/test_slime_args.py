@@ -1,0 +1,195 @@
+"""slime's flags: every one of slime's parser (tests/data/slime_flags.json, extracted from its arguments.py with its
+defaults) has a status; slime's dense-model launch scripts (tests/data/slime_launch_scripts.json: the train.py argv
+each builds, model arguments included) convert with no unknown flag; slime_args submits through parse_spec."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.trainer import megatron_flags, slime_args, slime_flags
+from services.trainer.spec import JobSpec, parse_spec
+
+DATA = Path(__file__).parent.parent / "data"
+SLIME_FLAGS = json.loads((DATA / "slime_flags.json").read_text())
+SCRIPTS = json.loads((DATA / "slime_launch_scripts.json").read_text())
+SPEC_KEYS = set(JobSpec.model_fields)
+# Qwen3-4B's config.json (the values scripts/models/qwen3-4B.sh encodes for Megatron)
+QWEN3_4B = {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 2560, "intermediate_size": 9728,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000, "vocab_size": 151936, "hidden_act": "silu", "tie_word_embeddings": True,
+            "attention_bias": False, "max_position_embeddings": 40960}
+
+
+def test_every_slime_flag_has_a_status_and_slimes_default():
+    assert set(SLIME_FLAGS) <= set(slime_flags.FLAGS)
+    assert set(slime_flags.FLAGS) - set(SLIME_FLAGS) == {"sglang-router-ip", "sglang-router-port",
+                                                        "sglang-router-request-timeout-secs",
+                                                        "sglang-server-concurrency"}  # slime's SGLang parser's
+    for name, default in SLIME_FLAGS.items():
+        flag = slime_flags.FLAGS[name]
+        assert flag.default == default or name in slime_flags.STORE_FALSE, name
+        assert flag.status == "implemented" or flag.note, f"{name}: a mapped or refused flag says why"
+
+
+def test_implemented_flags_are_spec_keys_with_slimes_default_or_a_reason():
+    for name, flag in slime_flags.FLAGS.items():
+        key = slime_flags.spec_key(name)
+        assert (flag.status == "implemented") == (key in SPEC_KEYS), name
+        if flag.status != "implemented" or name in slime_flags.DEFAULTS_DIFFER:
+            continue
+        spec_default = JobSpec.model_fields[key].get_default(call_default_factory=True)
+        slime_default = False if name in slime_flags.STORE_FALSE else flag.default
+        assert spec_default == slime_default or (slime_default is None and spec_default in ("", [])), name
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_launch_scripts_convert_with_no_unknown_flag(script):
+    conv = slime_args.convert(SCRIPTS[script], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.unknown == []
+    assert conv.spec["train_backend"] == "megatron" and conv.spec["hf_checkpoint"]
+
+
+def test_what_the_launch_scripts_still_cannot_use():
+    refused = {script: sorted(r.split(":")[0] for r in slime_args.convert(
+        argv, spec_keys=SPEC_KEYS, check_architecture=False).refused) for script, argv in SCRIPTS.items()}
+    assert {s: r for s, r in refused.items() if r} == {
+        "run-glm4-9B.sh": ["--context-parallel-size 2"],
+        "run-qwen3-4B-base-sft.sh": ["--num-epoch 3"],  # its prompt_data is not here to count
+        "run-qwen3.5-27B.sh": ["--context-parallel-size 4", "--decoder-last-pipeline-num-layers"],
+        "run-mimo-7B-rl-eagle.sh": ["--enable-mtp-training", "--mtp-loss-scaling-factor", "--mtp-num-layers"],
+    }
+
+
+def test_qwen3_4b_converts_to_spec_keys_megatron_settings_and_plugin_args():
+    conv = slime_args.convert(SCRIPTS["run-qwen3-4B.sh"], spec_keys=SPEC_KEYS, hf_config=QWEN3_4B)
+    assert conv.refused == []
+    assert {k: conv.spec[k] for k in ("rm_type", "rollout_batch_size", "lr", "eps_clip_high", "eval_prompt_data",
+                                      "tensor_model_parallel_size", "apply_chat_template", "lr_decay_style")} == {
+        "rm_type": "deepscaler", "rollout_batch_size": 32, "lr": 1e-6, "eps_clip_high": 0.28,
+        "eval_prompt_data": ["aime", "/root/aime-2024/aime-2024.jsonl"], "tensor_model_parallel_size": 2,
+        "apply_chat_template": True, "lr_decay_style": "constant"}
+    assert conv.megatron == {"sequence_parallel": True, "recompute_granularity": "full", "recompute_method": "uniform",
+                             "recompute_num_layers": 1, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+                             "grad_reduce_in_fp32": True, "attention_softmax_in_fp32": True}
+    assert conv.plugin_args["num_layers"] == 36 and conv.plugin_args["colocate"] is True
+    assert conv.plugin_args["sglang_mem_fraction_static"] == 0.7
+    assert any(n.startswith("--colocate: ") for n in conv.notes)
+    assert any(n.startswith("--sglang-mem-fraction-static: an engine option") for n in conv.notes)
+
+
+def test_architecture_flags_are_checked_against_the_hf_config():
+    argv = ["--num-layers", "35", "--hidden-size", "2560", "--swiglu", "--untie-embeddings-and-output-weights"]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, hf_config=QWEN3_4B)
+    assert conv.refused == [
+        "--num-layers 35 disagrees with hf_checkpoint's config.json (36); Physarum builds the model from the HF "
+        "config: fix or drop the flag",
+        "--untie-embeddings-and-output-weights True disagrees with hf_checkpoint's config.json (False); Physarum "
+        "builds the model from the HF config: fix or drop the flag"]
+    assert megatron_flags.check_arch("num-layers", 36, None).endswith("no readable config.json")
+
+
+def test_sequence_parallel_is_dropped_without_tensor_parallelism():
+    conv = slime_args.convert(["--sequence-parallel"], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert "sequence_parallel" not in conv.megatron and conv.notes == [
+        "--sequence-parallel: dropped without tensor parallelism, as Megatron does"]
+
+
+def test_slimes_sft_rollout_is_sft_loss():
+    conv = slime_args.convert(["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
+                               "--disable-compute-advantages-and-returns"], spec_keys=SPEC_KEYS,
+                              check_architecture=False)
+    assert conv.spec["loss_type"] == "sft_loss" and conv.refused == []
+    conv = slime_args.convert(["--rollout-function-path", "my.rollout", "--disable-compute-advantages-and-returns"],
+                              spec_keys=SPEC_KEYS, check_architecture=False)
+    assert [r.split(":")[0] for r in conv.refused] == ["--rollout-function-path my.rollout",
+                                                      "--disable-compute-advantages-and-returns"]
+
+
+def test_slime_args_submit_through_parse_spec(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    argv = (f"--hf-checkpoint {tmp_path} --prompt-data d.jsonl --input-key prompt --rollout-batch-size 4 "
+            "--n-samples-per-prompt 2 --num-rollout 10 --global-batch-size 8 --rm-type dapo --reward-key score "
+            "--num-layers 36 --lr-warmup-fraction 0.5 --colocate --context-parallel-size 1 "
+            "--rollout-max-context-len 4096 # a comment, as in a launch script\n")
+    spec = parse_spec({"slime_args": argv, "job_id": "j", "train_backend": "fsdp", "plugin_args": {"extra": 1}})
+    assert (spec.train_backend, spec.rm_type, spec.reward_key, spec.input_key, spec.lr_warmup_iters) == \
+        ("fsdp", "dapo", "score", "prompt", 5)  # the spec's own train_backend wins; 0.5 × 10 optimizer steps
+    assert any(n.startswith("--colocate: ") for n in spec.slime_notes)
+    args = spec.rollout.args
+    assert (args["rollout_max_context_len"], args["context_parallel_size"], args["extra"], args["colocate"]) == \
+        (4096, 1, 1, True)
+    assert args["tool_key"] == "tools" and args["use_wandb"] is False  # slime's defaults for what is not given
+
+
+def test_refused_and_unknown_flags_are_all_reported_at_once():
+    with pytest.raises(InvalidArgument) as err:
+        parse_spec({"slime_args": ["--hf-checkpoint", "/nowhere", "--prompt-data", "d", "--num-rollout", "1",
+                                   "--rollout-batch-size", "1", "--use-opd", "--num-layers", "2", "--frobnicate",
+                                   "3"]})
+    message = str(err.value)
+    assert message.startswith("slime_args: --use-opd: on-policy distillation is not implemented")
+    assert "--num-layers: cannot be checked: hf_checkpoint has no readable config.json" in message
+    assert message.endswith("--frobnicate: not a slime or Megatron flag Physarum knows")
+
+
+def test_split_argv_reads_a_pasted_bash_array():
+    assert slime_args.split_argv('--a 1 \\\n  --b "x y" --c   # --d\n --e') == [
+        ("a", ["1"]), ("b", ["x y"]), ("c", []), ("e", [])]
+    with pytest.raises(InvalidArgument, match="expected a --flag first, got 'x'"):
+        slime_args.split_argv(["x", "--a"])
+
+
+def test_the_docs_table_is_current_and_lists_every_slime_flag():
+    from tests.unit.test_config_table import load_script
+
+    table = load_script("slime_flag_table")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "slime-flags.md").read_text()
+    assert text == table.render(), "run .venv/bin/python scripts/slime_flag_table.py"
+    assert all(f"| `--{name}` |" in text for name in SLIME_FLAGS)
+
+
+def test_custom_config_path_joins_plugin_args(tmp_path):
+    (tmp_path / "mis.yaml").write_text("use_tis_mis: true\nmis_threshold: 2.5\n")
+    conv = slime_args.convert(["--custom-config-path", str(tmp_path / "mis.yaml")], spec_keys=SPEC_KEYS,
+                              check_architecture=False)
+    assert conv.refused == [] and conv.plugin_args["use_tis_mis"] is True and conv.plugin_args["mis_threshold"] == 2.5
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    for path, why in ((tmp_path / "missing.yaml", "cannot read it"), (tmp_path / "list.yaml", "a YAML mapping")):
+        conv = slime_args.convert(["--custom-config-path", str(path)], spec_keys=SPEC_KEYS, check_architecture=False)
+        assert why in conv.refused[0]
+
+
+def test_eval_config_becomes_the_eval_keys(tmp_path):
+    config = tmp_path / "eval.yaml"
+    config.write_text("eval:\n  defaults:\n    n_samples_per_eval_prompt: 4\n    temperature: 0.6\n  datasets:\n"
+                      "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, max_response_len: 512}\n"
+                      "    - {name: math500, path: /d/math.jsonl, max_response_len: 512}\n")
+    argv = ["--rm-type", "deepscaler", "--eval-config", str(config)]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [
+        f"--eval-config {config}: `rm_type` differs between datasets (['deepscaler', None]); Physarum's eval "
+        "settings hold for all its datasets"]
+    config.write_text("datasets:\n  - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, top_k: 20, "
+                      "repetition_penalty: 1.1}\n")
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["eval_prompt_data"] == ["aime=/d/aime.jsonl"] and conv.spec["eval_top_k"] == 20
+    assert conv.refused == [f"--eval-config {config}: `repetition_penalty` has no counterpart in Physarum's eval"]
+    config.write_text("eval:\n  defaults: {temperature: 0.6, n_samples_per_eval_prompt: 4}\n  datasets:\n"
+                      "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler}\n")
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [] and {k: conv.spec[k] for k in ("eval_temperature", "n_samples_per_eval_prompt")} == \
+        {"eval_temperature": 0.6, "n_samples_per_eval_prompt": 4}
+
+
+def test_num_epoch_counts_the_prompts_as_slime_does(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"input": "{i}"}}\n' for i in range(10)) + "\n")
+    argv = ["--prompt-data", str(data), "--rollout-batch-size", "3", "--num-epoch", "2"]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 6 and conv.refused == []  # 2 × (10 // 3)
+    conv = slime_args.convert(argv + ["--num-rollout", "4"], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 4 and "--num-epoch: ignored, num_rollout is given (as slime does)" in conv.notes
