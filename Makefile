@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean hadolint
+.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean fuzz chaos hadolint
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -53,6 +53,14 @@ $(HELM):
 # template guards, Kubernetes 1.28 and 1.37 schemas, GPU-cluster conventions; in-process Helm SDK, offline, seconds.
 chart-test: setup $(HELM) hadolint
 	PHYSARUM_HELM=$(HELM) $(BIN)/python -m pytest -q -ra tests/chart
+
+# Hostile inputs (>= 1000) against a local stack with authentication on, and random kills during a 16-rollout job;
+# each ends with one JSON line (tests/fuzz). `make test` runs a short form of each (tests/fuzz/test_short.py).
+fuzz: setup
+	$(BIN)/python -m tests.fuzz.fuzz
+
+chaos: setup
+	$(BIN)/python -m tests.fuzz.chaos
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit

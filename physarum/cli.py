@@ -76,7 +76,8 @@ def cmd_up(args) -> int:
     if args.trainer_ranks < 1:
         raise SystemExit(f"physarum: --trainer-ranks must be >= 1, got {args.trainer_ranks}")
     state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines,
-                                        trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync))
+                                        trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync,
+                                        plugin_allowlist=args.plugin_allowlist, auth=args.auth))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
     return 0
 
@@ -152,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
     p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="everysec",
                    help="fsync policy of the local Redis's append-only file (everysec: at most 1 s lost to a crash)")
+    p.add_argument("--plugin-allowlist", default=os.environ.get("PHYSARUM_PLUGIN_ALLOWLIST", "examples"),
+                   help="comma-separated module prefixes that jobs may name as plugins (reward, generate, loss, "
+                        "filters)")
+    p.add_argument("--no-auth", dest="auth", action="store_false",
+                   help="no per-service tokens (by default every port but health and metrics needs one)")
     p.add_argument("--trainer-ranks", type=int, default=1,
                    help="trainer processes: rank 0 serves the job API, the others train data-parallel (FSDP2)")
     p.set_defaults(fn=cmd_up)
@@ -183,7 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from services.common import auth
     from services.common.errors import PhysarumError
+
+    operator_dir = stack.operator_token_dir(args.work_dir)
+    if args.command != "up" and not os.environ.get(auth.TOKEN_DIR_ENV) and operator_dir.is_dir():
+        os.environ[auth.TOKEN_DIR_ENV] = str(operator_dir)  # the tokens the local stack issued its operator
+    args.token = args.token or auth.read_token("trainer")
 
     try:
         return args.fn(args)

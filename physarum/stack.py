@@ -43,6 +43,8 @@ class StackOptions:
     trainer_ranks: int = 1              # data-parallel trainer processes (FSDP2 over gloo)
     engine_per_token_delay_s: float = 0.0  # latency-controlled engines (benchmarks): extra seconds per decode step
     redis_appendfsync: str = "everysec"  # Redis AOF fsync policy: always, everysec or no
+    plugin_allowlist: str | None = None  # module prefixes jobs may name as plugins (None: the caller's environment)
+    auth: bool = False                   # per-service tokens on every port (`physarum up` turns it on)
     start_timeout_s: float = 180.0
 
 
@@ -85,6 +87,7 @@ def up(options: StackOptions) -> dict:
     # The local stack is ephemeral: a fresh Redis, so a job id reused across `up`s never meets old groups.
     shutil.rmtree(work_dir / "redis", ignore_errors=True)
     redis, redis_url = start_redis(work_dir / "redis", appendfsync=options.redis_appendfsync)
+    token_dirs = write_credentials(work_dir / "secrets") if options.auth else {name: {} for name in GRANTS}
     ports = {name: free_port() for name in ("buffer", "reward", "reward_rest", "router", "router_metrics",
                                             "rollout", "trainer", "trainer_rest")}
     addr = {name: f"{HOST}:{port}" for name, port in ports.items()}
@@ -103,11 +106,14 @@ def up(options: StackOptions) -> dict:
                                      "--num-engines", str(options.num_engines),
                                      "--engine-num-threads", str(options.engine_threads),
                                      "--engine-per-token-delay-s", str(options.engine_per_token_delay_s),
-                                     "--work-dir", str(work_dir / "engines")),
+                                     "--work-dir", str(work_dir / "engines"),
+                                     "--own-router", str(options.auth).lower()),
         }
-        started = {name: ManagedProcess(name, argv, logs / f"{name}.log").start() for name, argv in specs.items()}
+        started = {name: ManagedProcess(name, argv, logs / f"{name}.log",
+                                        env={**_plugin_env(options), **token_dirs[name]}).start()
+                   for name, argv in specs.items()}
         processes.extend(started.values())
-        ranks = trainer_ranks(options, ports, addr, logs)
+        ranks = trainer_ranks(options, ports, addr, logs, token_dirs["trainer"])
         started["trainer"] = ranks[0]
         processes.extend(p.start() for p in ranks)
         checks = {"buffer": _grpc_ready(addr["buffer"]), "reward": _grpc_ready(addr["reward"]),
@@ -130,9 +136,10 @@ def up(options: StackOptions) -> dict:
 
 
 def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, str],
-                  logs: Path) -> list[ManagedProcess]:
+                  logs: Path, token_env: dict[str, str] | None = None) -> list[ManagedProcess]:
     """The trainer's ranks (not started): rank 0 serves the job API, ranks 1.. are workers; torchrun's env."""
-    env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port())}
+    env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port()),
+           **_plugin_env(options), **(token_env or {})}
     flags = ["--buffer-addr", addr["buffer"], "--rollout-addr", addr["rollout"],
              "--num-threads", str(options.trainer_threads)]
     rank0 = python_module("services.trainer", "--host", HOST, "--port", str(ports["trainer"]),
@@ -142,6 +149,37 @@ def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, 
         ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.worker", *flags),
                                     logs / f"trainer-{rank}.log", env={**env, "RANK": str(rank)}))
     return ranks
+
+
+# The tokens each process of the stack holds: its own service's and those of the services it calls.
+GRANTS = {"buffer": ("buffer",), "reward": ("reward",), "rollout": ("rollout", "buffer", "reward", "engine"),
+          "trainer": ("trainer", "buffer", "rollout", "engine"),
+          "operator": ("trainer", "rollout", "buffer", "reward")}  # the `physarum` commands of who ran `up`
+
+
+def write_credentials(secrets_dir: Path) -> dict[str, dict[str, str]]:
+    """Fresh tokens for this `up`, one directory per process holding only what GRANTS gives it; returns each
+    process's environment (the directory's path: the tokens stay in files)."""
+    from services.common import auth
+
+    shutil.rmtree(secrets_dir, ignore_errors=True)
+    issued = auth.write_tokens(secrets_dir / "issued")
+    dirs = {name: auth.grant(secrets_dir / "issued", secrets_dir / name, services) for name, services in GRANTS.items()}
+    for path in issued.values():
+        path.unlink()  # no directory holds every token
+    (secrets_dir / "issued").rmdir()
+    return {name: {auth.TOKEN_DIR_ENV: str(path)} for name, path in dirs.items()}
+
+
+def operator_token_dir(work_dir: Path = DEFAULT_WORK_DIR) -> Path:
+    """Where `physarum` commands find the tokens the stack issued its operator (job API, manager, buffer, reward)."""
+    return Path(work_dir).resolve() / "secrets" / "operator"
+
+
+def _plugin_env(options: StackOptions) -> dict[str, str]:
+    from services.common.plugins import ALLOWLIST_ENV
+
+    return {} if options.plugin_allowlist is None else {ALLOWLIST_ENV: options.plugin_allowlist}
 
 
 def _entry(proc: ManagedProcess) -> dict:

@@ -3,6 +3,7 @@ PIDs (the router and engine fixtures of the integration tests are in tests/integ
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -10,9 +11,13 @@ import pytest
 
 from physarum import tasks, tinymodel
 from services.common import procs
+from services.common.plugins import ALLOWLIST_ENV
+
+# The plugin modules the tests' jobs and requests name; every process the tests start inherits it.
+os.environ.setdefault(ALLOWLIST_ENV, "tests,examples")
 
 TESTS = Path(__file__).resolve().parent
-KIND_BY_FOLDER = {"unit": "unit", "chart": "unit", "integration": "integration", "e2e": "e2e"}
+KIND_BY_FOLDER = {"unit": "unit", "chart": "unit", "integration": "integration", "e2e": "e2e", "fuzz": "e2e"}
 # Integration modules over about half a minute on 2 cores (pytest --durations), left out of make test-fast; a module
 # may also set pytestmark = pytest.mark.slow itself (test_elastic_job.py).
 SLOW_MODULES = {"integration/test_weight_sync.py", "integration/test_netns_weight_sync.py"}

@@ -84,8 +84,8 @@ def state_from_proto(msg: buffer_pb2.DataSourceState) -> DataSourceState:
 class BufferClient(GrpcClient):
     service = "buffer"
 
-    def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3) -> None:
-        super().__init__(addr, timeout_s, max_retries)
+    def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3, **options: float) -> None:
+        super().__init__(addr, timeout_s, max_retries, **options)
         self.stub = buffer_pb2_grpc.BufferStub(self.channel)
 
     def load_dataset(self, job_id: str, path: str, *, input_key: str = "input", label_key: str = "",

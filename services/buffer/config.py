@@ -18,6 +18,7 @@ class BufferConfig:
     grace_s: float = field(5.0, "how long in-flight calls may finish after SIGTERM")
     metrics_port: int = field(0, "port of the Prometheus /metrics endpoint (0: none; the chart sets one)")
     metrics_interval_s: float = field(10.0, "how often the backlog gauges are read from Redis")
+    data_roots: list[str] = field([], "directories LoadDataset may read under (empty: any path, for local runs)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

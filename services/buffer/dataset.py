@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.common.paths import confine
 from services.common.samples import Prompt, dict_to_struct
 
 log = logging.getLogger(__name__)
 
 MAX_ERRORS = 10
+MAX_DEPTH = 32                 # nesting of lists and objects in a row (a chat message list is 3 deep)
+MAX_ROW_BYTES = 16 << 20       # one row's JSON; a longer line is skipped unread
 _SLICED = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
 
 
@@ -44,9 +48,11 @@ def parse_path(spec: str) -> tuple[Path, slice]:
 
 
 def read_prompts(spec: str, *, input_key: str = "input", label_key: str = "", metadata_key: str = "metadata",
-                 apply_chat_template: bool = False) -> PromptRows:
-    """Read and validate the rows selected by `spec` (a path, optionally with `@[start:end]`)."""
+                 apply_chat_template: bool = False, roots: Sequence[str] = ()) -> PromptRows:
+    """Read and validate the rows selected by `spec` (a path, optionally with `@[start:end]`), which must lie
+    under one of `roots` (when any are given)."""
     path, rows = parse_path(spec)
+    path = confine(str(path), roots, "dataset")
     if not path.is_file():
         raise InvalidArgument(f"dataset {path}: no such file")
     if path.suffix == ".jsonl":
@@ -80,10 +86,33 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
         for line_no, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
+            if len(line) > MAX_ROW_BYTES:
+                yield f"line {line_no}", ValueError(f"row of {len(line)} bytes (at most {MAX_ROW_BYTES})")
+                continue
             try:
-                yield f"line {line_no}", json.loads(line)
+                yield f"line {line_no}", json.loads(line, parse_constant=_refuse_constant)
             except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
                 yield f"line {line_no}", ValueError(f"invalid JSON: {err}")
+            except RecursionError:
+                yield f"line {line_no}", ValueError(f"invalid JSON: nested more than {MAX_DEPTH} levels")
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_value(value: Any, depth: int = 0) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and non-finite floats (a parquet row can hold NaN)."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nested more than {MAX_DEPTH} levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"holds {value!r}, not a finite number")
+    if isinstance(value, dict):
+        for item in value.values():
+            _check_value(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_value(item, depth + 1)
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -106,6 +135,7 @@ def _to_prompt(record: Any, index: int, input_key: str, label_key: str, metadata
         raise record
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    _check_value(record)
     if input_key not in record:
         raise ValueError(f"missing key {input_key!r}")
     value = record[input_key]

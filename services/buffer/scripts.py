@@ -2,7 +2,8 @@
 
 ARGV[1] is the job's key prefix (`physarum:{job}:`). A prompt slot is "epoch:index"; its group is stored under
 `group:<job>:<epoch>:<index>`. The returned queue never holds a slot whose group is stored. Time is Redis's
-own (TIME), so replicas with skewed clocks agree on lease deadlines.
+own (TIME), so replicas with skewed clocks agree on lease deadlines. Every loop is bounded by the arguments' count or
+by what is stored (never by a number a caller sends): a script that runs long blocks every job sharing the Redis.
 """
 
 _COMMON = """
@@ -51,7 +52,11 @@ local meta = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'epoch',
 local n, shuffle, epoch, cursor = tonumber(meta[1]), meta[2] == '1', tonumber(meta[3]), tonumber(meta[4])
 local from_returned = math.min(redis.call('LLEN', p .. 'returned'), count)
 local fresh, e, c = {}, epoch, cursor
+-- each pass either takes a slot or passes over a stored group, so the stored groups bound the passed-over ones
+local passes_left = count + tonumber(redis.call('HGET', p .. 'meta', 'num_groups') or 0)
 while #fresh < count - from_returned do
+  passes_left = passes_left - 1
+  if passes_left < 0 then return redis.error_reply('ERR lease: passed over more stored groups than exist') end
   local index = c
   if shuffle then
     if redis.call('EXISTS', p .. 'order:' .. e) == 0 then
@@ -114,11 +119,9 @@ for i = 1, #ARGV, 7 do
   local new = redis.call('SET', p .. 'group:' .. gid, ARGV[i + 6], 'NX')
   if new then
     redis.call('RPUSH', p .. 'rollout:' .. rollout, gid)
+    if tonumber(rollout) >= 0 then redis.call('ZADD', p .. 'rollouts', rollout, rollout) end
     redis.call('HSET', p .. 'versions', gid, ARGV[i + 5])
     redis.call('HINCRBY', p .. 'meta', 'num_groups', 1)
-    if tonumber(rollout) > tonumber(redis.call('HGET', p .. 'meta', 'max_rollout') or -1) then
-      redis.call('HSET', p .. 'meta', 'max_rollout', rollout)
-    end
   end
   if lease ~= '' and redis.call('HGET', p .. 'leases', lease) == slot then
     redis.call('HDEL', p .. 'leases', lease)
@@ -161,10 +164,8 @@ while have < want do
     end
   else
     redis.call('RPUSH', p .. 'rollout:' .. rollout, gid)
+    redis.call('ZADD', p .. 'rollouts', rollout, rollout)
     have = have + 1
-    if tonumber(rollout) > tonumber(redis.call('HGET', p .. 'meta', 'max_rollout') or -1) then
-      redis.call('HSET', p .. 'meta', 'max_rollout', rollout)
-    end
   end
 end
 local m = redis.call('HMGET', p .. 'meta', 'stale_dropped', 'stale_regenerated')
@@ -185,7 +186,7 @@ return {m[1], m[2], m[3], redis.call('HLEN', p .. 'leases'), redis.call('LLEN', 
 SAVE_STATE = """
 local p, after = ARGV[1], tonumber(ARGV[2])
 if redis.call('EXISTS', p .. 'meta') == 0 then return false end
-local m = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'seed', 'epoch', 'cursor', 'max_rollout')
+local m = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'seed', 'epoch', 'cursor')
 local out = {m[1], m[2], m[3], m[4], m[5]}
 local returned = redis.call('LRANGE', p .. 'returned', 0, -1)
 table.insert(out, #returned)
@@ -197,7 +198,8 @@ for _, id in ipairs(redis.call('ZRANGE', p .. 'deadlines', 0, -1)) do  -- deadli
 end
 table.insert(out, #leased)
 for _, slot in ipairs(leased) do table.insert(out, slot) end
-for r = after + 1, tonumber(m[6] or -1) do
+-- the rollouts that hold groups (a sorted set), never every number up to the largest one written
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', p .. 'rollouts', '(' .. after, '+inf')) do
   for _, gid in ipairs(redis.call('LRANGE', p .. 'rollout:' .. r, 0, -1)) do
     table.insert(out, string.match(gid, '(%d+:%d+)$'))
   end

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -11,6 +13,7 @@ from services.buffer.config import BufferConfig
 from services.buffer.dataset import read_prompts
 from services.buffer.metrics import BufferMetrics, MeteredStore, MetricsExporter, start_exporter
 from services.buffer.store import BufferStore
+from services.common import auth
 from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
@@ -20,14 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
-    def __init__(self, store: BufferStore) -> None:
+    def __init__(self, store: BufferStore, data_roots: list[str]) -> None:
         self.store = store
+        self.data_roots = data_roots
 
     @handle_errors
     async def LoadDataset(self, request, context):
         read = functools.partial(read_prompts, request.path, input_key=request.input_key or "input",
                                  label_key=request.label_key, metadata_key=request.metadata_key or "metadata",
-                                 apply_chat_template=request.apply_chat_template)
+                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots)
         info = await self.store.load_dataset(request.job_id, read, shuffle=request.rollout_shuffle,
                                              seed=request.rollout_seed, path=request.path)
         return buffer_pb2.LoadDatasetResponse(num_prompts=info.num_prompts, num_skipped=info.num_skipped,
@@ -84,19 +88,40 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.RestoreStateResponse(num_requeued=num_requeued, num_leases_dropped=num_dropped)
 
 
+REDIS_CHECK_S = 1.0  # how often health follows Redis (busy with a script, loading its data, gone)
+
+
 @dataclass
 class BufferServer(GrpcServer):
-    """The running server and the store it closes on stop."""
+    """The running server, the store it closes on stop and the task that keeps health in step with Redis."""
 
     store: BufferStore = field(kw_only=True)
     metrics: MetricsExporter | None = field(default=None, kw_only=True)  # with config.metrics_port
+    watcher: asyncio.Task | None = None
+
+
+async def _follow_redis(server: BufferServer) -> None:
+    """Health is NOT_SERVING while Redis does not answer PING (BUSY, LOADING, unreachable), SERVING once it does."""
+    serving = True
+    while True:
+        await asyncio.sleep(REDIS_CHECK_S)
+        why = await server.store.ping(timeout_s=max(REDIS_CHECK_S, 2.0))
+        if (why is None) != serving:
+            serving = why is None
+            if serving:
+                log.info("Redis %s answers again: SERVING", server.store.where)
+            else:
+                log.warning("Redis %s cannot answer (%s): NOT_SERVING", server.store.where, why)
+            await server.set_serving(serving)
 
 
 async def create_server(config: BufferConfig) -> BufferServer:
     """Start the server NOT_SERVING, wait (bounded) for Redis, then report SERVING."""
     store = MeteredStore(config.redis_url, BufferMetrics())
-    binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store), "physarum.v1.Buffer")
-    grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False)
+    binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store, config.data_roots),
+                             "physarum.v1.Buffer")
+    grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False,
+                                          token=auth.read_token("buffer"), service="buffer")
     server = BufferServer(**vars(grpc_server), store=store)
     try:
         await store.wait_ready(config.redis_wait_s)
@@ -106,12 +131,19 @@ async def create_server(config: BufferConfig) -> BufferServer:
     if config.metrics_port:
         server.metrics = await start_exporter(store, config.host, config.metrics_port, config.metrics_interval_s)
     await server.set_serving(True)
+    server.watcher = asyncio.create_task(_follow_redis(server))
+    if not config.data_roots:
+        log.warning("data_roots is empty: LoadDataset reads any path this process can (set it outside local runs)")
     log.info("buffer serving on %s:%d, Redis %s", config.host, server.port, store.where)
     return server
 
 
 async def stop_server(server: BufferServer, grace_s: float) -> None:
     """Stop serving (NOT_SERVING first, in-flight calls get grace_s), then close the Redis connections."""
+    if server.watcher is not None:
+        server.watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server.watcher
     await stop_grpc_server(server, grace_s)
     if server.metrics:
         await server.metrics.stop()

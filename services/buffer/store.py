@@ -19,9 +19,10 @@ from dataclasses import replace
 
 import redis.asyncio as redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.buffer.client import BufferStats, DatasetInfo, DataSourceState
+from services.buffer.client import STREAM_ROLLOUT_ID, BufferStats, DatasetInfo, DataSourceState
 from services.buffer.dataset import PromptRows
 from services.buffer.scripts import (
     FINISH_LOAD,
@@ -34,6 +35,7 @@ from services.buffer.scripts import (
     STATS,
     TAKE,
 )
+from services.common import bounds
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import (
@@ -54,22 +56,39 @@ LOAD_CHUNK = 2000         # prompts per HSET while loading
 LOAD_TTL_S = 3600         # a half-written dataset (a replica died while loading) expires after this
 SOCKET_TIMEOUT_S = 30.0
 STALE_POLICIES = ("regenerate", "drop")
+# Upper bounds on what one call may ask for: each bounds the work of one Lua script, which blocks the whole Redis.
+MAX_ITEMS_PER_CALL = 16384    # prompts leased, lease ids returned, groups written or read
+MAX_ROLLOUT_ID = 2**31 - 1    # Lua numbers are doubles: far below 2^53, so ids compare exactly
+MAX_WEIGHT_VERSION = 2**31 - 1
+MAX_LEASE_TIMEOUT_S = 7 * 86400.0
+_TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "OOM")  # Redis will answer again later
 
 
 def _prefix(job_id: str) -> str:
-    if not job_id:
-        raise InvalidArgument("job_id must not be empty")
-    return f"physarum:{{{job_id}}}:"
+    return f"physarum:{{{bounds.dataset_key(job_id)}}}:"
+
+
+def _rollout_id(value: int, low: int = -1) -> int:
+    return bounds.integer("rollout_id", value, low, MAX_ROLLOUT_ID)
+
+
+def _count(name: str, value: int) -> int:
+    return bounds.integer(name, value, 1, MAX_ITEMS_PER_CALL)
 
 
 def _redis_errors(method: Callable) -> Callable:
-    """Redis connection failures become Unavailable (clients retry idempotent calls on it)."""
+    """Redis connection failures, and replies that say Redis is busy (a long script) or loading its data, become
+    Unavailable (clients retry idempotent calls on it)."""
     @functools.wraps(method)
     async def wrapper(self: BufferStore, *args, **kwargs):
         try:
             return await method(self, *args, **kwargs)
         except (RedisConnectionError, RedisTimeoutError) as err:
             raise Unavailable(f"buffer: Redis {self.where} unreachable: {err}") from None
+        except RedisResponseError as err:
+            if str(err).startswith(_TRANSIENT_REPLIES):
+                raise Unavailable(f"buffer: Redis {self.where} cannot answer now: {err}") from None
+            raise
     return wrapper
 
 
@@ -96,6 +115,14 @@ class BufferStore:
                 log.info("waiting for Redis %s: %s", self.where, err)
             await asyncio.sleep(delay_s)
             delay_s = min(1.0, delay_s * 2)
+
+    async def ping(self, timeout_s: float) -> str | None:
+        """None when Redis answers PING within timeout_s, else why not (busy, loading, unreachable)."""
+        try:
+            await asyncio.wait_for(self.redis.ping(), timeout_s)
+            return None
+        except (RedisConnectionError, RedisTimeoutError, RedisResponseError, OSError, TimeoutError) as err:
+            return f"{type(err).__name__}: {err}"
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -142,10 +169,9 @@ class BufferStore:
     async def lease(self, job_id: str, rollout_id: int, count: int, lease_timeout_s: float) -> list[Prompt]:
         """Lease `count` prompts: returned ones first, then the epoch's order from the cursor, wrapping epochs."""
         p = _prefix(job_id)
-        if count <= 0:
-            raise InvalidArgument(f"count must be > 0, got {count}")
-        if lease_timeout_s <= 0:
-            raise InvalidArgument(f"lease_timeout_s must be > 0, got {lease_timeout_s}")
+        _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
+        _count("count", count)
+        bounds.finite("lease_timeout_s", lease_timeout_s, 0.001, MAX_LEASE_TIMEOUT_S)
         batch = uuid.uuid4().hex[:16]  # ids of one call sort in lease order: equal deadlines expire in that order
         lease_ids = [f"{batch}-{i:06d}" for i in range(count)]
         timeout_ms = max(1, round(lease_timeout_s * 1000))
@@ -175,6 +201,8 @@ class BufferStore:
     @_redis_errors
     async def return_prompts(self, job_id: str, lease_ids: list[str]) -> int:
         """End leases now, their prompts to be served again; unknown lease ids are ignored (not counted)."""
+        if len(lease_ids) > MAX_ITEMS_PER_CALL:
+            raise InvalidArgument(f"lease_ids: at most {MAX_ITEMS_PER_CALL} per call, got {len(lease_ids)}")
         num_returned = await self._run("return", _prefix(job_id), job_id, *lease_ids)
         if num_returned < 0:
             raise NotFound(f"buffer: job {job_id!r} has no dataset")
@@ -185,8 +213,13 @@ class BufferStore:
     @_redis_errors
     async def put_groups(self, groups: list[SampleGroup]) -> tuple[int, int]:
         """Store each new group once (by group_id) and ack its lease; returns (num_written, num_duplicate)."""
+        if len(groups) > MAX_ITEMS_PER_CALL:
+            raise InvalidArgument(f"groups: at most {MAX_ITEMS_PER_CALL} per call, got {len(groups)}")
         args: list[object] = []
         for group in groups:
+            _rollout_id(group.rollout_id, low=STREAM_ROLLOUT_ID)
+            bounds.integer("epoch", group.epoch, 0, MAX_ROLLOUT_ID)
+            bounds.integer("prompt_index", group.prompt_index, 0, bounds.INT64_MAX)
             expected = group_id_for(group.job_id, group.epoch, group.prompt_index)
             if group.group_id != expected:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
@@ -206,10 +239,9 @@ class BufferStore:
     async def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[SampleGroup]:
         """The rollout's first num_groups groups in write order, once that many exist (polls up to timeout_s)."""
         p = _prefix(job_id)
-        if num_groups <= 0:
-            raise InvalidArgument(f"num_groups must be > 0, got {num_groups}")
-        if timeout_s < 0:
-            raise InvalidArgument(f"timeout_s must be >= 0, got {timeout_s}")
+        _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
+        _count("num_groups", num_groups)
+        bounds.finite("timeout_s", timeout_s, 0.0, bounds.MAX_WAIT_S)
         deadline = time.monotonic() + timeout_s
         have = await self.count_groups(job_id, rollout_id)
         while have < num_groups:
@@ -239,12 +271,14 @@ class BufferStore:
         dropped or regenerated.
         Returns (groups, stale dropped so far, stale regenerated so far)."""
         p = _prefix(job_id)
-        if num_groups <= 0 or rollout_id < 0:
-            raise InvalidArgument(f"take_batch: num_groups must be > 0 and rollout_id >= 0, got {num_groups}, "
-                                  f"{rollout_id}")
+        _rollout_id(rollout_id, low=0)
+        _count("num_groups", num_groups)
+        bounds.finite("timeout_s", timeout_s, 0.0, bounds.MAX_WAIT_S)
+        bounds.integer("min_weight_version", min_weight_version, -1, MAX_WEIGHT_VERSION)
+        bounds.integer("max_weight_version", max_weight_version, -1, MAX_WEIGHT_VERSION)
         if stale_policy not in STALE_POLICIES:
             raise InvalidArgument(f"stale_policy must be one of {', '.join(STALE_POLICIES)}, got {stale_policy!r}")
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        deadline = time.monotonic() + timeout_s
         while True:
             reply = await self._run("take", p, rollout_id, num_groups, min_weight_version, stale_policy,
                                     max_weight_version)
@@ -262,6 +296,7 @@ class BufferStore:
     @_redis_errors
     async def count_groups(self, job_id: str, rollout_id: int) -> int:
         p = _prefix(job_id)
+        _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
         async with self.redis.pipeline(transaction=True) as pipe:
             exists, num_groups = await pipe.exists(p + "meta").llen(f"{p}rollout:{rollout_id}").execute()
         if not exists:
@@ -283,7 +318,7 @@ class BufferStore:
     @_redis_errors
     async def save_state(self, job_id: str, rollout_id: int) -> DataSourceState:
         """The job's data-source state, read atomically; groups of rollouts after `rollout_id` are `pending`."""
-        reply = await self._run("save_state", _prefix(job_id), rollout_id)
+        reply = await self._run("save_state", _prefix(job_id), _rollout_id(rollout_id))
         if reply is None:
             raise NotFound(f"buffer: job {job_id!r} has no dataset")
         reply = [x.decode() if isinstance(x, bytes) else x for x in reply]
@@ -305,7 +340,8 @@ class BufferStore:
         for slot in (*state.pending, *state.leased, *state.returned):
             if not re.fullmatch(r"\d+:\d+", slot):
                 raise InvalidArgument(f"buffer: data-source state: bad slot {slot!r} (expected epoch:index)")
-        if not 0 <= state.cursor < state.num_prompts or state.epoch < 0:
+        bounds.integer("state.seed", state.seed, -bounds.INT64_MAX - 1, bounds.INT64_MAX)
+        if not 0 <= state.cursor < state.num_prompts or not 0 <= state.epoch <= MAX_ROLLOUT_ID:
             raise InvalidArgument(f"buffer: data-source state: epoch {state.epoch}, cursor {state.cursor} out of "
                                   f"range for {state.num_prompts} prompts")
         reply = await self._run("restore_state", _prefix(job_id), job_id, state.num_prompts, int(state.shuffle),

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -165,5 +166,23 @@ def load_config(cls: type[T], service: str, argv: list[str] | None = None, descr
         raise  # unreachable: parser.error exits
 
 
+_SECRET_NAME = re.compile(r"(token|password|secret|api_key|credentials?)$", re.IGNORECASE)
+_URL_USERINFO = re.compile(r"(?<=//)[^/@\s]*@")
+
+
+def redacted(value: Any, name: str = "") -> Any:
+    """`value` fit for a log: fields named like a secret become "***", passwords in URLs "***@"."""
+    if isinstance(value, dict):
+        return {k: redacted(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redacted(v, name) for v in value)
+    if _SECRET_NAME.search(name) and value not in ("", None):
+        return "***"
+    if isinstance(value, str):
+        return _URL_USERINFO.sub("***@", value)
+    return value
+
+
 def as_dict(config: Any) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+    """The config as a dict for the start-up log line: secrets redacted."""
+    return redacted(dataclasses.asdict(config))

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from services.common import auth
 from services.common.errors import from_rpc_error
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ class GrpcClient:
         self.max_retries = max_retries
         self.retry_window_s = retry_window_s
         self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        self.metadata: tuple[tuple[str, str], ...] | None = None  # sent with every call (e.g. a bearer token)
+        # sent with every call: the callee's bearer token, when this process was given one (services.common.auth)
+        token = auth.read_token(self.service) if self.service in auth.SERVICES else ""
+        self.metadata: tuple[tuple[str, str], ...] | None = tuple(auth.bearer(token).items()) or None
 
     def call(self, method: Callable, request: Any, *, timeout_s: float | None = None,
              idempotent: bool = False) -> Any:

@@ -17,7 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import TokenGuard
 from services.common.errors import PhysarumError
+from services.common.grpc_guard import DecodeGuard
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +87,13 @@ class GrpcServer:
 
 
 async def start_grpc_server(bindings: Iterable[ServiceBinding], host: str, port: int,
-                            serving: bool = True) -> GrpcServer:
-    """Start an aio server on host:port (0 picks a free port) with health and reflection."""
+                            serving: bool = True, token: str = "", service: str = "") -> GrpcServer:
+    """Start an aio server on host:port (0 picks a free port) with health and reflection; given a token, every RPC
+    but health and reflection needs it as `authorization: Bearer <token>` metadata."""
     bindings = list(bindings)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
+    guards = [TokenGuard(token, service or bindings[0].full_name)] if token else []
+    server = grpc.aio.server(interceptors=[*guards, DecodeGuard()],
+                             options=[("grpc.max_receive_message_length", 256 << 20),
                                       ("grpc.max_send_message_length", 256 << 20)])
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)

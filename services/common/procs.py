@@ -7,6 +7,7 @@ ever signalled by the PID this module started, after checking /proc/PID/cmdline 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,6 +64,15 @@ def terminate(pid: int, still_runs: Callable[[], bool], grace_s: float, kill_wai
     return ""
 
 
+_SECRET_ENV = re.compile(r"(^|_)(TOKEN|PASSWORD|SECRET|API_KEY|CREDENTIALS?)$")
+
+
+def inherited_env() -> dict[str, str]:
+    """This process's environment minus variables named like secrets: a child gets a secret only when it is passed
+    to it by name (and Physarum's own tokens travel as files, see services.common.auth)."""
+    return {k: v for k, v in os.environ.items() if not _SECRET_ENV.search(k.upper())}
+
+
 @dataclass
 class ManagedProcess:
     """A child process with its recorded PID, command line and log file."""
@@ -81,7 +91,7 @@ class ManagedProcess:
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**inherited_env(), "PYTHONUNBUFFERED": "1", **self.env}
         self.popen = subprocess.Popen(self.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
         log_file.close()

@@ -10,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from services.common import auth
 from services.common.errors import InvalidArgument
 
 
@@ -40,9 +41,11 @@ class RestServer:
             await self.task
 
 
-def create_rest_app(title: str, description: str) -> FastAPI:
-    """A service's FastAPI app with what every one has: GET /healthz and InvalidArgument as HTTP 400."""
+def create_rest_app(title: str, description: str, token: str = "", service: str = "") -> FastAPI:
+    """A service's FastAPI app with what every one has: GET /healthz, InvalidArgument as HTTP 400, and, given a
+    token, 401 on every path but health, metrics and docs without `Authorization: Bearer <token>`."""
     app = FastAPI(title=title, description=description)
+    auth.require_bearer(app, token, service or title)
 
     @app.exception_handler(InvalidArgument)
     async def invalid_argument(request, err: InvalidArgument) -> JSONResponse:

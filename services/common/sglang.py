@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from services.common import auth
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from services.common.http_client import HttpClient
 
@@ -66,7 +67,7 @@ class SGLangClient(HttpClient):
     """Synchronous client of one engine URL ("http://127.0.0.1:31001")."""
 
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
-        super().__init__(url, timeout_s)
+        super().__init__(url, timeout_s, headers=auth.bearer(auth.read_token("engine")))  # admin calls need it
         self.weight_sessions: bool | None = None  # whether /begin_weight_update exists; None until first asked
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
@@ -171,7 +172,8 @@ class AsyncSGLangClient:
     def __init__(self, timeout_s: float = 30.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.timeout_s = timeout_s
         self.http = httpx.AsyncClient(timeout=timeout_s, transport=transport,
-                                      limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+                                      limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+                                      headers=auth.bearer(auth.read_token("engine")))
 
     async def _request(self, url: str, method: str, path: str, body: dict | None = None,
                        timeout_s: float | None = None) -> Any:

@@ -5,6 +5,7 @@ Validation errors are InvalidArgument naming the field; the server answers them 
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, fields
 
@@ -20,6 +21,8 @@ SAMPLING_KEYS = frozenset({
 # Accepted by SGLang but not implemented here: allowed only when unset.
 UNSUPPORTED_KEYS = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias", "beam_width",
                     "watermark", "choice")
+MAX_N = 128                   # samples of one prompt in one call
+MAX_REQUESTS_PER_CALL = 4096  # prompts × n of one call: each is decoded, so a client cannot queue unbounded work
 _NUMBERS = {f.name: f.type for f in fields(SamplingParams)
             if f.type in ("int", "float", "int | None")}
 
@@ -34,8 +37,8 @@ class GenerateCall:
 
 
 def _number(key: str, value, kind: str):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"sampling_params.{key} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgument(f"sampling_params.{key} must be a finite number, got {value!r}")
     if kind.startswith("int"):
         if value != int(value):
             raise InvalidArgument(f"sampling_params.{key} must be an integer, got {value!r}")
@@ -94,7 +97,7 @@ def _check_ranges(p: SamplingParams, n: int) -> None:
         (p.max_new_tokens >= 0, f"max_new_tokens must be at least 0, got {p.max_new_tokens}"),
         (0 <= p.min_new_tokens <= p.max_new_tokens,
          f"min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {p.min_new_tokens}"),
-        (n >= 1, f"n must be at least 1, got {n}"),
+        (1 <= n <= MAX_N, f"n must be in [1, {MAX_N}], got {n}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -162,6 +165,11 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
             raise InvalidArgument(f"{where}: the input ({len(prompt)} tokens) is longer than the model's context "
                                   f"length ({engine.context_len} tokens)")
         params, n = parse_sampling_params(sampling[i])
+        if params.max_new_tokens > engine.context_len:
+            raise InvalidArgument(f"{where}: max_new_tokens {params.max_new_tokens} is more than the model's context "
+                                  f"length ({engine.context_len} tokens)")
+        if len(requests) + n > MAX_REQUESTS_PER_CALL:
+            raise InvalidArgument(f"more than {MAX_REQUESTS_PER_CALL} requests (prompts × n) in one call")
         listed = listed or n > 1
         for j in range(n):
             requests.append(Request(rid=rids[i] if n == 1 else f"{rids[i]}_{j}", input_ids=list(prompt),

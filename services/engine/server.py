@@ -20,6 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from services.common import auth
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.rest import RestServer
 from services.common.sglang import DEFAULT_GROUP_NAME
@@ -102,17 +103,36 @@ class EngineState:
                                      "paused": engine.is_paused}]}
 
 
+PUBLIC_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
+MAX_BODY_BYTES = 16 << 20  # a longer request body is refused unread (413): parsing it would hold the engine
+
+
 async def _body(request: Request) -> dict:
-    raw = await request.body()
+    """The JSON object of a request body of at most MAX_BODY_BYTES, parsed off the event loop."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
+        body = await asyncio.to_thread(json.loads, raw)
     except ValueError as err:
         raise InvalidArgument(f"request body is not valid JSON: {err}") from err
+    except RecursionError:
+        raise InvalidArgument("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+class BodyTooLarge(InvalidArgument):
+    """Answered with HTTP 413."""
 
 
 def _required(body: dict, *keys: str) -> None:
@@ -153,11 +173,14 @@ async def _wait_for(engine: Scheduler, requests: list[GenRequest]) -> None:
 
 def create_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="Physarum CPU engine (SGLang HTTP API)", version=VERSION)
+    # admin calls (weights, pause, abort, flush) only from holders of the engine token: the manager and the trainer
+    auth.require_bearer(app, auth.read_token("engine"), "engine", auth.OPEN_PATHS | PUBLIC_PATHS)
     timeout_s = state.config.weight_sync_timeout_s
 
     @app.exception_handler(PhysarumError)
     async def physarum_error(request: Request, err: PhysarumError) -> JSONResponse:
-        status = {InvalidArgument: 400, FailedPrecondition: 400, NotFound: 404, Unavailable: 503}.get(type(err), 500)
+        status = {BodyTooLarge: 413, InvalidArgument: 400, FailedPrecondition: 400, NotFound: 404,
+                  Unavailable: 503}.get(type(err), 500)
         return JSONResponse({"error": {"message": str(err)}}, status_code=status)
 
     @app.exception_handler(ValueError)
@@ -170,7 +193,7 @@ def create_app(state: EngineState) -> FastAPI:
         body = await _body(request)
         if body.get("stream"):
             raise InvalidArgument("stream is not supported by the CPU engine; send stream=false")
-        call = parse_generate(body, engine)
+        call = await asyncio.to_thread(parse_generate, body, engine)  # tokenizing a long text holds no loop
         await _wait_for(engine, call.requests)
         outs = [to_response(r, lp, i if call.listed else None)
                 for i, (r, lp) in enumerate(zip(call.requests, call.return_logprob, strict=True))]

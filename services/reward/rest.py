@@ -9,10 +9,12 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common import auth
 from services.common.rest import create_rest_app
 from services.common.samples import Sample
 from services.reward.config import RewardConfig
 from services.reward.metrics import RewardMetrics
+from services.reward.workers import WorkerPool
 
 
 class SampleIn(BaseModel):
@@ -45,8 +47,10 @@ class ScoreResponse(BaseModel):
     scores: list[ScoreOut]
 
 
-def create_app(config: RewardConfig, semaphore: asyncio.Semaphore, metrics: RewardMetrics) -> FastAPI:
-    app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.")
+def create_app(config: RewardConfig, semaphore: asyncio.Semaphore, pool: WorkerPool,
+               metrics: RewardMetrics) -> FastAPI:
+    app = create_rest_app("Physarum Reward", "Score samples with built-in verifiers or user functions.",
+                          token=auth.read_token("reward"), service="reward")
 
     @app.post("/v1/score", response_model=ScoreResponse)
     async def score(request: ScoreRequest) -> ScoreResponse:
@@ -54,7 +58,7 @@ def create_app(config: RewardConfig, semaphore: asyncio.Semaphore, metrics: Rewa
                    for i, s in enumerate(request.samples)]
         results = await metrics.score_samples(
             samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
-            timeout_s=request.timeout_s or config.default_timeout_s, args=request.args, semaphore=semaphore)
+            timeout_s=request.timeout_s or config.default_timeout_s, args=request.args, semaphore=semaphore, pool=pool)
         return ScoreResponse(scores=[ScoreOut(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores)
                                      for r in results])
 

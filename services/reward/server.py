@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from services.common import auth
 from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
 from services.common.rest import RestServer
@@ -17,6 +18,7 @@ from services.common.samples import sample_from_proto, struct_to_dict
 from services.reward import rest
 from services.reward.config import RewardConfig
 from services.reward.metrics import RewardMetrics
+from services.reward.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +35,11 @@ def restore_ints(value: Any) -> Any:
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, config: RewardConfig, semaphore: asyncio.Semaphore, metrics: RewardMetrics) -> None:
+    def __init__(self, config: RewardConfig, semaphore: asyncio.Semaphore, pool: WorkerPool,
+                 metrics: RewardMetrics) -> None:
         self.config = config
         self.semaphore = semaphore
+        self.pool = pool
         self.metrics = metrics
 
     @handle_errors
@@ -46,7 +50,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         results = await self.metrics.score_samples(
             samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
             timeout_s=request.timeout_s or self.config.default_timeout_s,
-            args=restore_ints(struct_to_dict(request.args)), semaphore=self.semaphore)
+            args=restore_ints(struct_to_dict(request.args)), semaphore=self.semaphore, pool=self.pool)
         return reward_pb2.ScoreResponse(scores=[
             reward_pb2.Score(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores) for r in results])
 
@@ -55,24 +59,33 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 class RewardServer:
     grpc: GrpcServer
     rest: RestServer
+    pool: WorkerPool
 
     async def stop(self, grace_s: float) -> None:
         await stop_grpc_server(self.grpc, grace_s)
         await self.rest.stop()
+        self.pool.close()
 
 
 async def create_server(config: RewardConfig) -> RewardServer:
     """Start the gRPC server and the REST server (ports 0 pick free ones; see .grpc.port and .rest.port)."""
     semaphore = asyncio.Semaphore(config.max_concurrency)
+    pool = WorkerPool(config.num_workers, config.worker_memory_bytes)
+    await pool.start()
     metrics = RewardMetrics()  # one registry for both servers; REST serves it at /metrics
-    servicer = RewardServicer(config, semaphore, metrics)
-    grpc_server = await start_grpc_server(
-        [ServiceBinding(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "physarum.v1.Reward")],
-        config.host, config.port)
+    servicer = RewardServicer(config, semaphore, pool, metrics)
     try:
-        rest_server = RestServer(rest.create_app(config, semaphore, metrics), config.host, config.rest_port)
+        grpc_server = await start_grpc_server(
+            [ServiceBinding(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "physarum.v1.Reward")],
+            config.host, config.port, token=auth.read_token("reward"), service="reward")
+    except BaseException:
+        pool.close()
+        raise
+    try:
+        rest_server = RestServer(rest.create_app(config, semaphore, pool, metrics), config.host, config.rest_port)
         await rest_server.start()
     except BaseException:
         await stop_grpc_server(grpc_server, 0)
+        pool.close()
         raise
-    return RewardServer(grpc=grpc_server, rest=rest_server)
+    return RewardServer(grpc=grpc_server, rest=rest_server, pool=pool)

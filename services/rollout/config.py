@@ -39,6 +39,8 @@ class RolloutManagerConfig:
     health_check_first_wait_s: float = field(0.0, "wait before the first check of a new engine "
                                              "(slime's rollout_health_check_first_wait)")
     drain_timeout_s: float = field(30.0, "how long a leaving engine may take to finish its aborted requests")
+    own_router: bool = field(False, "the manager owns the router's worker list: a worker it never registered is "
+                             "removed (on in the chart and `physarum up`; off where managers share a router)")
     k8s_namespace: str = field("default", "kubernetes launcher: namespace of the engine Deployment")
     k8s_engine_deployment: str = field("", "kubernetes launcher: name of the engine Deployment")
     k8s_engine_selector: str = field("", "kubernetes launcher: label selector of the engine pods")

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common import auth
 from services.common.rest import create_rest_app
 from services.rollout.client import PoolStatus
 from services.rollout.pool.pool import EnginePool
@@ -31,7 +32,8 @@ def status_json(status: PoolStatus) -> dict:
 
 
 def create_app(pool: EnginePool) -> FastAPI:
-    app = create_rest_app("Physarum rollout manager", "The engine pool: scale it, list its engines.")
+    app = create_rest_app("Physarum rollout manager", "The engine pool: scale it, list its engines.",
+                          token=auth.read_token("rollout"), service="rollout")
 
     @app.get("/v1/engines")
     async def engines() -> dict:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.buffer.client import BufferClient
+from services.common import auth
 from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
@@ -126,7 +127,7 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
         snapshot_dir=config.weight_snapshot_dir or str(work_dir / "snapshots"),
         health_check_interval_s=config.health_check_interval_s, health_check_timeout_s=config.health_check_timeout_s,
         health_check_first_wait_s=config.health_check_first_wait_s, start_timeout_s=config.engine_start_timeout_s,
-        drain_timeout_s=config.drain_timeout_s), external_urls=config.engine_urls)
+        drain_timeout_s=config.drain_timeout_s, own_router=config.own_router), external_urls=config.engine_urls)
     manager = RolloutManager(buffer, reward, config.router_url, model_path=config.model_path,
                              router_policy=config.router_policy, request_timeout_s=config.request_timeout_s,
                              version_now=lambda: pool.settled_version)
@@ -134,7 +135,7 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
     servicer = RolloutServicer(manager, pool, pool_ready, config.router_url)
     grpc_server = await start_grpc_server(
         [ServiceBinding(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "physarum.v1.Rollout")],
-        config.host, config.port, serving=False)
+        config.host, config.port, serving=False, token=auth.read_token("rollout"), service="rollout")
     rest_server = RestServer(rest.create_app(pool), config.host, config.rest_port)
     await rest_server.start()
     pool.rest_url = f"http://{config.host}:{rest_server.port}"
@@ -170,4 +171,4 @@ def build_launcher(config: RolloutManagerConfig, work_dir: Path) -> EngineLaunch
                                per_token_delay_s=config.engine_per_token_delay_s,
                                fake_compute=config.engine_fake_compute,
                                weight_sync_timeout_s=config.engine_weight_sync_timeout_s)
-    return LocalLauncher(argv, work_dir)
+    return LocalLauncher(argv, work_dir, env=auth.engine_env(work_dir / "engine-token"))

@@ -6,6 +6,7 @@ from typing import Any
 
 import httpx
 
+from services.common import auth
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_client import GrpcClient
@@ -58,6 +59,7 @@ class JobsRestClient(HttpClient):
     """The REST job API at `url` ("http://127.0.0.1:8080")."""
 
     def __init__(self, url: str, timeout_s: float = 10.0, token: str = "") -> None:
+        token = token or auth.read_token("trainer")  # default: this process's token file (services.common.auth)
         super().__init__(url, timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None)
 
     def _call(self, method: str, path: str, **kwargs) -> Any:

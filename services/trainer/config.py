@@ -26,6 +26,9 @@ class TrainerConfig:
     api_token: str = field("", "bearer token the job API requires (REST `Authorization: Bearer`, gRPC "
                                "`authorization` metadata); empty: no token (the local stack)")
     # The trainer's ranks (torchrun's variables): rank 0 is this service, ranks 1.. run services.trainer.worker.
+    data_roots: list[str] = field([], "directories job specs may read models and datasets under (empty: any)")
+    checkpoint_roots: list[str] = field([], "directories job specs may save and load checkpoints under (empty: any)")
+    export_roots: list[str] = field([], "directories job specs may export models and dumps under (empty: any)")
     rank: int = field(int(os.environ.get("RANK", "0")), "this process's trainer rank (default: $RANK)")
     world_size: int = field(int(os.environ.get("WORLD_SIZE", "1")), "number of trainer ranks (default: $WORLD_SIZE)")
     master_addr: str = field(os.environ.get("MASTER_ADDR", "127.0.0.1"),

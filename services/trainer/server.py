@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from services.common import auth
 from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server
 from services.common.rest import RestServer
@@ -15,7 +16,7 @@ from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
 from services.trainer.preflight import with_preflight
 from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
-from services.trainer.spec_defaults import SpecParser, spec_defaults, spec_parser
+from services.trainer.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
 
 EVENT_POLL_S = 0.2
 
@@ -92,11 +93,12 @@ class TrainerServers:
 
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
     registry = JobRegistry(runner)
-    parse = with_preflight(spec_parser(spec_defaults(config)))  # refuse at submit what would fail on the GPUs
+    parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)))  # refuse what would fail on GPUs
+    token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment
     grpc_server = await start_grpc_server(
-        [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, config.api_token, parse),
+        [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, token, parse),
                        "physarum.v1.Jobs")],
-        config.host, config.port)
-    rest = RestServer(create_app(registry, config.api_token, parse), config.host, config.rest_port)
+        config.host, config.port, token=token, service="trainer")  # checked before a request is even decoded
+    rest = RestServer(create_app(registry, token, parse), config.host, config.rest_port)
     await rest.start()
     return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)

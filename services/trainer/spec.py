@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from services.common import bounds
 from services.common.config import own_settings, settings
 from services.common.errors import InvalidArgument
 from services.rollout.client import RolloutConfig
@@ -44,7 +45,8 @@ def _declared_settings() -> dict[str, tuple[Any, Any]]:
     return out
 
 
-_JobSettings = create_model("JobSettings", __config__=ConfigDict(extra="forbid", frozen=True),
+# allow_inf_nan=False: NaN and Infinity would pass every range check (`<=` is false both ways)
+_JobSettings = create_model("JobSettings", __config__=ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False),
                             **_declared_settings())
 
 
@@ -67,6 +69,12 @@ class JobSpec(_JobSettings):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
+        bounds.int64_fields(self)  # a bigger int breaks proto and JSON later (job listing, events)
+        if self.job_id:
+            bounds.job_id(self.job_id)
+        for name in ("global_batch_size", "num_steps_per_rollout"):  # divisors below, before TrainConfig checks them
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         # Each part validates its own settings; the rollout's as the user set them (before the mode resolves any).
         rollout = RolloutConfig(**self._values(RolloutConfig), job_id=self.job_id or "unnamed")
         driver, layout, _ = self.driver, self.layout, self.sync

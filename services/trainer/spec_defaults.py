@@ -9,6 +9,7 @@ from typing import Any
 from services.trainer import slime_args
 from services.trainer.config import TrainerConfig
 from services.trainer.spec import JobSpec, parse_spec
+from services.trainer.spec_paths import PathRoots, confine_paths
 
 SpecParser = Callable[[Any], JobSpec]
 
@@ -18,12 +19,20 @@ def spec_defaults(config: TrainerConfig) -> dict[str, Any]:
     return {"train_backend": config.default_train_backend}
 
 
-def spec_parser(defaults: dict[str, Any]) -> SpecParser:
-    """parse_spec after filling in `defaults` (a spec that is not a mapping is parse_spec's to refuse)."""
+def path_roots(config: TrainerConfig) -> PathRoots:
+    return PathRoots(data=tuple(config.data_roots), checkpoints=tuple(config.checkpoint_roots),
+                     exports=tuple(config.export_roots))
+
+
+def spec_parser(defaults: dict[str, Any], roots: PathRoots = PathRoots()) -> SpecParser:
+    """parse_spec after filling in `defaults` (a spec that is not a mapping is parse_spec's to refuse), with its
+    paths confined to `roots`."""
 
     def parse(data: Any) -> JobSpec:
         if isinstance(data, dict):  # slime_args carries slime's own defaults (train_backend megatron): first
             data = {**defaults, **slime_args.apply(data, set(JobSpec.model_fields))}
-        return parse_spec(data)
+        spec = parse_spec(data)
+        confine_paths(spec, roots)
+        return spec
 
     return parse

@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -72,7 +73,9 @@ def client(buffer_addr):
 
 @pytest.fixture
 def job_id(request) -> str:
-    return f"{request.node.name}-{uuid.uuid4().hex[:6]}"
+    """A DNS-label job id named after the test."""
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40]
+    return f"{name}-{uuid.uuid4().hex[:6]}"
 
 
 def write_dataset(path, num_prompts: int) -> str:
@@ -267,7 +270,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_answering(client, jo
         client.stats(job_id)
     with pytest.raises(NotFound, match=f"job '{job_id}' has no dataset"):
         client.lease_prompts(job_id, 0, 1, 1.0)
-    with pytest.raises(InvalidArgument, match="job_id must not be empty"):
+    with pytest.raises(InvalidArgument, match="job_id '': expected a DNS label"):
         client.count_groups("", 0)
 
     good = tmp_path / "good.jsonl"
@@ -275,7 +278,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_answering(client, jo
     info = client.load_dataset(job_id, str(good))  # the failures above stored nothing
     assert (info.num_prompts, info.num_skipped, info.already_loaded) == (1, 1, False)
     assert info.errors == [f"dataset {good} line 1: missing key 'input'"]
-    with pytest.raises(InvalidArgument, match="count must be > 0, got 0"):
+    with pytest.raises(InvalidArgument, match=r"count must be in \[1, 16384\], got 0"):
         client.lease_prompts(job_id, 0, 0, 1.0)
     [prompt] = client.lease_prompts(job_id, 0, 1, 60.0)
     wrong = group_for(prompt)

@@ -179,11 +179,27 @@ def test_stop_token_ids_and_stop_strings(http):
     ({"input_ids": [5], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [5], "sampling_params": {"json_schema": "{}"}}, "json_schema"),
     ({"input_ids": [5], "stream": True}, "stream"),
+    ({"input_ids": [5], "sampling_params": {"n": 200_000}}, "n must be in [1, 128], got 200000"),
+    ({"input_ids": [5], "sampling_params": {"max_new_tokens": 10**9}}, "max_new_tokens 1000000000 is more than"),
+    ({"input_ids": [5], "sampling_params": {"max_new_tokens": 1e300}}, "is more than the model's context length"),
+    ({"input_ids": [[5]] * 40, "sampling_params": {"n": 128}}, "more than 4096 requests"),
 ])
 def test_bad_requests_get_400(http, body, fragment):
     reply = http.post("/generate", json=body)
     assert reply.status_code == 400
     assert fragment in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content, status, fragment", [
+    (b'{"input_ids": [5], "sampling_params": {"temperature": NaN}}', 400, "temperature must be a finite number"),
+    (b'{"input_ids": [5], "sampling_params": {"max_new_tokens": Infinity}}', 400, "must be a finite number"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    (b'{"text": "' + b"1" * (17 << 20) + b'"}', 413, "request body over 16777216 bytes"),
+])
+def test_hostile_bodies_are_refused_and_health_answers(http, content, status, fragment):
+    reply = http.post("/generate", content=content, headers={"content-type": "application/json"})
+    assert reply.status_code == status and fragment in reply.json()["error"]["message"], reply.text[:500]
+    assert http.get("/health_generate", timeout=30).status_code == 200
 
 
 def test_unknown_top_level_fields_are_ignored(http):

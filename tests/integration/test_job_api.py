@@ -81,6 +81,23 @@ def test_malformed_spec_is_rejected_by_name_and_the_api_stays_up(servers):
         client.get("missing")
 
 
+@pytest.mark.parametrize("body", [
+    '"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2, "lr": NaN',
+    '"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2, "lr": Infinity',
+    '"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2, "seed": '
+    + "9" * 30,
+    '"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2, '
+    '"global_batch_size": 0',
+    '"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2, "job_id": "../.."',
+])
+def test_hostile_numbers_and_names_answer_400_and_listing_still_works(servers, body):
+    _, url = servers
+    reply = httpx.post(f"{url}/v1/jobs", content="{" + body + "}", headers={"content-type": "application/json"},
+                       timeout=5)
+    assert reply.status_code == 400, reply.text
+    assert httpx.get(f"{url}/v1/jobs", timeout=5).status_code == 200
+
+
 def test_grpc_submit_stream_events_and_cancel(servers):
     grpc_addr, _ = servers
     with JobsClient(grpc_addr) as client:

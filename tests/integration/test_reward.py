@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ def server():
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    config = RewardConfig(port=0, rest_port=0, default_timeout_s=5.0)
+    config = RewardConfig(port=0, rest_port=0, default_timeout_s=5.0, worker_memory_bytes=2 << 30)
     srv = asyncio.run_coroutine_threadsafe(create_server(config), loop).result(timeout=30)
     yield srv
     asyncio.run_coroutine_threadsafe(srv.stop(1.0), loop).result(timeout=30)
@@ -76,12 +77,44 @@ def test_service_keeps_serving_after_failing_and_slow_functions(client, http):
     [boom] = client.score([Sample(response="x")], custom_rm_path=f"{PLUGINS}.boom")
     assert boom == ScoreResult(0.0, False, f"custom_rm_path {PLUGINS}.boom: ValueError: cannot score 'x'")
     [slow] = client.score([Sample()], custom_rm_path=f"{PLUGINS}.slow", timeout_s=0.3, args={"sleep_s": 30})
-    assert slow == ScoreResult(0.0, False, "timed out after 0.3 s")
+    assert slow == ScoreResult(0.0, False, "timed out after 0.3 s (worker killed)")
     reply = http.post("/v1/score", json={"custom_rm_path": f"{PLUGINS}.slow", "timeout_s": 0.3,
                                          "args": {"sleep_s": 30}, "samples": [{}]})
-    assert reply.json()["scores"] == [{"reward": 0.0, "ok": False, "error": "timed out after 0.3 s", "scores": {}}]
+    assert reply.json()["scores"] == [{"reward": 0.0, "ok": False, "error": "timed out after 0.3 s (worker killed)",
+                                       "scores": {}}]
     assert [r.reward for r in client.score([Sample(response="46", label="46")], rm_type="exact_match")] == [1.0]
     assert http.get("/healthz").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("function, args, error", [
+    ("exits", {}, f"custom_rm_path {PLUGINS}.exits: SystemExit: 3"),
+    ("interrupts", {}, f"custom_rm_path {PLUGINS}.interrupts: KeyboardInterrupt: "),
+    ("dies", {}, f"custom_rm_path {PLUGINS}.dies: worker exited (code 7) while scoring"),
+    ("hog_memory", {"num_bytes": 64 << 30}, f"custom_rm_path {PLUGINS}.hog_memory: MemoryError: "),
+])
+def test_user_code_that_exits_dies_or_hogs_memory_fails_only_its_sample(client, function, args, error):
+    [result] = client.score([Sample()], custom_rm_path=f"{PLUGINS}.{function}", args=args)
+    assert result == ScoreResult(0.0, False, error)
+    assert [r.reward for r in client.score([Sample(response="46", label="46")], rm_type="exact_match")] == [1.0]
+
+
+def test_blocking_functions_and_huge_responses_are_stopped_while_health_answers(client, http):
+    slow = {"custom_rm_path": f"{PLUGINS}.blocking_sleep", "timeout_s": 2.0, "args": {"sleep_s": 600},
+            "samples": [{}, {}]}
+    huge = {"rm_type": "math", "timeout_s": 2.0, "samples": [{"response": "1+" * (5 << 20), "label": "3"}]}
+    with httpx.Client(base_url=str(http.base_url), timeout=120.0) as other:
+        with ThreadPoolExecutor(2) as calls:
+            blocked = calls.submit(other.post, "/v1/score", json=slow)
+            math_scored = calls.submit(other.post, "/v1/score", json=huge)
+            for _ in range(5):  # health answers while both run
+                assert http.get("/healthz", timeout=60.0).json() == {"status": "ok"}
+            blocked_scores, math_scores = blocked.result().json()["scores"], math_scored.result().json()["scores"]
+    expected = {"reward": 0.0, "ok": False, "error": "timed out after 2 s (worker killed)", "scores": {}}
+    assert blocked_scores == [expected, expected]
+    # the math scorer on 10 MB either finishes within its 2 s or is stopped then: never longer, never INTERNAL
+    assert math_scores in ([expected], [{"reward": 0.0, "ok": True, "error": "", "scores": {}}]), math_scores
+    [error] = client.score([Sample()], custom_rm_path=f"{PLUGINS}.huge_error")
+    assert not error.ok and len(error.error) == 2000 and error.error.startswith(f"custom_rm_path {PLUGINS}")
 
 
 def test_grpc_deadline_covers_the_per_sample_timeout(server):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import os
 import string
 
 import pytest
@@ -27,6 +28,13 @@ from tests.integration.slime_fixtures import (
 
 QUESTION = ("Answer the question. Search with <search> query </search>; answer with <answer> Beijing </answer>. "
             "Question: what is the capital of France?")
+
+
+@pytest.fixture(autouse=True)
+def allow_the_examples_modules(monkeypatch):
+    """slime's examples are top-level modules on sys.path: the operator allows them by name."""
+    allowed = os.environ.get(plugins.ALLOWLIST_ENV, "")
+    monkeypatch.setenv(plugins.ALLOWLIST_ENV, f"{allowed},generate_with_search,generate_with_retool")
 
 
 @pytest.fixture(scope="module")

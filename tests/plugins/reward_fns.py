@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 peak_active = 0  # the most `sleepy` calls running at once, for concurrency tests
 _active = 0
@@ -57,3 +59,40 @@ def sync_reward(args, sample) -> float:
 
 async def one_param(sample) -> float:
     return 1.0
+
+
+async def timed(args, sample) -> dict:
+    """Sleeps args.sleep_s; its start and end (wall clock, in the worker) let a test count overlapping calls."""
+    start = time.time()
+    await asyncio.sleep(args.sleep_s)
+    return {"score": float(sample.index), "start": start, "end": time.time()}
+
+
+# ----- hostile functions: each must fail only its own sample -----
+
+async def exits(args, sample) -> float:
+    raise SystemExit(3)
+
+
+async def interrupts(args, sample) -> float:
+    raise KeyboardInterrupt
+
+
+async def blocking_sleep(args, sample) -> float:
+    """Blocks its thread (time.sleep): an asyncio timeout alone could not stop it."""
+    time.sleep(args.sleep_s)
+    return 1.0
+
+
+async def hog_memory(args, sample) -> float:
+    """Allocates args.num_bytes at once."""
+    block = bytearray(args.num_bytes)
+    return float(len(block) > 0)
+
+
+async def dies(args, sample) -> float:
+    os._exit(7)
+
+
+async def huge_error(args, sample) -> float:
+    raise ValueError("x" * (10 << 20))

@@ -124,3 +124,12 @@ def test_an_unknown_service_variable_is_refused_by_name_with_the_closest_field(m
     assert "REWARD" not in err
     monkeypatch.delenv("PHYSARUM_BUFFER_REDIS_ULR")
     assert load_config(BufferConfig, "buffer", []).port == BufferConfig().port
+def test_config_logs_redact_secrets():
+    from services.common.config import redacted
+
+    config = {"api_token": "s3cr3t", "redis_url": "redis://user:pw@10.0.0.1:6379/0", "engine_per_token_delay_s": 0.5,
+              "nested": {"password": "x", "peers": ["rediss://:pw@h:1"]}, "empty_token": ""}
+    assert redacted(config) == {"api_token": "***", "redis_url": "redis://***@10.0.0.1:6379/0",
+                                "engine_per_token_delay_s": 0.5, "nested": {"password": "***",
+                                                                            "peers": ["rediss://***@h:1"]},
+                                "empty_token": ""}

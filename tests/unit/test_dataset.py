@@ -132,6 +132,43 @@ def test_bad_files(tmp_path):
         read_prompts(str(empty))
 
 
+def test_non_finite_numbers_and_deep_nesting_are_skipped_at_load(tmp_path):
+    deep = '{"input": "x", "metadata": {"a": ' + "[" * 40 + "]" * 40 + "}}"
+    path = write_jsonl(tmp_path / "hostile.jsonl", [
+        '{"input": "nan", "metadata": {"score": NaN}}',    # line 1
+        '{"input": "inf", "label": Infinity}',             # line 2
+        deep,                                               # line 3: within the parser's limit, past ours
+        "[" * 100_000 + "]" * 100_000,                      # line 4: past the parser's recursion limit
+        json.dumps({"input": "ok", "metadata": {"score": 0.5}}),
+    ])
+    rows = read_prompts(path)
+    assert [p.prompt for p in rows.prompts] == ["ok"] and rows.num_skipped == 4
+    assert rows.errors == [
+        f"dataset {path} line 1: invalid JSON: NaN is not a JSON number",
+        f"dataset {path} line 2: invalid JSON: Infinity is not a JSON number",
+        f"dataset {path} line 3: nested more than 32 levels",
+        f"dataset {path} line 4: invalid JSON: nested more than 32 levels",
+    ]
+
+    parquet = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"input": ["a", "b"], "metadata": [{"score": float("nan")}, {"score": 1.0}]}), parquet)
+    rows = read_prompts(str(parquet))
+    assert [p.prompt for p in rows.prompts] == ["b"]
+    assert rows.errors == [f"dataset {parquet} row 1: holds nan, not a finite number"]
+
+
+def test_paths_outside_the_data_roots_are_refused_after_normalisation(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    inside = write_jsonl(root / "train.jsonl", [json.dumps({"input": "1+1="})])
+    (tmp_path / "secret.jsonl").write_text(json.dumps({"input": "secret"}) + "\n")
+    (root / "link.jsonl").symlink_to(tmp_path / "secret.jsonl")
+    assert [p.prompt for p in read_prompts(inside + "@[0:1]", roots=[str(root)]).prompts] == ["1+1="]
+    for escape in (f"{root}/../secret.jsonl", str(root / "link.jsonl"), "/etc/passwd", f"{root}/a\x00b.jsonl"):
+        with pytest.raises(InvalidArgument, match="dataset"):
+            read_prompts(escape, roots=[str(root)])
+
+
 def test_labels_keep_their_json_type_through_the_proto():
     from services.common.samples import (
         Prompt,

@@ -77,10 +77,10 @@ def test_parse_sampling_params_defaults_and_conversions():
     ({"top_p": 0}, "top_p must be in (0, 1]"),
     ({"top_k": 0}, "top_k must be -1 (disable), or at least 1"),
     ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer"),
-    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"temperature": "hot"}, "temperature must be a finite number"),
     ({"stop": [1]}, "stop must be a string or a list of strings"),
     ({"regex": "a+"}, "regex not supported"),
-    ({"n": 0}, "n must be at least 1"),
+    ({"n": 0}, "n must be in [1, 128], got 0"),
     ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens must be in [0, max_new_tokens=2]"),
 ])
 def test_parse_sampling_params_rejects_with_the_key_named(raw, fragment):

@@ -295,7 +295,7 @@ def test_custom_generate_function_masks_tool_tokens_and_keeps_each_sample_on_one
 
 def test_a_bad_plugin_path_fails_at_start(tiny_model_dir):
     manager, _ = new_manager(FakeBuffer(2), Engine(), tiny_model_dir)
-    with pytest.raises(InvalidArgument, match="custom_generate_function_path: cannot import module 'nope'"):
+    with pytest.raises(InvalidArgument, match="custom_generate_function_path: 'nope.generate' is not under an allowed"):
         manager.start_rollout(rollout_config(custom_generate_function_path="nope.generate"), 0, "v1")
     with pytest.raises(InvalidArgument, match="group_rm needs custom_rm_path"):
         manager.start_rollout(rollout_config(group_rm=True), 0, "v1")

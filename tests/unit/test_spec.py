@@ -58,6 +58,19 @@ def test_unknown_key_is_named_with_a_suggestion():
     ({"mode": "one_step_async", "debug_rollout_only": True}, "mode one_step_async needs engines and a trainer"),
     ({"tensor_model_parallel_size": 2}, "need train_backend: megatron"),
     ({"train_backend": "megatron", "advantage_estimator": "ppo"}, "set train_backend: fsdp"),
+    # hostile numbers and names: each refused by name, never a crash later
+    ({"loss_type": "custom_loss", "custom_loss_function_path": "os.system"},
+     "custom_loss_function_path: 'os.system' is not under an allowed plugin module"),
+    ({"global_batch_size": 0}, "global_batch_size must be > 0, got 0"),
+    ({"num_steps_per_rollout": 0}, "num_steps_per_rollout must be > 0, got 0"),
+    ({"lr": float("nan")}, "lr: Input should be a finite number"),
+    ({"rollout_timeout_s": float("inf")}, "rollout_timeout_s: Input should be a finite number"),
+    ({"lr": "Infinity"}, "lr: Input should be a finite number"),
+    ({"rollout_seed": 2**64}, "rollout_seed must fit in 64 bits"),
+    ({"rollout_stop_token_ids": [1, 2**70]}, "rollout_stop_token_ids must fit in 64 bits"),
+    ({"job_id": "../.."}, r"job_id '../..': expected a DNS label"),
+    ({"job_id": "x" * 100_000}, "expected a DNS label"),
+    ({"job_id": "a\x00b"}, "expected a DNS label"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(InvalidArgument, match=message):

@@ -23,6 +23,7 @@ class PoolConfig:
     weight_sync_max_s: float = 600.0  # health checks stay off this long at most for a sync whose end never comes
     launcher_poll_s: float = 1.0
     tick_s: float = 0.2
+    own_router: bool = False  # remove router workers this pool never registered (one manager per router)
     max_start_failures: int = 3  # engines failing before the pool first served: then start() fails
 
     def __post_init__(self) -> None:

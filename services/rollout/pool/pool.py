@@ -47,7 +47,7 @@ class EnginePool:
             f"external-{i}": EngineRecord(f"external-{i}", url.rstrip("/"), external=True)
             for i, url in enumerate(external_urls)}
         self.removing: set[str] = set()  # names handed back to the launcher: ignored by the poll meanwhile
-        self.registrations = Registrations(router, self._blocking, config.tick_s)
+        self.registrations = Registrations(router, self._blocking, config.tick_s, own_router=config.own_router)
         self.rest_url = ""
         self.last_error = ""
         self.weight_version: str | None = None  # the trainer's current version (None before its first sync)

@@ -22,8 +22,10 @@ DEREGISTER_TIMEOUT_S = 10.0
 class Registrations:
     """Registration of the pool's engines with one router; `blocking(fn, *args)` runs a RouterClient call off-loop."""
 
-    def __init__(self, router: RouterClient, blocking: Callable[..., Awaitable], poll_s: float) -> None:
+    def __init__(self, router: RouterClient, blocking: Callable[..., Awaitable], poll_s: float,
+                 own_router: bool = False) -> None:
         self.router = router
+        self.own_router = own_router  # remove foreign workers too (this pool is the router's only registrar)
         self.blocking = blocking
         self.poll_s = poll_s
         self.workers: dict[str, dict] = {}  # url -> the router's worker, as of the last refresh
@@ -32,15 +34,20 @@ class Registrations:
         self.deleted_ids: set[str] = set()  # DELETE sent, still listed
 
     async def refresh(self, owned: set[str]) -> None:
-        """Read GET /workers; remove workers this pool registered that no engine in `owned` has any more."""
+        """Read GET /workers; remove workers no engine in `owned` has: those this pool registered before and, when
+        it owns the router, foreign ones too (a worker someone else registered would get requests)."""
         workers = await self.blocking(self.router.list_workers)
         self.workers = {str(w.get("url", "")).rstrip("/"): w for w in workers}
         self.deleted_ids &= {str(w.get("id")) for w in workers}
         for url in self.workers:  # the POST took effect
             self.posted.pop(url, None)
         for url, worker in self.workers.items():
-            if url in self.ever_posted and url not in owned and str(worker.get("id")) not in self.deleted_ids:
-                log.info("router still lists %s, which left the pool: removing it", url)
+            mine = url in self.ever_posted or self.own_router
+            if mine and url not in owned and url not in self.posted and str(worker.get("id")) not in self.deleted_ids:
+                if url in self.ever_posted:
+                    log.info("router still lists %s, which left the pool: removing it", url)
+                else:
+                    log.warning("router lists %s, which this pool never registered: removing it", url)
                 await self._delete(str(worker["id"]))
 
     def listed(self, url: str) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from services.common.errors import InvalidArgument
+from services.trainer.backends.safe_dcp import SafeFileSystemReader
 from services.trainer.parallel import World
 
 
@@ -43,13 +44,13 @@ class DCPCheckpointing:
     def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]:
         """Load the parts both the checkpoint and `parts` (default: all) name; returns those loaded."""
         try:
-            saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+            saved = {key.split(".", 1)[0] for key in SafeFileSystemReader(path).read_metadata().state_dict_metadata}
         except FileNotFoundError:
             raise InvalidArgument(f"checkpoint {path}: no torch.distributed.checkpoint metadata") from None
         wanted = saved if parts is None else saved & set(parts)
         state = self.state_dict(parts=wanted)
         with _one_process_is_intended():
-            dcp.load(state, checkpoint_id=Path(path), no_dist=not self.world.distributed)
+            dcp.load(state, storage_reader=SafeFileSystemReader(Path(path)), no_dist=not self.world.distributed)
         self.load_state_dict(state)
         return wanted
 
@@ -57,7 +58,7 @@ class DCPCheckpointing:
         """The policy of a checkpoint as the reference model (slime's --ref-load of a checkpoint)."""
         state = {"model": self.state_dict(parts=("ref_model",))["ref_model"]}
         with _one_process_is_intended():
-            dcp.load(state, checkpoint_id=Path(path), no_dist=not self.world.distributed)
+            dcp.load(state, storage_reader=SafeFileSystemReader(Path(path)), no_dist=not self.world.distributed)
         self.load_state_dict({"ref_model": state["model"]})
 
 

@@ -40,6 +40,7 @@ class RolloutFeed:
     def __init__(self, driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext) -> None:
         self.driver, self.config, self.deps, self.ctx = driver, rollout, deps, ctx
         self.job_id = driver.job_id
+        self.unannounceable: set[int] = set()  # versions without a snapshot to announce (warned once each)
 
     def samples(self, rollout_id: int, version: int) -> list[Sample]:
         """Rollout `rollout_id`'s samples in group order (from the engines or a debug dump); dumped when asked."""
@@ -105,9 +106,11 @@ class RolloutFeed:
         return self._wait(rollout_id, STREAM_ROLLOUT_ID, version, take)
 
     def _start(self, manager_rollout_id: int, version: int) -> None:
-        """Have the manager run `manager_rollout_id` with the engines holding `version` (the trainer's last push)."""
+        """Have the manager run `manager_rollout_id` with the engines holding `version` (the trainer's last push).
+        Announced again after the start: a manager that restarted in between got the start but not the weights."""
         self._announce_weights(version)
         self.deps.rollout.start_rollout(self.config, manager_rollout_id, str(version))
+        self._announce_weights(version)
 
     def _announce_weights(self, version: int) -> None:
         """A rollout manager that restarted knows no weights: its new engines serve the base model, and in fully_async
@@ -122,6 +125,9 @@ class RolloutFeed:
             return
         snapshot = snapshot_path(pool.snapshot_dir, version) if pool.snapshot_dir else None
         if snapshot is None or not (snapshot / "model.safetensors").is_file():
+            if version in self.unannounceable:
+                return
+            self.unannounceable.add(version)
             log.warning("the rollout manager's pool holds weight version %r, not %d, and there is no snapshot of %d "
                         "(join mode sync?): its engines get the trainer's weights with the next sync",
                         pool.weight_version, version, version)
@@ -154,6 +160,8 @@ class RolloutFeed:
                     log.warning("rollout manager does not run rollout %d (restarted?); starting it again",
                                 manager_rollout_id)
                     self._start(manager_rollout_id, version)
+                else:  # a manager that restarted after the start runs the rollout: its engines need the weights too
+                    self._announce_weights(version)
             except Unavailable as err:
                 log.warning("rollout manager unavailable (%s); waiting", err)
 

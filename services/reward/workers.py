@@ -1,0 +1,197 @@
+"""Score samples in worker processes, so user code cannot take the Reward service down.
+
+A worker runs one sample at a time under an address-space limit; past its timeout it is killed (SIGKILL) and
+replaced; whatever it raises, SystemExit and KeyboardInterrupt included, fails only its sample. The worker sends back
+JSON, never a pickle, so nothing it returns can run code here. The service's event loop only waits, so health checks
+answer while workers run. Scoring itself (what a verifier or function returns) is left to `one_sample`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import resource
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+
+log = logging.getLogger(__name__)
+
+MAX_REPLY_BYTES = 1 << 20   # a worker's JSON reply; a longer one fails its sample and the worker is replaced
+MAX_ERROR_CHARS = 2000      # an error message is cut to this many characters
+START_TIMEOUT_S = 120.0     # a worker imports the scorers before its first task: not counted in any sample's timeout
+KINDS = ("custom", "builtin")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One sample to score: `target` is an import path (kind "custom") or an rm_type (kind "builtin")."""
+
+    kind: str
+    target: str
+    reward_key: str
+    sample: Sample
+    args: dict[str, Any] = field(default_factory=dict)
+    request_path: bool = False  # the request's own custom_rm_path: code it cannot load fails the request
+
+    @property
+    def name(self) -> str:
+        return f"custom_rm_path {self.target}" if self.kind == "custom" else f"rm_type {self.target}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A worker's answer: reward, ok, error and scores as in ScoreResult."""
+
+    reward: float
+    ok: bool
+    error: str
+    scores: dict[str, float]
+
+
+class _Worker:
+    """One process and the pipe to it; used by one pool thread at a time."""
+
+    def __init__(self, memory_limit_bytes: int) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no copy of the service's threads, loop or sockets
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, memory_limit_bytes), daemon=True,
+                                   name="reward-worker")
+        self.process.start()
+        child.close()
+        if not self.conn.poll(START_TIMEOUT_S) or self.conn.recv_bytes() != b"ready":
+            self.kill()
+            raise RuntimeError(f"reward worker did not start within {START_TIMEOUT_S:g} s")
+
+    def call(self, task: Task, timeout_s: float) -> Outcome:
+        """The task's outcome; raises _Lost (after killing the worker) if it overran, died or answered nonsense."""
+        try:
+            self.conn.send(task)
+            if not self.conn.poll(timeout_s):
+                raise _Lost(f"timed out after {timeout_s:g} s (worker killed)")
+            reply = json.loads(self.conn.recv_bytes(MAX_REPLY_BYTES))
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self.kill()
+            raise _Lost(f"{task.name}: worker exited (code {self.process.exitcode}) while scoring") from None
+        except (OSError, ValueError) as err:  # a reply over MAX_REPLY_BYTES, or not JSON
+            raise _Lost(f"{task.name}: unusable worker reply ({type(err).__name__})") from None
+        if reply["kind"] == "invalid":
+            raise InvalidArgument(reply["error"])
+        return Outcome(reply["reward"], reply["ok"], reply["error"], reply["scores"])
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+
+class _Lost(Exception):
+    """A worker that had to be given up; its sample fails with this message."""
+
+
+class WorkerPool:
+    """Up to num_workers processes, started on first use (or by `start`) and replaced when one is killed."""
+
+    def __init__(self, num_workers: int = 4, memory_limit_bytes: int = 2 << 30) -> None:
+        if num_workers <= 0:
+            raise ValueError(f"num_workers must be > 0, got {num_workers}")
+        self.num_workers = num_workers
+        self.memory_limit_bytes = memory_limit_bytes
+        self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="reward-worker")  # one per busy worker
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start every worker now (in threads), so the first requests do not wait for interpreters to start."""
+        loop = asyncio.get_running_loop()
+        started = await asyncio.gather(*(loop.run_in_executor(self._threads, _Worker, self.memory_limit_bytes)
+                                         for _ in range(self.num_workers)))
+        with self._lock:
+            self._idle.extend(started)
+
+    async def run(self, task: Task, timeout_s: float) -> Outcome:
+        """Score one sample; InvalidArgument if the task names code that cannot be loaded."""
+        if task.kind not in KINDS:
+            raise InvalidArgument(f"task kind must be one of {', '.join(KINDS)}, got {task.kind!r}")
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, task, timeout_s)
+
+    def _run(self, task: Task, timeout_s: float) -> Outcome:
+        with self._lock:
+            if self._closed:
+                raise InvalidArgument("reward workers are stopping")
+            worker = self._idle.pop() if self._idle else None
+        worker = worker or _Worker(self.memory_limit_bytes)
+        try:
+            outcome = worker.call(task, timeout_s)
+        except _Lost as err:
+            worker.kill()
+            log.warning("%s: sample %d: %s", task.name, task.sample.index, err)
+            return Outcome(0.0, False, str(err), {})
+        except InvalidArgument:
+            self._give_back(worker)
+            raise
+        self._give_back(worker)
+        return outcome
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(worker)
+                return
+        worker.kill()
+
+    def close(self) -> None:
+        """Kill every idle worker; busy ones are killed as their calls end."""
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for worker in idle:
+            worker.kill()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+# ----- the worker process -----
+
+def _serve(conn: Connection, memory_limit_bytes: int) -> None:
+    """The worker's loop: one task in, one JSON reply out, until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which stops its workers
+    if memory_limit_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
+    loop = asyncio.new_event_loop()
+    from services.reward import one_sample  # noqa: F401 - imported once, before the first task's clock starts
+
+    conn.send_bytes(b"ready")
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        conn.send_bytes(json.dumps(_reply(task, loop)).encode())
+
+
+def _reply(task: Task, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+    from services.reward import one_sample  # already imported by _serve; here for the name
+
+    try:
+        if task.request_path:
+            one_sample.load_reward_function(task.target)  # InvalidArgument: the request names unusable code
+    except InvalidArgument as err:
+        return {"kind": "invalid", "error": str(err)[:MAX_ERROR_CHARS]}
+    try:
+        value = loop.run_until_complete(one_sample.call_scorer(task.kind, task.target, task.sample, task.args))
+        result = one_sample.to_result(value, task.reward_key, task.name)
+        return {"kind": "ok", "reward": result.reward, "ok": result.ok, "error": result.error[:MAX_ERROR_CHARS],
+                "scores": result.scores}
+    except BaseException as err:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from user code fail the sample
+        error = f"{task.name}: {type(err).__name__}: {err}"[:MAX_ERROR_CHARS]
+        return {"kind": "ok", "reward": 0.0, "ok": False, "error": error, "scores": {}}
