@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "deploy" / "helm" / "physarum" / "values.schema.json"
 # values key -> (service, the fields the chart sets from its own values); engines.cpu.config is the CPU engine's
 COMPONENTS = {
-    "buffer": ("buffer", {"host", "port", "redis_url", "metrics_port"}),
+    "buffer": ("buffer", {"host", "port", "redis_url", "metrics_port", "data_roots"}),
     "reward": ("reward", {"host", "port", "rest_port"}),
     "rollout": ("rollout", {"host", "port", "rest_port", "buffer_addr", "reward_addr", "router_url", "router_policy",
                             "model_path", "engine_launcher", "k8s_namespace", "k8s_engine_deployment",
