@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean fuzz chaos hadolint
+.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean fuzz chaos gpu-check hadolint
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -73,6 +73,12 @@ proto: setup
 
 clean:
 	rm -rf .physarum .pytest_cache
+
+# What only a CUDA machine confirms (bench/gpu_check.py): both backends on CUDA against CPU, bf16, the demo on the
+# GPU, throughput against a plain PyTorch loop. Without CUDA it says so and exits 0. On a machine with no venv (the
+# GPU machine: `source .gpu-carry/env.sh` first) it runs the system python.
+gpu-check:
+	$$( [ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON) ) -m bench.gpu_check
 
 # Container images: REGISTRY/physarum-<service>:VERSION, one per deploy/docker/<service>.Dockerfile, built from the
 # repository root; the chart's defaults pull these same names (image.registry, the chart's appVersion).

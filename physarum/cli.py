@@ -72,12 +72,21 @@ def follow(client, job_id: str, num_rollout: int, poll_s: float = 0.5, timeout_s
     raise SystemExit(f"physarum: job {job_id} still running after {timeout_s} s")
 
 
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    """--device (the trainer's) and --engine-device (the CPU engines'), shared by `up` and the demo."""
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="the trainer's ranks: auto (rank r on cuda:r when CUDA is present), cuda, or cpu")
+    parser.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
+                        help="the CPU engines' device (cuda: the whole loop on one GPU)")
+
+
 def cmd_up(args) -> int:
     if args.trainer_ranks < 1:
         raise SystemExit(f"physarum: --trainer-ranks must be >= 1, got {args.trainer_ranks}")
     state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines,
                                         trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync,
-                                        plugin_allowlist=args.plugin_allowlist, auth=args.auth))
+                                        plugin_allowlist=args.plugin_allowlist, auth=args.auth,
+                                        trainer_device=args.device, engine_device=args.engine_device))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
     return 0
 
@@ -160,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no per-service tokens (by default every port but health and metrics needs one)")
     p.add_argument("--trainer-ranks", type=int, default=1,
                    help="trainer processes: rank 0 serves the job API, the others train data-parallel (FSDP2)")
+    add_device_flags(p)
     p.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the local stack").set_defaults(fn=cmd_down)
     p = sub.add_parser("submit", help="submit a job spec (YAML keyed by slime's flag names)")

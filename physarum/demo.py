@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from physarum import stack, tasks, tinymodel
-from physarum.cli import follow, load_job_file
+from physarum.cli import add_device_flags, follow, load_job_file
 
 DEMO_DIR = Path(".physarum/demo")
 EXAMPLES = Path("examples/demo")
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="trainer processes (default: 1 for fsdp, 2 for megatron)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="megatron: TP size (default: the trainer ranks)")
+    add_device_flags(parser)
     args = parser.parse_args(argv)
     megatron = args.train_backend == "megatron"
     ranks = args.trainer_ranks or (2 if megatron else 1)
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
     state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model_dir, num_engines=args.engines,
-                                        trainer_ranks=ranks, trainer_threads=2 if ranks == 1 else 1))
+                                        trainer_ranks=ranks, trainer_threads=2 if ranks == 1 else 1,
+                                        trainer_device=args.device, engine_device=args.engine_device))
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
               f"{args.train_backend}{f' TP={tp}' if megatron else ''} on {ranks} rank(s)", flush=True)

@@ -42,6 +42,8 @@ class StackOptions:
     trainer_threads: int = 2
     trainer_ranks: int = 1              # data-parallel trainer processes (FSDP2 over gloo)
     engine_per_token_delay_s: float = 0.0  # latency-controlled engines (benchmarks): extra seconds per decode step
+    trainer_device: str = "auto"        # auto (the GPU when there is one), cuda or cpu (GPUs hidden from the trainer)
+    engine_device: str = "cpu"          # the CPU engines' device: cpu or cuda
     redis_appendfsync: str = "everysec"  # Redis AOF fsync policy: always, everysec or no
     plugin_allowlist: str | None = None  # module prefixes jobs may name as plugins (None: the caller's environment)
     auth: bool = False                   # per-service tokens on every port (`physarum up` turns it on)
@@ -106,6 +108,7 @@ def up(options: StackOptions) -> dict:
                                      "--num-engines", str(options.num_engines),
                                      "--engine-num-threads", str(options.engine_threads),
                                      "--engine-per-token-delay-s", str(options.engine_per_token_delay_s),
+                                     "--engine-device", options.engine_device,
                                      "--work-dir", str(work_dir / "engines"),
                                      "--own-router", str(options.auth).lower()),
         }
@@ -139,15 +142,17 @@ def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, 
                   logs: Path, token_env: dict[str, str] | None = None) -> list[ManagedProcess]:
     """The trainer's ranks (not started): rank 0 serves the job API, ranks 1.. are workers; torchrun's env."""
     env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port()),
+           **({"CUDA_VISIBLE_DEVICES": ""} if options.trainer_device == "cpu" else {}),
            **_plugin_env(options), **(token_env or {})}
     flags = ["--buffer-addr", addr["buffer"], "--rollout-addr", addr["rollout"],
-             "--num-threads", str(options.trainer_threads)]
+             "--num-threads", str(options.trainer_threads), "--device", options.trainer_device]
     rank0 = python_module("services.trainer", "--host", HOST, "--port", str(ports["trainer"]),
                           "--rest-port", str(ports["trainer_rest"]), *flags)
-    ranks = [ManagedProcess("trainer", rank0, logs / "trainer.log", env={**env, "RANK": "0"})]
+    ranks = [ManagedProcess("trainer", rank0, logs / "trainer.log", env={**env, "RANK": "0", "LOCAL_RANK": "0"})]
     for rank in range(1, options.trainer_ranks):
         ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.worker", *flags),
-                                    logs / f"trainer-{rank}.log", env={**env, "RANK": str(rank)}))
+                                    logs / f"trainer-{rank}.log",
+                                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
     return ranks
 
 

@@ -20,6 +20,9 @@ class EngineConfig:
     seed: int = field(0, "seed of the engine's RNG, used by requests without a sampling_seed")
     weight_version: str = field("default", "initial weight_version reported in meta_info and /model_info")
     weight_sync_timeout_s: float = field(60.0, "timeout of the weight-update process group and of update calls")
+    device: str = field("cpu", "where the model runs: cpu, or cuda (one CUDA device; sampling stays on the host)")
+    dtype: str = field("float32", "dtype the model is served in: float32 or bfloat16 (the trainer sends weights in "
+                                  "it)")
     per_token_delay_s: float = field(0.0, "extra seconds per decode step: sets the latency of tests and benchmarks")
     fake_compute: bool = field(False, "no model and no torch: random tokens with SGLang's reply shapes, for control-"
                                "plane tests and benchmarks of many engines (weights: update_weights_from_disk only)")
@@ -35,6 +38,10 @@ class EngineConfig:
         for name in ("max_batch_size", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.per_token_delay_s < 0:
             raise ValueError(f"per_token_delay_s must be >= 0, got {self.per_token_delay_s}")
         if self.weight_sync_timeout_s <= 0:

@@ -64,11 +64,11 @@ def sample_next(logits: torch.Tensor, request: Request, rng: torch.Generator,
     return token, float(logprobs[token])
 
 
-def load_model(model_path: str):
-    """(model, tokenizer) from a Hugging Face directory: float32, eval mode, no gradients."""
+def load_model(model_path: str, *, device: str = "cpu", dtype: str = "float32"):
+    """(model, tokenizer) from a Hugging Face directory: on `device` in `dtype`, eval mode, no gradients."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return model, tokenizer
@@ -106,17 +106,20 @@ class Engine(Scheduler):
         from transformers import DynamicCache
 
         size, width = len(batch), max(len(r.input_ids) for r in batch)
-        input_ids = torch.full((size, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((size, width), dtype=torch.long)
+        device = self.model.device  # the batch is padded on the host, then moved; sampling stays on the host
+        input_ids = torch.full((size, width), self.pad_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros((size, width), dtype=torch.long, device="cpu")
         for row, request in enumerate(batch):
-            input_ids[row, width - len(request.input_ids):] = torch.tensor(request.input_ids, dtype=torch.long)
+            input_ids[row, width - len(request.input_ids):] = torch.tensor(request.input_ids, dtype=torch.long,
+                                                                           device="cpu")
             mask[row, width - len(request.input_ids):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
         while True:
-            logits = out.logits[:, -1, :].float()
-            next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long)
+            logits = out.logits[:, -1, :].float().cpu()
+            next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long, device="cpu")
             done = []
             for row, request in enumerate(batch):
                 if request.finished:
@@ -132,5 +135,5 @@ class Engine(Scheduler):
                 return
             mask = torch.cat([mask, mask.new_ones((size, 1))], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=positions,
+            out = self.model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
                              past_key_values=out.past_key_values, use_cache=True)

@@ -66,7 +66,7 @@ class EngineState:
         torch.set_num_threads(self.config.num_threads)
         torch.manual_seed(self.config.seed)
         try:
-            model, tokenizer = load_model(self.model_path)
+            model, tokenizer = load_model(self.model_path, device=self.config.device, dtype=self.config.dtype)
         except Exception as err:
             self.load_error = f"{type(err).__name__}: {err}"
             log.exception("could not load the model from %s", self.model_path)

@@ -55,6 +55,7 @@ class WeightUpdater:
         # HF checkpoint names of every parameter and persistent buffer; a tied lm_head.weight shares the embedding
         self.params: dict[str, torch.Tensor] = engine.model.state_dict(keep_vars=True)
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.backends: dict[str, str] = {}  # each group's backend
         self.group_lock = threading.Lock()
         self.session_open = False
 
@@ -79,6 +80,7 @@ class WeightUpdater:
             self.groups[group_name] = init_custom_process_group(
                 backend=backend, init_method=init_method, world_size=world_size, rank=rank_offset,
                 group_name=group_name, timeout=datetime.timedelta(seconds=self.timeout_s))
+            self.backends[group_name] = backend
         return "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str = DEFAULT_GROUP_NAME) -> str:
@@ -111,7 +113,10 @@ class WeightUpdater:
                                   f"{len(shapes)}")
         if load_format not in (None, "direct"):
             raise InvalidArgument(f"load_format {load_format!r} is not supported by the CPU engine (use null)")
-        buffers = [torch.empty([int(d) for d in shape], dtype=_dtype(dtype))
+        # NCCL receives on the model's GPU, gloo in host memory; _load copies into the parameters either way
+        nccl = self.backends.get(group_name) == "nccl"
+        device = self.engine.model.device if nccl else torch.device("cpu")
+        buffers = [torch.empty([int(d) for d in shape], dtype=_dtype(dtype), device=device)
                    for dtype, shape in zip(dtypes, shapes, strict=True)]
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")

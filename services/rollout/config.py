@@ -25,6 +25,7 @@ class RolloutManagerConfig:
     sglang_args: list[str] = field([], "sglang_<server flag>=<value> options of SGLang engines (comma-separated)")
     engine_num_threads: int = field(1, "torch threads per local CPU engine")
     engine_per_token_delay_s: float = field(0.0, "extra seconds per decode step of local CPU engines (tests)")
+    engine_device: str = field("cpu", "device of local CPU engines: cpu or cuda (the CPU engine on one GPU)")
     engine_fake_compute: bool = field(False, "local CPU engines run fake compute (no model; control-plane tests)")
     engine_weight_sync_timeout_s: float = field(60.0, "weight-sync timeout of local CPU engines")
     engine_start_timeout_s: float = field(120.0, "how long a new engine may take to answer /health")

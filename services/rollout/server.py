@@ -170,5 +170,6 @@ def build_launcher(config: RolloutManagerConfig, work_dir: Path) -> EngineLaunch
         argv = cpu_engine_argv(config.model_path, num_threads=config.engine_num_threads,
                                per_token_delay_s=config.engine_per_token_delay_s,
                                fake_compute=config.engine_fake_compute,
-                               weight_sync_timeout_s=config.engine_weight_sync_timeout_s)
+                               weight_sync_timeout_s=config.engine_weight_sync_timeout_s,
+                               device=config.engine_device)
     return LocalLauncher(argv, work_dir, env=auth.engine_env(work_dir / "engine-token"))

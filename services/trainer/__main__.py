@@ -30,7 +30,7 @@ async def serve(config: TrainerConfig) -> None:
     torch.set_num_threads(config.num_threads)
     world = await asyncio.to_thread(init_world, rank=0, world_size=config.world_size, master_addr=config.master_addr,
                                     master_port=config.master_port, backend=config.dist_backend,
-                                    timeout_s=config.dist_timeout_s)
+                                    timeout_s=config.dist_timeout_s, device=config.device)
     buffer = BufferClient(config.buffer_addr, timeout_s=config.client_timeout_s)
     rollout = RolloutClient(config.rollout_addr, timeout_s=config.client_timeout_s)
     deps = TrainerDeps(buffer=buffer, rollout=rollout, master_address=config.master_address,

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from services.common.config import field
 
-DIST_BACKENDS = ("gloo", "nccl")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")  # devices.DEVICES, kept here so the config imports no torch
+WEIGHT_SYNC_BACKENDS = ("auto", "gloo", "nccl", "shm")  # the job spec's weight_sync_backend values
 TRAIN_BACKENDS = ("fsdp", "megatron")  # the job spec's train_backend values (a unit test keeps them equal)
 
 
@@ -35,11 +37,15 @@ class TrainerConfig:
                              "rank 0's address, where the ranks meet (default: $MASTER_ADDR)")
     master_port: int = field(int(os.environ.get("MASTER_PORT", "29500")),
                              "rank 0's port for the ranks' store (default: $MASTER_PORT)")
-    dist_backend: str = field("gloo", "collectives between trainer ranks: gloo (CPU) or nccl (GPU)")
+    dist_backend: str = field("auto", "collectives between trainer ranks: gloo (CPU), nccl (GPU) or auto (nccl "
+                                      "when the ranks are on CUDA)")
+    device: str = field("auto", "where each rank trains: cuda (cuda:LOCAL_RANK), cpu, or auto (cuda when present)")
     dist_timeout_s: float = field(1800.0, "deadline of a collective between trainer ranks; must exceed the longest "
                                           "rank-0-only phase (a job's rollout_timeout_s, a weight sync)")
     default_train_backend: str = field("fsdp", "train_backend of submitted jobs that name none: fsdp (torch FSDP2) "
                                                "or megatron (megatron-core, TP/PP)")
+    default_weight_sync_backend: str = field("auto", "weight_sync_backend of submitted jobs that name none: auto "
+                                                     "(nccl to GPU engines on other hosts from CUDA ranks), nccl, gloo")
     tensorboard_dir: str = field("", "write TensorBoard event files under DIR/<job_id> (default: <save>/tensorboard "
                                      "for jobs with `save`)")
 
@@ -52,8 +58,13 @@ class TrainerConfig:
             raise ValueError(f"rank must be in [0, world_size), got rank {self.rank} of world_size {self.world_size}")
         if self.dist_backend not in DIST_BACKENDS:
             raise ValueError(f"dist_backend must be one of {', '.join(DIST_BACKENDS)}, got {self.dist_backend!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.default_train_backend not in TRAIN_BACKENDS:
             raise ValueError(f"default_train_backend must be one of {', '.join(TRAIN_BACKENDS)}, got "
                              f"{self.default_train_backend!r}")
+        if self.default_weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
+            raise ValueError(f"default_weight_sync_backend must be one of {', '.join(WEIGHT_SYNC_BACKENDS)}, got "
+                             f"{self.default_weight_sync_backend!r}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")

@@ -148,8 +148,9 @@ MEGATRON: dict[str, Flag] = {
     "no-masked-softmax-fusion": Flag("mapped", False, _MEGA + " masked_softmax_fusion: false", bare=True),
     "attention-backend": Flag("mapped", "auto", "the backends pick their attention kernel (flash attention through "
                                                 "megatron-core / torch SDPA on GPUs)", warn=True),
-    "bf16": Flag("mapped", False, "the backends train in bf16 on GPUs and float32 on CPU by themselves", warn=True,
-                 bare=True),
+    "bf16": Flag("mapped", False, "the spec's bf16 (its default: bf16 on GPUs, float32 on CPU)", bare=True),
+    "fp16": Flag("refused", False, "fp16 training needs dynamic loss scaling, which Physarum does not implement; "
+                                   "use --bf16", bare=True),
     "spec": Flag("mapped", None, "the megatron backend builds the layer spec from the HF config's model_type",
                  warn=True, nargs=True),
 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+from services.trainer import devices
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +42,23 @@ class World:
     world_size: int = 1
     store: dist.Store | None = None
     backend: str = "gloo"
+    device: torch.device = torch.device("cpu")  # where this rank's models and batches live (devices.rank_device)
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
     @property
-    def device(self) -> torch.device:
-        """Where this rank's collectives run: its GPU under nccl, else the CPU."""
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+    def comm_device(self) -> torch.device:
+        """Where this rank's collectives run: its GPU under nccl, else the CPU (gloo)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def broadcast(self, obj: T) -> T:
         """Rank 0's `obj` on every rank (pickled)."""
         if not self.distributed:
             return obj
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, device=self.device)
+        dist.broadcast_object_list(box, src=0, device=self.comm_device)
         return box[0]
 
     def on_rank0(self, fn: Callable[[], T]) -> T:
@@ -126,22 +127,26 @@ class World:
 
 
 def init_world(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str = "gloo",
-               timeout_s: float = 1800.0) -> World:
-    """Join the trainer's world (rank 0 hosts its store); blocks until every rank has joined or timeout_s."""
+               timeout_s: float = 1800.0, device: str = "auto") -> World:
+    """Join the trainer's world (rank 0 hosts its store); blocks until every rank has joined or timeout_s. The
+    rank's device (`devices.rank_device`: cuda:LOCAL_RANK when CUDA is present) is set whatever the backend."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    rank_device = devices.rank_device(device)
+    if backend == "auto":
+        backend = "nccl" if rank_device.type == "cuda" else "gloo"
+    if backend == "nccl" and rank_device.type != "cuda":
+        raise ValueError("dist_backend nccl needs the ranks on CUDA devices (device cpu, or no CUDA visible)")
     if world_size == 1:
-        return World()
+        return World(device=rank_device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     log.info("rank %d of %d: joining %s:%d (%s)", rank, world_size, master_addr, master_port, backend)
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
                           wait_for_workers=False)
     dist.init_process_group(backend, store=dist.PrefixStore("trainer", store), rank=rank, world_size=world_size,
                             timeout=timeout)
     log.info("rank %d of %d: the world is complete", rank, world_size)
-    return World(rank=rank, world_size=world_size, store=store, backend=backend)
+    return World(rank=rank, world_size=world_size, store=store, backend=backend, device=rank_device)
 
 
 def shard_rollout(samples: Sequence[Sample], *, rank: int, world_size: int, global_batch_size: int | None,
@@ -163,17 +168,25 @@ def shard_rollout(samples: Sequence[Sample], *, rank: int, world_size: int, glob
     return out
 
 
-def shard_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
-    """FSDP2 over the world: fully_shard each decoder layer, then the whole model (torchtitan's order)."""
+def shard_model(model: torch.nn.Module, world: World, *, param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """FSDP2 over the world: fully_shard each decoder layer, then the whole model (torchtitan's order), on a mesh of
+    the ranks' own devices. Under a lower param_dtype, FSDP2's mixed precision: parameters gathered and computed in
+    param_dtype, gradients reduced in float32 into float32 master shards."""
     if not world.distributed:
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if world.device.type == "cuda" and world.backend != "nccl":
+        raise InvalidArgument(f"FSDP on CUDA ranks needs dist_backend nccl, not {world.backend}")
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)  # the losses upcast
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
-    log.info("sharded %s over %d ranks (%d decoder layers)", type(model).__name__, world.world_size, len(layers))
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    log.info("sharded %s over %d ranks on %s (%d decoder layers, %s compute)", type(model).__name__,
+             world.world_size, world.device.type, len(layers), param_dtype)
     return model
 
 
@@ -222,6 +235,6 @@ def dp_mean(value: float, world: World) -> float:
     the ranks' counts (sample or token counts of their shares of a step) is normalized by the whole step's count."""
     if not world.distributed:
         return value
-    total = torch.tensor([float(value)], dtype=torch.float64, device=world.device)
+    total = torch.tensor([float(value)], dtype=torch.float64, device=world.comm_device)
     dist.all_reduce(total)
     return float(total) / world.world_size

@@ -26,7 +26,7 @@ ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and r
 _LAYOUT_ONE = ("context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size")
 _SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "use-distributed-optimizer",
               "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",
-              "adam-beta2", "adam-eps"}
+              "adam-beta2", "adam-eps", "bf16"}
 
 
 @dataclass

@@ -16,7 +16,8 @@ SpecParser = Callable[[Any], JobSpec]
 
 def spec_defaults(config: TrainerConfig) -> dict[str, Any]:
     """The spec keys this trainer fills in when a submitted spec lacks them."""
-    return {"train_backend": config.default_train_backend}
+    return {"train_backend": config.default_train_backend,
+            "weight_sync_backend": config.default_weight_sync_backend}
 
 
 def path_roots(config: TrainerConfig) -> PathRoots:

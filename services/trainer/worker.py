@@ -72,7 +72,8 @@ def run_worker(config: TrainerConfig) -> int:
 
     torch.set_num_threads(config.num_threads)
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
-                       master_port=config.master_port, backend=config.dist_backend, timeout_s=config.dist_timeout_s)
+                       master_port=config.master_port, backend=config.dist_backend, timeout_s=config.dist_timeout_s,
+                       device=config.device)
     deps = TrainerDeps(master_address=config.master_address, num_threads=config.num_threads, world=world)
     seq = 0
     while True:

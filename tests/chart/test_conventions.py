@@ -173,7 +173,10 @@ def test_trainer_statefulset_discovers_ranks_through_a_headless_service(objects,
 
     env = env_of(pod_spec(sts)["containers"][0])
     assert env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{POD_INDEX}']"
-    assert env["WORLD_SIZE"]["value"] == str(values["replicas"])
+    assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{POD_INDEX}']"
+    assert env["NUM_PODS"]["value"] == str(values["replicas"])
+    assert env["NPROC_PER_POD"]["value"] == str(max(1, values["gpus"]))  # one rank per GPU
+    assert env["WORLD_SIZE"]["value"] == str(values["replicas"] * max(1, values["gpus"]))
     rank0 = f"{sts['metadata']['name']}-0.{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
     assert env["MASTER_ADDR"]["value"] == rank0
     assert env["MASTER_PORT"]["value"] == str(values["distPort"])

@@ -1,5 +1,5 @@
-"""The trainer pod's shell and probe scripts, run for real: RANK picks rank 0's service or a worker, and the exec
-probes check rank 0's gRPC health (a worker, which serves nothing, passes)."""
+"""The trainer pod's entry point and probe scripts, run for real: the pod starts the launcher (one rank per GPU, rank 0
+the service), and the exec probes check rank 0's gRPC health (a pod of workers, which serve nothing, passes)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ def trainer_container(values: dict) -> dict:
     return pod_spec(one(render(values), "StatefulSet", "trainer"))["containers"][0]
 
 
-@pytest.mark.parametrize("rank, module", [("0", "services.trainer"), ("1", "services.trainer.worker"),
-                                          ("12", "services.trainer.worker")])
-def test_rank_picks_the_entry_point(rank, module, tmp_path):
-    container = trainer_container({})
-    fake_python = tmp_path / "python"
-    fake_python.write_text('#!/bin/sh\necho "$@"\n')
-    fake_python.chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "RANK": rank}
-    out = subprocess.run([*container["command"], *container["args"]], env=env, capture_output=True, text=True,
-                         timeout=10, check=True)
-    assert out.stdout.strip() == f"-m {module}"
+@pytest.mark.parametrize("pod, local, module", [("0", 0, "services.trainer"), ("0", 1, "services.trainer.worker"),
+                                                ("3", 0, "services.trainer.worker")])
+def test_the_pod_launches_one_rank_per_gpu(pod, local, module):
+    from services.trainer.launch import rank_command, rank_envs
+
+    container = trainer_container({"trainer": {"replicas": 4, "gpus": 2}})
+    assert container["command"] == ["python", "-m", "services.trainer.launch"] and "args" not in container
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    envs = rank_envs(pod_index=int(pod), num_pods=int(env["NUM_PODS"]), nproc_per_pod=int(env["NPROC_PER_POD"]))
+    assert envs[local]["WORLD_SIZE"] == env["WORLD_SIZE"] == "8"
+    assert rank_command(int(envs[local]["RANK"]))[1:] == ["-m", module]
 
 
 def run_probe(container: dict, kind: str, rank: str) -> int:

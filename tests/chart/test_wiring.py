@@ -50,15 +50,14 @@ PENDING_FIELDS: dict[str, set[str]] = {}
 RELEASE_PEER = {"app.kubernetes.io/instance": "demo", "app.kubernetes.io/part-of": "physarum"}
 
 
-TRAINER_DISPATCH = ('if [ "$RANK" = 0 ]; then exec python -m services.trainer; '
-                    'else exec python -m services.trainer.worker; fi')
+TRAINER_LAUNCH = ["python", "-m", "services.trainer.launch"]  # one rank per GPU: services.trainer and its workers
 
 
 def physarum_containers(objects):
     """(workload, container, service) for each container that runs a Physarum entry point."""
     for w in workloads(objects):
         for c in containers(w):
-            if c.get("command") == ["/bin/sh", "-c"] and c["args"] == [TRAINER_DISPATCH]:
+            if c.get("command") == TRAINER_LAUNCH:
                 yield w, c, "trainer"
                 continue
             for service, (module, _) in SERVICES.items():
@@ -70,7 +69,7 @@ def test_containers_run_the_local_entry_points(objects, value_set):
     found = {service for _, _, service in physarum_containers(objects)}
     backend = values_of(value_set)["engines"]["backend"]
     assert found == {"buffer", "reward", "rollout", "trainer"} | ({"engine"} if backend == "cpu" else set())
-    for module in [m for m, _ in SERVICES.values()] + ["services.trainer.worker"]:
+    for module in [m for m, _ in SERVICES.values()] + ["services.trainer.worker", "services.trainer.launch"]:
         assert importlib.util.find_spec(module) is not None, module
     router = one(objects, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
     assert router["command"] == ["python", "-m", "sglang_router.launch_router"]

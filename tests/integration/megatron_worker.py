@@ -157,4 +157,5 @@ if __name__ == "__main__":
     model_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     dirs = [build_tiny_qwen3(out_dir / name, tie_word_embeddings=tie) for name, tie in (("untied", False),
                                                                                        ("tied", True))]
-    spawn(run, model_dir, out_dir, dirs, start_method="fork")
+    # fork shares the imports above with the ranks; CUDA cannot be re-initialized in a forked child, so spawn there
+    spawn(run, model_dir, out_dir, dirs, start_method="spawn" if torch.cuda.is_available() else "fork")

@@ -43,12 +43,14 @@ def one_rank(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_ranks_give_the_losses_of_one_process(two_ranks, one_rank, case):
     dp_metrics, (single_metrics, _) = two_ranks[1][case], one_rank[1][case]
+    # bf16: the same steps up to bf16 rounding (the ranks cast parameters, one process casts each op's inputs)
+    tolerance = {"rel": 3e-2, "abs": 2e-3} if case == "bf16" else {"rel": 1e-4, "abs": 1e-6}
     assert len(dp_metrics) == NUM_ROLLOUTS and all(len(steps) == 2 for steps in dp_metrics)
     for dp_steps, single_steps in zip(dp_metrics, single_metrics, strict=True):
         for dp, single in zip(dp_steps, single_steps, strict=True):
             assert dp.keys() == single.keys()
             for key, value in single.items():
-                assert dp[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+                assert dp[key] == pytest.approx(value, **tolerance), key
     assert abs(single_metrics[1][1]["train/ppo_kl"]) > 1e-6  # the second step saw the policy the first one moved
     if case == "per_token_kl":  # the reference model followed the policy (ref_update_interval 1)
         assert single_metrics[1][0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)

@@ -22,6 +22,7 @@ CASES = {
     "grpo": {},
     "per_token_kl": {"calculate_per_token_loss": True, "use_kl_loss": True, "kl_loss_coef": 0.1,
                      "entropy_coef": 0.01, "ref_update_interval": 1},
+    "bf16": {"bf16": True},  # FSDP2's mixed-precision policy over two ranks, autocast in one process
 }
 NUM_ROLLOUTS = 2
 

@@ -274,3 +274,12 @@ def test_sft_loss_function_reduces_the_nll():
     log_probs = torch.tensor([[-1.0, -3.0, -7.0]])
     loss, m = sft_loss_function(log_probs=log_probs, reduce=lambda x: sum_of_token(x, torch.tensor([[1, 1, 0]])))
     assert loss.item() == 4.0 and m == {"loss": loss}
+
+
+def test_entropy_as_a_metric_keeps_no_graph():
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    targets = torch.zeros(2, 3, dtype=torch.long)
+    log_probs, metric = token_log_probs_and_entropy(logits, targets, entropy_grad=False)
+    _, trained = token_log_probs_and_entropy(logits, targets)
+    assert log_probs.requires_grad and not metric.requires_grad and trained.requires_grad
+    assert torch.equal(metric, trained.detach())

@@ -51,7 +51,7 @@ def test_configs_are_built_with_the_overrides():
     ({"hidden_size": 128}, r"megatron.hidden_size: is read from hf_checkpoint's config.json"),
     ({"tensor_model_parallel_size": 2}, r"megatron.tensor_model_parallel_size: is the job spec's own key"),
     ({"lr": 1e-3}, r"megatron.lr: is the job spec's own key: set `lr` at the top level"),
-    ({"bf16": True}, r"megatron.bf16: is fixed: the backend trains in float32"),
+    ({"bf16": True}, r"megatron.bf16: is set from the job spec.s .bf16."),
     ({"hidden_dropout": "0.1"}, r"megatron.hidden_dropout: expected float \(default 0.1\), got '0.1'"),
     ({"recompute_num_layers": 1.5}, None),  # default None: Megatron's own check decides (below)
     ({"overlap_grad_reduce": 1}, r"megatron.overlap_grad_reduce: expected bool"),

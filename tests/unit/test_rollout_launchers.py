@@ -46,10 +46,10 @@ def test_sglang_options_from_flags_are_typed_yaml():
 
 def test_cpu_engine_argv():
     argv = cpu_engine_argv("/m", num_threads=2, per_token_delay_s=0.05, fake_compute=True,
-                           weight_sync_timeout_s=9.0)(31000, 3)
+                           weight_sync_timeout_s=9.0, device="cuda")(31000, 3)
     assert argv == [sys.executable, "-m", "services.engine", "--host", "127.0.0.1", "--port", "31000",
                     "--model-path", "/m", "--num-threads", "2", "--seed", "3", "--per-token-delay-s", "0.05",
-                    "--fake-compute", "True", "--weight-sync-timeout-s", "9.0"]
+                    "--fake-compute", "True", "--weight-sync-timeout-s", "9.0", "--device", "cuda"]
 
 
 class FakeKubernetes:

@@ -47,14 +47,15 @@ class EngineLauncher(Protocol):
 
 
 def cpu_engine_argv(model_path: str, *, num_threads: int = 1, per_token_delay_s: float = 0.0,
-                    fake_compute: bool = False, weight_sync_timeout_s: float = 60.0) -> Callable[[int, int], list[str]]:
+                    fake_compute: bool = False, weight_sync_timeout_s: float = 60.0,
+                    device: str = "cpu") -> Callable[[int, int], list[str]]:
     """argv of the i-th CPU engine on a port (distinct seeds: engines must not draw alike)."""
 
     def argv(port: int, index: int) -> list[str]:
         return procs.python_module("services.engine", "--host", procs.HOST, "--port", str(port),
                                    "--model-path", model_path, "--num-threads", str(num_threads), "--seed", str(index),
                                    "--per-token-delay-s", str(per_token_delay_s), "--fake-compute", str(fake_compute),
-                                   "--weight-sync-timeout-s", str(weight_sync_timeout_s))
+                                   "--weight-sync-timeout-s", str(weight_sync_timeout_s), "--device", device)
     return argv
 
 

@@ -7,7 +7,6 @@ keyword arguments it needs and ignores the rest.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -83,8 +82,10 @@ def ppo_advantages(rewards: torch.Tensor, *, kl: torch.Tensor, response_lengths:
         raise ValueError("advantage_estimator 'ppo' needs critic values")
     valid = response_mask(response_lengths, kl.shape[1])
     token_rewards = -kl_coef * kl.float() * valid
-    rows = torch.nonzero(response_lengths > 0).squeeze(-1)
-    token_rewards[rows, response_lengths[rows] - 1] += rewards.float()[rows]
+    # the reward on each sample's last response token (none for an empty response), without a host sync
+    positions = torch.arange(kl.shape[1], device=kl.device)
+    last = positions == (response_lengths.to(kl.device) - 1).unsqueeze(-1)
+    token_rewards = token_rewards + rewards.float().unsqueeze(-1) * last
     advantages, returns = gae(token_rewards, values.float() * valid, gamma=gamma, lambd=lambd)
     return advantages * valid, returns * valid
 
@@ -98,8 +99,7 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, *, kl: torch.Tensor, l
     token_rewards = -kl_coef * kl.float() * loss_mask
     positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
     last = torch.where(loss_mask > 0, positions, -1).max(dim=-1).values
-    rows = torch.nonzero(last >= 0).squeeze(-1)
-    token_rewards[rows, last[rows]] += rewards.float()[rows]
+    token_rewards = token_rewards + rewards.float().unsqueeze(-1) * (positions == last.unsqueeze(-1))  # -1: none
     returns = discounted_returns(token_rewards, gamma=gamma) * loss_mask
     return returns, returns
 
@@ -142,11 +142,10 @@ def normalize_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor, *,
     stats = torch.stack([(advantages * loss_mask).sum(), (advantages.square() * loss_mask).sum(), loss_mask.sum()])
     if group is not None:
         dist.all_reduce(stats, group=group)
-    total, total_sq, count = stats.tolist()
-    if count == 0:
+    total, total_sq, count = stats.unbind()
+    if not stats.is_meta and count.item() == 0:  # the one host sync (meta tensors: shape-only checks)
         raise ValueError("normalize_advantages: no unmasked tokens to compute the mean and std from")
     mean = total / count
     var = total_sq / count - mean * mean
-    if count >= 2:
-        var *= count / (count - 1)
-    return (advantages - mean) / math.sqrt(max(var, 0.0) + eps) * loss_mask
+    var = torch.where(count >= 2, var * count / (count - 1).clamp_min(1), var)
+    return (advantages - mean) / (var.clamp_min(0.0) + eps).sqrt() * loss_mask

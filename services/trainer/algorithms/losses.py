@@ -19,18 +19,23 @@ Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def token_log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                with_entropy: bool = True,
+                                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(target) and the entropy of π, with π = softmax(logits / temperature) (slime's --rollout-temperature).
 
     logits: [B, T, V], already aligned so that logits[:, t] predicts targets[:, t]; targets: [B, T] int64.
-    Returns (log_probs [B, T], entropy [B, T] or None) in float32, entropy = -Σ_v π_v log π_v.
+    Returns (log_probs [B, T], entropy [B, T] or None) in float32, entropy = -Σ_v π_v log π_v. entropy_grad False:
+    the entropy is a metric only, computed without keeping its [B, T, V] intermediates for a backward.
     """
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     log_softmax = F.log_softmax(logits, dim=-1)
     log_probs = log_softmax.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
     return log_probs, entropy
 
 

@@ -93,8 +93,15 @@ class TrainConfig:
     adam_eps: float = field(1e-8, "Adam epsilon", POSITIVE)
     clip_grad: float = field(1.0, "max global gradient norm; 0 disables clipping", NON_NEGATIVE)
     seed: int = field(1234, "random seed of the trainer")
+    bf16: bool | None = field(None, "train in bfloat16 (fp32 master weights, log-probs and losses); None: bf16 on "
+                                    "CUDA, float32 on CPU (slime's --bf16)")
+    fp16: bool = field(False, "slime's --fp16: refused (no loss scaling); use bf16")
+    allow_tf32: bool = field(True, "TF32 tensor cores for float32 matmuls on CUDA; false: bit-faithful float32")
 
     def __post_init__(self) -> None:
+        if self.fp16:
+            raise ValueError("fp16: not supported (fp16 training needs dynamic loss scaling, which Physarum does not "
+                             "implement); use bf16")
         check_fields(self)
         if self.rollout_temperature <= 0:  # the trainer divides logits by it (the engines also accept 0: greedy)
             raise ValueError(f"rollout_temperature must be > 0, got {self.rollout_temperature}")

@@ -15,6 +15,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 
+HOST = torch.device("cpu")  # where samples are padded (one copy per tensor to the rank's device afterwards)
 # The [B, R] fields that the trainer computes after building the batch (slime's rollout_data keys).
 COMPUTED = ("log_probs", "ref_log_probs", "values", "advantages", "returns")
 
@@ -46,13 +47,13 @@ class RolloutBatch:
 
     def logit_positions(self) -> torch.Tensor:
         """[B, R] int64: the sequence position whose logits predict each response token (clamped on padding)."""
-        offsets = torch.arange(self.response_tokens.shape[1], dtype=torch.long)
+        offsets = torch.arange(self.response_tokens.shape[1], dtype=torch.long, device=self.prompt_lengths.device)
         positions = self.prompt_lengths.unsqueeze(-1) - 1 + offsets
         return positions.clamp(0, self.tokens.shape[1] - 1)
 
     def take(self, rows: Sequence[int]) -> RolloutBatch:
         """The given rows, in order, with padding trimmed to the longest of them."""
-        index = torch.as_tensor(list(rows), dtype=torch.long)
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.tokens.device)
         seq_len = int((self.prompt_lengths[index] + self.response_lengths[index]).max())
         resp_len = int(self.response_lengths[index].max())
         out = {}
@@ -82,6 +83,16 @@ class RolloutBatch:
     def with_advantages(self, advantages: torch.Tensor) -> RolloutBatch:
         return self.with_(advantages=advantages)
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """Every tensor on `device` (a no-op for those already there)."""
+        device = torch.device(device)
+        return replace(self, **{f.name: value.to(device) for f in fields(self)
+                                if (value := getattr(self, f.name)) is not None and value.device != device})
+
 
 def _check_sample(i: int, sample: Sample) -> None:
     total, resp = len(sample.tokens), sample.response_length
@@ -104,34 +115,37 @@ def sample_reward(sample: Sample, reward_key: str = "") -> float:
     return float(sample.reward)
 
 
-def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, reward_key: str = "") -> RolloutBatch:
-    """Pad `samples` into a RolloutBatch; a sample without a loss_mask trains on all its response tokens."""
+def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, reward_key: str = "",
+                        device: torch.device | str = HOST) -> RolloutBatch:
+    """Pad `samples` into a RolloutBatch on `device`; a sample without a loss_mask trains on all its response
+    tokens. The padding is done on the host, then moved in one copy per tensor."""
     if not samples:
         raise InvalidArgument("rollout has no samples")
     for i, sample in enumerate(samples):
         _check_sample(i, sample)
     num, seq_len = len(samples), max(len(s.tokens) for s in samples)
     resp_len = max(s.response_length for s in samples)
-    tokens = torch.full((num, seq_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((num, seq_len), dtype=torch.long)
-    response_tokens = torch.full((num, resp_len), pad_token_id, dtype=torch.long)
-    loss_masks = torch.zeros((num, resp_len), dtype=torch.float32)
+    tokens = torch.full((num, seq_len), pad_token_id, dtype=torch.long, device=HOST)
+    attention_mask = torch.zeros((num, seq_len), dtype=torch.long, device=HOST)
+    response_tokens = torch.full((num, resp_len), pad_token_id, dtype=torch.long, device=HOST)
+    loss_masks = torch.zeros((num, resp_len), dtype=torch.float32, device=HOST)
     has_log_probs = all(len(s.rollout_log_probs) == s.response_length for s in samples)
-    rollout_log_probs = torch.zeros((num, resp_len), dtype=torch.float32) if has_log_probs else None
+    rollout_log_probs = torch.zeros((num, resp_len), dtype=torch.float32, device=HOST) if has_log_probs else None
     for i, s in enumerate(samples):
         total, resp = len(s.tokens), s.response_length
-        tokens[i, :total] = torch.tensor(s.tokens, dtype=torch.long)
+        tokens[i, :total] = torch.tensor(s.tokens, dtype=torch.long, device=HOST)
         attention_mask[i, :total] = 1
         if resp == 0:
             continue
         response_tokens[i, :resp] = tokens[i, total - resp:total]
-        loss_masks[i, :resp] = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1.0
+        loss_masks[i, :resp] = torch.tensor(s.loss_mask, dtype=torch.float32, device=HOST) if s.loss_mask else 1.0
         if rollout_log_probs is not None:
-            rollout_log_probs[i, :resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-    return RolloutBatch(
+            rollout_log_probs[i, :resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32, device=HOST)
+    batch = RolloutBatch(
         tokens=tokens, attention_mask=attention_mask,
-        prompt_lengths=torch.tensor([s.prompt_length for s in samples], dtype=torch.long),
-        response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long),
+        prompt_lengths=torch.tensor([s.prompt_length for s in samples], dtype=torch.long, device=HOST),
+        response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long, device=HOST),
         response_tokens=response_tokens, loss_masks=loss_masks, rollout_log_probs=rollout_log_probs,
-        advantages=torch.zeros((num, resp_len), dtype=torch.float32),
-        rewards=torch.tensor([sample_reward(s, reward_key) for s in samples], dtype=torch.float32))
+        advantages=torch.zeros((num, resp_len), dtype=torch.float32, device=HOST),
+        rewards=torch.tensor([sample_reward(s, reward_key) for s in samples], dtype=torch.float32, device=HOST))
+    return batch.to(device)

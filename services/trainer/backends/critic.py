@@ -34,7 +34,7 @@ class ValueModel(torch.nn.Module):
 class Critic:
     """The value model (initialised from the policy's checkpoint, untied, new head) and its optimizer."""
 
-    def __init__(self, model_path: str | Path, config: TrainConfig) -> None:
+    def __init__(self, model_path: str | Path, config: TrainConfig, device: torch.device | None = None) -> None:
         from transformers import AutoModel
 
         try:
@@ -43,6 +43,7 @@ class Critic:
             raise InvalidArgument(f"model {model_path}: cannot load a backbone for the critic ({err})") from err
         hf_config = backbone.config.get_text_config()
         self.model = ValueModel(backbone, hf_config.hidden_size, getattr(hf_config, "initializer_range", 0.02)).eval()
+        self.model.to(device or torch.device("cpu"))
         self.optimizer = make_adamw(self.model.named_parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                     adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
                                     adam_eps=config.adam_eps)

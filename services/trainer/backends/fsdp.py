@@ -1,5 +1,7 @@
-"""The torch backend: an HF causal LM (float32, CPU) with AdamW and gradient accumulation, in one process or
-data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`).
+"""The torch backend: an HF causal LM with AdamW and gradient accumulation on the rank's device, in one process or
+data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`). Master
+weights are float32; under bf16 the forward runs in bfloat16 (autocast on one rank, FSDP2's mixed-precision policy
+over several), log-probs and losses in float32.
 
 It owns the models (policy, reference, PPO critic), the optimizers and the step loop; every formula from the forward
 outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding and the ranks are
@@ -20,7 +22,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer import parallel
+from services.trainer import devices, parallel
 from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
@@ -61,14 +63,18 @@ class TorchBackend(DCPCheckpointing):
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
-        model = _load_causal_lm(self.model_path)
+        self.device = self.world.device
+        self.dtype = devices.train_dtype(config.bf16, self.device)
+        devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
+        model = _load_causal_lm(self.model_path).to(self.device)
         self._tied_names = parallel.tied_names(model)
         ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
-        self.model = parallel.shard_model(model, self.world)
-        self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world)
-        self.critic = Critic(self.model_path, config) if config.use_critic else None
+        self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
+        self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world,
+                                                                             param_dtype=self.dtype)
+        self.critic = Critic(self.model_path, config, device=self.device) if config.use_critic else None
         if self.critic is not None and self.world.distributed:  # its optimizer must hold the sharded parameters
-            parallel.shard_model(self.critic.model, self.world)
+            parallel.shard_model(self.critic.model, self.world, param_dtype=self.dtype)
             self.critic.optimizer = make_adamw(self.critic.model.named_parameters(), lr=config.lr,
                                                weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
                                                adam_beta2=config.adam_beta2, adam_eps=config.adam_eps)
@@ -80,8 +86,13 @@ class TorchBackend(DCPCheckpointing):
         pad = self.model.config.pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
-        log.info("loaded %s: %.1fM parameters, loss %s, reference model %s", self.model_path,
-                 sum(p.numel() for p in self.model.parameters()) / 1e6, config.loss_type, self.ref_model is not None)
+        log.info("loaded %s: %.1fM parameters on %s (%s compute), loss %s, reference model %s", self.model_path,
+                 sum(p.numel() for p in self.model.parameters()) / 1e6, self.device, self.dtype, config.loss_type,
+                 self.ref_model is not None)
+
+    def _autocast(self):
+        """bf16 compute for float32 parameters on one rank; FSDP2's policy casts them itself over several."""
+        return devices.autocast(self.device, torch.float32 if self.world.distributed else self.dtype)
 
     @property
     def weight_version(self) -> int:
@@ -150,7 +161,12 @@ class TorchBackend(DCPCheckpointing):
         return parts
 
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-        return model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False).logits
+        with self._autocast():
+            return model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False).logits
+
+    def _values(self, mb: RolloutBatch) -> torch.Tensor:
+        with self._autocast():
+            return self.critic.values(mb)
 
     def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
         """Response-aligned log-probs [b, R] at the rollout temperature."""
@@ -178,14 +194,15 @@ class TorchBackend(DCPCheckpointing):
                                       n_samples_per_prompt=self.config.n_samples_per_prompt)
 
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, device=self.device)
         (micro_batches,) = self._schedule(batch, None)
         log_probs = self._recompute(lambda mb: self._log_probs(self.model, mb), batch, micro_batches)
         return [log_probs[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
-        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key)
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
+                                    device=self.device)
         steps = self._schedule(batch, cfg.global_batch_size)
         if not steps:
             raise InvalidArgument(f"rollout has {batch.size} samples, fewer than global_batch_size "
@@ -212,7 +229,7 @@ class TorchBackend(DCPCheckpointing):
                  train_actor: bool) -> RolloutBatch:
         """Critic values, old and reference log-probs (each in the training micro-batches), then advantages."""
         if self.critic is not None:
-            batch = batch.with_(values=self._recompute(self.critic.values, batch, micro_batches))
+            batch = batch.with_(values=self._recompute(self._values, batch, micro_batches))
         if not train_actor:
             return batch
         if rl_step.needs_old_log_probs(self.config, num_steps):
@@ -233,7 +250,7 @@ class TorchBackend(DCPCheckpointing):
 
     def _critic_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         def loss_fn(mb: RolloutBatch, reduce):
-            return rl_step.value_loss(self.config, mb, values=self.critic.values(mb), reduce=reduce)
+            return rl_step.value_loss(self.config, mb, values=self._values(mb), reduce=reduce)
 
         metrics = self._train_step(self.critic.model, self.critic.optimizer, batch, micro_batches, loss_fn)
         return {"train/value_loss": metrics["value_loss"], "train/value_clipfrac": metrics["value_clipfrac"],

@@ -99,15 +99,21 @@ def make_reducer(config: TrainConfig, loss_mask: torch.Tensor, denominators: tor
 
 
 def gather_response(x: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
-    """Per-position outputs [b, L, ...] -> response-aligned [b, R, ...]: the position predicting each response token."""
-    return x[torch.arange(mb.size, device=x.device).unsqueeze(-1), mb.logit_positions().to(x.device)]
+    """Per-position outputs [b, L, ...] -> response-aligned [b, R, ...]: the position predicting each response token.
+
+    A gather along the sequence (its backward a scatter-add, not advanced indexing's serial index_put over the
+    whole [b, L, V] logits)."""
+    positions = mb.logit_positions().to(x.device)
+    index = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(*positions.shape, *x.shape[2:])
+    return x.gather(1, index)
 
 
 def response_log_probs(logits: torch.Tensor, mb: RolloutBatch, config: TrainConfig, *,
                        with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L, V] logits -> response-aligned (log_probs, entropy) [b, R] at the rollout temperature."""
     return token_log_probs_and_entropy(gather_response(logits, mb), mb.response_tokens,
-                                       temperature=config.rollout_temperature, with_entropy=with_entropy)
+                                       temperature=config.rollout_temperature, with_entropy=with_entropy,
+                                       entropy_grad=config.entropy_coef != 0)
 
 
 def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tensor, entropy: torch.Tensor,

@@ -122,7 +122,8 @@ def load_checkpoint(root: str | Path, backend: TrainBackend, world: World,
     load_state(_state_dir(path, backend), backend, world)
     rng_path = path / f"rng_rank{world.rank}.pt"
     if rng_path.is_file():
-        set_rng_state(torch.load(rng_path, weights_only=True))  # a checkpoint runs no pickle
+        # a checkpoint runs no pickle; host tensors whatever machine wrote them (CUDA RNG states are CPU tensors)
+        set_rng_state(torch.load(rng_path, weights_only=True, map_location="cpu"))
     else:
         log.warning("checkpoint %s has no RNG state for rank %d (saved by %d ranks); keeping this rank's", path,
                     world.rank, state.world_size)

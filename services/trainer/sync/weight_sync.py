@@ -27,6 +27,7 @@ from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
 from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
 from services.trainer.hf_files import copy_side_files
+from services.trainer.sync import wire
 
 log = logging.getLogger(__name__)
 
@@ -95,19 +96,27 @@ def _results(futures: dict[concurrent.futures.Future, SGLangClient], what: str, 
 
 
 def _alongside(clients: list[SGLangClient], what: str, call: Callable[[int, SGLangClient], object],
-               local: Callable[[], object], wait_s: float) -> None:
-    """call(i, client) on every engine in threads while local() runs here: the collective they all take part in."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="weight-sync")
+               local: Callable[[], object], wait_s: float, on_stuck: Callable[[], None] = lambda: None) -> None:
+    """call(i, client) on every engine while local() runs here: the collective they all take part in. Everything
+    ends within wait_s: an engine failing or missing the deadline, or local() still blocked at it (an NCCL
+    collective whose peer is gone blocks the host), runs on_stuck (abort the communicator, which frees local())
+    and raises WeightSyncError naming the engines that failed."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(clients) + 1, thread_name_prefix="weight-sync")
     try:
         futures = {pool.submit(call, i, c): c for i, c in enumerate(clients)}
-        try:
-            local()
-        except Exception as err:
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            replies = "".join(f"; {futures[f].url}: {f.exception()}" for f in failed)
-            raise WeightSyncError(f"{what}: {type(err).__name__}: {err}{replies}",
-                                  tuple(futures[f].url for f in failed)) from err
-        _results(futures, what, wait_s)
+        mine = pool.submit(local)
+        done, pending = concurrent.futures.wait([mine, *futures], timeout=wait_s,
+                                                return_when=concurrent.futures.FIRST_EXCEPTION)
+        if not pending and all(f.exception() is None for f in done):
+            return
+        if mine in pending or any(f.exception() is not None for f in futures if f in done):
+            on_stuck()
+        failed = [f for f in futures if f in pending or f.exception() is not None]
+        replies = "".join(f"; {futures[f].url}: " + (f"no reply in {wait_s:.1f} s" if f in pending
+                                                      else str(f.exception())) for f in failed)
+        here = (f"the local side is still blocked after {wait_s:.1f} s" if mine in pending else
+                f"{type(mine.exception()).__name__}: {mine.exception()}" if mine.exception() else "engines failed")
+        raise WeightSyncError(f"{what}: {here}{replies}", tuple(futures[f].url for f in failed))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
@@ -117,7 +126,8 @@ class WeightBroadcaster:
 
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 60.0,
-                 bucket_bytes: int = 64 << 20, pause_mode: str = "in_place") -> None:
+                 bucket_bytes: int = 64 << 20, pause_mode: str = "in_place",
+                 model_dir: str | Path | None = None) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         if timeout_s <= 0 or bucket_bytes <= 0:
@@ -126,10 +136,13 @@ class WeightBroadcaster:
         self.master_address = master_address
         self.master_port = master_port
         self.group_name = group_name
-        self.backend = backend
+        self.requested_backend = backend  # gloo, nccl, or auto (nccl for remote GPU engines, sync_wire.auto_backend)
+        self.backend = "gloo" if backend == "auto" else backend  # this group's, resolved at init_group
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.pause_mode = pause_mode
+        self.model_dir = model_dir  # the base checkpoint: the dtype of engines that serve "auto"
+        self.dtype: torch.dtype | None = None  # what the engines serve, asked at init_group; None: as they are
         self.group: dist.ProcessGroup | None = None
         self.store: dist.TCPStore | None = None
         self.clients: list[SGLangClient] = []
@@ -148,11 +161,19 @@ class WeightBroadcaster:
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         clients = [SGLangClient(url, timeout_s=self.timeout_s) for url in self.engine_urls]
-        world_size, timeout = 1 + len(clients), datetime.timedelta(seconds=self.timeout_s)
+        # NCCL's watchdog would end this process at its timeout: ours (timeout_s) aborts the group well before.
+        world_size = 1 + len(clients)
+        timeout = datetime.timedelta(seconds=self.timeout_s * (wire.NCCL_TIMEOUT_FACTOR if self.backend == "nccl"
+                                                               else 1))
         start = time.monotonic()
         groups: list[dist.ProcessGroup] = []
         try:
             _on_all(clients, "health check", self._check_health, self.timeout_s + 1)
+            infos = [info or {} for info in _on_all(clients, "get_server_info", lambda c: c.server_info(),
+                                                    self.timeout_s + 1, ignore_errors=True)]
+            self.dtype = wire.common_dtype(infos, self.model_dir)
+            if self.requested_backend == "auto":
+                self.backend = wire.auto_backend(infos, self.engine_urls)
             # An engine may still hold a group from an earlier trainer or a failed sync: drop it (best effort).
             _on_all(clients, "destroy_weights_update_group",
                     lambda c: c.destroy_weights_update_group(self.group_name), self.timeout_s + 1, ignore_errors=True)
@@ -164,7 +185,7 @@ class WeightBroadcaster:
                        lambda: groups.append(init_custom_process_group(
                            store, backend=self.backend, world_size=world_size, rank=0, group_name=self.group_name,
                            timeout=timeout)),
-                       self.timeout_s + 1)
+                       self.timeout_s + 1, on_stuck=lambda: [wire.abort(g) for g in groups if self.backend == "nccl"])
         except BaseException as err:
             for group in groups:
                 dist.destroy_process_group(group)
@@ -217,21 +238,19 @@ class WeightBroadcaster:
         return stats
 
     def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        tensors = [t.detach().contiguous() for _, t in bucket]
-        if self.backend == "gloo":
-            tensors = [t.cpu() for t in tensors]
+        tensors = wire.on_the_wire([t for _, t in bucket], backend=self.backend, dtype=self.dtype)
         names = [name for name, _ in bucket]
         dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
 
         def send() -> None:
-            for tensor in tensors:  # exactly in the order of `names`
-                dist.broadcast(tensor, src=0, group=self.group)
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]  # in `names` order
+            wire.wait_all(works, tensors)
 
         _alongside(self.clients, f"update_weights_from_distributed of {len(names)} tensors ({names[0]}, ...)",
                    lambda i, c: c.update_weights_from_distributed(names, dtypes, shapes, weight_version,
                                                                   self.group_name, True, self.timeout_s),
-                   send, self.timeout_s + 1)
+                   send, self.timeout_s + 1, on_stuck=self._abort_group)
 
     def _resume_engines(self, failed: tuple[str, ...]) -> None:
         """After a failure, end the update session and continue generation on every engine (best effort).
@@ -251,6 +270,11 @@ class WeightBroadcaster:
         futures = {c.url: pool.submit(resume, c.url) for c in self.clients}
         pool.shutdown(wait=False)
         concurrent.futures.wait([f for url, f in futures.items() if url not in failed], timeout=RESUME_TIMEOUT_S + 0.5)
+
+    def _abort_group(self) -> None:
+        """Abort the communicator under a blocked collective (NCCL; gloo's own timeout frees it)."""
+        if self.group is not None and self.backend == "nccl":
+            wire.abort(self.group)
 
     def _drop_group(self) -> None:
         if self.group is not None:

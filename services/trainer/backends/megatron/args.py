@@ -24,7 +24,7 @@ OWNED: dict[str, str] = {
     **{name: f"is the job spec's own key: set `{name}` at the top level" for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer", "lr", "min_lr",
         "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")},
-    **{name: "is fixed: the backend trains in float32" for name in (
+    **{name: "is set from the job spec's `bf16` (fp32 main parameters and gradient reduction)" for name in (
         "params_dtype", "pipeline_dtype", "bf16", "fp16", "main_params_dtype", "main_grads_dtype")},
 }
 

@@ -8,7 +8,6 @@ the TP-sharded logits. Results (log-probs, metrics) are the same on every rank; 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+from services.trainer import devices
 from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends import optim, rl_step
 from services.trainer.backends.base import TrainConfig, load_custom_loss
@@ -54,6 +54,9 @@ class MegatronBackend(MegatronCheckpointing):
         if config.use_critic:
             raise InvalidArgument("train_backend megatron: advantage_estimator 'ppo' needs a critic, which this "
                                   "backend does not train; use train_backend fsdp")
+        if world is not None and world.device.type == "cpu" and torch.cuda.is_available():
+            raise InvalidArgument("train_backend megatron on device cpu while CUDA is visible: Megatron takes every "
+                                  "visible GPU; hide them (CUDA_VISIBLE_DEVICES=) to train on the CPU")
         self.model_path = Path(model_path)
         self.config = config
         self.megatron_args = margs.split(megatron_args)
@@ -70,6 +73,8 @@ class MegatronBackend(MegatronCheckpointing):
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else cpu_compat.CPU
+        self.dtype = devices.train_dtype(config.bf16, self.device)
+        devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
         self.use_te = mcore.has_transformer_engine()
         self.use_distributed_optimizer = use_distributed_optimizer
         self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
@@ -106,14 +111,14 @@ class MegatronBackend(MegatronCheckpointing):
         return self.model.module
 
     def _build_gpt(self):
-        config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size,
+        config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
                                           overrides=self.megatron_args.transformer)
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
         return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()
 
     def _build_optimizer(self):
         return mcore.build_optimizer(self.config, self.model, use_distributed_optimizer=self.use_distributed_optimizer,
-                                     overrides=self.megatron_args.optimizer)
+                                     dtype=self.dtype, overrides=self.megatron_args.optimizer)
 
     def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
         state = convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -179,12 +184,6 @@ class MegatronBackend(MegatronCheckpointing):
 
     # -- forward and backward through Megatron's schedule
 
-    def _on_device(self, mb: RolloutBatch) -> RolloutBatch:
-        if self.device.type == "cpu":
-            return mb
-        return dataclasses.replace(mb, **{f.name: getattr(mb, f.name).to(self.device)
-                                          for f in dataclasses.fields(mb) if getattr(mb, f.name) is not None})
-
     def _run(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
              forward_only: bool) -> None:
         """Run `micro_batches` of `batch` through `model` (1F1B under PP); on the last stage loss_fn(rows, mb,
@@ -203,7 +202,7 @@ class MegatronBackend(MegatronCheckpointing):
             output = module(input_ids=mb.tokens, position_ids=positions, attention_mask=mask)
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
-        data = [(rows, self._on_device(batch.take(rows))) for rows in micro_batches]
+        data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
@@ -217,7 +216,7 @@ class MegatronBackend(MegatronCheckpointing):
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             rl_step.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
             temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
-            group=self.tp_group)
+            group=self.tp_group, with_entropy=with_entropy, entropy_grad=self.config.entropy_coef != 0)
         return log_probs, entropy if with_entropy else None
 
     def _log_probs(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:

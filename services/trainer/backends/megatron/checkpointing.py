@@ -48,7 +48,7 @@ class MegatronCheckpointing:
             for group in inner.param_groups:
                 for param in group["params"]:
                     if not inner.state[param]:
-                        inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                        inner.state[param].update(step=torch.tensor(0.0, device="cpu"), exp_avg=torch.zeros_like(param),
                                                   exp_avg_sq=torch.zeros_like(param))
 
     def _set_adam_steps(self, num_steps: int) -> None:
@@ -61,7 +61,7 @@ class MegatronCheckpointing:
             inner = optimizer.optimizer
             if isinstance(inner, torch.optim.Adam):
                 for state in inner.state.values():
-                    state["step"] = torch.tensor(float(num_steps))
+                    state["step"] = torch.tensor(float(num_steps), device="cpu")
 
     def save_sharded(self, path: str | Path) -> None:
         """Collective: write the checkpoint's parts, the lr schedule's step count and the weight version."""

@@ -1,7 +1,8 @@
 """Megatron-core pieces of the backend: process groups (TP × PP × DP), GPTModel from an HF config, DDP, optimizer.
 
 The local layer spec on CPU (torch norms and attention), the Transformer Engine spec when transformer_engine is
-installed. float32 throughout; dropout off, so training forwards and no-grad recomputes see one policy. Knows
+installed. Parameters in the training dtype (bf16: float32 main parameters in the optimizer, gradients reduced in
+float32); dropout off, so training forwards and no-grad recomputes see one policy. Knows
 nothing of HF names (convert.py) or losses (backend.py).
 """
 
@@ -63,7 +64,8 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, overrides: dict | None = None):
+def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: torch.dtype = torch.float32,
+                       overrides: dict | None = None):
     """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout;
     then the `megatron:` section's TransformerConfig fields (`args.split`)."""
     import torch.nn.functional as F
@@ -77,7 +79,7 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, overrides
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-        pipeline_dtype=torch.float32, params_dtype=torch.float32, variable_seq_lengths=True,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16, variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # dense model; the default rejects variable_seq_lengths
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
@@ -93,10 +95,13 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from services.trainer.backends.megatron.attention import SDPAttention
+
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention  # torch's fused kernels
     with cpu_compat.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
@@ -121,15 +126,16 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict 
 
 
 def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_optimizer: bool,
-                    overrides: dict | None = None):
+                    dtype: torch.dtype = torch.float32, overrides: dict | None = None):
     """Megatron's Adam (decoupled weight decay, no decay on biases and norms), a constant lr (the backend sets each
-    step's), global-norm clip; then the `megatron:` section's OptimizerConfig fields."""
+    step's), global-norm clip, float32 main parameters under bf16; then the `megatron:` section's OptimizerConfig
+    fields."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = train_config
     opt_config = args.build(OptimizerConfig, "OptimizerConfig", dict(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=torch.float32,
-        use_distributed_optimizer=use_distributed_optimizer), overrides or {})
+        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer), overrides or {})
     with cpu_compat.cuda_to_cpu():
         return get_megatron_optimizer(opt_config, [ddp_model])

@@ -27,13 +27,19 @@ class _SumOverGroup(torch.autograd.Function):
 
 def vocab_parallel_log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
                                          temperature: float = 1.0, tp_rank: int = 0, tp_size: int = 1,
-                                         group=None) -> tuple[torch.Tensor, torch.Tensor]:
+                                         group=None, with_entropy: bool = True,
+                                         entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(target) and the entropy of π = softmax(logits / temperature) over the first vocab_size entries.
 
     logits: [..., V/tp], this rank's contiguous slice [tp_rank·V/tp, (tp_rank+1)·V/tp) of the padded vocab;
     targets: [...] int64 global token ids. Returns (log_probs, entropy), each [...] float32, identical on every
     rank of the group. With tp_size 1 this equals `algorithms.losses.token_log_probs_and_entropy`.
     """
+    if tp_size == 1:  # the whole vocabulary here: the fused log-softmax path
+        from services.trainer.algorithms.losses import token_log_probs_and_entropy
+
+        return token_log_probs_and_entropy(logits[..., :vocab_size], targets, temperature=temperature,
+                                           with_entropy=with_entropy, entropy_grad=entropy_grad)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature

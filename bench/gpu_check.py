@@ -1,0 +1,153 @@
+"""The GPU check (`make gpu-check`): what only a CUDA machine can confirm, in one run, with a table of results.
+
+1. Both backends' GRPO steps on CUDA against the same steps on CPU, float32 with TF32 off: losses equal within
+   1e-5, log-probs within 1e-4; bf16 on CUDA reported next to them.
+2. With two GPUs: the NCCL weight sync's failure case, the launcher and the bf16 tests.
+3. The demo with the trainer and a CPU engine on the GPU (`physarum.demo --device cuda --engine-device cuda`).
+4. The throughput table (bench/trainer_throughput.py) in bf16 and float32.
+
+On a machine without CUDA it says so and exits 0. Each part runs in its own process (Megatron takes every visible
+GPU, so the CPU runs hide them). Exit status 1 when a part fails.
+Run: python -m bench.gpu_check [--skip-demo] [--skip-throughput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS_TOL, LOG_PROB_TOL = 1e-5, 1e-4
+LOSS_KEYS = ("train/pg_loss", "train/kl_loss", "train/entropy_loss")
+
+
+def run(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def grpo_steps(out: Path, backend: str, bf16: bool) -> None:
+    """This process's device: one GRPO rollout (two optimizer steps, KL to a reference) of `backend`; writes JSON."""
+    import logging
+    import warnings
+
+    from bench.megatron_parity import build_tiny_qwen3
+    from services.trainer.backends.base import TrainConfig
+    from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    model_dir = build_tiny_qwen3(out.parent / "model", tie_word_embeddings=True)
+    config = TrainConfig(**GRPO_CONFIG, bf16=bf16, allow_tf32=False)
+    if backend == "fsdp":
+        from services.trainer.backends.fsdp import TorchBackend
+        from services.trainer.parallel import World
+
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        model = TorchBackend(model_dir, config, world=World(device=device))
+        vocab, pad = model.model.config.vocab_size, model.pad_token_id
+    else:
+        from services.trainer.backends.megatron.backend import MegatronBackend
+
+        model = MegatronBackend(model_dir, config)
+        vocab, pad = model.arch.vocab_size, model.pad_token_id
+    rollouts = [grpo_rollout(vocab, pad, r) for r in range(2)]
+    metrics = [m for rollout in rollouts for m in model.train_rollout(rollout)]
+    result = {"metrics": metrics, "log_probs": model.compute_log_probs(rollouts[0]),
+              "device": str(getattr(model, "device", "")), "dtype": str(model.dtype)}
+    out.write_text(json.dumps(result))
+
+
+def parity(tmp: Path) -> list[tuple[str, bool, str]]:
+    rows = []
+    for backend in ("fsdp", "megatron"):
+        results = {}
+        for name, env, bf16 in (("cpu", {"CUDA_VISIBLE_DEVICES": ""}, False), ("cuda", {}, False),
+                                ("cuda-bf16", {}, True)):
+            out = tmp / f"{backend}-{name}" / "steps.json"
+            out.parent.mkdir(parents=True)
+            proc = run(["-m", "bench.gpu_check", "--steps", str(out), "--backend", backend, "--bf16", str(bf16)],
+                       env=env)
+            if proc.returncode:
+                rows.append((f"{backend} GRPO steps ({name})", False, proc.stderr.strip()[-400:]))
+                break
+            results[name] = json.loads(out.read_text())
+        if len(results) < 3:
+            continue
+        cpu, cuda, bf16 = results["cpu"], results["cuda"], results["cuda-bf16"]
+        loss_diff = max(abs(a[k] - b[k]) for a, b in zip(cpu["metrics"], cuda["metrics"], strict=True)
+                        for k in LOSS_KEYS if k in a)
+        lp_diff = max(abs(x - y) for ra, rb in zip(cpu["log_probs"], cuda["log_probs"], strict=True)
+                      for x, y in zip(ra, rb, strict=True))
+        bf16_diff = max(abs(a["train/pg_loss"] - b["train/pg_loss"])
+                        for a, b in zip(cpu["metrics"], bf16["metrics"], strict=True))
+        same = loss_diff <= LOSS_TOL and lp_diff <= LOG_PROB_TOL
+        rows.append((f"{backend}: fp32 CUDA vs CPU ({cuda['device']})", same,
+                     f"max loss diff {loss_diff:.2e} (≤ {LOSS_TOL}), max log-prob diff {lp_diff:.2e}"))
+        rows.append((f"{backend}: bf16 on CUDA (reported)", True, f"pg_loss diff vs fp32 CPU {bf16_diff:.2e}; "
+                     f"grad norms {[round(m['train/grad_norm'], 4) for m in bf16['metrics']]}"))
+    return rows
+
+
+def two_gpus() -> tuple[str, bool, str]:
+    if (count := torch.cuda.device_count()) < 2:
+        return ("NCCL weight sync failure (two GPUs)", True, f"skipped: {count} GPU visible, 2 needed")
+    proc = run(["-m", "pytest", "-q", "-x", "tests/integration/test_weight_sync_nccl.py",
+                "tests/integration/test_launch.py", "tests/integration/test_precision.py"])
+    return ("NCCL weight sync failure, launcher, bf16 tests", proc.returncode == 0,
+            proc.stdout.strip().splitlines()[-1])
+
+
+def demo() -> tuple[str, bool, str]:
+    proc = run(["-m", "physarum.demo", "--device", "cuda", "--engine-device", "cuda"], timeout_s=900)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return ("demo, trainer and engine on the GPU", proc.returncode == 0, " | ".join(lines[-3:])[-400:])
+
+
+def throughput() -> list[tuple[str, bool, str]]:
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        proc = run(["-m", "bench.trainer_throughput", "--device", "cuda", "--dtype", dtype, "--rounds", "3"])
+        table = proc.stdout.strip().splitlines()
+        rows.append((f"throughput {dtype}", proc.returncode == 0,
+                     " | ".join(table[-6:]) if proc.returncode == 0 else proc.stderr.strip()[-400:]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--steps", type=Path, help=argparse.SUPPRESS)  # one part: GRPO steps on this device
+    parser.add_argument("--backend", default="fsdp", help=argparse.SUPPRESS)
+    parser.add_argument("--bf16", default="False", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps:
+        grpo_steps(args.steps, args.backend, args.bf16 == "True")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu-check: no GPU (torch sees no CUDA device): nothing to check here; run it on a CUDA machine")
+        return 0
+    print(f"gpu-check on {torch.cuda.get_device_name(0)} × {torch.cuda.device_count()}, torch {torch.__version__}",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = parity(Path(tmp))
+    rows.append(two_gpus())
+    if not args.skip_demo:
+        rows.append(demo())
+    if not args.skip_throughput:
+        rows.extend(throughput())
+    for name, ok, detail in rows:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    return 0 if all(ok for _, ok, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Physarum's GRPO step (fsdp and megatron backends) against a plain PyTorch loop: same model, batch, micro-batches
+and precision, one optimizer step each, measured side by side in one process, rounds interleaved.
+
+The plain loop is an HF model + AdamW with loss -(log π(response)·A).mean() (bf16 autocast under --dtype bfloat16).
+Prints a table, then one JSON line: {"device", "dtype", "fsdp": R, "megatron": R}, R = Physarum's tokens/s over the
+plain loop's. CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 measurement.
+
+Run: python -m bench.trainer_throughput [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# (model, batch) per device: the issue's Qwen3-0.6B measurement on CUDA, a small model on CPU
+SHAPES = {
+    "cpu": dict(model=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+                num_samples=16, prompt_len=32, response_len=96, micro_batch_size=4),
+    "cuda": dict(model=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+                 num_samples=32, prompt_len=256, response_len=768, micro_batch_size=4),
+}
+
+
+def build_model(out_dir: Path, shape: dict) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
+                         dtype="float32")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_samples(shape: dict, vocab_size: int):
+    from services.common.samples import Sample
+
+    gen = torch.Generator().manual_seed(0)
+    length = shape["prompt_len"] + shape["response_len"]
+    return [Sample(tokens=torch.randint(1, vocab_size, (length,), generator=gen).tolist(),
+                   response_length=shape["response_len"], reward=float(i % 2)) for i in range(shape["num_samples"])]
+
+
+def plain_step(model_dir: Path, samples, shape: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """An HF model + AdamW: the micro-batches' -(log π·A).mean(), backward, clip, step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    tokens = torch.tensor([s.tokens for s in samples], device=device)
+    advantages = torch.tensor([s.reward - 0.5 for s in samples], device=device)
+    prompt, mb = shape["prompt_len"], shape["micro_batch_size"]
+    num_mb = len(samples) // mb
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(samples), mb):
+            ids = tokens[start:start + mb]
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(input_ids=ids, use_cache=False).logits
+            log_probs = torch.log_softmax(logits[:, prompt - 1:-1].float(), dim=-1)
+            log_probs = log_probs.gather(-1, ids[:, prompt:].unsqueeze(-1)).squeeze(-1)
+            loss = -(log_probs * advantages[start:start + mb, None]).mean() / num_mb
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return step
+
+
+def train_config(shape: dict, dtype: torch.dtype):
+    from services.trainer.backends.base import TrainConfig
+
+    return TrainConfig(n_samples_per_prompt=2, global_batch_size=shape["num_samples"],
+                       micro_batch_size=shape["micro_batch_size"], lr=1e-6, bf16=dtype == torch.bfloat16)
+
+
+def fsdp_step(model_dir: Path, samples, shape: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.parallel import World
+
+    backend = TorchBackend(model_dir, train_config(shape, dtype), world=World(device=device))
+    return lambda: backend.train_rollout(samples)
+
+
+def megatron_step(model_dir: Path, samples, shape: dict, device: torch.device,
+                  dtype: torch.dtype) -> Callable[[], None]:
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(model_dir, train_config(shape, dtype))
+    return lambda: backend.train_rollout(samples)
+
+
+def timed(step: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu (the trainer's defaults)")
+    parser.add_argument("--rounds", type=int, default=4, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    torch.set_num_threads(args.threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's default (allow_tf32), for a like comparison
+    shape = SHAPES[device.type]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(tmp) / "model", shape["model"])
+        samples = make_samples(shape, shape["model"]["vocab_size"])
+        steps = {name: build(model_dir, samples, shape, device, dtype) for name, build in
+                 (("plain", plain_step), ("fsdp", fsdp_step), ("megatron", megatron_step))}
+        seconds: dict[str, list[float]] = {name: [] for name in steps}
+        for round_index in range(args.rounds + 1):  # round 0 warms up (allocator, kernels, optimizer state)
+            for name, step in steps.items():
+                took = timed(step, device)
+                if round_index:
+                    seconds[name].append(took)
+    num_tokens = len(samples) * (shape["prompt_len"] + shape["response_len"])
+    tokens_per_s = {name: num_tokens / statistics.median(values) for name, values in seconds.items()}
+    print(f"{device.type}, {dtype}, {len(samples)} × {shape['prompt_len'] + shape['response_len']} tokens per step, "
+          f"micro-batches of {shape['micro_batch_size']}, median of {args.rounds} rounds")
+    print(f"{'run':<10} {'s/step':>8} {'tokens/s':>10} {'vs plain':>9}")
+    for name, rate in tokens_per_s.items():
+        print(f"{name:<10} {num_tokens / rate:>8.3f} {rate:>10.0f} {rate / tokens_per_s['plain']:>9.2f}")
+    result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."),
+              "fsdp": round(tokens_per_s["fsdp"] / tokens_per_s["plain"], 3),
+              "megatron": round(tokens_per_s["megatron"] / tokens_per_s["plain"], 3)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
