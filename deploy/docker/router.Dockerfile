@@ -2,16 +2,17 @@
 # sglang-router: balances /generate over the engines (SGLang or the CPU engine); the rollout manager adds and removes
 # them through its /workers API. Its flags are the router's own (`python -m sglang_router.launch_router --help`),
 # not PHYSARUM_* settings. Same version as the rollout extra in pyproject.toml.
-# Build from the repository root: docker build -f deploy/docker/router.Dockerfile -t physarum/router .  (or make images)
+# Image physarum-router; build from the repository root: make images (or docker build -f deploy/docker/router.Dockerfile .)
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
 
 FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="physarum-router"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
-RUN python -m venv /opt/venv && pip install pip==26.3
 COPY deploy/docker/constraints.txt /tmp/constraints.txt
-RUN pip install -c /tmp/constraints.txt sglang-router==0.3.2
-RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
+RUN python -m venv /opt/venv && pip install pip==26.3 \
+    && pip install -c /tmp/constraints.txt sglang-router==0.3.2 \
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
 USER 10001:10001
 # 30000: /generate, /workers, /readiness; 29000: Prometheus metrics (the router binds both; defaults are 0.0.0.0)
 EXPOSE 30000 29000

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from services.buffer.client import state_from_proto, state_to_proto
 from services.buffer.config import BufferConfig
 from services.buffer.dataset import read_prompts
+from services.buffer.metrics import BufferMetrics, MeteredStore, MetricsExporter, start_exporter
 from services.buffer.store import BufferStore
 from services.common import auth
 from services.common.errors import Unavailable
@@ -97,6 +98,7 @@ class BufferServer(GrpcServer):
     """The running server, the store it closes on stop and the task that keeps health in step with Redis."""
 
     store: BufferStore = field(kw_only=True)
+    metrics: MetricsExporter | None = field(default=None, kw_only=True)  # with config.metrics_port
     watcher: asyncio.Task | None = None
 
 
@@ -117,7 +119,7 @@ async def _follow_redis(server: BufferServer) -> None:
 
 async def create_server(config: BufferConfig) -> BufferServer:
     """Start the server NOT_SERVING, wait (bounded) for Redis, then report SERVING."""
-    store = BufferStore(config.redis_url)
+    store = MeteredStore(config.redis_url, BufferMetrics())
     binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store, config.data_roots),
                              "physarum.v1.Buffer")
     grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False,
@@ -128,6 +130,8 @@ async def create_server(config: BufferConfig) -> BufferServer:
     except Unavailable:
         await stop_server(server, grace_s=0)
         raise
+    if config.metrics_port:
+        server.metrics = await start_exporter(store, config.host, config.metrics_port, config.metrics_interval_s)
     await server.set_serving(True)
     server.watcher = asyncio.create_task(_follow_redis(server))
     if not config.data_roots:
@@ -143,4 +147,6 @@ async def stop_server(server: BufferServer, grace_s: float) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await server.watcher
     await stop_grpc_server(server, grace_s)
+    if server.metrics:
+        await server.metrics.stop()
     await server.store.close()

@@ -3,13 +3,14 @@
 A config is a kw-only frozen dataclass; field `redis_url` of service `buffer` becomes the flag `--redis-url`
 and the variable `PHYSARUM_BUFFER_REDIS_URL`. The field's `help` metadata is the flag's help text; its `check` (a
 `Rule`) is its validation, run by `check_fields`, so a field declared once carries its rule wherever `shared` reuses
-it.
+it. A `PHYSARUM_BUFFER_*` variable that names no field is an error (a typo would otherwise be silently ignored).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 import types
@@ -117,6 +118,20 @@ def env_name(service: str, field_name: str) -> str:
     return f"PHYSARUM_{service.upper()}_{field_name.upper()}"
 
 
+def unknown_variables(service: str, field_names: list[str], environ: dict[str, str] | None = None) -> list[str]:
+    """One message per `PHYSARUM_<SERVICE>_*` variable of `environ` that names no field, with the closest field."""
+    prefix = env_name(service, "")
+    known = {env_name(service, name) for name in field_names}
+    messages = []
+    for variable in sorted(os.environ if environ is None else environ):
+        if variable.startswith(prefix) and variable not in known:
+            close = difflib.get_close_matches(variable, sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            messages.append(f"unknown variable {variable}{hint}: services.{service} has no field "
+                            f"{variable[len(prefix):].lower()!r}")
+    return messages
+
+
 def load_config(cls: type[T], service: str, argv: list[str] | None = None, description: str = "") -> T:
     """Build `cls` from `argv` (flags), then `PHYSARUM_<SERVICE>_<FIELD>` variables, then defaults."""
     hints = typing.get_type_hints(cls)
@@ -128,6 +143,9 @@ def load_config(cls: type[T], service: str, argv: list[str] | None = None, descr
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, help=help_text,
                             metavar=f.name.upper())
     parsed = parser.parse_args(argv)
+    unknown = unknown_variables(service, [f.name for f in fields])
+    if unknown:
+        parser.error("; ".join(unknown))
     values: dict[str, Any] = {}
     for f in fields:
         raw = getattr(parsed, f.name)

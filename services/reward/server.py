@@ -15,8 +15,9 @@ from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
 from services.common.rest import RestServer
 from services.common.samples import sample_from_proto, struct_to_dict
-from services.reward import rest, scorers
+from services.reward import rest
 from services.reward.config import RewardConfig
+from services.reward.metrics import RewardMetrics
 from services.reward.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,19 @@ def restore_ints(value: Any) -> Any:
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, config: RewardConfig, semaphore: asyncio.Semaphore, pool: WorkerPool) -> None:
+    def __init__(self, config: RewardConfig, semaphore: asyncio.Semaphore, pool: WorkerPool,
+                 metrics: RewardMetrics) -> None:
         self.config = config
         self.semaphore = semaphore
         self.pool = pool
+        self.metrics = metrics
 
     @handle_errors
     async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:  # noqa: N802
         samples = [sample_from_proto(s) for s in request.samples]
         for sample in samples:
             sample.metadata = restore_ints(sample.metadata)
-        results = await scorers.score_samples(
+        results = await self.metrics.score_samples(
             samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
             timeout_s=request.timeout_s or self.config.default_timeout_s,
             args=restore_ints(struct_to_dict(request.args)), semaphore=self.semaphore, pool=self.pool)
@@ -69,7 +72,8 @@ async def create_server(config: RewardConfig) -> RewardServer:
     semaphore = asyncio.Semaphore(config.max_concurrency)
     pool = WorkerPool(config.num_workers, config.worker_memory_bytes)
     await pool.start()
-    servicer = RewardServicer(config, semaphore, pool)
+    metrics = RewardMetrics()  # one registry for both servers; REST serves it at /metrics
+    servicer = RewardServicer(config, semaphore, pool, metrics)
     try:
         grpc_server = await start_grpc_server(
             [ServiceBinding(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "physarum.v1.Reward")],
@@ -78,7 +82,7 @@ async def create_server(config: RewardConfig) -> RewardServer:
         pool.close()
         raise
     try:
-        rest_server = RestServer(rest.create_app(config, semaphore, pool), config.host, config.rest_port)
+        rest_server = RestServer(rest.create_app(config, semaphore, pool, metrics), config.host, config.rest_port)
         await rest_server.start()
     except BaseException:
         await stop_grpc_server(grpc_server, 0)

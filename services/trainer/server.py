@@ -13,6 +13,7 @@ from services.common.samples import dict_to_struct, struct_to_dict
 from services.trainer.auth import check_bearer
 from services.trainer.config import TrainerConfig
 from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
+from services.trainer.preflight import with_preflight
 from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
 from services.trainer.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
@@ -92,7 +93,7 @@ class TrainerServers:
 
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
     registry = JobRegistry(runner)
-    parse = spec_parser(spec_defaults(config), path_roots(config))
+    parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)))  # refuse what would fail on GPUs
     token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment
     grpc_server = await start_grpc_server(
         [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, token, parse),

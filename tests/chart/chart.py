@@ -71,7 +71,7 @@ def workloads(objects) -> list[dict]:
 
 def containers(workload: dict) -> list[dict]:
     spec = workload["spec"]["template"]["spec"]
-    return spec.get("initContainers", []) + spec["containers"]
+    return spec["containers"]
 
 
 def env_of(container: dict) -> dict[str, dict]:

@@ -76,7 +76,9 @@ def test_object_names_are_unique(objects):
 
 def test_names_fit_63_characters_with_a_long_release_name():
     release = "a-very-long-release-name-for-a-reinforcement-learning-run"  # 57 characters
-    for obj in render({}, release=release):
+    fetching = {"model": {"source": "hf", "hf": {"repo": "a/b"}}, "datasets": {"source": "s3", "s3": {"uri": "s3://b"}},
+                "metrics": {"grafanaDashboards": {"enabled": True}}}  # the optional objects too
+    for obj in render({}, release=release) + render(fetching, release=release):
         name = obj["metadata"]["name"]
         assert len(name) <= 63, name
         if obj["kind"] == "StatefulSet":  # pod "<name>-<ordinal>" and label controller-revision-hash "<name>-<10>"

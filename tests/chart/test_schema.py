@@ -42,7 +42,7 @@ SCHEMA_RULES = [
      r"at '/rollout/config/engine_launcher': false schema"),
     ("engine join mode", {"engines": {"joinMode": "copy"}}, r"at '/engines/joinMode': value must be one of"),
     ("config key not a field name", {"reward": {"config": {"MaxConcurrency": 8}}},
-     r"invalid propertyName 'MaxConcurrency'"),
+     r"at '/reward/config': additional properties 'MaxConcurrency' not allowed"),
     ("config value not a scalar", {"trainer": {"config": {"num_threads": {"n": 1}}}},
      r"at '/trainer/config/num_threads': 'anyOf' failed"),
     ("cpu request removed", {"buffer": {"resources": {"requests": {"cpu": None}}}},

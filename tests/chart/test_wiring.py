@@ -8,8 +8,11 @@ import base64
 import dataclasses
 import importlib.util
 import json
+import re
+import subprocess
 
 import pytest
+import yaml
 
 from services.buffer.config import BufferConfig
 from services.common.config import load_config
@@ -18,6 +21,7 @@ from services.reward.config import RewardConfig
 from services.rollout.config import RolloutManagerConfig
 from services.trainer.config import TrainerConfig
 from tests.chart.chart import (
+    CHART,
     ROOT,
     component,
     container_ports,
@@ -40,8 +44,8 @@ SERVICES = {
     "engine": ("services.engine", EngineConfig),
     "trainer": ("services.trainer", TrainerConfig),
 }
-# Settings the chart passes that the services do not read yet: the job API's bearer token. load_config
-# ignores unknown variables, so it is harmless until the trainer reads it.
+CHART_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+# Settings the chart passes that the services do not read yet (load_config refuses unknown variables: keep it empty).
 PENDING_FIELDS: dict[str, set[str]] = {}
 RELEASE_PEER = {"app.kubernetes.io/instance": "demo", "app.kubernetes.io/part-of": "physarum"}
 
@@ -72,17 +76,27 @@ def test_containers_run_the_local_entry_points(objects, value_set):
     assert importlib.util.find_spec("sglang_router.launch_router") is not None
 
 
+def make_image_names(values: dict, variant: str) -> dict[str, str]:
+    """service -> the name `make images REGISTRY=<image.registry> VERSION=<tag> VARIANT=<variant>` tags."""
+    version = values["image"]["tag"] or yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    result = subprocess.run(["make", "-s", "-C", str(ROOT), "image-names", f"REGISTRY={values['image']['registry']}",
+                             f"VERSION={version}", f"VARIANT={variant}"], capture_output=True, text=True, timeout=60,
+                            check=True)
+    return {name.rsplit("/", 1)[1].split(":")[0].removeprefix("physarum-"): name for name in result.stdout.split()}
+
+
 def test_images_are_the_ones_make_images_builds(objects, value_set):
-    """`make images IMAGE_PREFIX=<registry> IMAGE_TAG=<tag>` builds <registry>/<service>:<tag> (VARIANT=gpu:
-    <tag>-gpu)."""
+    """The chart's defaults pull what `make images` builds and `make push` pushes: REGISTRY/physarum-<service>:VERSION,
+    the trainer with GPUs VERSION-gpu (VARIANT=gpu)."""
     values = values_of(value_set)
-    registry, tag = values["image"]["registry"], values["image"]["tag"] or "0.1.0"
+    cpu, gpu = make_image_names(values, "cpu"), make_image_names(values, "gpu")
+    assert cpu["buffer"] == f"localhost:5000/physarum-buffer:{CHART_VERSION}" or value_set != "default"
     for _, c, service in physarum_containers(objects):
-        variant = "-gpu" if service == "trainer" and values["trainer"]["gpus"] > 0 else ""
-        assert c["image"] == f"{registry}/{service}:{tag}{variant}"
+        expected = gpu if service == "trainer" and values["trainer"]["gpus"] > 0 else cpu
+        assert c["image"] == expected[service]
         assert (ROOT / "deploy" / "docker" / f"{service}.Dockerfile").is_file()
     router = one(objects, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
-    assert router["image"] == f"{registry}/router:{tag}"
+    assert router["image"] == cpu["router"]
 
 
 def test_sglang_backend_runs_sglang_server(objects, value_set):
@@ -91,7 +105,8 @@ def test_sglang_backend_runs_sglang_server(objects, value_set):
         return
     c = one(objects, "Deployment", "engine")["spec"]["template"]["spec"]["containers"][0]
     image = values["engines"]["sglang"]["image"]
-    assert c["image"] == f"{image['repository']}:{image['tag']}"
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", image["digest"])  # SGLang's own image, pinned by digest
+    assert c["image"] == f"{image['repository']}:{image['tag']}@{image['digest']}"
     assert c["command"] == ["python3", "-m", "sglang.launch_server"]
     assert f"--model-path={values['model']['path']}" in c["args"]
     assert f"--tp-size={values['engines']['gpus']}" in c["args"]
@@ -293,6 +308,11 @@ def test_engines_and_redis_admit_only_the_release(objects, value_set):
                 continue
             if component(w) == "trainer" and peers == values["networkPolicy"]["jobApiFrom"]:
                 continue
+            node_peers = [{"ipBlock": {"cidr": cidr}} for cidr in values["networkPolicy"]["nodeCIDRs"]]
+            if values["trainer"]["network"]["hostNetwork"] and component(w) not in ("trainer", "redis"):
+                # a host-networked trainer reaches the others from its node's address
+                assert node_peers and all(p in peers for p in node_peers), (w["metadata"]["name"], peers)
+                peers = [p for p in peers if p not in node_peers]
             for peer in peers:
                 assert set(peer) == {"podSelector"}, (w["metadata"]["name"], peer)  # this namespace, no ipBlock
                 labels = peer["podSelector"]["matchLabels"]
@@ -313,7 +333,7 @@ def test_redis_keeps_an_append_only_file_on_a_volume(objects, value_set):
         assert not find(objects, "StatefulSet", "redis")
         return
     sts = one(objects, "StatefulSet", "redis")
-    args = pod_spec(sts)["containers"][0]["args"]
+    args = pod_spec(sts)["containers"][0]["args"][0].split("<<")[0].split()
     assert args[args.index("--appendonly") + 1] == "yes"
     assert args[args.index("--appendfsync") + 1] == values["appendfsync"]
     assert args[args.index("--dir") + 1] == "/data"
@@ -325,8 +345,16 @@ def test_redis_keeps_an_append_only_file_on_a_volume(objects, value_set):
 def test_secret_holds_the_token_and_the_redis_url(objects, value_set):
     values = values_of(value_set)
     data = {k: base64.b64decode(v).decode() for k, v in one(objects, "Secret", "config")["data"].items()}
-    expected_url = values["redis"]["externalUrl"] or "redis://demo-physarum-redis:6379/0"
-    assert data["redis-url"] == expected_url
+    buffer_env = env_of(pod_spec(one(objects, "Deployment", "buffer"))["containers"][0])
+    if values["redis"]["enabled"]:  # the URL carries the password from the Secret, expanded by the kubelet
+        assert "redis-url" not in data and len(data["redis-password"]) >= 32
+        assert buffer_env["PHYSARUM_BUFFER_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@demo-physarum-redis:6379/0"
+        assert buffer_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "demo-physarum",
+                                                                           "key": "redis-password"}
+        assert list(buffer_env).index("REDIS_PASSWORD") < list(buffer_env).index("PHYSARUM_BUFFER_REDIS_URL")
+    else:
+        assert data["redis-url"] == values["redis"]["externalUrl"] and "redis-password" not in data
+        assert buffer_env["PHYSARUM_BUFFER_REDIS_URL"]["valueFrom"]["secretKeyRef"]["key"] == "redis-url"
     token_ref = env_of(pod_spec(one(objects, "StatefulSet", "trainer"))["containers"][0])["PHYSARUM_TRAINER_API_TOKEN"]
     if values["jobApi"]["existingSecret"]:
         assert "api-token" not in data
@@ -360,7 +388,7 @@ def test_shared_volumes_are_mounted_and_kept(objects, value_set):
 @pytest.mark.parametrize("value_set", ["gpu-cluster"])
 def test_service_monitors_select_a_metrics_port(objects):
     monitors = find(objects, "ServiceMonitor")
-    assert {component(m) for m in monitors} == {"trainer", "rollout", "router", "engine"}
+    assert {component(m) for m in monitors} == {"trainer", "rollout", "router", "engine", "buffer", "reward"}
     for m in monitors:
         services = [s for s in find(objects, "Service")
                     if m["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]

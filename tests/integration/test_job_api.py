@@ -1,8 +1,10 @@
 """The job API over REST and gRPC, in-process, with a stand-in runner (the real loop runs in tests/e2e)."""
 
 import asyncio
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,7 +14,12 @@ from services.trainer.client import JobsClient, JobsRestClient
 from services.trainer.config import TrainerConfig
 from services.trainer.server import create_server
 
-SPEC = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 2}
+DATA = Path(tempfile.mkdtemp(prefix="physarum-job-api-"))  # submit checks that a spec's paths exist
+(DATA / "m").mkdir()
+(DATA / "m" / "config.json").write_text("{}")
+(DATA / "d.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+SPEC = {"hf_checkpoint": str(DATA / "m"), "prompt_data": str(DATA / "d.jsonl"), "num_rollout": 3,
+        "rollout_batch_size": 2}
 
 
 def runner(spec, ctx):
@@ -134,7 +141,7 @@ def test_slime_args_submit_over_rest_grpc_and_the_cli(servers, tmp_path):
     from physarum.cli import load_job_file
 
     grpc_addr, url = servers
-    argv = ("--hf-checkpoint /m --prompt-data /d.jsonl --num-rollout 2 --rollout-batch-size 2 "
+    argv = (f"--hf-checkpoint {DATA / 'm'} --prompt-data {DATA / 'd.jsonl'} --num-rollout 2 --rollout-batch-size 2 "
             "--n-samples-per-prompt 4 --rm-type deepscaler --colocate --train-backend fsdp")
     with JobsRestClient(url) as rest, JobsClient(grpc_addr) as grpc:
         via_rest = rest.submit({"slime_args": argv, "job_id": "slime-rest"})

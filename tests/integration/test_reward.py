@@ -166,3 +166,32 @@ def test_importing_the_service_imports_no_torch():
     modules = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import")}
     assert "services.reward.server" in modules and "sympy" in modules
     assert not {m for m in modules if m.split(".")[0] == "torch"}
+
+
+def scraped(http) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    reply = http.get("/metrics")
+    assert reply.status_code == 200
+    return {f"{s.name}{dict(sorted(s.labels.items()))}": s.value
+            for family in text_string_to_metric_families(reply.text) for s in family.samples}
+
+
+def test_metrics_count_samples_latency_and_errors_by_type(client, http):
+    before = scraped(http)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    client.score([Sample(response="46", label="46"), Sample(response="1", label="2")], rm_type="exact_match")
+    client.score([Sample(response="x")], custom_rm_path=f"{PLUGINS}.boom")
+    client.score([Sample()], custom_rm_path=f"{PLUGINS}.slow", timeout_s=0.2, args={"sleep_s": 30})
+    with pytest.raises(InvalidArgument):
+        client.score([Sample()], rm_type="no-such-scorer")
+    after = scraped(http)
+    assert delta("physarum_reward_samples_total{'scorer': 'exact_match'}") == 2
+    assert delta("physarum_reward_score_seconds_count{'scorer': 'exact_match'}") == 1
+    assert delta("physarum_reward_samples_total{'scorer': 'custom'}") == 2
+    assert delta("physarum_reward_errors_total{'scorer': 'custom', 'type': 'exception'}") == 1
+    assert delta("physarum_reward_errors_total{'scorer': 'custom', 'type': 'timeout'}") == 1
+    assert delta("physarum_reward_errors_total{'scorer': 'unknown', 'type': 'invalid_request'}") == 1
+    assert not any("no-such-scorer" in name for name in after)  # requests never mint label values

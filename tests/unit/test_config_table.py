@@ -113,6 +113,17 @@ def test_job_spec_rows_name_the_part_mark_required_keys_and_skip_shared_ones():
     ]
 
 
+def test_an_unknown_service_variable_is_refused_by_name_with_the_closest_field(monkeypatch, capsys):
+    monkeypatch.setenv("PHYSARUM_BUFFER_REDIS_ULR", "redis://x:1/0")
+    monkeypatch.setenv("PHYSARUM_REWARD_ANYTHING", "1")  # another service's prefix: not the buffer's business
+    with pytest.raises(SystemExit) as exit_info:
+        load_config(BufferConfig, "buffer", [])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown variable PHYSARUM_BUFFER_REDIS_ULR (did you mean PHYSARUM_BUFFER_REDIS_URL?)" in err
+    assert "REWARD" not in err
+    monkeypatch.delenv("PHYSARUM_BUFFER_REDIS_ULR")
+    assert load_config(BufferConfig, "buffer", []).port == BufferConfig().port
 def test_config_logs_redact_secrets():
     from services.common.config import redacted
 

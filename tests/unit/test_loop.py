@@ -71,7 +71,7 @@ def test_a_dump_replays_through_training_checkpoints_and_resumes_exactly(registr
     losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert losses == [(r, pytest.approx(metrics[r]["train/loss"], abs=1e-6)) for r in range(3)]
     exposition = generate_latest().decode()
-    gauge = re.search(r"^physarum_trainer_train_loss (\S+)$", exposition, re.MULTILINE)
+    gauge = re.search(r"^physarum_trainer_train_loss\{job=\"replay\"\} (\S+)$", exposition, re.MULTILINE)
     assert gauge and float(gauge[1]) == pytest.approx(metrics[2]["train/loss"])
     assert 'physarum_trainer_jobs_finished_total{state="SUCCEEDED"}' in exposition
 

@@ -98,7 +98,7 @@ def metrics_writer(driver: DriverConfig, deps: TrainerDeps, args: dict) -> Metri
     """TensorBoard files (and a W&B run under use_wandb, logging the job's `args` as its config)."""
     tensorboard = Path(deps.tensorboard_dir) / driver.job_id if deps.tensorboard_dir else \
         Path(driver.save) / "tensorboard" if driver.save else None
-    return MetricsWriter(tensorboard, wandb_log.start(driver, args))
+    return MetricsWriter(tensorboard, wandb_log.start(driver, args), job_id=driver.job_id)
 
 
 def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobContext, deps: TrainerDeps) -> None:

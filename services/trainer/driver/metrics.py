@@ -1,7 +1,8 @@
 """Where a job's step metrics go besides its events: Prometheus gauges and TensorBoard event files.
 
-Gauges are `physarum_trainer_<section>_<name>` (`train/pg_loss` -> physarum_trainer_train_pg_loss), without
-labels: they hold the running job's latest values. Counters take labels from small fixed sets only, never job ids.
+Gauges are `physarum_trainer_<section>_<name>` (`train/pg_loss` -> physarum_trainer_train_pg_loss) with one label,
+`job`: they hold the latest values of the job that runs (or ran last), so a dashboard names what it plots. One job's
+series at a time: a new job's writer removes the previous job's. Counters take labels from small fixed sets only.
 TensorBoard writes `section/name` scalars at step = rollout id (torch.utils.tensorboard, when installed).
 """
 
@@ -24,7 +25,7 @@ _lock = threading.Lock()
 ROLLOUTS = Counter(f"{PREFIX}rollouts", "rollouts trained on (or generated, under debug_rollout_only)")
 CHECKPOINTS = Counter(f"{PREFIX}checkpoints", "checkpoints saved")
 JOBS = Counter(f"{PREFIX}jobs_finished", "jobs that ended, by final state", ["state"])
-ROLLOUT_ID = Gauge(f"{PREFIX}rollout_id", "the running job's last finished rollout id")
+ROLLOUT_ID = Gauge(f"{PREFIX}rollout_id", "the running job's last finished rollout id", ["job"])
 
 
 def prometheus_name(key: str) -> str:
@@ -32,22 +33,32 @@ def prometheus_name(key: str) -> str:
     return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
 
 
-def set_gauges(metrics: dict[str, float]) -> None:
+def set_gauges(metrics: dict[str, float], job: str = "") -> None:
     for key, value in metrics.items():
         name = prometheus_name(key)
         with _lock:
             gauge = _gauges.get(name)
             if gauge is None:
-                gauge = _gauges[name] = Gauge(name, f"the running job's latest {key}")
-        gauge.set(value)
+                gauge = _gauges[name] = Gauge(name, f"the running job's latest {key}", ["job"])
+        gauge.labels(job).set(value)
+
+
+def clear_gauges() -> None:
+    """Drop every job's gauge series: a new job starts, and the gauges describe one job at a time."""
+    with _lock:
+        gauges = [*_gauges.values(), ROLLOUT_ID]
+    for gauge in gauges:
+        gauge.clear()
 
 
 class MetricsWriter:
     """One job's metrics sink (rank 0): Prometheus gauges always, TensorBoard when `tensorboard_dir` is set, W&B
     when the job has use_wandb."""
 
-    def __init__(self, tensorboard_dir: str | Path | None = None, wandb_run: Any = None) -> None:
+    def __init__(self, tensorboard_dir: str | Path | None = None, wandb_run: Any = None, job_id: str = "") -> None:
         self.wandb_run = wandb_run  # driver/wandb_log.py's WandbRun, when the job uses W&B
+        self.job_id = job_id
+        clear_gauges()
         self.writer = None
         if tensorboard_dir:
             try:
@@ -62,8 +73,8 @@ class MetricsWriter:
                     log.warning("no TensorBoard event files in %s: %s", tensorboard_dir, err)
 
     def write(self, rollout_id: int, metrics: dict[str, float]) -> None:
-        set_gauges(metrics)
-        ROLLOUT_ID.set(rollout_id)
+        set_gauges(metrics, self.job_id)
+        ROLLOUT_ID.labels(self.job_id).set(rollout_id)
         ROLLOUTS.inc()
         if self.wandb_run is not None:
             try:

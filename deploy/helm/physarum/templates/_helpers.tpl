@@ -100,13 +100,26 @@ app.kubernetes.io/part-of: physarum
 {{- include "physarum.fullname" . -}}
 {{- end -}}
 
+{{- define "physarum.redisSecretName" -}}
+{{- default (include "physarum.secretName" .) .Values.redis.existingSecret -}}
+{{- end -}}
+
+{{/* REDIS_PASSWORD from the chart's Secret (or redis.existingSecret), for the Redis URL and redis-cli (REDISCLI_AUTH). */}}
+{{- define "physarum.redisPasswordEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef: {name: {{ include "physarum.redisSecretName" .root }}, key: redis-password}
+{{- end -}}
+
 {{- define "physarum.tokenSecretName" -}}
 {{- default (include "physarum.secretName" .) .Values.jobApi.existingSecret -}}
 {{- end -}}
 
+{{/* The buffer's Redis URL: the chart's Redis with the password from REDIS_PASSWORD (an env var set before it), or
+     the external URL. */}}
 {{- define "physarum.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s:6379/0" (include "physarum.name" (dict "root" . "component" "redis")) -}}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "physarum.name" (dict "root" . "component" "redis")) -}}
 {{- else -}}
 {{- required "redis.externalUrl is required when redis.enabled is false (e.g. redis://my-redis:6379/0)" .Values.redis.externalUrl -}}
 {{- end -}}
@@ -219,34 +232,7 @@ affinity:
 
 {{/* Restart pods when what they read from the Secret changes (not the generated token: it is kept on upgrades). */}}
 {{- define "physarum.checksum" -}}
-checksum/secret: {{ list .Values.jobApi (include "physarum.redisUrl" .) | toJson | sha256sum }}
-{{- end -}}
-
-{{/* Guards the schema cannot express (or that must hold even with --skip-schema-validation). */}}
-{{- define "physarum.guards" -}}
-{{- $e := .Values.engines -}}
-{{- if and $e.hpa.enabled $e.managerScaling.enabled -}}
-{{- fail "engines: hpa.enabled and managerScaling.enabled are both true; an HPA and the rollout manager would fight over the engine Deployment's replicas: enable one of them" -}}
-{{- end -}}
-{{- range $name, $scaler := dict "engines.hpa" $e.hpa "reward.hpa" .Values.reward.hpa -}}
-{{- if and $scaler.enabled (gt (int $scaler.minReplicas) (int $scaler.maxReplicas)) -}}
-{{- fail (printf "%s: minReplicas (%d) must be <= maxReplicas (%d)" $name (int $scaler.minReplicas) (int $scaler.maxReplicas)) -}}
-{{- end -}}
-{{- end -}}
-{{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) -}}
-{{- fail "redis: enabled is false but externalUrl is empty; set redis.externalUrl (redis://host:6379/0) or redis.enabled=true" -}}
-{{- end -}}
-{{- $ckpt := .Values.checkpoints.persistence -}}
-{{- if and (eq $e.joinMode "disk") (not $ckpt.enabled) -}}
-{{- fail "engines.joinMode disk needs a volume the trainer and the engines share: enable checkpoints.persistence, or set engines.joinMode=sync" -}}
-{{- end -}}
-{{- $ranks := int .Values.trainer.replicas -}}
-{{- $disk := eq $e.joinMode "disk" -}}
-{{- if and (or (gt $ranks 1) $disk) $ckpt.enabled (not $ckpt.existingClaim) (ne $ckpt.accessMode "ReadWriteMany") -}}
-{{- $sharers := ternary (printf "the %d trainer ranks" $ranks) "the trainer" (gt $ranks 1) -}}
-{{- if $disk }}{{ $sharers = printf "%s and the engines (engines.joinMode disk)" $sharers }}{{ end -}}
-{{- fail (printf "checkpoints.persistence.accessMode %s: %s share the volume from different nodes; use ReadWriteMany" $ckpt.accessMode $sharers) -}}
-{{- end -}}
+checksum/secret: {{ list .Values.jobApi .Values.redis.existingSecret (include "physarum.redisUrl" .) | toJson | sha256sum }}
 {{- end -}}
 
 {{/* gRPC health probes (grpc.health.v1, numeric port): startup and readiness; liveness only checks the port is open,
@@ -280,6 +266,7 @@ livenessProbe:
 {{/* The pod-spec fields shared by every Physarum workload: (dict "root" $ "component" "buffer" "values" .Values.buffer). */}}
 {{- define "physarum.podCommon" -}}
 enableServiceLinks: false
+{{- include "physarum.initContainers" . }}
 securityContext:
   {{- include "physarum.podSecurityContext" . | nindent 2 }}
 {{- with .root.Values.imagePullSecrets }}
@@ -331,3 +318,23 @@ imagePullSecrets:
   failureThreshold: {{ $timing.failureThreshold }}
 {{- end }}
 {{- end -}}
+
+{{/* Pod metadata: the component's labels and podLabels; the annotations given (a map) and podAnnotations.
+     (dict "root" $ "component" "buffer" "values" .Values.buffer "annotations" (dict ...)) */}}
+{{- define "physarum.podMetadata" -}}
+labels:
+  {{- include "physarum.labels" . | nindent 2 }}
+  {{- with .values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with mergeOverwrite (deepCopy (default dict .annotations)) (default dict .values.podAnnotations) }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A Physarum service's or Redis's image with an optional digest: repository[:tag][@digest]. */}}
+{{- define "physarum.pinnedImage" -}}
+{{- .repository -}}{{- with .tag }}:{{ . }}{{ end -}}{{- with .digest }}@{{ . }}{{ end -}}
+{{- end -}}
+

@@ -1,0 +1,77 @@
+"""Submit-time checks of a parsed job spec: what would otherwise fail only after GPUs are allocated. The paths the job
+reads exist where the trainer (and the buffer, on the same volume) sees them, `megatron:` keys are megatron-core's,
+and plugin import paths import; every problem is reported at once. (rm_type is checked by the spec itself, against
+the reward client's list of scorers.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+from services.common.errors import InvalidArgument
+from services.trainer.spec import JobSpec
+
+PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path")
+
+
+def data_path(value: str) -> str:
+    """slime's `path@[start:end]` slice notation names the file `path`."""
+    return value.split("@[", 1)[0]
+
+
+def check_paths(spec: JobSpec) -> list[str]:
+    problems = []
+    if spec.hf_checkpoint.startswith(("/", "./", "../")) and not (Path(spec.hf_checkpoint) / "config.json").is_file():
+        problems.append(f"hf_checkpoint: {spec.hf_checkpoint} is no Hugging Face model directory (no config.json) "
+                        "on the trainer's volumes")
+    reads = [("prompt_data", data_path(spec.prompt_data))]
+    reads += [("eval_prompt_data", data_path(entry.split("=", 1)[1])) for entry in spec.eval_prompt_data]
+    for key, path in reads:
+        if not Path(path).is_file():
+            problems.append(f"{key}: no file {path} on the trainer's volumes (the buffer reads it from the same path)")
+    return problems
+
+
+def check_plugins(spec: JobSpec) -> list[str]:
+    problems = []
+    for key in PLUGIN_FIELDS:
+        path = getattr(spec, key)
+        if "." not in path:  # empty, or a built-in's name (dynamic_sampling_filter_path)
+            continue
+        module = path.rpartition(".")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package that is missing or broken
+            found = False
+        if not found:
+            problems.append(f"{key}: module {module!r} of {path!r} is not importable (install it in the images)")
+    return problems
+
+
+def check_megatron(spec: JobSpec) -> list[str]:
+    if spec.train_backend != "megatron" or not spec.megatron:
+        return []
+    from services.trainer.backends.megatron import args  # megatron-core: only for specs that use it
+
+    try:
+        args.split(spec.megatron)
+    except InvalidArgument as err:
+        return [str(err)]
+    return []
+
+
+CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_paths, check_megatron, check_plugins)
+
+
+def preflight(spec: JobSpec) -> JobSpec:
+    """The spec, or InvalidArgument listing every problem found."""
+    problems = [problem for check in CHECKS for problem in check(spec)]
+    if problems:
+        raise InvalidArgument("job spec: " + "; ".join(problems))
+    return spec
+
+
+def with_preflight(parse: Callable[[object], JobSpec]) -> Callable[[object], JobSpec]:
+    """A spec parser that also runs the submit-time checks."""
+    return lambda data: preflight(parse(data))

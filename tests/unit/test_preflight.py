@@ -1,0 +1,67 @@
+"""Submit-time checks: a path the trainer cannot see, a megatron key megatron-core lacks and a plugin that does not
+import are refused at submit, all named in one message; a bad rm_type already at parsing; a good spec passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.trainer.preflight import preflight, with_preflight
+from services.trainer.spec import parse_spec
+
+
+@pytest.fixture
+def paths(tmp_path) -> dict[str, str]:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+    return {"hf_checkpoint": str(tmp_path / "model"), "prompt_data": str(tmp_path / "train.jsonl"),
+            "num_rollout": 1, "rollout_batch_size": 1}
+
+
+def test_a_good_spec_passes_unchanged(paths):
+    spec = parse_spec({**paths, "prompt_data": paths["prompt_data"] + "@[0:1]", "rm_type": "exact_match",
+                       "custom_generate_function_path": "tests.plugins.reward_fns.args_echo",
+                       "eval_prompt_data": [f"math={paths['prompt_data']}"]})
+    assert preflight(spec) is spec
+
+
+def test_every_problem_is_named_in_one_refusal(paths, tmp_path):
+    spec = parse_spec({**paths, "hf_checkpoint": str(tmp_path / "nowhere"),
+                       "prompt_data": str(tmp_path / "missing.jsonl"),
+                       "dynamic_sampling_filter_path": "no_such_pkg.filters.keep"})
+    with pytest.raises(InvalidArgument) as err:
+        preflight(spec)
+    message = str(err.value)
+    assert f"hf_checkpoint: {tmp_path / 'nowhere'} is no Hugging Face model directory" in message
+    assert f"prompt_data: no file {tmp_path / 'missing.jsonl'}" in message
+    assert "dynamic_sampling_filter_path: module 'no_such_pkg.filters' of 'no_such_pkg.filters.keep'" in message
+
+
+def test_hub_ids_and_builtin_filter_names_are_not_paths(paths):
+    spec = parse_spec({**paths, "hf_checkpoint": "Qwen/Qwen3-0.6B", "dynamic_sampling_filter_path": "nonzero_std"})
+    assert preflight(spec) is spec
+
+
+def test_a_bad_rm_type_is_refused_at_submit(paths):
+    with pytest.raises(InvalidArgument, match=r"unknown rm_type 'maths'; expected one of math"):
+        with_preflight(parse_spec)({**paths, "rm_type": "maths"})
+
+
+def test_a_custom_reward_function_replaces_the_rm_type_check(paths):
+    spec = parse_spec({**paths, "rm_type": "", "custom_rm_path": "tests.plugins.reward_fns.args_echo"})
+    assert preflight(spec) is spec
+
+
+def test_megatron_keys_are_checked_against_megatron_core(paths):
+    base = {**paths, "train_backend": "megatron"}
+    assert preflight(parse_spec({**base, "megatron": {"attention_dropout": 0.1}}))
+    with pytest.raises(InvalidArgument, match=r"megatron.attn_dropout: not a field of megatron-core's"):
+        preflight(parse_spec({**base, "megatron": {"attn_dropout": 0.1}}))
+
+
+def test_the_submit_parser_parses_then_checks(paths):
+    parse = with_preflight(parse_spec)
+    assert parse(paths).hf_checkpoint == paths["hf_checkpoint"]
+    with pytest.raises(InvalidArgument, match="prompt_data: no file"):
+        parse({**paths, "prompt_data": "/nowhere.jsonl"})
