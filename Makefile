@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean fuzz chaos gpu-check hadolint
+.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -21,11 +21,16 @@ redis-server:
 
 setup: $(STAMP) redis-server
 
-demo: setup
-	$(BIN)/python -m physarum.demo
+SEED ?= 0
+demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs
+	$(BIN)/python -m physarum.demo --seed $(SEED)
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes
 	$(BIN)/python -m physarum.demo --train-backend megatron
+
+# Every script in bench/, each a table of ratios to a baseline measured in the same run; writes bench/RESULTS.md.
+bench: setup
+	$(BIN)/python bench/run_all.py
 
 test: setup chart-test
 	$(BIN)/python -m pytest -q -ra --ignore=tests/chart

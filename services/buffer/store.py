@@ -39,14 +39,15 @@ from services.common import bounds
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import (
+    EncodedGroup,
     Prompt,
     SampleGroup,
+    encode_group,
     group_from_proto,
     group_id_for,
-    group_to_proto,
+    group_payload_to_proto,
     prompt_from_proto,
     prompt_to_proto,
-    weight_version_range,
 )
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,10 @@ MAX_ROLLOUT_ID = 2**31 - 1    # Lua numbers are doubles: far below 2^53, so ids 
 MAX_WEIGHT_VERSION = 2**31 - 1
 MAX_LEASE_TIMEOUT_S = 7 * 86400.0
 _TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "OOM")  # Redis will answer again later
+
+
+def _decode(payloads: list[bytes], rollout_id: int) -> list[SampleGroup]:
+    return [group_from_proto(group_payload_to_proto(payload, rollout_id)) for payload in payloads]
 
 
 def _prefix(job_id: str) -> str:
@@ -211,11 +216,12 @@ class BufferStore:
     # ----- groups -----
 
     @_redis_errors
-    async def put_groups(self, groups: list[SampleGroup]) -> tuple[int, int]:
+    async def put_groups(self, groups: list[SampleGroup] | list[EncodedGroup]) -> tuple[int, int]:
         """Store each new group once (by group_id) and ack its lease; returns (num_written, num_duplicate)."""
         if len(groups) > MAX_ITEMS_PER_CALL:
             raise InvalidArgument(f"groups: at most {MAX_ITEMS_PER_CALL} per call, got {len(groups)}")
         args: list[object] = []
+        groups = [g if isinstance(g, EncodedGroup) else encode_group(g) for g in groups]
         for group in groups:
             _rollout_id(group.rollout_id, low=STREAM_ROLLOUT_ID)
             bounds.integer("epoch", group.epoch, 0, MAX_ROLLOUT_ID)
@@ -225,8 +231,8 @@ class BufferStore:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
                                       "(job_id:epoch:prompt_index)")
             args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
-                     f"{group.epoch}:{group.prompt_index}", " ".join(map(str, weight_version_range(group.samples))),
-                     group_to_proto(group).SerializeToString()]
+                     f"{group.epoch}:{group.prompt_index}", " ".join(map(str, group.weight_version_range)),
+                     group.payload]
         if not groups:
             return 0, 0
         reply = await self._run("put_groups", *args)
@@ -235,9 +241,14 @@ class BufferStore:
         num_written = sum(reply)
         return num_written, len(groups) - num_written
 
-    @_redis_errors
     async def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[SampleGroup]:
         """The rollout's first num_groups groups in write order, once that many exist (polls up to timeout_s)."""
+        payloads = await self.get_batch_encoded(job_id, rollout_id, num_groups, timeout_s)
+        return _decode(payloads, rollout_id)
+
+    @_redis_errors
+    async def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[bytes]:
+        """get_batch's groups as stored (serialized SampleGroups; group_payload_to_proto reads one)."""
         p = _prefix(job_id)
         _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
         _count("num_groups", num_groups)
@@ -251,21 +262,26 @@ class BufferStore:
                                        f"groups after {timeout_s} s")
             await asyncio.sleep(min(POLL_S, left_s))
             have = await self.redis.llen(f"{p}rollout:{rollout_id}")
-        return await self._read_groups(p, rollout_id, num_groups)
+        return await self._read_payloads(p, rollout_id, num_groups)
 
-    async def _read_groups(self, p: str, rollout_id: int, num_groups: int) -> list[SampleGroup]:
-        """The rollout's first num_groups groups, in the order they were assigned to it."""
+    async def _read_payloads(self, p: str, rollout_id: int, num_groups: int) -> list[bytes]:
+        """The rollout's first num_groups groups as stored, in the order they were assigned to it."""
         group_ids = await self.redis.lrange(f"{p}rollout:{rollout_id}", 0, num_groups - 1)
-        payloads = await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
-        groups = [group_from_proto(sample_pb2.SampleGroup.FromString(payload)) for payload in payloads]
-        for group in groups:
-            group.rollout_id = rollout_id  # a stream group is stored as written (rollout -2)
-        return groups
+        return await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
 
-    @_redis_errors
     async def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
                          stale_policy: str, timeout_s: float,
                          max_weight_version: int = -1) -> tuple[list[SampleGroup], int, int]:
+        """take_batch_encoded, with the groups decoded."""
+        payloads, dropped, regenerated = await self.take_batch_encoded(
+            job_id, rollout_id, num_groups, min_weight_version=min_weight_version, stale_policy=stale_policy,
+            timeout_s=timeout_s, max_weight_version=max_weight_version)
+        return _decode(payloads, rollout_id), dropped, regenerated
+
+    @_redis_errors
+    async def take_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
+                                 stale_policy: str, timeout_s: float,
+                                 max_weight_version: int = -1) -> tuple[list[bytes], int, int]:
         """fully_async: assign stream groups whose tokens' versions lie in [min_weight_version, max_weight_version]
         (no maximum when it is < 0) to the rollout until it has num_groups, polling up to timeout_s; the others are
         dropped or regenerated.
@@ -286,7 +302,7 @@ class BufferStore:
                 raise NotFound(f"buffer: job {job_id!r} has no dataset")
             have, dropped, regenerated = (int(x) for x in reply)
             if have >= num_groups:
-                return await self._read_groups(p, rollout_id, num_groups), dropped, regenerated
+                return await self._read_payloads(p, rollout_id, num_groups), dropped, regenerated
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise DeadlineExceeded(f"buffer: rollout {rollout_id} of job {job_id} has {have}/{num_groups} "

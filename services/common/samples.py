@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,8 +86,44 @@ class Prompt:
 def weight_version_range(samples: list[Sample]) -> tuple[int, int]:
     """The oldest and newest policy versions the samples' tokens came from; an unknown or non-numeric version
     (SGLang's initial "default") counts as -1, so a staleness bound never passes a group of unknown age."""
-    versions = [int(v) if v.lstrip("-").isdigit() else -1 for s in samples for v in s.weight_versions] or [-1]
+    return _version_range(v for s in samples for v in s.weight_versions)
+
+
+def _version_range(weight_versions: Iterable[str]) -> tuple[int, int]:
+    versions = [int(v) if v.lstrip("-").isdigit() else -1 for v in weight_versions] or [-1]
     return min(versions), max(versions)
+
+
+@dataclass(frozen=True)
+class EncodedGroup:
+    """A SampleGroup in its wire form (a serialized proto SampleGroup) with the fields the buffer indexes it by: the
+    buffer stores and serves groups without turning every token list into Python objects and back."""
+
+    group_id: str
+    job_id: str
+    rollout_id: int
+    prompt_index: int
+    epoch: int
+    lease_id: str
+    weight_version_range: tuple[int, int]
+    payload: bytes
+
+
+def encode_group(group: SampleGroup) -> EncodedGroup:
+    return EncodedGroup(group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch,
+                        group.lease_id, weight_version_range(group.samples), group_to_proto(group).SerializeToString())
+
+
+def encoded_group_from_proto(msg: sample_pb2.SampleGroup) -> EncodedGroup:
+    return EncodedGroup(msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id,
+                        _version_range(v for s in msg.samples for v in s.weight_versions), msg.SerializeToString())
+
+
+def group_payload_to_proto(payload: bytes, rollout_id: int) -> sample_pb2.SampleGroup:
+    """A stored group's proto, as assigned to `rollout_id` (a stream group is stored as written, rollout -2)."""
+    msg = sample_pb2.SampleGroup.FromString(payload)
+    msg.rollout_id = rollout_id
+    return msg
 
 
 def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:

@@ -20,7 +20,8 @@ from services.engine.scheduler import (
     token_id_set,
 )
 
-__all__ = ["PAUSE_MODES", "Engine", "Request", "SamplingParams", "abort_reason", "load_model", "sample_next"]
+__all__ = ["PAUSE_MODES", "Engine", "Request", "SamplingParams", "abort_reason", "load_model", "sample_next",
+           "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,37 @@ def sample_next(logits: torch.Tensor, request: Request, rng: torch.Generator,
         pick = torch.multinomial(probs_sorted, 1, generator=request.generator or rng)
         token = int(order[pick])
     return token, float(logprobs[token])
+
+
+def plain(request: Request) -> bool:
+    """Sampled from the batch's shared RNG with temperature alone (no penalties, token bans, top-k/p, min-p or
+    per-request seed): such rows are drawn together, one batched op per step instead of a dozen per row."""
+    p = request.params
+    return (not (p.frequency_penalty or p.presence_penalty) and p.repetition_penalty == 1.0
+            and len(request.output_ids) >= p.min_new_tokens and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0
+            and p.sampling_seed is None and request.generator is None)
+
+
+def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Generator,
+                eos_ids: frozenset[int]) -> list[tuple[int, float]]:
+    """sample_next for each row of logits [B, V]; the plain rows in one batch (same distribution, same log-probs)."""
+    out: list[tuple[int, float] | None] = [None] * len(requests)
+    rows = [i for i, r in enumerate(requests) if plain(r)]
+    if rows:
+        temperatures = torch.tensor([1.0 if requests[i].params.temperature < 1e-6 else requests[i].params.temperature
+                                     for i in rows], dtype=logits.dtype, device=logits.device)
+        picked = logits[rows]
+        logprobs = torch.log_softmax(picked / temperatures[:, None], dim=-1)
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(1)
+        greedy = torch.tensor([requests[i].params.greedy for i in rows], device=logits.device)
+        tokens = torch.where(greedy, picked.argmax(dim=-1), tokens)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        for i, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+            out[i] = (token, logprob)
+    for i, request in enumerate(requests):
+        if out[i] is None:
+            out[i] = sample_next(logits[i], request, rng, eos_ids)
+    return out  # type: ignore[return-value]
 
 
 def load_model(model_path: str, *, device: str = "cpu", dtype: str = "float32"):
@@ -121,10 +153,10 @@ class Engine(Scheduler):
             logits = out.logits[:, -1, :].float().cpu()
             next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long, device="cpu")
             done = []
-            for row, request in enumerate(batch):
-                if request.finished:
-                    continue
-                token, logprob = sample_next(logits[row], request, self.rng, self.eos_ids)
+            active = [row for row, request in enumerate(batch) if not request.finished]
+            drawn = sample_rows(logits[active], [batch[row] for row in active], self.rng, self.eos_ids)
+            for row, (token, logprob) in zip(active, drawn, strict=True):
+                request = batch[row]
                 request.output_ids.append(token)
                 request.output_logprobs.append(logprob)
                 next_ids[row, 0] = token

@@ -58,6 +58,9 @@ class WeightUpdater:
         self.backends: dict[str, str] = {}  # each group's backend
         self.group_lock = threading.Lock()
         self.session_open = False
+        # receive buffers by (name, dtype, shape), kept from one sync to the next: allocating (and faulting in) a
+        # model's worth of fresh memory per sync cost more than the copy into the model
+        self.buffers: dict[tuple[str, str, tuple[int, ...], str], torch.Tensor] = {}
 
     @contextlib.contextmanager
     def _groups_locked(self) -> Iterator[None]:
@@ -116,8 +119,8 @@ class WeightUpdater:
         # NCCL receives on the model's GPU, gloo in host memory; _load copies into the parameters either way
         nccl = self.backends.get(group_name) == "nccl"
         device = self.engine.model.device if nccl else torch.device("cpu")
-        buffers = [torch.empty([int(d) for d in shape], dtype=_dtype(dtype), device=device)
-                   for dtype, shape in zip(dtypes, shapes, strict=True)]
+        buffers = [self._buffer(name, dtype, shape, device)
+                   for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
         with self.engine.exclusive(self.timeout_s), self._groups_locked():
@@ -129,6 +132,12 @@ class WeightUpdater:
                 work.wait()
             self._load(list(zip(names, buffers, strict=True)), weight_version)
         return "Succeeded to update parameter online."
+
+    def _buffer(self, name: str, dtype: str, shape: list[int], device: torch.device) -> torch.Tensor:
+        key = (name, dtype, tuple(int(d) for d in shape), str(device))
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(key[2], dtype=_dtype(dtype), device=device)
+        return self.buffers[key]
 
     def update_from_disk(self, model_path: str, weight_version: str | None = None,
                          abort_all_requests: bool = False) -> str:

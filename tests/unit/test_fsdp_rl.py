@@ -62,7 +62,8 @@ def test_every_estimator_trains_two_steps_per_rollout(tiny_model_dir, samples, n
     if name == "ppo":
         expected |= {"train/value_loss", "train/value_clipfrac", "train/critic_grad_norm"}
     for step in metrics:
-        assert set(step) == expected and all(math.isfinite(v) for v in step.values())
+        assert {k for k in step if not k.startswith("perf/")} == expected  # perf/: the step's timings
+        assert all(math.isfinite(v) for v in step.values())
     assert metrics[0]["train/ppo_kl"] == 0.0 and metrics[1]["train/ppo_kl"] != 0.0  # the 2nd step sees a new policy
     assert any(not torch.equal(before[n], p) for n, p in backend.model.named_parameters())
 
@@ -92,7 +93,8 @@ def test_loss_and_gradients_do_not_depend_on_micro_batching(tiny_model_dir, samp
     for other_metrics, other_actor, other_critic in others:
         assert other_metrics.keys() == metrics.keys()
         for key, value in metrics.items():
-            assert other_metrics[key] == pytest.approx(value, abs=1e-6, rel=1e-5), key
+            if not key.startswith("perf/"):  # timings
+                assert other_metrics[key] == pytest.approx(value, abs=1e-6, rel=1e-5), key
         for grads_a, grads_b in ((actor, other_actor), (critic, other_critic)):
             assert grads_a.keys() == grads_b.keys()
             for param, grad in grads_a.items():
@@ -116,7 +118,8 @@ def test_ppo_trains_the_critic_alone_for_num_critic_only_steps(tiny_model_dir, s
     policy = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
     head = backend.critic.model.value_head.weight.detach().clone()
     (first,) = backend.train_rollout(samples)
-    assert set(first) == {"train/value_loss", "train/value_clipfrac", "train/critic_grad_norm"}
+    assert {k for k in first if not k.startswith("perf/")} == {"train/value_loss", "train/value_clipfrac",
+                                                                "train/critic_grad_norm"}
     assert all(torch.equal(policy[n], p) for n, p in backend.model.named_parameters())  # the actor did not move
     assert not torch.equal(head, backend.critic.model.value_head.weight)
     losses = [first["train/value_loss"]] + [backend.train_rollout(samples)[0]["train/value_loss"] for _ in range(4)]

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,11 @@ class TorchBackend(DCPCheckpointing):
                         batch.size - used, batch.size, cfg.global_batch_size)
         # slime's --num-critic-only-steps: the first rollouts train the critic alone.
         train_actor = self.critic is None or self._weight_version >= cfg.num_critic_only_steps
+        start = time.perf_counter()
         if cfg.loss_type != "sft_loss":
             batch = self._prepare(batch, [mb for step in steps for mb in step], len(steps), train_actor)
         metrics: list[dict[str, float]] = [{} for _ in steps]
+        metrics[0]["perf/log_probs_seconds"] = time.perf_counter() - start  # the rollout's recompute, once
         if self.critic is not None:
             critic_batch = batch.with_(returns=rl_step.critic_returns(batch, cfg))
             for step_metrics, step in zip(metrics, steps, strict=True):
@@ -246,7 +249,7 @@ class TorchBackend(DCPCheckpointing):
                                             custom_loss_fn=self.custom_loss)
 
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)
-        return {f"train/{key}": value for key, value in metrics.items()}
+        return {key if key.startswith("perf/") else f"train/{key}": value for key, value in metrics.items()}
 
     def _critic_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         def loss_fn(mb: RolloutBatch, reduce):
@@ -269,12 +272,14 @@ class TorchBackend(DCPCheckpointing):
         normalizer = parallel.dp_mean(rl_step.step_normalizer(cfg, mask_sums[rows]), self.world)
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
+        start = time.perf_counter()
         for mb_rows in micro_batches:
             mb = batch.take(mb_rows)
             loss, metrics = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows], normalizer))
             loss.backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
+        forward_backward_s, start = time.perf_counter() - start, time.perf_counter()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else math.inf))
         if not math.isfinite(grad_norm):
@@ -282,7 +287,8 @@ class TorchBackend(DCPCheckpointing):
             raise FloatingPointError(f"grad norm is {grad_norm} on samples [{min(rows)}, {max(rows) + 1}); "
                                      "step not applied")
         lr = scheduled_step(optimizer, **lr_schedule(cfg))
-        return {**totals, "grad_norm": grad_norm, "lr": lr}
+        return {**totals, "grad_norm": grad_norm, "lr": lr, "perf/forward_backward_seconds": forward_backward_s,
+                "perf/optimizer_seconds": time.perf_counter() - start}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.

@@ -1,0 +1,92 @@
+"""Buffer put + take of sample groups through gRPC against a raw Redis pipeline writing and reading the same bytes.
+
+`python bench/buffer_vs_redis.py [--rounds 10]`. A private redis-server and the buffer service run as processes;
+each round writes one rollout's groups through `BufferClient.put_groups` and reads them back with `get_batch`, then
+the raw side SETs the same serialized groups in one pipeline and MGETs them back, on the same Redis. Sizes: the
+demo's rollout (16 groups x 8 samples, ~10 tokens) and a long-response one (16 x 8, 1,024 tokens with log-probs).
+Prints a table, then one JSON line (`buffer_vs_redis`: the demo's rollout; `buffer_vs_redis_1k_tokens`: the long one,
+where turning each token list into Python objects and back on the client dominates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._harness import emit, median, print_table, start_grpc_service  # noqa: E402
+from services.buffer.client import BufferClient  # noqa: E402
+from services.common import procs  # noqa: E402
+from services.common.samples import Sample, SampleGroup, Status, group_id_for, group_to_proto  # noqa: E402
+
+JOB = "bench-buffer"
+
+
+def make_groups(rollout_id: int, num_groups: int, n_samples: int, num_tokens: int) -> list[SampleGroup]:
+    return [SampleGroup(group_id=group_id_for(JOB, rollout_id, i), job_id=JOB, rollout_id=rollout_id, prompt_index=i,
+                        epoch=rollout_id, samples=[
+                            Sample(prompt="12+34=", tokens=list(range(num_tokens + 6)), response_length=num_tokens,
+                                   response="46", label="46", reward=1.0, loss_mask=[1] * num_tokens,
+                                   rollout_log_probs=[-0.25] * num_tokens, status=Status.COMPLETED,
+                                   weight_versions=[str(rollout_id)], group_index=i, index=j)
+                            for j in range(n_samples)])
+            for i in range(num_groups)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import redis
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=10, help="rollouts written and read per size and side")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="physarum-bench-buffer-"))
+    data = work / "prompts.jsonl"
+    data.write_text("".join(f'{{"input": "{i}+1=", "label": "{i + 1}"}}\n' for i in range(64)))
+    redis_proc, redis_url = procs.start_redis(work / "redis", appendfsync="everysec")
+    buffer_proc, addr = start_grpc_service(work, "services.buffer", "--redis-url", redis_url)
+    rows, figures = [], {}
+    try:
+        raw = redis.Redis.from_url(redis_url)
+        with BufferClient(addr, timeout_s=60.0) as client:
+            client.load_dataset(JOB, str(data))
+            rollout_id = 0
+            for label, num_tokens in (("demo (10 tokens)", 4), ("long (1,024 tokens)", 1024)):
+                service_s, raw_s, num_bytes = [], [], 0
+                for _ in range(args.rounds + 1):  # the first round warms up and is left out
+                    groups = make_groups(rollout_id, 16, 8, num_tokens)
+                    start = time.perf_counter()
+                    client.put_groups(groups)
+                    got = client.get_batch(JOB, rollout_id, len(groups), timeout_s=10.0)
+                    service_s.append(time.perf_counter() - start)
+                    assert len(got) == len(groups)
+                    payloads = [group_to_proto(g).SerializeToString() for g in groups]
+                    num_bytes = sum(map(len, payloads))
+                    keys = [f"raw:{rollout_id}:{i}" for i in range(len(payloads))]
+                    start = time.perf_counter()
+                    pipe = raw.pipeline(transaction=False)
+                    for key, payload in zip(keys, payloads, strict=True):
+                        pipe.set(key, payload)
+                    pipe.execute()
+                    assert len(raw.mget(keys)) == len(keys)
+                    raw_s.append(time.perf_counter() - start)
+                    rollout_id += 1
+                service, baseline = median(service_s[1:]), median(raw_s[1:])
+                figures[label] = baseline / service
+                rows.append([label, f"{num_bytes / 1e6:.2f}", 1e3 * baseline, 1e3 * service, baseline / service])
+        raw.close()
+    finally:
+        buffer_proc.stop()
+        redis_proc.stop()
+    print_table(f"buffer: put + take of one rollout (16 groups x 8 samples), median of {args.rounds} rounds",
+                ["rollout", "MB", "raw Redis pipeline ms", "buffer gRPC ms", "raw time / buffer time (goal >= 0.3)"],
+                rows)
+    emit({"buffer_vs_redis": figures["demo (10 tokens)"], "buffer_vs_redis_1k_tokens": figures["long (1,024 tokens)"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

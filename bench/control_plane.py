@@ -1,0 +1,138 @@
+"""The control plane at 64 engines: samples/s through the rollout manager and sglang-router, and the rebuild time of
+the weight-update group, with 64 engines simulated in one process (bench/sim_engines.py: one asyncio server per
+port, a fixed latency per /generate, a real gloo rank each for the weight group).
+
+`python bench/control_plane.py [--engines 64] [--latency-s 0.02]`. Processes: the simulated engines, Redis, buffer,
+reward, sglang-router and the manager (its pool holds the engines as --engine-urls); this process is the trainer:
+it starts rollouts (256 prompts x 8 samples, 16 tokens each, scored by exact_match, written to the buffer) and reads
+them back, and it is rank 0 of the weight group. Also the router alone under the same engines (no manager), for
+reference. Prints a table, then one JSON line (`control_plane_samples_per_s_64`, `group_rebuild_s_64`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._harness import emit, print_table, start_grpc_service, wait_until  # noqa: E402
+from physarum import tasks, tinymodel  # noqa: E402
+from services.buffer.client import BufferClient  # noqa: E402
+from services.common import procs  # noqa: E402
+from services.rollout.client import EngineState, RolloutClient, RolloutConfig  # noqa: E402
+from services.rollout.local import start_router  # noqa: E402
+
+JOB = "bench-control-plane"
+NEW_TOKENS = 16
+
+
+def start_sim(work: Path, num_engines: int, latency_s: float) -> tuple[procs.ManagedProcess, list[str]]:
+    urls_file = work / "sim-urls.txt"
+    argv = [sys.executable, str(Path(__file__).with_name("sim_engines.py")), "--num-engines", str(num_engines),
+            "--latency-s", str(latency_s), "--urls-file", str(urls_file)]
+    proc = procs.ManagedProcess("sim-engines", argv, work / "sim-engines.log").start()
+    wait_until(urls_file.exists, "simulated engines", timeout_s=120)
+    return proc, urls_file.read_text().split()
+
+
+def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
+    """WeightBroadcaster.init_group with every engine: health checks, drop of the old group, all ranks joining."""
+    from services.trainer.sync.weight_sync import WeightBroadcaster
+
+    times = []
+    with WeightBroadcaster(urls, timeout_s=120.0) as broadcaster:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            broadcaster.init_group()
+            times.append(time.perf_counter() - start)
+    return times
+
+
+async def _router_load(router_url: str, concurrency: int, duration_s: float) -> float:
+    import httpx
+
+    body = {"input_ids": [5, 6, 7, 8], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}}
+    done, stop_at = 0, time.monotonic() + duration_s
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)  # see rollout_scaling.py
+    async with httpx.AsyncClient(base_url=router_url, timeout=120, limits=limits) as http:
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < stop_at:
+                (await http.post("/generate", json=body)).raise_for_status()
+                done += 1
+        start = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.monotonic() - start)
+
+
+def manager_samples_per_s(rollout: RolloutClient, buffer: BufferClient, num_rollouts: int, prompts: int,
+                          n_samples: int) -> list[float]:
+    """Samples/s of whole rollouts: start, then read the rollout's groups back from the buffer, as the trainer does."""
+    config = RolloutConfig(job_id=JOB, rollout_batch_size=prompts, n_samples_per_prompt=n_samples,
+                           rollout_max_response_len=NEW_TOKENS, rm_type="exact_match", lease_timeout_s=120.0)
+    rates = []
+    for rollout_id in range(num_rollouts):
+        start = time.perf_counter()
+        rollout.start_rollout(config, rollout_id, "0")
+        groups = buffer.get_batch(JOB, rollout_id, prompts, timeout_s=300.0)
+        rates.append(sum(len(g.samples) for g in groups) / (time.perf_counter() - start))
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engines", type=int, default=64)
+    parser.add_argument("--latency-s", type=float, default=0.02, help="each simulated /generate's latency")
+    parser.add_argument("--rollouts", type=int, default=4, help="rollouts of 256 x 8 samples (the first is warm-up)")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="physarum-bench-control-"))
+    model = tinymodel.build_tiny_model(work / "model", tasks.corpus())  # the manager's tokenizer
+    data = work / "prompts.jsonl"
+    data.write_text("".join(f'{{"input": "{i % 100}+{i // 100}=", "label": "{i % 100 + i // 100}"}}\n'
+                            for i in range(4096)))
+    sim, urls = start_sim(work, args.engines, args.latency_s)
+    started = [sim]
+    try:
+        rebuild = rebuild_seconds(urls, repeats=2)
+        print(f"weight group rebuild with {len(urls)} engines: {', '.join(f'{s:.2f}' for s in rebuild)} s", flush=True)
+        redis, redis_url = procs.start_redis(work / "redis", appendfsync="everysec")
+        started.append(redis)
+        buffer_proc, buffer_addr = start_grpc_service(work, "services.buffer", "--redis-url", redis_url)
+        reward_proc, reward_addr = start_grpc_service(work, "services.reward", "--rest-port", "0")
+        router_port = procs.free_port()
+        started += [buffer_proc, reward_proc, start_router(router_port, procs.free_port(), work / "router.log")]
+        router_url = f"http://{procs.HOST}:{router_port}"
+        manager, manager_addr = start_grpc_service(
+            work, "services.rollout", "--buffer-addr", buffer_addr, "--reward-addr", reward_addr, "--router-url",
+            router_url, "--model-path", str(model), "--num-engines", "0", "--engine-urls", ",".join(urls),
+            "--work-dir", str(work / "manager"), timeout_s=300)
+        started.append(manager)
+        with RolloutClient(manager_addr, timeout_s=60) as rollout, BufferClient(buffer_addr, timeout_s=60) as buffer:
+            wait_until(lambda: rollout.pool_status().count(EngineState.SERVING) == len(urls), "engines serving",
+                       timeout_s=300)
+            buffer.load_dataset(JOB, str(data), label_key="label")
+            rates = manager_samples_per_s(rollout, buffer, args.rollouts, 256, 8)[1:]
+        router_rate = asyncio.run(_router_load(router_url, 256, 5.0))
+    finally:
+        for proc in reversed(started):
+            proc.stop(grace_s=30)
+    best = max(rates)
+    print_table(f"control plane with {args.engines} simulated engines ({args.latency_s * 1e3:.0f} ms per /generate, "
+                f"{NEW_TOKENS} tokens)", ["figure", "value", "goal"],
+                [["manager + router, whole rollouts (256 x 8), samples/s (best)", f"{best:,.0f}", ">= 2,000"],
+                 ["  each rollout, samples/s", ", ".join(f"{r:,.0f}" for r in rates), ""],
+                 ["router alone, 256 concurrent /generate, samples/s", f"{router_rate:,.0f}", "(reference)"],
+                 [f"weight-group rebuild at {args.engines} engines, s (best)", f"{min(rebuild):.2f}", "<= 5"]])
+    emit({"control_plane_samples_per_s_64": best, "group_rebuild_s_64": min(rebuild),
+          "control_plane_router_alone_samples_per_s_64": router_rate})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Weight sync trainer -> 2 engines over SGLang's protocol against a raw torch.distributed gloo broadcast of the same
+bytes between the same number of processes.
+
+`python bench/weight_sync.py [--rounds 3]`. The model has 310 tensors, ~250 MB (28 layers, hidden 384). Physarum's
+side: two CPU engine processes and this process as the trainer (`WeightBroadcaster.broadcast`: pause, buckets of
+`update_weights_from_distributed` calls with one broadcast per tensor, load into the model, continue). The
+baseline: two receiver processes (this script with --receiver) join a plain gloo group with this process and receive
+the same tensors, one broadcast per tensor, into preallocated buffers; and the same bytes as one flat buffer.
+Rounds alternate between the sides; the best of each counts. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._harness import build_sync_model, emit, named_weights, print_table, start_engine  # noqa: E402
+from services.common import procs  # noqa: E402
+
+TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def receiver(port: int, rank: int, world_size: int, spec_path: str, rounds: int) -> None:
+    """A baseline rank: receive every tensor, then the flat buffer, `rounds` times (buffers allocated once)."""
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    store = dist.TCPStore(procs.HOST, port, world_size, is_master=False, timeout=TIMEOUT)
+    group = dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
+    buffers = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in spec["tensors"]]
+    flat = torch.empty(spec["num_bytes"], dtype=torch.uint8)
+    for _ in range(rounds):
+        for buffer in buffers:
+            group.broadcast([buffer], dist.BroadcastOptions()).wait()
+        group.broadcast([flat], dist.BroadcastOptions()).wait()
+
+
+class RawBroadcast:
+    """Rank 0 of the baseline group, with its receiver processes started."""
+
+    def __init__(self, work: Path, tensors: list, num_engines: int, rounds: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.tensors = tensors
+        self.num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        spec = work / "tensors.json"
+        spec.write_text(json.dumps({"tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors],
+                                    "num_bytes": self.num_bytes}))
+        world_size = 1 + num_engines
+        self.store = dist.TCPStore(procs.HOST, 0, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+        argv = [sys.executable, __file__, "--receiver", str(self.store.port)]
+        self.procs = [procs.ManagedProcess(f"receiver-{r}", [*argv, str(r), str(world_size), str(spec), str(rounds)],
+                                           work / f"receiver-{r}.log").start() for r in range(1, world_size)]
+        self.group = dist.ProcessGroupGloo(self.store, 0, world_size, TIMEOUT)
+        self.flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+
+    def per_tensor(self) -> None:
+        import torch.distributed as dist
+
+        for tensor in self.tensors:
+            self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+
+    def one_buffer(self) -> None:
+        import torch.distributed as dist
+
+        self.group.broadcast([self.flat], dist.BroadcastOptions()).wait()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop(grace_s=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--receiver":
+        port, rank, world_size, spec, rounds = sys.argv[2:7]
+        receiver(int(port), int(rank), int(world_size), spec, int(rounds))
+        return 0
+    import torch
+
+    from services.trainer.sync.weight_sync import WeightBroadcaster
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="physarum-bench-sync-"))
+    model = build_sync_model(work)
+    weights = named_weights(model)
+    engines = [start_engine(work, model, f"engine-{i}") for i in range(args.engines)]
+    raw = RawBroadcast(work, [t for _, t in weights], args.engines, args.rounds)
+    times: dict[str, list[float]] = {"physarum": [], "raw": [], "flat": []}
+    try:
+        with WeightBroadcaster([url for _, url in engines], timeout_s=300.0) as broadcaster:
+            broadcaster.init_group()
+            for i in range(args.rounds):
+                start = time.perf_counter()
+                broadcaster.broadcast(weights, f"v{i}")
+                times["physarum"].append(time.perf_counter() - start)
+                for name, fn in (("raw", raw.per_tensor), ("flat", raw.one_buffer)):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        raw.stop()
+        for proc, _ in engines:
+            proc.stop()
+    best = {name: min(values) for name, values in times.items()}
+    gb = raw.num_bytes / 1e9
+    rows = [[label, f"{best[name]:.3f}", f"{gb / best[name]:.2f}", best["raw"] / best[name]] for label, name in
+            (("raw gloo, one broadcast per tensor (baseline)", "raw"), ("raw gloo, one flat buffer", "flat"),
+             ("Physarum WeightBroadcaster (SGLang protocol)", "physarum"))]
+    print_table(f"weight sync to {args.engines} engines: {len(weights)} tensors, {raw.num_bytes / 1e6:.0f} MB "
+                f"(best of {args.rounds})", ["path", "seconds", "GB/s", "baseline time / time (goal >= 0.9)"], rows)
+    emit({"weight_sync_vs_gloo": best["raw"] / best["physarum"], "weight_sync_vs_gloo_flat": best["flat"] /
+          best["physarum"], "weight_sync_GBps": gb / best["physarum"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
