@@ -338,3 +338,27 @@ annotations:
 {{- .repository -}}{{- with .tag }}:{{ . }}{{ end -}}{{- with .digest }}@{{ . }}{{ end -}}
 {{- end -}}
 
+
+{{/* NetworkPolicy peers for a component's pods (dict "root" $ "component" "<name>"): a host-networked trainer is its
+     nodes' addresses (networkPolicy.nodeCIDRs), any other component its pods' labels in this namespace. */}}
+{{- define "physarum.npPeer" -}}
+{{- if and (eq .component "trainer") .root.Values.trainer.network.hostNetwork -}}
+{{- range .root.Values.networkPolicy.nodeCIDRs }}
+- ipBlock: {cidr: {{ . }}}
+{{- end }}
+{{- else -}}
+- podSelector:
+    matchLabels:
+      {{- include "physarum.selectorLabels" . | nindent 6 }}
+{{- end -}}
+{{- end -}}
+
+{{/* A NetworkPolicy rule's `ports` (a list of TCP ports); nothing for an empty list: every port. */}}
+{{- define "physarum.npPorts" -}}
+{{- if . -}}
+ports:
+{{- range . }}
+  - {port: {{ . }}, protocol: TCP}
+{{- end }}
+{{- end -}}
+{{- end -}}
