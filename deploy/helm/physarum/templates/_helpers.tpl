@@ -36,12 +36,6 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end }}
 {{- end -}}
 
-{{/* Every pod of the release carries this label: NetworkPolicies admit traffic from it. */}}
-{{- define "physarum.releasePeer" -}}
-app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/part-of: physarum
-{{- end -}}
-
 {{/* A Physarum image: (dict "root" $ "image" .Values.buffer.image "gpu" false); "gpu" picks the CUDA build (<tag>-gpu). */}}
 {{- define "physarum.image" -}}
 {{- $img := .root.Values.image -}}
