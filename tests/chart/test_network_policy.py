@@ -182,6 +182,18 @@ def test_schema_refuses_bad_policy_values(values, message):
         render_raw(values)
 
 
+@pytest.mark.parametrize(("values", "message"), [
+    ({"redis": {"enabled": False, "externalUrl": "redis://redis.data:6379/0"}}, r"networkPolicy.extraEgress.buffer"),
+    ({"checkpoints": {"objectStore": {"endpoint": "https://s3.example.com"}}}, r"networkPolicy.extraEgress.trainer"),
+])
+def test_guards_refuse_an_external_peer_without_its_egress(values, message):
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(values)
+    allowed = {"networkPolicy": {"extraEgress": {"buffer": [{"ports": [{"port": 6379}]}],
+                                                 "trainer": [{"ports": [{"port": 443}]}]}}}
+    assert find(render({**values, **allowed}), "NetworkPolicy")
+
+
 def test_extra_egress_lands_on_its_component_only():
     rule = {"to": [{"ipBlock": {"cidr": "203.0.113.0/24"}}], "ports": [{"port": 443, "protocol": "TCP"}]}
     for policy in find(render({"networkPolicy": {"extraEgress": {"reward": [rule]}}}), "NetworkPolicy"):
