@@ -275,51 +275,7 @@ def test_rbac_is_the_rollout_managers_and_minimal(objects, value_set):
         assert pod_spec(w)["automountServiceAccountToken"] is (w is manager), w["metadata"]["name"]
 
 
-def policies_for(objects, workload):
-    return [p for p in find(objects, "NetworkPolicy")
-            if p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(workload).items()]
-
-
-def test_network_policies_cover_every_pod(objects, value_set):
-    values = values_of(value_set)
-    if not values["networkPolicy"]["enabled"]:
-        assert not find(objects, "NetworkPolicy")
-        return
-    for w in workloads(objects):
-        policies = policies_for(objects, w)
-        assert len(policies) == 1, w["metadata"]["name"]
-        assert policies[0]["spec"]["policyTypes"] == ["Ingress"]
-
-
-def test_engines_and_redis_admit_only_the_release(objects, value_set):
-    values = values_of(value_set)
-    if not values["networkPolicy"]["enabled"]:
-        return
-    metrics_from = values["networkPolicy"]["metricsFrom"]
-    for w in workloads(objects):
-        for rule in policies_for(objects, w)[0]["spec"]["ingress"]:
-            peers = rule.get("from")
-            if component(w) == "trainer" and "from" not in rule:  # the job API ports, open to any client
-                assert {p["port"] for p in rule["ports"]} == {values["trainer"]["port"], values["trainer"]["restPort"]}
-                continue
-            assert peers, (w["metadata"]["name"], rule)  # no rule admits everyone
-            if peers == metrics_from:  # Prometheus, on the metrics port only
-                assert values["metrics"]["serviceMonitor"]["enabled"] and len(rule["ports"]) == 1
-                continue
-            if component(w) == "trainer" and peers == values["networkPolicy"]["jobApiFrom"]:
-                continue
-            node_peers = [{"ipBlock": {"cidr": cidr}} for cidr in values["networkPolicy"]["nodeCIDRs"]]
-            if values["trainer"]["network"]["hostNetwork"] and component(w) not in ("trainer", "redis"):
-                # a host-networked trainer reaches the others from its node's address
-                assert node_peers and all(p in peers for p in node_peers), (w["metadata"]["name"], peers)
-                peers = [p for p in peers if p not in node_peers]
-            for peer in peers:
-                assert set(peer) == {"podSelector"}, (w["metadata"]["name"], peer)  # this namespace, no ipBlock
-                labels = peer["podSelector"]["matchLabels"]
-                if component(w) == "redis":
-                    assert labels["app.kubernetes.io/component"] == "buffer"
-                    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
-                assert labels.items() >= {"app.kubernetes.io/instance": "demo"}.items()
+# The NetworkPolicies, per component and port: test_network_policy.py.
 
 
 def test_release_pods_carry_the_peer_labels(objects):

@@ -31,6 +31,13 @@
 {{- if and .Values.trainer.network.hostNetwork .Values.networkPolicy.enabled (not .Values.networkPolicy.nodeCIDRs) -}}
 {{- fail "trainer.network.hostNetwork with networkPolicy.enabled: the trainer sends from node addresses, which pod-selector rules do not admit; list the GPU nodes' CIDRs in networkPolicy.nodeCIDRs (or disable networkPolicy)" -}}
 {{- end -}}
+{{- $egress := .Values.networkPolicy.extraEgress -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.redis.enabled) (not $egress.buffer) -}}
+{{- fail "redis.externalUrl with networkPolicy.enabled: the buffer reaches only this release's Redis; add a rule for the external Redis to networkPolicy.extraEgress.buffer" -}}
+{{- end -}}
+{{- if and .Values.networkPolicy.enabled .Values.checkpoints.objectStore.endpoint (not .Values.trainer.network.hostNetwork) (not $egress.trainer) -}}
+{{- fail "checkpoints.objectStore.endpoint with networkPolicy.enabled: the trainer reaches only its peers; add a rule for the object store to networkPolicy.extraEgress.trainer" -}}
+{{- end -}}
 {{- $ckpt := .Values.checkpoints.persistence -}}
 {{- if and (eq $e.joinMode "disk") (not $ckpt.enabled) -}}
 {{- fail "engines.joinMode disk needs a volume the trainer and the engines share: enable checkpoints.persistence, or set engines.joinMode=sync" -}}

@@ -36,12 +36,6 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end }}
 {{- end -}}
 
-{{/* Every pod of the release carries this label: NetworkPolicies admit traffic from it. */}}
-{{- define "physarum.releasePeer" -}}
-app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/part-of: physarum
-{{- end -}}
-
 {{/* A Physarum image: (dict "root" $ "image" .Values.buffer.image "gpu" false); "gpu" picks the CUDA build (<tag>-gpu). */}}
 {{- define "physarum.image" -}}
 {{- $img := .root.Values.image -}}
@@ -338,3 +332,27 @@ annotations:
 {{- .repository -}}{{- with .tag }}:{{ . }}{{ end -}}{{- with .digest }}@{{ . }}{{ end -}}
 {{- end -}}
 
+
+{{/* NetworkPolicy peers for a component's pods (dict "root" $ "component" "<name>"): a host-networked trainer is its
+     nodes' addresses (networkPolicy.nodeCIDRs), any other component its pods' labels in this namespace. */}}
+{{- define "physarum.npPeer" -}}
+{{- if and (eq .component "trainer") .root.Values.trainer.network.hostNetwork -}}
+{{- range .root.Values.networkPolicy.nodeCIDRs }}
+- ipBlock: {cidr: {{ . }}}
+{{- end }}
+{{- else -}}
+- podSelector:
+    matchLabels:
+      {{- include "physarum.selectorLabels" . | nindent 6 }}
+{{- end -}}
+{{- end -}}
+
+{{/* A NetworkPolicy rule's `ports` (a list of TCP ports); nothing for an empty list: every port. */}}
+{{- define "physarum.npPorts" -}}
+{{- if . -}}
+ports:
+{{- range . }}
+  - {port: {{ . }}, protocol: TCP}
+{{- end }}
+{{- end -}}
+{{- end -}}
