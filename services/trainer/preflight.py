@@ -25,7 +25,8 @@ def check_paths(spec: JobSpec) -> list[str]:
     if spec.hf_checkpoint.startswith(("/", "./", "../")) and not (Path(spec.hf_checkpoint) / "config.json").is_file():
         problems.append(f"hf_checkpoint: {spec.hf_checkpoint} is no Hugging Face model directory (no config.json) "
                         "on the trainer's volumes")
-    reads = [("prompt_data", data_path(spec.prompt_data))]
+    # A train-only job replays dumped rollouts: no buffer reads its prompt_data.
+    reads = [] if spec.train_only else [("prompt_data", data_path(spec.prompt_data))]
     reads += [("eval_prompt_data", data_path(entry.split("=", 1)[1])) for entry in spec.eval_prompt_data]
     for key, path in reads:
         if not Path(path).is_file():

@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from physarum import stack
+from services.common.errors import InvalidArgument
 from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
 from services.trainer.client import JobsRestClient
@@ -176,6 +177,6 @@ def test_a_megatron_tp2_job_feeds_the_engines_converted_weights_and_resumes_from
     assert [e["rollout_id"] for e in trained] == [3]
     assert any("at rollout 3" in e["message"] for e in events)
 
-    # a misspelt Megatron flag fails the job on every rank, naming it, and the ranks take the next job
-    bad, _ = run(ranks_stack, {**spec, "job_id": "megatron-bad-flag", "megatron": {"attention_dropuot": 0.1}})
-    assert bad["state"] == "FAILED" and "megatron.attention_dropuot: not a field" in bad["error"], bad
+    # a misspelt Megatron flag is refused at submit, naming it, before any rank starts the job
+    with pytest.raises(InvalidArgument, match="megatron.attention_dropuot: not a field"):
+        run(ranks_stack, {**spec, "job_id": "megatron-bad-flag", "megatron": {"attention_dropuot": 0.1}})

@@ -38,6 +38,15 @@ def test_every_problem_is_named_in_one_refusal(paths, tmp_path):
     assert "dynamic_sampling_filter_path: module 'no_such_pkg.filters' of 'no_such_pkg.filters.keep'" in message
 
 
+def test_a_train_only_job_needs_no_prompt_data(paths, tmp_path):
+    """It replays dumped rollouts; no buffer reads prompt_data (slime's debug_train_only)."""
+    spec = parse_spec({**paths, "prompt_data": str(tmp_path / "unused.jsonl"),
+                       "load_debug_rollout_data": str(tmp_path / "dump_{rollout_id}.pt")})
+    assert preflight(spec) is spec
+    with pytest.raises(InvalidArgument, match="prompt_data: no file"):
+        preflight(parse_spec({**paths, "prompt_data": str(tmp_path / "unused.jsonl")}))
+
+
 def test_hub_ids_and_builtin_filter_names_are_not_paths(paths):
     spec = parse_spec({**paths, "hf_checkpoint": "Qwen/Qwen3-0.6B", "dynamic_sampling_filter_path": "nonzero_std"})
     assert preflight(spec) is spec
