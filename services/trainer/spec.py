@@ -17,11 +17,11 @@ from services.common import bounds
 from services.common.config import own_settings, settings
 from services.common.errors import InvalidArgument
 from services.rollout.client import RolloutConfig
-from services.trainer import slime_args
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.driver.config import DriverConfig
-from services.trainer.slime_config import SlimeConfig
+from services.trainer.slime import args as slime_args
+from services.trainer.slime.config import SlimeConfig
 from services.trainer.sync.config import SyncConfig
 
 # The parts a job configures, in the order the README lists them. Every job-spec key is a setting declared by one of

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from services.trainer import slime_args
 from services.trainer.config import TrainerConfig
+from services.trainer.slime import args as slime_args
 from services.trainer.spec import JobSpec, parse_spec
 from services.trainer.spec_paths import PathRoots, confine_paths
 

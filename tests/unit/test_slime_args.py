@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer import megatron_flags, slime_args, slime_flags
+from services.trainer.slime import args as slime_args
+from services.trainer.slime import flags as slime_flags
+from services.trainer.slime import megatron_flags
 from services.trainer.spec import JobSpec, parse_spec
 
 DATA = Path(__file__).parent.parent / "data"

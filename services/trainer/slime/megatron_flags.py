@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.trainer.slime_flags import Flag
+from services.trainer.slime.flags import Flag
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Every flag of slime's own argument parser, with slime's default and what Physarum does with it.
 
 - implemented: a job-spec key of the same name with slime's meaning (the spec holds it; `implemented()` lists them);
-- mapped: accepted and turned into Physarum's setting (`to`: spec keys it sets, by a converter in slime_args.py),
+- mapped: accepted and turned into Physarum's setting (`to`: spec keys it sets, by a converter in args.py),
   or accepted and kept for plugins while Physarum's deployment does that job (`warn`: the conversion says so);
 - refused: a submit with it fails, saying why and what to do instead.
 Megatron's flags (the model, layout and optimizer flags slime forwards to Megatron) are in megatron_flags.py.
@@ -192,7 +192,7 @@ FLAGS: dict[str, Flag] = {
     "eval-interval": I(),
     "eval-prompt-data": I(nargs=True),
     "eval-config": M(None, "its datasets become eval_prompt_data, settings shared by all of them the eval_* keys; "
-                           "settings that differ between datasets are refused (services/trainer/slime_eval_config.py)"),
+                           "settings that differ between datasets are refused (services/trainer/slime/eval_config.py)"),
     "eval-function-path": R(None, "evaluation runs the job's generate function (with evaluation=True)"),
     "eval-input-key": I(),
     "eval-label-key": I(),

@@ -1,5 +1,5 @@
 """slime's argv as a job spec: `slime_args: "--hf-checkpoint /m --rollout-batch-size 32 ..."` in a submitted spec
-(CLI `--slime-args`, REST and gRPC alike) becomes spec keys, by the flag tables of slime_flags.py and
+(CLI `--slime-args`, REST and gRPC alike) becomes spec keys, by the flag tables of flags.py and
 megatron_flags.py. Keys the spec sets itself win over converted ones.
 
 Every flag is implemented (the spec key of its name), mapped (to spec keys, to the `megatron:` section, or kept in
@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 
 from services.common.errors import InvalidArgument
-from services.trainer.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
-from services.trainer.slime_eval_config import eval_spec
-from services.trainer.slime_flags import FLAGS, STORE_FALSE, Flag, spec_key
+from services.trainer.slime.eval_config import eval_spec
+from services.trainer.slime.flags import FLAGS, STORE_FALSE, Flag, spec_key
+from services.trainer.slime.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
 _LAYOUT_ONE = ("context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size")

@@ -1,5 +1,5 @@
 """The job settings that carry slime's arguments: what plugins see in `args` beyond the spec's own keys, and what
-converting a `slime_args` argv noted (services/trainer/slime_args.py)."""
+converting a `slime_args` argv noted (services/trainer/slime/args.py)."""
 
 from __future__ import annotations
 
