@@ -49,7 +49,9 @@ def torch_reference(tiny_model_dir) -> dict:
     rollouts = [grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
     samples = rollouts[0]
     before = backend.compute_log_probs(samples)
-    metrics = [m for rollout in rollouts for m in backend.train_rollout(rollout)]
+    # perf/ keys are timings, not results: the runs compare what they train
+    metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")}
+               for rollout in rollouts for m in backend.train_rollout(rollout)]
     return {"metrics": metrics, "log_probs_before": before, "log_probs_after": backend.compute_log_probs(samples),
             "weights": dict(backend.named_weights())}
 
@@ -136,7 +138,8 @@ def test_sft_and_custom_loss_at_tp2_match_torch_backend(results, tiny_model_dir)
     from services.trainer.backends.fsdp import TorchBackend
 
     backend = TorchBackend(tiny_model_dir, TrainConfig(**SFT_CONFIG, loss_type="sft_loss"), num_threads=1)
-    want = backend.train_rollout(grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id))
+    want = [{k: v for k, v in m.items() if not k.startswith("perf/")}  # timings, not results
+            for m in backend.train_rollout(grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id))]
     sft, custom = results["sft_tp2"]["sft"], results["sft_tp2"]["custom"]
     assert_same_metrics(sft, want, "sft tp2 vs TorchBackend", steps=2)
     for got, ref in zip(custom, want, strict=True):  # the same masked mean NLL through logits gathered over TP

@@ -81,4 +81,5 @@ def test_one_process_resumes_a_two_rank_checkpoint_exactly(two_ranks, one_rank, 
     # moments and step counts, and the learning-rate schedule, came back.
     for got, want in zip(resumed.train_rollout(shard), reference.train_rollout(shard), strict=True):
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+            if not key.startswith("perf/"):  # timings, not results
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

@@ -51,7 +51,9 @@ def run_case(name: str, model_dir: Path, out_dir: Path, world):
     for _ in range(NUM_ROLLOUTS):
         shard = shard_rollout(samples, rank=world.rank, world_size=world.world_size,
                               global_batch_size=spec.global_batch_size, n_samples_per_prompt=spec.n_samples_per_prompt)
-        metrics.append([world.mean(step) for step in backend.train_rollout(shard)])
+        # perf/ keys are timings, not results: the runs compare what they train
+        metrics.append([{k: v for k, v in world.mean(step).items() if not k.startswith("perf/")}
+                        for step in backend.train_rollout(shard)])
         if spec.ref_update_interval:
             backend.update_ref_model()
     backend.save_hf(out_dir / name / "hf")
