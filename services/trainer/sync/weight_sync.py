@@ -202,16 +202,26 @@ class WeightBroadcaster:
         if not client.health(timeout_s=self.timeout_s):
             raise WeightSyncError(f"engine {client.url}: /health did not answer 200")
 
-    def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict:
-        """Pause, push every tensor (HF names, in buckets), set `weight_version`, continue. Returns stats."""
-        start = time.monotonic()
-        stats = {"seconds": 0.0, "pause_seconds": 0.0, "bytes": 0, "num_tensors": 0, "num_buckets": 0,
+    def _ready(self) -> bool:
+        """Whether the engines are set up for a broadcast (the group is joined)."""
+        return self.group is not None
+
+    def _begin_broadcast(self, weight_version: str, *, num_buckets: int) -> dict:
+        """A broadcast's zeroed stats; sets the engines up first where not `_ready` (warns if there are none)."""
+        stats = {"seconds": 0.0, "pause_seconds": 0.0, "bytes": 0, "num_tensors": 0, "num_buckets": num_buckets,
                  "num_engines": len(self.engine_urls)}
         if not self.engine_urls:
             log.warning("weight broadcast of version %s: no engines", weight_version)
-            return stats
-        if self.group is None:
+        elif not self._ready():
             self.init_group()
+        return stats
+
+    def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict:
+        """Pause, push every tensor (HF names, in buckets), set `weight_version`, continue. Returns stats."""
+        start = time.monotonic()
+        stats = self._begin_broadcast(weight_version, num_buckets=0)
+        if not self.engine_urls:
+            return stats
         wait_s = self.timeout_s + 1
         try:  # the engines stop only from pause_generation to continue_generation: the transfer itself
             paused_at = time.monotonic()
