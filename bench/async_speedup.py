@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from physarum import stack, tasks, tinymodel  # noqa: E402
+from physarum import cputime, stack, tasks, tinymodel  # noqa: E402
 
 MODES = ("sync", "one_step_async", "fully_async")
 MAX_RESPONSE_LEN = 100  # the tiny model's context is 128 tokens; prompts ("12+34=") take ~6
@@ -91,35 +91,16 @@ def run_job(state: dict, spec: dict[str, Any], timeout_s: float) -> list[dict]:
         return client.events(job["job_id"])
 
 
-def _proc_stats() -> dict[int, tuple[int, float]]:
-    """Every live process: pid -> (parent pid, user + system CPU seconds)."""
-    ticks, stats = os.sysconf("SC_CLK_TCK"), {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
-    return stats
-
-
 def cpu_seconds(state: dict) -> dict[str, float]:
     """CPU seconds so far of each stack process with its live descendants (the manager's engines are counted as
     "engines"), by the names in stack.json."""
-    stats = _proc_stats()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
+    table = cputime.process_table(reaped_children=False)
     totals: dict[str, float] = {}
     for entry in state["processes"]:
         name = "trainer" if entry["name"].startswith("trainer") else entry["name"]
-        todo = [entry["pid"]] if entry["pid"] in stats else []
-        while todo:
-            pid = todo.pop()
+        for pid in cputime.tree_pids(table, [entry["pid"]]):
             kind = "engines" if name == "rollout" and pid != entry["pid"] else name
-            totals[kind] = totals.get(kind, 0.0) + stats[pid][1]
-            todo += children.get(pid, [])
+            totals[kind] = totals.get(kind, 0.0) + table[pid][1]
     return totals
 
 
