@@ -117,6 +117,26 @@ def emit(figures: dict[str, float | None]) -> None:
     print(json.dumps(figures), flush=True)
 
 
+def run_job(trainer_url: str, spec: dict, timeout_s: float) -> list[dict]:
+    """Submit `spec` through the trainer's REST API, wait for the end (cancelling the job past timeout_s), return
+    its events; raise unless it SUCCEEDED."""
+    from services.trainer.client import TERMINAL_STATES, JobsRestClient
+
+    with JobsRestClient(trainer_url, timeout_s=30) as client:
+        job = client.submit(spec)
+        what = f"job {job['job_id']}" + (f" ({spec['mode']})" if "mode" in spec else "")
+        deadline = time.monotonic() + timeout_s
+        while (job := client.get(job["job_id"]))["state"] not in TERMINAL_STATES:
+            if time.monotonic() > deadline:
+                client.cancel(job["job_id"])
+                raise TimeoutError(f"{what} still {job['state']} at rollout {job['rollout_id']} after "
+                                   f"{timeout_s:.0f} s; cancelled")
+            time.sleep(0.5)
+        if job["state"] != "SUCCEEDED":
+            raise RuntimeError(f"{what} {job['state']}: {job['error']}")
+        return client.events(job["job_id"])
+
+
 def build_sync_model(work: Path) -> Path:
     """The weight-sync benchmarks' model: a 28-layer, 384-wide tiny Qwen3, 310 tensors, about 250 MB in fp32."""
     from physarum import tasks, tinymodel

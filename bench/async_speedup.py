@@ -54,6 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._harness import run_job  # noqa: E402
 from physarum import cputime, stack, tasks, tinymodel  # noqa: E402
 
 MODES = ("sync", "one_step_async", "fully_async")
@@ -71,24 +72,6 @@ def job_spec(model: Path, data: Path, args: argparse.Namespace, *, job_id: str, 
             "rollout_temperature": 1.0, "update_weights_interval": 1, "max_weight_staleness": 1,
             "weight_sync_timeout_s": 60.0, "lease_timeout_s": 60.0, "rollout_timeout_s": 300.0,
             **({"max_inflight_groups": args.max_inflight_groups} if args.max_inflight_groups else {})}
-
-
-def run_job(state: dict, spec: dict[str, Any], timeout_s: float) -> list[dict]:
-    """Submit through the REST API, wait for the end (cancelling the job past timeout_s), return its events."""
-    from services.trainer.client import TERMINAL_STATES, JobsRestClient
-
-    with JobsRestClient(state["trainer_url"], timeout_s=30) as client:
-        job = client.submit(spec)
-        deadline = time.monotonic() + timeout_s
-        while (job := client.get(job["job_id"]))["state"] not in TERMINAL_STATES:
-            if time.monotonic() > deadline:
-                client.cancel(job["job_id"])
-                raise TimeoutError(f"job {job['job_id']} ({spec['mode']}) still {job['state']} at rollout "
-                                   f"{job['rollout_id']} after {timeout_s:.0f} s; cancelled")
-            time.sleep(0.5)
-        if job["state"] != "SUCCEEDED":
-            raise RuntimeError(f"job {job['job_id']} ({spec['mode']}) {job['state']}: {job['error']}")
-        return client.events(job["job_id"])
 
 
 def cpu_seconds(state: dict) -> dict[str, float]:
@@ -153,7 +136,7 @@ def calibrate(state: dict, model: Path, data: Path, args: argparse.Namespace) ->
     for i in range(args.calibration_rounds):
         spec = job_spec(model, data, args, job_id=f"bench-calibrate-{i}", mode="sync",
                         num_rollout=args.calibration_rollouts, response_len=length)
-        steady = [e["metrics"] for e in rollout_reports(run_job(state, spec, args.job_timeout_s))[1:]]
+        steady = [e["metrics"] for e in rollout_reports(run_job(state["trainer_url"], spec, args.job_timeout_s))[1:]]
         rollout_s = statistics.median(m["perf/rollout_seconds"] for m in steady)
         train_s = statistics.median(m["perf/train_seconds"] for m in steady)
         rounds.append({"response_len": length, "rollout_s": rollout_s, "train_s": train_s})
@@ -211,7 +194,7 @@ def measure(state: dict, spec: dict[str, Any], args: argparse.Namespace) -> tupl
     """Run one job: its events, and the CPU seconds each stack process used meanwhile, with wall seconds and the
     machine's 1-minute load average at its end (others' work shows there)."""
     start, cpu_before = time.monotonic(), cpu_seconds(state)
-    events = run_job(state, spec, args.job_timeout_s)
+    events = run_job(state["trainer_url"], spec, args.job_timeout_s)
     cpu = {name: value - cpu_before.get(name, 0.0) for name, value in cpu_seconds(state).items()}
     cpu.update(wall=time.monotonic() - start, load=os.getloadavg()[0])
     alone = summarize([events], args.warmup, steps_per_rollout(args))
