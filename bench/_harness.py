@@ -3,11 +3,13 @@ ratios and the final JSON line. The benchmarks themselves live in one script per
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -149,3 +151,17 @@ def named_weights(model_dir: Path) -> list:
     from safetensors.torch import load_file
 
     return sorted(load_file(model_dir / "model.safetensors").items())
+
+
+def start_sync_bench(parser: argparse.ArgumentParser, argv: list[str] | None,
+                     prefix: str) -> tuple[argparse.Namespace, Path, Path, list]:
+    """A weight-sync benchmark's start: add --rounds to `parser` and parse `argv`, keep torch to one thread here,
+    build the sync model in a new work dir; returns (args, work dir, model dir, named weights)."""
+    import torch
+
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    model = build_sync_model(work)
+    return args, work, model, named_weights(model)
