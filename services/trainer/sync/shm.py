@@ -65,9 +65,7 @@ class SharedMemoryBroadcaster(WeightBroadcaster):
             _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
-            failed = getattr(err, "failed_urls", ())
-            self._resume_engines(failed)
-            self._drop_group()
+            failed = self._recover(err)
             raise WeightSyncError(f"shared-memory weight sync of version {weight_version} to {self.engine_urls} "
                                   f"failed after {time.monotonic() - start:.1f} s: {err}", failed) from err
         stats.update(seconds=time.monotonic() - start, num_tensors=len(named),

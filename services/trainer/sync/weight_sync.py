@@ -236,9 +236,7 @@ class WeightBroadcaster:
             _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
-            failed = getattr(err, "failed_urls", ())
-            self._resume_engines(failed)
-            self._drop_group()
+            failed = self._recover(err)
             raise WeightSyncError(f"weight broadcast of version {weight_version} to {self.engine_urls} failed after "
                                   f"{time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}",
                                   failed) from err
@@ -261,6 +259,14 @@ class WeightBroadcaster:
                    lambda i, c: c.update_weights_from_distributed(names, dtypes, shapes, weight_version,
                                                                   self.group_name, True, self.timeout_s),
                    send, self.timeout_s + 1, on_stuck=self._abort_group)
+
+    def _recover(self, err: Exception) -> tuple[str, ...]:
+        """After a failed broadcast: resume the engines (waiting only on those that answered), drop the group.
+        Returns the URLs of the engines that failed."""
+        failed = getattr(err, "failed_urls", ())
+        self._resume_engines(failed)
+        self._drop_group()
+        return failed
 
     def _resume_engines(self, failed: tuple[str, ...]) -> None:
         """After a failure, end the update session and continue generation on every engine (best effort).
