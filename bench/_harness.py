@@ -3,11 +3,13 @@ ratios and the final JSON line. The benchmarks themselves live in one script per
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -117,6 +119,26 @@ def emit(figures: dict[str, float | None]) -> None:
     print(json.dumps(figures), flush=True)
 
 
+def run_job(trainer_url: str, spec: dict, timeout_s: float) -> list[dict]:
+    """Submit `spec` through the trainer's REST API, wait for the end (cancelling the job past timeout_s), return
+    its events; raise unless it SUCCEEDED."""
+    from services.trainer.client import TERMINAL_STATES, JobsRestClient
+
+    with JobsRestClient(trainer_url, timeout_s=30) as client:
+        job = client.submit(spec)
+        what = f"job {job['job_id']}" + (f" ({spec['mode']})" if "mode" in spec else "")
+        deadline = time.monotonic() + timeout_s
+        while (job := client.get(job["job_id"]))["state"] not in TERMINAL_STATES:
+            if time.monotonic() > deadline:
+                client.cancel(job["job_id"])
+                raise TimeoutError(f"{what} still {job['state']} at rollout {job['rollout_id']} after "
+                                   f"{timeout_s:.0f} s; cancelled")
+            time.sleep(0.5)
+        if job["state"] != "SUCCEEDED":
+            raise RuntimeError(f"{what} {job['state']}: {job['error']}")
+        return client.events(job["job_id"])
+
+
 def build_sync_model(work: Path) -> Path:
     """The weight-sync benchmarks' model: a 28-layer, 384-wide tiny Qwen3, 310 tensors, about 250 MB in fp32."""
     from physarum import tasks, tinymodel
@@ -129,3 +151,17 @@ def named_weights(model_dir: Path) -> list:
     from safetensors.torch import load_file
 
     return sorted(load_file(model_dir / "model.safetensors").items())
+
+
+def start_sync_bench(parser: argparse.ArgumentParser, argv: list[str] | None,
+                     prefix: str) -> tuple[argparse.Namespace, Path, Path, list]:
+    """A weight-sync benchmark's start: add --rounds to `parser` and parse `argv`, keep torch to one thread here,
+    build the sync model in a new work dir; returns (args, work dir, model dir, named weights)."""
+    import torch
+
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    model = build_sync_model(work)
+    return args, work, model, named_weights(model)

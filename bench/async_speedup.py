@@ -54,7 +54,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from physarum import stack, tasks, tinymodel  # noqa: E402
+from bench._harness import run_job  # noqa: E402
+from physarum import cputime, stack, tasks, tinymodel  # noqa: E402
 
 MODES = ("sync", "one_step_async", "fully_async")
 MAX_RESPONSE_LEN = 100  # the tiny model's context is 128 tokens; prompts ("12+34=") take ~6
@@ -73,53 +74,16 @@ def job_spec(model: Path, data: Path, args: argparse.Namespace, *, job_id: str, 
             **({"max_inflight_groups": args.max_inflight_groups} if args.max_inflight_groups else {})}
 
 
-def run_job(state: dict, spec: dict[str, Any], timeout_s: float) -> list[dict]:
-    """Submit through the REST API, wait for the end (cancelling the job past timeout_s), return its events."""
-    from services.trainer.client import TERMINAL_STATES, JobsRestClient
-
-    with JobsRestClient(state["trainer_url"], timeout_s=30) as client:
-        job = client.submit(spec)
-        deadline = time.monotonic() + timeout_s
-        while (job := client.get(job["job_id"]))["state"] not in TERMINAL_STATES:
-            if time.monotonic() > deadline:
-                client.cancel(job["job_id"])
-                raise TimeoutError(f"job {job['job_id']} ({spec['mode']}) still {job['state']} at rollout "
-                                   f"{job['rollout_id']} after {timeout_s:.0f} s; cancelled")
-            time.sleep(0.5)
-        if job["state"] != "SUCCEEDED":
-            raise RuntimeError(f"job {job['job_id']} ({spec['mode']}) {job['state']}: {job['error']}")
-        return client.events(job["job_id"])
-
-
-def _proc_stats() -> dict[int, tuple[int, float]]:
-    """Every live process: pid -> (parent pid, user + system CPU seconds)."""
-    ticks, stats = os.sysconf("SC_CLK_TCK"), {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
-    return stats
-
-
 def cpu_seconds(state: dict) -> dict[str, float]:
     """CPU seconds so far of each stack process with its live descendants (the manager's engines are counted as
     "engines"), by the names in stack.json."""
-    stats = _proc_stats()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
+    table = cputime.process_table(reaped_children=False)
     totals: dict[str, float] = {}
     for entry in state["processes"]:
         name = "trainer" if entry["name"].startswith("trainer") else entry["name"]
-        todo = [entry["pid"]] if entry["pid"] in stats else []
-        while todo:
-            pid = todo.pop()
+        for pid in cputime.tree_pids(table, [entry["pid"]]):
             kind = "engines" if name == "rollout" and pid != entry["pid"] else name
-            totals[kind] = totals.get(kind, 0.0) + stats[pid][1]
-            todo += children.get(pid, [])
+            totals[kind] = totals.get(kind, 0.0) + table[pid][1]
     return totals
 
 
@@ -172,7 +136,7 @@ def calibrate(state: dict, model: Path, data: Path, args: argparse.Namespace) ->
     for i in range(args.calibration_rounds):
         spec = job_spec(model, data, args, job_id=f"bench-calibrate-{i}", mode="sync",
                         num_rollout=args.calibration_rollouts, response_len=length)
-        steady = [e["metrics"] for e in rollout_reports(run_job(state, spec, args.job_timeout_s))[1:]]
+        steady = [e["metrics"] for e in rollout_reports(run_job(state["trainer_url"], spec, args.job_timeout_s))[1:]]
         rollout_s = statistics.median(m["perf/rollout_seconds"] for m in steady)
         train_s = statistics.median(m["perf/train_seconds"] for m in steady)
         rounds.append({"response_len": length, "rollout_s": rollout_s, "train_s": train_s})
@@ -230,7 +194,7 @@ def measure(state: dict, spec: dict[str, Any], args: argparse.Namespace) -> tupl
     """Run one job: its events, and the CPU seconds each stack process used meanwhile, with wall seconds and the
     machine's 1-minute load average at its end (others' work shows there)."""
     start, cpu_before = time.monotonic(), cpu_seconds(state)
-    events = run_job(state, spec, args.job_timeout_s)
+    events = run_job(state["trainer_url"], spec, args.job_timeout_s)
     cpu = {name: value - cpu_before.get(name, 0.0) for name, value in cpu_seconds(state).items()}
     cpu.update(wall=time.monotonic() - start, load=os.getloadavg()[0])
     alone = summarize([events], args.warmup, steps_per_rollout(args))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._harness import emit, print_table  # noqa: E402
+from bench._harness import emit, print_table, run_job  # noqa: E402
 from bench.inprocess_loop import InProcessLoop  # noqa: E402
 from physarum import stack, tasks, tinymodel  # noqa: E402
 from physarum.cli import load_job_file  # noqa: E402
@@ -49,20 +49,7 @@ def in_process_seconds(spec: dict, warmup: int) -> float:
 
 def service_rollouts(state: dict, spec: dict, timeout_s: float = 1800.0) -> list[dict]:
     """Submit, wait, and return the job's per-rollout events (with metrics) in order."""
-    from services.trainer.client import TERMINAL_STATES, JobsRestClient
-
-    with JobsRestClient(state["trainer_url"], timeout_s=30) as client:
-        job = client.submit(spec)
-        deadline = time.monotonic() + timeout_s
-        while (job := client.get(job["job_id"]))["state"] not in TERMINAL_STATES:
-            if time.monotonic() > deadline:
-                client.cancel(job["job_id"])
-                raise TimeoutError(f"job {job['job_id']} still {job['state']} after {timeout_s:.0f} s; cancelled")
-            time.sleep(0.5)
-        if job["state"] != "SUCCEEDED":
-            raise RuntimeError(f"job {job['job_id']} {job['state']}: {job['error']}")
-        events = client.events(job["job_id"])
-    return [e for e in events if "rollout/reward_mean" in e["metrics"]]
+    return [e for e in run_job(state["trainer_url"], spec, timeout_s) if "rollout/reward_mean" in e["metrics"]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._harness import best_of, build_sync_model, emit, named_weights, print_table, start_engine  # noqa: E402
+from bench._harness import best_of, emit, print_table, start_engine, start_sync_bench  # noqa: E402
 
 
 def shm_round_trip(tensors: list, targets: list) -> None:
@@ -41,13 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.trainer.sync.weight_sync import WeightBroadcaster
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="physarum-bench-shm-"))
-    model = build_sync_model(work)
-    weights = named_weights(model)
+    args, work, model, weights = start_sync_bench(argparse.ArgumentParser(description=__doc__), argv,
+                                                  "physarum-bench-shm-")
     tensors = [t for _, t in weights]
     targets = [torch.empty_like(t) for t in tensors]
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -15,13 +15,12 @@ import argparse
 import datetime
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._harness import build_sync_model, emit, named_weights, print_table, start_engine  # noqa: E402
+from bench._harness import emit, print_table, start_engine, start_sync_bench  # noqa: E402
 from services.common import procs  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=300)
@@ -84,18 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         port, rank, world_size, spec, rounds = sys.argv[2:7]
         receiver(int(port), int(rank), int(world_size), spec, int(rounds))
         return 0
-    import torch
 
     from services.trainer.sync.weight_sync import WeightBroadcaster
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", type=int, default=2)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="physarum-bench-sync-"))
-    model = build_sync_model(work)
-    weights = named_weights(model)
+    args, work, model, weights = start_sync_bench(parser, argv, "physarum-bench-sync-")
     engines = [start_engine(work, model, f"engine-{i}") for i in range(args.engines)]
     raw = RawBroadcast(work, [t for _, t in weights], args.engines, args.rounds)
     times: dict[str, list[float]] = {"physarum": [], "raw": [], "flat": []}

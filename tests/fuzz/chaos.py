@@ -9,11 +9,8 @@ Ends with one JSON line: {"kills": N, "lost": 0, "duplicated": 0, "job": "SUCCEE
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from services.common import procs
 from services.rollout.client import RolloutClient
 from services.trainer.client import TERMINAL_STATES, JobsRestClient
 from tests.e2e import durability as d
+from tests.fuzz.cli import run_from_args
 from tests.fuzz.fuzz import operator_credentials
 
 KINDS = ("engine", "rollout", "buffer", "reward", "redis")
@@ -95,15 +93,10 @@ def run(work_dir: Path, *, num_rollout: int, extra_kills: int, seed: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz.chaos", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a shorter job, one kill of each kind")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="physarum-chaos-") as tmp:
-        summary = run(args.work_dir or Path(tmp), num_rollout=10 if args.quick else 16,
-                      extra_kills=0 if args.quick else 6, seed=args.seed)
-    print(json.dumps(summary), flush=True)
+    summary = run_from_args(argv, prog="tests.fuzz.chaos", description=__doc__.splitlines()[0],
+                            quick_help="a shorter job, one kill of each kind",
+                            run=lambda work, args: run(work, num_rollout=10 if args.quick else 16,
+                                                       extra_kills=0 if args.quick else 6, seed=args.seed))
     every_kind = set(summary["kinds"]) == set(KINDS)
     ok = summary["lost"] == 0 and summary["duplicated"] == 0 and summary["job"] == "SUCCEEDED" and every_kind
     return 0 if ok else 1

@@ -9,13 +9,10 @@ class and ends with one JSON line:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +27,7 @@ from services.common.grpc_client import wait_for_health
 from services.rollout.client import RolloutClient
 from services.trainer.client import TERMINAL_STATES, JobsRestClient
 from tests.fuzz import inputs, probes
+from tests.fuzz.cli import run_from_args
 from tests.integration.engine_fixtures import start_engines
 
 GRPC_SERVICES = {"buffer": "buffer_addr", "reward": "reward_addr", "rollout": "rollout_addr", "trainer": "trainer_addr"}
@@ -150,14 +148,9 @@ def report(tally: probes.Tally) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz.fuzz", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a sample of each input class")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="physarum-fuzz-") as tmp:
-        summary = run(args.work_dir or Path(tmp), quick=args.quick, seed=args.seed)
-    print(json.dumps(summary), flush=True)
+    summary = run_from_args(argv, prog="tests.fuzz.fuzz", description=__doc__.splitlines()[0],
+                            quick_help="a sample of each input class",
+                            run=lambda work, args: run(work, quick=args.quick, seed=args.seed))
     bad = summary["accepted_unauthenticated"] + summary["internal_errors"] + summary["hangs"] + summary["crashes"]
     return 0 if not bad and summary["normal_job_after"] else 1
 

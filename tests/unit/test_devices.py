@@ -16,24 +16,15 @@ from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
 from services.trainer.parallel import World
 from tests.device_check import DeviceMismatch, SameDevice
-from tests.tiny_samples import samples_of
+from tests.tiny_samples import samples_of, two_by_two_batch
 from tests.unit.test_fsdp_rl import ESTIMATOR_CONFIGS, ROLLOUT
 
 META = torch.device("meta")
 VOCAB = 16
 
 
-def host_batch():
-    samples = [Sample(tokens=[1, 2, 3, 4], response_length=2, reward=1.0, rollout_log_probs=[-0.5, -0.5]),
-               Sample(tokens=[1, 2, 5], response_length=1, reward=0.0, rollout_log_probs=[-0.5]),
-               Sample(tokens=[1, 6, 7, 8], response_length=3, reward=0.0, loss_mask=[1, 0, 1],
-                      rollout_log_probs=[-0.5, -0.5, -0.5]),
-               Sample(tokens=[1, 6, 9], response_length=2, reward=2.0, rollout_log_probs=[-0.5, -0.5])]
-    return build_rollout_batch(samples)
-
-
 def meta_batch(**computed):
-    batch = host_batch()
+    batch = two_by_two_batch()
     like = torch.zeros_like(batch.loss_masks)
     extra = {name: like for name in computed}
     return batch.with_(**extra).to(META)
@@ -51,7 +42,7 @@ def test_the_check_catches_what_meta_alone_lets_through():
 def test_the_factory_rule_flags_project_code_only():
     from services.trainer.backends.batch import RolloutBatch
 
-    batch = host_batch()
+    batch = two_by_two_batch()
     with SameDevice(named_factories=True):
         torch.arange(3)  # test code may leave the device out
         batch.take([0, 2])

@@ -7,24 +7,13 @@ import math
 import pytest
 import torch
 
-from services.common.samples import Sample
 from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
-
-
-def make_batch():
-    # two prompts × two samples; sample 2 has a masked (tool) token in the middle
-    samples = [Sample(tokens=[1, 2, 3, 4], response_length=2, reward=1.0, rollout_log_probs=[-0.5, -0.5]),
-               Sample(tokens=[1, 2, 5], response_length=1, reward=0.0, rollout_log_probs=[-0.5]),
-               Sample(tokens=[1, 6, 7, 8], response_length=3, reward=0.0, loss_mask=[1, 0, 1],
-                      rollout_log_probs=[-0.5, -0.5, -0.5]),
-               Sample(tokens=[1, 6, 9], response_length=2, reward=2.0, rollout_log_probs=[-0.5, -0.5])]
-    return build_rollout_batch(samples)
+from tests.tiny_samples import two_by_two_batch
 
 
 def test_grpo_advantages_are_the_group_normalized_rewards():
-    batch = rl_step.compute_advantages_and_returns(make_batch(), TrainConfig(n_samples_per_prompt=2))
+    batch = rl_step.compute_advantages_and_returns(two_by_two_batch(), TrainConfig(n_samples_per_prompt=2))
     a = 0.5 / (math.sqrt(0.5) + 1e-6)  # ±0.5 around the group mean, unbiased std sqrt(0.5)
     b = 1.0 / (math.sqrt(2.0) + 1e-6)  # ±1 around 1, std sqrt(2)
     assert batch.advantages.tolist() == [pytest.approx([a, a, 0]), pytest.approx([-a, 0, 0]),
@@ -33,7 +22,7 @@ def test_grpo_advantages_are_the_group_normalized_rewards():
 
 
 def test_kl_reward_shaping_uses_the_old_log_probs_or_the_rollouts():
-    batch = make_batch()
+    batch = two_by_two_batch()
     batch = batch.with_(log_probs=torch.full_like(batch.loss_masks, -1.0), values=torch.zeros_like(batch.loss_masks),
                         ref_log_probs=torch.full_like(batch.loss_masks, -1.25))
     config = TrainConfig(advantage_estimator="ppo", kl_coef=0.4)
@@ -45,12 +34,12 @@ def test_kl_reward_shaping_uses_the_old_log_probs_or_the_rollouts():
         batch, TrainConfig(advantage_estimator="ppo", kl_coef=0.4, use_rollout_logprobs=True))
     assert from_rollout.advantages[0].tolist() == pytest.approx([0.4, 0.7, 0.0])
     with pytest.raises(ValueError, match="needs the old and the reference log-probs"):
-        rl_step.compute_advantages_and_returns(make_batch().with_(values=batch.values), config)
+        rl_step.compute_advantages_and_returns(two_by_two_batch().with_(values=batch.values), config)
 
 
 def test_normalize_advantages_whitens_over_the_rollouts_unmasked_tokens():
     config = TrainConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, gamma=1.0)
-    batch = rl_step.compute_advantages_and_returns(make_batch(), config)
+    batch = rl_step.compute_advantages_and_returns(two_by_two_batch(), config)
     mask = batch.loss_masks.bool()
     values = batch.advantages[mask]
     assert values.mean().item() == pytest.approx(0.0, abs=1e-6)
@@ -60,7 +49,7 @@ def test_normalize_advantages_whitens_over_the_rollouts_unmasked_tokens():
 
 
 def test_critic_returns_ignore_kl_shaping():
-    batch = make_batch()
+    batch = two_by_two_batch()
     batch = batch.with_(values=torch.zeros_like(batch.loss_masks), log_probs=torch.zeros_like(batch.loss_masks),
                         ref_log_probs=torch.full_like(batch.loss_masks, -1.0))
     config = TrainConfig(advantage_estimator="ppo", kl_coef=0.5)
@@ -93,7 +82,7 @@ def test_reducers_and_normalizers():
 
 
 def test_custom_loss_gets_slimes_packed_logits_batch_and_reducer():
-    batch = make_batch().take([0, 2])
+    batch = two_by_two_batch().take([0, 2])
     batch = batch.with_(log_probs=torch.zeros_like(batch.loss_masks))
     logits = torch.randn(2, 4, 10, requires_grad=True)
     seen = {}

@@ -46,15 +46,14 @@ class SharedMemoryBroadcaster(WeightBroadcaster):
             raise
         self.clients = clients
 
+    def _ready(self) -> bool:
+        return bool(self.clients)  # no group here: the engines are set up once each has a client
+
     def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict:
         start = time.monotonic()
-        stats = {"seconds": 0.0, "pause_seconds": 0.0, "bytes": 0, "num_tensors": 0, "num_buckets": 1,
-                 "num_engines": len(self.engine_urls)}
+        stats = self._begin_broadcast(weight_version, num_buckets=1)
         if not self.engine_urls:
-            log.warning("weight broadcast of version %s: no engines", weight_version)
             return stats
-        if not self.clients:
-            self.init_group()
         wait_s = self.timeout_s + 1
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         try:
@@ -66,9 +65,7 @@ class SharedMemoryBroadcaster(WeightBroadcaster):
             _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
-            failed = getattr(err, "failed_urls", ())
-            self._resume_engines(failed)
-            self._drop_group()
+            failed = self._recover(err)
             raise WeightSyncError(f"shared-memory weight sync of version {weight_version} to {self.engine_urls} "
                                   f"failed after {time.monotonic() - start:.1f} s: {err}", failed) from err
         stats.update(seconds=time.monotonic() - start, num_tensors=len(named),

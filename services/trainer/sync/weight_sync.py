@@ -202,16 +202,26 @@ class WeightBroadcaster:
         if not client.health(timeout_s=self.timeout_s):
             raise WeightSyncError(f"engine {client.url}: /health did not answer 200")
 
-    def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict:
-        """Pause, push every tensor (HF names, in buckets), set `weight_version`, continue. Returns stats."""
-        start = time.monotonic()
-        stats = {"seconds": 0.0, "pause_seconds": 0.0, "bytes": 0, "num_tensors": 0, "num_buckets": 0,
+    def _ready(self) -> bool:
+        """Whether the engines are set up for a broadcast (the group is joined)."""
+        return self.group is not None
+
+    def _begin_broadcast(self, weight_version: str, *, num_buckets: int) -> dict:
+        """A broadcast's zeroed stats; sets the engines up first where not `_ready` (warns if there are none)."""
+        stats = {"seconds": 0.0, "pause_seconds": 0.0, "bytes": 0, "num_tensors": 0, "num_buckets": num_buckets,
                  "num_engines": len(self.engine_urls)}
         if not self.engine_urls:
             log.warning("weight broadcast of version %s: no engines", weight_version)
-            return stats
-        if self.group is None:
+        elif not self._ready():
             self.init_group()
+        return stats
+
+    def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict:
+        """Pause, push every tensor (HF names, in buckets), set `weight_version`, continue. Returns stats."""
+        start = time.monotonic()
+        stats = self._begin_broadcast(weight_version, num_buckets=0)
+        if not self.engine_urls:
+            return stats
         wait_s = self.timeout_s + 1
         try:  # the engines stop only from pause_generation to continue_generation: the transfer itself
             paused_at = time.monotonic()
@@ -226,9 +236,7 @@ class WeightBroadcaster:
             _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
-            failed = getattr(err, "failed_urls", ())
-            self._resume_engines(failed)
-            self._drop_group()
+            failed = self._recover(err)
             raise WeightSyncError(f"weight broadcast of version {weight_version} to {self.engine_urls} failed after "
                                   f"{time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}",
                                   failed) from err
@@ -251,6 +259,14 @@ class WeightBroadcaster:
                    lambda i, c: c.update_weights_from_distributed(names, dtypes, shapes, weight_version,
                                                                   self.group_name, True, self.timeout_s),
                    send, self.timeout_s + 1, on_stuck=self._abort_group)
+
+    def _recover(self, err: Exception) -> tuple[str, ...]:
+        """After a failed broadcast: resume the engines (waiting only on those that answered), drop the group.
+        Returns the URLs of the engines that failed."""
+        failed = getattr(err, "failed_urls", ())
+        self._resume_engines(failed)
+        self._drop_group()
+        return failed
 
     def _resume_engines(self, failed: tuple[str, ...]) -> None:
         """After a failure, end the update session and continue generation on every engine (best effort).
