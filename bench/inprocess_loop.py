@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.samples import Sample, Status  # noqa: E402
-from services.reward.verifiers import BUILTIN_SCORERS  # noqa: E402
+from services.reward.verifiers import exact_match  # noqa: E402
 
 
 class InProcessLoop:
@@ -37,7 +37,9 @@ class InProcessLoop:
         self.rows = [json.loads(line) for line in Path(self.spec.prompt_data).read_text().splitlines()]
         self.order: list[int] = []
         self.rng = random.Random(self.spec.rollout_seed)
-        self.score = BUILTIN_SCORERS[self.spec.rm_type if self.spec.rm_type in BUILTIN_SCORERS else "exact_match"]
+        if self.spec.rm_type != "exact_match":  # the baseline scores in-process like the demo job
+            raise ValueError(f"in-process loop: rm_type exact_match only, got {self.spec.rm_type!r}")
+        self.score = exact_match
 
     def next_prompts(self) -> list[dict]:
         """rollout_batch_size rows, epoch by epoch, shuffled as rollout_shuffle asks."""
