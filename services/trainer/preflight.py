@@ -1,7 +1,8 @@
 """Submit-time checks of a parsed job spec: what would otherwise fail only after GPUs are allocated. The paths the job
 reads exist where the trainer (and the buffer, on the same volume) sees them, `megatron:` keys are megatron-core's,
-and plugin import paths import; every problem is reported at once. (rm_type is checked by the spec itself, against
-the reward client's list of scorers.)"""
+and plugin import paths lie under the operator's allow-list and name a module the images hold (found, not imported:
+no plugin code runs before a spec is accepted); every problem is reported at once. (rm_type is checked by the spec
+itself, against the reward client's list of scorers.)"""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
+from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.trainer.spec import JobSpec
 
-PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path")
+PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
+                 "custom_loss_function_path")
 
 
 def data_path(value: str) -> str:
@@ -39,6 +42,11 @@ def check_plugins(spec: JobSpec) -> list[str]:
     for key in PLUGIN_FIELDS:
         path = getattr(spec, key)
         if "." not in path:  # empty, or a built-in's name (dynamic_sampling_filter_path)
+            continue
+        try:
+            plugins.check_allowed(path, key)
+        except InvalidArgument as err:  # before find_spec, which would run the parent packages' __init__
+            problems.append(str(err))
             continue
         module = path.rpartition(".")[0]
         try:

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import build_rollout_batch
@@ -125,6 +126,13 @@ def test_ppo_trains_the_critic_alone_for_num_critic_only_steps(tiny_model_dir, s
     losses = [first["train/value_loss"]] + [backend.train_rollout(samples)[0]["train/value_loss"] for _ in range(4)]
     assert losses[-1] < losses[0]  # the critic fits the returns
     assert backend.weight_version == 5
+
+
+def test_a_custom_loss_with_the_wrong_signature_fails_when_the_backend_loads_it(tiny_model_dir):
+    with pytest.raises(InvalidArgument, match=r"takes 2 positional parameters; expected def fn\(args, batch, logits, "
+                                              r"sum_of_sample_mean\)"):
+        make_backend(tiny_model_dir, loss_type="custom_loss",
+                     custom_loss_function_path="tests.plugins.loss_fns.two_args")
 
 
 def test_critic_values_are_not_temperature_scaled(tiny_model_dir, samples):

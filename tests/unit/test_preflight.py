@@ -29,13 +29,13 @@ def test_a_good_spec_passes_unchanged(paths):
 def test_every_problem_is_named_in_one_refusal(paths, tmp_path):
     spec = parse_spec({**paths, "hf_checkpoint": str(tmp_path / "nowhere"),
                        "prompt_data": str(tmp_path / "missing.jsonl"),
-                       "dynamic_sampling_filter_path": "no_such_pkg.filters.keep"})
+                       "dynamic_sampling_filter_path": "tests.no_such_pkg.keep"})
     with pytest.raises(InvalidArgument) as err:
         preflight(spec)
     message = str(err.value)
     assert f"hf_checkpoint: {tmp_path / 'nowhere'} is no Hugging Face model directory" in message
     assert f"prompt_data: no file {tmp_path / 'missing.jsonl'}" in message
-    assert "dynamic_sampling_filter_path: module 'no_such_pkg.filters' of 'no_such_pkg.filters.keep'" in message
+    assert "dynamic_sampling_filter_path: module 'tests.no_such_pkg' of 'tests.no_such_pkg.keep'" in message
 
 
 def test_a_train_only_job_needs_no_prompt_data(paths, tmp_path):
@@ -74,3 +74,23 @@ def test_the_submit_parser_parses_then_checks(paths):
     assert parse(paths).hf_checkpoint == paths["hf_checkpoint"]
     with pytest.raises(InvalidArgument, match="prompt_data: no file"):
         parse({**paths, "prompt_data": "/nowhere.jsonl"})
+
+
+def test_plugins_are_found_not_imported_and_only_under_the_allow_list(paths, monkeypatch):
+    """A plugin path outside the allow-list is refused before anything of it is looked up; an allowed one that
+    names no module is refused at submit; an allowed module is found without running it (a loss with the wrong
+    signature fails when the trainer loads it, not at validation)."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "tests.plugins.loss_fns", raising=False)
+    refused = parse_spec({**paths, "custom_generate_function_path": "evil_pkg.gen.run",
+                          "loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.nope.f"})
+    with pytest.raises(InvalidArgument) as err:
+        preflight(refused)
+    assert "custom_generate_function_path: 'evil_pkg.gen.run' is not under an allowed plugin module" in str(err.value)
+    assert "custom_loss_function_path: module 'tests.plugins.nope' of 'tests.plugins.nope.f' is not importable" \
+        in str(err.value)
+    spec = parse_spec({**paths, "loss_type": "custom_loss",
+                       "custom_loss_function_path": "tests.plugins.loss_fns.two_args"})
+    assert preflight(spec) is spec
+    assert "tests.plugins.loss_fns" not in sys.modules  # found on disk, never executed

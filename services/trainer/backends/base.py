@@ -139,8 +139,8 @@ class TrainConfig:
             raise ValueError("loss_type 'custom_loss' and custom_loss_function_path go together "
                              f"(got loss_type {self.loss_type!r}, custom_loss_function_path "
                              f"{self.custom_loss_function_path!r})")
-        if self.custom_loss_function_path:
-            load_custom_loss(self.custom_loss_function_path)
+        if self.custom_loss_function_path:  # imported by the backend once the job runs, never at validation
+            plugins.check_allowed(self.custom_loss_function_path, "custom_loss_function_path")
         if self.advantage_estimator == "cispo" and self.eps_clip < 1.0:
             log.warning("cispo with eps_clip %s keeps the lower clip bound %s; canonical CISPO uses eps_clip 1.0 and "
                         "a large eps_clip_high (e.g. 4.0)", self.eps_clip, 1.0 - self.eps_clip)
