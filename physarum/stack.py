@@ -96,7 +96,8 @@ def up(options: StackOptions) -> dict:
     router_url = f"http://{addr['router']}"
     processes = [redis]
     try:
-        processes.append(start_router(ports["router"], ports["router_metrics"], logs / "router.log"))
+        processes.append(start_router(ports["router"], ports["router_metrics"], logs / "router.log",
+                                      env=token_dirs["router"]))
         specs = {
             "buffer": python_module("services.buffer", "--host", HOST, "--port", str(ports["buffer"]),
                                     "--redis-url", redis_url),
@@ -157,9 +158,10 @@ def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, 
 
 
 # The tokens each process of the stack holds: its own service's and those of the services it calls.
-GRANTS = {"buffer": ("buffer",), "reward": ("reward",), "rollout": ("rollout", "buffer", "reward", "engine"),
+GRANTS = {"buffer": ("buffer",), "reward": ("reward",), "router": ("router",),
+          "rollout": ("rollout", "buffer", "reward", "engine", "router"),
           "trainer": ("trainer", "buffer", "rollout", "engine"),
-          "operator": ("trainer", "rollout", "buffer", "reward")}  # the `physarum` commands of who ran `up`
+          "operator": ("trainer", "rollout", "buffer", "reward", "router")}  # the `physarum` commands of who ran `up`
 
 
 def write_credentials(secrets_dir: Path) -> dict[str, dict[str, str]]:

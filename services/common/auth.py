@@ -1,6 +1,7 @@
 """Per-service bearer tokens: one scheme for every gRPC and REST port of Physarum.
 
-Each callee service has a token (buffer, reward, rollout, engine; the trainer's job API keeps its api_token). A
+Each callee service has a token (buffer, reward, rollout, engine, and the router's worker list; the trainer's job API
+keeps its api_token). A
 process reads tokens only from files in PHYSARUM_TOKEN_DIR, `<service>.token`: a server reads its own, a client the
 one of the service it calls, so a process holds exactly the tokens of what it may call (the chart mounts those keys
 of one Secret, `physarum up` writes one directory per process). Tokens never travel in an environment variable.
@@ -24,7 +25,7 @@ from services.common.errors import Unauthenticated
 log = logging.getLogger(__name__)
 
 TOKEN_DIR_ENV = "PHYSARUM_TOKEN_DIR"
-SERVICES = ("buffer", "reward", "rollout", "engine", "trainer")
+SERVICES = ("buffer", "reward", "rollout", "engine", "router", "trainer")
 # gRPC methods anyone may call: health checks and reflection.
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # REST paths anyone may call: health and readiness, metrics, API docs.

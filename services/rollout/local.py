@@ -8,17 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common import procs
+from services.rollout.pool.keyed_launch import keyed_argv
 from services.rollout.pool.launchers import LocalLauncher
 from services.rollout.pool.router import RouterClient
 
 
 def start_router(port: int, prometheus_port: int, log_path: Path, policy: str = "round_robin",
-                 timeout_s: float = 30.0) -> procs.ManagedProcess:
-    """Start sglang-router on 127.0.0.1:port; return once GET /liveness answers 200."""
-    argv = procs.python_module("sglang_router.launch_router", "--host", procs.HOST, "--port", str(port),
-                               "--prometheus-host", procs.HOST, "--prometheus-port", str(prometheus_port),
-                               "--log-level", "warn", "--policy", policy)
-    proc = procs.ManagedProcess("sglang-router", argv, Path(log_path)).start()
+                 timeout_s: float = 30.0, env: dict[str, str] | None = None) -> procs.ManagedProcess:
+    """Start sglang-router on 127.0.0.1:port; return once GET /liveness answers 200. With a router token in `env`'s
+    token directory, its worker list (/workers) admits only that token's holders."""
+    argv = keyed_argv("router", "sglang_router.launch_router", "--host", procs.HOST, "--port", str(port),
+                      "--prometheus-host", procs.HOST, "--prometheus-port", str(prometheus_port),
+                      "--log-level", "warn", "--policy", policy)
+    proc = procs.ManagedProcess("sglang-router", argv, Path(log_path), env=dict(env or {})).start()
     client = RouterClient(f"http://{procs.HOST}:{port}", timeout_s=2.0)
     try:
         proc.wait_ready(client.live, timeout_s=timeout_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,20 +167,18 @@ def unauthenticated_rest(t: Target) -> Iterator[tuple[str, str, Send]]:
 
 
 def foreign_worker(t: Target) -> Iterator[tuple[str, str, Send]]:
-    """Register a foreign engine with the router (which takes no credentials): the manager owns the router's list
-    and must remove it; accepted if the router still lists it after 60 s."""
-    def send() -> str:
-        with RouterClient(t.router_url, timeout_s=10.0) as router:
-            router.post_worker(t.foreign_engine_url)
-            deadline, seen = time.monotonic() + 60.0, False
-            while time.monotonic() < deadline:
-                listed = router.find_worker(t.foreign_engine_url) is not None
-                if seen and not listed:
-                    return probes.CLEAR
-                seen = seen or listed
-                time.sleep(0.2)
-        return probes.UNAUTH if seen else probes.CLEAR  # never listed: the router refused it itself
-    yield ("router_foreign_worker", f"POST /workers {t.foreign_engine_url}", send)
+    """Register a foreign engine with the router: its worker list admits only the manager's router token, so the
+    call without it or with another service's must answer 401 and the foreign engine never be listed."""
+    foreign = {"url": t.foreign_engine_url}
+    for label, headers in [("none", {}), ("other", auth.bearer(t.tokens["buffer"]))]:
+        yield ("router_foreign_worker", f"POST /workers {t.foreign_engine_url} token={label}",
+               lambda h=headers: probes.http_call(t.http, "POST", f"{t.router_url}/workers", json=foreign, headers=h,
+                                                  authenticated=False))
+
+    def never_listed() -> str:
+        with RouterClient(t.router_url, timeout_s=10.0) as router:  # the operator's router token: may list
+            return probes.UNAUTH if router.find_worker(t.foreign_engine_url) is not None else probes.CLEAR
+    yield ("router_foreign_worker", "GET /workers: the foreign engine is not listed", never_listed)
 
 
 def engine_bodies(t: Target, rng: random.Random) -> Iterator[tuple[str, str, Send]]:

@@ -6,6 +6,8 @@ without a token, with another service's token, and with the right one are compar
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import httpx
 import pytest
@@ -13,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.buffer.client import BufferClient
 from services.buffer.server import stop_server
-from services.common import auth
+from services.common import auth, procs
 from services.common.errors import Unauthenticated
 from services.common.gen.physarum.v1 import buffer_pb2
 from services.common.samples import Sample
@@ -21,6 +23,8 @@ from services.common.sglang import SGLangClient
 from services.reward.client import RewardClient
 from services.reward.config import RewardConfig
 from services.reward.server import create_server as create_reward
+from services.rollout.local import start_router
+from services.rollout.pool.router import RouterClient
 from tests.integration.engine_fixtures import start_engines, stop_engines
 from tests.integration.test_buffer import loop_thread, start_buffer  # noqa: F401
 
@@ -109,3 +113,26 @@ def test_engine_admin_endpoints_need_the_engine_token(tiny_model_dir, tmp_path, 
             engine.flush_cache()
     finally:
         stop_engines([(proc, url)])
+
+
+def test_the_routers_worker_list_admits_only_the_router_token(tmp_path, tokens):
+    """The real sglang-router started with the router token: /workers refuses callers without it or with another
+    service's; /generate and the probes stay open; the token is in neither its command line nor its
+    environment."""
+    port = procs.free_port()
+    proc = start_router(port, procs.free_port(), tmp_path / "router.log", env={auth.TOKEN_DIR_ENV: tokens["dir"]})
+    url = f"http://{procs.HOST}:{port}"
+    try:
+        foreign = {"url": "http://127.0.0.1:9"}
+        for headers in ({}, auth.bearer(tokens["engine"])):
+            assert httpx.post(f"{url}/workers", json=foreign, headers=headers, timeout=10).status_code == 401
+            assert httpx.get(f"{url}/workers", headers=headers, timeout=10).status_code == 401
+        assert httpx.get(f"{url}/liveness", timeout=10).status_code == 200
+        no_worker = httpx.post(f"{url}/generate", json={"input_ids": [5]}, timeout=10)
+        assert no_worker.status_code == 503, no_worker.text  # open, and nothing to route to
+        with RouterClient(url) as router:  # the manager's client: reads the router token from its token directory
+            assert router.list_workers() == []
+        for name in ("cmdline", "environ"):
+            assert tokens["router"] not in Path(f"/proc/{proc.pid}/{name}").read_bytes().decode(errors="replace")
+    finally:
+        proc.stop()

@@ -21,13 +21,14 @@ def test_sglang_options_become_server_flags_like_slimes_prefix():
         "--mem-fraction-static", "0.8", "--tp-size", "2", "--enable-metrics", "--cuda-graph-bs", "1", "2", "4",
         "--json-model-override-args", '{"rope_theta": 1000000.0}']
     assert sglang_server_argv("/models/qwen", "0.0.0.0", 30001, {"sglang_tp_size": 2}, python="py") == [
-        "py", "-m", "sglang.launch_server", "--model-path", "/models/qwen", "--host", "0.0.0.0", "--port", "30001",
-        "--tp-size", "2"]
+        "py", "-m", "services.rollout.pool.keyed_launch", "engine", "sglang.launch_server", "--model-path",
+        "/models/qwen", "--host", "0.0.0.0", "--port", "30001", "--tp-size", "2"]
 
 
 @pytest.mark.parametrize("key, fragment", [("mem_fraction_static", "named sglang_<server flag>"),
                                            ("sglang_", "named sglang_<server flag>"),
-                                           ("sglang_port", "sets --port itself")])
+                                           ("sglang_port", "sets --port itself"),
+                                           ("sglang_admin_api_key", "sets --admin-api-key itself")])
 def test_bad_sglang_option_names_are_rejected(key, fragment):
     with pytest.raises(InvalidArgument, match=fragment):
         sglang_server_args({key: 1})
@@ -89,3 +90,18 @@ def test_manager_pool_settings_are_checked():
                           ({"rest_port": 70000}, "rest_port must be in")]:
         with pytest.raises(ValueError, match=fragment):
             RolloutManagerConfig(**bad)
+
+
+def test_keyed_launch_adds_the_token_flag_only_when_the_token_file_exists(tmp_path, monkeypatch):
+    from services.common import auth
+    from services.rollout.pool import keyed_launch
+
+    monkeypatch.setenv(auth.TOKEN_DIR_ENV, str(tmp_path))
+    assert keyed_launch.with_key("engine", ["--port", "1"]) == ["--port", "1"]  # auth off: the server's own flags
+    auth.write_tokens(tmp_path, ["engine", "router"])
+    engine, router = auth.read_token("engine"), auth.read_token("router")
+    assert keyed_launch.with_key("engine", ["--port", "1"]) == ["--port", "1", "--admin-api-key", engine]
+    assert keyed_launch.with_key("router", []) == [
+        "--control-plane-api-keys", f"rollout-manager:rollout-manager:admin:{router}"]
+    with pytest.raises(ValueError, match="no credential flag known for 'buffer'"):
+        keyed_launch.keyed_argv("buffer", "services.buffer")

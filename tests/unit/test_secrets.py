@@ -21,9 +21,10 @@ def test_children_inherit_no_variable_named_like_a_secret(monkeypatch):
 def test_the_stack_gives_each_process_only_the_tokens_it_needs(tmp_path):
     envs = stack.write_credentials(tmp_path / "secrets")
     held = {name: sorted(p.stem for p in (tmp_path / "secrets" / name).iterdir()) for name in envs}
-    assert held == {"buffer": ["buffer"], "reward": ["reward"], "rollout": ["buffer", "engine", "reward", "rollout"],
+    assert held == {"buffer": ["buffer"], "reward": ["reward"], "router": ["router"],
+                    "rollout": ["buffer", "engine", "reward", "rollout", "router"],
                     "trainer": ["buffer", "engine", "rollout", "trainer"],
-                    "operator": ["buffer", "reward", "rollout", "trainer"]}
+                    "operator": ["buffer", "reward", "rollout", "router", "trainer"]}
     assert sorted(p.name for p in (tmp_path / "secrets").iterdir()) == sorted(envs)  # no directory of every token
     for name, env in envs.items():
         token_dir = env[auth.TOKEN_DIR_ENV]

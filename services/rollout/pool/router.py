@@ -9,15 +9,17 @@ import time
 
 import httpx
 
+from services.common import auth
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from services.common.http_client import HttpClient
 
 
 class RouterClient(HttpClient):
-    """Worker management of one sglang-router ("http://127.0.0.1:30000"); every call has a timeout."""
+    """Worker management of one sglang-router ("http://127.0.0.1:30000"); every call has a timeout and, when this
+    process holds the router token, the bearer the router's control plane checks (only the manager holds it)."""
 
     def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        super().__init__(url, timeout_s)
+        super().__init__(url, timeout_s, headers=auth.bearer(auth.read_token("router")))
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
@@ -99,7 +101,8 @@ class AsyncRouterClient:
     def __init__(self, url: str, timeout_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport)
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport,
+                                      headers=auth.bearer(auth.read_token("router")))
 
     async def worker_urls(self) -> list[str]:
         try:

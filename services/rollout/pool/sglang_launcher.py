@@ -15,8 +15,9 @@ import yaml
 
 from services.common.errors import InvalidArgument
 
+KEYED_LAUNCH = "services.rollout.pool.keyed_launch"
 PREFIX = "sglang_"
-OWNED = ("model_path", "host", "port")  # the launcher sets these itself
+OWNED = ("model_path", "host", "port", "admin_api_key")  # the launcher sets these itself
 
 
 def sglang_server_args(options: Mapping[str, Any]) -> list[str]:
@@ -45,9 +46,11 @@ def sglang_server_args(options: Mapping[str, Any]) -> list[str]:
 
 def sglang_server_argv(model_path: str, host: str, port: int, options: Mapping[str, Any],
                        python: str = sys.executable) -> list[str]:
-    """The full command line of one SGLang server on host:port."""
-    return [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            *sglang_server_args(options)]
+    """The full command line of one SGLang server on host:port; started through keyed_launch, which adds
+    `--admin-api-key` from the engine token file when there is one (weight updates only from the manager and the
+    trainer)."""
+    return [python, "-m", KEYED_LAUNCH, "engine", "sglang.launch_server", "--model-path", model_path, "--host", host,
+            "--port", str(port), *sglang_server_args(options)]
 
 
 def parse_sglang_options(items: list[str]) -> dict[str, Any]:
