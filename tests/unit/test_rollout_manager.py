@@ -344,3 +344,36 @@ def test_a_fully_async_stream_keeps_its_bound_records_start_versions_and_stops_c
         await manager.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_managers_rollout_waits_for_the_trainers_weights(tiny_model_dir, monkeypatch):
+    """A new manager's pool holds no weights (None): a rollout the trainer started at version 2 sends no /generate
+    until the pool holds 2 (the trainer's announce), then completes with that version on every sample; one started
+    at version 0 (the engines' starting checkpoint) does not wait; a pool that never gets there fails the rollout
+    naming both versions."""
+    from services.rollout.generation import manager as manager_module
+
+    async def main() -> None:
+        buffer = FakeBuffer(num_prompts=6)
+        version: dict[str, str | None] = {"now": None}
+        router = ScriptedRouter(lambda body, headers: reply([17, 18, 0], "12", weight_version=version["now"] or ""))
+        manager, _ = new_manager(buffer, router, tiny_model_dir, version_now=lambda: version["now"])
+        manager.start_rollout(rollout_config(), 1, "2")
+        await asyncio.sleep(1.0)  # five polls of the pool's version
+        assert router.requests == [] and manager.status(JOB, 1).state == RolloutState.RUNNING
+        version["now"] = "2"  # the trainer announced its snapshot; the engines loaded it
+        await asyncio.wait_for(asyncio.shield(manager.runs[(JOB, 1)].task), 30)
+        assert manager.status(JOB, 1).state == RolloutState.DONE
+        assert {v for g in buffer.rollout_groups(1) for s in g.samples for v in s.weight_versions} == {"2"}
+        await manager.close()
+
+        version["now"] = None
+        manager, _ = new_manager(FakeBuffer(num_prompts=3), router, tiny_model_dir, version_now=lambda: version["now"])
+        assert (await rollout(manager, rollout_config(), 0, "0")).state == RolloutState.DONE
+        monkeypatch.setattr(manager_module, "WEIGHTS_WAIT_S", 0.5)
+        status = await rollout(manager, rollout_config(), 1, "3")
+        assert status.state == RolloutState.FAILED
+        assert "the engines hold weight version None, not the trainer's 3" in status.error
+        await manager.close()
+
+    asyncio.run(main())

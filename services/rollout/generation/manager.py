@@ -43,6 +43,8 @@ DROPPED_ROLLOUT_ID = -1  # dropped groups are stored here: their prompts are use
 EMPTY_LEASE_POLL_S = 0.5
 MAX_FINISHED_RUNS = 256
 MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (the HTTP client's connection limit)
+WEIGHTS_WAIT_S = 300.0  # how long a rollout waits for its engines to reach the trainer's weights before it fails
+WEIGHTS_POLL_S = 0.2
 
 
 @dataclass
@@ -186,6 +188,7 @@ class RolloutManager:
         config, target = run.config, run.config.rollout_batch_size
         pending: dict[asyncio.Task, Prompt] = {}
         async with self._ending(run, pending):
+            await self._await_weights(run)
             run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
             empty_since = None
             while run.num_groups_done < target:
@@ -215,6 +218,7 @@ class RolloutManager:
         config = run.config
         pending: dict[asyncio.Task, Prompt] = {}
         async with self._ending(run, pending):
+            await self._await_weights(run)
             while True:
                 waiting = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
                 if (missing := config.max_inflight_groups - waiting - len(pending)) > 0:
@@ -225,6 +229,23 @@ class RolloutManager:
                 done, _ = await asyncio.wait(pending, timeout=EMPTY_LEASE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     await self._settle(run, pending.pop(task), task, num_pending=len(pending))
+
+    async def _await_weights(self, run: _Run) -> None:
+        """Generate nothing until the engines hold the trainer's weights. The trainer pushes its weights before its
+        first rollout, so the pool holds the version a rollout starts with; a manager restarted mid-job holds none
+        (its engines serve the checkpoint they started from) until the trainer announces its snapshot, right after
+        the start. Version 0, or a name that is no version number, is the engines' starting checkpoint."""
+        want = run.weight_version
+        if self.version_now is None or not (want.isdigit() and int(want) > 0):
+            return
+        deadline = time.monotonic() + WEIGHTS_WAIT_S
+        while not holds_version(self.version_now(), want):
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"{run.name}: the engines hold weight version {self.version_now()!r}, not the trainer's {want}, "
+                    f"{WEIGHTS_WAIT_S:.0f} s after the start, and the trainer announced no snapshot of it (with "
+                    "engine_join_mode sync there is none to load): resume the job from its last checkpoint")
+            await asyncio.sleep(WEIGHTS_POLL_S)
 
     async def _lease_groups(self, run: _Run, pending: dict[asyncio.Task, Prompt], count: int) -> None:
         """Lease up to `count` prompts and start a group task for each."""
@@ -390,3 +411,8 @@ class RolloutManager:
         for run in self.runs.values():
             await self._return_leases(run, list(run.leased))
         await asyncio.gather(self.http.aclose(), self.aborter.close())
+
+
+def holds_version(now: str | None, want: str) -> bool:
+    """The pool's settled version `now` is the trainer's `want` or newer (one_step_async and fully_async push on)."""
+    return now is not None and (now == want or (now.isdigit() and want.isdigit() and int(now) >= int(want)))

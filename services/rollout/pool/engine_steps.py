@@ -59,6 +59,7 @@ class StepHost(Protocol):
     metrics: PoolMetrics
     wake: asyncio.Event  # set: the controller reconsiders at once
     weight_version: str | None  # the trainer's current version
+    settled_version: str | None  # the last version every serving engine holds
     snapshot_path: str  # the latest snapshot of it on disk ("" if none yet)
 
     @property
@@ -101,6 +102,8 @@ async def join(pool: StepHost, e: EngineRecord) -> None:
         await pool.registrations.register(e.url)
         return
     e.state, e.served, e.healthy = EngineState.SERVING, True, True
+    if e.weight_version is not None and e.weight_version == pool.weight_version and not pool.syncing:
+        pool.settled_version = e.weight_version  # an engine that joined from the snapshot (or a restarted pool's)
     e.next_check_s = time.monotonic() + pool.config.health_check_first_wait_s + pool.config.health_check_interval_s
     pool.engine_served()
     join_s = time.monotonic() - e.healthy_s
