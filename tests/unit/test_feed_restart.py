@@ -114,3 +114,20 @@ def test_an_unavailable_manager_is_waited_for(tmp_path, monkeypatch):
     monkeypatch.setattr(FakeManager, "rollout_status", flaky)
     samples, _ = run_feed(tmp_path, restart_after=4)
     assert all(s.weight_versions == [str(VERSION)] for s in samples)
+
+
+def test_a_manager_unavailable_at_the_start_is_waited_for(tmp_path, monkeypatch):
+    """A manager restarting before the rollout starts (its pool still starting) answers StartRollout UNAVAILABLE a
+    few times: the feed retries instead of failing the job."""
+    failures = iter([True, True, False])
+    original = FakeManager.start_rollout
+
+    def starting(self, config, rollout_id, weight_version):
+        if next(failures, False):
+            raise Unavailable("rollout manager: the engine pool is still starting; wait for health SERVING")
+        return original(self, config, rollout_id, weight_version)
+
+    monkeypatch.setattr(FakeManager, "start_rollout", starting)
+    monkeypatch.setattr(feed, "START_RETRY_S", 0.0)
+    samples, _ = run_feed(tmp_path, restart_after=0)
+    assert len(samples) == 2 and all(s.weight_versions == [str(VERSION)] for s in samples)

@@ -30,6 +30,7 @@ from services.trainer.jobs import JobContext
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0
+START_RETRY_S = 1.0  # between StartRollout attempts while the manager is unavailable
 
 
 class RolloutFeed:
@@ -107,10 +108,23 @@ class RolloutFeed:
 
     def _start(self, manager_rollout_id: int, version: int) -> None:
         """Have the manager run `manager_rollout_id` with the engines holding `version` (the trainer's last push).
-        Announced again after the start: a manager that restarted in between got the start but not the weights."""
-        self._announce_weights(version)
-        self.deps.rollout.start_rollout(self.config, manager_rollout_id, str(version))
-        self._announce_weights(version)
+        Announced again after the start: a manager that restarted in between got the start but not the weights.
+        A manager that is down or still starting its pool (UNAVAILABLE) is waited for, up to rollout_timeout_s."""
+        deadline = time.monotonic() + self.driver.rollout_timeout_s
+        while True:
+            self.ctx.check_cancelled()
+            try:
+                self._announce_weights(version)
+                self.deps.rollout.start_rollout(self.config, manager_rollout_id, str(version))
+                self._announce_weights(version)
+                return
+            except Unavailable as err:
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"rollout {manager_rollout_id} of job {self.job_id}: the rollout manager "
+                                           f"was unavailable for {self.driver.rollout_timeout_s} s ({err})") from err
+                log.warning("rollout manager unavailable at the start of rollout %d (%s); waiting",
+                            manager_rollout_id, err)
+                time.sleep(START_RETRY_S)
 
     def _announce_weights(self, version: int) -> None:
         """A rollout manager that restarted knows no weights: its new engines serve the base model, and in fully_async
