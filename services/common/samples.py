@@ -182,40 +182,64 @@ def label_from_proto(msg: sample_pb2.Sample | sample_pb2.Prompt) -> Any:
 
 
 def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
-    # Fields left empty are not passed: building an empty Struct, map or message for each of a rollout's samples
-    # cost more than its tokens at demo sizes.
-    msg = sample_pb2.Sample(
-        prompt=sample.prompt, tokens=sample.tokens, response=sample.response, response_length=sample.response_length,
-        **label_to_proto(sample.label), reward=sample.reward, loss_mask=sample.loss_mask,
-        rollout_log_probs=sample.rollout_log_probs, status=sample.status.value, weight_versions=sample.weight_versions,
-        group_index=sample.group_index, index=sample.index, reward_error=sample.reward_error,
-        rollout_id=sample.rollout_id, remove_sample=sample.remove_sample, teacher_log_probs=sample.teacher_log_probs,
-        custom_rm_path=sample.custom_rm_path, generate_function_path=sample.generate_function_path)
+    # Only fields that hold something are set: each default passed to the constructor (an empty Struct, map, list or
+    # string) cost more than a demo sample's tokens, and a rollout converts thousands of samples.
+    msg = sample_pb2.Sample(prompt=sample.prompt, tokens=sample.tokens, response=sample.response,
+                            response_length=sample.response_length, status=sample.status.value, index=sample.index)
+    if isinstance(sample.label, str):
+        msg.label = sample.label
+    else:
+        msg.label_json = json.dumps(sample.label)
+    if sample.reward:
+        msg.reward = sample.reward
+    if sample.loss_mask:
+        msg.loss_mask.extend(sample.loss_mask)
+    if sample.rollout_log_probs:
+        msg.rollout_log_probs.extend(sample.rollout_log_probs)
+    if sample.weight_versions:
+        msg.weight_versions.extend(sample.weight_versions)
+    if sample.group_index:
+        msg.group_index = sample.group_index
     if sample.prompt_messages:
         msg.prompt_messages.extend(_messages_to_proto(sample.prompt_messages))
     if sample.reward_scores:
         msg.reward_scores.update(sample.reward_scores)
     if sample.metadata:
         msg.metadata.update(sample.metadata)
+    if sample.reward_error:
+        msg.reward_error = sample.reward_error
+    if sample.rollout_id is not None:
+        msg.rollout_id = sample.rollout_id  # optional: 0 is kept apart from unset
+    if sample.remove_sample:
+        msg.remove_sample = True
+    if sample.teacher_log_probs:
+        msg.teacher_log_probs.extend(sample.teacher_log_probs)
     if sample.train_metadata is not None:
         msg.train_metadata.SetInParent()  # an empty dict stays a dict, apart from None
         msg.train_metadata.update(sample.train_metadata)
+    if sample.custom_rm_path:
+        msg.custom_rm_path = sample.custom_rm_path
+    if sample.generate_function_path:
+        msg.generate_function_path = sample.generate_function_path
     return msg
 
 
 def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
-    status = Status(msg.status) if msg.status else Status.PENDING
     return Sample(
         prompt=msg.prompt, prompt_messages=_messages_from_proto(msg.prompt_messages) if msg.prompt_messages else [],
-        tokens=msg.tokens[:], response=msg.response, response_length=msg.response_length, label=label_from_proto(msg),
-        reward=msg.reward, reward_scores=dict(msg.reward_scores) if msg.reward_scores else {},
-        loss_mask=msg.loss_mask[:], rollout_log_probs=msg.rollout_log_probs[:], status=status,
+        tokens=msg.tokens[:], response=msg.response, response_length=msg.response_length,
+        label=json.loads(msg.label_json) if msg.label_json else msg.label, reward=msg.reward,
+        reward_scores=dict(msg.reward_scores) if msg.reward_scores else {}, loss_mask=msg.loss_mask[:],
+        rollout_log_probs=msg.rollout_log_probs[:], status=_STATUSES.get(msg.status) or Status(msg.status),
         metadata=struct_to_dict(msg.metadata) if msg.HasField("metadata") else {},
         weight_versions=msg.weight_versions[:], group_index=msg.group_index, index=msg.index,
         reward_error=msg.reward_error, rollout_id=msg.rollout_id if msg.HasField("rollout_id") else None,
-        remove_sample=msg.remove_sample, teacher_log_probs=msg.teacher_log_probs[:],
+        remove_sample=msg.remove_sample, teacher_log_probs=msg.teacher_log_probs[:] if msg.teacher_log_probs else [],
         train_metadata=struct_to_dict(msg.train_metadata) if msg.HasField("train_metadata") else None,
         custom_rm_path=msg.custom_rm_path, generate_function_path=msg.generate_function_path)
+
+
+_STATUSES = {0: Status.PENDING} | {status.value: status for status in Status}  # unset (0) reads as PENDING
 
 
 def group_to_proto(group: SampleGroup) -> sample_pb2.SampleGroup:

@@ -16,6 +16,7 @@ from services.common.grpc_server import GrpcServer, ServiceBinding, handle_error
 from services.common.rest import RestServer
 from services.common.samples import sample_from_proto, struct_to_dict
 from services.reward import rest
+from services.reward.client import ScoreResult
 from services.reward.config import RewardConfig
 from services.reward.metrics import RewardMetrics
 from services.reward.workers import WorkerPool
@@ -51,8 +52,16 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
             timeout_s=request.timeout_s or self.config.default_timeout_s,
             args=restore_ints(struct_to_dict(request.args)), semaphore=self.semaphore, pool=self.pool)
-        return reward_pb2.ScoreResponse(scores=[
-            reward_pb2.Score(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores) for r in results])
+        return reward_pb2.ScoreResponse(scores=[_score_to_proto(r) for r in results])
+
+
+def _score_to_proto(result: ScoreResult) -> reward_pb2.Score:
+    msg = reward_pb2.Score(reward=result.reward, ok=result.ok)
+    if result.error:  # empty ones are left unset: passing them cost more than the rest of the message
+        msg.error = result.error
+    if result.scores:
+        msg.scores.update(result.scores)
+    return msg
 
 
 @dataclass

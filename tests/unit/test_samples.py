@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import Sample, Status, sample_from_proto, sample_to_proto
 
@@ -33,3 +35,8 @@ def test_defaults_round_trip_as_defaults():
 def test_a_string_label_stays_a_string_and_none_stays_none():
     assert sample_from_proto(sample_to_proto(Sample(label="12"))).label == "12"
     assert sample_from_proto(sample_to_proto(Sample(label=None))).label is None
+
+
+def test_an_unknown_status_is_refused_by_name():
+    with pytest.raises(ValueError, match="99"):
+        sample_from_proto(sample_pb2.Sample(status=99))
