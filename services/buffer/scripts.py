@@ -134,20 +134,15 @@ return out
 """
 
 # ARGV: prefix, rollout_id, num_groups -> {have} while the rollout has fewer than num_groups groups, else
-# {have, payload...} (its first num_groups, in the order they were assigned) | false unknown job.
-# One round trip where a count, the ids and the payloads took three.
-READ_GROUPS = """
+# {have, group_id...} (its first num_groups, in the order they were assigned) | false unknown job.
+# The payloads are read with MGET after it: copying them in and out of Lua took longer than that round trip.
+READ_GROUP_IDS = """
 local p, rollout, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if redis.call('EXISTS', p .. 'meta') == 0 then return false end
 local have = redis.call('LLEN', p .. 'rollout:' .. rollout)
-local out = {have}
-if have < want then return out end
-local ids = redis.call('LRANGE', p .. 'rollout:' .. rollout, 0, want - 1)
-for first = 1, #ids, 1000 do  -- MGET in chunks: Lua's unpack takes a few thousand values at most
-  local keys = {}
-  for i = first, math.min(first + 999, #ids) do table.insert(keys, p .. 'group:' .. ids[i]) end
-  for _, payload in ipairs(redis.call('MGET', unpack(keys))) do table.insert(out, payload) end
-end
+if have < want then return {have} end
+local out = redis.call('LRANGE', p .. 'rollout:' .. rollout, 0, want - 1)
+table.insert(out, 1, have)
 return out
 """
 

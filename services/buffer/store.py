@@ -28,7 +28,7 @@ from services.buffer.scripts import (
     FINISH_LOAD,
     LEASE,
     PUT_GROUPS,
-    READ_GROUPS,
+    READ_GROUP_IDS,
     RESTORE_STATE,
     RETURN,
     SAVE_STATE,
@@ -104,8 +104,8 @@ class BufferStore:
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0)
         self._scripts = {name: self.redis.register_script(text) for name, text in [
             ("finish_load", FINISH_LOAD), ("lease", LEASE), ("set_order", SET_ORDER), ("return", RETURN),
-            ("put_groups", PUT_GROUPS), ("read_groups", READ_GROUPS), ("stats", STATS), ("save_state", SAVE_STATE),
-            ("restore_state", RESTORE_STATE), ("take", TAKE)]}
+            ("put_groups", PUT_GROUPS), ("read_group_ids", READ_GROUP_IDS), ("stats", STATS),
+            ("save_state", SAVE_STATE), ("restore_state", RESTORE_STATE), ("take", TAKE)]}
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Ping Redis until it answers; Unavailable after timeout_s."""
@@ -266,10 +266,14 @@ class BufferStore:
 
     async def _read_groups(self, job_id: str, rollout_id: int, num_groups: int) -> tuple[int, list[bytes]]:
         """How many groups the rollout has and, once it has num_groups, the first num_groups as stored."""
-        reply = await self._run("read_groups", _prefix(job_id), rollout_id, num_groups)
+        p = _prefix(job_id)
+        reply = await self._run("read_group_ids", p, rollout_id, num_groups)
         if reply is None:
             raise NotFound(f"buffer: job {job_id!r} has no dataset")
-        return int(reply[0]), reply[1:]
+        have, group_ids = int(reply[0]), reply[1:]
+        if have < num_groups:
+            return have, []
+        return have, await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
 
     async def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
                          stale_policy: str, timeout_s: float,
