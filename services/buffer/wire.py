@@ -45,6 +45,9 @@ def add_buffer_servicer(servicer: buffer_pb2_grpc.BufferServicer, server: grpc.a
     handlers = _Handlers()
     buffer_pb2_grpc.add_BufferServicer_to_server(servicer, handlers)
     table = dict(handlers.table)
+    if missing := set(_VIEWS) - table.keys():
+        raise RuntimeError(f"buffer_pb2_grpc registered no handler for {sorted(missing)}: regenerate the stubs "
+                           "(make proto) with the grpcio-tools version in pyproject.toml")
     for method, (decode, encode) in _VIEWS.items():
         handler = table[method]
         table[method] = handler._replace(request_deserializer=decode or handler.request_deserializer,
