@@ -75,8 +75,9 @@ class MeteredStore(BufferStore):
         self.metrics.groups_duplicate.inc(num_duplicate)
         return num_written, num_duplicate
 
-    async def take_batch(self, *args, **kwargs) -> tuple[list[SampleGroup], int, int]:
-        groups, dropped, regenerated = await super().take_batch(*args, **kwargs)
+    async def take_batch_encoded(self, *args, **kwargs) -> tuple[list[bytes], int, int]:
+        # the server's path (take_batch decodes what this returns, so it is counted here once)
+        groups, dropped, regenerated = await super().take_batch_encoded(*args, **kwargs)
         self.metrics.groups_taken.inc(len(groups))
         self.metrics.groups_stale.labels("dropped").inc(dropped)
         self.metrics.groups_stale.labels("regenerated").inc(regenerated)

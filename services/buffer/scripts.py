@@ -133,6 +133,19 @@ end
 return out
 """
 
+# ARGV: prefix, rollout_id, num_groups -> {have} while the rollout has fewer than num_groups groups, else
+# {have, group_id...} (its first num_groups, in the order they were assigned) | false unknown job.
+# The payloads are read with MGET after it: copying them in and out of Lua took longer than that round trip.
+READ_GROUP_IDS = """
+local p, rollout, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if redis.call('EXISTS', p .. 'meta') == 0 then return false end
+local have = redis.call('LLEN', p .. 'rollout:' .. rollout)
+if have < want then return {have} end
+local out = redis.call('LRANGE', p .. 'rollout:' .. rollout, 0, want - 1)
+table.insert(out, 1, have)
+return out
+"""
+
 # ARGV: prefix, rollout_id, num_groups, min_weight_version, policy ('drop' | 'regenerate'), max_weight_version
 # -> {num assigned to the rollout, stale dropped so far, stale regenerated so far} | false unknown job
 # Moves stream groups (rollout -2) to the rollout in write order until it has num_groups. A stale group (its oldest

@@ -13,11 +13,12 @@ from services.buffer.config import BufferConfig
 from services.buffer.dataset import read_prompts
 from services.buffer.metrics import BufferMetrics, MeteredStore, MetricsExporter, start_exporter
 from services.buffer.store import BufferStore
+from services.buffer.wire import SERVICE, add_buffer_servicer
 from services.common import auth
 from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
-from services.common.samples import encoded_group_from_proto, group_payload_to_proto, prompt_to_proto
+from services.common.samples import group_payload_as_rollout, prompt_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,16 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     @handle_errors
     async def PutGroups(self, request, context):
-        # groups stay in wire form: decoding each token list into Python and back cost ~50x a raw Redis write
-        num_written, num_duplicate = await self.store.put_groups([encoded_group_from_proto(g) for g in request.groups])
+        # `request` is the groups as wire.decode_put_groups indexed them: stored as the bytes they came in
+        num_written, num_duplicate = await self.store.put_groups(request)
         return buffer_pb2.PutGroupsResponse(num_written=num_written, num_duplicate=num_duplicate)
 
     @handle_errors
     async def GetBatch(self, request, context):
         payloads = await self.store.get_batch_encoded(request.job_id, request.rollout_id, request.num_groups,
                                                       request.timeout_s)
-        return buffer_pb2.GetBatchResponse(groups=[group_payload_to_proto(p, request.rollout_id) for p in payloads])
+        groups = [group_payload_as_rollout(p, request.rollout_id) for p in payloads]
+        return buffer_pb2.EncodedGroupsResponse(groups=groups)  # a GetBatchResponse on the wire
 
     @handle_errors
     async def TakeBatch(self, request, context):
@@ -65,8 +67,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             request.job_id, request.rollout_id, request.num_groups, min_weight_version=request.min_weight_version,
             stale_policy=request.stale_policy or "regenerate", timeout_s=request.timeout_s,
             max_weight_version=request.max_weight_version)
-        return buffer_pb2.TakeBatchResponse(groups=[group_payload_to_proto(p, request.rollout_id) for p in payloads],
-                                            num_stale_dropped=dropped, num_stale_regenerated=regenerated)
+        groups = [group_payload_as_rollout(p, request.rollout_id) for p in payloads]
+        return buffer_pb2.EncodedGroupsResponse(groups=groups, num_stale_dropped=dropped,  # a TakeBatchResponse
+                                                num_stale_regenerated=regenerated)
 
     @handle_errors
     async def CountGroups(self, request, context):
@@ -120,8 +123,7 @@ async def _follow_redis(server: BufferServer) -> None:
 async def create_server(config: BufferConfig) -> BufferServer:
     """Start the server NOT_SERVING, wait (bounded) for Redis, then report SERVING."""
     store = MeteredStore(config.redis_url, BufferMetrics())
-    binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store, config.data_roots),
-                             "physarum.v1.Buffer")
+    binding = ServiceBinding(add_buffer_servicer, BufferServicer(store, config.data_roots), SERVICE)
     grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False,
                                           token=auth.read_token("buffer"), service="buffer")
     server = BufferServer(**vars(grpc_server), store=store)

@@ -28,6 +28,7 @@ from services.buffer.scripts import (
     FINISH_LOAD,
     LEASE,
     PUT_GROUPS,
+    READ_GROUP_IDS,
     RESTORE_STATE,
     RETURN,
     SAVE_STATE,
@@ -103,8 +104,8 @@ class BufferStore:
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0)
         self._scripts = {name: self.redis.register_script(text) for name, text in [
             ("finish_load", FINISH_LOAD), ("lease", LEASE), ("set_order", SET_ORDER), ("return", RETURN),
-            ("put_groups", PUT_GROUPS), ("stats", STATS), ("save_state", SAVE_STATE),
-            ("restore_state", RESTORE_STATE), ("take", TAKE)]}
+            ("put_groups", PUT_GROUPS), ("read_group_ids", READ_GROUP_IDS), ("stats", STATS),
+            ("save_state", SAVE_STATE), ("restore_state", RESTORE_STATE), ("take", TAKE)]}
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Ping Redis until it answers; Unavailable after timeout_s."""
@@ -248,26 +249,31 @@ class BufferStore:
 
     @_redis_errors
     async def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[bytes]:
-        """get_batch's groups as stored (serialized SampleGroups; group_payload_to_proto reads one)."""
-        p = _prefix(job_id)
+        """get_batch's groups as stored (serialized SampleGroups; group_payload_as_rollout serves one)."""
         _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
         _count("num_groups", num_groups)
         bounds.finite("timeout_s", timeout_s, 0.0, bounds.MAX_WAIT_S)
         deadline = time.monotonic() + timeout_s
-        have = await self.count_groups(job_id, rollout_id)
-        while have < num_groups:
+        while True:
+            have, payloads = await self._read_groups(job_id, rollout_id, num_groups)
+            if have >= num_groups:
+                return payloads
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise DeadlineExceeded(f"buffer: rollout {rollout_id} of job {job_id} has {have}/{num_groups} "
                                        f"groups after {timeout_s} s")
             await asyncio.sleep(min(POLL_S, left_s))
-            have = await self.redis.llen(f"{p}rollout:{rollout_id}")
-        return await self._read_payloads(p, rollout_id, num_groups)
 
-    async def _read_payloads(self, p: str, rollout_id: int, num_groups: int) -> list[bytes]:
-        """The rollout's first num_groups groups as stored, in the order they were assigned to it."""
-        group_ids = await self.redis.lrange(f"{p}rollout:{rollout_id}", 0, num_groups - 1)
-        return await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
+    async def _read_groups(self, job_id: str, rollout_id: int, num_groups: int) -> tuple[int, list[bytes]]:
+        """How many groups the rollout has and, once it has num_groups, the first num_groups as stored."""
+        p = _prefix(job_id)
+        reply = await self._run("read_group_ids", p, rollout_id, num_groups)
+        if reply is None:
+            raise NotFound(f"buffer: job {job_id!r} has no dataset")
+        have, group_ids = int(reply[0]), reply[1:]
+        if have < num_groups:
+            return have, []
+        return have, await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
 
     async def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
                          stale_policy: str, timeout_s: float,
@@ -302,7 +308,8 @@ class BufferStore:
                 raise NotFound(f"buffer: job {job_id!r} has no dataset")
             have, dropped, regenerated = (int(x) for x in reply)
             if have >= num_groups:
-                return await self._read_payloads(p, rollout_id, num_groups), dropped, regenerated
+                _, payloads = await self._read_groups(job_id, rollout_id, num_groups)  # a rollout never shrinks
+                return payloads, dropped, regenerated
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise DeadlineExceeded(f"buffer: rollout {rollout_id} of job {job_id} has {have}/{num_groups} "

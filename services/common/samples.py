@@ -115,15 +115,37 @@ def encode_group(group: SampleGroup) -> EncodedGroup:
 
 
 def encoded_group_from_proto(msg: sample_pb2.SampleGroup) -> EncodedGroup:
+    return _encoded(msg, msg.SerializeToString())
+
+
+def encoded_group_from_payload(payload: bytes) -> EncodedGroup:
+    """A serialized SampleGroup indexed as it is: parsed once (a payload that is no SampleGroup raises DecodeError),
+    never serialized again."""
+    return _encoded(sample_pb2.SampleGroup.FromString(payload), payload)
+
+
+def _encoded(msg: sample_pb2.SampleGroup, payload: bytes) -> EncodedGroup:
     return EncodedGroup(msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id,
-                        _version_range(v for s in msg.samples for v in s.weight_versions), msg.SerializeToString())
+                        _version_range(v for s in msg.samples for v in s.weight_versions), payload)
+
+
+_ROLLOUT_ID_TAG = b"\x18"  # SampleGroup.rollout_id: field 3, varint
+
+
+def group_payload_as_rollout(payload: bytes, rollout_id: int) -> bytes:
+    """A stored group's bytes, as assigned to `rollout_id` (a stream group is stored as written, rollout -2): a
+    scalar field repeated later on the wire wins when parsed, so appending it replaces the stored one unparsed."""
+    value, varint = rollout_id & 0xFFFF_FFFF_FFFF_FFFF, bytearray()  # int64: a negative id takes ten bytes
+    while value > 0x7F:
+        varint.append(value & 0x7F | 0x80)
+        value >>= 7
+    varint.append(value)
+    return payload + _ROLLOUT_ID_TAG + bytes(varint)
 
 
 def group_payload_to_proto(payload: bytes, rollout_id: int) -> sample_pb2.SampleGroup:
-    """A stored group's proto, as assigned to `rollout_id` (a stream group is stored as written, rollout -2)."""
-    msg = sample_pb2.SampleGroup.FromString(payload)
-    msg.rollout_id = rollout_id
-    return msg
+    """A stored group's proto, as assigned to `rollout_id`."""
+    return sample_pb2.SampleGroup.FromString(group_payload_as_rollout(payload, rollout_id))
 
 
 def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:
@@ -160,30 +182,64 @@ def label_from_proto(msg: sample_pb2.Sample | sample_pb2.Prompt) -> Any:
 
 
 def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
-    return sample_pb2.Sample(
-        prompt=sample.prompt, prompt_messages=_messages_to_proto(sample.prompt_messages), tokens=sample.tokens,
-        response=sample.response, response_length=sample.response_length, **label_to_proto(sample.label),
-        reward=sample.reward, reward_scores=sample.reward_scores, loss_mask=sample.loss_mask,
-        rollout_log_probs=sample.rollout_log_probs, status=sample.status.value,
-        metadata=dict_to_struct(sample.metadata), weight_versions=sample.weight_versions,
-        group_index=sample.group_index, index=sample.index, reward_error=sample.reward_error,
-        rollout_id=sample.rollout_id, remove_sample=sample.remove_sample, teacher_log_probs=sample.teacher_log_probs,
-        train_metadata=dict_to_struct(sample.train_metadata) if sample.train_metadata is not None else None,
-        custom_rm_path=sample.custom_rm_path, generate_function_path=sample.generate_function_path)
+    # Only fields that hold something are set: each default passed to the constructor (an empty Struct, map, list or
+    # string) cost more than a demo sample's tokens, and a rollout converts thousands of samples.
+    msg = sample_pb2.Sample(prompt=sample.prompt, tokens=sample.tokens, response=sample.response,
+                            response_length=sample.response_length, status=sample.status.value, index=sample.index)
+    if isinstance(sample.label, str):
+        msg.label = sample.label
+    else:
+        msg.label_json = json.dumps(sample.label)
+    if sample.reward:
+        msg.reward = sample.reward
+    if sample.loss_mask:
+        msg.loss_mask.extend(sample.loss_mask)
+    if sample.rollout_log_probs:
+        msg.rollout_log_probs.extend(sample.rollout_log_probs)
+    if sample.weight_versions:
+        msg.weight_versions.extend(sample.weight_versions)
+    if sample.group_index:
+        msg.group_index = sample.group_index
+    if sample.prompt_messages:
+        msg.prompt_messages.extend(_messages_to_proto(sample.prompt_messages))
+    if sample.reward_scores:
+        msg.reward_scores.update(sample.reward_scores)
+    if sample.metadata:
+        msg.metadata.update(sample.metadata)
+    if sample.reward_error:
+        msg.reward_error = sample.reward_error
+    if sample.rollout_id is not None:
+        msg.rollout_id = sample.rollout_id  # optional: 0 is kept apart from unset
+    if sample.remove_sample:
+        msg.remove_sample = True
+    if sample.teacher_log_probs:
+        msg.teacher_log_probs.extend(sample.teacher_log_probs)
+    if sample.train_metadata is not None:
+        msg.train_metadata.SetInParent()  # an empty dict stays a dict, apart from None
+        msg.train_metadata.update(sample.train_metadata)
+    if sample.custom_rm_path:
+        msg.custom_rm_path = sample.custom_rm_path
+    if sample.generate_function_path:
+        msg.generate_function_path = sample.generate_function_path
+    return msg
 
 
 def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
-    status = Status(msg.status) if msg.status else Status.PENDING
     return Sample(
-        prompt=msg.prompt, prompt_messages=_messages_from_proto(msg.prompt_messages), tokens=list(msg.tokens),
-        response=msg.response, response_length=msg.response_length, label=label_from_proto(msg), reward=msg.reward,
-        reward_scores=dict(msg.reward_scores), loss_mask=list(msg.loss_mask),
-        rollout_log_probs=list(msg.rollout_log_probs), status=status, metadata=struct_to_dict(msg.metadata),
-        weight_versions=list(msg.weight_versions), group_index=msg.group_index, index=msg.index,
+        prompt=msg.prompt, prompt_messages=_messages_from_proto(msg.prompt_messages) if msg.prompt_messages else [],
+        tokens=msg.tokens[:], response=msg.response, response_length=msg.response_length,
+        label=json.loads(msg.label_json) if msg.label_json else msg.label, reward=msg.reward,
+        reward_scores=dict(msg.reward_scores) if msg.reward_scores else {}, loss_mask=msg.loss_mask[:],
+        rollout_log_probs=msg.rollout_log_probs[:], status=_STATUSES.get(msg.status) or Status(msg.status),
+        metadata=struct_to_dict(msg.metadata) if msg.HasField("metadata") else {},
+        weight_versions=msg.weight_versions[:], group_index=msg.group_index, index=msg.index,
         reward_error=msg.reward_error, rollout_id=msg.rollout_id if msg.HasField("rollout_id") else None,
-        remove_sample=msg.remove_sample, teacher_log_probs=list(msg.teacher_log_probs),
+        remove_sample=msg.remove_sample, teacher_log_probs=msg.teacher_log_probs[:] if msg.teacher_log_probs else [],
         train_metadata=struct_to_dict(msg.train_metadata) if msg.HasField("train_metadata") else None,
         custom_rm_path=msg.custom_rm_path, generate_function_path=msg.generate_function_path)
+
+
+_STATUSES = {0: Status.PENDING} | {status.value: status for status in Status}  # unset (0) reads as PENDING
 
 
 def group_to_proto(group: SampleGroup) -> sample_pb2.SampleGroup:

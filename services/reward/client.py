@@ -67,4 +67,4 @@ class RewardClient(GrpcClient):
         num_rounds = max(1, math.ceil(len(samples) / _SERVER_MAX_CONCURRENCY))
         reply = self.call(self.stub.Score, request, timeout_s=self.timeout_s + timeout_s * num_rounds,
                           idempotent=True)
-        return [ScoreResult(reward=s.reward, ok=s.ok, error=s.error, scores=dict(s.scores)) for s in reply.scores]
+        return [ScoreResult(s.reward, s.ok, s.error, dict(s.scores) if s.scores else {}) for s in reply.scores]

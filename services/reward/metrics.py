@@ -6,11 +6,13 @@ whatever requests send."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.common.errors import InvalidArgument
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import Sample
 from services.reward import scorers
 from services.reward.client import RM_TYPES, ScoreResult
@@ -37,7 +39,7 @@ class RewardMetrics:
         self.errors = Counter("physarum_reward_errors_total", "samples or requests that failed, by failure type",
                               ["scorer", "type"], registry=r)
 
-    async def score_samples(self, samples: list[Sample], *, rm_type: str, custom_rm_path: str,
+    async def score_samples(self, samples: Sequence[Sample | sample_pb2.Sample], *, rm_type: str, custom_rm_path: str,
                             **kwargs: Any) -> list[ScoreResult]:
         """scorers.score_samples, timed and counted."""
         base = rm_type.removeprefix("boxed_")

@@ -12,10 +12,32 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common import plugins
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.plugin_sample import PluginSample
-from services.common.samples import Sample
+from services.common.samples import Sample, sample_from_proto
 from services.reward import verifiers
 from services.reward.client import ScoreResult
+
+
+def restore_ints(value: Any) -> Any:
+    """protobuf Struct carries every number as a double; give whole numbers back as int (args.n_samples_per_prompt)."""
+    if isinstance(value, dict):
+        return {k: restore_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_ints(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def as_sample(sample: Sample | bytes) -> Sample:
+    """A task's sample; one that came as a serialized proto (from the gRPC server) is decoded here, its metadata's
+    whole numbers given back as ints."""
+    if isinstance(sample, Sample):
+        return sample
+    decoded = sample_from_proto(sample_pb2.Sample.FromString(sample))
+    decoded.metadata = restore_ints(decoded.metadata)
+    return decoded
 
 
 @functools.cache

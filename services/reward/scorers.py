@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import Sample
 from services.reward import verifiers
 from services.reward.client import ScoreResult
@@ -31,11 +33,13 @@ def shared_pool() -> WorkerPool:
     return _shared_pool
 
 
-async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: str, reward_key: str,
-                        timeout_s: float, args: dict[str, Any], semaphore: asyncio.Semaphore | None = None,
+async def score_samples(samples: Sequence[Sample | sample_pb2.Sample], *, rm_type: str, custom_rm_path: str,
+                        reward_key: str, timeout_s: float, args: dict[str, Any],
+                        semaphore: asyncio.Semaphore | None = None,
                         pool: WorkerPool | None = None) -> list[ScoreResult]:
-    """One ScoreResult per sample, in order. A sample's custom_rm_path wins over the request's, which wins over
-    rm_type; a user function gets slime's Sample (`slime.utils.types.Sample`).
+    """One ScoreResult per sample (a Sample, or a proto Sample that its worker decodes), in order. A sample's
+    custom_rm_path wins over the request's, which wins over rm_type; a user function gets slime's Sample
+    (`slime.utils.types.Sample`).
 
     `semaphore` bounds the samples scored at once (the server shares one over all requests); by default a fresh
     one of DEFAULT_MAX_CONCURRENCY. Each sample runs in one of `pool`'s workers (default: `shared_pool()`), killed
@@ -48,10 +52,12 @@ async def score_samples(samples: list[Sample], *, rm_type: str, custom_rm_path: 
     semaphore = semaphore or asyncio.Semaphore(DEFAULT_MAX_CONCURRENCY)
     pool = pool or shared_pool()
 
-    async def score_one(sample: Sample) -> ScoreResult:
+    async def score_one(sample: Sample | sample_pb2.Sample) -> ScoreResult:
         path = sample.custom_rm_path or custom_rm_path  # slime's order: the sample's, the job's, then the rm_type
-        task = Task("custom", path, reward_key, sample, args, request_path=not sample.custom_rm_path) if path else \
-            Task("builtin", rm_type, reward_key, sample, args)
+        sent = sample if isinstance(sample, Sample) else sample.SerializeToString()
+        task = Task("custom", path, reward_key, sent, args, request_path=not sample.custom_rm_path,
+                    index=sample.index) if path else \
+            Task("builtin", rm_type, reward_key, sent, args, index=sample.index)
         async with semaphore:
             outcome = await pool.run(task, timeout_s)
         return ScoreResult(outcome.reward, outcome.ok, outcome.error, outcome.scores)

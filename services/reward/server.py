@@ -8,30 +8,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from services.common import auth
 from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
 from services.common.rest import RestServer
-from services.common.samples import sample_from_proto, struct_to_dict
+from services.common.samples import struct_to_dict
 from services.reward import rest
+from services.reward.client import ScoreResult
 from services.reward.config import RewardConfig
 from services.reward.metrics import RewardMetrics
+from services.reward.one_sample import restore_ints
 from services.reward.workers import WorkerPool
 
 log = logging.getLogger(__name__)
-
-
-def restore_ints(value: Any) -> Any:
-    """protobuf Struct carries every number as a double; give whole numbers back as int (args.n_samples_per_prompt)."""
-    if isinstance(value, dict):
-        return {k: restore_ints(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [restore_ints(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
@@ -44,15 +34,21 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
     @handle_errors
     async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:  # noqa: N802
-        samples = [sample_from_proto(s) for s in request.samples]
-        for sample in samples:
-            sample.metadata = restore_ints(sample.metadata)
+        # the samples stay protos: each goes to its worker as the bytes it came in, decoded there
         results = await self.metrics.score_samples(
-            samples, rm_type=request.rm_type, custom_rm_path=request.custom_rm_path, reward_key=request.reward_key,
-            timeout_s=request.timeout_s or self.config.default_timeout_s,
+            list(request.samples), rm_type=request.rm_type, custom_rm_path=request.custom_rm_path,
+            reward_key=request.reward_key, timeout_s=request.timeout_s or self.config.default_timeout_s,
             args=restore_ints(struct_to_dict(request.args)), semaphore=self.semaphore, pool=self.pool)
-        return reward_pb2.ScoreResponse(scores=[
-            reward_pb2.Score(reward=r.reward, ok=r.ok, error=r.error, scores=r.scores) for r in results])
+        return reward_pb2.ScoreResponse(scores=[_score_to_proto(r) for r in results])
+
+
+def _score_to_proto(result: ScoreResult) -> reward_pb2.Score:
+    msg = reward_pb2.Score(reward=result.reward, ok=result.ok)
+    if result.error:  # empty ones are left unset: passing them cost more than the rest of the message
+        msg.error = result.error
+    if result.scores:
+        msg.scores.update(result.scores)
+    return msg
 
 
 @dataclass

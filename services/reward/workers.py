@@ -39,9 +39,12 @@ class Task:
     kind: str
     target: str
     reward_key: str
-    sample: Sample
+    # the sample, or its serialized proto as the gRPC server received it: the worker decodes that one, so the
+    # service's loop neither builds the dataclass nor pickles it (one_sample.as_sample)
+    sample: Sample | bytes
     args: dict[str, Any] = field(default_factory=dict)
     request_path: bool = False  # the request's own custom_rm_path: code it cannot load fails the request
+    index: int = 0  # the sample's index, for messages
 
     @property
     def name(self) -> str:
@@ -136,7 +139,7 @@ class WorkerPool:
             outcome = worker.call(task, timeout_s)
         except _Lost as err:
             worker.kill()
-            log.warning("%s: sample %d: %s", task.name, task.sample.index, err)
+            log.warning("%s: sample %d: %s", task.name, task.index, err)
             return Outcome(0.0, False, str(err), {})
         except InvalidArgument:
             self._give_back(worker)
@@ -188,7 +191,8 @@ def _reply(task: Task, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
     except InvalidArgument as err:
         return {"kind": "invalid", "error": str(err)[:MAX_ERROR_CHARS]}
     try:
-        value = loop.run_until_complete(one_sample.call_scorer(task.kind, task.target, task.sample, task.args))
+        sample = one_sample.as_sample(task.sample)
+        value = loop.run_until_complete(one_sample.call_scorer(task.kind, task.target, sample, task.args))
         result = one_sample.to_result(value, task.reward_key, task.name)
         return {"kind": "ok", "reward": result.reward, "ok": result.ok, "error": result.error[:MAX_ERROR_CHARS],
                 "scores": result.scores}

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
+from google.protobuf.message import DecodeError
+
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import (
     Sample,
     SampleGroup,
     Status,
     encode_group,
+    encoded_group_from_payload,
     encoded_group_from_proto,
     group_from_proto,
+    group_payload_as_rollout,
     group_payload_to_proto,
     group_to_proto,
 )
@@ -34,3 +40,22 @@ def test_both_encodings_agree_and_decode_back():
 def test_a_stored_group_is_served_as_its_rollouts():
     msg = group_payload_to_proto(encode_group(make_group()).payload, 12)
     assert msg.rollout_id == 12 and len(msg.samples) == 3 and list(msg.samples[0].tokens) == [5, 6, 7, 8]
+
+
+def test_a_payload_is_indexed_without_serializing_it_again():
+    payload = group_to_proto(make_group()).SerializeToString()
+    encoded = encoded_group_from_payload(payload)
+    assert encoded.payload is payload and encoded == encode_group(make_group())
+
+
+def test_the_rollout_id_appended_to_a_payload_wins_for_every_id():
+    payload = encode_group(make_group()).payload
+    for rollout_id in (0, 1, 127, 128, 2**31 - 1, -1, -2):
+        msg = sample_pb2.SampleGroup.FromString(group_payload_as_rollout(payload, rollout_id))
+        assert msg.rollout_id == rollout_id
+        assert group_from_proto(msg).samples == make_group().samples
+
+
+def test_a_payload_that_is_no_group_raises_decode_error():
+    with pytest.raises(DecodeError):
+        encoded_group_from_payload(b"\xff\xff\xff\xff\x0f garbage")

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.samples import Sample
-from services.reward import scorers, verifiers
+from services.common.samples import Sample, sample_to_proto
+from services.reward import one_sample, scorers, verifiers
 from services.reward.client import ScoreResult
 
 PLUGINS = "tests.plugins.reward_fns"
@@ -128,3 +128,18 @@ def test_concurrency_is_bounded_by_the_semaphore_and_the_workers():
     assert 1 <= peak_overlap(results) <= 2
     results = score(samples, custom_rm_path=f"{PLUGINS}.timed", reward_key="score", args={"sleep_s": 0.2})
     assert 1 <= peak_overlap(results) <= scorers.shared_pool().num_workers
+
+
+def test_proto_samples_score_like_the_dataclasses_they_encode():
+    samples = [Sample(response="46", label="46", index=3), Sample(response="4", label="46", index=4)]
+    protos = [sample_to_proto(s) for s in samples]  # what the gRPC server hands over, decoded in the worker
+    for kwargs in ({"rm_type": "exact_match"}, {"custom_rm_path": f"{PLUGINS}.scaled_match", "args": {"scale": 2.5}}):
+        assert score(protos, **kwargs) == score(samples, **kwargs)
+
+
+def test_a_proto_sample_is_decoded_in_the_worker_with_its_whole_numbers_as_ints():
+    sample = Sample(response="46", label={"answer": 46}, metadata={"bonus": 3, "weight": 0.5, "tags": [1, 2.5]})
+    decoded = one_sample.as_sample(sample_to_proto(sample).SerializeToString())
+    assert decoded.metadata == {"bonus": 3, "weight": 0.5, "tags": [1, 2.5]}
+    assert type(decoded.metadata["bonus"]) is int and decoded.label == {"answer": 46}
+    assert one_sample.as_sample(sample) is sample

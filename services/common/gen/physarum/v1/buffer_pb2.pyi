@@ -212,3 +212,19 @@ class RestoreStateResponse(_message.Message):
     num_requeued: int
     num_leases_dropped: int
     def __init__(self, num_requeued: _Optional[int] = ..., num_leases_dropped: _Optional[int] = ...) -> None: ...
+
+class EncodedPutGroupsRequest(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, groups: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EncodedGroupsResponse(_message.Message):
+    __slots__ = ("groups", "num_stale_dropped", "num_stale_regenerated")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STALE_REGENERATED_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedScalarFieldContainer[bytes]
+    num_stale_dropped: int
+    num_stale_regenerated: int
+    def __init__(self, groups: _Optional[_Iterable[bytes]] = ..., num_stale_dropped: _Optional[int] = ..., num_stale_regenerated: _Optional[int] = ...) -> None: ...
