@@ -25,6 +25,7 @@ from physarum import tasks, tinymodel  # noqa: E402
 from services.buffer.client import BufferClient  # noqa: E402
 from services.common import procs  # noqa: E402
 from services.rollout.client import EngineState, RolloutClient, RolloutConfig  # noqa: E402
+from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster  # noqa: E402
 from services.rollout.local import start_router  # noqa: E402
 
 JOB = "bench-control-plane"
@@ -53,22 +54,40 @@ def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     return times
 
 
-async def _router_load(router_url: str, concurrency: int, duration_s: float) -> float:
-    import httpx
-
+async def _router_load(router_url: str, concurrency: int, duration_s: float, poster: Poster) -> float:
+    """Samples/s through the router alone: `concurrency` workers sending /generate back to back."""
     body = {"input_ids": [5, 6, 7, 8], "return_logprob": True,
             "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}}
     done, stop_at = 0, time.monotonic() + duration_s
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)  # see rollout_scaling.py
-    async with httpx.AsyncClient(base_url=router_url, timeout=120, limits=limits) as http:
+    try:
         async def worker() -> None:
             nonlocal done
             while time.monotonic() < stop_at:
-                (await http.post("/generate", json=body)).raise_for_status()
+                reply = await poster.post(f"{router_url}/generate", body)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"router /generate: HTTP {reply.status_code}: {reply.text[:200]}")
                 done += 1
         start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return done / (time.monotonic() - start)
+    finally:
+        await poster.aclose()
+
+
+def router_rates(router_url: str, concurrency: int, duration_s: float) -> dict[str, float]:
+    """The router alone under three clients: the manager's (aiohttp, kept-alive connections) and httpx with and
+    without keep-alive, side by side."""
+    import httpx
+
+    def httpx_poster(keepalive: int) -> Poster:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=keepalive)
+        return HttpxPoster(httpx.AsyncClient(timeout=120, limits=limits))
+
+    clients = {"aiohttp, keep-alive (the manager's)": lambda: AiohttpPoster(concurrency, 120.0),
+               "httpx, keep-alive": lambda: httpx_poster(concurrency),
+               "httpx, a connection per request": lambda: httpx_poster(0)}
+    return {name: asyncio.run(_router_load(router_url, concurrency, duration_s, make()))
+            for name, make in clients.items()}
 
 
 def manager_samples_per_s(rollout: RolloutClient, buffer: BufferClient, num_rollouts: int, prompts: int,
@@ -118,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                        timeout_s=300)
             buffer.load_dataset(JOB, str(data), label_key="label")
             rates = manager_samples_per_s(rollout, buffer, args.rollouts, 256, 8)[1:]
-        router_rate = asyncio.run(_router_load(router_url, 256, 5.0))
+        router = router_rates(router_url, 256, 5.0)
     finally:
         for proc in reversed(started):
             proc.stop(grace_s=30)
@@ -127,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{NEW_TOKENS} tokens)", ["figure", "value", "goal"],
                 [["manager + router, whole rollouts (256 x 8), samples/s (best)", f"{best:,.0f}", ">= 2,000"],
                  ["  each rollout, samples/s", ", ".join(f"{r:,.0f}" for r in rates), ""],
-                 ["router alone, 256 concurrent /generate, samples/s", f"{router_rate:,.0f}", "(reference)"],
+                 *[[f"router alone, 256 concurrent /generate, {name}, samples/s", f"{rate:,.0f}", "(reference)"]
+                   for name, rate in router.items()],
                  [f"weight-group rebuild at {args.engines} engines, s (best)", f"{min(rebuild):.2f}", "<= 5"]])
     emit({"control_plane_samples_per_s_64": best, "group_rebuild_s_64": min(rebuild),
-          "control_plane_router_alone_samples_per_s_64": router_rate})
+          "control_plane_router_alone_samples_per_s_64": next(iter(router.values()))})
     return 0
 
 

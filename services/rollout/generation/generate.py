@@ -27,6 +27,7 @@ from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Sample, Status
+from services.rollout.generation.router_http import Poster, PostError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def append_reply(sample: Sample, reply: dict[str, Any], trainable: bool = True) 
 class GenerateContext:
     """How the generate functions of one rollout (or eval) of one job reach the router."""
 
-    http: httpx.AsyncClient
+    http: Poster  # router_http.AiohttpPoster in the manager
     router_url: str
     name: str  # "rollout 3 of job j", for messages
     rid_prefix: str
@@ -115,7 +116,7 @@ async def router_generate(sample: Sample, payload: dict[str, Any]) -> dict[str, 
                 if ctx.aborting:
                     return abort_reply(f"{ctx.name} was aborted: its batch is full")
                 start_version = ctx.version_now() if ctx.version_now is not None else None
-                reply = await ctx.http.post(f"{ctx.router_url}/generate", json=body, headers=headers)
+                reply = await ctx.http.post(f"{ctx.router_url}/generate", body, headers)
             if 400 <= reply.status_code < 500:
                 raise InvalidArgument(f"{what}: router {ctx.router_url} rejected /generate: HTTP {reply.status_code}: "
                                       f"{reply.text[:500]}")
@@ -128,7 +129,7 @@ async def router_generate(sample: Sample, payload: dict[str, Any]) -> dict[str, 
             if start_version is not None and isinstance(data.get("meta_info"), dict):
                 data["meta_info"][START_VERSION_KEY] = start_version
             return data
-        except (httpx.TransportError, _RetryableError) as err:
+        except (PostError, _RetryableError) as err:
             last_error = f"{type(err).__name__}: {err}"
         if ctx.aborting:
             return abort_reply(f"{ctx.name} was aborted; last attempt: {last_error}")

@@ -10,8 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
@@ -28,6 +26,7 @@ from services.rollout.generation.generate import (
 from services.rollout.generation.loss_masks import conversation_sample, is_conversation
 from services.rollout.generation.partial import FINISHED
 from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.router_http import Poster
 from services.rollout.generation.scoring import load_group_reward
 
 
@@ -46,7 +45,7 @@ class Generation:
 
 
 def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: int, *, evaluation: bool,
-                   http: httpx.AsyncClient, router_url: str, **ctx_options: Any) -> Generation:
+                   http: Poster, router_url: str, **ctx_options: Any) -> Generation:
     """Load the job's plugins (once per path) and fix its sampling; InvalidArgument names what is wrong.
 
     ctx_options go to GenerateContext (sticky_routing, max_attempts, retry_delay_s, slots).

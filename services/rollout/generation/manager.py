@@ -29,6 +29,7 @@ from services.rollout.generation.generate import STICKY_POLICIES
 from services.rollout.generation.groups import Generation, generate_group, new_generation, new_sample, sft_sample
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
 from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster
 from services.rollout.generation.scoring import score_group
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ MAX_DROPS_PER_GROUP = 20  # groups the dynamic filter drops in a row, per group 
 DROPPED_ROLLOUT_ID = -1  # dropped groups are stored here: their prompts are used up for the epoch, as in slime
 EMPTY_LEASE_POLL_S = 0.5
 MAX_FINISHED_RUNS = 256
-MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (the HTTP client's connection limit)
+MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (and kept-alive connections to the router)
 
 
 @dataclass
@@ -101,12 +102,9 @@ class RolloutManager:
         self.sticky_routing = router_policy in STICKY_POLICIES
         self.max_generate_attempts = max_generate_attempts
         self.retry_delay_s = retry_delay_s
-        # No keep-alive: reused connections through sglang-router 0.3.2 stall at 100+ concurrent requests
-        # (bench/rollout_scaling.py: 84 samples/s and 5.5 s worst latency with keep-alive, 271/s and 0.77 s without).
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
-                                      limits=httpx.Limits(max_connections=MAX_CONCURRENT_REQUESTS,
-                                                          max_keepalive_connections=0),
-                                      transport=transport)
+        # aiohttp with kept-alive connections (router_http.py says why not httpx); a scripted transport in tests
+        self.http: Poster = (AiohttpPoster(MAX_CONCURRENT_REQUESTS, request_timeout_s) if transport is None else
+                             HttpxPoster(httpx.AsyncClient(timeout=request_timeout_s, transport=transport)))
         self.aborter = EngineAborter(self.router_url, transport=transport)
         self.slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self.encoders: dict[str, PromptEncoder] = {}
