@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -90,13 +91,23 @@ def router_rates(router_url: str, concurrency: int, duration_s: float) -> dict[s
             for name, make in clients.items()}
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process used so far (all its threads; /proc/PID/stat fields 14 and 15)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
 def manager_samples_per_s(rollout: RolloutClient, buffer: BufferClient, num_rollouts: int, prompts: int,
-                          n_samples: int) -> list[float]:
+                          n_samples: int, first_id: int = 0) -> list[float]:
     """Samples/s of whole rollouts: start, then read the rollout's groups back from the buffer, as the trainer does."""
     config = RolloutConfig(job_id=JOB, rollout_batch_size=prompts, n_samples_per_prompt=n_samples,
                            rollout_max_response_len=NEW_TOKENS, rm_type="exact_match", lease_timeout_s=120.0)
     rates = []
-    for rollout_id in range(num_rollouts):
+    for rollout_id in range(first_id, first_id + num_rollouts):
         start = time.perf_counter()
         rollout.start_rollout(config, rollout_id, "0")
         groups = buffer.get_batch(JOB, rollout_id, prompts, timeout_s=300.0)
@@ -125,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         buffer_proc, buffer_addr = start_grpc_service(work, "services.buffer", "--redis-url", redis_url)
         reward_proc, reward_addr = start_grpc_service(work, "services.reward", "--rest-port", "0")
         router_port = procs.free_port()
-        started += [buffer_proc, reward_proc, start_router(router_port, procs.free_port(), work / "router.log")]
+        router_proc = start_router(router_port, procs.free_port(), work / "router.log")
+        started += [buffer_proc, reward_proc, router_proc]
         router_url = f"http://{procs.HOST}:{router_port}"
         manager, manager_addr = start_grpc_service(
             work, "services.rollout", "--buffer-addr", buffer_addr, "--reward-addr", reward_addr, "--router-url",
@@ -136,12 +148,23 @@ def main(argv: list[str] | None = None) -> int:
             wait_until(lambda: rollout.pool_status().count(EngineState.SERVING) == len(urls), "engines serving",
                        timeout_s=300)
             buffer.load_dataset(JOB, str(data), label_key="label")
-            rates = manager_samples_per_s(rollout, buffer, args.rollouts, 256, 8)[1:]
+            manager_samples_per_s(rollout, buffer, 1, 256, 8)  # warm-up: connections, tokenizer, imports
+            pids = {"sim engines": sim.pid, "sglang-router": router_proc.pid, "manager": manager.pid,
+                    "buffer": buffer_proc.pid, "reward": reward_proc.pid, "redis": redis.pid,
+                    "this process (trainer)": os.getpid()}
+            cpu_before = cpu_seconds(pids)
+            rates = manager_samples_per_s(rollout, buffer, args.rollouts - 1, 256, 8, first_id=1)
+            cpu = {name: seconds - cpu_before[name] for name, seconds in cpu_seconds(pids).items()}
         router = router_rates(router_url, 256, 5.0)
     finally:
         for proc in reversed(started):
             proc.stop(grace_s=30)
     best = max(rates)
+    samples = 256 * 8 * len(rates)
+    print_table(f"CPU per process over the {len(rates)} measured rollouts ({samples} samples; the machine has "
+                f"{os.cpu_count()} cores)", ["process", "CPU s", "CPU ms per 1,000 samples"],
+                [[name, f"{seconds:.2f}", f"{1e6 * seconds / samples:.0f}"] for name, seconds in cpu.items()]
+                + [["all", f"{sum(cpu.values()):.2f}", f"{1e6 * sum(cpu.values()) / samples:.0f}"]])
     print_table(f"control plane with {args.engines} simulated engines ({args.latency_s * 1e3:.0f} ms per /generate, "
                 f"{NEW_TOKENS} tokens)", ["figure", "value", "goal"],
                 [["manager + router, whole rollouts (256 x 8), samples/s (best)", f"{best:,.0f}", ">= 2,000"],

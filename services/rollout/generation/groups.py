@@ -8,7 +8,7 @@ import asyncio
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
@@ -27,7 +27,10 @@ from services.rollout.generation.loss_masks import conversation_sample, is_conve
 from services.rollout.generation.partial import FINISHED
 from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.generation.router_http import Poster
-from services.rollout.generation.scoring import load_group_reward
+from services.rollout.generation.scoring import ServiceScorer, load_group_reward
+
+if TYPE_CHECKING:
+    from services.reward.client import RewardClient
 
 
 @dataclass
@@ -41,11 +44,12 @@ class Generation:
     generate_fn: Callable[..., Any]
     sampling_params: dict[str, Any]
     n_samples: int
+    scorer: ServiceScorer
     evaluation: bool = False
 
 
-def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: int, *, evaluation: bool,
-                   http: Poster, router_url: str, **ctx_options: Any) -> Generation:
+def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: RewardClient, rollout_id: int, *,
+                   evaluation: bool, http: Poster, router_url: str, **ctx_options: Any) -> Generation:
     """Load the job's plugins (once per path) and fix its sampling; InvalidArgument names what is wrong.
 
     ctx_options go to GenerateContext (sticky_routing, max_attempts, retry_delay_s, slots).
@@ -68,7 +72,8 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: in
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
-                      generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation)
+                      generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,
+                      scorer=ServiceScorer(reward, config))
 
 
 def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> PluginSample:

@@ -121,8 +121,8 @@ class RolloutManager:
         return self.encoders[path]
 
     def _generation(self, config: RolloutConfig, rollout_id: int, evaluation: bool) -> Generation:
-        return new_generation(config, self._encoder(config), rollout_id, evaluation=evaluation, http=self.http,
-                              router_url=self.router_url, sticky_routing=self.sticky_routing,
+        return new_generation(config, self._encoder(config), self.reward, rollout_id, evaluation=evaluation,
+                              http=self.http, router_url=self.router_url, sticky_routing=self.sticky_routing,
                               max_attempts=self.max_generate_attempts, retry_delay_s=self.retry_delay_s,
                               slots=self.slots, version_now=self.version_now)
 
@@ -358,7 +358,7 @@ class RolloutManager:
         samples = await generate_group(gen, samples)
         if gen.ctx.aborting or any(s.status == Status.ABORTED for s in samples):
             return samples
-        await score_group(self.reward, config, gen.args, samples, f"{run.name}: prompt {prompt.index}")
+        await score_group(gen.scorer, gen.args, samples, f"{run.name}: prompt {prompt.index}")
         return samples
 
     # ----- eval -----
@@ -370,7 +370,7 @@ class RolloutManager:
         task = self.evals.get(key)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             gen = self._generation(config, rollout_id, evaluation=True)
-            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, self.reward, gen, rollout_id),
+            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, gen, rollout_id),
                                                            name=gen.ctx.name)
             self.evals[key] = task
             for old in list(self.evals)[: max(0, len(self.evals) - MAX_FINISHED_RUNS)]:
