@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import httpx
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+IDLE_CLOSE_S = 10.0
 
 
 class PostError(Exception):
@@ -48,7 +49,9 @@ class AiohttpPoster:
         import aiohttp
 
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30.0)
+            # idle connections close after 10 s, before the router's own idle limit can close one under a request
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                             keepalive_timeout=IDLE_CLOSE_S)
             # sock_read bounds each wait for the router (as httpx's read timeout did), not the pool queue
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
