@@ -39,6 +39,7 @@ def config(**overrides) -> RolloutConfig:
 
 
 async def run_rollout(buffer, engine, cfg, tiny_model_dir, rollout_id: int = 0, **kwargs):
+    kwargs.setdefault("batch_groups", False)  # one request per sample, as the engine fakes count them
     reward = FakeReward()
     manager = RolloutManager(buffer, reward, "http://router", model_path=str(tiny_model_dir), retry_delay_s=0.0,
                              transport=httpx.MockTransport(engine), **kwargs)
