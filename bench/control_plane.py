@@ -5,8 +5,11 @@ port, a fixed latency per /generate, a real gloo rank each for the weight group)
 `python bench/control_plane.py [--engines 64] [--latency-s 0.02]`. Processes: the simulated engines, Redis, buffer,
 reward, sglang-router and the manager (its pool holds the engines as --engine-urls); this process is the trainer:
 it starts rollouts (256 prompts x 8 samples, 16 tokens each, scored by exact_match, written to the buffer) and reads
-them back, and it is rank 0 of the weight group. Also the router alone under the same engines (no manager), for
-reference. Prints a table, then one JSON line (`control_plane_samples_per_s_64`, `group_rebuild_s_64`).
+them back, and it is rank 0 of the weight group. The manager sends each group's 8 samples as one /generate (a batch
+of input_ids). Also the router alone under the same engines (no manager, a request per sample) driven by three
+clients side by side (aiohttp as the manager, httpx with and without keep-alive), and the CPU each process used
+per 1,000 samples: on 2 cores the processes share, that table says what bounds the figure. Prints the tables, then
+one JSON line (`control_plane_samples_per_s_64`, `group_rebuild_s_64`).
 """
 
 from __future__ import annotations
