@@ -5,14 +5,18 @@ port, a fixed latency per /generate, a real gloo rank each for the weight group)
 `python bench/control_plane.py [--engines 64] [--latency-s 0.02]`. Processes: the simulated engines, Redis, buffer,
 reward, sglang-router and the manager (its pool holds the engines as --engine-urls); this process is the trainer:
 it starts rollouts (256 prompts x 8 samples, 16 tokens each, scored by exact_match, written to the buffer) and reads
-them back, and it is rank 0 of the weight group. Also the router alone under the same engines (no manager), for
-reference. Prints a table, then one JSON line (`control_plane_samples_per_s_64`, `group_rebuild_s_64`).
+them back, and it is rank 0 of the weight group. The manager sends each group's 8 samples as one /generate (a batch
+of input_ids). Also the router alone under the same engines (no manager, a request per sample) driven by three
+clients side by side (aiohttp as the manager, httpx with and without keep-alive), and the CPU each process used
+per 1,000 samples: on 2 cores the processes share, that table says what bounds the figure. Prints the tables, then
+one JSON line (`control_plane_samples_per_s_64`, `group_rebuild_s_64`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -25,6 +29,7 @@ from physarum import tasks, tinymodel  # noqa: E402
 from services.buffer.client import BufferClient  # noqa: E402
 from services.common import procs  # noqa: E402
 from services.rollout.client import EngineState, RolloutClient, RolloutConfig  # noqa: E402
+from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster  # noqa: E402
 from services.rollout.local import start_router  # noqa: E402
 
 JOB = "bench-control-plane"
@@ -53,31 +58,59 @@ def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     return times
 
 
-async def _router_load(router_url: str, concurrency: int, duration_s: float) -> float:
-    import httpx
-
+async def _router_load(router_url: str, concurrency: int, duration_s: float, poster: Poster) -> float:
+    """Samples/s through the router alone: `concurrency` workers sending /generate back to back."""
     body = {"input_ids": [5, 6, 7, 8], "return_logprob": True,
             "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}}
     done, stop_at = 0, time.monotonic() + duration_s
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)  # see rollout_scaling.py
-    async with httpx.AsyncClient(base_url=router_url, timeout=120, limits=limits) as http:
+    try:
         async def worker() -> None:
             nonlocal done
             while time.monotonic() < stop_at:
-                (await http.post("/generate", json=body)).raise_for_status()
+                reply = await poster.post(f"{router_url}/generate", body)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"router /generate: HTTP {reply.status_code}: {reply.text[:200]}")
                 done += 1
         start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return done / (time.monotonic() - start)
+    finally:
+        await poster.aclose()
+
+
+def router_rates(router_url: str, concurrency: int, duration_s: float) -> dict[str, float]:
+    """The router alone under three clients: the manager's (aiohttp, kept-alive connections) and httpx with and
+    without keep-alive, side by side."""
+    import httpx
+
+    def httpx_poster(keepalive: int) -> Poster:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=keepalive)
+        return HttpxPoster(httpx.AsyncClient(timeout=120, limits=limits))
+
+    clients = {"aiohttp, keep-alive (the manager's)": lambda: AiohttpPoster(concurrency, 120.0),
+               "httpx, keep-alive": lambda: httpx_poster(concurrency),
+               "httpx, a connection per request": lambda: httpx_poster(0)}
+    return {name: asyncio.run(_router_load(router_url, concurrency, duration_s, make()))
+            for name, make in clients.items()}
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process used so far (all its threads; /proc/PID/stat fields 14 and 15)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
 
 
 def manager_samples_per_s(rollout: RolloutClient, buffer: BufferClient, num_rollouts: int, prompts: int,
-                          n_samples: int) -> list[float]:
+                          n_samples: int, first_id: int = 0) -> list[float]:
     """Samples/s of whole rollouts: start, then read the rollout's groups back from the buffer, as the trainer does."""
     config = RolloutConfig(job_id=JOB, rollout_batch_size=prompts, n_samples_per_prompt=n_samples,
                            rollout_max_response_len=NEW_TOKENS, rm_type="exact_match", lease_timeout_s=120.0)
     rates = []
-    for rollout_id in range(num_rollouts):
+    for rollout_id in range(first_id, first_id + num_rollouts):
         start = time.perf_counter()
         rollout.start_rollout(config, rollout_id, "0")
         groups = buffer.get_batch(JOB, rollout_id, prompts, timeout_s=300.0)
@@ -106,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         buffer_proc, buffer_addr = start_grpc_service(work, "services.buffer", "--redis-url", redis_url)
         reward_proc, reward_addr = start_grpc_service(work, "services.reward", "--rest-port", "0")
         router_port = procs.free_port()
-        started += [buffer_proc, reward_proc, start_router(router_port, procs.free_port(), work / "router.log")]
+        router_proc = start_router(router_port, procs.free_port(), work / "router.log")
+        started += [buffer_proc, reward_proc, router_proc]
         router_url = f"http://{procs.HOST}:{router_port}"
         manager, manager_addr = start_grpc_service(
             work, "services.rollout", "--buffer-addr", buffer_addr, "--reward-addr", reward_addr, "--router-url",
@@ -117,20 +151,32 @@ def main(argv: list[str] | None = None) -> int:
             wait_until(lambda: rollout.pool_status().count(EngineState.SERVING) == len(urls), "engines serving",
                        timeout_s=300)
             buffer.load_dataset(JOB, str(data), label_key="label")
-            rates = manager_samples_per_s(rollout, buffer, args.rollouts, 256, 8)[1:]
-        router_rate = asyncio.run(_router_load(router_url, 256, 5.0))
+            manager_samples_per_s(rollout, buffer, 1, 256, 8)  # warm-up: connections, tokenizer, imports
+            pids = {"sim engines": sim.pid, "sglang-router": router_proc.pid, "manager": manager.pid,
+                    "buffer": buffer_proc.pid, "reward": reward_proc.pid, "redis": redis.pid,
+                    "this process (trainer)": os.getpid()}
+            cpu_before = cpu_seconds(pids)
+            rates = manager_samples_per_s(rollout, buffer, args.rollouts - 1, 256, 8, first_id=1)
+            cpu = {name: seconds - cpu_before[name] for name, seconds in cpu_seconds(pids).items()}
+        router = router_rates(router_url, 256, 5.0)
     finally:
         for proc in reversed(started):
             proc.stop(grace_s=30)
     best = max(rates)
+    samples = 256 * 8 * len(rates)
+    print_table(f"CPU per process over the {len(rates)} measured rollouts ({samples} samples; the machine has "
+                f"{os.cpu_count()} cores)", ["process", "CPU s", "CPU ms per 1,000 samples"],
+                [[name, f"{seconds:.2f}", f"{1e6 * seconds / samples:.0f}"] for name, seconds in cpu.items()]
+                + [["all", f"{sum(cpu.values()):.2f}", f"{1e6 * sum(cpu.values()) / samples:.0f}"]])
     print_table(f"control plane with {args.engines} simulated engines ({args.latency_s * 1e3:.0f} ms per /generate, "
                 f"{NEW_TOKENS} tokens)", ["figure", "value", "goal"],
                 [["manager + router, whole rollouts (256 x 8), samples/s (best)", f"{best:,.0f}", ">= 2,000"],
                  ["  each rollout, samples/s", ", ".join(f"{r:,.0f}" for r in rates), ""],
-                 ["router alone, 256 concurrent /generate, samples/s", f"{router_rate:,.0f}", "(reference)"],
+                 *[[f"router alone, 256 concurrent /generate, {name}, samples/s", f"{rate:,.0f}", "(reference)"]
+                   for name, rate in router.items()],
                  [f"weight-group rebuild at {args.engines} engines, s (best)", f"{min(rebuild):.2f}", "<= 5"]])
     emit({"control_plane_samples_per_s_64": best, "group_rebuild_s_64": min(rebuild),
-          "control_plane_router_alone_samples_per_s_64": router_rate})
+          "control_plane_router_alone_samples_per_s_64": next(iter(router.values()))})
     return 0
 
 

@@ -38,12 +38,19 @@ class SimEngine:
                 "tp_size": 1, "dp_size": 1, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
                 "internal_states": [{"num_running_reqs": 0, "num_waiting_reqs": 0, "paused": False}]}
 
-    async def generate(self, body: dict) -> dict:
+    async def generate(self, body: dict) -> dict | list[dict]:
+        """One reply, or a list for a batch of input_ids (decoded together: one latency for the batch)."""
         await asyncio.sleep(self.latency_s)
+        inputs = body.get("input_ids") or []
+        if inputs and isinstance(inputs[0], list):
+            return [self.reply(body, prompt) for prompt in inputs]
+        return self.reply(body, inputs)
+
+    def reply(self, body: dict, input_ids: list[int]) -> dict:
         num = int(body.get("sampling_params", {}).get("max_new_tokens", 8))
         ids = [random.randrange(VOCAB) for _ in range(num)]
         meta = {"id": body.get("rid", ""), "finish_reason": {"type": "length", "length": num},
-                "prompt_tokens": len(body.get("input_ids", [])), "completion_tokens": num, "cached_tokens": 0,
+                "prompt_tokens": len(input_ids), "completion_tokens": num, "cached_tokens": 0,
                 "weight_version": self.weight_version, "e2e_latency": self.latency_s}
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[-4.0, t, None] for t in ids]
@@ -67,7 +74,7 @@ class SimEngine:
     def drop_group(self, name: str) -> bool:
         return self.groups.pop(name, None) is not None
 
-    async def handle(self, method: str, path: str, body: dict) -> tuple[int, dict]:
+    async def handle(self, method: str, path: str, body: dict) -> tuple[int, dict | list[dict]]:
         path = path.split("?")[0]
         if path == "/generate":
             return 200, await self.generate(body)

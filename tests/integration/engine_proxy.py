@@ -53,9 +53,15 @@ class EngineProxy:
         self.released.set()
 
     def requests_of(self, job_id: str) -> list[tuple[dict, dict]]:
-        """The recorded /generate (request, reply) pairs of one job (its request ids start with the job id)."""
+        """The recorded /generate (request, reply) pairs of one job (its request ids start with the job id; batches,
+        which carry no rid, are left out: see since())."""
         with self.lock:
-            return [(req, rep) for req, rep in self.generated if req["rid"].startswith(f"{job_id}-")]
+            return [(req, rep) for req, rep in self.generated if req.get("rid", "").startswith(f"{job_id}-")]
+
+    def since(self, num_records: int) -> list[tuple[dict, dict]]:
+        """The (request, reply) pairs recorded after the first num_records."""
+        with self.lock:
+            return self.generated[num_records:]
 
     def forward(self, handler: BaseHTTPRequestHandler, method: str) -> None:
         body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
@@ -67,8 +73,13 @@ class EngineProxy:
         reply = httpx.request(method, self.engine_url + handler.path, content=body or None, timeout=TIMEOUT_S,
                               headers={"Content-Type": "application/json"} if body else None)
         if handler.path == "/generate" and reply.status_code == 200:
+            request, answer = json.loads(body), reply.json()
+            inputs = request.get("input_ids") or []
+            # a batch (a group's fresh samples) is recorded as one pair per prompt; it carries no rid
+            pairs = ([({**request, "input_ids": ids}, one) for ids, one in zip(inputs, answer, strict=True)]
+                     if inputs and isinstance(inputs[0], list) else [(request, answer)])
             with self.lock:
-                self.generated.append((json.loads(body), reply.json()))
+                self.generated.extend(pairs)
         try:
             handler.send_response(reply.status_code)
             handler.send_header("Content-Type", reply.headers.get("Content-Type", "application/json"))

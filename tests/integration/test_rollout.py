@@ -116,6 +116,7 @@ def test_rollout_writes_groups_exactly_as_the_engine_returned_them(stack, manage
     job = "grpo"
     load_addition(buffer, stack, job, 8)
     assert manager.rollout_status(job, 0).state == RolloutState.UNKNOWN
+    num_before = len(stack["proxy"].generated)
     assert manager.start_rollout(rollout_config(job), 0, "v0") is False
     assert manager.start_rollout(rollout_config(job), 0, "v0") is True
     status = wait_done(manager, job, 0)
@@ -141,7 +142,7 @@ def test_rollout_writes_groups_exactly_as_the_engine_returned_them(stack, manage
             else:
                 assert sample.reward == 0.0 and "sample 2 is never scored" in sample.reward_error
     recorded = sorted((req["input_ids"] + rep["output_ids"], [e[0] for e in rep["meta_info"]["output_token_logprobs"]])
-                      for req, rep in stack["proxy"].requests_of(job))
+                      for req, rep in stack["proxy"].since(num_before))
     assert sorted((s.tokens, s.rollout_log_probs) for s in samples) == recorded  # exactly, bit for bit
     mean_len = sum(s.response_length for s in samples) / 12
     assert status.metrics["rollout/response_len_mean"] == pytest.approx(mean_len)
@@ -177,7 +178,7 @@ def test_manager_killed_mid_rollout_loses_no_prompt(stack, buffer):
     load_addition(buffer, stack, job, 12)
     config = rollout_config(job, lease_timeout_s=2.0)
     first, addr = start_manager(stack, "manager-killed")
-    proxy.hold_after(6)  # at most 2 of the 4 groups can finish
+    proxy.hold_after(2)  # at most 2 of the 4 groups can finish (a group's 3 samples are one /generate)
     try:
         with RolloutClient(addr) as client:
             client.start_rollout(config, 0, "v0")

@@ -106,12 +106,14 @@ def config(job_id: str, **overrides) -> RolloutConfig:
 
 
 def run_manager(stack, policy: str, body):
-    """Run `await body(manager)` on an in-process manager with real buffer, reward and router."""
+    """Run `await body(manager)` on an in-process manager with real buffer, reward and router; a request per
+    sample (its rid names the job, prompt and sample the checks look for; tests/integration/test_rollout.py runs
+    the service, which sends a group's fresh samples as one batch)."""
     async def main():
         with BufferClient(stack["buffer_addr"], timeout_s=30.0) as buffer, \
                 RewardClient(stack["reward_addr"], timeout_s=30.0) as reward:
             manager = RolloutManager(buffer, reward, stack["routers"][policy], model_path=str(stack["model"]),
-                                     router_policy=policy)
+                                     router_policy=policy, batch_groups=False)
             try:
                 return await body(manager)
             finally:

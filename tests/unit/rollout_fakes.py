@@ -97,7 +97,7 @@ class FakeReward:
 @dataclass
 class Engine:
     """The router's /generate: replies "12" + eos (ids 17, 18, 0) with fixed logprobs, after `failures` errors
-    (counted over the requests for `fail_input` only, when it is set)."""
+    (counted over the requests for `fail_input` only, when it is set); a batch of input_ids gets a list."""
 
     failures: int = 0
     status_code: int = 503
@@ -112,9 +112,14 @@ class Engine:
         if self.failures > 0 and self.fail_input in (None, body["input_ids"]):
             self.failures -= 1
             return httpx.Response(self.status_code, text="no healthy workers")
-        meta = {"finish_reason": {"type": self.finish}, "weight_version": "v7", "prompt_tokens": len(body["input_ids"]),
+        batch = body["input_ids"] if body["input_ids"] and isinstance(body["input_ids"][0], list) else None
+        replies = [self.reply(ids) for ids in (batch or [body["input_ids"]])]
+        return httpx.Response(200, json=replies if batch is not None else replies[0])
+
+    def reply(self, input_ids: list[int]) -> dict:
+        meta = {"finish_reason": {"type": self.finish}, "weight_version": "v7", "prompt_tokens": len(input_ids),
                 "output_token_logprobs": [[-0.5, 17, None], [-1.25, 18, None], [-0.125, 0, None]]}
-        return httpx.Response(200, json={"text": "12", "output_ids": [17, 18, 0], "meta_info": meta})
+        return {"text": "12", "output_ids": [17, 18, 0], "meta_info": meta}
 
 
 def reply(token_ids: list[int], text: str, *, finish: str = "stop", weight_version: str = "v1",
@@ -174,6 +179,7 @@ def rollout_config(**overrides) -> RolloutConfig:
 
 def new_manager(buffer: FakeBuffer, handler: Callable, model_dir, **kwargs) -> tuple[RolloutManager, FakeReward]:
     reward = FakeReward()
+    kwargs.setdefault("batch_groups", False)  # the scripts answer one sample per request (see test_rollout_batched)
     manager = RolloutManager(buffer, reward, "http://router", model_path=str(model_dir), retry_delay_s=0.0,
                              transport=httpx.MockTransport(handler), **kwargs)
     return manager, reward

@@ -15,6 +15,7 @@ from services.common.plugin_sample import PluginSample as RolloutSample
 from services.common.samples import Sample, Status
 from services.rollout.generation import generate as gen
 from services.rollout.generation.generate import GenerateContext
+from services.rollout.generation.router_http import HttpxPoster
 from tests.unit.rollout_fakes import reply
 
 
@@ -55,7 +56,7 @@ def test_append_reply_takes_tokens_from_output_token_logprobs_and_status_from_fi
 
 
 def context(handler, **overrides) -> GenerateContext:
-    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    http = HttpxPoster(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
     return GenerateContext(**{"http": http, "router_url": "http://router", "name": "rollout 0 of job j",
                               "rid_prefix": "j-0", "retry_delay_s": 0.0, "max_attempts": 3, **overrides})
 

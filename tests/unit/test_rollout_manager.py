@@ -39,6 +39,7 @@ def config(**overrides) -> RolloutConfig:
 
 
 async def run_rollout(buffer, engine, cfg, tiny_model_dir, rollout_id: int = 0, **kwargs):
+    kwargs.setdefault("batch_groups", False)  # one request per sample, as the engine fakes count them
     reward = FakeReward()
     manager = RolloutManager(buffer, reward, "http://router", model_path=str(tiny_model_dir), retry_delay_s=0.0,
                              transport=httpx.MockTransport(engine), **kwargs)
@@ -377,3 +378,43 @@ def test_a_restarted_managers_rollout_waits_for_the_trainers_weights(tiny_model_
         await manager.close()
 
     asyncio.run(main())
+
+
+class LoggingBuffer(FakeBuffer):
+    """Records how many groups each PutGroups carried."""
+
+    def __init__(self, num_prompts: int) -> None:
+        super().__init__(num_prompts)
+        self.puts: list[int] = []
+
+    def put_groups(self, groups):
+        self.puts.append(len(groups))
+        return super().put_groups(groups)
+
+
+def test_groups_that_finish_together_are_written_in_one_call_and_never_past_the_batch(tiny_model_dir):
+    buffer = LoggingBuffer(10)
+    manager, reward = new_manager(buffer, ScriptedRouter(script=lambda body, headers: reply([17, 18, 0], "12")),
+                                  tiny_model_dir)
+
+    async def main():
+        try:
+            return await rollout(manager, config(rollout_batch_size=6, over_sampling_batch_size=8), 0)
+        finally:
+            await manager.close()
+
+    status = asyncio.run(main())
+    assert status.state == RolloutState.DONE and status.num_groups_done == 6 and buffer.count_groups(JOB, 0) == 6
+    assert sum(buffer.puts) == 6 and len(buffer.puts) < 6  # batched, and the 2 surplus groups were not written
+    assert len(reward.calls) < 6 and status.metrics["rollout/reward_mean"] == 2.0  # scored in batches, recorded
+
+
+def test_a_batch_with_a_group_already_stored_takes_the_count_from_the_buffer(tiny_model_dir):
+    buffer = LoggingBuffer(5)
+    stored = SampleGroup(group_id=group_id_for(JOB, 0, 0), job_id=JOB, rollout_id=0, prompt_index=0, epoch=0,
+                         samples=[])
+    buffer.groups[stored.group_id] = stored  # as if a PutGroups retried after its reply was lost had written it
+    status, _ = asyncio.run(run_rollout(buffer, Engine(), config(rollout_batch_size=3), tiny_model_dir))
+    assert status.state == RolloutState.DONE and status.num_groups_done == 3
+    assert buffer.count_groups(JOB, 0) == 3 and buffer.groups[stored.group_id] is stored
+    assert not buffer.leased

@@ -18,7 +18,6 @@ from services.rollout.generation.scoring import score_group
 
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient
-    from services.reward.client import RewardClient
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def eval_metrics(name: str, groups: list[list[Sample]]) -> dict[str, float]:
     return metrics
 
 
-async def run_eval(buffer: BufferClient, reward: RewardClient, gen: Generation, rollout_id: int) -> dict[str, float]:
+async def run_eval(buffer: BufferClient, gen: Generation, rollout_id: int) -> dict[str, float]:
     """Every eval dataset is a buffer job "<job_id>.eval.<name>": all its prompts are leased, generated (n samples
     each), scored and given back, so the next eval leases them again."""
     config, start = gen.config, time.monotonic()
@@ -70,7 +69,7 @@ async def run_eval(buffer: BufferClient, reward: RewardClient, gen: Generation, 
                                           config.lease_timeout_s)
         try:
             async with asyncio.TaskGroup() as tasks:
-                running = [tasks.create_task(_eval_group(reward, gen, prompt)) for prompt in prompts]
+                running = [tasks.create_task(_eval_group(gen, prompt)) for prompt in prompts]
         except ExceptionGroup as group_err:
             raise group_err.exceptions[0] from None
         finally:
@@ -80,10 +79,10 @@ async def run_eval(buffer: BufferClient, reward: RewardClient, gen: Generation, 
     return metrics
 
 
-async def _eval_group(reward: RewardClient, gen: Generation, prompt: Prompt) -> list[Sample]:
+async def _eval_group(gen: Generation, prompt: Prompt) -> list[Sample]:
     text, prompt_ids = gen.encoder.encode(prompt)
     samples = await generate_group(gen, [new_sample(prompt, text, prompt_ids, j) for j in range(gen.n_samples)])
-    await score_group(reward, gen.config, gen.args, samples, f"{gen.ctx.name}: prompt {prompt.index}")
+    await score_group(gen.scorer, gen.args, samples, f"{gen.ctx.name}: prompt {prompt.index}")
     return samples
 
 

@@ -27,6 +27,7 @@ from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Sample, Status
+from services.rollout.generation.router_http import Poster, PostError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def append_reply(sample: Sample, reply: dict[str, Any], trainable: bool = True) 
 class GenerateContext:
     """How the generate functions of one rollout (or eval) of one job reach the router."""
 
-    http: httpx.AsyncClient
+    http: Poster  # router_http.AiohttpPoster in the manager
     router_url: str
     name: str  # "rollout 3 of job j", for messages
     rid_prefix: str
@@ -75,6 +76,7 @@ class GenerateContext:
     slots: asyncio.Semaphore | None = None  # bounds the requests in flight
     aborting: bool = False  # the manager aborts the rest of the rollout: its batch is full
     version_now: Callable[[], str | None] | None = None  # the pool's settled weight version (recorded per request)
+    batch_groups: bool = False  # a group's fresh samples go out as one /generate (default generate function only)
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
@@ -101,37 +103,64 @@ async def router_generate(sample: Sample, payload: dict[str, Any]) -> dict[str, 
     `reply["meta_info"]["finish_reason"]["type"] == "abort"`. Raises InvalidArgument when the router rejects the
     request (4xx) and Unavailable when every attempt failed.
     """
+    ctx = _context()
+    session_id = getattr(sample, "session_id", "")
+    headers = {ROUTING_KEY_HEADER: session_id} if ctx.sticky_routing and session_id else None
+
+    def body() -> dict[str, Any]:
+        return {**payload, "rid": f"{ctx.rid_prefix}-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:10]}"}
+
+    return await _post_generate(ctx, f"{ctx.name}: prompt {sample.group_index} sample {sample.index}", body, headers,
+                                count=None)
+
+
+async def router_generate_batch(samples: list[Sample], payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """router_generate for several samples in one /generate (payload["input_ids"] a list per sample): one reply
+    each, in order. No rid (sglang-router takes one string) and no routing key: the batch goes to one engine."""
+    ctx = _context()
+    what = f"{ctx.name}: prompt {samples[0].group_index} samples {samples[0].index}-{samples[-1].index}"
+    replies = await _post_generate(ctx, what, lambda: payload, None, count=len(samples))
+    if not isinstance(replies, list) or len(replies) != len(samples):
+        got = f"{len(replies)} replies" if isinstance(replies, list) else "one reply"
+        raise FailedPrecondition(f"{what}: a /generate batch of {len(samples)} prompts got {got}")
+    return replies
+
+
+def _context() -> GenerateContext:
     ctx = _CONTEXT.get(None)
     if ctx is None:
         raise FailedPrecondition("router_generate: called outside a rollout of the rollout manager")
-    what = f"{ctx.name}: prompt {sample.group_index} sample {sample.index}"
-    session_id = getattr(sample, "session_id", "")
-    headers = {ROUTING_KEY_HEADER: session_id} if ctx.sticky_routing and session_id else None
+    return ctx
+
+
+async def _post_generate(ctx: GenerateContext, what: str, body: Callable[[], dict[str, Any]],
+                         headers: dict[str, str] | None, count: int | None) -> Any:
+    """The attempts of one /generate (a batch of `count` prompts, or one prompt when count is None)."""
     last_error = ""
     for attempt in range(1, ctx.max_attempts + 1):
-        body = {**payload, "rid": f"{ctx.rid_prefix}-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:10]}"}
         try:
             async with ctx.slots or contextlib.nullcontext():
                 if ctx.aborting:
-                    return abort_reply(f"{ctx.name} was aborted: its batch is full")
+                    return _aborted(f"{ctx.name} was aborted: its batch is full", count)
                 start_version = ctx.version_now() if ctx.version_now is not None else None
-                reply = await ctx.http.post(f"{ctx.router_url}/generate", json=body, headers=headers)
+                reply = await ctx.http.post(f"{ctx.router_url}/generate", body(), headers)
             if 400 <= reply.status_code < 500:
                 raise InvalidArgument(f"{what}: router {ctx.router_url} rejected /generate: HTTP {reply.status_code}: "
                                       f"{reply.text[:500]}")
             if reply.status_code >= 500:
                 raise _RetryableError(f"HTTP {reply.status_code}: {reply.text[:300]}")
             data = reply.json()
-            finish = (data.get("meta_info", {}).get("finish_reason") or {})
-            if finish.get("type") == "abort" and not ctx.aborting:
-                raise _RetryableError(f"aborted by the engine: {finish.get('message', '')}")
-            if start_version is not None and isinstance(data.get("meta_info"), dict):
-                data["meta_info"][START_VERSION_KEY] = start_version
+            for one in data if isinstance(data, list) else [data]:
+                finish = (one.get("meta_info", {}).get("finish_reason") or {})
+                if finish.get("type") == "abort" and not ctx.aborting:
+                    raise _RetryableError(f"aborted by the engine: {finish.get('message', '')}")
+                if start_version is not None and isinstance(one.get("meta_info"), dict):
+                    one["meta_info"][START_VERSION_KEY] = start_version
             return data
-        except (httpx.TransportError, _RetryableError) as err:
+        except (PostError, _RetryableError) as err:
             last_error = f"{type(err).__name__}: {err}"
         if ctx.aborting:
-            return abort_reply(f"{ctx.name} was aborted; last attempt: {last_error}")
+            return _aborted(f"{ctx.name} was aborted; last attempt: {last_error}", count)
         if attempt < ctx.max_attempts:
             delay_s = min(ctx.retry_delay_s * 2 ** (attempt - 1), 8.0)
             log.warning("%s: /generate attempt %d/%d failed (%s); retry in %.1f s", what, attempt, ctx.max_attempts,
@@ -139,6 +168,10 @@ async def router_generate(sample: Sample, payload: dict[str, Any]) -> dict[str, 
             await asyncio.sleep(delay_s)
     raise Unavailable(f"{what}: /generate through router {ctx.router_url} failed {ctx.max_attempts} times; "
                       f"last: {last_error}")
+
+
+def _aborted(message: str, count: int | None) -> Any:
+    return abort_reply(message) if count is None else [abort_reply(message) for _ in range(count)]
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
@@ -153,6 +186,19 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
                                            "return_logprob": True})
     append_reply(sample, reply)
     return sample
+
+
+async def generate_fresh_batch(args: Any, samples: list[Sample], sampling_params: dict[str, Any], *,
+                               what: str) -> list[Sample]:
+    """slime's default `generate` for fresh samples of one prompt (nothing generated yet), as one /generate with a
+    batch of input_ids: a request per group instead of one per sample (the manager, the router and the engines
+    each handle a request, however many prompts it holds). The samples come back finished as run_generate's do."""
+    replies = await router_generate_batch(samples, {"input_ids": [list(s.tokens) for s in samples],
+                                                    "sampling_params": dict(sampling_params), "return_logprob": True})
+    needs = next((flag for flag in LOG_PROB_SETTINGS if getattr(args, flag, False)), "")
+    for sample, reply in zip(samples, replies, strict=True):
+        append_reply(sample, reply)
+    return [finish_plugin_sample(s, needs_log_probs=needs, what=f"{what}: generate") for s in samples]
 
 
 @functools.cache

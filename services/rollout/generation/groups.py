@@ -8,9 +8,7 @@ import asyncio
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
@@ -18,6 +16,8 @@ from services.common.samples import Prompt, Sample, Status
 from services.rollout.client import RolloutConfig
 from services.rollout.generation.generate import (
     GenerateContext,
+    generate,
+    generate_fresh_batch,
     load_generate_function,
     new_session_id,
     plugin_args,
@@ -28,7 +28,11 @@ from services.rollout.generation.generate import (
 from services.rollout.generation.loss_masks import conversation_sample, is_conversation
 from services.rollout.generation.partial import FINISHED
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.generation.scoring import load_group_reward
+from services.rollout.generation.router_http import Poster
+from services.rollout.generation.scoring import ServiceScorer, load_group_reward
+
+if TYPE_CHECKING:
+    from services.reward.client import RewardClient
 
 
 @dataclass
@@ -42,11 +46,12 @@ class Generation:
     generate_fn: Callable[..., Any]
     sampling_params: dict[str, Any]
     n_samples: int
+    scorer: ServiceScorer
     evaluation: bool = False
 
 
-def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: int, *, evaluation: bool,
-                   http: httpx.AsyncClient, router_url: str, **ctx_options: Any) -> Generation:
+def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: RewardClient, rollout_id: int, *,
+                   evaluation: bool, http: Poster, router_url: str, **ctx_options: Any) -> Generation:
     """Load the job's plugins (once per path) and fix its sampling; InvalidArgument names what is wrong.
 
     ctx_options go to GenerateContext (sticky_routing, max_attempts, retry_delay_s, slots).
@@ -69,7 +74,8 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, rollout_id: in
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
-                      generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation)
+                      generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,
+                      scorer=ServiceScorer(reward, config))
 
 
 def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> PluginSample:
@@ -84,18 +90,35 @@ async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]
     A function that returns a list (slime's fan-out) puts all its samples in the group, renumbered in order."""
     use_context(gen.ctx)
     todo = [j for j, s in enumerate(samples) if s.status not in FINISHED]
+    fresh = [j for j in todo if not samples[j].response_length] if _batches(gen) else []
+    if len(fresh) < 2:
+        fresh = []
     try:
         async with asyncio.TaskGroup() as tasks:
             running = {j: tasks.create_task(run_generate(
                 gen.generate_fn, gen.args, samples[j], gen.sampling_params, evaluation=gen.evaluation,
-                what=f"{gen.ctx.name}: prompt {samples[j].group_index} sample {j}")) for j in todo}
+                what=f"{gen.ctx.name}: prompt {samples[j].group_index} sample {j}")) for j in todo if j not in fresh}
+            if fresh:
+                batch = tasks.create_task(generate_fresh_batch(gen.args, [samples[j] for j in fresh],
+                                                               gen.sampling_params, what=gen.ctx.name))
     except ExceptionGroup as group_err:
         raise group_err.exceptions[0] from None
-    group = [out for j, s in enumerate(samples) for out in (running[j].result() if j in running else [s])]
+    outputs = {j: running[j].result() for j in running}
+    if fresh:
+        outputs.update({j: [out] for j, out in zip(fresh, batch.result(), strict=True)})
+    group = [out for j, s in enumerate(samples) for out in outputs.get(j, [s])]
     if len(group) != len(samples):
         for position, sample in enumerate(group):
             sample.index = position
     return group
+
+
+def _batches(gen: Generation) -> bool:
+    """A group's fresh samples go out as one /generate (when the manager batches groups) under slime's default
+    generate function, unless each sample routes by its own session (sticky policies) or there is nothing to
+    generate."""
+    return (gen.ctx.batch_groups and gen.generate_fn is generate and not gen.ctx.sticky_routing
+            and gen.sampling_params["max_new_tokens"] > 0)
 
 
 def sft_sample(encoder: PromptEncoder, prompt: Prompt, text: str, prompt_ids: list[int], index: int,

@@ -7,19 +7,16 @@ It knows nothing of gRPC or of the engine pool.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
-from services.common.rollout_stats import RolloutStats
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
 from services.rollout.generation import filters
@@ -29,6 +26,8 @@ from services.rollout.generation.generate import STICKY_POLICIES
 from services.rollout.generation.groups import Generation, generate_group, new_generation, new_sample, sft_sample
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
 from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster
+from services.rollout.generation.run_state import Run
 from services.rollout.generation.scoring import score_group
 
 if TYPE_CHECKING:
@@ -42,49 +41,9 @@ MAX_DROPS_PER_GROUP = 20  # groups the dynamic filter drops in a row, per group 
 DROPPED_ROLLOUT_ID = -1  # dropped groups are stored here: their prompts are used up for the epoch, as in slime
 EMPTY_LEASE_POLL_S = 0.5
 MAX_FINISHED_RUNS = 256
-MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (the HTTP client's connection limit)
+MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (and kept-alive connections to the router)
 WEIGHTS_WAIT_S = 300.0  # how long a rollout waits for its engines to reach the trainer's weights before it fails
 WEIGHTS_POLL_S = 0.2
-
-
-@dataclass
-class _Run:
-    """One rollout (job_id, rollout_id) this process started, with its running statistics."""
-
-    gen: Generation
-    rollout_id: int
-    weight_version: str
-    filter_fn: Callable[..., Any] | None = None
-    started_at: float = field(default_factory=time.monotonic)
-    finished_at: float | None = None
-    state: RolloutState = RolloutState.RUNNING
-    num_groups_done: int = 0
-    error: str = ""
-    leased: dict[str, Prompt] = field(default_factory=dict)  # lease_id -> prompt not yet written or returned
-    stats: RolloutStats = field(default_factory=RolloutStats)
-    num_failed_in_a_row: int = 0
-    num_dropped_in_a_row: int = 0
-    drops: collections.Counter[str] = field(default_factory=collections.Counter)
-    task: asyncio.Task | None = None
-    stopping: bool = False  # StopRollout cancelled it: it ends DONE, not FAILED
-
-    @property
-    def config(self) -> RolloutConfig:
-        return self.gen.config
-
-    @property
-    def name(self) -> str:
-        return f"rollout {self.rollout_id} of job {self.config.job_id}"
-
-    def record(self, samples: list[Sample]) -> None:
-        self.stats.add(samples)
-
-    def metrics(self) -> dict[str, float]:
-        metrics = {name: float(count) for name, count in self.drops.items()}
-        if not self.stats.num_samples:
-            return metrics
-        elapsed_s = max((self.finished_at or time.monotonic()) - self.started_at, 1e-9)
-        return {**metrics, **self.stats.metrics(), "rollout/samples_per_second": self.stats.num_samples / elapsed_s}
 
 
 class RolloutManager:
@@ -94,7 +53,7 @@ class RolloutManager:
     def __init__(self, buffer: BufferClient, reward: RewardClient, router_url: str, *, model_path: str = "",
                  router_policy: str = "round_robin", request_timeout_s: float = 120.0, max_generate_attempts: int = 5,
                  retry_delay_s: float = 1.0, transport: httpx.AsyncBaseTransport | None = None,
-                 version_now: Callable[[], str | None] | None = None) -> None:
+                 version_now: Callable[[], str | None] | None = None, batch_groups: bool = True) -> None:
         self.buffer = buffer
         self.version_now = version_now  # the pool's settled weight version, recorded with each request
         self.reward = reward
@@ -103,16 +62,15 @@ class RolloutManager:
         self.sticky_routing = router_policy in STICKY_POLICIES
         self.max_generate_attempts = max_generate_attempts
         self.retry_delay_s = retry_delay_s
-        # No keep-alive: reused connections through sglang-router 0.3.2 stall at 100+ concurrent requests
-        # (bench/rollout_scaling.py: 84 samples/s and 5.5 s worst latency with keep-alive, 271/s and 0.77 s without).
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
-                                      limits=httpx.Limits(max_connections=MAX_CONCURRENT_REQUESTS,
-                                                          max_keepalive_connections=0),
-                                      transport=transport)
+        # a group's fresh samples in one /generate: 8x fewer requests for the manager, the router and the engines
+        self.batch_groups = batch_groups
+        # aiohttp with kept-alive connections (router_http.py says why not httpx); a scripted transport in tests
+        self.http: Poster = (AiohttpPoster(MAX_CONCURRENT_REQUESTS, request_timeout_s) if transport is None else
+                             HttpxPoster(httpx.AsyncClient(timeout=request_timeout_s, transport=transport)))
         self.aborter = EngineAborter(self.router_url, transport=transport)
         self.slots = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self.encoders: dict[str, PromptEncoder] = {}
-        self.runs: dict[tuple[str, int], _Run] = {}
+        self.runs: dict[tuple[str, int], Run] = {}
         self.evals: dict[tuple[str, int], asyncio.Task] = {}
         self.partial = PartialGroups()
 
@@ -125,10 +83,10 @@ class RolloutManager:
         return self.encoders[path]
 
     def _generation(self, config: RolloutConfig, rollout_id: int, evaluation: bool) -> Generation:
-        return new_generation(config, self._encoder(config), rollout_id, evaluation=evaluation, http=self.http,
-                              router_url=self.router_url, sticky_routing=self.sticky_routing,
+        return new_generation(config, self._encoder(config), self.reward, rollout_id, evaluation=evaluation,
+                              http=self.http, router_url=self.router_url, sticky_routing=self.sticky_routing,
                               max_attempts=self.max_generate_attempts, retry_delay_s=self.retry_delay_s,
-                              slots=self.slots, version_now=self.version_now)
+                              slots=self.slots, version_now=self.version_now, batch_groups=self.batch_groups)
 
     def _filter(self, config: RolloutConfig) -> Callable[..., Any] | None:
         if not config.dynamic_sampling_filter_path:
@@ -150,7 +108,7 @@ class RolloutManager:
         run = self.runs.get(key)
         if run is not None and (run.state == RolloutState.RUNNING or (run.state == RolloutState.DONE and not stream)):
             return True  # a stopped stream starts again (its trainer resumed)
-        run = _Run(gen=self._generation(config, rollout_id, evaluation=False), rollout_id=rollout_id,
+        run = Run(gen=self._generation(config, rollout_id, evaluation=False), rollout_id=rollout_id,
                    weight_version=weight_version, filter_fn=self._filter(config))
         self._forget_finished()
         self.runs[key] = run
@@ -184,7 +142,7 @@ class RolloutManager:
 
     # ----- one rollout -----
 
-    async def _run(self, run: _Run) -> None:
+    async def _run(self, run: Run) -> None:
         config, target = run.config, run.config.rollout_batch_size
         pending: dict[asyncio.Task, Prompt] = {}
         async with self._ending(run, pending):
@@ -204,15 +162,12 @@ class RolloutManager:
                     continue
                 empty_since = None
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if run.num_groups_done >= target:
-                        break  # the rest is surplus: drained below
-                    await self._settle(run, pending.pop(task), task, num_pending=len(pending))
+                await self._settle(run, pending, done, limit=target)
             await self._drain(run, pending)
             run.state = RolloutState.DONE
             log.info("%s done: %d groups; %s", run.name, run.num_groups_done, run.metrics())
 
-    async def _stream(self, run: _Run) -> None:
+    async def _stream(self, run: Run) -> None:
         """fully_async: generate across rollout boundaries until StopRollout, keeping max_inflight_groups groups
         generating or written and not yet taken by the trainer (buffer TakeBatch)."""
         config = run.config
@@ -227,10 +182,9 @@ class RolloutManager:
                     await asyncio.sleep(EMPTY_LEASE_POLL_S)
                     continue
                 done, _ = await asyncio.wait(pending, timeout=EMPTY_LEASE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    await self._settle(run, pending.pop(task), task, num_pending=len(pending))
+                await self._settle(run, pending, done, limit=None)
 
-    async def _await_weights(self, run: _Run) -> None:
+    async def _await_weights(self, run: Run) -> None:
         """Generate nothing until the engines hold the trainer's weights. The trainer pushes its weights before its
         first rollout, so the pool holds the version a rollout starts with; a manager restarted mid-job holds none
         (its engines serve the checkpoint they started from) until the trainer announces its snapshot, right after
@@ -247,7 +201,7 @@ class RolloutManager:
                     "engine_join_mode sync there is none to load): resume the job from its last checkpoint")
             await asyncio.sleep(WEIGHTS_POLL_S)
 
-    async def _lease_groups(self, run: _Run, pending: dict[asyncio.Task, Prompt], count: int) -> None:
+    async def _lease_groups(self, run: Run, pending: dict[asyncio.Task, Prompt], count: int) -> None:
         """Lease up to `count` prompts and start a group task for each."""
         prompts = await asyncio.to_thread(self.buffer.lease_prompts, run.config.job_id, run.rollout_id, count,
                                           run.config.lease_timeout_s)
@@ -256,7 +210,7 @@ class RolloutManager:
             pending[asyncio.create_task(self._group(run, prompt))] = prompt
 
     @contextlib.asynccontextmanager
-    async def _ending(self, run: _Run, pending: dict[asyncio.Task, Prompt]) -> AsyncIterator[None]:
+    async def _ending(self, run: Run, pending: dict[asyncio.Task, Prompt]) -> AsyncIterator[None]:
         """How a run ends: an error is recorded (reported through status(); the service stays up), cancellation
         goes on; either way its groups stop and its leases go back."""
         try:
@@ -268,7 +222,7 @@ class RolloutManager:
         finally:
             await self._stop_groups(run, pending)
 
-    def _fail(self, run: _Run, err: BaseException) -> None:
+    def _fail(self, run: Run, err: BaseException) -> None:
         """Record how a run ended early: stopped (StopRollout), cancelled (the manager stops) or failed."""
         if isinstance(err, asyncio.CancelledError):
             run.state = RolloutState.DONE if run.stopping else RolloutState.FAILED
@@ -279,15 +233,32 @@ class RolloutManager:
             run.state, run.error = RolloutState.FAILED, str(err) if isinstance(err, PhysarumError) else repr(err)
             log.error("%s failed: %s", run.name, run.error, exc_info=not isinstance(err, PhysarumError))
 
-    async def _stop_groups(self, run: _Run, pending: dict[asyncio.Task, Prompt]) -> None:
+    async def _stop_groups(self, run: Run, pending: dict[asyncio.Task, Prompt]) -> None:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await self._return_leases(run, list(run.leased))
         run.finished_at = time.monotonic()
 
-    async def _settle(self, run: _Run, prompt: Prompt, task: asyncio.Task, num_pending: int) -> None:
-        """A group finished: write it, drop it (dynamic filter) or, if it failed, give its prompt back."""
+    async def _settle(self, run: Run, pending: dict[asyncio.Task, Prompt], done: set[asyncio.Task],
+                      limit: int | None) -> None:
+        """Groups finished: each is kept, dropped (dynamic filter) or, if it failed, its prompt goes back; what is
+        kept or dropped goes to the buffer in one call. Once `limit` groups are done the rest stays in `pending`
+        (surplus, drained by the caller)."""
+        writes: list[tuple[Prompt, list[Sample], int]] = []
+        for task in done:
+            kept = sum(rollout_id == run.rollout_id for _, _, rollout_id in writes)
+            if limit is not None and run.num_groups_done + kept >= limit:
+                break
+            prompt = pending.pop(task)
+            rollout_id = await self._judge(run, prompt, task, num_pending=len(pending) + kept)
+            if rollout_id is not None:
+                writes.append((prompt, task.result(), rollout_id))
+        await self._write(run, writes)
+
+    async def _judge(self, run: Run, prompt: Prompt, task: asyncio.Task, num_pending: int) -> int | None:
+        """Where a finished group goes: this rollout, DROPPED_ROLLOUT_ID (dynamic filter) or, if it failed, nowhere
+        (its prompt is given back). num_pending counts the groups kept or in flight besides this one."""
         config = run.config
         try:
             samples = task.result()
@@ -305,52 +276,57 @@ class RolloutManager:
             if run.num_failed_in_a_row >= limit:
                 raise Unavailable(f"{run.name}: {run.num_failed_in_a_row} groups in a row failed; last error: "
                                   f"{err}") from None
-            return
+            return None
         run.num_failed_in_a_row = 0
         if run.filter_fn is not None:
             output = filters.call_filter(run.filter_fn, run.gen.args, samples)
             if filters.should_drop(output, num_remaining=run.num_groups_done + num_pending + 1,
                                    target=config.rollout_batch_size):
                 run.drops[filters.drop_metric(output.reason)] += 1
-                await self._write(run, prompt, samples, DROPPED_ROLLOUT_ID)
                 run.num_dropped_in_a_row += 1
                 if run.num_dropped_in_a_row >= MAX_DROPS_PER_GROUP * config.rollout_batch_size:
                     raise FailedPrecondition(f"{run.name}: dynamic_sampling_filter_path "
                                              f"{config.dynamic_sampling_filter_path} dropped "
                                              f"{run.num_dropped_in_a_row} groups in a row ({dict(run.drops)})")
-                return
+                return DROPPED_ROLLOUT_ID
         run.num_dropped_in_a_row = 0
-        if await self._write(run, prompt, samples, run.rollout_id):
-            run.num_groups_done += 1
-        elif run.rollout_id != STREAM_ROLLOUT_ID:
-            # Already stored, maybe by this very write: PutGroups retried after its reply was lost (the buffer or Redis
-            # died) finds its own group. Count what the rollout holds, or it gets a group more than its batch, which
-            # no one trains and no one generates again.
-            run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
+        return run.rollout_id
 
-    async def _write(self, run: _Run, prompt: Prompt, samples: list[Sample], rollout_id: int) -> bool:
-        """Store the group (acking its lease); False if it was already stored."""
-        config = run.config
-        group = SampleGroup(group_id=group_id_for(config.job_id, prompt.epoch, prompt.index), job_id=config.job_id,
-                            rollout_id=rollout_id, prompt_index=prompt.index, epoch=prompt.epoch, samples=samples,
-                            lease_id=prompt.lease_id)
-        result = await asyncio.to_thread(self.buffer.put_groups, [group])
-        run.leased.pop(prompt.lease_id, None)
-        if not result.num_written:
-            log.warning("%s: group %s was already in the buffer", run.name, group.group_id)
-            return False
-        if rollout_id == run.rollout_id:
-            run.record(samples)
-        return True
+    async def _write(self, run: Run, writes: list[tuple[Prompt, list[Sample], int]]) -> None:
+        """Store the groups in one PutGroups (acking their leases) and count the ones kept."""
+        if not writes:
+            return
+        job = run.config.job_id
+        groups = [SampleGroup(group_id=group_id_for(job, prompt.epoch, prompt.index), job_id=job, rollout_id=rollout_id,
+                              prompt_index=prompt.index, epoch=prompt.epoch, samples=samples, lease_id=prompt.lease_id)
+                  for prompt, samples, rollout_id in writes]
+        result = await asyncio.to_thread(self.buffer.put_groups, groups)
+        for prompt, _, _ in writes:
+            run.leased.pop(prompt.lease_id, None)
+        kept = [samples for _, samples, rollout_id in writes if rollout_id == run.rollout_id]
+        if not result.num_duplicate:
+            run.num_groups_done += len(kept)
+            for samples in kept:
+                run.record(samples)
+            return
+        # Some were stored already, maybe by this very write: PutGroups retried after its reply was lost (the buffer
+        # or Redis died) finds its own groups. The statistics leave this write out (which groups were new is not
+        # known); the count comes from the buffer, or the rollout gets groups more than its batch, which no one
+        # trains and no one generates again. A stream counts the fewest the write can have kept.
+        log.warning("%s: %d of %d groups were already in the buffer", run.name, result.num_duplicate, len(groups))
+        if run.rollout_id == STREAM_ROLLOUT_ID:
+            run.num_groups_done += max(0, result.num_written - (len(groups) - len(kept)))
+        else:
+            run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, job, run.rollout_id)
 
-    async def _drain(self, run: _Run, pending: dict[asyncio.Task, Prompt]) -> None:
+    async def _drain(self, run: Run, pending: dict[asyncio.Task, Prompt]) -> None:
         """The batch is full: stop the surplus groups (drain.py) and give their prompts back."""
         if not pending:
             return
         await drain_surplus(run.gen, run.rollout_id, pending, self.aborter, self.partial)
         await self._return_leases(run, [prompt.lease_id for prompt in pending.values()])
 
-    async def _return_leases(self, run: _Run, lease_ids: list[str]) -> None:
+    async def _return_leases(self, run: Run, lease_ids: list[str]) -> None:
         """Give prompts back at once; if the buffer cannot be reached they come back when their lease expires."""
         for lease_id in lease_ids:
             run.leased.pop(lease_id, None)
@@ -364,7 +340,7 @@ class RolloutManager:
 
     # ----- one group -----
 
-    async def _group(self, run: _Run, prompt: Prompt) -> list[Sample]:
+    async def _group(self, run: Run, prompt: Prompt) -> list[Sample]:
         """The scored group answering one prompt (for sft_loss: built from the label). A group the manager is
         aborting comes back unscored, with what it generated."""
         config, gen = run.config, run.gen
@@ -381,7 +357,7 @@ class RolloutManager:
         samples = await generate_group(gen, samples)
         if gen.ctx.aborting or any(s.status == Status.ABORTED for s in samples):
             return samples
-        await score_group(self.reward, config, gen.args, samples, f"{run.name}: prompt {prompt.index}")
+        await score_group(gen.scorer, gen.args, samples, f"{run.name}: prompt {prompt.index}")
         return samples
 
     # ----- eval -----
@@ -393,7 +369,7 @@ class RolloutManager:
         task = self.evals.get(key)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             gen = self._generation(config, rollout_id, evaluation=True)
-            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, self.reward, gen, rollout_id),
+            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, gen, rollout_id),
                                                            name=gen.ctx.name)
             self.evals[key] = task
             for old in list(self.evals)[: max(0, len(self.evals) - MAX_FINISHED_RUNS)]:

@@ -1,7 +1,8 @@
 """Rewards for a finished group: the reward service, per sample (rm_type or custom_rm_path), or, with slime's
 --group-rm, the user's `async def f(args, samples) -> list[float]`, called once per group in this process.
 
-A failing scorer gives its samples reward 0 and a reward_error; it never fails the rollout.
+A failing scorer gives its samples reward 0 and a reward_error; it never fails the rollout. The groups of one rollout
+that finish together are scored in one reward-service call (ServiceScorer).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.common.errors import InvalidArgument, PhysarumError
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Sample
 from services.rollout.client import RolloutConfig
+from services.rollout.generation.batcher import Batcher
 
 if TYPE_CHECKING:
     from services.reward.client import RewardClient
@@ -26,6 +28,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP_EXPECTED = "async def f(args, samples) -> list[float]"
+MAX_SAMPLES_PER_CALL = 1024  # one reward-service call scores at most this many samples (whole groups)
+
+
+class ServiceScorer:
+    """The reward service for one rollout (or eval): the groups waiting to be scored go out in one call."""
+
+    def __init__(self, reward: RewardClient, config: RolloutConfig) -> None:
+        self.reward, self.config = reward, config
+        self.batcher: Batcher[list[Sample], list[Any]] = Batcher(self._score_groups, MAX_SAMPLES_PER_CALL, size=len)
+
+    async def score(self, samples: list[Sample]) -> list[Any]:
+        """The reward service's ScoreResult for each sample (raises what RewardClient.score raises)."""
+        return await self.batcher.submit(samples)
+
+    async def _score_groups(self, groups: list[list[Sample]]) -> list[list[Any]]:
+        config = self.config
+        results = await asyncio.to_thread(
+            self.reward.score, [s for group in groups for s in group], rm_type=config.rm_type,
+            custom_rm_path=config.custom_rm_path, reward_key=config.reward_key, timeout_s=config.reward_timeout_s,
+            args=config.args)
+        out, start = [], 0
+        for group in groups:
+            out.append(results[start:start + len(group)])
+            start += len(group)
+        return out
 
 
 @functools.cache
@@ -36,10 +63,10 @@ def load_group_reward(path: str) -> Callable[..., Any]:
                                  num_params=2)
 
 
-async def score_group(reward: RewardClient, config: RolloutConfig, args: Any, samples: list[Sample],
-                      what: str) -> None:
+async def score_group(scorer: ServiceScorer, args: Any, samples: list[Sample], what: str) -> None:
     """Set reward, reward_scores and reward_error on every sample of the group. As in slime, a reward the generate
     function already set is kept (only group_rm rescores the whole group)."""
+    config = scorer.config
     if config.group_rm:
         await _score_with_group_function(config, args, samples, what)
         return
@@ -49,14 +76,12 @@ async def score_group(reward: RewardClient, config: RolloutConfig, args: Any, sa
             sample.reward, config.reward_key, "the reward the generate function set")
     todo = [s for s in samples if not any(s is p for p in preset)]
     if todo:
-        await _score_with_service(reward, config, todo, what)
+        await _score_with_service(scorer, todo, what)
 
 
-async def _score_with_service(reward: RewardClient, config: RolloutConfig, samples: list[Sample], what: str) -> None:
+async def _score_with_service(scorer: ServiceScorer, samples: list[Sample], what: str) -> None:
     try:
-        results = await asyncio.to_thread(
-            reward.score, samples, rm_type=config.rm_type, custom_rm_path=config.custom_rm_path,
-            reward_key=config.reward_key, timeout_s=config.reward_timeout_s, args=config.args)
+        results = await scorer.score(samples)
     except InvalidArgument:
         raise
     except PhysarumError as err:
