@@ -118,7 +118,7 @@ def make_pool(replicas: int = 1, **config) -> tuple[EnginePool, FakeLauncher, Fa
     return pool, launcher, router, fleet
 
 
-async def until(check, timeout_s: float = 3.0, what: str = "condition") -> None:
+async def until(check, timeout_s: float = 30.0, what: str = "condition") -> None:  # generous: loaded CI
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, f"{what}: not true after {timeout_s} s"
