@@ -119,8 +119,9 @@ class WeightUpdater:
         # NCCL receives on the model's GPU, gloo in host memory; _load copies into the parameters either way
         nccl = self.backends.get(group_name) == "nccl"
         device = self.engine.model.device if nccl else torch.device("cpu")
-        buffers = [self._buffer(name, dtype, shape, device)
-                   for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
+        keys = [(name, dtype, tuple(int(d) for d in shape), str(device))
+                for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
+        buffers = [self._buffer(key) for key in keys]
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
         with self.engine.exclusive(self.timeout_s), self._groups_locked():
@@ -130,13 +131,12 @@ class WeightUpdater:
             works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
             for work in works:
                 work.wait()
-            self._load(list(zip(names, buffers, strict=True)), weight_version)
+            self._load(list(zip(names, buffers, strict=True)), weight_version, keys=keys)
         return "Succeeded to update parameter online."
 
-    def _buffer(self, name: str, dtype: str, shape: list[int], device: torch.device) -> torch.Tensor:
-        key = (name, dtype, tuple(int(d) for d in shape), str(device))
+    def _buffer(self, key: tuple[str, str, tuple[int, ...], str]) -> torch.Tensor:
         if key not in self.buffers:
-            self.buffers[key] = torch.empty(key[2], dtype=_dtype(dtype), device=device)
+            self.buffers[key] = torch.empty(key[2], dtype=_dtype(key[1]), device=torch.device(key[3]))
         return self.buffers[key]
 
     def update_from_disk(self, model_path: str, weight_version: str | None = None,
@@ -154,7 +154,11 @@ class WeightUpdater:
             self._load(named, weight_version)
         return f"Succeeded to update model weights from {model_path} ({len(named)} tensors)."
 
-    def _load(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+    def _load(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None,
+              keys: list[tuple[str, str, tuple[int, ...], str]] | None = None) -> None:
+        """Check every tensor against the model, then load them all. With `keys` the tensors are this updater's
+        receive buffers: one that matches its parameter's dtype and device becomes the parameter's storage and the
+        parameter's old storage becomes the next sync's buffer (a swap: no model-sized copy per sync)."""
         for name, tensor in named:
             param = self.params.get(name)
             if param is None:
@@ -162,9 +166,16 @@ class WeightUpdater:
             if tuple(param.shape) != tuple(tensor.shape):
                 raise InvalidArgument(f"parameter {name!r}: shape {list(tensor.shape)} does not match the model's "
                                       f"{list(param.shape)}")
+        swapped: set[int] = set()
         with torch.no_grad():
-            for name, tensor in named:
-                self.params[name].copy_(tensor)
+            for i, (name, tensor) in enumerate(named):
+                param = self.params[name]
+                if keys is None or id(tensor) in swapped or (param.dtype, param.device) != (tensor.dtype,
+                                                                                           tensor.device):
+                    param.copy_(tensor)
+                    continue
+                self.buffers[keys[i]], param.data = param.data, tensor
+                swapped.add(id(tensor))
         if weight_version is not None and str(weight_version) != self.engine.weight_version:
             log.info("weight_version %s -> %s", self.engine.weight_version, weight_version)
             self.engine.weight_version = str(weight_version)
