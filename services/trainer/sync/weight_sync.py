@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.common import safetensors_io
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
 from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
@@ -324,16 +325,15 @@ def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str 
     """Save the weights under HF names as `root/weight_v<version>/model.safetensors` (plus the base model's config and
     tokenizer files, so SGLang's /update_weights_from_disk can read it); written aside, then renamed into place.
     Older snapshots beyond the newest `keep` are deleted. Returns the snapshot's directory."""
-    from safetensors.torch import save_file
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = snapshot_path(root, version)
     staging = root / f".staging-{final.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}
-    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt", "weight_version": str(version)})
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}  # each name once
+    safetensors_io.write(staging / "model.safetensors", tensors.items(),
+                         metadata={"format": "pt", "weight_version": str(version)})
     if base_model_dir:
         copy_side_files(base_model_dir, staging)
     shutil.rmtree(final, ignore_errors=True)
