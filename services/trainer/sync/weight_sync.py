@@ -127,7 +127,7 @@ class WeightBroadcaster:
 
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 60.0,
-                 bucket_bytes: int = 64 << 20, pause_mode: str = "in_place",
+                 bucket_bytes: int = 512 << 20, pause_mode: str = "in_place",  # SyncConfig's default
                  model_dir: str | Path | None = None) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
