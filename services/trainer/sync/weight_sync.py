@@ -226,15 +226,16 @@ class WeightBroadcaster:
         wait_s = self.timeout_s + 1
         try:  # the engines stop only from pause_generation to continue_generation: the transfer itself
             paused_at = time.monotonic()
-            _on_all(self.clients, "pause_generation", lambda c: c.pause_generation(self.pause_mode), wait_s)
-            _on_all(self.clients, "begin_weight_update", lambda c: c.begin_weight_update(), wait_s)
+            # each engine's calls in the protocol's order, without a barrier across engines between them
+            _on_all(self.clients, "pause_generation, begin_weight_update",
+                    lambda c: (c.pause_generation(self.pause_mode), c.begin_weight_update()), wait_s)
             for bucket in buckets(named_tensors, self.bucket_bytes):
                 self._push_bucket(bucket, weight_version)
                 stats["num_buckets"] += 1
                 stats["num_tensors"] += len(bucket)
                 stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-            _on_all(self.clients, "end_weight_update", lambda c: c.end_weight_update(), wait_s)
-            _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
+            _on_all(self.clients, "end_weight_update, continue_generation",
+                    lambda c: (c.end_weight_update(), c.continue_generation()), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
             failed = self._recover(err)
