@@ -54,17 +54,18 @@ def write(path: str | Path, named: Iterable[tuple[str, torch.Tensor]], metadata:
 
 def read_header(path: str | Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], int]:
     """Each tensor's (dtype, shape, start, end) by name, and where the data begins in the file."""
-    with open(path, "rb") as src:
-        (length,) = struct.unpack("<Q", src.read(8))
-        header = json.loads(src.read(length))
-    entries = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if meta["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {meta['dtype']}, which this reader does not know")
-        start, end = meta["data_offsets"]
-        entries[name] = (DTYPES[meta["dtype"]], tuple(meta["shape"]), int(start), int(end))
+    try:
+        with open(path, "rb") as src:
+            (length,) = struct.unpack("<Q", src.read(8))
+            header = json.loads(src.read(length))
+        entries = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            entries[name] = (DTYPES[meta["dtype"]], tuple(int(d) for d in meta["shape"]), int(start), int(end))
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a safetensors file this reader knows ({type(err).__name__}: {err})") from err
     return entries, 8 + length
 
 

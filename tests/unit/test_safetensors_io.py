@@ -50,3 +50,10 @@ def test_read_into_refuses_a_target_of_another_shape(tmp_path):
 def test_write_refuses_a_non_contiguous_tensor(tmp_path):
     with pytest.raises(ValueError, match="'t': write takes contiguous CPU tensors"):
         safetensors_io.write(tmp_path / "x.safetensors", [("t", torch.ones(3, 4).t())])
+
+
+def test_read_header_names_a_file_that_is_not_safetensors(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(ValueError, match="model.safetensors: not a safetensors file this reader knows"):
+        safetensors_io.read_header(path)
