@@ -46,7 +46,11 @@ def start_sim(work: Path, num_engines: int, latency_s: float) -> tuple[procs.Man
 
 
 def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
-    """WeightBroadcaster.init_group with every engine: health checks, drop of the old group, all ranks joining."""
+    """WeightBroadcaster.init_group with every engine: health checks, drop of the old group, all ranks joining.
+
+    Each rank's store connection formats its address with getnameinfo (torch's c10d), a reverse DNS query for a
+    v4-mapped loopback address that /etc/hosts cannot answer: where the resolver drops one, glibc waits its timeout
+    (5 s by default) before asking again, and the whole group waits for that rank."""
     from services.trainer.sync.weight_sync import WeightBroadcaster
 
     times = []
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     sim, urls = start_sim(work, args.engines, args.latency_s)
     started = [sim]
     try:
-        rebuild = rebuild_seconds(urls, repeats=2)
+        rebuild = rebuild_seconds(urls, repeats=3)
         print(f"weight group rebuild with {len(urls)} engines: {', '.join(f'{s:.2f}' for s in rebuild)} s", flush=True)
         redis, redis_url = procs.start_redis(work / "redis", appendfsync="everysec")
         started.append(redis)

@@ -72,7 +72,11 @@ class SimEngine:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def drop_group(self, name: str) -> bool:
-        return self.groups.pop(name, None) is not None
+        """As the CPU engine does: the group's teardown (a connection to every peer) runs on a thread of its own."""
+        last = [self.groups.pop(name, None)]
+        found = last[0] is not None
+        threading.Thread(target=last.clear, daemon=True).start()
+        return found
 
     async def handle(self, method: str, path: str, body: dict) -> tuple[int, dict | list[dict]]:
         path = path.split("?")[0]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.common import safetensors_io
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from services.engine.generation import Engine
 
@@ -92,6 +93,9 @@ class WeightUpdater:
             if group is None:
                 raise NotFound(f"weight update group {group_name!r} does not exist")
             dist.destroy_process_group(group)
+            # gloo's teardown closes the connection to every peer (0.65 s in a group of 65): not on the caller's time
+            last, group = [group], None
+            threading.Thread(target=last.clear, name="weight-group-drop", daemon=True).start()
         return "Succeeded to destroy custom process group."
 
     def begin(self, selector: str = "all") -> str:
@@ -119,8 +123,9 @@ class WeightUpdater:
         # NCCL receives on the model's GPU, gloo in host memory; _load copies into the parameters either way
         nccl = self.backends.get(group_name) == "nccl"
         device = self.engine.model.device if nccl else torch.device("cpu")
-        buffers = [self._buffer(name, dtype, shape, device)
-                   for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
+        keys = [(name, dtype, tuple(int(d) for d in shape), str(device))
+                for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
+        buffers = [self._buffer(key) for key in keys]
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
         with self.engine.exclusive(self.timeout_s), self._groups_locked():
@@ -130,44 +135,67 @@ class WeightUpdater:
             works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
             for work in works:
                 work.wait()
-            self._load(list(zip(names, buffers, strict=True)), weight_version)
+            self._load(list(zip(names, buffers, strict=True)), weight_version, keys=keys)
         return "Succeeded to update parameter online."
 
-    def _buffer(self, name: str, dtype: str, shape: list[int], device: torch.device) -> torch.Tensor:
-        key = (name, dtype, tuple(int(d) for d in shape), str(device))
+    def _buffer(self, key: tuple[str, str, tuple[int, ...], str]) -> torch.Tensor:
         if key not in self.buffers:
-            self.buffers[key] = torch.empty(key[2], dtype=_dtype(dtype), device=device)
+            self.buffers[key] = torch.empty(key[2], dtype=_dtype(key[1]), device=torch.device(key[3]))
         return self.buffers[key]
 
     def update_from_disk(self, model_path: str, weight_version: str | None = None,
                          abort_all_requests: bool = False) -> str:
-        """Load every *.safetensors file of `model_path`; on any mismatch nothing changes."""
-        from safetensors.torch import load_file
-
+        """Load every *.safetensors file of `model_path`; on any mismatch nothing changes. Each tensor is read
+        (readinto, no mapping: page faults on a mapped file cost more than the copy) into this updater's receive
+        buffer, which then becomes the parameter's storage, as for a broadcast."""
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise NotFound(f"update_weights_from_disk: no *.safetensors file in {model_path!r}")
-        named = [item for f in files for item in load_file(str(f)).items()]
+        headers = [(f, safetensors_io.read_header(f)[0]) for f in files]
+        keys = [(name, str(dtype).removeprefix("torch."), shape, "cpu")
+                for _, entries in headers for name, (dtype, shape, _, _) in entries.items()]
+        self._check([(key[0], key[2]) for key in keys])
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_disk")
         with self.engine.exclusive(self.timeout_s):
-            self._load(named, weight_version)
+            named = []
+            for path, entries in headers:
+                targets = {name: self._buffer((name, str(dtype).removeprefix("torch."), shape, "cpu"))
+                           for name, (dtype, shape, _, _) in entries.items()}
+                safetensors_io.read_into(path, targets)
+                named += targets.items()
+            self._load(named, weight_version, keys=keys)
         return f"Succeeded to update model weights from {model_path} ({len(named)} tensors)."
 
-    def _load(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
-        for name, tensor in named:
-            param = self.params.get(name)
-            if param is None:
-                raise InvalidArgument(f"unknown parameter {name!r}: not a parameter of the served model")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise InvalidArgument(f"parameter {name!r}: shape {list(tensor.shape)} does not match the model's "
-                                      f"{list(param.shape)}")
+    def _load(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None,
+              keys: list[tuple[str, str, tuple[int, ...], str]] | None = None) -> None:
+        """Check every tensor against the model, then load them all. With `keys` the tensors are this updater's
+        receive buffers: one that matches its parameter's dtype and device becomes the parameter's storage and the
+        parameter's old storage becomes the next sync's buffer (a swap: no model-sized copy per sync)."""
+        self._check([(name, tuple(tensor.shape)) for name, tensor in named])
+        swapped: set[int] = set()
         with torch.no_grad():
-            for name, tensor in named:
-                self.params[name].copy_(tensor)
+            for i, (name, tensor) in enumerate(named):
+                param = self.params[name]
+                if keys is None or id(tensor) in swapped or (param.dtype, param.device) != (tensor.dtype,
+                                                                                           tensor.device):
+                    param.copy_(tensor)
+                    continue
+                self.buffers[keys[i]], param.data = param.data, tensor
+                swapped.add(id(tensor))
         if weight_version is not None and str(weight_version) != self.engine.weight_version:
             log.info("weight_version %s -> %s", self.engine.weight_version, weight_version)
             self.engine.weight_version = str(weight_version)
+
+    def _check(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Every name is a parameter of the served model, of that shape."""
+        for name, shape in shapes:
+            param = self.params.get(name)
+            if param is None:
+                raise InvalidArgument(f"unknown parameter {name!r}: not a parameter of the served model")
+            if tuple(param.shape) != tuple(shape):
+                raise InvalidArgument(f"parameter {name!r}: shape {list(shape)} does not match the model's "
+                                      f"{list(param.shape)}")
 
     def get_weights(self, name: str, truncate_size: int = 100) -> list[float]:
         param = self.params.get(name)

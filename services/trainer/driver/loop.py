@@ -137,16 +137,14 @@ def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
 def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend: TrainBackend,
         ctx: JobContext | None, deps: TrainerDeps) -> None:
     """The rollout -> train -> checkpoint -> weights loop of every mode; the feed is where the modes differ."""
-    from services.trainer.sync.shm import SharedMemoryBroadcaster
-    from services.trainer.sync.weight_sync import WeightBroadcaster
+    from services.trainer.sync.auto import make_broadcaster
 
     world = deps.world
     lead, engines, last = world.rank == 0, driver.engines, driver.num_rollout - 1
     start_id = resume(driver, backend, deps)
-    sync_cls = SharedMemoryBroadcaster if sync.weight_sync_backend == "shm" else WeightBroadcaster
-    broadcaster = sync_cls([], master_address=deps.master_address, backend=sync.weight_sync_backend,
-                           timeout_s=sync.weight_sync_timeout_s, bucket_bytes=sync.update_weight_buffer_size,
-                           model_dir=driver.hf_checkpoint) if lead and engines else None
+    broadcaster = make_broadcaster(sync.weight_sync_backend, [], master_address=deps.master_address,
+                                   timeout_s=sync.weight_sync_timeout_s, bucket_bytes=sync.update_weight_buffer_size,
+                                   model_dir=driver.hf_checkpoint) if lead and engines else None
     writer = metrics_writer(driver, deps, rollout.args) if lead else None
     feed = make_feed(driver, rollout, deps, ctx) if lead else None
     if start_id:

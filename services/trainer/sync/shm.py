@@ -59,10 +59,11 @@ class SharedMemoryBroadcaster(WeightBroadcaster):
         try:
             path = write_snapshot(named, self.root, weight_version, base_model_dir=self.model_dir, keep=1)
             paused_at = time.monotonic()
+            # every engine paused before any loads (an engine gone leaves the others at the old version), then each
+            # loads and continues on its own
             _on_all(self.clients, "pause_generation", lambda c: c.pause_generation(self.pause_mode), wait_s)
-            _on_all(self.clients, "update_weights_from_disk",
-                    lambda c: c.update_weights_from_disk(path, weight_version), wait_s)
-            _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
+            _on_all(self.clients, "update_weights_from_disk, continue_generation",
+                    lambda c: (c.update_weights_from_disk(path, weight_version), c.continue_generation()), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
             failed = self._recover(err)
