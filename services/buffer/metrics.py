@@ -58,6 +58,7 @@ class MeteredStore(BufferStore):
     def __init__(self, redis_url: str, metrics: BufferMetrics) -> None:
         super().__init__(redis_url)
         self.metrics = metrics
+        self.stale_seen: dict[str, tuple[int, int]] = {}  # job -> (dropped, regenerated) totals last answered
 
     async def lease(self, job_id: str, rollout_id: int, count: int, lease_timeout_s: float) -> list[Prompt]:
         prompts = await super().lease(job_id, rollout_id, count, lease_timeout_s)
@@ -75,12 +76,15 @@ class MeteredStore(BufferStore):
         self.metrics.groups_duplicate.inc(num_duplicate)
         return num_written, num_duplicate
 
-    async def take_batch_encoded(self, *args, **kwargs) -> tuple[list[bytes], int, int]:
+    async def take_batch_encoded(self, job_id: str, *args, **kwargs) -> tuple[list[bytes], int, int]:
         # the server's path (take_batch decodes what this returns, so it is counted here once)
-        groups, dropped, regenerated = await super().take_batch_encoded(*args, **kwargs)
+        groups, dropped, regenerated = await super().take_batch_encoded(job_id, *args, **kwargs)
         self.metrics.groups_taken.inc(len(groups))
-        self.metrics.groups_stale.labels("dropped").inc(dropped)
-        self.metrics.groups_stale.labels("regenerated").inc(regenerated)
+        # the store answers the job's totals so far: count only what is new since the last take
+        seen_dropped, seen_regenerated = self.stale_seen.get(job_id, (0, 0))
+        self.metrics.groups_stale.labels("dropped").inc(max(0, dropped - seen_dropped))
+        self.metrics.groups_stale.labels("regenerated").inc(max(0, regenerated - seen_regenerated))
+        self.stale_seen[job_id] = (max(dropped, seen_dropped), max(regenerated, seen_regenerated))
         return groups, dropped, regenerated
 
     async def all_stats(self) -> list[BufferStats]:
