@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 JOB_KEY = "physarum/job/{seq}"
 DONE_KEY = "physarum/done/{seq}/{rank}"
+CLOSED_KEY = "physarum/closed/{rank}"
+CLOSE_WAIT_S = 60.0  # rank 0 waits this long for the others to leave before it takes the store down
 STOP = b""  # the job payload that tells workers to exit
 JOB_WAIT_S = 600.0  # a worker's store wait is re-armed after this; a lost rank 0 ends it at once
 
@@ -122,8 +124,20 @@ class World:
         return missing
 
     def close(self) -> None:
-        if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the world. Rank 0 hosts the store, so it leaves last: once every other rank has destroyed its
+        process group (a rank whose store vanished during its teardown aborted: "terminate called without an active
+        exception", seen on a loaded machine)."""
+        if not (self.distributed and dist.is_initialized()):
+            return
+        dist.destroy_process_group()
+        if self.rank != 0:
+            self.store.set(CLOSED_KEY.format(rank=self.rank), b"1")
+            return
+        for rank in range(1, self.world_size):
+            try:
+                self.store.wait([CLOSED_KEY.format(rank=rank)], datetime.timedelta(seconds=CLOSE_WAIT_S))
+            except dist.DistError:
+                log.warning("rank %d did not leave the world within %.0f s; closing anyway", rank, CLOSE_WAIT_S)
 
 
 def init_world(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str = "gloo",
