@@ -28,8 +28,9 @@ def run_seed(seed: int, work: Path, sft_sets: list[str], grpo_sets: list[str], t
     model = tinymodel.build_tiny_model(work / f"model-{seed}", tasks.corpus(), seed=seed)
     train, test = tasks.write_addition_task(work / "task")
     test_rows = [json.loads(line) for line in test.read_text().splitlines()]
-    common = {"prompt_data": str(train), "seed": seed, "rollout_seed": seed}
-    sft_spec = {**load_job_file(EXAMPLES / "sft.yaml", sft_sets), **common, "hf_checkpoint": str(model)}
+    common = {"seed": seed, "rollout_seed": seed}
+    sft_spec = {**load_job_file(EXAMPLES / "sft.yaml", sft_sets), **common,
+                "prompt_data": str(train.parent / "sft.jsonl"), "hf_checkpoint": str(model)}
     sft_spec.pop("save_hf", None)
     start = time.monotonic()
     sft = InProcessLoop(sft_spec, num_threads=threads)
@@ -39,7 +40,7 @@ def run_seed(seed: int, work: Path, sft_sets: list[str], grpo_sets: list[str], t
     after_sft = sft.evaluate(test_rows)
     sft_s = time.monotonic() - start
     sft.backend.save_hf(work / f"sft-{seed}")
-    grpo_spec = {**load_job_file(EXAMPLES / "job.yaml", grpo_sets), **common,
+    grpo_spec = {**load_job_file(EXAMPLES / "job.yaml", grpo_sets), **common, "prompt_data": str(train),
                  "hf_checkpoint": str(work / f"sft-{seed}")}
     grpo = InProcessLoop(grpo_spec, num_threads=threads)
     curve = []

@@ -37,7 +37,8 @@ class InProcessLoop:
         self.rows = [json.loads(line) for line in Path(self.spec.prompt_data).read_text().splitlines()]
         self.order: list[int] = []
         self.rng = random.Random(self.spec.rollout_seed)
-        if self.spec.rm_type != "exact_match":  # the baseline scores in-process like the demo job
+        # the baseline scores in-process like the demo job; an SFT job is not scored
+        if self.spec.loss_type != "sft_loss" and self.spec.rm_type != "exact_match":
             raise ValueError(f"in-process loop: rm_type exact_match only, got {self.spec.rm_type!r}")
         self.score = exact_match
 
