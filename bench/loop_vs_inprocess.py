@@ -1,8 +1,8 @@
 """GRPO steps/s of the whole service loop against an in-process loop (same model, same batch, HF generate + the same
 loss and optimizer, no services), and where a step of the service loop goes.
 
-`python bench/loop_vs_inprocess.py [--rollouts 12]`. The job is the demo's GRPO job (examples/demo/job.yaml: 16
-prompts x 8 samples, global batch 64, 4 response tokens) on the demo's model. The service side runs on the local
+`python bench/loop_vs_inprocess.py [--rollouts 12]`. The job is the demo's GRPO job (examples/demo/job.yaml: 64
+prompts x 8 samples, global batch 512, 4 response tokens) on the demo's model. The service side runs on the local
 stack (`make demo`'s: 2 engines, 1 trainer rank with 2 threads); the in-process side is bench/inprocess_loop.py with
 2 threads, run before and after the service side (their mean counts, so a drift in other load falls on both). The
 first --warmup rollouts of each side are left out. Prints the ratio, the trainer's step time breakdown (generate

@@ -29,7 +29,7 @@ SCRIPTS = {
     "router_overhead": ["--requests", "200"],
     "buffer_vs_redis": ["--rounds", "10"],
     "reward_grpc": ["--calls", "20"],
-    "loop_vs_inprocess": ["--rollouts", "12"],
+    "loop_vs_inprocess": ["--rollouts", "6"],  # the demo job: 512 samples a rollout
     "control_plane": ["--rollouts", "4"],
     "rollout_scaling": ["--cpu-engines", "1,2,4", "--fake-engines", "1,8,32", "--duration-s", "3",
                         "--sync-join-repeats", "1"],
