@@ -126,3 +126,8 @@ def test_unknown_rm_type_is_refused_at_submit():
     assert parse_spec({**base, "rm_type": "boxed_deepscaler"}).rm_type == "boxed_deepscaler"
     assert parse_spec({**base, "rm_type": "remote_rm", "rm_url": "http://rm:8000/score"}).rm_url
     assert parse_spec({**base, "rm_type": "anything", "custom_rm_path": "pkg.mod.fn"}).custom_rm_path
+
+
+def test_a_warmup_as_long_as_the_job_is_fine_with_a_constant_lr():
+    spec = parse_spec({**BASE, "lr_warmup_iters": 3, "lr_decay_style": "constant"})  # 3 rollouts × 1 step
+    assert spec.lr_warmup_iters == 3

@@ -132,7 +132,8 @@ class TrainConfig:
                              "log-probs against the engines'")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
-        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+        if self.lr_decay_style != "constant" and self.lr_decay_iters is not None and \
+                self.lr_decay_iters <= self.lr_warmup_iters:  # a constant lr has no decay to end
             raise ValueError(f"lr_decay_iters ({self.lr_decay_iters}) must be > lr_warmup_iters "
                              f"({self.lr_warmup_iters})")
         if (self.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
