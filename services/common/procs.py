@@ -6,6 +6,7 @@ ever signalled by the PID this module started, after checking /proc/PID/cmdline 
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
@@ -20,11 +21,19 @@ from pathlib import Path
 HOST = "127.0.0.1"
 
 
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=4096)
+
+
 def free_port(host: str = HOST) -> int:
-    """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port that was free a moment ago (the OS picks it), and none this process handed out lately: ports picked
+    one after another before anything binds them could otherwise repeat (a buffer and a REST port got the same)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _RECENT_PORTS:
+            _RECENT_PORTS.append(port)
+            return port
 
 
 def cmdline_of(pid: int) -> list[str]:
