@@ -24,13 +24,14 @@ from physarum.cli import load_job_file  # noqa: E402
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples/demo"
 
 
-def run_seed(seed: int, work: Path, sft_sets: list[str], grpo_sets: list[str], threads: int) -> dict:
+def run_seed(seed: int, work: Path, sft_sets: list[str], grpo_sets: list[str], threads: int,
+             sft_on_all: bool = False) -> dict:
     model = tinymodel.build_tiny_model(work / f"model-{seed}", tasks.corpus(), seed=seed)
     train, test = tasks.write_addition_task(work / "task")
     test_rows = [json.loads(line) for line in test.read_text().splitlines()]
     common = {"seed": seed, "rollout_seed": seed}
     sft_spec = {**load_job_file(EXAMPLES / "sft.yaml", sft_sets), **common,
-                "prompt_data": str(train.parent / "sft.jsonl"), "hf_checkpoint": str(model)}
+                "prompt_data": str(train if sft_on_all else train.parent / "sft.jsonl"), "hf_checkpoint": str(model)}
     sft_spec.pop("save_hf", None)
     start = time.monotonic()
     sft = InProcessLoop(sft_spec, num_threads=threads)
@@ -64,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft", action="append", default=[], help="override an SFT job key (KEY=VALUE)")
     parser.add_argument("--grpo", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sft-on-all", action="store_true", help="warm up on every train pair, not only a <= b")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="physarum-demo-sweep-"))
-    results = [run_seed(int(s), work, args.sft, args.grpo, args.threads) for s in args.seeds.split(",")]
+    results = [run_seed(int(s), work, args.sft, args.grpo, args.threads, args.sft_on_all) for s in args.seeds.split(",")]
     print(json.dumps({"sft": args.sft, "grpo": args.grpo, "results": results}))
     return 0
 
