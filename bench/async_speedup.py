@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         for round_id in range(args.rounds):  # sync, one_step, fully, then fully, one_step, sync, ...: drift evens out
             for mode in MODES if round_id % 2 == 0 else MODES[::-1]:
-                spec = job_spec(model, data, args, job_id=f"bench-{mode}-{round_id}", mode=mode,
+                spec = job_spec(model, data, args, job_id=f"bench-{mode.replace('_', '-')}-{round_id}", mode=mode,
                                 num_rollout=args.num_rollout, response_len=length)
                 job_events, cpu_row = measure(state, spec, args)
                 events[mode].append(job_events)

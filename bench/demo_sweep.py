@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-on-all", action="store_true", help="warm up on every train pair, not only a <= b")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="physarum-demo-sweep-"))
-    results = [run_seed(int(s), work, args.sft, args.grpo, args.threads, args.sft_on_all) for s in args.seeds.split(",")]
+    results = [run_seed(int(seed), work, args.sft, args.grpo, args.threads, args.sft_on_all)
+               for seed in args.seeds.split(",")]
     print(json.dumps({"sft": args.sft, "grpo": args.grpo, "results": results}))
     return 0
 

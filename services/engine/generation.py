@@ -135,20 +135,32 @@ class Engine(Scheduler):
 
     @torch.no_grad()
     def _run_batch(self, batch: list[Request]) -> None:
+        """Prefill the batch, then decode; requests that arrive meanwhile join at a step boundary (`_admit`), and the
+        rows still running are prefilled again with them (their prompt and what they generated so far)."""
+        while self._decode(batch):
+            batch = list(self.running)  # the rows still running, then the ones that joined (set by `_admit`)
+
+    def _prefill(self, batch: list[Request]):
         from transformers import DynamicCache
 
-        size, width = len(batch), max(len(r.input_ids) for r in batch)
+        contexts = [r.input_ids + r.output_ids for r in batch]
+        size, width = len(batch), max(map(len, contexts))
         device = self.model.device  # the batch is padded on the host, then moved; sampling stays on the host
         input_ids = torch.full((size, width), self.pad_id, dtype=torch.long, device="cpu")
         mask = torch.zeros((size, width), dtype=torch.long, device="cpu")
-        for row, request in enumerate(batch):
-            input_ids[row, width - len(request.input_ids):] = torch.tensor(request.input_ids, dtype=torch.long,
-                                                                           device="cpu")
-            mask[row, width - len(request.input_ids):] = 1
+        for row, context in enumerate(contexts):
+            input_ids[row, width - len(context):] = torch.tensor(context, dtype=torch.long, device="cpu")
+            mask[row, width - len(context):] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+        return out, mask, positions
+
+    def _decode(self, batch: list[Request]) -> bool:
+        """Generate for `batch` until every row finished (False) or requests joined it (True: prefill again)."""
+        size, device = len(batch), self.model.device
+        out, mask, positions = self._prefill(batch)
         while True:
             logits = out.logits[:, -1, :].float().cpu()
             next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long, device="cpu")
@@ -164,7 +176,9 @@ class Engine(Scheduler):
                 if reason is not None:
                     done.append((request, reason))
             if not self._step_boundary(batch, done):
-                return
+                return False
+            if self._admit(batch):
+                return True
             mask = torch.cat([mask, mask.new_ones((size, 1))], dim=1)
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -236,13 +237,31 @@ class Scheduler:
             except Exception as err:
                 log.exception("batch of %d requests failed", len(batch))
                 with self.cond:
-                    for request in batch:
+                    for request in [*batch, *self.running]:  # running: with the requests that joined the batch
                         self._finish(request, abort_reason(f"engine error: {type(err).__name__}: {err}", 500))
             finally:
                 with self.cond:
                     self.running = []
                     self.parked = False
                     self.cond.notify_all()
+
+    def _admit(self, batch: list[Request]) -> list[Request]:
+        """Waiting requests that join the running `batch` at this step boundary (continuous batching), as many as fit
+        under max_batch_size; none while paused or while weights change. Joining costs a new prefill of the rows still
+        running, so requests join only while that is no more than twice their own prompt tokens: a burst of arrivals
+        joins the batch its first request started, one late request does not re-read a long batch's context."""
+        with self.cond:
+            active = [r for r in batch if not r.finished]
+            if not self._can_start_batch() or len(active) >= self.max_batch_size:
+                return []
+            joining = list(itertools.islice(self.waiting, self.max_batch_size - len(active)))
+            running_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in active)
+            if running_tokens > 2 * sum(len(r.input_ids) for r in joining):
+                return []
+            for _ in joining:
+                self.waiting.popleft()
+            self.running = active + joining
+            return joining
 
     def _finish_reason(self, request: Request) -> dict | None:
         """Why `request` stops after its last token, in SGLang's order of checks; None to go on."""

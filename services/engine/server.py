@@ -107,6 +107,10 @@ PUBLIC_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/serve
 MAX_BODY_BYTES = 16 << 20  # a longer request body is refused unread (413): parsing it would hold the engine
 
 
+# Bodies up to this size parse on the event loop: faster than the hop to a worker thread, and too short to stall it.
+INLINE_PARSE_BYTES = 64 * 1024
+
+
 async def _body(request: Request) -> dict:
     """The JSON object of a request body of at most MAX_BODY_BYTES, parsed off the event loop."""
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
@@ -118,10 +122,11 @@ async def _body(request: Request) -> dict:
             raise BodyTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
     raw = b"".join(chunks)
+    request.state.body_bytes = len(raw)
     if not raw.strip():
         return {}
     try:
-        body = await asyncio.to_thread(json.loads, raw)
+        body = json.loads(raw) if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(json.loads, raw)
     except ValueError as err:
         raise InvalidArgument(f"request body is not valid JSON: {err}") from err
     except RecursionError:
@@ -193,7 +198,10 @@ def create_app(state: EngineState) -> FastAPI:
         body = await _body(request)
         if body.get("stream"):
             raise InvalidArgument("stream is not supported by the CPU engine; send stream=false")
-        call = await asyncio.to_thread(parse_generate, body, engine)  # tokenizing a long text holds no loop
+        if "text" in body or request.state.body_bytes > INLINE_PARSE_BYTES:  # tokenizing holds no loop
+            call = await asyncio.to_thread(parse_generate, body, engine)
+        else:
+            call = parse_generate(body, engine)
         await _wait_for(engine, call.requests)
         outs = [to_response(r, lp, i if call.listed else None)
                 for i, (r, lp) in enumerate(zip(call.requests, call.return_logprob, strict=True))]
