@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -66,8 +67,10 @@ def last_json(stdout: str) -> dict:
 def run(name: str, args: list[str]) -> tuple[str, dict, float, int]:
     start = time.monotonic()
     print(f"== bench/{name}.py {' '.join(args)}", flush=True)
+    # the repository root on the path: a script may import the test fixtures that start engines
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], capture_output=True, text=True,
-                          check=False)
+                          check=False, env=env)
     elapsed = time.monotonic() - start
     out = proc.stdout if proc.returncode == 0 else f"{proc.stdout}\nFAILED (exit {proc.returncode}):\n" \
                                                    f"{proc.stderr[-3000:]}"
