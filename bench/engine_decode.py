@@ -3,8 +3,8 @@
 `python bench/engine_decode.py [--rounds 3]`. The engine runs as a process with one torch thread and gets the batch as
 one /generate with 32 input_ids (SGLang's batch form, as the rollout manager sends a group; the headline), and again as
 32 concurrent /generate requests, which adds 32 requests' HTTP handling to the same decode (return_logprob,
-ignore_eos, temperature 1); `generate` runs in this process, also
-on one thread, sampling the same number of tokens and returning each token's log-prob (from output_logits). Rounds
+ignore_eos, temperature 1); `generate` runs in this process, also on one thread, sampling the same number of tokens
+and returning each token's log-prob (from output_logits). Rounds
 alternate between the sides; the best round of each counts. Models: the demo's (2 layers, hidden 128) and a 4-layer,
 256-wide one. Prints a table, then one JSON line (`engine_vs_hf_generate`: the demo model).
 """

@@ -75,10 +75,8 @@ class FakeEngine(Scheduler):
         """Continuous batching, as SGLang does it: waiting requests join the running batch at every step."""
         logprob = -math.log(self.vocab_size)
         while True:
-            with self.cond:
-                batch[:] = [r for r in batch if not r.finished]  # `batch` is self.running
-                while self.waiting and len(batch) < self.max_batch_size and self._can_start_batch():
-                    batch.append(self.waiting.popleft())
+            if self._admit(batch):
+                batch = self.running
             done = []
             for request in batch:
                 if request.finished:

@@ -140,6 +140,13 @@ class Engine(Scheduler):
         while self._decode(batch):
             batch = list(self.running)  # the rows still running, then the ones that joined (set by `_admit`)
 
+    def _worth_joining(self, active: list[Request], joining: list[Request]) -> bool:
+        """Joining costs a new prefill of the rows still running, so requests join only while that is no more than
+        twice their own prompt tokens: a burst of arrivals joins the batch its first request started, one late
+        request does not re-read a long batch's context."""
+        running_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in active)
+        return running_tokens <= 2 * sum(len(r.input_ids) for r in joining)
+
     def _prefill(self, batch: list[Request]):
         from transformers import DynamicCache
 

@@ -247,21 +247,23 @@ class Scheduler:
 
     def _admit(self, batch: list[Request]) -> list[Request]:
         """Waiting requests that join the running `batch` at this step boundary (continuous batching), as many as fit
-        under max_batch_size; none while paused or while weights change. Joining costs a new prefill of the rows still
-        running, so requests join only while that is no more than twice their own prompt tokens: a burst of arrivals
-        joins the batch its first request started, one late request does not re-read a long batch's context."""
+        under max_batch_size and `_worth_joining` allows; none while paused or while weights change. Sets
+        `self.running` to the rows still running, then the joined ones."""
         with self.cond:
             active = [r for r in batch if not r.finished]
             if not self._can_start_batch() or len(active) >= self.max_batch_size:
                 return []
             joining = list(itertools.islice(self.waiting, self.max_batch_size - len(active)))
-            running_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in active)
-            if running_tokens > 2 * sum(len(r.input_ids) for r in joining):
+            if not self._worth_joining(active, joining):
                 return []
             for _ in joining:
                 self.waiting.popleft()
             self.running = active + joining
             return joining
+
+    def _worth_joining(self, active: list[Request], joining: list[Request]) -> bool:
+        """Whether `joining` should join the running rows `active` now rather than wait for the batch to end."""
+        return True
 
     def _finish_reason(self, request: Request) -> dict | None:
         """Why `request` stops after its last token, in SGLang's order of checks; None to go on."""

@@ -112,7 +112,8 @@ INLINE_PARSE_BYTES = 64 * 1024
 
 
 async def _body(request: Request) -> dict:
-    """The JSON object of a request body of at most MAX_BODY_BYTES, parsed off the event loop."""
+    """The JSON object of a request body of at most MAX_BODY_BYTES, parsed off the event loop when it is over
+    INLINE_PARSE_BYTES; its size goes to `request.state.body_bytes`."""
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise BodyTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
     chunks, size = [], 0

@@ -28,4 +28,5 @@ def test_free_port_never_repeats_a_port_it_handed_out(monkeypatch):
             return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(socket_module, "socket", FakeSocket)
+    monkeypatch.setattr(procs, "_RECENT_PORTS", type(procs._RECENT_PORTS)(maxlen=16))  # none handed out before
     assert [procs.free_port(), procs.free_port()] == [41001, 41002]
