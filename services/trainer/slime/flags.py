@@ -67,8 +67,9 @@ FLAGS: dict[str, Flag] = {
     "rollout-health-check-first-wait": M(0, "the rollout service's engine health checks (its settings)", warn=True),
     "rollout-health-check-interval": M(30.0, "the rollout service's engine health checks (its settings)", warn=True),
     "rollout-health-check-timeout": M(30.0, "the rollout service's engine health checks (its settings)", warn=True),
-    "rollout-external-engine-addrs": R(None, "register external SGLang servers with the rollout service "
-                                             "(`physarum scale --add-url`) instead", nargs=True),
+    "rollout-external-engine-addrs": R(None, "start the rollout service with --engine-urls "
+                                             "(PHYSARUM_ROLLOUT_ENGINE_URLS) naming the running servers instead",
+                                       nargs=True),
     "use-distributed-post": R(False, _RAY + "generation requests go through the rollout service's router", bare=True),
     "http-proxy": R(None, "set HTTP(S)_PROXY on the rollout service's deployment"),
     "sglang-router-ip": M(None, "the router is the rollout service's; plugins get its address in args", warn=True),
@@ -291,7 +292,8 @@ FLAGS: dict[str, Flag] = {
     "memory-snapshot-dir": R(".", _DEBUG + "drop it"),
     "memory-snapshot-num-steps": R(None, _DEBUG + "drop it"),
     # logging
-    "use-tensorboard": M(False, "TensorBoard event files are always written (the trainer's metrics directory)",
+    "use-tensorboard": M(False, "TensorBoard event files are written for every job with `save` "
+                                           "(<save>/tensorboard) or under the trainer's --tensorboard-dir",
                          bare=True),
     "tb-project-name": M(None, "the event files' directory is named after the job id", warn=True),
     "tb-experiment-name": M(None, "the event files' directory is named after the job id", warn=True),
@@ -325,7 +327,7 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "rollout-max-response-len": "1024: slime leaves SGLang's own limit, which depends on the server",
     "hf-checkpoint": "required (slime fails without it too)",
     "prompt-data": "required (slime fails without it too)",
-    "num-rollout": "required (slime derives it from num_epoch, which is refused)",
+    "num-rollout": "required unless num_epoch is given with a JSONL prompt_data (it is derived then)",
     "rollout-batch-size": "required (slime fails without it too)",
 }
 # store_false flags: slime's default (None/True) is its destination's; the flag absent means False here and there
