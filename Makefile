@@ -88,24 +88,34 @@ gpu-check:
 # Container images: REGISTRY/physarum-<service>:VERSION, one per deploy/docker/<service>.Dockerfile, built from the
 # repository root; the chart's defaults pull these same names (image.registry, the chart's appVersion).
 # VARIANT=gpu builds the trainer on CUDA torch, tagged VERSION-gpu; GPU engines are SGLang's own image (values.yaml).
+# The builder: DOCKER=docker|podman|buildah (or a path), else the first found on the PATH (docker only with a running
+# engine). BUILD_FLAGS goes to every build (e.g. --layers, --network host); PYTHON_IMAGE replaces the base image;
+# TORCH_INDEX_URL is where the CPU torch wheel comes from (a PyTorch index, or any pip index URL).
 IMAGES := buffer reward rollout engine trainer router
 REGISTRY ?= localhost:5000
 VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 VARIANT ?= cpu
-DOCKER ?= docker
+DOCKER ?= $(shell scripts/find_builder.sh)
+BUILD_FLAGS ?=
+PYTHON_IMAGE ?=
+TORCH_INDEX_URL ?=
 # image name of service $(1) (the -gpu suffix only on the trainer's GPU variant)
 image_name = $(REGISTRY)/physarum-$(1):$(VERSION)$(if $(and $(filter gpu,$(VARIANT)),$(filter trainer,$(1))),-gpu)
+build_args = $(if $(filter trainer,$(1)),--build-arg VARIANT=$(VARIANT)) \
+  $(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) \
+  $(if $(and $(TORCH_INDEX_URL),$(filter trainer engine,$(1))),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL))
 .PHONY: images push image-names docker-check
 image-names:
 	@$(foreach name,$(IMAGES),echo $(call image_name,$(name));)
 
 docker-check:
-	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found: install Docker (the CLI and a running engine) to build images" >&2; exit 1; }
-	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: '$(DOCKER) info' failed: no Docker engine is running or reachable (see DOCKER_HOST)" >&2; exit 1; }
+	@[ -n "$(DOCKER)" ] || { echo "make images: no image builder found: install Docker (a running engine), Podman or buildah, or name one with DOCKER=" >&2; exit 1; }
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found: install Docker, Podman or buildah (or name another with DOCKER=)" >&2; exit 1; }
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: '$(DOCKER) info' failed: no Docker engine is running or reachable (see DOCKER_HOST), or the builder cannot start" >&2; exit 1; }
 
 images: docker-check
-	@set -e; $(foreach name,$(IMAGES),echo "building $(call image_name,$(name))"; \
-	  $(DOCKER) build -f deploy/docker/$(name).Dockerfile $(if $(filter trainer,$(name)),--build-arg VARIANT=$(VARIANT)) \
+	@set -e; $(foreach name,$(IMAGES),echo "building $(call image_name,$(name)) with $(DOCKER)"; \
+	  $(DOCKER) build $(BUILD_FLAGS) -f deploy/docker/$(name).Dockerfile $(call build_args,$(name)) \
 	    -t $(call image_name,$(name)) .;)
 
 push: docker-check

@@ -5,14 +5,17 @@
 # it serves the same HTTP API, so this repository builds no GPU engine image.
 # Image physarum-engine; build from the repository root: make images (or docker build -f deploy/docker/engine.Dockerfile .)
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+# where the CPU torch wheel comes from: PyTorch's CPU index, or any pip index that serves it (make TORCH_INDEX_URL=)
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM ${PYTHON_IMAGE}
+ARG TORCH_INDEX_URL
 LABEL org.opencontainers.image.title="physarum-engine"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 # torch alone from PyTorch's CPU index; its dependencies come from PyPI below, pinned by the constraints
 RUN python -m venv /opt/venv && pip install pip==26.3 setuptools==84.2.1 \
-    && pip install --no-deps --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+    && pip install --no-deps --index-url ${TORCH_INDEX_URL} torch==2.13.0 \
     && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin physarum
 WORKDIR /app
 # Dependencies before any source: a code change rebuilds only the COPY layers below.

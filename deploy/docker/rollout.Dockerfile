@@ -16,6 +16,8 @@ WORKDIR /app
 COPY deploy/docker/constraints.txt pyproject.toml ./
 RUN pip install --no-build-isolation -c constraints.txt ".[rollout]"
 COPY services ./services
+# slime's plugins import `slime` (compat/slime: Sample, http_utils, rm_hub, ...)
+COPY compat/slime ./slime
 USER 10001:10001
 ENV PHYSARUM_ROLLOUT_HOST=0.0.0.0
 EXPOSE 50053

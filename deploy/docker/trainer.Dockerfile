@@ -7,6 +7,8 @@
 # Image physarum-trainer; build from the repository root: make images [VARIANT=gpu]
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+# where the CPU torch wheel comes from: PyTorch's CPU index, or any pip index that serves it (make TORCH_INDEX_URL=)
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM ${PYTHON_IMAGE} AS base
 LABEL org.opencontainers.image.title="physarum-trainer"
@@ -19,7 +21,8 @@ COPY deploy/docker/constraints.txt pyproject.toml ./
 
 # torch alone from PyTorch's CPU index; its dependencies come from PyPI with the project's, pinned by the constraints
 FROM base AS torch-cpu
-RUN pip install --no-deps --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+ARG TORCH_INDEX_URL
+RUN pip install --no-deps --index-url ${TORCH_INDEX_URL} torch==2.13.0
 
 # the CUDA build with its dependencies (the nvidia-* wheels); the rest pinned by the constraints
 FROM base AS torch-gpu
@@ -31,6 +34,8 @@ WORKDIR /app
 # Dependencies before any source: a code change rebuilds only the COPY layers below (the services run from /app).
 RUN pip install --no-cache-dir --no-build-isolation -c constraints.txt ".[trainer]"
 COPY services ./services
+# slime's plugins import `slime` (compat/slime: Sample, http_utils, rm_hub, ...)
+COPY compat/slime ./slime
 USER 10001:10001
 ENV PHYSARUM_TRAINER_HOST=0.0.0.0
 # 50054 gRPC Jobs, 8080 REST job API, 29500 the trainer ranks' store on rank 0 (master_port)

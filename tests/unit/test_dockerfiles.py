@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -237,7 +238,8 @@ def test_trainer_variants_pick_the_cpu_or_the_cuda_torch_build():
     stages = {s["name"]: s for s in dockerfile.stages if s["name"]}
     cpu, gpu = ([shlex.split(rest) for w, rest in stages[v]["steps"] if w == "RUN"] for v in ("torch-cpu", "torch-gpu"))
     ((*cpu_args,),), ((*gpu_args,),) = cpu, gpu
-    assert cpu_args[cpu_args.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert cpu_args[cpu_args.index("--index-url") + 1] == "${TORCH_INDEX_URL}"
+    assert dockerfile.args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert "--no-deps" in cpu_args
     assert re.fullmatch(r"https://download.pytorch.org/whl/cu\d+", gpu_args[gpu_args.index("--index-url") + 1])
     assert "--no-deps" not in gpu_args and "constraints.txt" in gpu_args  # the nvidia-* wheels come with it
@@ -296,7 +298,50 @@ def test_make_push_pushes_every_image_name(tmp_path):
 
 def test_make_images_says_docker_is_missing(tmp_path):
     result = make_images(tmp_path, None)
-    assert result.returncode != 0 and "not found: install Docker" in result.stderr
+    assert result.returncode != 0 and "not found: install Docker, Podman or buildah" in result.stderr
+
+
+def test_make_images_passes_the_base_the_torch_source_and_the_build_flags(tmp_path):
+    """PYTHON_IMAGE goes to every build, TORCH_INDEX_URL to the two torch images, BUILD_FLAGS before the file."""
+    result = make_images(tmp_path, 'echo "$@" >> "$DOCKER_LOG"\n', "REGISTRY=r", "PYTHON_IMAGE=base:1",
+                         "TORCH_INDEX_URL=http://127.0.0.1:1/simple", "BUILD_FLAGS=--layers --network host")
+    assert result.returncode == 0, result.stderr
+    builds = [shlex.split(line) for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("build")]
+    assert len(builds) == len(IMAGES)
+    for args in builds:
+        name = args[args.index("-f") + 1].split("/")[-1].removesuffix(".Dockerfile")
+        assert args[1:4] == ["--layers", "--network", "host"]
+        assert "PYTHON_IMAGE=base:1" in args
+        assert ("TORCH_INDEX_URL=http://127.0.0.1:1/simple" in args) == (name in ("engine", "trainer")), name
+        assert args[args.index("-t") + 1] == f"r/physarum-{name}:{PYPROJECT['version']}"
+
+
+def test_every_base_image_is_replaceable_by_python_image():
+    """PYTHON_IMAGE (the Makefile's) reaches every Dockerfile: each starts from the ARG, never a literal image."""
+    for name, dockerfile in DOCKERFILES.items():
+        assert "PYTHON_IMAGE" in dockerfile.args, name
+        assert dockerfile.stages[0]["image"] == "${PYTHON_IMAGE}", name
+
+
+@pytest.mark.parametrize("found", ["podman", "buildah", ""])
+def test_the_builder_is_found_on_the_path(tmp_path, found):
+    """No DOCKER given: Docker only with a running engine, else Podman, else buildah; none found says so."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text("#!/bin/sh\nexit 1\n")  # a CLI without an engine: `docker info` fails
+    for tool in ("podman", "buildah")[("podman", "buildah").index(found):] if found else ():
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": str(bin_dir)}  # only the stand-ins: the scripts run by /bin/sh's builtins
+    printed = subprocess.run([str(ROOT / "scripts" / "find_builder.sh")], env=env, capture_output=True, text=True,
+                             timeout=30, check=True).stdout.strip()
+    assert printed == found
+    result = subprocess.run([shutil.which("make"), "-s", "-C", str(ROOT), "docker-check"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode == 0) == bool(found)
+    if not found:
+        assert "no image builder found" in result.stderr
 
 
 def test_make_images_says_no_engine_runs(tmp_path):

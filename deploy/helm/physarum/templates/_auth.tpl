@@ -55,3 +55,41 @@ pod's args ("$@") and the flag. Without auth, the server's own command. */ -}}
       {{- end }}
 {{- end }}
 {{- end -}}
+
+{{- /* A user's plugin code (plugins.image): the init container that copies it into the `plugins` volume, the mount and
+     PYTHONPATH of the pods that load plugins (trainer, rollout manager, reward), and the volume. (a component's ctx) */ -}}
+{{- define "physarum.pluginInit" -}}
+{{- $p := .root.Values.plugins }}
+{{- if $p.image.repository }}
+- name: plugins
+  image: {{ include "physarum.pinnedImage" $p.image }}
+  imagePullPolicy: {{ $p.image.pullPolicy }}
+  command: [cp, -R, {{ printf "%s/." $p.sourcePath | quote }}, /plugins-volume/]
+  securityContext:
+    {{- include "physarum.securityContext" . | nindent 4 }}
+  resources:
+    requests: {cpu: 10m, memory: 16Mi}
+    limits: {memory: 128Mi}
+  volumeMounts:
+    - {name: plugins, mountPath: /plugins-volume}
+{{- end }}
+{{- end -}}
+
+{{- define "physarum.pluginEnv" -}}
+{{- if .root.Values.plugins.image.repository }}
+- {name: PYTHONPATH, value: {{ .root.Values.plugins.mountPath | quote }}}
+{{- end }}
+{{- end -}}
+
+{{- define "physarum.pluginMount" -}}
+{{- if .root.Values.plugins.image.repository }}
+- {name: plugins, mountPath: {{ .root.Values.plugins.mountPath }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "physarum.pluginVolume" -}}
+{{- if .root.Values.plugins.image.repository }}
+- name: plugins
+  emptyDir: {sizeLimit: 1Gi}
+{{- end }}
+{{- end -}}

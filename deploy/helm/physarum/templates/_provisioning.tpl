@@ -14,16 +14,18 @@
 {{- toJson $out -}}
 {{- end -}}
 
-{{/* Init containers of a pod: one that waits for each fetched directory's ready marker (pods that read the models
-     volume), then the component's own initContainers. (dict "root" $ "values" ... "image" "<image>" "waitForData" bool) */}}
+{{/* Init containers of a pod: the plugin copy (plugins.image; pods that load plugins), one that waits for each
+     fetched directory's ready marker (pods that read the models volume), then the component's own initContainers. (dict "root" $ "values" ... "image" "<image>" "waitForData" bool) */}}
 {{- define "physarum.initContainers" -}}
 {{- $fetches := include "physarum.fetches" .root | fromJson -}}
 {{- $waits := list -}}
 {{- if and .waitForData .root.Values.models.persistence.enabled -}}
 {{- range $what := keys $fetches | sortAlpha -}}{{ $waits = append $waits (get $fetches $what).path }}{{- end -}}
 {{- end -}}
-{{- if or $waits .values.initContainers }}
+{{- $plugins := and .root.Values.plugins.image.repository (has .component (list "trainer" "rollout" "reward")) -}}
+{{- if or $waits .values.initContainers $plugins }}
 initContainers:
+  {{- if $plugins }}{{ include "physarum.pluginInit" . | nindent 2 }}{{ end }}
   {{- if $waits }}
   - name: wait-for-data
     image: {{ .image }}
