@@ -107,11 +107,13 @@ class EncodedGroup:
     lease_id: str
     weight_version_range: tuple[int, int]
     payload: bytes
+    num_tokens: int = 0  # over its samples: what a rollout's shares are balanced by (services.common.shares)
 
 
 def encode_group(group: SampleGroup) -> EncodedGroup:
     return EncodedGroup(group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch,
-                        group.lease_id, weight_version_range(group.samples), group_to_proto(group).SerializeToString())
+                        group.lease_id, weight_version_range(group.samples), group_to_proto(group).SerializeToString(),
+                        sum(len(s.tokens) for s in group.samples))
 
 
 def encoded_group_from_proto(msg: sample_pb2.SampleGroup) -> EncodedGroup:
@@ -126,7 +128,8 @@ def encoded_group_from_payload(payload: bytes) -> EncodedGroup:
 
 def _encoded(msg: sample_pb2.SampleGroup, payload: bytes) -> EncodedGroup:
     return EncodedGroup(msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id,
-                        _version_range(v for s in msg.samples for v in s.weight_versions), payload)
+                        _version_range(v for s in msg.samples for v in s.weight_versions), payload,
+                        sum(len(s.tokens) for s in msg.samples))
 
 
 _ROLLOUT_ID_TAG = b"\x18"  # SampleGroup.rollout_id: field 3, varint

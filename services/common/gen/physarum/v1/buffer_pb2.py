@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.gen.physarum.v1 import sample_pb2 as physarum_dot_v1_dot_sample__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18physarum/v1/buffer.proto\x12\x0bphysarum.v1\x1a\x18physarum/v1/sample.proto\"\xba\x01\n\x12LoadDatasetRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tinput_key\x18\x03 \x01(\t\x12\x11\n\tlabel_key\x18\x04 \x01(\t\x12\x14\n\x0cmetadata_key\x18\x05 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x06 \x01(\x08\x12\x17\n\x0frollout_shuffle\x18\x07 \x01(\x08\x12\x14\n\x0crollout_seed\x18\x08 \x01(\x03\"g\n\x13LoadDatasetResponse\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\x13\n\x0bnum_skipped\x18\x02 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\x12\x16\n\x0e\x61lready_loaded\x18\x04 \x01(\x08\"a\n\x13LeasePromptsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\r\n\x05\x63ount\x18\x03 \x01(\x05\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\"<\n\x14LeasePromptsResponse\x12$\n\x07prompts\x18\x01 \x03(\x0b\x32\x13.physarum.v1.Prompt\"9\n\x14ReturnPromptsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tlease_ids\x18\x02 \x03(\t\"-\n\x15ReturnPromptsResponse\x12\x14\n\x0cnum_returned\x18\x01 \x01(\x05\"<\n\x10PutGroupsRequest\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.physarum.v1.SampleGroup\"?\n\x11PutGroupsResponse\x12\x13\n\x0bnum_written\x18\x01 \x01(\x05\x12\x15\n\rnum_duplicate\x18\x02 \x01(\x05\"\\\n\x0fGetBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"<\n\x10GetBatchResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.physarum.v1.SampleGroup\"\xab\x01\n\x10TakeBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x1a\n\x12min_weight_version\x18\x04 \x01(\x03\x12\x14\n\x0cstale_policy\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x1a\n\x12max_weight_version\x18\x07 \x01(\x03\"w\n\x11TakeBatchResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.physarum.v1.SampleGroup\x12\x19\n\x11num_stale_dropped\x18\x02 \x01(\x03\x12\x1d\n\x15num_stale_regenerated\x18\x03 \x01(\x03\"8\n\x12\x43ountGroupsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\")\n\x13\x43ountGroupsResponse\x12\x12\n\nnum_groups\x18\x01 \x01(\x05\"!\n\x0fGetStatsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x7f\n\x0b\x42ufferStats\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x03\x12\x12\n\nnum_leased\x18\x04 \x01(\x03\x12\x14\n\x0cnum_returned\x18\x05 \x01(\x03\x12\x12\n\nnum_groups\x18\x06 \x01(\x03\"6\n\x10SaveStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\"\xab\x01\n\x0f\x44\x61taSourceState\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\x0f\n\x07shuffle\x18\x02 \x01(\x08\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\x03\x12\x10\n\x08returned\x18\x06 \x03(\t\x12\x0e\n\x06leased\x18\x07 \x03(\t\x12\x0f\n\x07pending\x18\x08 \x03(\t\x12\x12\n\nrollout_id\x18\t \x01(\x03\"R\n\x13RestoreStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0b\x32\x1c.physarum.v1.DataSourceState\"H\n\x14RestoreStateResponse\x12\x14\n\x0cnum_requeued\x18\x01 \x01(\x05\x12\x1a\n\x12num_leases_dropped\x18\x02 \x01(\x05\")\n\x17\x45ncodedPutGroupsRequest\x12\x0e\n\x06groups\x18\x01 \x03(\x0c\"a\n\x15\x45ncodedGroupsResponse\x12\x0e\n\x06groups\x18\x01 \x03(\x0c\x12\x19\n\x11num_stale_dropped\x18\x02 \x01(\x03\x12\x1d\n\x15num_stale_regenerated\x18\x03 \x01(\x03\x32\x9d\x06\n\x06\x42uffer\x12P\n\x0bLoadDataset\x12\x1f.physarum.v1.LoadDatasetRequest\x1a .physarum.v1.LoadDatasetResponse\x12S\n\x0cLeasePrompts\x12 .physarum.v1.LeasePromptsRequest\x1a!.physarum.v1.LeasePromptsResponse\x12V\n\rReturnPrompts\x12!.physarum.v1.ReturnPromptsRequest\x1a\".physarum.v1.ReturnPromptsResponse\x12J\n\tPutGroups\x12\x1d.physarum.v1.PutGroupsRequest\x1a\x1e.physarum.v1.PutGroupsResponse\x12G\n\x08GetBatch\x12\x1c.physarum.v1.GetBatchRequest\x1a\x1d.physarum.v1.GetBatchResponse\x12P\n\x0b\x43ountGroups\x12\x1f.physarum.v1.CountGroupsRequest\x1a .physarum.v1.CountGroupsResponse\x12\x42\n\x08GetStats\x12\x1c.physarum.v1.GetStatsRequest\x1a\x18.physarum.v1.BufferStats\x12J\n\tTakeBatch\x12\x1d.physarum.v1.TakeBatchRequest\x1a\x1e.physarum.v1.TakeBatchResponse\x12H\n\tSaveState\x12\x1d.physarum.v1.SaveStateRequest\x1a\x1c.physarum.v1.DataSourceState\x12S\n\x0cRestoreState\x12 .physarum.v1.RestoreStateRequest\x1a!.physarum.v1.RestoreStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18physarum/v1/buffer.proto\x12\x0bphysarum.v1\x1a\x18physarum/v1/sample.proto\"\xba\x01\n\x12LoadDatasetRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tinput_key\x18\x03 \x01(\t\x12\x11\n\tlabel_key\x18\x04 \x01(\t\x12\x14\n\x0cmetadata_key\x18\x05 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x06 \x01(\x08\x12\x17\n\x0frollout_shuffle\x18\x07 \x01(\x08\x12\x14\n\x0crollout_seed\x18\x08 \x01(\x03\"g\n\x13LoadDatasetResponse\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\x13\n\x0bnum_skipped\x18\x02 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\x12\x16\n\x0e\x61lready_loaded\x18\x04 \x01(\x08\"a\n\x13LeasePromptsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\r\n\x05\x63ount\x18\x03 \x01(\x05\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\"<\n\x14LeasePromptsResponse\x12$\n\x07prompts\x18\x01 \x03(\x0b\x32\x13.physarum.v1.Prompt\"9\n\x14ReturnPromptsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tlease_ids\x18\x02 \x03(\t\"-\n\x15ReturnPromptsResponse\x12\x14\n\x0cnum_returned\x18\x01 \x01(\x05\"<\n\x10PutGroupsRequest\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.physarum.v1.SampleGroup\"?\n\x11PutGroupsResponse\x12\x13\n\x0bnum_written\x18\x01 \x01(\x05\x12\x15\n\rnum_duplicate\x18\x02 \x01(\x05\"\x7f\n\x0fGetBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12!\n\x05share\x18\x05 \x01(\x0b\x32\x12.physarum.v1.Share\"<\n\x10GetBatchResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.physarum.v1.SampleGroup\":\n\x05Share\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x13\n\x0bstep_groups\x18\x03 \x01(\x05\"\xce\x01\n\x10TakeBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x1a\n\x12min_weight_version\x18\x04 \x01(\x03\x12\x14\n\x0cstale_policy\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x1a\n\x12max_weight_version\x18\x07 \x01(\x03\x12!\n\x05share\x18\x08 \x01(\x0b\x32\x12.physarum.v1.Share\"w\n\x11TakeBatchResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.physarum.v1.SampleGroup\x12\x19\n\x11num_stale_dropped\x18\x02 \x01(\x03\x12\x1d\n\x15num_stale_regenerated\x18\x03 \x01(\x03\"8\n\x12\x43ountGroupsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\")\n\x13\x43ountGroupsResponse\x12\x12\n\nnum_groups\x18\x01 \x01(\x05\"!\n\x0fGetStatsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x7f\n\x0b\x42ufferStats\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x03\x12\x12\n\nnum_leased\x18\x04 \x01(\x03\x12\x14\n\x0cnum_returned\x18\x05 \x01(\x03\x12\x12\n\nnum_groups\x18\x06 \x01(\x03\"6\n\x10SaveStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\x03\"\xab\x01\n\x0f\x44\x61taSourceState\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\x0f\n\x07shuffle\x18\x02 \x01(\x08\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\x03\x12\x10\n\x08returned\x18\x06 \x03(\t\x12\x0e\n\x06leased\x18\x07 \x03(\t\x12\x0f\n\x07pending\x18\x08 \x03(\t\x12\x12\n\nrollout_id\x18\t \x01(\x03\"R\n\x13RestoreStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0b\x32\x1c.physarum.v1.DataSourceState\"H\n\x14RestoreStateResponse\x12\x14\n\x0cnum_requeued\x18\x01 \x01(\x05\x12\x1a\n\x12num_leases_dropped\x18\x02 \x01(\x05\")\n\x17\x45ncodedPutGroupsRequest\x12\x0e\n\x06groups\x18\x01 \x03(\x0c\"a\n\x15\x45ncodedGroupsResponse\x12\x0e\n\x06groups\x18\x01 \x03(\x0c\x12\x19\n\x11num_stale_dropped\x18\x02 \x01(\x03\x12\x1d\n\x15num_stale_regenerated\x18\x03 \x01(\x03\x32\x9d\x06\n\x06\x42uffer\x12P\n\x0bLoadDataset\x12\x1f.physarum.v1.LoadDatasetRequest\x1a .physarum.v1.LoadDatasetResponse\x12S\n\x0cLeasePrompts\x12 .physarum.v1.LeasePromptsRequest\x1a!.physarum.v1.LeasePromptsResponse\x12V\n\rReturnPrompts\x12!.physarum.v1.ReturnPromptsRequest\x1a\".physarum.v1.ReturnPromptsResponse\x12J\n\tPutGroups\x12\x1d.physarum.v1.PutGroupsRequest\x1a\x1e.physarum.v1.PutGroupsResponse\x12G\n\x08GetBatch\x12\x1c.physarum.v1.GetBatchRequest\x1a\x1d.physarum.v1.GetBatchResponse\x12P\n\x0b\x43ountGroups\x12\x1f.physarum.v1.CountGroupsRequest\x1a .physarum.v1.CountGroupsResponse\x12\x42\n\x08GetStats\x12\x1c.physarum.v1.GetStatsRequest\x1a\x18.physarum.v1.BufferStats\x12J\n\tTakeBatch\x12\x1d.physarum.v1.TakeBatchRequest\x1a\x1e.physarum.v1.TakeBatchResponse\x12H\n\tSaveState\x12\x1d.physarum.v1.SaveStateRequest\x1a\x1c.physarum.v1.DataSourceState\x12S\n\x0cRestoreState\x12 .physarum.v1.RestoreStateRequest\x1a!.physarum.v1.RestoreStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,33 +49,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTGROUPSRESPONSE']._serialized_start=690
   _globals['_PUTGROUPSRESPONSE']._serialized_end=753
   _globals['_GETBATCHREQUEST']._serialized_start=755
-  _globals['_GETBATCHREQUEST']._serialized_end=847
-  _globals['_GETBATCHRESPONSE']._serialized_start=849
-  _globals['_GETBATCHRESPONSE']._serialized_end=909
-  _globals['_TAKEBATCHREQUEST']._serialized_start=912
-  _globals['_TAKEBATCHREQUEST']._serialized_end=1083
-  _globals['_TAKEBATCHRESPONSE']._serialized_start=1085
-  _globals['_TAKEBATCHRESPONSE']._serialized_end=1204
-  _globals['_COUNTGROUPSREQUEST']._serialized_start=1206
-  _globals['_COUNTGROUPSREQUEST']._serialized_end=1262
-  _globals['_COUNTGROUPSRESPONSE']._serialized_start=1264
-  _globals['_COUNTGROUPSRESPONSE']._serialized_end=1305
-  _globals['_GETSTATSREQUEST']._serialized_start=1307
-  _globals['_GETSTATSREQUEST']._serialized_end=1340
-  _globals['_BUFFERSTATS']._serialized_start=1342
-  _globals['_BUFFERSTATS']._serialized_end=1469
-  _globals['_SAVESTATEREQUEST']._serialized_start=1471
-  _globals['_SAVESTATEREQUEST']._serialized_end=1525
-  _globals['_DATASOURCESTATE']._serialized_start=1528
-  _globals['_DATASOURCESTATE']._serialized_end=1699
-  _globals['_RESTORESTATEREQUEST']._serialized_start=1701
-  _globals['_RESTORESTATEREQUEST']._serialized_end=1783
-  _globals['_RESTORESTATERESPONSE']._serialized_start=1785
-  _globals['_RESTORESTATERESPONSE']._serialized_end=1857
-  _globals['_ENCODEDPUTGROUPSREQUEST']._serialized_start=1859
-  _globals['_ENCODEDPUTGROUPSREQUEST']._serialized_end=1900
-  _globals['_ENCODEDGROUPSRESPONSE']._serialized_start=1902
-  _globals['_ENCODEDGROUPSRESPONSE']._serialized_end=1999
-  _globals['_BUFFER']._serialized_start=2002
-  _globals['_BUFFER']._serialized_end=2799
+  _globals['_GETBATCHREQUEST']._serialized_end=882
+  _globals['_GETBATCHRESPONSE']._serialized_start=884
+  _globals['_GETBATCHRESPONSE']._serialized_end=944
+  _globals['_SHARE']._serialized_start=946
+  _globals['_SHARE']._serialized_end=1004
+  _globals['_TAKEBATCHREQUEST']._serialized_start=1007
+  _globals['_TAKEBATCHREQUEST']._serialized_end=1213
+  _globals['_TAKEBATCHRESPONSE']._serialized_start=1215
+  _globals['_TAKEBATCHRESPONSE']._serialized_end=1334
+  _globals['_COUNTGROUPSREQUEST']._serialized_start=1336
+  _globals['_COUNTGROUPSREQUEST']._serialized_end=1392
+  _globals['_COUNTGROUPSRESPONSE']._serialized_start=1394
+  _globals['_COUNTGROUPSRESPONSE']._serialized_end=1435
+  _globals['_GETSTATSREQUEST']._serialized_start=1437
+  _globals['_GETSTATSREQUEST']._serialized_end=1470
+  _globals['_BUFFERSTATS']._serialized_start=1472
+  _globals['_BUFFERSTATS']._serialized_end=1599
+  _globals['_SAVESTATEREQUEST']._serialized_start=1601
+  _globals['_SAVESTATEREQUEST']._serialized_end=1655
+  _globals['_DATASOURCESTATE']._serialized_start=1658
+  _globals['_DATASOURCESTATE']._serialized_end=1829
+  _globals['_RESTORESTATEREQUEST']._serialized_start=1831
+  _globals['_RESTORESTATEREQUEST']._serialized_end=1913
+  _globals['_RESTORESTATERESPONSE']._serialized_start=1915
+  _globals['_RESTORESTATERESPONSE']._serialized_end=1987
+  _globals['_ENCODEDPUTGROUPSREQUEST']._serialized_start=1989
+  _globals['_ENCODEDPUTGROUPSREQUEST']._serialized_end=2030
+  _globals['_ENCODEDGROUPSRESPONSE']._serialized_start=2032
+  _globals['_ENCODEDGROUPSRESPONSE']._serialized_end=2129
+  _globals['_BUFFER']._serialized_start=2132
+  _globals['_BUFFER']._serialized_end=2929
 # @@protoc_insertion_point(module_scope)
