@@ -30,6 +30,6 @@ def test_only_the_stream_reports_stale_groups_and_only_one_step_async_waits_befo
     assert make_feed(stream.driver, stream.rollout, TrainerDeps(), ctx=None).metrics() == {
         "buffer/stale_dropped": 0.0, "buffer/stale_regenerated": 0.0}
     last = parse_spec({**BASE, "mode": "one_step_async"})
-    waited = make_feed(last.driver, last.rollout, TrainerDeps(), ctx=None).before_weight_update(4, 4)
+    waited = make_feed(last.driver, last.rollout, TrainerDeps(), ctx=None).before_weight_update(4)
     assert set(waited) == {"perf/wait_next_rollout_seconds"}  # the last rollout has no next one to wait for
-    assert make_feed(sync.driver, sync.rollout, TrainerDeps(), ctx=None).before_weight_update(4, 4) == {}
+    assert make_feed(sync.driver, sync.rollout, TrainerDeps(), ctx=None).before_weight_update(4) == {}
