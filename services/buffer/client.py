@@ -79,6 +79,15 @@ class DataSourceState:
         return cls(**data)
 
 
+def group_header(group: EncodedGroup) -> buffer_pb2.GroupHeader:
+    """What the buffer indexes `group` by, sent beside its bytes."""
+    oldest, newest = group.weight_version_range
+    return buffer_pb2.GroupHeader(group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
+                                  prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id,
+                                  oldest_weight_version=oldest, newest_weight_version=newest,
+                                  num_tokens=group.num_tokens)
+
+
 def share_to_proto(share: Share) -> buffer_pb2.Share:
     return buffer_pb2.Share(index=share.index, count=share.count, step_groups=share.step_groups)
 
@@ -133,8 +142,10 @@ class BufferClient(GrpcClient):
 
     def put_groups(self, groups: list[SampleGroup] | list[EncodedGroup]) -> PutResult:
         """Store groups: SampleGroups are encoded here, once; EncodedGroups go as the bytes they hold."""
-        payloads = [(g if isinstance(g, EncodedGroup) else encode_group(g)).payload for g in groups]
-        reply = self.call(self._put_encoded, buffer_pb2.EncodedPutGroupsRequest(groups=payloads), idempotent=True)
+        encoded = [g if isinstance(g, EncodedGroup) else encode_group(g) for g in groups]
+        request = buffer_pb2.EncodedPutGroupsRequest(groups=[g.payload for g in encoded],
+                                                     headers=[group_header(g) for g in encoded])
+        reply = self.call(self._put_encoded, request, idempotent=True)
         return PutResult(num_written=reply.num_written, num_duplicate=reply.num_duplicate)
 
     def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,

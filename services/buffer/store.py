@@ -44,9 +44,8 @@ from services.common.samples import (
     Prompt,
     SampleGroup,
     encode_group,
-    group_from_proto,
+    group_id_field,
     group_id_for,
-    group_payload_to_proto,
     prompt_from_proto,
     prompt_to_proto,
 )
@@ -65,10 +64,6 @@ MAX_ROLLOUT_ID = 2**31 - 1    # Lua numbers are doubles: far below 2^53, so ids 
 MAX_WEIGHT_VERSION = 2**31 - 1
 MAX_LEASE_TIMEOUT_S = 7 * 86400.0
 _TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "OOM")  # Redis will answer again later
-
-
-def _decode(payloads: list[bytes], rollout_id: int) -> list[SampleGroup]:
-    return [group_from_proto(group_payload_to_proto(payload, rollout_id)) for payload in payloads]
 
 
 def _prefix(job_id: str) -> str:
@@ -232,6 +227,9 @@ class BufferStore:
             if group.group_id != expected:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
                                       "(job_id:epoch:prompt_index)")
+            if not group.payload.startswith(group_id_field(group.group_id)):
+                raise InvalidArgument(f"group {group.group_id!r}: its bytes are another group's (a serialized "
+                                      "SampleGroup starts with its group_id)")
             args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
                      f"{group.epoch}:{group.prompt_index}", " ".join(map(str, group.weight_version_range)),
                      group.num_tokens, group.payload]
@@ -243,17 +241,12 @@ class BufferStore:
         num_written = sum(reply)
         return num_written, len(groups) - num_written
 
-    async def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
-                        share: Share = Share()) -> list[SampleGroup]:
-        """The rollout's first num_groups groups, once that many exist (polls up to timeout_s): all of them in write
-        order, or `share`'s in group_id order."""
-        payloads = await self.get_batch_encoded(job_id, rollout_id, num_groups, timeout_s, share)
-        return _decode(payloads, rollout_id)
-
     @_redis_errors
     async def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
                                 share: Share = Share()) -> list[bytes]:
-        """get_batch's groups as stored (serialized SampleGroups; group_payload_as_rollout serves one)."""
+        """The rollout's first num_groups groups as stored (serialized SampleGroups; group_payload_as_rollout serves
+        one), once that many exist (polls up to timeout_s): all of them in write order, or `share`'s in group_id
+        order."""
         _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
         _count("num_groups", num_groups)
         bounds.finite("timeout_s", timeout_s, 0.0, bounds.MAX_WAIT_S)
@@ -284,15 +277,6 @@ class BufferStore:
                                         share)
             group_ids = [group_ids[i] for i in positions]
         return have, await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids]) if group_ids else []
-
-    async def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
-                         stale_policy: str, timeout_s: float, max_weight_version: int = -1,
-                         share: Share = Share()) -> tuple[list[SampleGroup], int, int]:
-        """take_batch_encoded, with the groups decoded."""
-        payloads, dropped, regenerated = await self.take_batch_encoded(
-            job_id, rollout_id, num_groups, min_weight_version=min_weight_version, stale_policy=stale_policy,
-            timeout_s=timeout_s, max_weight_version=max_weight_version, share=share)
-        return _decode(payloads, rollout_id), dropped, regenerated
 
     @_redis_errors
     async def take_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,

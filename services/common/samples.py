@@ -132,18 +132,29 @@ def _encoded(msg: sample_pb2.SampleGroup, payload: bytes) -> EncodedGroup:
                         sum(len(s.tokens) for s in msg.samples))
 
 
+_GROUP_ID_TAG = b"\x0a"  # SampleGroup.group_id: field 1, length-delimited
 _ROLLOUT_ID_TAG = b"\x18"  # SampleGroup.rollout_id: field 3, varint
+
+
+def _varint(value: int) -> bytes:
+    value, out = value & 0xFFFF_FFFF_FFFF_FFFF, bytearray()  # int64: a negative value takes ten bytes
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def group_id_field(group_id: str) -> bytes:
+    """How a serialized SampleGroup starts (fields go out in number order): its group_id field."""
+    encoded = group_id.encode()
+    return _GROUP_ID_TAG + _varint(len(encoded)) + encoded
 
 
 def group_payload_as_rollout(payload: bytes, rollout_id: int) -> bytes:
     """A stored group's bytes, as assigned to `rollout_id` (a stream group is stored as written, rollout -2): a
     scalar field repeated later on the wire wins when parsed, so appending it replaces the stored one unparsed."""
-    value, varint = rollout_id & 0xFFFF_FFFF_FFFF_FFFF, bytearray()  # int64: a negative id takes ten bytes
-    while value > 0x7F:
-        varint.append(value & 0x7F | 0x80)
-        value >>= 7
-    varint.append(value)
-    return payload + _ROLLOUT_ID_TAG + bytes(varint)
+    return payload + _ROLLOUT_ID_TAG + _varint(rollout_id)
 
 
 def group_payload_to_proto(payload: bytes, rollout_id: int) -> sample_pb2.SampleGroup:

@@ -3,6 +3,8 @@ groups pass through as the bytes the writer encoded."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.buffer.client import STREAM_ROLLOUT_ID, BufferClient
@@ -59,3 +61,10 @@ def _unchecked(**fields):
     for key, value in fields.items():
         object.__setattr__(share, key, value)
     return share
+
+
+def test_a_group_whose_bytes_are_another_groups_is_refused(client, loaded):  # noqa: F811
+    first, second = (encode_group(g) for g in groups_of(client, loaded, 2, 2)[:2])
+    with pytest.raises(InvalidArgument, match=r"its bytes are another group's"):
+        client.put_groups([dataclasses.replace(first, payload=second.payload)])
+    assert client.put_groups([first]).num_written == 1
