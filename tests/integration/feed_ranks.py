@@ -2,6 +2,7 @@
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Each rank runs the driver's feeds (sync on rollout 0, fully_async on
 rollout 1) against the real buffer, with every broadcast from rank 0 recorded, and writes what it got as JSON.
 The manager is not asked to start anything: the test wrote the rollouts' groups to the buffer as a manager does.
+Then rank 1 fails to read its share of rollout 0 again.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import types
 from pathlib import Path
 
 from services.buffer.client import BufferClient
+from services.common.errors import Unavailable
 from services.trainer.config import TrainerConfig
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import make_feed
-from services.trainer.parallel import init_world, rollout_share
+from services.trainer.parallel import RankAborted, init_world, rollout_share
 from services.trainer.spec import parse_spec
 
 SPEC = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 8,
@@ -48,6 +50,15 @@ def main(out_dir: str, buffer_addr: str, job_id: str) -> None:
             got[mode] = {"tokens": [s.tokens for s in samples],
                          "metrics": feed.rollout_metrics(samples, rollout_id)}
             feed.close()
+        # a rank that cannot read its share ends the rollout on every rank, not in training's collectives
+        if world.rank == 1:
+            buffer.get_batch = lambda *args, **kwargs: (_ for _ in ()).throw(Unavailable("buffer: connection refused"))
+        feed = make_feed(spec.driver, spec.rollout, deps, ctx if world.rank == 0 else None, share=share)
+        feed._start = lambda *args: None
+        try:
+            feed.samples(0)
+        except RankAborted as err:
+            got["aborted"] = str(err)
     (Path(out_dir) / f"rank{world.rank}.json").write_text(json.dumps({"got": got, "broadcasts": broadcasts}))
     world.close()
 

@@ -84,6 +84,12 @@ def test_each_rank_reads_its_own_share_and_rank0_broadcasts_no_sample(ranks, mod
         assert metrics["rollout/reward_std"] == pytest.approx(0.5)
 
 
+def test_a_rank_that_cannot_read_its_share_ends_the_rollout_on_every_rank(ranks):
+    for rank in ranks:
+        assert rank["got"]["aborted"] == ("rank 1 could not read its share of rollout 0: Unavailable: buffer: "
+                                          "connection refused")
+
+
 def test_a_sample_broadcast_from_rank0_is_refused():
     """The guard the run above passes: rank 0's pickled broadcast path refuses samples (checked before sending)."""
     world = World(rank=0, world_size=2)

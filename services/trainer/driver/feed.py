@@ -36,7 +36,7 @@ from services.trainer.driver.intervals import should_run_periodic_action
 from services.trainer.driver.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.driver.post_rollout import generation_metrics
 from services.trainer.jobs import JobContext
-from services.trainer.parallel import shard_rollout
+from services.trainer.parallel import RankAborted, shard_rollout
 from services.trainer.sync.versions import EngineWeights
 
 log = logging.getLogger(__name__)
@@ -62,16 +62,20 @@ class RolloutFeed:
     # -- every rank
 
     def samples(self, rollout_id: int) -> list[Sample]:
-        """This rank's share of rollout `rollout_id`, in group_id order."""
+        """This rank's share of rollout `rollout_id`, in group_id order. Every rank learns whether every other
+        read its share, so a rank that could not does not leave the others waiting in training's collectives."""
         self.world.on_rank0(self._take_mine, rollout_id)
         if self.world.rank == 0:
-            mine, self.mine = self.mine, []
-            return mine
-        if self.driver.load_debug_rollout_data:
-            return self._dumped(rollout_id, self.share)
-        groups = self.deps.buffer.get_batch(self.job_id, rollout_id, self.config.rollout_batch_size,
-                                            timeout_s=READ_SHARE_S, share=self.share)
-        return _flat(groups)
+            mine, self.mine, failed = self.mine, [], None
+        else:
+            try:
+                mine, failed = self._read_mine(rollout_id), None
+            except Exception as err:  # noqa: BLE001 - raised below, on every rank
+                mine, failed = [], f"{type(err).__name__}: {err}"
+        if failures := [(rank, why) for rank, why in enumerate(self.world.gather(failed)) if why]:
+            rank, why = failures[0]
+            raise RankAborted(f"rank {rank} could not read its share of rollout {rollout_id}: {why}")
+        return mine
 
     def started(self, rollout_id: int) -> None:
         """Right after every rank has rollout `rollout_id` in hand."""
@@ -144,6 +148,13 @@ class RolloutFeed:
 
     def _take_mine(self, rollout_id: int) -> None:
         self.mine = self.rollout(rollout_id, self.share)
+
+    def _read_mine(self, rollout_id: int) -> list[Sample]:
+        """Ranks > 0: this rank's share of a rollout rank 0 found complete."""
+        if self.driver.load_debug_rollout_data:
+            return self._dumped(rollout_id, self.share)
+        return _flat(self.deps.buffer.get_batch(self.job_id, rollout_id, self.config.rollout_batch_size,
+                                                timeout_s=READ_SHARE_S, share=self.share))
 
     def _dumped(self, rollout_id: int, share: Share) -> list[Sample]:
         samples = checkpoint.load_debug_rollout_data(self.driver.load_debug_rollout_data, rollout_id)
