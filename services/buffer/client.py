@@ -9,9 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
+from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
 from services.common.grpc_client import GrpcClient
-from services.common.samples import Prompt, SampleGroup, group_from_proto, group_to_proto, prompt_from_proto
+from services.common.samples import (
+    EncodedGroup,
+    Prompt,
+    SampleGroup,
+    encode_group,
+    group_from_proto,
+    prompt_from_proto,
+)
+from services.common.shares import Share
 
 STREAM_ROLLOUT_ID = -2  # the rollout id of a fully_async manager's stream (groups not yet taken)
 LOAD_TIMEOUT_S = 300.0  # reading and storing a large dataset takes longer than an ordinary call
@@ -33,7 +41,7 @@ class PutResult:
 
 @dataclass
 class TakenBatch:
-    groups: list[SampleGroup]
+    groups: list[SampleGroup] | list[bytes]  # bytes from take_batch_encoded
     num_stale_dropped: int  # the job's totals so far
     num_stale_regenerated: int
 
@@ -71,6 +79,19 @@ class DataSourceState:
         return cls(**data)
 
 
+def group_header(group: EncodedGroup) -> buffer_pb2.GroupHeader:
+    """What the buffer indexes `group` by, sent beside its bytes."""
+    oldest, newest = group.weight_version_range
+    return buffer_pb2.GroupHeader(group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
+                                  prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id,
+                                  oldest_weight_version=oldest, newest_weight_version=newest,
+                                  num_tokens=group.num_tokens)
+
+
+def share_to_proto(share: Share) -> buffer_pb2.Share:
+    return buffer_pb2.Share(index=share.index, count=share.count, step_groups=share.step_groups)
+
+
 def state_to_proto(state: DataSourceState) -> buffer_pb2.DataSourceState:
     return buffer_pb2.DataSourceState(**state.to_dict())
 
@@ -87,6 +108,15 @@ class BufferClient(GrpcClient):
     def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3, **options: float) -> None:
         super().__init__(addr, timeout_s, max_retries, **options)
         self.stub = buffer_pb2_grpc.BufferStub(self.channel)
+        # the wire views of buffer.proto: groups go out and come back as the bytes the buffer stores
+        self._put_encoded = self.channel.unary_unary(
+            "/physarum.v1.Buffer/PutGroups", request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
+            response_deserializer=buffer_pb2.PutGroupsResponse.FromString, _registered_method=True)
+        self._get_encoded, self._take_encoded = (self.channel.unary_unary(
+            f"/physarum.v1.Buffer/{method}", request_serializer=request.SerializeToString,
+            response_deserializer=buffer_pb2.EncodedGroupsResponse.FromString, _registered_method=True)
+            for method, request in (("GetBatch", buffer_pb2.GetBatchRequest),
+                                    ("TakeBatch", buffer_pb2.TakeBatchRequest)))
 
     def load_dataset(self, job_id: str, path: str, *, input_key: str = "input", label_key: str = "",
                      metadata_key: str = "metadata", apply_chat_template: bool = False,
@@ -110,27 +140,51 @@ class BufferClient(GrpcClient):
         request = buffer_pb2.ReturnPromptsRequest(job_id=job_id, lease_ids=lease_ids)
         return self.call(self.stub.ReturnPrompts, request, idempotent=True).num_returned
 
-    def put_groups(self, groups: list[SampleGroup]) -> PutResult:
-        request = buffer_pb2.PutGroupsRequest(groups=[group_to_proto(g) for g in groups])
-        reply = self.call(self.stub.PutGroups, request, idempotent=True)
+    def put_groups(self, groups: list[SampleGroup] | list[EncodedGroup]) -> PutResult:
+        """Store groups: SampleGroups are encoded here, once; EncodedGroups go as the bytes they hold."""
+        encoded = [g if isinstance(g, EncodedGroup) else encode_group(g) for g in groups]
+        request = buffer_pb2.EncodedPutGroupsRequest(groups=[g.payload for g in encoded],
+                                                     headers=[group_header(g) for g in encoded])
+        reply = self.call(self._put_encoded, request, idempotent=True)
         return PutResult(num_written=reply.num_written, num_duplicate=reply.num_duplicate)
 
-    def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[SampleGroup]:
-        """The first num_groups groups of the rollout, waiting up to timeout_s for them to be written."""
+    def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
+                  share: Share = Share()) -> list[SampleGroup]:
+        """The first num_groups groups of the rollout (or `share`'s part of them), waiting up to timeout_s for them
+        to be written."""
+        return [group_from_proto(sample_pb2.SampleGroup.FromString(g))
+                for g in self.get_batch_encoded(job_id, rollout_id, num_groups, timeout_s, share)]
+
+    def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
+                          share: Share = Share()) -> list[bytes]:
+        """get_batch's groups as the buffer serves them: serialized SampleGroups."""
         request = buffer_pb2.GetBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
-                                             timeout_s=timeout_s)
-        reply = self.call(self.stub.GetBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
-        return [group_from_proto(g) for g in reply.groups]
+                                             timeout_s=timeout_s, share=share_to_proto(share))
+        reply = self.call(self._get_encoded, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return list(reply.groups)
 
     def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
-                   stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1) -> TakenBatch:
-        """fully_async: the rollout's num_groups groups, taken from the job's stream (only those whose tokens'
-        versions lie in [min_weight_version, max_weight_version]); repeated calls for a rollout return the same."""
+                   stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1,
+                   share: Share = Share()) -> TakenBatch:
+        """fully_async: the rollout's num_groups groups (or `share`'s part of them), taken from the job's stream
+        (only those whose tokens' versions lie in [min_weight_version, max_weight_version]); repeated calls for a
+        rollout return the same."""
+        taken = self.take_batch_encoded(job_id, rollout_id, num_groups, min_weight_version=min_weight_version,
+                                        stale_policy=stale_policy, timeout_s=timeout_s,
+                                        max_weight_version=max_weight_version, share=share)
+        taken.groups = [group_from_proto(sample_pb2.SampleGroup.FromString(g)) for g in taken.groups]
+        return taken
+
+    def take_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
+                           stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1,
+                           share: Share = Share()) -> TakenBatch:
+        """take_batch, its groups as the buffer serves them (serialized SampleGroups)."""
         request = buffer_pb2.TakeBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
                                               min_weight_version=min_weight_version, stale_policy=stale_policy,
-                                              timeout_s=timeout_s, max_weight_version=max_weight_version)
-        reply = self.call(self.stub.TakeBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
-        return TakenBatch(groups=[group_from_proto(g) for g in reply.groups], num_stale_dropped=reply.num_stale_dropped,
+                                              timeout_s=timeout_s, max_weight_version=max_weight_version,
+                                              share=share_to_proto(share))
+        reply = self.call(self._take_encoded, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return TakenBatch(groups=list(reply.groups), num_stale_dropped=reply.num_stale_dropped,
                           num_stale_regenerated=reply.num_stale_regenerated)
 
     def count_groups(self, job_id: str, rollout_id: int) -> int:

@@ -107,20 +107,21 @@ for i = 3, #ARGV do num = num + give_back(p, job, ARGV[i]) end
 return num
 """
 
-# ARGV: per group (prefix, group_id, rollout_id, lease_id, slot, "oldest newest" weight versions, payload)
-# -> {1 written | 0 duplicate, ...} | {-1, position of a group of an unknown job}
+# ARGV: per group (prefix, group_id, rollout_id, lease_id, slot, "oldest newest" weight versions, num_tokens,
+# payload) -> {1 written | 0 duplicate, ...} | {-1, position of a group of an unknown job}
 PUT_GROUPS = """
-for i = 1, #ARGV, 7 do
-  if redis.call('EXISTS', ARGV[i] .. 'meta') == 0 then return {-1, (i - 1) / 7} end
+for i = 1, #ARGV, 8 do
+  if redis.call('EXISTS', ARGV[i] .. 'meta') == 0 then return {-1, (i - 1) / 8} end
 end
 local out = {}
-for i = 1, #ARGV, 7 do
+for i = 1, #ARGV, 8 do
   local p, gid, rollout, lease, slot = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
-  local new = redis.call('SET', p .. 'group:' .. gid, ARGV[i + 6], 'NX')
+  local new = redis.call('SET', p .. 'group:' .. gid, ARGV[i + 7], 'NX')
   if new then
     redis.call('RPUSH', p .. 'rollout:' .. rollout, gid)
     if tonumber(rollout) >= 0 then redis.call('ZADD', p .. 'rollouts', rollout, rollout) end
     redis.call('HSET', p .. 'versions', gid, ARGV[i + 5])
+    redis.call('HSET', p .. 'tokens', gid, ARGV[i + 6])
     redis.call('HINCRBY', p .. 'meta', 'num_groups', 1)
   end
   if lease ~= '' and redis.call('HGET', p .. 'leases', lease) == slot then
@@ -133,8 +134,9 @@ end
 return out
 """
 
-# ARGV: prefix, rollout_id, num_groups -> {have} while the rollout has fewer than num_groups groups, else
-# {have, group_id...} (its first num_groups, in the order they were assigned) | false unknown job.
+# ARGV: prefix, rollout_id, num_groups, with_tokens (0/1) -> {have} while the rollout has fewer than num_groups
+# groups, else {have, group_id...} (its first num_groups, in the order they were assigned), then under with_tokens
+# each group's token count (0 for a group stored before counts were kept) | false unknown job.
 # The payloads are read with MGET after it: copying them in and out of Lua took longer than that round trip.
 READ_GROUP_IDS = """
 local p, rollout, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -142,6 +144,9 @@ if redis.call('EXISTS', p .. 'meta') == 0 then return false end
 local have = redis.call('LLEN', p .. 'rollout:' .. rollout)
 if have < want then return {have} end
 local out = redis.call('LRANGE', p .. 'rollout:' .. rollout, 0, want - 1)
+if ARGV[4] == '1' then
+  for i = 1, want do table.insert(out, tonumber(redis.call('HGET', p .. 'tokens', out[i]) or 0)) end
+end
 table.insert(out, 1, have)
 return out
 """
@@ -171,6 +176,7 @@ while have < want do
     else
       redis.call('DEL', p .. 'group:' .. gid)
       redis.call('HDEL', p .. 'versions', gid)
+      redis.call('HDEL', p .. 'tokens', gid)
       redis.call('RPUSH', p .. 'returned', string.match(gid, '(%d+:%d+)$'))
       redis.call('HINCRBY', p .. 'meta', 'stale_regenerated', 1)
       redis.call('HINCRBY', p .. 'meta', 'num_groups', -1)

@@ -19,6 +19,7 @@ from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
 from services.common.samples import group_payload_as_rollout, prompt_to_proto
+from services.common.shares import Share
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     @handle_errors
     async def GetBatch(self, request, context):
         payloads = await self.store.get_batch_encoded(request.job_id, request.rollout_id, request.num_groups,
-                                                      request.timeout_s)
+                                                      request.timeout_s, share_from_proto(request.share))
         groups = [group_payload_as_rollout(p, request.rollout_id) for p in payloads]
         return buffer_pb2.EncodedGroupsResponse(groups=groups)  # a GetBatchResponse on the wire
 
@@ -66,7 +67,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         payloads, dropped, regenerated = await self.store.take_batch_encoded(
             request.job_id, request.rollout_id, request.num_groups, min_weight_version=request.min_weight_version,
             stale_policy=request.stale_policy or "regenerate", timeout_s=request.timeout_s,
-            max_weight_version=request.max_weight_version)
+            max_weight_version=request.max_weight_version, share=share_from_proto(request.share))
         groups = [group_payload_as_rollout(p, request.rollout_id) for p in payloads]
         return buffer_pb2.EncodedGroupsResponse(groups=groups, num_stale_dropped=dropped,  # a TakeBatchResponse
                                                 num_stale_regenerated=regenerated)
@@ -91,6 +92,11 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def RestoreState(self, request, context):
         num_requeued, num_dropped = await self.store.restore_state(request.job_id, state_from_proto(request.state))
         return buffer_pb2.RestoreStateResponse(num_requeued=num_requeued, num_leases_dropped=num_dropped)
+
+
+def share_from_proto(msg: buffer_pb2.Share) -> Share:
+    """An unset share (count 0) is the whole rollout."""
+    return Share(index=msg.index, count=msg.count or 1, step_groups=msg.step_groups)
 
 
 REDIS_CHECK_S = 1.0  # how often health follows Redis (busy with a script, loading its data, gone)

@@ -44,12 +44,12 @@ from services.common.samples import (
     Prompt,
     SampleGroup,
     encode_group,
-    group_from_proto,
+    group_id_field,
     group_id_for,
-    group_payload_to_proto,
     prompt_from_proto,
     prompt_to_proto,
 )
+from services.common.shares import Share, share_positions
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ MAX_ROLLOUT_ID = 2**31 - 1    # Lua numbers are doubles: far below 2^53, so ids 
 MAX_WEIGHT_VERSION = 2**31 - 1
 MAX_LEASE_TIMEOUT_S = 7 * 86400.0
 _TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "OOM")  # Redis will answer again later
-
-
-def _decode(payloads: list[bytes], rollout_id: int) -> list[SampleGroup]:
-    return [group_from_proto(group_payload_to_proto(payload, rollout_id)) for payload in payloads]
 
 
 def _prefix(job_id: str) -> str:
@@ -231,9 +227,12 @@ class BufferStore:
             if group.group_id != expected:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
                                       "(job_id:epoch:prompt_index)")
+            if not group.payload.startswith(group_id_field(group.group_id)):
+                raise InvalidArgument(f"group {group.group_id!r}: its bytes are another group's (a serialized "
+                                      "SampleGroup starts with its group_id)")
             args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
                      f"{group.epoch}:{group.prompt_index}", " ".join(map(str, group.weight_version_range)),
-                     group.payload]
+                     group.num_tokens, group.payload]
         if not groups:
             return 0, 0
         reply = await self._run("put_groups", *args)
@@ -242,20 +241,18 @@ class BufferStore:
         num_written = sum(reply)
         return num_written, len(groups) - num_written
 
-    async def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[SampleGroup]:
-        """The rollout's first num_groups groups in write order, once that many exist (polls up to timeout_s)."""
-        payloads = await self.get_batch_encoded(job_id, rollout_id, num_groups, timeout_s)
-        return _decode(payloads, rollout_id)
-
     @_redis_errors
-    async def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float) -> list[bytes]:
-        """get_batch's groups as stored (serialized SampleGroups; group_payload_as_rollout serves one)."""
+    async def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
+                                share: Share = Share()) -> list[bytes]:
+        """The rollout's first num_groups groups as stored (serialized SampleGroups; group_payload_as_rollout serves
+        one), once that many exist (polls up to timeout_s): all of them in write order, or `share`'s in group_id
+        order."""
         _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
         _count("num_groups", num_groups)
         bounds.finite("timeout_s", timeout_s, 0.0, bounds.MAX_WAIT_S)
         deadline = time.monotonic() + timeout_s
         while True:
-            have, payloads = await self._read_groups(job_id, rollout_id, num_groups)
+            have, payloads = await self._read_groups(job_id, rollout_id, num_groups, share)
             if have >= num_groups:
                 return payloads
             left_s = deadline - time.monotonic()
@@ -264,34 +261,31 @@ class BufferStore:
                                        f"groups after {timeout_s} s")
             await asyncio.sleep(min(POLL_S, left_s))
 
-    async def _read_groups(self, job_id: str, rollout_id: int, num_groups: int) -> tuple[int, list[bytes]]:
-        """How many groups the rollout has and, once it has num_groups, the first num_groups as stored."""
+    async def _read_groups(self, job_id: str, rollout_id: int, num_groups: int,
+                           share: Share = Share()) -> tuple[int, list[bytes]]:
+        """How many groups the rollout has and, once it has num_groups, `share`'s part of the first num_groups as
+        stored (all of them in write order when the share is whole)."""
         p = _prefix(job_id)
-        reply = await self._run("read_group_ids", p, rollout_id, num_groups)
+        reply = await self._run("read_group_ids", p, rollout_id, num_groups, 0 if share.whole else 1)
         if reply is None:
             raise NotFound(f"buffer: job {job_id!r} has no dataset")
-        have, group_ids = int(reply[0]), reply[1:]
+        have, group_ids = int(reply[0]), reply[1:1 + num_groups]
         if have < num_groups:
             return have, []
-        return have, await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids])
-
-    async def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
-                         stale_policy: str, timeout_s: float,
-                         max_weight_version: int = -1) -> tuple[list[SampleGroup], int, int]:
-        """take_batch_encoded, with the groups decoded."""
-        payloads, dropped, regenerated = await self.take_batch_encoded(
-            job_id, rollout_id, num_groups, min_weight_version=min_weight_version, stale_policy=stale_policy,
-            timeout_s=timeout_s, max_weight_version=max_weight_version)
-        return _decode(payloads, rollout_id), dropped, regenerated
+        if not share.whole:
+            positions = share_positions([g.decode() for g in group_ids], [int(n) for n in reply[1 + num_groups:]],
+                                        share)
+            group_ids = [group_ids[i] for i in positions]
+        return have, await self.redis.mget([p.encode() + b"group:" + gid for gid in group_ids]) if group_ids else []
 
     @_redis_errors
     async def take_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
-                                 stale_policy: str, timeout_s: float,
-                                 max_weight_version: int = -1) -> tuple[list[bytes], int, int]:
+                                 stale_policy: str, timeout_s: float, max_weight_version: int = -1,
+                                 share: Share = Share()) -> tuple[list[bytes], int, int]:
         """fully_async: assign stream groups whose tokens' versions lie in [min_weight_version, max_weight_version]
         (no maximum when it is < 0) to the rollout until it has num_groups, polling up to timeout_s; the others are
         dropped or regenerated.
-        Returns (groups, stale dropped so far, stale regenerated so far)."""
+        Returns (`share`'s part of the rollout's groups, stale dropped so far, stale regenerated so far)."""
         p = _prefix(job_id)
         _rollout_id(rollout_id, low=0)
         _count("num_groups", num_groups)
@@ -308,7 +302,7 @@ class BufferStore:
                 raise NotFound(f"buffer: job {job_id!r} has no dataset")
             have, dropped, regenerated = (int(x) for x in reply)
             if have >= num_groups:
-                _, payloads = await self._read_groups(job_id, rollout_id, num_groups)  # a rollout never shrinks
+                _, payloads = await self._read_groups(job_id, rollout_id, num_groups, share)  # it never shrinks
                 return payloads, dropped, regenerated
             left_s = deadline - time.monotonic()
             if left_s <= 0:

@@ -16,8 +16,16 @@ SERVICE = "physarum.v1.Buffer"
 
 
 def decode_put_groups(data: bytes) -> list[EncodedGroup]:
-    """A PutGroupsRequest's groups, each parsed once to check and index it and kept as the bytes it came in."""
-    return [encoded_group_from_payload(group) for group in buffer_pb2.EncodedPutGroupsRequest.FromString(data).groups]
+    """A PutGroupsRequest's groups, kept as the bytes they came in, indexed by the headers their writer sent (the
+    store checks each group's bytes start with its group_id); without headers each group is parsed once."""
+    request = buffer_pb2.EncodedPutGroupsRequest.FromString(data)
+    if not request.headers:
+        return [encoded_group_from_payload(group) for group in request.groups]
+    if len(request.headers) != len(request.groups):
+        raise ValueError(f"{len(request.headers)} headers for {len(request.groups)} groups")
+    return [EncodedGroup(h.group_id, h.job_id, h.rollout_id, h.prompt_index, h.epoch, h.lease_id,
+                         (h.oldest_weight_version, h.newest_weight_version), payload, h.num_tokens)
+            for h, payload in zip(request.headers, request.groups, strict=True)]
 
 
 _VIEWS = {  # method -> (request decoder, reply encoder); None keeps the generated one

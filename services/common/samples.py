@@ -107,11 +107,13 @@ class EncodedGroup:
     lease_id: str
     weight_version_range: tuple[int, int]
     payload: bytes
+    num_tokens: int = 0  # over its samples: what a rollout's shares are balanced by (services.common.shares)
 
 
 def encode_group(group: SampleGroup) -> EncodedGroup:
     return EncodedGroup(group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch,
-                        group.lease_id, weight_version_range(group.samples), group_to_proto(group).SerializeToString())
+                        group.lease_id, weight_version_range(group.samples), group_to_proto(group).SerializeToString(),
+                        sum(len(s.tokens) for s in group.samples))
 
 
 def encoded_group_from_proto(msg: sample_pb2.SampleGroup) -> EncodedGroup:
@@ -126,21 +128,33 @@ def encoded_group_from_payload(payload: bytes) -> EncodedGroup:
 
 def _encoded(msg: sample_pb2.SampleGroup, payload: bytes) -> EncodedGroup:
     return EncodedGroup(msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id,
-                        _version_range(v for s in msg.samples for v in s.weight_versions), payload)
+                        _version_range(v for s in msg.samples for v in s.weight_versions), payload,
+                        sum(len(s.tokens) for s in msg.samples))
 
 
+_GROUP_ID_TAG = b"\x0a"  # SampleGroup.group_id: field 1, length-delimited
 _ROLLOUT_ID_TAG = b"\x18"  # SampleGroup.rollout_id: field 3, varint
+
+
+def _varint(value: int) -> bytes:
+    value, out = value & 0xFFFF_FFFF_FFFF_FFFF, bytearray()  # int64: a negative value takes ten bytes
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def group_id_field(group_id: str) -> bytes:
+    """How a serialized SampleGroup starts (fields go out in number order): its group_id field."""
+    encoded = group_id.encode()
+    return _GROUP_ID_TAG + _varint(len(encoded)) + encoded
 
 
 def group_payload_as_rollout(payload: bytes, rollout_id: int) -> bytes:
     """A stored group's bytes, as assigned to `rollout_id` (a stream group is stored as written, rollout -2): a
     scalar field repeated later on the wire wins when parsed, so appending it replaces the stored one unparsed."""
-    value, varint = rollout_id & 0xFFFF_FFFF_FFFF_FFFF, bytearray()  # int64: a negative id takes ten bytes
-    while value > 0x7F:
-        varint.append(value & 0x7F | 0x80)
-        value >>= 7
-    varint.append(value)
-    return payload + _ROLLOUT_ID_TAG + bytes(varint)
+    return payload + _ROLLOUT_ID_TAG + _varint(rollout_id)
 
 
 def group_payload_to_proto(payload: bytes, rollout_id: int) -> sample_pb2.SampleGroup:

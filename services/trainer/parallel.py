@@ -1,15 +1,18 @@
 """The trainer's ranks as one static torch.distributed world, formed at start-up from torchrun's variables.
 
-Rank 0 runs the job API and alone talks to the other services; ranks 1..N-1 (`python -m services.trainer.worker`)
-take each job from the world's store and run the same driver. Here: forming the world, handing jobs over, rank 0's
-broadcasts, a rollout's split across ranks and a model's FSDP2 sharding. Training itself is the backend's.
+Rank 0 runs the job API and alone talks to the rollout manager; ranks 1..N-1 (`python -m services.trainer.worker`)
+take each job from the world's store, run the same driver and read their own share of each rollout from the buffer.
+Here: forming the world, handing jobs over, rank 0's broadcasts (control results, never samples), a rollout's split
+across ranks and a model's FSDP2 sharding. Training itself is the backend's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import logging
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -18,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
-from services.common.samples import Sample
+from services.common.samples import Sample, SampleGroup
+from services.common.shares import Share, share_positions
 from services.trainer import devices
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,16 @@ JOB_WAIT_S = 600.0  # a worker's store wait is re-armed after this; a lost rank 
 
 class RankAborted(RuntimeError):
     """Raised on ranks > 0 when rank 0's part of a job failed: the job ends on every rank."""
+
+
+class _NoSamples(pickle.Pickler):
+    """Pickles to nowhere, refusing samples: each rank reads its own share of a rollout from the buffer, and a
+    rollout handed out by rank 0 would cost it the decoding and pickling of every rank's share."""
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, Sample | SampleGroup):
+            raise TypeError(f"rank 0 broadcast a {type(obj).__name__}: samples reach a rank from the buffer only")
+        return NotImplemented
 
 
 @dataclass
@@ -56,23 +70,25 @@ class World:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def broadcast(self, obj: T) -> T:
-        """Rank 0's `obj` on every rank (pickled)."""
+        """Rank 0's `obj` on every rank (pickled; never a Sample: TypeError)."""
         if not self.distributed:
             return obj
+        if self.rank == 0:
+            _NoSamples(io.BytesIO()).dump(obj)
         box = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, device=self.comm_device)
         return box[0]
 
-    def on_rank0(self, fn: Callable[[], T]) -> T:
-        """Run fn on rank 0 and hand its result to every rank. If it raises, rank 0 re-raises and the other ranks
-        raise RankAborted, so no rank is left waiting in a collective the others never reach."""
+    def on_rank0(self, fn: Callable[..., T], *args: object) -> T:
+        """Run fn(*args) on rank 0 and hand its result to every rank. If it raises, rank 0 re-raises and the other
+        ranks raise RankAborted, so no rank is left waiting in a collective the others never reach."""
         if self.rank != 0:
             ok, value = self.broadcast(None)
             if not ok:
                 raise RankAborted(f"rank 0 ended the job: {value}")
             return value
         try:
-            value = fn()
+            value = fn(*args)
         except BaseException as err:
             with contextlib.suppress(Exception):  # a dead peer must not hide the original error
                 self.broadcast((False, f"{type(err).__name__}: {err}"))
@@ -80,12 +96,19 @@ class World:
         self.broadcast((True, value))
         return value
 
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order, on every rank (pickled: small objects only)."""
+        if not self.distributed:
+            return [obj]
+        every: list[T | None] = [None] * self.world_size
+        dist.all_gather_object(every, obj)
+        return every
+
     def mean(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each key's mean over the ranks that have it."""
         if not self.distributed:
             return metrics
-        every: list[dict[str, float] | None] = [None] * self.world_size
-        dist.all_gather_object(every, metrics)
+        every = self.gather(metrics)
         keys = sorted({k for m in every if m for k in m})
         return {k: sum(m[k] for m in every if m and k in m) / sum(1 for m in every if m and k in m) for k in keys}
 
@@ -163,23 +186,27 @@ def init_world(*, rank: int, world_size: int, master_addr: str, master_port: int
     return World(rank=rank, world_size=world_size, store=store, backend=backend, device=rank_device)
 
 
-def shard_rollout(samples: Sequence[Sample], *, rank: int, world_size: int, global_batch_size: int | None,
-                  n_samples_per_prompt: int) -> list[Sample]:
-    """This rank's samples: every optimizer step's global_batch_size consecutive samples are cut into world_size
-    equal runs of whole groups, run r to rank r. Trailing samples that fill no step are dropped, as one process
-    drops them, so each rank's k-th step holds its share of the single process's k-th step."""
+def rollout_share(*, rank: int, world_size: int, global_batch_size: int | None,
+                  n_samples_per_prompt: int) -> Share:
+    """This rank's share of every rollout: each optimizer step's global_batch_size samples (groups of
+    n_samples_per_prompt) dealt to the ranks in equal counts of whole groups, balanced by tokens."""
     if world_size == 1:
-        return list(samples)
-    step = global_batch_size or len(samples)
+        return Share()
+    step = global_batch_size or 0
     if step % (world_size * n_samples_per_prompt):
         raise InvalidArgument(f"with {world_size} trainer ranks, global_batch_size ({step}) must be a multiple of "
                               f"trainer ranks × n_samples_per_prompt ({world_size} × {n_samples_per_prompt}): "
                               "each rank trains an equal share of whole groups")
-    share = step // world_size
-    out: list[Sample] = []
-    for start in range(0, len(samples) - step + 1, step):
-        out.extend(samples[start + rank * share:start + (rank + 1) * share])
-    return out
+    return Share(index=rank, count=world_size, step_groups=step // n_samples_per_prompt)
+
+
+def shard_rollout(samples: Sequence[Sample], share: Share, n_samples_per_prompt: int) -> list[Sample]:
+    """`share`'s samples of a rollout held whole (a replayed dump): its groups are the runs of n_samples_per_prompt
+    samples, in order, dealt as the buffer deals them (services.common.shares)."""
+    groups = [samples[i:i + n_samples_per_prompt] for i in range(0, len(samples), n_samples_per_prompt)]
+    ids = [f"{i:012d}" for i in range(len(groups))]  # group_id order is the rollout's order
+    positions = share_positions(ids, [sum(len(s.tokens) for s in g) for g in groups], share)
+    return [s for i in positions for s in groups[i]]
 
 
 def shard_model(model: torch.nn.Module, world: World, *, param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:

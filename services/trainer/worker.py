@@ -1,8 +1,8 @@
 """The trainer's ranks > 0 (`python -m services.trainer.worker`) and rank 0's side of handing them jobs.
 
 A worker joins the world, then loops: take rank 0's next job spec from the world's store, run the same driver on
-its share, report it done, wait again. It serves nothing and talks to no other service; it exits when rank 0
-says STOP or is gone.
+its share (read from the buffer), report it done, wait again. It serves nothing and talks to no service but the
+buffer; it exits when rank 0 says STOP or is gone.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Dispatcher:
 def run_worker(config: TrainerConfig) -> int:
     import torch
 
+    from services.buffer.client import BufferClient
     from services.trainer.driver.deps import TrainerDeps
     from services.trainer.driver.loop import train
 
@@ -74,7 +75,9 @@ def run_worker(config: TrainerConfig) -> int:
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
                        master_port=config.master_port, backend=config.dist_backend, timeout_s=config.dist_timeout_s,
                        device=config.device)
-    deps = TrainerDeps(master_address=config.master_address, num_threads=config.num_threads, world=world)
+    buffer = BufferClient(config.buffer_addr, timeout_s=config.client_timeout_s)  # each rank reads its own share
+    deps = TrainerDeps(buffer=buffer, master_address=config.master_address, num_threads=config.num_threads,
+                       world=world)
     seq = 0
     while True:
         try:

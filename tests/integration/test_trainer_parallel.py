@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.common.procs import ManagedProcess, free_port, python_module
+from services.common.shares import Share
 from services.trainer.driver import checkpoint
 from services.trainer.driver.loop import make_backend
 from services.trainer.parallel import World, shard_rollout
@@ -76,7 +77,7 @@ def test_one_process_resumes_a_two_rank_checkpoint_exactly(two_ranks, one_rank, 
     state = checkpoint.load_checkpoint(two_ranks[0] / "grpo" / "ckpt", resumed, World())
     assert (state.rollout_id, state.world_size, resumed.weight_version) == (NUM_ROLLOUTS - 1, 2, NUM_ROLLOUTS)
     samples = make_samples(tiny_model_dir)
-    shard = shard_rollout(samples, rank=0, world_size=1, global_batch_size=4, n_samples_per_prompt=2)
+    shard = shard_rollout(samples, Share(), n_samples_per_prompt=2)
     # The next rollout trains the same way from the checkpoint as from the never-stopped model: the optimizer's
     # moments and step counts, and the learning-rate schedule, came back.
     for got, want in zip(resumed.train_rollout(shard), reference.train_rollout(shard), strict=True):

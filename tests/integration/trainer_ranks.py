@@ -41,7 +41,7 @@ def run_case(name: str, model_dir: Path, out_dir: Path, world):
     metrics averaged over the ranks, and the backend."""
     from services.trainer.driver import checkpoint
     from services.trainer.driver.loop import make_backend
-    from services.trainer.parallel import shard_rollout
+    from services.trainer.parallel import rollout_share, shard_rollout
     from services.trainer.spec import parse_spec
 
     spec = parse_spec({**BASE, **CASES[name], "hf_checkpoint": str(model_dir)})
@@ -49,8 +49,9 @@ def run_case(name: str, model_dir: Path, out_dir: Path, world):
     samples = make_samples(model_dir)
     metrics = []
     for _ in range(NUM_ROLLOUTS):
-        shard = shard_rollout(samples, rank=world.rank, world_size=world.world_size,
-                              global_batch_size=spec.global_batch_size, n_samples_per_prompt=spec.n_samples_per_prompt)
+        share = rollout_share(rank=world.rank, world_size=world.world_size, global_batch_size=spec.global_batch_size,
+                              n_samples_per_prompt=spec.n_samples_per_prompt)
+        shard = shard_rollout(samples, share, spec.n_samples_per_prompt)
         # perf/ keys are timings, not results: the runs compare what they train
         metrics.append([{k: v for k, v in world.mean(step).items() if not k.startswith("perf/")}
                         for step in backend.train_rollout(shard)])

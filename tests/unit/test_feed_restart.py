@@ -17,7 +17,9 @@ from services.common.errors import DeadlineExceeded, Unavailable
 from services.common.samples import Sample, SampleGroup, Status
 from services.rollout.client import PoolStatus, RolloutState, RolloutStatus, snapshot_path
 from services.trainer.driver import feed
+from services.trainer.parallel import World
 from services.trainer.spec import parse_spec
+from services.trainer.sync.versions import EngineWeights
 
 VERSION = 3  # the trainer's weights: rollout 3 of a fully_async job, every earlier version pushed
 MAX_POLLS = 200
@@ -87,9 +89,10 @@ def run_feed(tmp_path: Path, restart_after: int) -> tuple[list[Sample], FakeMana
     spec = parse_spec({"job_id": "race", "hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5,
                        "rollout_batch_size": 2, "mode": "fully_async"})
     manager = FakeManager(tmp_path, restart_after)
-    deps = types.SimpleNamespace(rollout=manager, buffer=FakeBuffer(manager))
+    deps = types.SimpleNamespace(rollout=manager, buffer=FakeBuffer(manager), world=World())
     ctx = types.SimpleNamespace(check_cancelled=lambda: None)
-    return feed.make_feed(spec.driver, spec.rollout, deps, ctx).samples(VERSION, VERSION), manager
+    weights = EngineWeights(World(), manager, engines=True, version=VERSION)
+    return feed.make_feed(spec.driver, spec.rollout, deps, ctx, weights).samples(VERSION), manager
 
 
 @pytest.mark.parametrize("restart_after", range(0, 8))  # 7 calls in all without a restart

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from services.common import plugins
 from services.common.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Rule, check_fields, field, shared
 from services.common.samples import Sample
+from services.common.shares import Share
 from services.rollout.client import LossType, RolloutConfig
 from services.trainer.algorithms.names import (
     ADVANTAGE_ESTIMATORS,
@@ -175,8 +176,8 @@ class TrainBackend(Protocol):
         """0 for the loaded weights, +1 for every rollout trained on."""
         ...
 
-    def rank_samples(self, samples: Sequence[Sample]) -> list[Sample]:
-        """The share of a rollout this rank trains on (what `train_rollout` takes)."""
+    def rollout_share(self) -> Share:
+        """The share of every rollout this rank reads from the buffer and trains on (what `train_rollout` takes)."""
         ...
 
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:

@@ -23,6 +23,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+from services.common.shares import Share
 from services.trainer import devices, parallel
 from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig, load_custom_loss
@@ -188,9 +189,9 @@ class TorchBackend(DCPCheckpointing):
             out[rows, :values.shape[1]] = values
         return out
 
-    def rank_samples(self, samples: Sequence[Sample]) -> list[Sample]:
-        """This rank's share of each step (`parallel.shard_rollout`)."""
-        return parallel.shard_rollout(samples, rank=self.world.rank, world_size=self.world.world_size,
+    def rollout_share(self) -> Share:
+        """This rank's share of each step (`parallel.rollout_share`): each rank reads its own from the buffer."""
+        return parallel.rollout_share(rank=self.world.rank, world_size=self.world.world_size,
                                       global_batch_size=self.job_global_batch_size,
                                       n_samples_per_prompt=self.config.n_samples_per_prompt)
 

@@ -12,8 +12,9 @@ from services.trainer.parallel import World
 
 @dataclass
 class TrainerDeps:
-    """The peers (rank 0 only; None on the other ranks), the trainer's ranks, where rank 0 hosts the weight-sync
-    group, and where TensorBoard event files go."""
+    """The peers (the buffer on every rank, each reading its own share of a rollout; the rollout manager on rank 0
+    only, None on the others), the trainer's ranks, where rank 0 hosts the weight-sync group, and where TensorBoard
+    event files go."""
 
     buffer: BufferClient | None = None
     rollout: RolloutClient | None = None

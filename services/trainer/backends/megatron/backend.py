@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+from services.common.shares import Share
 from services.trainer import devices
 from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends import optim, rl_step
@@ -243,9 +244,9 @@ class MegatronBackend(MegatronCheckpointing):
         dist.all_reduce(tensor)
         return tensor.cpu()
 
-    def rank_samples(self, samples: Sequence[Sample]) -> list[Sample]:
-        """Every rank takes the whole rollout: the backend splits each step over its data-parallel ranks."""
-        return list(samples)
+    def rollout_share(self) -> Share:
+        """Every rank reads the whole rollout: the backend splits each step over its data-parallel ranks."""
+        return Share()
 
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)

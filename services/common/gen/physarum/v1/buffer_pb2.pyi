@@ -72,10 +72,34 @@ class ReturnPromptsResponse(_message.Message):
     def __init__(self, num_returned: _Optional[int] = ...) -> None: ...
 
 class PutGroupsRequest(_message.Message):
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "headers")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
-    def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
+    headers: _containers.RepeatedCompositeFieldContainer[GroupHeader]
+    def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ..., headers: _Optional[_Iterable[_Union[GroupHeader, _Mapping]]] = ...) -> None: ...
+
+class GroupHeader(_message.Message):
+    __slots__ = ("group_id", "job_id", "rollout_id", "prompt_index", "epoch", "lease_id", "oldest_weight_version", "newest_weight_version", "num_tokens")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    job_id: str
+    rollout_id: int
+    prompt_index: int
+    epoch: int
+    lease_id: str
+    oldest_weight_version: int
+    newest_weight_version: int
+    num_tokens: int
+    def __init__(self, group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[str] = ..., oldest_weight_version: _Optional[int] = ..., newest_weight_version: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PutGroupsResponse(_message.Message):
     __slots__ = ("num_written", "num_duplicate")
@@ -86,16 +110,18 @@ class PutGroupsResponse(_message.Message):
     def __init__(self, num_written: _Optional[int] = ..., num_duplicate: _Optional[int] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("job_id", "rollout_id", "num_groups", "timeout_s")
+    __slots__ = ("job_id", "rollout_id", "num_groups", "timeout_s", "share")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rollout_id: int
     num_groups: int
     timeout_s: float
-    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    share: Share
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., timeout_s: _Optional[float] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
     __slots__ = ("groups",)
@@ -103,8 +129,18 @@ class GetBatchResponse(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
     def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
 
+class Share(_message.Message):
+    __slots__ = ("index", "count", "step_groups")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STEP_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    step_groups: int
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., step_groups: _Optional[int] = ...) -> None: ...
+
 class TakeBatchRequest(_message.Message):
-    __slots__ = ("job_id", "rollout_id", "num_groups", "min_weight_version", "stale_policy", "timeout_s", "max_weight_version")
+    __slots__ = ("job_id", "rollout_id", "num_groups", "min_weight_version", "stale_policy", "timeout_s", "max_weight_version", "share")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +148,7 @@ class TakeBatchRequest(_message.Message):
     STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rollout_id: int
     num_groups: int
@@ -119,7 +156,8 @@ class TakeBatchRequest(_message.Message):
     stale_policy: str
     timeout_s: float
     max_weight_version: int
-    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., stale_policy: _Optional[str] = ..., timeout_s: _Optional[float] = ..., max_weight_version: _Optional[int] = ...) -> None: ...
+    share: Share
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., stale_policy: _Optional[str] = ..., timeout_s: _Optional[float] = ..., max_weight_version: _Optional[int] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
 
 class TakeBatchResponse(_message.Message):
     __slots__ = ("groups", "num_stale_dropped", "num_stale_regenerated")
@@ -214,10 +252,12 @@ class RestoreStateResponse(_message.Message):
     def __init__(self, num_requeued: _Optional[int] = ..., num_leases_dropped: _Optional[int] = ...) -> None: ...
 
 class EncodedPutGroupsRequest(_message.Message):
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "headers")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, groups: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    headers: _containers.RepeatedCompositeFieldContainer[GroupHeader]
+    def __init__(self, groups: _Optional[_Iterable[bytes]] = ..., headers: _Optional[_Iterable[_Union[GroupHeader, _Mapping]]] = ...) -> None: ...
 
 class EncodedGroupsResponse(_message.Message):
     __slots__ = ("groups", "num_stale_dropped", "num_stale_regenerated")
