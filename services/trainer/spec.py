@@ -131,7 +131,7 @@ class JobSpec(_JobSettings):
 
     def plugin_args_view(self) -> dict[str, Any]:
         """slime's `args`: slime's default for every flag, the spec's plugin_args, then the spec's own keys."""
-        own = self.model_dump(exclude={"plugin_args", "slime_notes"})
+        own = self.model_dump(exclude={"plugin_args", "slime_notes", "slime_sources"})
         return {**slime_args.slime_defaults(), **self.plugin_args, **own}
 
     @property

@@ -4,7 +4,9 @@ megatron_flags.py. Keys the spec sets itself win over converted ones.
 
 Every flag is implemented (the spec key of its name), mapped (to spec keys, to the `megatron:` section, or kept in
 `plugin_args` for plugins), refused (the reason), or unknown (an error). As slime does, train_backend defaults to
-megatron when the arguments do not say.
+megatron when the arguments do not say. The argv reads by argparse's rules: a flag given twice takes its last value
+(an `append` flag collects them), values take slime's declared type, choices and count; `slime_sources` records
+where each value came from.
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ import yaml
 
 from services.common.errors import InvalidArgument
 from services.trainer.slime.eval_config import eval_spec
-from services.trainer.slime.flags import FLAGS, STORE_FALSE, Flag, spec_key
+from services.trainer.slime.flags import (
+    APPEND,
+    BOOLEAN_OPTIONAL,
+    CHOICES,
+    FLAGS,
+    NARGS_ANY,
+    STORE_FALSE,
+    Flag,
+    spec_key,
+    value_type,
+)
 from services.trainer.slime.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
@@ -40,6 +52,8 @@ class Conversion:
     no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
     eval_config: str = ""  # --eval-config's path
     num_epoch: int = 0  # --num-epoch
+    invalid: list[str] = field(default_factory=list)  # values slime's parser would reject (type, choice, count)
+    sources: dict[str, str] = field(default_factory=dict)  # each flag's key -> where its value came from
 
 
 def slime_defaults() -> dict[str, Any]:
@@ -51,17 +65,49 @@ def slime_defaults() -> dict[str, Any]:
 def split_argv(argv: str | list[str]) -> list[tuple[str, list[str]]]:
     """`--a 1 --b --c x y` -> [("a", ["1"]), ("b", []), ("c", ["x", "y"])]; a shell string is split as bash would
     (comments and line continuations included)."""
+    return [(name, values) for _, name, values in split_argv_at(argv)]
+
+
+def split_argv_at(argv: str | list[str]) -> list[tuple[int, str, list[str]]]:
+    """split_argv with each flag's position in the argument list: [(index, name, values)]."""
     if isinstance(argv, str):
         argv = shlex.split(argv.replace("\\\n", " "), comments=True)
-    pairs: list[tuple[str, list[str]]] = []
-    for token in argv:
+    items: list[tuple[int, str, list[str]]] = []
+    for index, token in enumerate(argv):
         if token.startswith("--") and len(token) > 2:
-            pairs.append((token[2:], []))
-        elif not pairs:
+            items.append((index, token[2:], []))
+        elif not items:
             raise InvalidArgument(f"slime_args: expected a --flag first, got {token!r}")
         else:
-            pairs[-1][1].append(token)
-    return pairs
+            items[-1][2].append(token)
+    return items
+
+
+def destination(name: str) -> str:
+    """The flag a spelling sets: `no-offload-train` sets offload-train (argparse's BooleanOptionalAction)."""
+    base = name.removeprefix("no-")
+    return base if name.startswith("no-") and base in BOOLEAN_OPTIONAL else name
+
+
+def last_wins(items: list[tuple[int, str, list[str]]]) -> tuple[list[tuple[str, list[str]]], dict[str, str]]:
+    """argparse's rule for a repeated flag: its last occurrence wins (an `append` flag collects every value).
+    Returns the flags in the order of their deciding occurrence and, by key, where each value came from."""
+    seen: dict[str, list[tuple[int, str, list[str]]]] = {}
+    for item in items:
+        seen.setdefault(destination(item[1]), []).append(item)
+    decided = sorted(seen.items(), key=lambda entry: entry[1][-1][0])
+    pairs, sources = [], {}
+    for dest, occurrences in decided:
+        index, name, values = occurrences[-1]
+        where = f"--{name} (argv[{index}])"
+        if len(occurrences) > 1 and dest in APPEND:
+            values = [v for occurrence in occurrences for v in occurrence[2]]
+            where = f"--{name} (argv[{', '.join(str(o[0]) for o in occurrences)}], appended)"
+        elif len(occurrences) > 1:
+            where += f", the last of {len(occurrences)}: over argv[{', '.join(str(o[0]) for o in occurrences[:-1])}]"
+        pairs.append((name, values))
+        sources[spec_key(dest)] = where
+    return pairs, sources
 
 
 def scalar(text: str) -> Any:
@@ -78,6 +124,7 @@ def scalar(text: str) -> Any:
 
 
 def _value(name: str, flag: Flag | None, values: list[str]) -> Any:
+    """A Megatron or engine flag's value: True when bare, else as YAML reads it."""
     if flag is not None and flag.bare:
         if values:
             raise InvalidArgument(f"slime_args: --{name} takes no value, got {' '.join(values)}")
@@ -87,6 +134,36 @@ def _value(name: str, flag: Flag | None, values: list[str]) -> Any:
     if flag is not None and flag.nargs:
         return [scalar(v) for v in values]
     return scalar(values[0]) if len(values) == 1 else [scalar(v) for v in values]
+
+
+def slime_value(name: str, values: list[str]) -> Any:
+    """The value slime's parser gives `--name` (its type, choices, nargs and action); InvalidArgument as argparse
+    would fail."""
+    flag = FLAGS[name]
+    if flag.bare:
+        if values:
+            raise InvalidArgument(f"--{name} takes no value, got {' '.join(values)}")
+        return True
+    if flag.nargs:
+        if not values and name not in NARGS_ANY:
+            raise InvalidArgument(f"--{name} expects at least one value")
+        return [_typed(name, v) for v in values]
+    if len(values) != 1:
+        got = f"{len(values)}: {' '.join(values)}" if values else "none"
+        raise InvalidArgument(f"--{name} expects one value, got {got}")
+    return _typed(name, values[0])
+
+
+def _typed(name: str, text: str) -> Any:
+    kind = value_type(name)
+    try:
+        value = int(text) if kind == "int" else float(text) if kind == "float" else \
+            json.loads(text) if kind == "json" else text
+    except ValueError:
+        raise InvalidArgument(f"--{name}: invalid {kind} value: {text!r}") from None
+    if name in CHOICES and value not in CHOICES[name]:
+        raise InvalidArgument(f"--{name}: invalid choice: {text!r} (choose from {', '.join(CHOICES[name])})")
+    return value
 
 
 def read_hf_config(hf_checkpoint: Any) -> dict[str, Any] | None:
@@ -103,17 +180,20 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
 
     The architecture flags are checked against `hf_config` (by default hf_checkpoint's config.json) unless
     check_architecture is false."""
-    pairs = split_argv(argv)
-    given = {name: values for name, values in pairs}
-    out = Conversion()
+    pairs, sources = last_wins(split_argv_at(argv))
+    given = dict(pairs)
+    out = Conversion(sources=sources)
     if hf_config is None and check_architecture:
-        hf_config = read_hf_config(scalar(given["hf-checkpoint"][0]) if given.get("hf-checkpoint") else None)
+        hf_config = read_hf_config(given["hf-checkpoint"][-1] if given.get("hf-checkpoint") else None)
     for name, values in pairs:
-        if name.startswith("no-offload"):  # argparse's BooleanOptionalAction negation
-            _convert_one(out, name.removeprefix("no-"), values, spec_keys, hf_config, check_architecture)
-            out.plugin_args[spec_key(name.removeprefix("no-"))] = False
+        dest = destination(name)
+        try:
+            _convert_one(out, dest, [] if dest != name else values, spec_keys, hf_config, check_architecture)
+        except InvalidArgument as err:
+            out.invalid.append(str(err))
             continue
-        _convert_one(out, name, values, spec_keys, hf_config, check_architecture)
+        if dest != name:
+            out.plugin_args[spec_key(dest)] = False
     out.spec.setdefault("train_backend", "megatron")
     if out.num_epoch:
         _resolve_num_epoch(out)
@@ -136,7 +216,7 @@ def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[s
     key = spec_key(name)
     if name in FLAGS:
         flag = FLAGS[name]
-        value = _value(name, flag, values)
+        value = slime_value(name, values)
         if name in _SPECIAL:
             _SPECIAL[name](out, value)
         elif flag.status == "refused":
@@ -212,6 +292,7 @@ def _resolve_num_epoch(out: Conversion) -> None:
         out.refused.append(f"--num-epoch {out.num_epoch}: cannot count the prompts ({err}); give num_rollout")
         return
     out.spec["num_rollout"] = out.num_epoch * (count // int(batch))
+    out.sources["num_rollout"] = f"--num-epoch {out.num_epoch} × ({count} prompts // {batch} per rollout)"
     out.notes.append(f"--num-epoch {out.num_epoch}: num_rollout {out.spec['num_rollout']} ({count} prompts, "
                      f"{batch} per rollout)")
 
@@ -258,17 +339,23 @@ def apply(data: dict[str, Any], spec_keys: set[str]) -> dict[str, Any]:
         raise InvalidArgument(f"slime_args: expected a string or a list of arguments, got {type(argv).__name__}")
     conv = convert(argv, spec_keys=spec_keys, check_architecture=True,
                    hf_config=read_hf_config(rest["hf_checkpoint"]) if "hf_checkpoint" in rest else None)
-    problems = conv.refused + [f"{flag}: not a slime or Megatron flag Physarum knows" for flag in conv.unknown]
+    problems = conv.invalid + conv.refused + [f"{flag}: not a slime or Megatron flag Physarum knows"
+                                              for flag in conv.unknown]
     if problems:
         raise InvalidArgument("slime_args: " + "; ".join(problems))
     spec = {**conv.spec, **rest}
+    sources = dict(conv.sources)
+    for key in set(rest) & set(sources):
+        sources[key] = f"the spec's own {key} (over {sources[key]})"
     warmup = spec.pop("lr_warmup_fraction", None)
     if warmup is not None and "lr_warmup_iters" not in rest:
         samples = int(spec["rollout_batch_size"]) * int(spec.get("n_samples_per_prompt", 1))
         steps = int(spec["num_rollout"]) * max(1, samples // int(spec.get("global_batch_size") or samples))
         spec["lr_warmup_iters"] = int(float(warmup) * steps)
+        sources["lr_warmup_iters"] = f"{spec['lr_warmup_iters']} = lr_warmup_fraction × {steps} optimizer steps"
     if conv.megatron:
         spec["megatron"] = {**conv.megatron, **dict(rest.get("megatron") or {})}
     spec["plugin_args"] = {**conv.plugin_args, **dict(rest.get("plugin_args") or {})}
     spec["slime_notes"] = conv.notes
+    spec["slime_sources"] = sources
     return spec
