@@ -195,3 +195,15 @@ def test_num_epoch_counts_the_prompts_as_slime_does(tmp_path):
     assert conv.spec["num_rollout"] == 6 and conv.refused == []  # 2 × (10 // 3)
     conv = slime_args.convert(argv + ["--num-rollout", "4"], spec_keys=SPEC_KEYS, check_architecture=False)
     assert conv.spec["num_rollout"] == 4 and "--num-epoch: ignored, num_rollout is given (as slime does)" in conv.notes
+
+
+def test_slimes_fully_async_rollout_is_mode_fully_async(tmp_path):
+    path = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+    conv = slime_args.convert(["--rollout-function-path", path], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["mode"] == "fully_async" and conv.refused == []
+    assert conv.sources["mode"] == "fully_async, from --rollout-function-path (argv[0])"
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    spec = parse_spec({"slime_args": f"--hf-checkpoint {tmp_path} --prompt-data d.jsonl --rollout-batch-size 8 "
+                                     f"--n-samples-per-prompt 4 --global-batch-size 32 --num-rollout 3 "
+                                     f"--rollout-function-path {path}"})
+    assert spec.driver.streams and spec.rollout.max_inflight_groups == 8

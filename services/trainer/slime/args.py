@@ -250,8 +250,11 @@ def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[s
 
 
 def _rollout_function(out: Conversion, value: Any) -> None:
-    if value == SFT_ROLLOUT:
-        out.spec.setdefault("loss_type", "sft_loss")
+    """slime's own rollout functions become what they do here; any other is refused."""
+    if value in SLIME_ROLLOUTS:
+        key, setting = SLIME_ROLLOUTS[value]
+        out.spec.setdefault(key, setting)
+        out.sources[key] = f"{setting}, from {out.sources['rollout_function_path']}"
     elif value != FLAGS["rollout-function-path"].default:
         out.refused.append(f"--rollout-function-path {value}: {FLAGS['rollout-function-path'].note}")
 
@@ -303,7 +306,9 @@ def _eval_config(out: Conversion, value: Any) -> None:
 
 _SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
             "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch}
-SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+# slime's rollout functions -> the spec setting that does their job here
+SLIME_ROLLOUTS = {"slime.rollout.sft_rollout.generate_rollout": ("loss_type", "sft_loss"),
+                  "slime.rollout.fully_async_rollout.generate_rollout_fully_async": ("mode", "fully_async")}
 
 
 def _convert_megatron(out: Conversion, name: str, value: Any) -> None:

@@ -156,10 +156,11 @@ FLAGS: dict[str, Flag] = {
                                             "plugins", warn=True, bare=True),
     "rollout-task-type": M("math", "kept in args for plugins"),
     "rollout-function-path": M("slime.rollout.sglang_rollout.generate_rollout",
-                               "slime's two rollouts only: generate_rollout (the rollout service's) and "
-                               "sft_rollout.generate_rollout (loss_type sft_loss); any other is refused: customise "
-                               "per sample (custom_generate_function_path) and per group "
-                               "(dynamic_sampling_filter_path)"),
+                               "slime's own rollouts: generate_rollout (the rollout service's), "
+                               "sft_rollout.generate_rollout (loss_type sft_loss) and "
+                               "fully_async_rollout.generate_rollout_fully_async (mode fully_async: the manager "
+                               "streams groups across rollouts); any other is refused: customise per sample "
+                               "(custom_generate_function_path) and per group (dynamic_sampling_filter_path)"),
     "data-source-path": R("slime.rollout.data_source.RolloutDataSourceWithBuffer",
                           "the buffer service is the data source; load prompts with prompt_data"),
     "rollout-buffer-url": R(None, "the buffer service is the rollout buffer"),
