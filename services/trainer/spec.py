@@ -137,7 +137,8 @@ class JobSpec(_JobSettings):
     @property
     def train(self) -> TrainConfig:
         """The backend's settings; global_batch_size and lr_decay_iters resolved as slime resolves them."""
-        return TrainConfig(**{**self._values(TrainConfig), "global_batch_size": self.resolved_global_batch_size,
+        return TrainConfig(**{**self._values(TrainConfig), "args": self.plugin_args_view(),
+                              "global_batch_size": self.resolved_global_batch_size,
                               "lr_decay_iters": self.train_iters if self.lr_decay_iters is None
                               else self.lr_decay_iters})
 

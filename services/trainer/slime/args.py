@@ -51,9 +51,11 @@ class Conversion:
     unknown: list[str] = field(default_factory=list)
     no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
     eval_config: str = ""  # --eval-config's path
+    custom_config: str = ""  # --custom-config-path's path
     num_epoch: int = 0  # --num-epoch
     invalid: list[str] = field(default_factory=list)  # values slime's parser would reject (type, choice, count)
     sources: dict[str, str] = field(default_factory=dict)  # each flag's key -> where its value came from
+    spec_keys: set[str] = field(default_factory=set)  # the job spec's keys
 
 
 def slime_defaults() -> dict[str, Any]:
@@ -182,7 +184,7 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
     check_architecture is false."""
     pairs, sources = last_wins(split_argv_at(argv))
     given = dict(pairs)
-    out = Conversion(sources=sources)
+    out = Conversion(sources=sources, spec_keys=spec_keys)
     if hf_config is None and check_architecture:
         hf_config = read_hf_config(given["hf-checkpoint"][-1] if given.get("hf-checkpoint") else None)
     for name, values in pairs:
@@ -195,6 +197,8 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
         if dest != name:
             out.plugin_args[spec_key(dest)] = False
     out.spec.setdefault("train_backend", "megatron")
+    if out.custom_config:
+        _apply_custom_config(out, out.custom_config)
     if out.num_epoch:
         _resolve_num_epoch(out)
     if out.eval_config:
@@ -264,7 +268,12 @@ def _no_advantages(out: Conversion, value: Any) -> None:
 
 
 def _custom_config(out: Conversion, value: Any) -> None:
-    """slime sets each key of the YAML file on args; here they join plugin_args."""
+    out.custom_config = str(value)  # read once every flag is converted: slime sets its keys after parsing
+
+
+def _apply_custom_config(out: Conversion, value: str) -> None:
+    """slime sets each key of the YAML file on args, over the flags: a spec key sets the spec, the others join
+    plugin_args."""
     try:
         data = yaml.safe_load(Path(str(value)).read_text())
     except (OSError, yaml.YAMLError) as err:
@@ -273,7 +282,10 @@ def _custom_config(out: Conversion, value: Any) -> None:
     if not isinstance(data, dict):
         out.refused.append(f"--custom-config-path {value}: expected a YAML mapping, got {type(data).__name__}")
         return
-    out.plugin_args.update({str(k): v for k, v in data.items()})
+    for key, setting in data.items():
+        key = str(key)
+        (out.spec if key in out.spec_keys else out.plugin_args)[key] = setting
+        out.sources[key] = f"{value}'s {key}, from {out.sources['custom_config_path']}"
 
 
 def _num_epoch(out: Conversion, value: Any) -> None:

@@ -171,9 +171,10 @@ FLAGS: dict[str, Flag] = {
     "disable-rollout-global-dataset": R(None, "the buffer service always holds the dataset", bare=True),
     "custom-generate-function-path": I(),
     "custom-rm-path": I(),
-    "custom-config-path": M(None, "its YAML mapping (read where the job runs, like prompt_data) joins the spec's "
-                                  "plugin_args: plugins see each key in args"),
-    "custom-reward-post-process-path": R(None, "post-process rewards in a group_rm function"),
+    "custom-config-path": M(None, "its YAML mapping is read at submit, as slime sets each key on args: a job-spec "
+                                  "key sets the spec (over its flag), any other joins the spec's plugin_args, so "
+                                  "plugins and hooks see every key in args"),
+    "custom-reward-post-process-path": I(),
     "custom-convert-samples-to-train-data-path": R(None, "samples become training data in the trainer; use "
                                                          "custom_loss_function_path to change the loss"),
     "custom-rollout-log-function-path": R(None, "rollout metrics are the rollout service's"),
@@ -214,10 +215,9 @@ FLAGS: dict[str, Flag] = {
     "loss-type": I("policy_loss"),
     "loss-mask-type": I("qwen"),
     "custom-loss-function-path": I(),
-    "custom-advantage-function-path": R(None, "advantages come from advantage_estimator; use "
-                                              "custom_loss_function_path for a different objective"),
+    "custom-advantage-function-path": I(),
     "custom-pg-loss-reducer-function-path": R(None, "use calculate_per_token_loss or custom_loss_function_path"),
-    "custom-tis-function-path": R(None, "TIS is use_tis with tis_clip / tis_clip_low"),
+    "custom-tis-function-path": I(),
     "disable-compute-advantages-and-returns": M(None, "with loss_type sft_loss (which uses none); refused otherwise: "
                                                       "advantages are always computed", bare=True),
     "global-batch-size": I(),
