@@ -38,8 +38,10 @@ def render() -> str:
         "does that job (the job's `slime_notes` say so). *refused*: the submit fails with the reason.",
         "",
         f"slime's own flags: {len(FLAGS)} — {counts['implemented']} implemented, {counts['mapped']} mapped, "
-        f"{counts['refused']} refused. Also accepted: `--sglang-*` and `--router-*` (engine and router options of "
-        "the rollout service), the Megatron flags below.",
+        f"{counts['refused']} refused. Also accepted: `--sglang-*` (SGLang server options: the rollout service "
+        "relaunches the engines it launches with them; a job whose options disagree with engines it did not launch, "
+        "as their `/server_info` reports them, fails naming each flag; options the engines do not report are noted), "
+        "`--router-*` (router options of the rollout service), the Megatron flags below.",
         "",
         "| flag | slime's default | status | what Physarum does |",
         "|---|---|---|---|",

@@ -80,7 +80,7 @@ def test_qwen3_4b_converts_to_spec_keys_megatron_settings_and_plugin_args():
     assert conv.plugin_args["num_layers"] == 36 and conv.plugin_args["colocate"] is True
     assert conv.plugin_args["sglang_mem_fraction_static"] == 0.7
     assert any(n.startswith("--colocate: ") for n in conv.notes)
-    assert any(n.startswith("--sglang-mem-fraction-static: an engine option") for n in conv.notes)
+    assert any(n.startswith("--sglang-mem-fraction-static: an SGLang server option") for n in conv.notes)
 
 
 def test_architecture_flags_are_checked_against_the_hf_config():

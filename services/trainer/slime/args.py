@@ -246,9 +246,12 @@ def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[s
         return
     if name.startswith(ENGINE_PREFIXES):
         out.plugin_args[key] = _value(name, None, values)
-        owner = "engine option" if name.startswith("sglang-") else "router option"
-        out.notes.append(f"--{name}: an {owner} of the rollout service (set `{key}` in its --sglang-args / Helm "
-                         f"values); kept in args for plugins")
+        if name.startswith("sglang-"):
+            out.notes.append(f"--{name}: an SGLang server option: the rollout service relaunches the engines it "
+                             f"launches with it, and fails the job if engines it did not launch run with another")
+        else:
+            out.notes.append(f"--{name}: a router option of the rollout service (its Helm values); kept in args for "
+                             f"plugins")
         return
     out.unknown.append(f"--{name}")
 
