@@ -169,22 +169,26 @@ def test_eval_config_becomes_the_eval_keys(tmp_path):
     config = tmp_path / "eval.yaml"
     config.write_text("eval:\n  defaults:\n    n_samples_per_eval_prompt: 4\n    temperature: 0.6\n  datasets:\n"
                       "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, max_response_len: 512}\n"
-                      "    - {name: math500, path: /d/math.jsonl, max_response_len: 512}\n")
-    argv = ["--rm-type", "deepscaler", "--eval-config", str(config)]
+                      "    - {name: math500, path: /d/math.jsonl, max_response_len: 512, temperature: 1.0}\n")
+    argv = ["--rm-type", "math", "--eval-config", str(config)]
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
-    assert conv.refused == [
-        f"--eval-config {config}: `rm_type` differs between datasets (['deepscaler', None]); Physarum's eval "
-        "settings hold for all its datasets"]
+    assert conv.refused == []
+    assert {k: conv.spec[k] for k in ("eval_max_response_len", "n_samples_per_eval_prompt")} == \
+        {"eval_max_response_len": 512, "n_samples_per_eval_prompt": 4}  # alike in every dataset: the eval_* keys
+    assert conv.spec["eval_dataset_settings"] == {  # the dataset's own, else the defaults
+        "aime": {"rm_type": "deepscaler", "temperature": 0.6}, "math500": {"temperature": 1.0}}
     config.write_text("datasets:\n  - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, top_k: 20, "
-                      "repetition_penalty: 1.1}\n")
+                      "repetition_penalty: 1.1, apply_chat_template: true}\n")
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
     assert conv.spec["eval_prompt_data"] == ["aime=/d/aime.jsonl"] and conv.spec["eval_top_k"] == 20
-    assert conv.refused == [f"--eval-config {config}: `repetition_penalty` has no counterpart in Physarum's eval"]
-    config.write_text("eval:\n  defaults: {temperature: 0.6, n_samples_per_eval_prompt: 4}\n  datasets:\n"
-                      "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler}\n")
-    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
-    assert conv.refused == [] and {k: conv.spec[k] for k in ("eval_temperature", "n_samples_per_eval_prompt")} == \
-        {"eval_temperature": 0.6, "n_samples_per_eval_prompt": 4}
+    assert conv.refused == [
+        f"--eval-config {config}: `apply_chat_template: [True]` differs from the job's (None); the eval uses the job's",
+        f"--eval-config {config}: `repetition_penalty` has no counterpart in Physarum's eval"]
+    config.write_text("datasets:\n  - {name: ifbench, path: /d/if.jsonl, rm_type: ifbench}\n")
+    with pytest.raises(InvalidArgument, match=r"eval_dataset_settings\['ifbench'\].*rm_type 'ifbench' is not "
+                                              r"supported: slime's ifbench clones"):
+        parse_spec({"slime_args": ["--hf-checkpoint", "/m", "--prompt-data", "d", "--num-rollout", "1",
+                                   "--rollout-batch-size", "1", "--eval-config", str(config)]})
 
 
 def test_num_epoch_counts_the_prompts_as_slime_does(tmp_path):

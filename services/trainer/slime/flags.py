@@ -193,8 +193,12 @@ FLAGS: dict[str, Flag] = {
     # eval
     "eval-interval": I(),
     "eval-prompt-data": I(nargs=True),
-    "eval-config": M(None, "its datasets become eval_prompt_data, settings shared by all of them the eval_* keys; "
-                           "settings that differ between datasets are refused (services/trainer/slime/eval_config.py)"),
+    "eval-config": M(None, "its datasets become eval_prompt_data; settings alike in every dataset the eval_* keys, "
+                           "the others each dataset's own (eval_dataset_settings: samples per prompt, temperature, "
+                           "top_p, top_k, max_response_len, input/label/metadata keys, rm_type, custom_rm_path); "
+                           "settings with no counterpart (stop settings, min_new_tokens, repetition_penalty, "
+                           "metadata injection, a per-dataset generate function or chat template) are refused, and "
+                           "rm_type ifbench is refused by the reward service (IFBench's checker is not shipped)"),
     "eval-function-path": R(None, "evaluation runs the job's generate function (with evaluation=True)"),
     "eval-input-key": I(),
     "eval-label-key": I(),
