@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "slime-flags.md"
 
 sys.path.insert(0, str(ROOT))
-from services.trainer.slime.flags import DEFAULTS_DIFFER, FLAGS  # noqa: E402
+from services.trainer.slime.flags import DEFAULTS_DIFFER, FLAGS, MOE_REFUSAL  # noqa: E402
 from services.trainer.slime.megatron_flags import ARCH, MEGATRON  # noqa: E402
 
 
@@ -59,6 +59,8 @@ def render() -> str:
         lines.append(f"| `--{name}` | checked | must agree with the HF config |")
     for name, flag in sorted(MEGATRON.items()):
         lines.append(f"| `--{name}` | {flag.status} | {_cell(flag.note)} |")
+    lines += ["", f"Megatron's MoE flags that the table does not list (`--moe-*`, `--num-experts`) are refused: "
+              f"{MOE_REFUSAL}."]
     return "\n".join(lines) + "\n"
 
 

@@ -26,9 +26,11 @@ from services.trainer.slime.flags import (
     BOOLEAN_OPTIONAL,
     CHOICES,
     FLAGS,
+    MOE_REFUSAL,
     NARGS_ANY,
     STORE_FALSE,
     Flag,
+    is_moe_flag,
     spec_key,
     value_type,
 )
@@ -252,6 +254,9 @@ def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[s
         else:
             out.notes.append(f"--{name}: a router option of the rollout service (its Helm values); kept in args for "
                              f"plugins")
+        return
+    if is_moe_flag(name):
+        out.refused.append(f"--{name}: {MOE_REFUSAL}")
         return
     out.unknown.append(f"--{name}")
 

@@ -391,6 +391,14 @@ APPEND = frozenset({"rollout-sample-hook-path"})  # action="append": each occurr
 BOOLEAN_OPTIONAL = frozenset({"offload-rollout", "offload-train"})  # --no-<flag> sets False
 
 
+# Megatron's MoE flags that no table lists: refused as the MoE layout flags are
+MOE_REFUSAL = "MoE models are not supported"
+
+
+def is_moe_flag(name: str) -> bool:
+    return name.startswith("moe-") or name == "num-experts"
+
+
 def value_type(name: str) -> str:
     """'int', 'float', 'json' or 'str': what slime's parser turns a value of `--name` into."""
     return "int" if name in INT_FLAGS else "float" if name in FLOAT_FLAGS else "json" if name in JSON_FLAGS else "str"
