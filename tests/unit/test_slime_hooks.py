@@ -124,3 +124,13 @@ def test_the_three_hooks_train_a_step_of_the_tiny_model(tiny_model_dir, rollout)
     with pytest.raises(InvalidArgument, match=r"custom_tis_function_path: .* takes 0 positional parameters"):
         TorchBackend(tiny_model_dir, TrainConfig(custom_tis_function_path="tests.tiny_samples.two_by_two_batch"),
                      num_threads=1)
+
+
+def test_the_tis_function_runs_when_slime_would_call_it():
+    mb = build_rollout_batch(two_by_two())
+    path = f"{HOOKS}.mis_token_mask"
+    assert rl_step.custom_tis(TrainConfig(custom_tis_function_path=path), mb) is None  # neither use_tis nor metrics
+    assert rl_step.custom_tis(TrainConfig(custom_tis_function_path=path, use_tis=True), mb) is not None
+    assert rl_step.custom_tis(TrainConfig(custom_tis_function_path=path, args={"get_mismatch_metrics": True}),
+                              mb) is not None  # slime's --get-mismatch-metrics: the function's metrics alone
+    assert rl_step.custom_tis(TrainConfig(use_tis=True), mb) is None  # the truncated ratio, tis_clip

@@ -250,8 +250,9 @@ FLAGS: dict[str, Flag] = {
     "tis-clip": I(2.0),
     "tis-clip-low": I(0.0),
     "use-rollout-logprobs": I(False, bare=True),
-    "get-mismatch-metrics": M(False, "train_rollout_logprob_abs_diff is always logged when rollout log-probs exist",
-                              warn=True, bare=True),
+    "get-mismatch-metrics": M(False, "train_rollout_logprob_abs_diff is always logged when rollout log-probs exist; "
+                                     "with custom_tis_function_path the function also runs without use_tis, for its "
+                                     "metrics, as in slime", warn=True, bare=True),
     "use-rollout-entropy": R(False, "the engines' entropies are not collected", bare=True),
     "use-opsm": R(False, "off-policy sequence masking is not implemented", bare=True),
     "opsm-delta": R(0.0001, "off-policy sequence masking is not implemented"),
