@@ -11,7 +11,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.slime import args as slime_args
-from services.trainer.slime import flags as slime_flags
+from services.trainer.slime import argv as slime_argv
 from services.trainer.spec import JobSpec, parse_spec
 
 DECLS = json.loads((Path(__file__).parent.parent / "data" / "slime_flag_decls.json").read_text())
@@ -26,12 +26,12 @@ def convert(argv: list[str], **kw):
 def test_the_tables_declare_what_slimes_parser_declares():
     for name, decl in DECLS.items():
         kind = {"json": "json", "int": "int", "float": "float"}.get(decl.get("type", "str"), "str")
-        assert slime_flags.value_type(name) == kind, name
+        assert slime_argv.value_type(name) == kind, name
         if name != "train-backend":  # Physarum's spec also takes fsdp
-            assert slime_flags.CHOICES.get(name) == (tuple(decl["choices"]) if "choices" in decl else None), name
-        assert (name in slime_flags.NARGS_ANY) == (decl.get("nargs") == "*"), name
-        assert (name in slime_flags.APPEND) == (decl.get("action") == "append"), name
-        assert (name in slime_flags.BOOLEAN_OPTIONAL) == (decl.get("action") == "BooleanOptionalAction"), name
+            assert slime_argv.CHOICES.get(name) == (tuple(decl["choices"]) if "choices" in decl else None), name
+        assert (name in slime_argv.NARGS_ANY) == (decl.get("nargs") == "*"), name
+        assert (name in slime_argv.APPEND) == (decl.get("action") == "append"), name
+        assert (name in slime_argv.BOOLEAN_OPTIONAL) == (decl.get("action") == "BooleanOptionalAction"), name
 
 
 def test_a_repeated_flag_takes_its_last_value_and_says_so():
@@ -74,7 +74,7 @@ def test_values_slimes_parser_rejects_are_rejected_naming_the_flag(argv, message
 
 def test_append_and_boolean_optional_actions():
     conv = convert(["--rollout-sample-hook-path", "a.f", "--lr", "1e-6", "--rollout-sample-hook-path", "b.g"])
-    assert slime_args.last_wins(slime_args.split_argv_at(["--rollout-sample-hook-path", "a.f", "--lr", "1",
+    assert slime_argv.last_wins(slime_argv.split_argv_at(["--rollout-sample-hook-path", "a.f", "--lr", "1",
                                                          "--rollout-sample-hook-path", "b.g"]))[0][-1] == (
         "rollout-sample-hook-path", ["a.f", "b.g"])
     assert conv.sources["rollout_sample_hook_path"] == "--rollout-sample-hook-path (argv[0, 4], appended)"

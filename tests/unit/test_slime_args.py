@@ -11,6 +11,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.slime import args as slime_args
+from services.trainer.slime import argv as slime_argv
 from services.trainer.slime import flags as slime_flags
 from services.trainer.slime import megatron_flags
 from services.trainer.spec import JobSpec, parse_spec
@@ -139,10 +140,10 @@ def test_refused_and_unknown_flags_are_all_reported_at_once():
 
 
 def test_split_argv_reads_a_pasted_bash_array():
-    assert slime_args.split_argv('--a 1 \\\n  --b "x y" --c   # --d\n --e') == [
+    assert slime_argv.split_argv('--a 1 \\\n  --b "x y" --c   # --d\n --e') == [
         ("a", ["1"]), ("b", ["x y"]), ("c", []), ("e", [])]
     with pytest.raises(InvalidArgument, match="expected a --flag first, got 'x'"):
-        slime_args.split_argv(["x", "--a"])
+        slime_argv.split_argv(["x", "--a"])
 
 
 def test_the_docs_table_is_current_and_lists_every_slime_flag():

@@ -12,7 +12,6 @@ where each value came from.
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,20 +19,9 @@ from typing import Any
 import yaml
 
 from services.common.errors import InvalidArgument
+from services.trainer.slime.argv import destination, last_wins, slime_value, split_argv_at
 from services.trainer.slime.eval_config import eval_spec
-from services.trainer.slime.flags import (
-    APPEND,
-    BOOLEAN_OPTIONAL,
-    CHOICES,
-    FLAGS,
-    MOE_REFUSAL,
-    NARGS_ANY,
-    STORE_FALSE,
-    Flag,
-    is_moe_flag,
-    spec_key,
-    value_type,
-)
+from services.trainer.slime.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, Flag, is_moe_flag, spec_key
 from services.trainer.slime.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
@@ -66,54 +54,6 @@ def slime_defaults() -> dict[str, Any]:
     return {spec_key(name): (False if name in STORE_FALSE else flag.default) for name, flag in flags.items()}
 
 
-def split_argv(argv: str | list[str]) -> list[tuple[str, list[str]]]:
-    """`--a 1 --b --c x y` -> [("a", ["1"]), ("b", []), ("c", ["x", "y"])]; a shell string is split as bash would
-    (comments and line continuations included)."""
-    return [(name, values) for _, name, values in split_argv_at(argv)]
-
-
-def split_argv_at(argv: str | list[str]) -> list[tuple[int, str, list[str]]]:
-    """split_argv with each flag's position in the argument list: [(index, name, values)]."""
-    if isinstance(argv, str):
-        argv = shlex.split(argv.replace("\\\n", " "), comments=True)
-    items: list[tuple[int, str, list[str]]] = []
-    for index, token in enumerate(argv):
-        if token.startswith("--") and len(token) > 2:
-            items.append((index, token[2:], []))
-        elif not items:
-            raise InvalidArgument(f"slime_args: expected a --flag first, got {token!r}")
-        else:
-            items[-1][2].append(token)
-    return items
-
-
-def destination(name: str) -> str:
-    """The flag a spelling sets: `no-offload-train` sets offload-train (argparse's BooleanOptionalAction)."""
-    base = name.removeprefix("no-")
-    return base if name.startswith("no-") and base in BOOLEAN_OPTIONAL else name
-
-
-def last_wins(items: list[tuple[int, str, list[str]]]) -> tuple[list[tuple[str, list[str]]], dict[str, str]]:
-    """argparse's rule for a repeated flag: its last occurrence wins (an `append` flag collects every value).
-    Returns the flags in the order of their deciding occurrence and, by key, where each value came from."""
-    seen: dict[str, list[tuple[int, str, list[str]]]] = {}
-    for item in items:
-        seen.setdefault(destination(item[1]), []).append(item)
-    decided = sorted(seen.items(), key=lambda entry: entry[1][-1][0])
-    pairs, sources = [], {}
-    for dest, occurrences in decided:
-        index, name, values = occurrences[-1]
-        where = f"--{name} (argv[{index}])"
-        if len(occurrences) > 1 and dest in APPEND:
-            values = [v for occurrence in occurrences for v in occurrence[2]]
-            where = f"--{name} (argv[{', '.join(str(o[0]) for o in occurrences)}], appended)"
-        elif len(occurrences) > 1:
-            where += f", the last of {len(occurrences)}: over argv[{', '.join(str(o[0]) for o in occurrences[:-1])}]"
-        pairs.append((name, values))
-        sources[spec_key(dest)] = where
-    return pairs, sources
-
-
 def scalar(text: str) -> Any:
     """A flag's value as YAML reads it ("8" -> 8, "1e-6" -> 1e-06, "true" -> True), else the string."""
     if text.lower() in ("none", "null", "~"):
@@ -138,36 +78,6 @@ def _value(name: str, flag: Flag | None, values: list[str]) -> Any:
     if flag is not None and flag.nargs:
         return [scalar(v) for v in values]
     return scalar(values[0]) if len(values) == 1 else [scalar(v) for v in values]
-
-
-def slime_value(name: str, values: list[str]) -> Any:
-    """The value slime's parser gives `--name` (its type, choices, nargs and action); InvalidArgument as argparse
-    would fail."""
-    flag = FLAGS[name]
-    if flag.bare:
-        if values:
-            raise InvalidArgument(f"--{name} takes no value, got {' '.join(values)}")
-        return True
-    if flag.nargs:
-        if not values and name not in NARGS_ANY:
-            raise InvalidArgument(f"--{name} expects at least one value")
-        return [_typed(name, v) for v in values]
-    if len(values) != 1:
-        got = f"{len(values)}: {' '.join(values)}" if values else "none"
-        raise InvalidArgument(f"--{name} expects one value, got {got}")
-    return _typed(name, values[0])
-
-
-def _typed(name: str, text: str) -> Any:
-    kind = value_type(name)
-    try:
-        value = int(text) if kind == "int" else float(text) if kind == "float" else \
-            json.loads(text) if kind == "json" else text
-    except ValueError:
-        raise InvalidArgument(f"--{name}: invalid {kind} value: {text!r}") from None
-    if name in CHOICES and value not in CHOICES[name]:
-        raise InvalidArgument(f"--{name}: invalid choice: {text!r} (choose from {', '.join(CHOICES[name])})")
-    return value
 
 
 def read_hf_config(hf_checkpoint: Any) -> dict[str, Any] | None:

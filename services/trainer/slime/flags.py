@@ -347,59 +347,9 @@ def spec_key(flag: str) -> str:
     return flag.replace("-", "_")
 
 
-# How slime's parser reads each flag's value (argparse `type=`, `choices=`, `nargs=`, `action=`); a flag listed in
-# none of these takes one string, kept as written.
-INT_FLAGS = frozenset({
-    "actor-num-gpus-per-node", "actor-num-nodes", "data-pad-size-multiplier", "distributed-timeout-minutes",
-    "eval-interval", "eval-max-context-len", "eval-max-prompt-len", "eval-max-response-len", "eval-min-new-tokens",
-    "eval-top-k", "fetch-trajectory-retry-times", "global-batch-size", "log-probs-chunk-size",
-    "log-probs-max-tokens-per-gpu", "max-tokens-per-gpu", "megatron-deepgemm-forward-layers",
-    "megatron-deepgemm-moe-forward-layers", "memory-snapshot-num-steps", "micro-batch-size", "mtp-num-layers",
-    "n-samples-per-eval-prompt", "n-samples-per-prompt", "num-critic-only-steps", "num-epoch", "num-gpus-per-node",
-    "num-rollout", "num-steps-per-rollout", "opd-teacher-ckpt-step", "over-sampling-batch-size", "padded-vocab-size",
-    "ref-ckpt-step", "ref-update-interval", "rollout-batch-size", "rollout-max-context-len", "rollout-max-prompt-len",
-    "rollout-max-response-len", "rollout-num-gpus", "rollout-num-gpus-per-engine", "rollout-seed",
-    "rollout-stop-token-ids", "rollout-top-k", "save-interval", "seed", "sglang-router-port",
-    "sglang-router-request-timeout-secs", "sglang-server-concurrency", "start-rollout-id", "update-weight-buffer-size",
-    "update-weights-interval"})
-FLOAT_FLAGS = frozenset({
-    "ci-train-rollout-logprob-abs-diff-threshold", "clip-grad", "entropy-coef", "eps-clip", "eps-clip-c",
-    "eps-clip-high", "eval-temperature", "eval-top-p", "gamma", "kl-coef", "kl-loss-coef", "lambd",
-    "load-debug-rollout-data-subsample", "lr", "min-batch-collection-ratio", "mtp-loss-scaling-factor", "opd-kl-coef",
-    "opsm-delta", "rollout-health-check-first-wait", "rollout-health-check-interval", "rollout-health-check-timeout",
-    "rollout-temperature", "rollout-top-p", "tis-clip", "tis-clip-low", "value-clip"})
-JSON_FLAGS = frozenset({"apply-chat-template-kwargs", "multimodal-keys", "train-env-vars"})  # type=json.loads
-# (slime's --train-backend allows only megatron; Physarum also takes fsdp, so it is not listed)
-CHOICES: dict[str, tuple[str, ...]] = {
-    "advantage-estimator": ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"),
-    "distributed-backend": ("nccl", "gloo"),
-    "kl-loss-type": ("k1", "k2", "k3", "low_var_kl"),
-    "loss-mask-type": ("qwen", "qwen3", "qwen3_5", "distill_qwen"),
-    "loss-type": ("policy_loss", "sft_loss", "custom_loss"),
-    "memory-recorder": ("torch", "memray"),
-    "opd-type": ("sglang", "megatron"),
-    "profile-target": ("train_overall", "train_actor", "train_log_probs"),
-    "qwen-gdn-backend": ("fla", "flashqla"),
-    "rollout-data-transport": ("object-store", "nixl"),
-    "update-weight-delta-checksum": ("xxh3-128", "blake3", "adler32"),
-    "update-weight-delta-encoding": ("xor", "overwrite"),
-    "update-weight-mode": ("full", "delta"),
-    "update-weight-transport": ("nccl", "disk"),
-    "wandb-mode": ("online", "offline", "disabled"),
-}
-NARGS_ANY = frozenset({"freeze-params-name-list", "only-train-params-name-list"})  # nargs="*"; other nargs are "+"
-APPEND = frozenset({"rollout-sample-hook-path"})  # action="append": each occurrence adds one value
-BOOLEAN_OPTIONAL = frozenset({"offload-rollout", "offload-train"})  # --no-<flag> sets False
-
-
 # Megatron's MoE flags that no table lists: refused as the MoE layout flags are
 MOE_REFUSAL = "MoE models are not supported"
 
 
 def is_moe_flag(name: str) -> bool:
     return name.startswith("moe-") or name == "num-experts"
-
-
-def value_type(name: str) -> str:
-    """'int', 'float', 'json' or 'str': what slime's parser turns a value of `--name` into."""
-    return "int" if name in INT_FLAGS else "float" if name in FLOAT_FLAGS else "json" if name in JSON_FLAGS else "str"
