@@ -85,7 +85,9 @@ async def apply_job_options(pool, job_id: str, options: Mapping[str, Any], timeo
             f"job {job_id}: its engine options disagree with the engine pool, whose engines it did not launch: "
             f"{'; '.join(differ)}; set them on the rollout service (--sglang-args, Helm engines.sglang.extraArgs) "
             f"or drop them from the job")
-    await pool.relaunch(dict(options), f"job {job_id}: {'; '.join(differ)}")
+    # only what the engines report: an option they do not know would fail their start (a CPU engine's pod, say)
+    applicable = {k: v for k, v in options.items() if "--" + k.replace("_", "-") not in unreported}
+    await pool.relaunch(applicable, f"job {job_id}: {'; '.join(differ)}")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
