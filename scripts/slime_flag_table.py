@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "slime-flags.md"
 
 sys.path.insert(0, str(ROOT))
-from services.trainer.slime.flags import DEFAULTS_DIFFER, FLAGS  # noqa: E402
+from services.trainer.slime.flags import DEFAULTS_DIFFER, FLAGS, MOE_REFUSAL  # noqa: E402
 from services.trainer.slime.megatron_flags import ARCH, MEGATRON  # noqa: E402
 
 
@@ -38,8 +38,10 @@ def render() -> str:
         "does that job (the job's `slime_notes` say so). *refused*: the submit fails with the reason.",
         "",
         f"slime's own flags: {len(FLAGS)} — {counts['implemented']} implemented, {counts['mapped']} mapped, "
-        f"{counts['refused']} refused. Also accepted: `--sglang-*` and `--router-*` (engine and router options of "
-        "the rollout service), the Megatron flags below.",
+        f"{counts['refused']} refused. Also accepted: `--sglang-*` (SGLang server options: the rollout service "
+        "relaunches the engines it launches with them; a job whose options disagree with engines it did not launch, "
+        "as their `/server_info` reports them, fails naming each flag; options the engines do not report are noted), "
+        "`--router-*` (router options of the rollout service), the Megatron flags below.",
         "",
         "| flag | slime's default | status | what Physarum does |",
         "|---|---|---|---|",
@@ -57,6 +59,8 @@ def render() -> str:
         lines.append(f"| `--{name}` | checked | must agree with the HF config |")
     for name, flag in sorted(MEGATRON.items()):
         lines.append(f"| `--{name}` | {flag.status} | {_cell(flag.note)} |")
+    lines += ["", f"Megatron's MoE flags that the table does not list (`--moe-*`, `--num-experts`) are refused: "
+              f"{MOE_REFUSAL}."]
     return "\n".join(lines) + "\n"
 
 

@@ -2,5 +2,6 @@
 Physarum. Install it with the `slime` extra, or let the services add it to sys.path when they load a plugin.
 
 Only the plugin-facing surface exists here (utils.types, utils.http_utils, utils.misc, rollout.sglang_rollout,
-rollout.filter_hub, rollout.rm_hub); slime's trainer, Ray and Megatron layers do not: Physarum's services do that job.
+rollout.filter_hub, rollout.rm_hub, and backends.megatron_utils.cp_utils at CP 1 for TIS helpers); slime's trainer,
+Ray and Megatron layers do not: Physarum's services do that job.
 """

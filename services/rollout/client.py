@@ -21,6 +21,11 @@ from services.common.samples import dict_to_struct, struct_to_dict
 from services.reward.client import check_rm_type
 
 LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
+# an eval dataset's own settings (slime's eval config names) -> the RolloutConfig field each replaces for it
+EVAL_DATASET_SETTINGS = {"n_samples_per_eval_prompt": "n_samples_per_eval_prompt", "temperature": "eval_temperature",
+                         "top_p": "eval_top_p", "top_k": "eval_top_k", "max_response_len": "eval_max_response_len",
+                         "input_key": "eval_input_key", "label_key": "eval_label_key", "metadata_key": "metadata_key",
+                         "rm_type": "rm_type", "custom_rm_path": "custom_rm_path"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +79,9 @@ class RolloutConfig:
     eval_top_k: int | None = field(None, "eval top-k sampling (None: rollout_top_k; -1: off)")
     eval_input_key: str | None = field(None, "the prompt's key in the eval datasets (None: input_key)")
     eval_label_key: str | None = field(None, "the label's key in the eval datasets (None: label_key)")
+    eval_dataset_settings: dict[str, dict[str, Any]] = field(
+        {}, "per eval dataset (by name), settings of its own over the eval_* keys, as slime's --eval-config datasets "
+            "set them: " + ", ".join(EVAL_DATASET_SETTINGS))
     input_key: str = field("input", "the prompt's key in each data row")
     label_key: str = field("label", "the label's key in each data row (slime's default)")
     metadata_key: str = field("metadata", "the metadata's key in each data row")
@@ -108,6 +116,12 @@ class RolloutConfig:
             name, _, path = entry.partition("=")
             if not name or not path:
                 raise InvalidArgument(f"rollout config: eval_prompt_data entry {entry!r} is not 'name=path'")
+        for name in self.eval_dataset_settings:
+            if name not in self.eval_datasets:
+                raise InvalidArgument(f"rollout config: eval_dataset_settings names {name!r}, which is not an eval "
+                                      f"dataset ({', '.join(self.eval_datasets) or 'none'})")
+            if self.eval_dataset_settings[name]:
+                self.for_eval_dataset(name)
         if not self.custom_rm_path:
             if self.rm_type:
                 check_rm_type(self.rm_type, where="rollout config")
@@ -124,6 +138,28 @@ class RolloutConfig:
     def eval_datasets(self) -> dict[str, str]:
         """eval_prompt_data as {name: path}, in order."""
         return dict(entry.split("=", 1) for entry in self.eval_prompt_data)
+
+    def for_eval_dataset(self, name: str) -> RolloutConfig:
+        """This config with eval dataset `name`'s own settings (eval_dataset_settings) over the eval_* keys; checked
+        as any config is (a bad rm_type fails naming it)."""
+        settings = self.eval_dataset_settings.get(name) or {}
+        unknown = sorted(set(settings) - set(EVAL_DATASET_SETTINGS))
+        if unknown:
+            raise InvalidArgument(f"rollout config: eval_dataset_settings[{name!r}]: unknown settings {unknown}; "
+                                  f"expected {', '.join(EVAL_DATASET_SETTINGS)}")
+        hints = {f.name: f.type for f in dataclasses.fields(RolloutConfig)}
+        values = {}
+        for key, value in settings.items():
+            if value is None:
+                continue
+            target = EVAL_DATASET_SETTINGS[key]
+            integral = "int" in str(hints[target]) and isinstance(value, float) and value.is_integer()
+            values[target] = int(value) if integral else value  # a proto Struct carries numbers as floats
+        try:
+            return dataclasses.replace(self, eval_dataset_settings={}, **values)
+        except InvalidArgument as err:
+            raise InvalidArgument(f"rollout config: eval_dataset_settings[{name!r}]: "
+                                  f"{str(err).removeprefix('rollout config: ')}") from None
 
 
 class RolloutState(enum.Enum):
@@ -213,14 +249,16 @@ def snapshot_path(snapshot_dir: str | Path, version: str | int) -> Path:
 
 def config_to_proto(config: RolloutConfig) -> rollout_pb2.RolloutConfig:
     values = dataclasses.asdict(config)
-    return rollout_pb2.RolloutConfig(**{**values, "args": dict_to_struct(values["args"])})
+    return rollout_pb2.RolloutConfig(**{**values, "args": dict_to_struct(values["args"]),
+                                        "eval_dataset_settings": dict_to_struct(values["eval_dataset_settings"])})
 
 
 def config_from_proto(msg: rollout_pb2.RolloutConfig) -> RolloutConfig:
     """Raises InvalidArgument naming the bad field."""
     values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(RolloutConfig)}
     values.update(rollout_stop=list(msg.rollout_stop), rollout_stop_token_ids=list(msg.rollout_stop_token_ids),
-                  args=struct_to_dict(msg.args), eval_prompt_data=list(msg.eval_prompt_data))
+                  args=struct_to_dict(msg.args), eval_prompt_data=list(msg.eval_prompt_data),
+                  eval_dataset_settings=struct_to_dict(msg.eval_dataset_settings))
     return RolloutConfig(**values)
 
 

@@ -18,14 +18,27 @@ from services.common.grpc_server import GrpcServer, ServiceBinding, handle_error
 from services.common.rest import RestServer
 from services.reward.client import RewardClient
 from services.rollout import rest
-from services.rollout.client import config_from_proto, engine_to_proto, pool_status_to_proto, status_to_proto
+from services.rollout.client import (
+    RolloutConfig,
+    config_from_proto,
+    engine_to_proto,
+    pool_status_to_proto,
+    status_to_proto,
+)
 from services.rollout.config import RolloutManagerConfig
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.pool.config import PoolConfig
-from services.rollout.pool.launchers import EngineLauncher, KubernetesLauncher, LocalLauncher, cpu_engine_argv
+from services.rollout.pool.engine_options import apply_job_options, job_engine_options
+from services.rollout.pool.launchers import (
+    EngineLauncher,
+    KubernetesLauncher,
+    LocalLauncher,
+    cpu_engine_argv,
+    cpu_engine_options_argv,
+)
 from services.rollout.pool.pool import EnginePool
 from services.rollout.pool.router import RouterClient
-from services.rollout.pool.sglang_launcher import parse_sglang_options, sglang_server_argv
+from services.rollout.pool.sglang_launcher import parse_sglang_options, sglang_server_args, sglang_server_argv
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +50,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.pool_ready = pool_ready
         self.router_url = router_url
 
-    @handle_errors
-    async def StartRollout(self, request, context):
+    async def _engines_for(self, config: RolloutConfig) -> None:
+        """The pool ready, its engines running with the job's engine options (slime's --sglang-* flags)."""
         if not self.pool_ready.is_set():
             raise Unavailable("rollout manager: the engine pool is still starting; wait for health SERVING")
-        already_running = self.manager.start_rollout(config_from_proto(request.config), request.rollout_id,
-                                                     request.weight_version)
+        timeout_s = self.pool.config.start_timeout_s + self.pool.config.disk_load_timeout_s
+        for note in await apply_job_options(self.pool, config.job_id, job_engine_options(config.args), timeout_s):
+            log.warning("job %s: %s", config.job_id, note)
+
+    @handle_errors
+    async def StartRollout(self, request, context):
+        config = config_from_proto(request.config)
+        await self._engines_for(config)
+        already_running = self.manager.start_rollout(config, request.rollout_id, request.weight_version)
         return rollout_pb2.StartRolloutResponse(already_running=already_running)
 
     @handle_errors
@@ -55,10 +75,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @handle_errors
     async def RunEval(self, request, context):
-        if not self.pool_ready.is_set():
-            raise Unavailable("rollout manager: the engine pool is still starting; wait for health SERVING")
-        metrics = await self.manager.run_eval(config_from_proto(request.config), request.rollout_id,
-                                              request.weight_version)
+        config = config_from_proto(request.config)
+        await self._engines_for(config)
+        metrics = await self.manager.run_eval(config, request.rollout_id, request.weight_version)
         return rollout_pb2.RunEvalResponse(metrics=metrics)
 
     @handle_errors
@@ -172,4 +191,5 @@ def build_launcher(config: RolloutManagerConfig, work_dir: Path) -> EngineLaunch
                                fake_compute=config.engine_fake_compute,
                                weight_sync_timeout_s=config.engine_weight_sync_timeout_s,
                                device=config.engine_device)
-    return LocalLauncher(argv, work_dir, env=auth.engine_env(work_dir / "engine-token"))
+    return LocalLauncher(argv, work_dir, env=auth.engine_env(work_dir / "engine-token"),
+                         options_argv=sglang_server_args if config.engine_type == "sglang" else cpu_engine_options_argv)

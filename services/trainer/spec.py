@@ -131,13 +131,14 @@ class JobSpec(_JobSettings):
 
     def plugin_args_view(self) -> dict[str, Any]:
         """slime's `args`: slime's default for every flag, the spec's plugin_args, then the spec's own keys."""
-        own = self.model_dump(exclude={"plugin_args", "slime_notes"})
+        own = self.model_dump(exclude={"plugin_args", "slime_notes", "slime_sources"})
         return {**slime_args.slime_defaults(), **self.plugin_args, **own}
 
     @property
     def train(self) -> TrainConfig:
         """The backend's settings; global_batch_size and lr_decay_iters resolved as slime resolves them."""
-        return TrainConfig(**{**self._values(TrainConfig), "global_batch_size": self.resolved_global_batch_size,
+        return TrainConfig(**{**self._values(TrainConfig), "args": self.plugin_args_view(),
+                              "global_batch_size": self.resolved_global_batch_size,
                               "lr_decay_iters": self.train_iters if self.lr_decay_iters is None
                               else self.lr_decay_iters})
 

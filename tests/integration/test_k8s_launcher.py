@@ -23,6 +23,7 @@ from kubernetes import client
 from services.common import procs
 from services.common.errors import FailedPrecondition, Unavailable
 from services.rollout.pool.k8s import EngineEvent, KubernetesEngineLauncher
+from services.rollout.pool.launchers import KubernetesLauncher
 
 DEPLOY, PODS = kmock.resource("apps", "v1", "deployments"), kmock.resource("", "v1", "pods")
 NS, NAME, SELECTOR = "rl", "demo-engine", "app.kubernetes.io/component=engine,app.kubernetes.io/instance=demo"
@@ -284,3 +285,18 @@ def test_connection_errors_are_retried_then_reported(caplog):
 def test_the_launcher_does_not_import_torch():
     code = "import sys, services.rollout.pool.k8s; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_engine_options_patch_the_engine_containers_args(k8s, api, launcher):
+    """A job's --sglang-* flags: one strategic merge patch of the pod template, each flag given replacing its old
+    value (Kubernetes then rolls the pods)."""
+    create_deployment(api, replicas=1)
+    path = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
+    api[1].patch_namespaced_deployment(NAME, NS, {"spec": {"template": {"spec": {"containers": [
+        {**ENGINE_CONTAINER, "args": ["--model-path=/m", "--mem-fraction-static=0.8", "--enable-metrics"]}]}}}},
+        _request_timeout=5)
+    KubernetesLauncher(launcher).set_engine_options({"sglang_mem_fraction_static": 0.7, "sglang_dtype": "bfloat16"})
+    patch = only(k8s.requests(), "PATCH", path)[-1]
+    assert patch.headers["Content-Type"] == "application/strategic-merge-patch+json"
+    assert json.loads(patch.body) == {"spec": {"template": {"spec": {"containers": [{"name": "engine", "args": [
+        "--model-path=/m", "--enable-metrics", "--mem-fraction-static", "0.7", "--dtype", "bfloat16"]}]}}}}

@@ -159,3 +159,48 @@ def test_retool_generate_and_reward_run_two_rollouts(buffer_addr, printable_mode
         info = [m == 0 for m in sample.loss_mask]
         assert any(info) and not all(info)
     assert sorted(s.reward > 0 for s in samples) == [False] * 4 + [True] * 4
+
+
+def test_search_r1_launch_args_as_pasted_run_two_rollouts(buffer_addr, search_server, tiny_model_dir, tmp_path):
+    """slime's run_qwen2.5_3B.sh argv (tests/slime_examples/launch_args.json) without its model block (the tiny
+    model's own), its files here and sizes for a CPU appended: the last value of a flag wins, as in slime."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from services.trainer.slime.megatron_flags import ARCH
+
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    answers = itertools.cycle(["Paris", "Lyon"])
+
+    def engine(path: str, body: dict) -> tuple[int, dict]:
+        if "<information>" not in body["text"]:
+            return 200, engine_reply(tokenizer, "<search>capital of France</search>")
+        return 200, engine_reply(tokenizer, f"<answer>{next(answers)}</answer>")
+
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": QUESTION, "reward_model": {
+        "ground_truth": {"target": ["Paris"]}, "style": "rule"}}] * 4), data)
+    pasted = json.loads((EXAMPLES / "launch_args.json").read_text())["search_r1"]["argv"]
+    argv, skip = [], False
+    for token in pasted:  # drop the 3B model's architecture flags and their values
+        if token.startswith("--"):
+            skip = token[2:] in ARCH
+        if not skip:
+            argv.append(token)
+    argv += ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rollout-batch-size", "2",
+             "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--rollout-max-response-len", "64",
+             "--num-rollout", "2"]
+    router = JsonServer(engine)
+    try:
+        with on_sys_path(EXAMPLES / "search_r1"), reward_service() as reward_addr:
+            plugins.ensure_slime_compat()
+            plugin = importlib.import_module("generate_with_search")
+            plugin.SEARCH_R1_CONFIGS["local"]["search_url"] = f"{search_server.url}/retrieve"
+            rollouts = run_job_rollouts({"slime_args": argv, "job_id": "search-r1-pasted"}, buffer_addr=buffer_addr,
+                                        reward_addr=reward_addr, router_url=router.url, num_rollouts=2)
+    finally:
+        router.close()
+    samples = [s for groups in rollouts for g in groups for s in g.samples]
+    assert [len(groups) for groups in rollouts] == [2, 2] and len(samples) == 8
+    assert sorted(s.reward for s in samples) == [0.0] * 4 + [1.0] * 4  # its exact-match reward on the parquet label
+    assert all(s.label == {"ground_truth": {"target": ["Paris"]}, "style": "rule"} for s in samples)

@@ -97,3 +97,37 @@ def test_run_eval_generates_every_prompt_with_eval_sampling_and_gives_the_prompt
     eval_buffer = buffer.others["job.eval.math"]
     assert not eval_buffer.leased and len(eval_buffer.returned) == 3 and not buffer.groups  # eval writes nothing
     assert {s.label for s in eval_buffer.returned} == {"1", "2", "3"} and reward.calls
+
+
+def test_each_eval_dataset_runs_with_its_own_settings(tiny_model_dir, tmp_path):
+    """slime's eval_multi_task: each dataset its own samples per prompt, lengths, temperature, keys and reward type;
+    the settings they share are the eval_* keys."""
+    from services.rollout.client import config_from_proto, config_to_proto
+
+    aime, gpqa = tmp_path / "aime.jsonl", tmp_path / "gpqa.jsonl"
+    aime.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(2)))
+    gpqa.write_text(json.dumps({"question": "A or B?", "answer": "A"}) + "\n")
+    buffer, router = FakeBuffer(2), ScriptedRouter(script=lambda body, headers: reply([17], "1"))
+    manager, reward = new_manager(buffer, router, tiny_model_dir)
+    cfg = rollout_config(eval_prompt_data=[f"aime={aime}", f"gpqa={gpqa}"], eval_input_key="prompt",
+                         eval_max_response_len=4, eval_top_p=0.7, eval_dataset_settings={
+                             "aime": {"rm_type": "deepscaler", "n_samples_per_eval_prompt": 4},
+                             "gpqa": {"rm_type": "gpqa", "n_samples_per_eval_prompt": 2, "temperature": 0.2,
+                                      "max_response_len": 2, "input_key": "question", "label_key": "answer"}})
+    cfg = config_from_proto(config_to_proto(cfg))  # as the manager gets it (a Struct: numbers come back as floats)
+
+    async def run():
+        metrics = await manager.run_eval(cfg, 3, "4")
+        await manager.close()
+        return metrics
+
+    metrics = asyncio.run(run())
+    assert set(metrics) == {"eval/aime", "eval/aime-truncated_ratio", "eval/aime-pass@1", "eval/aime-pass@2",
+                            "eval/aime-pass@4", "eval/gpqa", "eval/gpqa-truncated_ratio", "eval/gpqa-pass@1",
+                            "eval/gpqa-pass@2"}  # pass@k up to each dataset's own samples per prompt
+    params = [body["sampling_params"] for body, _ in router.requests]
+    assert len(params) == 2 * 4 + 1 * 2
+    assert [(p["temperature"], p["top_p"], p["max_new_tokens"]) for p in params] == \
+        [(0.7, 0.7, 4)] * 8 + [(0.2, 0.7, 2)] * 2  # aime: the rollout's temperature (no eval_temperature)
+    assert [call["rm_type"] for call in reward.calls] == ["deepscaler", "gpqa"]  # each dataset scored at once
+    assert [s.label for s in buffer.others["job.eval.gpqa"].returned] == ["A"]  # read by its own keys

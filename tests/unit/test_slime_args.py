@@ -11,6 +11,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.slime import args as slime_args
+from services.trainer.slime import argv as slime_argv
 from services.trainer.slime import flags as slime_flags
 from services.trainer.slime import megatron_flags
 from services.trainer.spec import JobSpec, parse_spec
@@ -80,7 +81,7 @@ def test_qwen3_4b_converts_to_spec_keys_megatron_settings_and_plugin_args():
     assert conv.plugin_args["num_layers"] == 36 and conv.plugin_args["colocate"] is True
     assert conv.plugin_args["sglang_mem_fraction_static"] == 0.7
     assert any(n.startswith("--colocate: ") for n in conv.notes)
-    assert any(n.startswith("--sglang-mem-fraction-static: an engine option") for n in conv.notes)
+    assert any(n.startswith("--sglang-mem-fraction-static: an SGLang server option") for n in conv.notes)
 
 
 def test_architecture_flags_are_checked_against_the_hf_config():
@@ -139,10 +140,10 @@ def test_refused_and_unknown_flags_are_all_reported_at_once():
 
 
 def test_split_argv_reads_a_pasted_bash_array():
-    assert slime_args.split_argv('--a 1 \\\n  --b "x y" --c   # --d\n --e') == [
+    assert slime_argv.split_argv('--a 1 \\\n  --b "x y" --c   # --d\n --e') == [
         ("a", ["1"]), ("b", ["x y"]), ("c", []), ("e", [])]
     with pytest.raises(InvalidArgument, match="expected a --flag first, got 'x'"):
-        slime_args.split_argv(["x", "--a"])
+        slime_argv.split_argv(["x", "--a"])
 
 
 def test_the_docs_table_is_current_and_lists_every_slime_flag():
@@ -169,22 +170,26 @@ def test_eval_config_becomes_the_eval_keys(tmp_path):
     config = tmp_path / "eval.yaml"
     config.write_text("eval:\n  defaults:\n    n_samples_per_eval_prompt: 4\n    temperature: 0.6\n  datasets:\n"
                       "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, max_response_len: 512}\n"
-                      "    - {name: math500, path: /d/math.jsonl, max_response_len: 512}\n")
-    argv = ["--rm-type", "deepscaler", "--eval-config", str(config)]
+                      "    - {name: math500, path: /d/math.jsonl, max_response_len: 512, temperature: 1.0}\n")
+    argv = ["--rm-type", "math", "--eval-config", str(config)]
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
-    assert conv.refused == [
-        f"--eval-config {config}: `rm_type` differs between datasets (['deepscaler', None]); Physarum's eval "
-        "settings hold for all its datasets"]
+    assert conv.refused == []
+    assert {k: conv.spec[k] for k in ("eval_max_response_len", "n_samples_per_eval_prompt")} == \
+        {"eval_max_response_len": 512, "n_samples_per_eval_prompt": 4}  # alike in every dataset: the eval_* keys
+    assert conv.spec["eval_dataset_settings"] == {  # the dataset's own, else the defaults
+        "aime": {"rm_type": "deepscaler", "temperature": 0.6}, "math500": {"temperature": 1.0}}
     config.write_text("datasets:\n  - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler, top_k: 20, "
-                      "repetition_penalty: 1.1}\n")
+                      "repetition_penalty: 1.1, apply_chat_template: true}\n")
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
     assert conv.spec["eval_prompt_data"] == ["aime=/d/aime.jsonl"] and conv.spec["eval_top_k"] == 20
-    assert conv.refused == [f"--eval-config {config}: `repetition_penalty` has no counterpart in Physarum's eval"]
-    config.write_text("eval:\n  defaults: {temperature: 0.6, n_samples_per_eval_prompt: 4}\n  datasets:\n"
-                      "    - {name: aime, path: /d/aime.jsonl, rm_type: deepscaler}\n")
-    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
-    assert conv.refused == [] and {k: conv.spec[k] for k in ("eval_temperature", "n_samples_per_eval_prompt")} == \
-        {"eval_temperature": 0.6, "n_samples_per_eval_prompt": 4}
+    assert conv.refused == [
+        f"--eval-config {config}: `apply_chat_template: [True]` differs from the job's (None); the eval uses the job's",
+        f"--eval-config {config}: `repetition_penalty` has no counterpart in Physarum's eval"]
+    config.write_text("datasets:\n  - {name: ifbench, path: /d/if.jsonl, rm_type: ifbench}\n")
+    with pytest.raises(InvalidArgument, match=r"eval_dataset_settings\['ifbench'\].*rm_type 'ifbench' is not "
+                                              r"supported: slime's ifbench clones"):
+        parse_spec({"slime_args": ["--hf-checkpoint", "/m", "--prompt-data", "d", "--num-rollout", "1",
+                                   "--rollout-batch-size", "1", "--eval-config", str(config)]})
 
 
 def test_num_epoch_counts_the_prompts_as_slime_does(tmp_path):
@@ -195,3 +200,15 @@ def test_num_epoch_counts_the_prompts_as_slime_does(tmp_path):
     assert conv.spec["num_rollout"] == 6 and conv.refused == []  # 2 × (10 // 3)
     conv = slime_args.convert(argv + ["--num-rollout", "4"], spec_keys=SPEC_KEYS, check_architecture=False)
     assert conv.spec["num_rollout"] == 4 and "--num-epoch: ignored, num_rollout is given (as slime does)" in conv.notes
+
+
+def test_slimes_fully_async_rollout_is_mode_fully_async(tmp_path):
+    path = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+    conv = slime_args.convert(["--rollout-function-path", path], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["mode"] == "fully_async" and conv.refused == []
+    assert conv.sources["mode"] == "fully_async, from --rollout-function-path (argv[0])"
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    spec = parse_spec({"slime_args": f"--hf-checkpoint {tmp_path} --prompt-data d.jsonl --rollout-batch-size 8 "
+                                     f"--n-samples-per-prompt 4 --global-batch-size 32 --num-rollout 3 "
+                                     f"--rollout-function-path {path}"})
+    assert spec.driver.streams and spec.rollout.max_inflight_groups == 8

@@ -53,12 +53,14 @@ def eval_metrics(name: str, groups: list[list[Sample]]) -> dict[str, float]:
     return metrics
 
 
-async def run_eval(buffer: BufferClient, gen: Generation, rollout_id: int) -> dict[str, float]:
+async def run_eval(buffer: BufferClient, gens: dict[str, Generation], rollout_id: int) -> dict[str, float]:
     """Every eval dataset is a buffer job "<job_id>.eval.<name>": all its prompts are leased, generated (n samples
-    each), scored and given back, so the next eval leases them again."""
-    config, start = gen.config, time.monotonic()
+    each), scored and given back, so the next eval leases them again. `gens`: each dataset's generation (its own
+    sampling, samples per prompt, keys and reward, as its config says)."""
+    start = time.monotonic()
     metrics: dict[str, float] = {}
-    for name, path in config.eval_datasets.items():
+    for name, gen in gens.items():
+        config, path = gen.config, gen.config.eval_datasets[name]
         eval_job = f"{config.job_id}.eval.{name}"
         info = await asyncio.to_thread(
             buffer.load_dataset, eval_job, path, input_key=config.eval_input_key, label_key=config.eval_label_key,
@@ -75,7 +77,7 @@ async def run_eval(buffer: BufferClient, gen: Generation, rollout_id: int) -> di
         finally:
             await _give_back(buffer, eval_job, prompts)
         metrics.update(eval_metrics(name, [task.result() for task in running]))
-    log.info("%s done in %.1f s: %s", gen.ctx.name, time.monotonic() - start, metrics)
+    log.info("eval at rollout %d done in %.1f s: %s", rollout_id, time.monotonic() - start, metrics)
     return metrics
 
 

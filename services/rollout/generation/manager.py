@@ -368,9 +368,10 @@ class RolloutManager:
         key = (config.job_id, rollout_id)
         task = self.evals.get(key)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            gen = self._generation(config, rollout_id, evaluation=True)
-            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, gen, rollout_id),
-                                                           name=gen.ctx.name)
+            gens = {name: self._generation(config.for_eval_dataset(name), rollout_id, evaluation=True)
+                    for name in config.eval_datasets}
+            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, gens, rollout_id),
+                                                           name=f"eval at rollout {rollout_id} of job {config.job_id}")
             self.evals[key] = task
             for old in list(self.evals)[: max(0, len(self.evals) - MAX_FINISHED_RUNS)]:
                 if self.evals[old].done():

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({404, 409, 429, 500, 502, 503, 504})  # plus connection errors (status 0)
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,18 @@ def backoff_s(attempt: int, base_s: float, max_s: float, rand: Callable[[], floa
     """Delay before retry `attempt` (1-based): exponential, capped at `max_s`, jittered into [cap/2, cap]."""
     cap = min(max_s, base_s * 2 ** (attempt - 1))
     return cap / 2 + rand() * cap / 2
+
+
+def merge_args(current: list[str], extra: list[str]) -> list[str]:
+    """`current` without the flags `extra` sets (as `--flag value...` or `--flag=value`), then `extra`."""
+    flags = {token for token in extra if token.startswith("--")}
+    out, dropping = [], False
+    for token in current:
+        if token.startswith("--"):
+            dropping = token.split("=", 1)[0] in flags
+        if not dropping:
+            out.append(token)
+    return out + extra
 
 
 def default_configuration() -> client.Configuration:
@@ -109,6 +122,23 @@ class KubernetesEngineLauncher:
         self._json(f"PATCH {self._scale_path}", self.apps.patch_namespaced_deployment_scale, self.deployment,
                    self.namespace, {"spec": {"replicas": replicas}}, _content_type=MERGE_PATCH)
         log.info("deployment %s/%s scaled to %d engines", self.namespace, self.deployment, replicas)
+
+    def set_engine_args(self, extra: list[str], container: str = "engine") -> None:
+        """Set server arguments on the Deployment's engine container (each flag given replaces the one there), a
+        strategic merge patch of its pod template: Kubernetes then replaces the pods by a rolling update."""
+        path = f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.deployment}"
+        deployment = self._json(f"GET {path}", self.apps.read_namespaced_deployment, self.deployment, self.namespace)
+        containers = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []
+        current = next((c.get("args") or [] for c in containers if c.get("name") == container), None)
+        if current is None:
+            raise FailedPrecondition(f"deployment {self.namespace}/{self.deployment} has no container {container!r} "
+                                     f"to set engine arguments on")
+        patch = {"spec": {"template": {"spec": {"containers": [{"name": container,
+                                                                 "args": merge_args(current, extra)}]}}}}
+        self._json(f"PATCH {path}", self.apps.patch_namespaced_deployment, self.deployment, self.namespace, patch,
+                   _content_type=STRATEGIC_MERGE_PATCH)
+        log.info("deployment %s/%s: engine arguments %s set (rolling update)", self.namespace, self.deployment,
+                 " ".join(extra))
 
     def desired_replicas(self) -> int:
         """spec.replicas of the Deployment's /scale subresource."""

@@ -9,13 +9,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.common import procs
 from services.common.errors import FailedPrecondition
+from services.rollout.pool.sglang_launcher import sglang_server_args
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,15 @@ class EngineLauncher(Protocol):
         """Stop every engine this launcher started."""
 
 
+# SGLang server options the CPU engine has, under SGLang's names (its /server_info reports them the same way)
+CPU_ENGINE_OPTIONS = {"sglang_dtype": "--dtype"}
+
+
+def cpu_engine_options_argv(options: Mapping[str, Any]) -> list[str]:
+    """A job's engine options as CPU engine arguments: those it has (CPU_ENGINE_OPTIONS); the rest do not apply."""
+    return [arg for key, flag in CPU_ENGINE_OPTIONS.items() if key in options for arg in (flag, str(options[key]))]
+
+
 def cpu_engine_argv(model_path: str, *, num_threads: int = 1, per_token_delay_s: float = 0.0,
                     fake_compute: bool = False, weight_sync_timeout_s: float = 60.0,
                     device: str = "cpu") -> Callable[[int, int], list[str]]:
@@ -68,8 +78,11 @@ class LocalLauncher:
     """
 
     def __init__(self, argv_for: Callable[[int, int], list[str]], work_dir: Path, *, stop_grace_s: float = 10.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 options_argv: Callable[[Mapping[str, Any]], list[str]] | None = None) -> None:
         self.argv_for = argv_for
+        self.options_argv = options_argv  # a job's engine options -> engine arguments (None: it takes none)
+        self.extra_argv: list[str] = []  # appended to each new engine's argv: the last of a repeated flag wins
         self.work_dir = Path(work_dir)
         self.stop_grace_s = stop_grace_s
         self.env = env or {}
@@ -83,6 +96,15 @@ class LocalLauncher:
 
     def engines(self) -> list[LaunchedEngine]:
         return [LaunchedEngine(name, url, proc.pid, proc.alive()) for name, (proc, url) in self.processes.items()]
+
+    @property
+    def takes_options(self) -> bool:
+        return self.options_argv is not None
+
+    def set_engine_options(self, options: Mapping[str, Any]) -> bool:
+        """Start engines with these server options from now on; False: the pool replaces the running ones."""
+        self.extra_argv = self.options_argv(options)
+        return False
 
     def scale(self, replicas: int, remove: Sequence[str] = ()) -> None:
         if replicas < 0:
@@ -99,8 +121,8 @@ class LocalLauncher:
         index, port = self.num_started, procs.free_port()
         self.num_started += 1
         name = f"engine-{index}"
-        proc = procs.ManagedProcess(name, self.argv_for(port, index), self.work_dir / f"{name}-{port}.log",
-                                    env=self.env).start()
+        proc = procs.ManagedProcess(name, self.argv_for(port, index) + self.extra_argv,
+                                    self.work_dir / f"{name}-{port}.log", env=self.env).start()
         url = f"http://{procs.HOST}:{port}"
         self.processes[name] = (proc, url)
         # The start time now, while the PID is surely this child's (Popen returns once it has exec'd).
@@ -207,6 +229,13 @@ class KubernetesLauncher:
     def engines(self) -> list[LaunchedEngine]:
         self.k8s.engine_urls()
         return [LaunchedEngine(pod, url) for pod, url in sorted(self.k8s.ready.items())]
+
+    takes_options = True
+
+    def set_engine_options(self, options: Mapping[str, Any]) -> bool:
+        """Set the options on the engine container's args; the Deployment's rolling update replaces the pods."""
+        self.k8s.set_engine_args(sglang_server_args(options))
+        return True
 
     def scale(self, replicas: int, remove: Sequence[str] = ()) -> None:
         if remove:

@@ -95,6 +95,22 @@ class EnginePool:
             self.wake.set()
         return self.status()
 
+    @property
+    def takes_engine_options(self) -> bool:
+        """Whether a job's engine options can reach every engine: the launcher starts them with options, and no
+        external engine (launched by someone else) serves beside them."""
+        return bool(getattr(self.launcher, "takes_options", False)) and not any(e.external for e in
+                                                                               self.records.values())
+
+    async def relaunch(self, options: dict, reason: str) -> None:
+        """Have the launcher start engines with these server options from now on, and replace the running ones
+        (a launcher that replaces them itself, like a Deployment's rolling update, is left to it)."""
+        self.event("relaunch", detail=reason)
+        if await self._launcher_call(self.launcher.set_engine_options, options):
+            return
+        for e in [e for e in self.records.values() if not e.external]:
+            self._start_task(e, steps.fail(self, e, "relaunched with a job's engine options"))
+
     def status(self) -> PoolStatus:
         engines = [EngineStatus(name=e.name, url=e.url, state=e.state, pid=e.pid, weight_version=e.weight_version or "",
                                 healthy=e.healthy, load=self.registrations.load(e.url), external=e.external)

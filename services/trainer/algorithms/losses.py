@@ -134,7 +134,8 @@ def policy_loss_function(*, log_probs: torch.Tensor, entropy: torch.Tensor, old_
                          kl_loss_type: str = "k1", use_unbiased_kl: bool = False,
                          rollout_log_probs: torch.Tensor | None = None, train_log_probs: torch.Tensor | None = None,
                          use_rollout_logprobs: bool = False, use_tis: bool = False, tis_clip: float = 2.0,
-                         tis_clip_low: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         tis_clip_low: float = 0.0,
+                         tis_function: Callable | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's policy objective: loss = pg_loss - entropy_coef·entropy_loss + kl_loss_coef·kl_loss.
 
     Tensors are [B, T] response-aligned; `reduce` maps a per-token tensor to this micro-batch's share of the step's
@@ -142,7 +143,9 @@ def policy_loss_function(*, log_probs: torch.Tensor, entropy: torch.Tensor, old_
     reuses the current log-probs, detached (one step per rollout: ratio 1, ppo_kl 0). The pg term is CISPO's for
     "cispo", GSPO's sequence-level PPO clip for "gspo", the (dual-)clipped PPO surrogate otherwise.
     use_tis multiplies the per-token pg loss by the clipped train/rollout ratio, train_log_probs (the recomputed
-    old log-probs; default the detached current ones) over rollout_log_probs. ref_log_probs (given under
+    old log-probs; default the detached current ones) over rollout_log_probs; a `tis_function(pg, train_log_probs)
+    -> (pg, keep, metrics)` replaces that weighting (slime's custom TIS function: `keep` zeroes the tokens it
+    rejects; the reducer's denominators stay the rollout's). ref_log_probs (given under
     use_kl_loss) adds kl_loss, with grad only when kl_loss_coef != 0; entropy's grad flows only when
     entropy_coef != 0. rollout_log_probs also gives train_rollout_logprob_abs_diff. Returns (loss, detached metrics).
     """
@@ -159,7 +162,12 @@ def policy_loss_function(*, log_probs: torch.Tensor, entropy: torch.Tensor, old_
         pg, clipfrac = compute_policy_loss(ppo_kl, advantages, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
                                            eps_clip_c=eps_clip_c)
     metrics: dict[str, torch.Tensor] = {}
-    if use_tis:
+    if tis_function is not None:
+        pg, keep, tis_metrics = tis_function(pg, current if train_log_probs is None else train_log_probs)
+        pg = pg * keep
+        metrics.update({key: reduce(value) for key, value in tis_metrics.items()})
+        metrics["ois"] = reduce(torch.exp(-ppo_kl.detach()))
+    elif use_tis:
         if rollout_log_probs is None:
             raise ValueError("use_tis needs the engines' log-probs (rollout_log_probs) for every sample")
         weights, tis_metrics = tis_weights(current if train_log_probs is None else train_log_probs,

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from services.common import plugins
 from services.common.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Rule, check_fields, field, shared
@@ -42,8 +42,19 @@ class TrainConfig:
     """The algorithm and optimizer settings a backend trains with (slime's flags, Megatron's optimizer defaults).
     The sampling settings it shares with the rollout are RolloutConfig's declarations."""
 
+    args: dict[str, Any] = field({}, "the whole job spec, for the slime hooks (slime's `args`)", internal=True)
     loss_type: LossType = shared(RolloutConfig, "loss_type")
     custom_loss_function_path: str = field("", "custom_loss: import path of " + CUSTOM_LOSS_SIGNATURE)
+    custom_reward_post_process_path: str = field(
+        "", "import path of def fn(args, samples) -> (raw_rewards, rewards): replaces the group normalization of "
+            "rewards (called on each rank's samples, whole groups)")
+    custom_advantage_function_path: str = field(
+        "", "import path of def fn(args, rollout_data): sets rollout_data['advantages'] and ['returns'] instead of "
+            "advantage_estimator's (normalize_advantages still applies)")
+    custom_tis_function_path: str = field(
+        "", "import path of slime's TIS function fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
+            "loss_masks, ...) -> (pg_loss, loss_masks, metrics), used under use_tis instead of the truncated ratio "
+            "(e.g. slime's MIS helper)")
     advantage_estimator: AdvantageEstimator = field(
         "grpo", "how rewards become per-token advantages: " + ", ".join(ADVANTAGE_ESTIMATORS))
     n_samples_per_prompt: int = shared(RolloutConfig, "n_samples_per_prompt")
@@ -141,8 +152,10 @@ class TrainConfig:
             raise ValueError("loss_type 'custom_loss' and custom_loss_function_path go together "
                              f"(got loss_type {self.loss_type!r}, custom_loss_function_path "
                              f"{self.custom_loss_function_path!r})")
-        if self.custom_loss_function_path:  # imported by the backend once the job runs, never at validation
-            plugins.check_allowed(self.custom_loss_function_path, "custom_loss_function_path")
+        for hook in ("custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
+                     "custom_tis_function_path"):
+            if getattr(self, hook):  # imported by the backend once the job runs, never at validation
+                plugins.check_allowed(getattr(self, hook), hook)
         if self.advantage_estimator == "cispo" and self.eps_clip < 1.0:
             log.warning("cispo with eps_clip %s keeps the lower clip bound %s; canonical CISPO uses eps_clip 1.0 and "
                         "a large eps_clip_high (e.g. 4.0)", self.eps_clip, 1.0 - self.eps_clip)

@@ -25,7 +25,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer import devices, parallel
-from services.trainer.backends import rl_step
+from services.trainer.backends import rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -82,6 +82,7 @@ class TorchBackend(DCPCheckpointing):
                                                adam_beta2=config.adam_beta2, adam_eps=config.adam_eps)
         self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
             else None
+        slime_hooks.load_all(config)
         # data-parallel ranks: normalize_advantages all-reduces its statistics over it
         self.dp_group = torch.distributed.group.WORLD if self.world.distributed else None
         self.optimizer = self._make_optimizer()
@@ -216,11 +217,11 @@ class TorchBackend(DCPCheckpointing):
         train_actor = self.critic is None or self._weight_version >= cfg.num_critic_only_steps
         start = time.perf_counter()
         if cfg.loss_type != "sft_loss":
-            batch = self._prepare(batch, [mb for step in steps for mb in step], len(steps), train_actor)
+            batch = self._prepare(batch, [mb for step in steps for mb in step], len(steps), train_actor, samples)
         metrics: list[dict[str, float]] = [{} for _ in steps]
         metrics[0]["perf/log_probs_seconds"] = time.perf_counter() - start  # the rollout's recompute, once
         if self.critic is not None:
-            critic_batch = batch.with_(returns=rl_step.critic_returns(batch, cfg))
+            critic_batch = batch.with_(returns=rl_step.critic_returns(batch, cfg, samples))
             for step_metrics, step in zip(metrics, steps, strict=True):
                 step_metrics.update(self._critic_step(critic_batch, step))
         if train_actor:
@@ -230,7 +231,7 @@ class TorchBackend(DCPCheckpointing):
         return metrics
 
     def _prepare(self, batch: RolloutBatch, micro_batches: list[MicroBatch], num_steps: int,
-                 train_actor: bool) -> RolloutBatch:
+                 train_actor: bool, samples: Sequence[Sample]) -> RolloutBatch:
         """Critic values, old and reference log-probs (each in the training micro-batches), then advantages."""
         if self.critic is not None:
             batch = batch.with_(values=self._recompute(self._values, batch, micro_batches))
@@ -242,7 +243,7 @@ class TorchBackend(DCPCheckpointing):
         if self.ref_model is not None:
             batch = batch.with_(ref_log_probs=self._recompute(lambda mb: self._log_probs(self.ref_model, mb), batch,
                                                               micro_batches))
-        return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group)
+        return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group, samples=samples)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         def loss_fn(mb: RolloutBatch, reduce):

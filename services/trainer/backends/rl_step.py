@@ -6,13 +6,12 @@ those tensors to the loss (slime's `compute_advantages_and_returns`, `loss_funct
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from services.common.samples import Sample
 from services.trainer.algorithms.advantages import get_advantage_estimator, normalize_advantages, post_process_rewards
 from services.trainer.algorithms.kl import compute_approx_kl
 from services.trainer.algorithms.losses import (
@@ -24,6 +23,7 @@ from services.trainer.algorithms.losses import (
     token_log_probs_and_entropy,
     value_loss_function,
 )
+from services.trainer.backends import slime_hooks
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import RolloutBatch
 
@@ -41,18 +41,31 @@ def needs_old_log_probs(config: TrainConfig, num_steps: int) -> bool:
                 and not config.use_critic and config.advantage_estimator != "gspo")
 
 
-def compute_advantages_and_returns(batch: RolloutBatch, config: TrainConfig, *,
-                                   group: dist.ProcessGroup | None = None) -> RolloutBatch:
-    """slime's `compute_advantages_and_returns`: post-process rewards, KL for reward shaping, the estimator, then
-    (normalize_advantages) masked whitening with statistics all-reduced over `group` (data-parallel ranks).
-
-    Reads batch.log_probs (or rollout_log_probs under use_rollout_logprobs) and batch.ref_log_probs when
-    kl_coef != 0, batch.values for ppo. Returns the batch with advantages and returns set.
-    """
-    rewards = post_process_rewards(
+def processed_rewards(batch: RolloutBatch, config: TrainConfig, samples: Sequence[Sample] | None) -> torch.Tensor:
+    """slime's `_post_process_rewards`: the custom_reward_post_process_path hook on the batch's samples, else the
+    group baseline the estimator calls for. [B]."""
+    if config.custom_reward_post_process_path:
+        if samples is None:
+            raise ValueError("custom_reward_post_process_path needs the rollout's samples")
+        return slime_hooks.post_process_rewards(config, samples, batch.rewards.device)
+    return post_process_rewards(
         batch.rewards, advantage_estimator=config.advantage_estimator, n_samples_per_prompt=config.n_samples_per_prompt,
         rewards_normalization=not config.disable_rewards_normalization,
         grpo_std_normalization=not config.disable_grpo_std_normalization)
+
+
+def compute_advantages_and_returns(batch: RolloutBatch, config: TrainConfig, *,
+                                   group: dist.ProcessGroup | None = None,
+                                   samples: Sequence[Sample] | None = None) -> RolloutBatch:
+    """slime's `compute_advantages_and_returns`: post-process rewards, KL for reward shaping, the estimator (or
+    custom_advantage_function_path), then (normalize_advantages) masked whitening with statistics all-reduced over
+    `group` (data-parallel ranks).
+
+    Reads batch.log_probs (or rollout_log_probs under use_rollout_logprobs) and batch.ref_log_probs when
+    kl_coef != 0, batch.values for ppo; `samples` (the batch's rows) for a reward post-process hook. Returns the
+    batch with advantages and returns set.
+    """
+    rewards = processed_rewards(batch, config, samples)
     if config.kl_coef != 0:
         old = batch.rollout_log_probs if config.use_rollout_logprobs else batch.log_probs
         if old is None or batch.ref_log_probs is None:
@@ -60,20 +73,21 @@ def compute_advantages_and_returns(batch: RolloutBatch, config: TrainConfig, *,
         kl = compute_approx_kl(old, batch.ref_log_probs, kl_loss_type=config.kl_loss_type)
     else:
         kl = torch.zeros_like(batch.loss_masks)
-    advantages, returns = get_advantage_estimator(config.advantage_estimator)(
-        rewards, kl=kl, loss_mask=batch.loss_masks, response_lengths=batch.response_lengths, values=batch.values,
-        kl_coef=config.kl_coef, gamma=config.gamma, lambd=config.lambd)
+    if config.custom_advantage_function_path:
+        advantages, returns = slime_hooks.custom_advantages(config, batch, rewards=rewards, kl=kl)
+    else:
+        advantages, returns = get_advantage_estimator(config.advantage_estimator)(
+            rewards, kl=kl, loss_mask=batch.loss_masks, response_lengths=batch.response_lengths, values=batch.values,
+            kl_coef=config.kl_coef, gamma=config.gamma, lambd=config.lambd)
     if config.normalize_advantages:
         advantages = normalize_advantages(advantages, batch.loss_masks, group=group)
     return batch.with_(advantages=advantages, returns=returns)
 
 
-def critic_returns(batch: RolloutBatch, config: TrainConfig) -> torch.Tensor:
+def critic_returns(batch: RolloutBatch, config: TrainConfig, samples: Sequence[Sample] | None = None) -> torch.Tensor:
     """The critic's value targets: the estimator's returns without KL reward shaping, as slime's critic computes
     them from rollout data that holds no policy log-probs. [B, R]."""
-    rewards = post_process_rewards(batch.rewards, advantage_estimator=config.advantage_estimator,
-                                   n_samples_per_prompt=config.n_samples_per_prompt,
-                                   rewards_normalization=not config.disable_rewards_normalization)
+    rewards = processed_rewards(batch, config, samples)
     _, returns = get_advantage_estimator(config.advantage_estimator)(
         rewards, kl=torch.zeros_like(batch.loss_masks), loss_mask=batch.loss_masks,
         response_lengths=batch.response_lengths, values=batch.values, kl_coef=0.0, gamma=config.gamma,
@@ -128,7 +142,15 @@ def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tenso
         eps_clip_c=config.eps_clip_c, entropy_coef=config.entropy_coef, kl_loss_coef=config.kl_loss_coef,
         kl_loss_type=config.kl_loss_type, use_unbiased_kl=config.use_unbiased_kl,
         use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
-        tis_clip_low=config.tis_clip_low)
+        tis_clip_low=config.tis_clip_low, tis_function=custom_tis(config, mb))
+
+
+def custom_tis(config: TrainConfig, mb: RolloutBatch) -> slime_hooks.TisFunction | None:
+    """custom_tis_function_path's function for this micro-batch, when slime would call it: under use_tis, or under
+    get_mismatch_metrics (a mapped flag, in the job's args) for the function's metrics alone."""
+    if config.custom_tis_function_path and (config.use_tis or config.args.get("get_mismatch_metrics")):
+        return slime_hooks.tis_function(config, mb)
+    return None
 
 
 def value_loss(config: TrainConfig, mb: RolloutBatch, *, values: torch.Tensor,
@@ -149,7 +171,8 @@ def custom_loss(fn: Callable, config: TrainConfig, mb: RolloutBatch, *, logits: 
     As in slime, `logits` are the raw packed logits [1, Σ L_i, V] (samples back to back, no temperature) and
     `batch` holds per-sample lists: unconcat_tokens, total_lengths, response_lengths, loss_masks, advantages,
     returns, raw_reward and, when computed, log_probs, ref_log_probs, rollout_log_probs, values. The reducer takes
-    slime's packed response tokens [Σ R_i] (or padded [b, R]). args: the TrainConfig fields as a namespace.
+    slime's packed response tokens [Σ R_i] (or padded [b, R]). args: slime's, the job's flags with the TrainConfig
+    fields over them.
     """
     lengths = mb.response_lengths.tolist()
     total = (mb.prompt_lengths + mb.response_lengths).tolist()
@@ -168,7 +191,7 @@ def custom_loss(fn: Callable, config: TrainConfig, mb: RolloutBatch, *, logits: 
         return reduce(x)
 
     packed = logits[mb.attention_mask.bool()].unsqueeze(0)
-    loss, metrics = fn(types.SimpleNamespace(**asdict(config)), batch, packed, sum_of_sample_mean)
+    loss, metrics = fn(slime_hooks.slime_args(config), batch, packed, sum_of_sample_mean)
     return loss, {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}
 
 

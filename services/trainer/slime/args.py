@@ -4,13 +4,14 @@ megatron_flags.py. Keys the spec sets itself win over converted ones.
 
 Every flag is implemented (the spec key of its name), mapped (to spec keys, to the `megatron:` section, or kept in
 `plugin_args` for plugins), refused (the reason), or unknown (an error). As slime does, train_backend defaults to
-megatron when the arguments do not say.
+megatron when the arguments do not say. The argv reads by argparse's rules: a flag given twice takes its last value
+(an `append` flag collects them), values take slime's declared type, choices and count; `slime_sources` records
+where each value came from.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ from typing import Any
 import yaml
 
 from services.common.errors import InvalidArgument
+from services.trainer.slime.argv import destination, last_wins, slime_value, split_argv_at
 from services.trainer.slime.eval_config import eval_spec
-from services.trainer.slime.flags import FLAGS, STORE_FALSE, Flag, spec_key
+from services.trainer.slime.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, Flag, is_moe_flag, spec_key
 from services.trainer.slime.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
@@ -39,29 +41,17 @@ class Conversion:
     unknown: list[str] = field(default_factory=list)
     no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
     eval_config: str = ""  # --eval-config's path
+    custom_config: str = ""  # --custom-config-path's path
     num_epoch: int = 0  # --num-epoch
+    invalid: list[str] = field(default_factory=list)  # values slime's parser would reject (type, choice, count)
+    sources: dict[str, str] = field(default_factory=dict)  # each flag's key -> where its value came from
+    spec_keys: set[str] = field(default_factory=set)  # the job spec's keys
 
 
 def slime_defaults() -> dict[str, Any]:
     """What slime's `args` holds for every flag not given, by spec key (plugins read these)."""
     flags = {**MEGATRON, **FLAGS}
     return {spec_key(name): (False if name in STORE_FALSE else flag.default) for name, flag in flags.items()}
-
-
-def split_argv(argv: str | list[str]) -> list[tuple[str, list[str]]]:
-    """`--a 1 --b --c x y` -> [("a", ["1"]), ("b", []), ("c", ["x", "y"])]; a shell string is split as bash would
-    (comments and line continuations included)."""
-    if isinstance(argv, str):
-        argv = shlex.split(argv.replace("\\\n", " "), comments=True)
-    pairs: list[tuple[str, list[str]]] = []
-    for token in argv:
-        if token.startswith("--") and len(token) > 2:
-            pairs.append((token[2:], []))
-        elif not pairs:
-            raise InvalidArgument(f"slime_args: expected a --flag first, got {token!r}")
-        else:
-            pairs[-1][1].append(token)
-    return pairs
 
 
 def scalar(text: str) -> Any:
@@ -78,6 +68,7 @@ def scalar(text: str) -> Any:
 
 
 def _value(name: str, flag: Flag | None, values: list[str]) -> Any:
+    """A Megatron or engine flag's value: True when bare, else as YAML reads it."""
     if flag is not None and flag.bare:
         if values:
             raise InvalidArgument(f"slime_args: --{name} takes no value, got {' '.join(values)}")
@@ -103,18 +94,23 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
 
     The architecture flags are checked against `hf_config` (by default hf_checkpoint's config.json) unless
     check_architecture is false."""
-    pairs = split_argv(argv)
-    given = {name: values for name, values in pairs}
-    out = Conversion()
+    pairs, sources = last_wins(split_argv_at(argv))
+    given = dict(pairs)
+    out = Conversion(sources=sources, spec_keys=spec_keys)
     if hf_config is None and check_architecture:
-        hf_config = read_hf_config(scalar(given["hf-checkpoint"][0]) if given.get("hf-checkpoint") else None)
+        hf_config = read_hf_config(given["hf-checkpoint"][-1] if given.get("hf-checkpoint") else None)
     for name, values in pairs:
-        if name.startswith("no-offload"):  # argparse's BooleanOptionalAction negation
-            _convert_one(out, name.removeprefix("no-"), values, spec_keys, hf_config, check_architecture)
-            out.plugin_args[spec_key(name.removeprefix("no-"))] = False
+        dest = destination(name)
+        try:
+            _convert_one(out, dest, [] if dest != name else values, spec_keys, hf_config, check_architecture)
+        except InvalidArgument as err:
+            out.invalid.append(str(err))
             continue
-        _convert_one(out, name, values, spec_keys, hf_config, check_architecture)
+        if dest != name:
+            out.plugin_args[spec_key(dest)] = False
     out.spec.setdefault("train_backend", "megatron")
+    if out.custom_config:
+        _apply_custom_config(out, out.custom_config)
     if out.num_epoch:
         _resolve_num_epoch(out)
     if out.eval_config:
@@ -136,7 +132,7 @@ def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[s
     key = spec_key(name)
     if name in FLAGS:
         flag = FLAGS[name]
-        value = _value(name, flag, values)
+        value = slime_value(name, values)
         if name in _SPECIAL:
             _SPECIAL[name](out, value)
         elif flag.status == "refused":
@@ -162,16 +158,25 @@ def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[s
         return
     if name.startswith(ENGINE_PREFIXES):
         out.plugin_args[key] = _value(name, None, values)
-        owner = "engine option" if name.startswith("sglang-") else "router option"
-        out.notes.append(f"--{name}: an {owner} of the rollout service (set `{key}` in its --sglang-args / Helm "
-                         f"values); kept in args for plugins")
+        if name.startswith("sglang-"):
+            out.notes.append(f"--{name}: an SGLang server option: the rollout service relaunches the engines it "
+                             f"launches with it, and fails the job if engines it did not launch run with another")
+        else:
+            out.notes.append(f"--{name}: a router option of the rollout service (its Helm values); kept in args for "
+                             f"plugins")
+        return
+    if is_moe_flag(name):
+        out.refused.append(f"--{name}: {MOE_REFUSAL}")
         return
     out.unknown.append(f"--{name}")
 
 
 def _rollout_function(out: Conversion, value: Any) -> None:
-    if value == SFT_ROLLOUT:
-        out.spec.setdefault("loss_type", "sft_loss")
+    """slime's own rollout functions become what they do here; any other is refused."""
+    if value in SLIME_ROLLOUTS:
+        key, setting = SLIME_ROLLOUTS[value]
+        out.spec.setdefault(key, setting)
+        out.sources[key] = f"{setting}, from {out.sources['rollout_function_path']}"
     elif value != FLAGS["rollout-function-path"].default:
         out.refused.append(f"--rollout-function-path {value}: {FLAGS['rollout-function-path'].note}")
 
@@ -181,7 +186,12 @@ def _no_advantages(out: Conversion, value: Any) -> None:
 
 
 def _custom_config(out: Conversion, value: Any) -> None:
-    """slime sets each key of the YAML file on args; here they join plugin_args."""
+    out.custom_config = str(value)  # read once every flag is converted: slime sets its keys after parsing
+
+
+def _apply_custom_config(out: Conversion, value: str) -> None:
+    """slime sets each key of the YAML file on args, over the flags: a spec key sets the spec, the others join
+    plugin_args."""
     try:
         data = yaml.safe_load(Path(str(value)).read_text())
     except (OSError, yaml.YAMLError) as err:
@@ -190,7 +200,10 @@ def _custom_config(out: Conversion, value: Any) -> None:
     if not isinstance(data, dict):
         out.refused.append(f"--custom-config-path {value}: expected a YAML mapping, got {type(data).__name__}")
         return
-    out.plugin_args.update({str(k): v for k, v in data.items()})
+    for key, setting in data.items():
+        key = str(key)
+        (out.spec if key in out.spec_keys else out.plugin_args)[key] = setting
+        out.sources[key] = f"{value}'s {key}, from {out.sources['custom_config_path']}"
 
 
 def _num_epoch(out: Conversion, value: Any) -> None:
@@ -212,6 +225,7 @@ def _resolve_num_epoch(out: Conversion) -> None:
         out.refused.append(f"--num-epoch {out.num_epoch}: cannot count the prompts ({err}); give num_rollout")
         return
     out.spec["num_rollout"] = out.num_epoch * (count // int(batch))
+    out.sources["num_rollout"] = f"--num-epoch {out.num_epoch} × ({count} prompts // {batch} per rollout)"
     out.notes.append(f"--num-epoch {out.num_epoch}: num_rollout {out.spec['num_rollout']} ({count} prompts, "
                      f"{batch} per rollout)")
 
@@ -222,7 +236,9 @@ def _eval_config(out: Conversion, value: Any) -> None:
 
 _SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
             "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch}
-SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+# slime's rollout functions -> the spec setting that does their job here
+SLIME_ROLLOUTS = {"slime.rollout.sft_rollout.generate_rollout": ("loss_type", "sft_loss"),
+                  "slime.rollout.fully_async_rollout.generate_rollout_fully_async": ("mode", "fully_async")}
 
 
 def _convert_megatron(out: Conversion, name: str, value: Any) -> None:
@@ -258,17 +274,23 @@ def apply(data: dict[str, Any], spec_keys: set[str]) -> dict[str, Any]:
         raise InvalidArgument(f"slime_args: expected a string or a list of arguments, got {type(argv).__name__}")
     conv = convert(argv, spec_keys=spec_keys, check_architecture=True,
                    hf_config=read_hf_config(rest["hf_checkpoint"]) if "hf_checkpoint" in rest else None)
-    problems = conv.refused + [f"{flag}: not a slime or Megatron flag Physarum knows" for flag in conv.unknown]
+    problems = conv.invalid + conv.refused + [f"{flag}: not a slime or Megatron flag Physarum knows"
+                                              for flag in conv.unknown]
     if problems:
         raise InvalidArgument("slime_args: " + "; ".join(problems))
     spec = {**conv.spec, **rest}
+    sources = dict(conv.sources)
+    for key in set(rest) & set(sources):
+        sources[key] = f"the spec's own {key} (over {sources[key]})"
     warmup = spec.pop("lr_warmup_fraction", None)
     if warmup is not None and "lr_warmup_iters" not in rest:
         samples = int(spec["rollout_batch_size"]) * int(spec.get("n_samples_per_prompt", 1))
         steps = int(spec["num_rollout"]) * max(1, samples // int(spec.get("global_batch_size") or samples))
         spec["lr_warmup_iters"] = int(float(warmup) * steps)
+        sources["lr_warmup_iters"] = f"{spec['lr_warmup_iters']} = lr_warmup_fraction × {steps} optimizer steps"
     if conv.megatron:
         spec["megatron"] = {**conv.megatron, **dict(rest.get("megatron") or {})}
     spec["plugin_args"] = {**conv.plugin_args, **dict(rest.get("plugin_args") or {})}
     spec["slime_notes"] = conv.notes
+    spec["slime_sources"] = sources
     return spec

@@ -15,3 +15,6 @@ class SlimeConfig:
                                             "custom_config_path's settings; the spec's keys win over them")
     slime_notes: list[str] = field([], "what converting slime_args mapped onto the deployment (set by the "
                                        "conversion)")
+    slime_sources: dict[str, str] = field({}, "where each value converted from slime_args came from: the flag and "
+                                              "its argv position (a repeated flag's last wins), or the spec's own key "
+                                              "(set by the conversion)")

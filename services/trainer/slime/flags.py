@@ -157,10 +157,11 @@ FLAGS: dict[str, Flag] = {
                                             "plugins", warn=True, bare=True),
     "rollout-task-type": M("math", "kept in args for plugins"),
     "rollout-function-path": M("slime.rollout.sglang_rollout.generate_rollout",
-                               "slime's two rollouts only: generate_rollout (the rollout service's) and "
-                               "sft_rollout.generate_rollout (loss_type sft_loss); any other is refused: customise "
-                               "per sample (custom_generate_function_path) and per group "
-                               "(dynamic_sampling_filter_path)"),
+                               "slime's own rollouts: generate_rollout (the rollout service's), "
+                               "sft_rollout.generate_rollout (loss_type sft_loss) and "
+                               "fully_async_rollout.generate_rollout_fully_async (mode fully_async: the manager "
+                               "streams groups across rollouts); any other is refused: customise per sample "
+                               "(custom_generate_function_path) and per group (dynamic_sampling_filter_path)"),
     "data-source-path": R("slime.rollout.data_source.RolloutDataSourceWithBuffer",
                           "the buffer service is the data source; load prompts with prompt_data"),
     "rollout-buffer-url": R(None, "the buffer service is the rollout buffer"),
@@ -171,9 +172,10 @@ FLAGS: dict[str, Flag] = {
     "disable-rollout-global-dataset": R(None, "the buffer service always holds the dataset", bare=True),
     "custom-generate-function-path": I(),
     "custom-rm-path": I(),
-    "custom-config-path": M(None, "its YAML mapping (read where the job runs, like prompt_data) joins the spec's "
-                                  "plugin_args: plugins see each key in args"),
-    "custom-reward-post-process-path": R(None, "post-process rewards in a group_rm function"),
+    "custom-config-path": M(None, "its YAML mapping is read at submit, as slime sets each key on args: a job-spec "
+                                  "key sets the spec (over its flag), any other joins the spec's plugin_args, so "
+                                  "plugins and hooks see every key in args"),
+    "custom-reward-post-process-path": I(),
     "custom-convert-samples-to-train-data-path": R(None, "samples become training data in the trainer; use "
                                                          "custom_loss_function_path to change the loss"),
     "custom-rollout-log-function-path": R(None, "rollout metrics are the rollout service's"),
@@ -192,8 +194,12 @@ FLAGS: dict[str, Flag] = {
     # eval
     "eval-interval": I(),
     "eval-prompt-data": I(nargs=True),
-    "eval-config": M(None, "its datasets become eval_prompt_data, settings shared by all of them the eval_* keys; "
-                           "settings that differ between datasets are refused (services/trainer/slime/eval_config.py)"),
+    "eval-config": M(None, "its datasets become eval_prompt_data; settings alike in every dataset the eval_* keys, "
+                           "the others each dataset's own (eval_dataset_settings: samples per prompt, temperature, "
+                           "top_p, top_k, max_response_len, input/label/metadata keys, rm_type, custom_rm_path); "
+                           "settings with no counterpart (stop settings, min_new_tokens, repetition_penalty, "
+                           "metadata injection, a per-dataset generate function or chat template) are refused, and "
+                           "rm_type ifbench is refused by the reward service (IFBench's checker is not shipped)"),
     "eval-function-path": R(None, "evaluation runs the job's generate function (with evaluation=True)"),
     "eval-input-key": I(),
     "eval-label-key": I(),
@@ -214,10 +220,9 @@ FLAGS: dict[str, Flag] = {
     "loss-type": I("policy_loss"),
     "loss-mask-type": I("qwen"),
     "custom-loss-function-path": I(),
-    "custom-advantage-function-path": R(None, "advantages come from advantage_estimator; use "
-                                              "custom_loss_function_path for a different objective"),
+    "custom-advantage-function-path": I(),
     "custom-pg-loss-reducer-function-path": R(None, "use calculate_per_token_loss or custom_loss_function_path"),
-    "custom-tis-function-path": R(None, "TIS is use_tis with tis_clip / tis_clip_low"),
+    "custom-tis-function-path": I(),
     "disable-compute-advantages-and-returns": M(None, "with loss_type sft_loss (which uses none); refused otherwise: "
                                                       "advantages are always computed", bare=True),
     "global-batch-size": I(),
@@ -246,8 +251,9 @@ FLAGS: dict[str, Flag] = {
     "tis-clip": I(2.0),
     "tis-clip-low": I(0.0),
     "use-rollout-logprobs": I(False, bare=True),
-    "get-mismatch-metrics": M(False, "train_rollout_logprob_abs_diff is always logged when rollout log-probs exist",
-                              warn=True, bare=True),
+    "get-mismatch-metrics": M(False, "train_rollout_logprob_abs_diff is always logged when rollout log-probs exist; "
+                                     "with custom_tis_function_path the function also runs without use_tis, for its "
+                                     "metrics, as in slime", warn=True, bare=True),
     "use-rollout-entropy": R(False, "the engines' entropies are not collected", bare=True),
     "use-opsm": R(False, "off-policy sequence masking is not implemented", bare=True),
     "opsm-delta": R(0.0001, "off-policy sequence masking is not implemented"),
@@ -341,3 +347,11 @@ def implemented() -> list[str]:
 
 def spec_key(flag: str) -> str:
     return flag.replace("-", "_")
+
+
+# Megatron's MoE flags that no table lists: refused as the MoE layout flags are
+MOE_REFUSAL = "MoE models are not supported"
+
+
+def is_moe_flag(name: str) -> bool:
+    return name.startswith("moe-") or name == "num-experts"

@@ -23,7 +23,7 @@ from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer import devices
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import optim, rl_step
+from services.trainer.backends import optim, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
@@ -80,6 +80,7 @@ class MegatronBackend(MegatronCheckpointing):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
             else None
+        slime_hooks.load_all(config)
 
         hf = hf_io.HFTensors(self.model_path)
         gpt = self._build_gpt()
@@ -267,7 +268,7 @@ class MegatronBackend(MegatronCheckpointing):
             if self.ref_model is not None:
                 batch = batch.with_(ref_log_probs=self._log_probs(self.ref_model, batch, micro))
             # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce.
-            batch = rl_step.compute_advantages_and_returns(batch, cfg)
+            batch = rl_step.compute_advantages_and_returns(batch, cfg, samples=samples)
         metrics = [self._train_step(batch, rows, micro) for rows, micro in steps]
         self._weight_version += 1
         return metrics

@@ -1,0 +1,1 @@
+"""slime.backends: only what slime's TIS helpers import (megatron_utils.cp_utils)."""

@@ -1,0 +1,202 @@
+"""slime's example launch scripts (tests/slime_examples/launch_args.json: the train.py / train_async.py argv each
+script builds, model block included) submitted as they are, with the files they name present: the models' HF
+config.json, prompt rows, the YAML files. Each is accepted at submit, or refused only for features that
+docs/slime-flags.md lists as refused (context parallelism, on-policy distillation, MoE, MTP), each with its reason.
+A slime user's one change, dropping a refused flag, is shown by appending its accepted value (the last one wins)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from services.common import plugins
+from services.common.errors import InvalidArgument
+from services.trainer import preflight
+from services.trainer.slime import flags as slime_flags
+from services.trainer.slime import megatron_flags
+from services.trainer.spec import parse_spec
+
+HERE = Path(__file__).resolve().parents[1]
+EXAMPLES = json.loads((HERE / "slime_examples" / "launch_args.json").read_text())
+DENSE = json.loads((HERE / "data" / "slime_launch_scripts.json").read_text())
+DOC = (HERE.parent / "docs" / "slime-flags.md").read_text()
+_QWEN2 = {"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+          "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768}
+_QWEN3 = {"model_type": "qwen3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+          "vocab_size": 151936, "head_dim": 128, "attention_bias": False, "max_position_embeddings": 40960}
+# The models' config.json values the architecture flags are checked against (the published configs' keys)
+HF_CONFIGS = {
+    "Qwen2.5-0.5B-Instruct": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+                              "num_hidden_layers": 24, "num_key_value_heads": 2},
+    "Qwen2.5-3B": {**_QWEN2, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+                   "num_hidden_layers": 36, "num_key_value_heads": 2},
+    "Qwen3-4B": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                 "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    # retool's SFT of Qwen3-4B-Instruct-2507 (rope_theta 5e6, which its script sets after the model block)
+    "qwen3-4b-sft": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                     "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                     "rope_theta": 5000000, "max_position_embeddings": 262144},
+    "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+                 "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": False},
+    "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "num_attention_heads": 32, "num_hidden_layers": 48, "num_key_value_heads": 4,
+                      "tie_word_embeddings": False},
+    "Qwen3.5-9B": {"model_type": "qwen3_5", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
+                   "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 32,
+                   "rms_norm_eps": 1e-6, "rope_theta": 10000000, "vocab_size": 248320, "tie_word_embeddings": False},
+}
+# What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
+REFUSED = {
+    "train_infer_mismatch_helper": {"--context-parallel-size"},
+    "multi_agent": {"--expert-model-parallel-size", "--moe-ffn-hidden-size", "--moe-router-score-function",
+                    "--moe-token-dispatcher-type", "--moe-router-topk", "--moe-layer-freq", "--num-experts",
+                    "--moe-grouped-gemm", "--moe-token-drop-policy", "--moe-router-dtype", "--moe-permute-fusion",
+                    "--moe-aux-loss-coeff"},
+    "on_policy_distillation_sglang": {"--use-opd", "--opd-type", "--opd-kl-coef"},
+    # Qwen3.5's gated attention, output gate, 1p layernorm and partial rotary: the backends build none of them, so
+    # its architecture flags disagree with what they would build from its config
+    "fully_async_qwen3.5_9B": {"--qk-layernorm", "--use-gated-attention", "--apply-layernorm-1p", "--rotary-percent",
+                               "--attention-output-gate"},
+    "on_policy_distillation_megatron": {"--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load"},
+}
+# The plugin modules the examples name (the operator's allow-list; their files are the user's)
+PLUGIN_MODULES = "generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent"
+
+
+def materialize(argv: list[str], root: Path) -> list[str]:
+    """The argv with slime's /root paths under `root`, and the files it reads made present there."""
+    argv = [a.replace("/root/", f"{root}/root/") for a in argv]
+    given = dict(zip(argv, argv[1:], strict=False))
+    hf = Path(given["--hf-checkpoint"])
+    hf.mkdir(parents=True, exist_ok=True)
+    (hf / "config.json").write_text(json.dumps(HF_CONFIGS[hf.name]))
+    data = Path(given["--prompt-data"])
+    data.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    if data.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), data)
+    else:
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for i, token in enumerate(argv):
+        if token == "--eval-prompt-data":
+            path = Path(argv[i + 2])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"prompt": "3+3=", "label": "6"}) + "\n")
+    if "--custom-config-path" in given:  # slime's mis.yaml settings
+        path = root / "slime" / given["--custom-config-path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({
+            "use_tis": True, "use_rs": True, "tis_level": "token", "rs_level": "token", "tis_mode": "truncate",
+            "tis_lower_bound": 0.5, "tis_upper_bound": 2.0, "rs_lower_bound": None, "rs_upper_bound": None,
+            "rs_veto_threshold": 1e-4, "tis_batch_normalize": True}))
+        argv[argv.index("--custom-config-path") + 1] = str(path)
+    if "--eval-config" in given:  # slime's multi_task.yaml, its datasets under root
+        datasets = [{"name": "aime", "path": f"{root}/aime.jsonl", "rm_type": "deepscaler",
+                     "n_samples_per_eval_prompt": 16},
+                    {"name": "gpqa", "path": f"{root}/gpqa.jsonl", "rm_type": "gpqa", "n_samples_per_eval_prompt": 2}]
+        for dataset in datasets:
+            Path(dataset["path"]).write_text(json.dumps({"prompt": "A or B?", "label": "A"}) + "\n")
+        path = Path(given["--eval-config"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({"eval": {"defaults": {"max_response_len": 16384, "top_p": 0.7},
+                                                 "datasets": datasets}}))
+    return argv
+
+
+def submit(argv: list[str]):
+    return preflight.preflight(parse_spec({"slime_args": argv}))
+
+
+@pytest.fixture(autouse=True)
+def allow_the_examples_plugins(monkeypatch):
+    monkeypatch.setenv(plugins.ALLOWLIST_ENV, PLUGIN_MODULES)
+    monkeypatch.syspath_prepend(str(HERE / "slime_examples" / "retool"))
+    monkeypatch.syspath_prepend(str(HERE / "slime_examples" / "search_r1"))
+    monkeypatch.setattr(preflight, "CHECKS", (preflight.check_paths, preflight.check_megatron))  # modules: below
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp_path):
+    argv = materialize(EXAMPLES[name]["argv"], tmp_path)
+    if name not in REFUSED:
+        spec = submit(argv)
+        assert spec.train_backend == "megatron" and spec.rollout_batch_size > 0
+        return
+    with pytest.raises(InvalidArgument) as err:
+        submit(argv)
+    problems = re.split(r"; (?=--)", str(err.value).removeprefix("slime_args: "))
+    assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
+    for flag in REFUSED[name]:
+        listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
+        checked = flag[2:] in megatron_flags.ARCH and f"| `{flag}` | checked |" in DOC
+        assert (listed is not None and listed.note in DOC) or slime_flags.is_moe_flag(flag[2:]) or checked, flag
+    assert all(p.endswith(("context parallelism is not supported", "MoE models are not supported",
+                           "on-policy distillation is not implemented; train with a teacher's samples as SFT data "
+                           "instead", "Physarum builds the model from the HF config: fix or drop the flag"))
+               for p in problems), problems
+
+
+def test_what_each_accepted_example_becomes(tmp_path):
+    specs = {name: submit(materialize(EXAMPLES[name]["argv"], tmp_path / name))
+             for name in ("fully_async_qwen2.5_0.5B", "retool", "search_r1", "eval_multi_task")}
+    assert specs["fully_async_qwen2.5_0.5B"].driver.streams  # slime's fully-async rollout function
+    assert specs["retool"].custom_generate_function_path == "generate_with_retool.generate"
+    assert specs["retool"].plugin_args["rotary_base"] == 5000000  # the later of its two --rotary-base
+    assert specs["search_r1"].prompt_data.endswith("train.parquet")
+    multi = specs["eval_multi_task"]
+    assert [e.split("=")[0] for e in multi.eval_prompt_data] == ["aime", "gpqa"]
+    assert multi.eval_max_response_len == 16384 and multi.eval_top_p == 0.7
+    assert multi.eval_dataset_settings == {"aime": {"rm_type": "deepscaler", "n_samples_per_eval_prompt": 16},
+                                           "gpqa": {"rm_type": "gpqa", "n_samples_per_eval_prompt": 2}}
+
+
+def test_the_mismatch_helper_example_without_context_parallelism(tmp_path):
+    """train_infer_mismatch_helper with its one refused flag set to what Physarum runs (appended: the last wins):
+    MIS through custom_tis_function_path, its YAML's settings in slime's args."""
+    argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path) + ["--context-parallel-size", "1"]
+    spec = submit(argv)
+    train = spec.train
+    assert train.use_tis and train.custom_tis_function_path == \
+        "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
+    assert (train.args["tis_mode"], train.args["rs_veto_threshold"], train.args["tis_batch_normalize"]) == \
+        ("truncate", 1e-4, True)
+    assert spec.slime_sources["context_parallel_size"] == \
+        "--context-parallel-size (argv[139]), the last of 2: over argv[99]"
+
+
+def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
+    """retool's and search-r1's modules are importable (tests/slime_examples); a module the images do not hold
+    fails the submit naming it."""
+    all_checks = (preflight.check_paths, preflight.check_megatron, preflight.check_plugins)
+    for name in ("retool", "search_r1"):
+        spec = parse_spec({"slime_args": materialize(EXAMPLES[name]["argv"], tmp_path / name)})
+        assert [problem for check in all_checks for problem in check(spec)] == []
+    argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path / "mis") + [
+        "--context-parallel-size", "1"]
+    problems = preflight.check_plugins(parse_spec({"slime_args": argv}))
+    assert problems == ["custom_tis_function_path: module 'examples.train_infer_mismatch_helper.mis' of "
+                        "'examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp' is not importable "
+                        "(install it in the images)"]
+
+
+@pytest.mark.parametrize("script", sorted(DENSE))
+def test_the_dense_scripts_are_refused_only_for_listed_features(script):
+    from services.trainer.slime import args as slime_args
+    from services.trainer.spec import JobSpec
+
+    conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
+    assert conv.unknown == []
+    for problem in conv.refused:
+        flag = problem.split(":")[0].split(" ")[0][2:]
+        if flag == "num-epoch":  # its prompt_data is not here to count (test_num_epoch_counts_the_prompts...)
+            continue
+        listed = slime_flags.FLAGS.get(flag) or megatron_flags.MEGATRON.get(flag)
+        assert listed is not None and listed.status == "refused" or listed.note.startswith("1 only"), problem
+        assert listed.note in DOC, problem
