@@ -104,7 +104,7 @@ image_name = $(REGISTRY)/physarum-$(1):$(VERSION)$(if $(and $(filter gpu,$(VARIA
 build_args = $(if $(filter trainer,$(1)),--build-arg VARIANT=$(VARIANT)) \
   $(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) \
   $(if $(and $(TORCH_INDEX_URL),$(filter trainer engine,$(1))),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL))
-.PHONY: images push image-names docker-check
+.PHONY: images push image-names docker-check images-test
 image-names:
 	@$(foreach name,$(IMAGES),echo $(call image_name,$(name));)
 
@@ -120,6 +120,12 @@ images: docker-check
 
 push: docker-check
 	@set -e; $(foreach name,$(IMAGES),echo "pushing $(call image_name,$(name))"; $(DOCKER) push $(call image_name,$(name));)
+
+# The images built with buildah (no daemon) and run: each as the chart runs it, then the demo's jobs and a plugin job
+# across them, a container per service (scripts/images/test.sh, tests/images/run.py). Not part of `make test`: it
+# takes tens of minutes and over 10 GB of disk on 2 cores (deploy/docker/README.md, "make images-test").
+images-test: setup
+	PY=$(BIN)/python scripts/images/test.sh
 
 # Dockerfile lint (hadolint from PyPI, in the venv); rules turned off are justified in deploy/docker/.hadolint.yaml.
 hadolint: setup
