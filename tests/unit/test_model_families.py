@@ -1,127 +1,83 @@
-"""Every decoder-only family the torch backend and the CPU engine claim, on tiny configs (2 layers, hidden 64): a
-GRPO step's log-probs are the HF model's own forward, bf16 trains, the engine generates with the HF model's
-log-probs from a left-padded batch, and the trainer's weights reach it (names, shapes, dtypes; tied and untied)."""
+"""Which backend builds which model family, refused at submit: a family the megatron backend cannot build names
+itself and fsdp, which trains it; a model_type transformers has no causal LM for is refused for both; the families
+the per-family tests train pass."""
 
 from __future__ import annotations
 
-import math
-import threading
+import json
 
 import pytest
-import torch
 
-from services.common.samples import Sample
-from services.engine.generation import Engine, Request, SamplingParams, load_model
-from services.engine.weights import WeightUpdater
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.sync.weight_sync import write_snapshot
-from tests.model_families import FAMILIES, TIED
-from tests.tiny_samples import samples_of
+from physarum.families import FAMILIES, tiny_config
+from services.common.errors import InvalidArgument
+from services.trainer import model_families
+from services.trainer.preflight import preflight, with_preflight
+from services.trainer.spec import parse_spec
 
-# two groups of n = 2 of unequal lengths (9, 9, 6, 6 tokens): the batch is padded
-ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "55", 0.0), ("1+2=", "3", 0.0), ("1+2=", "4", 1.0)]
+MEGATRON_BUILDS = {"qwen3", "llama"}  # of the tiny families
 
 
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def config_of(family: str) -> dict:
+    return tiny_config(family, vocab_size=40, eos_id=0, hidden_size=64).to_dict()
 
 
-@torch.no_grad()
-def hf_log_probs(model, tokens: list[int], start: int) -> list[float]:
-    """log p(tokens[t] | tokens[:t]) for t >= start, from the model's own unpadded forward."""
-    logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
-    log_softmax = torch.log_softmax(logits, dim=-1)
-    return [log_softmax[t - 1, tokens[t]].item() for t in range(start, len(tokens))]
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+
+    def make(hf_config: dict, train_backend: str) -> dict:
+        model = tmp_path / "model"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps(hf_config))
+        return {"hf_checkpoint": str(model), "prompt_data": str(tmp_path / "train.jsonl"), "num_rollout": 1,
+                "rollout_batch_size": 1, "train_backend": train_backend}
+
+    return make
 
 
-def make_backend(model_dir, **overrides) -> TorchBackend:
-    config = TrainConfig(**{"n_samples_per_prompt": 2, "lr": 1e-3, "micro_batch_size": 4, **overrides})
-    return TorchBackend(model_dir, config, num_threads=1)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
+    assert preflight(parse_spec(job(config_of(family), "fsdp")))
+    spec = parse_spec(job(config_of(family), "megatron"))
+    if family in MEGATRON_BUILDS:
+        assert preflight(spec) is spec
+        return
+    with pytest.raises(InvalidArgument) as err:
+        preflight(spec)
+    model_type = config_of(family)["model_type"]
+    assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
+            f"'{model_type}' is not supported (supported: qwen2, qwen3, llama); train_backend fsdp trains it"
+            in str(err.value))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_grpo_step_sees_the_hf_models_own_log_probs(family_model_dir, family):
-    model_dir = family_model_dir(family)
-    samples = samples_of(model_dir, ROLLOUT)
-    reference = hf_model(model_dir)
-    expected = [hf_log_probs(reference, s.tokens, s.prompt_length) for s in samples]
-    backend = make_backend(model_dir)
-    for got, want in zip(backend.compute_log_probs(samples), expected, strict=True):
-        assert got == pytest.approx(want, abs=1e-5)
-    for sample, log_probs in zip(samples, expected, strict=True):
-        sample.rollout_log_probs = log_probs  # what an engine serving the HF model reports
-    before = {name: p.detach().clone() for name, p in backend.model.named_parameters()}
-    (metrics,) = backend.train_rollout(samples)
-    # the step's own forward (padded batch of 4) gives the HF model's log-probs
-    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
-    assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
-    assert any(not torch.equal(before[n], p) for n, p in backend.model.named_parameters())
+def test_a_qwen3_moe_job_for_megatron_is_refused_at_submit_through_the_job_parser(job):
+    with pytest.raises(InvalidArgument, match="train_backend megatron cannot build model family 'qwen3_moe'"):
+        with_preflight(parse_spec)(job(config_of("qwen3_moe"), "megatron"))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_steps_train_in_bfloat16_near_float32(family_model_dir, family):
-    model_dir = family_model_dir(family)
-    samples = samples_of(model_dir, ROLLOUT)
-    float32 = make_backend(model_dir).compute_log_probs(samples)
-    for sample, log_probs in zip(samples, float32, strict=True):
-        sample.rollout_log_probs = log_probs
-    backend = make_backend(model_dir, bf16=True, global_batch_size=2)
-    metrics = backend.train_rollout(samples)
-    assert len(metrics) == 2 and all(math.isfinite(v) for step in metrics for v in step.values())
-    # bf16 rounding moves the log-probs a little, not a lot; a float32 forward would give < 1e-5
-    assert 1e-5 < metrics[0]["train/train_rollout_logprob_abs_diff"] < 0.1
-    assert all(p.dtype == torch.float32 for p in backend.model.parameters())  # float32 master weights
+def test_a_model_no_backend_builds_is_refused_with_the_reason(job):
+    with pytest.raises(InvalidArgument) as err:
+        preflight(parse_spec(job({"model_type": "vit", "hidden_size": 64}, "fsdp")))
+    assert str(err.value) == ("job spec: hf_checkpoint: train_backend fsdp cannot build model family 'vit': "
+                              "transformers has no causal LM of this model_type (AutoModelForCausalLM); the fsdp "
+                              "backend and the CPU engine train and serve decoder-only causal LMs")
+    with pytest.raises(InvalidArgument, match="cannot build model family 't5': an encoder-decoder model"):
+        preflight(parse_spec(job({"model_type": "t5", "is_encoder_decoder": True}, "fsdp")))
 
 
-def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:
-    """Greedy requests submitted together, so the engine batches them (left-padded prefill, KV-cached decode)."""
-    done = [threading.Event() for _ in prompts]
-    requests = [Request(rid=f"r{i}", input_ids=list(prompt), on_finish=lambda r, e=event: e.set(),
-                        params=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
-                for i, (prompt, event) in enumerate(zip(prompts, done, strict=True))]
-    engine.submit(requests)
-    assert all(event.wait(120) for event in done)
-    return requests
+def test_a_variant_megatron_cannot_build_names_its_reason(job):
+    sliding = {**config_of("qwen3"), "use_sliding_window": True}
+    with pytest.raises(InvalidArgument, match="cannot build model family 'qwen3': use_sliding_window is not "
+                                              "supported; train_backend fsdp trains it"):
+        preflight(parse_spec(job(sliding, "megatron")))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_engine_serves_the_family_and_takes_the_trainers_weights(family_model_dir, family, tmp_path):
-    model_dir = family_model_dir(family)
-    model, tokenizer = load_model(str(model_dir))
-    engine = Engine(model, tokenizer, max_batch_size=4).start()
-    try:
-        prompts = [tokenizer.encode("12+34="), tokenizer.encode("1+2=")]
-        reference = hf_model(model_dir)
-        for request in generate(engine, prompts, max_new_tokens=5):
-            tokens = request.input_ids + request.output_ids
-            assert len(request.output_logprobs) == 5
-            assert request.output_logprobs == pytest.approx(hf_log_probs(reference, tokens, len(request.input_ids)),
-                                                            abs=1e-4)
-        # one GRPO step, then the weights as the trainer sends them: each once, under the engine's own names
-        backend = make_backend(model_dir)
-        samples: list[Sample] = samples_of(model_dir, ROLLOUT)
-        backend.train_rollout(samples)
-        sent = dict(backend.named_weights())
-        updater = WeightUpdater(engine, timeout_s=30.0)
-        served = {name: t for name, t in model.state_dict().items()}
-        tied = {"lm_head.weight"} if family in TIED else set()
-        assert set(sent) == set(served) - tied
-        assert (served["lm_head.weight"].data_ptr() == served["model.embed_tokens.weight"].data_ptr()) == bool(tied)
-        for name, tensor in sent.items():
-            assert (tensor.shape, tensor.dtype) == (served[name].shape, served[name].dtype), name
-        snapshot = write_snapshot(sent.items(), tmp_path, "1", base_model_dir=model_dir)
-        updater.update_from_disk(snapshot, weight_version="1")
-        assert engine.weight_version == "1"
-        # the engine's forward is the trained model's: its greedy continuations score as the trainer scores them,
-        # and no longer as the model it loaded
-        continued = generate(engine, prompts, max_new_tokens=3)
-        probe = [Sample(tokens=r.input_ids + r.output_ids, response_length=3) for r in continued]
-        for request, log_probs in zip(continued, backend.compute_log_probs(probe), strict=True):
-            assert request.output_logprobs == pytest.approx(log_probs, abs=1e-5)
-            before = hf_log_probs(reference, request.input_ids + request.output_ids, len(request.input_ids))
-            assert max(abs(a - b) for a, b in zip(before, log_probs, strict=True)) > 1e-4
-    finally:
-        engine.stop()
+def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_config():
+    from transformers import Qwen3_5Config
+
+    composite = Qwen3_5Config(text_config=config_of("qwen3_5")).to_dict()
+    assert composite["model_type"] == "qwen3_5" and "hidden_size" not in composite
+    assert model_families.family(composite) == model_families.family(config_of("qwen3_5")) == "qwen3_5"
+    assert model_families.language_model_config(composite)["hidden_size"] == 64
+    assert model_families.backends_for(composite) == ["fsdp"]
+    assert model_families.backends_for(config_of("llama")) == ["fsdp", "megatron"]
