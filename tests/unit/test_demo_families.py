@@ -17,8 +17,8 @@ def test_each_family_and_seed_has_its_own_model_directory():
 
 
 def test_a_family_megatron_cannot_build_stops_the_demo_naming_fsdp(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen3_moe", vocab_size=40, eos_id=0).to_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen3_5", vocab_size=40, eos_id=0).to_dict()))
     refuse_unbuildable(tmp_path, "fsdp")
     with pytest.raises(SystemExit, match="demo: hf_checkpoint: train_backend megatron cannot build model family "
-                                         "'qwen3_moe'.*; train_backend fsdp trains it"):
+                                         "'qwen3_5'.*; train_backend fsdp trains it"):
         refuse_unbuildable(tmp_path, "megatron")

@@ -222,9 +222,11 @@ def check_arch(flag: str, value: Any, hf_config: dict[str, Any] | None) -> str:
 
 _SPEC = "the job spec's own key"
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
-_NO_MOE = "the megatron backend builds no MoE family; train_backend fsdp trains MoE models"
-_MOE_KERNEL = "megatron-core's MoE kernels: the fsdp backend runs transformers' own MoE layers"
-_NO_AUX = "the fsdp backend adds no load-balancing loss to the RL loss (slime's RL scripts set its coefficient to 0)"
+_NO_MOE = ("the megatron backend trains Qwen3-MoE with every expert on each rank (data parallel); train_backend fsdp "
+           "trains the other MoE families")
+_MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
+               "fsdp transformers' own MoE layers")
+_NO_AUX = "no load-balancing loss is added to the RL loss (slime's RL scripts set its coefficient to 0)"
 # Megatron flag -> megatron-core config field, where the names differ
 MEGATRON_FIELD = {
     "accumulate-allreduce-grads-in-fp32": "grad_reduce_in_fp32",
@@ -283,8 +285,8 @@ MEGATRON: dict[str, Flag] = {
     "moe-grouped-gemm": Flag("mapped", False, _MOE_KERNEL, warn=True, bare=True),
     "moe-token-dispatcher-type": Flag("mapped", "allgather", _MOE_KERNEL, warn=True),
     "moe-permute-fusion": Flag("mapped", False, _MOE_KERNEL, warn=True, bare=True),
-    "moe-router-dtype": Flag("mapped", None, "the fsdp backend routes as transformers' MoE layers do (in the "
-                                             "forward's dtype)", warn=True),
+    "moe-router-dtype": Flag("mapped", None, "the megatron backend routes in float32, the fsdp backend as "
+                                             "transformers' MoE layers do", warn=True),
     "moe-token-drop-policy": Flag("mapped", "probs", "no token is dropped: transformers' MoE layers have no expert "
                                                      "capacity", warn=True),
     "moe-aux-loss-coeff": Flag("mapped", 0.0, _NO_AUX, warn=True),
