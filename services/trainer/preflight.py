@@ -70,7 +70,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
         hf_config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
-    problem = model_families.check(spec.train_backend, hf_config) if isinstance(hf_config, dict) else ""
+    problem = model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
+                                   pp_size=spec.pipeline_model_parallel_size) if isinstance(hf_config, dict) else ""
     return [problem] if problem else []
 
 
