@@ -37,11 +37,11 @@ def fsdp_problem(hf_config: dict[str, Any]) -> str:
     return ""
 
 
-def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1) -> str:
+def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> str:
     from services.trainer.backends.megatron.arch import ModelArch  # the arch module alone: no megatron-core import
 
     try:
-        ModelArch.from_hf_config(hf_config).check_parallel(tp_size=tp_size, pp_size=pp_size)
+        ModelArch.from_hf_config(hf_config).check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
     except InvalidArgument as err:
         return str(err).removeprefix("megatron backend: ")
     return ""
@@ -56,12 +56,14 @@ def backends_for(hf_config: dict[str, Any]) -> list[str]:
     return [name for name, problem in PROBLEMS.items() if not problem(hf_config)]
 
 
-def check(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1) -> str:
+def check(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1,
+          ep_size: int = 1) -> str:
     """"" when `train_backend` builds hf_config's model (or does not say) in the megatron layout tp_size ×
-    pp_size, else why not and which backend does."""
+    pp_size with experts over ep_size ranks, else why not and which backend does."""
     if "model_type" not in hf_config or train_backend not in PROBLEMS:
         return ""
-    problem = (megatron_problem(hf_config, tp_size=tp_size, pp_size=pp_size) if train_backend == "megatron"
+    problem = (megatron_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+               if train_backend == "megatron"
                else PROBLEMS[train_backend](hf_config))
     if not problem:
         return ""

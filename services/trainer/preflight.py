@@ -71,7 +71,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
     except (OSError, ValueError) as err:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
     problem = model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
-                                   pp_size=spec.pipeline_model_parallel_size) if isinstance(hf_config, dict) else ""
+                                   pp_size=spec.pipeline_model_parallel_size,
+                                   ep_size=spec.expert_model_parallel_size) if isinstance(hf_config, dict) else ""
     return [problem] if problem else []
 
 

@@ -1,8 +1,8 @@
 """The Megatron MoE test's two gloo ranks: `python -m tests.integration.megatron_moe_worker MODEL OUT` (a tiny
 Qwen3-MoE). First megatron-core's MoE GPTModel with expert parallelism EP=2 (each rank two of the four experts, the
-tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend (EP=1, data
-parallel over the two ranks) trains two GRPO rollouts, saves an HF export and a dist-checkpoint, resumes from it, and
-reports what the test compares with TorchBackend."""
+tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend, data parallel
+over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
+saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend."""
 
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ def ep2_forward(model_dir: Path) -> float:
     return float(diff)
 
 
-def grpo(model_dir: Path, out_dir: Path) -> dict:
-    """Two rollouts, a dist-checkpoint after the first; then a fresh backend resumes from it and trains the second
-    again."""
+def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
+    """Two rollouts at expert parallelism `ep`, a dist-checkpoint after the first; then a fresh backend resumes from
+    it and trains the second again."""
     import torch.distributed as dist
 
     from services.trainer.backends.base import TrainConfig
@@ -63,7 +63,10 @@ def grpo(model_dir: Path, out_dir: Path) -> dict:
     from services.trainer.parallel import World
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
-    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG))
+    def build() -> MegatronBackend:
+        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), expert_model_parallel_size=ep)
+
+    backend = build()
     rollouts = [grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
     before = backend.compute_log_probs(rollouts[0])
     metrics = []
@@ -75,7 +78,7 @@ def grpo(model_dir: Path, out_dir: Path) -> dict:
     after = backend.compute_log_probs(rollouts[0])
     backend.save_hf(out_dir / "hf")
     backend.close()
-    resumed = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG))
+    resumed = build()
     checkpoint.load_checkpoint(out_dir / "ckpt", resumed, world)
     resumed_metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")}
                        for m in resumed.train_rollout(rollouts[1])]
@@ -91,7 +94,8 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    results = {"ep2_max_abs_logit_diff": ep2_forward(model_dir), "grpo": grpo(model_dir, out_dir)}
+    results = {"ep2_max_abs_logit_diff": ep2_forward(model_dir),
+               **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)}}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 

@@ -1,7 +1,7 @@
 """Qwen3-MoE on the Megatron backend, over 2 gloo processes: megatron-core's MoE layers with expert parallelism
-(EP=2) give the HF model's logits within 1e-5, and MegatronBackend (EP=1, data parallel) trains the first four GRPO
-steps as TorchBackend does, its HF export holding the same weights under transformers' names, and resumes from its
-dist-checkpoint exactly.
+(EP=2) give the HF model's logits within 1e-5, and MegatronBackend, with every expert on each rank (EP=1) or two on
+each (EP=2), trains the first four GRPO steps as TorchBackend does, its HF export holding the same weights under
+transformers' names, and resumes from its dist-checkpoint exactly.
 
 One launch of tests/integration/megatron_moe_worker.py serves the tests here."""
 
@@ -43,7 +43,7 @@ def results(model_dir, tmp_path_factory) -> dict:
             proc.wait()
             raise
     assert returncode == 0, log_path.read_text()[-4000:]
-    return {**json.loads((out / "results.json").read_text()), "save_dir": out / "hf"}
+    return {**json.loads((out / "results.json").read_text()), "out": out}
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +67,12 @@ def test_expert_parallel_moe_layers_give_the_hf_logits(results):
     assert results["ep2_max_abs_logit_diff"] <= 1e-5
 
 
-def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(results, torch_reference):
+@pytest.mark.parametrize("ep", [1, 2])
+def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(results, torch_reference, ep):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    run = results["grpo"]
+    run, save_dir = results[f"grpo_ep{ep}"], results["out"] / f"ep{ep}" / "hf"
     assert max_diff(run["log_probs_before"], torch_reference["log_probs_before"]) < 1e-5
     assert len(run["metrics"]) == len(torch_reference["metrics"]) == 2 * NUM_ROLLOUTS
     for step, (got, want) in enumerate(zip(run["metrics"], torch_reference["metrics"], strict=True)):
@@ -80,18 +81,19 @@ def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(res
             assert got[key] == pytest.approx(want[key], abs=2e-5, rel=1e-4), (step, key)
     assert abs(run["metrics"][1]["train/ppo_kl"]) > 1e-4  # the second step saw the policy the first one moved
     assert max_diff(run["log_probs_after"], torch_reference["log_probs_after"]) < 1e-4
-    saved = load_file(results["save_dir"] / "model.safetensors")
+    saved = load_file(save_dir / "model.safetensors")
     assert saved.keys() == torch_reference["weights"].keys()  # fused experts: the names the engines load
     assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
     for name, weight in torch_reference["weights"].items():
         torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
-    reloaded = AutoModelForCausalLM.from_pretrained(results["save_dir"], dtype=torch.float32).state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).state_dict()
     for name, weight in saved.items():
         assert torch.equal(reloaded[name], weight), name
 
 
-def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never_stopped(results):
-    run = results["grpo"]
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never_stopped(results, ep):
+    run = results[f"grpo_ep{ep}"]
     never_stopped = run["metrics"][2:]
     assert len(run["resumed_metrics"]) == len(never_stopped) == 2
     for got, want in zip(run["resumed_metrics"], never_stopped, strict=True):

@@ -103,6 +103,9 @@ def test_a_qwen3_moe_script_agrees_and_each_wrong_expert_size_is_named():
     conv = slime_args.convert(QWEN3_30B_A3B_ARGS, spec_keys=SPEC_KEYS, hf_config=hf_config)
     assert conv.refused == [] and conv.unknown == []
     assert any(note.startswith("--moe-grouped-gemm: the backends set their own") for note in conv.notes)
+    conv = slime_args.convert([*QWEN3_30B_A3B_ARGS, "--expert-model-parallel-size", "8"], spec_keys=SPEC_KEYS,
+                              hf_config=hf_config)
+    assert conv.spec["expert_model_parallel_size"] == 8 and conv.refused == []
     wrong = ["--num-experts", "64", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "512",
              "--moe-shared-expert-intermediate-size", "768", "--moe-layer-freq", "[0]*1+[1]*47",
              "--moe-router-score-function", "sigmoid"]

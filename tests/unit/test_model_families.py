@@ -82,6 +82,18 @@ def test_a_layout_megatron_cannot_cut_the_model_into_is_refused_at_submit(job):
         preflight(parse_spec({**job(config_of("qwen3"), "megatron"), "pipeline_model_parallel_size": 3}))
 
 
+def test_expert_parallelism_must_divide_the_experts_of_a_megatron_moe_model(job):
+    moe = job(config_of("qwen3_moe"), "megatron")
+    assert preflight(parse_spec({**moe, "expert_model_parallel_size": 2})).expert_model_parallel_size == 2
+    with pytest.raises(InvalidArgument, match=r"expert_model_parallel_size 3 must divide the number of experts \(4 "
+                                              r"in qwen3_moe\)"):
+        preflight(parse_spec({**moe, "expert_model_parallel_size": 3}))
+    with pytest.raises(InvalidArgument, match=r"expert_model_parallel_size 2 must divide the number of experts \(0 "):
+        preflight(parse_spec({**job(config_of("llama"), "megatron"), "expert_model_parallel_size": 2}))
+    with pytest.raises(ValueError, match="expert_model_parallel_size and megatron need train_backend: megatron"):
+        parse_spec({**job(config_of("qwen3_moe"), "fsdp"), "expert_model_parallel_size": 2})
+
+
 def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_config():
     from transformers import Qwen3_5Config
 

@@ -222,8 +222,7 @@ def check_arch(flag: str, value: Any, hf_config: dict[str, Any] | None) -> str:
 
 _SPEC = "the job spec's own key"
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
-_NO_MOE = ("the megatron backend trains Qwen3-MoE with every expert on each rank (data parallel); train_backend fsdp "
-           "trains the other MoE families")
+_NO_MOE = "the megatron backend trains Qwen3-MoE; train_backend fsdp trains the other MoE families"
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
 _NO_AUX = "no load-balancing loss is added to the RL loss (slime's RL scripts set its coefficient to 0)"
@@ -242,8 +241,9 @@ MEGATRON: dict[str, Flag] = {
     "tensor-model-parallel-size": Flag("mapped", 1, _SPEC + " tensor_model_parallel_size"),
     "pipeline-model-parallel-size": Flag("mapped", 1, _SPEC + " pipeline_model_parallel_size"),
     "context-parallel-size": Flag("mapped", 1, "1 only: context parallelism is not supported"),
-    "expert-model-parallel-size": Flag("mapped", 1, "1 only: " + _NO_MOE),
-    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: " + _NO_MOE),
+    "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
+    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps a MoE model's tensor "
+                                                     "parallelism at 1"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (dropped, as Megatron does, without "
                                                       "tensor parallelism)", bare=True),
     "decoder-last-pipeline-num-layers": Flag("refused", None, "uneven pipeline stages are not supported"),

@@ -50,8 +50,12 @@ class ModelArch:
         multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def check_parallel(self, *, tp_size: int, pp_size: int) -> None:
-        """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards."""
+    def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
+        """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards with its experts over
+        ep_size ranks."""
+        if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
+            raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
+                                  f"({self.num_experts} in {self.model_type})")
         if self.num_experts and tp_size > 1:
             raise InvalidArgument(f"tensor_model_parallel_size {tp_size}: tensor parallelism of a MoE model "
                                   f"({self.model_type}) is not supported")

@@ -202,16 +202,32 @@ def fuse_experts(named: Iterator[tuple[str, torch.Tensor]], arch: ModelArch) -> 
                 stacked
 
 
+def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.Tensor]:
+    """One local expert's parameter from every expert-parallel rank, in EP-rank order."""
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(tensor) for _ in range(ep_size)]
+    dist.all_gather(gathered, tensor.contiguous(), group=ep_group)
+    return gathered
+
+
 def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
-                      tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int, ep_group=None,
+                      ep_size: int = 1, expert_dp_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: the source rank (global rank 0: pp, tp and dp rank 0) yields every HF weight
     once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
-    parameters over TP, its TP rank 0 converts them and sends them to the source rank."""
+    parameters over TP, its TP rank 0 converts them and sends them to the source rank. Experts are first
+    all-gathered over the expert-parallel group, whose other ranks are other data-parallel ranks: those join the
+    gathers and yield nothing."""
     import torch.distributed as dist
 
     if dp_rank != 0:
+        if ep_size > 1 and expert_dp_rank == 0:
+            for name, param in named_params:
+                if LOCAL_EXPERT in name:
+                    _gather_experts(param.detach(), ep_size, ep_group)
         return
+    local_experts = arch.num_experts // ep_size
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else [dist.get_rank()]
     source = pp_ranks[0]
@@ -221,6 +237,13 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
             if name == "output_layer.weight" and arch.tie_word_embeddings:
                 continue  # the last stage's copy of the embedding
             tensor = param.detach()
+            if LOCAL_EXPERT in name and ep_size > 1:  # expert i of EP rank j is global expert j·local + i
+                head, tail = name.split(LOCAL_EXPERT)
+                index, rest = tail.split(".", 1)
+                for j, expert in enumerate(_gather_experts(tensor, ep_size, ep_group)):
+                    global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
+                    yield from megatron_to_hf(global_name, [expert], arch, offset=offset)
+                continue
             shards = [tensor]
             if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
                 shards = [torch.empty_like(tensor) for _ in range(tp_size)]
