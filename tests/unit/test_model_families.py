@@ -90,6 +90,10 @@ def test_expert_parallelism_must_divide_the_experts_of_a_megatron_moe_model(job)
         preflight(parse_spec({**moe, "expert_model_parallel_size": 3}))
     with pytest.raises(InvalidArgument, match=r"expert_model_parallel_size 2 must divide the number of experts \(0 "):
         preflight(parse_spec({**job(config_of("llama"), "megatron"), "expert_model_parallel_size": 2}))
+    for key, where in (("num_moe_experts", "is read from hf_checkpoint's config.json"),
+                       ("expert_model_parallel_size", "is the job spec's own key")):
+        with pytest.raises(InvalidArgument, match=f"megatron.{key}: {where}"):
+            preflight(parse_spec({**moe, "megatron": {key: 2}}))
     with pytest.raises(ValueError, match="expert_model_parallel_size and megatron need train_backend: megatron"):
         parse_spec({**job(config_of("qwen3_moe"), "fsdp"), "expert_model_parallel_size": 2})
 
