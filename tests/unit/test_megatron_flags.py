@@ -53,7 +53,7 @@ def qwen3_30b_a3b() -> dict:
                           max_position_embeddings=40960, tie_word_embeddings=False).to_dict()
 
 
-# slime's scripts/models/qwen3-30B-A3B.sh
+# MODEL_ARGS as slime's scripts/models/qwen3-30B-A3B.sh passes them (architecture and MoE settings)
 QWEN3_30B_A3B_ARGS = [
     "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "32",
     "--num-query-groups", "4", "--kv-channels", "128", "--num-layers", "48", "--hidden-size", "2048",
@@ -139,3 +139,20 @@ def test_deepseek_and_glm_moe_routers_are_checked_against_their_fields():
     # Qwen3-MoE's hub config.json spells it num_experts, transformers 5 writes num_local_experts
     hub = {k: v for k, v in qwen3_30b_a3b().items() if k != "num_local_experts"}
     assert check_arch("num-experts", 128, {**hub, "num_experts": 128}) == ""
+
+
+def test_a_qwen3_moe_slime_job_is_accepted_at_submit_with_expert_parallelism(tmp_path):
+    from services.common.errors import InvalidArgument
+    from services.trainer.preflight import with_preflight
+    from services.trainer.spec_defaults import spec_parser
+
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_30b_a3b()))
+    (tmp_path / "train.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+    parse = with_preflight(spec_parser({"train_backend": "megatron"}))
+    argv = [*QWEN3_30B_A3B_ARGS, "--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "train.jsonl"),
+            "--num-rollout", "1", "--rollout-batch-size", "8", "--expert-model-parallel-size", "8"]
+    spec = parse({"slime_args": argv})
+    assert (spec.train_backend, spec.expert_model_parallel_size) == ("megatron", 8)
+    with pytest.raises(InvalidArgument, match=r"expert_model_parallel_size 5 must divide the number of experts "
+                                              r"\(128 in qwen3_moe\)"):
+        parse({"slime_args": [*argv, "--expert-model-parallel-size", "5"]})
