@@ -22,8 +22,9 @@ redis-server:
 setup: $(STAMP) redis-server
 
 SEED ?= 0
-demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs
-	$(BIN)/python -m physarum.demo --seed $(SEED)
+MODEL ?= qwen3
+demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs; MODEL=qwen3_moe|qwen3_5|...: another tiny family
+	$(BIN)/python -m physarum.demo --seed $(SEED) --model-family $(MODEL)
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes
 	$(BIN)/python -m physarum.demo --train-backend megatron

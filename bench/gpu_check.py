@@ -2,6 +2,7 @@
 
 1. Both backends' GRPO steps on CUDA against the same steps on CPU, float32 with TF32 off: losses equal within
    1e-5, log-probs within 1e-4; bf16 on CUDA reported next to them.
+   The same for a tiny MoE (qwen3_moe) and a tiny Qwen3.5 on the fsdp backend (bench/gpu_families.py).
 2. With two GPUs: the NCCL weight sync's failure case, the launcher and the bf16 tests.
 3. The demo with the trainer and a CPU engine on the GPU (`physarum.demo --device cuda --engine-device cuda`).
 4. The throughput table (bench/trainer_throughput.py) in bf16 and float32.
@@ -22,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from bench import gpu_families
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_TOL, LOG_PROB_TOL = 1e-5, 1e-4
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = parity(Path(tmp))
+        rows.extend(gpu_families.family_rows(Path(tmp) / "families"))
     rows.append(two_gpus())
     if not args.skip_demo:
         rows.append(demo())

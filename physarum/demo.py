@@ -5,6 +5,8 @@ job and the GRPO job from examples/demo/, measures again, saves a reward curve, 
 
 `--train-backend megatron` trains both jobs with megatron-core instead of torch FSDP2: by default tensor parallel
 over two local trainer processes (TP=2), so the engines run on weights converted from Megatron's shards.
+`--model-family` builds another tiny family (`families.py`: a MoE such as qwen3_moe, Qwen3.5's hybrid linear
+attention qwen3_5, ...) of the same width and depth instead of the default Qwen3.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from physarum import cputime, stack, tasks, tinymodel
 from physarum.cli import add_device_flags, follow, load_job_file
+from physarum.families import DEFAULT_FAMILY, FAMILIES
 
 DEMO_DIR = Path(".physarum/demo")
 EXAMPLES = Path("examples/demo")
@@ -89,6 +92,21 @@ def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> li
     return [f"train_backend={train_backend}", f"tensor_model_parallel_size={tensor_model_parallel_size}"]
 
 
+def model_name(family: str, seed: int) -> str:
+    """The demo model's directory name: `model` for the default family at seed 0 (`physarum up --model` names it)."""
+    name = "model" if family == DEFAULT_FAMILY else f"model-{family}"
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
+def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
+    """Stop before the stack starts when the backend cannot build the family (the job API would refuse both jobs)."""
+    from services.trainer import model_families
+
+    problem = model_families.check(train_backend, json.loads((model_dir / "config.json").read_text()))
+    if problem:
+        raise SystemExit(f"demo: {problem}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=2)
@@ -101,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="trainer processes (default: 1 for fsdp, 2 for megatron)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="megatron: TP size (default: the trainer ranks)")
+    parser.add_argument("--model-family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
+                        help=f"the tiny model's family (default: {DEFAULT_FAMILY})")
     add_device_flags(parser)
     args = parser.parse_args(argv)
     megatron = args.train_backend == "megatron"
@@ -111,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     backend_sets = backend_overrides(args.train_backend, tp)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
-    model_name = "model" if args.seed == 0 else f"model-seed{args.seed}"  # `physarum up --model` names seed 0's
-    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name, tasks.corpus(), seed=args.seed)
+    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name(args.model_family, args.seed), tasks.corpus(),
+                                           seed=args.seed, family=args.model_family)
+    refuse_unbuildable(model_dir, args.train_backend)
     seed_sets = [f"seed={args.seed}", f"rollout_seed={args.seed}", f"hf_checkpoint={model_dir}"]
     _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
     work_dir = DEMO_DIR / "stack"
@@ -122,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                                         trainer_device=args.device, engine_device=args.engine_device))
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
-              f"{args.train_backend}{f' TP={tp}' if megatron else ''} on {ranks} rank(s)", flush=True)
+              f"{args.train_backend}{f' TP={tp}' if megatron else ''} on {ranks} rank(s); model: tiny "
+              f"{args.model_family}", flush=True)
         before = evaluate(state, model_dir, test_path)
         print(f"held-out reward before training: {before:.3f}", flush=True)
         roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]

@@ -1,4 +1,5 @@
-"""Build a tiny Qwen3-architecture model and a character-level tokenizer on the spot (nothing from a hub).
+"""Build a tiny model (Qwen3 by default, or another family of `families.py`) and a character-level tokenizer on the
+spot (nothing from a hub).
 
 The tokenizer is trained on the task's own text; the model is randomly initialised from a config.
 Both are saved as a Hugging Face directory that the engines, the trainer and the router all read.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from physarum.families import DEFAULT_FAMILY, tiny_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 EOS_TOKEN = "<|endoftext|>"
@@ -34,30 +37,27 @@ def build_tokenizer(corpus: list[str], out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_model(out_dir: Path, *, num_layers: int = 2, hidden_size: int = 128, seed: int = 0) -> None:
-    """Save a randomly initialised Qwen3ForCausalLM sized for `out_dir`'s tokenizer."""
+def build_model(out_dir: Path, *, num_layers: int = 2, hidden_size: int = 128, seed: int = 0,
+                family: str = DEFAULT_FAMILY) -> None:
+    """Save a randomly initialised causal LM of `family` sized for `out_dir`'s tokenizer."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     vocab = json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    eos_id = vocab[EOS_TOKEN]
-    config = Qwen3Config(
-        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-        max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id,
-        pad_token_id=eos_id, dtype="float32")
+    config = tiny_config(family, vocab_size=len(vocab), eos_id=vocab[EOS_TOKEN], hidden_size=hidden_size,
+                         num_layers=num_layers)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
 def build_tiny_model(out_dir: Path, corpus: list[str], *, num_layers: int = 2, hidden_size: int = 128,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, family: str = DEFAULT_FAMILY) -> Path:
     """Tokenizer + model in one HF directory; returns it. Skips the work when it is already there."""
     out_dir = Path(out_dir)
     if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(corpus, out_dir)
-    build_model(out_dir, num_layers=num_layers, hidden_size=hidden_size, seed=seed)
+    build_model(out_dir, num_layers=num_layers, hidden_size=hidden_size, seed=seed, family=family)
     return out_dir

@@ -60,3 +60,11 @@ def tiny_model_dir(session_dir) -> Path:
 @pytest.fixture(scope="session")
 def addition_task(session_dir) -> tuple[Path, Path]:
     return tasks.write_addition_task(session_dir / "task", num_test=50, max_operand=9)
+
+
+@pytest.fixture(scope="session")
+def family_model_dir(session_dir, tiny_model_dir):
+    """family -> a tiny model of that family with the demo's tokenizer (tests/model_families.py), built once."""
+    from tests.model_families import build_family_model
+
+    return lambda family: build_family_model(session_dir / "families", tiny_model_dir, family)

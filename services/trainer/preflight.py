@@ -1,5 +1,6 @@
 """Submit-time checks of a parsed job spec: what would otherwise fail only after GPUs are allocated. The paths the job
-reads exist where the trainer (and the buffer, on the same volume) sees them, `megatron:` keys are megatron-core's,
+reads exist where the trainer (and the buffer, on the same volume) sees them, the chosen train_backend builds
+hf_checkpoint's model family, `megatron:` keys are megatron-core's,
 and plugin import paths lie under the operator's allow-list and name a module the images hold (found, not imported:
 no plugin code runs before a spec is accepted); every problem is reported at once. (rm_type is checked by the spec
 itself, against the reward client's list of scorers.)"""
@@ -7,11 +8,13 @@ itself, against the reward client's list of scorers.)"""
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 from services.common import plugins
 from services.common.errors import InvalidArgument
+from services.trainer import model_families
 from services.trainer.spec import JobSpec
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
@@ -59,6 +62,21 @@ def check_plugins(spec: JobSpec) -> list[str]:
     return problems
 
 
+def check_model_family(spec: JobSpec) -> list[str]:
+    """The chosen backend builds hf_checkpoint's model (read where the trainer sees it; a hub id is not checked)."""
+    path = Path(spec.hf_checkpoint) / "config.json"
+    if not path.is_file():
+        return []
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return [f"hf_checkpoint: cannot read {path} ({err})"]
+    problem = model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
+                                   pp_size=spec.pipeline_model_parallel_size,
+                                   ep_size=spec.expert_model_parallel_size) if isinstance(hf_config, dict) else ""
+    return [problem] if problem else []
+
+
 def check_megatron(spec: JobSpec) -> list[str]:
     if spec.train_backend != "megatron" or not spec.megatron:
         return []
@@ -71,7 +89,8 @@ def check_megatron(spec: JobSpec) -> list[str]:
     return []
 
 
-CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_paths, check_megatron, check_plugins)
+CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_paths, check_model_family, check_megatron,
+                                                      check_plugins)
 
 
 def preflight(spec: JobSpec) -> JobSpec:

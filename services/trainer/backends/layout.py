@@ -15,15 +15,18 @@ class LayoutConfig:
     train_backend: BackendName = field("fsdp", "fsdp (torch FSDP2) or megatron (megatron-core)")
     tensor_model_parallel_size: int = field(1, "megatron: tensor-parallel ranks", POSITIVE)
     pipeline_model_parallel_size: int = field(1, "megatron: pipeline stages", POSITIVE)
+    expert_model_parallel_size: int = field(1, "megatron: ranks a MoE model's experts are spread over (carved out of "
+                                               "the data-parallel ranks)", POSITIVE)
     use_distributed_optimizer: bool = field(True, "megatron: shard the optimizer state over data-parallel ranks")
     megatron: dict[str, Any] = field({}, "extra TransformerConfig/optimizer flags by Megatron's names (slime passes "
                                           "them on)")
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.train_backend != "megatron" and (self.model_parallel_size > 1 or self.megatron):
-            raise ValueError("tensor_model_parallel_size, pipeline_model_parallel_size and megatron need "
-                             "train_backend: megatron")
+        if self.train_backend != "megatron" and (self.model_parallel_size > 1 or self.megatron
+                                                 or self.expert_model_parallel_size > 1):
+            raise ValueError("tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size "
+                             "and megatron need train_backend: megatron")
 
     @property
     def trains_critic(self) -> bool:

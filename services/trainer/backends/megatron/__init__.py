@@ -27,7 +27,11 @@ def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: 
         raise InvalidArgument(f"train_backend megatron: {world.world_size} trainer ranks are not a multiple of "
                               f"tensor_model_parallel_size × pipeline_model_parallel_size "
                               f"({layout.model_parallel_size})")
+    if (world.world_size // layout.model_parallel_size) % layout.expert_model_parallel_size:
+        raise InvalidArgument(f"train_backend megatron: expert_model_parallel_size {layout.expert_model_parallel_size} "
+                              f"must divide the {world.world_size // layout.model_parallel_size} data-parallel ranks")
     return MegatronBackend(hf_checkpoint, config, tensor_model_parallel_size=layout.tensor_model_parallel_size,
                            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
                            use_distributed_optimizer=layout.use_distributed_optimizer, megatron_args=layout.megatron,
-                           num_threads=num_threads, world=world)
+                           num_threads=num_threads, world=world,
+                           expert_model_parallel_size=layout.expert_model_parallel_size)

@@ -1,4 +1,5 @@
-"""The architecture of an HF causal LM (Qwen2, Qwen3, Llama) as the few numbers Megatron and the converter need.
+"""The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama) as the few numbers Megatron and the converter
+need.
 
 Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -34,6 +35,11 @@ class ModelArch:
     qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
     qk_layernorm: bool  # Qwen3: RMSNorm of each query and key head
     tie_word_embeddings: bool
+    # mixture of experts (Qwen3-MoE: every layer's MLP); 0 experts: a dense model
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_pre_softmax: bool = False  # softmax over every expert, then top-k (HF's norm_topk_prob false)
 
     @property
     def heads_per_group(self) -> int:
@@ -44,8 +50,15 @@ class ModelArch:
         multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def check_parallel(self, *, tp_size: int, pp_size: int) -> None:
-        """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards."""
+    def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
+        """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards with its experts over
+        ep_size ranks."""
+        if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
+            raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
+                                  f"({self.num_experts} in {self.model_type})")
+        if self.num_experts and tp_size > 1:
+            raise InvalidArgument(f"tensor_model_parallel_size {tp_size}: tensor parallelism of a MoE model "
+                                  f"({self.model_type}) is not supported")
         for name, value in (("num_attention_heads", self.num_attention_heads), ("num_key_value_heads",
                             self.num_query_groups), ("intermediate_size", self.ffn_hidden_size)):
             if value % tp_size:
@@ -70,6 +83,10 @@ class ModelArch:
             raise InvalidArgument(f"megatron backend: attention_bias is not supported for {model_type}")
         if get("mlp_bias", False):
             raise InvalidArgument("megatron backend: mlp_bias is not supported")
+        num_experts = get("num_experts") or get("num_local_experts") or 0
+        if num_experts and (get("decoder_sparse_step", 1) != 1 or get("mlp_only_layers")):
+            raise InvalidArgument("megatron backend: dense layers among MoE layers (decoder_sparse_step, "
+                                  "mlp_only_layers) are not supported")
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
         head_dim = get("head_dim") or hidden // heads
@@ -87,5 +104,8 @@ class ModelArch:
                    num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
                    head_dim=head_dim, norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope_theta),
                    rope_scaling_factor=scaling_factor, max_position_embeddings=get("max_position_embeddings"),
-                   qkv_bias=model_type == "qwen2", qk_layernorm=model_type == "qwen3",
-                   tie_word_embeddings=bool(get("tie_word_embeddings", False)))
+                   qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+                   tie_word_embeddings=bool(get("tie_word_embeddings", False)), num_experts=num_experts,
+                   moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
+                   moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,
+                   moe_router_pre_softmax=bool(num_experts) and not get("norm_topk_prob", False))

@@ -20,9 +20,11 @@ OWNED: dict[str, str] = {
     **{name: _ARCH for name in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
         "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
-        "add_qkv_bias", "qk_layernorm", "rotary_base", "rope_scaling", "rope_scaling_factor")},
+        "add_qkv_bias", "qk_layernorm", "rotary_base", "rope_scaling", "rope_scaling_factor", "num_moe_experts",
+        "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax")},
     **{name: f"is the job spec's own key: set `{name}` at the top level" for name in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer", "lr", "min_lr",
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+        "use_distributed_optimizer", "lr", "min_lr",
         "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")},
     **{name: "is set from the job spec's `bf16` (fp32 main parameters and gradient reduction)" for name in (
         "params_dtype", "pipeline_dtype", "bf16", "fp16", "main_params_dtype", "main_grads_dtype")},

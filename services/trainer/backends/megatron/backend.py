@@ -48,7 +48,8 @@ class MegatronBackend(MegatronCheckpointing):
 
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
-                 megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None) -> None:
+                 megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None,
+                 expert_model_parallel_size: int = 1) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -65,9 +66,12 @@ class MegatronBackend(MegatronCheckpointing):
             torch.set_num_threads(num_threads)
         hf_config = hf_io.read_config(self.model_path)
         self.arch = ModelArch.from_hf_config(hf_config)
-        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-        self.arch.check_parallel(tp_size=tp, pp_size=pp)
-        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed)
+        tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep)
+        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep)
+        self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
+        self.expert_dp_rank = ps.get_expert_data_parallel_rank() if ep > 1 else 0
         self.tp_size, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
         self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
@@ -99,8 +103,8 @@ class MegatronBackend(MegatronCheckpointing):
         pad = hf_config.get("pad_token_id")
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
-        log.info("loaded %s into megatron: tp %d, pp %d, dp %d, %s spec, %.1fM parameters on this rank",
-                 self.model_path, tp, pp, self.dp_size, "TE" if self.use_te else "local",
+        log.info("loaded %s into megatron: tp %d, pp %d, ep %d, dp %d, %s spec, %.1fM parameters on this rank",
+                 self.model_path, tp, pp, ep, self.dp_size, "TE" if self.use_te else "local",
                  sum(p.numel() for p in gpt.parameters()) / 1e6)
 
     @property
@@ -124,7 +128,8 @@ class MegatronBackend(MegatronCheckpointing):
 
     def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
         state = convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                       pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te)
+                                       pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te,
+                                       ep_rank=self.ep_rank, ep_size=self.ep_size)
         params = dict(gpt.named_parameters())
         assert params.keys() == state.keys(), f"conversion mismatch: {sorted(params.keys() ^ state.keys())}"
         with torch.no_grad():
@@ -354,7 +359,7 @@ class MegatronBackend(MegatronCheckpointing):
         yield from convert.gather_hf_weights(
             list(self.gpt.named_parameters()), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
             tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            dp_rank=self.dp_rank)
+            dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
 
     def save_hf(self, path: str | Path) -> None:
         """Collective: rank 0 writes the HF checkpoint directory."""

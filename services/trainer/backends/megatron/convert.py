@@ -1,4 +1,5 @@
-"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3 and Llama: names, fused layouts, TP shards, vocab padding.
+"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama: names, fused layouts, TP shards, vocab
+padding, experts.
 
 `hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
 Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
@@ -8,6 +9,10 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
 - linear_fc1: on TP rank r, cat(gate chunk r, up chunk r) along dim 0.
 - linear_proj, linear_fc2: chunk r of dim 1. Embedding and output layer: the vocab padded with zero rows, chunk r
   of dim 0. Norms are replicated.
+- MoE layers: mlp.router <- mlp.gate; expert e is local expert e - r·E/ep of expert-parallel rank r, its linear_fc1
+  cat(gate_e, up_e), its linear_fc2 down_e. HF checkpoints on disk name each expert (mlp.experts.{e}.gate_proj);
+  transformers' models in memory, and so the engines' weight names, hold them fused (mlp.experts.gate_up_proj
+  [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_we
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # TP-split along dim 1
 QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
+DENSE_MLP = ("mlp.linear_fc2.weight",)  # a MoE layer has experts instead
+LOCAL_EXPERT = "mlp.experts.local_experts."
 
 
 def layer_offset(arch: ModelArch, *, pp_rank: int, pp_size: int) -> int:
@@ -76,8 +83,31 @@ def _split_qkv(arch: ModelArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
+def _hf_expert(hf: Mapping[str, torch.Tensor], layer: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e of an HF MoE layer as Megatron's (linear_fc1, linear_fc2), from fused or per-expert HF names."""
+    fused = layer + "mlp.experts.gate_up_proj"
+    if fused in hf:
+        return hf[fused][e].clone().contiguous(), hf[layer + "mlp.experts.down_proj"][e].clone().contiguous()
+    expert = f"{layer}mlp.experts.{e}."
+    return (torch.cat([hf[expert + "gate_proj.weight"], hf[expert + "up_proj.weight"]]),
+            hf[expert + "down_proj.weight"].clone().contiguous())
+
+
+def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: str, *, ep_rank: int,
+               ep_size: int) -> dict[str, torch.Tensor]:
+    """A MoE layer's router and this expert-parallel rank's experts."""
+    out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone().contiguous()}
+    local = arch.num_experts // ep_size
+    for i in range(local):
+        fc1, fc2 = _hf_expert(hf, src, ep_rank * local + i)
+        out[f"{dst}mlp.experts.local_experts.{i}.linear_fc1.weight"] = fc1
+        out[f"{dst}mlp.experts.local_experts.{i}.linear_fc2.weight"] = fc2
+    return out
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: int = 0, tp_size: int = 1,
-                   pp_rank: int = 0, pp_size: int = 1, te_names: bool = False) -> dict[str, torch.Tensor]:
+                   pp_rank: int = 0, pp_size: int = 1, te_names: bool = False, ep_rank: int = 0,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state (local layer indices, this TP shard) from full HF tensors (name -> tensor;
     only the names this stage needs are read). Tensors are fresh and contiguous."""
 
@@ -92,7 +122,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     for local in range(arch.num_layers // pp_size):
         src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
         for mg_sub, hf_sub in RENAMED.items():
-            if mg_sub in QK_NORMS and not arch.qk_layernorm:
+            if (mg_sub in QK_NORMS and not arch.qk_layernorm) or (mg_sub in DENSE_MLP and arch.num_experts):
                 continue
             tensor = hf[src + hf_sub]
             out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
@@ -103,6 +133,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
         if arch.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
                 arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
+        if arch.num_experts:
+            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size))
+            continue
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
     if pp_rank == pp_size - 1:
@@ -139,22 +172,62 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
         kind = sub.rsplit(".", 1)[1]
         q, k, v = _split_qkv(arch, torch.cat(list(shards)))
         return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
+    if sub == "mlp.router.weight":
+        return [(prefix + "mlp.gate.weight", shards[0])]
+    if sub.startswith(LOCAL_EXPERT):  # one expert: fused with the others of its layer by `fuse_experts`
+        index, kind = sub.removeprefix(LOCAL_EXPERT).split(".", 1)
+        return [(f"{prefix}mlp.experts.{index}.{kind}", shards[0])]
     if sub == "mlp.linear_fc1.weight":
         gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
         return [(prefix + "mlp.gate_proj.weight", torch.cat(gates)), (prefix + "mlp.up_proj.weight", torch.cat(ups))]
     raise ValueError(f"no HF name for Megatron parameter {name!r}")
 
 
+def fuse_experts(named: Iterator[tuple[str, torch.Tensor]], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert (name, tensor) pairs of `megatron_to_hf` (`...mlp.experts.{e}.linear_fc1.weight`) held until a
+    layer's experts are all there, then yielded under transformers' fused names; every other pair passes through."""
+    held: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in named:
+        layer, sep, rest = name.partition("mlp.experts.")
+        if not sep or not rest.split(".", 1)[0].isdigit():
+            yield name, tensor
+            continue
+        index, kind = rest.split(".", 1)
+        experts = held.setdefault((layer, kind), {})
+        experts[int(index)] = tensor
+        if len(experts) == arch.num_experts:
+            stacked = torch.stack([experts[e] for e in range(arch.num_experts)])
+            del held[(layer, kind)]
+            yield layer + ("mlp.experts.gate_up_proj" if kind == "linear_fc1.weight" else "mlp.experts.down_proj"), \
+                stacked
+
+
+def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.Tensor]:
+    """One local expert's parameter from every expert-parallel rank, in EP-rank order."""
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(tensor) for _ in range(ep_size)]
+    dist.all_gather(gathered, tensor.contiguous(), group=ep_group)
+    return gathered
+
+
 def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
-                      tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int, ep_group=None,
+                      ep_size: int = 1, expert_dp_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: the source rank (global rank 0: pp, tp and dp rank 0) yields every HF weight
     once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
-    parameters over TP, its TP rank 0 converts them and sends them to the source rank."""
+    parameters over TP, its TP rank 0 converts them and sends them to the source rank. Experts are first
+    all-gathered over the expert-parallel group, whose other ranks are other data-parallel ranks: those join the
+    gathers and yield nothing."""
     import torch.distributed as dist
 
     if dp_rank != 0:
+        if ep_size > 1 and expert_dp_rank == 0:
+            for name, param in named_params:
+                if LOCAL_EXPERT in name:
+                    _gather_experts(param.detach(), ep_size, ep_group)
         return
+    local_experts = arch.num_experts // ep_size
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else [dist.get_rank()]
     source = pp_ranks[0]
@@ -164,6 +237,13 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
             if name == "output_layer.weight" and arch.tie_word_embeddings:
                 continue  # the last stage's copy of the embedding
             tensor = param.detach()
+            if LOCAL_EXPERT in name and ep_size > 1:  # expert i of EP rank j is global expert j·local + i
+                head, tail = name.split(LOCAL_EXPERT)
+                index, rest = tail.split(".", 1)
+                for j, expert in enumerate(_gather_experts(tensor, ep_size, ep_group)):
+                    global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
+                    yield from megatron_to_hf(global_name, [expert], arch, offset=offset)
+                continue
             shards = [tensor]
             if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
                 shards = [torch.empty_like(tensor) for _ in range(tp_size)]
@@ -172,9 +252,9 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
                 yield from megatron_to_hf(name, shards, arch, offset=offset)
 
     if pp_rank == 0:
-        yield from converted()
+        yield from fuse_experts(converted(), arch)
     elif tp_rank == 0:
-        for hf_name, tensor in converted():
+        for hf_name, tensor in fuse_experts(converted(), arch):
             dist.send_object_list([(hf_name, tuple(tensor.shape), tensor.dtype)], dst=source, device=tensor.device)
             dist.send(tensor.contiguous(), dst=source)
         dist.send_object_list([None], dst=source, device=named_params[0][1].device)

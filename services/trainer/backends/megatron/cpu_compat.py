@@ -5,6 +5,10 @@ P2: `torch.cuda.current_device()` is the CPU device (rotary embeddings, the atte
 P3: `cuda_to_cpu()`, a torch-function mode entered only around the calls that hard-code CUDA tensors (Megatron's
 schedules, DDP's optimizer set-up and step): CUDA devices become CPU, `.cuda()` is a no-op, CPU float tensors report
 CUDA type names. On a GPU machine `apply()` does nothing and `cuda_to_cpu()` is an empty context.
+P4 (MoE): the token dispatcher's device-to-host side stream is a host no-op, and the split sizes it moves to the
+host as numpy arrays become numpy arrays when they already are on the host.
+P5 (MoE, on any device): without Transformer Engine, the router's gating matmul is torch's (megatron-core 0.16
+reads an undefined `te_general_gemm` there).
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ def needed() -> bool:
 
 
 def apply() -> None:
-    """Patch torch.cuda's RNG and device calls and Megatron's RNG helpers (P1, P2); idempotent."""
+    """Patch torch.cuda's RNG and device calls and Megatron's RNG helpers (P1, P2), the MoE dispatcher's stream and
+    host copies (P4), and the router without Transformer Engine (P5); idempotent."""
     global _applied
+    _router_without_te()
     if _applied or not needed():
         return
+    _host_streams()
     from megatron.core.tensor_parallel import random as mcore_random
 
     def get_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
@@ -47,6 +54,48 @@ def apply() -> None:
     # fork() warns on every call that the "CPU RNG state changed within GPU RNG context": here they are one.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
     _applied = True
+
+
+def _router_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """torch.cuda.Stream's face on a host: work is already ordered, so waiting and events are no-ops."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return _HostEvent()
+
+
+_CURRENT_STREAM = _HostStream()
+
+
+def _host_streams() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda device=None: _CURRENT_STREAM
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _to_cpu(device):

@@ -49,6 +49,9 @@ class HFTensors(Mapping[str, torch.Tensor]):
         with safe_open(self._files[name], framework="pt") as f:
             return f.get_tensor(name).float()
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 

@@ -30,9 +30,10 @@ def has_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def init_distributed(*, tp_size: int, pp_size: int, seed: int) -> None:
-    """Join the default process group (torchrun's env, or a world of one) and cut it into Megatron's TP, PP and
-    DP groups (order tp-cp-ep-dp-pp: global rank 0 is TP, PP and DP rank 0). Seeds the model-parallel RNG."""
+def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1) -> None:
+    """Join the default process group (torchrun's env, or a world of one) and cut it into Megatron's TP, PP, EP and
+    DP groups (order tp-cp-ep-dp-pp: global rank 0 is TP, PP and DP rank 0; expert-parallel ranks are carved out of
+    the data-parallel ones). Seeds the model-parallel RNG."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -53,6 +54,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int) -> None:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                              pipeline_model_parallel_size=pp_size,
+                                             expert_model_parallel_size=ep_size,
                                              distributed_timeout_minutes=int(DIST_TIMEOUT.total_seconds() // 60))
     model_parallel_cuda_manual_seed(seed)
 
@@ -66,8 +68,8 @@ def destroy_model_parallel() -> None:
 
 def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: torch.dtype = torch.float32,
                        overrides: dict | None = None):
-    """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout;
-    then the `megatron:` section's TransformerConfig fields (`args.split`)."""
+    """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout,
+    MoE layers when it has experts; then the `megatron:` section's TransformerConfig fields (`args.split`)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -83,7 +85,23 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
         moe_token_dispatcher_type="alltoall",  # dense model; the default rejects variable_seq_lengths
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False), overrides or {})
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **moe_fields(arch)),
+        overrides or {})
+
+
+def moe_fields(arch: ModelArch) -> dict:
+    """TransformerConfig's MoE fields for `arch` (none for a dense model): HF's routing (softmax top-k, each token
+    to its experts with no capacity limit, float32 router logits) and no load-balancing loss in the RL loss; the
+    expert-parallel size is the process groups'."""
+    if not arch.num_experts:
+        return {}
+    from megatron.core import parallel_state
+
+    return dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_router_topk,
+                moe_ffn_hidden_size=arch.moe_ffn_hidden_size, moe_router_pre_softmax=arch.moe_router_pre_softmax,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
+                moe_grouped_gemm=False, moe_permute_fusion=False,
+                expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
 
 
 def build_gpt(arch: ModelArch, config, *, use_te: bool):
@@ -97,10 +115,11 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
 
     from services.trainer.backends.megatron.attention import SDPAttention
 
+    experts = arch.num_experts or None
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = SDPAttention  # torch's fused kernels
     with cpu_compat.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(

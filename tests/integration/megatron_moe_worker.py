@@ -1,0 +1,110 @@
+"""The Megatron MoE test's two gloo ranks: `python -m tests.integration.megatron_moe_worker MODEL OUT` (a tiny
+Qwen3-MoE). First megatron-core's MoE GPTModel with expert parallelism EP=2 (each rank two of the four experts, the
+tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend, data parallel
+over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
+saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.megatron_parity import spawn
+from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+
+NUM_ROLLOUTS = 2
+
+
+def ep2_forward(model_dir: Path) -> float:
+    """Collective at EP=2: max |Megatron logit - HF logit| over both ranks' own batches (of different lengths)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.backends.megatron import convert, hf_io
+    from services.trainer.backends.megatron import model as mcore
+    from services.trainer.backends.megatron.arch import ModelArch
+    from services.trainer.backends.megatron.cpu_compat import cuda_to_cpu
+
+    mcore.init_distributed(tp_size=1, pp_size=1, seed=0, ep_size=2)
+    arch = ModelArch.from_hf_config(hf_io.read_config(model_dir))
+    gpt = mcore.build_gpt(arch, mcore.transformer_config(arch, tp_size=1, pp_size=1), use_te=False).eval()
+    state = convert.hf_to_megatron(hf_io.HFTensors(model_dir), arch, ep_rank=ps.get_expert_model_parallel_rank(),
+                                   ep_size=2)
+    assert state.keys() == {name for name, _ in gpt.named_parameters()}
+    with torch.no_grad():
+        for name, param in gpt.named_parameters():
+            param.copy_(state[name])
+    rank = dist.get_rank()
+    seq = 6 + 5 * rank
+    ids = torch.randint(1, arch.vocab_size, (2, seq), generator=torch.Generator().manual_seed(rank))
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad(), cuda_to_cpu():
+        logits = gpt(input_ids=ids, position_ids=torch.arange(seq).expand_as(ids), attention_mask=mask)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(input_ids=ids).logits
+    diff = torch.tensor([(logits[..., :arch.vocab_size] - want).abs().max().item()], dtype=torch.float64)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    mcore.destroy_model_parallel()
+    return float(diff)
+
+
+def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
+    """Two rollouts at expert parallelism `ep`, a dist-checkpoint after the first; then a fresh backend resumes from
+    it and trains the second again."""
+    import torch.distributed as dist
+
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.driver import checkpoint
+    from services.trainer.parallel import World
+
+    world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
+    def build() -> MegatronBackend:
+        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), expert_model_parallel_size=ep)
+
+    backend = build()
+    rollouts = [grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
+    before = backend.compute_log_probs(rollouts[0])
+    metrics = []
+    for rollout_id, rollout in enumerate(rollouts):
+        metrics += [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+        if rollout_id == 0:
+            checkpoint.save_checkpoint(out_dir / "ckpt", 0, backend, world, lambda: checkpoint.TrainerState(
+                rollout_id=0, job_id="moe", world_size=world.world_size))
+    after = backend.compute_log_probs(rollouts[0])
+    backend.save_hf(out_dir / "hf")
+    backend.close()
+    resumed = build()
+    checkpoint.load_checkpoint(out_dir / "ckpt", resumed, world)
+    resumed_metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")}
+                       for m in resumed.train_rollout(rollouts[1])]
+    resumed_after = resumed.compute_log_probs(rollouts[0])
+    resumed.close()
+    return {"log_probs_before": before, "log_probs_after": after, "metrics": metrics,
+            "resumed_metrics": resumed_metrics, "resumed_log_probs_after": resumed_after}
+
+
+def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    results = {"ep2_max_abs_logit_diff": ep2_forward(model_dir),
+               **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)}}
+    if rank == 0:
+        (out_dir / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # no OpenMP pool before the fork
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import transformers  # noqa: F401
+
+    import services.trainer.backends.megatron.backend  # noqa: F401
+
+    spawn(run, Path(sys.argv[1]), Path(sys.argv[2]), start_method="spawn" if torch.cuda.is_available() else "fork")

@@ -1,0 +1,102 @@
+"""Qwen3-MoE on the Megatron backend, over 2 gloo processes: megatron-core's MoE layers with expert parallelism
+(EP=2) give the HF model's logits within 1e-5, and MegatronBackend, with every expert on each rank (EP=1) or two on
+each (EP=2), trains the first four GRPO steps as TorchBackend does, its HF export holding the same weights under
+transformers' names, and resumes from its dist-checkpoint exactly.
+
+One launch of tests/integration/megatron_moe_worker.py serves the tests here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer.backends.base import TrainConfig
+from tests.integration.megatron_moe_worker import NUM_ROLLOUTS
+from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(family_model_dir) -> Path:
+    return family_model_dir("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def results(model_dir, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("megatron-moe")
+    log_path = out / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.megatron_moe_worker", str(model_dir),
+                                 str(out)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: it and the ranks it forked
+            proc.wait()
+            raise
+    assert returncode == 0, log_path.read_text()[-4000:]
+    return {**json.loads((out / "results.json").read_text()), "out": out}
+
+
+@pytest.fixture(scope="module")
+def torch_reference(model_dir) -> dict:
+    from services.trainer.backends.fsdp import TorchBackend
+
+    backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG), num_threads=1)
+    rollouts = [grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
+    before = backend.compute_log_probs(rollouts[0])
+    metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")}
+               for rollout in rollouts for m in backend.train_rollout(rollout)]
+    return {"log_probs_before": before, "log_probs_after": backend.compute_log_probs(rollouts[0]),
+            "metrics": metrics, "weights": dict(backend.named_weights())}
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
+def test_expert_parallel_moe_layers_give_the_hf_logits(results):
+    assert results["ep2_max_abs_logit_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(results, torch_reference, ep):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run, save_dir = results[f"grpo_ep{ep}"], results["out"] / f"ep{ep}" / "hf"
+    assert max_diff(run["log_probs_before"], torch_reference["log_probs_before"]) < 1e-5
+    assert len(run["metrics"]) == len(torch_reference["metrics"]) == 2 * NUM_ROLLOUTS
+    for step, (got, want) in enumerate(zip(run["metrics"], torch_reference["metrics"], strict=True)):
+        assert got.keys() == want.keys(), step
+        for key in want:
+            assert got[key] == pytest.approx(want[key], abs=2e-5, rel=1e-4), (step, key)
+    assert abs(run["metrics"][1]["train/ppo_kl"]) > 1e-4  # the second step saw the policy the first one moved
+    assert max_diff(run["log_probs_after"], torch_reference["log_probs_after"]) < 1e-4
+    saved = load_file(save_dir / "model.safetensors")
+    assert saved.keys() == torch_reference["weights"].keys()  # fused experts: the names the engines load
+    assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    for name, weight in torch_reference["weights"].items():
+        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
+    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).state_dict()
+    for name, weight in saved.items():
+        assert torch.equal(reloaded[name], weight), name
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never_stopped(results, ep):
+    run = results[f"grpo_ep{ep}"]
+    never_stopped = run["metrics"][2:]
+    assert len(run["resumed_metrics"]) == len(never_stopped) == 2
+    for got, want in zip(run["resumed_metrics"], never_stopped, strict=True):
+        for key in want:
+            assert got[key] == pytest.approx(want[key], abs=1e-6, rel=1e-6), key
+    assert max_diff(run["resumed_log_probs_after"], run["log_probs_after"]) < 1e-6
