@@ -21,6 +21,7 @@ from services.rollout.client import RolloutConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
 from services.trainer.backends.base import TrainBackend
 from services.trainer.backends.registry import build_backend
+from services.trainer.dashboard.samples import BOARD
 from services.trainer.driver import checkpoint, wandb_log
 from services.trainer.driver.config import DriverConfig
 from services.trainer.driver.deps import TrainerDeps
@@ -108,7 +109,9 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobContext, 
     feed = make_feed(driver, rollout, deps, ctx)
     try:
         for rollout_id in range(driver.num_rollout):
-            metrics = rollout_metrics(feed.samples(rollout_id, rollout_id))
+            samples = feed.samples(rollout_id, rollout_id)
+            BOARD.record(driver.job_id, rollout_id, samples, driver.hf_checkpoint)
+            metrics = rollout_metrics(samples)
             writer.write(rollout_id, metrics)
             ctx.report(rollout_id, metrics)
     finally:
@@ -178,6 +181,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
             if engines:  # the manager's counters, and eval when due
                 metrics.update(world.on_rank0(lambda: generation_metrics(driver, rollout, deps, rollout_id)))  # noqa: B023
                 metrics.update(world.on_rank0(lambda: feed.metrics()))
+            if lead:  # the dashboard's copy of the samples; recording never raises, so the ranks stay in step
+                BOARD.record(driver.job_id, rollout_id, samples, driver.hf_checkpoint)
             world.on_rank0(lambda: report(driver, ctx, writer, rollout_id, metrics))  # noqa: B023
         if driver.save_hf:
             backend.save_hf(driver.save_hf.format(rollout_id=last))
