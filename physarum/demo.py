@@ -25,6 +25,15 @@ DEMO_DIR = Path(".physarum/demo")
 EXAMPLES = Path("examples/demo")
 
 
+def demo_model(seed: int = 0) -> tuple[Path, Path]:
+    """The demo's tiny model (built when missing) and its task files (the job files name them); returns the model's
+    directory and the held-out test set. `physarum up` without --model starts on seed 0's."""
+    model_name = "model" if seed == 0 else f"model-seed{seed}"  # the job files name seed 0's
+    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name, tasks.corpus(), seed=seed)
+    _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
+    return model_dir, test_path
+
+
 def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: int = 4) -> float:
     """Held-out mean reward: greedy answers through the router, scored by the reward service."""
     import httpx
@@ -111,10 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     backend_sets = backend_overrides(args.train_backend, tp)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
-    model_name = "model" if args.seed == 0 else f"model-seed{args.seed}"  # `physarum up --model` names seed 0's
-    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name, tasks.corpus(), seed=args.seed)
+    model_dir, test_path = demo_model(args.seed)
     seed_sets = [f"seed={args.seed}", f"rollout_seed={args.seed}", f"hf_checkpoint={model_dir}"]
-    _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
     state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model_dir, num_engines=args.engines,

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,13 +42,23 @@ pytestmark = pytest.mark.skipif(bool(_chromium_missing()), reason=_chromium_miss
 
 
 @pytest.fixture(scope="module")
-def auth_stack(tmp_path_factory, tiny_model_dir):
-    work_dir = tmp_path_factory.mktemp("dashboard-stack")
-    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=1,
-                                        trainer_threads=1, auth=True))
-    token = auth.read_token("trainer", stack.operator_token_dir(work_dir))
-    yield state, token
-    stack.down(work_dir)
+def auth_stack(tmp_path_factory):
+    """`physarum up` as a newcomer runs it: no --model (the demo's model is built), authentication on; its output
+    names the dashboard and the token to paste."""
+    home = tmp_path_factory.mktemp("dashboard-home")  # the demo's model is built under the working directory
+    work_dir = home / "stack"
+    try:
+        done = subprocess.run([sys.executable, "-m", "physarum", "--work-dir", str(work_dir), "up", "--engines", "1"],
+                              cwd=home, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        state = stack.read_state(work_dir)
+        match = re.search(r"dashboard: (http://\S+)/dashboard/  token: (\S+)", done.stdout)
+        assert match and match.group(1) == state["trainer_url"], done.stdout
+        token = match.group(2)
+        assert token == auth.read_token("trainer", stack.operator_token_dir(work_dir))
+        yield state, token, home / ".physarum" / "demo"
+    finally:
+        stack.down(work_dir)
 
 
 @pytest.fixture()
@@ -103,7 +116,7 @@ def first_sample(driver) -> dict | None:
 
 
 def test_a_request_without_the_token_gets_401_and_the_pages_are_open(auth_stack):
-    state, token = auth_stack
+    state, token, _ = auth_stack
     url = state["trainer_url"]
     for path in ("/v1/jobs", "/v1/dashboard/pool", "/v1/dashboard/jobs/any/samples"):
         assert httpx.get(url + path, timeout=30).status_code == 401, path
@@ -119,15 +132,13 @@ def test_a_request_without_the_token_gets_401_and_the_pages_are_open(auth_stack)
     assert page.status_code == 200 and "Job API token" in page.text
 
 
-def test_dashboard_follows_a_running_job_shows_samples_and_cancels_it(auth_stack, browser, addition_task,
-                                                                     tiny_model_dir, tmp_path):
+def test_dashboard_follows_a_running_job_shows_samples_and_cancels_it(auth_stack, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    state, token = auth_stack
+    state, token, demo_dir = auth_stack
     url = state["trainer_url"]
-    train_path, _ = addition_task
-    spec = job_spec(tiny_model_dir, train_path, job_id="dash-job", num_rollout=40,
+    spec = job_spec(demo_dir / "model", demo_dir / "task" / "train.jsonl", job_id="dash-job", num_rollout=40,
                     save=str(tmp_path / "checkpoints"), save_interval=1)
     with httpx.Client(base_url=url, headers=auth.bearer(token), timeout=30) as api:
         reply = api.post("/v1/jobs", json=spec)
