@@ -4,7 +4,6 @@ sample's text and reward, the pool, cancel; a screenshot is kept under the test 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -185,8 +184,15 @@ def test_dashboard_follows_a_running_job_shows_samples_and_cancels_it(auth_stack
 
         browser.get(url + "/dashboard/#/pool")
         wait_for("the pool's engine", lambda: browser.find_elements(By.CSS_SELECTOR, "#engines tr[data-engine]"), 60)
+        wait_for("the pool's join events", lambda: "join" in browser.find_element(By.ID, "pool-events").text, 60)
         wait_for("the buffer's counters", lambda: "prompts leased" in browser.find_element(By.ID, "buffer").text, 60)
-        assert json.loads(api.get("/v1/dashboard/pool").text)["engines"]
+        replicas = browser.find_element(By.ID, "replicas")
+        replicas.clear()
+        replicas.send_keys("2")
+        browser.find_element(By.ID, "scale").click()
+        browser.switch_to.alert.accept()  # "Scale the engine pool to 2 engines?"
+        wait_for("the pool to want 2 engines", lambda: api.get("/v1/dashboard/pool").json()["desired_replicas"] == 2)
+        wait_for("the page to show it", lambda: "(2 wanted)" in browser.find_element(By.ID, "pool-summary").text, 60)
     errors = console_errors(browser)
     assert not errors, errors
 

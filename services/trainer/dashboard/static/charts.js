@@ -73,7 +73,7 @@ export class Curves {
       axes: [{ label: "rollout", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000] }, { size: 60, values: (u, ticks) => ticks.map(shortNumber) }],
       series: [{ label: "rollout" }, ...keys.map((key, i) => ({ label: key, stroke: COLORS[i % COLORS.length],
         width: 1.5, points: { show: true, size: 4 }, spanGaps: true }))],
-      legend: { live: true },
+      legend: { live: false },  // names only: a compact legend under each chart
     };
     const plot = new uPlot(opts, [[], ...keys.map(() => [])], node);
     const chart = { plot, keys, node };
