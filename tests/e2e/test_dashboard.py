@@ -196,3 +196,46 @@ def test_dashboard_follows_a_running_job_shows_samples_and_cancels_it(auth_stack
     errors = console_errors(browser)
     assert not errors, errors
 
+
+
+def test_a_multi_turn_sample_shows_turn_by_turn_with_the_tool_output_marked(auth_stack, browser, tmp_path):
+    """The shipped calculator example: the model's turns and the calculator's masked answers apart; the held-out
+    eval reward is drawn beside the train reward."""
+    import yaml
+    from selenium.webdriver.common.by import By
+
+    from examples.multiturn.build_dataset import write_dataset
+
+    state, token, demo_dir = auth_stack
+    url = state["trainer_url"]
+    train, test = write_dataset(tmp_path, num_train=40, num_test=4)
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "multiturn" / "job.yaml").read_text())
+    spec.update(job_id="dash-multiturn", hf_checkpoint=str(demo_dir / "model"), prompt_data=str(train), num_rollout=1,
+                rollout_batch_size=8, n_samples_per_prompt=8, global_batch_size=64, eval_prompt_data=[f"calc={test}"],
+                eval_interval=1, n_samples_per_eval_prompt=2, weight_sync_timeout_s=30.0, lease_timeout_s=60.0,
+                rollout_timeout_s=300.0)
+    with httpx.Client(base_url=url, headers=auth.bearer(token), timeout=30) as api:
+        reply = api.post("/v1/jobs", json=spec)
+        assert reply.status_code == 201, reply.text
+        browser.get(url + "/dashboard/")
+        wait_for("the sign-in form", lambda: browser.find_element(By.ID, "token").is_displayed())
+        browser.find_element(By.ID, "token").send_keys(token)
+        browser.find_element(By.ID, "login-submit").click()
+        browser.get(url + "/dashboard/#/job/dash-multiturn")
+        wait_for("the job to finish", lambda: api.get("/v1/jobs/dash-multiturn").json()["state"] == "SUCCEEDED")
+        # 64 samples; the random tiny model calls the calculator in about a third of them
+        turns = wait_for("a sample with a masked tool answer", lambda: browser.execute_script("""
+            const masked = document.querySelector("#samples .turn.masked");
+            if (!masked) return null;
+            const card = masked.closest(".sample");
+            return [...card.querySelectorAll(".turn.response")].map(
+                (t) => [t.classList.contains("masked"), t.querySelector(".label").textContent]);"""))
+        assert any(masked for masked, _ in turns) and any(not masked for masked, _ in turns), turns
+        assert all(label.startswith("masked: not trained on") for masked, label in turns if masked), turns
+        assert all(label.startswith("model, turn") for masked, label in turns if not masked), turns
+        legend = wait_for("the eval reward in the reward chart", lambda: "eval/calc" in browser.find_element(
+            By.CSS_SELECTOR, '.chart[data-group="reward"]').text and browser.find_element(
+            By.CSS_SELECTOR, '.chart[data-group="reward"]').text, 60)
+        assert "rollout/reward_mean" in legend, legend
+    errors = console_errors(browser)
+    assert not errors, errors
