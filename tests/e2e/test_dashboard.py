@@ -1,6 +1,7 @@
 """The dashboard in a real headless Chromium (Debian's, driven by selenium through chromedriver), against a local
-stack of its own with authentication on, running a short job: sign in, the job, its curves gaining points, a
-sample's text and reward, the pool, cancel; a screenshot is kept under the test run's artifacts."""
+stack of its own (`physarum up` with authentication on) running short jobs: sign in, the job, its curves gaining
+points, a sample's text and reward, a multi-turn sample turn by turn, the pool and scaling it, cancel; a screenshot
+is kept under the test run's artifacts."""
 
 from __future__ import annotations
 
