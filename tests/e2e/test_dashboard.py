@@ -22,8 +22,8 @@ from tests.e2e.test_loop import job_spec
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-ARTIFACTS = Path(os.environ.get("PHYSARUM_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / ".physarum" /
-                                "test-artifacts"))
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("PHYSARUM_TEST_ARTIFACTS", ROOT / ".physarum" / "test-artifacts"))
 WAIT_S = 240.0  # a rollout on a loaded 2-core machine takes seconds; this bounds every wait
 
 
@@ -48,8 +48,10 @@ def auth_stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("dashboard-home")  # the demo's model is built under the working directory
     work_dir = home / "stack"
     try:
+        # the stack's processes run in `home` too: the repository on their path finds the example plugins
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         done = subprocess.run([sys.executable, "-m", "physarum", "--work-dir", str(work_dir), "up", "--engines", "1"],
-                              cwd=home, capture_output=True, text=True, timeout=600)
+                              cwd=home, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
         state = stack.read_state(work_dir)
         match = re.search(r"dashboard: (http://\S+)/dashboard/  token: (\S+)", done.stdout)
@@ -210,7 +212,7 @@ def test_a_multi_turn_sample_shows_turn_by_turn_with_the_tool_output_marked(auth
     state, token, demo_dir = auth_stack
     url = state["trainer_url"]
     train, test = write_dataset(tmp_path, num_train=40, num_test=4)
-    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "multiturn" / "job.yaml").read_text())
+    spec = yaml.safe_load((ROOT / "examples" / "multiturn" / "job.yaml").read_text())
     spec.update(job_id="dash-multiturn", hf_checkpoint=str(demo_dir / "model"), prompt_data=str(train), num_rollout=1,
                 rollout_batch_size=8, n_samples_per_prompt=8, global_batch_size=64, eval_prompt_data=[f"calc={test}"],
                 eval_interval=1, n_samples_per_eval_prompt=2, weight_sync_timeout_s=30.0, lease_timeout_s=60.0,
