@@ -139,7 +139,7 @@ def mount_dashboard(app: FastAPI, registry, *, rollout_addr: str, buffer_addr: s
 
     @app.get("/v1/dashboard/buffer/{job_id}", tags=["dashboard"])
     def buffer(job_id: str) -> dict[str, Any]:
-        """The buffer's counters for the job (its queue of prompts, leases, groups waiting) and the stale groups
+        """The buffer's counters for the job (its queue of prompts, leases, groups written) and the stale groups
         the trainer's last rollout reported."""
         metrics = job_of(job_id).metrics
         try:

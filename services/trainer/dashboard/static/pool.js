@@ -20,7 +20,7 @@ function bufferTable(info) {
   const s = info.stats;
   const rows = [["prompts in the dataset", s.num_prompts], ["epoch", s.epoch], ["cursor (next prompt)", s.cursor],
     ["prompts leased (being generated)", s.num_leased], ["prompts returned (queued to lease again)", s.num_returned],
-    ["groups waiting to be trained on", s.num_groups],
+    ["sample groups written (this job)", s.num_groups],
     ...Object.entries(info.stale).map(([k, v]) => [k, fmtNum(v)])];
   return el("table", { id: "buffer-stats" }, ...rows.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", { class: "num" }, v))));
 }
