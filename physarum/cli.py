@@ -83,12 +83,27 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_up(args) -> int:
     if args.trainer_ranks < 1:
         raise SystemExit(f"physarum: --trainer-ranks must be >= 1, got {args.trainer_ranks}")
+    if args.model is None:
+        from physarum.demo import demo_model
+
+        args.model, _ = demo_model()
+        print(f"no --model: starting on the demo's model, {args.model} (`physarum submit examples/demo/sft.yaml`)")
     state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines,
                                         trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync,
                                         plugin_allowlist=args.plugin_allowlist, auth=args.auth,
                                         trainer_device=args.device, engine_device=args.engine_device))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
+    print(dashboard_note(state, args.work_dir))
     return 0
+
+
+def dashboard_note(state: dict, work_dir: Path) -> str:
+    """Where the dashboard is and the token to paste into its sign-in field (none when authentication is off)."""
+    from services.common import auth
+
+    token = auth.read_token("trainer", stack.operator_token_dir(work_dir))
+    return f"dashboard: {state['trainer_url']}/dashboard/  " + (
+        f"token: {token}" if token else "(no token: authentication is off; choose \"No token\" there)")
 
 
 def cmd_down(args) -> int:
@@ -158,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="job API bearer token (default: $PHYSARUM_API_TOKEN)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("up", help="start the local stack")
-    p.add_argument("--model", type=Path, required=True, help="HF model directory the engines start from")
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF model directory the engines start from (default: the demo's tiny model, built if missing)")
     p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
     p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="everysec",
                    help="fsync policy of the local Redis's append-only file (everysec: at most 1 s lost to a crash)")

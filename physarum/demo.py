@@ -28,6 +28,17 @@ DEMO_DIR = Path(".physarum/demo")
 EXAMPLES = Path("examples/demo")
 
 
+def demo_model(seed: int = 0, family: str = "") -> tuple[Path, Path]:
+    """The demo's tiny model of `family` (default: the demo's; built when missing) and its task files (the job files
+    name them); returns the model's directory and the held-out test set. `physarum up` without --model starts on the
+    default family's seed 0."""
+    family = family or DEFAULT_FAMILY
+    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name(family, seed), tasks.corpus(), seed=seed,
+                                           family=family)
+    _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
+    return model_dir, test_path
+
+
 def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: int = 4) -> float:
     """Held-out mean reward: greedy answers through the router, scored by the reward service."""
     import httpx
@@ -131,11 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     backend_sets = backend_overrides(args.train_backend, tp)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
-    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name(args.model_family, args.seed), tasks.corpus(),
-                                           seed=args.seed, family=args.model_family)
+    model_dir, test_path = demo_model(args.seed, args.model_family)
     refuse_unbuildable(model_dir, args.train_backend)
     seed_sets = [f"seed={args.seed}", f"rollout_seed={args.seed}", f"hf_checkpoint={model_dir}"]
-    _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
     state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model_dir, num_engines=args.engines,

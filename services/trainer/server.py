@@ -12,6 +12,7 @@ from services.common.rest import RestServer
 from services.common.samples import dict_to_struct, struct_to_dict
 from services.trainer.auth import check_bearer
 from services.trainer.config import TrainerConfig
+from services.trainer.dashboard.api import mount_dashboard
 from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
 from services.trainer.preflight import with_preflight
 from services.trainer.rest import create_app
@@ -99,6 +100,8 @@ async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers
         [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, token, parse),
                        "physarum.v1.Jobs")],
         config.host, config.port, token=token, service="trainer")  # checked before a request is even decoded
-    rest = RestServer(create_app(registry, token, parse), config.host, config.rest_port)
+    app = create_app(registry, token, parse)
+    mount_dashboard(app, registry, rollout_addr=config.rollout_addr, buffer_addr=config.buffer_addr)
+    rest = RestServer(app, config.host, config.rest_port)
     await rest.start()
     return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)

@@ -19,6 +19,7 @@ from services.rollout.client import RolloutConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
 from services.trainer.backends.base import TrainBackend
 from services.trainer.backends.registry import build_backend
+from services.trainer.dashboard.samples import BOARD
 from services.trainer.driver import checkpoint
 from services.trainer.driver.config import DriverConfig
 from services.trainer.driver.deps import TrainerDeps
@@ -75,6 +76,7 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobContext, 
     try:
         for rollout_id in range(driver.num_rollout):
             samples = feed.rollout(rollout_id, feed.share)
+            BOARD.record(driver.job_id, rollout_id, samples, driver.hf_checkpoint)
             metrics = combine_rollout_stats([rollout_sums(samples, rollout_id)])
             writer.write(rollout_id, metrics)
             ctx.report(rollout_id, metrics)
@@ -118,6 +120,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
             samples = feed.samples(rollout_id)
             rollout_s = time.monotonic() - start
             feed.started(rollout_id)
+            if world.rank == 0:  # the dashboard's copy of rank 0's share; recording never raises
+                BOARD.record(driver.job_id, rollout_id, samples, driver.hf_checkpoint)
             start = time.monotonic()
             steps = backend.train_rollout(samples)
             metrics = {**feed.rollout_metrics(samples, rollout_id), **world.mean(mean_metrics(steps)),

@@ -1,0 +1,130 @@
+"""The latest rollout's samples of each job, kept on rank 0 for the dashboard as display records.
+
+A record holds what a person reads (prompt, response, reward, length, weight versions) and the response cut into
+turns at the loss mask's edges, so the masked parts of a multi-turn or agent trajectory (tool output, the
+environment's turns) show apart from the model's. Recording never raises: the samples are for looking at, and a
+job must not fail over them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.samples import Sample
+
+log = logging.getLogger(__name__)
+
+MAX_SAMPLES = 256  # per rollout shown
+MAX_TEXT_CHARS = 4000  # per prompt, response or turn
+MAX_JOBS = 16  # jobs whose latest rollout is kept
+
+
+@dataclass
+class Turn:
+    text: str
+    masked: bool  # loss_mask 0: not the model's tokens (a tool's or the environment's), left out of the loss
+    num_tokens: int
+
+
+@dataclass
+class SampleView:
+    index: int
+    group_index: int
+    prompt: str
+    prompt_messages: list[dict[str, str]]
+    response: str
+    reward: float
+    response_length: int
+    status: str
+    weight_versions: list[str]
+    reward_error: str = ""
+    turns: list[Turn] = field(default_factory=list)
+
+
+@dataclass
+class RolloutSamples:
+    job_id: str
+    rollout_id: int
+    num_samples: int  # in the rollout; at most MAX_SAMPLES of them are in `samples`
+    samples: list[SampleView]
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS] + f" … ({len(text)} chars)"
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str):
+    """The job model's tokenizer (tokenizer.json), to decode each turn's tokens; None when there is none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def mask_runs(loss_mask: list[int]) -> list[tuple[int, int, bool]]:
+    """(start, end, masked) of each run of equal loss-mask values, in order."""
+    runs: list[tuple[int, int, bool]] = []
+    start = 0
+    for i in range(1, len(loss_mask) + 1):
+        if i == len(loss_mask) or bool(loss_mask[i]) != bool(loss_mask[start]):
+            runs.append((start, i, not loss_mask[start]))
+            start = i
+    return runs
+
+
+def turns_of(sample: Sample, tokenizer) -> list[Turn]:
+    """The response cut at the loss mask's edges; one turn (the whole response) when nothing is masked."""
+    response = sample.tokens[sample.prompt_length:] if sample.tokens else []
+    mask = sample.loss_mask[: len(response)]
+    if tokenizer is None or not response or len(mask) != len(response) or all(mask):
+        return [Turn(text=_clip(sample.response), masked=False, num_tokens=sample.response_length)]
+    return [Turn(text=_clip(tokenizer.decode(response[a:b], skip_special_tokens=False)), masked=masked,
+                 num_tokens=b - a) for a, b, masked in mask_runs(mask)]
+
+
+def view_of(sample: Sample, tokenizer) -> SampleView:
+    return SampleView(index=sample.index, group_index=sample.group_index, prompt=_clip(sample.prompt),
+                      prompt_messages=[{k: _clip(str(v)) for k, v in m.items()} for m in sample.prompt_messages],
+                      response=_clip(sample.response), reward=float(sample.reward),
+                      response_length=sample.response_length, status=sample.status.name,
+                      weight_versions=sorted(set(sample.weight_versions), key=lambda v: (len(v), v)),
+                      reward_error=sample.reward_error, turns=turns_of(sample, tokenizer))
+
+
+class SampleBoard:
+    """Each job's latest rollout, as display records; thread-safe (the driver writes, the REST threads read)."""
+
+    def __init__(self, max_jobs: int = MAX_JOBS) -> None:
+        self._latest: OrderedDict[str, RolloutSamples] = OrderedDict()
+        self._lock = threading.Lock()
+        self._max_jobs = max_jobs
+
+    def record(self, job_id: str, rollout_id: int, samples: list[Sample], model_dir: str = "") -> None:
+        try:
+            tokenizer = _tokenizer(model_dir) if model_dir else None
+            views = [view_of(s, tokenizer) for s in samples[:MAX_SAMPLES]]
+        except Exception:  # noqa: BLE001 - for display only: the job goes on without them
+            log.warning("job %s rollout %d: samples not kept for the dashboard", job_id, rollout_id, exc_info=True)
+            return
+        with self._lock:
+            self._latest[job_id] = RolloutSamples(job_id, rollout_id, len(samples), views)
+            self._latest.move_to_end(job_id)
+            while len(self._latest) > self._max_jobs:
+                self._latest.popitem(last=False)
+
+    def latest(self, job_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            record = self._latest.get(job_id)
+        return None if record is None else asdict(record)
+
+
+BOARD = SampleBoard()  # this process's (rank 0's): the driver records, the dashboard's endpoints read
