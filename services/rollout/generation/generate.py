@@ -126,6 +126,23 @@ async def router_generate_batch(samples: list[Sample], payload: dict[str, Any]) 
     return replies
 
 
+async def post_generate(ctx: GenerateContext, what: str, payload: dict[str, Any], *, count: int | None = None,
+                        routing_key: str = "") -> Any:
+    """/generate through `ctx` from outside a rollout's tasks (the agent gateway's turns): SGLang's reply, or a list
+    of `count` replies for a batch of input_ids; the same retries and abort as router_generate."""
+    headers = {ROUTING_KEY_HEADER: routing_key} if ctx.sticky_routing and routing_key else None
+
+    def body() -> dict[str, Any]:
+        return payload if count is not None else {**payload, "rid": f"{ctx.rid_prefix}-{uuid.uuid4().hex[:16]}"}
+
+    return await _post_generate(ctx, what, body, headers, count=count)
+
+
+def current_context() -> GenerateContext:
+    """The rollout's GenerateContext bound to the calling task (a generate function's)."""
+    return _context()
+
+
 def _context() -> GenerateContext:
     ctx = _CONTEXT.get(None)
     if ctx is None:
