@@ -4,13 +4,12 @@ against a session of the agent gateway, and the session's exact tokens become th
 
 Job keys (examples/agent/job.yaml):
     agent_function_path: examples.agent.calculator.agent
-    custom_rm_path: examples.agent.calculator.reward
+    custom_rm_path: examples.agent.reward.reward
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -21,7 +20,6 @@ MAX_CALLS = 3  # calculator calls before the agent stops asking
 TOOL = {"type": "function", "function": {"name": "calculator", "description": "Arithmetic.",
                                          "parameters": {"type": "object",
                                                         "properties": {"expression": {"type": "string"}}}}}
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 async def agent(base_url: str, api_key: str, prompt: dict[str, Any]) -> None:
@@ -45,8 +43,3 @@ async def agent(base_url: str, api_key: str, prompt: dict[str, Any]) -> None:
         await client.close()
     return None
 
-
-async def reward(args: Any, sample: Any) -> float:
-    """1 when the last number of the model's final answer is the label."""
-    numbers = _NUMBER.findall(sample.metadata.get("agent_final_content", ""))
-    return float(bool(numbers) and numbers[-1] == str(sample.label).strip())

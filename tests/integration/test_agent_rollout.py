@@ -83,15 +83,15 @@ def run_rollouts(stack, cfg: RolloutConfig, rollout_ids: list[int], num_prompts:
 def test_calculator_agent_rollouts_train_the_sessions_tokens(stack):
     cfg = RolloutConfig(job_id="agent-calc", rollout_batch_size=1, n_samples_per_prompt=2, rollout_temperature=0.0,
                         rollout_max_response_len=200, agent_function_path="examples.agent.calculator.agent",
-                        custom_rm_path="examples.agent.calculator.reward", apply_chat_template=True,
-                        lease_timeout_s=120.0)
+                        custom_rm_path="examples.agent.reward.reward", apply_chat_template=True,
+                        lease_timeout_s=120.0, reward_timeout_s=60.0)
     start = len(stack["proxy"].generated)
     batches = run_rollouts(stack, cfg, [0, 1])
     samples = [s for groups in batches for group in groups for s in group.samples]
     assert len(samples) == 4
     records = stack["proxy"].since(start)
     for sample in samples:
-        assert sample.status == Status.COMPLETED and sample.reward == 1.0
+        assert sample.status == Status.COMPLETED and sample.reward == 1.0, sample.reward_error
         assert sample.metadata["agent_turns"] == 2 and sample.metadata["agent_branches"] == []
         assert sample.metadata["agent_final_content"] == "The answer is 5."
         # the sample ends with an engine reply to a request that was the sample's tokens before it: the same token
@@ -114,3 +114,16 @@ def test_a_stuck_agent_is_cut_at_its_timeout_with_its_reward(stack):
     (sample,) = groups[0].samples
     assert sample.status == Status.TRUNCATED and sample.reward == 0.25
     assert sample.response_length == 3 and sample.loss_mask == [1, 1, 1]
+
+
+def test_a_slime_generate_function_on_slime_agent_adapters_runs_unchanged(stack):
+    cfg = RolloutConfig(job_id="agent-slime", rollout_batch_size=1, n_samples_per_prompt=1, rollout_temperature=0.0,
+                        rollout_max_response_len=200, apply_chat_template=True, rm_type="exact_match",
+                        custom_generate_function_path="tests.plugins.agent_fns.slime_style_generate",
+                        lease_timeout_s=120.0)
+    (groups,) = run_rollouts(stack, cfg, [0])
+    (sample,) = groups[0].samples
+    assert sample.status == Status.COMPLETED and sample.reward == 1.0
+    assert sample.metadata["harness"] == "anthropic" and sample.metadata["agent_turns"] == 2
+    assert sample.metadata["agent_final_content"] == "The answer is 5."
+    assert sample.loss_mask[0] == 1 and sample.loss_mask[-1] == 1 and 0 in sample.loss_mask

@@ -76,6 +76,8 @@ class Session:
     aborted: bool = False
     num_turns: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    registry: SessionRegistry | None = None  # the registry that opened it (closes it)
+    gateway_url: str = ""  # where agents reach the gateway (its root), when the manager serves one
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.renderer)
@@ -166,16 +168,22 @@ class SessionRegistry:
         self._by_key: dict[str, Session] = {}
 
     def open(self, ctx: GenerateContext, renderer: Any, sampling_params: dict[str, Any], *, session_id: str,
-             model: str = "physarum") -> Session:
+             model: str = "physarum", key: str = "") -> Session:
+        """A new session; its key is a fresh secret unless `key` is given (slime's adapters use the session id)."""
+        if key and key in self._by_key:
+            raise InvalidArgument(f"session key {key[:8]}...: a session with this key is open")
         tokenizer = getattr(renderer, "tokenizer", None)
         stop_ids = [] if tokenizer is None else [i for token in END_OF_TURN_TOKENS
                                                  if (i := tokenizer.token_to_id(token)) is not None]
-        session = Session(id=session_id, key=f"sk-physarum-{secrets.token_urlsafe(24)}", ctx=ctx, renderer=renderer,
-                          sampling_params=dict(sampling_params), limits=self.limits, metrics=self.metrics, model=model,
-                          stop_token_ids=stop_ids)
+        session = Session(id=session_id, key=key or f"sk-physarum-{secrets.token_urlsafe(24)}", ctx=ctx,
+                          renderer=renderer, sampling_params=dict(sampling_params), limits=self.limits,
+                          metrics=self.metrics, model=model, stop_token_ids=stop_ids, registry=self)
         self._by_key[session.key] = session
         self.metrics.sessions_open.inc()
         return session
+
+    def by_id(self, session_id: str) -> Session | None:
+        return next((s for s in self._by_key.values() if s.id == session_id), None)
 
     def by_key(self, key: str) -> Session:
         session = self._by_key.get(key) if key else None

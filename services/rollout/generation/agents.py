@@ -39,16 +39,15 @@ def load_agent_function(path: str) -> Callable[..., Any]:
     return plugins.load_function(path, flag="agent_function_path", expected=EXPECTED, is_async=True, num_params=3)
 
 
-def agent_generate_function(gateway: AgentGateway | None, path: str, encoder: PromptEncoder,
-                            timeout_s: float, model: str) -> Callable[..., Any]:
+def agent_generate_function(gateway: AgentGateway | None, path: str, timeout_s: float) -> Callable[..., Any]:
     """A generate function (slime's signature) that runs the agent at `path` for its sample."""
     if gateway is None:
         raise InvalidArgument("agent_function_path: this rollout manager serves no agent gateway")
     agent = load_agent_function(path)
 
     async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-        session = gateway.registry.open(current_context(), encoder, sampling_params,
-                                        session_id=getattr(sample, "session_id", None) or new_session_id(), model=model)
+        session = current_context().open_session(getattr(sample, "session_id", None) or new_session_id(),
+                                                 sampling_params)
         prompt = {"prompt": sample.prompt, "messages": sample.prompt_messages, "label": sample.label,
                   "metadata": dict(sample.metadata)}
         timed_out, returned = False, None
@@ -63,19 +62,37 @@ def agent_generate_function(gateway: AgentGateway | None, path: str, encoder: Pr
                 raise FailedPrecondition(f"agent_function_path {path} raised {type(err).__name__}: {err}") from err
         finally:
             gateway.registry.close(session)
-        return _finish(sample, session, returned, timed_out, path)
+        if returned is not None and (isinstance(returned, bool) or not isinstance(returned, (int, float))
+                                     or not math.isfinite(returned)):
+            raise FailedPrecondition(f"agent_function_path {path} returned {returned!r}; expected {EXPECTED}")
+        return session_sample(sample, session, returned, timed_out, f"agent_function_path {path}")
 
     return generate
 
 
-def _finish(sample: Sample, session: Any, returned: Any, timed_out: bool, path: str) -> Sample:
-    """The session's trajectory (the path to its last turn) as the sample; its reward if the agent gave one."""
+def session_opener(gateway: AgentGateway | None, ctx: Any, encoder: PromptEncoder,
+                   model: str) -> Callable[..., Any] | None:
+    """GenerateContext.open_session for a rollout: sessions of `gateway` that generate through `ctx`."""
+    if gateway is None:
+        return None
+
+    def open_session(session_id: str, sampling_params: dict[str, Any], key: str = "") -> Any:
+        session = gateway.registry.open(ctx, encoder, sampling_params, session_id=session_id, model=model, key=key)
+        session.gateway_url = gateway.base_url.removesuffix("/v1")
+        return session
+
+    return open_session
+
+
+def session_sample(sample: Sample, session: Any, reward: float | None, truncated: bool, what: str) -> Sample:
+    """The session's trajectory (the path to its last turn) as `sample`, in place; `reward` (else the one posted on
+    the session, else none: the job's reward settings score it)."""
     tip = session.trajectory.tip
     if session.aborted:
         sample.status = Status.ABORTED
         return sample
     if tip is None:
-        raise FailedPrecondition(f"agent_function_path {path}: the agent made no request through its session")
+        raise FailedPrecondition(f"{what}: the agent made no request through its session")
     trained = sample_tokens(tip)
     prompt_length = len(trained.tokens) - trained.response_length
     renderer = session.renderer
@@ -84,12 +101,10 @@ def _finish(sample: Sample, session: Any, returned: Any, timed_out: bool, path: 
     sample.response = renderer.decode(trained.tokens[prompt_length:])
     sample.loss_mask, sample.rollout_log_probs = trained.loss_mask, trained.rollout_log_probs
     sample.weight_versions = trained.weight_versions
-    sample.status = Status.TRUNCATED if timed_out or trained.finish == "length" else Status.COMPLETED
+    sample.status = Status.TRUNCATED if truncated or trained.finish == "length" else Status.COMPLETED
     sample.metadata = {**sample.metadata, "agent_turns": session.num_turns, "agent_final_content": tip.keys[-1][1],
                        "agent_branches": [{"turn": b.turn, "reason": b.reason} for b in session.trajectory.branches]}
-    reward = returned if returned is not None else session.reward
+    reward = reward if reward is not None else session.reward
     if reward is not None:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise FailedPrecondition(f"agent_function_path {path} returned {reward!r}; expected {EXPECTED}")
         sample.reward = float(reward)
     return sample

@@ -77,6 +77,8 @@ class GenerateContext:
     aborting: bool = False  # the manager aborts the rest of the rollout: its batch is full
     version_now: Callable[[], str | None] | None = None  # the pool's settled weight version (recorded per request)
     batch_groups: bool = False  # a group's fresh samples go out as one /generate (default generate function only)
+    # opens an agent-gateway session for a sample of this rollout: (session_id, sampling_params, key) -> Session
+    open_session: Callable[..., Any] | None = None
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")

@@ -15,7 +15,7 @@ from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
 from services.rollout.client import RolloutConfig
-from services.rollout.generation.agents import AgentGateway, agent_generate_function
+from services.rollout.generation.agents import AgentGateway, agent_generate_function, session_opener
 from services.rollout.generation.generate import (
     GenerateContext,
     generate,
@@ -61,8 +61,7 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
     sessions of an agent_function_path job.
     """
     if config.agent_function_path:
-        fn = agent_generate_function(gateway, config.agent_function_path, encoder, config.agent_timeout_s,
-                                     model=Path(config.tokenizer_path).name or "physarum")
+        fn = agent_generate_function(gateway, config.agent_function_path, config.agent_timeout_s)
     else:
         fn = load_generate_function(config.custom_generate_function_path)
     if config.group_rm:
@@ -81,6 +80,7 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
                              max_new_tokens=max_new_tokens, stop=config.rollout_stop,
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
+    ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,
                       scorer=ServiceScorer(reward, config))
