@@ -148,8 +148,14 @@ def test_anthropic_tool_use_then_answer_plain_and_streamed(gateway):
     assert session.trajectory.branches == []
 
 
+def metric(gateway: GatewayThread, name: str) -> float:
+    lines = httpx.get(f"{gateway.url}/metrics", timeout=30.0).text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
+
+
 def test_edited_history_starts_a_reported_branch(gateway):
     gw, proxy = gateway
+    branches_before = metric(gw, "physarum_gateway_branches_total")
     session = gw.open()
     client = openai_client(gw, session.key)
     messages = [{"role": "user", "content": QUESTION}]
@@ -161,6 +167,7 @@ def test_edited_history_starts_a_reported_branch(gateway):
         *messages, edited, {"role": "tool", "tool_call_id": "x", "content": "6"}])
     state = httpx.get(f"{gw.url}/v1/session", headers={"Authorization": f"Bearer {session.key}"}).json()
     assert state["branches"] == [{"turn": 1, "reason": "the history repeats no turn the gateway produced"}]
+    assert metric(gw, "physarum_gateway_branches_total") == branches_before + 1
     (in2, out2, _), = engine_turns(proxy, start)
     # a branch is a fresh prompt: the edited call is rendered as text and trains nothing
     trained = sample_tokens(session.trajectory.tip)

@@ -3,12 +3,21 @@ trajectory's matching (what is appended, what branches), on a character renderer
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.plugin_sample import PluginSample
+from services.common.samples import Status
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message, from_anthropic, from_openai
+from services.rollout.gateway.sessions import SessionRegistry, TurnParams
 from services.rollout.gateway.toolcalls import parse_tool_calls
 from services.rollout.gateway.trajectory import Trajectory, sample_tokens
+from services.rollout.generation.agents import session_sample
+from services.rollout.generation.generate import GenerateContext
+from services.rollout.generation.router_http import HttpxPoster
 
 END = "\x01"  # the end-of-turn "token" of the renderer below
 
@@ -109,3 +118,24 @@ def test_requests_past_their_bounds_are_refused():
             {"function": {"name": "f", "arguments": "{"}}]}]}, Limits())
     with pytest.raises(InvalidArgument, match="role must be"):
         from_openai({"messages": [{"role": "robot", "content": "x"}]}, Limits())
+
+
+def test_a_turn_of_an_aborted_rollout_answers_503_and_its_sample_is_aborted():
+    sent = []
+
+    def router(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500)
+
+    async def main() -> None:
+        ctx = GenerateContext(http=HttpxPoster(httpx.AsyncClient(transport=httpx.MockTransport(router))),
+                              router_url="http://router", name="rollout 0 of job j", rid_prefix="j-0", aborting=True)
+        registry = SessionRegistry()
+        session = registry.open(ctx, CharRenderer(), {"max_new_tokens": 8}, session_id="s")
+        with pytest.raises(Unavailable, match="aborted"):
+            await session.turn(Conversation([{"role": "user", "content": "hi"}], []), TurnParams())
+        registry.close(session)
+        assert session.aborted and not sent and len(registry) == 0
+        assert session_sample(PluginSample(tokens=[1]), session, None, False, "t").status == Status.ABORTED
+
+    asyncio.run(main())

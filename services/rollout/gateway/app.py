@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.rollout.gateway import anthropic_api, openai_api
 from services.rollout.gateway.conversation import from_anthropic, from_openai
 from services.rollout.gateway.sessions import Session, SessionRegistry
@@ -66,7 +66,8 @@ def create_app(registry: SessionRegistry) -> FastAPI:
     app = FastAPI(title="Physarum agent gateway", description="OpenAI and Anthropic APIs over one session per sample")
     limits = registry.limits
 
-    @app.exception_handler(Exception)
+    # Handlers for these classes (not for Exception, whose handler Starlette runs and then re-raises, dropping the
+    # kept-alive connection under the client's next request); anything else is FastAPI's plain 500.
     async def errors(request: Request, err: Exception) -> JSONResponse:
         if isinstance(err, BodyTooLarge):
             return _error(request, 413, "request_too_large", str(err))
@@ -80,6 +81,9 @@ def create_app(registry: SessionRegistry) -> FastAPI:
             return _error(request, 503, "overloaded_error", str(err))
         log.error("gateway %s failed", request.url.path, exc_info=err)
         return _error(request, 500, "api_error", f"{type(err).__name__}: {err}")
+
+    for kind in (PhysarumError, Unauthorized):
+        app.add_exception_handler(kind, errors)
 
     def session_of(request: Request) -> Session:
         key = _key(request)
