@@ -147,7 +147,7 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
     grpc_server = await start_grpc_server(
         [ServiceBinding(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "physarum.v1.Rollout")],
         config.host, config.port, serving=False, token=auth.read_token("rollout"), service="rollout")
-    rest_server = RestServer(rest.create_app(pool), config.host, config.rest_port)
+    rest_server = RestServer(rest.create_app(pool, registry.metrics), config.host, config.rest_port)
     await rest_server.start()
     pool.rest_url = f"http://{config.host}:{rest_server.port}"
     log.info("rollout manager REST API on %s (scale, engines, metrics)", pool.rest_url)
