@@ -36,6 +36,7 @@ def test_calculator_agent_trains_from_a_submitted_job(agent_stack, tmp_path):
     spec = yaml.safe_load((EXAMPLE / "job.yaml").read_text())
     spec.update(job_id="e2e-agent", hf_checkpoint=str(model), prompt_data=str(train), num_rollout=2,
                 rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=4, eval_prompt_data=[],
+                rollout_temperature=0.5,  # the warmed-up answer is likely at 1.0 and all but certain at 0.5
                 weight_sync_timeout_s=60.0, lease_timeout_s=120.0, rollout_timeout_s=400.0, reward_timeout_s=60.0)
     spec.pop("eval_interval")
     job, events = run(state, spec, timeout_s=600.0)
