@@ -16,7 +16,7 @@ class RolloutManagerConfig:
     gateway_port: int = field(0, "agent gateway port: OpenAI and Anthropic APIs for agent_function_path jobs, one "
                               "session (and key) per sample (0 picks a free one)")
     gateway_url: str = field("", "the base URL agents reach the gateway at, ending in /v1 (default: "
-                             "http://<host>:<gateway_port>/v1)")
+                             "http://<host>:<gateway_port>/v1, 127.0.0.1 for a wildcard host)")
     buffer_addr: str = field("127.0.0.1:50051", "buffer service host:port")
     reward_addr: str = field("127.0.0.1:50052", "reward service host:port")
     router_url: str = field("http://127.0.0.1:30000", "sglang-router base URL; /generate goes through it")

@@ -136,7 +136,8 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
     registry = SessionRegistry()
     gateway_server = RestServer(create_gateway_app(registry), config.host, config.gateway_port)
     await gateway_server.start()
-    gateway_url = config.gateway_url or f"http://{config.host}:{gateway_server.port}/v1"
+    local_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host  # agents in this process
+    gateway_url = config.gateway_url or f"http://{local_host}:{gateway_server.port}/v1"
     log.info("agent gateway on %s", gateway_url)
     manager = RolloutManager(buffer, reward, config.router_url, model_path=config.model_path,
                              router_policy=config.router_policy, request_timeout_s=config.request_timeout_s,
