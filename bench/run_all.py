@@ -28,6 +28,7 @@ SCRIPTS = {
     "same_host_sync": ["--rounds", "3"],
     "engine_decode": ["--rounds", "3"],
     "router_overhead": ["--requests", "200"],
+    "gateway_overhead": ["--sessions", "20"],
     "buffer_vs_redis": ["--rounds", "10"],
     "reward_grpc": ["--calls", "20"],
     "loop_vs_inprocess": ["--rollouts", "6"],  # the demo job: 512 samples a rollout
@@ -42,8 +43,8 @@ SCRIPTS = {
 # imported or run by the scripts, or not a benchmark (gpu_check is `make gpu-check`, on a CUDA machine)
 HELPERS = {"_harness", "run_all", "inprocess_loop", "sim_engines", "demo_sweep", "gpu_check", "gpu_families"}
 KEYS = ("weight_sync_vs_gloo", "same_host_sync_GBps", "engine_vs_hf_generate", "router_overhead_p50",
-        "router_overhead_p99", "buffer_vs_redis", "reward_grpc_vs_inprocess", "loop_vs_inprocess",
-        "control_plane_samples_per_s_64", "group_rebuild_s_64")
+        "router_overhead_p99", "gateway_overhead_p50", "buffer_vs_redis", "reward_grpc_vs_inprocess",
+        "loop_vs_inprocess", "control_plane_samples_per_s_64", "group_rebuild_s_64")
 
 
 def check_listed() -> None:

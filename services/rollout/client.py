@@ -88,6 +88,11 @@ class RolloutConfig:
     apply_chat_template: bool = field(False, "wrap each prompt in the tokenizer's chat template")
     max_inflight_groups: int | None = field(
         None, "fully_async: groups generating or waiting (None: rollout_batch_size); > 0 makes the manager stream")
+    agent_function_path: str = field(
+        "", "import path of async def agent(base_url, api_key, prompt) -> float | None, run per sample against its "
+            "own session of the agent gateway (OpenAI and Anthropic APIs); a float return is the sample's reward")
+    agent_timeout_s: float = field(600.0, "seconds an agent may run; its session then ends and the sample is the "
+                                          "trajectory so far, truncated", POSITIVE)
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -131,6 +136,10 @@ class RolloutConfig:
         if self.group_rm and not self.custom_rm_path:
             raise InvalidArgument("rollout config: group_rm needs custom_rm_path (async def f(args, samples) -> "
                                   "list[float])")
+        if self.agent_function_path and (self.custom_generate_function_path or self.partial_rollout):
+            raise InvalidArgument("rollout config: agent_function_path runs the agent as the sample's generate "
+                                  "function: leave custom_generate_function_path empty and partial_rollout off (an "
+                                  "agent does not resume an aborted session)")
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise InvalidArgument("rollout config: mask_offpolicy_in_partial_rollout needs partial_rollout")
 

@@ -13,6 +13,10 @@ class RolloutManagerConfig:
     host: str = field("127.0.0.1", "address the gRPC server binds")
     port: int = field(50053, "gRPC port (0 picks a free one)")
     rest_port: int = field(0, "REST port: POST /v1/scale, GET /v1/engines, GET /metrics (0 picks a free one)")
+    gateway_port: int = field(0, "agent gateway port: OpenAI and Anthropic APIs for agent_function_path jobs, one "
+                              "session (and key) per sample (0 picks a free one)")
+    gateway_url: str = field("", "the base URL agents reach the gateway at, ending in /v1 (default: "
+                             "http://<host>:<gateway_port>/v1, 127.0.0.1 for a wildcard host)")
     buffer_addr: str = field("127.0.0.1:50051", "buffer service host:port")
     reward_addr: str = field("127.0.0.1:50052", "reward service host:port")
     router_url: str = field("http://127.0.0.1:30000", "sglang-router base URL; /generate goes through it")
@@ -53,7 +57,7 @@ class RolloutManagerConfig:
     grace_s: float = field(5.0, "seconds in-flight RPCs get on shutdown")
 
     def __post_init__(self) -> None:
-        for name in ("port", "rest_port", "k8s_engine_port"):
+        for name in ("port", "rest_port", "gateway_port", "k8s_engine_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if not self.router_url.startswith(("http://", "https://")):

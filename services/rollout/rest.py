@@ -1,6 +1,7 @@
 """The rollout manager's REST API (FastAPI): the engine pool by hand or by script, and its Prometheus metrics.
 
-POST /v1/scale {"replicas": N}, GET /v1/engines, GET /metrics, GET /healthz; OpenAPI at /docs.
+POST /v1/scale {"replicas": N}, GET /v1/engines, GET /metrics (the pool's and the agent gateway's), GET /healthz;
+OpenAPI at /docs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common import auth
 from services.common.rest import create_rest_app
 from services.rollout.client import PoolStatus
+from services.rollout.gateway.metrics import GatewayMetrics
 from services.rollout.pool.pool import EnginePool
 
 
@@ -31,7 +33,7 @@ def status_json(status: PoolStatus) -> dict:
     return values
 
 
-def create_app(pool: EnginePool) -> FastAPI:
+def create_app(pool: EnginePool, gateway_metrics: GatewayMetrics | None = None) -> FastAPI:
     app = create_rest_app("Physarum rollout manager", "The engine pool: scale it, list its engines.",
                           token=auth.read_token("rollout"), service="rollout")
 
@@ -46,6 +48,7 @@ def create_app(pool: EnginePool) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         pool.update_gauges()
-        return Response(pool.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        gateway = gateway_metrics.exposition() if gateway_metrics is not None else b""
+        return Response(pool.metrics.exposition() + gateway, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -26,6 +26,9 @@ from services.rollout.client import (
     status_to_proto,
 )
 from services.rollout.config import RolloutManagerConfig
+from services.rollout.gateway.app import create_app as create_gateway_app
+from services.rollout.gateway.sessions import SessionRegistry
+from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.pool.config import PoolConfig
 from services.rollout.pool.engine_options import apply_job_options, job_engine_options
@@ -114,6 +117,7 @@ class RolloutServer:
 
     grpc: GrpcServer
     rest: RestServer
+    gateway: RestServer
     manager: RolloutManager
     pool: EnginePool
     pool_start: asyncio.Task
@@ -127,7 +131,8 @@ class RolloutServer:
         """Stop serving, cancel rollouts (their leases are returned), then stop the engines this process started."""
         await stop_grpc_server(self.grpc, grace_s)
         await self.rest.stop()
-        await self.manager.close()
+        await self.manager.close()  # before the gateway: an agent's last turn may still be answered
+        await self.gateway.stop()
         self.pool_start.cancel()
         await asyncio.wait({self.pool_start})
         await self.pool.close()
@@ -147,15 +152,22 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
         health_check_interval_s=config.health_check_interval_s, health_check_timeout_s=config.health_check_timeout_s,
         health_check_first_wait_s=config.health_check_first_wait_s, start_timeout_s=config.engine_start_timeout_s,
         drain_timeout_s=config.drain_timeout_s, own_router=config.own_router), external_urls=config.engine_urls)
+    registry = SessionRegistry()
+    gateway_server = RestServer(create_gateway_app(registry), config.host, config.gateway_port)
+    await gateway_server.start()
+    local_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host  # agents in this process
+    gateway_url = config.gateway_url or f"http://{local_host}:{gateway_server.port}/v1"
+    log.info("agent gateway on %s", gateway_url)
     manager = RolloutManager(buffer, reward, config.router_url, model_path=config.model_path,
                              router_policy=config.router_policy, request_timeout_s=config.request_timeout_s,
-                             version_now=lambda: pool.settled_version)
+                             version_now=lambda: pool.settled_version,
+                             gateway=AgentGateway(registry, gateway_url.rstrip("/")))
     pool_ready = asyncio.Event()
     servicer = RolloutServicer(manager, pool, pool_ready, config.router_url)
     grpc_server = await start_grpc_server(
         [ServiceBinding(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "physarum.v1.Rollout")],
         config.host, config.port, serving=False, token=auth.read_token("rollout"), service="rollout")
-    rest_server = RestServer(rest.create_app(pool), config.host, config.rest_port)
+    rest_server = RestServer(rest.create_app(pool, registry.metrics), config.host, config.rest_port)
     await rest_server.start()
     pool.rest_url = f"http://{config.host}:{rest_server.port}"
     log.info("rollout manager REST API on %s (scale, engines, metrics)", pool.rest_url)
@@ -167,7 +179,7 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
         log.info("rollout manager serving on %s:%d: %d engines behind router %s", config.host, grpc_server.port,
                  len(pool.records), config.router_url)
 
-    return RolloutServer(grpc=grpc_server, rest=rest_server, manager=manager, pool=pool,
+    return RolloutServer(grpc=grpc_server, rest=rest_server, gateway=gateway_server, manager=manager, pool=pool,
                          pool_start=asyncio.create_task(start_pool()), clients=[buffer, reward, router])
 
 

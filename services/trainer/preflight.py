@@ -19,7 +19,7 @@ from services.trainer.spec import JobSpec
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
-                 "custom_tis_function_path")
+                 "custom_tis_function_path", "agent_function_path")
 
 
 def data_path(value: str) -> str:

@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 
 from services.buffer.metrics import BufferMetrics
 from services.reward.metrics import RewardMetrics
+from services.rollout.gateway.metrics import GatewayMetrics
 from services.rollout.pool.metrics import PoolMetrics
 from services.trainer.driver import metrics as trainer_metrics
 from tests.chart.chart import CHART, ROOT, VALUE_SETS, find, render, values_of
@@ -27,7 +28,8 @@ DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 def exported() -> set[str]:
     """Every series name the code can export: families and their samples (_total, _bucket, _sum, _count)."""
     names = set(SGLANG)
-    registries = [BufferMetrics().registry, RewardMetrics().registry, PoolMetrics().registry, REGISTRY]
+    registries = [BufferMetrics().registry, RewardMetrics().registry, PoolMetrics().registry,
+                  GatewayMetrics().registry, REGISTRY]
     for registry in registries:
         for family in registry.collect():  # a labelled family has no samples before its first use
             suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])

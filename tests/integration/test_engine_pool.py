@@ -171,6 +171,7 @@ def test_a_killed_engine_is_replaced_and_joins_with_the_current_weights(stack):
     assert "physarum_rollout_weight_sync_bytes_total 16.0" in metrics
     assert 'physarum_rollout_engines{state="serving"} 2.0' in metrics
     assert "physarum_rollout_engines_desired 2.0" in metrics
+    assert "physarum_gateway_sessions_open 0.0" in metrics  # the agent gateway's, on the same page
     for engine in status.engines:
         assert f'physarum_rollout_engine_healthy{{engine="{engine.name}"}} 1.0' in metrics
         assert f'physarum_rollout_engine_load{{engine="{engine.name}"}}' in metrics

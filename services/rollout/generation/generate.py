@@ -77,6 +77,8 @@ class GenerateContext:
     aborting: bool = False  # the manager aborts the rest of the rollout: its batch is full
     version_now: Callable[[], str | None] | None = None  # the pool's settled weight version (recorded per request)
     batch_groups: bool = False  # a group's fresh samples go out as one /generate (default generate function only)
+    # opens an agent-gateway session for a sample of this rollout: (session_id, sampling_params, key) -> Session
+    open_session: Callable[..., Any] | None = None
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
@@ -124,6 +126,23 @@ async def router_generate_batch(samples: list[Sample], payload: dict[str, Any]) 
         got = f"{len(replies)} replies" if isinstance(replies, list) else "one reply"
         raise FailedPrecondition(f"{what}: a /generate batch of {len(samples)} prompts got {got}")
     return replies
+
+
+async def post_generate(ctx: GenerateContext, what: str, payload: dict[str, Any], *, count: int | None = None,
+                        routing_key: str = "") -> Any:
+    """/generate through `ctx` from outside a rollout's tasks (the agent gateway's turns): SGLang's reply, or a list
+    of `count` replies for a batch of input_ids; the same retries and abort as router_generate."""
+    headers = {ROUTING_KEY_HEADER: routing_key} if ctx.sticky_routing and routing_key else None
+
+    def body() -> dict[str, Any]:
+        return payload if count is not None else {**payload, "rid": f"{ctx.rid_prefix}-{uuid.uuid4().hex[:16]}"}
+
+    return await _post_generate(ctx, what, body, headers, count=count)
+
+
+def current_context() -> GenerateContext:
+    """The rollout's GenerateContext bound to the calling task (a generate function's)."""
+    return _context()
 
 
 def _context() -> GenerateContext:

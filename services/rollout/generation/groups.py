@@ -8,12 +8,14 @@ import asyncio
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
 from services.rollout.client import RolloutConfig
+from services.rollout.generation.agents import AgentGateway, agent_generate_function, session_opener
 from services.rollout.generation.generate import (
     GenerateContext,
     generate,
@@ -51,12 +53,17 @@ class Generation:
 
 
 def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: RewardClient, rollout_id: int, *,
-                   evaluation: bool, http: Poster, router_url: str, **ctx_options: Any) -> Generation:
+                   evaluation: bool, http: Poster, router_url: str, gateway: AgentGateway | None = None,
+                   **ctx_options: Any) -> Generation:
     """Load the job's plugins (once per path) and fix its sampling; InvalidArgument names what is wrong.
 
-    ctx_options go to GenerateContext (sticky_routing, max_attempts, retry_delay_s, slots).
+    ctx_options go to GenerateContext (sticky_routing, max_attempts, retry_delay_s, slots); `gateway` serves the
+    sessions of an agent_function_path job.
     """
-    fn = load_generate_function(config.custom_generate_function_path)
+    if config.agent_function_path:
+        fn = agent_generate_function(gateway, config.agent_function_path, config.agent_timeout_s)
+    else:
+        fn = load_generate_function(config.custom_generate_function_path)
     if config.group_rm:
         load_group_reward(config.custom_rm_path)
     job = config.job_id
@@ -73,6 +80,7 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
                              max_new_tokens=max_new_tokens, stop=config.rollout_stop,
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
+    ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,
                       scorer=ServiceScorer(reward, config))

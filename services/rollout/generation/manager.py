@@ -20,6 +20,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Physarum
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
 from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
 from services.rollout.generation import filters
+from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus
 from services.rollout.generation.evaluation import run_eval
 from services.rollout.generation.generate import STICKY_POLICIES
@@ -53,8 +54,10 @@ class RolloutManager:
     def __init__(self, buffer: BufferClient, reward: RewardClient, router_url: str, *, model_path: str = "",
                  router_policy: str = "round_robin", request_timeout_s: float = 120.0, max_generate_attempts: int = 5,
                  retry_delay_s: float = 1.0, transport: httpx.AsyncBaseTransport | None = None,
-                 version_now: Callable[[], str | None] | None = None, batch_groups: bool = True) -> None:
+                 version_now: Callable[[], str | None] | None = None, batch_groups: bool = True,
+                 gateway: AgentGateway | None = None) -> None:
         self.buffer = buffer
+        self.gateway = gateway  # serves the sessions of agent_function_path jobs
         self.version_now = version_now  # the pool's settled weight version, recorded with each request
         self.reward = reward
         self.router_url = router_url.rstrip("/")
@@ -86,7 +89,8 @@ class RolloutManager:
         return new_generation(config, self._encoder(config), self.reward, rollout_id, evaluation=evaluation,
                               http=self.http, router_url=self.router_url, sticky_routing=self.sticky_routing,
                               max_attempts=self.max_generate_attempts, retry_delay_s=self.retry_delay_s,
-                              slots=self.slots, version_now=self.version_now, batch_groups=self.batch_groups)
+                              slots=self.slots, version_now=self.version_now, batch_groups=self.batch_groups,
+                              gateway=self.gateway)
 
     def _filter(self, config: RolloutConfig) -> Callable[..., Any] | None:
         if not config.dynamic_sampling_filter_path:

@@ -73,6 +73,19 @@ class PromptEncoder:
         except jinja2.TemplateError as err:
             raise InvalidArgument(f"prompt {prompt.index} of job {prompt.job_id}: chat template failed: {err}") from err
 
+    def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                        add_generation_prompt: bool = True) -> str:
+        """A conversation (with tool calls and the tools, for templates that render them) through the template;
+        the agent gateway's turns. InvalidArgument when there is no template or it fails."""
+        if self.chat_template is None:
+            raise InvalidArgument(f"{self.path} has no chat template (chat_template.jinja or tokenizer_config.json "
+                                  "'chat_template')")
+        try:
+            return self.chat_template.render(messages=messages, tools=tools or None,
+                                             add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as err:
+            raise InvalidArgument(f"chat template failed: {err}") from err
+
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -80,8 +93,8 @@ class PromptEncoder:
         text = self.render(prompt)
         return text, self.encode_text(text)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _compile(template: str) -> jinja2.Template:

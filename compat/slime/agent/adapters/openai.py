@@ -1,0 +1,5 @@
+"""slime.agent.adapters.openai"""
+
+from slime.agent.adapters import OpenAIAdapter
+
+__all__ = ["OpenAIAdapter"]

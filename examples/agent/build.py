@@ -1,0 +1,64 @@
+"""Write the calculator agent's model and prompts: `python -m examples.agent.build OUT_DIR`.
+
+OUT_DIR/model: a tiny model with a tools chat template (examples/agent/model.py), warmed up on a few worked
+conversations (question, a calculator call, its result, the answer) so that it calls the tool at all;
+OUT_DIR/train.jsonl and OUT_DIR/test.jsonl: questions with slime's keys `input` and `label` (held out: test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from examples.agent.calculator import TOOL
+from examples.agent.model import build_agent_model
+
+
+def question(a: int, b: int, c: int) -> dict[str, str]:
+    return {"input": f"What is {a}*{b}+{c}?", "label": str(a * b + c)}
+
+
+def worked(a: int, b: int, c: int) -> dict:
+    """The conversation the warm-up teaches: one calculator call, then the answer."""
+    return {"tools": [TOOL], "messages": [
+        {"role": "user", "content": question(a, b, c)["input"]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}*{b}+{c}"}}}]},
+        {"role": "tool", "content": str(a * b + c)},
+        {"role": "assistant", "content": f"The answer is {a * b + c}."}]}
+
+
+def build(out_dir: Path, *, num_train: int = 200, num_test: int = 20, num_warmup: int = 4,
+          seed: int = 0) -> tuple[Path, Path, Path]:
+    """The model and the train and test prompts (distinct questions); returns their paths."""
+    rng = random.Random(seed)
+    triples: set[tuple[int, int, int]] = set()
+    while len(triples) < num_train + num_test + num_warmup:
+        triples.add((rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 99)))
+    ordered = sorted(triples)
+    rng.shuffle(ordered)
+    out_dir = Path(out_dir)
+    model = build_agent_model(out_dir / "model", conversations=[worked(*t) for t in ordered[:num_warmup]])
+    paths = [model]
+    for name, rows in (("train", ordered[num_warmup:num_warmup + num_train]), ("test", ordered[-num_test:])):
+        path = out_dir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(question(*t)) + "\n" for t in rows))
+        paths.append(path)
+    return paths[0], paths[1], paths[2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--num-warmup", type=int, default=4, help="worked conversations the model is warmed up on")
+    args = parser.parse_args(argv)
+    paths = build(args.out_dir, num_warmup=args.num_warmup)
+    sys.stdout.write("wrote " + ", ".join(map(str, paths)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Anthropic Messages on a session: the request's sampling fields, the response and the streamed events in
+Anthropic's exact shapes (message, content blocks text / tool_use, stop_reason, usage)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+from services.common.errors import InvalidArgument
+from services.rollout.gateway.openai_api import _number
+from services.rollout.gateway.sessions import Choice, TurnParams, TurnResult
+
+# temperature / top_p / top_k: older clients send them (the current API dropped them); the rest has no effect here
+KNOWN = {"model", "messages", "system", "tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k",
+         "stop_sequences", "stream", "metadata", "thinking", "service_tier", "cache_control", "speed", "inference_geo",
+         "diagnostics", "user_profile_id", "workspace_id"}
+
+
+def params(body: dict[str, Any]) -> TurnParams:
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise InvalidArgument(f"unsupported fields: {', '.join(unknown)}")
+    if "max_tokens" not in body:
+        raise InvalidArgument("max_tokens: Field required")
+    stop = body.get("stop_sequences") or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
+        raise InvalidArgument("stop_sequences: at most 8 non-empty strings")
+    choice = body.get("tool_choice")
+    if choice is not None and (not isinstance(choice, dict) or choice.get("type") not in ("auto", "none")):
+        raise InvalidArgument("tool_choice: only {'type': 'auto'} and {'type': 'none'} are supported")
+    if (body.get("thinking") or {}).get("type", "disabled") != "disabled":
+        raise InvalidArgument("thinking: extended thinking is not supported")
+    return TurnParams(max_tokens=_number(body["max_tokens"], "max_tokens", int),
+                      temperature=_number(body.get("temperature"), "temperature", float),
+                      top_p=_number(body.get("top_p"), "top_p", float), top_k=_number(body.get("top_k"), "top_k", int),
+                      stop=stop)
+
+
+def _stop_reason(choice: Choice) -> str:
+    if choice.finish == "length":
+        return "max_tokens"
+    if choice.tool_calls:
+        return "tool_use"
+    return "stop_sequence" if choice.matched_stop else "end_turn"
+
+
+def _blocks(choice: Choice) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": choice.content}] if choice.content else []
+    blocks += [{"type": "tool_use", "id": f"toolu_{c.id.removeprefix('call_')}", "name": c.name, "input": c.arguments}
+               for c in choice.tool_calls]
+    return blocks
+
+
+def message(result: TurnResult, model: str) -> dict[str, Any]:
+    choice = result.choices[0]
+    return {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "model": model,
+            "content": _blocks(choice), "stop_reason": _stop_reason(choice), "stop_sequence": choice.matched_stop,
+            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens}}
+
+
+def events(result: TurnResult, model: str) -> Iterator[str]:
+    """The message as Anthropic's stream: message_start, each block's start / delta / stop, message_delta,
+    message_stop. (The engine's reply is complete before the first event is sent.)"""
+    full = message(result, model)
+
+    def event(kind: str, **data: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": result.prompt_tokens, "output_tokens": 0}}
+    yield event("message_start", message=start)
+    for i, block in enumerate(full["content"]):
+        if block["type"] == "text":
+            yield event("content_block_start", index=i, content_block={"type": "text", "text": ""})
+            yield event("content_block_delta", index=i, delta={"type": "text_delta", "text": block["text"]})
+        else:
+            yield event("content_block_start", index=i, content_block={**block, "input": {}})
+            yield event("content_block_delta", index=i,
+                        delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+        yield event("content_block_stop", index=i)
+    yield event("message_delta", delta={"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]},
+                usage={"output_tokens": result.completion_tokens})
+    yield event("message_stop")

@@ -1,0 +1,108 @@
+"""OpenAI Chat Completions on a session: the request's sampling fields, the response and the streamed chunks in
+OpenAI's exact shapes (chat.completion, chat.completion.chunk, usage)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from services.common.errors import InvalidArgument
+from services.rollout.gateway.sessions import Choice, TurnParams, TurnResult
+
+KNOWN = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
+         "stop", "n", "logprobs", "top_logprobs", "stream", "stream_options", "parallel_tool_calls", "user", "seed",
+         "frequency_penalty", "presence_penalty", "metadata", "store", "response_format"}
+
+
+def params(body: dict[str, Any]) -> TurnParams:
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise InvalidArgument(f"unsupported fields: {', '.join(unknown)}")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidArgument("stop: at most 4 non-empty strings")
+    if body.get("top_logprobs"):
+        raise InvalidArgument("top_logprobs is not supported (logprobs of the chosen tokens are)")
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise InvalidArgument("tool_choice: only 'auto' and 'none' are supported (the model decides)")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise InvalidArgument("response_format: only {'type': 'text'} is supported")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return TurnParams(max_tokens=_number(max_tokens, "max_tokens", int), temperature=_number(
+        body.get("temperature"), "temperature", float), top_p=_number(body.get("top_p"), "top_p", float),
+        stop=stop, n=_number(body.get("n"), "n", int) or 1)
+
+
+def _number(value: Any, name: str, kind: type) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise InvalidArgument(f"{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
+    return kind(value)
+
+
+def _finish(choice: Choice) -> str:
+    if choice.finish == "length":
+        return "length"
+    return "tool_calls" if choice.tool_calls else "stop"
+
+
+def _tool_calls(choice: Choice) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in choice.tool_calls]
+
+
+def _logprobs(choice: Choice, decode: Any) -> dict[str, Any]:
+    content = []
+    for token, logprob in zip(choice.token_ids, choice.log_probs, strict=True):
+        text = decode([token])
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def completion(result: TurnResult, model: str, want_logprobs: bool, decode: Any) -> dict[str, Any]:
+    choices = []
+    for i, choice in enumerate(result.choices):
+        message: dict[str, Any] = {"role": "assistant", "content": choice.content or None, "refusal": None}
+        if choice.tool_calls:
+            message["tool_calls"] = _tool_calls(choice)
+        elif message["content"] is None:
+            message["content"] = ""
+        choices.append({"index": i, "message": message, "finish_reason": _finish(choice),
+                        "logprobs": _logprobs(choice, decode) if want_logprobs else None})
+    return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(result), "system_fingerprint": None}
+
+
+def _usage(result: TurnResult) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def chunks(result: TurnResult, model: str, want_logprobs: bool, include_usage: bool, decode: Any) -> Iterator[str]:
+    """The completion as server-sent events: per choice a role chunk, its content, its tool calls, its finish; then
+    usage if asked; then [DONE]. (The engine's reply is complete before the first chunk is sent.)"""
+    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": model, "system_fingerprint": None}
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+    for i, choice in enumerate(result.choices):
+        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+        if choice.content:
+            yield event([{"index": i, "delta": {"content": choice.content}, "finish_reason": None,
+                          "logprobs": _logprobs(choice, decode) if want_logprobs else None}])
+        for j, call in enumerate(_tool_calls(choice)):
+            yield event([{"index": i, "delta": {"tool_calls": [{"index": j, **call}]}, "logprobs": None,
+                          "finish_reason": None}])
+        yield event([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish(choice)}])
+    if include_usage:
+        yield event([], usage=_usage(result))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,201 @@
+"""Sessions and their turns: a session is one sample, opened by the rollout manager, reached by its own API key; a
+turn renders what is new, generates through the router, parses tool calls and records the exact tokens.
+Knows nothing of either API's wire shape (openai_api.py, anthropic_api.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.plugin_sample import START_VERSION_KEY
+from services.rollout.gateway.conversation import Conversation, Limits, assistant_message
+from services.rollout.gateway.metrics import GatewayMetrics
+from services.rollout.gateway.toolcalls import ToolCall, parse_tool_calls
+from services.rollout.gateway.trajectory import Renderer, Trajectory
+from services.rollout.generation.generate import GenerateContext, post_generate
+
+log = logging.getLogger(__name__)
+
+END_OF_TURN_TOKENS = ("<|im_end|>",)  # Qwen/Hermes templates close a turn here: the engine stops at it
+
+
+class SessionClosed(FailedPrecondition):
+    """The session has ended (its sample is being scored) or was aborted."""
+
+
+@dataclass
+class TurnParams:
+    """One request's sampling, in the API-neutral form."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+
+
+@dataclass
+class Choice:
+    content: str
+    tool_calls: list[ToolCall]
+    finish: str  # stop, length
+    matched_stop: str | None  # the request's stop string that ended it
+    token_ids: list[int]
+    log_probs: list[float]
+
+
+@dataclass
+class TurnResult:
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+    branched: str  # why this turn started a branch ("" if it did not)
+
+
+@dataclass
+class Session:
+    id: str
+    key: str
+    ctx: GenerateContext
+    renderer: Renderer
+    sampling_params: dict[str, Any]  # the job's; max_new_tokens is the session's response budget
+    limits: Limits
+    metrics: GatewayMetrics
+    model: str = "physarum"
+    trajectory: Trajectory = field(init=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    reward: float | None = None
+    closed: bool = False
+    aborted: bool = False
+    num_turns: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    registry: SessionRegistry | None = None  # the registry that opened it (closes it)
+    gateway_url: str = ""  # where agents reach the gateway (its root), when the manager serves one
+
+    def __post_init__(self) -> None:
+        self.trajectory = Trajectory(self.renderer)
+
+    async def turn(self, conversation: Conversation, params: TurnParams) -> TurnResult:
+        """Generate the next assistant turn for `conversation` (one per choice); InvalidArgument past a bound."""
+        async with self.lock:
+            if self.closed:
+                raise SessionClosed(f"session {self.id} has ended; its sample is being scored")
+            if self.num_turns >= self.limits.max_turns:
+                raise InvalidArgument(f"session {self.id}: {self.num_turns} turns, at most {self.limits.max_turns} "
+                                      "per session")
+            if not 1 <= params.n <= self.limits.max_choices:
+                raise InvalidArgument(f"n must be in [1, {self.limits.max_choices}], got {params.n}")
+            start_s = time.monotonic()
+            prepared = self.trajectory.prepare(conversation)
+            root = prepared.parent.path()[0] if prepared.parent is not None else None
+            used = len(prepared.input_ids) - (len(root.context) if root is not None else len(prepared.input_ids))
+            budget = int(self.sampling_params["max_new_tokens"]) - used
+            if budget <= 0:
+                limit = self.sampling_params["max_new_tokens"]
+                raise InvalidArgument(f"session {self.id}: its response budget of {limit} tokens is spent ({used} "
+                                      "used); finish the episode")
+            if params.max_tokens is not None and params.max_tokens < 1:
+                raise InvalidArgument(f"max_tokens must be >= 1, got {params.max_tokens}")
+            replies = await self._generate(prepared.input_ids, params, min(budget, params.max_tokens or budget))
+            self.num_turns += 1
+            choices = [self._record(prepared, conversation, reply, params, make_tip=i == 0)
+                       for i, reply in enumerate(replies)]
+            if prepared.branch_reason:
+                self.metrics.branches.inc()
+                log.info("session %s: turn %d starts a branch: %s", self.id, self.trajectory.tip.index,
+                         prepared.branch_reason)
+            completion = sum(len(c.token_ids) for c in choices)
+            self.metrics.turns.inc()
+            self.metrics.prompt_tokens.inc(len(prepared.input_ids))
+            self.metrics.completion_tokens.inc(completion)
+            self.metrics.turn_seconds.observe(time.monotonic() - start_s)
+            return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason)
+
+    async def _generate(self, input_ids: list[int], params: TurnParams, max_new_tokens: int) -> list[dict]:
+        sampling = dict(self.sampling_params, max_new_tokens=max_new_tokens)
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(params, name) is not None:
+                sampling[name] = getattr(params, name)
+        sampling["stop"] = [*sampling.get("stop", []), *params.stop]
+        sampling["stop_token_ids"] = sorted({*sampling.get("stop_token_ids", []), *self.stop_token_ids})
+        payload = {"input_ids": input_ids if params.n == 1 else [input_ids] * params.n, "sampling_params": sampling,
+                   "return_logprob": True}
+        what = f"{self.ctx.name}: gateway session {self.id} turn {self.num_turns}"
+        data = await post_generate(self.ctx, what, payload, count=None if params.n == 1 else params.n,
+                                   routing_key=self.id)
+        replies = data if isinstance(data, list) else [data]
+        if len(replies) != params.n:
+            raise FailedPrecondition(f"{what}: {params.n} choices asked, {len(replies)} replies")
+        if any((r.get("meta_info", {}).get("finish_reason") or {}).get("type") == "abort" for r in replies):
+            self.aborted = True
+            raise Unavailable(f"{what}: the rollout was aborted (its batch is full or the weights are changing)")
+        return replies
+
+    def _record(self, prepared: Any, conversation: Conversation, reply: dict, params: TurnParams,
+                make_tip: bool) -> Choice:
+        meta = reply.get("meta_info") or {}
+        entries = meta.get("output_token_logprobs") or []
+        token_ids = [int(e[1]) for e in entries]
+        log_probs = [float(e[0]) for e in entries]
+        finish_reason = meta.get("finish_reason") or {}
+        finish = "length" if finish_reason.get("type") == "length" else "stop"
+        text = self.renderer.decode(token_ids)
+        matched = finish_reason.get("matched") if isinstance(finish_reason.get("matched"), str) else None
+        if matched is not None and matched in text:
+            text = text[:text.index(matched)]
+        content, calls = parse_tool_calls(text, conversation.tool_names) if conversation.tools else (text.strip(), [])
+        end, start = meta.get("weight_version"), meta.get(START_VERSION_KEY)
+        versions = [str(v) for v in (start, end) if v is not None]
+        assistant = assistant_message(content, [(c.name, c.arguments, c.id) for c in calls])
+        self.trajectory.record(prepared, conversation, assistant, token_ids, log_probs, versions,
+                               finish_reason.get("type", ""), make_tip)
+        return Choice(content, calls, finish, matched if matched in params.stop else None, token_ids, log_probs)
+
+
+class SessionRegistry:
+    """The open sessions, by key; the rollout manager opens and closes them."""
+
+    def __init__(self, limits: Limits | None = None, metrics: GatewayMetrics | None = None) -> None:
+        self.limits = limits or Limits()
+        self.metrics = metrics or GatewayMetrics()
+        self._by_key: dict[str, Session] = {}
+
+    def open(self, ctx: GenerateContext, renderer: Any, sampling_params: dict[str, Any], *, session_id: str,
+             model: str = "physarum", key: str = "") -> Session:
+        """A new session; its key is a fresh secret unless `key` is given (slime's adapters use the session id)."""
+        if key and key in self._by_key:
+            raise InvalidArgument(f"session key {key[:8]}...: a session with this key is open")
+        tokenizer = getattr(renderer, "tokenizer", None)
+        stop_ids = [] if tokenizer is None else [i for token in END_OF_TURN_TOKENS
+                                                 if (i := tokenizer.token_to_id(token)) is not None]
+        session = Session(id=session_id, key=key or f"sk-physarum-{secrets.token_urlsafe(24)}", ctx=ctx,
+                          renderer=renderer, sampling_params=dict(sampling_params), limits=self.limits,
+                          metrics=self.metrics, model=model, stop_token_ids=stop_ids, registry=self)
+        self._by_key[session.key] = session
+        self.metrics.sessions_open.inc()
+        return session
+
+    def by_id(self, session_id: str) -> Session | None:
+        return next((s for s in self._by_key.values() if s.id == session_id), None)
+
+    def by_key(self, key: str) -> Session:
+        session = self._by_key.get(key) if key else None
+        if session is None:
+            raise NotFound("no open session has this API key")
+        return session
+
+    def close(self, session: Session) -> None:
+        """End the session: later requests with its key get 401; a turn running now finishes first."""
+        session.closed = True
+        if self._by_key.pop(session.key, None) is not None:
+            self.metrics.sessions_open.dec()
+
+    def __len__(self) -> int:
+        return len(self._by_key)

@@ -1,0 +1,166 @@
+"""A session's trajectory as the engines produced it: a tree of turns, each the tokens added before it (the prompt,
+or the template's text for the messages that are new) and the tokens the engine generated, never re-tokenised.
+
+A request continues the turn whose messages (and tools) it repeats, longest first: only what is new is rendered and
+appended. Continuing any other turn than the last one produced (the agent dropped or edited turns, or picked another
+of n choices), or repeating none, starts a branch; branches are recorded and reported with the sample. The sample is
+the path ending at the last turn produced. Knows nothing of HTTP or the engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from services.rollout.gateway.conversation import Conversation, message_key
+
+PROBE = "\x00physarum-probe\x00"
+
+
+class Renderer(Protocol):
+    """The job's tokenizer and chat template (the rollout manager's PromptEncoder)."""
+
+    def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                        add_generation_prompt: bool = True) -> str: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass
+class Turn:
+    index: int
+    parent: Turn | None
+    context: list[int]  # tokens added before the generation: loss_mask 0 (the root's: the prompt)
+    keys: list[tuple]  # the request's messages and the produced assistant message, canonical
+    tools_key: str
+    generated: list[int] = field(default_factory=list)  # loss_mask 1
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    finish: str = ""  # stop, length or abort
+
+    def path(self) -> list[Turn]:
+        turns, turn = [], self
+        while turn is not None:
+            turns.append(turn)
+            turn = turn.parent
+        return turns[::-1]
+
+    def tokens(self) -> list[int]:
+        return [t for turn in self.path() for t in (*turn.context, *turn.generated)]
+
+
+@dataclass(frozen=True)
+class Branch:
+    turn: int  # the turn that started it
+    reason: str
+
+
+@dataclass
+class Prepared:
+    """What the next generation starts from: its parent turn, the tokens to add, and why it branches (if it does)."""
+
+    parent: Turn | None
+    context: list[int]
+    input_ids: list[int]
+    branch_reason: str = ""
+
+
+@dataclass
+class Trajectory:
+    renderer: Renderer
+    turns: list[Turn] = field(default_factory=list)
+    tip: Turn | None = None  # the last turn produced: the sample
+    branches: list[Branch] = field(default_factory=list)
+    _turn_suffix: str | None = None
+
+    def prepare(self, conversation: Conversation) -> Prepared:
+        """Match the conversation to the turns produced; render and tokenize only what is new after the match."""
+        keys, tools_key = conversation.keys(), conversation.tools_key()
+        parent = None
+        for turn in reversed(self.turns):  # newest first among equally long matches
+            k = len(turn.keys)
+            if turn.tools_key == tools_key and k < len(keys) and keys[:k] == turn.keys and (
+                    parent is None or k > len(parent.keys)):
+                parent = turn
+        full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
+        if parent is None:
+            reason = "" if not self.turns else "the history repeats no turn the gateway produced"
+            ids = self.renderer.encode_text(full)
+            return Prepared(None, ids, list(ids), reason)
+        done = self.renderer.render_messages(conversation.messages[:len(parent.keys)], conversation.tools,
+                                             add_generation_prompt=False)
+        if not full.startswith(done):  # the template renders earlier turns differently once more follow
+            ids = self.renderer.encode_text(full)
+            return Prepared(None, ids, list(ids), "the chat template renders the history differently as it grows")
+        context = self.renderer.encode_text(self._closing(parent) + full[len(done):])
+        reason = "" if parent is self.tip else (f"continues turn {parent.index}, not the last turn "
+                                                f"{self.tip.index if self.tip else -1}")
+        return Prepared(parent, context, parent.tokens() + context, reason)
+
+    def _closing(self, turn: Turn) -> str:
+        """The template's text after an assistant turn's content that the engine did not generate: all of it, or
+        what follows the end-of-turn token the engine stopped at (Qwen's <|im_end|> then a newline)."""
+        suffix = self.turn_suffix()
+        if turn.finish == "stop" and turn.generated:
+            last = self.renderer.decode(turn.generated[-1:], skip_special_tokens=False)
+            if last and suffix.startswith(last):
+                return suffix[len(last):]
+        return suffix
+
+    def turn_suffix(self) -> str:
+        if self._turn_suffix is None:
+            text = self.renderer.render_messages([{"role": "user", "content": "x"},
+                                                  {"role": "assistant", "content": PROBE}],
+                                                 add_generation_prompt=False)
+            self._turn_suffix = text.split(PROBE, 1)[1] if PROBE in text else ""
+        return self._turn_suffix
+
+    def record(self, prepared: Prepared, conversation: Conversation, assistant: dict[str, Any],
+               generated: list[int], log_probs: list[float], weight_versions: list[str], finish: str,
+               make_tip: bool) -> Turn:
+        """Add the turn the engine produced from `prepared`; `make_tip` for the choice the sample follows."""
+        turn = Turn(index=len(self.turns), parent=prepared.parent, context=list(prepared.context),
+                    keys=[*conversation.keys(), message_key(assistant)], tools_key=conversation.tools_key(),
+                    generated=list(generated), log_probs=list(log_probs), weight_versions=list(weight_versions),
+                    finish=finish)
+        self.turns.append(turn)
+        if make_tip:
+            if prepared.branch_reason:
+                self.branches.append(Branch(turn.index, prepared.branch_reason))
+            self.tip = turn
+        return turn
+
+
+@dataclass
+class SampleTokens:
+    """The tip's path as slime's sample fields."""
+
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    weight_versions: list[str]
+    finish: str
+
+
+def sample_tokens(tip: Turn) -> SampleTokens:
+    path = tip.path()
+    tokens = list(path[0].context)
+    prompt_length = len(tokens)
+    loss_mask: list[int] = []
+    log_probs: list[float] = []
+    versions: list[str] = []
+    for i, turn in enumerate(path):
+        if i:
+            tokens += turn.context
+            loss_mask += [0] * len(turn.context)
+            log_probs += [0.0] * len(turn.context)
+        tokens += turn.generated
+        loss_mask += [1] * len(turn.generated)
+        log_probs += turn.log_probs
+        for version in turn.weight_versions:
+            if not versions or versions[-1] != version:
+                versions.append(version)
+    return SampleTokens(tokens, len(tokens) - prompt_length, loss_mask, log_probs, versions, tip.finish)

@@ -1,0 +1,110 @@
+"""Agents as rollouts: the job's agent function runs once per sample against a session of its own on the agent
+gateway (its base URL and key, and the prompt's data), and the finished session becomes the sample, through the same
+groups, rewards, filters and buffer as any other. Knows nothing of either API's wire shape (services/rollout/gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.common import plugins
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.samples import Sample, Status
+from services.rollout.gateway.sessions import SessionRegistry
+from services.rollout.gateway.trajectory import sample_tokens
+from services.rollout.generation.generate import current_context, new_session_id
+from services.rollout.generation.prompts import PromptEncoder
+
+log = logging.getLogger(__name__)
+
+EXPECTED = "async def agent(base_url: str, api_key: str, prompt: dict) -> float | None"
+
+
+@dataclass
+class AgentGateway:
+    """The gateway as the manager holds it: its sessions and the URL agents reach it at (ending in /v1)."""
+
+    registry: SessionRegistry
+    base_url: str
+
+
+@functools.cache
+def load_agent_function(path: str) -> Callable[..., Any]:
+    return plugins.load_function(path, flag="agent_function_path", expected=EXPECTED, is_async=True, num_params=3)
+
+
+def agent_generate_function(gateway: AgentGateway | None, path: str, timeout_s: float) -> Callable[..., Any]:
+    """A generate function (slime's signature) that runs the agent at `path` for its sample."""
+    if gateway is None:
+        raise InvalidArgument("agent_function_path: this rollout manager serves no agent gateway")
+    agent = load_agent_function(path)
+
+    async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+        session = current_context().open_session(getattr(sample, "session_id", None) or new_session_id(),
+                                                 sampling_params)
+        prompt = {"prompt": sample.prompt, "messages": sample.prompt_messages, "label": sample.label,
+                  "metadata": dict(sample.metadata)}
+        timed_out, returned = False, None
+        try:
+            returned = await asyncio.wait_for(agent(gateway.base_url, session.key, prompt), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            log.warning("agent %s: sample %s of prompt %s ran past agent_timeout_s %.0f s; its trajectory so far is "
+                        "kept, truncated", path, sample.index, sample.group_index, timeout_s)
+        except Exception as err:
+            if not session.aborted:
+                raise FailedPrecondition(f"agent_function_path {path} raised {type(err).__name__}: {err}") from err
+        finally:
+            gateway.registry.close(session)
+        if returned is not None and (isinstance(returned, bool) or not isinstance(returned, (int, float))
+                                     or not math.isfinite(returned)):
+            raise FailedPrecondition(f"agent_function_path {path} returned {returned!r}; expected {EXPECTED}")
+        return session_sample(sample, session, returned, timed_out, f"agent_function_path {path}")
+
+    return generate
+
+
+def session_opener(gateway: AgentGateway | None, ctx: Any, encoder: PromptEncoder,
+                   model: str) -> Callable[..., Any] | None:
+    """GenerateContext.open_session for a rollout: sessions of `gateway` that generate through `ctx`."""
+    if gateway is None:
+        return None
+
+    def open_session(session_id: str, sampling_params: dict[str, Any], key: str = "") -> Any:
+        session = gateway.registry.open(ctx, encoder, sampling_params, session_id=session_id, model=model, key=key)
+        session.gateway_url = gateway.base_url.removesuffix("/v1")
+        return session
+
+    return open_session
+
+
+def session_sample(sample: Sample, session: Any, reward: float | None, truncated: bool, what: str) -> Sample:
+    """The session's trajectory (the path to its last turn) as `sample`, in place; `reward` (else the one posted on
+    the session, else none: the job's reward settings score it)."""
+    tip = session.trajectory.tip
+    if session.aborted:
+        sample.status = Status.ABORTED
+        return sample
+    if tip is None:
+        raise FailedPrecondition(f"{what}: the agent made no request through its session")
+    trained = sample_tokens(tip)
+    prompt_length = len(trained.tokens) - trained.response_length
+    renderer = session.renderer
+    sample.prompt = renderer.decode(trained.tokens[:prompt_length], skip_special_tokens=False)
+    sample.tokens, sample.response_length = trained.tokens, trained.response_length
+    sample.response = renderer.decode(trained.tokens[prompt_length:])
+    sample.loss_mask, sample.rollout_log_probs = trained.loss_mask, trained.rollout_log_probs
+    sample.weight_versions = trained.weight_versions
+    sample.status = Status.TRUNCATED if truncated or trained.finish == "length" else Status.COMPLETED
+    sample.metadata = {**sample.metadata, "agent_turns": session.num_turns, "agent_final_content": tip.keys[-1][1],
+                       "agent_branches": [{"turn": b.turn, "reason": b.reason} for b in session.trajectory.branches]}
+    reward = reward if reward is not None else session.reward
+    if reward is not None:
+        sample.reward = float(reward)
+    return sample
