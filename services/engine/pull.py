@@ -61,7 +61,7 @@ def plan(source_dir: str | Path, current: str | None, target: str) -> list[Step]
     deltas = _deltas(root)
     if current is not None and (steps := _chain(deltas, current, target)) is not None:
         return steps
-    fulls = sorted((p for p in (root / weight_delta.FULL_DIR).glob("*") if (p / "model.safetensors").is_file()),
+    fulls = sorted((p for p in (root / weight_delta.FULL_DIR).glob("[!.]*") if (p / "model.safetensors").is_file()),
                    key=lambda p: p.stat().st_mtime, reverse=True)
     for full in fulls:
         if (steps := _chain(deltas, full.name, target)) is not None:

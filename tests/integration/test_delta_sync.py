@@ -13,8 +13,8 @@ import torch
 from services.common import weight_delta
 from services.trainer.sync.config import DeltaSettings
 from services.trainer.sync.delta_push import DeltaBroadcaster
+from tests.integration.delta_checks import assert_engines_hold, sign_steps
 from tests.integration.engine_fixtures import start_engines, stop_engines
-from tests.integration.hf_weights import hf_weights
 
 TIMEOUT_S = 30.0
 
@@ -37,28 +37,7 @@ def sync(engines):
 
 @pytest.fixture(scope="module")
 def steps(tiny_model_dir) -> list[dict[str, torch.Tensor]]:
-    """fp32 master weights after 0..5 small sign steps (Adam's first steps move every element by about lr)."""
-    gen = torch.Generator().manual_seed(0)
-    weights = hf_weights(tiny_model_dir)
-    out = [weights]
-    for _ in range(5):
-        weights = {k: v - 1e-4 * torch.sign(torch.randn(v.shape, generator=gen)) for k, v in weights.items()}
-        out.append(weights)
-    return out
-
-
-def assert_engines_hold(urls: list[str], weights: dict[str, torch.Tensor], version: str) -> None:
-    """Every engine's tensors are the trainer's in bf16, bit for bit (compared as the float32 bits of bf16 values:
-    exact, and -0.0 differs from 0.0), and it reports `version`."""
-    for url in urls:
-        for name, tensor in weights.items():
-            reply = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": tensor.numel()},
-                               timeout=30)
-            reply.raise_for_status()
-            got = torch.tensor(reply.json(), dtype=torch.float32).view(torch.int32)
-            want = tensor.to(torch.bfloat16).float().flatten().view(torch.int32)
-            assert torch.equal(got, want), f"{url}: {name} differs"
-        assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == version
+    return sign_steps(tiny_model_dir, 5)
 
 
 def test_first_sync_is_full_then_deltas_keep_engines_exact(engines, sync, steps):

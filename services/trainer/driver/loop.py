@@ -144,7 +144,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
     start_id = resume(driver, backend, deps)
     broadcaster = make_broadcaster(sync.weight_sync_backend, [], master_address=deps.master_address,
                                    timeout_s=sync.weight_sync_timeout_s, bucket_bytes=sync.update_weight_buffer_size,
-                                   model_dir=driver.hf_checkpoint) if lead and engines else None
+                                   model_dir=driver.hf_checkpoint,
+                                   **sync.broadcaster_options()) if lead and engines else None
     writer = metrics_writer(driver, deps, rollout.args) if lead else None
     feed = make_feed(driver, rollout, deps, ctx) if lead else None
     if start_id:
