@@ -6,7 +6,11 @@ side: two CPU engine processes and this process as the trainer (`WeightBroadcast
 `update_weights_from_distributed` calls with one broadcast per tensor, load into the model, continue). The
 baseline: two receiver processes (this script with --receiver) join a plain gloo group with this process and receive
 the same tensors, one broadcast per tensor, into preallocated buffers; and the same bytes as one flat buffer.
-Rounds alternate between the sides; the best of each counts. Prints a table, then one JSON line.
+Rounds alternate between the sides; the best of each counts.
+
+Then delta against full sync (`bench/_delta_link.py`): a 220 MB bf16 model after one AdamW step at lr 1e-6, trainer
+and engine in two network namespaces over a 1 Gbit/s link (`tc`), `--delta-rounds` rounds of one full and one delta
+sync each (best of each; root only, else reported as skipped). Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--delta-rounds", type=int, default=2)
     args, work, model, weights = start_sync_bench(parser, argv, "physarum-bench-sync-")
     engines = [start_engine(work, model, f"engine-{i}") for i in range(args.engines)]
     raw = RawBroadcast(work, [t for _, t in weights], args.engines, args.rounds)
@@ -114,9 +119,30 @@ def main(argv: list[str] | None = None) -> int:
              ("Physarum WeightBroadcaster (SGLang protocol)", "physarum"))]
     print_table(f"weight sync to {args.engines} engines: {len(weights)} tensors, {raw.num_bytes / 1e6:.0f} MB "
                 f"(best of {args.rounds})", ["path", "seconds", "GB/s", "baseline time / time (goal >= 0.9)"], rows)
-    emit({"weight_sync_vs_gloo": best["raw"] / best["physarum"], "weight_sync_vs_gloo_flat": best["flat"] /
-          best["physarum"], "weight_sync_GBps": gb / best["physarum"]})
+    figures = {"weight_sync_vs_gloo": best["raw"] / best["physarum"], "weight_sync_vs_gloo_flat": best["flat"] /
+               best["physarum"], "weight_sync_GBps": gb / best["physarum"]}
+    emit({**figures, **delta_figures(work, args.delta_rounds)})
     return 0
+
+
+def delta_figures(work: Path, rounds: int) -> dict:
+    """Full against delta sync over the rate-limited link: a table, and the JSON figures (None where skipped)."""
+    from bench import _delta_link
+
+    got = _delta_link.measure(work, rounds)
+    if "skipped" in got:
+        print(f"\ndelta against full sync skipped: {got['skipped']}\n", flush=True)
+        return {"delta_vs_full_sync": None, "delta_changed_fraction": None}
+    full_s, delta_s = min(got["full_seconds"]), min(got["delta_seconds"])
+    print_table(f"weight sync of a bf16 model ({got['full_bytes'] / 1e6:.0f} MB) after one AdamW step at lr "
+                f"{_delta_link.LR:g}, trainer -> 1 engine over a {_delta_link.LINK_RATE}/s link (best of {rounds}); "
+                f"{100 * got['changed_fraction']:.2f}% of elements changed",
+                ["update_weight_mode", "MB shipped", "seconds", "full time / time (goal >= 3)"],
+                [["full", got["full_bytes"] / 1e6, full_s, 1.0],
+                 ["delta (xor, zstd, xxh3-128)", got["delta_bytes"] / 1e6, delta_s, full_s / delta_s]])
+    return {"delta_vs_full_sync": full_s / delta_s, "delta_changed_fraction": got["changed_fraction"],
+            "delta_sync_seconds": delta_s, "full_sync_seconds": full_s, "delta_sync_bytes": got["delta_bytes"],
+            "full_sync_bytes": got["full_bytes"]}
 
 
 if __name__ == "__main__":

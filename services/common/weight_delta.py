@@ -79,10 +79,11 @@ class Entry:
     length: int = 0
 
 
-def encode(old: np.ndarray, new: np.ndarray, encoding: str) -> tuple[bytes | memoryview, int, bool] | None:
+def encode(old: np.ndarray, new: np.ndarray, encoding: str,
+           scratch: np.ndarray | None = None) -> tuple[bytes, int, bool] | None:
     """(payload, number of changed elements, compressed) of `new` against `old` (flat, same unsigned dtype), or None
-    when no element changed."""
-    diff = np.bitwise_xor(old, new)
+    when no element changed. `scratch` (at least as large, same dtype) holds the xor: no fresh memory per tensor."""
+    diff = np.bitwise_xor(old, new, out=None if scratch is None else scratch[:old.size])
     if encoding == "xor":
         num_changed = int(np.count_nonzero(diff))
         raw: bytes | memoryview = memoryview(diff).cast("B")
@@ -96,15 +97,31 @@ def encode(old: np.ndarray, new: np.ndarray, encoding: str) -> tuple[bytes | mem
     if num_changed == 0:
         return None
     packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
-    return (packed, num_changed, True) if len(packed) < len(raw) else (raw, num_changed, False)
+    return (packed, num_changed, True) if len(packed) < len(raw) else (bytes(raw), num_changed, False)
 
 
-def apply(bits: np.ndarray, entry: Entry, payload: memoryview, algo: str) -> None:
+def _decompress(payload: memoryview, size: int, scratch: np.ndarray | None) -> memoryview:
+    """A compressed payload's `size` bytes, into `scratch` where given (at least `size` bytes, reused)."""
+    if scratch is None:
+        return memoryview(zstandard.ZstdDecompressor().decompress(payload))
+    out, done = memoryview(scratch).cast("B")[:size], 0
+    reader = zstandard.ZstdDecompressor().stream_reader(payload)
+    while done < size and (got := reader.readinto(out[done:])):
+        done += got
+    if done != size or reader.read(1):
+        raise ChecksumError(f"payload decompresses to other than the {size} bytes expected")
+    return out
+
+
+def apply(bits: np.ndarray, entry: Entry, payload: memoryview, algo: str, scratch: np.ndarray | None = None) -> None:
     """Apply one tensor's delta to `bits` (flat, in place); raises ChecksumError, leaving `bits` as they were, when
-    the result is not the trainer's (a corrupted payload, or `bits` not at the delta's base)."""
+    the result is not the trainer's (a corrupted payload, or `bits` not at the delta's base). `scratch`: reusable
+    bytes for a decompressed xor payload (at least the tensor's size)."""
+    size = bits.nbytes if entry.encoding == "xor" else entry.num_changed * (4 + bits.itemsize)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(payload) if entry.compressed else payload
-    except zstandard.ZstdError as err:
+        raw = _decompress(payload, size, scratch if scratch is not None and scratch.nbytes >= size else None) \
+            if entry.compressed else payload
+    except (zstandard.ZstdError, ChecksumError) as err:
         raise ChecksumError(f"{entry.name}: payload does not decompress: {err}") from err
     if entry.encoding == "xor":
         diff = np.frombuffer(raw, dtype=bits.dtype)

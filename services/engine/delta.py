@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.common import weight_delta
@@ -35,9 +36,11 @@ def _bits(tensor: torch.Tensor):
     return tensor.reshape(-1).view(width).numpy().view(weight_delta.bits_dtype(tensor.element_size()))
 
 
-def apply_blob(params: dict[str, torch.Tensor], blob: bytes | memoryview, current_version: str) -> DeltaResult:
+def apply_blob(params: dict[str, torch.Tensor], blob: bytes | memoryview, current_version: str,
+               scratch: np.ndarray | None = None) -> DeltaResult:
     """Apply every tensor of `blob` to `params` (the model's tensors by HF name). Raises FailedPrecondition when
-    the blob is unreadable or starts from another version than `current_version` (then nothing changes)."""
+    the blob is unreadable or starts from another version than `current_version` (then nothing changes).
+    `scratch`: bytes reused to decompress each tensor's payload into (as large as the largest tensor)."""
     try:
         header, entries, payloads = weight_delta.unpack(blob)
     except weight_delta.ChecksumError as err:
@@ -57,7 +60,8 @@ def apply_blob(params: dict[str, torch.Tensor], blob: bytes | memoryview, curren
                 continue
             host = param.data if param.device.type == "cpu" and param.data.is_contiguous() else param.data.cpu()
             try:
-                weight_delta.apply(_bits(host), entry, payloads[entry.offset:entry.offset + entry.length], algo)
+                weight_delta.apply(_bits(host), entry, payloads[entry.offset:entry.offset + entry.length], algo,
+                                   scratch)
             except weight_delta.ChecksumError as err:
                 log.warning("weight delta %s -> %s: %s", base, version, err)
                 result.failed.append(entry.name)

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,6 +62,7 @@ class WeightUpdater:
         self.backends: dict[str, str] = {}  # each group's backend
         self.group_lock = threading.Lock()
         self.session_open = False
+        self.delta_scratch: np.ndarray | None = None  # where each tensor's delta is decompressed
         self.stale: set[str] = set()  # tensors a failed delta left behind its version: only full values fix them
         # receive buffers by (name, dtype, shape), kept from one sync to the next: allocating (and faulting in) a
         # model's worth of fresh memory per sync cost more than the copy into the model
@@ -163,7 +165,10 @@ class WeightUpdater:
         if self.stale:
             raise FailedPrecondition(f"{len(self.stale)} tensors failed an earlier delta ({min(self.stale)}, ...): "
                                      f"a full copy is needed first")
-        result = apply_blob(self.params, blob, self.engine.weight_version)
+        if self.delta_scratch is None:  # kept: fresh memory per sync costs page faults
+            largest = max(p.numel() * p.element_size() for p in self.params.values())
+            self.delta_scratch = np.empty(largest, dtype=np.uint8)
+        result = apply_blob(self.params, blob, self.engine.weight_version, self.delta_scratch)
         self.stale |= set(result.failed)
         if not result.failed and result.version != self.engine.weight_version:
             log.info("weight_version %s -> %s (delta, %d tensors)", self.engine.weight_version, result.version,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,17 +20,24 @@ from services.trainer.sync.config import DeltaSettings
 
 log = logging.getLogger(__name__)
 
-ENCODE_THREADS = 4  # numpy's xor and zstd release the GIL: tensors encode side by side
+ENCODE_THREADS = min(4, os.cpu_count() or 1)  # numpy's xor and zstd release the GIL: tensors encode side by side
 
 
-def served(named_tensors: Iterable[tuple[str, torch.Tensor]],
-           dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
-    """Host copies of the tensors as the engines hold them: floating ones in the served dtype (None: as they are)."""
+def served(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+           spare: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Host copies of the tensors as the engines hold them: floating ones in the served dtype (None: as they are),
+    written into `spare`'s tensor of the same name, shape and dtype where there is one (fresh memory costs page
+    faults, which on some VMs cost more than the copy)."""
+    spare = spare or {}
     out = []
     for name, tensor in named_tensors:
         tensor = tensor.detach()
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        out.append((name, tensor.to(device="cpu", dtype=target).contiguous()))
+        buffer = spare.get(name)
+        if buffer is not None and buffer.shape == tensor.shape and buffer.dtype == target:
+            out.append((name, buffer.copy_(tensor)))
+        else:
+            out.append((name, tensor.to(device="cpu", dtype=target, copy=True).contiguous()))
     return out
 
 
@@ -58,13 +67,24 @@ class DeltaTracker:
         self.settings = settings or DeltaSettings()
         self.version: str | None = None
         self.base: dict[str, torch.Tensor] = {}
+        self.spare: dict[str, torch.Tensor] = {}  # the base before the last commit: the next `stage`'s buffers
+        self.scratch = threading.local()  # each encoding thread's xor buffer
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+              dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+        """`served` copies of the tensors, in the buffers of the version before the base (kept for this)."""
+        return served(named_tensors, dtype, self.spare)
 
     def reset(self) -> None:
         """Forget the base (after a failed sync: what the engines hold is unknown, so the next sync is full)."""
-        self.version, self.base = None, {}
+        self.version, self.spare, self.base = None, {**self.spare, **self.base}, {}
 
     def commit(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> None:
-        """The engines now hold `named` (host tensors in the served dtype, from `served`) as `version`."""
+        """The engines now hold `named` (host tensors in the served dtype, from `stage`) as `version`."""
+        staged = dict(named)
+        old = {**self.spare, **self.base}
+        self.spare = {k: v for k, v in old.items() if k in staged and v is not staged[k]}
         self.version, self.base = str(version), dict(named)
 
     def usable(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
@@ -79,11 +99,15 @@ class DeltaTracker:
             raise ValueError("no delta base for these tensors: send them in full first")
         weight_delta.check_version(version)
         algo, encoding = self.settings.checksum, self.settings.encoding
+        largest = max((t.numel() for _, t in named), default=0)
 
         def one(item: tuple[str, torch.Tensor]) -> tuple[weight_delta.Entry, bytes | memoryview] | None:
             name, tensor = item
             new = bits(tensor)
-            encoded = weight_delta.encode(bits(self.base[name]), new, encoding)
+            scratch = getattr(self.scratch, "buffer", None)
+            if scratch is None or scratch.dtype != new.dtype or scratch.size < new.size:
+                scratch = self.scratch.buffer = np.empty(max(new.size, largest), dtype=new.dtype)
+            encoded = weight_delta.encode(bits(self.base[name]), new, encoding, scratch)
             if encoded is None:
                 return None
             payload, num_changed, compressed = encoded
@@ -91,8 +115,9 @@ class DeltaTracker:
                                        compressed, num_changed, weight_delta.checksum(new, algo))
             return entry, payload
 
-        with concurrent.futures.ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="delta-encode") as pool:
-            items = [item for item in pool.map(one, named) if item is not None]
+        if self.pool is None:  # kept: each thread keeps its scratch buffer from one sync to the next
+            self.pool = concurrent.futures.ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="delta-encode")
+        items = [item for item in self.pool.map(one, named) if item is not None]
         blob, entries = weight_delta.pack(self.version, version, algo, items)
         stats = DeltaStats(num_tensors=len(entries), num_changed=sum(e.num_changed for e in entries),
                            num_elements=sum(t.numel() for _, t in named),

@@ -24,7 +24,7 @@ from services.common.sglang import SGLangClient
 from services.trainer.hf_files import copy_side_files
 from services.trainer.sync import wire
 from services.trainer.sync.config import DeltaSettings
-from services.trainer.sync.delta import DeltaTracker, served
+from services.trainer.sync.delta import DeltaTracker
 from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, _on_all
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class DiskBroadcaster(WeightBroadcaster):
         stats = self._begin_broadcast(weight_version, num_buckets=1)
         if not self.engine_urls:
             return stats
-        copies = served(named_tensors, self.dtype)
+        copies = self.publisher.tracker.stage(named_tensors, self.dtype)
         root = str(self.publisher.root)
         try:
             published = self.publisher.publish(copies, weight_version)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from services.trainer.sync import wire
 from services.trainer.sync.config import DeltaSettings
-from services.trainer.sync.delta import DeltaTracker, served
+from services.trainer.sync.delta import DeltaTracker
 from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, _alongside, _on_all, buckets
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class DeltaBroadcaster(WeightBroadcaster):
         stats = self._begin_broadcast(weight_version, num_buckets=0)
         if not self.engine_urls:
             return stats
-        copies = served(named_tensors, self.dtype)
+        copies = self.tracker.stage(named_tensors, self.dtype)
         full_bytes = sum(t.numel() * t.element_size() for _, t in copies)
         try:
             versions = _on_all(self.clients, "model_info", lambda c: c.weight_version(), self.timeout_s + 1)
