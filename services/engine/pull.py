@@ -50,6 +50,12 @@ def _chain(deltas: dict[str, tuple[str, Path]], start: str, target: str) -> list
     return steps
 
 
+def is_delta_store(path: str | Path) -> bool:
+    """Whether `path` is a pull transport's root (full snapshots under full/), not a checkpoint directory."""
+    root = Path(path)
+    return (root / weight_delta.FULL_DIR).is_dir() and not any(root.glob("*.safetensors"))
+
+
 def plan(source_dir: str | Path, current: str | None, target: str) -> list[Step]:
     """The steps taking an engine at `current` (None: its weights match no version) to `target`."""
     root = Path(source_dir)

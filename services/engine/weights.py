@@ -22,7 +22,7 @@ from services.common import safetensors_io
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from services.engine.delta import apply_blob
 from services.engine.generation import Engine
-from services.engine.pull import plan, read_delta
+from services.engine.pull import is_delta_store, plan, read_delta
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,8 @@ class WeightUpdater:
 
     def pull(self, source_dir: str, target_version: str) -> dict:
         """Bring the weights to `target_version` from shared storage: the deltas after this engine's version, or
-        the newest full snapshot before them (`pull.plan`); a checksum failure is repaired from a full snapshot."""
+        the newest full snapshot and the deltas after it (`pull.plan`). A delta failing its checksum raises,
+        naming it; the engine then takes only full copies until one arrives (the trainer publishes one)."""
         steps = plan(source_dir, None if self.stale else self.engine.weight_version, target_version)
         with self.engine.exclusive(self.timeout_s):
             for step in steps:
@@ -200,7 +201,12 @@ class WeightUpdater:
                          abort_all_requests: bool = False) -> str:
         """Load every *.safetensors file of `model_path`; on any mismatch nothing changes. Each tensor is read
         (readinto, no mapping: page faults on a mapped file cost more than the copy) into this updater's receive
-        buffer, which then becomes the parameter's storage, as for a broadcast."""
+        buffer, which then becomes the parameter's storage, as for a broadcast. A directory of published full
+        snapshots and deltas (the pull transport's, as the rollout manager hands a joining engine) is pulled from
+        to `weight_version` instead."""
+        if weight_version is not None and is_delta_store(model_path):
+            reply = self.pull(model_path, str(weight_version))
+            return f"Succeeded to update model weights from {model_path}: {', '.join(reply['steps']) or 'no step'}."
         headers = self._disk_headers(model_path)
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_disk")

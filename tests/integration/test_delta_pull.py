@@ -94,11 +94,11 @@ def test_a_late_joiner_catches_up_from_the_newest_snapshot_and_the_deltas_after_
     assert fulls[-1] == "5" and deltas == ["6", "7"]
     joiner = start_engines(tiny_model_dir, session_dir / "test_delta_pull_joiner", 1, *ENGINE_ARGS)
     try:
-        url = joiner[0][1]
-        reply = httpx.post(f"{url}/pull_weights", json={"source_dir": str(sync.publisher.root),
-                                                        "target_version": "7"}, timeout=60)
+        url = joiner[0][1]  # the rollout manager's call for a joiner, with the store as the snapshot
+        reply = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": sync.pull_source,
+                                                                    "weight_version": "7"}, timeout=60)
         assert reply.status_code == 200, reply.text
-        assert reply.json()["steps"] == ["full 5", "delta 6", "delta 7"]
+        assert reply.json()["message"].endswith(": full 5, delta 6, delta 7.")
         assert_engines_hold([url], steps[7], "7")
     finally:
         stop_engines(joiner)

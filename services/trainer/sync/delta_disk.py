@@ -111,6 +111,11 @@ class DiskBroadcaster(WeightBroadcaster):
         self.requested_backend = self.backend = "disk"
         self.publisher = Publisher(disk_dir, mode=update_weight_mode, delta=delta, base_model_dir=self.model_dir)
 
+    @property
+    def pull_source(self) -> str:
+        """Where a joining engine catches up from (its /update_weights_from_disk pulls from a store like this)."""
+        return str(self.publisher.root)
+
     def init_group(self) -> None:
         """No process group: check the engines answer, learn the dtype they serve, keep a client for each."""
         self._drop_group()
