@@ -3,9 +3,9 @@
 The trainer and one CPU engine (serving bf16) each run in a network namespace of their own, joined by a bridge,
 both ends of the link shaped by `tc` to 1 Gbit/s. The trainer's fp32 master weights are a ~220 MB (bf16) tiny Qwen3
 before and after one AdamW step at lr 1e-6 on a random batch. Each round, `DeltaBroadcaster` sends one version in
-full (its delta base forgotten) and then the other as a delta; both include casting to bf16, and the delta its
-encoding and the engine's decoding and checksums. Needs root (network namespaces); run alone, `--trainer` is the
-trainer pod's side.
+full (its delta base forgotten), then the other as an xor delta, then the first as an overwrite delta; each includes
+casting to bf16, and a delta its encoding and the engine's decoding and checksums (xxh3-128). Needs root (network
+namespaces); run through bench/weight_sync.py, `--trainer` is the trainer pod's side.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ LINK_RATE = "1gbit"
 LR = 1e-6
 ENGINE_PORT = 30000
 TIMEOUT_S = 300.0
+ENCODINGS = ("xor", "overwrite")
 
 
 def build_model(work: Path) -> Path:
@@ -65,6 +66,7 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int)
     import httpx
     from safetensors.torch import load_file
 
+    from services.trainer.sync.config import DeltaSettings
     from services.trainer.sync.delta_push import DeltaBroadcaster
 
     # in memory, as a trainer's weights are (a mapped file would fault its pages in during the first sync)
@@ -79,20 +81,23 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int)
         if time.monotonic() > deadline:
             raise TimeoutError(f"engine {url}: no /health in {TIMEOUT_S} s")
         time.sleep(0.5)
-    result: dict = {"full_seconds": [], "delta_seconds": []}
+    result: dict = {"full_seconds": [], **{f"{enc}_seconds": [] for enc in ENCODINGS}}
     with DeltaBroadcaster([url], master_address=master_address, timeout_s=TIMEOUT_S) as sync:
         sync.broadcast(versions[0], "warmup")  # joins the group, first full copy
-        for i in range(rounds):
+        for i in range(rounds):  # full a, then a -> b as xor, then b -> a as overwrite (the same elements change)
             sync.tracker.reset()
-            start = time.perf_counter()
-            full = sync.broadcast(versions[i % 2], f"f{i}")
-            result["full_seconds"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            delta = sync.broadcast(versions[(i + 1) % 2], f"d{i}")
-            result["delta_seconds"].append(time.perf_counter() - start)
-            assert (full["mode"], delta["mode"]) == ("full", "delta"), (full["mode"], delta["mode"])
-            result.update(full_bytes=full["bytes"], delta_bytes=delta["bytes"],
-                          changed_fraction=delta["changed_fraction"], repaired=delta["repaired"])
+            for step, mode in enumerate(("full", *ENCODINGS)):
+                if mode in ENCODINGS:
+                    sync.tracker.settings = DeltaSettings(mode, "xxh3-128")
+                start = time.perf_counter()
+                stats = sync.broadcast(versions[(i + step) % 2], f"{mode}-{i}")
+                seconds = time.perf_counter() - start
+                if seconds < min(result[f"{mode}_seconds"], default=float("inf")):  # the fastest round's phases
+                    result[f"{mode}_phases"] = [stats["stage_seconds"], stats.get("encode_seconds", 0.0)]
+                result[f"{mode}_seconds"].append(seconds)
+                assert stats["mode"] == ("full" if mode == "full" else "delta") and not stats["repaired"], stats
+                result[f"{mode}_bytes"] = stats["bytes"]
+                result["changed_fraction"] = stats["changed_fraction"]
     return result
 
 

@@ -9,8 +9,9 @@ the same tensors, one broadcast per tensor, into preallocated buffers; and the s
 Rounds alternate between the sides; the best of each counts.
 
 Then delta against full sync (`bench/_delta_link.py`): a 220 MB bf16 model after one AdamW step at lr 1e-6, trainer
-and engine in two network namespaces over a 1 Gbit/s link (`tc`), `--delta-rounds` rounds of one full and one delta
-sync each (best of each; root only, else reported as skipped). Prints the tables, then one JSON line.
+and engine in two network namespaces over a 1 Gbit/s link (`tc`), `--delta-rounds` rounds of one full and two delta
+syncs each, as xor and as overwrite (best of each; delta_vs_full_sync is the faster encoding's; root only, else
+reported as skipped). Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -133,16 +134,24 @@ def delta_figures(work: Path, rounds: int) -> dict:
     if "skipped" in got:
         print(f"\ndelta against full sync skipped: {got['skipped']}\n", flush=True)
         return {"delta_vs_full_sync": None, "delta_changed_fraction": None}
-    full_s, delta_s = min(got["full_seconds"]), min(got["delta_seconds"])
+    full_s = min(got["full_seconds"])
+    delta_s = {enc: min(got[f"{enc}_seconds"]) for enc in _delta_link.ENCODINGS}
+    best = min(delta_s, key=delta_s.get)
     print_table(f"weight sync of a bf16 model ({got['full_bytes'] / 1e6:.0f} MB) after one AdamW step at lr "
                 f"{_delta_link.LR:g}, trainer -> 1 engine over a {_delta_link.LINK_RATE}/s link (best of {rounds}); "
                 f"{100 * got['changed_fraction']:.2f}% of elements changed",
-                ["update_weight_mode", "MB shipped", "seconds", "full time / time (goal >= 3)"],
-                [["full", got["full_bytes"] / 1e6, full_s, 1.0],
-                 ["delta (xor, zstd, xxh3-128)", got["delta_bytes"] / 1e6, delta_s, full_s / delta_s]])
-    return {"delta_vs_full_sync": full_s / delta_s, "delta_changed_fraction": got["changed_fraction"],
-            "delta_sync_seconds": delta_s, "full_sync_seconds": full_s, "delta_sync_bytes": got["delta_bytes"],
-            "full_sync_bytes": got["full_bytes"]}
+                ["update_weight_mode", "MB shipped", "seconds", "of which: cast to bf16", "encode",
+                 "ship + apply", "full time / time (goal >= 3)"],
+                [[label, got[f"{mode}_bytes"] / 1e6, seconds, got[f"{mode}_phases"][0], got[f"{mode}_phases"][1],
+                  seconds - sum(got[f"{mode}_phases"]), full_s / seconds]
+                 for label, mode, seconds in [("full", "full", full_s),
+                                              *((f"delta, {enc} (zstd, xxh3-128)", enc, delta_s[enc])
+                                                for enc in _delta_link.ENCODINGS)]])
+    return {"delta_vs_full_sync": full_s / delta_s[best], "delta_encoding": best,
+            "delta_changed_fraction": got["changed_fraction"], "full_sync_seconds": full_s,
+            "full_sync_bytes": got["full_bytes"], "full_sync_cast_seconds": got["full_phases"][0],
+            **{f"delta_{enc}_seconds": delta_s[enc] for enc in delta_s},
+            **{f"delta_{enc}_bytes": got[f"{enc}_bytes"] for enc in delta_s}}
 
 
 if __name__ == "__main__":

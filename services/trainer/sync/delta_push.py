@@ -39,7 +39,9 @@ class DeltaBroadcaster(WeightBroadcaster):
         stats = self._begin_broadcast(weight_version, num_buckets=0)
         if not self.engine_urls:
             return stats
+        staged_at = time.monotonic()
         copies = self.tracker.stage(named_tensors, self.dtype)
+        stage_s = time.monotonic() - staged_at  # the copy in the served dtype, on the host: every sync's
         full_bytes = sum(t.numel() * t.element_size() for _, t in copies)
         try:
             versions = _on_all(self.clients, "model_info", lambda c: c.weight_version(), self.timeout_s + 1)
@@ -51,15 +53,19 @@ class DeltaBroadcaster(WeightBroadcaster):
             self.tracker.reset()
             stats = super().broadcast(copies, weight_version)  # raises its own WeightSyncError
             self.tracker.commit(copies, weight_version)
-            return {**stats, "mode": "full", "full_bytes": full_bytes, "changed_fraction": 1.0, "repaired": []}
+            return {**stats, "mode": "full", "seconds": time.monotonic() - start, "stage_seconds": stage_s,
+                    "full_bytes": full_bytes, "changed_fraction": 1.0, "repaired": []}
         try:
+            encode_start = time.monotonic()
             blob, delta = self.tracker.encode(copies, weight_version)
+            encode_s = time.monotonic() - encode_start
             repaired = self._push_delta(blob, copies, weight_version)
         except Exception as err:
             raise self._failed(err, weight_version, start) from err
         self.tracker.commit(copies, weight_version)
         repaired_bytes = sum(t.numel() * t.element_size() for n, t in copies if n in repaired)
-        stats.update(mode="delta", seconds=time.monotonic() - start, bytes=delta.bytes + repaired_bytes,
+        stats.update(mode="delta", seconds=time.monotonic() - start, stage_seconds=stage_s, encode_seconds=encode_s,
+                     bytes=delta.bytes + repaired_bytes,
                      full_bytes=full_bytes, num_tensors=delta.num_tensors, changed_fraction=delta.changed_fraction,
                      repaired=sorted(repaired))
         log.info("weights version %s as a delta: %.2f MB (%.1f MB in full), %.3f%% of elements changed, %d tensors "
