@@ -77,15 +77,15 @@ class DeltaTracker:
         return served(named_tensors, dtype, self.spare)
 
     def reset(self) -> None:
-        """Forget the base (after a failed sync: what the engines hold is unknown, so the next sync is full)."""
-        self.version, self.spare, self.base = None, {**self.spare, **self.base}, {}
+        """Forget the base (after a failed sync: what the engines hold is unknown, so the next sync is full). Its
+        buffers stay, to be staged into after the next commit."""
+        self.version = None
 
     def commit(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> None:
         """The engines now hold `named` (host tensors in the served dtype, from `stage`) as `version`."""
         staged = dict(named)
-        old = {**self.spare, **self.base}
-        self.spare = {k: v for k, v in old.items() if k in staged and v is not staged[k]}
-        self.version, self.base = str(version), dict(named)
+        self.spare = {k: v for k, v in self.base.items() if k in staged and v is not staged[k]}
+        self.version, self.base = str(version), staged
 
     def usable(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Whether a delta from the base can express `named`: same names, shapes and dtypes."""
