@@ -61,7 +61,13 @@ def adamw_step(model_dir: Path, work: Path) -> tuple[Path, Path]:
     return before, after
 
 
-def trainer(url: str, master_address: str, before: str, after: str, rounds: int) -> dict:
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU seconds a process has used so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def trainer(url: str, master_address: str, before: str, after: str, rounds: int, engine_pid: int) -> dict:
     """In the trainer's pod: alternate full and delta syncs of the two versions; the best time of each."""
     import httpx
     from safetensors.torch import load_file
@@ -89,11 +95,13 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int)
             for step, mode in enumerate(("full", *ENCODINGS)):
                 if mode in ENCODINGS:
                     sync.tracker.settings = DeltaSettings(mode, "xxh3-128")
+                cpu = cpu_seconds("self") + cpu_seconds(engine_pid)
                 start = time.perf_counter()
                 stats = sync.broadcast(versions[(i + step) % 2], f"{mode}-{i}")
                 seconds = time.perf_counter() - start
                 if seconds < min(result[f"{mode}_seconds"], default=float("inf")):  # the fastest round's phases
                     result[f"{mode}_phases"] = [stats["stage_seconds"], stats.get("encode_seconds", 0.0)]
+                    result[f"{mode}_cpu_seconds"] = cpu_seconds("self") + cpu_seconds(engine_pid) - cpu
                 result[f"{mode}_seconds"].append(seconds)
                 assert stats["mode"] == ("full" if mode == "full" else "delta") and not stats["repaired"], stats
                 result[f"{mode}_bytes"] = stats["bytes"]
@@ -125,11 +133,11 @@ def measure(work: Path, rounds: int) -> dict:
         argv = [sys.executable, "-m", "services.engine", "--host", engine.address, "--port", str(ENGINE_PORT),
                 "--model-path", str(model), "--dtype", "bfloat16", "--num-threads", "2",
                 "--weight-sync-timeout-s", str(TIMEOUT_S)]
-        started.append(netns.PodProcess("engine", net.exec_argv("engine-0", argv), work / "engine.log",
-                                        env=env).start())
+        engine_proc = netns.PodProcess("engine", net.exec_argv("engine-0", argv), work / "engine.log", env=env).start()
+        started.append(engine_proc)
         out = work / "trainer.json"
         argv = [sys.executable, __file__, "--trainer", f"http://{engine.hostname}:{ENGINE_PORT}",
-                net.pods["trainer-0"].hostname, str(before), str(after), str(rounds), str(out)]
+                net.pods["trainer-0"].hostname, str(before), str(after), str(rounds), str(engine_proc.pid), str(out)]
         trainer_proc = netns.PodProcess("trainer", net.exec_argv("trainer-0", argv), work / "trainer.log",
                                         env=env).start()
         started.append(trainer_proc)
@@ -144,12 +152,12 @@ def measure(work: Path, rounds: int) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "--trainer":
+    if len(sys.argv) == 9 and sys.argv[1] == "--trainer":
         import logging
 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-        url, address, before_path, after_path, num_rounds, out_path = sys.argv[2:8]
-        figures = trainer(url, address, before_path, after_path, int(num_rounds))
+        url, address, before_path, after_path, num_rounds, engine_pid, out_path = sys.argv[2:9]
+        figures = trainer(url, address, before_path, after_path, int(num_rounds), int(engine_pid))
         Path(out_path).write_text(json.dumps(figures))
         sys.exit(0)
     sys.exit("run through bench/weight_sync.py")

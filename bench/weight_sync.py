@@ -141,17 +141,18 @@ def delta_figures(work: Path, rounds: int) -> dict:
                 f"{_delta_link.LR:g}, trainer -> 1 engine over a {_delta_link.LINK_RATE}/s link (best of {rounds}); "
                 f"{100 * got['changed_fraction']:.2f}% of elements changed",
                 ["update_weight_mode", "MB shipped", "seconds", "of which: cast to bf16", "encode",
-                 "ship + apply", "full time / time (goal >= 3)"],
+                 "ship + apply", "CPU seconds (trainer + engine)", "full time / time (goal >= 3)"],
                 [[label, got[f"{mode}_bytes"] / 1e6, seconds, got[f"{mode}_phases"][0], got[f"{mode}_phases"][1],
-                  seconds - sum(got[f"{mode}_phases"]), full_s / seconds]
+                  seconds - sum(got[f"{mode}_phases"]), got[f"{mode}_cpu_seconds"], full_s / seconds]
                  for label, mode, seconds in [("full", "full", full_s),
                                               *((f"delta, {enc} (zstd, xxh3-128)", enc, delta_s[enc])
                                                 for enc in _delta_link.ENCODINGS)]])
     return {"delta_vs_full_sync": full_s / delta_s[best], "delta_encoding": best,
             "delta_changed_fraction": got["changed_fraction"], "full_sync_seconds": full_s,
-            "full_sync_bytes": got["full_bytes"], "full_sync_cast_seconds": got["full_phases"][0],
+            "full_sync_bytes": got["full_bytes"], "full_sync_cpu_seconds": got["full_cpu_seconds"],
             **{f"delta_{enc}_seconds": delta_s[enc] for enc in delta_s},
-            **{f"delta_{enc}_bytes": got[f"{enc}_bytes"] for enc in delta_s}}
+            **{f"delta_{enc}_bytes": got[f"{enc}_bytes"] for enc in delta_s},
+            **{f"delta_{enc}_cpu_seconds": got[f"{enc}_cpu_seconds"] for enc in delta_s}}
 
 
 if __name__ == "__main__":

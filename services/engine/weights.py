@@ -1,4 +1,5 @@
-"""Weight updates of the CPU engine, done as SGLang does them: from a broadcast or from disk.
+"""Weight updates of the CPU engine, done as SGLang does them: from a broadcast or from disk; and deltas (`delta.py`),
+received over the group or pulled from shared storage (`pull.py`).
 
 Join the trainer's separate process group (rendezvous, PrefixStore, _new_process_group_helper), receive one
 broadcast per parameter from rank 0, load tensors by Hugging Face name; or reload safetensors from disk.
