@@ -131,7 +131,7 @@ def measure(work: Path, rounds: int) -> dict:
         env = {"GLOO_SOCKET_IFNAME": "eth0"}
         engine = net.pods["engine-0"]
         argv = [sys.executable, "-m", "services.engine", "--host", engine.address, "--port", str(ENGINE_PORT),
-                "--model-path", str(model), "--dtype", "bfloat16", "--num-threads", "2",
+                "--model-path", str(model), "--dtype", "bfloat16", "--num-threads", "1",
                 "--weight-sync-timeout-s", str(TIMEOUT_S)]
         engine_proc = netns.PodProcess("engine", net.exec_argv("engine-0", argv), work / "engine.log", env=env).start()
         started.append(engine_proc)
@@ -156,6 +156,9 @@ if __name__ == "__main__":
         import logging
 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+        import torch
+
+        torch.set_num_threads(1)  # as the other sync benchmarks: torch's threads spin against each other when loaded
         url, address, before_path, after_path, num_rounds, engine_pid, out_path = sys.argv[2:9]
         figures = trainer(url, address, before_path, after_path, int(num_rounds), int(engine_pid))
         Path(out_path).write_text(json.dumps(figures))
