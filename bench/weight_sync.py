@@ -6,7 +6,12 @@ side: two CPU engine processes and this process as the trainer (`WeightBroadcast
 `update_weights_from_distributed` calls with one broadcast per tensor, load into the model, continue). The
 baseline: two receiver processes (this script with --receiver) join a plain gloo group with this process and receive
 the same tensors, one broadcast per tensor, into preallocated buffers; and the same bytes as one flat buffer.
-Rounds alternate between the sides; the best of each counts. Prints a table, then one JSON line.
+Rounds alternate between the sides; the best of each counts.
+
+Then delta against full sync (`bench/_delta_link.py`): a 220 MB bf16 model after one AdamW step at lr 1e-6, trainer
+and engine in two network namespaces over a 1 Gbit/s link (`tc`), `--delta-rounds` rounds of one full and two delta
+syncs each, as xor and as overwrite (best of each; delta_vs_full_sync is the faster encoding's; root only, else
+reported as skipped). Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--delta-rounds", type=int, default=2)
     args, work, model, weights = start_sync_bench(parser, argv, "physarum-bench-sync-")
     engines = [start_engine(work, model, f"engine-{i}") for i in range(args.engines)]
     raw = RawBroadcast(work, [t for _, t in weights], args.engines, args.rounds)
@@ -114,9 +120,39 @@ def main(argv: list[str] | None = None) -> int:
              ("Physarum WeightBroadcaster (SGLang protocol)", "physarum"))]
     print_table(f"weight sync to {args.engines} engines: {len(weights)} tensors, {raw.num_bytes / 1e6:.0f} MB "
                 f"(best of {args.rounds})", ["path", "seconds", "GB/s", "baseline time / time (goal >= 0.9)"], rows)
-    emit({"weight_sync_vs_gloo": best["raw"] / best["physarum"], "weight_sync_vs_gloo_flat": best["flat"] /
-          best["physarum"], "weight_sync_GBps": gb / best["physarum"]})
+    figures = {"weight_sync_vs_gloo": best["raw"] / best["physarum"], "weight_sync_vs_gloo_flat": best["flat"] /
+               best["physarum"], "weight_sync_GBps": gb / best["physarum"]}
+    emit({**figures, **delta_figures(work, args.delta_rounds)})
     return 0
+
+
+def delta_figures(work: Path, rounds: int) -> dict:
+    """Full against delta sync over the rate-limited link: a table, and the JSON figures (None where skipped)."""
+    from bench import _delta_link
+
+    got = _delta_link.measure(work, rounds)
+    if "skipped" in got:
+        print(f"\ndelta against full sync skipped: {got['skipped']}\n", flush=True)
+        return {"delta_vs_full_sync": None, "delta_changed_fraction": None}
+    full_s = min(got["full_seconds"])
+    delta_s = {enc: min(got[f"{enc}_seconds"]) for enc in _delta_link.ENCODINGS}
+    best = min(delta_s, key=delta_s.get)
+    print_table(f"weight sync of a bf16 model ({got['full_bytes'] / 1e6:.0f} MB) after one AdamW step at lr "
+                f"{_delta_link.LR:g}, trainer -> 1 engine over a {_delta_link.LINK_RATE}/s link (best of {rounds}); "
+                f"{100 * got['changed_fraction']:.2f}% of elements changed",
+                ["update_weight_mode", "MB shipped", "seconds", "of which: cast to bf16", "encode",
+                 "ship + apply", "CPU seconds (trainer + engine)", "full time / time (goal >= 3)"],
+                [[label, got[f"{mode}_bytes"] / 1e6, seconds, got[f"{mode}_phases"][0], got[f"{mode}_phases"][1],
+                  seconds - sum(got[f"{mode}_phases"]), got[f"{mode}_cpu_seconds"], full_s / seconds]
+                 for label, mode, seconds in [("full", "full", full_s),
+                                              *((f"delta, {enc} (zstd, xxh3-128)", enc, delta_s[enc])
+                                                for enc in _delta_link.ENCODINGS)]])
+    return {"delta_vs_full_sync": full_s / delta_s[best], "delta_encoding": best,
+            "delta_changed_fraction": got["changed_fraction"], "full_sync_seconds": full_s,
+            "full_sync_bytes": got["full_bytes"], "full_sync_cpu_seconds": got["full_cpu_seconds"],
+            **{f"delta_{enc}_seconds": delta_s[enc] for enc in delta_s},
+            **{f"delta_{enc}_bytes": got[f"{enc}_bytes"] for enc in delta_s},
+            **{f"delta_{enc}_cpu_seconds": got[f"{enc}_cpu_seconds"] for enc in delta_s}}
 
 
 if __name__ == "__main__":

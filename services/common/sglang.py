@@ -161,6 +161,17 @@ class SGLangClient(HttpClient):
         return self._post_checked("/update_weights_from_disk",
                                   disk_update_body(model_path, weight_version, abort_all_requests), timeout_s)
 
+    def update_weights_delta_from_distributed(self, num_bytes: int, group_name: str = DEFAULT_GROUP_NAME,
+                                              timeout_s: float | None = None) -> dict:
+        """Physarum's delta push (the CPU engine's): the engine receives one blob over the group and applies it."""
+        return self._post_checked("/update_weights_delta_from_distributed",
+                                  {"num_bytes": num_bytes, "group_name": group_name}, timeout_s)
+
+    def pull_weights(self, source_dir: str, target_version: str, timeout_s: float | None = None) -> dict:
+        """slime's /pull_weights: the engine brings itself to target_version from the deltas in source_dir."""
+        return self._post_checked("/pull_weights", {"source_dir": source_dir, "target_version": target_version},
+                                  timeout_s)
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 

@@ -147,7 +147,7 @@ def _required(body: dict, *keys: str) -> None:
         raise InvalidArgument(f"missing required field(s): {', '.join(missing)}")
 
 
-async def _update_call(fn: Callable[..., str], **kwargs) -> JSONResponse:
+async def _update_call(fn: Callable[..., str | dict], **kwargs) -> JSONResponse:
     """Run a weight-update call in a thread; SGLang's {"success", "message"}, HTTP 400 on failure."""
     try:
         message = await asyncio.to_thread(fn, **kwargs)
@@ -159,7 +159,17 @@ async def _update_call(fn: Callable[..., str], **kwargs) -> JSONResponse:
             log.exception("%s failed", fn.__name__)
         message = str(err) if expected else f"{type(err).__name__}: {err}"
         return JSONResponse({"success": False, "message": message}, status_code=400)
+    if isinstance(message, dict):  # a call with more to say than a message (a delta's failed tensors)
+        return JSONResponse({"success": True, "message": f"{fn.__name__} done", **message})
     return JSONResponse({"success": True, "message": message})
+
+
+def _updater_call(state: EngineState, name: str) -> Callable[..., str | dict]:
+    """The weight updater's method `name`; FailedPrecondition where this engine's updater has none (fake compute)."""
+    method = getattr(state.updater, name, None)
+    if method is None:
+        raise FailedPrecondition(f"{name}: not available in this engine mode (fake compute loads only from disk)")
+    return method
 
 
 async def _wait_for(engine: Scheduler, requests: list[GenRequest]) -> None:
@@ -319,6 +329,25 @@ def create_app(state: EngineState) -> FastAPI:
                                   group_name=body.get("group_name") or DEFAULT_GROUP_NAME,
                                   weight_version=body.get("weight_version"), load_format=body.get("load_format"),
                                   abort_all_requests=bool(body.get("abort_all_requests", False)))
+
+    @app.post("/update_weights_delta_from_distributed")
+    async def update_weights_delta_from_distributed(request: Request) -> JSONResponse:
+        """Physarum's delta push: receive one delta blob of num_bytes over the group and apply it."""
+        state.ready()
+        body = await _body(request)
+        _required(body, "num_bytes")
+        return await _update_call(_updater_call(state, "update_delta_from_distributed"),
+                                  num_bytes=int(body["num_bytes"]), group_name=body.get("group_name") or
+                                  DEFAULT_GROUP_NAME)
+
+    @app.post("/pull_weights")
+    async def pull_weights(request: Request) -> JSONResponse:
+        """slime's delta pull: bring the weights to target_version from the deltas and snapshots in source_dir."""
+        state.ready()
+        body = await _body(request)
+        _required(body, "source_dir", "target_version")
+        return await _update_call(_updater_call(state, "pull"), source_dir=str(body["source_dir"]),
+                                  target_version=str(body["target_version"]))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:

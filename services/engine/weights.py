@@ -1,4 +1,5 @@
-"""Weight updates of the CPU engine, done as SGLang does them: from a broadcast or from disk.
+"""Weight updates of the CPU engine, done as SGLang does them: from a broadcast or from disk; and deltas (`delta.py`),
+received over the group or pulled from shared storage (`pull.py`).
 
 Join the trainer's separate process group (rendezvous, PrefixStore, _new_process_group_helper), receive one
 broadcast per parameter from rank 0, load tensors by Hugging Face name; or reload safetensors from disk.
@@ -14,12 +15,15 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from services.common import safetensors_io
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from services.engine.delta import apply_blob
 from services.engine.generation import Engine
+from services.engine.pull import is_delta_store, plan, read_delta
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,8 @@ class WeightUpdater:
         self.backends: dict[str, str] = {}  # each group's backend
         self.group_lock = threading.Lock()
         self.session_open = False
+        self.delta_scratch: np.ndarray | None = None  # where each tensor's delta is decompressed
+        self.stale: set[str] = set()  # tensors a failed delta left behind its version: only full values fix them
         # receive buffers by (name, dtype, shape), kept from one sync to the next: allocating (and faulting in) a
         # model's worth of fresh memory per sync cost more than the copy into the model
         self.buffers: dict[tuple[str, str, tuple[int, ...], str], torch.Tensor] = {}
@@ -138,6 +144,55 @@ class WeightUpdater:
             self._load(list(zip(names, buffers, strict=True)), weight_version, keys=keys)
         return "Succeeded to update parameter online."
 
+    def update_delta_from_distributed(self, *, num_bytes: int, group_name: str = DEFAULT_GROUP_NAME) -> dict:
+        """Receive one delta blob of `num_bytes` from rank 0 and apply it (`delta.apply_blob`): the tensors whose
+        checksum fails keep their values and are named in the reply; the version moves only when none failed."""
+        if not self.session_open:
+            raise FailedPrecondition("update_weights_delta_from_distributed must run between begin_weight_update() "
+                                     "and end_weight_update()")
+        if num_bytes <= 0:
+            raise InvalidArgument(f"num_bytes must be > 0, got {num_bytes}")
+        nccl = self.backends.get(group_name) == "nccl"
+        blob = torch.empty(num_bytes, dtype=torch.uint8, device=self.engine.model.device if nccl else "cpu")
+        with self.engine.exclusive(self.timeout_s), self._groups_locked():
+            group = self.groups.get(group_name)
+            if group is None:
+                raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
+            dist.broadcast(blob, src=0, group=group, async_op=True).wait()
+            return self._apply_delta(blob.cpu().numpy())
+
+    def _apply_delta(self, blob) -> dict:
+        """Apply a delta blob under the caller's exclusive hold; the reply's fields."""
+        if self.stale:
+            raise FailedPrecondition(f"{len(self.stale)} tensors failed an earlier delta ({min(self.stale)}, ...): "
+                                     f"a full copy is needed first")
+        if self.delta_scratch is None:  # kept: fresh memory per sync costs page faults
+            largest = max(p.numel() * p.element_size() for p in self.params.values())
+            self.delta_scratch = np.empty(largest, dtype=np.uint8)
+        result = apply_blob(self.params, blob, self.engine.weight_version, self.delta_scratch)
+        self.stale |= set(result.failed)
+        if not result.failed and result.version != self.engine.weight_version:
+            log.info("weight_version %s -> %s (delta, %d tensors)", self.engine.weight_version, result.version,
+                     len(result.applied))
+            self.engine.weight_version = result.version
+        return result.reply()
+
+    def pull(self, source_dir: str, target_version: str) -> dict:
+        """Bring the weights to `target_version` from shared storage: the deltas after this engine's version, or
+        the newest full snapshot and the deltas after it (`pull.plan`). A delta failing its checksum raises,
+        naming it; the engine then takes only full copies until one arrives (the trainer publishes one)."""
+        steps = plan(source_dir, None if self.stale else self.engine.weight_version, target_version)
+        with self.engine.exclusive(self.timeout_s):
+            for step in steps:
+                if step.full:
+                    self._load_disk(self._disk_headers(step.path), step.version)
+                    continue
+                reply = self._apply_delta(read_delta(step.path))
+                if reply["failed_names"]:
+                    raise FailedPrecondition(f"pull_weights: the delta to {step.version} failed its checksum on "
+                                             f"{', '.join(reply['failed_names'][:5])}: a full snapshot is needed")
+        return {"weight_version": self.engine.weight_version, "steps": [s.describe() for s in steps]}
+
     def _buffer(self, key: tuple[str, str, tuple[int, ...], str]) -> torch.Tensor:
         if key not in self.buffers:
             self.buffers[key] = torch.empty(key[2], dtype=_dtype(key[1]), device=torch.device(key[3]))
@@ -147,25 +202,40 @@ class WeightUpdater:
                          abort_all_requests: bool = False) -> str:
         """Load every *.safetensors file of `model_path`; on any mismatch nothing changes. Each tensor is read
         (readinto, no mapping: page faults on a mapped file cost more than the copy) into this updater's receive
-        buffer, which then becomes the parameter's storage, as for a broadcast."""
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise NotFound(f"update_weights_from_disk: no *.safetensors file in {model_path!r}")
-        headers = [(f, safetensors_io.read_header(f)[0]) for f in files]
-        keys = [(name, str(dtype).removeprefix("torch."), shape, "cpu")
-                for _, entries in headers for name, (dtype, shape, _, _) in entries.items()]
-        self._check([(key[0], key[2]) for key in keys])
+        buffer, which then becomes the parameter's storage, as for a broadcast. A directory of published full
+        snapshots and deltas (the pull transport's, as the rollout manager hands a joining engine) is pulled from
+        to `weight_version` instead."""
+        if weight_version is not None and is_delta_store(model_path):
+            reply = self.pull(model_path, str(weight_version))
+            return f"Succeeded to update model weights from {model_path}: {', '.join(reply['steps']) or 'no step'}."
+        headers = self._disk_headers(model_path)
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_disk")
         with self.engine.exclusive(self.timeout_s):
-            named = []
-            for path, entries in headers:
-                targets = {name: self._buffer((name, str(dtype).removeprefix("torch."), shape, "cpu"))
-                           for name, (dtype, shape, _, _) in entries.items()}
-                safetensors_io.read_into(path, targets)
-                named += targets.items()
-            self._load(named, weight_version, keys=keys)
-        return f"Succeeded to update model weights from {model_path} ({len(named)} tensors)."
+            num_tensors = self._load_disk(headers, weight_version)
+        return f"Succeeded to update model weights from {model_path} ({num_tensors} tensors)."
+
+    def _disk_headers(self, model_path: str | Path) -> list[tuple[Path, dict]]:
+        """Each *.safetensors file of `model_path` with its header, checked against the model."""
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise NotFound(f"update_weights_from_disk: no *.safetensors file in {str(model_path)!r}")
+        headers = [(f, safetensors_io.read_header(f)[0]) for f in files]
+        self._check([(name, shape) for _, entries in headers for name, (_, shape, _, _) in entries.items()])
+        return headers
+
+    def _load_disk(self, headers: list[tuple[Path, dict]], weight_version: str | None) -> int:
+        """Read the files into receive buffers and load them, under the caller's exclusive hold."""
+        keys = [(name, str(dtype).removeprefix("torch."), shape, "cpu")
+                for _, entries in headers for name, (dtype, shape, _, _) in entries.items()]
+        named = []
+        for path, entries in headers:
+            targets = {name: self._buffer((name, str(dtype).removeprefix("torch."), shape, "cpu"))
+                       for name, (dtype, shape, _, _) in entries.items()}
+            safetensors_io.read_into(path, targets)
+            named += targets.items()
+        self._load(named, weight_version, keys=keys)
+        return len(named)
 
     def _load(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None,
               keys: list[tuple[str, str, tuple[int, ...], str]] | None = None) -> None:
@@ -173,6 +243,7 @@ class WeightUpdater:
         receive buffers: one that matches its parameter's dtype and device becomes the parameter's storage and the
         parameter's old storage becomes the next sync's buffer (a swap: no model-sized copy per sync)."""
         self._check([(name, tuple(tensor.shape)) for name, tensor in named])
+        self.stale -= {name for name, _ in named}
         swapped: set[int] = set()
         with torch.no_grad():
             for i, (name, tensor) in enumerate(named):

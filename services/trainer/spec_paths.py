@@ -15,7 +15,7 @@ from services.common.paths import confine
 from services.trainer.spec import JobSpec
 
 READS = ("hf_checkpoint", "load", "ref_load", "load_debug_rollout_data")
-CHECKPOINT_WRITES = ("save",)
+CHECKPOINT_WRITES = ("save", "update_weight_disk_dir")  # the disk dir: published weights, cleared at start
 EXPORT_WRITES = ("save_hf", "save_debug_rollout_data")
 _ROW_SLICE = re.compile(r"@\[-?\d*:-?\d*\]$")  # the buffer's "path@[start:end]" row selection
 

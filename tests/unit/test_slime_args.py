@@ -212,3 +212,19 @@ def test_slimes_fully_async_rollout_is_mode_fully_async(tmp_path):
                                      f"--n-samples-per-prompt 4 --global-batch-size 32 --num-rollout 3 "
                                      f"--rollout-function-path {path}"})
     assert spec.driver.streams and spec.rollout.max_inflight_groups == 8
+
+
+def test_slimes_delta_weight_sync_flags_set_the_sync_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    argv = (f"--hf-checkpoint {tmp_path} --prompt-data d.jsonl --rollout-batch-size 4 --num-rollout 2 "
+            "--global-batch-size 4 --update-weight-mode delta --update-weight-transport disk "
+            f"--update-weight-disk-dir {tmp_path}/weights --update-weight-delta-encoding overwrite "
+            f"--update-weight-delta-checksum adler32 --update-weight-local-checkpoint-dir /nvme")
+    sync = parse_spec({"slime_args": argv, "job_id": "j", "train_backend": "fsdp"}).sync
+    assert (sync.update_weight_mode, sync.weight_sync_backend, sync.update_weight_disk_dir,
+            sync.update_weight_delta_encoding, sync.update_weight_delta_checksum) == \
+        ("delta", "disk", f"{tmp_path}/weights", "overwrite", "adler32")
+    refused = slime_args.convert("--update-weight-transport rdma", spec_keys=SPEC_KEYS, check_architecture=False)
+    assert refused.refused == ["--update-weight-transport rdma: expected nccl or disk"]
+    with pytest.raises(InvalidArgument, match="update_weight_delta_checksum"):
+        parse_spec({"slime_args": argv.replace("adler32", "blake3"), "job_id": "j", "train_backend": "fsdp"})

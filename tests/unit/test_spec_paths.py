@@ -34,7 +34,7 @@ def test_paths_inside_their_roots_pass(tmp_path, roots):
     {"save": "{tmp}/ckpt/../../etc"}, {"save": "{tmp}/out/run"}, {"save_hf": "{tmp}/ckpt/../out/../../x"},
     {"save_debug_rollout_data": "/tmp/elsewhere/{{rollout_id}}.pt"}, {"prompt_data": "/etc/passwd"},
     {"prompt_data": "{tmp}/data/../../secret.jsonl@[0:1]"}, {"load": "/etc"}, {"hf_checkpoint": "/"},
-    {"ref_load": "{tmp}/data/\x00x"},
+    {"ref_load": "{tmp}/data/\x00x"}, {"update_weight_disk_dir": "{tmp}/data/weights"},
 ])
 def test_paths_outside_their_roots_are_refused_by_key(tmp_path, roots, override):
     key, value = next(iter(override.items()))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from services.trainer.sync import auto
 from services.trainer.sync.shm import SharedMemoryBroadcaster
 from services.trainer.sync.weight_sync import WeightBroadcaster
@@ -35,3 +37,22 @@ def test_make_broadcaster_names_each_backend():
     assert isinstance(auto.make_broadcaster("shm", []), SharedMemoryBroadcaster)
     gloo = auto.make_broadcaster("gloo", [])
     assert type(gloo) is WeightBroadcaster and gloo.backend == "gloo"
+
+
+def test_delta_and_disk_settings_pick_their_broadcasters(tmp_path):
+    from services.trainer.sync.config import DeltaSettings, SyncConfig
+    from services.trainer.sync.delta_disk import DiskBroadcaster
+    from services.trainer.sync.delta_push import DeltaBroadcaster
+
+    options = SyncConfig(weight_sync_backend="disk", update_weight_mode="delta", update_weight_disk_dir=str(tmp_path),
+                         update_weight_delta_encoding="overwrite").broadcaster_options()
+    assert options["delta"] == DeltaSettings("overwrite", "xxh3-128")
+    disk = auto.make_broadcaster("disk", [], **options)
+    assert isinstance(disk, DiskBroadcaster) and disk.pull_source == str(tmp_path)
+    assert isinstance(auto.make_broadcaster("auto", [], update_weight_mode="delta"), DeltaBroadcaster)
+    with pytest.raises(ValueError, match="not shm"):
+        auto.make_broadcaster("shm", [], update_weight_mode="delta")
+    with pytest.raises(ValueError, match="needs update_weight_disk_dir"):
+        SyncConfig(weight_sync_backend="disk")
+    with pytest.raises(ValueError, match="not shm"):
+        SyncConfig(weight_sync_backend="shm", update_weight_mode="delta")

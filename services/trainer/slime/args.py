@@ -235,7 +235,19 @@ def _eval_config(out: Conversion, value: Any) -> None:
     out.eval_config = str(value)  # read once every other flag is converted: it checks against the job's keys
 
 
-_SPECIAL = {"rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
+def _transport(out: Conversion, value: Any) -> None:
+    """--update-weight-transport disk: engines pull from update_weight_disk_dir; nccl: weight_sync_backend's own."""
+    out.plugin_args["update_weight_transport"] = value
+    if value == "disk":
+        out.spec["weight_sync_backend"] = "disk"
+    elif value == "nccl":
+        out.notes.append(f"--update-weight-transport nccl: {FLAGS['update-weight-transport'].note}")
+    else:
+        out.refused.append(f"--update-weight-transport {value}: expected nccl or disk")
+
+
+_SPECIAL = {"update-weight-transport": _transport,
+            "rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
             "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch}
 # slime's rollout functions -> the spec setting that does their job here
 SLIME_ROLLOUTS = {"slime.rollout.sft_rollout.generate_rollout": ("loss_type", "sft_loss"),

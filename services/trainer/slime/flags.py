@@ -268,14 +268,17 @@ FLAGS: dict[str, Flag] = {
     # weight sync
     "update-weights-interval": I(1),
     "update-weight-buffer-size": I(512 * 1024**2),
-    "update-weight-mode": R("full", "weights are always sent in full (bucketed)"),
-    "update-weight-transport": M("nccl", "weight_sync_backend (nccl on GPUs, gloo otherwise)", warn=True),
-    "update-weight-disk-dir": R(None, "disk weight sync is the fallback path the trainer picks itself"),
+    "update-weight-mode": I("full"),
+    "update-weight-transport": M("nccl", "weight_sync_backend: disk sets it to disk (engines pull each version from "
+                                         "update_weight_disk_dir); nccl leaves it (nccl on GPUs, gloo otherwise)",
+                                 warn=True),
+    "update-weight-disk-dir": I(None),
     "update-weight-disk-keep-files": R(False, "disk weight sync is the fallback path the trainer picks itself",
                                        bare=True),
-    "update-weight-local-checkpoint-dir": R(None, "disk weight sync is the fallback path the trainer picks itself"),
-    "update-weight-delta-checksum": R("xxh3-128", "delta weight sync is not implemented"),
-    "update-weight-delta-encoding": R("xor", "delta weight sync is not implemented"),
+    "update-weight-local-checkpoint-dir": M(None, "engines apply pulled deltas to the weights in memory: no host-local "
+                                                  "copy is made; kept in args for plugins", warn=True),
+    "update-weight-delta-checksum": I("xxh3-128"),
+    "update-weight-delta-encoding": I("xor"),
     "custom-update-weight-post-write-path": R(None, "disk weight sync is the fallback path the trainer picks itself"),
     "check-weight-update-equal": R(False, _DEBUG + "the weight-sync tests check it", bare=True),
     # debugging and CI

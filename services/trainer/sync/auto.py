@@ -15,6 +15,9 @@ from collections.abc import Iterable
 
 import torch
 
+from services.trainer.sync.config import DeltaSettings
+from services.trainer.sync.delta_disk import DiskBroadcaster
+from services.trainer.sync.delta_push import DeltaBroadcaster
 from services.trainer.sync.shm import SHM_ROOT, SharedMemoryBroadcaster
 from services.trainer.sync.weight_sync import WeightBroadcaster
 from services.trainer.sync.wire import LOOPBACK
@@ -78,8 +81,18 @@ class AutoBroadcaster:
         self.close()
 
 
-def make_broadcaster(backend: str, engine_urls: list[str], **kwargs) -> WeightBroadcaster | AutoBroadcaster:
-    """The broadcaster of a weight_sync_backend: auto, shm, gloo or nccl."""
+def make_broadcaster(backend: str, engine_urls: list[str], *, update_weight_mode: str = "full",
+                     delta: DeltaSettings | None = None, disk_dir: str = "",
+                     **kwargs) -> WeightBroadcaster | AutoBroadcaster:
+    """The broadcaster of a weight_sync_backend (auto, shm, gloo, nccl or disk) and an update_weight_mode (full or
+    delta; a delta over auto goes through the group, gloo or nccl as `wire.auto_backend` picks)."""
+    if backend == "disk":
+        return DiskBroadcaster(engine_urls, disk_dir=disk_dir, update_weight_mode=update_weight_mode, delta=delta,
+                               **kwargs)
+    if update_weight_mode == "delta":
+        if backend == "shm":
+            raise ValueError("update_weight_mode delta goes over weight_sync_backend gloo, nccl, auto or disk, not shm")
+        return DeltaBroadcaster(engine_urls, backend=backend, delta=delta, **kwargs)
     if backend == "auto":
         return AutoBroadcaster(engine_urls, **kwargs)
     if backend == "shm":

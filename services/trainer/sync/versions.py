@@ -34,7 +34,8 @@ class EngineWeights:
 
             self.broadcaster = make_broadcaster(sync.weight_sync_backend, [], master_address=master_address,
                                                 timeout_s=sync.weight_sync_timeout_s,
-                                                bucket_bytes=sync.update_weight_buffer_size, model_dir=model_dir)
+                                                bucket_bytes=sync.update_weight_buffer_size, model_dir=model_dir,
+                                                **sync.broadcaster_options())
 
     def push(self, backend: TrainBackend, version: int) -> dict[str, float]:
         """Every rank: gather the full weights to rank 0 (FSDP), which pushes them to the manager's engines as

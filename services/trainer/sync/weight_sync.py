@@ -363,8 +363,9 @@ def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Seq
         plan = rollout.begin_weight_sync(version)
         snapshot, start = "", time.monotonic()
         try:
-            if plan.snapshot_dir:
-                snapshot = write_snapshot(named_tensors, plan.snapshot_dir, version, base_model_dir=base_model_dir)
+            if plan.snapshot_dir:  # a pull transport's store serves joiners itself: snapshot + deltas, no copy
+                snapshot = getattr(broadcaster, "pull_source", "") or write_snapshot(
+                    named_tensors, plan.snapshot_dir, version, base_model_dir=base_model_dir)
             snapshot_s = time.monotonic() - start
             broadcaster.set_engines(plan.engine_urls)
             stats = broadcaster.broadcast(named_tensors, version)
