@@ -225,6 +225,6 @@ def test_slimes_delta_weight_sync_flags_set_the_sync_config(tmp_path):
             sync.update_weight_delta_encoding, sync.update_weight_delta_checksum) == \
         ("delta", "disk", f"{tmp_path}/weights", "overwrite", "adler32")
     refused = slime_args.convert("--update-weight-transport rdma", spec_keys=SPEC_KEYS, check_architecture=False)
-    assert refused.refused == ["--update-weight-transport rdma: expected nccl or disk"]
+    assert refused.invalid == ["--update-weight-transport: invalid choice: 'rdma' (choose from nccl, disk)"]
     with pytest.raises(InvalidArgument, match="update_weight_delta_checksum"):
         parse_spec({"slime_args": argv.replace("adler32", "blake3"), "job_id": "j", "train_backend": "fsdp"})

@@ -273,13 +273,15 @@ FLAGS: dict[str, Flag] = {
                                          "update_weight_disk_dir); nccl leaves it (nccl on GPUs, gloo otherwise)",
                                  warn=True),
     "update-weight-disk-dir": I(None),
-    "update-weight-disk-keep-files": R(False, "disk weight sync is the fallback path the trainer picks itself",
+    "update-weight-disk-keep-files": R(False, "the disk transport keeps the two newest full snapshots and the deltas "
+                                              "after the newest, and removes the rest itself",
                                        bare=True),
     "update-weight-local-checkpoint-dir": M(None, "engines apply pulled deltas to the weights in memory: no host-local "
                                                   "copy is made; kept in args for plugins", warn=True),
     "update-weight-delta-checksum": I("xxh3-128"),
     "update-weight-delta-encoding": I("xor"),
-    "custom-update-weight-post-write-path": R(None, "disk weight sync is the fallback path the trainer picks itself"),
+    "custom-update-weight-post-write-path": R(None, "the disk transport's engines pull each version themselves "
+                                                   "(/pull_weights); no hook runs after a write"),
     "check-weight-update-equal": R(False, _DEBUG + "the weight-sync tests check it", bare=True),
     # debugging and CI
     "debug-rollout-only": I(False, bare=True),
