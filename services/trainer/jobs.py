@@ -83,6 +83,29 @@ class JobContext:
 
 Runner = Callable[[JobSpec, JobContext], None]
 
+MAX_REASON_CHARS = 2000
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line for a job's error: the exception's type and message; for torch's CheckpointException (its message
+    is every rank's traceback), each failing rank's own exception instead."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = "; ".join(f"rank {rank}: {_one_line(_unwrap(cause))}" for rank, cause in sorted(failures.items()))
+        text = f"{type(err).__name__}: {causes}"
+    else:
+        text = _one_line(err)
+    return text[:MAX_REASON_CHARS]
+
+
+def _unwrap(cause: object) -> BaseException | object:
+    return cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, traceback) pairs
+
+
+def _one_line(err: object) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
 
 class JobRegistry:
     """Jobs in submission order; one worker thread runs them FIFO with `runner`."""
@@ -92,6 +115,7 @@ class JobRegistry:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._closed = False
         self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
         self._worker.start()
 
@@ -156,20 +180,36 @@ class JobRegistry:
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
-            if job.state.terminal:
-                continue
-            self.record(job, state=JobState.RUNNING, message="running")
             try:
-                self._runner(job.spec, JobContext(self, job))
-            except JobCancelled as err:
-                self._finish(job, JobState.CANCELLED, str(err))
-            except Exception as err:  # noqa: BLE001 - a failed job must not kill the service
-                log.exception("job %s failed", job.job_id)
-                self._finish(job, JobState.FAILED, f"{type(err).__name__}: {err}")
-            else:
-                self._finish(job, JobState.SUCCEEDED, "finished")
+                self._run(job)
+            except BaseException:  # noqa: BLE001 - the worker outlives any job; health reports it otherwise
+                log.exception("job worker: job %s left the worker in an unexpected state", job.job_id)
+
+    def _run(self, job: Job) -> None:
+        if job.state.terminal:
+            return
+        self.record(job, state=JobState.RUNNING, message="running")
+        try:
+            self._runner(job.spec, JobContext(self, job))
+        except JobCancelled as err:
+            self._finish(job, JobState.CANCELLED, str(err))
+        # BaseException: torch's CheckpointException is one, and SystemExit in this thread would end only the
+        # thread, leaving the job RUNNING and the queue wedged behind it.
+        except BaseException as err:  # noqa: BLE001 - a failed job must not stop the queue
+            log.error("job %s failed", job.job_id, exc_info=True)
+            self._finish(job, JobState.FAILED, failure_reason(err))
+        else:
+            self._finish(job, JobState.SUCCEEDED, "finished")
+
+    def health(self) -> str:
+        """Why the queue cannot make progress ("" when it can): its worker thread is gone, or the runner is out of
+        step (a multi-rank runner's `broken`)."""
+        if not self._worker.is_alive() and not self._closed:
+            return "job worker thread is not running: queued jobs will not start; restart the trainer"
+        return getattr(self._runner, "broken", "")
 
     def close(self) -> None:
+        self._closed = True
         for job in self.list():
             job.cancel.set()
         self._queue.put(None)

@@ -43,8 +43,11 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
             raise _http_error(err) from None
 
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def healthz() -> JSONResponse:
+        """200 while the job queue makes progress; 503 naming why when its worker is stuck."""
+        if reason := registry.health():
+            return JSONResponse({"status": "stuck", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     # The body stays a mapping so that parse_spec names a bad key; its documented schema is the job spec's.
     @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from services.common import auth
@@ -18,7 +19,10 @@ from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
 from services.trainer.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
 
+log = logging.getLogger(__name__)
+
 EVENT_POLL_S = 0.2
+HEALTH_POLL_S = 1.0
 
 
 def job_to_proto(job: Job) -> jobs_pb2.Job:
@@ -79,13 +83,28 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
             await asyncio.sleep(EVENT_POLL_S)
 
 
+async def watch_health(grpc_server: GrpcServer, registry: JobRegistry) -> None:
+    """gRPC health follows the job queue: NOT_SERVING while its worker is stuck (the chart's probes see it)."""
+    serving = True
+    while True:
+        reason = registry.health()
+        if serving != (not reason):
+            serving = not reason
+            if reason:
+                log.error("job queue stuck: %s", reason)
+            await grpc_server.set_serving(serving)
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
 @dataclass
 class TrainerServers:
     grpc: GrpcServer
     rest: RestServer
     registry: JobRegistry
+    health_task: asyncio.Task
 
     async def stop(self, grace_s: float) -> None:
+        self.health_task.cancel()
         self.registry.close()
         await self.rest.stop()
         await self.grpc.server.stop(grace_s)
@@ -101,4 +120,5 @@ async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers
         config.host, config.port, token=token, service="trainer")  # checked before a request is even decoded
     rest = RestServer(create_app(registry, token, parse), config.host, config.rest_port)
     await rest.start()
-    return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)
+    return TrainerServers(grpc=grpc_server, rest=rest, registry=registry,
+                          health_task=asyncio.create_task(watch_health(grpc_server, registry)))

@@ -89,7 +89,9 @@ def run_worker(config: TrainerConfig) -> int:
             train(JobSpec.model_validate_json(payload), None, deps)
         except RankAborted as err:
             log.info("rank %d: job %d: %s", world.rank, seq, err)
-        except Exception:  # noqa: BLE001 - the job fails on rank 0 too; this rank waits for the next one
+        except (KeyboardInterrupt, SystemExit):  # the process's own exit
+            raise
+        except BaseException:  # noqa: BLE001 - e.g. torch's CheckpointException; the job fails on rank 0 too
             log.exception("rank %d: job %d failed", world.rank, seq)
         try:
             world.job_done(seq)
