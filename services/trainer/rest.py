@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from services.common.strict_json import StrictJsonBodies
 from services.trainer.auth import check_bearer
 from services.trainer.jobs import JobRegistry
 from services.trainer.spec import JobSpec, parse_spec
@@ -25,6 +26,7 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
     """The job API; `parse` validates submitted specs (parse_spec with the trainer's spec defaults)."""
     app = FastAPI(title="Physarum job API", version="v1",
                   description="Submit, follow and cancel RL post-training jobs. Spec keys are slime's flag names.")
+    app.add_middleware(StrictJsonBodies)  # NaN, 1e999999, lone surrogates: 400; the token check (added later) is first
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):

@@ -6,7 +6,10 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from google.protobuf import struct_pb2
+
 from services.common import auth
+from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server
 from services.common.rest import RestServer
@@ -39,6 +42,14 @@ def event_to_proto(event: JobEvent) -> jobs_pb2.JobEvent:
                              time=event.time)
 
 
+def spec_from_struct(spec: struct_pb2.Struct) -> dict:
+    """A submitted spec as a dict; a value JSON cannot hold (NaN, an infinity) is InvalidArgument, not INTERNAL."""
+    try:
+        return struct_to_dict(spec)
+    except ValueError as err:  # protobuf's json_format: "Fail to serialize NaN for Value.number_value, ..."
+        raise InvalidArgument(f"job spec: {str(err).split(',')[0]} (send finite numbers)") from None
+
+
 class JobsServicer(jobs_pb2_grpc.JobsServicer):
     def __init__(self, registry: JobRegistry, api_token: str = "", parse: SpecParser = parse_spec) -> None:
         self.registry = registry
@@ -52,7 +63,7 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     @handle_errors
     async def SubmitJob(self, request, context):
         self._authorize(context)
-        return job_to_proto(self.registry.submit(self.parse(struct_to_dict(request.spec))))
+        return job_to_proto(self.registry.submit(self.parse(spec_from_struct(request.spec))))
 
     @handle_errors
     async def GetJob(self, request, context):

@@ -78,3 +78,30 @@ def test_jobs_default_to_the_megatron_backend_on_the_cluster(values, backend, mo
     parse = spec_parser(spec_defaults(load_config(TrainerConfig, "trainer", argv=[])))
     spec = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 1, "rollout_batch_size": 2}
     assert parse(spec).train_backend == backend
+
+
+def test_the_charts_trainer_confines_job_paths_to_its_volumes(monkeypatch):
+    """The trainer's roots, from the rendered pod's environment as the trainer reads it: data and models from the
+    models and checkpoints volumes, checkpoints and exports onto the checkpoints volume, nothing else."""
+    from services.common.config import load_config
+    from services.common.errors import InvalidArgument
+    from services.trainer.config import TrainerConfig
+    from services.trainer.spec_defaults import path_roots, spec_parser
+
+    env = {e["name"]: e["value"] for e in trainer_container({})["env"]
+           if e["name"].endswith("_ROOTS") and "value" in e}
+    assert set(env) == {"PHYSARUM_TRAINER_DATA_ROOTS", "PHYSARUM_TRAINER_CHECKPOINT_ROOTS",
+                        "PHYSARUM_TRAINER_EXPORT_ROOTS"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parse = spec_parser({}, path_roots(load_config(TrainerConfig, "trainer", [])))
+    base = {"hf_checkpoint": "/models/qwen", "prompt_data": "/checkpoints/data/train.jsonl", "num_rollout": 2,
+            "rollout_batch_size": 2}
+    job = parse({**base, "save": "/checkpoints/run", "load": "/checkpoints/run", "save_hf": "/checkpoints/hf",
+                 "ref_load": "/models/qwen", "use_kl_loss": True})
+    assert job.save == "/checkpoints/run"
+    for key, path in [("prompt_data", "/etc/passwd"), ("save", "/checkpoints/../elsewhere"), ("save", "/models/x"),
+                      ("save_hf", "../x"), ("save_debug_rollout_data", "/checkpoints/../tmp/{rollout_id}.pt"),
+                      ("hf_checkpoint", "/root/model")]:
+        with pytest.raises(InvalidArgument, match=f"job spec: {key}\\S* .* lies outside the allowed directories"):
+            parse({**base, key: path})
