@@ -137,7 +137,9 @@ def up(options: StackOptions) -> dict:
                                         env={**_plugin_env(options), **token_dirs[name]}).start()
                    for name, argv in specs.items()}
         processes.extend(started.values())
-        ranks = trainer_ranks(options, ports, addr, logs, token_dirs["trainer"], root_flags(options, work_dir)[0])
+        # the job records live in the stack's Redis: a trainer started again resumes its unfinished jobs
+        ranks = trainer_ranks(options, ports, addr, logs, token_dirs["trainer"],
+                              [*root_flags(options, work_dir)[0], "--jobs-redis-url", redis_url])
         started["trainer"] = ranks[0]
         processes.extend(p.start() for p in ranks)
         checks = {"buffer": _grpc_ready(addr["buffer"]), "reward": _grpc_ready(addr["reward"]),
@@ -161,16 +163,16 @@ def up(options: StackOptions) -> dict:
 
 def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, str],
                   logs: Path, token_env: dict[str, str] | None = None,
-                  roots: list[str] | None = None) -> list[ManagedProcess]:
-    """The trainer's ranks (not started): rank 0 serves the job API (its paths confined by `roots`, the flags of
-    root_flags), ranks 1.. are workers; torchrun's env."""
+                  rank0_flags: list[str] | None = None) -> list[ManagedProcess]:
+    """The trainer's ranks (not started): rank 0 serves the job API (with `rank0_flags`: its path roots and job
+    records), ranks 1.. are workers; torchrun's env."""
     env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port()),
            **({"CUDA_VISIBLE_DEVICES": ""} if options.trainer_device == "cpu" else {}),
            **_plugin_env(options), **(token_env or {})}
     flags = ["--buffer-addr", addr["buffer"], "--rollout-addr", addr["rollout"],
              "--num-threads", str(options.trainer_threads), "--device", options.trainer_device]
     rank0 = python_module("services.trainer", "--host", HOST, "--port", str(ports["trainer"]),
-                          "--rest-port", str(ports["trainer_rest"]), *flags, *(roots or []))
+                          "--rest-port", str(ports["trainer_rest"]), *flags, *(rank0_flags or []))
     ranks = [ManagedProcess("trainer", rank0, logs / "trainer.log", env={**env, "RANK": "0", "LOCAL_RANK": "0"})]
     for rank in range(1, options.trainer_ranks):
         ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.worker", *flags),

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from services.common.strict_json import StrictJsonBodies
 from services.trainer.auth import check_bearer
-from services.trainer.jobs import JobRegistry
+from services.trainer.jobs import JobRegistry, JobState
 from services.trainer.spec import JobSpec, parse_spec
 from services.trainer.spec_defaults import SpecParser
 
@@ -58,8 +58,16 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
         return JobRegistry.to_dict(call(registry.submit, call(parse, spec)))
 
     @app.get("/v1/jobs")
-    def list_jobs():
-        return {"jobs": [JobRegistry.to_dict(j) for j in registry.list()]}
+    def list_jobs(state: str = ""):
+        """Every job in submission order, or only those in `state` (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)."""
+        if state and state not in JobState.__members__:
+            raise HTTPException(400, f"state {state[:40]!r}: expected one of {', '.join(JobState.__members__)}")
+        return {"jobs": [JobRegistry.to_dict(j) for j in registry.list(JobState(state) if state else None)]}
+
+    @app.get("/v1/queue")
+    def job_queue():
+        """The running job, then the queued ones in the order they will run."""
+        return {"jobs": [JobRegistry.to_dict(j) for j in registry.queue()]}
 
     @app.get("/v1/jobs/{job_id}")
     def get_job(job_id: str):

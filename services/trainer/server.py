@@ -16,7 +16,7 @@ from services.common.rest import RestServer
 from services.common.samples import dict_to_struct, struct_to_dict
 from services.trainer.auth import check_bearer
 from services.trainer.config import TrainerConfig
-from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
+from services.trainer.jobs import Job, JobEvent, JobRegistry, JobState, Runner
 from services.trainer.preflight import with_preflight
 from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
@@ -32,7 +32,8 @@ def job_to_proto(job: Job) -> jobs_pb2.Job:
     return jobs_pb2.Job(job_id=job.job_id, state=jobs_pb2.JobState.Value(f"JOB_STATE_{job.state.value}"),
                         spec=dict_to_struct(job.spec.model_dump()), rollout_id=job.rollout_id,
                         num_rollout=job.spec.num_rollout, metrics=job.metrics, error=job.error,
-                        created_at=job.created_at, finished_at=job.finished_at)
+                        created_at=job.created_at, finished_at=job.finished_at, attempts=job.attempts,
+                        checkpoints=job.checkpoints)
 
 
 def event_to_proto(event: JobEvent) -> jobs_pb2.JobEvent:
@@ -73,7 +74,8 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     @handle_errors
     async def ListJobs(self, request, context):
         self._authorize(context)
-        return jobs_pb2.ListJobsResponse(jobs=[job_to_proto(j) for j in self.registry.list()])
+        state = JobState(jobs_pb2.JobState.Name(request.state).removeprefix("JOB_STATE_")) if request.state else None
+        return jobs_pb2.ListJobsResponse(jobs=[job_to_proto(j) for j in self.registry.list(state)])
 
     @handle_errors
     async def CancelJob(self, request, context):
@@ -116,13 +118,18 @@ class TrainerServers:
 
     async def stop(self, grace_s: float) -> None:
         self.health_task.cancel()
-        self.registry.close()
+        await asyncio.to_thread(self.registry.close)  # preempts the running job, writes the records
         await self.rest.stop()
         await self.grpc.server.stop(grace_s)
 
 
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
-    registry = JobRegistry(runner)
+    store = None
+    if config.jobs_redis_url:
+        from services.trainer.job_store import RedisJobStore
+
+        store = await asyncio.to_thread(RedisJobStore, config.jobs_redis_url)
+    registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts)  # waits for Redis
     parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)))  # refuse what would fail on GPUs
     token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment
     grpc_server = await start_grpc_server(

@@ -64,7 +64,8 @@ def test_physarum_up_confines_paths_by_default(tmp_path, monkeypatch):
     base = {"hf_checkpoint": str(tmp_path / "m"), "prompt_data": str(tmp_path / "d.jsonl"), "num_rollout": 2,
             "rollout_batch_size": 2}
     assert parse({**base, "save": str(tmp_path / "ckpt"), "save_hf": "/tmp/hf"}).save == str(tmp_path / "ckpt")
-    refused = [("prompt_data", "/etc/passwd"), ("save", str(tmp_path.joinpath(*[".."] * len(tmp_path.parts), "etc", "x"))),
+    escape = str(tmp_path.joinpath(*[".."] * len(tmp_path.parts), "etc", "x"))  # <tmp_path>/../../../../etc/x
+    refused = [("prompt_data", "/etc/passwd"), ("save", escape),
                ("save_hf", str(Path.home() / ".ssh" / "x")), ("load", "/etc"), ("save_debug_rollout_data", "/etc/x")]
     for key, path in refused:
         with pytest.raises(InvalidArgument, match="lies outside the allowed directories"):
