@@ -303,6 +303,12 @@ class JobRegistry:
 
 
 PREEMPTED = "preempted"
+
+
+def preempted(err: BaseException) -> bool:
+    """`err` ends a job because the trainer is stopping: JobPreempted on rank 0, the RankAborted that names it on
+    the other ranks."""
+    return isinstance(err, JobPreempted) or f"{JobPreempted.__name__}:" in str(err)
 CHECKPOINT_METRIC = "perf/save_seconds"  # in a rollout's metrics when the loop saved a checkpoint after it
 
 

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2
 
 from services.common import auth
 from services.common.errors import InvalidArgument
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 EVENT_POLL_S = 0.2
 HEALTH_POLL_S = 1.0
+QUEUE_HEALTH = "physarum.v1.Jobs.queue"  # a health service name of its own: SERVING unless the job queue is stuck
 
 
 def job_to_proto(job: Job) -> jobs_pb2.Job:
@@ -97,8 +99,11 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
 
 
 async def watch_health(grpc_server: GrpcServer, registry: JobRegistry) -> None:
-    """gRPC health follows the job queue: NOT_SERVING while its worker is stuck (the chart's probes see it)."""
+    """gRPC health follows the job queue: NOT_SERVING while its worker is stuck, overall (readiness) and under
+    QUEUE_HEALTH, which only a stuck queue turns NOT_SERVING (the chart's liveness probe: a restart resumes the
+    jobs), not a drain."""
     serving = True
+    await grpc_server.health.set(QUEUE_HEALTH, health_pb2.HealthCheckResponse.SERVING)
     while True:
         reason = registry.health()
         if serving != (not reason):
@@ -106,6 +111,8 @@ async def watch_health(grpc_server: GrpcServer, registry: JobRegistry) -> None:
             if reason:
                 log.error("job queue stuck: %s", reason)
             await grpc_server.set_serving(serving)
+            await grpc_server.health.set(QUEUE_HEALTH, health_pb2.HealthCheckResponse.SERVING if serving
+                                         else health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.sleep(HEALTH_POLL_S)
 
 
@@ -116,9 +123,10 @@ class TrainerServers:
     registry: JobRegistry
     health_task: asyncio.Task
 
-    async def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float, preempt_timeout_s: float = 30.0) -> None:
         self.health_task.cancel()
-        await asyncio.to_thread(self.registry.close)  # preempts the running job, writes the records
+        # the running job checkpoints at its next safe point and stops; then the records are written
+        await asyncio.to_thread(self.registry.close, preempt_timeout_s)
         await self.rest.stop()
         await self.grpc.server.stop(grace_s)
 

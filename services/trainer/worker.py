@@ -16,7 +16,7 @@ from services.common.config import as_dict, load_config
 from services.common.errors import FailedPrecondition
 from services.common.logging import configure_logging
 from services.trainer.config import TrainerConfig
-from services.trainer.jobs import JobContext, Runner
+from services.trainer.jobs import JobCancelled, JobContext, Runner
 from services.trainer.parallel import STOP, RankAborted, World, init_world
 from services.trainer.spec import JobSpec
 
@@ -87,7 +87,7 @@ def run_worker(config: TrainerConfig) -> int:
             return 0
         try:
             train(JobSpec.model_validate_json(payload), None, deps)
-        except RankAborted as err:
+        except (RankAborted, JobCancelled) as err:
             log.info("rank %d: job %d: %s", world.rank, seq, err)
         except (KeyboardInterrupt, SystemExit):  # the process's own exit
             raise

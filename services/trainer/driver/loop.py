@@ -28,8 +28,8 @@ from services.trainer.driver.feed import make_feed, staleness_metrics
 from services.trainer.driver.intervals import should_run_periodic_action
 from services.trainer.driver.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.driver.post_rollout import generation_metrics
-from services.trainer.jobs import JobContext
-from services.trainer.parallel import World
+from services.trainer.jobs import JobContext, JobPreempted, preempted
+from services.trainer.parallel import RankAborted, World
 from services.trainer.spec import JobSpec
 from services.trainer.sync.config import SyncConfig
 
@@ -153,9 +153,16 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
         if engines:  # like slime, push the trainer's weights first: engines may hold another job's
             sync_weights(broadcaster, backend, deps, version=start_id)
         engine_version = start_id  # what the engines hold; the trainer's weights are version rollout_id
+        saved = start_id - 1  # the rollout the latest checkpoint holds (start_id - 1: the loaded one)
         for rollout_id in range(start_id, driver.num_rollout):
             start = time.monotonic()
-            samples = world.on_rank0(lambda: feed.samples(rollout_id, engine_version))  # noqa: B023
+            try:
+                samples = world.on_rank0(lambda: feed.samples(rollout_id, engine_version))  # noqa: B023
+            except (JobPreempted, RankAborted) as err:  # SIGTERM: the state after the last step is the safe point
+                if driver.save and saved < rollout_id - 1 and preempted(err):
+                    checkpoint.save_checkpoint(driver.save, rollout_id - 1, backend, world,
+                                               lambda: trainer_state(driver, deps, rollout_id - 1))  # noqa: B023
+                raise
             rollout_s = time.monotonic() - start
             world.on_rank0(lambda: feed.started(rollout_id, engine_version))  # noqa: B023
             start = time.monotonic()
@@ -171,6 +178,7 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
                 checkpoint.save_checkpoint(driver.save, rollout_id, backend, world,
                                            lambda: trainer_state(driver, deps, rollout_id))  # noqa: B023
                 metrics["perf/save_seconds"] = time.monotonic() - start
+                saved = rollout_id
             if engines and world.on_rank0(lambda: feed.weight_update_due(rollout_id)):  # noqa: B023
                 metrics.update(world.on_rank0(lambda: feed.before_weight_update(rollout_id, engine_version)))  # noqa: B023
                 metrics.update(sync_weights(broadcaster, backend, deps, version=rollout_id + 1))
