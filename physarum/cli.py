@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start the local stack")
     p.add_argument("--model", type=Path, required=True, help="HF model directory the engines start from")
     p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
-    p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="everysec",
-                   help="fsync policy of the local Redis's append-only file (everysec: at most 1 s lost to a crash)")
+    p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="always",
+                   help="fsync policy of the local Redis's append-only file (always: no acknowledged write lost to a "
+                        "crash; everysec: the last second or two can be, and a group can train twice)")
     p.add_argument("--plugin-allowlist", default=os.environ.get("PHYSARUM_PLUGIN_ALLOWLIST", "examples"),
                    help="comma-separated module prefixes that jobs may name as plugins (reward, generate, loss, "
                         "filters)")

@@ -45,7 +45,7 @@ class StackOptions:
     engine_per_token_delay_s: float = 0.0  # latency-controlled engines (benchmarks): extra seconds per decode step
     trainer_device: str = "auto"        # auto (the GPU when there is one), cuda or cpu (GPUs hidden from the trainer)
     engine_device: str = "cpu"          # the CPU engines' device: cpu or cuda
-    redis_appendfsync: str = "everysec"  # Redis AOF fsync policy: always, everysec or no
+    redis_appendfsync: str = "always"   # Redis AOF fsync policy: always (no acknowledged write lost), everysec, no
     plugin_allowlist: str | None = None  # module prefixes jobs may name as plugins (None: the caller's environment)
     auth: bool = False                   # per-service tokens on every port (`physarum up` turns it on)
     path_roots: tuple[Path, ...] | None = None  # where jobs may read and write (None: default_path_roots)

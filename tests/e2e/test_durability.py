@@ -30,10 +30,11 @@ JOB_TIMEOUT_S = 120.0
 @pytest.fixture(scope="module")
 def durable_stack(session_dir, tiny_model_dir):
     work_dir = session_dir / "durable-stack"
-    # appendfsync always: Redis appends each write to its AOF and fsyncs it before it answers, so whatever the buffer
-    # was told is stored survives the kill. everysec (the default) fsyncs once a second: a crash can lose up to the
-    # last second of acknowledged writes (two, when a slow disk makes Redis postpone the write), e.g. a TakeBatch
-    # assignment, which puts groups the trainer already trained back in the stream, to be trained twice.
+    # appendfsync always (the default of the chart and `physarum up`): Redis appends each write to its AOF and fsyncs
+    # it before it answers, so whatever the buffer was told is stored survives the kill. everysec fsyncs once a
+    # second: a crash can lose up to the last second of acknowledged writes (two, when a slow disk makes Redis
+    # postpone the write), e.g. a TakeBatch assignment, which puts groups the trainer already trained back in the
+    # stream, to be trained twice.
     # The per-token delay makes a rollout take about a second, long enough to kill something in the middle of one.
     stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=2, trainer_threads=1,
                                 redis_appendfsync="always", engine_per_token_delay_s=0.05))
