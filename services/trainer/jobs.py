@@ -200,7 +200,7 @@ class JobRegistry:
         with self._lock:
             if state is not None:
                 job.state = state
-            if rollout_id is not None:
+            if rollout_id is not None and rollout_id >= 0:  # -1: a note before the first rollout (the dataset)
                 job.rollout_id = rollout_id
             if metrics:
                 job.metrics = dict(metrics)
