@@ -1,7 +1,9 @@
-"""The job registry: accepts validated specs, runs them one at a time on a worker thread, records events.
+"""The job registry: accepts validated specs, runs them one at a time on a worker thread, records events; with a
+job store (`job_store.py`, Redis) the records outlive the process and unfinished jobs resume at the next start.
 
 It knows nothing of gRPC or HTTP; `server.py` and `rest.py` translate. The training itself is the `Runner` it is
-given (the driver, `driver.loop.train`, through `worker.Dispatcher` on a multi-rank trainer).
+given (the driver, `driver.loop.train`, through `worker.Dispatcher` on a multi-rank trainer). Nothing a job raises
+stops the queue.
 """
 
 from __future__ import annotations
