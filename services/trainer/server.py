@@ -125,6 +125,7 @@ class TrainerServers:
 
     async def stop(self, grace_s: float, preempt_timeout_s: float = 30.0) -> None:
         self.health_task.cancel()
+        await self.grpc.set_serving(False)  # draining: unready (the queue's own health, liveness, stays SERVING)
         # the running job checkpoints at its next safe point and stops; then the records are written
         await asyncio.to_thread(self.registry.close, preempt_timeout_s)
         await self.rest.stop()
