@@ -304,27 +304,3 @@ def test_scale_checks_its_argument_and_external_engines_need_no_launcher():
         await pool.close()
         assert list(router.workers) == ["http://ext"]  # external engines stay registered
     run(main())
-
-
-def test_engines_killed_before_they_serve_are_replaced_without_a_growing_wait_once_the_pool_served():
-    """Kills every few seconds hit engines still starting: each counts as a start failure, whose back-off doubles.
-    Once the pool has served, it stops at replace_backoff_max_s (a crash loop before it would reach 30 s)."""
-    async def main():
-        pool, launcher, router, fleet = make_pool(1, replace_backoff_max_s=0.05)
-        await pool.start()
-        original, backoffs, kills = launcher.scale, [], {"left": 5}
-
-        def scale_then_kill(replicas, remove=()):  # each replacement dies before it answers /health, five times
-            original(replicas, remove)
-            for e in launcher.running.values():
-                if kills["left"] and e.url not in {"http://engine-0"} and fleet.alive.get(e.url):
-                    fleet.alive[e.url] = False
-                    kills["left"] -= 1
-        launcher.scale = scale_then_kill
-        start_failed = pool.start_failed
-        pool.start_failed = lambda e, reason: backoffs.append(start_failed(e, reason)) or backoffs[-1]
-        fleet.alive["http://engine-0"] = False  # the serving engine is killed
-        await until(lambda: serving(pool) == 1 and kills["left"] == 0, what="a replacement serving after 5 kills")
-        assert backoffs == [0.05] * 5  # without the cap: 1, 2, 4, 8, 16 s
-        await pool.close()
-    run(main())

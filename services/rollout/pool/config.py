@@ -25,10 +25,6 @@ class PoolConfig:
     tick_s: float = 0.2
     own_router: bool = False  # remove router workers this pool never registered (one manager per router)
     max_start_failures: int = 3  # engines failing before the pool first served: then start() fails
-    # An engine that dies before it serves is replaced after a back-off that doubles with each such failure in a row:
-    # up to 30 s while the pool never served (a crash loop: a bad model, too little memory), at most this once it
-    # has (engines that started before were killed: a node lost, an OOM kill, chaos), so the pool refills in seconds.
-    replace_backoff_max_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.replicas < 0:

@@ -29,7 +29,6 @@ from services.rollout.pool.router import RouterClient
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 200
-CRASH_LOOP_BACKOFF_MAX_S = 30.0  # the longest wait before replacing an engine while the pool never served
 
 
 class EnginePool:
@@ -345,9 +344,7 @@ class EnginePool:
                                      f"{e.name} {e.url}: {reason}")
             self.wake.set()
             return None
-        # back off a crash loop; once the pool served, the engines can start: replace killed ones within seconds
-        cap = CRASH_LOOP_BACKOFF_MAX_S if not self.ready.is_set() else self.config.replace_backoff_max_s
-        return min(2.0 ** (self.start_failures - 1), cap)
+        return min(2.0 ** (self.start_failures - 1), 30.0)  # back off a crash loop
 
     async def replace(self, e: EngineRecord) -> None:
         """Stop `e` and have the launcher start another in its place."""
