@@ -71,9 +71,8 @@ class JobsRestClient(HttpClient):
             raise Unavailable(f"job API {self.url}: {type(err).__name__}: {err}") from err
         if reply.status_code >= 400:
             detail = reply.json().get("detail", reply.text) if reply.content else reply.reason_phrase
-            cls = {400: InvalidArgument, 401: Unauthenticated, 404: NotFound,
-                   409: FailedPrecondition}.get(reply.status_code,
-                                                                                   FailedPrecondition)
+            cls = {400: InvalidArgument, 401: Unauthenticated, 404: NotFound, 409: FailedPrecondition,
+                   503: Unavailable}.get(reply.status_code, FailedPrecondition)
             raise cls(f"job API {method} {path}: {detail}")
         return reply.json()
 

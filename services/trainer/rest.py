@@ -8,14 +8,14 @@ from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from services.common.strict_json import StrictJsonBodies
 from services.trainer.auth import check_bearer
 from services.trainer.jobs import JobRegistry, JobState
 from services.trainer.spec import JobSpec, parse_spec
 from services.trainer.spec_defaults import SpecParser
 
-_STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409}
+_STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409, Unavailable: 503}
 
 
 def _http_error(err: Exception) -> HTTPException:
@@ -41,7 +41,7 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
     def call(fn, *args):
         try:
             return fn(*args)
-        except (InvalidArgument, NotFound, FailedPrecondition) as err:
+        except (InvalidArgument, NotFound, FailedPrecondition, Unavailable) as err:  # Unavailable: the job store
             raise _http_error(err) from None
 
     @app.get("/healthz")
