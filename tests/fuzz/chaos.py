@@ -33,13 +33,18 @@ BATCH, SAMPLES = 4, 2
 
 
 def kill_one(work_dir: Path, kind: str, rng: random.Random) -> None:
-    """SIGKILL one process of `kind`; a service is started again on its port after a short outage."""
+    """SIGKILL one process of `kind` (evict: SIGTERM to the trainer); it is started again on its port after a short
+    outage, as Kubernetes would restart its pod."""
     if kind == "engine":
         with RolloutClient(stack.read_state(work_dir)["rollout_addr"]) as rollout:
             engines = [e for e in rollout.pool_status().engines if e.pid]
+        engines = [e for e in engines if procs.start_time(e.pid) is not None]  # not one that just exited
         if engines:
             engine = rng.choice(engines)
-            d.kill_pid(engine.pid, procs.start_time(engine.pid), f"engine {engine.url}")
+            try:
+                d.kill_pid(engine.pid, procs.start_time(engine.pid), f"engine {engine.url}")
+            except AssertionError:  # it exited between the listing and the kill (a replacement of a killed one)
+                print(f"engine {engine.url} exited before the kill", flush=True)
         return
     if kind == "evict":  # SIGTERM, as Kubernetes evicts a pod; the trainer checkpoints and exits by itself
         entry = d.entry_of(work_dir, "trainer")
