@@ -30,6 +30,7 @@ SCRIPTS = {
     "router_overhead": ["--requests", "200"],
     "gateway_overhead": ["--sessions", "20"],
     "buffer_vs_redis": ["--rounds", "10"],
+    "redis_appendfsync": ["--rounds", "10"],
     "reward_grpc": ["--calls", "20"],
     "loop_vs_inprocess": ["--rollouts", "6"],  # the demo job: 512 samples a rollout
     "control_plane": ["--rollouts", "4"],

@@ -12,19 +12,24 @@ from typing import Any
 import yaml
 
 from physarum import stack
+from services.common import strict_json
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
 def load_job_file(path: Path | None, overrides: list[str], slime_args: str = "") -> dict[str, Any]:
     """The job YAML (none: an empty spec) with `--set key=value` overrides (values parsed as YAML scalars or
-    lists) and slime's argv (`--slime-args`, converted by the job API; the YAML's and --set's keys win)."""
+    lists) and slime's argv (`--slime-args`, converted by the job API; the YAML's and --set's keys win). Anything that
+    is not plain JSON once loaded (binary bytes, `.nan`, a date, deep nesting) ends the command with one line."""
     spec: Any = {}
     if path is not None:
         try:
-            spec = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as err:
-            raise SystemExit(f"physarum: cannot read job file {path}: {err}") from None
+            text = Path(path).read_bytes().decode("utf-8")
+        except OSError as err:
+            raise SystemExit(f"physarum: cannot read job file {path}: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise SystemExit(f"physarum: job file {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+        spec = _yaml(text, f"job file {path}") or {}
     if not isinstance(spec, dict):
         raise SystemExit(f"physarum: job file {path}: expected a mapping of slime flag names to values")
     if slime_args:
@@ -33,10 +38,26 @@ def load_job_file(path: Path | None, overrides: list[str], slime_args: str = "")
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"physarum: --set expects key=value, got {item!r}")
-        spec[key.strip()] = yaml.safe_load(value)
+        spec[key.strip()] = _yaml(value, f"--set {key.strip()}")
     if not spec:
         raise SystemExit("physarum: submit needs a job file, --slime-args, or both")
+    if problem := strict_json.check_value(spec, ""):
+        raise SystemExit(f"physarum: job spec: {problem}")
     return spec
+
+
+def _yaml(text: str, what: str) -> Any:
+    """YAML text as data, or SystemExit with one line naming `what` and where the YAML is wrong."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SystemExit(f"physarum: {what}: invalid YAML{where}: {err.problem or err.context}") from None
+    except yaml.YAMLError as err:  # e.g. the reader's "unacceptable character #x0000"
+        raise SystemExit(f"physarum: {what}: invalid YAML: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise SystemExit(f"physarum: {what}: nested more than {strict_json.MAX_DEPTH} levels") from None
 
 
 def _job_api(args) -> str:
@@ -91,7 +112,8 @@ def cmd_up(args) -> int:
     state = stack.up(stack.StackOptions(work_dir=args.work_dir, model_path=args.model, num_engines=args.engines,
                                         trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync,
                                         plugin_allowlist=args.plugin_allowlist, auth=args.auth,
-                                        trainer_device=args.device, engine_device=args.engine_device))
+                                        trainer_device=args.device, engine_device=args.engine_device,
+                                        path_roots=tuple(args.root) if args.root else None))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
     print(dashboard_note(state, args.work_dir))
     return 0
@@ -176,13 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, default=None,
                    help="HF model directory the engines start from (default: the demo's tiny model, built if missing)")
     p.add_argument("--engines", type=int, default=2, help="number of CPU engines")
-    p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="everysec",
-                   help="fsync policy of the local Redis's append-only file (everysec: at most 1 s lost to a crash)")
+    p.add_argument("--redis-appendfsync", choices=("always", "everysec", "no"), default="always",
+                   help="fsync policy of the local Redis's append-only file (always: no acknowledged write lost to a "
+                        "crash; everysec: the last second or two can be, and a group can train twice)")
     p.add_argument("--plugin-allowlist", default=os.environ.get("PHYSARUM_PLUGIN_ALLOWLIST", "examples"),
                    help="comma-separated module prefixes that jobs may name as plugins (reward, generate, loss, "
                         "filters)")
     p.add_argument("--no-auth", dest="auth", action="store_false",
                    help="no per-service tokens (by default every port but health and metrics needs one)")
+    p.add_argument("--root", action="append", type=Path, metavar="DIR",
+                   help="a directory jobs may read data and models under and write checkpoints and exports under "
+                        "(repeatable; default: the current directory, the work dir's parent and the temporary "
+                        "directory); any other path in a job spec is refused at submit")
     p.add_argument("--trainer-ranks", type=int, default=1,
                    help="trainer processes: rank 0 serves the job API, the others train data-parallel (FSDP2)")
     add_device_flags(p)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +45,29 @@ class StackOptions:
     engine_per_token_delay_s: float = 0.0  # latency-controlled engines (benchmarks): extra seconds per decode step
     trainer_device: str = "auto"        # auto (the GPU when there is one), cuda or cpu (GPUs hidden from the trainer)
     engine_device: str = "cpu"          # the CPU engines' device: cpu or cuda
-    redis_appendfsync: str = "everysec"  # Redis AOF fsync policy: always, everysec or no
+    redis_appendfsync: str = "always"   # Redis AOF fsync policy: always (no acknowledged write lost), everysec, no
     plugin_allowlist: str | None = None  # module prefixes jobs may name as plugins (None: the caller's environment)
     auth: bool = False                   # per-service tokens on every port (`physarum up` turns it on)
+    path_roots: tuple[Path, ...] | None = None  # where jobs may read and write (None: default_path_roots)
     start_timeout_s: float = 180.0
+
+
+def default_path_roots(work_dir: Path) -> tuple[Path, ...]:
+    """Where a local stack's jobs may read and write by default: the directory `up` ran from, the one that holds the
+    stack's work dir, and the temporary directory (a scratch place of this machine's)."""
+    roots = (Path.cwd(), Path(work_dir).resolve().parent, Path(tempfile.gettempdir()))
+    return tuple(dict.fromkeys(root.resolve() for root in roots))
+
+
+def root_flags(options: StackOptions, work_dir: Path) -> tuple[list[str], list[str]]:
+    """(the trainer's flags, the buffer's flags) confining job paths: datasets, models and checkpoints are read and
+    checkpoints and exports written under the roots; the engines' model directory may also be read."""
+    roots = [Path(r).resolve() for r in (options.path_roots or default_path_roots(work_dir))]
+    readable = ",".join(str(r) for r in dict.fromkeys([*roots, *([options.model_path.resolve()]
+                                                                if options.model_path else [])]))
+    writable = ",".join(str(r) for r in roots)
+    return (["--data-roots", readable, "--checkpoint-roots", writable, "--export-roots", writable],
+            ["--data-roots", readable])
 
 
 def _grpc_ready(addr: str):
@@ -100,7 +120,7 @@ def up(options: StackOptions) -> dict:
                                       env=token_dirs["router"]))
         specs = {
             "buffer": python_module("services.buffer", "--host", HOST, "--port", str(ports["buffer"]),
-                                    "--redis-url", redis_url),
+                                    "--redis-url", redis_url, *root_flags(options, work_dir)[1]),
             "reward": python_module("services.reward", "--host", HOST, "--port", str(ports["reward"]),
                                     "--rest-port", str(ports["reward_rest"])),
             "rollout": python_module("services.rollout", "--host", HOST, "--port", str(ports["rollout"]),
@@ -117,7 +137,9 @@ def up(options: StackOptions) -> dict:
                                         env={**_plugin_env(options), **token_dirs[name]}).start()
                    for name, argv in specs.items()}
         processes.extend(started.values())
-        ranks = trainer_ranks(options, ports, addr, logs, token_dirs["trainer"])
+        # the job records live in the stack's Redis: a trainer started again resumes its unfinished jobs
+        ranks = trainer_ranks(options, ports, addr, logs, token_dirs["trainer"],
+                              [*root_flags(options, work_dir)[0], "--jobs-redis-url", redis_url])
         started["trainer"] = ranks[0]
         processes.extend(p.start() for p in ranks)
         checks = {"buffer": _grpc_ready(addr["buffer"]), "reward": _grpc_ready(addr["reward"]),
@@ -140,15 +162,17 @@ def up(options: StackOptions) -> dict:
 
 
 def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, str],
-                  logs: Path, token_env: dict[str, str] | None = None) -> list[ManagedProcess]:
-    """The trainer's ranks (not started): rank 0 serves the job API, ranks 1.. are workers; torchrun's env."""
+                  logs: Path, token_env: dict[str, str] | None = None,
+                  rank0_flags: list[str] | None = None) -> list[ManagedProcess]:
+    """The trainer's ranks (not started): rank 0 serves the job API (with `rank0_flags`: its path roots and job
+    records), ranks 1.. are workers; torchrun's env."""
     env = {"WORLD_SIZE": str(options.trainer_ranks), "MASTER_ADDR": HOST, "MASTER_PORT": str(free_port()),
            **({"CUDA_VISIBLE_DEVICES": ""} if options.trainer_device == "cpu" else {}),
            **_plugin_env(options), **(token_env or {})}
     flags = ["--buffer-addr", addr["buffer"], "--rollout-addr", addr["rollout"],
              "--num-threads", str(options.trainer_threads), "--device", options.trainer_device]
     rank0 = python_module("services.trainer", "--host", HOST, "--port", str(ports["trainer"]),
-                          "--rest-port", str(ports["trainer_rest"]), *flags)
+                          "--rest-port", str(ports["trainer_rest"]), *flags, *(rank0_flags or []))
     ranks = [ManagedProcess("trainer", rank0, logs / "trainer.log", env={**env, "RANK": "0", "LOCAL_RANK": "0"})]
     for rank in range(1, options.trainer_ranks):
         ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.worker", *flags),

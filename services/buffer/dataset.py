@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common import strict_json
 from services.common.errors import InvalidArgument
 from services.common.paths import confine
 from services.common.samples import Prompt, dict_to_struct
@@ -102,13 +103,17 @@ def _refuse_constant(name: str) -> float:
 
 
 def _check_value(value: Any, depth: int = 0) -> None:
-    """Refuse nesting deeper than MAX_DEPTH and non-finite floats (a parquet row can hold NaN)."""
+    """Refuse nesting deeper than MAX_DEPTH, non-finite floats (a parquet row can hold NaN) and text that is not
+    Unicode (a JSON escape of a lone surrogate, which no proto or Redis write could encode)."""
     if depth > MAX_DEPTH:
         raise ValueError(f"nested more than {MAX_DEPTH} levels")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"holds {value!r}, not a finite number")
+    if isinstance(value, str) and (problem := strict_json.check_value(value, "a string")):
+        raise ValueError(problem)
     if isinstance(value, dict):
-        for item in value.values():
+        for key, item in value.items():
+            _check_value(key, depth + 1)
             _check_value(item, depth + 1)
     elif isinstance(value, list):
         for item in value:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from services.common import auth
 from services.common.errors import InvalidArgument
+from services.common.strict_json import StrictJsonBodies
 
 
 class RestServer:
@@ -42,9 +43,11 @@ class RestServer:
 
 
 def create_rest_app(title: str, description: str, token: str = "", service: str = "") -> FastAPI:
-    """A service's FastAPI app with what every one has: GET /healthz, InvalidArgument as HTTP 400, and, given a
-    token, 401 on every path but health, metrics and docs without `Authorization: Bearer <token>`."""
+    """A service's FastAPI app with what every one has: GET /healthz, InvalidArgument as HTTP 400, a body that is not
+    plain JSON (NaN, 1e999999, a lone surrogate) as HTTP 400, and, given a token, 401 on every path but health,
+    metrics and docs without `Authorization: Bearer <token>`."""
     app = FastAPI(title=title, description=description)
+    app.add_middleware(StrictJsonBodies)  # added first: the token check (outermost) runs before a body is read
     auth.require_bearer(app, token, service or title)
 
     @app.exception_handler(InvalidArgument)

@@ -41,7 +41,7 @@ async def serve(config: TrainerConfig) -> None:
              config.host, servers.grpc.port, config.host, servers.rest.port)
     await wait_for_stop_signal()
     log.info("stopping")
-    await servers.stop(config.grace_s)
+    await servers.stop(config.grace_s, config.preempt_timeout_s)
     dispatcher.close()
     buffer.close()
     rollout.close()

@@ -20,7 +20,7 @@ def job_from_proto(job: jobs_pb2.Job) -> dict[str, Any]:
     return {"job_id": job.job_id, "state": jobs_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
             "spec": struct_to_dict(job.spec), "rollout_id": job.rollout_id, "num_rollout": job.num_rollout,
             "metrics": dict(job.metrics), "error": job.error, "created_at": job.created_at,
-            "finished_at": job.finished_at}
+            "finished_at": job.finished_at, "attempts": job.attempts, "checkpoints": list(job.checkpoints)}
 
 
 class JobsClient(GrpcClient):
@@ -38,8 +38,10 @@ class JobsClient(GrpcClient):
     def get(self, job_id: str) -> dict[str, Any]:
         return job_from_proto(self.call(self.stub.GetJob, jobs_pb2.GetJobRequest(job_id=job_id), idempotent=True))
 
-    def list(self) -> list[dict[str, Any]]:
-        reply = self.call(self.stub.ListJobs, jobs_pb2.ListJobsRequest(), idempotent=True)
+    def list(self, state: str = "") -> list[dict[str, Any]]:
+        """Every job in submission order, or only those in `state` ("QUEUED", ...)."""
+        request = jobs_pb2.ListJobsRequest(state=jobs_pb2.JobState.Value(f"JOB_STATE_{state}") if state else 0)
+        reply = self.call(self.stub.ListJobs, request, idempotent=True)
         return [job_from_proto(j) for j in reply.jobs]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
@@ -69,9 +71,8 @@ class JobsRestClient(HttpClient):
             raise Unavailable(f"job API {self.url}: {type(err).__name__}: {err}") from err
         if reply.status_code >= 400:
             detail = reply.json().get("detail", reply.text) if reply.content else reply.reason_phrase
-            cls = {400: InvalidArgument, 401: Unauthenticated, 404: NotFound,
-                   409: FailedPrecondition}.get(reply.status_code,
-                                                                                   FailedPrecondition)
+            cls = {400: InvalidArgument, 401: Unauthenticated, 404: NotFound, 409: FailedPrecondition,
+                   503: Unavailable}.get(reply.status_code, FailedPrecondition)
             raise cls(f"job API {method} {path}: {detail}")
         return reply.json()
 
@@ -81,8 +82,13 @@ class JobsRestClient(HttpClient):
     def get(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
-    def list(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/v1/jobs")["jobs"]
+    def list(self, state: str = "") -> list[dict[str, Any]]:
+        """Every job in submission order, or only those in `state` ("QUEUED", ...)."""
+        return self._call("GET", "/v1/jobs", params={"state": state} if state else None)["jobs"]
+
+    def queue(self) -> list[dict[str, Any]]:
+        """The running job, then the queued ones in the order they will run."""
+        return self._call("GET", "/v1/queue")["jobs"]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")

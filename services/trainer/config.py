@@ -27,6 +27,11 @@ class TrainerConfig:
     grace_s: float = field(5.0, "seconds in-flight calls get on SIGTERM")
     api_token: str = field("", "bearer token the job API requires (REST `Authorization: Bearer`, gRPC "
                                "`authorization` metadata); empty: no token (the local stack)")
+    jobs_redis_url: str = field("", "Redis that keeps the job records (spec, state, events, checkpoints), so jobs "
+                                    "outlive the trainer and resume when it comes back; empty: in memory, lost with it")
+    job_max_restarts: int = field(3, "times a job the trainer stopped in the middle of resumes before it is FAILED")
+    preempt_timeout_s: float = field(300.0, "on SIGTERM, seconds the running job gets to reach its next safe point, "
+                                            "checkpoint and stop (below the pod's terminationGracePeriodSeconds)")
     # The trainer's ranks (torchrun's variables): rank 0 is this service, ranks 1.. run services.trainer.worker.
     data_roots: list[str] = field([], "directories job specs may read models and datasets under (empty: any)")
     checkpoint_roots: list[str] = field([], "directories job specs may save and load checkpoints under (empty: any)")
@@ -66,5 +71,12 @@ class TrainerConfig:
         if self.default_weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
             raise ValueError(f"default_weight_sync_backend must be one of {', '.join(WEIGHT_SYNC_BACKENDS)}, got "
                              f"{self.default_weight_sync_backend!r}")
+        if self.jobs_redis_url and not self.jobs_redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"jobs_redis_url must start with redis://, rediss:// or unix://, got "
+                             f"{self.jobs_redis_url!r}")
+        if self.preempt_timeout_s <= 0:
+            raise ValueError(f"preempt_timeout_s must be > 0, got {self.preempt_timeout_s}")
+        if self.job_max_restarts < 0:
+            raise ValueError(f"job_max_restarts must be >= 0, got {self.job_max_restarts}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")

@@ -1,23 +1,30 @@
-"""The job registry: accepts validated specs, runs them one at a time on a worker thread, records events.
+"""The job registry: accepts validated specs, runs them one at a time on a worker thread, records events; with a
+job store (`job_store.py`, Redis) the records outlive the process and unfinished jobs resume at the next start.
 
 It knows nothing of gRPC or HTTP; `server.py` and `rest.py` translate. The training itself is the `Runner` it is
-given (the driver, `driver.loop.train`, through `worker.Dispatcher` on a multi-rank trainer).
+given (the driver, `driver.loop.train`, through `worker.Dispatcher` on a multi-rank trainer). Nothing a job raises
+stops the queue.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import FailedPrecondition, NotFound
 from services.trainer.driver.metrics import JOBS
 from services.trainer.spec import JobSpec
+
+if TYPE_CHECKING:
+    from services.trainer.job_store import RedisJobStore
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +63,32 @@ class Job:
     finished_at: float = 0.0
     events: list[JobEvent] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
+    order: int = 0                  # submission number: the queue's order, across restarts
+    attempts: int = 0               # starts after the first: times the trainer stopped while the job ran
+    checkpoints: list[int] = field(default_factory=list)  # rollouts a checkpoint was saved after
 
     @property
     def job_id(self) -> str:
         return self.spec.job_id
 
+    @property
+    def transitions(self) -> list[JobEvent]:
+        """The events that changed the job's state (the first is its submission)."""
+        changes, state = [], None
+        for event in self.events:
+            if event.state != state:
+                changes.append(event)
+                state = event.state
+        return changes
+
 
 class JobCancelled(Exception):
     """Raised inside a running job when it is cancelled."""
+
+
+class JobPreempted(JobCancelled):
+    """Raised inside a running job when the trainer stops (SIGTERM): the job stays unfinished and resumes from its
+    latest checkpoint at the trainer's next start."""
 
 
 class JobContext:
@@ -77,21 +102,56 @@ class JobContext:
         self._registry.record(self.job, rollout_id=rollout_id, metrics=metrics, message=message)
 
     def check_cancelled(self) -> None:
+        if self._registry.stopping.is_set():
+            raise JobPreempted(f"job {self.job.job_id}: the trainer is stopping")
         if self.job.cancel.is_set():
             raise JobCancelled(f"job {self.job.job_id} was cancelled")
 
 
 Runner = Callable[[JobSpec, JobContext], None]
 
+MAX_REASON_CHARS = 2000
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line for a job's error: the exception's type and message; for torch's CheckpointException (its message
+    is every rank's traceback), each failing rank's own exception instead."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = "; ".join(f"rank {rank}: {_one_line(_unwrap(cause))}" for rank, cause in sorted(failures.items()))
+        text = f"{type(err).__name__}: {causes}"
+    else:
+        text = _one_line(err)
+    return text[:MAX_REASON_CHARS]
+
+
+def _unwrap(cause: object) -> BaseException | object:
+    return cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, traceback) pairs
+
+
+def _one_line(err: object) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
 
 class JobRegistry:
-    """Jobs in submission order; one worker thread runs them FIFO with `runner`."""
+    """Jobs in submission order; one worker thread runs them FIFO with `runner`. Given a `store`, every change is
+    persisted and the jobs of the job API before this one are loaded back: the unfinished ones queue again in their
+    order, a job the trainer stopped in the middle of first (resuming from its latest checkpoint), unless it was
+    interrupted more than `max_restarts` times."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, store: RedisJobStore | None = None, max_restarts: int = 3) -> None:
         self._runner = runner
+        self._store = store
+        self._max_restarts = max_restarts
         self._jobs: dict[str, Job] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._orders = itertools.count(1)
+        self._closed = False
+        self.stopping = threading.Event()  # set by close(): the running job is preempted, not cancelled
+        if store is not None:
+            self._load(store)
         self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
         self._worker.start()
 
@@ -99,7 +159,7 @@ class JobRegistry:
         with self._lock:
             if spec.job_id in self._jobs:
                 raise FailedPrecondition(f"job {spec.job_id!r} already exists")
-            job = Job(spec=spec)
+            job = Job(spec=spec, order=self._store.next_order() if self._store else next(self._orders))
             self._jobs[spec.job_id] = job
         self.record(job, message="queued")
         self._queue.put(job)
@@ -113,9 +173,15 @@ class JobRegistry:
             raise NotFound(f"job {job_id!r} not found")
         return job
 
-    def list(self) -> list[Job]:
+    def list(self, state: JobState | None = None) -> list[Job]:
+        """Jobs in submission order, only those in `state` when given."""
         with self._lock:
-            return list(self._jobs.values())
+            return sorted((j for j in self._jobs.values() if state is None or j.state == state),
+                          key=lambda j: j.order)
+
+    def queue(self) -> list[Job]:
+        """The running job, then the queued ones in the order they will run."""
+        return self.list(JobState.RUNNING) + self.list(JobState.QUEUED)
 
     def cancel(self, job_id: str) -> Job:
         job = self.get(job_id)
@@ -136,13 +202,43 @@ class JobRegistry:
         with self._lock:
             if state is not None:
                 job.state = state
-            if rollout_id is not None:
+            if rollout_id is not None and rollout_id >= 0:  # -1: a note before the first rollout (the dataset)
                 job.rollout_id = rollout_id
             if metrics:
                 job.metrics = dict(metrics)
+                if CHECKPOINT_METRIC in metrics and rollout_id is not None:
+                    job.checkpoints.append(rollout_id)
             job.events.append(JobEvent(job_id=job.job_id, seq=len(job.events) + 1, state=job.state,
                                        rollout_id=job.rollout_id, metrics=dict(metrics or {}), message=message,
                                        time=time.time()))
+        if self._store is not None:
+            self._store.changed(job.job_id, lambda: self._snapshot(job))
+
+    def _snapshot(self, job: Job) -> tuple[dict[str, str], list[JobEvent]]:
+        with self._lock:
+            return record_fields(job), list(job.events)
+
+    def _load(self, store: RedisJobStore) -> None:
+        for fields, events in store.load():
+            job = job_from_record(fields, events)
+            self._jobs[job.job_id] = job
+        for job in self.list():
+            if job.state == JobState.RUNNING:
+                self._interrupted(job)
+            if job.state == JobState.QUEUED:
+                self._queue.put(job)
+        log.info("job store: %d jobs loaded, %d queued", len(self._jobs), self._queue.qsize())
+
+    def _interrupted(self, job: Job) -> None:
+        """A job RUNNING in the records of a job API that is gone: the trainer died in the middle of it."""
+        job.attempts += 1
+        if job.attempts > self._max_restarts:
+            self._finish(job, JobState.FAILED, f"the trainer stopped while the job ran, {job.attempts} times (at "
+                                               f"most {self._max_restarts} restarts): not resumed again")
+            return
+        self.record(job, state=JobState.QUEUED, message=f"the trainer stopped while the job ran: it resumes from its "
+                                                        f"latest checkpoint (restart {job.attempts} of at most "
+                                                        f"{self._max_restarts})")
 
     def _finish(self, job: Job, state: JobState, message: str) -> None:
         if job.state.terminal:
@@ -156,26 +252,89 @@ class JobRegistry:
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
-            if job.state.terminal:
-                continue
-            self.record(job, state=JobState.RUNNING, message="running")
             try:
-                self._runner(job.spec, JobContext(self, job))
-            except JobCancelled as err:
-                self._finish(job, JobState.CANCELLED, str(err))
-            except Exception as err:  # noqa: BLE001 - a failed job must not kill the service
-                log.exception("job %s failed", job.job_id)
-                self._finish(job, JobState.FAILED, f"{type(err).__name__}: {err}")
-            else:
-                self._finish(job, JobState.SUCCEEDED, "finished")
+                self._run(job)
+            except BaseException:  # noqa: BLE001 - the worker outlives any job; health reports it otherwise
+                log.exception("job worker: job %s left the worker in an unexpected state", job.job_id)
 
-    def close(self) -> None:
-        for job in self.list():
-            job.cancel.set()
+    def _run(self, job: Job) -> None:
+        if job.state.terminal or self.stopping.is_set():
+            return
+        resumed = job.attempts > 0 or any(e.message.startswith(PREEMPTED) for e in job.events)
+        self.record(job, state=JobState.RUNNING, message="running" + (" (resumed)" if resumed else ""))
+        try:
+            self._runner(resume_spec(job.spec) if resumed else job.spec, JobContext(self, job))
+        except JobPreempted:
+            self.record(job, state=JobState.QUEUED, message=f"{PREEMPTED}: the trainer stopped; the job resumes "
+                                                            "from its latest checkpoint at the trainer's next start")
+        except JobCancelled as err:
+            self._finish(job, JobState.CANCELLED, str(err))
+        # BaseException: torch's CheckpointException is one, and SystemExit in this thread would end only the
+        # thread, leaving the job RUNNING and the queue wedged behind it.
+        except BaseException as err:  # noqa: BLE001 - a failed job must not stop the queue
+            log.error("job %s failed", job.job_id, exc_info=True)
+            self._finish(job, JobState.FAILED, failure_reason(err))
+        else:
+            self._finish(job, JobState.SUCCEEDED, "finished")
+
+    def health(self) -> str:
+        """Why the queue cannot make progress ("" when it can): its worker thread is gone, or the runner is out of
+        step (a multi-rank runner's `broken`)."""
+        if not self._worker.is_alive() and not self._closed:
+            return "job worker thread is not running: queued jobs will not start; restart the trainer"
+        return getattr(self._runner, "broken", "")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop: the running job is preempted at its next check (it stays unfinished, to resume at the next start),
+        queued jobs stay queued; the records are written before this returns (up to `timeout_s`)."""
+        self._closed = True
+        self.stopping.set()
         self._queue.put(None)
+        self._worker.join(timeout_s)
+        if self._store is not None:
+            self._store.close()
 
     @staticmethod
     def to_dict(job: Job) -> dict[str, Any]:
         return {"job_id": job.job_id, "state": job.state.value, "spec": job.spec.model_dump(),
                 "rollout_id": job.rollout_id, "num_rollout": job.spec.num_rollout, "metrics": job.metrics,
-                "error": job.error, "created_at": job.created_at, "finished_at": job.finished_at}
+                "error": job.error, "created_at": job.created_at, "finished_at": job.finished_at,
+                "attempts": job.attempts, "checkpoints": job.checkpoints,
+                "transitions": [{"state": e.state.value, "time": e.time, "reason": e.message}
+                                for e in job.transitions]}
+
+
+PREEMPTED = "preempted"
+
+
+def preempted(err: BaseException) -> bool:
+    """`err` ends a job because the trainer is stopping: JobPreempted on rank 0, the RankAborted that names it on
+    the other ranks."""
+    return isinstance(err, JobPreempted) or f"{JobPreempted.__name__}:" in str(err)
+CHECKPOINT_METRIC = "perf/save_seconds"  # in a rollout's metrics when the loop saved a checkpoint after it
+
+
+def resume_spec(spec: JobSpec) -> JobSpec:
+    """The spec a resumed job runs with: `load` from its own `save` once that holds a checkpoint (the latest one)."""
+    from services.trainer.driver.checkpoint import latest_iteration
+
+    if spec.save and latest_iteration(spec.save) is not None:
+        return spec.model_copy(update={"load": spec.save, "ckpt_step": None})
+    return spec
+
+
+def record_fields(job: Job) -> dict[str, str]:
+    """A job's Redis hash (its events are stored apart)."""
+    return {"order": str(job.order), "spec": job.spec.model_dump_json(), "state": job.state.value,
+            "rollout_id": str(job.rollout_id), "metrics": json.dumps(job.metrics), "error": job.error,
+            "created_at": repr(job.created_at), "finished_at": repr(job.finished_at), "attempts": str(job.attempts),
+            "checkpoints": json.dumps(job.checkpoints)}
+
+
+def job_from_record(fields: dict[str, str], events: list[dict]) -> Job:
+    return Job(spec=JobSpec.model_validate_json(fields["spec"]), state=JobState(fields["state"]),
+               rollout_id=int(fields["rollout_id"]), metrics=json.loads(fields["metrics"]), error=fields["error"],
+               created_at=float(fields["created_at"]), finished_at=float(fields["finished_at"]),
+               order=int(fields["order"]), attempts=int(fields["attempts"]),
+               checkpoints=json.loads(fields["checkpoints"]),
+               events=[JobEvent(**{**e, "state": JobState(e["state"])}) for e in events])

@@ -89,8 +89,28 @@ def check_megatron(spec: JobSpec) -> list[str]:
     return []
 
 
+INT32_MAX = 2**31 - 1
+
+
+def check_rollout_ranges(spec: JobSpec) -> list[str]:
+    """The rollout settings the manager receives as int32 (rollout_max_response_len, ...) fit one: a bigger value
+    would be accepted here and fail the job at its first rollout."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    from services.common.gen.physarum.v1 import rollout_pb2
+
+    rollout = spec.rollout
+    problems = []
+    for field in rollout_pb2.RolloutConfig.DESCRIPTOR.fields:
+        value = getattr(rollout, field.name, None)
+        if field.type == FieldDescriptor.TYPE_INT32 and isinstance(value, int) and not -INT32_MAX - 1 <= value \
+                <= INT32_MAX:
+            problems.append(f"{field.name}: {value} is out of range (at most {INT32_MAX})")
+    return problems
+
+
 CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_paths, check_model_family, check_megatron,
-                                                      check_plugins)
+                                                      check_plugins, check_rollout_ranges)
 
 
 def preflight(spec: JobSpec) -> JobSpec:

@@ -8,13 +8,14 @@ from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
+from services.common.strict_json import StrictJsonBodies
 from services.trainer.auth import check_bearer
-from services.trainer.jobs import JobRegistry
+from services.trainer.jobs import JobRegistry, JobState
 from services.trainer.spec import JobSpec, parse_spec
 from services.trainer.spec_defaults import SpecParser
 
-_STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409}
+_STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409, Unavailable: 503}
 
 
 def _http_error(err: Exception) -> HTTPException:
@@ -25,6 +26,7 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
     """The job API; `parse` validates submitted specs (parse_spec with the trainer's spec defaults)."""
     app = FastAPI(title="Physarum job API", version="v1",
                   description="Submit, follow and cancel RL post-training jobs. Spec keys are slime's flag names.")
+    app.add_middleware(StrictJsonBodies)  # NaN, 1e999999, lone surrogates: 400; the token check (added later) is first
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
@@ -39,12 +41,15 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
     def call(fn, *args):
         try:
             return fn(*args)
-        except (InvalidArgument, NotFound, FailedPrecondition) as err:
+        except (InvalidArgument, NotFound, FailedPrecondition, Unavailable) as err:  # Unavailable: the job store
             raise _http_error(err) from None
 
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def healthz() -> JSONResponse:
+        """200 while the job queue makes progress; 503 naming why when its worker is stuck."""
+        if reason := registry.health():
+            return JSONResponse({"status": "stuck", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     # The body stays a mapping so that parse_spec names a bad key; its documented schema is the job spec's.
     @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
@@ -53,8 +58,16 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
         return JobRegistry.to_dict(call(registry.submit, call(parse, spec)))
 
     @app.get("/v1/jobs")
-    def list_jobs():
-        return {"jobs": [JobRegistry.to_dict(j) for j in registry.list()]}
+    def list_jobs(state: str = ""):
+        """Every job in submission order, or only those in `state` (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)."""
+        if state and state not in JobState.__members__:
+            raise HTTPException(400, f"state {state[:40]!r}: expected one of {', '.join(JobState.__members__)}")
+        return {"jobs": [JobRegistry.to_dict(j) for j in registry.list(JobState(state) if state else None)]}
+
+    @app.get("/v1/queue")
+    def job_queue():
+        """The running job, then the queued ones in the order they will run."""
+        return {"jobs": [JobRegistry.to_dict(j) for j in registry.queue()]}
 
     @app.get("/v1/jobs/{job_id}")
     def get_job(job_id: str):

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2
+
 from services.common import auth
+from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server
 from services.common.rest import RestServer
@@ -13,20 +18,25 @@ from services.common.samples import dict_to_struct, struct_to_dict
 from services.trainer.auth import check_bearer
 from services.trainer.config import TrainerConfig
 from services.trainer.dashboard.api import mount_dashboard
-from services.trainer.jobs import Job, JobEvent, JobRegistry, Runner
+from services.trainer.jobs import Job, JobEvent, JobRegistry, JobState, Runner
 from services.trainer.preflight import with_preflight
 from services.trainer.rest import create_app
 from services.trainer.spec import parse_spec
 from services.trainer.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
 
+log = logging.getLogger(__name__)
+
 EVENT_POLL_S = 0.2
+HEALTH_POLL_S = 1.0
+QUEUE_HEALTH = "physarum.v1.Jobs.queue"  # a health service name of its own: SERVING unless the job queue is stuck
 
 
 def job_to_proto(job: Job) -> jobs_pb2.Job:
     return jobs_pb2.Job(job_id=job.job_id, state=jobs_pb2.JobState.Value(f"JOB_STATE_{job.state.value}"),
                         spec=dict_to_struct(job.spec.model_dump()), rollout_id=job.rollout_id,
                         num_rollout=job.spec.num_rollout, metrics=job.metrics, error=job.error,
-                        created_at=job.created_at, finished_at=job.finished_at)
+                        created_at=job.created_at, finished_at=job.finished_at, attempts=job.attempts,
+                        checkpoints=job.checkpoints)
 
 
 def event_to_proto(event: JobEvent) -> jobs_pb2.JobEvent:
@@ -34,6 +44,14 @@ def event_to_proto(event: JobEvent) -> jobs_pb2.JobEvent:
                              state=jobs_pb2.JobState.Value(f"JOB_STATE_{event.state.value}"),
                              rollout_id=event.rollout_id, metrics=event.metrics, message=event.message,
                              time=event.time)
+
+
+def spec_from_struct(spec: struct_pb2.Struct) -> dict:
+    """A submitted spec as a dict; a value JSON cannot hold (NaN, an infinity) is InvalidArgument, not INTERNAL."""
+    try:
+        return struct_to_dict(spec)
+    except ValueError as err:  # protobuf's json_format: "Fail to serialize NaN for Value.number_value, ..."
+        raise InvalidArgument(f"job spec: {str(err).split(',')[0]} (send finite numbers)") from None
 
 
 class JobsServicer(jobs_pb2_grpc.JobsServicer):
@@ -49,7 +67,7 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     @handle_errors
     async def SubmitJob(self, request, context):
         self._authorize(context)
-        return job_to_proto(self.registry.submit(self.parse(struct_to_dict(request.spec))))
+        return job_to_proto(self.registry.submit(self.parse(spec_from_struct(request.spec))))
 
     @handle_errors
     async def GetJob(self, request, context):
@@ -59,7 +77,8 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     @handle_errors
     async def ListJobs(self, request, context):
         self._authorize(context)
-        return jobs_pb2.ListJobsResponse(jobs=[job_to_proto(j) for j in self.registry.list()])
+        state = JobState(jobs_pb2.JobState.Name(request.state).removeprefix("JOB_STATE_")) if request.state else None
+        return jobs_pb2.ListJobsResponse(jobs=[job_to_proto(j) for j in self.registry.list(state)])
 
     @handle_errors
     async def CancelJob(self, request, context):
@@ -80,20 +99,47 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
             await asyncio.sleep(EVENT_POLL_S)
 
 
+async def watch_health(grpc_server: GrpcServer, registry: JobRegistry) -> None:
+    """gRPC health follows the job queue: NOT_SERVING while its worker is stuck, overall (readiness) and under
+    QUEUE_HEALTH, which only a stuck queue turns NOT_SERVING (the chart's liveness probe: a restart resumes the
+    jobs), not a drain."""
+    serving = True
+    await grpc_server.health.set(QUEUE_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+    while True:
+        reason = registry.health()
+        if serving != (not reason):
+            serving = not reason
+            if reason:
+                log.error("job queue stuck: %s", reason)
+            await grpc_server.set_serving(serving)
+            await grpc_server.health.set(QUEUE_HEALTH, health_pb2.HealthCheckResponse.SERVING if serving
+                                         else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
 @dataclass
 class TrainerServers:
     grpc: GrpcServer
     rest: RestServer
     registry: JobRegistry
+    health_task: asyncio.Task
 
-    async def stop(self, grace_s: float) -> None:
-        self.registry.close()
+    async def stop(self, grace_s: float, preempt_timeout_s: float = 30.0) -> None:
+        self.health_task.cancel()
+        await self.grpc.set_serving(False)  # draining: unready (the queue's own health, liveness, stays SERVING)
+        # the running job checkpoints at its next safe point and stops; then the records are written
+        await asyncio.to_thread(self.registry.close, preempt_timeout_s)
         await self.rest.stop()
         await self.grpc.server.stop(grace_s)
 
 
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
-    registry = JobRegistry(runner)
+    store = None
+    if config.jobs_redis_url:
+        from services.trainer.job_store import RedisJobStore
+
+        store = await asyncio.to_thread(RedisJobStore, config.jobs_redis_url)
+    registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts)  # waits for Redis
     parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)))  # refuse what would fail on GPUs
     token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment
     grpc_server = await start_grpc_server(
@@ -104,4 +150,5 @@ async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers
     mount_dashboard(app, registry, rollout_addr=config.rollout_addr, buffer_addr=config.buffer_addr)
     rest = RestServer(app, config.host, config.rest_port)
     await rest.start()
-    return TrainerServers(grpc=grpc_server, rest=rest, registry=registry)
+    return TrainerServers(grpc=grpc_server, rest=rest, registry=registry,
+                          health_task=asyncio.create_task(watch_health(grpc_server, registry)))

@@ -16,7 +16,7 @@ from services.common.config import as_dict, load_config
 from services.common.errors import FailedPrecondition
 from services.common.logging import configure_logging
 from services.trainer.config import TrainerConfig
-from services.trainer.jobs import JobContext, Runner
+from services.trainer.jobs import JobCancelled, JobContext, Runner
 from services.trainer.parallel import STOP, RankAborted, World, init_world
 from services.trainer.spec import JobSpec
 
@@ -90,9 +90,11 @@ def run_worker(config: TrainerConfig) -> int:
             return 0
         try:
             train(JobSpec.model_validate_json(payload), None, deps)
-        except RankAborted as err:
+        except (RankAborted, JobCancelled) as err:
             log.info("rank %d: job %d: %s", world.rank, seq, err)
-        except Exception:  # noqa: BLE001 - the job fails on rank 0 too; this rank waits for the next one
+        except (KeyboardInterrupt, SystemExit):  # the process's own exit
+            raise
+        except BaseException:  # noqa: BLE001 - e.g. torch's CheckpointException; the job fails on rank 0 too
             log.exception("rank %d: job %d failed", world.rank, seq)
         try:
             world.job_done(seq)

@@ -25,7 +25,9 @@ COMPONENTS = {
                             "weight_snapshot_dir"}),
     "engines.cpu": ("engine", {"host", "port", "model_path", "served_model_name"}),
     "trainer": ("trainer", {"host", "port", "rest_port", "buffer_addr", "rollout_addr", "master_address",
-                            "default_train_backend", "api_token", "dist_backend", "world_size", "rank"}),
+                            "default_train_backend", "api_token", "dist_backend", "world_size", "rank", "data_roots",
+                            "checkpoint_roots", "export_roots", "jobs_redis_url",
+                            "preempt_timeout_s"}),
 }
 VALUE = {"anyOf": [{"type": ["string", "number", "boolean"]},
                    {"type": "array", "items": {"type": ["string", "number", "boolean"]}}]}

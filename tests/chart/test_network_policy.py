@@ -83,9 +83,10 @@ def expected(values: dict, fetch: bool) -> tuple[dict[str, Pairs], dict[str, Pai
         "trainer": grant(buffer, ["buffer"]) | grant(rollout, ["rollout"]) | grant([ANY], ["engine", *trainer]),
     }
     if v["redis"]["enabled"]:
-        ingress["redis"] = grant(tcp(6379), ["buffer"])
+        ingress["redis"] = grant(tcp(6379), ["buffer", *trainer])  # the trainer keeps its job records there
         calls["redis"] = set()
         calls["buffer"] = grant(tcp(6379), ["redis"])
+        calls["trainer"] |= grant(tcp(6379), ["redis"])
     if fetch:
         ingress["fetch"], calls["fetch"] = set(), set()
     if v["metrics"]["serviceMonitor"]["enabled"]:
@@ -184,6 +185,9 @@ def test_schema_refuses_bad_policy_values(values, message):
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"redis": {"enabled": False, "externalUrl": "redis://redis.data:6379/0"}}, r"networkPolicy.extraEgress.buffer"),
+    ({"redis": {"enabled": False, "externalUrl": "redis://redis.data:6379/0"},
+      "networkPolicy": {"extraEgress": {"buffer": [{"ports": [{"port": 6379}]}]}}},
+     r"networkPolicy.extraEgress.trainer"),
     ({"checkpoints": {"objectStore": {"endpoint": "https://s3.example.com"}}}, r"networkPolicy.extraEgress.trainer"),
 ])
 def test_guards_refuse_an_external_peer_without_its_egress(values, message):

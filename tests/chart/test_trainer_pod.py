@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.trainer.server import QUEUE_HEALTH
 from tests.chart.chart import one, pod_spec, render
 
 
@@ -54,11 +55,15 @@ def test_probes_check_rank_zeros_grpc_health(health_server):
     server, servicer, port = health_server
     container = trainer_container({"trainer": {"port": port}})
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(QUEUE_HEALTH, health_pb2.HealthCheckResponse.SERVING)
     assert [run_probe(container, k, "0") for k in ("startupProbe", "readinessProbe", "livenessProbe")] == [0, 0, 0]
 
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # e.g. draining: unready, but alive
     assert run_probe(container, "readinessProbe", "0") == 1
     assert run_probe(container, "livenessProbe", "0") == 0
+
+    servicer.set(QUEUE_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)  # a stuck job queue: restart the pod
+    assert run_probe(container, "livenessProbe", "0") == 1
 
     server.stop(grace=None).wait()  # nothing listens: rank 0 is neither ready nor alive
     assert run_probe(container, "readinessProbe", "0") != 0
@@ -78,3 +83,50 @@ def test_jobs_default_to_the_megatron_backend_on_the_cluster(values, backend, mo
     parse = spec_parser(spec_defaults(load_config(TrainerConfig, "trainer", argv=[])))
     spec = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 1, "rollout_batch_size": 2}
     assert parse(spec).train_backend == backend
+
+
+def test_the_charts_trainer_confines_job_paths_to_its_volumes(monkeypatch):
+    """The trainer's roots, from the rendered pod's environment as the trainer reads it: data and models from the
+    models and checkpoints volumes, checkpoints and exports onto the checkpoints volume, nothing else."""
+    from services.common.config import load_config
+    from services.common.errors import InvalidArgument
+    from services.trainer.config import TrainerConfig
+    from services.trainer.spec_defaults import path_roots, spec_parser
+
+    env = {e["name"]: e["value"] for e in trainer_container({})["env"]
+           if e["name"].endswith("_ROOTS") and "value" in e}
+    assert set(env) == {"PHYSARUM_TRAINER_DATA_ROOTS", "PHYSARUM_TRAINER_CHECKPOINT_ROOTS",
+                        "PHYSARUM_TRAINER_EXPORT_ROOTS"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parse = spec_parser({}, path_roots(load_config(TrainerConfig, "trainer", [])))
+    base = {"hf_checkpoint": "/models/qwen", "prompt_data": "/checkpoints/data/train.jsonl", "num_rollout": 2,
+            "rollout_batch_size": 2}
+    job = parse({**base, "save": "/checkpoints/run", "load": "/checkpoints/run", "save_hf": "/checkpoints/hf",
+                 "ref_load": "/models/qwen", "use_kl_loss": True})
+    assert job.save == "/checkpoints/run"
+    for key, path in [("prompt_data", "/etc/passwd"), ("save", "/checkpoints/../elsewhere"), ("save", "/models/x"),
+                      ("save_hf", "../x"), ("save_debug_rollout_data", "/checkpoints/../tmp/{rollout_id}.pt"),
+                      ("hf_checkpoint", "/root/model")]:
+        with pytest.raises(InvalidArgument, match=f"job spec: {key}\\S* .* lies outside the allowed directories"):
+            parse({**base, key: path})
+
+
+@pytest.mark.parametrize("grace", [120, 600])
+def test_the_grace_period_covers_the_jobs_preemption_and_pods_always_restart(grace, monkeypatch):
+    """What SIGTERM needs (the trainer's __main__): the job gets preempt_timeout_s to checkpoint and stop, which the
+    chart keeps 15 s inside terminationGracePeriodSeconds; a pod that exits (0 after SIGTERM, or killed) is started
+    again by the StatefulSet (restartPolicy Always, the only one it allows), and its jobs resume."""
+    from services.common.config import load_config
+    from services.trainer.config import TrainerConfig
+
+    sts = one(render({"trainer": {"terminationGracePeriodSeconds": grace}}), "StatefulSet", "trainer")
+    pod = pod_spec(sts)
+    assert pod["terminationGracePeriodSeconds"] == grace
+    assert pod.get("restartPolicy", "Always") == "Always"
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    monkeypatch.setenv("PHYSARUM_TRAINER_PREEMPT_TIMEOUT_S", env["PHYSARUM_TRAINER_PREEMPT_TIMEOUT_S"])
+    assert load_config(TrainerConfig, "trainer", []).preempt_timeout_s == grace - 15
+    # liveness gives a stuck queue a few checks before the restart, and never fires on a draining (unready) pod
+    liveness = pod["containers"][0]["livenessProbe"]
+    assert "physarum.v1.Jobs.queue" in liveness["exec"]["command"][2]

@@ -312,6 +312,14 @@ def test_secret_holds_the_token_and_the_redis_url(objects, value_set):
     else:
         assert data["redis-url"] == values["redis"]["externalUrl"] and "redis-password" not in data
         assert buffer_env["PHYSARUM_BUFFER_REDIS_URL"]["valueFrom"]["secretKeyRef"]["key"] == "redis-url"
+    # the trainer keeps its job records in the same Redis, reached the same way
+    trainer_env = env_of(pod_spec(one(objects, "StatefulSet", "trainer"))["containers"][0])
+    records = trainer_env["PHYSARUM_TRAINER_JOBS_REDIS_URL"]
+    assert records == {k: v for k, v in buffer_env["PHYSARUM_BUFFER_REDIS_URL"].items() if k != "name"} | \
+        {"name": "PHYSARUM_TRAINER_JOBS_REDIS_URL"}
+    if values["redis"]["enabled"]:
+        assert trainer_env["REDIS_PASSWORD"] == buffer_env["REDIS_PASSWORD"]
+        assert list(trainer_env).index("REDIS_PASSWORD") < list(trainer_env).index("PHYSARUM_TRAINER_JOBS_REDIS_URL")
     token_ref = env_of(pod_spec(one(objects, "StatefulSet", "trainer"))["containers"][0])["PHYSARUM_TRAINER_API_TOKEN"]
     if values["jobApi"]["existingSecret"]:
         assert "api-token" not in data

@@ -30,10 +30,11 @@ JOB_TIMEOUT_S = 120.0
 @pytest.fixture(scope="module")
 def durable_stack(session_dir, tiny_model_dir):
     work_dir = session_dir / "durable-stack"
-    # appendfsync always: Redis appends each write to its AOF and fsyncs it before it answers, so whatever the buffer
-    # was told is stored survives the kill. everysec (the default) fsyncs once a second: a crash can lose up to the
-    # last second of acknowledged writes (two, when a slow disk makes Redis postpone the write), e.g. a TakeBatch
-    # assignment, which puts groups the trainer already trained back in the stream, to be trained twice.
+    # appendfsync always (the default of the chart and `physarum up`): Redis appends each write to its AOF and fsyncs
+    # it before it answers, so whatever the buffer was told is stored survives the kill. everysec fsyncs once a
+    # second: a crash can lose up to the last second of acknowledged writes (two, when a slow disk makes Redis
+    # postpone the write), e.g. a TakeBatch assignment, which puts groups the trainer already trained back in the
+    # stream, to be trained twice.
     # The per-token delay makes a rollout take about a second, long enough to kill something in the middle of one.
     stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=2, trainer_threads=1,
                                 redis_appendfsync="always", engine_per_token_delay_s=0.05))
@@ -89,8 +90,8 @@ def wait_rollout(state: dict, job_id: str, rollout_id: int) -> None:
 
 def test_trainer_killed_resumes_from_its_checkpoint(durable_stack, tiny_model_dir, prompts, tmp_path):
     """fully_async with a deep stream (stale groups regenerated): SIGKILL the trainer after it took a rollout and
-    before it checkpointed it; a new trainer on the same ports resumes the job (same job_id, `load`) and trains that
-    rollout again on exactly the same groups."""
+    before it checkpointed it; a new trainer on the same ports resumes the job by itself (its record in Redis, `load`
+    from its own `save`) and trains that rollout again on exactly the same groups."""
     state = stack.read_state(durable_stack)
     job_id, save, dumps = "durable-trainer", tmp_path / "ckpt", tmp_path / "dumps"
     job = spec(tiny_model_dir, prompts, job_id, dumps, mode="fully_async", max_inflight_groups=3 * BATCH,
@@ -109,11 +110,13 @@ def test_trainer_killed_resumes_from_its_checkpoint(durable_stack, tiny_model_di
     assert int(latest.read_text()) == taken - 1 < NUM_ROLLOUT - 1, f"rollout {taken} was checkpointed before the kill"
     before = load_dump(dumps, taken)
 
-    state = stack.restart_trainer(durable_stack)
-    d.submit(state, {**job, "load": str(save)})
+    state = stack.restart_trainer(durable_stack)  # the job resumes by itself: its record is in Redis
     final, events = d.wait_job(state, job_id, JOB_TIMEOUT_S)
 
     assert final["state"] == "SUCCEEDED", final["error"]
+    assert final["attempts"] == 1
+    restarted = next(i for i, e in enumerate(events) if "(restart 1 of at most" in e["message"])
+    events = events[restarted:]  # the resumed run's
     assert any(f"at rollout {taken}" in e["message"] for e in events), [e["message"] for e in events]
     assert d.trained_rollouts(events) == list(range(taken, NUM_ROLLOUT))
     # The job's total (kept in Redis across the restart): the deep stream had stale groups, regenerated.

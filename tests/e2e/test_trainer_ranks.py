@@ -1,5 +1,5 @@
 """End to end on a stack of its own with two trainer ranks (FSDP2 over gloo): the demo job from the CLI, a job
-killed with SIGKILL after a checkpoint and resumed with `load` on exactly the prompts of a never-stopped job, and
+killed with SIGKILL after a checkpoint that resumes by itself on exactly the prompts of a never-stopped job, and
 rollouts dumped without training, then replayed through training without engines. Then the same two ranks as one
 Megatron TP=2 group: the engines get weights converted from Megatron, and a job resumes from its dist-checkpoint."""
 
@@ -88,8 +88,11 @@ def test_cli_runs_the_demo_job_on_two_trainer_ranks(ranks_stack, tiny_model_dir,
     assert "physarum_trainer_train_grad_norm " in metrics and "physarum_trainer_rollouts_total" in metrics
 
 
-def test_a_job_killed_after_a_checkpoint_resumes_on_the_prompts_of_a_never_stopped_job(
+def test_a_job_killed_after_a_checkpoint_resumes_by_itself_on_the_prompts_of_a_never_stopped_job(
         ranks_stack, tiny_model_dir, addition_task, tmp_path):
+    """Two jobs submitted, both ranks SIGKILLed in the middle of the first, the trainer started again: with no one
+    resubmitting, the first resumes from its latest checkpoint on exactly the prompts of a never-stopped run, the
+    second runs after it, and the API shows both with their whole histories."""
     train_path, _ = addition_task
     never_stopped, _ = run(ranks_stack, job_spec(tiny_model_dir, train_path, "never-stopped",
                                                  save_debug_rollout_data=str(tmp_path / "ref" / "{rollout_id}.pt")))
@@ -99,9 +102,11 @@ def test_a_job_killed_after_a_checkpoint_resumes_on_the_prompts_of_a_never_stopp
     spec = job_spec(tiny_model_dir, train_path, "stopped", save=str(save), save_interval=2,
                     save_debug_rollout_data=str(tmp_path / "run" / "{rollout_id}.pt"))
     with JobsRestClient(ranks_stack["trainer_url"], timeout_s=30) as client:
-        job = wait(client, client.submit(spec)["job_id"], until=lambda job: job["rollout_id"] >= 2
-                   or job["state"] in TERMINAL)
+        client.submit(spec)
+        client.submit(job_spec(tiny_model_dir, train_path, "queued-behind", num_rollout=2))
+        job = wait(client, "stopped", until=lambda job: job["rollout_id"] >= 2 or job["state"] in TERMINAL)
         assert job["state"] == "RUNNING", job
+        history = client.events("stopped")
     killed = [e for e in stack.read_state(ranks_stack["work_dir"])["processes"] if e["name"].startswith("trainer")]
     assert len(killed) == 2 and all(stack._owned(e) for e in killed)
     for entry in killed:
@@ -110,11 +115,24 @@ def test_a_job_killed_after_a_checkpoint_resumes_on_the_prompts_of_a_never_stopp
     assert latest is not None and latest >= 1
 
     stack.restart_trainer(ranks_stack["work_dir"])
-    resumed, events = run(ranks_stack, {**spec, "load": str(save)})
+    with JobsRestClient(ranks_stack["trainer_url"], timeout_s=30) as client:
+        resumed = wait(client, "stopped")
+        second = wait(client, "queued-behind")
+        events = client.events("stopped")
+        second_events = client.events("queued-behind")
     assert resumed["state"] == "SUCCEEDED", resumed["error"]
-    trained = sorted({e["rollout_id"] for e in events if "train/loss" in e["metrics"]})
+    assert resumed["attempts"] == 1 and second["state"] == "SUCCEEDED", second["error"]
+    assert events[:len(history)] == history  # the history from before the kill, as it was
+    reasons = [t["reason"] for t in resumed["transitions"]]
+    assert reasons[0] == "queued" and reasons[1] == "running" and "(restart 1 of at most 3)" in reasons[2]
+    assert reasons[3:] == ["running (resumed)", "finished"]
+    restarted = next(i for i, e in enumerate(events) if "(restart 1 of at most 3)" in e["message"])
+    trained = sorted({e["rollout_id"] for e in events[restarted:] if "train/loss" in e["metrics"]})
     assert trained == list(range(latest + 1, 5))
     assert any(f"at rollout {latest + 1}" in e["message"] for e in events)
+    # the second job waited for the first: it started only after the first had finished
+    first_done = next(e["time"] for e in events if e["state"] == "SUCCEEDED")
+    assert next(e["time"] for e in second_events if e["state"] == "RUNNING") >= first_done
     expected = prompt_indices(str(tmp_path / "ref" / "{rollout_id}.pt"), 5)
     assert prompt_indices(str(tmp_path / "run" / "{rollout_id}.pt"), 5) == expected
     assert len({i for rollout in expected for i in rollout}) == 10  # no prompt twice

@@ -11,12 +11,16 @@ from pathlib import Path
 
 
 def run_from_args(argv: Sequence[str] | None, *, prog: str, description: str, quick_help: str,
-                  run: Callable[[Path, argparse.Namespace], dict]) -> dict:
-    """Parse `argv`, call `run(work_dir, args)`, print its summary as JSON and return it."""
+                  run: Callable[[Path, argparse.Namespace], dict],
+                  add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> dict:
+    """Parse `argv` (the shared flags and those `add_arguments` adds), call `run(work_dir, args)`, print its summary
+    as JSON and return it."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None)
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix=f"physarum-{prog.rsplit('.', 1)[-1]}-") as tmp:
         summary = run(args.work_dir or Path(tmp), args)

@@ -139,3 +139,17 @@ def _swallow(call) -> bool:
         return True
     except redis.RedisError:
         return False
+
+
+def test_dataset_rows_with_lone_surrogates_are_skipped_by_line_and_a_file_of_only_them_is_refused(client, tmp_path):
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"input": "1+1", "label": "2"}\n{"input": "bad \\ud800", "label": "2"}\n'
+                     '{"input": "2+2", "label": "4", "metadata": {"\\udfff": 1}}\n')
+    info = client.load_dataset("surrogates", str(mixed), label_key="label")
+    assert info.num_prompts == 1 and info.num_skipped == 2
+    assert "line 2: a string: lone surrogate U+D800" in info.errors[0]
+    assert "line 3: a string: lone surrogate U+DFFF" in info.errors[1]
+    only = tmp_path / "only.jsonl"
+    only.write_text('{"input": "\\ud800", "label": "2"}\n')
+    with pytest.raises(InvalidArgument, match="no valid prompts .* lone surrogate U\\+D800"):
+        client.load_dataset("surrogates-only", str(only), label_key="label")

@@ -97,3 +97,58 @@ def test_the_rest_api_documents_the_job_spec_from_its_declarations():
     assert schema["properties"]["label_key"] == {"default": "label", "title": "Label Key", "type": "string",
                                                  "description": "the label's key in each data row (slime's default)"}
     assert schema["properties"]["mode"]["enum"] == ["sync", "one_step_async", "fully_async"]
+
+
+class WeirdBaseError(BaseException):
+    """Like torch's CheckpointException: not an Exception."""
+
+
+@pytest.mark.parametrize("raised", [WeirdBaseError("shard missing"), SystemExit(3), KeyboardInterrupt()])
+def test_any_base_exception_fails_its_job_and_the_next_runs(raised):
+    def runner(spec, ctx):
+        if spec.job_id == "bad":
+            raise raised
+
+    registry = JobRegistry(runner)
+    registry.submit(parse_spec({**BASE, "job_id": "bad"}))
+    registry.submit(parse_spec({**BASE, "job_id": "good"}))
+    assert wait_terminal(registry, "good").state == JobState.SUCCEEDED
+    bad = registry.get("bad")
+    assert bad.state == JobState.FAILED and bad.error.startswith(type(raised).__name__)
+    assert registry.health() == ""
+    registry.close()
+
+
+def test_a_checkpoint_exception_becomes_one_line_per_failing_rank():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from services.trainer.jobs import failure_reason
+
+    try:
+        raise ValueError("shard __0_0.distcp: unexpected end of file\nmore detail")
+    except ValueError as err:
+        cause = (err, None)
+    err = CheckpointException("load failed", {1: cause, 0: (EOFError("truncated"), None)})
+    assert failure_reason(err) == ("CheckpointException: rank 0: EOFError: truncated; "
+                                   "rank 1: ValueError: shard __0_0.distcp: unexpected end of file")
+    assert failure_reason(RuntimeError()) == "RuntimeError"
+
+
+def test_health_names_a_worker_that_stopped_and_a_runner_out_of_step():
+    registry = JobRegistry(lambda spec, ctx: None)
+    assert registry.health() == ""
+    registry._queue.put(None)  # the worker thread ends while the service still runs
+    registry._worker.join(5)
+    assert "job worker thread is not running" in registry.health()
+    registry.close()
+    assert registry.health() == ""  # closing is not being stuck
+
+    class Broken:
+        broken = "trainer ranks [1] did not finish job a"
+
+        def __call__(self, spec, ctx):
+            pass
+
+    registry = JobRegistry(Broken())
+    assert registry.health() == Broken.broken
+    registry.close()

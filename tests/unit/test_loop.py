@@ -115,3 +115,34 @@ def test_ref_load_takes_the_reference_from_an_hf_export_or_a_checkpoint(registry
     # the policy starts from hf_checkpoint: KL to itself is 0, to the trained model (either form, the same) is not
     assert first_kl["none"] == 0.0 and first_kl["hf"] > 1e-6
     assert first_kl["checkpoint"] == pytest.approx(first_kl["hf"], rel=1e-5)
+
+
+def test_a_stopping_trainer_checkpoints_the_last_trained_rollout_and_leaves_the_job_to_resume(
+        tiny_model_dir, dumps, tmp_path):
+    """SIGTERM's path: the registry stops after rollout 0 was trained and reported; the loop saves rollout 0 at its
+    next safe point (no periodic save is due) and the job goes back to the queue, unfinished."""
+    holder = {}
+
+    def runner(spec, ctx):
+        report = ctx.report
+
+        def report_then_stop(rollout_id, metrics, message=""):
+            report(rollout_id, metrics, message)
+            if rollout_id == 0 and metrics:
+                holder["registry"].stopping.set()  # what close() does on SIGTERM, without waiting here
+        ctx.report = report_then_stop
+        train(spec, ctx, TrainerDeps(num_threads=1))
+
+    registry = holder["registry"] = JobRegistry(runner)
+    save = tmp_path / "ckpt"
+    job = registry.submit(parse_spec(replay_spec(tiny_model_dir, dumps, job_id="stopped", save=str(save),
+                                                 save_interval=100)))
+    deadline = time.monotonic() + 120
+    while not job.events[-1].message.startswith("preempted"):
+        assert time.monotonic() < deadline and not job.state.terminal, job.events[-1]
+        time.sleep(0.05)
+    assert job.state == JobState.QUEUED and job.rollout_id == 0
+    assert checkpoint.latest_iteration(save) == 0
+    state = json.loads((checkpoint.iteration_dir(save, 0) / checkpoint.STATE_FILE).read_text())
+    assert state["rollout_id"] == 0 and state["job_id"] == "stopped"
+    registry.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.common.errors import InvalidArgument
@@ -44,3 +46,32 @@ def test_paths_outside_their_roots_are_refused_by_key(tmp_path, roots, override)
 
 def test_no_roots_confine_nothing(tmp_path):
     assert spec_parser({})(spec(tmp_path, save="/anywhere/ckpt")).save == "/anywhere/ckpt"
+
+
+def test_physarum_up_confines_paths_by_default(tmp_path, monkeypatch):
+    """The flags `physarum up` gives the trainer, parsed as the trainer parses them: without --root, paths under
+    the current directory, the work dir's parent and the temp dir pass; /etc and the home directory do not."""
+    from physarum.stack import StackOptions, root_flags
+    from services.common.config import load_config
+    from services.trainer.config import TrainerConfig
+    from services.trainer.spec_defaults import path_roots
+
+    monkeypatch.chdir(tmp_path)
+    work_dir = tmp_path / "stack"
+    trainer_flags, buffer_flags = root_flags(StackOptions(work_dir=work_dir, model_path=tmp_path / "m"), work_dir)
+    assert buffer_flags[0] == "--data-roots" and str(tmp_path) in buffer_flags[1].split(",")
+    parse = spec_parser({}, path_roots(load_config(TrainerConfig, "trainer", trainer_flags)))
+    base = {"hf_checkpoint": str(tmp_path / "m"), "prompt_data": str(tmp_path / "d.jsonl"), "num_rollout": 2,
+            "rollout_batch_size": 2}
+    assert parse({**base, "save": str(tmp_path / "ckpt"), "save_hf": "/tmp/hf"}).save == str(tmp_path / "ckpt")
+    escape = str(tmp_path.joinpath(*[".."] * len(tmp_path.parts), "etc", "x"))  # <tmp_path>/../../../../etc/x
+    refused = [("prompt_data", "/etc/passwd"), ("save", escape),
+               ("save_hf", str(Path.home() / ".ssh" / "x")), ("load", "/etc"), ("save_debug_rollout_data", "/etc/x")]
+    for key, path in refused:
+        with pytest.raises(InvalidArgument, match="lies outside the allowed directories"):
+            parse({**base, key: path})
+    own = load_config(TrainerConfig, "trainer", root_flags(StackOptions(work_dir=work_dir, path_roots=(
+        tmp_path / "only",)), work_dir)[0])  # `physarum up --root DIR`: only DIR
+    with pytest.raises(InvalidArgument, match="job spec: save .* lies outside"):
+        spec_parser({}, path_roots(own))({**base, "hf_checkpoint": str(tmp_path / "only" / "m"),
+                                          "prompt_data": str(tmp_path / "only" / "d.jsonl"), "save": "/tmp/x"})

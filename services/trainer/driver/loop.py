@@ -25,8 +25,8 @@ from services.trainer.driver.config import DriverConfig
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import RolloutFeed, combine_rollout_stats, make_feed, metrics_writer, rollout_sums
 from services.trainer.driver.intervals import should_run_periodic_action
-from services.trainer.jobs import JobContext
-from services.trainer.parallel import World
+from services.trainer.jobs import JobContext, JobPreempted, preempted
+from services.trainer.parallel import RankAborted, World
 from services.trainer.spec import JobSpec
 from services.trainer.sync.config import SyncConfig
 from services.trainer.sync.versions import EngineWeights
@@ -115,9 +115,16 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
         weights.version = start_id
         if driver.engines:  # like slime, push the trainer's weights first: engines may hold another job's
             weights.push(backend, start_id)
+        saved = start_id - 1  # the rollout the latest checkpoint holds (start_id - 1: the loaded one)
         for rollout_id in range(start_id, driver.num_rollout):
             start = time.monotonic()
-            samples = feed.samples(rollout_id)
+            try:
+                samples = feed.samples(rollout_id)
+            except (JobPreempted, RankAborted) as err:  # SIGTERM: the state after the last step is the safe point
+                if driver.save and saved < rollout_id - 1 and preempted(err):
+                    checkpoint.save_checkpoint(driver.save, rollout_id - 1, backend, world,
+                                               functools.partial(feed.trainer_state, rollout_id - 1))
+                raise
             rollout_s = time.monotonic() - start
             feed.started(rollout_id)
             if world.rank == 0:  # the dashboard's copy of rank 0's share; recording never raises
@@ -134,6 +141,7 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
                 checkpoint.save_checkpoint(driver.save, rollout_id, backend, world,
                                            functools.partial(feed.trainer_state, rollout_id))
                 metrics["perf/save_seconds"] = time.monotonic() - start
+                saved = rollout_id
             if feed.weight_update_due(rollout_id):
                 metrics.update(feed.before_weight_update(rollout_id))
                 metrics.update(weights.push(backend, rollout_id + 1))

@@ -35,6 +35,9 @@
 {{- if and .Values.networkPolicy.enabled (not .Values.redis.enabled) (not $egress.buffer) -}}
 {{- fail "redis.externalUrl with networkPolicy.enabled: the buffer reaches only this release's Redis; add a rule for the external Redis to networkPolicy.extraEgress.buffer" -}}
 {{- end -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.redis.enabled) (not .Values.trainer.network.hostNetwork) (not $egress.trainer) -}}
+{{- fail "redis.externalUrl with networkPolicy.enabled: the trainer keeps its job records in Redis and reaches only this release's; add a rule for the external Redis to networkPolicy.extraEgress.trainer" -}}
+{{- end -}}
 {{- if and .Values.networkPolicy.enabled .Values.checkpoints.objectStore.endpoint (not .Values.trainer.network.hostNetwork) (not $egress.trainer) -}}
 {{- fail "checkpoints.objectStore.endpoint with networkPolicy.enabled: the trainer reaches only its peers; add a rule for the object store to networkPolicy.extraEgress.trainer" -}}
 {{- end -}}

@@ -288,11 +288,12 @@ imagePullSecrets:
   import os, sys
   if os.environ["RANK"] != "0":
       sys.exit(0)
-  {{- if eq .check "grpc" }}
+  {{- if or (eq .check "grpc") (eq .check "queue") }}
   import grpc
   from grpc_health.v1 import health_pb2, health_pb2_grpc
+  request = health_pb2.HealthCheckRequest(service={{ ternary "physarum.v1.Jobs.queue" "" (eq .check "queue") | quote }})
   with grpc.insecure_channel("127.0.0.1:{{ int .port }}") as channel:
-      reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout={{ .timeout }})
+      reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout={{ .timeout }})
   sys.exit(reply.status != health_pb2.HealthCheckResponse.SERVING)
   {{- else }}
   import socket
@@ -301,7 +302,9 @@ imagePullSecrets:
 {{- end -}}
 
 {{- define "physarum.trainerProbes" -}}
-{{- range $kind, $check := dict "startupProbe" "grpc" "readinessProbe" "grpc" "livenessProbe" "tcp" }}
+{{- /* liveness: the job queue's own health, NOT_SERVING only when its worker is stuck (a restart resumes the jobs);
+     a drain turns readiness off, never liveness */ -}}
+{{- range $kind, $check := dict "startupProbe" "grpc" "readinessProbe" "grpc" "livenessProbe" "queue" }}
 {{- $timing := get $.probes (trimSuffix "Probe" $kind) }}
 {{ $kind }}:
   exec:

@@ -36,8 +36,10 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs",)
@@ -52,7 +54,7 @@ class CancelJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "spec", "rollout_id", "num_rollout", "metrics", "error", "created_at", "finished_at")
+    __slots__ = ("job_id", "state", "spec", "rollout_id", "num_rollout", "metrics", "error", "created_at", "finished_at", "attempts", "checkpoints")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,8 @@ class Job(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     spec: _struct_pb2.Struct
@@ -78,7 +82,9 @@ class Job(_message.Message):
     error: str
     created_at: float
     finished_at: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., rollout_id: _Optional[int] = ..., num_rollout: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    attempts: int
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., rollout_id: _Optional[int] = ..., num_rollout: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., attempts: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamEventsRequest(_message.Message):
     __slots__ = ("job_id", "after_seq")
