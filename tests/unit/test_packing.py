@@ -1,0 +1,121 @@
+"""Packed micro-batches (one row per micro-batch, THD): the row, its positions and cumulative lengths by hand; and
+TorchBackend packed against padded on one process: log-probs, entropy, values, every loss and every gradient within
+1e-5 in float32, on fixed and token-budget micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.samples import Sample
+from services.trainer.backends import packing, rl_step
+from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.batch import build_rollout_batch
+from services.trainer.backends.fsdp import TorchBackend
+from tests.tiny_samples import samples_of
+
+TOLERANCE = 1e-5
+
+
+def _samples() -> list[Sample]:
+    return [Sample(tokens=[5, 6, 7, 8, 9], response_length=2), Sample(tokens=[5, 6, 7], response_length=2),
+            Sample(tokens=[4, 5], response_length=1)]
+
+
+def test_a_micro_batch_packs_into_one_row_with_restarting_positions():
+    batch = build_rollout_batch(_samples(), pad_token_id=0)
+    row = packing.pack(batch)
+    assert row.input_ids.tolist() == [[5, 6, 7, 8, 9, 5, 6, 7, 4, 5]]  # no padding
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
+    assert row.cu_seqlens.tolist() == [0, 5, 8, 10] and row.cu_seqlens.dtype == torch.int32
+    assert row.max_seqlen == 5 and row.num_tokens == 10
+
+
+def test_response_index_points_at_the_logits_of_each_response_token():
+    batch = build_rollout_batch(_samples(), pad_token_id=0)
+    # padded [3, 5] flattened: sample 1's prompt has 1 token, so its response tokens come from positions 0, 1
+    assert packing.response_index(batch, packed=False).tolist() == [[2, 3], [5, 6], [10, 11]]
+    # packed: the sequences start at 0, 5 and 8
+    assert packing.response_index(batch, packed=True).tolist() == [[2, 3], [5, 6], [8, 9]]
+    logits = torch.arange(10.0).view(1, 10, 1)
+    assert packing.gather_response(logits, batch)[..., 0].tolist() == [[2, 3], [5, 6], [8, 9]]
+    assert packing.is_packed(logits, batch) and not packing.is_packed(torch.zeros(3, 5, 1), batch)
+
+
+def _backend(model_dir, packed: bool, **overrides) -> TorchBackend:
+    config = TrainConfig(**{"n_samples_per_prompt": 2, "lr": 1e-3, "clip_grad": 0.0, **overrides})
+    return TorchBackend(model_dir, config, num_threads=1, pack_sequences=packed)
+
+
+ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "5", 0.0), ("1+2=", "3", 0.0), ("1+2=", "40", 1.0),
+           ("7+8=", "15", 1.0), ("7+8=", "", 0.0)]
+CONFIGS = {  # each policy-loss term live; the critic; a user loss on the packed logits; a token budget
+    "grpo": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01, "use_tis": True, "micro_batch_size": 4},
+    "ppo_dynamic": {"advantage_estimator": "ppo", "kl_coef": 0.05, "use_dynamic_batch_size": True,
+                    "max_tokens_per_gpu": 20},
+    "custom": {"loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.mean_nll",
+               "micro_batch_size": 3},
+}
+
+
+@pytest.fixture
+def samples(tiny_model_dir) -> list[Sample]:
+    out = samples_of(tiny_model_dir, ROLLOUT)
+    for sample in out:
+        sample.rollout_log_probs = [-1.0] * sample.response_length
+    out[0].loss_mask = [1, 0, 1]
+    return out
+
+
+def _token_stats(backend: TorchBackend, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
+    mb = batch.take(range(batch.size))
+    with torch.no_grad():
+        return rl_step.response_log_probs(backend._logits(backend.model, mb), mb, backend.config)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_packed_trains_as_padded(tiny_model_dir, samples, name):
+    padded, packed = (_backend(tiny_model_dir, flag, **CONFIGS[name]) for flag in (False, True))
+    lengths = torch.tensor([s.response_length for s in samples])
+    valid = torch.arange(int(lengths.max())) < lengths.unsqueeze(-1)  # every response column of every sample
+    (lp_pad, ent_pad), (lp_pack, ent_pack) = _token_stats(padded, samples), _token_stats(packed, samples)
+    torch.testing.assert_close(lp_pack[valid], lp_pad[valid], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(ent_pack[valid], ent_pad[valid], atol=TOLERANCE, rtol=0)
+    if padded.critic is not None:
+        batch = build_rollout_batch(samples, pad_token_id=padded.pad_token_id)
+        with torch.no_grad():
+            values = [b._values(batch) for b in (padded, packed)]
+        torch.testing.assert_close(values[1][valid], values[0][valid], atol=TOLERANCE, rtol=0)
+    (want,), (got,) = padded.train_rollout(samples), packed.train_rollout(samples)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if not key.startswith("perf/"):
+            assert got[key] == pytest.approx(value, abs=TOLERANCE), key
+    models = [(padded.model, packed.model)] + ([(padded.critic.model, packed.critic.model)] if padded.critic else [])
+    for want_model, got_model in models:
+        want_grads, got_grads = _grads(want_model), _grads(got_model)
+        assert got_grads.keys() == want_grads.keys() and want_grads
+        for param, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[param], grad, atol=TOLERANCE, rtol=0, msg=param)
+
+
+def test_an_empty_micro_batch_adds_nothing(tiny_model_dir, samples):
+    """Over several ranks a rank short of samples runs a zero-weighted forward: its step equals the one without."""
+    backends = [_backend(tiny_model_dir, True) for _ in range(2)]
+    batch = build_rollout_batch(samples, pad_token_id=backends[0].pad_token_id).with_advantages(
+        torch.ones(len(samples), max(s.response_length for s in samples)))
+
+    def loss_fn(backend):
+        return lambda mb, reduce: rl_step.micro_batch_loss(backend.config, mb, logits=backend._logits(
+            backend.model, mb), reduce=reduce)
+
+    metrics = [b._train_step(b.model, b.optimizer, batch, schedule, loss_fn(b))
+               for b, schedule in zip(backends, ([[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [], [3, 4, 5]]), strict=True)]
+    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], abs=1e-7)
+    for param, grad in _grads(backends[0].model).items():
+        torch.testing.assert_close(_grads(backends[1].model)[param], grad, atol=1e-7, rtol=0, msg=param)
