@@ -24,7 +24,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.trainer import devices, parallel
-from services.trainer.backends import packing, rl_step
+from services.trainer.backends import packing, rl_step, varlen
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -46,6 +46,7 @@ def _load_causal_lm(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"model {path}: cannot load a causal LM ({err})") from err
+    varlen.use_in(model)  # packed rows take varlen flash attention where it applies
     # No dropout: the training forward, the no-grad recompute and the engines see the same policy.
     return model.eval()
 
@@ -164,12 +165,14 @@ class TorchBackend(DCPCheckpointing):
             parts.append(("critic", "critic_optim", self.critic.model, self.critic.optimizer))
         return parts
 
-    def _model_inputs(self, mb: RolloutBatch) -> dict[str, torch.Tensor]:
+    def _model_inputs(self, mb: RolloutBatch) -> dict[str, torch.Tensor | int]:
         """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
-        a block-diagonal causal mask (or runs varlen flash attention); padded: the rectangle and its mask."""
+        a block-diagonal causal mask, and the cumulative lengths for varlen flash attention (`varlen`); padded: the
+        rectangle and its mask."""
         if self.pack_sequences:
             row = packing.pack(mb)
-            return {"input_ids": row.input_ids, "position_ids": row.position_ids}
+            return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
+                    "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
         return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
 
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:

@@ -14,14 +14,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-
-def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[T, T] bool, True where a query may attend: an earlier or the same position of its own sequence."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
-                                       output_size=num_tokens)
-    same = sequence.unsqueeze(0) == sequence.unsqueeze(1)
-    return same.tril_()
+from services.trainer.backends.varlen import varlen_causal_attention
 
 
 class SDPAttention(DotProductAttention):
@@ -35,7 +28,7 @@ class SDPAttention(DotProductAttention):
         """Padded: [s, b, heads, head_dim] query, [s, b, groups, head_dim] key and value -> [s, b, heads × head_dim];
         the mask is the causal one (sequences are right-padded), so is_causal replaces it. Packed (THD): [t, heads,
         head_dim] and [t, groups, head_dim] -> [t, heads × head_dim], attention within each sequence of
-        packed_seq_params.cu_seqlens_q (a block-diagonal causal mask)."""
+        packed_seq_params.cu_seqlens_q (`varlen`)."""
         dropout = self.training and self.attention_dropout.p > 0
         if packed_seq_params is None and (dropout or self._megatron_only() or attention_bias is not None):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
@@ -48,11 +41,9 @@ class SDPAttention(DotProductAttention):
         if self._megatron_only() or attention_bias is not None:
             raise ValueError("packed sequences take causal attention without query-key layer scaling, sliding "
                              "windows, softmax offsets or attention bias (the local spec's torch attention)")
-        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, t, head_dim]
-        mask = block_causal_mask(packed_seq_params.cu_seqlens_q, q.shape[2])
         # dropout draws from the model-parallel RNG, as Megatron's own attention does (TP ranks hold other heads)
         with get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.attention_dropout.p
-                                                 if dropout else 0.0, scale=self.softmax_scale,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
-        return out[0].permute(1, 0, 2).reshape(q.shape[2], -1)
+            out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                          packed_seq_params.max_seqlen_q, scale=self.softmax_scale,
+                                          dropout_p=self.attention_dropout.p if dropout else 0.0)
+        return out.reshape(out.shape[0], -1)

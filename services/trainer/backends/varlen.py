@@ -1,0 +1,77 @@
+"""Causal attention over packed sequences ([T, heads, head_dim] and their cumulative lengths) for both backends:
+torch's varlen flash attention on CUDA in half precision (no work on pairs of positions in different sequences);
+elsewhere scaled_dot_product_attention under a block-diagonal causal mask (on CPU its fused kernel beats one call
+per sequence). The HF attention function here takes packed rows to varlen flash and leaves the rest to HF's sdpa.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+HF_ATTENTION = "physarum_varlen"  # the name the HF attention function is registered under
+
+
+def _flash_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before varlen attention
+        return None
+    return varlen_attn
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T, T] bool, True where a query may attend: an earlier or the same position of its own sequence."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
+                                       output_size=num_tokens)
+    return (sequence.unsqueeze(0) == sequence.unsqueeze(1)).tril_()
+
+
+def flash_applies(query: torch.Tensor, dropout_p: float = 0.0) -> bool:
+    """Whether torch's varlen flash attention runs `query`: CUDA, half precision, no dropout."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0
+            and _flash_varlen() is not None)
+
+
+def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """[T, heads, head_dim] query, [T, groups, head_dim] key and value -> [T, heads, head_dim]: each position
+    attends to the earlier positions of its own sequence, sequence i being [cu_seqlens[i], cu_seqlens[i + 1])."""
+    gqa = key.shape[1] != query.shape[1]
+    if flash_applies(query, dropout_p):
+        cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+        return _flash_varlen()(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                               window_size=(-1, 0), enable_gqa=gqa)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu_seqlens, q.shape[2]),
+                                         dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                 **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's attention-function contract ([b, heads, s, head_dim] in, [b, s, heads, head_dim] out). A packed row
+    (cu_seq_lens_q and max_length_q, HF's flash-attention kwargs) takes varlen flash attention where it applies;
+    the rest goes to HF's sdpa under the mask HF built (block-diagonal causal for a packed row)."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    dropout = dropout if module.training else 0.0
+    if cu_seqlens is None or query.shape[0] != 1 or not flash_applies(query, dropout):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    out = varlen_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                  cu_seqlens, int(kwargs["max_length_q"]), scale=scaling)
+    return out.unsqueeze(0), None
+
+
+def use_in(model: torch.nn.Module) -> None:
+    """Register `hf_attention` (with sdpa's masks for padded inputs) and switch `model` to it."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(HF_ATTENTION)
