@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.common.samples import Sample
-from services.trainer.backends import packing, rl_step
+from services.trainer.backends import packing, rl_step, varlen
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
@@ -119,3 +120,46 @@ def test_an_empty_micro_batch_adds_nothing(tiny_model_dir, samples):
     assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], abs=1e-7)
     for param, grad in _grads(backends[0].model).items():
         torch.testing.assert_close(_grads(backends[1].model)[param], grad, atol=1e-7, rtol=0, msg=param)
+
+
+FLASH_CALLS: list[int] = []
+
+
+def _flash_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature (no enable_gqa), computed one sequence at a time on the CPU."""
+    FLASH_CALLS.append(query.shape[0])
+    assert cu_seq_q.dtype == torch.int32 and window_size == (-1, 0) and key.shape[1] == query.shape[1]
+    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+    return torch.cat([F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                     is_causal=True, scale=scale).transpose(0, 1)
+                      for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)])
+
+
+@pytest.fixture
+def flash_stand_in(monkeypatch):
+    """Route packed rows as on a GPU in half precision (varlen flash attention), to a CPU stand-in."""
+    monkeypatch.setattr(varlen, "flash_applies", lambda query, dropout_p=0.0: True)
+    monkeypatch.setattr(varlen, "_flash_varlen", lambda: _flash_stand_in)
+
+
+def test_the_block_diagonal_mask_matches_attention_one_sequence_at_a_time(flash_stand_in):
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(9, heads, 4, generator=gen) for heads in (4, 2, 2))
+    cu_seqlens = torch.tensor([0, 2, 7, 9], dtype=torch.long)
+    assert varlen.block_causal_mask(cu_seqlens, 9)[2:7, :8].int().tolist() == [
+        [0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 1, 1, 0]]  # the second sequence sees only itself, causally
+    flash = varlen.varlen_causal_attention(query, key, value, cu_seqlens, 5)  # GQA heads repeated for torch 2.11
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varlen, "flash_applies", lambda query, dropout_p=0.0: False)
+        masked = varlen.varlen_causal_attention(query, key, value, cu_seqlens, 5)
+    torch.testing.assert_close(flash, masked, atol=1e-6, rtol=0)
+
+
+def test_packed_rows_reach_varlen_flash_through_hf(tiny_model_dir, samples, flash_stand_in):
+    """The GPU path's plumbing on the CPU: HF passes the cumulative lengths to the attention function, whose
+    output layout the model reads back; the step equals the padded one."""
+    FLASH_CALLS.clear()
+    test_packed_trains_as_padded(tiny_model_dir, samples, "grpo")
+    assert FLASH_CALLS and sum(len(s.tokens) for s in samples) in FLASH_CALLS  # a whole micro-batch in one row

@@ -6,18 +6,23 @@ per sequence). The HF attention function here takes packed rows to varlen flash 
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
 HF_ATTENTION = "physarum_varlen"  # the name the HF attention function is registered under
 
 
+@functools.cache
 def _flash_varlen():
+    """torch's varlen_attn where it takes window_size (torch 2.11 on; 2.10's took is_causal), else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch before varlen attention
         return None
-    return varlen_attn
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -40,9 +45,15 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     attends to the earlier positions of its own sequence, sequence i being [cu_seqlens[i], cu_seqlens[i + 1])."""
     gqa = key.shape[1] != query.shape[1]
     if flash_applies(query, dropout_p):
+        flash = _flash_varlen()
+        extra = {}
+        if gqa and "enable_gqa" in inspect.signature(flash).parameters:
+            extra["enable_gqa"] = True
+        elif gqa:  # each key/value head once per query head of its group
+            key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
         cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
-        return _flash_varlen()(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
-                               window_size=(-1, 0), enable_gqa=gqa)
+        return flash(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                     window_size=(-1, 0), **extra)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu_seqlens, q.shape[2]),
                                          dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
