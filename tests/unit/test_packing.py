@@ -143,18 +143,25 @@ def flash_stand_in(monkeypatch):
     monkeypatch.setattr(varlen, "_flash_varlen", lambda: _flash_stand_in)
 
 
-def test_the_block_diagonal_mask_matches_attention_one_sequence_at_a_time(flash_stand_in):
+def test_varlen_attention_keeps_each_sequence_to_itself(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(9, heads, 4, generator=gen) for heads in (4, 2, 2))
     cu_seqlens = torch.tensor([0, 2, 7, 9], dtype=torch.long)
-    assert varlen.block_causal_mask(cu_seqlens, 9)[2:7, :8].int().tolist() == [
+    mask = varlen.block_causal_mask(cu_seqlens, 9)
+    assert mask[2:7, :8].int().tolist() == [
         [0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0],
         [0, 0, 1, 1, 1, 1, 1, 0]]  # the second sequence sees only itself, causally
+    # the whole row under the mask (CUDA without flash) = one call per sequence (CPU) = varlen flash (stand-in)
+    want = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (query, key, value)), attn_mask=mask,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(varlen.varlen_causal_attention(query, key, value, cu_seqlens, 5), want, atol=1e-6,
+                               rtol=0)
+    monkeypatch.setattr(varlen, "flash_applies", lambda query, dropout_p=0.0: True)
+    monkeypatch.setattr(varlen, "_flash_varlen", lambda: _flash_stand_in)
+    FLASH_CALLS.clear()
     flash = varlen.varlen_causal_attention(query, key, value, cu_seqlens, 5)  # GQA heads repeated for torch 2.11
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(varlen, "flash_applies", lambda query, dropout_p=0.0: False)
-        masked = varlen.varlen_causal_attention(query, key, value, cu_seqlens, 5)
-    torch.testing.assert_close(flash, masked, atol=1e-6, rtol=0)
+    assert FLASH_CALLS == [9]
+    torch.testing.assert_close(flash, want, atol=1e-6, rtol=0)
 
 
 def test_packed_rows_reach_varlen_flash_through_hf(tiny_model_dir, samples, flash_stand_in):

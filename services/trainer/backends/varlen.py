@@ -1,7 +1,8 @@
 """Causal attention over packed sequences ([T, heads, head_dim] and their cumulative lengths) for both backends:
-torch's varlen flash attention on CUDA in half precision (no work on pairs of positions in different sequences);
-elsewhere scaled_dot_product_attention under a block-diagonal causal mask (on CPU its fused kernel beats one call
-per sequence). The HF attention function here takes packed rows to varlen flash and leaves the rest to HF's sdpa.
+torch's varlen flash attention on CUDA in half precision; on CUDA otherwise one scaled_dot_product_attention under a
+block-diagonal causal mask; on CPU one causal scaled_dot_product_attention per sequence, which spends no work on
+pairs of positions in different sequences (the mask's row costs T² where the sequences cost Σ L_i²: five times the
+time on the bench's long tail). The HF attention function here runs it for packed rows, HF's sdpa for the rest.
 """
 
 from __future__ import annotations
@@ -54,27 +55,34 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
         return flash(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
                      window_size=(-1, 0), **extra)
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu_seqlens, q.shape[2]),
-                                         dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
+    if query.is_cuda:  # one kernel over the row
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu_seqlens, q.shape[2]),
+                                             dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return torch.cat([F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                     is_causal=True, dropout_p=dropout_p, scale=scale,
+                                                     enable_gqa=gqa).transpose(0, 1)
+                      for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)])
 
 
 def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                  **kwargs) -> tuple[torch.Tensor, None]:
     """HF's attention-function contract ([b, heads, s, head_dim] in, [b, s, heads, head_dim] out). A packed row
-    (cu_seq_lens_q and max_length_q, HF's flash-attention kwargs) takes varlen flash attention where it applies;
-    the rest goes to HF's sdpa under the mask HF built (block-diagonal causal for a packed row)."""
+    (cu_seq_lens_q and max_length_q, HF's flash-attention kwargs) takes `varlen_causal_attention`; the rest goes to
+    HF's sdpa."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    dropout = dropout if module.training else 0.0
-    if cu_seqlens is None or query.shape[0] != 1 or not flash_applies(query, dropout):
+    # a sliding-window layer keeps HF's mask, which holds the window as well as the sequences' blocks
+    if cu_seqlens is None or query.shape[0] != 1 or kwargs.get("sliding_window") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     out = varlen_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                  cu_seqlens, int(kwargs["max_length_q"]), scale=scaling)
+                                  cu_seqlens, int(kwargs["max_length_q"]), scale=scaling,
+                                  dropout_p=dropout if module.training else 0.0)
     return out.unsqueeze(0), None
 
 
