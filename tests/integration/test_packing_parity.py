@@ -54,8 +54,8 @@ def test_every_rank_runs_as_many_micro_batches(results):
     # the first rank's share packs into four micro-batches of 16, 14, 15 and 10 tokens under the budget of 20; the
     # second's (5, 5, 6, 4 tokens) fits one, which is halved, then halved again, until it runs four as well
     assert results[2]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[16, 14, 15, 10], [5, 5, 6, 4]]
-    # one rank packs all eight: [16, 4], [14, 5], [15, 5], [10, 6]
-    assert results[1]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[20, 19, 20, 16]]
-    # Megatron packs the whole step the same way, then deals: 20 -> rank 0, 20 -> rank 1, 19 -> rank 0 (a tie goes
-    # to the first), 16 -> rank 1: 39 and 36 tokens (a contiguous split of the samples: 55 and 20)
-    assert results[2]["grpo_dynamic"]["megatron"]["micro_batches"] == [[20, 19], [20, 16]]
+    # one rank packs all eight, longest first: [16, 4], [15, 5], [14, 6], [10, 5]
+    assert results[1]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[20, 20, 20, 15]]
+    # Megatron packs the whole step the same way, then deals: 20 -> rank 0, 20 -> rank 1, 20 -> rank 0 (a tie goes
+    # to the first), 15 -> rank 1: 40 and 35 tokens (a contiguous split of the samples: 55 and 20)
+    assert results[2]["grpo_dynamic"]["megatron"]["micro_batches"] == [[20, 20], [20, 15]]

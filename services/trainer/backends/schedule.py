@@ -1,9 +1,10 @@
 """Which samples each optimizer step and each micro-batch hold (slime's step split and micro-batch packing).
 
 A rollout is cut into steps of global_batch_size samples (trailing samples that do not fill a step are dropped);
-each step into micro-batches of micro_batch_size samples, or, with use_dynamic_batch_size, packed first-fit so
-that a micro-batch holds at most max_tokens_per_gpu tokens (a longer sample sits alone); over data-parallel ranks,
-the micro-batches are dealt so that every rank runs as many and their token sums are balanced. Indices only.
+each step into micro-batches of micro_batch_size samples, or, with use_dynamic_batch_size, packed first-fit
+decreasing so that a micro-batch holds at most max_tokens_per_gpu tokens (a longer sample sits alone); over
+data-parallel ranks, the micro-batches are dealt so that every rank runs as many and their token sums are balanced.
+Indices only.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ Step = list[MicroBatch]  # the micro-batches of one optimizer step
 
 
 def first_fit(lengths: Sequence[int], indices: Sequence[int], *, max_tokens: int) -> list[MicroBatch]:
-    """Pack `indices` in order into bins of at most max_tokens tokens: each goes to the first bin it fits in."""
+    """Pack `indices` into bins of at most max_tokens tokens, first-fit decreasing: longest first, each to the first
+    bin it fits in (long samples share bins with long ones, so a micro-batch's response-aligned tensors spend little
+    on padding columns). Bins ordered by their first sample, each bin's samples in order."""
     bins: list[MicroBatch] = []
     loads: list[int] = []
-    for i in indices:
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
         for b, load in enumerate(loads):
             if load + lengths[i] <= max_tokens:
                 bins[b].append(i)
@@ -28,7 +31,7 @@ def first_fit(lengths: Sequence[int], indices: Sequence[int], *, max_tokens: int
         else:
             bins.append([i])
             loads.append(lengths[i])
-    return bins
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
 def step_schedule(lengths: Sequence[int], *, global_batch_size: int | None, micro_batch_size: int = 1,
@@ -36,7 +39,7 @@ def step_schedule(lengths: Sequence[int], *, global_batch_size: int | None, micr
     """Micro-batches (lists of sample indices) per optimizer step for samples of token counts `lengths`.
 
     Steps take global_batch_size consecutive samples (None: one step of all). max_tokens_per_gpu (dynamic batch
-    size) packs each step first-fit by token count; otherwise steps are cut into micro_batch_size chunks.
+    size) packs each step first-fit decreasing by token count; otherwise steps are cut into micro_batch_size chunks.
     """
     num = len(lengths)
     step_size = global_batch_size or num
@@ -107,9 +110,9 @@ def dp_schedule(lengths: Sequence[int], rows: Sequence[int], *, dp_size: int, mi
     many on every rank (one more on some when the step has fewer samples than that takes) with token sums balanced,
     so that no rank waits on another's long tail.
 
-    max_tokens_per_gpu: the rows packed first-fit to the budget, their number rounded up to a multiple of dp_size
-    by halving the heaviest. Otherwise: ceil(rows / micro_batch_size) micro-batches, rounded up likewise, of at most
-    micro_batch_size samples each, filled longest sample first into the lightest."""
+    max_tokens_per_gpu: the rows packed first-fit decreasing to the budget, their number rounded up to a multiple of
+    dp_size by halving the heaviest. Otherwise: ceil(rows / micro_batch_size) micro-batches, rounded up likewise, of
+    at most micro_batch_size samples each, filled longest sample first into the lightest."""
     rows = list(rows)
     if max_tokens_per_gpu is not None:
         packed = first_fit(lengths, rows, max_tokens=max_tokens_per_gpu)
