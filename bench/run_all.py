@@ -43,7 +43,7 @@ SCRIPTS = {
 HELPERS = {"_harness", "run_all", "inprocess_loop", "sim_engines", "demo_sweep", "gpu_check"}
 KEYS = ("weight_sync_vs_gloo", "same_host_sync_GBps", "engine_vs_hf_generate", "router_overhead_p50",
         "router_overhead_p99", "buffer_vs_redis", "reward_grpc_vs_inprocess", "loop_vs_inprocess",
-        "control_plane_samples_per_s_64", "group_rebuild_s_64")
+        "control_plane_samples_per_s_64", "group_rebuild_s_64", "packed_vs_padded_fsdp", "packed_vs_padded_megatron")
 
 
 def check_listed() -> None:

@@ -61,10 +61,11 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                                              dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    return torch.cat([F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                     is_causal=True, dropout_p=dropout_p, scale=scale,
-                                                     enable_gqa=gqa).transpose(0, 1)
-                      for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)])
+    # [1, heads, L_i, head_dim] each: four dimensions take the fused CPU kernel (three take the unfused math path)
+    outputs = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in qkv), is_causal=True,
+                                              dropout_p=dropout_p, scale=scale, enable_gqa=gqa)[0]
+               for qkv in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)]
+    return torch.cat(outputs, dim=1).transpose(0, 1)
 
 
 def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
