@@ -170,3 +170,13 @@ def test_packed_rows_reach_varlen_flash_through_hf(tiny_model_dir, samples, flas
     FLASH_CALLS.clear()
     test_packed_trains_as_padded(tiny_model_dir, samples, "grpo")
     assert FLASH_CALLS and sum(len(s.tokens) for s in samples) in FLASH_CALLS  # a whole micro-batch in one row
+
+
+def test_a_model_without_attention_functions_stays_padded(tiny_model_dir, monkeypatch, caplog):
+    """Packing relies on the model's attention keeping sequences apart: one that cannot take `varlen`'s attention
+    function (a model outside transformers' AttentionInterface) trains on padded micro-batches."""
+    assert _backend(tiny_model_dir, True).pack_sequences
+    monkeypatch.setattr(varlen, "use_in", lambda model: None)
+    with caplog.at_level("WARNING"):
+        assert not _backend(tiny_model_dir, True).pack_sequences
+    assert "micro-batches stay padded" in caplog.text

@@ -87,8 +87,14 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.unsqueeze(0), None
 
 
+def active(model: torch.nn.Module) -> bool:
+    """Whether `model` runs `hf_attention` (an HF model that follows transformers' AttentionInterface)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == HF_ATTENTION
+
+
 def use_in(model: torch.nn.Module) -> None:
-    """Register `hf_attention` (with sdpa's masks for padded inputs) and switch `model` to it."""
+    """Register `hf_attention` (with sdpa's masks for padded inputs) and switch `model` to it; a model that cannot
+    switch (HF logs why) keeps its attention."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
