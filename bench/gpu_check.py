@@ -5,7 +5,8 @@
    The same for a tiny MoE (qwen3_moe) and a tiny Qwen3.5 on the fsdp backend (bench/gpu_families.py).
 2. With two GPUs: the NCCL weight sync's failure case, the launcher and the bf16 tests.
 3. The demo with the trainer and a CPU engine on the GPU (`physarum.demo --device cuda --engine-device cuda`).
-4. The throughput table (bench/trainer_throughput.py) in bf16 and float32.
+4. The throughput rows (bench/trainer_throughput.py) in bf16 and float32: each backend against the plain loop, and
+   the packed step against padded and against the plain loop on long-tailed responses.
 
 On a machine without CUDA it says so and exits 0. Each part runs in its own process (Megatron takes every visible
 GPU, so the CPU runs hide them). Exit status 1 when a part fails.
@@ -115,12 +116,21 @@ def demo() -> tuple[str, bool, str]:
 
 
 def throughput() -> list[tuple[str, bool, str]]:
+    """bench/trainer_throughput.py per dtype, a row from its JSON line each: the backends against the plain loop on
+    equal lengths, then the packed step against padded and against the plain loop on long-tailed responses."""
     rows = []
     for dtype in ("bfloat16", "float32"):
         proc = run(["-m", "bench.trainer_throughput", "--device", "cuda", "--dtype", dtype, "--rounds", "3"])
-        table = proc.stdout.strip().splitlines()
-        rows.append((f"throughput {dtype}", proc.returncode == 0,
-                     " | ".join(table[-6:]) if proc.returncode == 0 else proc.stderr.strip()[-400:]))
+        if proc.returncode != 0:
+            rows.append((f"throughput {dtype}", False, proc.stderr.strip()[-400:]))
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append((f"throughput {dtype}", True, f"vs the plain loop, equal lengths: fsdp {r['fsdp']:.2f}×, "
+                                                  f"megatron {r['megatron']:.2f}×"))
+        rows.append((f"packed step {dtype}", True,
+                     f"long-tailed responses, packed vs padded: fsdp {r['packed_vs_padded_fsdp']:.2f}×, megatron "
+                     f"{r['packed_vs_padded_megatron']:.2f}×; vs the plain loop: fsdp {r['packed_vs_plain_fsdp']:.2f}×,"
+                     f" megatron {r['packed_vs_plain_megatron']:.2f}×"))
     return rows
 
 

@@ -46,7 +46,8 @@ HELPERS = {"_harness", "_delta_link", "run_all", "inprocess_loop", "sim_engines"
            "gpu_families"}
 KEYS = ("weight_sync_vs_gloo", "same_host_sync_GBps", "engine_vs_hf_generate", "router_overhead_p50",
         "router_overhead_p99", "gateway_overhead_p50", "buffer_vs_redis", "reward_grpc_vs_inprocess",
-        "loop_vs_inprocess", "control_plane_samples_per_s_64", "group_rebuild_s_64", "delta_vs_full_sync")
+        "loop_vs_inprocess", "control_plane_samples_per_s_64", "group_rebuild_s_64", "delta_vs_full_sync",
+        "packed_vs_padded_fsdp", "packed_vs_padded_megatron")
 
 
 def check_listed() -> None:

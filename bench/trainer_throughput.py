@@ -1,16 +1,27 @@
-"""Physarum's GRPO step (fsdp and megatron backends) against a plain PyTorch loop: same model, batch, micro-batches
-and precision, one optimizer step each, measured side by side in one process, rounds interleaved.
+"""Physarum's GRPO step (fsdp and megatron backends) against a plain PyTorch loop, then packed against padded
+micro-batches on long-tailed responses: one optimizer step each, side by side in one process, rounds interleaved.
 
-The plain loop is an HF model + AdamW with loss -(log π(response)·A).mean() (bf16 autocast under --dtype bfloat16).
-Prints a table, then one JSON line: {"device", "dtype", "fsdp": R, "megatron": R}, R = Physarum's tokens/s over the
-plain loop's. CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 measurement.
+1. Equal lengths: the plain loop (an HF model + AdamW, loss -(log π(response)·A).mean(), bf16 autocast under
+   --dtype bfloat16) and both backends on the same model, batch, micro-batches and precision.
+2. Long tail: response lengths max_response_len · u² at u = (i + ½) / n (shuffled), so that the median response is a
+   quarter of the longest. The plain loop and each backend padded (micro_batch_size samples, padded to the longest
+   of them), each backend packed (use_dynamic_batch_size: one row of at most max_tokens_per_gpu = micro_batch_size
+   × the longest sample's tokens, the padded micro-batch's worst case). Tokens/s count real tokens only.
+
+Prints the tables, then one JSON line: {"device", "dtype", "clock", "fsdp": R, "megatron": R,
+"packed_vs_padded_fsdp": P, "packed_vs_padded_megatron": P, "packed_vs_plain_fsdp": Q, "packed_vs_plain_megatron": Q}:
+R = a backend's tokens/s over the plain loop's (equal lengths), P = packed over the same backend padded, Q = packed
+over the plain loop (long tail).
+CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 measurement.
 
 Run: python -m bench.trainer_throughput [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds N]
+     [--threads N] [--clock wall|cpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -26,10 +37,12 @@ import torch
 SHAPES = {
     "cpu": dict(model=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-                num_samples=16, prompt_len=32, response_len=96, micro_batch_size=4),
+                num_samples=16, prompt_len=32, response_len=96, micro_batch_size=4,
+                long_tail=dict(num_samples=16, prompt_len=16, max_response_len=256)),
     "cuda": dict(model=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                             num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-                 num_samples=32, prompt_len=256, response_len=768, micro_batch_size=4),
+                 num_samples=32, prompt_len=256, response_len=768, micro_batch_size=4,
+                 long_tail=dict(num_samples=32, prompt_len=256, max_response_len=1024)),
 }
 
 
@@ -52,26 +65,44 @@ def make_samples(shape: dict, vocab_size: int):
                    response_length=shape["response_len"], reward=float(i % 2)) for i in range(shape["num_samples"])]
 
 
-def plain_step(model_dir: Path, samples, shape: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
-    """An HF model + AdamW: the micro-batches' -(log π·A).mean(), backward, clip, step."""
+def long_tailed_samples(shape: dict, vocab_size: int):
+    """Response lengths max · u² at u = (i + ½) / n, shuffled: a median of a quarter of the max, a few near it."""
+    from services.common.samples import Sample
+
+    tail = shape["long_tail"]
+    num, longest = tail["num_samples"], tail["max_response_len"]
+    gen = torch.Generator().manual_seed(0)
+    lengths = [max(1, round(longest * ((i + 0.5) / num) ** 2)) for i in range(num)]
+    lengths = [lengths[i] for i in torch.randperm(num, generator=gen).tolist()]
+    return [Sample(tokens=torch.randint(1, vocab_size, (tail["prompt_len"] + n,), generator=gen).tolist(),
+                   response_length=n, reward=float(i % 2)) for i, n in enumerate(lengths)]
+
+
+def plain_step(model_dir: Path, samples, prompt_len: int, micro_batch_size: int, device: torch.device,
+               dtype: torch.dtype) -> Callable[[], None]:
+    """An HF model + AdamW over padded micro-batches (each padded to its longest sample): -(log π·A) averaged over
+    the response tokens, backward, clip, step. Every sample's prompt is prompt_len tokens."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    tokens = torch.tensor([s.tokens for s in samples], device=device)
-    advantages = torch.tensor([s.reward - 0.5 for s in samples], device=device)
-    prompt, mb = shape["prompt_len"], shape["micro_batch_size"]
-    num_mb = len(samples) // mb
+    micro_batches = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start:start + micro_batch_size]
+        longest = max(len(s.tokens) for s in chunk)
+        ids = torch.tensor([s.tokens + [0] * (longest - len(s.tokens)) for s in chunk], device=device)
+        mask = torch.tensor([[1] * len(s.tokens) + [0] * (longest - len(s.tokens)) for s in chunk], device=device)
+        advantages = torch.tensor([s.reward - 0.5 for s in chunk], device=device)
+        micro_batches.append((ids, mask, mask[:, prompt_len:].float() * advantages[:, None]))
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(samples), mb):
-            ids = tokens[start:start + mb]
+        for ids, mask, weights in micro_batches:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                logits = model(input_ids=ids, use_cache=False).logits
-            log_probs = torch.log_softmax(logits[:, prompt - 1:-1].float(), dim=-1)
-            log_probs = log_probs.gather(-1, ids[:, prompt:].unsqueeze(-1)).squeeze(-1)
-            loss = -(log_probs * advantages[start:start + mb, None]).mean() / num_mb
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            log_probs = torch.log_softmax(logits[:, prompt_len - 1:-1].float(), dim=-1)
+            log_probs = log_probs.gather(-1, ids[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
+            loss = -(log_probs * weights).sum() / mask[:, prompt_len:].sum() / len(micro_batches)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -79,37 +110,57 @@ def plain_step(model_dir: Path, samples, shape: dict, device: torch.device, dtyp
     return step
 
 
-def train_config(shape: dict, dtype: torch.dtype):
+def train_config(shape: dict, dtype: torch.dtype, num_samples: int, packed_budget: int | None = None):
+    """micro_batch_size samples per micro-batch; with packed_budget, micro-batches packed to that many tokens."""
     from services.trainer.backends.base import TrainConfig
 
-    return TrainConfig(n_samples_per_prompt=2, global_batch_size=shape["num_samples"],
-                       micro_batch_size=shape["micro_batch_size"], lr=1e-6, bf16=dtype == torch.bfloat16)
+    return TrainConfig(n_samples_per_prompt=2, global_batch_size=num_samples,
+                       micro_batch_size=shape["micro_batch_size"], lr=1e-6, bf16=dtype == torch.bfloat16,
+                       use_dynamic_batch_size=packed_budget is not None, max_tokens_per_gpu=packed_budget)
 
 
-def fsdp_step(model_dir: Path, samples, shape: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+def fsdp_step(model_dir: Path, samples, config, device: torch.device, packed: bool = True) -> Callable[[], None]:
     from services.trainer.backends.fsdp import TorchBackend
     from services.trainer.parallel import World
 
-    backend = TorchBackend(model_dir, train_config(shape, dtype), world=World(device=device))
+    backend = TorchBackend(model_dir, config, world=World(device=device), pack_sequences=packed)
     return lambda: backend.train_rollout(samples)
 
 
-def megatron_step(model_dir: Path, samples, shape: dict, device: torch.device,
-                  dtype: torch.dtype) -> Callable[[], None]:
+def megatron_step(model_dir: Path, samples, config, device: torch.device, packed: bool = True) -> Callable[[], None]:
     from services.trainer.backends.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(model_dir, train_config(shape, dtype))
+    backend = MegatronBackend(model_dir, config, pack_sequences=packed)
     return lambda: backend.train_rollout(samples)
 
 
-def timed(step: Callable[[], None], device: torch.device) -> float:
+def timed(step: Callable[[], None], device: torch.device, clock: Callable[[], float]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return clock() - start
+
+
+def measure(steps: dict[str, Callable[[], None]], rounds: int, device: torch.device,
+            clock: Callable[[], float]) -> dict[str, float]:
+    """Median seconds per step of each run, rounds interleaved after one warm-up round."""
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    for round_index in range(rounds + 1):  # round 0 warms up (allocator, kernels, optimizer state)
+        for name, step in steps.items():
+            took = timed(step, device, clock)
+            if round_index:
+                seconds[name].append(took)
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def release(device: torch.device) -> None:
+    """Free the finished phase's models (Megatron's groups go with the next backend it builds)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -119,7 +170,13 @@ def main(argv: list[str] | None = None) -> dict:
                         help="default: bfloat16 on cuda, float32 on cpu (the trainer's defaults)")
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (user + system), for a CPU run on a busy shared machine, "
+                             "where waiting for a core inflates wall time at random (use --threads 1: no spinning)")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu times CPU runs only")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -129,27 +186,53 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's default (allow_tf32), for a like comparison
     shape = SHAPES[device.type]
+    tail = shape["long_tail"]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model", shape["model"])
         samples = make_samples(shape, shape["model"]["vocab_size"])
-        steps = {name: build(model_dir, samples, shape, device, dtype) for name, build in
-                 (("plain", plain_step), ("fsdp", fsdp_step), ("megatron", megatron_step))}
-        seconds: dict[str, list[float]] = {name: [] for name in steps}
-        for round_index in range(args.rounds + 1):  # round 0 warms up (allocator, kernels, optimizer state)
-            for name, step in steps.items():
-                took = timed(step, device)
-                if round_index:
-                    seconds[name].append(took)
+        config = train_config(shape, dtype, len(samples))
+        steps = {"plain": plain_step(model_dir, samples, shape["prompt_len"], shape["micro_batch_size"], device, dtype),
+                 "fsdp": fsdp_step(model_dir, samples, config, device),
+                 "megatron": megatron_step(model_dir, samples, config, device)}
+        seconds = measure(steps, args.rounds, device, clock)
+        del steps
+        release(device)
+        tailed = long_tailed_samples(shape, shape["model"]["vocab_size"])
+        budget = shape["micro_batch_size"] * (tail["prompt_len"] + tail["max_response_len"])
+        padded, packed = (train_config(shape, dtype, len(tailed), b) for b in (None, budget))
+        steps = {"plain padded": plain_step(model_dir, tailed, tail["prompt_len"], shape["micro_batch_size"], device,
+                                            dtype)}
+        steps.update({f"{name} {layout}": build(model_dir, tailed, cfg, device, packed=layout == "packed")
+                      for name, build in (("fsdp", fsdp_step), ("megatron", megatron_step))
+                      for layout, cfg in (("padded", padded), ("packed", packed))})
+        tail_seconds = measure(steps, args.rounds, device, clock)
     num_tokens = len(samples) * (shape["prompt_len"] + shape["response_len"])
-    tokens_per_s = {name: num_tokens / statistics.median(values) for name, values in seconds.items()}
-    print(f"{device.type}, {dtype}, {len(samples)} × {shape['prompt_len'] + shape['response_len']} tokens per step, "
-          f"micro-batches of {shape['micro_batch_size']}, median of {args.rounds} rounds")
-    print(f"{'run':<10} {'s/step':>8} {'tokens/s':>10} {'vs plain':>9}")
+    tokens_per_s = {name: num_tokens / value for name, value in seconds.items()}
+    print(f"{device.type}, {dtype}, {args.threads if device.type == 'cpu' else 'GPU'} threads, median of "
+          f"{args.rounds} rounds, {args.clock} clock")
+    print(f"equal lengths: {len(samples)} × {shape['prompt_len'] + shape['response_len']} tokens per step, "
+          f"micro-batches of {shape['micro_batch_size']}")
+    print(f"{'run':<16} {'s/step':>8} {'tokens/s':>10} {'vs plain':>9}")
     for name, rate in tokens_per_s.items():
-        print(f"{name:<10} {num_tokens / rate:>8.3f} {rate:>10.0f} {rate / tokens_per_s['plain']:>9.2f}")
-    result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."),
+        print(f"{name:<16} {num_tokens / rate:>8.3f} {rate:>10.0f} {rate / tokens_per_s['plain']:>9.2f}")
+    tail_tokens = sum(len(s.tokens) for s in tailed)
+    responses = sorted(s.response_length for s in tailed)
+    print(f"long tail: {len(tailed)} samples, {tail_tokens} tokens, prompts of {tail['prompt_len']}, responses "
+          f"median {statistics.median(responses):.0f} max {responses[-1]}; padded: micro-batches of "
+          f"{shape['micro_batch_size']}, packed: at most {budget} tokens")
+    tail_rate = {name: tail_tokens / value for name, value in tail_seconds.items()}
+    print(f"{'run':<16} {'s/step':>8} {'tokens/s':>10} {'vs padded':>9} {'vs plain':>9}")
+    for name, rate in tail_rate.items():
+        padded_rate = tail_rate[name.split()[0] + " padded"]
+        print(f"{name:<16} {tail_tokens / rate:>8.3f} {rate:>10.0f} {rate / padded_rate:>9.2f} "
+              f"{rate / tail_rate['plain padded']:>9.2f}")
+    result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "clock": args.clock,
               "fsdp": round(tokens_per_s["fsdp"] / tokens_per_s["plain"], 3),
-              "megatron": round(tokens_per_s["megatron"] / tokens_per_s["plain"], 3)}
+              "megatron": round(tokens_per_s["megatron"] / tokens_per_s["plain"], 3),
+              **{f"packed_vs_padded_{name}": round(tail_rate[f"{name} packed"] / tail_rate[f"{name} padded"], 3)
+                 for name in ("fsdp", "megatron")},
+              **{f"packed_vs_plain_{name}": round(tail_rate[f"{name} packed"] / tail_rate["plain padded"], 3)
+                 for name in ("fsdp", "megatron")}}
     print(json.dumps(result))
     return result
 

@@ -1,4 +1,5 @@
-"""Samples -> padded tensors: the RolloutBatch a backend trains on (slime's train-data keys, padded, not packed).
+"""Samples -> padded tensors: the RolloutBatch a backend trains on (slime's train-data keys; a micro-batch is packed
+into one row only at its forward, `packing.py`).
 
 Response-aligned tensors are [B, R]: column t is response token t of each sample, whose log-prob comes from the
 logits at sequence position prompt_length + t - 1. The batch knows nothing about models or losses; the trainer fills

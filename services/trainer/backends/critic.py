@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from services.common.errors import InvalidArgument
+from services.trainer.backends import varlen
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import RolloutBatch
 from services.trainer.backends.optim import make_adamw
-from services.trainer.backends.rl_step import gather_response
+from services.trainer.backends.packing import gather_response
 
 
 class ValueModel(torch.nn.Module):
@@ -26,8 +27,9 @@ class ValueModel(torch.nn.Module):
         self.value_head = torch.nn.Linear(hidden_size, 1, bias=False)
         torch.nn.init.normal_(self.value_head.weight, std=init_std)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, **inputs) -> torch.Tensor:
+        """inputs: the backbone's (input_ids with attention_mask, or packed with position_ids) -> [rows, L]."""
+        hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
@@ -41,6 +43,7 @@ class Critic:
             backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
         except (OSError, ValueError) as err:
             raise InvalidArgument(f"model {model_path}: cannot load a backbone for the critic ({err})") from err
+        varlen.use_in(backbone)
         hf_config = backbone.config.get_text_config()
         self.model = ValueModel(backbone, hf_config.hidden_size, getattr(hf_config, "initializer_range", 0.02)).eval()
         self.model.to(device or torch.device("cpu"))
@@ -48,6 +51,8 @@ class Critic:
                                     adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
                                     adam_eps=config.adam_eps)
 
-    def values(self, mb: RolloutBatch) -> torch.Tensor:
-        """Response-aligned values [b, R] of a micro-batch (with grad when grad is enabled)."""
-        return gather_response(self.model(mb.tokens, mb.attention_mask), mb)
+    def values(self, mb: RolloutBatch, inputs: dict | None = None) -> torch.Tensor:
+        """Response-aligned values [b, R] of a micro-batch laid out as `inputs` (packed or padded, as the policy's
+        forward; None: padded), with grad when grad is enabled."""
+        inputs = inputs or {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
+        return gather_response(self.model(**inputs), mb)

@@ -1,7 +1,7 @@
 """The torch backend: an HF causal LM with AdamW and gradient accumulation on the rank's device, in one process or
 data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`). Master
 weights are float32; under bf16 the forward runs in bfloat16 (autocast on one rank, FSDP2's mixed-precision policy
-over several), log-probs and losses in float32.
+over several), log-probs and losses in float32. Each micro-batch is one packed row (`packing.py`), as in slime.
 
 It owns the models (policy, reference, PPO critic), the optimizers and the step loop; every formula from the forward
 outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding and the ranks are
@@ -25,7 +25,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer import devices, parallel
-from services.trainer.backends import rl_step, slime_hooks
+from services.trainer.backends import packing, rl_step, slime_hooks, varlen
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -33,7 +33,7 @@ from services.trainer.backends.dcp import DCPCheckpointing
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
 from services.trainer.backends.registry import register
-from services.trainer.backends.schedule import MicroBatch, Step, step_schedule
+from services.trainer.backends.schedule import MicroBatch, Step, split_to, step_schedule
 from services.trainer.hf_files import TOKENIZER_FILES, copy_side_files
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def _load_causal_lm(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"model {path}: cannot load a causal LM ({err})") from err
+    varlen.use_in(model)  # packed rows take varlen flash attention where it applies
     # No dropout: the training forward, the no-grad recompute and the engines see the same policy.
     return model.eval()
 
@@ -56,9 +57,12 @@ class TorchBackend(DCPCheckpointing):
     log-probs and critic values, advantages, then global_batch_size steps of micro-batches)."""
 
     def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
-                 world: parallel.World | None = None, job_global_batch_size: int | None = None) -> None:
+                 world: parallel.World | None = None, job_global_batch_size: int | None = None,
+                 pack_sequences: bool = True) -> None:
         self.model_path = Path(model_path)
         self.config = config
+        # each micro-batch one packed row (`packing`); False: a padded rectangle (the reference the tests hold it to)
+        self.pack_sequences = pack_sequences
         # the job's step size: `config` holds this rank's share of it when the world has more than one rank
         self.job_global_batch_size = job_global_batch_size or config.global_batch_size
         self.world = world or parallel.World()
@@ -69,6 +73,10 @@ class TorchBackend(DCPCheckpointing):
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
         model = _load_causal_lm(self.model_path).to(self.device)
+        if self.pack_sequences and not varlen.active(model):
+            log.warning("%s does not take an attention function (transformers' AttentionInterface), so its masks may "
+                        "not keep packed sequences apart: micro-batches stay padded", type(model).__name__)
+            self.pack_sequences = False
         self._tied_names = parallel.tied_names(model)
         ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
@@ -163,29 +171,51 @@ class TorchBackend(DCPCheckpointing):
             parts.append(("critic", "critic_optim", self.critic.model, self.critic.optimizer))
         return parts
 
+    def _model_inputs(self, mb: RolloutBatch) -> dict[str, torch.Tensor | int]:
+        """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
+        a block-diagonal causal mask, and the cumulative lengths for varlen flash attention (`varlen`); padded: the
+        rectangle and its mask."""
+        if self.pack_sequences:
+            row = packing.pack(mb)
+            return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
+                    "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
+        return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
+
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
+        """[b, L, V] padded or [1, T, V] packed: `packing.gather_response` reads either."""
         with self._autocast():
-            return model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False).logits
+            return model(**self._model_inputs(mb), use_cache=False).logits
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
-            return self.critic.values(mb)
+            return self.critic.values(mb, self._model_inputs(mb))
 
     def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
         """Response-aligned log-probs [b, R] at the rollout temperature."""
         return rl_step.response_log_probs(self._logits(model, mb), mb, self.config, with_entropy=False)[0]
 
     def _schedule(self, batch: RolloutBatch, global_batch_size: int | None) -> list[Step]:
+        """Each step's micro-batches. Over several ranks each step has as many on every rank (FSDP gathers and
+        reduces at every forward and backward): the most any rank has, by halving this rank's heaviest (or, with
+        no sample left to split off, an empty micro-batch that runs a zero-weighted forward)."""
         cfg = self.config
-        return step_schedule(batch.total_lengths, global_batch_size=global_batch_size,
-                             micro_batch_size=cfg.micro_batch_size,
-                             max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None)
+        lengths = batch.total_lengths
+        steps = step_schedule(lengths, global_batch_size=global_batch_size, micro_batch_size=cfg.micro_batch_size,
+                              max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None)
+        if not self.world.distributed or not steps:
+            return steps
+        counts = torch.tensor([len(step) for step in steps], dtype=torch.long, device=self.world.comm_device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        return [split_to(lengths, step, count) for step, count in zip(steps, counts.tolist(), strict=True)]
 
     @torch.no_grad()
     def _recompute(self, forward, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """[B, R] of `forward(mb) -> [b, R]` without grad, in the micro-batches the training forward will use."""
         out = torch.zeros_like(batch.loss_masks)
         for rows in micro_batches:
+            if not rows:  # an empty micro-batch: the forward only keeps the ranks' collectives in step
+                forward(batch.take([0]))
+                continue
             values = forward(batch.take(rows))
             out[rows, :values.shape[1]] = values
         return out
@@ -276,6 +306,11 @@ class TorchBackend(DCPCheckpointing):
         totals: dict[str, float] = {}
         start = time.perf_counter()
         for mb_rows in micro_batches:
+            if not mb_rows:  # an empty micro-batch: a zero-weighted pass keeps the ranks' collectives in step
+                mb = batch.take(rows[:1])
+                loss, _ = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[rows[:1]], normalizer))
+                (loss * 0.0).backward()
+                continue
             mb = batch.take(mb_rows)
             loss, metrics = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows], normalizer))
             loss.backward()
@@ -318,9 +353,6 @@ def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: 
     """Each rank gets a TrainConfig cut to its share of each step."""
     job_global_batch_size = config.global_batch_size
     if world.distributed:
-        if config.use_dynamic_batch_size:
-            raise InvalidArgument("use_dynamic_batch_size is not supported with more than one trainer rank (ranks "
-                                  "must run the same number of micro-batches)")
         local = config.global_batch_size and config.global_batch_size // world.world_size
         config = dataclasses.replace(config, global_batch_size=local)
     return TorchBackend(hf_checkpoint, config, num_threads=num_threads, world=world,

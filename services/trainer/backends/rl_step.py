@@ -26,6 +26,7 @@ from services.trainer.algorithms.losses import (
 from services.trainer.backends import slime_hooks
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import RolloutBatch
+from services.trainer.backends.packing import gather_response, is_packed
 
 LossFn = Callable[[RolloutBatch, Reducer], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -112,19 +113,10 @@ def make_reducer(config: TrainConfig, loss_mask: torch.Tensor, denominators: tor
     return lambda x: sum_of_sample_mean(x, loss_mask, denominators=denominators) / normalizer
 
 
-def gather_response(x: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
-    """Per-position outputs [b, L, ...] -> response-aligned [b, R, ...]: the position predicting each response token.
-
-    A gather along the sequence (its backward a scatter-add, not advanced indexing's serial index_put over the
-    whole [b, L, V] logits)."""
-    positions = mb.logit_positions().to(x.device)
-    index = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(*positions.shape, *x.shape[2:])
-    return x.gather(1, index)
-
-
 def response_log_probs(logits: torch.Tensor, mb: RolloutBatch, config: TrainConfig, *,
                        with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, L, V] logits -> response-aligned (log_probs, entropy) [b, R] at the rollout temperature."""
+    """Padded [b, L, V] or packed [1, T, V] logits -> response-aligned (log_probs, entropy) [b, R] at the rollout
+    temperature."""
     return token_log_probs_and_entropy(gather_response(logits, mb), mb.response_tokens,
                                        temperature=config.rollout_temperature, with_entropy=with_entropy,
                                        entropy_grad=config.entropy_coef != 0)
@@ -190,14 +182,15 @@ def custom_loss(fn: Callable, config: TrainConfig, mb: RolloutBatch, *, logits: 
             x = x.new_zeros(mb.loss_masks.shape).index_put((valid.nonzero(as_tuple=True)), x)
         return reduce(x)
 
-    packed = logits[mb.attention_mask.bool()].unsqueeze(0)
+    packed = logits if is_packed(logits, mb) else logits[mb.attention_mask.bool()].unsqueeze(0)
     loss, metrics = fn(slime_hooks.slime_args(config), batch, packed, sum_of_sample_mean)
     return loss, {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}
 
 
 def micro_batch_loss(config: TrainConfig, mb: RolloutBatch, *, logits: torch.Tensor, reduce: Reducer,
                      custom_loss_fn: Callable | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The actor's loss on a micro-batch from its raw logits [b, L, V], by loss_type (slime's `loss_function`)."""
+    """The actor's loss on a micro-batch from its raw logits (padded [b, L, V] or packed [1, T, V]), by loss_type
+    (slime's `loss_function`)."""
     if config.loss_type == "custom_loss":
         return custom_loss(custom_loss_fn, config, mb, logits=logits, reduce=reduce)
     log_probs, entropy = response_log_probs(logits, mb, config, with_entropy=config.loss_type == "policy_loss")

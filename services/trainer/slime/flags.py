@@ -108,8 +108,8 @@ FLAGS: dict[str, Flag] = {
     "log-probs-chunk-size": M(-1, "the backends compute log-probs by micro-batch", warn=True),
     "log-probs-max-tokens-per-gpu": M(None, "the backends use max_tokens_per_gpu for log-probs too", warn=True),
     "data-pad-size-multiplier": M(128, "the backends pad batches themselves", warn=True),
-    "balance-data": M(False, "batches are cut in order; the dynamic batch size (use_dynamic_batch_size) balances "
-                             "tokens per micro-batch", warn=True, bare=True),
+    "balance-data": M(False, "micro-batches are always dealt to the data-parallel ranks by tokens, as many to "
+                             "each", warn=True, bare=True),
     "balance-by-flops": M(False, "as balance_data", warn=True, bare=True),
     # checkpoints
     "load": I(),

@@ -1,9 +1,10 @@
 """MegatronBackend: the TrainBackend of `backends/base.py` on megatron-core, with TP × PP × DP over torch.distributed.
 
 Every rank of the job builds one and makes the same calls with the same samples (each method is collective). A
-step's samples are split over the data-parallel ranks and cut into micro-batches that Megatron's schedule runs
-(1F1B under PP). Every formula comes from `backends.rl_step`, on log-probs that `vocab_parallel` computes from
-the TP-sharded logits. Results (log-probs, metrics) are the same on every rank; HF weights come out on rank 0.
+step's samples are cut into micro-batches, each one packed (THD) row, dealt to the data-parallel ranks by tokens
+(`schedule.dp_schedule`) and run by Megatron's schedule (1F1B under PP). Every formula comes from
+`backends.rl_step`, on log-probs that `vocab_parallel` computes from the TP-sharded logits. Results (log-probs,
+metrics) are the same on every rank; HF weights come out on rank 0.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer import devices
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import optim, rl_step, slime_hooks
+from services.trainer.backends import optim, packing, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
@@ -32,7 +33,7 @@ from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
-from services.trainer.backends.schedule import MicroBatch, first_fit
+from services.trainer.backends.schedule import MicroBatch, dp_schedule
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class MegatronBackend(MegatronCheckpointing):
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
                  megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None,
-                 expert_model_parallel_size: int = 1) -> None:
+                 expert_model_parallel_size: int = 1, pack_sequences: bool = True) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -61,6 +62,8 @@ class MegatronBackend(MegatronCheckpointing):
                                   "visible GPU; hide them (CUDA_VISIBLE_DEVICES=) to train on the CPU")
         self.model_path = Path(model_path)
         self.config = config
+        # each micro-batch one THD row (packed_seq_params); False: a padded rectangle (the tests' reference)
+        self.pack_sequences = pack_sequences
         self.megatron_args = margs.split(megatron_args)
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -165,18 +168,16 @@ class MegatronBackend(MegatronCheckpointing):
     # -- which rows this rank runs
 
     def _micro_batches(self, batch: RolloutBatch, rows: list[int], *, training: bool = True) -> list[MicroBatch]:
-        """This data-parallel rank's micro-batches of `rows` (one step, or the whole batch): a contiguous 1/dp
-        share (sizes differ by at most one), cut into micro_batch_size chunks or packed by tokens. A training
-        step needs rows on every rank (each takes part in the gradient reduction)."""
+        """This data-parallel rank's micro-batches of `rows` (one step, or the whole batch): the rows cut into
+        micro_batch_size chunks or packed by tokens, then dealt to the ranks by tokens (`schedule.dp_schedule`). A
+        training step needs rows on every rank (each takes part in the gradient reduction)."""
         cfg = self.config
         if training and len(rows) < self.dp_size:
             raise InvalidArgument(f"a step of {len(rows)} samples cannot be split over {self.dp_size} data-parallel "
                                   "ranks (global_batch_size must be >= the data-parallel size)")
-        num = len(rows)
-        mine = rows[self.dp_rank * num // self.dp_size:(self.dp_rank + 1) * num // self.dp_size]
-        if cfg.use_dynamic_batch_size:
-            return first_fit(batch.total_lengths, mine, max_tokens=cfg.max_tokens_per_gpu)
-        return [mine[b:b + cfg.micro_batch_size] for b in range(0, len(mine), cfg.micro_batch_size)]
+        return dp_schedule(batch.total_lengths, rows, dp_size=self.dp_size, micro_batch_size=cfg.micro_batch_size,
+                           max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None
+                           )[self.dp_rank]
 
     def _steps(self, batch: RolloutBatch) -> list[list[int]]:
         """The rows of each optimizer step: global_batch_size consecutive samples (None: all); the rest dropped."""
@@ -194,7 +195,7 @@ class MegatronBackend(MegatronCheckpointing):
     def _run(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
              forward_only: bool) -> None:
         """Run `micro_batches` of `batch` through `model` (1F1B under PP); on the last stage loss_fn(rows, mb,
-        logits [b, L, V/tp]) gives the scalar to backpropagate."""
+        logits [1, T, V/tp] packed or [b, L, V/tp] padded) gives the scalar to backpropagate."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not micro_batches:  # a data-parallel replica with no rows (all of its ranks skip together)
@@ -202,26 +203,42 @@ class MegatronBackend(MegatronCheckpointing):
 
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
-            seq_len = mb.tokens.shape[1]
-            mask = None if self.use_te else torch.triu(
-                torch.ones(seq_len, seq_len, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
-            positions = torch.arange(seq_len, device=self.device).expand_as(mb.tokens)
-            output = module(input_ids=mb.tokens, position_ids=positions, attention_mask=mask)
+            output = module(**self._model_inputs(mb))
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
+        # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
+        shapes = [(sum(mb.total_lengths), 1) if self.pack_sequences else tuple(mb.tokens.shape[::-1]) for _, mb in data]
         with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
-                num_microbatches=len(data), seq_length=max(mb.tokens.shape[1] for _, mb in data),
-                micro_batch_size=max(mb.size for _, mb in data), forward_only=forward_only)
+                num_microbatches=len(data), seq_length=max(seq for seq, _ in shapes),
+                micro_batch_size=max(rows for _, rows in shapes), forward_only=forward_only)
+
+    def _model_inputs(self, mb: RolloutBatch) -> dict[str, Any]:
+        """GPTModel's inputs. Packed: one THD row with its cumulative lengths (RoPE restarts at each sequence,
+        attention stays within it); padded: the rectangle under the causal mask (right padding is never attended
+        to by a real token)."""
+        if self.pack_sequences:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            row = packing.pack(mb)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
+                                     max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
+            return {"input_ids": row.input_ids, "position_ids": row.position_ids, "attention_mask": None,
+                    "packed_seq_params": params}
+        seq_len = mb.tokens.shape[1]
+        mask = None if self.use_te else torch.triu(
+            torch.ones(seq_len, seq_len, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+        positions = torch.arange(seq_len, device=self.device).expand_as(mb.tokens)
+        return {"input_ids": mb.tokens, "position_ids": positions, "attention_mask": mask}
 
     def _token_stats(self, mb: RolloutBatch, logits: torch.Tensor, *,
                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature, from vocab-parallel
-        logits [b, L, V/tp]."""
+        logits, padded [b, L, V/tp] or packed [1, T, V/tp]."""
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-            rl_step.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
+            packing.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
             temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
             group=self.tp_group, with_entropy=with_entropy, entropy_grad=self.config.entropy_coef != 0)
         return log_probs, entropy if with_entropy else None

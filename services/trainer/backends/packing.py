@@ -1,0 +1,65 @@
+"""A micro-batch as one packed row (slime's THD layout): its sequences back to back with no padding, position ids
+restarting at 0 on each, their cumulative lengths for varlen attention, and where each response token's logits sit.
+
+Attention must not cross sequences: the model gets the position ids (HF builds a block-diagonal causal mask from
+them, or runs varlen flash attention) or the cumulative lengths (Megatron's packed_seq_params). The losses never see
+the layout: `response_index` maps either layout's per-position outputs to the response-aligned [b, R] tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.trainer.backends.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    input_ids: torch.Tensor  # [1, T] int64, T = Σ L_i: sequence i at [cu_seqlens[i], cu_seqlens[i + 1])
+    position_ids: torch.Tensor  # [1, T] int64, 0 .. L_i - 1 within each sequence
+    cu_seqlens: torch.Tensor  # [b + 1] int32, the cumulative sequence lengths, starting at 0
+    max_seqlen: int  # the longest L_i
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def pack(mb: RolloutBatch) -> PackedRow:
+    """The micro-batch's real tokens in one row, on the micro-batch's device (right padding is dropped)."""
+    mask = mb.attention_mask.bool()
+    lengths = mask.sum(dim=-1)
+    positions = torch.arange(mb.tokens.shape[1], device=mb.device).expand_as(mb.tokens)
+    cu_seqlens = torch.zeros(mb.size + 1, dtype=torch.int32, device=mb.device)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    return PackedRow(input_ids=mb.tokens[mask].unsqueeze(0), position_ids=positions[mask].unsqueeze(0),
+                     cu_seqlens=cu_seqlens, max_seqlen=mb.tokens.shape[1])
+
+
+def is_packed(x: torch.Tensor, mb: RolloutBatch) -> bool:
+    """Whether per-position outputs x are packed [1, T, ...] rather than padded [b, L, ...] (for a single sample
+    without padding the two are the same)."""
+    return tuple(x.shape[:2]) != tuple(mb.tokens.shape)
+
+
+def response_index(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
+    """[b, R] int64: the index, in the layout's outputs flattened over (row, position), of the logits that predict
+    each response token (clamped within the sequence's row on padding columns, which the loss masks)."""
+    positions = mb.logit_positions()
+    if packed:
+        lengths = (mb.prompt_lengths + mb.response_lengths).unsqueeze(-1)
+        ends = lengths.cumsum(0)
+        return ends - lengths + torch.minimum(positions, lengths - 1)
+    rows = torch.arange(mb.size, device=positions.device).unsqueeze(-1)
+    return rows * mb.tokens.shape[1] + positions
+
+
+def gather_response(x: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+    """Per-position outputs, padded [b, L, ...] or packed [1, T, ...] -> response-aligned [b, R, ...].
+
+    An index_select over the flattened positions: its backward is an index_add into the logits' gradient, not
+    advanced indexing's serial index_put over the whole [.., V] logits."""
+    index = response_index(mb, packed=is_packed(x, mb)).to(x.device)
+    return x.flatten(0, 1).index_select(0, index.flatten()).view(*index.shape, *x.shape[2:])

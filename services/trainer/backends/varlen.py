@@ -1,0 +1,103 @@
+"""Causal attention over packed sequences ([T, heads, head_dim] and their cumulative lengths) for both backends:
+torch's varlen flash attention on CUDA in half precision; on CUDA otherwise one scaled_dot_product_attention under a
+block-diagonal causal mask; on CPU one causal scaled_dot_product_attention per sequence, which spends no work on
+pairs of positions in different sequences (the mask's row costs T² where the sequences cost Σ L_i²: five times the
+time on the bench's long tail). The HF attention function here runs it for packed rows, HF's sdpa for the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+HF_ATTENTION = "physarum_varlen"  # the name the HF attention function is registered under
+
+
+@functools.cache
+def _flash_varlen():
+    """torch's varlen_attn where it takes window_size (torch 2.11 on; 2.10's took is_causal), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before varlen attention
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T, T] bool, True where a query may attend: an earlier or the same position of its own sequence."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
+                                       output_size=num_tokens)
+    return (sequence.unsqueeze(0) == sequence.unsqueeze(1)).tril_()
+
+
+def flash_applies(query: torch.Tensor, dropout_p: float = 0.0) -> bool:
+    """Whether torch's varlen flash attention runs `query`: CUDA, half precision, no dropout."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0
+            and _flash_varlen() is not None)
+
+
+def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """[T, heads, head_dim] query, [T, groups, head_dim] key and value -> [T, heads, head_dim]: each position
+    attends to the earlier positions of its own sequence, sequence i being [cu_seqlens[i], cu_seqlens[i + 1])."""
+    gqa = key.shape[1] != query.shape[1]
+    if flash_applies(query, dropout_p):
+        flash = _flash_varlen()
+        extra = {}
+        if gqa and "enable_gqa" in inspect.signature(flash).parameters:
+            extra["enable_gqa"] = True
+        elif gqa:  # each key/value head once per query head of its group
+            key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
+        cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+        return flash(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                     window_size=(-1, 0), **extra)
+    if query.is_cuda:  # one kernel over the row
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu_seqlens, q.shape[2]),
+                                             dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    # [1, heads, L_i, head_dim] each: four dimensions take the fused CPU kernel (three take the unfused math path)
+    outputs = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in qkv), is_causal=True,
+                                              dropout_p=dropout_p, scale=scale, enable_gqa=gqa)[0]
+               for qkv in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)]
+    return torch.cat(outputs, dim=1).transpose(0, 1)
+
+
+def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                 **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's attention-function contract ([b, heads, s, head_dim] in, [b, s, heads, head_dim] out). A packed row
+    (cu_seq_lens_q and max_length_q, HF's flash-attention kwargs) takes `varlen_causal_attention`; the rest goes to
+    HF's sdpa."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    # a sliding-window layer keeps HF's mask, which holds the window as well as the sequences' blocks
+    if cu_seqlens is None or query.shape[0] != 1 or kwargs.get("sliding_window") is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    out = varlen_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                  cu_seqlens, int(kwargs["max_length_q"]), scale=scaling,
+                                  dropout_p=dropout if module.training else 0.0)
+    return out.unsqueeze(0), None
+
+
+def active(model: torch.nn.Module) -> bool:
+    """Whether `model` runs `hf_attention` (an HF model that follows transformers' AttentionInterface)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == HF_ATTENTION
+
+
+def use_in(model: torch.nn.Module) -> None:
+    """Register `hf_attention` (with sdpa's masks for padded inputs) and switch `model` to it; a model that cannot
+    switch (HF logs why) keeps its attention."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(HF_ATTENTION)

@@ -1,0 +1,61 @@
+"""Packed micro-batches train exactly as padded ones on both backends, on one rank and on two data-parallel ranks
+(gloo): per-token log-probs and entropy, a step's losses and its full gradients within 1e-5 in float32; and over
+two ranks every rank runs as many micro-batches, Megatron's dealt by tokens.
+
+One launch of tests/integration/packing_worker.py (a world of one, then of two) serves every test here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.packing_worker import CONFIGS
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir, tmp_path_factory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("packing")
+    log_path = out / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.packing_worker", str(tiny_model_dir),
+                                 str(out)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: it and the ranks it forked
+            proc.wait()
+            raise
+    assert returncode == 0, log_path.read_text()[-4000:]
+    return {size: json.loads((out / f"results-{size}.json").read_text()) for size in (1, 2)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_packed_equals_padded(results, world_size, backend, config):
+    for rank, diffs in enumerate(results[world_size][config][backend]["diffs"]):
+        what = f"{backend} {config}, world of {world_size}, rank {rank}"
+        assert diffs["log_probs"] <= TOLERANCE and diffs["entropy"] <= TOLERANCE, what
+        assert diffs["metrics"] and max(diffs["metrics"].values()) <= TOLERANCE, (what, diffs["metrics"])
+        assert diffs["grads"] <= TOLERANCE and diffs["grad_scale"] > 1e-3, what  # live gradients, equal
+
+
+def test_every_rank_runs_as_many_micro_batches(results):
+    # the first rank's share packs into four micro-batches of 16, 14, 15 and 10 tokens under the budget of 20; the
+    # second's (5, 5, 6, 4 tokens) fits one, which is halved, then halved again, until it runs four as well
+    assert results[2]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[16, 14, 15, 10], [5, 5, 6, 4]]
+    # one rank packs all eight, longest first: [16, 4], [15, 5], [14, 6], [10, 5]
+    assert results[1]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[20, 20, 20, 15]]
+    # Megatron packs the whole step the same way, then deals: 20 -> rank 0, 20 -> rank 1, 20 -> rank 0 (a tie goes
+    # to the first), 15 -> rank 1: 40 and 35 tokens (a contiguous split of the samples: 55 and 20)
+    assert results[2]["grpo_dynamic"]["megatron"]["micro_batches"] == [[20, 20], [20, 15]]

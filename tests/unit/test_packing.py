@@ -1,0 +1,182 @@
+"""Packed micro-batches (one row per micro-batch, THD): the row, its positions and cumulative lengths by hand; and
+TorchBackend packed against padded on one process: log-probs, entropy, values, every loss and every gradient within
+1e-5 in float32, on fixed and token-budget micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.common.samples import Sample
+from services.trainer.backends import packing, rl_step, varlen
+from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.batch import build_rollout_batch
+from services.trainer.backends.fsdp import TorchBackend
+from tests.tiny_samples import samples_of
+
+TOLERANCE = 1e-5
+
+
+def _samples() -> list[Sample]:
+    return [Sample(tokens=[5, 6, 7, 8, 9], response_length=2), Sample(tokens=[5, 6, 7], response_length=2),
+            Sample(tokens=[4, 5], response_length=1)]
+
+
+def test_a_micro_batch_packs_into_one_row_with_restarting_positions():
+    batch = build_rollout_batch(_samples(), pad_token_id=0)
+    row = packing.pack(batch)
+    assert row.input_ids.tolist() == [[5, 6, 7, 8, 9, 5, 6, 7, 4, 5]]  # no padding
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
+    assert row.cu_seqlens.tolist() == [0, 5, 8, 10] and row.cu_seqlens.dtype == torch.int32
+    assert row.max_seqlen == 5 and row.num_tokens == 10
+
+
+def test_response_index_points_at_the_logits_of_each_response_token():
+    batch = build_rollout_batch(_samples(), pad_token_id=0)
+    # padded [3, 5] flattened: sample 1's prompt has 1 token, so its response tokens come from positions 0, 1
+    assert packing.response_index(batch, packed=False).tolist() == [[2, 3], [5, 6], [10, 11]]
+    # packed: the sequences start at 0, 5 and 8
+    assert packing.response_index(batch, packed=True).tolist() == [[2, 3], [5, 6], [8, 9]]
+    logits = torch.arange(10.0).view(1, 10, 1)
+    assert packing.gather_response(logits, batch)[..., 0].tolist() == [[2, 3], [5, 6], [8, 9]]
+    assert packing.is_packed(logits, batch) and not packing.is_packed(torch.zeros(3, 5, 1), batch)
+
+
+def _backend(model_dir, packed: bool, **overrides) -> TorchBackend:
+    config = TrainConfig(**{"n_samples_per_prompt": 2, "lr": 1e-3, "clip_grad": 0.0, **overrides})
+    return TorchBackend(model_dir, config, num_threads=1, pack_sequences=packed)
+
+
+ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "5", 0.0), ("1+2=", "3", 0.0), ("1+2=", "40", 1.0),
+           ("7+8=", "15", 1.0), ("7+8=", "", 0.0)]
+CONFIGS = {  # each policy-loss term live; the critic; a user loss on the packed logits; a token budget
+    "grpo": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01, "use_tis": True, "micro_batch_size": 4},
+    "ppo_dynamic": {"advantage_estimator": "ppo", "kl_coef": 0.05, "use_dynamic_batch_size": True,
+                    "max_tokens_per_gpu": 20},
+    "custom": {"loss_type": "custom_loss", "custom_loss_function_path": "tests.plugins.loss_fns.mean_nll",
+               "micro_batch_size": 3},
+}
+
+
+@pytest.fixture
+def samples(tiny_model_dir) -> list[Sample]:
+    out = samples_of(tiny_model_dir, ROLLOUT)
+    for sample in out:
+        sample.rollout_log_probs = [-1.0] * sample.response_length
+    out[0].loss_mask = [1, 0, 1]
+    return out
+
+
+def _token_stats(backend: TorchBackend, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
+    mb = batch.take(range(batch.size))
+    with torch.no_grad():
+        return rl_step.response_log_probs(backend._logits(backend.model, mb), mb, backend.config)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_packed_trains_as_padded(tiny_model_dir, samples, name):
+    padded, packed = (_backend(tiny_model_dir, flag, **CONFIGS[name]) for flag in (False, True))
+    lengths = torch.tensor([s.response_length for s in samples])
+    valid = torch.arange(int(lengths.max())) < lengths.unsqueeze(-1)  # every response column of every sample
+    (lp_pad, ent_pad), (lp_pack, ent_pack) = _token_stats(padded, samples), _token_stats(packed, samples)
+    torch.testing.assert_close(lp_pack[valid], lp_pad[valid], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(ent_pack[valid], ent_pad[valid], atol=TOLERANCE, rtol=0)
+    if padded.critic is not None:
+        batch = build_rollout_batch(samples, pad_token_id=padded.pad_token_id)
+        with torch.no_grad():
+            values = [b._values(batch) for b in (padded, packed)]
+        torch.testing.assert_close(values[1][valid], values[0][valid], atol=TOLERANCE, rtol=0)
+    (want,), (got,) = padded.train_rollout(samples), packed.train_rollout(samples)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if not key.startswith("perf/"):
+            assert got[key] == pytest.approx(value, abs=TOLERANCE), key
+    models = [(padded.model, packed.model)] + ([(padded.critic.model, packed.critic.model)] if padded.critic else [])
+    for want_model, got_model in models:
+        want_grads, got_grads = _grads(want_model), _grads(got_model)
+        assert got_grads.keys() == want_grads.keys() and want_grads
+        for param, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[param], grad, atol=TOLERANCE, rtol=0, msg=param)
+
+
+def test_an_empty_micro_batch_adds_nothing(tiny_model_dir, samples):
+    """Over several ranks a rank short of samples runs a zero-weighted forward: its step equals the one without."""
+    backends = [_backend(tiny_model_dir, True) for _ in range(2)]
+    batch = build_rollout_batch(samples, pad_token_id=backends[0].pad_token_id).with_advantages(
+        torch.ones(len(samples), max(s.response_length for s in samples)))
+
+    def loss_fn(backend):
+        return lambda mb, reduce: rl_step.micro_batch_loss(backend.config, mb, logits=backend._logits(
+            backend.model, mb), reduce=reduce)
+
+    metrics = [b._train_step(b.model, b.optimizer, batch, schedule, loss_fn(b))
+               for b, schedule in zip(backends, ([[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [], [3, 4, 5]]), strict=True)]
+    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], abs=1e-7)
+    for param, grad in _grads(backends[0].model).items():
+        torch.testing.assert_close(_grads(backends[1].model)[param], grad, atol=1e-7, rtol=0, msg=param)
+
+
+FLASH_CALLS: list[int] = []
+
+
+def _flash_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature (no enable_gqa), computed one sequence at a time on the CPU."""
+    FLASH_CALLS.append(query.shape[0])
+    assert cu_seq_q.dtype == torch.int32 and window_size == (-1, 0) and key.shape[1] == query.shape[1]
+    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+    return torch.cat([F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                     is_causal=True, scale=scale).transpose(0, 1)
+                      for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)])
+
+
+@pytest.fixture
+def flash_stand_in(monkeypatch):
+    """Route packed rows as on a GPU in half precision (varlen flash attention), to a CPU stand-in."""
+    monkeypatch.setattr(varlen, "flash_applies", lambda query, dropout_p=0.0: True)
+    monkeypatch.setattr(varlen, "_flash_varlen", lambda: _flash_stand_in)
+
+
+def test_varlen_attention_keeps_each_sequence_to_itself(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(9, heads, 4, generator=gen) for heads in (4, 2, 2))
+    cu_seqlens = torch.tensor([0, 2, 7, 9], dtype=torch.long)
+    mask = varlen.block_causal_mask(cu_seqlens, 9)
+    assert mask[2:7, :8].int().tolist() == [
+        [0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 1, 1, 0]]  # the second sequence sees only itself, causally
+    # the whole row under the mask (CUDA without flash) = one call per sequence (CPU) = varlen flash (stand-in)
+    want = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (query, key, value)), attn_mask=mask,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(varlen.varlen_causal_attention(query, key, value, cu_seqlens, 5), want, atol=1e-6,
+                               rtol=0)
+    monkeypatch.setattr(varlen, "flash_applies", lambda query, dropout_p=0.0: True)
+    monkeypatch.setattr(varlen, "_flash_varlen", lambda: _flash_stand_in)
+    FLASH_CALLS.clear()
+    flash = varlen.varlen_causal_attention(query, key, value, cu_seqlens, 5)  # GQA heads repeated for torch 2.11
+    assert FLASH_CALLS == [9]
+    torch.testing.assert_close(flash, want, atol=1e-6, rtol=0)
+
+
+def test_packed_rows_reach_varlen_flash_through_hf(tiny_model_dir, samples, flash_stand_in):
+    """The GPU path's plumbing on the CPU: HF passes the cumulative lengths to the attention function, whose
+    output layout the model reads back; the step equals the padded one."""
+    FLASH_CALLS.clear()
+    test_packed_trains_as_padded(tiny_model_dir, samples, "grpo")
+    assert FLASH_CALLS and sum(len(s.tokens) for s in samples) in FLASH_CALLS  # a whole micro-batch in one row
+
+
+def test_a_model_without_attention_functions_stays_padded(tiny_model_dir, monkeypatch, caplog):
+    """Packing relies on the model's attention keeping sequences apart: one that cannot take `varlen`'s attention
+    function (a model outside transformers' AttentionInterface) trains on padded micro-batches."""
+    assert _backend(tiny_model_dir, True).pack_sequences
+    monkeypatch.setattr(varlen, "use_in", lambda model: None)
+    with caplog.at_level("WARNING"):
+        assert not _backend(tiny_model_dir, True).pack_sequences
+    assert "micro-batches stay padded" in caplog.text
