@@ -50,8 +50,7 @@ def fsdp_probe(model_dir: Path, config, world, samples: list[Sample], packed: bo
     from services.trainer.parallel import shard_rollout
 
     backend = TorchBackend(model_dir, config, world=world, pack_sequences=packed)
-    share = shard_rollout(samples, rank=world.rank, world_size=world.world_size, global_batch_size=None,
-                          n_samples_per_prompt=config.n_samples_per_prompt)
+    share = shard_rollout(samples, backend.rollout_share(), config.n_samples_per_prompt)
     batch = build_rollout_batch(share, pad_token_id=backend.pad_token_id)
     (micro,) = backend._schedule(batch, None)
     stats = [backend._recompute(lambda mb, i=i: rl_step.response_log_probs(

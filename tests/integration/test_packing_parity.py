@@ -51,9 +51,10 @@ def test_packed_equals_padded(results, world_size, backend, config):
 
 
 def test_every_rank_runs_as_many_micro_batches(results):
-    # the first rank's share packs into four micro-batches of 16, 14, 15 and 10 tokens under the budget of 20; the
-    # second's (5, 5, 6, 4 tokens) fits one, which is halved, then halved again, until it runs four as well
-    assert results[2]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[16, 14, 15, 10], [5, 5, 6, 4]]
+    # the buffer's shares balance groups by tokens (groups of 30, 25, 10 and 10 tokens: 30 -> rank 0, 25 -> rank 1,
+    # 10 -> rank 1, 10 -> rank 0), so rank 0 holds 16, 14, 6, 4 and rank 1 15, 10, 5, 5; each packs longest first
+    # under the budget of 20: [16, 4], [14, 6] and [15, 5], [10, 5], two micro-batches each
+    assert results[2]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[20, 20], [20, 15]]
     # one rank packs all eight, longest first: [16, 4], [15, 5], [14, 6], [10, 5]
     assert results[1]["grpo_dynamic"]["fsdp"]["micro_batches"] == [[20, 20, 20, 15]]
     # Megatron packs the whole step the same way, then deals: 20 -> rank 0, 20 -> rank 1, 20 -> rank 0 (a tie goes
