@@ -14,7 +14,9 @@ WORKDIR /app
 # Dependencies from pyproject.toml and the pins alone, before any source: a code change rebuilds only the COPY layers
 # below. The services run from /app (`python -m` puts the working directory on sys.path).
 COPY deploy/docker/constraints.txt pyproject.toml ./
-RUN pip install --no-build-isolation -c constraints.txt ".[rollout]"
+# the slime extra: the rollout service's own and the reward one, since slime's plugins (custom generate functions) run
+# here and import rm_hub (sympy, pylatexenc)
+RUN pip install --no-build-isolation -c constraints.txt ".[slime]"
 COPY services ./services
 # slime's plugins import `slime` (compat/slime: Sample, http_utils, rm_hub, ...)
 COPY compat/slime ./slime

@@ -28,7 +28,11 @@ from tests.images.buildah import Container, buildah, image_config
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ("buffer", "reward", "rollout", "engine", "trainer", "router")
-SLIME_IMAGES = ("rollout", "reward", "trainer")
+# what slime's plugins import where they run: generate and reward functions (rm_hub too) in the rollout manager and
+# the reward service, loss and MIS functions (Sample, cp_utils) in the trainer
+SLIME_IMPORTS = {"rollout": "slime.utils.types, slime.rollout.rm_hub",
+                 "reward": "slime.utils.types, slime.rollout.rm_hub",
+                 "trainer": "slime.utils.types, slime.backends.megatron_utils.cp_utils"}
 WORK = ROOT / ".physarum" / "images-test"
 
 
@@ -47,8 +51,8 @@ def check_image(registry: str, version: str, name: str) -> list[str]:
             problems.append(f"{name}: `{' '.join(entry)}` exited {result.returncode}: {result.stderr[-300:]}")
         probe = ("import sys, pathlib; pathlib.Path('/tmp/w').write_text('x'); "
                  "print('%d.%d' % sys.version_info[:2])")
-        if name in SLIME_IMAGES:
-            probe += "; import slime.utils.types, slime.rollout.rm_hub"
+        if name in SLIME_IMPORTS:
+            probe += f"; import {SLIME_IMPORTS[name]}"
         result = container.run(["python", "-c", probe], {"HOME": "/tmp"})
         if result.returncode or result.stdout.strip() != "3.11":
             problems.append(f"{name}: python probe gave {result.returncode} {result.stdout!r} {result.stderr[-300:]}")

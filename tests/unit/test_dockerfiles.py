@@ -28,7 +28,7 @@ DOCKER_DIR = ROOT / "deploy" / "docker"
 IMAGES = {
     "buffer": ("buffer", "services.buffer", "buffer"),
     "reward": ("reward", "services.reward", "reward"),
-    "rollout": ("rollout", "services.rollout", "rollout"),
+    "rollout": ("slime", "services.rollout", "rollout"),  # the rollout extra and the reward one slime's plugins need
     "engine": ("engine", "services.engine", "engine"),
     "trainer": ("trainer", "services.trainer", "trainer"),
     "router": (None, "sglang_router.launch_router", None),
