@@ -10,7 +10,7 @@ from services.common.config import field
 
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")  # devices.DEVICES, kept here so the config imports no torch
-WEIGHT_SYNC_BACKENDS = ("auto", "gloo", "nccl", "shm")  # the job spec's weight_sync_backend values
+WEIGHT_SYNC_BACKENDS = ("auto", "gloo", "nccl", "shm", "disk")  # the job spec's weight_sync_backend values
 TRAIN_BACKENDS = ("fsdp", "megatron")  # the job spec's train_backend values (a unit test keeps them equal)
 
 

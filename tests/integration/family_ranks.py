@@ -19,8 +19,7 @@ def train(model_dir: Path, out_dir: Path, world) -> list[dict[str, float]]:
 
     spec = parse_spec({**BASE, "lr_warmup_iters": 0, "hf_checkpoint": str(model_dir)})  # the first step moves
     backend = make_backend(spec, world, num_threads=1)
-    shard = shard_rollout(make_samples(model_dir), rank=world.rank, world_size=world.world_size,
-                          global_batch_size=spec.global_batch_size, n_samples_per_prompt=spec.n_samples_per_prompt)
+    shard = shard_rollout(make_samples(model_dir), backend.rollout_share(), spec.n_samples_per_prompt)
     metrics = [{k: v for k, v in world.mean(step).items() if not k.startswith("perf/")}
                for step in backend.train_rollout(shard)]
     backend.save_hf(out_dir / model_dir.name)

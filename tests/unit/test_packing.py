@@ -180,3 +180,20 @@ def test_a_model_without_attention_functions_stays_padded(tiny_model_dir, monkey
     with caplog.at_level("WARNING"):
         assert not _backend(tiny_model_dir, True).pack_sequences
     assert "micro-batches stay padded" in caplog.text
+
+
+def test_a_model_with_token_mixing_layers_outside_attention_stays_padded():
+    """Qwen3.5's gated-delta-net layers run over the whole row, so its sequences would meet there: not packable, as
+    a model whose layers are all full attention is; a multimodal config's text_config decides."""
+    import types
+
+    def model(layer_types, nested=False):
+        config = types.SimpleNamespace(_attn_implementation=varlen.HF_ATTENTION, layer_types=layer_types)
+        if nested:
+            config = types.SimpleNamespace(_attn_implementation=varlen.HF_ATTENTION, text_config=config)
+        return types.SimpleNamespace(config=config)
+
+    assert varlen.packable(model(["full_attention", "full_attention"]))
+    assert varlen.packable(model(None))  # no layer_types (llama): attention only
+    assert not varlen.packable(model(["linear_attention", "full_attention"]))
+    assert not varlen.packable(model(["linear_attention", "full_attention"], nested=True))

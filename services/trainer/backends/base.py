@@ -65,8 +65,11 @@ class TrainConfig:
               "samples / num_steps_per_rollout)", AT_LEAST_ONE)
     num_steps_per_rollout: int | None = field(
         None, "optimizer steps per rollout, when global_batch_size is unset (None: 1)", AT_LEAST_ONE)
-    micro_batch_size: int = field(1, "samples per forward/backward; gradients accumulate over a step", AT_LEAST_ONE)
-    use_dynamic_batch_size: bool = field(False, "pack micro-batches first-fit by token count instead")
+    micro_batch_size: int = field(1, "samples per forward/backward, packed into one row (padded where the model "
+                                     "cannot keep packed sequences apart); gradients accumulate over a step",
+                                  AT_LEAST_ONE)
+    use_dynamic_batch_size: bool = field(False, "fill micro-batches up to max_tokens_per_gpu instead, longest "
+                                                "sample first (first-fit decreasing)")
     max_tokens_per_gpu: int | None = field(None, "token budget of a micro-batch under use_dynamic_batch_size",
                                            AT_LEAST_ONE)
     eps_clip: float = field(0.2, "PPO clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]",

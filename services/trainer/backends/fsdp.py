@@ -73,9 +73,10 @@ class TorchBackend(DCPCheckpointing):
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
         model = _load_causal_lm(self.model_path).to(self.device)
-        if self.pack_sequences and not varlen.active(model):
-            log.warning("%s does not take an attention function (transformers' AttentionInterface), so its masks may "
-                        "not keep packed sequences apart: micro-batches stay padded", type(model).__name__)
+        if self.pack_sequences and not varlen.packable(model):
+            log.warning("%s cannot keep packed sequences apart (an attention that is not transformers' "
+                        "AttentionInterface, or layers that mix tokens outside attention): micro-batches stay padded",
+                        type(model).__name__)
             self.pack_sequences = False
         self._tied_names = parallel.tied_names(model)
         ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None

@@ -92,6 +92,15 @@ def active(model: torch.nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == HF_ATTENTION
 
 
+def packable(model: torch.nn.Module) -> bool:
+    """Whether a packed row's sequences stay apart in every layer of `model`: its attention runs `hf_attention`, and
+    no layer mixes tokens outside attention (Qwen3.5's gated delta nets run over the whole row: transformers refuses
+    packed inputs there without flash-linear-attention's kernels)."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(getattr(config, "text_config", None) or config, "layer_types", None) or []
+    return active(model) and all(kind == "full_attention" for kind in layer_types)
+
+
 def use_in(model: torch.nn.Module) -> None:
     """Register `hf_attention` (with sdpa's masks for padded inputs) and switch `model` to it; a model that cannot
     switch (HF logs why) keeps its attention."""
