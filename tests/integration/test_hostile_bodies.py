@@ -4,9 +4,7 @@ loopback; gRPC SubmitJob with a NaN answers INVALID_ARGUMENT; an int32 overflow 
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
-import threading
 from pathlib import Path
 
 import httpx
@@ -24,6 +22,7 @@ from services.rollout.rest import create_app as create_rollout_app
 from services.trainer.client import JobsClient
 from services.trainer.config import TrainerConfig
 from services.trainer.server import create_server as create_trainer
+from tests.integration.test_buffer import LoopThread
 
 BODIES = {  # (raw body, what the 400 must say)
     "nan": ("NaN", "NaN is not a JSON number"),
@@ -38,24 +37,10 @@ SPEC = {"hf_checkpoint": str(DATA / "m"), "prompt_data": str(DATA / "d.jsonl"), 
         "rollout_batch_size": 2}
 
 
-class Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout_s: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def urls():
     """service -> (REST base URL, gRPC address or None)"""
-    loop = Loop()
+    loop = LoopThread()
     reward = loop.run(create_reward(RewardConfig(port=0, rest_port=0, default_timeout_s=5.0)))
     trainer = loop.run(create_trainer(TrainerConfig(port=0, rest_port=0), lambda spec, ctx: None))
 

@@ -8,10 +8,6 @@ One launch of tests/integration/megatron_moe_worker.py serves the tests here."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +16,7 @@ import torch
 from services.trainer.backends.base import TrainConfig
 from tests.integration.megatron_moe_worker import NUM_ROLLOUTS
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.workers import run_worker
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +27,8 @@ def model_dir(family_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def results(model_dir, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron-moe")
-    log_path = out / "worker.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.megatron_moe_worker", str(model_dir),
-                                 str(out)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: it and the ranks it forked
-            proc.wait()
-            raise
-    assert returncode == 0, log_path.read_text()[-4000:]
+    run_worker("tests.integration.megatron_moe_worker", str(model_dir), str(out), log_path=out / "worker.log",
+               timeout_s=240)
     return {**json.loads((out / "results.json").read_text()), "out": out}
 
 

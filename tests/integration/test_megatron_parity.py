@@ -7,11 +7,7 @@ One launch of tests/integration/megatron_worker.py (2 ranks) serves every test h
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,24 +16,14 @@ import torch
 from bench.megatron_parity import summary_line
 from services.trainer.backends.base import TrainConfig
 from tests.integration.megatron_worker import CKPT_ROLLOUT, GRPO_CONFIG, NUM_ROLLOUTS, SFT_CONFIG, grpo_rollout
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.workers import run_worker
 
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron")
-    log_path = out / "worker.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.megatron_worker", str(tiny_model_dir),
-                                 str(out)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: it and the ranks it forked
-            proc.wait()
-            raise
-    assert returncode == 0, log_path.read_text()[-4000:]
+    run_worker("tests.integration.megatron_worker", str(tiny_model_dir), str(out), log_path=out / "worker.log",
+               timeout_s=180)
     return json.loads((out / "results.json").read_text())
 
 

@@ -8,34 +8,20 @@ One launch of tests/integration/packing_worker.py (a world of one, then of two) 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.integration.packing_worker import CONFIGS
+from tests.integration.workers import run_worker
 
-REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("packing")
-    log_path = out / "worker.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.packing_worker", str(tiny_model_dir),
-                                 str(out)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: it and the ranks it forked
-            proc.wait()
-            raise
-    assert returncode == 0, log_path.read_text()[-4000:]
+    run_worker("tests.integration.packing_worker", str(tiny_model_dir), str(out), log_path=out / "worker.log",
+               timeout_s=600)
     return {size: json.loads((out / f"results-{size}.json").read_text()) for size in (1, 2)}
 
 

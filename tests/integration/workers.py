@@ -1,0 +1,26 @@
+"""Run a test's worker module (`python -m tests.integration.<worker> ARGS...`) in a session of its own, as the
+tests that spawn torch.distributed ranks do: its output goes to a log, a run past the timeout kills the whole
+session (the worker and the ranks it forked), and a failed run fails the test with the log's tail."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_worker(module: str, *args: str, log_path: Path, timeout_s: float) -> None:
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: it and the ranks it forked
+            proc.wait()
+            raise
+    assert returncode == 0, log_path.read_text()[-4000:]
