@@ -4,14 +4,13 @@ like one process: the same per-step metrics and the same weights in the HF expor
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-from services.common.procs import ManagedProcess, free_port, python_module
 from services.trainer.parallel import World
 from tests.integration.family_ranks import train
+from tests.integration.workers import run_ranks
 
 FAMILIES = ("qwen3_moe", "qwen3_5")
 
@@ -24,17 +23,7 @@ def model_dirs(family_model_dir):
 @pytest.fixture(scope="module")
 def two_ranks(model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("family-two-ranks")
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.getcwd()}
-    ranks = [ManagedProcess(f"rank{rank}", python_module("tests.integration.family_ranks", str(out),
-                                                         *map(str, model_dirs)),
-                            out / f"rank{rank}.log", env={**env, "RANK": str(rank)}).start() for rank in range(2)]
-    try:
-        for rank in ranks:
-            assert rank.popen.wait(timeout=240) == 0, rank.log_tail()
-    finally:
-        for rank in ranks:
-            rank.stop()
+    run_ranks("tests.integration.family_ranks", str(out), *map(str, model_dirs), log_dir=out, timeout_s=240)
     return out, json.loads((out / "metrics.json").read_text())
 
 

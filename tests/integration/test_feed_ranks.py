@@ -5,16 +5,15 @@ ranks agree on are those of the whole rollout."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from services.buffer.client import STREAM_ROLLOUT_ID, BufferClient
 from services.buffer.server import stop_server
-from services.common.procs import ManagedProcess, free_port, python_module
 from services.common.samples import Sample, SampleGroup, Status, group_id_for
 from services.trainer.parallel import World
 from tests.integration.test_buffer import LoopThread, start_buffer
+from tests.integration.workers import run_ranks
 
 JOB = "feed-ranks"
 TOKENS = [9, 8, 1, 2, 3, 3, 3, 3]  # per sample of each group (two samples a group)
@@ -49,16 +48,7 @@ def ranks(buffer_addr, tmp_path_factory):
     out = tmp_path_factory.mktemp("feed-ranks")
     with BufferClient(buffer_addr, timeout_s=10.0) as buffer:
         write_rollouts(buffer, out)
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.getcwd()}
-    procs = [ManagedProcess(f"rank{rank}", python_module("tests.integration.feed_ranks", str(out), buffer_addr, JOB),
-                            out / f"rank{rank}.log", env={**env, "RANK": str(rank)}).start() for rank in range(2)]
-    try:
-        for proc in procs:
-            assert proc.popen.wait(timeout=120) == 0, proc.log_tail()
-    finally:
-        for proc in procs:
-            proc.stop()
+    run_ranks("tests.integration.feed_ranks", str(out), buffer_addr, JOB, log_dir=out, timeout_s=120)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

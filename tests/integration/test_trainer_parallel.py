@@ -4,34 +4,23 @@ per-step losses and metrics, the same weights in their HF export, and a checkpoi
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-from services.common.procs import ManagedProcess, free_port, python_module
 from services.common.shares import Share
 from services.trainer.driver import checkpoint
 from services.trainer.driver.loop import make_backend
 from services.trainer.parallel import World, shard_rollout
 from services.trainer.spec import parse_spec
 from tests.integration.trainer_ranks import BASE, CASES, NUM_ROLLOUTS, make_samples, run_case
+from tests.integration.workers import run_ranks
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("two-ranks")
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.getcwd()}
-    ranks = [ManagedProcess(f"rank{rank}", python_module("tests.integration.trainer_ranks", str(out),
-                                                         str(tiny_model_dir)),
-                            out / f"rank{rank}.log", env={**env, "RANK": str(rank)}).start() for rank in range(2)]
-    try:
-        for rank in ranks:
-            assert rank.popen.wait(timeout=240) == 0, rank.log_tail()
-    finally:
-        for rank in ranks:
-            rank.stop()
+    run_ranks("tests.integration.trainer_ranks", str(out), str(tiny_model_dir), log_dir=out, timeout_s=240)
     return out, json.loads((out / "metrics.json").read_text())
 
 

@@ -24,3 +24,20 @@ def run_worker(module: str, *args: str, log_path: Path, timeout_s: float) -> Non
             proc.wait()
             raise
     assert returncode == 0, log_path.read_text()[-4000:]
+
+
+def run_ranks(module: str, *args: str, log_dir: Path, timeout_s: float, world_size: int = 2) -> None:
+    """`world_size` processes of `python -m module ARGS...` as one torch.distributed world on loopback (torchrun's
+    RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one thread each; a failed rank fails the test with its log's tail."""
+    from services.common.procs import ManagedProcess, free_port, python_module
+
+    env = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    ranks = [ManagedProcess(f"rank{rank}", python_module(module, *args), log_dir / f"rank{rank}.log",
+                            env={**env, "RANK": str(rank)}).start() for rank in range(world_size)]
+    try:
+        for rank in ranks:
+            assert rank.popen.wait(timeout=timeout_s) == 0, rank.log_tail()
+    finally:
+        for rank in ranks:
+            rank.stop()
