@@ -95,6 +95,16 @@ def wait_for(what: str, check, timeout_s: float = WAIT_S, interval_s: float = 0.
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+def sign_in(browser, url: str, token: str) -> None:
+    """Open the dashboard and paste the token into its sign-in form, as a newcomer does."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(url + "/dashboard/")
+    wait_for("the sign-in form", lambda: browser.find_element(By.ID, "token").is_displayed())
+    browser.find_element(By.ID, "token").send_keys(token)
+    browser.find_element(By.ID, "login-submit").click()
+
+
 def console_errors(driver) -> list[str]:
     return [f"{e['level']}: {e['message']}" for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -146,10 +156,7 @@ def test_dashboard_follows_a_running_job_shows_samples_and_cancels_it(auth_stack
         reply = api.post("/v1/jobs", json=spec)
         assert reply.status_code == 201, reply.text
 
-        browser.get(url + "/dashboard/")
-        wait_for("the sign-in form", lambda: browser.find_element(By.ID, "token").is_displayed())
-        browser.find_element(By.ID, "token").send_keys(token)
-        browser.find_element(By.ID, "login-submit").click()
+        sign_in(browser, url, token)
         link = wait_for("the job in the Jobs table", lambda: browser.find_element(
             By.CSS_SELECTOR, 'tr[data-job="dash-job"] a.job-link'))
         link.click()
@@ -220,10 +227,7 @@ def test_a_multi_turn_sample_shows_turn_by_turn_with_the_tool_output_marked(auth
     with httpx.Client(base_url=url, headers=auth.bearer(token), timeout=30) as api:
         reply = api.post("/v1/jobs", json=spec)
         assert reply.status_code == 201, reply.text
-        browser.get(url + "/dashboard/")
-        wait_for("the sign-in form", lambda: browser.find_element(By.ID, "token").is_displayed())
-        browser.find_element(By.ID, "token").send_keys(token)
-        browser.find_element(By.ID, "login-submit").click()
+        sign_in(browser, url, token)
         browser.get(url + "/dashboard/#/job/dash-multiturn")
         wait_for("the job to finish", lambda: api.get("/v1/jobs/dash-multiturn").json()["state"] == "SUCCEEDED")
         # 64 samples; the random tiny model calls the calculator in about a third of them
