@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 from bench import gpu_families
+from bench._precision import precision_rows
 
 REPO = Path(__file__).resolve().parents[1]
-LOSS_TOL, LOG_PROB_TOL = 1e-5, 1e-4
-LOSS_KEYS = ("train/pg_loss", "train/kl_loss", "train/entropy_loss")
 
 
 def run(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 600) -> subprocess.CompletedProcess:
@@ -86,17 +85,8 @@ def parity(tmp: Path) -> list[tuple[str, bool, str]]:
         if len(results) < 3:
             continue
         cpu, cuda, bf16 = results["cpu"], results["cuda"], results["cuda-bf16"]
-        loss_diff = max(abs(a[k] - b[k]) for a, b in zip(cpu["metrics"], cuda["metrics"], strict=True)
-                        for k in LOSS_KEYS if k in a)
-        lp_diff = max(abs(x - y) for ra, rb in zip(cpu["log_probs"], cuda["log_probs"], strict=True)
-                      for x, y in zip(ra, rb, strict=True))
-        bf16_diff = max(abs(a["train/pg_loss"] - b["train/pg_loss"])
-                        for a, b in zip(cpu["metrics"], bf16["metrics"], strict=True))
-        same = loss_diff <= LOSS_TOL and lp_diff <= LOG_PROB_TOL
-        rows.append((f"{backend}: fp32 CUDA vs CPU ({cuda['device']})", same,
-                     f"max loss diff {loss_diff:.2e} (≤ {LOSS_TOL}), max log-prob diff {lp_diff:.2e}"))
-        rows.append((f"{backend}: bf16 on CUDA (reported)", True, f"pg_loss diff vs fp32 CPU {bf16_diff:.2e}; "
-                     f"grad norms {[round(m['train/grad_norm'], 4) for m in bf16['metrics']]}"))
+        rows += precision_rows(f"{backend}: fp32 CUDA vs CPU ({cuda['device']})", f"{backend}: bf16 on CUDA (reported)",
+                               cpu, cuda, bf16)
     return rows
 
 

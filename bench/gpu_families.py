@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from bench._precision import precision_rows
+
 FAMILIES = ("qwen3_moe", "qwen3_5")
-LOSS_TOL, LOG_PROB_TOL = 1e-5, 1e-4
-LOSS_KEYS = ("train/pg_loss", "train/kl_loss", "train/entropy_loss")
 
 
 def grpo_rollout(model_dir: Path, device: torch.device, bf16: bool) -> dict:
@@ -43,17 +43,8 @@ def family_rows(tmp: Path) -> list[tuple[str, bool, str]]:
         model_dir = tinymodel.build_tiny_model(tmp / family, tasks.corpus(), hidden_size=64, family=family)
         cpu = grpo_rollout(model_dir, torch.device("cpu"), bf16=False)
         fp32, bf16 = grpo_rollout(model_dir, cuda, bf16=False), grpo_rollout(model_dir, cuda, bf16=True)
-        loss_diff = max(abs(a[k] - b[k]) for a, b in zip(cpu["metrics"], fp32["metrics"], strict=True)
-                        for k in LOSS_KEYS if k in a)
-        lp_diff = max(abs(x - y) for ra, rb in zip(cpu["log_probs"], fp32["log_probs"], strict=True)
-                      for x, y in zip(ra, rb, strict=True))
-        bf16_diff = max(abs(a["train/pg_loss"] - b["train/pg_loss"])
-                        for a, b in zip(cpu["metrics"], bf16["metrics"], strict=True))
-        rows.append((f"fsdp {family}: fp32 {cuda.type} vs CPU", loss_diff <= LOSS_TOL and lp_diff <= LOG_PROB_TOL,
-                     f"max loss diff {loss_diff:.2e} (≤ {LOSS_TOL}), max log-prob diff {lp_diff:.2e}"))
-        rows.append((f"fsdp {family}: bf16 on {cuda.type} (reported)", True,
-                     f"pg_loss diff vs fp32 CPU {bf16_diff:.2e}; grad norms "
-                     f"{[round(m['train/grad_norm'], 4) for m in bf16['metrics']]}"))
+        rows += precision_rows(f"fsdp {family}: fp32 {cuda.type} vs CPU",
+                               f"fsdp {family}: bf16 on {cuda.type} (reported)", cpu, fp32, bf16)
     return rows
 
 
