@@ -72,7 +72,7 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int,
     import httpx
     from safetensors.torch import load_file
 
-    from services.trainer.sync.config import DeltaSettings
+    from services.common.settings.sync import DeltaSettings
     from services.trainer.sync.delta_push import DeltaBroadcaster
 
     # in memory, as a trainer's weights are (a mapped file would fault its pages in during the first sync)

@@ -122,7 +122,7 @@ def emit(figures: dict[str, float | None]) -> None:
 def run_job(trainer_url: str, spec: dict, timeout_s: float) -> list[dict]:
     """Submit `spec` through the trainer's REST API, wait for the end (cancelling the job past timeout_s), return
     its events; raise unless it SUCCEEDED."""
-    from services.trainer.client import TERMINAL_STATES, JobsRestClient
+    from services.trainer.api.client import TERMINAL_STATES, JobsRestClient
 
     with JobsRestClient(trainer_url, timeout_s=30) as client:
         job = client.submit(spec)

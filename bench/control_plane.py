@@ -28,7 +28,8 @@ from bench._harness import emit, print_table, start_grpc_service, wait_until  # 
 from physarum import tasks, tinymodel  # noqa: E402
 from services.buffer.client import BufferClient  # noqa: E402
 from services.common import procs  # noqa: E402
-from services.rollout.client import EngineState, RolloutClient, RolloutConfig  # noqa: E402
+from services.common.settings.rollout import RolloutConfig
+from services.rollout.client import EngineState, RolloutClient  # noqa: E402
 from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster  # noqa: E402
 from services.rollout.local import start_router  # noqa: E402
 

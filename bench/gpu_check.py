@@ -51,7 +51,7 @@ def grpo_steps(out: Path, backend: str, bf16: bool) -> None:
     config = TrainConfig(**GRPO_CONFIG, bf16=bf16, allow_tf32=False)
     if backend == "fsdp":
         from services.trainer.backends.fsdp import TorchBackend
-        from services.trainer.parallel import World
+        from services.trainer.distributed.parallel import World
 
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         model = TorchBackend(model_dir, config, world=World(device=device))

@@ -24,9 +24,9 @@ class InProcessLoop:
         import torch
         from tokenizers import Tokenizer
 
+        from services.trainer.api.spec import parse_spec
+        from services.trainer.distributed.parallel import World
         from services.trainer.driver.loop import make_backend
-        from services.trainer.parallel import World
-        from services.trainer.spec import parse_spec
 
         torch.set_num_threads(num_threads)
         self.spec = parse_spec(spec)

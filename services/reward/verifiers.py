@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common.samples import Sample
-from services.reward.client import RM_TYPES, check_rm_type
+from services.common.settings.rewards import RM_TYPES, check_rm_type
 from services.reward.rm.boxed import boxed_answer
 from services.reward.rm.choice import gpqa_reward
 from services.reward.rm.dapo import dapo_reward
@@ -38,7 +38,7 @@ _RULES: dict[str, Callable[[str, Any, dict[str, Any]], Any]] = {
     "gpqa": lambda r, label, m: gpqa_reward(r, label, metadata=m),
     "random": lambda r, label, m: random.randint(0, 1),
 }
-assert set(_RULES) | {"remote_rm"} == set(RM_TYPES), "services.reward.client.RM_TYPES lists every built-in"
+assert set(_RULES) | {"remote_rm"} == set(RM_TYPES), "services.common.settings.rewards.RM_TYPES lists every built-in"
 
 
 def sample_rm_type(sample: Sample, job_rm_type: str) -> str:

@@ -16,10 +16,10 @@ from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
 from services.common.rest import RestServer
+from services.common.settings.rollout import RolloutConfig
 from services.reward.client import RewardClient
 from services.rollout import rest
 from services.rollout.client import (
-    RolloutConfig,
     config_from_proto,
     engine_to_proto,
     pool_status_to_proto,

@@ -101,7 +101,7 @@ def test_notes_tell_how_to_submit_a_job():
 
 
 def test_notes_example_job_is_a_valid_spec():
-    from services.trainer.spec import parse_spec  # torch-free
+    from services.trainer.api.spec import parse_spec  # torch-free
 
     notes = render_raw({})["physarum/templates/NOTES.txt"]
     body = json.loads(re.search(r"-d '(\{.*?\})'", notes, re.S).group(1))

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.trainer.server import QUEUE_HEALTH
+from services.trainer.api.server import QUEUE_HEALTH
 from tests.chart.chart import one, pod_spec, render
 
 
@@ -20,13 +20,13 @@ def trainer_container(values: dict) -> dict:
     return pod_spec(one(render(values), "StatefulSet", "trainer"))["containers"][0]
 
 
-@pytest.mark.parametrize("pod, local, module", [("0", 0, "services.trainer"), ("0", 1, "services.trainer.worker"),
-                                                ("3", 0, "services.trainer.worker")])
+@pytest.mark.parametrize("pod, local, module", [("0", 0, "services.trainer"), ("0", 1, "services.trainer.api.worker"),
+                                                ("3", 0, "services.trainer.api.worker")])
 def test_the_pod_launches_one_rank_per_gpu(pod, local, module):
-    from services.trainer.launch import rank_command, rank_envs
+    from services.trainer.api.launch import rank_command, rank_envs
 
     container = trainer_container({"trainer": {"replicas": 4, "gpus": 2}})
-    assert container["command"] == ["python", "-m", "services.trainer.launch"] and "args" not in container
+    assert container["command"] == ["python", "-m", "services.trainer.api.launch"] and "args" not in container
     env = {e["name"]: e.get("value") for e in container["env"]}
     envs = rank_envs(pod_index=int(pod), num_pods=int(env["NUM_PODS"]), nproc_per_pod=int(env["NPROC_PER_POD"]))
     assert envs[local]["WORLD_SIZE"] == env["WORLD_SIZE"] == "8"
@@ -74,8 +74,8 @@ def test_probes_check_rank_zeros_grpc_health(health_server):
 @pytest.mark.parametrize("values, backend", [({}, "megatron"), ({"trainer": {"defaultTrainBackend": "fsdp"}}, "fsdp")])
 def test_jobs_default_to_the_megatron_backend_on_the_cluster(values, backend, monkeypatch):
     from services.common.config import load_config
-    from services.trainer.config import TrainerConfig
-    from services.trainer.spec_defaults import spec_defaults, spec_parser
+    from services.trainer.api.config import TrainerConfig
+    from services.trainer.api.spec_defaults import spec_defaults, spec_parser
 
     env = {e["name"]: e.get("value") for e in trainer_container(values)["env"]}
     assert env["PHYSARUM_TRAINER_DEFAULT_TRAIN_BACKEND"] == backend
@@ -90,8 +90,8 @@ def test_the_charts_trainer_confines_job_paths_to_its_volumes(monkeypatch):
     models and checkpoints volumes, checkpoints and exports onto the checkpoints volume, nothing else."""
     from services.common.config import load_config
     from services.common.errors import InvalidArgument
-    from services.trainer.config import TrainerConfig
-    from services.trainer.spec_defaults import path_roots, spec_parser
+    from services.trainer.api.config import TrainerConfig
+    from services.trainer.api.spec_defaults import path_roots, spec_parser
 
     env = {e["name"]: e["value"] for e in trainer_container({})["env"]
            if e["name"].endswith("_ROOTS") and "value" in e}
@@ -118,7 +118,7 @@ def test_the_grace_period_covers_the_jobs_preemption_and_pods_always_restart(gra
     chart keeps 15 s inside terminationGracePeriodSeconds; a pod that exits (0 after SIGTERM, or killed) is started
     again by the StatefulSet (restartPolicy Always, the only one it allows), and its jobs resume."""
     from services.common.config import load_config
-    from services.trainer.config import TrainerConfig
+    from services.trainer.api.config import TrainerConfig
 
     sts = one(render({"trainer": {"terminationGracePeriodSeconds": grace}}), "StatefulSet", "trainer")
     pod = pod_spec(sts)

@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from physarum import stack
-from services.trainer.client import TERMINAL_STATES, JobsRestClient
+from services.trainer.api.client import TERMINAL_STATES, JobsRestClient
 
 
 def write_prompts(path: Path, pairs: list[tuple[int, int]]) -> Path:

@@ -19,7 +19,7 @@ from physarum import stack
 from services.common import procs
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.pool.router import RouterClient
-from services.trainer.client import TERMINAL_STATES
+from services.trainer.api.client import TERMINAL_STATES
 from tests.e2e import durability as d
 from tests.e2e.test_loop import job_spec
 

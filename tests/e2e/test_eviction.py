@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from physarum import stack
-from services.trainer.client import JobsRestClient
+from services.trainer.api.client import JobsRestClient
 from services.trainer.driver import checkpoint
 from tests.e2e.test_loop import job_spec
 

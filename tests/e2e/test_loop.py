@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
-from services.trainer.client import JobsRestClient
+from services.trainer.api.client import JobsRestClient
 
 
 def job_spec(model_dir, data_path, **overrides):

@@ -20,7 +20,7 @@ from physarum import stack
 from services.common.errors import InvalidArgument
 from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
-from services.trainer.client import JobsRestClient
+from services.trainer.api.client import JobsRestClient
 from services.trainer.driver import checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

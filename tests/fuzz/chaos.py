@@ -23,7 +23,7 @@ from pathlib import Path
 from physarum import stack, tasks, tinymodel
 from services.common import procs
 from services.rollout.client import RolloutClient
-from services.trainer.client import TERMINAL_STATES, JobsRestClient
+from services.trainer.api.client import TERMINAL_STATES, JobsRestClient
 from tests.e2e import durability as d
 from tests.fuzz.cli import run_from_args
 from tests.fuzz.fuzz import operator_credentials

@@ -25,7 +25,7 @@ from physarum import stack, tasks, tinymodel
 from services.common import auth
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import RolloutClient
-from services.trainer.client import TERMINAL_STATES, JobsRestClient
+from services.trainer.api.client import TERMINAL_STATES, JobsRestClient
 from tests.fuzz import inputs, probes
 from tests.fuzz.cli import run_from_args
 from tests.integration.engine_fixtures import start_engines

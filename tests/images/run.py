@@ -82,7 +82,7 @@ def copy_plugins(plugin_image: str, volume: Path) -> list[str]:
 def run_jobs(stack, model_dir: Path, task_dir: Path, multiturn_dir: Path) -> dict:
     from physarum.cli import follow, load_job_file
     from physarum.demo import evaluate
-    from services.trainer.client import JobsRestClient
+    from services.trainer.api.client import JobsRestClient
 
     state = {"router_url": f"http://{stack.addr['router']}", "reward_addr": stack.addr["reward"]}
     checkpoints = stack.work_dir / "checkpoints"

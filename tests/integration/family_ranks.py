@@ -13,9 +13,9 @@ from tests.integration.trainer_ranks import BASE, make_samples
 
 def train(model_dir: Path, out_dir: Path, world) -> list[dict[str, float]]:
     """One rollout of two optimizer steps; the metrics averaged over the ranks, then the HF export."""
+    from services.trainer.api.spec import parse_spec
+    from services.trainer.distributed.parallel import shard_rollout
     from services.trainer.driver.loop import make_backend
-    from services.trainer.parallel import shard_rollout
-    from services.trainer.spec import parse_spec
 
     spec = parse_spec({**BASE, "lr_warmup_iters": 0, "hf_checkpoint": str(model_dir)})  # the first step moves
     backend = make_backend(spec, world, num_threads=1)
@@ -27,8 +27,8 @@ def train(model_dir: Path, out_dir: Path, world) -> list[dict[str, float]]:
 
 
 def main(out_dir: str, *model_dirs: str) -> None:
-    from services.trainer.config import TrainerConfig
-    from services.trainer.parallel import init_world
+    from services.trainer.api.config import TrainerConfig
+    from services.trainer.distributed.parallel import init_world
 
     config = TrainerConfig()
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,

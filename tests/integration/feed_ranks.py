@@ -14,11 +14,11 @@ from pathlib import Path
 
 from services.buffer.client import BufferClient
 from services.common.errors import Unavailable
-from services.trainer.config import TrainerConfig
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.spec import parse_spec
+from services.trainer.distributed.parallel import RankAborted, init_world, rollout_share
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import make_feed
-from services.trainer.parallel import RankAborted, init_world, rollout_share
-from services.trainer.spec import parse_spec
 
 SPEC = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 8,
         "n_samples_per_prompt": 2, "global_batch_size": 8}

@@ -1,4 +1,4 @@
-"""A rank started by services.trainer.launch for test_launch: joins the trainer's world as the trainer would and
+"""A rank started by services.trainer.api.launch for test_launch: joins the trainer's world as the trainer would and
 writes what it was told (rank 0 writes every rank's view to $PROBE_OUT)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from services.trainer.parallel import init_world
+from services.trainer.distributed.parallel import init_world
 
 if __name__ == "__main__":
     world = init_world(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),

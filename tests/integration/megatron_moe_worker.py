@@ -59,8 +59,8 @@ def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
 
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.distributed.parallel import World
     from services.trainer.driver import checkpoint
-    from services.trainer.parallel import World
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
     def build() -> MegatronBackend:

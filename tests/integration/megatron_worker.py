@@ -56,8 +56,8 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
 
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.distributed.parallel import World
     from services.trainer.driver import checkpoint
-    from services.trainer.parallel import World
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
     name = f"grpo-tp{tp}-pp{pp}"

@@ -47,7 +47,7 @@ def fsdp_probe(model_dir: Path, config, world, samples: list[Sample], packed: bo
     from services.trainer.backends import rl_step
     from services.trainer.backends.batch import build_rollout_batch
     from services.trainer.backends.fsdp import TorchBackend
-    from services.trainer.parallel import shard_rollout
+    from services.trainer.distributed.parallel import shard_rollout
 
     backend = TorchBackend(model_dir, config, world=world, pack_sequences=packed)
     share = shard_rollout(samples, backend.rollout_share(), config.n_samples_per_prompt)
@@ -106,7 +106,7 @@ def max_diffs(padded: dict, packed: dict) -> dict:
 
 def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
     from services.trainer.backends.base import TrainConfig
-    from services.trainer.parallel import World
+    from services.trainer.distributed.parallel import World
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)

@@ -22,7 +22,7 @@ from services.reward.config import RewardConfig
 from services.reward.server import create_server
 from services.rollout.client import RolloutState
 from services.rollout.generation.manager import RolloutManager
-from services.trainer.spec import parse_spec
+from services.trainer.api.spec import parse_spec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "slime_examples"
 

@@ -14,8 +14,9 @@ from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.rest import RestServer
 from services.common.samples import Status
+from services.common.settings.rollout import RolloutConfig
 from services.reward.client import RewardClient
-from services.rollout.client import RolloutConfig, RolloutState
+from services.rollout.client import RolloutState
 from services.rollout.gateway.app import create_app
 from services.rollout.gateway.sessions import SessionRegistry
 from services.rollout.generation.agents import AgentGateway

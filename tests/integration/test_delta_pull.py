@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.common import weight_delta
-from services.trainer.sync.config import DeltaSettings
+from services.common.settings.sync import DeltaSettings
 from services.trainer.sync.delta_disk import DiskBroadcaster
 from tests.integration.delta_checks import assert_engines_hold, sign_steps
 from tests.integration.engine_fixtures import start_engines, stop_engines

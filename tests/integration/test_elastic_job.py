@@ -28,7 +28,7 @@ from services.common.errors import NotFound
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.trainer.client import JobsRestClient
+from services.trainer.api.client import JobsRestClient
 from tests.integration.inprocess import InProcessManager
 
 NUM_ROLLOUT, BATCH, N_SAMPLES = 6, 4, 2

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from services.common.errors import FailedPrecondition
-from services.rollout.client import EngineState, RolloutConfig
+from services.common.settings.rollout import RolloutConfig
+from services.rollout.client import EngineState
 from services.rollout.pool.config import PoolConfig
 from services.rollout.pool.engine_options import apply_job_options, job_engine_options
 from services.rollout.pool.launchers import LocalLauncher, cpu_engine_argv, cpu_engine_options_argv

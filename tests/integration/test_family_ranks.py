@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from services.trainer.parallel import World
+from services.trainer.distributed.parallel import World
 from tests.integration.family_ranks import train
 from tests.integration.workers import run_ranks
 

@@ -11,7 +11,7 @@ import pytest
 from services.buffer.client import STREAM_ROLLOUT_ID, BufferClient
 from services.buffer.server import stop_server
 from services.common.samples import Sample, SampleGroup, Status, group_id_for
-from services.trainer.parallel import World
+from services.trainer.distributed.parallel import World
 from tests.integration.test_buffer import LoopThread, start_buffer
 from tests.integration.workers import run_ranks
 

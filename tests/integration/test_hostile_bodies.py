@@ -19,9 +19,9 @@ from services.rollout.pool.config import PoolConfig
 from services.rollout.pool.pool import EnginePool
 from services.rollout.pool.router import RouterClient
 from services.rollout.rest import create_app as create_rollout_app
-from services.trainer.client import JobsClient
-from services.trainer.config import TrainerConfig
-from services.trainer.server import create_server as create_trainer
+from services.trainer.api.client import JobsClient
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.server import create_server as create_trainer
 from tests.integration.test_buffer import LoopThread
 
 BODIES = {  # (raw body, what the 400 must say)

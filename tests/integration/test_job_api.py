@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound, Unauthenticated
-from services.trainer.client import JobsClient, JobsRestClient
-from services.trainer.config import TrainerConfig
-from services.trainer.server import create_server
+from services.trainer.api.client import JobsClient, JobsRestClient
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.server import create_server
 
 DATA = Path(tempfile.mkdtemp(prefix="physarum-job-api-"))  # submit checks that a spec's paths exist
 (DATA / "m").mkdir()

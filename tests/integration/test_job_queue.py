@@ -14,12 +14,12 @@ import httpx
 import pytest
 import torch
 
+from services.trainer.api.client import JobsRestClient
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.server import create_server
 from services.trainer.backends.dcp import DCPCheckpointing
-from services.trainer.client import JobsRestClient
-from services.trainer.config import TrainerConfig
+from services.trainer.distributed.parallel import World
 from services.trainer.driver import checkpoint
-from services.trainer.parallel import World
-from services.trainer.server import create_server
 
 
 class TinyBackend(DCPCheckpointing):

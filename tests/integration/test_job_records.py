@@ -13,12 +13,12 @@ import pytest
 
 from services.common import procs
 from services.common.errors import InvalidArgument
-from services.trainer.client import JobsClient, JobsRestClient
-from services.trainer.config import TrainerConfig
-from services.trainer.job_store import RedisJobStore
-from services.trainer.jobs import JobRegistry, JobState
-from services.trainer.server import create_server
-from services.trainer.spec import parse_spec
+from services.trainer.api.client import JobsClient, JobsRestClient
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.job_store import RedisJobStore
+from services.trainer.api.jobs import JobRegistry, JobState
+from services.trainer.api.server import create_server
+from services.trainer.api.spec import parse_spec
 
 
 @pytest.fixture

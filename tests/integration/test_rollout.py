@@ -19,8 +19,9 @@ from services.buffer.client import BufferClient
 from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status, group_id_for
+from services.common.settings.rollout import RolloutConfig
 from services.common.sglang import SGLangClient
-from services.rollout.client import EngineInfo, RolloutClient, RolloutConfig, RolloutState
+from services.rollout.client import EngineInfo, RolloutClient, RolloutState
 from services.rollout.generation.prompts import PromptEncoder
 from tests.integration.engine_proxy import EngineProxy
 

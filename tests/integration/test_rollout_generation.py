@@ -17,8 +17,9 @@ from services.buffer.client import BufferClient
 from services.common import procs
 from services.common.grpc_client import wait_for_health
 from services.common.samples import Status
+from services.common.settings.rollout import RolloutConfig
 from services.reward.client import RewardClient
-from services.rollout.client import RolloutConfig, RolloutState
+from services.rollout.client import RolloutState
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.local import start_router

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from services.common.shares import Share
+from services.trainer.api.spec import parse_spec
+from services.trainer.distributed.parallel import World, shard_rollout
 from services.trainer.driver import checkpoint
 from services.trainer.driver.loop import make_backend
-from services.trainer.parallel import World, shard_rollout
-from services.trainer.spec import parse_spec
 from tests.integration.trainer_ranks import BASE, CASES, NUM_ROLLOUTS, make_samples, run_case
 from tests.integration.workers import run_ranks
 

@@ -39,10 +39,10 @@ def make_samples(model_dir: Path) -> list[Sample]:
 def run_case(name: str, model_dir: Path, out_dir: Path, world):
     """Train NUM_ROLLOUTS rollouts of the case; export HF and a checkpoint. Returns per rollout, per step, the
     metrics averaged over the ranks, and the backend."""
+    from services.trainer.api.spec import parse_spec
+    from services.trainer.distributed.parallel import rollout_share, shard_rollout
     from services.trainer.driver import checkpoint
     from services.trainer.driver.loop import make_backend
-    from services.trainer.parallel import rollout_share, shard_rollout
-    from services.trainer.spec import parse_spec
 
     spec = parse_spec({**BASE, **CASES[name], "hf_checkpoint": str(model_dir)})
     backend = make_backend(spec, world, num_threads=1)
@@ -64,8 +64,8 @@ def run_case(name: str, model_dir: Path, out_dir: Path, world):
 
 
 def main(out_dir: str, model_dir: str) -> None:
-    from services.trainer.config import TrainerConfig
-    from services.trainer.parallel import init_world
+    from services.trainer.api.config import TrainerConfig
+    from services.trainer.distributed.parallel import init_world
 
     config = TrainerConfig()
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,

@@ -13,8 +13,9 @@ import httpx
 
 from services.buffer.client import DatasetInfo, PutResult
 from services.common.samples import Prompt, SampleGroup
+from services.common.settings.rollout import RolloutConfig
 from services.reward.client import ScoreResult
-from services.rollout.client import RolloutConfig, RolloutStatus
+from services.rollout.client import RolloutStatus
 from services.rollout.generation.manager import RolloutManager
 
 JOB = "job"

@@ -10,8 +10,8 @@ from services.common.errors import InvalidArgument
 from services.trainer.backends import registry
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.layout import BackendName, LayoutConfig
+from services.trainer.distributed.parallel import World
 from services.trainer.driver import loop  # noqa: F401 - imports the backends, which register themselves
-from services.trainer.parallel import World
 
 
 def test_every_layout_backend_name_has_a_builder():

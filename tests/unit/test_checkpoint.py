@@ -3,9 +3,9 @@
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.trainer.api.spec import parse_spec
 from services.trainer.driver import checkpoint, intervals
 from services.trainer.driver.metrics import prometheus_name
-from services.trainer.spec import parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 2}
 

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from physarum import tasks, tinymodel
 from services.common.samples import Sample, Status
 from services.trainer.dashboard.logtail import LogTail
-from services.trainer.dashboard.samples import SampleBoard, mask_runs, turns_of
+from services.trainer.driver.sample_board import SampleBoard, mask_runs, turns_of
 
 
 @pytest.fixture(scope="module")

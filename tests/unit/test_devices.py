@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from services.common.samples import Sample
-from services.trainer import devices
 from services.trainer.algorithms.kl import KL_LOSS_TYPES, compute_approx_kl
 from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.parallel import World
+from services.trainer.distributed import devices
+from services.trainer.distributed.parallel import World
 from tests.device_check import DeviceMismatch, SameDevice
 from tests.tiny_samples import samples_of, two_by_two_batch
 from tests.unit.test_fsdp_rl import ESTIMATOR_CONFIGS, ROLLOUT
@@ -161,9 +161,9 @@ def test_rank_device():
 def test_torch_free_copies_of_the_choices_match():
     import typing
 
-    from services.trainer import config
-    from services.trainer.spec import JobSpec
-    from services.trainer.spec_defaults import spec_defaults
+    from services.trainer.api import config
+    from services.trainer.api.spec import JobSpec
+    from services.trainer.api.spec_defaults import spec_defaults
 
     assert config.DEVICES == devices.DEVICES
     assert set(config.WEIGHT_SYNC_BACKENDS) == set(typing.get_args(JobSpec.model_fields["weight_sync_backend"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.samples import Sample, Status
+from services.trainer.api.spec import parse_spec
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import (
     FEEDS,
@@ -16,7 +17,6 @@ from services.trainer.driver.feed import (
     make_feed,
     rollout_sums,
 )
-from services.trainer.spec import parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 4}
 

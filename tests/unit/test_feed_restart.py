@@ -16,9 +16,9 @@ import pytest
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.common.samples import Sample, SampleGroup, Status
 from services.rollout.client import PoolStatus, RolloutState, RolloutStatus, snapshot_path
+from services.trainer.api.spec import parse_spec
+from services.trainer.distributed.parallel import World
 from services.trainer.driver import feed
-from services.trainer.parallel import World
-from services.trainer.spec import parse_spec
 from services.trainer.sync.versions import EngineWeights
 
 VERSION = 3  # the trainer's weights: rollout 3 of a fully_async job, every earlier version pushed

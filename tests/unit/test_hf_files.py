@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.hf_files import SIDE_FILES, TOKENIZER_FILES, copy_side_files
+from services.trainer.distributed.hf_files import SIDE_FILES, TOKENIZER_FILES, copy_side_files
 from services.trainer.sync.weight_sync import write_snapshot
 
 

@@ -93,6 +93,32 @@ def forbidden_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return bad
 
 
+# services/trainer's folders from the ground up: a folder imports only its own floor and those below it.
+TRAINER_FLOORS = (("algorithms", "distributed"), ("backends",), ("sync", "slime"), ("driver",), ("dashboard",),
+                  ("api",), ("__main__",))
+
+
+def trainer_floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["services", "trainer"] or len(parts) < 3:
+        return None
+    return next((i for i, names in enumerate(TRAINER_FLOORS) if parts[2] in names), None)
+
+
+def imports_running_up(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) pairs inside services/trainer where a folder imports one on a floor above it, and any
+    import from services.common into another service (the shared package, job settings included, stands below
+    every service)."""
+    bad = set()
+    for importer, imported in ((a, b) for a, targets in graph.items() for b in targets):
+        low, high = trainer_floor(importer), trainer_floor(imported)
+        if low is not None and high is not None and high > low:
+            bad.add((importer, imported))
+        if service_of(importer) == "common" and service_of(imported) not in ("common", "services"):
+            bad.add((importer, imported))
+    return bad
+
+
 def write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         path = root / rel
@@ -108,6 +134,28 @@ def test_services_have_no_import_circles():
 def test_services_import_only_clients_and_common_across_services():
     bad = forbidden_imports(import_graph(ROOT))
     assert bad == set(), "import another service's client.py or services.common instead"
+
+
+def test_no_import_runs_up_the_trainers_floors_or_out_of_common():
+    assert imports_running_up(import_graph(ROOT)) == set()
+
+
+def test_every_trainer_folder_has_a_floor():
+    folders = {p.name for p in (ROOT / "services" / "trainer").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == {name for names in TRAINER_FLOORS for name in names} - {"__main__"}
+
+
+def test_an_import_up_a_floor_is_found(tmp_path):
+    root = write(tmp_path, {"services/__init__.py": "", "services/trainer/__init__.py": "",
+                            "services/common/__init__.py": "", "services/reward/__init__.py": "",
+                            "services/reward/client.py": "", "services/trainer/api/__init__.py": "",
+                            "services/trainer/api/jobs.py": "from services.trainer.driver import loop\n",
+                            "services/trainer/driver/__init__.py": "",
+                            "services/trainer/driver/loop.py": "from services.trainer.api.jobs import JobContext\n",
+                            "services/common/x.py": "from services.reward.client import RM_TYPES\n",
+                            "physarum/__init__.py": ""})
+    assert imports_running_up(import_graph(root)) == {("services.trainer.driver.loop", "services.trainer.api.jobs"),
+                                                      ("services.common.x", "services.reward.client")}
 
 
 def test_a_circle_through_a_function_level_or_relative_import_is_found(tmp_path):

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.trainer.jobs import JobRegistry, JobState
-from services.trainer.spec import parse_spec
+from services.trainer.api.jobs import JobRegistry, JobState
+from services.trainer.api.spec import parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 1}
 
@@ -85,7 +85,7 @@ def test_duplicate_and_unknown_jobs_are_clear_errors():
 
 
 def test_the_rest_api_documents_the_job_spec_from_its_declarations():
-    from services.trainer.rest import create_app
+    from services.trainer.api.rest import create_app
 
     registry = JobRegistry(lambda spec, ctx: None)
     try:
@@ -122,7 +122,7 @@ def test_any_base_exception_fails_its_job_and_the_next_runs(raised):
 def test_a_checkpoint_exception_becomes_one_line_per_failing_rank():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from services.trainer.jobs import failure_reason
+    from services.trainer.api.jobs import failure_reason
 
     try:
         raise ValueError("shard __0_0.distcp: unexpected end of file\nmore detail")

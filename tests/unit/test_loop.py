@@ -11,10 +11,10 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
+from services.trainer.api.jobs import JobRegistry, JobState
+from services.trainer.api.spec import parse_spec
 from services.trainer.driver import checkpoint
 from services.trainer.driver.loop import TrainerDeps, train
-from services.trainer.jobs import JobRegistry, JobState
-from services.trainer.spec import parse_spec
 from tests.integration.trainer_ranks import make_samples
 
 NUM_ROLLOUTS = 3

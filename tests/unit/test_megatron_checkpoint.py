@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.trainer.distributed.parallel import World
 from services.trainer.driver import checkpoint
-from services.trainer.parallel import World
 
 
 class FakeSharded:

@@ -9,9 +9,9 @@ import pytest
 
 from services.common.config import load_config
 from services.common.errors import InvalidArgument
-from services.trainer.config import TRAIN_BACKENDS, TrainerConfig
-from services.trainer.spec import JobSpec
-from services.trainer.spec_defaults import spec_defaults, spec_parser
+from services.trainer.api.config import TRAIN_BACKENDS, TrainerConfig
+from services.trainer.api.spec import JobSpec
+from services.trainer.api.spec_defaults import spec_defaults, spec_parser
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 1, "rollout_batch_size": 2}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from physarum.cli import load_job_file
 from physarum.demo import EXAMPLES, backend_overrides
-from services.trainer.spec import parse_spec
+from services.trainer.api.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

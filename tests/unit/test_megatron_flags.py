@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from services.trainer.api.spec import JobSpec
 from services.trainer.slime import args as slime_args
 from services.trainer.slime.megatron_flags import check_arch
-from services.trainer.spec import JobSpec
 
 SPEC_KEYS = set(JobSpec.model_fields)
 SCRIPTS = json.loads((Path(__file__).resolve().parents[1] / "data" / "slime_launch_scripts.json").read_text())
@@ -143,8 +143,8 @@ def test_deepseek_and_glm_moe_routers_are_checked_against_their_fields():
 
 def test_a_qwen3_moe_slime_job_is_accepted_at_submit_with_expert_parallelism(tmp_path):
     from services.common.errors import InvalidArgument
-    from services.trainer.preflight import with_preflight
-    from services.trainer.spec_defaults import spec_parser
+    from services.trainer.api.preflight import with_preflight
+    from services.trainer.api.spec_defaults import spec_parser
 
     (tmp_path / "config.json").write_text(json.dumps(qwen3_30b_a3b()))
     (tmp_path / "train.jsonl").write_text('{"input": "1+1", "label": "2"}\n')

@@ -10,9 +10,9 @@ import pytest
 
 from physarum.families import FAMILIES, tiny_config
 from services.common.errors import InvalidArgument
-from services.trainer import model_families
-from services.trainer.preflight import preflight, with_preflight
-from services.trainer.spec import parse_spec
+from services.trainer.api.preflight import preflight, with_preflight
+from services.trainer.api.spec import parse_spec
+from services.trainer.backends import model_families
 
 MEGATRON_BUILDS = {"qwen3", "llama", "qwen3_moe"}  # of the tiny families
 

@@ -15,7 +15,7 @@ from examples.multiturn.build_dataset import write_dataset
 from services.common.samples import Sample, Status
 from services.rollout.client import RolloutState
 from services.rollout.generation.prompts import PromptEncoder
-from services.trainer.spec import parse_spec
+from services.trainer.api.spec import parse_spec
 from tests.unit.rollout_fakes import FakeBuffer, ScriptedRouter, new_manager, reply, rollout, rollout_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multiturn"

@@ -5,7 +5,7 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.parallel import World, rollout_share, shard_rollout
+from services.trainer.distributed.parallel import World, rollout_share, shard_rollout
 
 
 def rollout(num_samples: int, tokens: list[int] | None = None) -> list[Sample]:

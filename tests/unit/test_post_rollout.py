@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
-from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus, config_from_proto, config_to_proto
+from services.common.settings.rollout import RolloutConfig
+from services.rollout.client import RolloutState, RolloutStatus, config_from_proto, config_to_proto
+from services.trainer.api.spec import parse_spec, slime_args_to_dict
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.post_rollout import eval_due, generation_metrics
-from services.trainer.spec import parse_spec, slime_args_to_dict
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 4,
         "n_samples_per_prompt": 2, "rollout_temperature": 0.8, "rollout_max_response_len": 64}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer.preflight import preflight, with_preflight
-from services.trainer.spec import parse_spec
+from services.trainer.api.preflight import preflight, with_preflight
+from services.trainer.api.spec import parse_spec
 
 
 @pytest.fixture

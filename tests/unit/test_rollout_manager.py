@@ -9,7 +9,8 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Prompt, SampleGroup, Status, group_id_for
-from services.rollout.client import RolloutConfig, RolloutState
+from services.common.settings.rollout import RolloutConfig
+from services.rollout.client import RolloutState
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.generation.prompts import PromptEncoder
 from tests.unit.rollout_fakes import (

@@ -9,9 +9,9 @@ from collections import defaultdict
 import pytest
 
 from services.common.config import POSITIVE, check_fields, declared_in, field, own_settings, settings, shared
-from services.rollout.client import RolloutConfig
+from services.common.settings.rollout import RolloutConfig
+from services.trainer.api.spec import PARTS, JobSpec, parse_spec
 from services.trainer.backends.base import TrainConfig
-from services.trainer.spec import PARTS, JobSpec, parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 4}
 

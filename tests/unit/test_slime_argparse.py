@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.trainer.api.spec import JobSpec, parse_spec
 from services.trainer.slime import args as slime_args
 from services.trainer.slime import argv as slime_argv
-from services.trainer.spec import JobSpec, parse_spec
 
 DECLS = json.loads((Path(__file__).parent.parent / "data" / "slime_flag_decls.json").read_text())
 SPEC_KEYS = set(JobSpec.model_fields)

@@ -17,10 +17,10 @@ import yaml
 
 from services.common import plugins
 from services.common.errors import InvalidArgument
-from services.trainer import preflight
+from services.trainer.api import preflight
+from services.trainer.api.spec import parse_spec
 from services.trainer.slime import flags as slime_flags
 from services.trainer.slime import megatron_flags
-from services.trainer.spec import parse_spec
 
 HERE = Path(__file__).resolve().parents[1]
 EXAMPLES = json.loads((HERE / "slime_examples" / "launch_args.json").read_text())
@@ -190,8 +190,8 @@ def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
 
 @pytest.mark.parametrize("script", sorted(DENSE))
 def test_the_dense_scripts_are_refused_only_for_listed_features(script):
+    from services.trainer.api.spec import JobSpec
     from services.trainer.slime import args as slime_args
-    from services.trainer.spec import JobSpec
 
     conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     assert conv.unknown == []

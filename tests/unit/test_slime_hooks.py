@@ -13,10 +13,10 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.trainer.algorithms.advantages import normalize_advantages
+from services.trainer.api.spec import parse_spec
 from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import build_rollout_batch
-from services.trainer.spec import parse_spec
 from tests.tiny_samples import samples_of
 
 HOOKS = "tests.plugins.slime_hooks"

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer.spec import JobSpec, parse_spec, slime_args_to_dict
+from services.trainer.api.spec import JobSpec, parse_spec, slime_args_to_dict
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 4,
         "n_samples_per_prompt": 8}

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer.spec_defaults import spec_parser
-from services.trainer.spec_paths import PathRoots
+from services.trainer.api.spec_defaults import spec_parser
+from services.trainer.api.spec_paths import PathRoots
 
 
 @pytest.fixture
@@ -53,8 +53,8 @@ def test_physarum_up_confines_paths_by_default(tmp_path, monkeypatch):
     the current directory, the work dir's parent and the temp dir pass; /etc and the home directory do not."""
     from physarum.stack import StackOptions, root_flags
     from services.common.config import load_config
-    from services.trainer.config import TrainerConfig
-    from services.trainer.spec_defaults import path_roots
+    from services.trainer.api.config import TrainerConfig
+    from services.trainer.api.spec_defaults import path_roots
 
     monkeypatch.chdir(tmp_path)
     work_dir = tmp_path / "stack"

@@ -40,7 +40,7 @@ def test_make_broadcaster_names_each_backend():
 
 
 def test_delta_and_disk_settings_pick_their_broadcasters(tmp_path):
-    from services.trainer.sync.config import DeltaSettings, SyncConfig
+    from services.common.settings.sync import DeltaSettings, SyncConfig
     from services.trainer.sync.delta_disk import DiskBroadcaster
     from services.trainer.sync.delta_push import DeltaBroadcaster
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.trainer.api.spec import parse_spec
 from services.trainer.driver import wandb_log
 from services.trainer.driver.metrics import MetricsWriter
-from services.trainer.spec import parse_spec
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 1,
         "job_id": "wandb-job"}

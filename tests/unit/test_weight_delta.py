@@ -9,8 +9,8 @@ import torch
 
 from services.common import weight_delta
 from services.common.errors import FailedPrecondition
+from services.common.settings.sync import DeltaSettings
 from services.engine.delta import apply_blob
-from services.trainer.sync.config import DeltaSettings
 from services.trainer.sync.delta import DeltaTracker, bits, served
 
 

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from services.common.errors import FailedPrecondition
-from services.trainer.parallel import STOP
-from services.trainer.spec import parse_spec
-from services.trainer.worker import Dispatcher
+from services.trainer.api.spec import parse_spec
+from services.trainer.api.worker import Dispatcher
+from services.trainer.distributed.parallel import STOP
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 1, "rollout_batch_size": 2}
 

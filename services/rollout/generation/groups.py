@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
-from services.rollout.client import RolloutConfig
+from services.common.settings.rollout import RolloutConfig
 from services.rollout.generation.agents import AgentGateway, agent_generate_function, session_opener
 from services.rollout.generation.generate import (
     GenerateContext,

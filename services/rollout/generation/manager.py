@@ -18,7 +18,8 @@ import httpx
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
-from services.rollout.client import RolloutConfig, RolloutState, RolloutStatus
+from services.common.settings.rollout import RolloutConfig
+from services.rollout.client import RolloutState, RolloutStatus
 from services.rollout.generation import filters
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus

@@ -11,7 +11,8 @@ from typing import Any
 
 from services.common.rollout_stats import RolloutStats
 from services.common.samples import Prompt, Sample
-from services.rollout.client import RolloutConfig, RolloutState
+from services.common.settings.rollout import RolloutConfig
+from services.rollout.client import RolloutState
 from services.rollout.generation.groups import Generation
 
 

@@ -19,7 +19,7 @@ from services.common import plugins
 from services.common.errors import InvalidArgument, PhysarumError
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Sample
-from services.rollout.client import RolloutConfig
+from services.common.settings.rollout import RolloutConfig
 from services.rollout.generation.batcher import Batcher
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from services.common import plugins
 from services.common.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Rule, check_fields, field, shared
 from services.common.samples import Sample
+from services.common.settings.rollout import LossType, RolloutConfig
 from services.common.shares import Share
-from services.rollout.client import LossType, RolloutConfig
 from services.trainer.algorithms.names import (
     ADVANTAGE_ESTIMATORS,
     KL_LOSS_TYPES,  # noqa: F401 - re-exported: the names a config accepts

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from services.common.errors import InvalidArgument
 from services.trainer.backends.safe_dcp import SafeFileSystemReader
-from services.trainer.parallel import World
+from services.trainer.distributed.parallel import World
 
 
 class DCPCheckpointing:

@@ -24,7 +24,6 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer import devices, parallel
 from services.trainer.backends import packing, rl_step, slime_hooks, varlen
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
@@ -34,7 +33,8 @@ from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
 from services.trainer.backends.registry import register
 from services.trainer.backends.schedule import MicroBatch, Step, split_to, step_schedule
-from services.trainer.hf_files import TOKENIZER_FILES, copy_side_files
+from services.trainer.distributed import devices, parallel
+from services.trainer.distributed.hf_files import TOKENIZER_FILES, copy_side_files
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import get_args
 from services.common.errors import InvalidArgument
 from services.trainer.backends.base import TrainBackend, TrainConfig
 from services.trainer.backends.layout import BackendName, LayoutConfig
-from services.trainer.parallel import World
+from services.trainer.distributed.parallel import World
 
 # (hf_checkpoint, training settings, layout, this rank's world, CPU threads) -> the backend on this rank
 Builder = Callable[[str, TrainConfig, LayoutConfig, World, int], TrainBackend]

@@ -2,7 +2,7 @@
 
 The pages (`/dashboard/`) are static files and hold no data; everything they show comes from `/v1/...`, which the
 job API's middleware guards with its bearer token. What the pages read: the job registry (jobs, their events and
-metrics history), the latest rollout's samples (`samples.BOARD`), the job's checkpoints on disk, the trainer's log
+metrics history), the latest rollout's samples (`sample_board.BOARD`), the job's checkpoints on disk, the trainer's log
 tail, the rollout manager's pool through its client and the buffer's counters through its client.
 """
 
@@ -21,7 +21,7 @@ from services.buffer.client import BufferClient
 from services.common.errors import InvalidArgument, NotFound, PhysarumError
 from services.rollout.client import PoolStatus, RolloutClient
 from services.trainer.dashboard import logtail
-from services.trainer.dashboard.samples import BOARD
+from services.trainer.driver.sample_board import BOARD
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_LOG_LINES = 1000

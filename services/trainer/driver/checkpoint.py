@@ -23,7 +23,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
-from services.trainer.parallel import World
+from services.trainer.distributed.parallel import World
 
 if TYPE_CHECKING:
     from services.trainer.backends.base import TrainBackend

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from services.buffer.client import BufferClient
 from services.rollout.client import RolloutClient
-from services.trainer.parallel import World
+from services.trainer.distributed.parallel import World
 
 
 @dataclass

@@ -27,16 +27,17 @@ from services.buffer.client import STREAM_ROLLOUT_ID, DataSourceState
 from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
 from services.common.rollout_stats import RolloutStats
 from services.common.samples import Sample, SampleGroup, weight_version_range
+from services.common.settings.driver import DriverConfig
+from services.common.settings.rollout import RolloutConfig
 from services.common.shares import Share, share_positions
-from services.rollout.client import RolloutConfig, RolloutState
+from services.rollout.client import RolloutState
+from services.trainer.distributed.parallel import RankAborted, shard_rollout
 from services.trainer.driver import checkpoint, wandb_log
-from services.trainer.driver.config import DriverConfig
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.intervals import should_run_periodic_action
+from services.trainer.driver.job import JobControl
 from services.trainer.driver.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.driver.post_rollout import generation_metrics
-from services.trainer.jobs import JobContext
-from services.trainer.parallel import RankAborted, shard_rollout
 from services.trainer.sync.versions import EngineWeights
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class RolloutFeed:
     underscored ones run on rank 0 alone. `samples(i)` is this rank's share of rollout i, generated with the weights
     the engines hold (`weights.version`; the trainer's own before training rollout i are version i)."""
 
-    def __init__(self, driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext | None,
+    def __init__(self, driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobControl | None,
                  weights: EngineWeights | None = None, share: Share = Share()) -> None:
         self.driver, self.config, self.deps, self.ctx = driver, rollout, deps, ctx
         self.world, self.job_id, self.share = deps.world, driver.job_id, share
@@ -319,7 +320,7 @@ FEEDS: dict[str, type[RolloutFeed]] = {"sync": RolloutFeed, "one_step_async": On
                                        "fully_async": FullyAsyncFeed}
 
 
-def make_feed(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext | None,
+def make_feed(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobControl | None,
               weights: EngineWeights | None = None, share: Share = Share()) -> RolloutFeed:
     """The feed of the job's mode, for this rank's `share` of each rollout."""
     return FEEDS[driver.mode](driver, rollout, deps, ctx, weights, share)

@@ -15,20 +15,19 @@ import time
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
-from services.rollout.client import RolloutConfig
+from services.common.settings.driver import DriverConfig
+from services.common.settings.rollout import RolloutConfig
+from services.common.settings.sync import SyncConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
 from services.trainer.backends.base import TrainBackend
 from services.trainer.backends.registry import build_backend
-from services.trainer.dashboard.samples import BOARD
+from services.trainer.distributed.parallel import RankAborted, World
 from services.trainer.driver import checkpoint
-from services.trainer.driver.config import DriverConfig
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import RolloutFeed, combine_rollout_stats, make_feed, metrics_writer, rollout_sums
 from services.trainer.driver.intervals import should_run_periodic_action
-from services.trainer.jobs import JobContext, JobPreempted, preempted
-from services.trainer.parallel import RankAborted, World
-from services.trainer.spec import JobSpec
-from services.trainer.sync.config import SyncConfig
+from services.trainer.driver.job import JobControl, JobParts, JobPreempted, preempted
+from services.trainer.driver.sample_board import BOARD
 from services.trainer.sync.versions import EngineWeights
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world
     return state.rollout_id + 1
 
 
-def load_dataset(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobContext) -> None:
+def load_dataset(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, ctx: JobControl) -> None:
     info = deps.buffer.load_dataset(driver.job_id, driver.prompt_data, input_key=rollout.input_key,
                                     label_key=rollout.label_key, metadata_key=rollout.metadata_key,
                                     apply_chat_template=rollout.apply_chat_template,
@@ -68,7 +67,7 @@ def load_dataset(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps
     ctx.report(-1, {}, f"dataset: {info.num_prompts} prompts, {info.num_skipped} rows skipped")
 
 
-def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobContext, deps: TrainerDeps) -> None:
+def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobControl, deps: TrainerDeps) -> None:
     """debug_rollout_only (rank 0 alone): generate (and dump) rollouts with the engines' weights; train nothing."""
     load_dataset(driver, rollout, deps, ctx)
     writer = metrics_writer(driver, deps, rollout.args)
@@ -84,12 +83,12 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobContext, 
         writer.close()
 
 
-def make_backend(spec: JobSpec, world: World, num_threads: int) -> TrainBackend:
+def make_backend(spec: JobParts, world: World, num_threads: int) -> TrainBackend:
     """The spec's train_backend on this rank, built from the spec's training settings and layout."""
     return build_backend(spec.hf_checkpoint, spec.train, spec.layout, world, num_threads)
 
 
-def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
+def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
     """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks). The spec is cut
     into its parts here, once: the loop reads the driver's settings, each part gets its own config."""
     driver, rollout = spec.driver, spec.rollout
@@ -104,7 +103,7 @@ def train(spec: JobSpec, ctx: JobContext | None, deps: TrainerDeps) -> None:
 
 
 def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend: TrainBackend,
-        ctx: JobContext | None, deps: TrainerDeps) -> None:
+        ctx: JobControl | None, deps: TrainerDeps) -> None:
     """The rollout -> train -> checkpoint -> weights loop of every mode; the feed is where the modes differ."""
     world, last = deps.world, driver.num_rollout - 1
     weights = EngineWeights(world, deps.rollout, engines=driver.engines, sync=sync,

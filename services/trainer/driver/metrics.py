@@ -24,7 +24,6 @@ _lock = threading.Lock()
 
 ROLLOUTS = Counter(f"{PREFIX}rollouts", "rollouts trained on (or generated, under debug_rollout_only)")
 CHECKPOINTS = Counter(f"{PREFIX}checkpoints", "checkpoints saved")
-JOBS = Counter(f"{PREFIX}jobs_finished", "jobs that ended, by final state", ["state"])
 ROLLOUT_ID = Gauge(f"{PREFIX}rollout_id", "the running job's last finished rollout id", ["job"])
 
 

@@ -11,8 +11,8 @@ import logging
 import time
 
 from services.common.errors import InvalidArgument, PhysarumError
-from services.rollout.client import RolloutConfig
-from services.trainer.driver.config import DriverConfig
+from services.common.settings.driver import DriverConfig
+from services.common.settings.rollout import RolloutConfig
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.intervals import should_run_periodic_action
 

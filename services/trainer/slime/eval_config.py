@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from services.rollout.client import EVAL_DATASET_SETTINGS
+from services.common.settings.rollout import EVAL_DATASET_SETTINGS
 
 # slime's dataset setting -> the spec key that holds it for every eval dataset
 SETTINGS = {"n_samples_per_eval_prompt": "n_samples_per_eval_prompt", "temperature": "eval_temperature",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.trainer.model_families import language_model_config
+from services.trainer.backends.model_families import language_model_config
 from services.trainer.slime.flags import Flag
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from services.trainer.sync.config import DeltaSettings
+from services.common.settings.sync import DeltaSettings
 from services.trainer.sync.delta_disk import DiskBroadcaster
 from services.trainer.sync.delta_push import DeltaBroadcaster
 from services.trainer.sync.shm import SHM_ROOT, SharedMemoryBroadcaster

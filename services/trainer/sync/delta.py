@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from services.common import weight_delta
-from services.trainer.sync.config import DeltaSettings
+from services.common.settings.sync import DeltaSettings
 
 log = logging.getLogger(__name__)
 

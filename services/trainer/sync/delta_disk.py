@@ -20,10 +20,10 @@ import torch
 
 from services.common import safetensors_io, weight_delta
 from services.common.errors import PhysarumError
+from services.common.settings.sync import DeltaSettings
 from services.common.sglang import SGLangClient
-from services.trainer.hf_files import copy_side_files
+from services.trainer.distributed.hf_files import copy_side_files
 from services.trainer.sync import wire
-from services.trainer.sync.config import DeltaSettings
 from services.trainer.sync.delta import DeltaTracker
 from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, _on_all
 

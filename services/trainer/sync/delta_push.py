@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from services.common.settings.sync import DeltaSettings
 from services.trainer.sync import wire
-from services.trainer.sync.config import DeltaSettings
 from services.trainer.sync.delta import DeltaTracker
 from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, _alongside, _on_all, buckets
 

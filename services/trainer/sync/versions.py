@@ -10,9 +10,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from services.common.settings.sync import SyncConfig
 from services.rollout.client import RolloutClient, snapshot_path
-from services.trainer.parallel import World
-from services.trainer.sync.config import SyncConfig
+from services.trainer.distributed.parallel import World
 
 if TYPE_CHECKING:
     from services.trainer.backends.base import TrainBackend

@@ -28,7 +28,7 @@ from services.common import safetensors_io
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
 from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
-from services.trainer.hf_files import copy_side_files
+from services.trainer.distributed.hf_files import copy_side_files
 from services.trainer.sync import wire
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from services.common.errors import InvalidArgument
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.registry import register
-from services.trainer.parallel import World
+from services.trainer.distributed.parallel import World
 
 if TYPE_CHECKING:
     from services.trainer.backends.megatron.backend import MegatronBackend

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer import devices
 from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends import optim, packing, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
@@ -34,6 +33,7 @@ from services.trainer.backends.megatron.arch import ModelArch
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from services.trainer.backends.schedule import MicroBatch, dp_schedule
+from services.trainer.distributed import devices
 
 log = logging.getLogger(__name__)
 

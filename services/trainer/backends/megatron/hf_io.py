@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import InvalidArgument
-from services.trainer.hf_files import copy_side_files
+from services.trainer.distributed.hf_files import copy_side_files
 
 # Copied next to the weights, so the directory is a complete model for transformers and the engines.
 

@@ -1,4 +1,4 @@
-"""The trainer's ranks > 0 (`python -m services.trainer.worker`) and rank 0's side of handing them jobs.
+"""The trainer's ranks > 0 (`python -m services.trainer.api.worker`) and rank 0's side of handing them jobs.
 
 A worker joins the world, then loops: take rank 0's next job spec from the world's store, run the same driver on
 its share (read from the buffer), report it done, wait again. It serves nothing and talks to no service but the
@@ -15,12 +15,13 @@ import threading
 from services.common.config import as_dict, load_config
 from services.common.errors import FailedPrecondition
 from services.common.logging import configure_logging
-from services.trainer.config import TrainerConfig
-from services.trainer.jobs import JobCancelled, JobContext, Runner
-from services.trainer.parallel import STOP, RankAborted, World, init_world
-from services.trainer.spec import JobSpec
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.jobs import JobContext, Runner
+from services.trainer.api.spec import JobSpec
+from services.trainer.distributed.parallel import STOP, RankAborted, World, init_world
+from services.trainer.driver.job import JobCancelled
 
-log = logging.getLogger("services.trainer.worker")
+log = logging.getLogger("services.trainer.api.worker")
 
 DONE_TIMEOUT_S = 60.0  # how long rank 0 waits, after a job, for the workers to finish it too
 

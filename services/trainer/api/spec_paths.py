@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from services.common.paths import confine
-from services.trainer.spec import JobSpec
+from services.trainer.api.spec import JobSpec
 
 READS = ("hf_checkpoint", "load", "ref_load", "load_debug_rollout_data")
 CHECKPOINT_WRITES = ("save", "update_weight_disk_dir")  # the disk dir: published weights, cleared at start

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from services.trainer.config import TrainerConfig
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.spec import JobSpec, parse_spec
+from services.trainer.api.spec_paths import PathRoots, confine_paths
 from services.trainer.slime import args as slime_args
-from services.trainer.spec import JobSpec, parse_spec
-from services.trainer.spec_paths import PathRoots, confine_paths
 
 SpecParser = Callable[[Any], JobSpec]
 

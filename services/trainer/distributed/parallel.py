@@ -1,6 +1,6 @@
 """The trainer's ranks as one static torch.distributed world, formed at start-up from torchrun's variables.
 
-Rank 0 runs the job API and alone talks to the rollout manager; ranks 1..N-1 (`python -m services.trainer.worker`)
+Rank 0 runs the job API and alone talks to the rollout manager; ranks 1..N-1 (`python -m services.trainer.api.worker`)
 take each job from the world's store, run the same driver and read their own share of each rollout from the buffer.
 Here: forming the world, handing jobs over, rank 0's broadcasts (control results, never samples), a rollout's split
 across ranks and a model's FSDP2 sharding. Training itself is the backend's.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, SampleGroup
 from services.common.shares import Share, share_positions
-from services.trainer import devices
+from services.trainer.distributed import devices
 
 log = logging.getLogger(__name__)
 

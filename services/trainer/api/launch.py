@@ -1,7 +1,7 @@
-"""A trainer pod's entry point (`python -m services.trainer.launch`): one process per visible GPU, as torchrun.
+"""A trainer pod's entry point (`python -m services.trainer.api.launch`): one process per visible GPU, as torchrun.
 
 Local rank r of pod p is global rank p × nproc_per_pod + r, with torchrun's RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE and GROUP_RANK; global rank 0 runs the trainer service, the others `services.trainer.worker`. Each
+LOCAL_WORLD_SIZE and GROUP_RANK; global rank 0 runs the trainer service, the others `services.trainer.api.worker`. Each
 rank is a fresh interpreter (spawned, never forked: CUDA cannot live in a forked child). When one rank exits with an
 error the others are stopped and the launcher exits with its code; SIGTERM is passed on to every rank.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from services.common.config import field, load_config
 from services.common.logging import configure_logging
 
-log = logging.getLogger("services.trainer.launch")
+log = logging.getLogger("services.trainer.api.launch")
 
 POLL_S = 0.2
 STOP_GRACE_S = 30.0  # how long the other ranks get to exit after one failed
@@ -56,7 +56,7 @@ def rank_envs(*, pod_index: int, num_pods: int, nproc_per_pod: int) -> list[dict
 
 
 def rank_command(rank: int, rank_module: str = "") -> list[str]:
-    module = rank_module or ("services.trainer" if rank == 0 else "services.trainer.worker")
+    module = rank_module or ("services.trainer" if rank == 0 else "services.trainer.api.worker")
     return [sys.executable, "-m", module]
 
 

@@ -10,10 +10,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from services.common.strict_json import StrictJsonBodies
-from services.trainer.auth import check_bearer
-from services.trainer.jobs import JobRegistry, JobState
-from services.trainer.spec import JobSpec, parse_spec
-from services.trainer.spec_defaults import SpecParser
+from services.trainer.api.auth import check_bearer
+from services.trainer.api.jobs import JobRegistry, JobState
+from services.trainer.api.spec import JobSpec, parse_spec
+from services.trainer.api.spec_defaults import SpecParser
 
 _STATUS = {InvalidArgument: 400, NotFound: 404, FailedPrecondition: 409, Unavailable: 503}
 

@@ -19,14 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Counter
+
 from services.common.errors import FailedPrecondition, NotFound
-from services.trainer.driver.metrics import JOBS
-from services.trainer.spec import JobSpec
+from services.trainer.api.spec import JobSpec
+from services.trainer.driver.job import JobCancelled, JobPreempted
+from services.trainer.driver.metrics import PREFIX
 
 if TYPE_CHECKING:
-    from services.trainer.job_store import RedisJobStore
+    from services.trainer.api.job_store import RedisJobStore
 
 log = logging.getLogger(__name__)
+
+JOBS = Counter(f"{PREFIX}jobs_finished", "jobs that ended, by final state", ["state"])
 
 
 class JobState(enum.Enum):
@@ -82,17 +87,8 @@ class Job:
         return changes
 
 
-class JobCancelled(Exception):
-    """Raised inside a running job when it is cancelled."""
-
-
-class JobPreempted(JobCancelled):
-    """Raised inside a running job when the trainer stops (SIGTERM): the job stays unfinished and resumes from its
-    latest checkpoint at the trainer's next start."""
-
-
 class JobContext:
-    """What a running job sees of the registry: progress reporting and cancellation."""
+    """What a running job sees of the registry (the driver's JobControl): progress reporting and cancellation."""
 
     def __init__(self, registry: JobRegistry, job: Job) -> None:
         self._registry = registry
@@ -305,12 +301,6 @@ class JobRegistry:
 
 
 PREEMPTED = "preempted"
-
-
-def preempted(err: BaseException) -> bool:
-    """`err` ends a job because the trainer is stopping: JobPreempted on rank 0, the RankAborted that names it on
-    the other ranks."""
-    return isinstance(err, JobPreempted) or f"{JobPreempted.__name__}:" in str(err)
 CHECKPOINT_METRIC = "perf/save_seconds"  # in a rollout's metrics when the loop saved a checkpoint after it
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from services.common import plugins
 from services.common.errors import InvalidArgument
-from services.trainer import model_families
-from services.trainer.spec import JobSpec
+from services.trainer.api.spec import JobSpec
+from services.trainer.backends import model_families
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",

@@ -15,14 +15,14 @@ from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server
 from services.common.rest import RestServer
 from services.common.samples import dict_to_struct, struct_to_dict
-from services.trainer.auth import check_bearer
-from services.trainer.config import TrainerConfig
+from services.trainer.api.auth import check_bearer
+from services.trainer.api.config import TrainerConfig
+from services.trainer.api.jobs import Job, JobEvent, JobRegistry, JobState, Runner
+from services.trainer.api.preflight import with_preflight
+from services.trainer.api.rest import create_app
+from services.trainer.api.spec import parse_spec
+from services.trainer.api.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
 from services.trainer.dashboard.api import mount_dashboard
-from services.trainer.jobs import Job, JobEvent, JobRegistry, JobState, Runner
-from services.trainer.preflight import with_preflight
-from services.trainer.rest import create_app
-from services.trainer.spec import parse_spec
-from services.trainer.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class TrainerServers:
 async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
     store = None
     if config.jobs_redis_url:
-        from services.trainer.job_store import RedisJobStore
+        from services.trainer.api.job_store import RedisJobStore
 
         store = await asyncio.to_thread(RedisJobStore, config.jobs_redis_url)
     registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts)  # waits for Redis

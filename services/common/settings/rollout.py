@@ -1,0 +1,163 @@
+"""The rollout's settings of a job (`RolloutConfig`): slime's rollout flags, each a job-spec key declared here once,
+checked where they are made. The rollout manager runs with them; the trainer's settings share some of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from services.common.config import NON_NEGATIVE, POSITIVE, PROBABILITY, REQUIRED, check_fields, field
+from services.common.errors import InvalidArgument
+from services.common.settings.rewards import check_rm_type
+
+LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
+# an eval dataset's own settings (slime's eval config names) -> the RolloutConfig field each replaces for it
+EVAL_DATASET_SETTINGS = {"n_samples_per_eval_prompt": "n_samples_per_eval_prompt", "temperature": "eval_temperature",
+                         "top_p": "eval_top_p", "top_k": "eval_top_k", "max_response_len": "eval_max_response_len",
+                         "input_key": "eval_input_key", "label_key": "eval_label_key", "metadata_key": "metadata_key",
+                         "rm_type": "rm_type", "custom_rm_path": "custom_rm_path"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """What the manager needs to know of a job (proto RolloutConfig). Field names are slime's flags; each setting's
+    declaration here (default, help, rule) is the job spec's, and the trainer's TrainConfig shares the ones it needs.
+    """
+
+    job_id: str = field("", "the job's id", internal=True)
+    tokenizer_path: str = field("", "the tokenizer (the job's hf_checkpoint; empty: the engines' model directory)",
+                                internal=True)
+    args: dict[str, Any] = field({}, "the whole job spec, for plugins (slime's `args`)", internal=True)
+    rollout_batch_size: int = field(REQUIRED, "prompts (groups) per rollout", POSITIVE)
+    n_samples_per_prompt: int = field(1, "samples per prompt; consecutive samples form one reward group", POSITIVE)
+    rollout_temperature: float = field(1.0, "sampling temperature (the trainer divides logits by it too)",
+                                       NON_NEGATIVE)
+    rollout_top_p: float = field(1.0, "nucleus sampling threshold", PROBABILITY)
+    rollout_top_k: int = field(-1, "top-k sampling (-1: off)")
+    rollout_max_response_len: int = field(1024, "most tokens generated per sample", POSITIVE)
+    rollout_stop: list[str] = field([], "stop strings")
+    rollout_stop_token_ids: list[int] = field([], "stop token ids")
+    rm_type: str = field("math", "built-in reward, slime's rm_hub: math, deepscaler, dapo, f1, gpqa, remote_rm, random "
+                                 "(a boxed_ prefix scores the last \\boxed{}), or exact_match; a sample's "
+                                 "metadata.rm_type wins")
+    custom_rm_path: str = field("", "import path of async def reward(args, sample) -> float (or dict)")
+    reward_key: str = field("", "train on sample.reward_scores[reward_key] when a reward function returns a dict")
+    rm_url: str = field("", "rm_type remote_rm: the reward model's HTTP endpoint (POST prompt, response, label)")
+    loss_mask_type: Literal["qwen", "qwen3", "distill"] = field(
+        "qwen", "sft_loss on conversations: how the chat template marks the assistant turns that train")
+    reward_timeout_s: float = field(10.0, "seconds a sample's reward may take", POSITIVE)
+    loss_type: LossType = field("policy_loss", "policy_loss (RL), sft_loss (NLL of prompt + label, no generation) "
+                                               "or custom_loss")
+    # The job spec's user-facing default (slime has no such flag): a lease not acked in this time goes back.
+    lease_timeout_s: float = field(60.0, "seconds before a leased prompt goes back to the buffer", POSITIVE)
+    over_sampling_batch_size: int | None = field(
+        None, "groups leased per refill, >= rollout_batch_size (None or 0: the missing ones)")
+    dynamic_sampling_filter_path: str = field(
+        "", "fn(args, samples) -> DynamicFilterOutput | bool, or a built-in filter's name")
+    partial_rollout: bool = field(False, "groups aborted once the batch is full keep their tokens for the next "
+                                         "rollout")
+    mask_offpolicy_in_partial_rollout: bool = field(False, "an earlier rollout's tokens get loss_mask 0")
+    custom_generate_function_path: str = field("", "async def generate(args, sample, sampling_params) -> Sample")
+    group_rm: bool = field(False, "custom_rm_path is async def f(args, samples) -> list[float], once per group")
+    eval_prompt_data: list[str] = field([], "eval datasets as name=path (slime's name path pairs are accepted)")
+    n_samples_per_eval_prompt: int = field(1, "samples per eval prompt", POSITIVE)
+    eval_temperature: float | None = field(None, "eval sampling temperature (None: rollout_temperature)",
+                                           NON_NEGATIVE)
+    eval_top_p: float | None = field(None, "eval nucleus threshold (None: rollout_top_p)", PROBABILITY)
+    eval_max_response_len: int | None = field(None, "eval response limit (None: rollout_max_response_len)",
+                                              POSITIVE)
+    eval_top_k: int | None = field(None, "eval top-k sampling (None: rollout_top_k; -1: off)")
+    eval_input_key: str | None = field(None, "the prompt's key in the eval datasets (None: input_key)")
+    eval_label_key: str | None = field(None, "the label's key in the eval datasets (None: label_key)")
+    eval_dataset_settings: dict[str, dict[str, Any]] = field(
+        {}, "per eval dataset (by name), settings of its own over the eval_* keys, as slime's --eval-config datasets "
+            "set them: " + ", ".join(EVAL_DATASET_SETTINGS))
+    input_key: str = field("input", "the prompt's key in each data row")
+    label_key: str = field("label", "the label's key in each data row (slime's default)")
+    metadata_key: str = field("metadata", "the metadata's key in each data row")
+    apply_chat_template: bool = field(False, "wrap each prompt in the tokenizer's chat template")
+    max_inflight_groups: int | None = field(
+        None, "fully_async: groups generating or waiting (None: rollout_batch_size); > 0 makes the manager stream")
+    agent_function_path: str = field(
+        "", "import path of async def agent(base_url, api_key, prompt) -> float | None, run per sample against its "
+            "own session of the agent gateway (OpenAI and Anthropic APIs); a float return is the sample's reward")
+    agent_timeout_s: float = field(600.0, "seconds an agent may run; its session then ends and the sample is the "
+                                          "trajectory so far, truncated", POSITIVE)
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise InvalidArgument("rollout config: job_id must not be empty")
+        check_fields(self, InvalidArgument, "rollout config")
+        fallbacks = {"eval_temperature": self.rollout_temperature, "eval_top_p": self.rollout_top_p,
+                     "eval_max_response_len": self.rollout_max_response_len, "over_sampling_batch_size": 0,
+                     "eval_top_k": self.rollout_top_k, "eval_input_key": self.input_key,
+                     "eval_label_key": self.label_key,
+                     "max_inflight_groups": 0}
+        for name, value in fallbacks.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.over_sampling_batch_size and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise InvalidArgument(f"rollout config: over_sampling_batch_size ({self.over_sampling_batch_size}) must "
+                                  f"be >= rollout_batch_size ({self.rollout_batch_size}), or 0")
+        if self.max_inflight_groups < 0:
+            raise InvalidArgument(f"rollout config: max_inflight_groups must be >= 0, got {self.max_inflight_groups}")
+        if 0 < self.max_inflight_groups < self.rollout_batch_size:
+            raise InvalidArgument(f"rollout config: max_inflight_groups ({self.max_inflight_groups}) must be >= "
+                                  f"rollout_batch_size ({self.rollout_batch_size})")
+        if self.max_inflight_groups and self.partial_rollout:
+            raise InvalidArgument("rollout config: partial_rollout does not apply to a fully_async stream (it never "
+                                  "aborts groups to end a batch)")
+        for entry in self.eval_prompt_data:
+            name, _, path = entry.partition("=")
+            if not name or not path:
+                raise InvalidArgument(f"rollout config: eval_prompt_data entry {entry!r} is not 'name=path'")
+        for name in self.eval_dataset_settings:
+            if name not in self.eval_datasets:
+                raise InvalidArgument(f"rollout config: eval_dataset_settings names {name!r}, which is not an eval "
+                                      f"dataset ({', '.join(self.eval_datasets) or 'none'})")
+            if self.eval_dataset_settings[name]:
+                self.for_eval_dataset(name)
+        if not self.custom_rm_path:
+            if self.rm_type:
+                check_rm_type(self.rm_type, where="rollout config")
+            if self.rm_type.removeprefix("boxed_") == "remote_rm" and not self.rm_url:
+                raise InvalidArgument("rollout config: rm_type remote_rm needs rm_url (the reward model's HTTP "
+                                      "endpoint)")
+        if self.group_rm and not self.custom_rm_path:
+            raise InvalidArgument("rollout config: group_rm needs custom_rm_path (async def f(args, samples) -> "
+                                  "list[float])")
+        if self.agent_function_path and (self.custom_generate_function_path or self.partial_rollout):
+            raise InvalidArgument("rollout config: agent_function_path runs the agent as the sample's generate "
+                                  "function: leave custom_generate_function_path empty and partial_rollout off (an "
+                                  "agent does not resume an aborted session)")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise InvalidArgument("rollout config: mask_offpolicy_in_partial_rollout needs partial_rollout")
+
+    @property
+    def eval_datasets(self) -> dict[str, str]:
+        """eval_prompt_data as {name: path}, in order."""
+        return dict(entry.split("=", 1) for entry in self.eval_prompt_data)
+
+    def for_eval_dataset(self, name: str) -> RolloutConfig:
+        """This config with eval dataset `name`'s own settings (eval_dataset_settings) over the eval_* keys; checked
+        as any config is (a bad rm_type fails naming it)."""
+        settings = self.eval_dataset_settings.get(name) or {}
+        unknown = sorted(set(settings) - set(EVAL_DATASET_SETTINGS))
+        if unknown:
+            raise InvalidArgument(f"rollout config: eval_dataset_settings[{name!r}]: unknown settings {unknown}; "
+                                  f"expected {', '.join(EVAL_DATASET_SETTINGS)}")
+        hints = {f.name: f.type for f in dataclasses.fields(RolloutConfig)}
+        values = {}
+        for key, value in settings.items():
+            if value is None:
+                continue
+            target = EVAL_DATASET_SETTINGS[key]
+            integral = "int" in str(hints[target]) and isinstance(value, float) and value.is_integer()
+            values[target] = int(value) if integral else value  # a proto Struct carries numbers as floats
+        try:
+            return dataclasses.replace(self, eval_dataset_settings={}, **values)
+        except InvalidArgument as err:
+            raise InvalidArgument(f"rollout config: eval_dataset_settings[{name!r}]: "
+                                  f"{str(err).removeprefix('rollout config: ')}") from None

@@ -1,0 +1,62 @@
+"""What the driver sees of a job: its settings cut into parts (`JobParts`, what the job API's JobSpec offers), its
+controls on rank 0 (`JobControl`: report progress, notice a cancel), and the exceptions that end it early.
+
+Declared here, below the job API, so the driver knows no registry, server or spec parser: the API hands it a spec
+and a control that fit these shapes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from services.common.settings.driver import DriverConfig
+    from services.common.settings.rollout import RolloutConfig
+    from services.common.settings.sync import SyncConfig
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.layout import LayoutConfig
+
+
+class JobCancelled(Exception):
+    """Raised inside a running job when it is cancelled."""
+
+
+class JobPreempted(JobCancelled):
+    """Raised inside a running job when the trainer stops (SIGTERM): the job stays unfinished and resumes from its
+    latest checkpoint at the trainer's next start."""
+
+
+def preempted(err: BaseException) -> bool:
+    """`err` ends a job because the trainer is stopping: JobPreempted on rank 0, the RankAborted that names it on
+    the other ranks."""
+    return isinstance(err, JobPreempted) or f"{JobPreempted.__name__}:" in str(err)
+
+
+class JobControl(Protocol):
+    """A running job's line to whoever runs it (rank 0 only)."""
+
+    def report(self, rollout_id: int, metrics: dict[str, float], message: str = "") -> None: ...
+
+    def check_cancelled(self) -> None:
+        """Raises JobCancelled (JobPreempted when the trainer is stopping) once the job should end."""
+
+
+class JobParts(Protocol):
+    """A job's settings as the parts the driver, the backend and the weight sync take."""
+
+    hf_checkpoint: str
+
+    @property
+    def driver(self) -> DriverConfig: ...
+
+    @property
+    def rollout(self) -> RolloutConfig: ...
+
+    @property
+    def train(self) -> TrainConfig: ...
+
+    @property
+    def layout(self) -> LayoutConfig: ...
+
+    @property
+    def sync(self) -> SyncConfig: ...
