@@ -1,7 +1,8 @@
 """slime's example launch scripts (tests/slime_examples/launch_args.json: the train.py / train_async.py argv each
 script builds, model block included) submitted as they are, with the files they name present: the models' HF
 config.json, prompt rows, the YAML files. Each is accepted at submit, or refused only for features that
-docs/slime-flags.md lists as refused (context parallelism, on-policy distillation, MoE, MTP), each with its reason.
+docs/slime-flags.md lists as refused (on-policy distillation, MoE, MTP), each with its reason, or for context
+parallelism on megatron (the refusal names fsdp, which runs it).
 A slime user's one change, dropping a refused flag, is shown by appending its accepted value (the last one wins)."""
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ HF_CONFIGS = {
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
-    "train_infer_mismatch_helper": {"--context-parallel-size"},
+    # --context-parallel-size 2 on slime's default backend: megatron-core's local attention has no CP, fsdp has
+    "train_infer_mismatch_helper": {"context parallelism"},
     # Qwen3-30B-A3B with TP=4: Megatron here builds Qwen3-MoE with expert parallelism but not tensor parallelism
     "multi_agent": {"family"},
     "on_policy_distillation_sglang": {"--use-opd", "--opd-type", "--opd-kl-coef"},
@@ -64,6 +66,7 @@ REFUSED = {
     "on_policy_distillation_megatron": {"--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load"},
 }
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
+CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
 PLUGIN_MODULES = "generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent"
 
@@ -134,12 +137,16 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
+    if REFUSED[name] == {"context parallelism"}:
+        assert problems == [f"job spec: {CP_REFUSAL} (megatron-core's local attention cannot split a sequence); set "
+                            "train_backend: fsdp (slime: --train-backend fsdp)"], problems
+        return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
         checked = flag[2:] in megatron_flags.ARCH and f"| `{flag}` | checked |" in DOC
         assert (listed is not None and listed.note in DOC) or slime_flags.is_moe_flag(flag[2:]) or checked, flag
-    assert all(p.endswith(("context parallelism is not supported", "MoE models are not supported",
+    assert all(p.endswith(("MoE models are not supported",
                            "on-policy distillation is not implemented; train with a teacher's samples as SFT data "
                            "instead", "Physarum builds the model from the HF config: fix or drop the flag"))
                for p in problems), problems

@@ -109,18 +109,35 @@ def check_rollout_ranges(spec: JobSpec) -> list[str]:
     return problems
 
 
+def check_ranks(spec: JobSpec, world_size: int) -> list[str]:
+    """The layout fits the trainer's `world_size` ranks: context-parallel groups, and whole groups of samples for
+    each data-parallel share of a step."""
+    cp = spec.context_parallel_size
+    if world_size % cp:
+        return [f"context_parallel_size {cp} must divide the trainer's {world_size} ranks"]
+    dp = world_size // cp
+    step, n = spec.resolved_global_batch_size, spec.n_samples_per_prompt
+    if spec.train_backend == "fsdp" and dp > 1 and step % (dp * n):
+        return [f"global_batch_size ({step}) must be a multiple of the data-parallel ranks × n_samples_per_prompt "
+                f"({world_size} ranks / context_parallel_size {cp} = {dp} × {n})"]
+    return []
+
+
 CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_paths, check_model_family, check_megatron,
                                                       check_plugins, check_rollout_ranges)
 
 
-def preflight(spec: JobSpec) -> JobSpec:
-    """The spec, or InvalidArgument listing every problem found."""
+def preflight(spec: JobSpec, world_size: int | None = None) -> JobSpec:
+    """The spec, or InvalidArgument listing every problem found; with the trainer's world_size, its layout too."""
     problems = [problem for check in CHECKS for problem in check(spec)]
+    if world_size is not None:
+        problems += check_ranks(spec, world_size)
     if problems:
         raise InvalidArgument("job spec: " + "; ".join(problems))
     return spec
 
 
-def with_preflight(parse: Callable[[object], JobSpec]) -> Callable[[object], JobSpec]:
-    """A spec parser that also runs the submit-time checks."""
-    return lambda data: preflight(parse(data))
+def with_preflight(parse: Callable[[object], JobSpec],
+                   world_size: int | None = None) -> Callable[[object], JobSpec]:
+    """A spec parser that also runs the submit-time checks (the layout's against world_size ranks, when given)."""
+    return lambda data: preflight(parse(data), world_size)

@@ -140,7 +140,8 @@ async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers
 
         store = await asyncio.to_thread(RedisJobStore, config.jobs_redis_url)
     registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts)  # waits for Redis
-    parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)))  # refuse what would fail on GPUs
+    # refuse what would fail on GPUs
+    parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)), config.world_size)
     token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment
     grpc_server = await start_grpc_server(
         [ServiceBinding(jobs_pb2_grpc.add_JobsServicer_to_server, JobsServicer(registry, token, parse),

@@ -21,7 +21,7 @@ from services.common.settings.rollout import RolloutConfig
 from services.common.settings.slime import SlimeConfig
 from services.common.settings.sync import SyncConfig
 from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.layout import LayoutConfig
+from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL, LayoutConfig
 from services.trainer.slime import args as slime_args
 
 # The parts a job configures, in the order the README lists them. Every job-spec key is a setting declared by one of
@@ -102,6 +102,8 @@ class JobSpec(_JobSettings):
         if driver.streams and (rollout.partial_rollout or rollout.over_sampling_batch_size):
             raise ValueError("mode fully_async streams groups without batch boundaries: partial_rollout and "
                              "over_sampling_batch_size do not apply")
+        if layout.context_parallel_size > 1 and train.loss_type == "custom_loss":
+            raise ValueError(CUSTOM_LOSS_REFUSAL)
         if train.use_critic and not layout.trains_critic:
             raise ValueError("advantage_estimator ppo trains a critic, which train_backend megatron does not; set "
                              "train_backend: fsdp")

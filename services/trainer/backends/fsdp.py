@@ -24,7 +24,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.backends import packing, rl_step, slime_hooks, varlen
+from services.trainer.backends import context_parallel, packing, rl_step, slime_hooks, varlen
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -58,7 +58,7 @@ class TorchBackend(DCPCheckpointing):
 
     def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
                  world: parallel.World | None = None, job_global_batch_size: int | None = None,
-                 pack_sequences: bool = True) -> None:
+                 pack_sequences: bool = True, context_parallel_size: int = 1) -> None:
         self.model_path = Path(model_path)
         self.config = config
         # each micro-batch one packed row (`packing`); False: a padded rectangle (the reference the tests hold it to)
@@ -66,6 +66,8 @@ class TorchBackend(DCPCheckpointing):
         # the job's step size: `config` holds this rank's share of it when the world has more than one rank
         self.job_global_batch_size = job_global_batch_size or config.global_batch_size
         self.world = world or parallel.World()
+        # context parallelism (`context_parallel`): each sequence split over the ranks of a CP group
+        self.cp = context_parallel.make_groups(self.world.rank, self.world.world_size, context_parallel_size)
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
@@ -78,6 +80,8 @@ class TorchBackend(DCPCheckpointing):
                         "AttentionInterface, or layers that mix tokens outside attention): micro-batches stay padded",
                         type(model).__name__)
             self.pack_sequences = False
+        if self.cp.size > 1:
+            context_parallel.check(model, self.pack_sequences, config)
         self._tied_names = parallel.tied_names(model)
         ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
@@ -93,7 +97,8 @@ class TorchBackend(DCPCheckpointing):
             else None
         slime_hooks.load_all(config)
         # data-parallel ranks: normalize_advantages all-reduces its statistics over it
-        self.dp_group = torch.distributed.group.WORLD if self.world.distributed else None
+        self.dp_group = self.cp.dp_group if self.cp.size > 1 else \
+            torch.distributed.group.WORLD if self.world.distributed else None
         self.optimizer = self._make_optimizer()
         pad = self.model.config.pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
@@ -189,11 +194,25 @@ class TorchBackend(DCPCheckpointing):
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
+            if self.cp.size > 1:
+                return context_parallel.response_values(self.critic.model, mb, self._cp_slice(mb))
             return self.critic.values(mb, self._model_inputs(mb))
+
+    def _cp_slice(self, mb: RolloutBatch) -> context_parallel.CPSlice:
+        return context_parallel.split(mb, self.cp, self.pad_token_id)
+
+    def _token_stats(self, model: torch.nn.Module, mb: RolloutBatch,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned (log_probs, entropy) [b, R] at the rollout temperature."""
+        if self.cp.size == 1:
+            return rl_step.response_log_probs(self._logits(model, mb), mb, self.config, with_entropy=with_entropy)
+        with self._autocast():
+            return context_parallel.response_stats(model, mb, self._cp_slice(mb), self.config,
+                                                   with_entropy=with_entropy)
 
     def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
         """Response-aligned log-probs [b, R] at the rollout temperature."""
-        return rl_step.response_log_probs(self._logits(model, mb), mb, self.config, with_entropy=False)[0]
+        return self._token_stats(model, mb, with_entropy=False)[0]
 
     def _schedule(self, batch: RolloutBatch, global_batch_size: int | None) -> list[Step]:
         """Each step's micro-batches. Over several ranks each step has as many on every rank (FSDP gathers and
@@ -201,8 +220,10 @@ class TorchBackend(DCPCheckpointing):
         no sample left to split off, an empty micro-batch that runs a zero-weighted forward)."""
         cfg = self.config
         lengths = batch.total_lengths
+        # under CP a micro-batch's tokens are spread over the group (slime: max_tokens_per_gpu × cp_size)
+        budget = cfg.max_tokens_per_gpu * self.cp.size if cfg.use_dynamic_batch_size else None
         steps = step_schedule(lengths, global_batch_size=global_batch_size, micro_batch_size=cfg.micro_batch_size,
-                              max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None)
+                              max_tokens_per_gpu=budget)
         if not self.world.distributed or not steps:
             return steps
         counts = torch.tensor([len(step) for step in steps], dtype=torch.long, device=self.world.comm_device)
@@ -222,8 +243,9 @@ class TorchBackend(DCPCheckpointing):
         return out
 
     def rollout_share(self) -> Share:
-        """This rank's share of each step (`parallel.rollout_share`): each rank reads its own from the buffer."""
-        return parallel.rollout_share(rank=self.world.rank, world_size=self.world.world_size,
+        """This rank's share of each step (`parallel.rollout_share`): each rank reads its own from the buffer, the
+        ranks of a CP group the same one."""
+        return parallel.rollout_share(rank=self.cp.dp_rank, world_size=self.cp.dp_size,
                                       global_batch_size=self.job_global_batch_size,
                                       n_samples_per_prompt=self.config.n_samples_per_prompt)
 
@@ -278,8 +300,11 @@ class TorchBackend(DCPCheckpointing):
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         def loss_fn(mb: RolloutBatch, reduce):
-            return rl_step.micro_batch_loss(self.config, mb, logits=self._logits(self.model, mb), reduce=reduce,
-                                            custom_loss_fn=self.custom_loss)
+            if self.cp.size == 1:
+                return rl_step.micro_batch_loss(self.config, mb, logits=self._logits(self.model, mb), reduce=reduce,
+                                                custom_loss_fn=self.custom_loss)
+            log_probs, entropy = self._token_stats(self.model, mb, with_entropy=self.config.loss_type == "policy_loss")
+            return rl_step.log_prob_loss(self.config, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
 
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)
         return {key if key.startswith("perf/") else f"train/{key}": value for key, value in metrics.items()}
@@ -351,10 +376,12 @@ class TorchBackend(DCPCheckpointing):
 @register("fsdp")
 def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: parallel.World,
           num_threads: int) -> TorchBackend:
-    """Each rank gets a TrainConfig cut to its share of each step."""
+    """Each rank gets a TrainConfig cut to its data-parallel share of each step (the ranks of a context-parallel
+    group share theirs)."""
     job_global_batch_size = config.global_batch_size
-    if world.distributed:
-        local = config.global_batch_size and config.global_batch_size // world.world_size
+    if (dp_size := world.world_size // layout.context_parallel_size) > 1:
+        local = config.global_batch_size and config.global_batch_size // dp_size
         config = dataclasses.replace(config, global_batch_size=local)
     return TorchBackend(hf_checkpoint, config, num_threads=num_threads, world=world,
-                        job_global_batch_size=job_global_batch_size)
+                        job_global_batch_size=job_global_batch_size,
+                        context_parallel_size=layout.context_parallel_size)

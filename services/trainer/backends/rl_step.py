@@ -194,6 +194,13 @@ def micro_batch_loss(config: TrainConfig, mb: RolloutBatch, *, logits: torch.Ten
     if config.loss_type == "custom_loss":
         return custom_loss(custom_loss_fn, config, mb, logits=logits, reduce=reduce)
     log_probs, entropy = response_log_probs(logits, mb, config, with_entropy=config.loss_type == "policy_loss")
+    return log_prob_loss(config, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
+
+
+def log_prob_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tensor, entropy: torch.Tensor | None,
+                  reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's policy or SFT loss from its response-aligned log-probs and entropy [b, R] (the entropy: under
+    policy_loss)."""
     if config.loss_type == "sft_loss":
         return sft_loss(mb, log_probs=log_probs, reduce=reduce)
     return policy_loss(config, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)

@@ -25,8 +25,9 @@ from services.trainer.slime.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, Flag, 
 from services.trainer.slime.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
-_LAYOUT_ONE = ("context-parallel-size", "expert-tensor-parallel-size")
+_LAYOUT_ONE = ("expert-tensor-parallel-size",)
 _SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
+              "context-parallel-size",
               "use-distributed-optimizer",
               "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",
               "adam-beta2", "adam-eps", "bf16"}

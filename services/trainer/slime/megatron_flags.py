@@ -240,7 +240,8 @@ MEGATRON: dict[str, Flag] = {
     # layout
     "tensor-model-parallel-size": Flag("mapped", 1, _SPEC + " tensor_model_parallel_size"),
     "pipeline-model-parallel-size": Flag("mapped", 1, _SPEC + " pipeline_model_parallel_size"),
-    "context-parallel-size": Flag("mapped", 1, "1 only: context parallelism is not supported"),
+    "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (train_backend fsdp; megatron "
+                                                   "refuses above 1)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
     "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps a MoE model's tensor "
                                                      "parallelism at 1"),

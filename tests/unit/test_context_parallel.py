@@ -1,0 +1,113 @@
+"""Context parallelism's split of a packed micro-batch (Megatron's load-balanced chunks) and merge back, by hand;
+its attention across the slices against the packed row's varlen attention; and the submit-time refusals: a backend
+without CP (naming the one with it), a custom loss, a CP size that does not divide the trainer's ranks.
+
+The two ranks' all-gather is stood in for by concatenating what each rank holds (`test_context_parallel` in
+tests/integration runs the real one over gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common import plugins
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+from services.trainer.api.preflight import preflight
+from services.trainer.api.spec import parse_spec
+from services.trainer.backends import context_parallel, cp_attention, packing, varlen
+from services.trainer.backends.batch import build_rollout_batch
+
+PAD = 0
+
+
+def _batch():
+    # lengths 5 and 3: padded to multiples of 2·CP = 4, 8 and 4
+    return build_rollout_batch([Sample(tokens=[11, 12, 13, 14, 15], response_length=2),
+                                Sample(tokens=[21, 22, 23], response_length=1)], pad_token_id=PAD)
+
+
+def _group(rank: int) -> context_parallel.CPGroup:
+    return context_parallel.CPGroup(size=2, rank=rank, group=None, dp_rank=0, dp_size=1, dp_group=None)
+
+
+def test_each_rank_holds_chunks_r_and_2cp_minus_1_minus_r_of_every_sequence():
+    # padded row: sequence 0 at 0..7 (chunks of 2: 0-1, 2-3, 4-5, 6-7), sequence 1 at 8..11 (chunks of 1)
+    assert context_parallel.padded_lengths([5, 3], 2) == [8, 4]
+    assert context_parallel.chunk_index([5, 3], 0, 2).tolist() == [0, 1, 6, 7, 8, 11]  # chunks 0 and 3
+    assert context_parallel.chunk_index([5, 3], 1, 2).tolist() == [2, 3, 4, 5, 9, 10]  # chunks 1 and 2
+    # CP 3: 2·CP = 6 chunks; a 7-token sequence pads to 12 (chunks of 2), rank 1 takes chunks 1 and 4
+    assert context_parallel.chunk_index([7], 1, 3).tolist() == [2, 3, 8, 9]
+
+
+def test_a_slice_carries_true_positions_and_next_token_targets_and_merges_back_in_packed_order():
+    batch = _batch()
+    pieces = [context_parallel.split(batch, _group(rank), PAD) for rank in (0, 1)]
+    assert pieces[0].input_ids.tolist() == [[11, 12, PAD, PAD, 21, PAD]]
+    assert pieces[0].position_ids.tolist() == [[0, 1, 6, 7, 0, 3]]
+    assert pieces[0].targets.tolist() == [[12, 13, PAD, PAD, 22, PAD]]  # 12 follows 11; 13 lives on rank 1
+    assert pieces[0].sequence.tolist() == [0, 0, 0, 0, 1, 1]
+    assert pieces[1].input_ids.tolist() == [[13, 14, 15, PAD, 22, 23]]
+    assert pieces[1].position_ids.tolist() == [[2, 3, 4, 5, 1, 2]]
+    assert pieces[1].targets.tolist() == [[14, 15, PAD, PAD, 23, PAD]]  # 15 and 23 end their sequences
+    # gathered order: rank 0's padded positions 0 1 6 7 8 11, then rank 1's 2 3 4 5 9 10; the real tokens (0-4 and
+    # 8-10 of the padded row) sit at gathered 0 1 6 7 8 and 4 10 11
+    assert pieces[0].real_index.tolist() == [0, 1, 6, 7, 8, 4, 10, 11]
+    gathered = torch.cat([p.input_ids[0] for p in pieces])
+    assert gathered[pieces[0].real_index].tolist() == packing.pack(batch).input_ids[0].tolist()
+
+
+@pytest.mark.parametrize("per_sequence", [True, False])
+def test_attention_across_the_slices_equals_the_whole_rows(monkeypatch, per_sequence):
+    batch = _batch()
+    pieces = [context_parallel.split(batch, _group(rank), PAD) for rank in (0, 1)]
+    gen = torch.Generator().manual_seed(0)
+    heads, groups, dim = 4, 2, 8  # grouped-query attention
+    query, key, value = (torch.randn(12, n, dim, generator=gen) for n in (heads, groups, groups))  # padded row
+    local = [context_parallel.chunk_index([5, 3], rank, 2) for rank in (0, 1)]
+    monkeypatch.setattr(cp_attention, "all_gather",
+                        lambda kv, group: torch.cat([torch.cat([key, value], -1)[idx] for idx in local]))
+    real = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10])
+    expected = varlen.varlen_causal_attention(query[real], key[real], value[real], torch.tensor([0, 5, 8]), 5)
+    whole = torch.zeros(12, heads, dim)
+    for rank in (0, 1):
+        whole[local[rank]] = cp_attention.causal_attention(query[local[rank]], key[local[rank]], value[local[rank]],
+                                                           pieces[rank], per_sequence=per_sequence)
+    assert torch.allclose(whole[real], expected, atol=1e-6)
+
+
+BASE = {"hf_checkpoint": "m", "prompt_data": "d.jsonl", "num_rollout": 1, "rollout_batch_size": 2,
+        "n_samples_per_prompt": 2}
+
+
+def test_a_backend_without_context_parallelism_is_refused_naming_the_one_with_it():
+    with pytest.raises(InvalidArgument, match=r"context_parallel_size 2: train_backend megatron has no context "
+                                              r"parallelism .*set train_backend: fsdp"):
+        parse_spec({**BASE, "train_backend": "megatron", "context_parallel_size": 2})
+    with pytest.raises(InvalidArgument, match="set train_backend: fsdp"):  # slime's argv: megatron by default
+        parse_spec({"slime_args": "--hf-checkpoint m --prompt-data d.jsonl --num-rollout 1 --rollout-batch-size 2 "
+                               "--context-parallel-size 2"})
+    spec = parse_spec({"slime_args": "--hf-checkpoint m --prompt-data d.jsonl --num-rollout 1 --rollout-batch-size 2 "
+                               "--context-parallel-size 2 "
+                                     "--train-backend fsdp"})
+    assert (spec.train_backend, spec.context_parallel_size) == ("fsdp", 2)
+
+
+def test_a_custom_loss_is_refused_under_context_parallelism(monkeypatch):
+    monkeypatch.setenv(plugins.ALLOWLIST_ENV, "my_losses")
+    with pytest.raises(InvalidArgument, match="custom loss takes the whole packed row's logits"):
+        parse_spec({**BASE, "context_parallel_size": 2, "loss_type": "custom_loss",
+                    "custom_loss_function_path": "my_losses.loss"})
+
+
+def test_the_layout_is_checked_against_the_trainers_ranks(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = {**BASE, "prompt_data": str(tmp_path / "d.jsonl")}
+    spec = parse_spec({**base, "context_parallel_size": 2})
+    assert preflight(spec, world_size=4) is spec  # 2 data-parallel shares of 2 ranks
+    with pytest.raises(InvalidArgument, match=r"context_parallel_size 2 must divide the trainer's 3 ranks"):
+        preflight(spec, world_size=3)
+    # 4 samples a step: two data-parallel shares of one group of 2 each under CP 2, but 4 shares under CP 1
+    with pytest.raises(InvalidArgument, match=r"global_batch_size \(4\) must be a multiple of the data-parallel "
+                                              r"ranks × n_samples_per_prompt \(4 ranks / context_parallel_size 1"):
+        preflight(parse_spec(base), world_size=4)
