@@ -1,4 +1,4 @@
-"""One trainer rank of the data-parallel parity test: `python -m tests.integration.trainer_ranks OUT MODEL` with
+"""One trainer rank of the data- and context-parallel parity test: `python -m tests.integration.trainer_ranks OUT MODEL` with
 torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. The test runs the same cases in one process (`run_cases`
 with a single-rank World) and compares.
 """
@@ -23,6 +23,9 @@ CASES = {
     "per_token_kl": {"calculate_per_token_loss": True, "use_kl_loss": True, "kl_loss_coef": 0.1,
                      "entropy_coef": 0.01, "ref_update_interval": 1},
     "bf16": {"bf16": True},  # FSDP2's mixed-precision policy over two ranks, autocast in one process
+    # both ranks split every sequence (one context-parallel group, one data-parallel share); one process: CP 1
+    "context_parallel": {"context_parallel_size": 2, "micro_batch_size": 2, "use_kl_loss": True,
+                         "kl_loss_coef": 0.1, "ref_update_interval": 1},
 }
 NUM_ROLLOUTS = 2
 
@@ -40,18 +43,17 @@ def run_case(name: str, model_dir: Path, out_dir: Path, world):
     """Train NUM_ROLLOUTS rollouts of the case; export HF and a checkpoint. Returns per rollout, per step, the
     metrics averaged over the ranks, and the backend."""
     from services.trainer.api.spec import parse_spec
-    from services.trainer.distributed.parallel import rollout_share, shard_rollout
+    from services.trainer.distributed.parallel import shard_rollout
     from services.trainer.driver import checkpoint
     from services.trainer.driver.loop import make_backend
 
-    spec = parse_spec({**BASE, **CASES[name], "hf_checkpoint": str(model_dir)})
+    layout = {} if world.distributed else {"context_parallel_size": 1}
+    spec = parse_spec({**BASE, **CASES[name], **layout, "hf_checkpoint": str(model_dir)})
     backend = make_backend(spec, world, num_threads=1)
     samples = make_samples(model_dir)
     metrics = []
     for _ in range(NUM_ROLLOUTS):
-        share = rollout_share(rank=world.rank, world_size=world.world_size, global_batch_size=spec.global_batch_size,
-                              n_samples_per_prompt=spec.n_samples_per_prompt)
-        shard = shard_rollout(samples, share, spec.n_samples_per_prompt)
+        shard = shard_rollout(samples, backend.rollout_share(), spec.n_samples_per_prompt)
         # perf/ keys are timings, not results: the runs compare what they train
         metrics.append([{k: v for k, v in world.mean(step).items() if not k.startswith("perf/")}
                         for step in backend.train_rollout(shard)])
