@@ -1,6 +1,6 @@
 """Two FSDP2 trainer ranks (processes, gloo; data-parallel, or one context-parallel group that splits every
-sequence) train exactly like one process on the same rollouts: the same
-per-step losses and metrics, the same weights in their HF export, and a checkpoint one process resumes from."""
+sequence) train exactly like one process on the same rollouts: the same per-step losses and metrics, the same
+weights in their HF export, and a checkpoint one process resumes from."""
 
 from __future__ import annotations
 

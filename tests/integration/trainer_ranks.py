@@ -1,6 +1,6 @@
-"""One trainer rank of the data- and context-parallel parity test: `python -m tests.integration.trainer_ranks OUT MODEL` with
-torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. The test runs the same cases in one process (`run_cases`
-with a single-rank World) and compares.
+"""One trainer rank of the data- and context-parallel parity test: `python -m tests.integration.trainer_ranks OUT
+MODEL` with torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. The test runs the same cases in one process
+(`run_cases` with a single-rank World) and compares.
 """
 
 from __future__ import annotations
