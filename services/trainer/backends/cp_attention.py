@@ -3,7 +3,8 @@ the keys and values of the whole packed row (the gather's backward sums the grou
 queries to them under the causal mask of each query's sequence, read from the tokens' true positions. On CPU one
 scaled_dot_product_attention per sequence (no work on pairs of positions in different sequences); on CUDA one over
 the row under a mask of the sequences' blocks. Padding (each sequence's tail up to a multiple of 2·CP) comes after
-every real token of its sequence, so no real token attends to it.
+every real token of its sequence, so no real token attends to it. A model switched to it (`use_in`) runs on CP
+slices only, and HF builds no mask for it.
 """
 
 from __future__ import annotations
@@ -54,13 +55,34 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.cat(outputs, dim=1).transpose(0, 1)
 
 
+HF_ATTENTION = "physarum_cp"  # the name the HF attention function is registered under
+
+
 def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 piece: CPSlice, scaling: float | None = None, dropout: float = 0.0,
+                 attention_mask: None, scaling: float | None = None, dropout: float = 0.0,
                  **kwargs) -> tuple[torch.Tensor, None]:
-    """HF's attention-function contract ([1, heads, T_local, head_dim] in, [1, T_local, heads, head_dim] out) for a
-    CP slice; HF's own mask (built from the slice's positions) does not apply."""
+    """HF's attention-function contract ([1, heads, T_local, head_dim] in, [1, T_local, heads, head_dim] out) for
+    the CP slice in kwargs' cp_slice (`CPSlice.model_inputs`)."""
+    piece = kwargs.get("cp_slice")
+    if piece is None:
+        raise InvalidArgument("context_parallel_size > 1: the model runs on context-parallel slices only")
     if kwargs.get("sliding_window") is not None:
         raise InvalidArgument("context_parallel_size > 1: sliding-window attention layers are not supported")
     out = causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), piece,
                            scale=scaling, dropout_p=dropout if module.training else 0.0)
     return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """HF's mask of a CP slice: none (the attention builds each sequence's own from the true positions); HF's own,
+    of T_local² booleans, would read the slice's positions as sequences of their own."""
+    return None
+
+
+def use_in(model: torch.nn.Module) -> None:
+    """Switch an HF model (one that runs transformers' AttentionInterface) to `hf_attention`, with no mask."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, _no_mask)
+    model.set_attn_implementation(HF_ATTENTION)

@@ -24,7 +24,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.backends import context_parallel, packing, rl_step, slime_hooks, varlen
+from services.trainer.backends import context_parallel, cp_attention, packing, rl_step, slime_hooks, varlen
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -82,12 +82,15 @@ class TorchBackend(DCPCheckpointing):
             self.pack_sequences = False
         if self.cp.size > 1:
             context_parallel.check(model, self.pack_sequences, config)
+            cp_attention.use_in(model)  # the reference model is its copy
         self._tied_names = parallel.tied_names(model)
         ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world,
                                                                              param_dtype=self.dtype)
         self.critic = Critic(self.model_path, config, device=self.device) if config.use_critic else None
+        if self.critic is not None and self.cp.size > 1:
+            cp_attention.use_in(self.critic.model.backbone)
         if self.critic is not None and self.world.distributed:  # its optimizer must hold the sharded parameters
             parallel.shard_model(self.critic.model, self.world, param_dtype=self.dtype)
             self.critic.optimizer = make_adamw(self.critic.model.named_parameters(), lr=config.lr,

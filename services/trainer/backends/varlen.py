@@ -73,12 +73,7 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  **kwargs) -> tuple[torch.Tensor, None]:
     """HF's attention-function contract ([b, heads, s, head_dim] in, [b, s, heads, head_dim] out). A packed row
     (cu_seq_lens_q and max_length_q, HF's flash-attention kwargs) takes `varlen_causal_attention`; the rest goes to
-    HF's sdpa; a context-parallel slice (cp_slice) `cp_attention`'s."""
-    if (piece := kwargs.pop("cp_slice", None)) is not None:
-        from services.trainer.backends import cp_attention
-
-        return cp_attention.hf_attention(module, query, key, value, piece, scaling=scaling, dropout=dropout,
-                                         **kwargs)
+    HF's sdpa."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     # a sliding-window layer keeps HF's mask, which holds the window as well as the sequences' blocks
     if cu_seqlens is None or query.shape[0] != 1 or kwargs.get("sliding_window") is not None:
