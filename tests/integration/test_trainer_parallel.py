@@ -31,20 +31,34 @@ def one_rank(tiny_model_dir, tmp_path_factory):
     return out, {name: run_case(name, tiny_model_dir, out, World()) for name in CASES}
 
 
+def assert_same_steps(ranks_metrics: list, single_metrics: list, tolerance: dict) -> None:
+    assert len(ranks_metrics) == NUM_ROLLOUTS and all(len(steps) == 2 for steps in ranks_metrics)
+    for ranks_steps, single_steps in zip(ranks_metrics, single_metrics, strict=True):
+        for ranks, single in zip(ranks_steps, single_steps, strict=True):
+            assert ranks.keys() == single.keys()
+            for key, value in single.items():
+                assert ranks[key] == pytest.approx(value, **tolerance), key
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_ranks_give_the_losses_of_one_process(two_ranks, one_rank, case):
     dp_metrics, (single_metrics, _) = two_ranks[1][case], one_rank[1][case]
     # bf16: the same steps up to bf16 rounding (the ranks cast parameters, one process casts each op's inputs)
-    tolerance = {"rel": 3e-2, "abs": 2e-3} if case == "bf16" else {"rel": 1e-4, "abs": 1e-6}
-    assert len(dp_metrics) == NUM_ROLLOUTS and all(len(steps) == 2 for steps in dp_metrics)
-    for dp_steps, single_steps in zip(dp_metrics, single_metrics, strict=True):
-        for dp, single in zip(dp_steps, single_steps, strict=True):
-            assert dp.keys() == single.keys()
-            for key, value in single.items():
-                assert dp[key] == pytest.approx(value, **tolerance), key
+    assert_same_steps(dp_metrics, single_metrics,
+                      {"rel": 3e-2, "abs": 2e-3} if case == "bf16" else {"rel": 1e-4, "abs": 1e-6})
     assert abs(single_metrics[1][1]["train/ppo_kl"]) > 1e-6  # the second step saw the policy the first one moved
     if case == "per_token_kl":  # the reference model followed the policy (ref_update_interval 1)
         assert single_metrics[1][0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.slow  # four ranks on two cores: about a minute
+def test_two_data_parallel_shares_of_two_context_parallel_ranks_give_the_losses_of_one_process(
+        one_rank, tiny_model_dir, tmp_path):
+    # four ranks: context-parallel groups {0, 1} and {2, 3}, each training one of the step's two groups of samples
+    run_ranks("tests.integration.trainer_ranks", str(tmp_path), str(tiny_model_dir), "context_parallel",
+              log_dir=tmp_path, timeout_s=600, world_size=4)
+    four = json.loads((tmp_path / "metrics.json").read_text())["context_parallel"]
+    assert_same_steps(four, one_rank[1]["context_parallel"][0], {"rel": 1e-4, "abs": 1e-6})
 
 
 def test_save_hf_of_the_sharded_model_loads_in_transformers(two_ranks, one_rank):

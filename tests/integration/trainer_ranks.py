@@ -65,14 +65,15 @@ def run_case(name: str, model_dir: Path, out_dir: Path, world):
     return metrics, backend
 
 
-def main(out_dir: str, model_dir: str) -> None:
+def main(out_dir: str, model_dir: str, *cases: str) -> None:
+    """Every case, or the named ones."""
     from services.trainer.api.config import TrainerConfig
     from services.trainer.distributed.parallel import init_world
 
     config = TrainerConfig()
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
                        master_port=config.master_port, timeout_s=120)
-    results = {name: run_case(name, Path(model_dir), Path(out_dir), world)[0] for name in CASES}
+    results = {name: run_case(name, Path(model_dir), Path(out_dir), world)[0] for name in cases or CASES}
     if world.rank == 0:
         (Path(out_dir) / "metrics.json").write_text(json.dumps(results))
     world.close()
