@@ -111,7 +111,8 @@ TisFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.T
 def tis_function(config: TrainConfig, mb: RolloutBatch) -> TisFunction:
     """slime's `--custom-tis-function-path` on a micro-batch: (pg [b, R], train log-probs [b, R]) -> (pg weighted
     [b, R], the kept-token mask [b, R], per-token metrics [b, R]), through slime's flat [Σ R_i] pg_loss and per-sample
-    lists. No context parallelism here, so each sample's tensors are whole (what slime's cp_utils give at CP 1)."""
+    lists. Each sample's tensors are whole on every rank, under context parallelism too (the per-token outputs are
+    gathered before the loss), which is what slime's cp_utils give at CP 1."""
     fn = _load("custom_tis_function_path", config.custom_tis_function_path)
     lengths = mb.response_lengths.tolist()
     valid = torch.arange(mb.loss_masks.shape[1], device=mb.loss_masks.device) < \

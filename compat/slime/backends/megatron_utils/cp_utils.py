@@ -1,5 +1,6 @@
 """slime.backends.megatron_utils.cp_utils at context-parallel size 1, which is what a custom TIS function sees in
-Physarum's trainer: every rank holds each sample's whole response, so gathering and slicing are the identity."""
+Physarum's trainer: every rank holds each sample's whole response (under context parallelism too: the per-token
+outputs are gathered before the loss), so gathering and slicing are the identity."""
 
 from __future__ import annotations
 
