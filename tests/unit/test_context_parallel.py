@@ -46,7 +46,6 @@ def test_a_slice_carries_true_positions_and_next_token_targets_and_merges_back_i
     assert pieces[0].input_ids.tolist() == [[11, 12, PAD, PAD, 21, PAD]]
     assert pieces[0].position_ids.tolist() == [[0, 1, 6, 7, 0, 3]]
     assert pieces[0].targets.tolist() == [[12, 13, PAD, PAD, 22, PAD]]  # 12 follows 11; 13 lives on rank 1
-    assert pieces[0].sequence.tolist() == [0, 0, 0, 0, 1, 1]
     assert pieces[1].input_ids.tolist() == [[13, 14, 15, PAD, 22, 23]]
     assert pieces[1].position_ids.tolist() == [[2, 3, 4, 5, 1, 2]]
     assert pieces[1].targets.tolist() == [[14, 15, PAD, PAD, 23, PAD]]  # 15 and 23 end their sequences
@@ -57,8 +56,7 @@ def test_a_slice_carries_true_positions_and_next_token_targets_and_merges_back_i
     assert gathered[pieces[0].real_index].tolist() == packing.pack(batch).input_ids[0].tolist()
 
 
-@pytest.mark.parametrize("per_sequence", [True, False])
-def test_attention_across_the_slices_equals_the_whole_rows(monkeypatch, per_sequence):
+def test_attention_across_the_slices_equals_the_whole_rows(monkeypatch):
     batch = _batch()
     pieces = [context_parallel.split(batch, _group(rank), PAD) for rank in (0, 1)]
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +70,7 @@ def test_attention_across_the_slices_equals_the_whole_rows(monkeypatch, per_sequ
     whole = torch.zeros(12, heads, dim)
     for rank in (0, 1):
         whole[local[rank]] = cp_attention.causal_attention(query[local[rank]], key[local[rank]], value[local[rank]],
-                                                           pieces[rank], per_sequence=per_sequence)
+                                                           pieces[rank])
     assert torch.allclose(whole[real], expected, atol=1e-6)
 
 

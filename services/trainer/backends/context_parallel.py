@@ -114,11 +114,11 @@ class CPSlice:
     input_ids: torch.Tensor  # [1, T_local] this rank's tokens (pad id on padding)
     position_ids: torch.Tensor  # [1, T_local] each token's position in its sequence
     targets: torch.Tensor  # [1, T_local] the token each position predicts (the next one of its sequence, or pad)
-    sequence: torch.Tensor  # [T_local] each local token's sequence in the micro-batch
     padded_lengths: list[int]  # per sequence
     natural_index: torch.Tensor  # [T_padded]: each padded position's gathered position
     real_index: torch.Tensor  # [T]: each packed real token's gathered position, in `packing.pack`'s order
     group: dist.ProcessGroup
+    rank: int  # within the CP group
     size: int
 
     def model_inputs(self) -> dict[str, torch.Tensor | CPSlice]:
@@ -153,8 +153,8 @@ def split(mb: RolloutBatch, cp: CPGroup, pad_token_id: int) -> CPSlice:
     natural[gathered] = torch.arange(gathered.numel(), device=device)
     real = (position < seq_len).nonzero().squeeze(-1)
     return CPSlice(input_ids=tokens[mine].unsqueeze(0), position_ids=position[mine].unsqueeze(0),
-                   targets=targets[mine].unsqueeze(0), sequence=sequence[mine], padded_lengths=padded,
-                   natural_index=natural, real_index=natural[real], group=cp.group, size=cp.size)
+                   targets=targets[mine].unsqueeze(0), padded_lengths=padded, natural_index=natural,
+                   real_index=natural[real], group=cp.group, rank=cp.rank, size=cp.size)
 
 
 def check(model: torch.nn.Module, packable: bool, config: TrainConfig) -> None:
