@@ -1,8 +1,8 @@
 """Causal attention across a context-parallel group's slices (`context_parallel.CPSlice`): each rank all-gathers
 the keys and values of the whole packed row (the gather's backward sums the group's gradients) and attends each of
 its chunks of a sequence to that sequence's keys up to the chunk's end, under a lower-right causal mask: chunk j of
-length k is query positions [j·k, (j+1)·k), which see keys [0, (j+1)·k) with the last k causally. No mask is
-materialized on CUDA (torch's causal bias runs flash or memory-efficient attention), and no work is spent on pairs
+length k is query positions [j·k, (j+1)·k), which see keys [0, (j+1)·k) with the last k causally. On CUDA no mask
+is materialized where torch's causal bias runs flash or memory-efficient attention, and no work is spent on pairs
 of positions in different sequences. Padding (each sequence's tail up to a multiple of 2·CP) comes after every real
 token of its sequence, so no real token attends to it. A model switched to it (`use_in`) runs on CP slices only, and
 HF builds no mask for it.
