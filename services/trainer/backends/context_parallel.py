@@ -47,7 +47,7 @@ def make_groups(rank: int, world_size: int, size: int) -> CPGroup:
     dp_size = world_size // size
     cp_group = dp_group = None
     for first in range(0, world_size, size):
-        group = dist.new_group(list(range(first, first + size))) if size > 1 else None
+        group = dist.new_group(list(range(first, first + size)))
         if first <= rank < first + size:
             cp_group = group
     for cp_rank in range(size):
