@@ -1,7 +1,8 @@
 """End to end on a stack of its own with two trainer ranks (FSDP2 over gloo): the demo job from the CLI, a job
 killed with SIGKILL after a checkpoint that resumes by itself on exactly the prompts of a never-stopped job, and
-rollouts dumped without training, then replayed through training without engines. Then the same two ranks as one
-Megatron TP=2 group: the engines get weights converted from Megatron, and a job resumes from its dist-checkpoint."""
+rollouts dumped without training, then replayed through training without engines, and a job whose two ranks split
+every sequence (context parallelism). Then the same two ranks as one Megatron TP=2 group: the engines get weights
+converted from Megatron, and a job resumes from its dist-checkpoint."""
 
 from __future__ import annotations
 
@@ -156,6 +157,21 @@ def test_rollouts_dumped_without_training_replay_through_training_without_engine
     (metrics,) = [e["metrics"] for e in events if e["metrics"]]
     assert metrics["rollout/reward_mean"] == pytest.approx(sum(s.reward for s in samples) / 4)
     assert "train/loss" in metrics and "perf/update_weights_seconds" not in metrics  # no engines were involved
+
+
+def test_a_context_parallel_job_splits_its_sequences_over_the_two_ranks(ranks_stack, tiny_model_dir, addition_task):
+    train_path, _ = addition_task
+    job, events = run(ranks_stack, job_spec(tiny_model_dir, train_path, "context-parallel", num_rollout=2,
+                                            train_backend="fsdp", context_parallel_size=2))
+    assert job["state"] == "SUCCEEDED", job["error"]
+    steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
+    assert len(steps) == 2
+    # the engines sampled with the weights the split forward recomputes log-probs with (version 0, then the push)
+    assert all(step["train/train_rollout_logprob_abs_diff"] < 1e-3 for step in steps)
+    # a CP group larger than the trainer is refused at submit, naming the trainer's ranks
+    with pytest.raises(InvalidArgument, match="context_parallel_size 4 must divide the trainer's 2 ranks"):
+        run(ranks_stack, job_spec(tiny_model_dir, train_path, "context-parallel-4", train_backend="fsdp",
+                                  context_parallel_size=4))
 
 
 def test_a_megatron_tp2_job_feeds_the_engines_converted_weights_and_resumes_from_its_checkpoint(
