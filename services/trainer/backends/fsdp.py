@@ -1,7 +1,8 @@
 """The torch backend: an HF causal LM with AdamW and gradient accumulation on the rank's device, in one process or
 data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`). Master
 weights are float32; under bf16 the forward runs in bfloat16 (autocast on one rank, FSDP2's mixed-precision policy
-over several), log-probs and losses in float32. Each micro-batch is one packed row (`packing.py`), as in slime.
+over several), log-probs and losses in float32. Each micro-batch is one packed row (`packing.py`), as in slime; under
+context parallelism each rank of a group holds a slice of it (`context_parallel.py`).
 
 It owns the models (policy, reference, PPO critic), the optimizers and the step loop; every formula from the forward
 outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding and the ranks are
