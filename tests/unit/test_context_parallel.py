@@ -7,12 +7,15 @@ tests/integration runs the real one over gloo)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
+from services.trainer.api import preflight as preflight_checks
 from services.trainer.api.preflight import preflight
 from services.trainer.api.spec import parse_spec
 from services.trainer.backends import context_parallel, cp_attention, packing, varlen
@@ -109,3 +112,26 @@ def test_the_layout_is_checked_against_the_trainers_ranks(tmp_path):
     with pytest.raises(InvalidArgument, match=r"global_batch_size \(4\) must be a multiple of the data-parallel "
                                               r"ranks × n_samples_per_prompt \(4 ranks / context_parallel_size 1"):
         preflight(parse_spec(base), world_size=4)
+
+
+def test_a_model_whose_layers_are_not_all_full_attention_is_refused_at_submit(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    qwen3 = {"model_type": "qwen3", "layer_types": ["full_attention"] * 2, "use_sliding_window": False}
+    # Qwen3.5: gated delta nets mix tokens outside attention (its text_config holds the layers)
+    qwen3_5 = {"model_type": "qwen3_5", "text_config": {"layer_types": ["linear_attention", "full_attention"]}}
+    for name, config in (("qwen3", qwen3), ("qwen3_5", qwen3_5), ("windowed", {**qwen3, "use_sliding_window": True})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    check = preflight_checks.check_model_family
+
+    def spec(name: str, cp: int = 2):
+        return parse_spec({**BASE, "hf_checkpoint": str(tmp_path / name), "prompt_data": str(tmp_path / "d.jsonl"),
+                           "context_parallel_size": cp})
+
+    assert check(spec("qwen3")) == []
+    assert check(spec("qwen3_5")) == ["context_parallel_size 2: hf_checkpoint's model cannot be split over ranks "
+                                      "(its linear_attention layers are not full attention); use "
+                                      "context_parallel_size 1"]
+    assert check(spec("windowed")) == ["context_parallel_size 2: hf_checkpoint's model cannot be split over ranks "
+                                       "(its attention has a sliding window); use context_parallel_size 1"]
+    assert check(spec("qwen3_5", cp=1)) == []

@@ -63,7 +63,8 @@ def check_plugins(spec: JobSpec) -> list[str]:
 
 
 def check_model_family(spec: JobSpec) -> list[str]:
-    """The chosen backend builds hf_checkpoint's model (read where the trainer sees it; a hub id is not checked)."""
+    """The chosen backend builds hf_checkpoint's model (read where the trainer sees it; a hub id is not checked), and
+    context parallelism can split it."""
     path = Path(spec.hf_checkpoint) / "config.json"
     if not path.is_file():
         return []
@@ -71,10 +72,15 @@ def check_model_family(spec: JobSpec) -> list[str]:
         hf_config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
-    problem = model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
-                                   pp_size=spec.pipeline_model_parallel_size,
-                                   ep_size=spec.expert_model_parallel_size) if isinstance(hf_config, dict) else ""
-    return [problem] if problem else []
+    if not isinstance(hf_config, dict):
+        return []
+    problems = [model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
+                                     pp_size=spec.pipeline_model_parallel_size,
+                                     ep_size=spec.expert_model_parallel_size)]
+    if spec.context_parallel_size > 1 and (why := model_families.context_parallel_problem(hf_config)):
+        problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
+                        f"over ranks ({why}); use context_parallel_size 1")
+    return [problem for problem in problems if problem]
 
 
 def check_megatron(spec: JobSpec) -> list[str]:

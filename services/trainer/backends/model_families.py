@@ -71,3 +71,16 @@ def check(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp
     instead = f"; train_backend {' or '.join(others)} trains it" if others else ""
     return (f"hf_checkpoint: train_backend {train_backend} cannot build model family {family(hf_config)!r}: "
             f"{problem}{instead}")
+
+
+def context_parallel_problem(hf_config: dict[str, Any]) -> str:
+    """"" when context parallelism (`backends/context_parallel.py`) can split the model's sequences, else why not:
+    its attention runs per token pair across ranks, so every layer must be full causal attention (no sliding
+    window, no layer mixing tokens outside attention, such as Qwen3.5's gated delta nets)."""
+    config = language_model_config(hf_config)
+    other = sorted({kind for kind in config.get("layer_types") or [] if kind != "full_attention"})
+    if other:
+        return f"its {', '.join(other)} layers are not full attention"
+    if config.get("use_sliding_window"):
+        return "its attention has a sliding window"
+    return ""
