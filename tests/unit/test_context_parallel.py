@@ -1,6 +1,7 @@
 """Context parallelism's split of a packed micro-batch (Megatron's load-balanced chunks) and merge back, by hand;
 its attention across the slices against the packed row's varlen attention; and the submit-time refusals: a backend
-without CP (naming the one with it), a custom loss, a CP size that does not divide the trainer's ranks.
+without CP (naming the one with it), a custom loss, a CP size that does not divide the trainer's ranks, a model
+whose layers are not all full attention.
 
 The two ranks' all-gather is stood in for by concatenating what each rank holds (`test_context_parallel` in
 tests/integration runs the real one over gloo)."""
