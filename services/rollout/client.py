@@ -93,6 +93,9 @@ class RolloutConfig:
             "own session of the agent gateway (OpenAI and Anthropic APIs); a float return is the sample's reward")
     agent_timeout_s: float = field(600.0, "seconds an agent may run; its session then ends and the sample is the "
                                           "trajectory so far, truncated", POSITIVE)
+    use_rollout_routing_replay: bool = field(
+        False, "MoE (slime's R3): the engines return the experts they routed each token to, and the trainer's "
+               "forwards route every token to those experts (implies use_routing_replay)")
 
     def __post_init__(self) -> None:
         if not self.job_id:

@@ -71,10 +71,14 @@ def check_model_family(spec: JobSpec) -> list[str]:
         hf_config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
-    problem = model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
-                                   pp_size=spec.pipeline_model_parallel_size,
-                                   ep_size=spec.expert_model_parallel_size) if isinstance(hf_config, dict) else ""
-    return [problem] if problem else []
+    if not isinstance(hf_config, dict):
+        return []
+    problems = [model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
+                                     pp_size=spec.pipeline_model_parallel_size,
+                                     ep_size=spec.expert_model_parallel_size)]
+    if spec.use_routing_replay or spec.use_rollout_routing_replay:
+        problems.append(model_families.routing_replay_problem(spec.train_backend, hf_config))
+    return [problem for problem in problems if problem]
 
 
 def check_megatron(spec: JobSpec) -> list[str]:

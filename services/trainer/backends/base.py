@@ -112,6 +112,10 @@ class TrainConfig:
                                     "CUDA, float32 on CPU (slime's --bf16)")
     fp16: bool = field(False, "slime's --fp16: refused (no loss scaling); use bf16")
     allow_tf32: bool = field(True, "TF32 tensor cores for float32 matmuls on CUDA; false: bit-faithful float32")
+    use_routing_replay: bool = field(
+        False, "MoE: the old policy's forward records the experts each token is routed to and the training forwards "
+               "route to those experts (the gate weights still from the current router)")
+    use_rollout_routing_replay: bool = shared(RolloutConfig, "use_rollout_routing_replay")
 
     def __post_init__(self) -> None:
         if self.fp16:
@@ -166,6 +170,11 @@ class TrainConfig:
     @property
     def use_critic(self) -> bool:
         return self.advantage_estimator == "ppo" and self.loss_type == "policy_loss"
+
+    @property
+    def replays_routing(self) -> bool:
+        """MoE routing replay of either kind (slime: use_rollout_routing_replay implies use_routing_replay)."""
+        return self.use_routing_replay or self.use_rollout_routing_replay
 
     @property
     def needs_ref_model(self) -> bool:

@@ -10,6 +10,7 @@ outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -33,6 +34,7 @@ from services.trainer.backends.dcp import DCPCheckpointing
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
 from services.trainer.backends.registry import register
+from services.trainer.backends.routing_replay import RoutingReplay
 from services.trainer.backends.schedule import MicroBatch, Step, split_to, step_schedule
 from services.trainer.hf_files import TOKENIZER_FILES, copy_side_files
 
@@ -80,6 +82,10 @@ class TorchBackend(DCPCheckpointing):
             self.pack_sequences = False
         self._tied_names = parallel.tied_names(model)
         ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
+        # the hooks go on the policy alone, after the reference copy: the reference model routes as it is (slime's
+        # "fallthrough")
+        self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
+            if config.replays_routing else None
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world,
                                                                              param_dtype=self.dtype)
@@ -183,8 +189,12 @@ class TorchBackend(DCPCheckpointing):
         return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
 
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-        """[b, L, V] padded or [1, T, V] packed: `packing.gather_response` reads either."""
-        with self._autocast():
+        """[b, L, V] padded or [1, T, V] packed: `packing.gather_response` reads either. The policy replays the
+        micro-batch's routed experts when it has them."""
+        replay = contextlib.nullcontext()
+        if self.routing is not None and model is self.model:
+            replay = self.routing.replaying(mb.flat_routed_experts(packed=self.pack_sequences))
+        with self._autocast(), replay:
             return model(**self._model_inputs(mb), use_cache=False).logits
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
@@ -236,7 +246,10 @@ class TorchBackend(DCPCheckpointing):
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
-                                    device=self.device)
+                                    device=self.device, routing_shape=self._routing_shape())
+        if cfg.use_rollout_routing_replay and batch.routed_experts is None:
+            raise InvalidArgument("use_rollout_routing_replay: some samples came without the engines' routed experts "
+                                  "(rollout_routed_experts); the engines must honour return_routed_experts")
         steps = self._schedule(batch, cfg.global_batch_size)
         if not steps:
             raise InvalidArgument(f"rollout has {batch.size} samples, fewer than global_batch_size "
@@ -261,6 +274,12 @@ class TorchBackend(DCPCheckpointing):
         self._weight_version += 1
         return metrics
 
+    def _routing_shape(self) -> tuple[int, int] | None:
+        """(num_layers, top_k) of the engines' routed experts, when this job replays the rollout's routing."""
+        if self.routing is None or not self.config.use_rollout_routing_replay:
+            return None
+        return self.routing.num_layers, self.routing.top_k
+
     def _prepare(self, batch: RolloutBatch, micro_batches: list[MicroBatch], num_steps: int,
                  train_actor: bool, samples: Sequence[Sample]) -> RolloutBatch:
         """Critic values, old and reference log-probs (each in the training micro-batches), then advantages."""
@@ -269,8 +288,13 @@ class TorchBackend(DCPCheckpointing):
         if not train_actor:
             return batch
         if rl_step.needs_old_log_probs(self.config, num_steps):
-            batch = batch.with_(log_probs=self._recompute(lambda mb: self._log_probs(self.model, mb), batch,
-                                                          micro_batches))
+            if self.routing is not None and batch.routed_experts is None:  # slime's "record" stage
+                log_probs, batch = self.routing.record_batch(lambda mb: self._log_probs(self.model, mb), batch,
+                                                             micro_batches, packed=self.pack_sequences)
+                batch = batch.with_(log_probs=log_probs)
+            else:  # the rollout's routing replayed (R3), or none
+                batch = batch.with_(log_probs=self._recompute(lambda mb: self._log_probs(self.model, mb), batch,
+                                                              micro_batches))
         if self.ref_model is not None:
             batch = batch.with_(ref_log_probs=self._recompute(lambda mb: self._log_probs(self.ref_model, mb), batch,
                                                               micro_batches))

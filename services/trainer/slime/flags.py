@@ -99,8 +99,8 @@ FLAGS: dict[str, Flag] = {
     "freeze-indexer": R(False, "DeepSeek's sparse-attention indexer: DeepSeek models are not supported", bare=True),
     "freeze-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
     "only-train-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
-    "use-routing-replay": R(False, "MoE models are not supported", bare=True),
-    "use-rollout-routing-replay": R(False, "MoE models are not supported", bare=True),
+    "use-routing-replay": I(False, bare=True),
+    "use-rollout-routing-replay": I(False, bare=True),
     "allgather-cp": R(False, "context parallelism is not supported", bare=True),
     "use-stateless-adam": R(False, "the optimizer is Adam(W) (torch or megatron-core's)", bare=True),
     "recompute-loss-function": M(False, "the backends manage their activation memory (megatron: "
