@@ -47,20 +47,21 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
     return ""
 
 
-# Families whose MoE routers routing replay drives, by the transformers class of their router: softmax over the
-# experts, top-k, the k renormalized (backends/routing_replay.py replaces the top-k and recomputes those weights).
+# The MoE families whose routers the fsdp backend drives, by the transformers class of their router: softmax over the
+# experts, top-k, the k renormalized (backends/routing_replay.py replaces the top-k and recomputes those weights; the
+# load-balancing loss reads the router logits the model outputs).
 REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter"}
-ROUTING_REPLAY_BACKENDS = ("fsdp",)
+MOE_ROUTER_BACKENDS = ("fsdp",)
 
 
-def routing_replay_problem(train_backend: str, hf_config: dict[str, Any]) -> str:
-    """"" when `train_backend` can replay the routing of hf_config's model (use_routing_replay,
-    use_rollout_routing_replay), else why not."""
-    if train_backend not in ROUTING_REPLAY_BACKENDS:
-        return (f"routing replay: train_backend {train_backend} does not replay MoE routing; train_backend "
-                f"{' or '.join(ROUTING_REPLAY_BACKENDS)} does")
+def moe_router_problem(setting: str, train_backend: str, hf_config: dict[str, Any]) -> str:
+    """"" when `train_backend` can apply the router `setting` (routing replay, the load-balancing loss) to
+    hf_config's model, else why not."""
+    if train_backend not in MOE_ROUTER_BACKENDS:
+        return (f"{setting}: train_backend {train_backend} does not do it; train_backend "
+                f"{' or '.join(MOE_ROUTER_BACKENDS)} does")
     if "model_type" in hf_config and family(hf_config) not in REPLAYABLE_ROUTERS:
-        return (f"routing replay: model family {family(hf_config)!r} has no router it replays (families: "
+        return (f"{setting}: model family {family(hf_config)!r} has no router it applies to (families: "
                 f"{', '.join(REPLAYABLE_ROUTERS)})")
     return ""
 

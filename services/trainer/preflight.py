@@ -77,7 +77,9 @@ def check_model_family(spec: JobSpec) -> list[str]:
                                      pp_size=spec.pipeline_model_parallel_size,
                                      ep_size=spec.expert_model_parallel_size)]
     if spec.use_routing_replay or spec.use_rollout_routing_replay:
-        problems.append(model_families.routing_replay_problem(spec.train_backend, hf_config))
+        problems.append(model_families.moe_router_problem("routing replay", spec.train_backend, hf_config))
+    if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
+        problems.append(model_families.moe_router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config))
     return [problem for problem in problems if problem]
 
 

@@ -100,8 +100,8 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
     import json
 
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
-    with pytest.raises(InvalidArgument, match="routing replay: model family 'glm4_moe' has no router it replays "
-                                              r"\(families: qwen3_moe, qwen3_5_moe\)"):
+    with pytest.raises(InvalidArgument, match="routing replay: model family 'glm4_moe' has no router it applies "
+                                              r"to \(families: qwen3_moe, qwen3_5_moe\)"):
         preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
     from transformers import Qwen3MoeConfig
 
@@ -109,6 +109,10 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64).to_dict()
     (tmp_path / "model" / "config.json").write_text(json.dumps(qwen3_moe))
     assert preflight(parse_spec({**paths, "use_routing_replay": True})).use_routing_replay
-    with pytest.raises(InvalidArgument, match="train_backend megatron does not replay MoE routing; train_backend "
-                                              "fsdp does"):
+    with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron does not do it; "
+                                              "train_backend fsdp does"):
         preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: train_backend megatron does not do it"):
+        preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
+    assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "none",
+                                 "train_backend": "megatron"}))

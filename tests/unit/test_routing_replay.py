@@ -160,8 +160,8 @@ def test_a_family_whose_router_it_does_not_replay_is_refused(family_model_dir):
     model = AutoModelForCausalLM.from_pretrained(family_model_dir("glm4_moe"), dtype=torch.float32)
     with pytest.raises(ValueError, match="has no MoE router it replays"):
         RoutingReplay(model, model.config.num_hidden_layers)
-    assert "model family 'glm4_moe' has no router it replays" in model_families.routing_replay_problem(
-        "fsdp", {"model_type": "glm4_moe"})
-    assert "train_backend megatron does not replay MoE routing; train_backend fsdp does" in \
-        model_families.routing_replay_problem("megatron", {"model_type": "qwen3_moe"})
-    assert model_families.routing_replay_problem("fsdp", {"model_type": "qwen3_moe"}) == ""
+    assert "routing replay: model family 'glm4_moe' has no router it applies to" in \
+        model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "glm4_moe"})
+    assert "routing replay: train_backend megatron does not do it; train_backend fsdp does" in \
+        model_families.moe_router_problem("routing replay", "megatron", {"model_type": "qwen3_moe"})
+    assert model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "qwen3_moe"}) == ""

@@ -26,7 +26,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer import devices, parallel
-from services.trainer.backends import packing, rl_step, slime_hooks, varlen
+from services.trainer.backends import moe_loss, packing, rl_step, slime_hooks, varlen
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -86,6 +86,7 @@ class TorchBackend(DCPCheckpointing):
         # "fallthrough")
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
+        self._top_k = moe_loss.router_top_k(model) if config.moe_aux_loss else 0
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world,
                                                                              param_dtype=self.dtype)
@@ -188,14 +189,19 @@ class TorchBackend(DCPCheckpointing):
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
         return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
 
-    def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-        """[b, L, V] padded or [1, T, V] packed: `packing.gather_response` reads either. The policy replays the
-        micro-batch's routed experts when it has them."""
+    def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, router_logits: bool = False):
+        """The HF forward's outputs: logits [b, L, V] padded or [1, T, V] packed (`packing.gather_response` reads
+        either), and each MoE layer's router logits when asked for. The policy replays the micro-batch's routed
+        experts when it has them."""
         replay = contextlib.nullcontext()
         if self.routing is not None and model is self.model:
             replay = self.routing.replaying(mb.flat_routed_experts(packed=self.pack_sequences))
         with self._autocast(), replay:
-            return model(**self._model_inputs(mb), use_cache=False).logits
+            return model(**self._model_inputs(mb), use_cache=False,
+                         **({"output_router_logits": True} if router_logits else {}))
+
+    def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
+        return self._forward(model, mb).logits
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
@@ -301,9 +307,17 @@ class TorchBackend(DCPCheckpointing):
         return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group, samples=samples)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
+        cfg = self.config
+
         def loss_fn(mb: RolloutBatch, reduce):
-            return rl_step.micro_batch_loss(self.config, mb, logits=self._logits(self.model, mb), reduce=reduce,
-                                            custom_loss_fn=self.custom_loss)
+            out = self._forward(self.model, mb, router_logits=cfg.moe_aux_loss)
+            loss, metrics = rl_step.micro_batch_loss(cfg, mb, logits=out.logits, reduce=reduce,
+                                                     custom_loss_fn=self.custom_loss)
+            if not cfg.moe_aux_loss:
+                return loss, metrics
+            return moe_loss.add_load_balancing_loss(
+                loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, top_k=self._top_k,
+                packed=self.pack_sequences, routing=self.routing, num_micro_batches=len(micro_batches))
 
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)
         return {key if key.startswith("perf/") else f"train/{key}": value for key, value in metrics.items()}

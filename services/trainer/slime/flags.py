@@ -91,8 +91,8 @@ FLAGS: dict[str, Flag] = {
                                     "`megatron:` section"),
     "megatron-deepgemm-forward-layers": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
     "megatron-deepgemm-forward-modules": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
-    "megatron-deepgemm-moe-forward-layers": R(None, "MoE models are not supported", nargs=True),
-    "megatron-deepgemm-moe-forward-modules": R(None, "MoE models are not supported", nargs=True),
+    "megatron-deepgemm-moe-forward-layers": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
+    "megatron-deepgemm-moe-forward-modules": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
     "enable-mtp-training": R(False, "multi-token-prediction layers are not trained", bare=True),
     "mtp-num-layers": R(None, "multi-token-prediction layers are not trained"),
     "mtp-loss-scaling-factor": R(0.2, "multi-token-prediction layers are not trained"),
@@ -355,7 +355,7 @@ def spec_key(flag: str) -> str:
 
 
 # Megatron's MoE flags that no table lists: refused as the MoE layout flags are
-MOE_REFUSAL = "MoE models are not supported"
+MOE_REFUSAL = "this MoE setting is not implemented (the backends route as the HF config says)"
 
 
 def is_moe_flag(name: str) -> bool:
