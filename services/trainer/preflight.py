@@ -78,7 +78,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
                                      ep_size=spec.expert_model_parallel_size)]
     if spec.use_routing_replay or spec.use_rollout_routing_replay:
         problems.append(model_families.moe_router_problem("routing replay", spec.train_backend, hf_config))
-    if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
+    if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none" and \
+            spec.train_backend != "megatron":  # megatron-core's MoE layers compute it for every family they build
         problems.append(model_families.moe_router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config))
     return [problem for problem in problems if problem]
 

@@ -2,7 +2,8 @@
 Qwen3-MoE). First megatron-core's MoE GPTModel with expert parallelism EP=2 (each rank two of the four experts, the
 tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend, data parallel
 over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
-saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend."""
+saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend; and
+one rollout at EP=2 with a load-balancing loss."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from bench.megatron_parity import spawn
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
 NUM_ROLLOUTS = 2
+AUX_LOSS_COEFF = 0.5  # large, so that the load-balancing loss moves the router visibly in one rollout
 
 
 def ep2_forward(model_dir: Path) -> float:
@@ -88,6 +90,20 @@ def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
             "resumed_metrics": resumed_metrics, "resumed_log_probs_after": resumed_after}
 
 
+def grpo_aux_loss(model_dir: Path) -> dict:
+    """One rollout at EP=2 under moe_aux_loss_coeff (megatron-core's own load-balancing loss)."""
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=AUX_LOSS_COEFF),
+                              expert_model_parallel_size=2)
+    rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
+    metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+    after = backend.compute_log_probs(rollout)
+    backend.close()
+    return {"metrics": metrics, "log_probs_after": after}
+
+
 def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
     import logging
     import warnings
@@ -95,7 +111,8 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     results = {"ep2_max_abs_logit_diff": ep2_forward(model_dir),
-               **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)}}
+               **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)},
+               "grpo_aux_loss": grpo_aux_loss(model_dir)}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 

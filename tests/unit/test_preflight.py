@@ -112,7 +112,7 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
     with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron does not do it; "
                                               "train_backend fsdp does"):
         preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
-    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: train_backend megatron does not do it"):
-        preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
-    assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "none",
-                                 "train_backend": "megatron"}))
+    assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' has no router it"):
+        preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))

@@ -288,8 +288,8 @@ MEGATRON: dict[str, Flag] = {
                                              "transformers' MoE layers do", warn=True),
     "moe-token-drop-policy": Flag("mapped", "probs", "no token is dropped: transformers' MoE layers have no expert "
                                                      "capacity", warn=True),
-    "moe-aux-loss-coeff": Flag("mapped", 0.0, _SPEC + " moe_aux_loss_coeff (the fsdp backend adds the load-balancing "
-                                                 "loss; the megatron backend refuses a coefficient above 0)"),
+    "moe-aux-loss-coeff": Flag("mapped", 0.0, _SPEC + " moe_aux_loss_coeff (both backends add Megatron's aux_loss to "
+                                                 "the policy loss)"),
     "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _SPEC + " moe_router_load_balancing_type (aux_loss "
                                                                          "or none)"),
     "moe-router-bias-update-rate": Flag("mapped", 1e-3, "the routers' expert bias (e_score_correction_bias) stays "

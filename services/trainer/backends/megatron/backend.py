@@ -121,7 +121,8 @@ class MegatronBackend(MegatronCheckpointing):
 
     def _build_gpt(self):
         config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
-                                          overrides=self.megatron_args.transformer)
+                                          overrides={**mcore.aux_loss_fields(self.arch, self.config),
+                                                     **self.megatron_args.transformer})
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
         return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()
 
@@ -329,7 +330,9 @@ class MegatronBackend(MegatronCheckpointing):
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.model.train(self.megatron_args.dropout)
+        # train mode only where it changes something: dropout, or megatron-core's routers adding their
+        # load-balancing loss (they do only in training)
+        self.model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
         try:
             self._run(self.model, batch, micro_batches, step_loss, forward_only=False)
         finally:

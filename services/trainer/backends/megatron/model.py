@@ -91,8 +91,8 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
 
 def moe_fields(arch: ModelArch) -> dict:
     """TransformerConfig's MoE fields for `arch` (none for a dense model): HF's routing (softmax top-k, each token
-    to its experts with no capacity limit, float32 router logits) and no load-balancing loss in the RL loss; the
-    expert-parallel size is the process groups'."""
+    to its experts with no capacity limit, float32 router logits) and no load-balancing loss unless the job weighs
+    one (`aux_loss_fields`); the expert-parallel size is the process groups'."""
     if not arch.num_experts:
         return {}
     from megatron.core import parallel_state
@@ -102,6 +102,14 @@ def moe_fields(arch: ModelArch) -> dict:
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
                 moe_grouped_gemm=False, moe_permute_fusion=False,
                 expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+
+
+def aux_loss_fields(arch: ModelArch, train: TrainConfig) -> dict:
+    """megatron-core's own load-balancing loss when the job weighs one (moe_aux_loss_coeff): its router adds it to
+    the gradient, scaled by the schedule as the loss is (a step's: the mean of its micro-batches')."""
+    if not (arch.num_experts and train.moe_aux_loss):
+        return {}
+    return dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=train.moe_aux_loss_coeff)
 
 
 def build_gpt(arch: ModelArch, config, *, use_te: bool):
