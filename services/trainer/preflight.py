@@ -76,7 +76,11 @@ def check_model_family(spec: JobSpec) -> list[str]:
     problems = [model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                      pp_size=spec.pipeline_model_parallel_size,
                                      ep_size=spec.expert_model_parallel_size)]
-    if spec.use_routing_replay or spec.use_rollout_routing_replay:
+    if (spec.use_routing_replay or spec.use_rollout_routing_replay) and spec.train_backend == "megatron":
+        if spec.tensor_model_parallel_size > 1:  # sequence parallelism splits the tokens the routers see
+            problems.append("routing replay: train_backend megatron replays at tensor_model_parallel_size 1, got "
+                            f"{spec.tensor_model_parallel_size}")
+    elif spec.use_routing_replay or spec.use_rollout_routing_replay:
         problems.append(model_families.moe_router_problem("routing replay", spec.train_backend, hf_config))
     if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none" and \
             spec.train_backend != "megatron":  # megatron-core's MoE layers compute it for every family they build

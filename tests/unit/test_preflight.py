@@ -109,9 +109,11 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64).to_dict()
     (tmp_path / "model" / "config.json").write_text(json.dumps(qwen3_moe))
     assert preflight(parse_spec({**paths, "use_routing_replay": True})).use_routing_replay
-    with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron does not do it; "
-                                              "train_backend fsdp does"):
-        preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
+    assert preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
+    with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
+                                              "tensor_model_parallel_size 1, got 2"):
+        preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron",
+                              "tensor_model_parallel_size": 2}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
     with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' has no router it"):

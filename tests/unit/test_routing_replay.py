@@ -127,7 +127,7 @@ def test_each_token_replays_its_own_experts_in_packed_and_padded_rows(model_dir,
 
 def test_samples_without_the_engines_experts_are_refused(model_dir):
     r3 = backend(model_dir, use_rollout_routing_replay=True)
-    with pytest.raises(ValueError, match="routed experts"):
+    with pytest.raises(ValueError, match="sample 0 came without the engines' routed experts"):
         r3.train_rollout(samples_of(model_dir, ROLLOUT))
     samples = with_experts(samples_of(model_dir, ROLLOUT), hf_model(model_dir))
     samples[1].rollout_routed_experts = samples[1].rollout_routed_experts[:-2]

@@ -126,9 +126,10 @@ def _check_sample(i: int, sample: Sample) -> None:
 
 def _routed_experts(samples: Sequence[Sample], seq_len: int, shape: tuple[int, int]) -> torch.Tensor | None:
     """[B, L, num_layers, top_k] int32 from the samples' engine-routed experts (rows len(tokens) - 1 each), experts
-    0..k-1 where none was routed (a sequence's last token, padding); None unless every sample has them."""
-    if not all(s.rollout_routed_experts for s in samples):
-        return None
+    0..k-1 where none was routed (a sequence's last token, padding)."""
+    if missing := [i for i, s in enumerate(samples) if not s.rollout_routed_experts]:
+        raise InvalidArgument(f"use_rollout_routing_replay: sample {missing[0]} came without the engines' routed "
+                              "experts (rollout_routed_experts); the engines must honour return_routed_experts")
     num_layers, top_k = shape
     out = torch.arange(top_k, dtype=torch.int32, device=HOST).expand(len(samples), seq_len, num_layers, top_k).clone()
     for i, s in enumerate(samples):
@@ -153,8 +154,8 @@ def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, rew
                         device: torch.device | str = HOST,
                         routing_shape: tuple[int, int] | None = None) -> RolloutBatch:
     """Pad `samples` into a RolloutBatch on `device`; a sample without a loss_mask trains on all its response
-    tokens. With routing_shape (num_layers, top_k) the samples' engine-routed experts come along. The padding is
-    done on the host, then moved in one copy per tensor."""
+    tokens. With routing_shape (num_layers, top_k) the samples' engine-routed experts come along (each sample must
+    have them). The padding is done on the host, then moved in one copy per tensor."""
     if not samples:
         raise InvalidArgument("rollout has no samples")
     for i, sample in enumerate(samples):

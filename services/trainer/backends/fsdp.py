@@ -253,9 +253,6 @@ class TorchBackend(DCPCheckpointing):
         cfg = self.config
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
                                     device=self.device, routing_shape=self._routing_shape())
-        if cfg.use_rollout_routing_replay and batch.routed_experts is None:
-            raise InvalidArgument("use_rollout_routing_replay: some samples came without the engines' routed experts "
-                                  "(rollout_routed_experts); the engines must honour return_routed_experts")
         steps = self._schedule(batch, cfg.global_batch_size)
         if not steps:
             raise InvalidArgument(f"rollout has {batch.size} samples, fewer than global_batch_size "
