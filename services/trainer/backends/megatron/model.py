@@ -62,10 +62,13 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1)
 
 
 def destroy_model_parallel() -> None:
-    """Drop Megatron's groups (the default process group stays, for the next backend in this process)."""
+    """Drop Megatron's groups (the default process group stays, for the next backend in this process) and the
+    routers megatron-core's RouterReplay keeps in a class-wide list."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
     parallel_state.destroy_model_parallel()
+    RouterReplay.clear_global_router_replay_instances()
 
 
 def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: torch.dtype = torch.float32,
