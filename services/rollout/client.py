@@ -117,6 +117,9 @@ class RolloutConfig:
         if 0 < self.max_inflight_groups < self.rollout_batch_size:
             raise InvalidArgument(f"rollout config: max_inflight_groups ({self.max_inflight_groups}) must be >= "
                                   f"rollout_batch_size ({self.rollout_batch_size})")
+        if self.use_rollout_routing_replay and self.agent_function_path:
+            raise InvalidArgument("rollout config: use_rollout_routing_replay needs the engines' routed experts, "
+                                  "which agent sessions do not record; use use_routing_replay")
         if self.max_inflight_groups and self.partial_rollout:
             raise InvalidArgument("rollout config: partial_rollout does not apply to a fully_async stream (it never "
                                   "aborts groups to end a batch)")

@@ -110,6 +110,8 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
     (tmp_path / "model" / "config.json").write_text(json.dumps(qwen3_moe))
     assert preflight(parse_spec({**paths, "use_routing_replay": True})).use_routing_replay
     assert preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
+    with pytest.raises(InvalidArgument, match="agent sessions do not record"):
+        parse_spec({**paths, "use_rollout_routing_replay": True, "agent_function_path": "tests.plugins.agents.f"})
     with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
                                               "tensor_model_parallel_size 1, got 2"):
         preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron",
