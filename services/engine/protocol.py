@@ -153,7 +153,7 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
     routed_flags = _per_prompt(body, "return_routed_experts", size, False)
     if any(routed_flags) and not engine.routes_experts:
         raise InvalidArgument("return_routed_experts: the engine's model has no MoE router whose experts it reports "
-                              "(Qwen3-MoE, Qwen3.5-MoE)")
+                              "(Qwen3-MoE, Qwen3.5-MoE, GLM-4-MoE, DeepSeek-V3)")
     rids = body.get("rid")
     if rids is None:
         rids = [uuid.uuid4().hex for _ in range(size)]

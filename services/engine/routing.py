@@ -1,5 +1,5 @@
 """The experts an MoE model's routers pick for each token the engine feeds it (SGLang's return_routed_experts): forward
-hooks on transformers' softmax top-k routers record one model call's top-k indices as [rows, num_layers, top_k].
+hooks on transformers' top-k routers record one model call's top-k indices as [rows, num_layers, top_k].
 
 Knows nothing of requests: generation.py hands each request its rows, protocol.py encodes them as SGLang does.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 # the routers whose (logits, weights, top-k indices) output is recorded: the families the trainer replays
-ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen3_5MoeTopKRouter"})
+ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen3_5MoeTopKRouter", "Glm4MoeTopkRouter", "DeepseekV3TopkRouter"})
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

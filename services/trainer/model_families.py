@@ -47,22 +47,25 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
     return ""
 
 
-# The MoE families whose routers the fsdp backend drives, by the transformers class of their router: softmax over the
-# experts, top-k, the k renormalized (backends/routing_replay.py replaces the top-k and recomputes those weights; the
-# load-balancing loss reads the router logits the model outputs).
-REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter"}
+# The MoE families whose routers the fsdp backend replays, by the transformers class of their router (each returns
+# logits, top-k weights, top-k indices; backends/routing_replay.py replaces the indices and recomputes the weights):
+# Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
+REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
+                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+# The families whose models output their router logits (output_router_logits) for the load-balancing loss.
+AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 MOE_ROUTER_BACKENDS = ("fsdp",)
 
 
-def moe_router_problem(setting: str, train_backend: str, hf_config: dict[str, Any]) -> str:
+def moe_router_problem(setting: str, train_backend: str, hf_config: dict[str, Any],
+                       families: tuple[str, ...] | dict[str, str]) -> str:
     """"" when `train_backend` can apply the router `setting` (routing replay, the load-balancing loss) to
-    hf_config's model, else why not."""
+    hf_config's model, one of `families`, else why not."""
     if train_backend not in MOE_ROUTER_BACKENDS:
         return (f"{setting}: train_backend {train_backend} does not do it; train_backend "
                 f"{' or '.join(MOE_ROUTER_BACKENDS)} does")
-    if "model_type" in hf_config and family(hf_config) not in REPLAYABLE_ROUTERS:
-        return (f"{setting}: model family {family(hf_config)!r} has no router it applies to (families: "
-                f"{', '.join(REPLAYABLE_ROUTERS)})")
+    if "model_type" in hf_config and family(hf_config) not in families:
+        return f"{setting}: model family {family(hf_config)!r} is not one it applies to ({', '.join(families)})"
     return ""
 
 

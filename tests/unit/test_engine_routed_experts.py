@@ -1,4 +1,5 @@
-"""The CPU engine reports the experts it routed each token to (SGLang's return_routed_experts) for a tiny Qwen3-MoE:
+"""The CPU engine reports the experts it routed each token to (SGLang's return_routed_experts) for tiny Qwen3-MoE and
+GLM-4-MoE models:
 from a left-padded batch with KV-cached decode, the same experts as an unpadded forward of the whole sequence; the
 reply's meta_info.routed_experts becomes the sample's field, and replaying it on the trainer with the engine's weights
 changes nothing. An engine without an MoE router refuses the option."""
@@ -32,8 +33,9 @@ def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[R
     return requests
 
 
-def test_the_engine_reports_each_tokens_experts_and_the_trainer_replays_them(family_model_dir):
-    model_dir = family_model_dir("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])  # softmax routers; sigmoid ones after a dense layer
+def test_the_engine_reports_each_tokens_experts_and_the_trainer_replays_them(family_model_dir, family):
+    model_dir = family_model_dir(family)
     model, tokenizer = load_model(str(model_dir))
     engine = Engine(model, tokenizer, max_batch_size=4, seed=3).start()
     try:
@@ -54,7 +56,9 @@ def test_the_engine_reports_each_tokens_experts_and_the_trainer_replays_them(fam
         assert experts.shape[0] == len(tokens) - 1  # every token fed to the model; the last never is
         with torch.no_grad(), replay.recording() as recorded:
             reference(input_ids=torch.tensor([tokens[:-1]]))
-        assert torch.equal(experts, recorded[0])
+        moe = [layer for layer, _ in replay.routers]  # a dense layer's entries are unused
+        # the same experts per token (a sigmoid router's top-k is unsorted: the order is not compared)
+        assert torch.equal(experts[:, moe].sort(-1).values, recorded[0][:, moe].sort(-1).values)
         sample = Sample(tokens=list(request.input_ids))
         append_reply(sample, reply)
         assert sample.rollout_routed_experts == experts.flatten().tolist()

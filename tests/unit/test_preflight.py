@@ -99,9 +99,9 @@ def test_plugins_are_found_not_imported_and_only_under_the_allow_list(paths, mon
 def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path):
     import json
 
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
-    with pytest.raises(InvalidArgument, match="routing replay: model family 'glm4_moe' has no router it applies "
-                                              r"to \(families: qwen3_moe, qwen3_5_moe\)"):
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(InvalidArgument, match="routing replay: model family 'mixtral' is not one it applies to "
+                                              r"\(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3\)"):
         preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
     from transformers import Qwen3MoeConfig
 
@@ -118,5 +118,7 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
                               "tensor_model_parallel_size": 2}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
-    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' has no router it"):
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' is not one it applies "
+                                              r"to \(qwen3_moe, qwen3_5_moe\)"):
         preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
+    assert preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))

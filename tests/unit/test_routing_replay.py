@@ -5,6 +5,7 @@ gate weights from the current router; packed and padded micro-batches keep each 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -135,11 +136,21 @@ def test_samples_without_the_engines_experts_are_refused(model_dir):
         r3.train_rollout(samples)
 
 
+def test_a_sigmoid_routers_replayed_gate_is_its_sigmoid_at_the_recorded_experts():
+    logits = torch.tensor([[0.0, math.log(3.0), -math.log(3.0), 0.0]])  # sigmoid: .5, .75, .25, .5
+    experts = torch.tensor([[2, 0]])
+    assert replayed_gate(logits, experts, normalize=False, sigmoid=True)[0].tolist() == pytest.approx([0.25, 0.5])
+    # renormalized (1/3, 2/3), times GLM-4-MoE's routed_scaling_factor 2.5
+    assert replayed_gate(logits, experts, normalize=True, sigmoid=True, scaling_factor=2.5)[0].tolist() == \
+        pytest.approx([2.5 / 3, 5.0 / 3], abs=1e-6)
+
+
 @torch.no_grad()
-def test_qwen3_5_moe_replays_its_own_routing_exactly_and_other_routing_not(family_model_dir):
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "glm4_moe", "deepseek_v3"])
+def test_each_family_replays_its_own_routing_exactly_and_other_routing_not(family_model_dir, family):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(family_model_dir("qwen3_5_moe"), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(family_model_dir(family), dtype=torch.float32).eval()
     replay = RoutingReplay(model, model.config.get_text_config().num_hidden_layers)
     tokens = torch.tensor([[3, 5, 7, 9, 11, 13, 2, 4]])
     with replay.recording() as recorded:
@@ -152,16 +163,17 @@ def test_qwen3_5_moe_replays_its_own_routing_exactly_and_other_routing_not(famil
         assert (model(input_ids=tokens).logits - natural).abs().max() > 1e-4
 
 
-def test_a_family_whose_router_it_does_not_replay_is_refused(family_model_dir):
+def test_a_family_whose_router_it_does_not_replay_is_refused(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from services.trainer import model_families
 
-    model = AutoModelForCausalLM.from_pretrained(family_model_dir("glm4_moe"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)  # dense Qwen3
     with pytest.raises(ValueError, match="has no MoE router it replays"):
         RoutingReplay(model, model.config.num_hidden_layers)
-    assert "routing replay: model family 'glm4_moe' has no router it applies to" in \
-        model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "glm4_moe"})
+    families = model_families.REPLAYABLE_ROUTERS
+    assert "routing replay: model family 'mixtral' is not one it applies to" in \
+        model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "mixtral"}, families)
     assert "routing replay: train_backend megatron does not do it; train_backend fsdp does" in \
-        model_families.moe_router_problem("routing replay", "megatron", {"model_type": "qwen3_moe"})
-    assert model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "qwen3_moe"}) == ""
+        model_families.moe_router_problem("routing replay", "megatron", {"model_type": "qwen3_moe"}, families)
+    assert model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "glm4_moe"}, families) == ""

@@ -5,8 +5,8 @@ through the experts of the forward it is compared with (the old policy's, or the
 Replaying replaces only the router's top-k indices: the gate weights are the current router's probabilities at the
 recorded experts (renormalized as the router does), so the router still learns. A forward's experts are int32
 [T, num_layers, top_k] over its T input tokens in order (SGLang's routed_experts layout; a dense layer's entries are
-unused). Routers are transformers' softmax top-k routers of the families in model_families.REPLAYABLE_ROUTERS,
-which return (logits, top-k weights, top-k indices).
+unused). Routers are transformers' top-k routers of the families in model_families.REPLAYABLE_ROUTERS, which
+return (logits, top-k weights, top-k indices).
 """
 
 from __future__ import annotations
@@ -35,13 +35,20 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     return sorted(routers, key=lambda item: item[0])
 
 
-def replayed_gate(logits: torch.Tensor, experts: torch.Tensor, *, normalize: bool) -> torch.Tensor:
-    """[T, k] gate weights at the given experts [T, k] from router logits [T, E]: softmax probabilities (float32, as
-    the routers compute them), renormalized over the k when the router does, in the logits' dtype."""
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, experts)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype)
+def replayed_gate(logits: torch.Tensor, experts: torch.Tensor, *, normalize: bool, sigmoid: bool = False,
+                  scaling_factor: float = 1.0) -> torch.Tensor:
+    """[T, k] gate weights at the given experts [T, k] from router logits [T, E], as the router computes its own:
+    softmax (Qwen) or sigmoid (GLM-4-MoE, DeepSeek-V3: the expert bias only chooses, it does not weigh) probabilities
+    in float32, renormalized over the k when the router does, times its scaling factor, in the logits' dtype."""
+    if sigmoid:
+        weights = torch.sigmoid(logits.float()).gather(1, experts)
+        if normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, experts)
+        if normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights * scaling_factor).to(logits.dtype)
 
 
 class RoutingReplay:
@@ -71,7 +78,9 @@ class RoutingReplay:
         if experts.shape != indices.shape:
             raise ValueError(f"routing replay: layer {layer} routes {tuple(indices.shape)} tokens × top-k, the "
                              f"recorded experts are {tuple(experts.shape)}")
-        gate = replayed_gate(logits, experts, normalize=getattr(router, "norm_topk_prob", True))
+        sigmoid = hasattr(router, "e_score_correction_bias")  # GLM-4-MoE's and DeepSeek-V3's routers
+        gate = replayed_gate(logits, experts, normalize=getattr(router, "norm_topk_prob", True), sigmoid=sigmoid,
+                             scaling_factor=getattr(router, "routed_scaling_factor", 1.0) if sigmoid else 1.0)
         return logits, gate, experts.to(indices.dtype)
 
     def empty(self, num_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
