@@ -170,6 +170,18 @@ def _int_list(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
+def _flat_int_list(values: Any) -> list[int]:
+    """slime keeps routed experts as a [tokens - 1, layers, top-k] tensor (or nested lists); the record, flat."""
+    if values is None:
+        return []
+    if hasattr(values, "reshape"):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    flat: list[int] = []
+    for value in values:
+        flat.extend(_flat_int_list(value) if isinstance(value, (list, tuple)) else [int(value)])
+    return flat
+
+
 def append_response_tokens(sample: Sample, tokens: Any, *, log_probs: Any = None, trainable: bool = True,
                            meta_info: dict | None = None, text: str | None = None,
                            update_terminal_info: bool = True) -> None:
@@ -230,6 +242,7 @@ def finish_plugin_sample(sample: Sample, *, needs_log_probs: str, what: str) -> 
         sample.rollout_log_probs = []
     if sample.teacher_log_probs is None:
         sample.teacher_log_probs = []
+    sample.rollout_routed_experts = _flat_int_list(sample.rollout_routed_experts)
     if sample.remove_sample:
         sample.loss_mask = [0] * n
     for name in ("custom_rm_path", "generate_function_path"):

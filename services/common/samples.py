@@ -54,6 +54,8 @@ class Sample:
     train_metadata: dict[str, Any] | None = None
     custom_rm_path: str = ""
     generate_function_path: str = ""
+    # SGLang's routed experts: [len(tokens) - 1, num layers, top-k] flattened; empty unless the job asked for them
+    rollout_routed_experts: list[int] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -235,6 +237,8 @@ def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
         msg.custom_rm_path = sample.custom_rm_path
     if sample.generate_function_path:
         msg.generate_function_path = sample.generate_function_path
+    if sample.rollout_routed_experts:
+        msg.rollout_routed_experts.extend(sample.rollout_routed_experts)
     return msg
 
 
@@ -250,7 +254,8 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
         reward_error=msg.reward_error, rollout_id=msg.rollout_id if msg.HasField("rollout_id") else None,
         remove_sample=msg.remove_sample, teacher_log_probs=msg.teacher_log_probs[:] if msg.teacher_log_probs else [],
         train_metadata=struct_to_dict(msg.train_metadata) if msg.HasField("train_metadata") else None,
-        custom_rm_path=msg.custom_rm_path, generate_function_path=msg.generate_function_path)
+        custom_rm_path=msg.custom_rm_path, generate_function_path=msg.generate_function_path,
+        rollout_routed_experts=msg.rollout_routed_experts[:] if msg.rollout_routed_experts else [])
 
 
 _STATUSES = {0: Status.PENDING} | {status.value: status for status in Status}  # unset (0) reads as PENDING

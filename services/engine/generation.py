@@ -11,6 +11,7 @@ import threading
 
 import torch
 
+from services.engine.routing import RoutedExperts
 from services.engine.scheduler import (
     PAUSE_MODES,
     Request,
@@ -119,6 +120,8 @@ class Engine(Scheduler):
                          max_batch_size=max_batch_size, weight_version=weight_version,
                          per_token_delay_s=per_token_delay_s)
         self.model = model
+        self.routing = RoutedExperts(model)
+        self.routes_experts = self.routing.available
         self.tokenizer = tokenizer
         pad = text_config.pad_token_id
         self.pad_id: int = pad if pad is not None else min(self.eos_ids, default=0)
@@ -160,8 +163,14 @@ class Engine(Scheduler):
             mask[row, width - len(context):] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+        with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured:
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+        if captured:  # each row's context is right-aligned: its experts are the row's last len(context) positions
+            experts = captured[0].view(size, width, self.routing.num_layers, self.routing.top_k)
+            for row, (request, context) in enumerate(zip(batch, contexts, strict=True)):
+                if request.return_routed_experts:
+                    request.routed_experts = bytearray(experts[row, width - len(context):].numpy().tobytes())
         return out, mask, positions
 
     def _decode(self, batch: list[Request]) -> bool:
@@ -188,5 +197,9 @@ class Engine(Scheduler):
                 return True
             mask = torch.cat([mask, mask.new_ones((size, 1))], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
-                             past_key_values=out.past_key_values, use_cache=True)
+            with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured:
+                out = self.model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
+                                 past_key_values=out.past_key_values, use_cache=True)
+            for row, request in enumerate(batch):  # a finished row's last token was fed for nothing: not recorded
+                if captured and request.return_routed_experts and not request.finished:
+                    request.routed_experts += captured[0][row].numpy().tobytes()

@@ -5,6 +5,7 @@ Validation errors are InvalidArgument naming the field; the server answers them 
 
 from __future__ import annotations
 
+import base64
 import math
 import uuid
 from dataclasses import dataclass, fields
@@ -149,6 +150,10 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
     size = len(prompts)
     sampling = _per_prompt(body, "sampling_params", size, {})
     logprob_flags = _per_prompt(body, "return_logprob", size, False)
+    routed_flags = _per_prompt(body, "return_routed_experts", size, False)
+    if any(routed_flags) and not engine.routes_experts:
+        raise InvalidArgument("return_routed_experts: the engine's model has no MoE router whose experts it reports "
+                              "(Qwen3-MoE, Qwen3.5-MoE, GLM-4-MoE, DeepSeek-V3)")
     rids = body.get("rid")
     if rids is None:
         rids = [uuid.uuid4().hex for _ in range(size)]
@@ -173,7 +178,7 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
         listed = listed or n > 1
         for j in range(n):
             requests.append(Request(rid=rids[i] if n == 1 else f"{rids[i]}_{j}", input_ids=list(prompt),
-                                    params=params))
+                                    params=params, return_routed_experts=bool(routed_flags[i])))
             return_logprob.append(bool(logprob_flags[i]))
     return GenerateCall(requests, return_logprob, listed)
 
@@ -192,6 +197,8 @@ def to_response(request: Request, return_logprob: bool, index: int | None) -> di
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None]
                                          for lp, tok in zip(request.output_logprobs, request.output_ids, strict=True)]
+    if request.return_routed_experts:  # SGLang's layout: base64 of int32 [len(tokens) - 1, num_layers, top_k]
+        meta["routed_experts"] = base64.b64encode(bytes(request.routed_experts)).decode("ascii")
     response = {"text": request.text or "", "output_ids": list(request.output_ids), "meta_info": meta}
     if index is not None:
         response["index"] = index

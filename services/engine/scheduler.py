@@ -64,6 +64,9 @@ class Request:
     finished_s: float = 0.0
     abort_message: str | None = None
     generator: Any = None  # the request's own RNG when it has a sampling_seed (made by the engine that samples)
+    return_routed_experts: bool = False
+    # int32 [tokens fed so far, num_layers, top_k] as bytes, when asked for (SGLang's routed_experts)
+    routed_experts: bytearray = field(default_factory=bytearray)
 
     @property
     def finished(self) -> bool:
@@ -92,6 +95,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.per_token_delay_s = per_token_delay_s  # added to every decode step (latency-controlled tests)
+        self.routes_experts = False  # whether it reports the experts an MoE model routed each token to
         self.last_progress_s = time.monotonic()  # the last time any request got a token or finished
         self.cond = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()

@@ -2,7 +2,8 @@
 Qwen3-MoE). First megatron-core's MoE GPTModel with expert parallelism EP=2 (each rank two of the four experts, the
 tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend, data parallel
 over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
-saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend."""
+saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend; and
+one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from bench.megatron_parity import spawn
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
 NUM_ROLLOUTS = 2
+AUX_LOSS_COEFF = 0.5  # large, so that the load-balancing loss moves the router visibly in one rollout
 
 
 def ep2_forward(model_dir: Path) -> float:
@@ -88,6 +90,54 @@ def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
             "resumed_metrics": resumed_metrics, "resumed_log_probs_after": resumed_after}
 
 
+def grpo_aux_loss(model_dir: Path) -> dict:
+    """One rollout at EP=2 under moe_aux_loss_coeff (megatron-core's own load-balancing loss)."""
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=AUX_LOSS_COEFF),
+                              expert_model_parallel_size=2)
+    rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
+    metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+    after = backend.compute_log_probs(rollout)
+    backend.close()
+    return {"metrics": metrics, "log_probs_after": after}
+
+
+def engine_routed(model_dir: Path, samples: list) -> list:
+    """The samples with the experts an engine whose routers differ from the checkpoint's (Gaussian noise, fixed
+    seed) routed each token to, as its return_routed_experts reports them."""
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.backends.routing_replay import RoutingReplay, moe_routers
+
+    engine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, router in moe_routers(engine):
+            router.weight.add_(2.0 * torch.randn(router.weight.shape, generator=generator))
+        replay = RoutingReplay(engine, engine.config.num_hidden_layers)
+        for sample in samples:
+            with replay.recording() as recorded:
+                engine(input_ids=torch.tensor([sample.tokens[:-1]]))
+            sample.rollout_routed_experts = recorded[0].flatten().tolist()
+    return samples
+
+
+def grpo_routing_replay(model_dir: Path, setting: str) -> dict:
+    """One rollout at EP=2 under `setting` (use_rollout_routing_replay: an engine's other routing; or
+    use_routing_replay)."""
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), expert_model_parallel_size=2)
+    rollout = engine_routed(model_dir, grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0))
+    metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+    after = backend.compute_log_probs(rollout)
+    backend.close()
+    return {"metrics": metrics, "log_probs_after": after}
+
+
 def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
     import logging
     import warnings
@@ -95,7 +145,10 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     results = {"ep2_max_abs_logit_diff": ep2_forward(model_dir),
-               **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)}}
+               **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)},
+               "grpo_aux_loss": grpo_aux_loss(model_dir),
+               **{setting: grpo_routing_replay(model_dir, setting)
+                  for setting in ("use_rollout_routing_replay", "use_routing_replay")}}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 

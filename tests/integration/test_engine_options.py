@@ -29,6 +29,8 @@ def pool_config(replicas: int) -> PoolConfig:
 
 def test_the_jobs_server_options_are_the_sglang_flags_that_are_server_arguments():
     assert job_engine_options(SLIME_ARGS) == {"sglang_dtype": "bfloat16", "sglang_mem_fraction_static": 0.7}
+    # routing replay of the rollout's experts: SGLang engines must be launched to return them
+    assert job_engine_options({"use_rollout_routing_replay": True}) == {"sglang_enable_return_routed_experts": True}
 
 
 def test_a_pool_that_launches_its_engines_relaunches_them_with_the_jobs_options(tiny_model_dir, shared_router,

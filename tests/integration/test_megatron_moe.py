@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.trainer.backends.base import TrainConfig
-from tests.integration.megatron_moe_worker import NUM_ROLLOUTS
+from tests.integration.megatron_moe_worker import AUX_LOSS_COEFF, NUM_ROLLOUTS, engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
 
@@ -28,7 +28,7 @@ def model_dir(family_model_dir) -> Path:
 def results(model_dir, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron-moe")
     run_worker("tests.integration.megatron_moe_worker", str(model_dir), str(out), log_path=out / "worker.log",
-               timeout_s=240)
+               timeout_s=420)
     return {**json.loads((out / "results.json").read_text()), "out": out}
 
 
@@ -86,3 +86,43 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never
         for key in want:
             assert got[key] == pytest.approx(want[key], abs=1e-6, rel=1e-6), key
     assert max_diff(run["resumed_log_probs_after"], run["log_probs_after"]) < 1e-6
+
+
+def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(results, model_dir):
+    from services.trainer.backends.fsdp import TorchBackend
+
+    def torch_run(coeff: float) -> tuple[list[dict], list[list[float]]]:
+        backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=coeff), num_threads=1)
+        rollout = grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0)
+        metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+        return metrics, backend.compute_log_probs(rollout)
+
+    want, want_after = torch_run(AUX_LOSS_COEFF)
+    plain, plain_after = torch_run(0.0)
+    got = results["grpo_aux_loss"]
+    for step, (m, w, p) in enumerate(zip(got["metrics"], want, plain, strict=True)):
+        assert m["train/grad_norm"] == pytest.approx(w["train/grad_norm"], rel=1e-4), step
+        assert abs(w["train/grad_norm"] - p["train/grad_norm"]) > 1e-3, step  # the loss is not negligible
+    assert max_diff(got["log_probs_after"], want_after) < 1e-4
+    assert max_diff(want_after, plain_after) > 1e-3
+
+
+@pytest.mark.parametrize("setting", ["use_rollout_routing_replay", "use_routing_replay"])
+def test_routing_replay_routes_as_the_torch_backend_does(results, model_dir, setting):
+    from services.trainer.backends.fsdp import TorchBackend
+
+    def torch_run(**overrides) -> tuple[list[dict], list[list[float]]]:
+        backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, **overrides), num_threads=1)
+        rollout = engine_routed(model_dir, grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0))
+        metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+        return metrics, backend.compute_log_probs(rollout)
+
+    want, want_after = torch_run(**{setting: True})
+    got = results[setting]
+    for step, (m, w) in enumerate(zip(got["metrics"], want, strict=True)):
+        for key in ("train/pg_loss", "train/ppo_kl", "train/grad_norm"):
+            assert m[key] == pytest.approx(w[key], abs=2e-5, rel=1e-4), (step, key)
+    assert max_diff(got["log_probs_after"], want_after) < 1e-4
+    if setting == "use_rollout_routing_replay":  # the engine's other routing changed the training
+        plain, plain_after = torch_run()
+        assert abs(plain[0]["train/grad_norm"] - want[0]["train/grad_norm"]) > 1e-3

@@ -94,3 +94,31 @@ def test_plugins_are_found_not_imported_and_only_under_the_allow_list(paths, mon
                        "custom_loss_function_path": "tests.plugins.loss_fns.two_args"})
     assert preflight(spec) is spec
     assert "tests.plugins.loss_fns" not in sys.modules  # found on disk, never executed
+
+
+def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path):
+    import json
+
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(InvalidArgument, match="routing replay: model family 'mixtral' is not one it applies to "
+                                              r"\(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3\)"):
+        preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
+    from transformers import Qwen3MoeConfig
+
+    qwen3_moe = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64).to_dict()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(qwen3_moe))
+    assert preflight(parse_spec({**paths, "use_routing_replay": True})).use_routing_replay
+    assert preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
+    with pytest.raises(InvalidArgument, match="agent sessions do not record"):
+        parse_spec({**paths, "use_rollout_routing_replay": True, "agent_function_path": "tests.plugins.agents.f"})
+    with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
+                                              "tensor_model_parallel_size 1, got 2"):
+        preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron",
+                              "tensor_model_parallel_size": 2}))
+    assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' is not one it applies "
+                                              r"to \(qwen3_moe, qwen3_5_moe\)"):
+        preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
+    assert preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))

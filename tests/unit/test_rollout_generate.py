@@ -142,6 +142,32 @@ def test_default_generate_continues_a_partial_sample_with_the_budget_left():
     assert out.status == Status.TRUNCATED and full.status == Status.TRUNCATED
 
 
+def test_routed_experts_are_asked_for_under_r3_and_decoded_in_sglangs_layout():
+    import array
+    import base64
+
+    assert gen.routed_experts_option(types.SimpleNamespace(use_rollout_routing_replay=True)) == {
+        "return_routed_experts": True}
+    assert gen.routed_experts_option(types.SimpleNamespace()) == {} == gen.routed_experts_option(None)
+    # 3 prompt + 2 response tokens: 4 rows (the last token is never fed) × 2 layers × top-2
+    experts = list(range(16))
+    meta_reply = reply([5, 6], "xy")
+    meta_reply["meta_info"]["routed_experts"] = base64.b64encode(array.array("i", experts).tobytes()).decode()
+    sample = RolloutSample(tokens=[1, 2, 3])
+    gen.append_reply(sample, meta_reply)
+    assert sample.rollout_routed_experts == experts
+    # a later turn's reply starts at token 2: the first 2 rows stay, the rest is the reply's
+    sample.tokens.append(7)
+    meta_reply = reply([8], "z")
+    meta_reply["meta_info"].update(routed_experts=base64.b64encode(array.array("i", [9] * 16).tobytes()).decode(),
+                                   routed_experts_start_len=2)
+    gen.append_reply(sample, meta_reply)
+    assert sample.rollout_routed_experts == experts[:8] + [9] * 16
+    meta_reply["meta_info"]["routed_experts"] = base64.b64encode(array.array("i", [1] * 7).tobytes()).decode()
+    with pytest.raises(FailedPrecondition, match="routed_experts has 7 entries, not a multiple of its 5"):
+        gen.append_reply(sample, meta_reply)
+
+
 def test_plugin_args_are_the_job_spec_plus_the_router_address():
     args = gen.plugin_args({"rollout_max_response_len": 8, "hf_checkpoint": "/m"}, "http://10.0.0.5:30000")
     assert (args.rollout_max_response_len, args.hf_checkpoint) == (8, "/m")

@@ -14,7 +14,8 @@ def full_sample() -> Sample:
                   loss_mask=[1], rollout_log_probs=[-0.125], status=Status.TRUNCATED,
                   metadata={"rm_type": "math", "nested": {"k": [1.5, "x"]}}, weight_versions=["4", "5"],
                   group_index=2, index=7, reward_error="boom", rollout_id=0, remove_sample=True,
-                  teacher_log_probs=[-0.5], train_metadata={}, custom_rm_path="m.f", generate_function_path="m.g")
+                  teacher_log_probs=[-0.5], train_metadata={}, custom_rm_path="m.f", generate_function_path="m.g",
+                  rollout_routed_experts=[0, 3, 1, 2])
 
 
 def test_every_field_round_trips():

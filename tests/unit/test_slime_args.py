@@ -100,6 +100,18 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism():
         "--sequence-parallel: dropped without tensor parallelism, as Megatron does"]
 
 
+def test_moe_router_and_routing_replay_flags_become_spec_keys():
+    conv = slime_args.convert(["--moe-aux-loss-coeff", "0.001", "--moe-router-load-balancing-type", "none",
+                               "--use-rollout-routing-replay", "--use-routing-replay"], spec_keys=SPEC_KEYS,
+                              check_architecture=False)
+    assert conv.spec.items() >= {"moe_aux_loss_coeff": 0.001, "moe_router_load_balancing_type": "none",
+                                 "use_rollout_routing_replay": True, "use_routing_replay": True}.items()
+    assert not conv.refused and not conv.megatron
+    assert slime_args.convert(["--moe-expert-capacity-factor", "1.0"], spec_keys=SPEC_KEYS,
+                              check_architecture=False).refused == [
+        f"--moe-expert-capacity-factor: {slime_flags.MOE_REFUSAL}"]
+
+
 def test_slimes_sft_rollout_is_sft_loss():
     conv = slime_args.convert(["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
                                "--disable-compute-advantages-and-returns"], spec_keys=SPEC_KEYS,

@@ -146,7 +146,7 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
         checked = flag[2:] in megatron_flags.ARCH and f"| `{flag}` | checked |" in DOC
         assert (listed is not None and listed.note in DOC) or slime_flags.is_moe_flag(flag[2:]) or checked, flag
-    assert all(p.endswith(("MoE models are not supported",
+    assert all(p.endswith(("MoE models are not supported", slime_flags.MOE_REFUSAL,
                            "on-policy distillation is not implemented; train with a teacher's samples as SFT data "
                            "instead", "Physarum builds the model from the HF config: fix or drop the flag"))
                for p in problems), problems

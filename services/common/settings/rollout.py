@@ -85,6 +85,9 @@ class RolloutConfig:
             "own session of the agent gateway (OpenAI and Anthropic APIs); a float return is the sample's reward")
     agent_timeout_s: float = field(600.0, "seconds an agent may run; its session then ends and the sample is the "
                                           "trajectory so far, truncated", POSITIVE)
+    use_rollout_routing_replay: bool = field(
+        False, "MoE (slime's R3): the engines return the experts they routed each token to, and the trainer's "
+               "forwards route every token to those experts (implies use_routing_replay)")
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -106,6 +109,9 @@ class RolloutConfig:
         if 0 < self.max_inflight_groups < self.rollout_batch_size:
             raise InvalidArgument(f"rollout config: max_inflight_groups ({self.max_inflight_groups}) must be >= "
                                   f"rollout_batch_size ({self.rollout_batch_size})")
+        if self.use_rollout_routing_replay and self.agent_function_path:
+            raise InvalidArgument("rollout config: use_rollout_routing_replay needs the engines' routed experts, "
+                                  "which agent sessions do not record; use use_routing_replay")
         if self.max_inflight_groups and self.partial_rollout:
             raise InvalidArgument("rollout config: partial_rollout does not apply to a fully_async stream (it never "
                                   "aborts groups to end a batch)")

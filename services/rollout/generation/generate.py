@@ -9,7 +9,9 @@ gets slime's Sample (services/common/plugin_sample.py); `args` is the job spec a
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import contextlib
 import contextvars
 import functools
@@ -57,9 +59,29 @@ def append_reply(sample: Sample, reply: dict[str, Any], trainable: bool = True) 
     append_response_tokens(sample, tokens, log_probs=[entry[0] for entry in entries] if trainable else None,
                            trainable=trainable, meta_info=meta, text=reply.get("text") or "",
                            update_terminal_info=False)
+    if meta.get("routed_experts") is not None:
+        set_routed_experts(sample, meta)
     finish = (meta.get("finish_reason") or {}).get("type", "")
     sample.status = Status.from_finish_reason(finish)
     return finish
+
+
+def set_routed_experts(sample: Sample, meta: dict[str, Any]) -> None:
+    """SGLang's meta_info.routed_experts (base64 of int32 [len(tokens) - 1 - routed_experts_start_len, layers,
+    top-k], the tokens of the reply appended) onto the sample: the rows before routed_experts_start_len are kept from
+    the sample's earlier turns, as slime does."""
+    experts = array.array("i", base64.b64decode(meta["routed_experts"]))
+    start = int(meta.get("routed_experts_start_len") or 0)
+    rows = len(sample.tokens) - 1 - start
+    if rows <= 0 or len(experts) % rows:
+        raise FailedPrecondition(f"a /generate reply's routed_experts has {len(experts)} entries, not a multiple of "
+                                 f"its {rows} tokens (tokens {len(sample.tokens)}, routed_experts_start_len {start})")
+    row_size = len(experts) // rows
+    kept = list(sample.rollout_routed_experts or [])[:start * row_size]
+    if len(kept) != start * row_size:
+        raise FailedPrecondition(f"a /generate reply's routed_experts starts at token {start}, but the sample has "
+                                 f"routed experts for {len(kept) // row_size} tokens")
+    sample.rollout_routed_experts = kept + experts.tolist()
 
 
 @dataclass
@@ -202,7 +224,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         sample.status = Status.TRUNCATED
         return sample
     reply = await router_generate(sample, {"input_ids": list(sample.tokens), "sampling_params": params,
-                                           "return_logprob": True})
+                                           "return_logprob": True, **routed_experts_option(args)})
     append_reply(sample, reply)
     return sample
 
@@ -213,11 +235,17 @@ async def generate_fresh_batch(args: Any, samples: list[Sample], sampling_params
     batch of input_ids: a request per group instead of one per sample (the manager, the router and the engines
     each handle a request, however many prompts it holds). The samples come back finished as run_generate's do."""
     replies = await router_generate_batch(samples, {"input_ids": [list(s.tokens) for s in samples],
-                                                    "sampling_params": dict(sampling_params), "return_logprob": True})
+                                                    "sampling_params": dict(sampling_params), "return_logprob": True,
+                                                    **routed_experts_option(args)})
     needs = next((flag for flag in LOG_PROB_SETTINGS if getattr(args, flag, False)), "")
     for sample, reply in zip(samples, replies, strict=True):
         append_reply(sample, reply)
     return [finish_plugin_sample(s, needs_log_probs=needs, what=f"{what}: generate") for s in samples]
+
+
+def routed_experts_option(args: Any) -> dict[str, bool]:
+    """SGLang's request option for the experts each token was routed to, when the job replays them (slime's R3)."""
+    return {"return_routed_experts": True} if getattr(args, "use_rollout_routing_replay", False) else {}
 
 
 @functools.cache

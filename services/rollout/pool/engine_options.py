@@ -27,9 +27,14 @@ POLL_S = 0.5
 
 
 def job_engine_options(args: Mapping[str, Any]) -> dict[str, Any]:
-    """The server options a job sets: its `sglang_<flag>` args that are SGLang server arguments, None left out."""
-    return {key: value for key, value in args.items()
-            if key.startswith(PREFIX) and key not in NOT_SERVER_ARGS and value is not None}
+    """The server options a job sets: its `sglang_<flag>` args that are SGLang server arguments, None left out; and
+    under use_rollout_routing_replay SGLang's enable_return_routed_experts, which slime sets for it (SGLang answers
+    return_routed_experts only then; the CPU engine always does)."""
+    options = {key: value for key, value in args.items()
+               if key.startswith(PREFIX) and key not in NOT_SERVER_ARGS and value is not None}
+    if args.get("use_rollout_routing_replay"):
+        options.setdefault(PREFIX + "enable_return_routed_experts", True)
+    return options
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -80,6 +80,21 @@ def check_model_family(spec: JobSpec) -> list[str]:
     if spec.context_parallel_size > 1 and (why := model_families.context_parallel_problem(hf_config)):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")
+    if spec.context_parallel_size > 1 and (spec.use_routing_replay or spec.use_rollout_routing_replay
+                                          or spec.moe_aux_loss_coeff > 0):
+        problems.append(f"context_parallel_size {spec.context_parallel_size}: routing replay and moe_aux_loss_coeff "
+                        "need each token's router logits on one rank; use context_parallel_size 1")
+    if (spec.use_routing_replay or spec.use_rollout_routing_replay) and spec.train_backend == "megatron":
+        if spec.tensor_model_parallel_size > 1:  # sequence parallelism splits the tokens the routers see
+            problems.append("routing replay: train_backend megatron replays at tensor_model_parallel_size 1, got "
+                            f"{spec.tensor_model_parallel_size}")
+    elif spec.use_routing_replay or spec.use_rollout_routing_replay:
+        problems.append(model_families.moe_router_problem("routing replay", spec.train_backend, hf_config,
+                                                          model_families.REPLAYABLE_ROUTERS))
+    if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none" and \
+            spec.train_backend != "megatron":  # megatron-core's MoE layers compute it for every family they build
+        problems.append(model_families.moe_router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config,
+                                                          model_families.AUX_LOSS_FAMILIES))
     return [problem for problem in problems if problem]
 
 

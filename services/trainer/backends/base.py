@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MoELoadBalancingType = Literal["aux_loss", "none"]  # algorithms.moe.LOAD_BALANCING_TYPES
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 CUSTOM_LOSS_SIGNATURE = "def fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"
@@ -112,6 +113,15 @@ class TrainConfig:
                                     "CUDA, float32 on CPU (slime's --bf16)")
     fp16: bool = field(False, "slime's --fp16: refused (no loss scaling); use bf16")
     allow_tf32: bool = field(True, "TF32 tensor cores for float32 matmuls on CUDA; false: bit-faithful float32")
+    use_routing_replay: bool = field(
+        False, "MoE: the old policy's forward records the experts each token is routed to and the training forwards "
+               "route to those experts (the gate weights still from the current router)")
+    use_rollout_routing_replay: bool = shared(RolloutConfig, "use_rollout_routing_replay")
+    moe_aux_loss_coeff: float = field(
+        0.0, "MoE load-balancing loss weight (Megatron's aux_loss, summed over the MoE layers, per micro-batch), "
+             "added to the policy loss (fsdp: Qwen3-MoE, Qwen3.5-MoE; megatron: megatron-core's routers)", NON_NEGATIVE)
+    moe_router_load_balancing_type: MoELoadBalancingType = field(
+        "aux_loss", "the load-balancing loss moe_aux_loss_coeff weighs: aux_loss, or none")
 
     def __post_init__(self) -> None:
         if self.fp16:
@@ -142,6 +152,8 @@ class TrainConfig:
                 not self.normalize_advantages:
             raise ValueError(f"advantage_estimator {self.advantage_estimator!r} requires normalize_advantages: true "
                              "(as in slime)")
+        if self.use_rollout_routing_replay and self.loss_type == "sft_loss":
+            raise ValueError("use_rollout_routing_replay replays the engines' routing; sft_loss generates nothing")
         if self.use_tis and self.use_rollout_logprobs:
             raise ValueError("use_tis and use_rollout_logprobs cannot be set together: TIS weighs the recomputed "
                              "log-probs against the engines'")
@@ -166,6 +178,16 @@ class TrainConfig:
     @property
     def use_critic(self) -> bool:
         return self.advantage_estimator == "ppo" and self.loss_type == "policy_loss"
+
+    @property
+    def moe_aux_loss(self) -> bool:
+        """Whether a load-balancing loss is added to the policy loss."""
+        return self.moe_aux_loss_coeff > 0 and self.moe_router_load_balancing_type == "aux_loss"
+
+    @property
+    def replays_routing(self) -> bool:
+        """MoE routing replay of either kind (slime: use_rollout_routing_replay implies use_routing_replay)."""
+        return self.use_routing_replay or self.use_rollout_routing_replay
 
     @property
     def needs_ref_model(self) -> bool:

@@ -19,6 +19,7 @@ from services.common.samples import Sample
 HOST = torch.device("cpu")  # where samples are padded (one copy per tensor to the rank's device afterwards)
 # The [B, R] fields that the trainer computes after building the batch (slime's rollout_data keys).
 COMPUTED = ("log_probs", "ref_log_probs", "values", "advantages", "returns")
+SEQUENCE_ALIGNED = ("tokens", "attention_mask", "routed_experts")  # [B, L, ...]; the others [B] or [B, R]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class RolloutBatch:
     ref_log_probs: torch.Tensor | None = None  # [B, R] the reference model's log-probs, when computed
     values: torch.Tensor | None = None  # [B, R] the critic's values (ppo)
     returns: torch.Tensor | None = None  # [B, R] the estimator's returns (ppo: the critic's targets)
+    # [B, L, num_layers, top_k] int32: the experts each token is routed to when replayed (routing_replay.py)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -65,7 +68,7 @@ class RolloutBatch:
             elif value.dim() == 1:
                 out[f.name] = value[index]
             else:
-                out[f.name] = value[index, :seq_len if f.name in ("tokens", "attention_mask") else resp_len]
+                out[f.name] = value[index, :seq_len if f.name in SEQUENCE_ALIGNED else resp_len]
         return RolloutBatch(**out)
 
     def select(self, start: int, end: int) -> RolloutBatch:
@@ -80,6 +83,19 @@ class RolloutBatch:
             if value is not None and value.shape != self.loss_masks.shape:
                 raise ValueError(f"{name} shape {tuple(value.shape)} != loss_masks {tuple(self.loss_masks.shape)}")
         return replace(self, **{k: None if v is None else v.float() for k, v in tensors.items()})
+
+    def with_routed_experts(self, routed_experts: torch.Tensor) -> RolloutBatch:
+        """A copy that replays routed_experts [B, L, num_layers, top_k] (recorded by the trainer's own forward)."""
+        if tuple(routed_experts.shape[:2]) != tuple(self.tokens.shape):
+            raise ValueError(f"routed_experts shape {tuple(routed_experts.shape)} != tokens {tuple(self.tokens.shape)}")
+        return replace(self, routed_experts=routed_experts.to(device=self.device, dtype=torch.int32))
+
+    def flat_routed_experts(self, *, packed: bool) -> torch.Tensor | None:
+        """[T, num_layers, top_k]: the experts of the forward's input tokens in order, packed (real tokens, back to
+        back) or padded (every position of the rectangle)."""
+        if self.routed_experts is None:
+            return None
+        return self.routed_experts[self.attention_mask.bool()] if packed else self.routed_experts.flatten(0, 1)
 
     def with_advantages(self, advantages: torch.Tensor) -> RolloutBatch:
         return self.with_(advantages=advantages)
@@ -108,6 +124,24 @@ def _check_sample(i: int, sample: Sample) -> None:
                               f"response_length is {resp}")
 
 
+def _routed_experts(samples: Sequence[Sample], seq_len: int, shape: tuple[int, int]) -> torch.Tensor | None:
+    """[B, L, num_layers, top_k] int32 from the samples' engine-routed experts (rows len(tokens) - 1 each), experts
+    0..k-1 where none was routed (a sequence's last token, padding)."""
+    if missing := [i for i, s in enumerate(samples) if not s.rollout_routed_experts]:
+        raise InvalidArgument(f"use_rollout_routing_replay: sample {missing[0]} came without the engines' routed "
+                              "experts (rollout_routed_experts); the engines must honour return_routed_experts")
+    num_layers, top_k = shape
+    out = torch.arange(top_k, dtype=torch.int32, device=HOST).expand(len(samples), seq_len, num_layers, top_k).clone()
+    for i, s in enumerate(samples):
+        rows = len(s.tokens) - 1
+        if len(s.rollout_routed_experts) != rows * num_layers * top_k:
+            raise InvalidArgument(f"sample {i}: rollout_routed_experts has {len(s.rollout_routed_experts)} entries, "
+                                  f"not (len(tokens) - 1) × layers × top-k = {rows} × {num_layers} × {top_k}")
+        out[i, :rows] = torch.tensor(s.rollout_routed_experts, dtype=torch.int32, device=HOST).view(
+            rows, num_layers, top_k)
+    return out
+
+
 def sample_reward(sample: Sample, reward_key: str = "") -> float:
     """The scalar a sample trains on: reward_scores[reward_key] when the reward function returned a dict holding
     that key (slime's --reward-key), else `reward` (which the rollout manager already picked the same way)."""
@@ -117,9 +151,11 @@ def sample_reward(sample: Sample, reward_key: str = "") -> float:
 
 
 def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, reward_key: str = "",
-                        device: torch.device | str = HOST) -> RolloutBatch:
+                        device: torch.device | str = HOST,
+                        routing_shape: tuple[int, int] | None = None) -> RolloutBatch:
     """Pad `samples` into a RolloutBatch on `device`; a sample without a loss_mask trains on all its response
-    tokens. The padding is done on the host, then moved in one copy per tensor."""
+    tokens. With routing_shape (num_layers, top_k) the samples' engine-routed experts come along (each sample must
+    have them). The padding is done on the host, then moved in one copy per tensor."""
     if not samples:
         raise InvalidArgument("rollout has no samples")
     for i, sample in enumerate(samples):
@@ -148,5 +184,6 @@ def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, rew
         response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long, device=HOST),
         response_tokens=response_tokens, loss_masks=loss_masks, rollout_log_probs=rollout_log_probs,
         advantages=torch.zeros((num, resp_len), dtype=torch.float32, device=HOST),
-        rewards=torch.tensor([sample_reward(s, reward_key) for s in samples], dtype=torch.float32, device=HOST))
+        rewards=torch.tensor([sample_reward(s, reward_key) for s in samples], dtype=torch.float32, device=HOST),
+        routed_experts=_routed_experts(samples, seq_len, routing_shape) if routing_shape else None)
     return batch.to(device)

@@ -11,6 +11,7 @@ outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -25,7 +26,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.backends import context_parallel, cp_attention, packing, rl_step, slime_hooks, varlen
+from services.trainer.backends import context_parallel, cp_attention, moe_loss, packing, rl_step, slime_hooks, varlen
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -33,6 +34,7 @@ from services.trainer.backends.dcp import DCPCheckpointing
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
 from services.trainer.backends.registry import register
+from services.trainer.backends.routing_replay import RoutingReplay
 from services.trainer.backends.schedule import MicroBatch, Step, split_to, step_schedule
 from services.trainer.distributed import devices, parallel
 from services.trainer.distributed.hf_files import TOKENIZER_FILES, copy_side_files
@@ -86,6 +88,11 @@ class TorchBackend(DCPCheckpointing):
             cp_attention.use_in(model)  # the reference model is its copy
         self._tied_names = parallel.tied_names(model)
         ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
+        # the hooks go on the policy alone, after the reference copy: the reference model routes as it is (slime's
+        # "fallthrough")
+        self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
+            if config.replays_routing else None
+        self._top_k = moe_loss.router_top_k(model) if config.moe_aux_loss else 0
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world,
                                                                              param_dtype=self.dtype)
@@ -191,10 +198,19 @@ class TorchBackend(DCPCheckpointing):
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
         return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
 
+    def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, router_logits: bool = False):
+        """The HF forward's outputs: logits [b, L, V] padded or [1, T, V] packed (`packing.gather_response` reads
+        either), and each MoE layer's router logits when asked for. The policy replays the micro-batch's routed
+        experts when it has them."""
+        replay = contextlib.nullcontext()
+        if self.routing is not None and model is self.model:
+            replay = self.routing.replaying(mb.flat_routed_experts(packed=self.pack_sequences))
+        with self._autocast(), replay:
+            return model(**self._model_inputs(mb), use_cache=False,
+                         **({"output_router_logits": True} if router_logits else {}))
+
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-        """[b, L, V] padded or [1, T, V] packed: `packing.gather_response` reads either."""
-        with self._autocast():
-            return model(**self._model_inputs(mb), use_cache=False).logits
+        return self._forward(model, mb).logits
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
@@ -262,7 +278,7 @@ class TorchBackend(DCPCheckpointing):
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
-                                    device=self.device)
+                                    device=self.device, routing_shape=self._routing_shape())
         steps = self._schedule(batch, cfg.global_batch_size)
         if not steps:
             raise InvalidArgument(f"rollout has {batch.size} samples, fewer than global_batch_size "
@@ -287,6 +303,12 @@ class TorchBackend(DCPCheckpointing):
         self._weight_version += 1
         return metrics
 
+    def _routing_shape(self) -> tuple[int, int] | None:
+        """(num_layers, top_k) of the engines' routed experts, when this job replays the rollout's routing."""
+        if self.routing is None or not self.config.use_rollout_routing_replay:
+            return None
+        return self.routing.num_layers, self.routing.top_k
+
     def _prepare(self, batch: RolloutBatch, micro_batches: list[MicroBatch], num_steps: int,
                  train_actor: bool, samples: Sequence[Sample]) -> RolloutBatch:
         """Critic values, old and reference log-probs (each in the training micro-batches), then advantages."""
@@ -295,20 +317,33 @@ class TorchBackend(DCPCheckpointing):
         if not train_actor:
             return batch
         if rl_step.needs_old_log_probs(self.config, num_steps):
-            batch = batch.with_(log_probs=self._recompute(lambda mb: self._log_probs(self.model, mb), batch,
-                                                          micro_batches))
+            if self.routing is not None and batch.routed_experts is None:  # slime's "record" stage
+                log_probs, batch = self.routing.record_batch(lambda mb: self._log_probs(self.model, mb), batch,
+                                                             micro_batches, packed=self.pack_sequences)
+                batch = batch.with_(log_probs=log_probs)
+            else:  # the rollout's routing replayed (R3), or none
+                batch = batch.with_(log_probs=self._recompute(lambda mb: self._log_probs(self.model, mb), batch,
+                                                              micro_batches))
         if self.ref_model is not None:
             batch = batch.with_(ref_log_probs=self._recompute(lambda mb: self._log_probs(self.ref_model, mb), batch,
                                                               micro_batches))
         return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group, samples=samples)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
+        cfg = self.config
+
         def loss_fn(mb: RolloutBatch, reduce):
-            if self.cp.size == 1:
-                return rl_step.micro_batch_loss(self.config, mb, logits=self._logits(self.model, mb), reduce=reduce,
-                                                custom_loss_fn=self.custom_loss)
-            log_probs, entropy = self._token_stats(self.model, mb, with_entropy=self.config.loss_type == "policy_loss")
-            return rl_step.log_prob_loss(self.config, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
+            if self.cp.size > 1:  # routing replay and the MoE aux loss are refused at submit under CP
+                log_probs, entropy = self._token_stats(self.model, mb, with_entropy=cfg.loss_type == "policy_loss")
+                return rl_step.log_prob_loss(cfg, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
+            out = self._forward(self.model, mb, router_logits=cfg.moe_aux_loss)
+            loss, metrics = rl_step.micro_batch_loss(cfg, mb, logits=out.logits, reduce=reduce,
+                                                     custom_loss_fn=self.custom_loss)
+            if not cfg.moe_aux_loss:
+                return loss, metrics
+            return moe_loss.add_load_balancing_loss(
+                loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, top_k=self._top_k,
+                packed=self.pack_sequences, routing=self.routing, num_micro_batches=len(micro_batches))
 
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)
         return {key if key.startswith("perf/") else f"train/{key}": value for key, value in metrics.items()}

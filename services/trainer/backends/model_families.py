@@ -47,6 +47,28 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
     return ""
 
 
+# The MoE families whose routers the fsdp backend replays, by the transformers class of their router (each returns
+# logits, top-k weights, top-k indices; backends/routing_replay.py replaces the indices and recomputes the weights):
+# Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
+REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
+                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+# The families whose models output their router logits (output_router_logits) for the load-balancing loss.
+AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+MOE_ROUTER_BACKENDS = ("fsdp",)
+
+
+def moe_router_problem(setting: str, train_backend: str, hf_config: dict[str, Any],
+                       families: tuple[str, ...] | dict[str, str]) -> str:
+    """"" when `train_backend` can apply the router `setting` (routing replay, the load-balancing loss) to
+    hf_config's model, one of `families`, else why not."""
+    if train_backend not in MOE_ROUTER_BACKENDS:
+        return (f"{setting}: train_backend {train_backend} does not do it; train_backend "
+                f"{' or '.join(MOE_ROUTER_BACKENDS)} does")
+    if "model_type" in hf_config and family(hf_config) not in families:
+        return f"{setting}: model family {family(hf_config)!r} is not one it applies to ({', '.join(families)})"
+    return ""
+
+
 # train_backend -> why it cannot build a model of this config.json ("" when it can)
 PROBLEMS: dict[str, Callable[[dict[str, Any]], str]] = {"fsdp": fsdp_problem, "megatron": megatron_problem}
 

@@ -34,12 +34,14 @@ LossFn = Callable[[RolloutBatch, Reducer], tuple[torch.Tensor, dict[str, torch.T
 def needs_old_log_probs(config: TrainConfig, num_steps: int) -> bool:
     """Whether the old policy's log-probs must be recomputed before training. Not for SFT, nor under
     use_rollout_logprobs (the engines' log-probs are the old policy), nor when slime's `can_reuse_log_probs_in_loss`
-    holds: one step per rollout, a policy loss, no KL reward, no critic, no GSPO; then the loss reuses its own
-    forward's log-probs, detached, and ppo_kl is exactly 0."""
+    holds: one step per rollout, a policy loss, no KL reward, no critic, no GSPO, no use_routing_replay of the
+    trainer's own routing (that forward records it); then the loss reuses its own forward's log-probs, detached, and
+    ppo_kl is exactly 0."""
     if config.loss_type == "sft_loss" or config.use_rollout_logprobs:
         return False
+    records_routing = config.use_routing_replay and not config.use_rollout_routing_replay  # the forward to replay
     return not (num_steps == 1 and config.loss_type == "policy_loss" and config.kl_coef == 0
-                and not config.use_critic and config.advantage_estimator != "gspo")
+                and not config.use_critic and config.advantage_estimator != "gspo" and not records_routing)
 
 
 def processed_rewards(batch: RolloutBatch, config: TrainConfig, samples: Sequence[Sample] | None) -> torch.Tensor:

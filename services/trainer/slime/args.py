@@ -30,7 +30,7 @@ _SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "exp
               "context-parallel-size",
               "use-distributed-optimizer",
               "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",
-              "adam-beta2", "adam-eps", "bf16"}
+              "adam-beta2", "adam-eps", "bf16", "moe-aux-loss-coeff", "moe-router-load-balancing-type"}
 
 
 @dataclass
@@ -259,7 +259,7 @@ def _convert_megatron(out: Conversion, name: str, value: Any) -> None:
     flag, key = MEGATRON[name], spec_key(name)
     out.plugin_args[key] = value
     if name in _SPEC_KEYS:
-        out.spec[key] = value
+        out.spec[key] = "none" if value is None and name == "moe-router-load-balancing-type" else value  # a choice
     elif name in _LAYOUT_ONE:
         if value != 1:
             out.refused.append(f"--{name} {value}: {flag.note}")

@@ -91,16 +91,16 @@ FLAGS: dict[str, Flag] = {
                                     "`megatron:` section"),
     "megatron-deepgemm-forward-layers": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
     "megatron-deepgemm-forward-modules": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
-    "megatron-deepgemm-moe-forward-layers": R(None, "MoE models are not supported", nargs=True),
-    "megatron-deepgemm-moe-forward-modules": R(None, "MoE models are not supported", nargs=True),
+    "megatron-deepgemm-moe-forward-layers": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
+    "megatron-deepgemm-moe-forward-modules": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
     "enable-mtp-training": R(False, "multi-token-prediction layers are not trained", bare=True),
     "mtp-num-layers": R(None, "multi-token-prediction layers are not trained"),
     "mtp-loss-scaling-factor": R(0.2, "multi-token-prediction layers are not trained"),
     "freeze-indexer": R(False, "DeepSeek's sparse-attention indexer: DeepSeek models are not supported", bare=True),
     "freeze-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
     "only-train-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
-    "use-routing-replay": R(False, "MoE models are not supported", bare=True),
-    "use-rollout-routing-replay": R(False, "MoE models are not supported", bare=True),
+    "use-routing-replay": I(False, bare=True),
+    "use-rollout-routing-replay": I(False, bare=True),
     "allgather-cp": R(False, "slime's all-gather CP layout is not implemented; context_parallel_size (train_backend "
                              "fsdp) splits sequences in Megatron's load-balanced chunks", bare=True),
     "use-stateless-adam": R(False, "the optimizer is Adam(W) (torch or megatron-core's)", bare=True),
@@ -356,7 +356,7 @@ def spec_key(flag: str) -> str:
 
 
 # Megatron's MoE flags that no table lists: refused as the MoE layout flags are
-MOE_REFUSAL = "MoE models are not supported"
+MOE_REFUSAL = "this MoE setting is not implemented (the backends route as the HF config says)"
 
 
 def is_moe_flag(name: str) -> bool:

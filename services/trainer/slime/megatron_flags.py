@@ -225,7 +225,6 @@ _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backe
 _NO_MOE = "the megatron backend trains Qwen3-MoE; train_backend fsdp trains the other MoE families"
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
-_NO_AUX = "no load-balancing loss is added to the RL loss (slime's RL scripts set its coefficient to 0)"
 # Megatron flag -> megatron-core config field, where the names differ
 MEGATRON_FIELD = {
     "accumulate-allreduce-grads-in-fp32": "grad_reduce_in_fp32",
@@ -290,8 +289,10 @@ MEGATRON: dict[str, Flag] = {
                                              "transformers' MoE layers do", warn=True),
     "moe-token-drop-policy": Flag("mapped", "probs", "no token is dropped: transformers' MoE layers have no expert "
                                                      "capacity", warn=True),
-    "moe-aux-loss-coeff": Flag("mapped", 0.0, _NO_AUX, warn=True),
-    "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _NO_AUX, warn=True),
+    "moe-aux-loss-coeff": Flag("mapped", 0.0, _SPEC + " moe_aux_loss_coeff (both backends add Megatron's aux_loss to "
+                                                 "the policy loss)"),
+    "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _SPEC + " moe_router_load_balancing_type (aux_loss "
+                                                                         "or none)"),
     "moe-router-bias-update-rate": Flag("mapped", 1e-3, "the routers' expert bias (e_score_correction_bias) stays "
                                                         "as the checkpoint has it, as with rate 0", warn=True),
     "spec": Flag("mapped", None, "the megatron backend builds the layer spec from the HF config's model_type",

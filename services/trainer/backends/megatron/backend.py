@@ -9,6 +9,7 @@ metrics) are the same on every rank; HF weights come out on rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -31,6 +32,7 @@ from services.trainer.backends.megatron import convert, cpu_compat, hf_io
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
+from services.trainer.backends.megatron.routing import MegatronRouting
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from services.trainer.backends.schedule import MicroBatch, dp_schedule
 from services.trainer.distributed import devices
@@ -71,6 +73,8 @@ class MegatronBackend(MegatronCheckpointing):
         self.arch = ModelArch.from_hf_config(hf_config)
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
         self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep)
+        if config.replays_routing and (tp > 1 or not self.arch.num_experts):
+            raise InvalidArgument("routing replay on train_backend megatron: an MoE model at tensor parallelism 1")
         mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
@@ -93,6 +97,8 @@ class MegatronBackend(MegatronCheckpointing):
         gpt = self._build_gpt()
         self._copy_hf_weights(gpt, hf)
         model_config = gpt.config
+        self.routing = MegatronRouting(gpt, self.arch.num_layers, self.arch.moe_router_topk) \
+            if config.replays_routing else None
         self.model = mcore.wrap_ddp(gpt, model_config, use_distributed_optimizer=use_distributed_optimizer,
                                     overrides=self.megatron_args.ddp)
         model_config.no_sync_func = self.model.no_sync
@@ -121,7 +127,8 @@ class MegatronBackend(MegatronCheckpointing):
 
     def _build_gpt(self):
         config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
-                                          overrides=self.megatron_args.transformer)
+                                          overrides={**mcore.router_fields(self.arch, self.config),
+                                                     **self.megatron_args.transformer})
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
         return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()
 
@@ -193,7 +200,7 @@ class MegatronBackend(MegatronCheckpointing):
     # -- forward and backward through Megatron's schedule
 
     def _run(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
-             forward_only: bool) -> None:
+             forward_only: bool, routing: Callable | None = None) -> None:
         """Run `micro_batches` of `batch` through `model` (1F1B under PP); on the last stage loss_fn(rows, mb,
         logits [1, T, V/tp] packed or [b, L, V/tp] padded) gives the scalar to backpropagate."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -203,7 +210,8 @@ class MegatronBackend(MegatronCheckpointing):
 
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
-            output = module(**self._model_inputs(mb))
+            with routing(rows, mb) if routing else contextlib.nullcontext():  # the policy's routing replay
+                output = module(**mcore.gpt_inputs(mb, packed=self.pack_sequences, use_te=self.use_te))
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
@@ -215,23 +223,10 @@ class MegatronBackend(MegatronCheckpointing):
                 num_microbatches=len(data), seq_length=max(seq for seq, _ in shapes),
                 micro_batch_size=max(rows for _, rows in shapes), forward_only=forward_only)
 
-    def _model_inputs(self, mb: RolloutBatch) -> dict[str, Any]:
-        """GPTModel's inputs. Packed: one THD row with its cumulative lengths (RoPE restarts at each sequence,
-        attention stays within it); padded: the rectangle under the causal mask (right padding is never attended
-        to by a real token)."""
-        if self.pack_sequences:
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            row = packing.pack(mb)
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
-                                     max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
-            return {"input_ids": row.input_ids, "position_ids": row.position_ids, "attention_mask": None,
-                    "packed_seq_params": params}
-        seq_len = mb.tokens.shape[1]
-        mask = None if self.use_te else torch.triu(
-            torch.ones(seq_len, seq_len, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
-        positions = torch.arange(seq_len, device=self.device).expand_as(mb.tokens)
-        return {"input_ids": mb.tokens, "position_ids": positions, "attention_mask": mask}
+    def _replay(self, model, record: torch.Tensor | None = None) -> Callable | None:
+        """The policy's routing replay around each micro-batch's forward; none for the reference model."""
+        policy = self.routing is not None and model is self.model
+        return self.routing.around(packed=self.pack_sequences, record=record) if policy else None
 
     def _token_stats(self, mb: RolloutBatch, logits: torch.Tensor, *,
                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -243,9 +238,11 @@ class MegatronBackend(MegatronCheckpointing):
             group=self.tp_group, with_entropy=with_entropy, entropy_grad=self.config.entropy_coef != 0)
         return log_probs, entropy if with_entropy else None
 
-    def _log_probs(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
+    def _log_probs(self, model, batch: RolloutBatch, micro_batches: list[MicroBatch],
+                   record: torch.Tensor | None = None) -> torch.Tensor:
         """[B, R] log-probs without grad of every row in the batch, on every rank (each DP replica computes
-        its micro_batches' rows; their reporters' results are summed)."""
+        its micro_batches' rows; their reporters' results are summed). `record` [B, L, layers, top_k]: filled
+        with the experts the policy routes this rank's rows to."""
         out = torch.zeros_like(batch.loss_masks)
 
         def store(rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
@@ -253,7 +250,7 @@ class MegatronBackend(MegatronCheckpointing):
             out[rows, :log_probs.shape[1]] = log_probs.cpu()
             return log_probs.sum() * 0.0
 
-        self._run(model, batch, micro_batches, store, forward_only=True)
+        self._run(model, batch, micro_batches, store, forward_only=True, routing=self._replay(model, record))
         if not self._is_reporter():
             out.zero_()
         return self._all_reduce(out)
@@ -281,12 +278,16 @@ class MegatronBackend(MegatronCheckpointing):
 
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
-        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key)
+        r3 = (self.arch.num_layers, self.arch.moe_router_topk) if cfg.use_rollout_routing_replay else None
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
+                                    routing_shape=r3)
         steps = [(rows, self._micro_batches(batch, rows)) for rows in self._steps(batch)]
         if cfg.loss_type != "sft_loss":
             micro = [mb for _, step in steps for mb in step]
             if rl_step.needs_old_log_probs(cfg, len(steps)):
-                batch = batch.with_(log_probs=self._log_probs(self.model, batch, micro))
+                record = self.routing.empty(*batch.tokens.shape) if self.routing and not r3 else None
+                batch = batch.with_(log_probs=self._log_probs(self.model, batch, micro, record))
+                batch = batch if record is None else batch.with_routed_experts(record)
             if self.ref_model is not None:
                 batch = batch.with_(ref_log_probs=self._log_probs(self.ref_model, batch, micro))
             # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce.
@@ -329,9 +330,10 @@ class MegatronBackend(MegatronCheckpointing):
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.model.train(self.megatron_args.dropout)
+        # train mode only for dropout or megatron-core's load-balancing loss (its routers add it only in training)
+        self.model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
         try:
-            self._run(self.model, batch, micro_batches, step_loss, forward_only=False)
+            self._run(self.model, batch, micro_batches, step_loss, forward_only=False, routing=self._replay(self.model))
         finally:
             self.model.eval()
         grad_norm, lr = self._optimizer_step(rows)

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
+from services.trainer.backends import packing
 from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.batch import RolloutBatch
 from services.trainer.backends.megatron import args, cpu_compat
 from services.trainer.backends.megatron.arch import ModelArch
 
@@ -60,10 +62,13 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1)
 
 
 def destroy_model_parallel() -> None:
-    """Drop Megatron's groups (the default process group stays, for the next backend in this process)."""
+    """Drop Megatron's groups (the default process group stays, for the next backend in this process) and the
+    routers megatron-core's RouterReplay keeps in a class-wide list."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
     parallel_state.destroy_model_parallel()
+    RouterReplay.clear_global_router_replay_instances()
 
 
 def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: torch.dtype = torch.float32,
@@ -91,8 +96,8 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
 
 def moe_fields(arch: ModelArch) -> dict:
     """TransformerConfig's MoE fields for `arch` (none for a dense model): HF's routing (softmax top-k, each token
-    to its experts with no capacity limit, float32 router logits) and no load-balancing loss in the RL loss; the
-    expert-parallel size is the process groups'."""
+    to its experts with no capacity limit, float32 router logits) and no load-balancing loss unless the job weighs
+    one (`router_fields`); the expert-parallel size is the process groups'."""
     if not arch.num_experts:
         return {}
     from megatron.core import parallel_state
@@ -102,6 +107,18 @@ def moe_fields(arch: ModelArch) -> dict:
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
                 moe_grouped_gemm=False, moe_permute_fusion=False,
                 expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+
+
+def router_fields(arch: ModelArch, train: TrainConfig) -> dict:
+    """megatron-core's own load-balancing loss when the job weighs one (moe_aux_loss_coeff: its routers add it to the
+    gradient, scaled by the schedule as the loss is, a step's the mean of its micro-batches'), and its RouterReplay
+    under routing replay."""
+    if not arch.num_experts:
+        return {}
+    fields = {"moe_enable_routing_replay": True} if train.replays_routing else {}
+    if train.moe_aux_loss:
+        fields.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=train.moe_aux_loss_coeff)
+    return fields
 
 
 def build_gpt(arch: ModelArch, config, *, use_te: bool):
@@ -158,3 +175,22 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
         bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer), overrides or {})
     with cpu_compat.cuda_to_cpu():
         return get_megatron_optimizer(opt_config, [ddp_model])
+
+
+def gpt_inputs(mb: RolloutBatch, *, packed: bool, use_te: bool) -> dict:
+    """GPTModel's inputs for a micro-batch, on its device. Packed: one THD row with its cumulative lengths (RoPE
+    restarts at each sequence, attention stays within it); padded: the rectangle under the causal mask (right
+    padding is never attended to by a real token)."""
+    if packed:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        row = packing.pack(mb)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
+                                 max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
+        return {"input_ids": row.input_ids, "position_ids": row.position_ids, "attention_mask": None,
+                "packed_seq_params": params}
+    seq_len = mb.tokens.shape[1]
+    mask = None if use_te else torch.triu(
+        torch.ones(seq_len, seq_len, dtype=torch.bool, device=mb.device), diagonal=1)[None, None]
+    positions = torch.arange(seq_len, device=mb.device).expand_as(mb.tokens)
+    return {"input_ids": mb.tokens, "position_ids": positions, "attention_mask": mask}

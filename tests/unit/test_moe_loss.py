@@ -1,0 +1,70 @@
+"""The MoE load-balancing loss: Megatron's aux_loss formula on hand-worked routings, and on the torch backend (tiny
+Qwen3-MoE) a step whose advantages are all 0 trains on moe_aux_loss_coeff × that loss alone, over the micro-batch's
+real tokens whether packed or padded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.trainer.algorithms.moe import load_balancing_loss
+from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.fsdp import TorchBackend
+from tests.tiny_samples import samples_of
+
+LN3 = math.log(3.0)
+
+
+def test_an_even_routing_costs_one_per_layer_and_a_skewed_one_more():
+    # k = 1, two experts. Even: probs (.75, .25) -> expert 0 and (.25, .75) -> expert 1: P = (1, 1), c = (1, 1),
+    # E / (k T²) Σ P c = 2 / 4 · 2 = 1.
+    even = torch.tensor([[LN3, 0.0], [0.0, LN3]])
+    assert load_balancing_loss([even], top_k=1).item() == pytest.approx(1.0, abs=1e-6)
+    # Skewed: both tokens (.75, .25) -> expert 0: P = (1.5, .5), c = (2, 0): 2 / 4 · 3 = 1.5; two layers add up.
+    skewed = torch.tensor([[LN3, 0.0], [LN3, 0.0]])
+    assert load_balancing_loss([skewed], top_k=1).item() == pytest.approx(1.5, abs=1e-6)
+    assert load_balancing_loss([even, skewed], top_k=1).item() == pytest.approx(2.5, abs=1e-6)
+    # Replayed experts count instead of the router's own: the skewed probabilities sent to experts 1 and 0:
+    # c = (1, 1): 2 / 4 · (1.5 + .5) = 1.
+    assert load_balancing_loss([skewed], top_k=1, experts=[torch.tensor([[1], [0]])]).item() == pytest.approx(1.0)
+    # k = 2 of three experts, one token with uniform probabilities (1/3 each) to experts 0 and 2:
+    # P = (1/3, 1/3, 1/3), c = (1, 0, 1): 3 / (2 · 1) · 2/3 = 1.
+    assert load_balancing_loss([torch.zeros(1, 3)], top_k=2, experts=[torch.tensor([[0, 2]])]).item() == \
+        pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_the_backend_trains_on_the_load_balancing_loss(family_model_dir, pack):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = family_model_dir("qwen3_moe")
+    # equal rewards in each group: every advantage is 0, so the gradient is the load-balancing loss's alone
+    samples = samples_of(model_dir, [("12+34=", "46", 1.0), ("12+34=", "55", 1.0), ("1+2=", "3", 0.0),
+                                     ("1+2=", "4", 0.0)])
+    coeff = 0.5
+    config = TrainConfig(n_samples_per_prompt=2, lr=1e-3, micro_batch_size=4, moe_aux_loss_coeff=coeff)
+    (metrics,) = TorchBackend(model_dir, config, num_threads=1, pack_sequences=pack).train_rollout(samples)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    per_sample = [reference(input_ids=torch.tensor([s.tokens]), output_router_logits=True).router_logits
+                  for s in samples]
+    layers = [torch.cat([logits[i] for logits in per_sample]) for i in range(len(per_sample[0]))]
+    aux = load_balancing_loss(layers, top_k=reference.config.num_experts_per_tok)
+    (coeff * aux).backward()
+    grad_norm = torch.cat([p.grad.flatten() for p in reference.parameters() if p.grad is not None]).norm()
+    assert metrics["train/moe_aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
+    assert 1.0 < aux.item() < 2.0 * len(layers)  # a random router is not perfectly even
+    assert metrics["train/grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+    assert metrics["train/grad_norm"] > 0 and metrics["train/pg_loss"] == 0.0
+
+
+def test_no_coefficient_or_type_none_adds_nothing(family_model_dir):
+    model_dir = family_model_dir("qwen3_moe")
+    samples = samples_of(model_dir, [("12+34=", "46", 1.0), ("12+34=", "55", 1.0)])
+    for overrides in ({}, {"moe_aux_loss_coeff": 0.5, "moe_router_load_balancing_type": "none"}):
+        config = TrainConfig(n_samples_per_prompt=2, lr=1e-3, micro_batch_size=2, **overrides)
+        (metrics,) = TorchBackend(model_dir, config, num_threads=1).train_rollout(samples)
+        assert "train/moe_aux_loss" not in metrics and metrics["train/grad_norm"] == 0.0
+    with pytest.raises(ValueError, match="moe_router_load_balancing_type"):
+        TrainConfig(moe_router_load_balancing_type="sinkhorn")
