@@ -15,7 +15,7 @@ from pathlib import Path
 from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec
-from services.trainer.backends import model_families
+from services.trainer.backends import capabilities
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
@@ -71,14 +71,14 @@ def check_model_family(spec: JobSpec) -> list[str]:
         hf_config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
-    problem = model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
-                                   pp_size=spec.pipeline_model_parallel_size,
-                                   ep_size=spec.expert_model_parallel_size) if isinstance(hf_config, dict) else ""
+    problem = capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
+                                         pp_size=spec.pipeline_model_parallel_size,
+                                         ep_size=spec.expert_model_parallel_size) if isinstance(hf_config, dict) else ""
     return [problem] if problem else []
 
 
 def check_megatron(spec: JobSpec) -> list[str]:
-    if spec.train_backend != "megatron" or not spec.megatron:
+    if not spec.megatron:  # only a backend with capabilities.extra_flags takes them (LayoutConfig checks)
         return []
     from services.trainer.backends.megatron import args  # megatron-core: only for specs that use it
 

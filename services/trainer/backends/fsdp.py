@@ -58,11 +58,13 @@ class TorchBackend(DCPCheckpointing):
 
     def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
                  world: parallel.World | None = None, job_global_batch_size: int | None = None,
-                 pack_sequences: bool = True) -> None:
+                 pack_sequences: bool = True, min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK) -> None:
         self.model_path = Path(model_path)
         self.config = config
-        # each micro-batch one packed row (`packing`); False: a padded rectangle (the reference the tests hold it to)
+        # a micro-batch with enough padding runs as one packed row (`packing.worth_packing`); False: always a padded
+        # rectangle (the reference the tests hold it to)
         self.pack_sequences = pack_sequences
+        self.min_padding_to_pack = min_padding_to_pack
         # the job's step size: `config` holds this rank's share of it when the world has more than one rank
         self.job_global_batch_size = job_global_batch_size or config.global_batch_size
         self.world = world or parallel.World()
@@ -172,24 +174,32 @@ class TorchBackend(DCPCheckpointing):
             parts.append(("critic", "critic_optim", self.critic.model, self.critic.optimizer))
         return parts
 
-    def _model_inputs(self, mb: RolloutBatch) -> dict[str, torch.Tensor | int]:
+    def _packs(self, mb: RolloutBatch) -> bool:
+        return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
+
+    def _model_inputs(self, mb: RolloutBatch, packed: bool) -> dict[str, torch.Tensor | int]:
         """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
         a block-diagonal causal mask, and the cumulative lengths for varlen flash attention (`varlen`); padded: the
         rectangle and its mask."""
-        if self.pack_sequences:
+        if packed:
             row = packing.pack(mb)
             return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
         return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
 
-    def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-        """[b, L, V] padded or [1, T, V] packed: `packing.gather_response` reads either."""
+    def _logits(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True) -> torch.Tensor:
+        """Response-aligned [b, R, V]: the model projects onto the vocabulary only the positions that predict a
+        response token, never the prompt's (`packing.logits_to_keep`). response_only=False (a custom loss, which
+        takes them all): every position's, [b, L, V] padded or [1, T, V] packed."""
+        packed = self._packs(mb)
+        keep = {"logits_to_keep": packing.logits_to_keep(mb, packed=packed)} if response_only else {}
         with self._autocast():
-            return model(**self._model_inputs(mb), use_cache=False).logits
+            logits = model(**self._model_inputs(mb, packed), **keep, use_cache=False).logits
+        return logits.view(*mb.loss_masks.shape, logits.shape[-1]) if response_only else logits
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
-            return self.critic.values(mb, self._model_inputs(mb))
+            return self.critic.values(mb, self._model_inputs(mb, self._packs(mb)))
 
     def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
         """Response-aligned log-probs [b, R] at the rollout temperature."""
@@ -268,17 +278,16 @@ class TorchBackend(DCPCheckpointing):
             batch = batch.with_(values=self._recompute(self._values, batch, micro_batches))
         if not train_actor:
             return batch
-        if rl_step.needs_old_log_probs(self.config, num_steps):
-            batch = batch.with_(log_probs=self._recompute(lambda mb: self._log_probs(self.model, mb), batch,
-                                                          micro_batches))
-        if self.ref_model is not None:
-            batch = batch.with_(ref_log_probs=self._recompute(lambda mb: self._log_probs(self.ref_model, mb), batch,
-                                                              micro_batches))
-        return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group, samples=samples)
+        rollout = batch
+        return rl_step.with_advantages(
+            batch, self.config, num_steps=num_steps, model=self.model, ref_model=self.ref_model, samples=samples,
+            group=self.dp_group,
+            log_probs_of=lambda model: self._recompute(lambda mb: self._log_probs(model, mb), rollout, micro_batches))
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         def loss_fn(mb: RolloutBatch, reduce):
-            return rl_step.micro_batch_loss(self.config, mb, logits=self._logits(self.model, mb), reduce=reduce,
+            logits = self._logits(self.model, mb, response_only=self.config.loss_type != "custom_loss")
+            return rl_step.micro_batch_loss(self.config, mb, logits=logits, reduce=reduce,
                                             custom_loss_fn=self.custom_loss)
 
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)

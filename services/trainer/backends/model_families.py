@@ -2,12 +2,12 @@
 job whose model cannot be built is refused before any GPU is allocated, naming the family and the backend that can.
 
 The torch backend (fsdp) and the CPU engine build any causal LM transformers implements (AutoModelForCausalLM); the
-megatron backend builds what `backends/megatron/arch.py` reads. Knows nothing of jobs or specs.
+megatron backend builds what `backends/megatron/arch.py` reads. Each backend's capabilities (`capabilities.py`) name
+its check here. Knows nothing of jobs or specs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from services.common.errors import InvalidArgument
@@ -25,7 +25,8 @@ def language_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {**hf_config, **text} if isinstance(text, dict) else hf_config
 
 
-def fsdp_problem(hf_config: dict[str, Any]) -> str:
+def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """Why the fsdp backend cannot build this model ("" when it can); its layout is data-parallel alone."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if hf_config.get("is_encoder_decoder"):
@@ -45,29 +46,3 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
     except InvalidArgument as err:
         return str(err).removeprefix("megatron backend: ")
     return ""
-
-
-# train_backend -> why it cannot build a model of this config.json ("" when it can)
-PROBLEMS: dict[str, Callable[[dict[str, Any]], str]] = {"fsdp": fsdp_problem, "megatron": megatron_problem}
-
-
-def backends_for(hf_config: dict[str, Any]) -> list[str]:
-    """The train_backend values that build this model."""
-    return [name for name, problem in PROBLEMS.items() if not problem(hf_config)]
-
-
-def check(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1,
-          ep_size: int = 1) -> str:
-    """"" when `train_backend` builds hf_config's model (or does not say) in the megatron layout tp_size ×
-    pp_size with experts over ep_size ranks, else why not and which backend does."""
-    if "model_type" not in hf_config or train_backend not in PROBLEMS:
-        return ""
-    problem = (megatron_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
-               if train_backend == "megatron"
-               else PROBLEMS[train_backend](hf_config))
-    if not problem:
-        return ""
-    others = [name for name in backends_for(hf_config) if name != train_backend]
-    instead = f"; train_backend {' or '.join(others)} trains it" if others else ""
-    return (f"hf_checkpoint: train_backend {train_backend} cannot build model family {family(hf_config)!r}: "
-            f"{problem}{instead}")

@@ -4,6 +4,9 @@ restarting at 0 on each, their cumulative lengths for varlen attention, and wher
 Attention must not cross sequences: the model gets the position ids (HF builds a block-diagonal causal mask from
 them, or runs varlen flash attention) or the cumulative lengths (Megatron's packed_seq_params). The losses never see
 the layout: `response_index` maps either layout's per-position outputs to the response-aligned [b, R] tensors.
+
+A micro-batch is packed only where that saves enough tokens (`worth_packing`): on a GPU, batches of equal lengths
+trained 13 % (fsdp) and 19 % (megatron) slower packed than as the rectangle, which then holds no padding.
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.backends.batch import RolloutBatch
+
+# Pack when the padded rectangle holds more than this share of the micro-batch's real tokens as padding.
+MIN_PADDING_TO_PACK = 0.25
+
+
+def worth_packing(mb: RolloutBatch, min_padding: float = MIN_PADDING_TO_PACK) -> bool:
+    """Whether the micro-batch's padded rectangle (b × L) exceeds its real tokens (Σ L_i) by more than min_padding
+    of them: packing's own costs (one long row, varlen bookkeeping) lose to a rectangle with little padding."""
+    return mb.size * mb.tokens.shape[1] > (1 + min_padding) * sum(mb.total_lengths)
 
 
 @dataclass(frozen=True)
@@ -38,10 +50,16 @@ def pack(mb: RolloutBatch) -> PackedRow:
                      cu_seqlens=cu_seqlens, max_seqlen=mb.tokens.shape[1])
 
 
+def is_aligned(x: torch.Tensor, mb: RolloutBatch) -> bool:
+    """Whether outputs x are response-aligned [b, R, ...] already: a model that computed only the positions that
+    predict response tokens (R < L: every prompt holds a token)."""
+    return tuple(x.shape[:2]) == tuple(mb.loss_masks.shape)
+
+
 def is_packed(x: torch.Tensor, mb: RolloutBatch) -> bool:
     """Whether per-position outputs x are packed [1, T, ...] rather than padded [b, L, ...] (for a single sample
-    without padding the two are the same)."""
-    return tuple(x.shape[:2]) != tuple(mb.tokens.shape)
+    without padding the two are the same) or response-aligned."""
+    return tuple(x.shape[:2]) != tuple(mb.tokens.shape) and not is_aligned(x, mb)
 
 
 def response_index(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
@@ -56,10 +74,20 @@ def response_index(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
     return rows * mb.tokens.shape[1] + positions
 
 
+def logits_to_keep(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
+    """The positions whose logits predict a response token, as transformers' `logits_to_keep` takes them, so that
+    the model projects no prompt position onto the vocabulary: packed, [b · R] positions of the row (its logits come
+    back [1, b · R, V]); padded, [b, R] positions of each row (its logits come back [b, R, V])."""
+    return response_index(mb, packed=True).flatten() if packed else mb.logit_positions()
+
+
 def gather_response(x: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
-    """Per-position outputs, padded [b, L, ...] or packed [1, T, ...] -> response-aligned [b, R, ...].
+    """Per-position outputs, padded [b, L, ...] or packed [1, T, ...] -> response-aligned [b, R, ...] (which pass
+    as they are).
 
     An index_select over the flattened positions: its backward is an index_add into the logits' gradient, not
     advanced indexing's serial index_put over the whole [.., V] logits."""
+    if is_aligned(x, mb):
+        return x
     index = response_index(mb, packed=is_packed(x, mb)).to(x.device)
     return x.flatten(0, 1).index_select(0, index.flatten()).view(*index.shape, *x.shape[2:])
