@@ -44,7 +44,6 @@ def rollout(vocab_size: int, pad_token_id: int) -> list[Sample]:
 def fsdp_probe(model_dir: Path, config, world, samples: list[Sample], packed: bool) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from services.trainer.backends import rl_step
     from services.trainer.backends.batch import build_rollout_batch
     from services.trainer.backends.fsdp import TorchBackend
     from services.trainer.distributed.parallel import shard_rollout
@@ -53,8 +52,8 @@ def fsdp_probe(model_dir: Path, config, world, samples: list[Sample], packed: bo
     share = shard_rollout(samples, backend.rollout_share(), config.n_samples_per_prompt)
     batch = build_rollout_batch(share, pad_token_id=backend.pad_token_id)
     (micro,) = backend._schedule(batch, None)
-    stats = [backend._recompute(lambda mb, i=i: rl_step.response_log_probs(
-        backend._logits(backend.model, mb), mb, config)[i], batch, micro) for i in (0, 1)]
+    stats = [backend._recompute(lambda mb, i=i: backend._token_stats(backend._logits(backend.model, mb), mb)[i],
+                                batch, micro) for i in (0, 1)]
     (metrics,) = backend.train_rollout(share)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in backend.model.named_parameters()}

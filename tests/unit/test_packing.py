@@ -67,19 +67,25 @@ def test_the_backend_packs_a_long_tailed_micro_batch_and_leaves_an_even_one_padd
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_response_only_logits_equal_the_full_ones(tiny_model_dir, samples, packed):
-    """The model projects only the positions that predict response tokens: the same logits as every position's,
-    gathered (the prompt's are never computed)."""
+def test_the_model_projects_the_response_positions_alone(tiny_model_dir, samples, packed):
+    """Only the positions that predict a response token become logits (no prompt's, no padding's): the same rows
+    as every position's logits gathered there, and the same log-probs and entropy on every response token."""
     backend = _backend(tiny_model_dir, packed)
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
     mb = batch.take(range(batch.size))
+    valid = packing.response_valid(mb)
     assert backend._packs(mb) == packed
     with torch.no_grad():
-        aligned = backend._logits(backend.model, mb)
+        rows = backend._logits(backend.model, mb)
         full = backend._logits(backend.model, mb, response_only=False)
-    assert aligned.shape == (*mb.loss_masks.shape, full.shape[-1]) and packing.is_aligned(aligned, mb)
+        stats = backend._token_stats(rows, mb)
+        full_stats = rl_step.response_log_probs(full, mb, backend.config)
     assert tuple(full.shape[:2]) == ((1, sum(mb.total_lengths)) if packed else tuple(mb.tokens.shape))
-    torch.testing.assert_close(aligned, packing.gather_response(full, mb), atol=1e-6, rtol=0)
+    assert rows.shape == (sum(s.response_length for s in samples), full.shape[-1])
+    torch.testing.assert_close(rows, packing.gather_response(full, mb)[valid], atol=1e-6, rtol=0)
+    for mine, theirs in zip(stats, full_stats, strict=True):
+        torch.testing.assert_close(mine[valid], theirs[valid], atol=1e-6, rtol=0)
+        assert not mine[~valid].any()  # the padding columns hold zeros
 
 
 def _backend(model_dir, packed: bool, **overrides) -> TorchBackend:
@@ -113,7 +119,7 @@ def _token_stats(backend: TorchBackend, samples: list[Sample]) -> tuple[torch.Te
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
     mb = batch.take(range(batch.size))
     with torch.no_grad():
-        return rl_step.response_log_probs(backend._logits(backend.model, mb), mb, backend.config)
+        return backend._token_stats(backend._logits(backend.model, mb), mb)
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -152,11 +158,7 @@ def test_an_empty_micro_batch_adds_nothing(tiny_model_dir, samples):
     batch = build_rollout_batch(samples, pad_token_id=backends[0].pad_token_id).with_advantages(
         torch.ones(len(samples), max(s.response_length for s in samples)))
 
-    def loss_fn(backend):
-        return lambda mb, reduce: rl_step.micro_batch_loss(backend.config, mb, logits=backend._logits(
-            backend.model, mb), reduce=reduce)
-
-    metrics = [b._train_step(b.model, b.optimizer, batch, schedule, loss_fn(b))
+    metrics = [b._train_step(b.model, b.optimizer, batch, schedule, b._actor_loss)
                for b, schedule in zip(backends, ([[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [], [3, 4, 5]]), strict=True)]
     assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], abs=1e-7)
     for param, grad in _grads(backends[0].model).items():

@@ -188,14 +188,19 @@ class TorchBackend(DCPCheckpointing):
         return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
 
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True) -> torch.Tensor:
-        """Response-aligned [b, R, V]: the model projects onto the vocabulary only the positions that predict a
-        response token, never the prompt's (`packing.logits_to_keep`). response_only=False (a custom loss, which
-        takes them all): every position's, [b, L, V] padded or [1, T, V] packed."""
+        """The response tokens' logits alone, [N, V] (`rl_step.response_row_log_probs` reads them): the model
+        projects onto the vocabulary only the positions that predict a response token, no prompt's and no
+        padding's (`packing.response_mask`). response_only=False (a custom loss, which takes them all): every
+        position's, [b, L, V] padded or [1, T, V] packed."""
         packed = self._packs(mb)
-        keep = {"logits_to_keep": packing.logits_to_keep(mb, packed=packed)} if response_only else {}
+        keep = {"logits_to_keep": packing.response_mask(mb, packed=packed)} if response_only else {}
         with self._autocast():
-            logits = model(**self._model_inputs(mb, packed), **keep, use_cache=False).logits
-        return logits.view(*mb.loss_masks.shape, logits.shape[-1]) if response_only else logits
+            return model(**self._model_inputs(mb, packed), **keep, use_cache=False).logits
+
+    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
+                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned (log_probs, entropy) [b, R] from `_logits`' rows."""
+        return rl_step.response_row_log_probs(logits, mb, self.config, with_entropy=with_entropy)
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
@@ -203,7 +208,7 @@ class TorchBackend(DCPCheckpointing):
 
     def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
         """Response-aligned log-probs [b, R] at the rollout temperature."""
-        return rl_step.response_log_probs(self._logits(model, mb), mb, self.config, with_entropy=False)[0]
+        return self._token_stats(self._logits(model, mb), mb, with_entropy=False)[0]
 
     def _schedule(self, batch: RolloutBatch, global_batch_size: int | None) -> list[Step]:
         """Each step's micro-batches. Over several ranks each step has as many on every rank (FSDP gathers and
@@ -284,13 +289,13 @@ class TorchBackend(DCPCheckpointing):
             group=self.dp_group,
             log_probs_of=lambda model: self._recompute(lambda mb: self._log_probs(model, mb), rollout, micro_batches))
 
-    def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
-        def loss_fn(mb: RolloutBatch, reduce):
-            logits = self._logits(self.model, mb, response_only=self.config.loss_type != "custom_loss")
-            return rl_step.micro_batch_loss(self.config, mb, logits=logits, reduce=reduce,
-                                            custom_loss_fn=self.custom_loss)
+    def _actor_loss(self, mb: RolloutBatch, reduce) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = self._logits(self.model, mb, response_only=self.config.loss_type != "custom_loss")
+        return rl_step.micro_batch_loss(self.config, mb, logits=logits, reduce=reduce,
+                                        custom_loss_fn=self.custom_loss, token_stats=self._token_stats)
 
-        metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)
+    def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
+        metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, self._actor_loss)
         return {key if key.startswith("perf/") else f"train/{key}": value for key, value in metrics.items()}
 
     def _critic_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:

@@ -50,16 +50,10 @@ def pack(mb: RolloutBatch) -> PackedRow:
                      cu_seqlens=cu_seqlens, max_seqlen=mb.tokens.shape[1])
 
 
-def is_aligned(x: torch.Tensor, mb: RolloutBatch) -> bool:
-    """Whether outputs x are response-aligned [b, R, ...] already: a model that computed only the positions that
-    predict response tokens (R < L: every prompt holds a token)."""
-    return tuple(x.shape[:2]) == tuple(mb.loss_masks.shape)
-
-
 def is_packed(x: torch.Tensor, mb: RolloutBatch) -> bool:
     """Whether per-position outputs x are packed [1, T, ...] rather than padded [b, L, ...] (for a single sample
-    without padding the two are the same) or response-aligned."""
-    return tuple(x.shape[:2]) != tuple(mb.tokens.shape) and not is_aligned(x, mb)
+    without padding the two are the same)."""
+    return tuple(x.shape[:2]) != tuple(mb.tokens.shape)
 
 
 def response_index(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
@@ -74,20 +68,34 @@ def response_index(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
     return rows * mb.tokens.shape[1] + positions
 
 
-def logits_to_keep(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
-    """The positions whose logits predict a response token, as transformers' `logits_to_keep` takes them, so that
-    the model projects no prompt position onto the vocabulary: packed, [b · R] positions of the row (its logits come
-    back [1, b · R, V]); padded, [b, R] positions of each row (its logits come back [b, R, V])."""
-    return response_index(mb, packed=True).flatten() if packed else mb.logit_positions()
+def response_valid(mb: RolloutBatch) -> torch.Tensor:
+    """[b, R] bool: the columns that hold a response token (the others pad shorter responses)."""
+    columns = torch.arange(mb.loss_masks.shape[1], device=mb.response_lengths.device)
+    return columns < mb.response_lengths.unsqueeze(-1)
+
+
+def response_mask(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
+    """[b, L] padded or [1, T] packed bool: the positions whose logits predict a response token, as transformers'
+    `logits_to_keep` takes a mask. The model then projects those positions alone onto the vocabulary (no prompt's,
+    no padding's) and returns their logits as rows [N, V], N = Σ R_i, in the order of `response_valid`'s True
+    entries (`scatter_response` puts them back)."""
+    index = response_index(mb, packed=packed)[response_valid(mb)]
+    shape = (1, sum(mb.total_lengths)) if packed else tuple(mb.tokens.shape)
+    mask = torch.zeros(shape[0] * shape[1], dtype=torch.bool, device=index.device)
+    return mask.index_fill_(0, index, True).view(shape)
+
+
+def scatter_response(rows: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+    """Per-response-token values [N, ...] (in `response_mask`'s order) -> response-aligned [b, R, ...], zero on
+    the padding columns."""
+    valid = response_valid(mb).to(rows.device)
+    return rows.new_zeros(*valid.shape, *rows.shape[1:]).index_put(valid.nonzero(as_tuple=True), rows)
 
 
 def gather_response(x: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
-    """Per-position outputs, padded [b, L, ...] or packed [1, T, ...] -> response-aligned [b, R, ...] (which pass
-    as they are).
+    """Per-position outputs, padded [b, L, ...] or packed [1, T, ...] -> response-aligned [b, R, ...].
 
     An index_select over the flattened positions: its backward is an index_add into the logits' gradient, not
     advanced indexing's serial index_put over the whole [.., V] logits."""
-    if is_aligned(x, mb):
-        return x
     index = response_index(mb, packed=is_packed(x, mb)).to(x.device)
     return x.flatten(0, 1).index_select(0, index.flatten()).view(*index.shape, *x.shape[2:])

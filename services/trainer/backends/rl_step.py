@@ -26,7 +26,7 @@ from services.trainer.algorithms.losses import (
 from services.trainer.backends import slime_hooks
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import RolloutBatch
-from services.trainer.backends.packing import gather_response, is_packed
+from services.trainer.backends.packing import gather_response, is_packed, response_valid, scatter_response
 
 LossFn = Callable[[RolloutBatch, Reducer], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 # (logits, micro-batch, *, with_entropy) -> response-aligned (log_probs, entropy or None) [b, R]
@@ -137,6 +137,16 @@ def response_log_probs(logits: torch.Tensor, mb: RolloutBatch, config: TrainConf
     return token_log_probs_and_entropy(gather_response(logits, mb), mb.response_tokens,
                                        temperature=config.rollout_temperature, with_entropy=with_entropy,
                                        entropy_grad=config.entropy_coef != 0)
+
+
+def response_row_log_probs(rows: torch.Tensor, mb: RolloutBatch, config: TrainConfig, *,
+                           with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits of the response tokens alone, [N, V] in `packing.response_mask`'s order, -> response-aligned
+    (log_probs, entropy) [b, R] at the rollout temperature, zero on padding columns."""
+    log_probs, entropy = token_log_probs_and_entropy(rows, mb.response_tokens[response_valid(mb)],
+                                                     temperature=config.rollout_temperature, with_entropy=with_entropy,
+                                                     entropy_grad=config.entropy_coef != 0)
+    return scatter_response(log_probs, mb), None if entropy is None else scatter_response(entropy, mb)
 
 
 def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tensor, entropy: torch.Tensor,
