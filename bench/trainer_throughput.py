@@ -2,16 +2,18 @@
 micro-batches on long-tailed responses: one optimizer step each, side by side in one process, rounds interleaved.
 
 1. Equal lengths: the plain loop (an HF model + AdamW, loss -(log π(response)·A).mean(), bf16 autocast under
-   --dtype bfloat16) and both backends on the same model, batch, micro-batches and precision.
+   --dtype bfloat16) and both backends on the same model, batch, micro-batches and precision; each backend as it
+   runs (packing a micro-batch only where that saves tokens: here none) and always padded.
 2. Long tail: response lengths max_response_len · u² at u = (i + ½) / n (shuffled), so that the median response is a
    quarter of the longest. The plain loop and each backend padded (micro_batch_size samples, padded to the longest
    of them), each backend packed (use_dynamic_batch_size: one row of at most max_tokens_per_gpu = micro_batch_size
    × the longest sample's tokens, the padded micro-batch's worst case). Tokens/s count real tokens only.
 
 Prints the tables, then one JSON line: {"device", "dtype", "clock", "fsdp": R, "megatron": R,
-"packed_vs_padded_fsdp": P, "packed_vs_padded_megatron": P, "packed_vs_plain_fsdp": Q, "packed_vs_plain_megatron": Q}:
-R = a backend's tokens/s over the plain loop's (equal lengths), P = packed over the same backend padded, Q = packed
-over the plain loop (long tail).
+"equal_vs_padded_fsdp": E, "equal_vs_padded_megatron": E, "packed_vs_padded_fsdp": P, "packed_vs_padded_megatron": P,
+"packed_vs_plain_fsdp": Q, "packed_vs_plain_megatron": Q}: R = a backend's tokens/s over the plain loop's (equal
+lengths), E = the backend as it runs over the same backend always padded (equal lengths), P = packed over the same
+backend padded, Q = packed over the plain loop (long tail).
 CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 measurement.
 
 Run: python -m bench.trainer_throughput [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds N]
@@ -193,7 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
         config = train_config(shape, dtype, len(samples))
         steps = {"plain": plain_step(model_dir, samples, shape["prompt_len"], shape["micro_batch_size"], device, dtype),
                  "fsdp": fsdp_step(model_dir, samples, config, device),
-                 "megatron": megatron_step(model_dir, samples, config, device)}
+                 "megatron": megatron_step(model_dir, samples, config, device),
+                 "fsdp padded": fsdp_step(model_dir, samples, config, device, packed=False),
+                 "megatron padded": megatron_step(model_dir, samples, config, device, packed=False)}
         seconds = measure(steps, args.rounds, device, clock)
         del steps
         release(device)
@@ -229,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "clock": args.clock,
               "fsdp": round(tokens_per_s["fsdp"] / tokens_per_s["plain"], 3),
               "megatron": round(tokens_per_s["megatron"] / tokens_per_s["plain"], 3),
+              **{f"equal_vs_padded_{name}": round(tokens_per_s[name] / tokens_per_s[f"{name} padded"], 3)
+                 for name in ("fsdp", "megatron")},
               **{f"packed_vs_padded_{name}": round(tail_rate[f"{name} packed"] / tail_rate[f"{name} padded"], 3)
                  for name in ("fsdp", "megatron")},
               **{f"packed_vs_plain_{name}": round(tail_rate[f"{name} packed"] / tail_rate["plain padded"], 3)

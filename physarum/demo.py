@@ -97,10 +97,16 @@ def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple
 
 
 def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> list[str]:
-    """The `--set` overrides that put both demo jobs on `train_backend` (the job files keep the default)."""
-    if train_backend == "fsdp":
+    """The `--set` overrides that put both demo jobs on `train_backend` (the job files keep the default), over
+    tensor_model_parallel_size ranks where the backend splits a model over ranks."""
+    from services.trainer.backends.capabilities import capabilities
+    from services.trainer.backends.layout import LayoutConfig
+
+    if train_backend == LayoutConfig.train_backend:  # the default
         return []
-    return [f"train_backend={train_backend}", f"tensor_model_parallel_size={tensor_model_parallel_size}"]
+    tensor_parallel = capabilities(train_backend).tensor_parallel
+    return [f"train_backend={train_backend}",
+            *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if tensor_parallel else [])]
 
 
 def model_name(family: str, seed: int) -> str:
@@ -111,9 +117,9 @@ def model_name(family: str, seed: int) -> str:
 
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
     """Stop before the stack starts when the backend cannot build the family (the job API would refuse both jobs)."""
-    from services.trainer.backends import model_families
+    from services.trainer.backends import capabilities
 
-    problem = model_families.check(train_backend, json.loads((model_dir / "config.json").read_text()))
+    problem = capabilities.model_problem(train_backend, json.loads((model_dir / "config.json").read_text()))
     if problem:
         raise SystemExit(f"demo: {problem}")
 
@@ -134,10 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the tiny model's family (default: {DEFAULT_FAMILY})")
     add_device_flags(parser)
     args = parser.parse_args(argv)
-    megatron = args.train_backend == "megatron"
-    ranks = args.trainer_ranks or (2 if megatron else 1)
+    from services.trainer.backends.capabilities import capabilities
+
+    model_parallel = capabilities(args.train_backend).tensor_parallel
+    ranks = args.trainer_ranks or (2 if model_parallel else 1)
     tp = args.tensor_model_parallel_size or ranks
-    if ranks < 1 or (megatron and ranks % tp):
+    if ranks < 1 or (model_parallel and ranks % tp):
         raise SystemExit(f"demo: --trainer-ranks {ranks} must be >= 1 and a multiple of the TP size {tp}")
     backend_sets = backend_overrides(args.train_backend, tp)
     logging.basicConfig(level=logging.WARNING)
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                         trainer_device=args.device, engine_device=args.engine_device))
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
-              f"{args.train_backend}{f' TP={tp}' if megatron else ''} on {ranks} rank(s); model: tiny "
+              f"{args.train_backend}{f' TP={tp}' if model_parallel else ''} on {ranks} rank(s); model: tiny "
               f"{args.model_family}", flush=True)
         before = evaluate(state, model_dir, test_path)
         print(f"held-out reward before training: {before:.3f}", flush=True)

@@ -39,7 +39,8 @@ def probe(model_dir: Path, config, world, cp_size: int) -> dict:
     samples = rollout(backend.model.config.vocab_size, backend.pad_token_id)
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
     (micro,) = backend._schedule(batch, None)
-    stats = [backend._recompute(lambda mb, i=i: backend._token_stats(backend.model, mb, True)[i], batch, micro)
+    stats = [backend._recompute(lambda mb, i=i: backend._model_stats(backend.model, mb, with_entropy=True)[i],
+                                batch, micro)
              for i in (0, 1)]
     (metrics,) = backend.train_rollout(samples)
     grads = {name: full(p.grad) for name, p in backend.model.named_parameters()}

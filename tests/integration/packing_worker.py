@@ -44,17 +44,16 @@ def rollout(vocab_size: int, pad_token_id: int) -> list[Sample]:
 def fsdp_probe(model_dir: Path, config, world, samples: list[Sample], packed: bool) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from services.trainer.backends import rl_step
     from services.trainer.backends.batch import build_rollout_batch
     from services.trainer.backends.fsdp import TorchBackend
     from services.trainer.distributed.parallel import shard_rollout
 
-    backend = TorchBackend(model_dir, config, world=world, pack_sequences=packed)
+    backend = TorchBackend(model_dir, config, world=world, pack_sequences=packed, min_padding_to_pack=0.0)
     share = shard_rollout(samples, backend.rollout_share(), config.n_samples_per_prompt)
     batch = build_rollout_batch(share, pad_token_id=backend.pad_token_id)
     (micro,) = backend._schedule(batch, None)
-    stats = [backend._recompute(lambda mb, i=i: rl_step.response_log_probs(
-        backend._logits(backend.model, mb), mb, config)[i], batch, micro) for i in (0, 1)]
+    stats = [backend._recompute(lambda mb, i=i: backend._token_stats(backend._logits(backend.model, mb), mb)[i],
+                                batch, micro) for i in (0, 1)]
     (metrics,) = backend.train_rollout(share)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in backend.model.named_parameters()}
@@ -68,13 +67,14 @@ def megatron_probe(model_dir: Path, config, samples: list[Sample], packed: bool)
     from services.trainer.backends.batch import build_rollout_batch
     from services.trainer.backends.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(model_dir, config, use_distributed_optimizer=False, pack_sequences=packed)
+    backend = MegatronBackend(model_dir, config, use_distributed_optimizer=False, pack_sequences=packed,
+                              min_padding_to_pack=0.0)
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
     micro = backend._micro_batches(batch, list(range(batch.size)))
     stats = torch.zeros(2, *batch.loss_masks.shape)
 
     def store(rows, mb, logits):
-        log_probs, entropy = backend._token_stats(mb, logits)
+        log_probs, entropy = backend._token_stats(logits, mb)
         stats[0, rows, :log_probs.shape[1]] = log_probs.cpu()
         stats[1, rows, :entropy.shape[1]] = entropy.cpu()
         return log_probs.sum() * 0.0

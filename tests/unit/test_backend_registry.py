@@ -9,7 +9,8 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.trainer.backends import registry
 from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.layout import BackendName, LayoutConfig
+from services.trainer.backends.capabilities import BackendName
+from services.trainer.backends.layout import LayoutConfig
 from services.trainer.distributed.parallel import World
 from services.trainer.driver import loop  # noqa: F401 - imports the backends, which register themselves
 
@@ -18,8 +19,8 @@ def test_every_layout_backend_name_has_a_builder():
     assert registry.registered() == tuple(sorted(get_args(BackendName)))
 
 
-def test_a_name_the_layout_does_not_know_is_refused_at_registration():
-    with pytest.raises(ValueError, match="backend 'deepspeed': add it to LayoutConfig's train_backend values"):
+def test_a_name_without_declared_capabilities_is_refused_at_registration():
+    with pytest.raises(ValueError, match="backend 'deepspeed': declare its capabilities in capabilities.BACKENDS"):
         registry.register("deepspeed")
 
 

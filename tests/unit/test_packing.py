@@ -43,9 +43,56 @@ def test_response_index_points_at_the_logits_of_each_response_token():
     assert packing.is_packed(logits, batch) and not packing.is_packed(torch.zeros(3, 5, 1), batch)
 
 
+def test_a_micro_batch_is_packed_only_where_that_saves_tokens():
+    def lengths(*totals: int):
+        return build_rollout_batch([Sample(tokens=[5] * n, response_length=1) for n in totals], pad_token_id=0)
+
+    assert not packing.worth_packing(lengths(6, 6, 6, 6))  # equal lengths: the rectangle holds no padding
+    assert not packing.worth_packing(lengths(8, 7, 7, 8))  # 32 padded, 30 real: 7 % padding
+    assert packing.worth_packing(lengths(16, 2, 3, 4, 2, 5))  # long-tailed: 96 padded, 32 real
+    # the threshold: 4 × 10 = 40 padded over 32 real is 25 % padding, packed only above it (over 31 real)
+    assert not packing.worth_packing(lengths(10, 10, 10, 2)) and packing.worth_packing(lengths(10, 10, 9, 2))
+    assert packing.worth_packing(lengths(8, 7, 7, 8), min_padding=0.0)
+    assert not packing.worth_packing(lengths(9), min_padding=0.0)  # one sample: nothing to save
+
+
+def test_the_backend_packs_a_long_tailed_micro_batch_and_leaves_an_even_one_padded(tiny_model_dir):
+    backend = TorchBackend(tiny_model_dir, TrainConfig(n_samples_per_prompt=2), num_threads=1)
+    even = build_rollout_batch([Sample(tokens=[5, 6, 7, 8], response_length=2)] * 4, pad_token_id=0)
+    tail = build_rollout_batch([Sample(tokens=[5] * 12, response_length=8)] + [Sample(tokens=[5, 6],
+                                                                                       response_length=1)] * 3,
+                               pad_token_id=0)
+    assert not backend._packs(even) and "attention_mask" in backend._model_inputs(even, backend._packs(even))
+    assert backend._packs(tail) and "cu_seq_lens_q" in backend._model_inputs(tail, backend._packs(tail))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_model_projects_the_response_positions_alone(tiny_model_dir, samples, packed):
+    """Only the positions that predict a response token become logits (no prompt's, no padding's): the same rows
+    as every position's logits gathered there, and the same log-probs and entropy on every response token."""
+    backend = _backend(tiny_model_dir, packed)
+    batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
+    mb = batch.take(range(batch.size))
+    valid = packing.response_valid(mb)
+    assert backend._packs(mb) == packed
+    with torch.no_grad():
+        rows = backend._logits(backend.model, mb)
+        full = backend._logits(backend.model, mb, response_only=False)
+        stats = backend._token_stats(rows, mb)
+        full_stats = rl_step.response_log_probs(full, mb, backend.config)
+    assert tuple(full.shape[:2]) == ((1, sum(mb.total_lengths)) if packed else tuple(mb.tokens.shape))
+    assert rows.shape == (sum(s.response_length for s in samples), full.shape[-1])
+    torch.testing.assert_close(rows, packing.gather_response(full, mb)[valid], atol=1e-6, rtol=0)
+    for mine, theirs in zip(stats, full_stats, strict=True):
+        torch.testing.assert_close(mine[valid], theirs[valid], atol=1e-6, rtol=0)
+        assert not mine[~valid].any()  # the padding columns hold zeros
+
+
 def _backend(model_dir, packed: bool, **overrides) -> TorchBackend:
+    """Packed: every micro-batch with any padding runs packed (the parity tests hold the packed path to the
+    padded one wherever it could run)."""
     config = TrainConfig(**{"n_samples_per_prompt": 2, "lr": 1e-3, "clip_grad": 0.0, **overrides})
-    return TorchBackend(model_dir, config, num_threads=1, pack_sequences=packed)
+    return TorchBackend(model_dir, config, num_threads=1, pack_sequences=packed, min_padding_to_pack=0.0)
 
 
 ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "5", 0.0), ("1+2=", "3", 0.0), ("1+2=", "40", 1.0),
@@ -72,7 +119,7 @@ def _token_stats(backend: TorchBackend, samples: list[Sample]) -> tuple[torch.Te
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
     mb = batch.take(range(batch.size))
     with torch.no_grad():
-        return rl_step.response_log_probs(backend._logits(backend.model, mb), mb, backend.config)
+        return backend._token_stats(backend._logits(backend.model, mb), mb)
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -111,11 +158,7 @@ def test_an_empty_micro_batch_adds_nothing(tiny_model_dir, samples):
     batch = build_rollout_batch(samples, pad_token_id=backends[0].pad_token_id).with_advantages(
         torch.ones(len(samples), max(s.response_length for s in samples)))
 
-    def loss_fn(backend):
-        return lambda mb, reduce: rl_step.micro_batch_loss(backend.config, mb, logits=backend._logits(
-            backend.model, mb), reduce=reduce)
-
-    metrics = [b._train_step(b.model, b.optimizer, batch, schedule, loss_fn(b))
+    metrics = [b._train_step(b.model, b.optimizer, batch, schedule, b._actor_loss)
                for b, schedule in zip(backends, ([[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [], [3, 4, 5]]), strict=True)]
     assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], abs=1e-7)
     for param, grad in _grads(backends[0].model).items():

@@ -166,14 +166,14 @@ def test_each_family_replays_its_own_routing_exactly_and_other_routing_not(famil
 def test_a_family_whose_router_it_does_not_replay_is_refused(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from services.trainer import model_families
+    from services.trainer.backends import capabilities
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)  # dense Qwen3
     with pytest.raises(ValueError, match="has no MoE router it replays"):
         RoutingReplay(model, model.config.num_hidden_layers)
-    families = model_families.REPLAYABLE_ROUTERS
     assert "routing replay: model family 'mixtral' is not one it applies to" in \
-        model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "mixtral"}, families)
-    assert "routing replay: train_backend megatron does not do it; train_backend fsdp does" in \
-        model_families.moe_router_problem("routing replay", "megatron", {"model_type": "qwen3_moe"}, families)
-    assert model_families.moe_router_problem("routing replay", "fsdp", {"model_type": "glm4_moe"}, families) == ""
+        capabilities.router_problem("routing replay", "fsdp", {"model_type": "mixtral"})
+    assert capabilities.router_problem("routing replay", "megatron", {"model_type": "qwen3_moe"},
+                                       tp_size=2) == ("routing replay: train_backend megatron replays at "
+                                                      "tensor_model_parallel_size 1, got 2")
+    assert capabilities.router_problem("routing replay", "fsdp", {"model_type": "glm4_moe"}) == ""

@@ -7,11 +7,12 @@ import os
 from dataclasses import dataclass
 
 from services.common.config import field
+from services.trainer.backends.capabilities import BACKENDS
 
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")  # devices.DEVICES, kept here so the config imports no torch
 WEIGHT_SYNC_BACKENDS = ("auto", "gloo", "nccl", "shm", "disk")  # the job spec's weight_sync_backend values
-TRAIN_BACKENDS = ("fsdp", "megatron")  # the job spec's train_backend values (a unit test keeps them equal)
+TRAIN_BACKENDS = tuple(BACKENDS)  # the job spec's train_backend values
 
 
 @dataclass(frozen=True, kw_only=True)

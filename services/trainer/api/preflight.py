@@ -15,7 +15,7 @@ from pathlib import Path
 from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec
-from services.trainer.backends import model_families
+from services.trainer.backends import capabilities, model_families
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
@@ -74,9 +74,9 @@ def check_model_family(spec: JobSpec) -> list[str]:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
     if not isinstance(hf_config, dict):
         return []
-    problems = [model_families.check(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
-                                     pp_size=spec.pipeline_model_parallel_size,
-                                     ep_size=spec.expert_model_parallel_size)]
+    problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
+                                           pp_size=spec.pipeline_model_parallel_size,
+                                           ep_size=spec.expert_model_parallel_size)]
     if spec.context_parallel_size > 1 and (why := model_families.context_parallel_problem(hf_config)):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")
@@ -84,22 +84,16 @@ def check_model_family(spec: JobSpec) -> list[str]:
                                           or spec.moe_aux_loss_coeff > 0):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: routing replay and moe_aux_loss_coeff "
                         "need each token's router logits on one rank; use context_parallel_size 1")
-    if (spec.use_routing_replay or spec.use_rollout_routing_replay) and spec.train_backend == "megatron":
-        if spec.tensor_model_parallel_size > 1:  # sequence parallelism splits the tokens the routers see
-            problems.append("routing replay: train_backend megatron replays at tensor_model_parallel_size 1, got "
-                            f"{spec.tensor_model_parallel_size}")
-    elif spec.use_routing_replay or spec.use_rollout_routing_replay:
-        problems.append(model_families.moe_router_problem("routing replay", spec.train_backend, hf_config,
-                                                          model_families.REPLAYABLE_ROUTERS))
-    if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none" and \
-            spec.train_backend != "megatron":  # megatron-core's MoE layers compute it for every family they build
-        problems.append(model_families.moe_router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config,
-                                                          model_families.AUX_LOSS_FAMILIES))
+    if spec.use_routing_replay or spec.use_rollout_routing_replay:
+        problems.append(capabilities.router_problem("routing replay", spec.train_backend, hf_config,
+                                                    tp_size=spec.tensor_model_parallel_size))
+    if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
+        problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config))
     return [problem for problem in problems if problem]
 
 
 def check_megatron(spec: JobSpec) -> list[str]:
-    if spec.train_backend != "megatron" or not spec.megatron:
+    if not spec.megatron:  # only a backend with capabilities.extra_flags takes them (LayoutConfig checks)
         return []
     from services.trainer.backends.megatron import args  # megatron-core: only for specs that use it
 
@@ -138,7 +132,7 @@ def check_ranks(spec: JobSpec, world_size: int) -> list[str]:
         return [f"context_parallel_size {cp} must divide the trainer's {world_size} ranks"]
     dp = world_size // cp
     step, n = spec.resolved_global_batch_size, spec.n_samples_per_prompt
-    if spec.train_backend == "fsdp" and dp > 1 and step % (dp * n):
+    if capabilities.capabilities(spec.train_backend).reads_shares and dp > 1 and step % (dp * n):
         return [f"global_batch_size ({step}) must be a multiple of the data-parallel ranks × n_samples_per_prompt "
                 f"({world_size} ranks / context_parallel_size {cp} = {dp} × {n})"]
     return []

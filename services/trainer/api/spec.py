@@ -21,6 +21,7 @@ from services.common.settings.rollout import RolloutConfig
 from services.common.settings.slime import SlimeConfig
 from services.common.settings.sync import SyncConfig
 from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.capabilities import backends_that
 from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL, LayoutConfig
 from services.trainer.slime import args as slime_args
 
@@ -104,9 +105,10 @@ class JobSpec(_JobSettings):
                              "over_sampling_batch_size do not apply")
         if layout.context_parallel_size > 1 and train.loss_type == "custom_loss":
             raise ValueError(CUSTOM_LOSS_REFUSAL)
-        if train.use_critic and not layout.trains_critic:
-            raise ValueError("advantage_estimator ppo trains a critic, which train_backend megatron does not; set "
-                             "train_backend: fsdp")
+        if train.use_critic and not layout.capabilities.critic:
+            able = " or ".join(backends_that(lambda caps: caps.critic))
+            raise ValueError(f"advantage_estimator ppo trains a critic, which train_backend {layout.train_backend} "
+                             f"does not; set train_backend: {able}")
         return self
 
     def _values(self, part: type) -> dict[str, Any]:

@@ -66,7 +66,8 @@ class TrainConfig:
               "samples / num_steps_per_rollout)", AT_LEAST_ONE)
     num_steps_per_rollout: int | None = field(
         None, "optimizer steps per rollout, when global_batch_size is unset (None: 1)", AT_LEAST_ONE)
-    micro_batch_size: int = field(1, "samples per forward/backward, packed into one row (padded where the model "
+    micro_batch_size: int = field(1, "samples per forward/backward, packed into one row when padding them to the "
+                                     "longest would add over 25 % padding (padded otherwise, and where the model "
                                      "cannot keep packed sequences apart); gradients accumulate over a step",
                                   AT_LEAST_ONE)
     use_dynamic_batch_size: bool = field(False, "fill micro-batches up to max_tokens_per_gpu instead, longest "

@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,12 +30,12 @@ from services.trainer.backends import context_parallel, cp_attention, moe_loss, 
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
-from services.trainer.backends.dcp import DCPCheckpointing
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.optim import lr_schedule, make_adamw, scheduled_step
 from services.trainer.backends.registry import register
 from services.trainer.backends.routing_replay import RoutingReplay
 from services.trainer.backends.schedule import MicroBatch, Step, split_to, step_schedule
+from services.trainer.backends.torch_state import TorchStateDicts, load_causal_lm
 from services.trainer.distributed import devices, parallel
 from services.trainer.distributed.hf_files import TOKENIZER_FILES, copy_side_files
 
@@ -43,29 +43,20 @@ log = logging.getLogger(__name__)
 
 
 
-def _load_causal_lm(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as err:
-        raise InvalidArgument(f"model {path}: cannot load a causal LM ({err})") from err
-    varlen.use_in(model)  # packed rows take varlen flash attention where it applies
-    # No dropout: the training forward, the no-grad recompute and the engines see the same policy.
-    return model.eval()
-
-
-class TorchBackend(DCPCheckpointing):
+class TorchBackend(TorchStateDicts):
     """One process, one model: `train_rollout` runs slime's per-rollout schedule (recompute old / reference
     log-probs and critic values, advantages, then global_batch_size steps of micro-batches)."""
 
     def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
                  world: parallel.World | None = None, job_global_batch_size: int | None = None,
-                 pack_sequences: bool = True, context_parallel_size: int = 1) -> None:
+                 pack_sequences: bool = True, min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK,
+                 context_parallel_size: int = 1) -> None:
         self.model_path = Path(model_path)
         self.config = config
-        # each micro-batch one packed row (`packing`); False: a padded rectangle (the reference the tests hold it to)
+        # a micro-batch with enough padding runs as one packed row (`packing.worth_packing`); False: always a padded
+        # rectangle (the reference the tests hold it to)
         self.pack_sequences = pack_sequences
+        self.min_padding_to_pack = min_padding_to_pack
         # the job's step size: `config` holds this rank's share of it when the world has more than one rank
         self.job_global_batch_size = job_global_batch_size or config.global_batch_size
         self.world = world or parallel.World()
@@ -77,7 +68,7 @@ class TorchBackend(DCPCheckpointing):
         self.device = self.world.device
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
-        model = _load_causal_lm(self.model_path).to(self.device)
+        model = load_causal_lm(self.model_path).to(self.device)
         if self.pack_sequences and not varlen.packable(model):
             log.warning("%s cannot keep packed sequences apart (an attention that is not transformers' "
                         "AttentionInterface, or layers that mix tokens outside attention): micro-batches stay padded",
@@ -131,108 +122,65 @@ class TorchBackend(DCPCheckpointing):
         return make_adamw(self.model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                           adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps)
 
-    def load(self, path: str | Path) -> None:
-        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays).
-        Every rank calls it (each reads the directory)."""
-        parallel.load_full_state_dict(self.model, _load_causal_lm(Path(path)).state_dict(), self.world)
-        self.optimizer = self._make_optimizer()
+    def _packs(self, mb: RolloutBatch) -> bool:
+        return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
 
-    def load_ref(self, path: str | Path) -> None:
-        """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
-        if self.ref_model is None:
-            raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
-        parallel.load_full_state_dict(self.ref_model, _load_causal_lm(Path(path)).state_dict(), self.world)
-
-    def update_ref_model(self) -> None:
-        """Copy the policy into the reference model (slime's --ref-update-interval); shard by shard under FSDP."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-        set_model_state_dict(self.ref_model, get_model_state_dict(self.model))
-
-    def state_dict(self, parts: Iterable[str] | None = None) -> dict[str, Any]:
-        """What a checkpoint holds, by part: model and optim (the policy and its optimizer), ref_model, critic and
-        critic_optim, weight_version; each rank's own shards under FSDP. parts None: every part that exists (an
-        optimizer only once it has stepped); otherwise exactly those parts, e.g. to load them."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        wanted = None if parts is None else set(parts)
-        out: dict[str, Any] = {}
-        for name, optim, model, optimizer in self._checkpoint_parts():
-            if model is not None and (wanted is None or name in wanted):
-                out[name] = get_model_state_dict(model)
-            # get_optimizer_state_dict steps a fresh optimizer (lr 0) to create its state: only to load into it.
-            if optimizer is not None and (optim in wanted if wanted is not None else bool(optimizer.state)):
-                for group in optimizer.param_groups:  # a checkpoint loads only the keys its target has
-                    group.setdefault("num_steps", 0)  # optim.scheduled_step's count of steps taken
-                out[optim] = get_optimizer_state_dict(model, optimizer)
-        if wanted is None or "weight_version" in wanted:
-            out["weight_version"] = self._weight_version
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load the parts `state` holds (as `state_dict` gives them, filled in from a checkpoint)."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        for name, optim, model, optimizer in self._checkpoint_parts():
-            if name in state:
-                set_model_state_dict(model, state[name])
-            if optim in state:
-                set_optimizer_state_dict(model, optimizer, state[optim])
-        if "weight_version" in state:
-            self._weight_version = int(state["weight_version"])
-
-    def _checkpoint_parts(self) -> list[tuple[str, str, torch.nn.Module | None, torch.optim.Optimizer | None]]:
-        """(model part, optimizer part, model, optimizer) of every model a checkpoint holds."""
-        parts = [("model", "optim", self.model, self.optimizer), ("ref_model", "", self.ref_model, None)]
-        if self.critic is not None:
-            parts.append(("critic", "critic_optim", self.critic.model, self.critic.optimizer))
-        return parts
-
-    def _model_inputs(self, mb: RolloutBatch) -> dict[str, torch.Tensor | int]:
+    def _model_inputs(self, mb: RolloutBatch, packed: bool) -> dict[str, torch.Tensor | int]:
         """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
         a block-diagonal causal mask, and the cumulative lengths for varlen flash attention (`varlen`); padded: the
         rectangle and its mask."""
-        if self.pack_sequences:
+        if packed:
             row = packing.pack(mb)
             return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
         return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
 
-    def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, router_logits: bool = False):
-        """The HF forward's outputs: logits [b, L, V] padded or [1, T, V] packed (`packing.gather_response` reads
-        either), and each MoE layer's router logits when asked for. The policy replays the micro-batch's routed
-        experts when it has them."""
+    def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,
+                 router_logits: bool = False):
+        """The HF forward's outputs: the response tokens' logits alone, [N, V] (`rl_step.response_row_log_probs`
+        reads them): the model projects onto the vocabulary only the positions that predict a response token, no
+        prompt's and no padding's (`packing.response_mask`); response_only=False (a custom loss, which takes them
+        all): every position's, [b, L, V] padded or [1, T, V] packed. With each MoE layer's router logits when asked
+        for; the policy replays the micro-batch's routed experts when it has them."""
+        packed = self._packs(mb)
+        keep = {"logits_to_keep": packing.response_mask(mb, packed=packed)} if response_only else {}
         replay = contextlib.nullcontext()
         if self.routing is not None and model is self.model:
-            replay = self.routing.replaying(mb.flat_routed_experts(packed=self.pack_sequences))
+            replay = self.routing.replaying(mb.flat_routed_experts(packed=packed))
         with self._autocast(), replay:
-            return model(**self._model_inputs(mb), use_cache=False,
+            return model(**self._model_inputs(mb, packed), **keep, use_cache=False,
                          **({"output_router_logits": True} if router_logits else {}))
 
-    def _logits(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-        return self._forward(model, mb).logits
+    def _logits(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True) -> torch.Tensor:
+        return self._forward(model, mb, response_only=response_only).logits
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
             if self.cp.size > 1:
                 return context_parallel.response_values(self.critic.model, mb, self._cp_slice(mb))
-            return self.critic.values(mb, self._model_inputs(mb))
+            return self.critic.values(mb, self._model_inputs(mb, self._packs(mb)))
 
     def _cp_slice(self, mb: RolloutBatch) -> context_parallel.CPSlice:
         return context_parallel.split(mb, self.cp, self.pad_token_id)
 
-    def _token_stats(self, model: torch.nn.Module, mb: RolloutBatch,
+    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
+                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned (log_probs, entropy) [b, R] from `_logits`' rows."""
+        return rl_step.response_row_log_probs(logits, mb, self.config, with_entropy=with_entropy)
+
+    def _model_stats(self, model: torch.nn.Module, mb: RolloutBatch, *,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-aligned (log_probs, entropy) [b, R] at the rollout temperature."""
+        """Response-aligned (log_probs, entropy) [b, R] of `model` at the rollout temperature, on one rank or split
+        over the context-parallel group."""
         if self.cp.size == 1:
-            return rl_step.response_log_probs(self._logits(model, mb), mb, self.config, with_entropy=with_entropy)
+            return self._token_stats(self._logits(model, mb), mb, with_entropy=with_entropy)
         with self._autocast():
             return context_parallel.response_stats(model, mb, self._cp_slice(mb), self.config,
                                                    with_entropy=with_entropy)
 
     def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
         """Response-aligned log-probs [b, R] at the rollout temperature."""
-        return self._token_stats(model, mb, with_entropy=False)[0]
+        return self._model_stats(model, mb, with_entropy=False)[0]
 
     def _schedule(self, batch: RolloutBatch, global_batch_size: int | None) -> list[Step]:
         """Each step's micro-batches. Over several ranks each step has as many on every rank (FSDP gathers and
@@ -316,36 +264,43 @@ class TorchBackend(DCPCheckpointing):
             batch = batch.with_(values=self._recompute(self._values, batch, micro_batches))
         if not train_actor:
             return batch
-        if rl_step.needs_old_log_probs(self.config, num_steps):
-            if self.routing is not None and batch.routed_experts is None:  # slime's "record" stage
-                log_probs, batch = self.routing.record_batch(lambda mb: self._log_probs(self.model, mb), batch,
-                                                             micro_batches, packed=self.pack_sequences)
-                batch = batch.with_(log_probs=log_probs)
-            else:  # the rollout's routing replayed (R3), or none
-                batch = batch.with_(log_probs=self._recompute(lambda mb: self._log_probs(self.model, mb), batch,
-                                                              micro_batches))
-        if self.ref_model is not None:
-            batch = batch.with_(ref_log_probs=self._recompute(lambda mb: self._log_probs(self.ref_model, mb), batch,
-                                                              micro_batches))
-        return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group, samples=samples)
+        rollout, recorded = batch, []
+
+        def log_probs_of(model: torch.nn.Module) -> torch.Tensor:
+            if model is self.model and self.routing is not None and rollout.routed_experts is None:
+                # slime's "record" stage: the old policy's forward records the experts the training forwards replay
+                log_probs, routed = self.routing.record_batch(lambda mb: self._log_probs(model, mb), rollout,
+                                                              micro_batches, packs=self._packs)
+                recorded.append(routed)
+                return log_probs
+            return self._recompute(lambda mb: self._log_probs(model, mb), rollout, micro_batches)
+
+        batch = rl_step.with_advantages(batch, self.config, num_steps=num_steps, model=self.model,
+                                        ref_model=self.ref_model, samples=samples, group=self.dp_group,
+                                        log_probs_of=log_probs_of)
+        return batch.with_routed_experts(recorded[0].routed_experts) if recorded else batch
+
+    def _actor_loss(self, mb: RolloutBatch, reduce, *,
+                    num_micro_batches: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy's loss on a micro-batch; the load-balancing loss is shared among the step's
+        `num_micro_batches`."""
+        cfg = self.config
+        if self.cp.size > 1:  # routing replay and the MoE aux loss are refused at submit under CP
+            log_probs, entropy = self._model_stats(self.model, mb, with_entropy=cfg.loss_type == "policy_loss")
+            return rl_step.log_prob_loss(cfg, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
+        out = self._forward(self.model, mb, response_only=cfg.loss_type != "custom_loss",
+                            router_logits=cfg.moe_aux_loss)
+        loss, metrics = rl_step.micro_batch_loss(cfg, mb, logits=out.logits, reduce=reduce,
+                                                 custom_loss_fn=self.custom_loss, token_stats=self._token_stats)
+        if not cfg.moe_aux_loss:
+            return loss, metrics
+        return moe_loss.add_load_balancing_loss(
+            loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, top_k=self._top_k,
+            packed=self._packs(mb), routing=self.routing, num_micro_batches=num_micro_batches)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
-        cfg = self.config
-
-        def loss_fn(mb: RolloutBatch, reduce):
-            if self.cp.size > 1:  # routing replay and the MoE aux loss are refused at submit under CP
-                log_probs, entropy = self._token_stats(self.model, mb, with_entropy=cfg.loss_type == "policy_loss")
-                return rl_step.log_prob_loss(cfg, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
-            out = self._forward(self.model, mb, router_logits=cfg.moe_aux_loss)
-            loss, metrics = rl_step.micro_batch_loss(cfg, mb, logits=out.logits, reduce=reduce,
-                                                     custom_loss_fn=self.custom_loss)
-            if not cfg.moe_aux_loss:
-                return loss, metrics
-            return moe_loss.add_load_balancing_loss(
-                loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, top_k=self._top_k,
-                packed=self.pack_sequences, routing=self.routing, num_micro_batches=len(micro_batches))
-
-        metrics = self._train_step(self.model, self.optimizer, batch, micro_batches, loss_fn)
+        metrics = self._train_step(self.model, self.optimizer, batch, micro_batches,
+                                   functools.partial(self._actor_loss, num_micro_batches=len(micro_batches)))
         return {key if key.startswith("perf/") else f"train/{key}": value for key, value in metrics.items()}
 
     def _critic_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:

@@ -1,15 +1,20 @@
-"""Which backend trains a job and how its ranks are laid out (Megatron's parallel sizes and pass-through flags)."""
+"""Which backend trains a job and how its ranks are laid out (Megatron's parallel sizes and pass-through flags),
+checked against what that backend can do (`capabilities.py`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from services.common.config import POSITIVE, check_fields, field
+from services.trainer.backends.capabilities import BackendName, Capabilities, backends_that, capabilities
 
-BackendName = Literal["fsdp", "megatron"]
 CUSTOM_LOSS_REFUSAL = ("context_parallel_size > 1 does not run loss_type custom_loss: a custom loss takes the whole "
                        "packed row's logits, which no rank of a context-parallel group holds")
+# a layout setting beyond its default -> the capability it needs
+NEEDS: dict[str, str] = {"tensor_model_parallel_size": "tensor_parallel",
+                         "pipeline_model_parallel_size": "pipeline_parallel",
+                         "expert_model_parallel_size": "expert_parallel", "megatron": "extra_flags"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,19 +33,23 @@ class LayoutConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.train_backend != "megatron" and (self.model_parallel_size > 1 or self.megatron
-                                                 or self.expert_model_parallel_size > 1):
-            raise ValueError("tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size "
-                             "and megatron need train_backend: megatron")
-        if self.context_parallel_size > 1 and self.train_backend != "fsdp":
+        caps = self.capabilities
+        unable = [name for name, need in NEEDS.items()
+                  if getattr(self, name) not in (1, {}) and not getattr(caps, need)]
+        if unable:
+            able = backends_that(lambda c: all(getattr(c, NEEDS[name]) for name in unable))
+            raise ValueError(f"{' and '.join(unable)}: train_backend {self.train_backend} cannot run these settings; "
+                             f"they need train_backend: {' or '.join(able) or '(none)'}")
+        if self.context_parallel_size > 1 and not caps.context_parallel:
+            able = " or ".join(backends_that(lambda c: c.context_parallel))
             raise ValueError(f"context_parallel_size {self.context_parallel_size}: train_backend "
                              f"{self.train_backend} has no context parallelism (megatron-core's local attention "
-                             "cannot split a sequence); set train_backend: fsdp (slime: --train-backend fsdp)")
+                             f"cannot split a sequence); set train_backend: {able} (slime: --train-backend {able})")
 
     @property
-    def trains_critic(self) -> bool:
-        """Whether the backend can train PPO's critic (megatron does not)."""
-        return self.train_backend == "fsdp"
+    def capabilities(self) -> Capabilities:
+        """What the chosen backend can do."""
+        return capabilities(self.train_backend)
 
     @property
     def model_parallel_size(self) -> int:

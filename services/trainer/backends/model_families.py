@@ -2,12 +2,12 @@
 job whose model cannot be built is refused before any GPU is allocated, naming the family and the backend that can.
 
 The torch backend (fsdp) and the CPU engine build any causal LM transformers implements (AutoModelForCausalLM); the
-megatron backend builds what `backends/megatron/arch.py` reads. Knows nothing of jobs or specs.
+megatron backend builds what `backends/megatron/arch.py` reads. Each backend's capabilities (`capabilities.py`) name
+its check here. Knows nothing of jobs or specs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from services.common.errors import InvalidArgument
@@ -25,7 +25,8 @@ def language_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {**hf_config, **text} if isinstance(text, dict) else hf_config
 
 
-def fsdp_problem(hf_config: dict[str, Any]) -> str:
+def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """Why the fsdp backend cannot build this model ("" when it can); its layout is data-parallel alone."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if hf_config.get("is_encoder_decoder"):
@@ -54,45 +55,31 @@ REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_
                                       "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
 # The families whose models output their router logits (output_router_logits) for the load-balancing loss.
 AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
-MOE_ROUTER_BACKENDS = ("fsdp",)
 
 
-def moe_router_problem(setting: str, train_backend: str, hf_config: dict[str, Any],
-                       families: tuple[str, ...] | dict[str, str]) -> str:
-    """"" when `train_backend` can apply the router `setting` (routing replay, the load-balancing loss) to
-    hf_config's model, one of `families`, else why not."""
-    if train_backend not in MOE_ROUTER_BACKENDS:
-        return (f"{setting}: train_backend {train_backend} does not do it; train_backend "
-                f"{' or '.join(MOE_ROUTER_BACKENDS)} does")
+def _family_problem(hf_config: dict[str, Any], families: tuple[str, ...] | dict[str, str]) -> str:
     if "model_type" in hf_config and family(hf_config) not in families:
-        return f"{setting}: model family {family(hf_config)!r} is not one it applies to ({', '.join(families)})"
+        return f"model family {family(hf_config)!r} is not one it applies to ({', '.join(families)})"
     return ""
 
 
-# train_backend -> why it cannot build a model of this config.json ("" when it can)
-PROBLEMS: dict[str, Callable[[dict[str, Any]], str]] = {"fsdp": fsdp_problem, "megatron": megatron_problem}
+def fsdp_replay_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """Why the torch backend cannot replay this model's routing ("" when it can): it patches the routers above."""
+    return _family_problem(hf_config, REPLAYABLE_ROUTERS)
 
 
-def backends_for(hf_config: dict[str, Any]) -> list[str]:
-    """The train_backend values that build this model."""
-    return [name for name, problem in PROBLEMS.items() if not problem(hf_config)]
+def fsdp_aux_loss_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """Why the torch backend cannot add this model's load-balancing loss ("" when it can)."""
+    return _family_problem(hf_config, AUX_LOSS_FAMILIES)
 
 
-def check(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1,
-          ep_size: int = 1) -> str:
-    """"" when `train_backend` builds hf_config's model (or does not say) in the megatron layout tp_size ×
-    pp_size with experts over ep_size ranks, else why not and which backend does."""
-    if "model_type" not in hf_config or train_backend not in PROBLEMS:
-        return ""
-    problem = (megatron_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
-               if train_backend == "megatron"
-               else PROBLEMS[train_backend](hf_config))
-    if not problem:
-        return ""
-    others = [name for name in backends_for(hf_config) if name != train_backend]
-    instead = f"; train_backend {' or '.join(others)} trains it" if others else ""
-    return (f"hf_checkpoint: train_backend {train_backend} cannot build model family {family(hf_config)!r}: "
-            f"{problem}{instead}")
+def megatron_replay_problem(hf_config: dict[str, Any], *, tp_size: int = 1, **_layout: int) -> str:
+    """megatron-core replays any MoE it builds, at TP 1: sequence parallelism splits the tokens the routers see."""
+    return f"it replays at tensor_model_parallel_size 1, got {tp_size}" if tp_size > 1 else ""
+
+
+def no_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    return ""
 
 
 def context_parallel_problem(hf_config: dict[str, Any]) -> str:

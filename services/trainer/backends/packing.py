@@ -4,6 +4,9 @@ restarting at 0 on each, their cumulative lengths for varlen attention, and wher
 Attention must not cross sequences: the model gets the position ids (HF builds a block-diagonal causal mask from
 them, or runs varlen flash attention) or the cumulative lengths (Megatron's packed_seq_params). The losses never see
 the layout: `response_index` maps either layout's per-position outputs to the response-aligned [b, R] tensors.
+
+A micro-batch is packed only where that saves enough tokens (`worth_packing`): on a GPU, batches of equal lengths
+trained 13 % (fsdp) and 19 % (megatron) slower packed than as the rectangle, which then holds no padding.
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.backends.batch import RolloutBatch
+
+# Pack when the padded rectangle holds more than this share of the micro-batch's real tokens as padding.
+MIN_PADDING_TO_PACK = 0.25
+
+
+def worth_packing(mb: RolloutBatch, min_padding: float = MIN_PADDING_TO_PACK) -> bool:
+    """Whether the micro-batch's padded rectangle (b × L) exceeds its real tokens (Σ L_i) by more than min_padding
+    of them: packing's own costs (one long row, varlen bookkeeping) lose to a rectangle with little padding."""
+    return mb.size * mb.tokens.shape[1] > (1 + min_padding) * sum(mb.total_lengths)
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,30 @@ def response_index(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
         return ends - lengths + torch.minimum(positions, lengths - 1)
     rows = torch.arange(mb.size, device=positions.device).unsqueeze(-1)
     return rows * mb.tokens.shape[1] + positions
+
+
+def response_valid(mb: RolloutBatch) -> torch.Tensor:
+    """[b, R] bool: the columns that hold a response token (the others pad shorter responses)."""
+    columns = torch.arange(mb.loss_masks.shape[1], device=mb.response_lengths.device)
+    return columns < mb.response_lengths.unsqueeze(-1)
+
+
+def response_mask(mb: RolloutBatch, *, packed: bool) -> torch.Tensor:
+    """[b, L] padded or [1, T] packed bool: the positions whose logits predict a response token, as transformers'
+    `logits_to_keep` takes a mask. The model then projects those positions alone onto the vocabulary (no prompt's,
+    no padding's) and returns their logits as rows [N, V], N = Σ R_i, in the order of `response_valid`'s True
+    entries (`scatter_response` puts them back)."""
+    index = response_index(mb, packed=packed)[response_valid(mb)]
+    shape = (1, sum(mb.total_lengths)) if packed else tuple(mb.tokens.shape)
+    mask = torch.zeros(shape[0] * shape[1], dtype=torch.bool, device=index.device)
+    return mask.index_fill_(0, index, True).view(shape)
+
+
+def scatter_response(rows: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+    """Per-response-token values [N, ...] (in `response_mask`'s order) -> response-aligned [b, R, ...], zero on
+    the padding columns."""
+    valid = response_valid(mb).to(rows.device)
+    return rows.new_zeros(*valid.shape, *rows.shape[1:]).index_put(valid.nonzero(as_tuple=True), rows)
 
 
 def gather_response(x: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:

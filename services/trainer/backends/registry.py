@@ -1,14 +1,14 @@
 """Training backends by their `train_backend` name: each backend module registers how it is built for a job, so
-the driver neither imports a backend by name nor branches on one."""
+the driver neither imports a backend by name nor branches on one; what each can do is `capabilities.py`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import get_args
 
 from services.common.errors import InvalidArgument
 from services.trainer.backends.base import TrainBackend, TrainConfig
-from services.trainer.backends.layout import BackendName, LayoutConfig
+from services.trainer.backends.capabilities import BACKENDS
+from services.trainer.backends.layout import LayoutConfig
 from services.trainer.distributed.parallel import World
 
 # (hf_checkpoint, training settings, layout, this rank's world, CPU threads) -> the backend on this rank
@@ -17,9 +17,9 @@ _BUILDERS: dict[str, Builder] = {}
 
 
 def register(name: str) -> Callable[[Builder], Builder]:
-    """Decorator: `builder` builds backend `name` (one of LayoutConfig's train_backend values)."""
-    if name not in get_args(BackendName):
-        raise ValueError(f"backend {name!r}: add it to LayoutConfig's train_backend values {get_args(BackendName)}")
+    """Decorator: `builder` builds backend `name` (one whose capabilities `capabilities.BACKENDS` declares)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r}: declare its capabilities in capabilities.BACKENDS ({', '.join(BACKENDS)})")
 
     def add(builder: Builder) -> Builder:
         _BUILDERS[name] = builder

@@ -26,9 +26,11 @@ from services.trainer.algorithms.losses import (
 from services.trainer.backends import slime_hooks
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import RolloutBatch
-from services.trainer.backends.packing import gather_response, is_packed
+from services.trainer.backends.packing import gather_response, is_packed, response_valid, scatter_response
 
 LossFn = Callable[[RolloutBatch, Reducer], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# (logits, micro-batch, *, with_entropy) -> response-aligned (log_probs, entropy or None) [b, R]
+TokenStats = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def needs_old_log_probs(config: TrainConfig, num_steps: int) -> bool:
@@ -42,6 +44,21 @@ def needs_old_log_probs(config: TrainConfig, num_steps: int) -> bool:
     records_routing = config.use_routing_replay and not config.use_rollout_routing_replay  # the forward to replay
     return not (num_steps == 1 and config.loss_type == "policy_loss" and config.kl_coef == 0
                 and not config.use_critic and config.advantage_estimator != "gspo" and not records_routing)
+
+
+def with_advantages(batch: RolloutBatch, config: TrainConfig, *, num_steps: int,
+                    log_probs_of: Callable[[torch.nn.Module], torch.Tensor], model: torch.nn.Module,
+                    ref_model: torch.nn.Module | None, samples: Sequence[Sample],
+                    group: dist.ProcessGroup | None = None) -> RolloutBatch:
+    """slime's steps before training a rollout's policy: the old policy's log-probs where the loss needs them
+    (`needs_old_log_probs`), the reference model's when there is one, then advantages and returns.
+    `log_probs_of(model)` is the backend's [B, R] log-probs of the batch under `model`, without grad, in its
+    training micro-batches; `group`: the data-parallel ranks whose rows the advantages are whitened over."""
+    if needs_old_log_probs(config, num_steps):
+        batch = batch.with_(log_probs=log_probs_of(model))
+    if ref_model is not None:
+        batch = batch.with_(ref_log_probs=log_probs_of(ref_model))
+    return compute_advantages_and_returns(batch, config, group=group, samples=samples)
 
 
 def processed_rewards(batch: RolloutBatch, config: TrainConfig, samples: Sequence[Sample] | None) -> torch.Tensor:
@@ -124,6 +141,16 @@ def response_log_probs(logits: torch.Tensor, mb: RolloutBatch, config: TrainConf
                                        entropy_grad=config.entropy_coef != 0)
 
 
+def response_row_log_probs(rows: torch.Tensor, mb: RolloutBatch, config: TrainConfig, *,
+                           with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits of the response tokens alone, [N, V] in `packing.response_mask`'s order, -> response-aligned
+    (log_probs, entropy) [b, R] at the rollout temperature, zero on padding columns."""
+    log_probs, entropy = token_log_probs_and_entropy(rows, mb.response_tokens[response_valid(mb)],
+                                                     temperature=config.rollout_temperature, with_entropy=with_entropy,
+                                                     entropy_grad=config.entropy_coef != 0)
+    return scatter_response(log_probs, mb), None if entropy is None else scatter_response(entropy, mb)
+
+
 def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tensor, entropy: torch.Tensor,
                 reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's `policy_loss_function` on a micro-batch whose advantages (and old / reference log-probs) are set."""
@@ -190,12 +217,20 @@ def custom_loss(fn: Callable, config: TrainConfig, mb: RolloutBatch, *, logits: 
 
 
 def micro_batch_loss(config: TrainConfig, mb: RolloutBatch, *, logits: torch.Tensor, reduce: Reducer,
-                     custom_loss_fn: Callable | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     custom_loss_fn: Callable | None = None, token_stats: TokenStats | None = None,
+                     full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss on a micro-batch from its raw logits (padded [b, L, V] or packed [1, T, V]), by loss_type
-    (slime's `loss_function`)."""
+    (slime's `loss_function`). A backend whose logits are sharded gives how it reads log-probs from them
+    (`token_stats`, default `response_log_probs`) and how it gathers the whole vocabulary for a custom loss
+    (`full_logits`)."""
     if config.loss_type == "custom_loss":
-        return custom_loss(custom_loss_fn, config, mb, logits=logits, reduce=reduce)
-    log_probs, entropy = response_log_probs(logits, mb, config, with_entropy=config.loss_type == "policy_loss")
+        full = full_logits(logits) if full_logits is not None else logits
+        return custom_loss(custom_loss_fn, config, mb, logits=full, reduce=reduce)
+    if token_stats is None:
+        def token_stats(logits: torch.Tensor, mb: RolloutBatch, *, with_entropy: bool):
+            return response_log_probs(logits, mb, config, with_entropy=with_entropy)
+    log_probs, entropy = token_stats(logits, mb, with_entropy=config.loss_type == "policy_loss")
     return log_prob_loss(config, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.trainer.backends.batch import RolloutBatch
-from services.trainer.model_families import REPLAYABLE_ROUTERS
+from services.trainer.backends.model_families import REPLAYABLE_ROUTERS
 
 _ROUTER_CLASSES = frozenset(REPLAYABLE_ROUTERS.values())
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -118,9 +118,11 @@ class RoutingReplay:
 
     @torch.no_grad()
     def record_batch(self, forward: Callable[[RolloutBatch], torch.Tensor], batch: RolloutBatch,
-                     micro_batches: Sequence[Sequence[int]], *, packed: bool) -> tuple[torch.Tensor, RolloutBatch]:
+                     micro_batches: Sequence[Sequence[int]], *,
+                     packs: Callable[[RolloutBatch], bool]) -> tuple[torch.Tensor, RolloutBatch]:
         """Run `forward(mb) -> [b, R]` (the old policy's log-probs) over the micro-batches, recording: its [B, R]
-        outputs, and the batch with the experts that forward routed each token to, to replay."""
+        outputs, and the batch with the experts that forward routed each token to, to replay. `packs(mb)`: whether
+        the backend runs that micro-batch packed."""
         outputs = torch.zeros_like(batch.loss_masks)
         experts = self.empty(batch.tokens.numel()).view(*batch.tokens.shape, self.num_layers, self.top_k)
         for rows in micro_batches:
@@ -131,7 +133,7 @@ class RoutingReplay:
                 continue
             outputs[rows, :values.shape[1]] = values
             shape = (*mb.tokens.shape, self.num_layers, self.top_k)
-            if packed:
+            if packs(mb):
                 mb_experts = self.empty(mb.tokens.numel()).view(shape)
                 mb_experts[mb.attention_mask.bool().cpu()] = recorded[0]
             else:

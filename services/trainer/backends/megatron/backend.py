@@ -52,7 +52,8 @@ class MegatronBackend(MegatronCheckpointing):
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
                  megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None,
-                 expert_model_parallel_size: int = 1, pack_sequences: bool = True) -> None:
+                 expert_model_parallel_size: int = 1, pack_sequences: bool = True,
+                 min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -64,8 +65,8 @@ class MegatronBackend(MegatronCheckpointing):
                                   "visible GPU; hide them (CUDA_VISIBLE_DEVICES=) to train on the CPU")
         self.model_path = Path(model_path)
         self.config = config
-        # each micro-batch one THD row (packed_seq_params); False: a padded rectangle (the tests' reference)
-        self.pack_sequences = pack_sequences
+        # THD rows where they save tokens (`packing.worth_packing`); False: padded rectangles (the tests' reference)
+        self.pack_sequences, self.min_padding_to_pack = pack_sequences, min_padding_to_pack
         self.megatron_args = margs.split(megatron_args)
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -211,12 +212,12 @@ class MegatronBackend(MegatronCheckpointing):
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
             with routing(rows, mb) if routing else contextlib.nullcontext():  # the policy's routing replay
-                output = module(**mcore.gpt_inputs(mb, packed=self.pack_sequences, use_te=self.use_te))
+                output = module(**mcore.gpt_inputs(mb, packed=self._packs(mb), use_te=self.use_te))
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
-        shapes = [(sum(mb.total_lengths), 1) if self.pack_sequences else tuple(mb.tokens.shape[::-1]) for _, mb in data]
+        shapes = [(sum(mb.total_lengths), 1) if self._packs(mb) else tuple(mb.tokens.shape[::-1]) for _, mb in data]
         with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
@@ -226,9 +227,12 @@ class MegatronBackend(MegatronCheckpointing):
     def _replay(self, model, record: torch.Tensor | None = None) -> Callable | None:
         """The policy's routing replay around each micro-batch's forward; none for the reference model."""
         policy = self.routing is not None and model is self.model
-        return self.routing.around(packed=self.pack_sequences, record=record) if policy else None
+        return self.routing.around(packs=self._packs, record=record) if policy else None
 
-    def _token_stats(self, mb: RolloutBatch, logits: torch.Tensor, *,
+    def _packs(self, mb: RolloutBatch) -> bool:
+        return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
+
+    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature, from vocab-parallel
         logits, padded [b, L, V/tp] or packed [1, T, V/tp]."""
@@ -246,7 +250,7 @@ class MegatronBackend(MegatronCheckpointing):
         out = torch.zeros_like(batch.loss_masks)
 
         def store(rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
-            log_probs, _ = self._token_stats(mb, logits, with_entropy=False)
+            log_probs, _ = self._token_stats(logits, mb, with_entropy=False)
             out[rows, :log_probs.shape[1]] = log_probs.cpu()
             return log_probs.sum() * 0.0
 
@@ -283,15 +287,19 @@ class MegatronBackend(MegatronCheckpointing):
                                     routing_shape=r3)
         steps = [(rows, self._micro_batches(batch, rows)) for rows in self._steps(batch)]
         if cfg.loss_type != "sft_loss":
-            micro = [mb for _, step in steps for mb in step]
-            if rl_step.needs_old_log_probs(cfg, len(steps)):
-                record = self.routing.empty(*batch.tokens.shape) if self.routing and not r3 else None
-                batch = batch.with_(log_probs=self._log_probs(self.model, batch, micro, record))
-                batch = batch if record is None else batch.with_routed_experts(record)
-            if self.ref_model is not None:
-                batch = batch.with_(ref_log_probs=self._log_probs(self.ref_model, batch, micro))
-            # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce.
-            batch = rl_step.compute_advantages_and_returns(batch, cfg, samples=samples)
+            micro, rollout, recorded = [mb for _, step in steps for mb in step], batch, []
+
+            def log_probs_of(model: torch.nn.Module) -> torch.Tensor:
+                # slime's "record" stage: the old policy's forward records the experts the training forwards replay
+                record = self.routing.empty(*rollout.tokens.shape) \
+                    if model is self.model and self.routing and not r3 else None
+                recorded.extend([] if record is None else [record])
+                return self._log_probs(model, rollout, micro, record)
+
+            # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce (group None).
+            batch = rl_step.with_advantages(batch, cfg, num_steps=len(steps), model=self.model,
+                                            ref_model=self.ref_model, samples=samples, log_probs_of=log_probs_of)
+            batch = batch.with_routed_experts(recorded[0]) if recorded else batch
         metrics = [self._train_step(batch, rows, micro) for rows, micro in steps]
         self._weight_version += 1
         return metrics
@@ -299,17 +307,16 @@ class MegatronBackend(MegatronCheckpointing):
     def _micro_batch_loss(self, mb: RolloutBatch, logits: torch.Tensor,
                           reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """rl_step's loss of a micro-batch from vocab-parallel logits (custom_loss gets them gathered over TP)."""
-        cfg = self.config
-        if cfg.loss_type == "custom_loss":
-            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        return rl_step.micro_batch_loss(self.config, mb, logits=logits, reduce=reduce,
+                                        custom_loss_fn=self.custom_loss, token_stats=self._token_stats,
+                                        full_logits=self._full_logits)
 
-            full = gather_from_tensor_model_parallel_region(logits) if self.tp_size > 1 else logits
-            return rl_step.custom_loss(self.custom_loss, cfg, mb, logits=full[..., :self.arch.vocab_size],
-                                       reduce=reduce)
-        log_probs, entropy = self._token_stats(mb, logits, with_entropy=cfg.loss_type == "policy_loss")
-        if cfg.loss_type == "sft_loss":
-            return rl_step.sft_loss(mb, log_probs=log_probs, reduce=reduce)
-        return rl_step.policy_loss(cfg, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits gathered over TP, without the vocabulary's padding."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        full = gather_from_tensor_model_parallel_region(logits) if self.tp_size > 1 else logits
+        return full[..., :self.arch.vocab_size]
 
     def _train_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
         """One optimizer step over `rows`. Each micro-batch's loss is its share of the step's loss (normalized by

@@ -87,16 +87,17 @@ class MegatronRouting:
             experts[:, layer] = indices.to(device="cpu", dtype=torch.int32)
         out.append(experts)
 
-    def around(self, *, packed: bool, record: torch.Tensor | None = None) -> Callable:
+    def around(self, *, packs: Callable[[RolloutBatch], bool], record: torch.Tensor | None = None) -> Callable:
         """A context for each micro-batch's forward, by (rows, micro-batch): route to the micro-batch's experts, or
-        (`record` [B, L, num_layers, top_k]) record the experts of its rows into `record`."""
+        (`record` [B, L, num_layers, top_k]) record the experts of its rows into `record`. `packs(mb)`: whether the
+        backend runs that micro-batch packed."""
         if record is None:
-            return lambda rows, mb: self.replaying(flat_experts(mb, packed=packed))
+            return lambda rows, mb: self.replaying(flat_experts(mb, packed=packs(mb)))
 
         @contextlib.contextmanager
         def recording(rows: Sequence[int], mb: RolloutBatch) -> Iterator[None]:
             with self.recording() as recorded:
                 yield
-            record[list(rows), :mb.tokens.shape[1]] = unflatten_experts(recorded[0], mb, packed=packed,
+            record[list(rows), :mb.tokens.shape[1]] = unflatten_experts(recorded[0], mb, packed=packs(mb),
                                                                         empty=self.empty(*mb.tokens.shape))
         return recording

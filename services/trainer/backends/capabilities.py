@@ -1,0 +1,89 @@
+"""What each training backend can do, declared once per backend: everyone else (the job spec's checks, the layout,
+the model families, the CLI) asks a backend's `Capabilities`, never its name.
+
+Torch-free, so a job is checked against it at submit, before any model loads. `registry.py` builds a backend by
+name; a backend registers only under a name declared here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from services.common.errors import InvalidArgument
+from services.trainer.backends import model_families
+
+BackendName = Literal["fsdp", "megatron"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    critic: bool  # trains PPO's value model beside the policy
+    packing: bool  # runs a micro-batch as one packed row (varlen attention / THD) when that saves tokens
+    tensor_parallel: bool  # tensor_model_parallel_size > 1
+    pipeline_parallel: bool  # pipeline_model_parallel_size > 1
+    expert_parallel: bool  # expert_model_parallel_size > 1: a MoE model's experts spread over ranks
+    context_parallel: bool  # one long sequence split over ranks
+    extra_flags: bool  # takes the job's `megatron:` section (Megatron's config fields by name)
+    reads_shares: bool  # each data-parallel rank reads its own share of a rollout (whole groups), not all of it
+    # why it cannot build a model of this config.json in this layout ("" when it can)
+    model_problem: Callable[..., str]
+    # why it cannot replay a MoE model's routing / add its load-balancing loss in this layout ("" when it can)
+    replay_problem: Callable[..., str]
+    aux_loss_problem: Callable[..., str]
+
+
+BACKENDS: dict[str, Capabilities] = {
+    "fsdp": Capabilities(critic=True, packing=True, tensor_parallel=False, pipeline_parallel=False,
+                         expert_parallel=False, context_parallel=True, extra_flags=False, reads_shares=True,
+                         model_problem=model_families.fsdp_problem,
+                         replay_problem=model_families.fsdp_replay_problem,
+                         aux_loss_problem=model_families.fsdp_aux_loss_problem),
+    "megatron": Capabilities(critic=False, packing=True, tensor_parallel=True, pipeline_parallel=True,
+                             expert_parallel=True, context_parallel=False, extra_flags=True, reads_shares=False,
+                             model_problem=model_families.megatron_problem,
+                             replay_problem=model_families.megatron_replay_problem,
+                             aux_loss_problem=model_families.no_problem),
+}
+
+
+def capabilities(name: str) -> Capabilities:
+    """Backend `name`'s capabilities; InvalidArgument naming the backends there are when there is none."""
+    if name not in BACKENDS:
+        raise InvalidArgument(f"train_backend {name!r}: expected one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def backends_that(can: Callable[[Capabilities], Any]) -> list[str]:
+    """The backends whose capabilities satisfy `can` (for messages naming what to choose instead)."""
+    return [name for name, caps in BACKENDS.items() if can(caps)]
+
+
+def backends_for(hf_config: dict[str, Any]) -> list[str]:
+    """The backends that build this model (in their default layout)."""
+    return backends_that(lambda caps: not caps.model_problem(hf_config))
+
+
+def model_problem(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1,
+                  ep_size: int = 1) -> str:
+    """"" when `train_backend` builds hf_config's model (or the config does not say) in the layout tp_size ×
+    pp_size with experts over ep_size ranks, else why not and which backend does."""
+    if "model_type" not in hf_config or train_backend not in BACKENDS:
+        return ""
+    problem = BACKENDS[train_backend].model_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+    if not problem:
+        return ""
+    others = [name for name in backends_for(hf_config) if name != train_backend]
+    instead = f"; train_backend {' or '.join(others)} trains it" if others else ""
+    return (f"hf_checkpoint: train_backend {train_backend} cannot build model family "
+            f"{model_families.family(hf_config)!r}: {problem}{instead}")
+
+
+def router_problem(setting: str, train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1) -> str:
+    """"" when `train_backend` applies the MoE router `setting` ("routing replay" or "moe_aux_loss_coeff") to
+    hf_config's model at tensor_model_parallel_size tp_size, else why not."""
+    check = {"routing replay": "replay_problem", "moe_aux_loss_coeff": "aux_loss_problem"}[setting]
+    problem = getattr(BACKENDS[train_backend], check)(hf_config, tp_size=tp_size) if train_backend in BACKENDS else ""
+    return f"{setting}: train_backend {train_backend} {problem.removeprefix('it ')}" if problem.startswith("it ") else \
+        f"{setting}: {problem}" if problem else ""
