@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LRDecayStyle = Literal["constant", "linear", "cosine"]
+OpdType = Literal["sglang", "megatron"]
 CUSTOM_LOSS_SIGNATURE = "def fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"
 BETA = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
 FINITE = Rule(math.isfinite, "finite")
@@ -55,6 +56,13 @@ class TrainConfig:
         "", "import path of slime's TIS function fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
             "loss_masks, ...) -> (pg_loss, loss_masks, metrics), used under use_tis instead of the truncated ratio "
             "(e.g. slime's MIS helper)")
+    use_opd: bool = field(False, "on-policy distillation: every token's advantage gets -opd_kl_coef·(log π − log "
+                                 "π_teacher) of the sampled token, on top of advantage_estimator's (slime's)")
+    opd_type: OpdType | None = field(
+        None, "where the teacher's log-probs come from: sglang (a teacher engine at opd_teacher_url, asked by the "
+              "rollout service) or megatron (a teacher model in the trainer, from opd_teacher_load; either "
+              "train_backend)")
+    opd_kl_coef: float = field(1.0, "weight of on-policy distillation's reverse-KL term", FINITE)
     advantage_estimator: AdvantageEstimator = field(
         "grpo", "how rewards become per-token advantages: " + ", ".join(ADVANTAGE_ESTIMATORS))
     n_samples_per_prompt: int = shared(RolloutConfig, "n_samples_per_prompt")
@@ -145,6 +153,13 @@ class TrainConfig:
         if self.use_tis and self.use_rollout_logprobs:
             raise ValueError("use_tis and use_rollout_logprobs cannot be set together: TIS weighs the recomputed "
                              "log-probs against the engines'")
+        if self.use_opd and self.opd_type is None:
+            raise ValueError("use_opd needs opd_type: sglang (a teacher engine) or megatron (a teacher model in the "
+                             "trainer)")
+        if self.opd_type is not None and not self.use_opd:
+            raise ValueError(f"opd_type {self.opd_type!r} is set but use_opd is false")
+        if self.use_opd and self.loss_type == "sft_loss":
+            raise ValueError("use_opd applies to loss_type 'policy_loss' (it shapes the advantages), not 'sft_loss'")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
         if self.lr_decay_style != "constant" and self.lr_decay_iters is not None and \
@@ -166,6 +181,11 @@ class TrainConfig:
     @property
     def use_critic(self) -> bool:
         return self.advantage_estimator == "ppo" and self.loss_type == "policy_loss"
+
+    @property
+    def needs_teacher_model(self) -> bool:
+        """On-policy distillation from a teacher model the trainer runs (opd_type megatron)."""
+        return self.use_opd and self.opd_type == "megatron"
 
     @property
     def needs_ref_model(self) -> bool:
@@ -214,6 +234,14 @@ class TrainBackend(Protocol):
 
     def update_ref_model(self) -> None:
         """Copy the policy into the reference model (slime's --ref-update-interval)."""
+        ...
+
+    def load_teacher(self, path: str | Path) -> None:
+        """Replace the on-policy-distillation teacher's weights with an HF checkpoint's (slime's --opd-teacher-load)."""
+        ...
+
+    def load_teacher_sharded(self, path: str | Path) -> None:
+        """The policy of a checkpoint's state directory as the teacher."""
         ...
 
     def checkpoint_parts(self) -> set[str]:

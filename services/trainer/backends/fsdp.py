@@ -79,10 +79,12 @@ class TorchBackend(DCPCheckpointing):
                         type(model).__name__)
             self.pack_sequences = False
         self._tied_names = parallel.tied_names(model)
-        ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
+        # frozen copies: the reference model (KL) and the distillation teacher, each loaded over later when asked
+        ref_model, teacher = (copy.deepcopy(model).requires_grad_(False) if needed else None
+                              for needed in (config.needs_ref_model, config.needs_teacher_model))
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
-        self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world,
-                                                                             param_dtype=self.dtype)
+        self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
+            frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))
         self.critic = Critic(self.model_path, config, device=self.device) if config.use_critic else None
         if self.critic is not None and self.world.distributed:  # its optimizer must hold the sharded parameters
             parallel.shard_model(self.critic.model, self.world, param_dtype=self.dtype)
@@ -126,6 +128,16 @@ class TorchBackend(DCPCheckpointing):
         if self.ref_model is None:
             raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
         parallel.load_full_state_dict(self.ref_model, _load_causal_lm(Path(path)).state_dict(), self.world)
+
+    def load_teacher(self, path: str | Path) -> None:
+        """Replace the distillation teacher's weights with an HF checkpoint's (the policy's architecture)."""
+        if self.teacher_model is None:
+            raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
+        parallel.load_full_state_dict(self.teacher_model, _load_causal_lm(Path(path)).state_dict(), self.world)
+
+    def load_teacher_sharded(self, path: str | Path) -> None:
+        """The policy of a checkpoint's dcp/ directory as the teacher."""
+        self._load_policy_into(self.teacher_model, path)
 
     def update_ref_model(self) -> None:
         """Copy the policy into the reference model (slime's --ref-update-interval); shard by shard under FSDP."""
@@ -274,6 +286,9 @@ class TorchBackend(DCPCheckpointing):
         if self.ref_model is not None:
             batch = batch.with_(ref_log_probs=self._recompute(lambda mb: self._log_probs(self.ref_model, mb), batch,
                                                               micro_batches))
+        if self.teacher_model is not None:
+            batch = batch.with_(teacher_log_probs=self._recompute(lambda mb: self._log_probs(self.teacher_model, mb),
+                                                                  batch, micro_batches))
         return rl_step.compute_advantages_and_returns(batch, self.config, group=self.dp_group, samples=samples)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:

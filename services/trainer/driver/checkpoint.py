@@ -153,6 +153,18 @@ def load_reference(root: str | Path, backend: TrainBackend, world: World) -> Non
     log.info("reference model from checkpoint %s", path)
 
 
+def load_teacher(root: str | Path, backend: TrainBackend, world: World, rollout_id: int | None = None) -> None:
+    """slime's --opd-teacher-load (and --opd-teacher-ckpt-step): the distillation teacher from an HF directory, or
+    from the policy of a checkpoint root's checkpoint `rollout_id` (default: the latest)."""
+    rollout_id = latest_iteration(root) if rollout_id is None else rollout_id
+    if rollout_id is None:
+        backend.load_teacher(root)
+        return
+    path = _state_dir(iteration_dir(root, rollout_id), backend)
+    backend.load_teacher_sharded(path)
+    log.info("distillation teacher from checkpoint %s", path)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)

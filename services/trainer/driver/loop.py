@@ -42,9 +42,12 @@ def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world: World) -> int:
-    """Load `ref_load` and `load` (the feed puts the buffer's data source back); the first rollout id to run."""
+    """Load `ref_load`, `opd_teacher_load` and `load` (the feed puts the buffer's data source back); the first
+    rollout id to run."""
     if driver.ref_load:
         checkpoint.load_reference(driver.ref_load, backend, world)
+    if driver.opd_teacher_load:
+        checkpoint.load_teacher(driver.opd_teacher_load, backend, world, driver.opd_teacher_ckpt_step)
     if not driver.load:
         return 0
     state = checkpoint.load_checkpoint(driver.load, backend, world, driver.ckpt_step)

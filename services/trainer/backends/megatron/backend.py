@@ -99,10 +99,9 @@ class MegatronBackend(MegatronCheckpointing):
         model_config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._build_optimizer()
         self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
-        self.ref_model = None
-        if config.needs_ref_model:
-            self.ref_model = self._build_gpt().requires_grad_(False)
-            self._copy_hf_weights(self.ref_model, hf)
+        # frozen models: the reference (KL) and the distillation teacher, each loaded over later when asked
+        self.ref_model, self.teacher_model = (self._frozen_copy(hf) if needed else None
+                                              for needed in (config.needs_ref_model, config.needs_teacher_model))
         pad = hf_config.get("pad_token_id")
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
@@ -124,6 +123,11 @@ class MegatronBackend(MegatronCheckpointing):
                                           overrides=self.megatron_args.transformer)
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
         return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()
+
+    def _frozen_copy(self, hf: hf_io.HFTensors):
+        gpt = self._build_gpt().requires_grad_(False)
+        self._copy_hf_weights(gpt, hf)
+        return gpt
 
     def _build_optimizer(self):
         return mcore.build_optimizer(self.config, self.model, use_distributed_optimizer=self.use_distributed_optimizer,
@@ -152,10 +156,20 @@ class MegatronBackend(MegatronCheckpointing):
         """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
         if self.ref_model is None:
             raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
-        path = Path(path)
+        self._load_frozen(self.ref_model, Path(path), "ref_load")
+
+    def load_teacher(self, path: str | Path) -> None:
+        """Replace the distillation teacher's weights with an HF checkpoint's (slime's --opd-teacher-load)."""
+        if self.teacher_model is None:
+            raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
+        self._load_frozen(self.teacher_model, Path(path), "opd_teacher_load")
+
+    def _load_frozen(self, gpt, path: Path, what: str) -> None:
+        """An HF checkpoint of the policy's architecture into a frozen model (slime swaps such weights into its one
+        model, so it needs the same architecture too)."""
         if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
-            raise InvalidArgument(f"ref_load {path}: architecture {arch} differs from the policy's {self.arch}")
-        self._copy_hf_weights(self.ref_model, hf_io.HFTensors(path))
+            raise InvalidArgument(f"{what} {path}: architecture {arch} differs from the policy's {self.arch}")
+        self._copy_hf_weights(gpt, hf_io.HFTensors(path))
 
     def update_ref_model(self) -> None:
         """Copy the policy into the reference model (slime's --ref-update-interval), shard by shard."""
@@ -289,6 +303,8 @@ class MegatronBackend(MegatronCheckpointing):
                 batch = batch.with_(log_probs=self._log_probs(self.model, batch, micro))
             if self.ref_model is not None:
                 batch = batch.with_(ref_log_probs=self._log_probs(self.ref_model, batch, micro))
+            if self.teacher_model is not None:
+                batch = batch.with_(teacher_log_probs=self._log_probs(self.teacher_model, batch, micro))
             # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce.
             batch = rl_step.compute_advantages_and_returns(batch, cfg, samples=samples)
         metrics = [self._train_step(batch, rows, micro) for rows, micro in steps]
