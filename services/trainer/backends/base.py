@@ -244,6 +244,11 @@ class TrainBackend(Protocol):
         """The policy of a checkpoint's state directory as the teacher."""
         ...
 
+    def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
+        """The model weights of a slime (Megatron-LM) torch_dist directory (release/ or iter_N/) into the policy
+        ("model", a fresh optimizer), the reference ("ref_model") or the distillation teacher ("teacher")."""
+        ...
+
     def checkpoint_parts(self) -> set[str]:
         """The parts a checkpoint of this backend holds (model, optim, ref_model, ...)."""
         ...

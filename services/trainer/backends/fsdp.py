@@ -135,6 +135,11 @@ class TorchBackend(DCPCheckpointing):
             raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
         parallel.load_full_state_dict(self.teacher_model, _load_causal_lm(Path(path)).state_dict(), self.world)
 
+    def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
+        raise InvalidArgument(f"checkpoint {path}: a slime (Megatron) torch_dist checkpoint loads on train_backend "
+                              "megatron; for fsdp convert it to an HF directory (slime's "
+                              "tools/convert_torch_dist_to_hf.py) and name that")
+
     def load_teacher_sharded(self, path: str | Path) -> None:
         """The policy of a checkpoint's dcp/ directory as the teacher."""
         self._load_policy_into(self.teacher_model, path)

@@ -28,7 +28,7 @@ from services.trainer.backends import optim, packing, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
-from services.trainer.backends.megatron import convert, cpu_compat, hf_io
+from services.trainer.backends.megatron import convert, cpu_compat, hf_io, slime_checkpoint
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
@@ -163,6 +163,17 @@ class MegatronBackend(MegatronCheckpointing):
         if self.teacher_model is None:
             raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
         self._load_frozen(self.teacher_model, Path(path), "opd_teacher_load")
+
+    def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
+        """Collective: a slime torch_dist directory's weights into the policy (with a fresh optimizer), the
+        reference or the teacher (`slime_checkpoint`)."""
+        target = {"model": self.gpt, "ref_model": self.ref_model, "teacher": self.teacher_model}[into]
+        if target is None:
+            raise InvalidArgument(f"checkpoint {path}: this job has no {into} to load it into")
+        slime_checkpoint.load_model(target, path)
+        if into == "model":
+            self.optimizer = self._build_optimizer()
+            self._num_steps = 0
 
     def _load_frozen(self, gpt, path: Path, what: str) -> None:
         """An HF checkpoint of the policy's architecture into a frozen model (slime swaps such weights into its one
