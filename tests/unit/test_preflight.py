@@ -94,3 +94,16 @@ def test_plugins_are_found_not_imported_and_only_under_the_allow_list(paths, mon
                        "custom_loss_function_path": "tests.plugins.loss_fns.two_args"})
     assert preflight(spec) is spec
     assert "tests.plugins.loss_fns" not in sys.modules  # found on disk, never executed
+
+
+def test_a_slime_torch_dist_checkpoint_needs_the_megatron_backend(paths, tmp_path):
+    root = tmp_path / "Qwen3-8B_torch_dist"
+    (root / "release").mkdir(parents=True)
+    (root / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (root / "latest_checkpointed_iteration.txt").write_text("release")
+    spec = parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "fsdp"})
+    with pytest.raises(InvalidArgument, match=r"ref_load: .*Qwen3-8B_torch_dist is a slime \(Megatron\) torch_dist "
+                                              r"checkpoint, which train_backend fsdp does not read"):
+        preflight(spec)
+    assert preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "megatron",
+                                 "rm_type": "exact_match"})).ref_load == str(root)
