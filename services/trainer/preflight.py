@@ -47,7 +47,8 @@ def _megatron_checkpoints(spec: JobSpec) -> list[str]:
 
     if spec.train_backend == "megatron":
         return []
-    named = (("ref_load", spec.ref_load, None), ("opd_teacher_load", spec.opd_teacher_load, spec.opd_teacher_ckpt_step),
+    named = (("ref_load", spec.ref_load, spec.ref_ckpt_step),
+             ("opd_teacher_load", spec.opd_teacher_load, spec.opd_teacher_ckpt_step),
              ("load", spec.load, spec.ckpt_step))
     return [f"{key}: {path} is a slime (Megatron) torch_dist checkpoint, which train_backend {spec.train_backend} "
             "does not read; use train_backend megatron, or convert it to an HF directory (slime's "

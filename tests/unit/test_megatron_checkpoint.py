@@ -95,3 +95,14 @@ def test_te_and_local_norm_spellings_are_twins():
     assert _twin("decoder.layers.input_layernorm.weight") == fused
     assert _twin("decoder.layers.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.pre_mlp_layernorm.weight"
     assert _twin("decoder.layers.mlp.linear_fc1.weight") is None
+
+
+def test_ref_ckpt_step_picks_the_reference_checkpoint(tmp_path):
+    saver = FakeSharded(parts=("model",))
+    for rollout_id in (2, 3):
+        checkpoint.save_checkpoint(tmp_path, rollout_id, saver, World(), lambda r=rollout_id: state(r))
+    loader = FakeSharded()
+    checkpoint.load_reference(tmp_path, loader, World(), 2)  # slime's --ref-ckpt-step
+    assert loader.calls[-1] == ("load_ref", checkpoint.iteration_dir(tmp_path, 2) / "mcore")
+    checkpoint.load_reference(tmp_path, loader, World())
+    assert loader.calls[-1] == ("load_ref", checkpoint.iteration_dir(tmp_path, 3) / "mcore")

@@ -158,14 +158,14 @@ def load_state(path: Path, backend: TrainBackend, world: World, parts: tuple[str
         log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
 
 
-def load_reference(root: str | Path, backend: TrainBackend, world: World) -> None:
-    """slime's --ref-load: the reference model from an HF directory, a slime torch_dist checkpoint, or the policy
-    of a checkpoint root's latest checkpoint."""
-    if (slime := slime_checkpoint(root)) is not None:
+def load_reference(root: str | Path, backend: TrainBackend, world: World, rollout_id: int | None = None) -> None:
+    """slime's --ref-load (and --ref-ckpt-step): the reference model from an HF directory, a slime torch_dist
+    checkpoint, or the policy of a checkpoint root's checkpoint `rollout_id` (default: the latest)."""
+    if (slime := slime_checkpoint(root, rollout_id)) is not None:
         backend.load_megatron_checkpoint(slime, "ref_model")
         log.info("reference model from slime's checkpoint %s", slime)
         return
-    rollout_id = latest_iteration(root)
+    rollout_id = latest_iteration(root) if rollout_id is None else rollout_id
     if rollout_id is None:
         backend.load_ref(root)
         return

@@ -45,7 +45,7 @@ def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world
     """Load `ref_load`, `opd_teacher_load` and `load` (the feed puts the buffer's data source back); the first
     rollout id to run."""
     if driver.ref_load:
-        checkpoint.load_reference(driver.ref_load, backend, world)
+        checkpoint.load_reference(driver.ref_load, backend, world, driver.ref_ckpt_step)
     if driver.opd_teacher_load:
         checkpoint.load_teacher(driver.opd_teacher_load, backend, world, driver.opd_teacher_ckpt_step)
     if not driver.load:

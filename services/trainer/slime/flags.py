@@ -118,7 +118,7 @@ FLAGS: dict[str, Flag] = {
     "async-save": M(False, "checkpoints are written synchronously (correct, slower)", warn=True, bare=True),
     "no-save-optim": R(False, "checkpoints always hold the optimizer (resumes are exact)", bare=True),
     "ref-load": I(),
-    "ref-ckpt-step": R(None, "the reference model loads the latest checkpoint of ref_load (or an HF directory)"),
+    "ref-ckpt-step": I(),
     "ref-update-interval": I(),
     "keep-old-actor": R(False, "the old policy's log-probs are recomputed before each step", bare=True),
     "reset-optimizer-states": R(False, "not implemented: start from an HF export (save_hf) instead", bare=True),
