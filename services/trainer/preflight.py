@@ -51,8 +51,9 @@ def _megatron_checkpoints(spec: JobSpec) -> list[str]:
              ("opd_teacher_load", spec.opd_teacher_load, spec.opd_teacher_ckpt_step),
              ("load", spec.load, spec.ckpt_step))
     return [f"{key}: {path} is a slime (Megatron) torch_dist checkpoint, which train_backend {spec.train_backend} "
-            "does not read; use train_backend megatron, or convert it to an HF directory (slime's "
-            "tools/convert_torch_dist_to_hf.py) and name that" for key, path, step in named
+            "does not read; use train_backend megatron, or convert it to an HF directory (python -m "
+            "services.trainer.backends.megatron.to_hf --hf-checkpoint HF_DIR --load ROOT --out DIR) and name that"
+            for key, path, step in named
             if path and slime_checkpoint(path, step) is not None]
 
 

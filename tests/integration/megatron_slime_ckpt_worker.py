@@ -1,7 +1,7 @@
 """One gloo rank for test_megatron_slime_checkpoint: checkpoints in slime's layout written by megatron-core's own
 dist_checkpointing.save (as Megatron-LM writes them: the model's sharded tensors under Megatron's keys, an argparse
 Namespace in the common state), then read back by MegatronBackend as --ref-load (`release`), --opd-teacher-load
-(`iter_0000003`) and --load.
+(`iter_0000003`) and --load, and converted to an HF directory (to_hf).
 
 Run: python -m tests.integration.megatron_slime_ckpt_worker OUT_DIR  (writes OUT_DIR/results.json)
 """
@@ -69,7 +69,11 @@ def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_di
     results["policy_after"] = log_probs(backend.model)
     results["metrics"] = backend.train_rollout(samples)
     backend.close()
-    results.update(student_hf=hf_log_probs(student_dir, samples), teacher_hf=hf_log_probs(teacher_dir, samples))
+    from services.trainer.backends.megatron.to_hf import convert
+
+    converted = convert(student_dir, out_dir / "iter-root", out_dir / "converted")  # fsdp's way in
+    results.update(student_hf=hf_log_probs(student_dir, samples), teacher_hf=hf_log_probs(teacher_dir, samples),
+                   converted_hf=hf_log_probs(converted, samples))
     (out_dir / "results.json").write_text(json.dumps(results))
 
 

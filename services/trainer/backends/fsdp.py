@@ -37,6 +37,7 @@ from services.trainer.backends.schedule import MicroBatch, Step, split_to, step_
 from services.trainer.hf_files import TOKENIZER_FILES, copy_side_files
 
 log = logging.getLogger(__name__)
+TO_HF = "python -m services.trainer.backends.megatron.to_hf --hf-checkpoint HF_DIR --load ROOT --out DIR"
 
 
 
@@ -137,8 +138,7 @@ class TorchBackend(DCPCheckpointing):
 
     def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
         raise InvalidArgument(f"checkpoint {path}: a slime (Megatron) torch_dist checkpoint loads on train_backend "
-                              "megatron; for fsdp convert it to an HF directory (slime's "
-                              "tools/convert_torch_dist_to_hf.py) and name that")
+                              f"megatron; for fsdp convert it to an HF directory ({TO_HF}) and name that")
 
     def load_teacher_sharded(self, path: str | Path) -> None:
         """The policy of a checkpoint's dcp/ directory as the teacher."""
