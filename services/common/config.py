@@ -78,7 +78,8 @@ def check_fields(config: Any, error: type[ValueError] = ValueError, where: str =
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         valid = literal_values(hints[f.name])
-        if valid and value not in valid:
+        optional = value is None and type(None) in typing.get_args(hints[f.name])
+        if valid and value not in valid and not optional:
             raise error(f"{prefix}{f.name} must be one of {', '.join(map(str, valid))}, got {value!r}")
         rule = f.metadata.get("check")
         if rule is not None and value is not None and not rule.ok(value):

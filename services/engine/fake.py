@@ -71,6 +71,12 @@ class FakeEngine(Scheduler):
             token = rng.randrange(self.vocab_size)
         return token
 
+    def _score_inputs(self, requests: list[Request]) -> None:
+        """A uniform log-prob for every input token after the first, as the fake decode gives."""
+        for request in requests:
+            logprobs = [None] + [-math.log(self.vocab_size)] * (len(request.input_ids) - 1)
+            request.input_logprobs = logprobs[request.logprob_start_len:]
+
     def _run_batch(self, batch: list[Request]) -> None:
         """Continuous batching, as SGLang does it: waiting requests join the running batch at every step."""
         logprob = -math.log(self.vocab_size)

@@ -143,6 +143,18 @@ class Engine(Scheduler):
         while self._decode(batch):
             batch = list(self.running)  # the rows still running, then the ones that joined (set by `_admit`)
 
+    @torch.no_grad()
+    def _score_inputs(self, requests: list[Request]) -> None:
+        """One forward per request over its whole input (a long input's logits [L, V] are never batched):
+        log_softmax(logits / T) at each next input token, T as in `sample_next`."""
+        for request in requests:
+            ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.model.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float().cpu()
+            temperature = 1.0 if request.params.temperature < 1e-6 else request.params.temperature
+            targets = torch.tensor(request.input_ids[1:], dtype=torch.long, device="cpu")
+            scored = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+            request.input_logprobs = ([None, *scored.tolist()])[request.logprob_start_len:]
+
     def _worth_joining(self, active: list[Request], joining: list[Request]) -> bool:
         """Joining costs a new prefill of the rows still running, so requests join only while that is no more than
         twice their own prompt tokens: a burst of arrivals joins the batch its first request started, one late

@@ -154,6 +154,7 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
     if any(routed_flags) and not engine.routes_experts:
         raise InvalidArgument("return_routed_experts: the engine's model has no MoE router whose experts it reports "
                               "(Qwen3-MoE, Qwen3.5-MoE, GLM-4-MoE, DeepSeek-V3)")
+    start_lens = _per_prompt(body, "logprob_start_len", size, -1)
     rids = body.get("rid")
     if rids is None:
         rids = [uuid.uuid4().hex for _ in range(size)]
@@ -176,11 +177,21 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
         if len(requests) + n > MAX_REQUESTS_PER_CALL:
             raise InvalidArgument(f"more than {MAX_REQUESTS_PER_CALL} requests (prompts × n) in one call")
         listed = listed or n > 1
+        start = _logprob_start_len(start_lens[i], len(prompt), where) if logprob_flags[i] else -1
         for j in range(n):
             requests.append(Request(rid=rids[i] if n == 1 else f"{rids[i]}_{j}", input_ids=list(prompt),
-                                    params=params, return_routed_experts=bool(routed_flags[i])))
+                                    params=params, return_routed_experts=bool(routed_flags[i]),
+                                    logprob_start_len=start))
             return_logprob.append(bool(logprob_flags[i]))
     return GenerateCall(requests, return_logprob, listed)
+
+
+def _logprob_start_len(value, prompt_len: int, where: str) -> int:
+    """SGLang's logprob_start_len: -1 (no input log-probs) or the first input position to score."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < prompt_len:
+        raise InvalidArgument(f"{where}: logprob_start_len must be an integer in [-1, {prompt_len - 1}] (the input "
+                              f"has {prompt_len} tokens), got {value!r}")
+    return value
 
 
 def to_response(request: Request, return_logprob: bool, index: int | None) -> dict:
@@ -197,6 +208,10 @@ def to_response(request: Request, return_logprob: bool, index: int | None) -> di
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None]
                                          for lp, tok in zip(request.output_logprobs, request.output_ids, strict=True)]
+        if request.input_logprobs is not None:  # SGLang's shape: the first input token's log-prob is null
+            scored = request.input_ids[request.logprob_start_len:]
+            meta["input_token_logprobs"] = [[lp, tok, None]
+                                            for lp, tok in zip(request.input_logprobs, scored, strict=True)]
     if request.return_routed_experts:  # SGLang's layout: base64 of int32 [len(tokens) - 1, num_layers, top_k]
         meta["routed_experts"] = base64.b64encode(bytes(request.routed_experts)).decode("ascii")
     response = {"text": request.text or "", "output_ids": list(request.output_ids), "meta_info": meta}

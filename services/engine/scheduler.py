@@ -67,6 +67,14 @@ class Request:
     return_routed_experts: bool = False
     # int32 [tokens fed so far, num_layers, top_k] as bytes, when asked for (SGLang's routed_experts)
     routed_experts: bytearray = field(default_factory=bytearray)
+    # SGLang's logprob_start_len: >= 0 asks for the log-prob of each input token from there (the first token has
+    # none); the engine scores the whole input before generating (a teacher's prefill-only call: max_new_tokens 0)
+    logprob_start_len: int = -1
+    input_logprobs: list[float | None] | None = None
+
+    @property
+    def scores_input(self) -> bool:
+        return self.logprob_start_len >= 0
 
     @property
     def finished(self) -> bool:
@@ -117,6 +125,22 @@ class Scheduler:
         """Generate until every request of `batch` finished, calling `_step_boundary` after each token."""
         raise NotImplementedError
 
+    def _score_inputs(self, requests: list[Request]) -> None:
+        """Set each request's input_logprobs: the log-prob of every input token from logprob_start_len on (None
+        for the first token, which nothing precedes), at the request's temperature."""
+        raise NotImplementedError
+
+    def _prefill_only(self, batch: list[Request]) -> list[Request]:
+        """Score the inputs that asked for it, finish those that generate nothing; the requests left to generate."""
+        scoring = [r for r in batch if r.scores_input and not r.finished]
+        if scoring:
+            self._score_inputs(scoring)
+        with self.cond:
+            for request in scoring:
+                if request.params.max_new_tokens == 0:
+                    self._finish(request, {"type": "length", "length": 0})
+        return [r for r in batch if not r.finished]
+
     def start(self) -> Scheduler:
         self.thread.start()
         return self
@@ -134,7 +158,7 @@ class Scheduler:
             if self.stopping:
                 raise Unavailable("engine is shutting down")
             for request in requests:
-                if request.params.max_new_tokens == 0:
+                if request.params.max_new_tokens == 0 and not request.scores_input:
                     self._finish(request, {"type": "length", "length": 0})
                 else:
                     self.waiting.append(request)
@@ -237,7 +261,9 @@ class Scheduler:
                 batch = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch_size))]
                 self.running = batch
             try:
-                self._run_batch(batch)
+                todo = self._prefill_only(batch)
+                if todo:
+                    self._run_batch(todo)
             except Exception as err:
                 log.exception("batch of %d requests failed", len(batch))
                 with self.cond:
@@ -257,7 +283,9 @@ class Scheduler:
             active = [r for r in batch if not r.finished]
             if not self._can_start_batch() or len(active) >= self.max_batch_size:
                 return []
-            joining = list(itertools.islice(self.waiting, self.max_batch_size - len(active)))
+            # a request that scores its input starts a batch of its own (`_prefill_only`)
+            joining = list(itertools.islice(itertools.takewhile(lambda r: not r.scores_input, self.waiting),
+                                            self.max_batch_size - len(active)))
             if not self._worth_joining(active, joining):
                 return []
             for _ in joining:

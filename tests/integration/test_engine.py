@@ -94,6 +94,29 @@ def test_logprobs_match_transformers_at_temperature(http, hf_model):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+def test_input_token_logprobs_are_the_models_own_forward(http, hf_model):
+    """A teacher's prefill-only call (slime's on-policy distillation): max_new_tokens 0, return_logprob and
+    logprob_start_len give SGLang's input_token_logprobs, [logprob, token, null] per input token from the start
+    (null for the first), log_softmax(logits / T) of the model's own forward; nothing is generated."""
+    tokens = [5, 6, 7, 8, 9, 10, 11]
+    out = generate(http, input_ids=tokens, return_logprob=True, logprob_start_len=0,
+                   sampling_params={"max_new_tokens": 0, "temperature": 0.8})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == tokens and entries[0][0] is None and all(e[2] is None for e in entries)
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([tokens])).logits[0, :-1]
+    expected = torch.log_softmax(logits / 0.8, dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e[0] for e in entries[1:]]), expected, atol=1e-5, rtol=0)
+    # from position 4 on, batched with a prompt that generates (its input scored too, then it generates)
+    both = generate(http, input_ids=[tokens, [5, 6]], return_logprob=True, logprob_start_len=[4, 1],
+                    sampling_params=[{"max_new_tokens": 0, "temperature": 0.8}, {"max_new_tokens": 2}])
+    assert [e[1] for e in both[0]["meta_info"]["input_token_logprobs"]] == tokens[4:]
+    torch.testing.assert_close(torch.tensor([e[0] for e in both[0]["meta_info"]["input_token_logprobs"]]),
+                               expected[3:], atol=1e-5, rtol=0)
+    assert len(both[1]["output_ids"]) == 2 and len(both[1]["meta_info"]["input_token_logprobs"]) == 1
+
+
 def test_greedy_is_deterministic_and_argmax(http, hf_model):
     body = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
             "return_logprob": True}
@@ -183,6 +206,7 @@ def test_stop_token_ids_and_stop_strings(http):
     ({"input_ids": [5], "sampling_params": {"max_new_tokens": 10**9}}, "max_new_tokens 1000000000 is more than"),
     ({"input_ids": [5], "sampling_params": {"max_new_tokens": 1e300}}, "is more than the model's context length"),
     ({"input_ids": [[5]] * 40, "sampling_params": {"n": 128}}, "more than 4096 requests"),
+    ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len must be an integer"),
 ])
 def test_bad_requests_get_400(http, body, fragment):
     reply = http.post("/generate", json=body)

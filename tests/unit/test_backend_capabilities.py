@@ -23,11 +23,23 @@ def names_in(node: ast.AST) -> set[str]:
     return {item.value for item in items if isinstance(item, ast.Constant) and item.value in BACKENDS}
 
 
+# settings whose values merely share a backend's name: slime's opd_type megatron is a teacher model in the trainer
+NOT_BACKENDS = {"opd_type"}
+
+
+def names_other_setting(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr in NOT_BACKENDS) or \
+        (isinstance(node, ast.Name) and node.id in NOT_BACKENDS)
+
+
 def name_comparisons(source: str) -> list[int]:
     """Lines where a value is compared (==, !=, in, not in) with a backend's name."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(names_in(operand) for operand in [node.left, *node.comparators]):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        if any(names_in(operand) for operand in operands) and not any(map(names_other_setting, operands)):
             lines.append(node.lineno)
     return lines
 
@@ -44,7 +56,7 @@ def test_no_code_outside_the_registry_compares_a_backend_name():
 
 def test_a_name_comparison_is_found():
     source = ('if backend == "fsdp": pass\nok = "megatron" != name\nx = name in ("fsdp", "megatron")\n'
-              'y = name in ("gloo", "nccl")\nz = spec.megatron\n')
+              'y = name in ("gloo", "nccl")\nz = spec.megatron\nt = config.opd_type == "megatron"\n')
     assert name_comparisons(source) == [1, 2, 3]
 
 

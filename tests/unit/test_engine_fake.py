@@ -44,6 +44,19 @@ def test_replies_have_sglang_shapes_and_uniform_logprobs(engine, tiny_model_dir)
     assert all(0 <= t < vocab for t in reply["output_ids"]) and isinstance(reply["text"], str)
 
 
+def test_a_prefill_only_request_scores_its_input(engine):
+    """A teacher's call (on-policy distillation): max_new_tokens 0 with logprob_start_len gives SGLang's
+    input_token_logprobs, uniform here, and generates nothing; a request behind it still generates."""
+    scoring = Request("t", [5, 6, 7, 8], SamplingParams(max_new_tokens=0), logprob_start_len=1)
+    generating = Request("g", [5], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    run(engine, [scoring, generating])
+    reply = to_response(scoring, True, None)
+    assert reply["output_ids"] == [] and reply["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    uniform = pytest.approx(-math.log(engine.vocab_size))
+    assert reply["meta_info"]["input_token_logprobs"] == [[uniform, 6, None], [uniform, 7, None], [uniform, 8, None]]
+    assert len(generating.output_ids) == 2 and generating.input_logprobs is None
+
+
 def test_stop_token_ids_min_new_tokens_and_sampling_seed(engine):
     last = engine.vocab_size - 1
     stop = frozenset(range(last))  # every token but the last one stops...

@@ -68,3 +68,41 @@ def test_a_checkpoint_of_the_other_format_is_refused_by_name(tmp_path):
         checkpoint.load_checkpoint(tmp_path, FakeSharded(), World())
     with pytest.raises(InvalidArgument, match="written by another train_backend"):
         checkpoint.load_reference(tmp_path, FakeSharded(), World())
+
+
+def test_slimes_layout_is_told_from_physarums(tmp_path):
+    """slime's (Megatron-LM's) torch_dist root: the latest file holds `release` or an iteration, whose directory
+    holds dist-checkpointing's files itself; Physarum's iter_N/ holds trainer_state.json and a backend directory."""
+    release = tmp_path / "slime"
+    (release / "release").mkdir(parents=True)
+    (release / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (release / checkpoint.LATEST_FILE).write_text("release")
+    assert checkpoint.slime_checkpoint(release) == release / "release"
+    (release / "iter_0000007").mkdir()
+    (release / "iter_0000007" / "metadata.json").write_text("{}")
+    assert checkpoint.slime_checkpoint(release, 7) == release / "iter_0000007"  # --ckpt-step
+    assert checkpoint.slime_checkpoint(release, 8) is None
+    saver = FakeSharded(parts=("model",))
+    checkpoint.save_checkpoint(tmp_path / "own", 2, saver, World(), lambda: state(2))
+    assert checkpoint.slime_checkpoint(tmp_path / "own") is None
+    assert checkpoint.slime_checkpoint(tmp_path / "nothing") is None
+
+
+def test_te_and_local_norm_spellings_are_twins():
+    from services.trainer.backends.megatron.slime_checkpoint import _twin
+
+    fused = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"  # Transformer Engine's
+    assert _twin("decoder.layers.input_layernorm.weight") == fused
+    assert _twin("decoder.layers.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.pre_mlp_layernorm.weight"
+    assert _twin("decoder.layers.mlp.linear_fc1.weight") is None
+
+
+def test_ref_ckpt_step_picks_the_reference_checkpoint(tmp_path):
+    saver = FakeSharded(parts=("model",))
+    for rollout_id in (2, 3):
+        checkpoint.save_checkpoint(tmp_path, rollout_id, saver, World(), lambda r=rollout_id: state(r))
+    loader = FakeSharded()
+    checkpoint.load_reference(tmp_path, loader, World(), 2)  # slime's --ref-ckpt-step
+    assert loader.calls[-1] == ("load_ref", checkpoint.iteration_dir(tmp_path, 2) / "mcore")
+    checkpoint.load_reference(tmp_path, loader, World())
+    assert loader.calls[-1] == ("load_ref", checkpoint.iteration_dir(tmp_path, 3) / "mcore")

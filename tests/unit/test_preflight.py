@@ -122,3 +122,14 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
                                               r"to \(qwen3_moe, qwen3_5_moe\)"):
         preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
     assert preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
+def test_a_slime_torch_dist_checkpoint_needs_the_megatron_backend(paths, tmp_path):
+    root = tmp_path / "Qwen3-8B_torch_dist"
+    (root / "release").mkdir(parents=True)
+    (root / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (root / "latest_checkpointed_iteration.txt").write_text("release")
+    spec = parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "fsdp"})
+    with pytest.raises(InvalidArgument, match=r"ref_load: .*Qwen3-8B_torch_dist is a slime \(Megatron\) torch_dist "
+                                              r"checkpoint, which train_backend fsdp does not read"):
+        preflight(spec)
+    assert preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "megatron",
+                                 "rm_type": "exact_match"})).ref_load == str(root)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from services.common.samples import Sample
 from services.trainer.backends import rl_step
 from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.batch import build_rollout_batch
 from tests.tiny_samples import two_by_two_batch
 
 
@@ -55,6 +58,47 @@ def test_critic_returns_ignore_kl_shaping():
     config = TrainConfig(advantage_estimator="ppo", kl_coef=0.5)
     assert rl_step.compute_advantages_and_returns(batch, config).returns[0].tolist() == pytest.approx([0.0, 0.5, 0])
     assert rl_step.critic_returns(batch, config)[0].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_on_policy_distillation_adds_the_reverse_kl_to_any_estimators_advantages():
+    """slime's apply_opd_kl_to_advantages: A_t - opd_kl_coef·(log π_student - log π_teacher), the student's log-probs
+    being the recomputed old policy's (or the engines' under use_rollout_logprobs); teacher log-probs come with the
+    samples (a teacher engine) into the batch."""
+    samples = [Sample(tokens=[1, 2, 3, 4], response_length=2, reward=1.0, rollout_log_probs=[-0.5, -0.5],
+                      teacher_log_probs=[-2.0, -0.5]),
+               Sample(tokens=[1, 2, 5], response_length=1, reward=0.0, rollout_log_probs=[-0.5],
+                      teacher_log_probs=[-1.0])]
+    batch = build_rollout_batch(samples)
+    assert batch.teacher_log_probs.tolist() == [[-2.0, -0.5], [-1.0, 0.0]]
+    batch = batch.with_(log_probs=torch.full_like(batch.loss_masks, -1.0))
+    config = TrainConfig(n_samples_per_prompt=2, use_opd=True, opd_type="sglang", opd_kl_coef=0.5)
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # GRPO: rewards 1, 0 around 0.5, std sqrt(0.5)
+    # sample 0: reverse KL = -1 - (-2) = 1, -1 - (-0.5) = -0.5; sample 1: -1 - (-1) = 0
+    got = rl_step.compute_advantages_and_returns(batch, config)
+    assert got.advantages.tolist() == [pytest.approx([a - 0.5, a + 0.25]), pytest.approx([-a, 0.0])]
+    assert got.returns.tolist() == [pytest.approx([a, a]), pytest.approx([-a, 0.0])]  # the estimator's own
+    # the engines' log-probs as the student's: reverse KL = 1.5, 0 and 0.5
+    rollout = rl_step.compute_advantages_and_returns(batch, dataclasses.replace(config, use_rollout_logprobs=True))
+    assert rollout.advantages.tolist() == [pytest.approx([a - 0.75, a]), pytest.approx([-a - 0.25, 0.0])]
+    # on top of ppo's GAE (V = 0, γ = λ = 1: A_t = reward for every token)
+    ppo = dataclasses.replace(config, advantage_estimator="ppo")
+    shaped = rl_step.compute_advantages_and_returns(batch.with_(values=torch.zeros_like(batch.loss_masks)), ppo)
+    assert shaped.advantages.tolist() == [pytest.approx([0.5, 1.25]), pytest.approx([0.0, 0.0])]
+    assert rl_step.needs_old_log_probs(config, 1)  # slime recomputes them under OPD
+    with pytest.raises(ValueError, match="teacher model's forward"):
+        rl_step.compute_advantages_and_returns(two_by_two_batch().with_(log_probs=torch.zeros(4, 3)),
+                                               dataclasses.replace(config, opd_type="megatron"))
+
+
+def test_distillation_metric_is_the_reverse_kl_reduced_as_the_loss():
+    samples = [Sample(tokens=[1, 2, 3, 4], response_length=2, reward=1.0, teacher_log_probs=[-2.0, -0.5])]
+    batch = build_rollout_batch(samples).with_(log_probs=torch.full((1, 2), -1.0))
+    batch = batch.with_(advantages=torch.zeros(1, 2))
+    config = TrainConfig(use_opd=True, opd_type="sglang")
+    reduce = rl_step.make_reducer(config, batch.loss_masks, batch.loss_masks.sum(-1), 1.0)
+    _, metrics = rl_step.policy_loss(config, batch, log_probs=torch.full((1, 2), -1.0),
+                                     entropy=torch.zeros(1, 2), reduce=reduce)
+    assert metrics["opd_reverse_kl"].item() == pytest.approx((1.0 - 0.5) / 2)
 
 
 @pytest.mark.parametrize("overrides, num_steps, expected", [

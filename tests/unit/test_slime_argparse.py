@@ -95,4 +95,4 @@ def test_the_spec_records_where_each_value_came_from(tmp_path):
     assert spec.slime_sources["rotary_base"] == "--rotary-base (argv[14])"
     assert "slime_sources" not in spec.plugin_args_view()
     with pytest.raises(InvalidArgument, match=r"^slime_args: --num-rollout: invalid int value: 'ten'; "):
-        parse_spec({"slime_args": argv + " --num-rollout ten --use-opd"})
+        parse_spec({"slime_args": argv + " --num-rollout ten --use-opsm"})

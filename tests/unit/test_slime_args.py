@@ -142,10 +142,10 @@ def test_slime_args_submit_through_parse_spec(tmp_path):
 def test_refused_and_unknown_flags_are_all_reported_at_once():
     with pytest.raises(InvalidArgument) as err:
         parse_spec({"slime_args": ["--hf-checkpoint", "/nowhere", "--prompt-data", "d", "--num-rollout", "1",
-                                   "--rollout-batch-size", "1", "--use-opd", "--num-layers", "2", "--frobnicate",
-                                   "3"]})
+                                   "--rollout-batch-size", "1", "--use-rollout-entropy", "--num-layers", "2",
+                                   "--frobnicate", "3"]})
     message = str(err.value)
-    assert message.startswith("slime_args: --use-opd: on-policy distillation is not implemented")
+    assert message.startswith("slime_args: --use-rollout-entropy: the engines' entropies are not collected")
     assert "--num-layers: cannot be checked: hf_checkpoint has no readable config.json" in message
     assert message.endswith("--frobnicate: not a slime or Megatron flag Physarum knows")
 
@@ -239,3 +239,20 @@ def test_slimes_delta_weight_sync_flags_set_the_sync_config(tmp_path):
     assert refused.invalid == ["--update-weight-transport: invalid choice: 'rdma' (choose from nccl, disk)"]
     with pytest.raises(InvalidArgument, match="update_weight_delta_checksum"):
         parse_spec({"slime_args": argv.replace("adler32", "blake3"), "job_id": "j", "train_backend": "fsdp"})
+
+
+def test_slimes_distillation_reward_needs_its_teacher_url_and_its_post_process_needs_it():
+    base = ["--hf-checkpoint", "/m", "--prompt-data", "d", "--num-rollout", "1", "--rollout-batch-size", "1",
+            "--use-opd", "--opd-type", "sglang"]
+    reward = ["--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"]
+    post = ["--custom-reward-post-process-path", "slime.rollout.on_policy_distillation.post_process_rewards"]
+    with pytest.raises(InvalidArgument, match="reward_func: needs --rm-url, the teacher's /generate URL"):
+        parse_spec({"slime_args": base + reward + post})
+    with pytest.raises(InvalidArgument, match="post_process_rewards: it reads the teacher's reply"):
+        parse_spec({"slime_args": base + post + ["--rm-url", "http://t:1/generate"]})
+    spec = parse_spec({"slime_args": base + reward + ["--rm-url", "http://t:1/generate"]})
+    assert (spec.opd_teacher_url, spec.opd_only, spec.custom_rm_path) == ("http://t:1/generate", True, "")
+    other = parse_spec({"slime_args": base[:-3] + ["--custom-rm-path", "tests.f", "--custom-reward-post-process-path",
+                                                    "tests.g"]})
+    assert (other.custom_rm_path, other.custom_reward_post_process_path, other.opd_only) == ("tests.f", "tests.g",
+                                                                                            False)

@@ -1,8 +1,8 @@
 """slime's example launch scripts (tests/slime_examples/launch_args.json: the train.py / train_async.py argv each
 script builds, model block included) submitted as they are, with the files they name present: the models' HF
 config.json, prompt rows, the YAML files. Each is accepted at submit, or refused only for features that
-docs/slime-flags.md lists as refused (on-policy distillation, MoE, MTP), each with its reason, or for context
-parallelism on megatron (the refusal names fsdp, which runs it).
+docs/slime-flags.md lists as refused (MoE, MTP), each with its reason, or for context parallelism on megatron
+(the refusal names fsdp, which runs it).
 A slime user's one change, dropping a refused flag, is shown by appending its accepted value (the last one wins)."""
 
 from __future__ import annotations
@@ -60,10 +60,8 @@ REFUSED = {
     "train_infer_mismatch_helper": {"context parallelism"},
     # Qwen3-30B-A3B with TP=4: Megatron here builds Qwen3-MoE with expert parallelism but not tensor parallelism
     "multi_agent": {"family"},
-    "on_policy_distillation_sglang": {"--use-opd", "--opd-type", "--opd-kl-coef"},
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
-    "on_policy_distillation_megatron": {"--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load"},
 }
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
 CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
@@ -147,8 +145,7 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
         checked = flag[2:] in megatron_flags.ARCH and f"| `{flag}` | checked |" in DOC
         assert (listed is not None and listed.note in DOC) or slime_flags.is_moe_flag(flag[2:]) or checked, flag
     assert all(p.endswith(("MoE models are not supported", slime_flags.MOE_REFUSAL,
-                           "on-policy distillation is not implemented; train with a teacher's samples as SFT data "
-                           "instead", "Physarum builds the model from the HF config: fix or drop the flag"))
+                           "Physarum builds the model from the HF config: fix or drop the flag"))
                for p in problems), problems
 
 
@@ -164,6 +161,22 @@ def test_what_each_accepted_example_becomes(tmp_path):
     assert multi.eval_max_response_len == 16384 and multi.eval_top_p == 0.7
     assert multi.eval_dataset_settings == {"aime": {"rm_type": "deepscaler", "n_samples_per_eval_prompt": 16},
                                            "gpqa": {"rm_type": "gpqa", "n_samples_per_eval_prompt": 2}}
+
+
+def test_the_on_policy_distillation_examples_become_a_teacher_engine_or_a_teacher_model(tmp_path):
+    """slime's sglang type: its reward function (the teacher at --rm-url) and post-process become the rollout
+    service's teacher call with reward 0; the megatron type: a teacher model in the trainer from opd_teacher_load."""
+    specs = {name: submit(materialize(EXAMPLES[name]["argv"], tmp_path / name))
+             for name in ("on_policy_distillation_sglang", "on_policy_distillation_megatron")}
+    sglang, megatron = specs["on_policy_distillation_sglang"], specs["on_policy_distillation_megatron"]
+    assert (sglang.train.use_opd, sglang.train.opd_type, sglang.train.opd_kl_coef) == (True, "sglang", 1.0)
+    assert sglang.rollout.opd_teacher_url == "http://127.0.0.1:13141/generate" and sglang.rollout.opd_only
+    assert sglang.custom_rm_path == "" and sglang.custom_reward_post_process_path == "" and sglang.rm_url == ""
+    assert sglang.slime_sources["opd_teacher_url"].startswith("--rm-url (argv[")
+    assert any("opd_teacher_url" in note for note in sglang.slime_notes)
+    assert (megatron.train.use_opd, megatron.train.opd_type, megatron.rm_type) == (True, "megatron", "math")
+    assert megatron.train.needs_teacher_model and not megatron.rollout.opd_teacher_url
+    assert megatron.driver.opd_teacher_load.endswith("/root/Qwen3-8B_torch_dist")
 
 
 def test_the_mismatch_helper_example_without_context_parallelism(tmp_path):

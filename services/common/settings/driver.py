@@ -30,7 +30,14 @@ class DriverConfig:
     save_interval: int | None = field(None, "also save every N rollouts", POSITIVE)
     load: str = field("", "resume from this checkpoint root (an HF directory: its weights only)")
     ckpt_step: int | None = field(None, "the rollout id to load instead of the latest one", NON_NEGATIVE)
-    ref_load: str = field("", "the reference model: an HF directory or a checkpoint root")
+    ref_load: str = field("", "the reference model: an HF directory or a checkpoint root (Physarum's or slime's "
+                              "torch_dist)")
+    ref_ckpt_step: int | None = field(None, "the rollout id of ref_load's checkpoint to load instead of its latest",
+                                      NON_NEGATIVE)
+    opd_teacher_load: str = field("", "on-policy distillation's teacher model (use_opd, opd_type megatron): an HF "
+                                      "directory or a checkpoint root, of the policy's architecture")
+    opd_teacher_ckpt_step: int | None = field(None, "the rollout id of opd_teacher_load's checkpoint to load instead "
+                                                    "of its latest", NON_NEGATIVE)
     ref_update_interval: int | None = field(None, "copy the policy into the reference model every N rollouts",
                                             POSITIVE)
     eval_interval: int | None = field(None, "eval every N rollouts and after the last one", POSITIVE)
@@ -57,6 +64,10 @@ class DriverConfig:
         check_fields(self)
         if self.ckpt_step is not None and not self.load:
             raise ValueError(f"ckpt_step ({self.ckpt_step}) needs load and must be >= 0")
+        if self.ref_ckpt_step is not None and not self.ref_load:
+            raise ValueError(f"ref_ckpt_step ({self.ref_ckpt_step}) needs ref_load")
+        if self.opd_teacher_ckpt_step is not None and not self.opd_teacher_load:
+            raise ValueError(f"opd_teacher_ckpt_step ({self.opd_teacher_ckpt_step}) needs opd_teacher_load")
         if self.save_interval is not None and not self.save:
             raise ValueError("save_interval is set but save (the checkpoint directory) is not")
         if self.debug_rollout_only and (self.debug_train_only or self.load_debug_rollout_data):

@@ -89,6 +89,14 @@ class RolloutConfig:
         False, "MoE (slime's R3): the engines return the experts they routed each token to, and the trainer's "
                "forwards route every token to those experts (implies use_routing_replay)")
 
+    opd_teacher_url: str = field(
+        "", "on-policy distillation (use_opd, opd_type sglang): the teacher's SGLang /generate URL; the rollout "
+            "service asks it for its log-probs of each sample's response tokens (prefill only), which become the "
+            "sample's teacher_log_probs (slime sends its on_policy_distillation reward to --rm-url)")
+    opd_only: bool = field(False, "on-policy distillation alone: every sample's reward is 0 and no reward is "
+                                  "computed, the teacher's log-probs are the only signal (what slime's "
+                                  "on_policy_distillation reward and post-process give)")
+
     def __post_init__(self) -> None:
         if not self.job_id:
             raise InvalidArgument("rollout config: job_id must not be empty")
@@ -138,6 +146,9 @@ class RolloutConfig:
             raise InvalidArgument("rollout config: agent_function_path runs the agent as the sample's generate "
                                   "function: leave custom_generate_function_path empty and partial_rollout off (an "
                                   "agent does not resume an aborted session)")
+        if self.opd_teacher_url and not self.opd_teacher_url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"rollout config: opd_teacher_url must be an http(s) URL of the teacher's "
+                                  f"/generate, got {self.opd_teacher_url!r}")
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise InvalidArgument("rollout config: mask_offpolicy_in_partial_rollout needs partial_rollout")
 

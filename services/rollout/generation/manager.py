@@ -20,7 +20,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Physarum
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus
-from services.rollout.generation import filters
+from services.rollout.generation import filters, teacher
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus
 from services.rollout.generation.evaluation import run_eval
@@ -362,7 +362,14 @@ class RolloutManager:
         samples = await generate_group(gen, samples)
         if gen.ctx.aborting or any(s.status == Status.ABORTED for s in samples):
             return samples
-        await score_group(gen.scorer, gen.args, samples, f"{run.name}: prompt {prompt.index}")
+        what = f"{run.name}: prompt {prompt.index}"
+        if config.opd_teacher_url:
+            await teacher.score_group_with_teacher(gen.ctx.http, config.opd_teacher_url, samples,
+                                                   temperature=config.rollout_temperature, what=what)
+        if config.opd_only:
+            teacher.distillation_only(samples)
+        else:
+            await score_group(gen.scorer, gen.args, samples, what)
         return samples
 
     # ----- eval -----

@@ -130,6 +130,19 @@ def get_advantage_estimator(name: str) -> Estimator:
         raise ValueError(f"unknown advantage_estimator {name!r}; valid: {', '.join(sorted(ESTIMATORS))}") from None
 
 
+def opd_advantages(advantages: torch.Tensor, *, student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
+                   loss_mask: torch.Tensor, opd_kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (slime's `apply_opd_kl_to_advantages`, after tinker-cookbook's): every token's
+    advantage gets the reverse-KL penalty of the student's own sampled token,
+    A_t - opd_kl_coef · (log π_student(y_t) - log π_teacher(y_t)), on top of any estimator (and before whitening).
+
+    All [B, R]; masked tokens stay 0. Returns (advantages, reverse_kl). Distillation as RL:
+    https://thinkingmachines.ai/blog/on-policy-distillation/
+    """
+    reverse_kl = (student_log_probs.float() - teacher_log_probs.float()) * loss_mask
+    return advantages.float() - opd_kl_coef * reverse_kl, reverse_kl
+
+
 def normalize_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor, *,
                          group: dist.ProcessGroup | None = None, eps: float = 1e-8) -> torch.Tensor:
     """Masked whitening (slime's `distributed_masked_whiten`): (A - mean) / sqrt(var + eps) over unmasked tokens.

@@ -38,7 +38,23 @@ def check_paths(spec: JobSpec) -> list[str]:
     for key, path in reads:
         if not Path(path).is_file():
             problems.append(f"{key}: no file {path} on the trainer's volumes (the buffer reads it from the same path)")
-    return problems
+    return problems + _megatron_checkpoints(spec)
+
+
+def _megatron_checkpoints(spec: JobSpec) -> list[str]:
+    """slime's torch_dist checkpoints (ref_load, opd_teacher_load, load) load on train_backend megatron only."""
+    from services.trainer.driver.checkpoint import slime_checkpoint
+    from services.trainer.driver.slime_to_hf import COMMAND
+
+    if capabilities.capabilities(spec.train_backend).slime_checkpoints:
+        return []
+    named = (("ref_load", spec.ref_load, spec.ref_ckpt_step),
+             ("opd_teacher_load", spec.opd_teacher_load, spec.opd_teacher_ckpt_step),
+             ("load", spec.load, spec.ckpt_step))
+    return [f"{key}: {path} is a slime (Megatron) torch_dist checkpoint, which train_backend {spec.train_backend} "
+            f"does not read; use train_backend megatron, or convert it to an HF directory ({COMMAND}) and name that"
+            for key, path, step in named
+            if path and slime_checkpoint(path, step) is not None]
 
 
 def check_plugins(spec: JobSpec) -> list[str]:

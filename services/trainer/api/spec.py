@@ -93,6 +93,7 @@ class JobSpec(_JobSettings):
         train = self.train
         if (driver.ref_load or driver.ref_update_interval) and not train.needs_ref_model:
             raise ValueError("ref_load and ref_update_interval need a reference model (use_kl_loss or kl_coef)")
+        _check_distillation(train, rollout, driver)
         names = list(rollout.eval_datasets)
         if len(names) < len(rollout.eval_prompt_data) or not all(
                 name and all(c.isalnum() or c in "_-." for c in name) for name in names):
@@ -162,6 +163,20 @@ class JobSpec(_JobSettings):
     @property
     def train_only(self) -> bool:
         return self.driver.train_only
+
+
+def _check_distillation(train: TrainConfig, rollout: RolloutConfig, driver: DriverConfig) -> None:
+    """On-policy distillation's teacher: a teacher engine (sglang) or a teacher model in the trainer (megatron)."""
+    if not train.use_opd:
+        if rollout.opd_teacher_url or rollout.opd_only or driver.opd_teacher_load:
+            raise ValueError("opd_teacher_url, opd_only and opd_teacher_load are on-policy distillation's: they need "
+                             "use_opd")
+    elif train.opd_type == "sglang" and (not rollout.opd_teacher_url or driver.opd_teacher_load):
+        raise ValueError("opd_type sglang takes the teacher's log-probs from a teacher engine: set opd_teacher_url "
+                         "(its /generate URL), not opd_teacher_load")
+    elif train.opd_type == "megatron" and (not driver.opd_teacher_load or rollout.opd_teacher_url):
+        raise ValueError("opd_type megatron runs a teacher model in the trainer: set opd_teacher_load (an HF "
+                         "directory or a checkpoint root), not opd_teacher_url")
 
 
 def _unknown_key_message(key: str) -> str:

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 MoELoadBalancingType = Literal["aux_loss", "none"]  # algorithms.moe.LOAD_BALANCING_TYPES
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LRDecayStyle = Literal["constant", "linear", "cosine"]
+OpdType = Literal["sglang", "megatron"]
 CUSTOM_LOSS_SIGNATURE = "def fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"
 BETA = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
 FINITE = Rule(math.isfinite, "finite")
@@ -56,6 +57,13 @@ class TrainConfig:
         "", "import path of slime's TIS function fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
             "loss_masks, ...) -> (pg_loss, loss_masks, metrics), used under use_tis instead of the truncated ratio "
             "(e.g. slime's MIS helper)")
+    use_opd: bool = field(False, "on-policy distillation: every token's advantage gets -opd_kl_coef·(log π − log "
+                                 "π_teacher) of the sampled token, on top of advantage_estimator's (slime's)")
+    opd_type: OpdType | None = field(
+        None, "where the teacher's log-probs come from: sglang (a teacher engine at opd_teacher_url, asked by the "
+              "rollout service) or megatron (a teacher model in the trainer, from opd_teacher_load; either "
+              "train_backend)")
+    opd_kl_coef: float = field(1.0, "weight of on-policy distillation's reverse-KL term", FINITE)
     advantage_estimator: AdvantageEstimator = field(
         "grpo", "how rewards become per-token advantages: " + ", ".join(ADVANTAGE_ESTIMATORS))
     n_samples_per_prompt: int = shared(RolloutConfig, "n_samples_per_prompt")
@@ -158,6 +166,13 @@ class TrainConfig:
         if self.use_tis and self.use_rollout_logprobs:
             raise ValueError("use_tis and use_rollout_logprobs cannot be set together: TIS weighs the recomputed "
                              "log-probs against the engines'")
+        if self.use_opd and self.opd_type is None:
+            raise ValueError("use_opd needs opd_type: sglang (a teacher engine) or megatron (a teacher model in the "
+                             "trainer)")
+        if self.opd_type is not None and not self.use_opd:
+            raise ValueError(f"opd_type {self.opd_type!r} is set but use_opd is false")
+        if self.use_opd and self.loss_type == "sft_loss":
+            raise ValueError("use_opd applies to loss_type 'policy_loss' (it shapes the advantages), not 'sft_loss'")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
         if self.lr_decay_style != "constant" and self.lr_decay_iters is not None and \
@@ -189,6 +204,11 @@ class TrainConfig:
     def replays_routing(self) -> bool:
         """MoE routing replay of either kind (slime: use_rollout_routing_replay implies use_routing_replay)."""
         return self.use_routing_replay or self.use_rollout_routing_replay
+
+    @property
+    def needs_teacher_model(self) -> bool:
+        """On-policy distillation from a teacher model the trainer runs (opd_type megatron)."""
+        return self.use_opd and self.opd_type == "megatron"
 
     @property
     def needs_ref_model(self) -> bool:
@@ -237,6 +257,19 @@ class TrainBackend(Protocol):
 
     def update_ref_model(self) -> None:
         """Copy the policy into the reference model (slime's --ref-update-interval)."""
+        ...
+
+    def load_teacher(self, path: str | Path) -> None:
+        """Replace the on-policy-distillation teacher's weights with an HF checkpoint's (slime's --opd-teacher-load)."""
+        ...
+
+    def load_teacher_sharded(self, path: str | Path) -> None:
+        """The policy of a checkpoint's state directory as the teacher."""
+        ...
+
+    def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
+        """The model weights of a slime (Megatron-LM) torch_dist directory (release/ or iter_N/) into the policy
+        ("model", a fresh optimizer), the reference ("ref_model") or the distillation teacher ("teacher")."""
         ...
 
     def checkpoint_parts(self) -> set[str]:

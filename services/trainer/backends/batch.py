@@ -18,7 +18,7 @@ from services.common.samples import Sample
 
 HOST = torch.device("cpu")  # where samples are padded (one copy per tensor to the rank's device afterwards)
 # The [B, R] fields that the trainer computes after building the batch (slime's rollout_data keys).
-COMPUTED = ("log_probs", "ref_log_probs", "values", "advantages", "returns")
+COMPUTED = ("log_probs", "ref_log_probs", "values", "advantages", "returns", "teacher_log_probs")
 SEQUENCE_ALIGNED = ("tokens", "attention_mask", "routed_experts")  # [B, L, ...]; the others [B] or [B, R]
 
 
@@ -39,6 +39,9 @@ class RolloutBatch:
     returns: torch.Tensor | None = None  # [B, R] the estimator's returns (ppo: the critic's targets)
     # [B, L, num_layers, top_k] int32: the experts each token is routed to when replayed (routing_replay.py)
     routed_experts: torch.Tensor | None = None
+    # [B, R] on-policy distillation's teacher log-probs of the response tokens: the samples' own (a teacher engine
+    # gave them) or a teacher model's in the trainer
+    teacher_log_probs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -119,9 +122,10 @@ def _check_sample(i: int, sample: Sample) -> None:
     if sample.loss_mask and len(sample.loss_mask) != resp:
         raise InvalidArgument(f"sample {i}: loss_mask has {len(sample.loss_mask)} entries, "
                               f"response_length is {resp}")
-    if sample.rollout_log_probs and len(sample.rollout_log_probs) != resp:
-        raise InvalidArgument(f"sample {i}: rollout_log_probs has {len(sample.rollout_log_probs)} entries, "
-                              f"response_length is {resp}")
+    for name in ("rollout_log_probs", "teacher_log_probs"):
+        if getattr(sample, name) and len(getattr(sample, name)) != resp:
+            raise InvalidArgument(f"sample {i}: {name} has {len(getattr(sample, name))} entries, "
+                                  f"response_length is {resp}")
 
 
 def _routed_experts(samples: Sequence[Sample], seq_len: int, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -168,6 +172,9 @@ def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, rew
     loss_masks = torch.zeros((num, resp_len), dtype=torch.float32, device=HOST)
     has_log_probs = all(len(s.rollout_log_probs) == s.response_length for s in samples)
     rollout_log_probs = torch.zeros((num, resp_len), dtype=torch.float32, device=HOST) if has_log_probs else None
+    has_teacher = any(s.teacher_log_probs for s in samples) and all(
+        len(s.teacher_log_probs) == s.response_length for s in samples)
+    teacher_log_probs = torch.zeros((num, resp_len), dtype=torch.float32, device=HOST) if has_teacher else None
     for i, s in enumerate(samples):
         total, resp = len(s.tokens), s.response_length
         tokens[i, :total] = torch.tensor(s.tokens, dtype=torch.long, device=HOST)
@@ -178,6 +185,8 @@ def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, rew
         loss_masks[i, :resp] = torch.tensor(s.loss_mask, dtype=torch.float32, device=HOST) if s.loss_mask else 1.0
         if rollout_log_probs is not None:
             rollout_log_probs[i, :resp] = torch.tensor(s.rollout_log_probs, dtype=torch.float32, device=HOST)
+        if teacher_log_probs is not None:
+            teacher_log_probs[i, :resp] = torch.tensor(s.teacher_log_probs, dtype=torch.float32, device=HOST)
     batch = RolloutBatch(
         tokens=tokens, attention_mask=attention_mask,
         prompt_lengths=torch.tensor([s.prompt_length for s in samples], dtype=torch.long, device=HOST),
@@ -185,5 +194,6 @@ def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, rew
         response_tokens=response_tokens, loss_masks=loss_masks, rollout_log_probs=rollout_log_probs,
         advantages=torch.zeros((num, resp_len), dtype=torch.float32, device=HOST),
         rewards=torch.tensor([sample_reward(s, reward_key) for s in samples], dtype=torch.float32, device=HOST),
-        routed_experts=_routed_experts(samples, seq_len, routing_shape) if routing_shape else None)
+        routed_experts=_routed_experts(samples, seq_len, routing_shape) if routing_shape else None,
+        teacher_log_probs=teacher_log_probs)
     return batch.to(device)

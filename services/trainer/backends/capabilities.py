@@ -27,6 +27,7 @@ class Capabilities:
     context_parallel: bool  # one long sequence split over ranks
     extra_flags: bool  # takes the job's `megatron:` section (Megatron's config fields by name)
     reads_shares: bool  # each data-parallel rank reads its own share of a rollout (whole groups), not all of it
+    slime_checkpoints: bool  # loads slime's torch_dist checkpoints (megatron-core dist-checkpointing) as they are
     # why it cannot build a model of this config.json in this layout ("" when it can)
     model_problem: Callable[..., str]
     # why it cannot replay a MoE model's routing / add its load-balancing loss in this layout ("" when it can)
@@ -37,11 +38,13 @@ class Capabilities:
 BACKENDS: dict[str, Capabilities] = {
     "fsdp": Capabilities(critic=True, packing=True, tensor_parallel=False, pipeline_parallel=False,
                          expert_parallel=False, context_parallel=True, extra_flags=False, reads_shares=True,
+                         slime_checkpoints=False,
                          model_problem=model_families.fsdp_problem,
                          replay_problem=model_families.fsdp_replay_problem,
                          aux_loss_problem=model_families.fsdp_aux_loss_problem),
     "megatron": Capabilities(critic=False, packing=True, tensor_parallel=True, pipeline_parallel=True,
                              expert_parallel=True, context_parallel=False, extra_flags=True, reads_shares=False,
+                             slime_checkpoints=True,
                              model_problem=model_families.megatron_problem,
                              replay_problem=model_families.megatron_replay_problem,
                              aux_loss_problem=model_families.no_problem),

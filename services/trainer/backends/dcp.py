@@ -61,6 +61,15 @@ class DCPCheckpointing:
             dcp.load(state, storage_reader=SafeFileSystemReader(Path(path)), no_dist=not self.world.distributed)
         self.load_state_dict({"ref_model": state["model"]})
 
+    def _load_policy_into(self, model: Any, path: str | Path) -> None:
+        """The policy ("model") of a checkpoint into another module of the same architecture (a frozen copy)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        state = {"model": get_model_state_dict(model)}
+        with _one_process_is_intended():
+            dcp.load(state, storage_reader=SafeFileSystemReader(Path(path)), no_dist=not self.world.distributed)
+        set_model_state_dict(model, state["model"])
+
 
 @contextlib.contextmanager
 def _one_process_is_intended() -> Iterator[None]:

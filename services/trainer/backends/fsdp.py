@@ -78,15 +78,17 @@ class TorchBackend(TorchStateDicts):
             context_parallel.check(model, self.pack_sequences, config)
             cp_attention.use_in(model)  # the reference model is its copy
         self._tied_names = parallel.tied_names(model)
-        ref_model = copy.deepcopy(model).requires_grad_(False) if config.needs_ref_model else None
-        # the hooks go on the policy alone, after the reference copy: the reference model routes as it is (slime's
+        # frozen copies: the reference model (KL) and the distillation teacher, each loaded over later when asked
+        ref_model, teacher = (copy.deepcopy(model).requires_grad_(False) if needed else None
+                              for needed in (config.needs_ref_model, config.needs_teacher_model))
+        # the routing hooks go on the policy alone, after the frozen copies: those route as they are (slime's
         # "fallthrough")
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
         self._top_k = moe_loss.router_top_k(model) if config.moe_aux_loss else 0
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
-        self.ref_model = None if ref_model is None else parallel.shard_model(ref_model, self.world,
-                                                                             param_dtype=self.dtype)
+        self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
+            frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))
         self.critic = Critic(self.model_path, config, device=self.device) if config.use_critic else None
         if self.critic is not None and self.cp.size > 1:
             cp_attention.use_in(self.critic.model.backbone)
@@ -276,8 +278,8 @@ class TorchBackend(TorchStateDicts):
             return self._recompute(lambda mb: self._log_probs(model, mb), rollout, micro_batches)
 
         batch = rl_step.with_advantages(batch, self.config, num_steps=num_steps, model=self.model,
-                                        ref_model=self.ref_model, samples=samples, group=self.dp_group,
-                                        log_probs_of=log_probs_of)
+                                        ref_model=self.ref_model, teacher_model=self.teacher_model, samples=samples,
+                                        group=self.dp_group, log_probs_of=log_probs_of)
         return batch.with_routed_experts(recorded[0].routed_experts) if recorded else batch
 
     def _actor_loss(self, mb: RolloutBatch, reduce, *,

@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 
 from services.common.samples import Sample
-from services.trainer.algorithms.advantages import get_advantage_estimator, normalize_advantages, post_process_rewards
+from services.trainer.algorithms.advantages import (
+    get_advantage_estimator,
+    normalize_advantages,
+    opd_advantages,
+    post_process_rewards,
+)
 from services.trainer.algorithms.kl import compute_approx_kl
 from services.trainer.algorithms.losses import (
     Reducer,
@@ -37,27 +42,32 @@ def needs_old_log_probs(config: TrainConfig, num_steps: int) -> bool:
     """Whether the old policy's log-probs must be recomputed before training. Not for SFT, nor under
     use_rollout_logprobs (the engines' log-probs are the old policy), nor when slime's `can_reuse_log_probs_in_loss`
     holds: one step per rollout, a policy loss, no KL reward, no critic, no GSPO, no use_routing_replay of the
-    trainer's own routing (that forward records it); then the loss reuses its own forward's log-probs, detached, and
-    ppo_kl is exactly 0."""
+    trainer's own routing (that forward records it), no on-policy distillation; then the loss reuses its own
+    forward's log-probs, detached, and ppo_kl is exactly 0."""
     if config.loss_type == "sft_loss" or config.use_rollout_logprobs:
         return False
     records_routing = config.use_routing_replay and not config.use_rollout_routing_replay  # the forward to replay
     return not (num_steps == 1 and config.loss_type == "policy_loss" and config.kl_coef == 0
-                and not config.use_critic and config.advantage_estimator != "gspo" and not records_routing)
+                and not config.use_critic and config.advantage_estimator != "gspo" and not records_routing
+                and not config.use_opd)
 
 
 def with_advantages(batch: RolloutBatch, config: TrainConfig, *, num_steps: int,
                     log_probs_of: Callable[[torch.nn.Module], torch.Tensor], model: torch.nn.Module,
                     ref_model: torch.nn.Module | None, samples: Sequence[Sample],
+                    teacher_model: torch.nn.Module | None = None,
                     group: dist.ProcessGroup | None = None) -> RolloutBatch:
     """slime's steps before training a rollout's policy: the old policy's log-probs where the loss needs them
-    (`needs_old_log_probs`), the reference model's when there is one, then advantages and returns.
-    `log_probs_of(model)` is the backend's [B, R] log-probs of the batch under `model`, without grad, in its
-    training micro-batches; `group`: the data-parallel ranks whose rows the advantages are whitened over."""
+    (`needs_old_log_probs`), the reference model's when there is one, the distillation teacher's when the trainer
+    runs one, then advantages and returns. `log_probs_of(model)` is the backend's [B, R] log-probs of the batch
+    under `model`, without grad, in its training micro-batches; `group`: the data-parallel ranks whose rows the
+    advantages are whitened over."""
     if needs_old_log_probs(config, num_steps):
         batch = batch.with_(log_probs=log_probs_of(model))
     if ref_model is not None:
         batch = batch.with_(ref_log_probs=log_probs_of(ref_model))
+    if teacher_model is not None:
+        batch = batch.with_(teacher_log_probs=log_probs_of(teacher_model))
     return compute_advantages_and_returns(batch, config, group=group, samples=samples)
 
 
@@ -99,9 +109,32 @@ def compute_advantages_and_returns(batch: RolloutBatch, config: TrainConfig, *,
         advantages, returns = get_advantage_estimator(config.advantage_estimator)(
             rewards, kl=kl, loss_mask=batch.loss_masks, response_lengths=batch.response_lengths, values=batch.values,
             kl_coef=config.kl_coef, gamma=config.gamma, lambd=config.lambd)
+    if config.use_opd:
+        advantages, _ = opd_advantages(advantages, student_log_probs=_student_log_probs(batch, config),
+                                       teacher_log_probs=_teacher_log_probs(batch, config), loss_mask=batch.loss_masks,
+                                       opd_kl_coef=config.opd_kl_coef)
     if config.normalize_advantages:
         advantages = normalize_advantages(advantages, batch.loss_masks, group=group)
     return batch.with_(advantages=advantages, returns=returns)
+
+
+def _student_log_probs(batch: RolloutBatch, config: TrainConfig) -> torch.Tensor:
+    """The policy's log-probs that on-policy distillation compares with the teacher's (slime: the old policy's, or
+    the engines' under use_rollout_logprobs)."""
+    student = batch.rollout_log_probs if config.use_rollout_logprobs else batch.log_probs
+    if student is None:
+        raise ValueError("use_opd needs the policy's log-probs of the rollout (recomputed, or the engines' under "
+                         "use_rollout_logprobs)")
+    return student
+
+
+def _teacher_log_probs(batch: RolloutBatch, config: TrainConfig) -> torch.Tensor:
+    if batch.teacher_log_probs is None:
+        source = "the teacher model's forward" if config.opd_type == "megatron" else \
+            "the samples' teacher_log_probs (set by the rollout service from opd_teacher_url)"
+        raise ValueError(f"use_opd with opd_type {config.opd_type!r} needs teacher log-probs for every response "
+                         f"token, from {source}; some sample has none")
+    return batch.teacher_log_probs
 
 
 def critic_returns(batch: RolloutBatch, config: TrainConfig, samples: Sequence[Sample] | None = None) -> torch.Tensor:
@@ -154,7 +187,7 @@ def response_row_log_probs(rows: torch.Tensor, mb: RolloutBatch, config: TrainCo
 def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tensor, entropy: torch.Tensor,
                 reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's `policy_loss_function` on a micro-batch whose advantages (and old / reference log-probs) are set."""
-    return policy_loss_function(
+    loss, metrics = policy_loss_function(
         log_probs=log_probs, entropy=entropy, advantages=mb.advantages, loss_mask=mb.loss_masks, reduce=reduce,
         old_log_probs=mb.rollout_log_probs if config.use_rollout_logprobs else mb.log_probs,
         train_log_probs=mb.log_probs, rollout_log_probs=mb.rollout_log_probs,
@@ -164,6 +197,11 @@ def policy_loss(config: TrainConfig, mb: RolloutBatch, *, log_probs: torch.Tenso
         kl_loss_type=config.kl_loss_type, use_unbiased_kl=config.use_unbiased_kl,
         use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
         tis_clip_low=config.tis_clip_low, tis_function=custom_tis(config, mb))
+    if config.use_opd and mb.teacher_log_probs is not None:  # slime's train/opd_reverse_kl, reduced as the loss is
+        student = mb.rollout_log_probs if config.use_rollout_logprobs else mb.log_probs
+        student = log_probs if student is None else student
+        metrics["opd_reverse_kl"] = reduce((student.detach() - mb.teacher_log_probs) * mb.loss_masks)
+    return loss, metrics
 
 
 def custom_tis(config: TrainConfig, mb: RolloutBatch) -> slime_hooks.TisFunction | None:

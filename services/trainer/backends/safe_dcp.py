@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from services.common.errors import InvalidArgument
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+# megatron-core's torch_dist writer also keeps its save plans (planner dataclasses and enums) in the metadata
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                    "torch.distributed.checkpoint.planner")
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
             ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
 

@@ -94,7 +94,7 @@ def custom_advantages(config: TrainConfig, batch: RolloutBatch, *, rewards: torc
         "rewards": rewards.tolist(), "raw_reward": batch.rewards.tolist(), "response_lengths": lengths,
         "total_lengths": batch.total_lengths, "loss_masks": per_sample(batch.loss_masks, lengths),
         "kl": per_sample(kl, lengths)}
-    for key in ("log_probs", "ref_log_probs", "rollout_log_probs", "values"):
+    for key in ("log_probs", "ref_log_probs", "rollout_log_probs", "values", "teacher_log_probs"):
         if getattr(batch, key) is not None:
             data[key] = per_sample(getattr(batch, key), lengths)
     fn(slime_args(config), data)

@@ -36,6 +36,7 @@ class TorchStateDicts(DCPCheckpointing):
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     ref_model: torch.nn.Module | None
+    teacher_model: torch.nn.Module | None
     critic: Any
     world: parallel.World
     _weight_version: int
@@ -99,3 +100,18 @@ class TorchStateDicts(DCPCheckpointing):
         if self.ref_model is None:
             raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
         parallel.load_full_state_dict(self.ref_model, load_causal_lm(Path(path)).state_dict(), self.world)
+
+    def load_teacher(self, path: str | Path) -> None:
+        """Replace the distillation teacher's weights with an HF checkpoint's (the policy's architecture)."""
+        if self.teacher_model is None:
+            raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
+        parallel.load_full_state_dict(self.teacher_model, load_causal_lm(Path(path)).state_dict(), self.world)
+
+    def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
+        raise InvalidArgument(f"checkpoint {path}: a slime (Megatron) torch_dist checkpoint loads on train_backend "
+                              "megatron; for fsdp convert it to an HF directory (python -m "
+                              "services.trainer.driver.slime_to_hf) and name that")
+
+    def load_teacher_sharded(self, path: str | Path) -> None:
+        """The policy of a checkpoint's dcp/ directory as the teacher."""
+        self._load_policy_into(self.teacher_model, path)

@@ -59,6 +59,23 @@ def iteration_dir(root: str | Path, rollout_id: int) -> Path:
     return Path(root) / f"iter_{rollout_id:07d}"
 
 
+def slime_checkpoint(root: str | Path, step: int | None = None) -> Path | None:
+    """The directory of a slime (Megatron-LM) torch_dist checkpoint under root, or None when root is not one:
+    latest_checkpointed_iteration.txt holds `release` or an iteration (`step` picks another, slime's
+    --ckpt-step), and release/ or iter_{N:07d}/ holds dist-checkpointing's files itself (Physarum's own
+    iter_N/ holds trainer_state.json and the backend's directory)."""
+    latest = Path(root) / LATEST_FILE
+    if not latest.is_file():
+        return None
+    text = latest.read_text().strip()
+    name = iteration_dir(root, step).name if step is not None else \
+        "release" if text == "release" else iteration_dir(root, int(text)).name if text.isdigit() else ""
+    path = Path(root) / name
+    if name and (path / "metadata.json").is_file() and not (path / STATE_FILE).is_file():
+        return path
+    return None
+
+
 def latest_iteration(root: str | Path) -> int | None:
     """The rollout id in root's latest_checkpointed_iteration.txt; None when root holds no checkpoint."""
     path = Path(root) / LATEST_FILE
@@ -141,16 +158,36 @@ def load_state(path: Path, backend: TrainBackend, world: World, parts: tuple[str
         log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
 
 
-def load_reference(root: str | Path, backend: TrainBackend, world: World) -> None:
-    """slime's --ref-load: the reference model from an HF directory, or from the policy of a checkpoint root's
-    latest checkpoint."""
-    rollout_id = latest_iteration(root)
+def load_reference(root: str | Path, backend: TrainBackend, world: World, rollout_id: int | None = None) -> None:
+    """slime's --ref-load (and --ref-ckpt-step): the reference model from an HF directory, a slime torch_dist
+    checkpoint, or the policy of a checkpoint root's checkpoint `rollout_id` (default: the latest)."""
+    if (slime := slime_checkpoint(root, rollout_id)) is not None:
+        backend.load_megatron_checkpoint(slime, "ref_model")
+        log.info("reference model from slime's checkpoint %s", slime)
+        return
+    rollout_id = latest_iteration(root) if rollout_id is None else rollout_id
     if rollout_id is None:
         backend.load_ref(root)
         return
     path = _state_dir(iteration_dir(root, rollout_id), backend)
     backend.load_ref_sharded(path)
     log.info("reference model from checkpoint %s", path)
+
+
+def load_teacher(root: str | Path, backend: TrainBackend, world: World, rollout_id: int | None = None) -> None:
+    """slime's --opd-teacher-load (and --opd-teacher-ckpt-step): the distillation teacher from an HF directory, or
+    from the policy of a checkpoint root's checkpoint `rollout_id` (default: the latest), Physarum's or slime's."""
+    if (slime := slime_checkpoint(root, rollout_id)) is not None:
+        backend.load_megatron_checkpoint(slime, "teacher")
+        log.info("distillation teacher from slime's checkpoint %s", slime)
+        return
+    rollout_id = latest_iteration(root) if rollout_id is None else rollout_id
+    if rollout_id is None:
+        backend.load_teacher(root)
+        return
+    path = _state_dir(iteration_dir(root, rollout_id), backend)
+    backend.load_teacher_sharded(path)
+    log.info("distillation teacher from checkpoint %s", path)
 
 
 def _write_atomic(path: Path, text: str) -> None:

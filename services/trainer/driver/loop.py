@@ -41,10 +41,18 @@ def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world: World) -> int:
-    """Load `ref_load` and `load` (the feed puts the buffer's data source back); the first rollout id to run."""
+    """Load `ref_load`, `opd_teacher_load` and `load` (the feed puts the buffer's data source back); the first
+    rollout id to run."""
     if driver.ref_load:
-        checkpoint.load_reference(driver.ref_load, backend, world)
+        checkpoint.load_reference(driver.ref_load, backend, world, driver.ref_ckpt_step)
+    if driver.opd_teacher_load:
+        checkpoint.load_teacher(driver.opd_teacher_load, backend, world, driver.opd_teacher_ckpt_step)
     if not driver.load:
+        return 0
+    if (slime := checkpoint.slime_checkpoint(driver.load, driver.ckpt_step)) is not None:
+        # slime's finetune case: the weights, a fresh optimizer; Megatron-LM's optimizer and data state stay unread
+        backend.load_megatron_checkpoint(slime, "model")
+        log.info("job %s: policy weights from slime's checkpoint %s; starting at rollout 0", driver.job_id, slime)
         return 0
     state = checkpoint.load_checkpoint(driver.load, backend, world, driver.ckpt_step)
     if state is None:

@@ -42,6 +42,8 @@ class Conversion:
     refused: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
     no_advantages: bool = False  # --disable-compute-advantages-and-returns: only with sft_loss
+    opd_reward: bool = False  # slime's on_policy_distillation reward function: the teacher at --rm-url
+    opd_post_process: bool = False  # its reward post-process
     eval_config: str = ""  # --eval-config's path
     custom_config: str = ""  # --custom-config-path's path
     num_epoch: int = 0  # --num-epoch
@@ -119,6 +121,8 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
         eval_keys, problems = eval_spec(out.eval_config, out.spec)
         out.spec.update(eval_keys)
         out.refused += problems
+    if out.opd_reward or out.opd_post_process:
+        _resolve_opd_reward(out)
     if out.no_advantages and out.spec.get("loss_type") != "sft_loss":
         out.refused.append("--disable-compute-advantages-and-returns: " +
                            FLAGS["disable-compute-advantages-and-returns"].note)
@@ -181,6 +185,40 @@ def _rollout_function(out: Conversion, value: Any) -> None:
         out.sources[key] = f"{setting}, from {out.sources['rollout_function_path']}"
     elif value != FLAGS["rollout-function-path"].default:
         out.refused.append(f"--rollout-function-path {value}: {FLAGS['rollout-function-path'].note}")
+
+
+def _custom_rm(out: Conversion, value: Any) -> None:
+    if value == SLIME_OPD_REWARD:
+        out.opd_reward = True  # resolved once --rm-url is known
+    else:
+        out.spec["custom_rm_path"] = value
+
+
+def _reward_post_process(out: Conversion, value: Any) -> None:
+    if value == SLIME_OPD_POST_PROCESS:
+        out.opd_post_process = True
+    else:
+        out.spec["custom_reward_post_process_path"] = value
+
+
+def _resolve_opd_reward(out: Conversion) -> None:
+    """slime's sglang-type distillation is its reward function asking the teacher at --rm-url and its post-process
+    keeping the teacher's log-probs with reward 0: here the rollout service asks the teacher (opd_teacher_url)."""
+    if not out.opd_reward:
+        out.refused.append(f"--custom-reward-post-process-path {SLIME_OPD_POST_PROCESS}: it reads the teacher's reply "
+                           f"of --custom-rm-path {SLIME_OPD_REWARD}; give both (or neither)")
+        return
+    if "rm_url" not in out.spec:
+        out.refused.append(f"--custom-rm-path {SLIME_OPD_REWARD}: needs --rm-url, the teacher's /generate URL")
+        return
+    out.spec["opd_teacher_url"] = out.spec.pop("rm_url")
+    out.spec["opd_only"] = True  # the reward function's reply is the teacher's, which only the post-process reads
+    reward = out.sources.pop("custom_rm_path", "--custom-rm-path")
+    out.sources["opd_teacher_url"] = f"{out.sources.pop('rm_url')}, for {SLIME_OPD_REWARD} ({reward})"
+    out.sources["opd_only"] = f"slime's on_policy_distillation reward ({reward})"
+    out.notes.append(f"--custom-rm-path {SLIME_OPD_REWARD}: the rollout service asks the teacher at "
+                     f"{out.spec['opd_teacher_url']} for each sample's log-probs (opd_teacher_url); rewards are 0 "
+                     "(opd_only)")
 
 
 def _no_advantages(out: Conversion, value: Any) -> None:
@@ -247,9 +285,13 @@ def _transport(out: Conversion, value: Any) -> None:
         out.refused.append(f"--update-weight-transport {value}: expected nccl or disk")
 
 
-_SPECIAL = {"update-weight-transport": _transport,
+_SPECIAL = {"update-weight-transport": _transport, "custom-rm-path": _custom_rm,
+            "custom-reward-post-process-path": _reward_post_process,
             "rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
             "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch}
+# slime's sglang-type on-policy distillation: a reward function asking the teacher, a post-process keeping its log-probs
+SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
+SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
 # slime's rollout functions -> the spec setting that does their job here
 SLIME_ROLLOUTS = {"slime.rollout.sft_rollout.generate_rollout": ("loss_type", "sft_loss"),
                   "slime.rollout.fully_async_rollout.generate_rollout_fully_async": ("mode", "fully_async")}

@@ -45,7 +45,6 @@ _POOL = ("the engine pool is the rollout service's (Helm engine.replicas, `physa
 _MEGATRON_HOOK = "Physarum's trainer does not run slime's Megatron actor, so its hooks have no place to run; "
 _DEBUG = "a slime developer's diagnostic with no counterpart here; "
 _WANDB = "W&B logging (see use_wandb)"
-_OPD = "on-policy distillation is not implemented; train with a teacher's samples as SFT data instead"
 
 FLAGS: dict[str, Flag] = {
     # cluster and placement
@@ -120,7 +119,7 @@ FLAGS: dict[str, Flag] = {
     "async-save": M(False, "checkpoints are written synchronously (correct, slower)", warn=True, bare=True),
     "no-save-optim": R(False, "checkpoints always hold the optimizer (resumes are exact)", bare=True),
     "ref-load": I(),
-    "ref-ckpt-step": R(None, "the reference model loads the latest checkpoint of ref_load (or an HF directory)"),
+    "ref-ckpt-step": I(),
     "ref-update-interval": I(),
     "keep-old-actor": R(False, "the old policy's log-probs are recomputed before each step", bare=True),
     "reset-optimizer-states": R(False, "not implemented: start from an HF export (save_hf) instead", bare=True),
@@ -172,11 +171,17 @@ FLAGS: dict[str, Flag] = {
     "min-batch-collection-ratio": R(1, "a rollout always collects its full batch"),
     "disable-rollout-global-dataset": R(None, "the buffer service always holds the dataset", bare=True),
     "custom-generate-function-path": I(),
-    "custom-rm-path": I(),
+    "custom-rm-path": Flag("implemented", None, "custom_rm_path; slime's on_policy_distillation.reward_func (the "
+                                                "teacher at --rm-url as the reward) is opd_teacher_url = rm_url with "
+                                                "opd_only: the rollout service asks the teacher engine for each "
+                                                "sample's log-probs, rewards are 0"),
     "custom-config-path": M(None, "its YAML mapping is read at submit, as slime sets each key on args: a job-spec "
                                   "key sets the spec (over its flag), any other joins the spec's plugin_args, so "
                                   "plugins and hooks see every key in args"),
-    "custom-reward-post-process-path": I(),
+    "custom-reward-post-process-path": Flag("implemented", None, "custom_reward_post_process_path; slime's "
+                                               "on_policy_distillation.post_process_rewards (the teacher's log-probs "
+                                               "onto the samples, rewards 0) is what opd_only does, with its "
+                                               "reward_func only"),
     "custom-convert-samples-to-train-data-path": R(None, "samples become training data in the trainer; use "
                                                          "custom_loss_function_path to change the loss"),
     "custom-rollout-log-function-path": R(None, "rollout metrics are the rollout service's"),
@@ -258,11 +263,11 @@ FLAGS: dict[str, Flag] = {
     "use-rollout-entropy": R(False, "the engines' entropies are not collected", bare=True),
     "use-opsm": R(False, "off-policy sequence masking is not implemented", bare=True),
     "opsm-delta": R(0.0001, "off-policy sequence masking is not implemented"),
-    "use-opd": R(False, _OPD, bare=True),
-    "opd-type": R(None, _OPD),
-    "opd-kl-coef": R(1.0, _OPD),
-    "opd-teacher-load": R(None, _OPD),
-    "opd-teacher-ckpt-step": R(None, _OPD),
+    "use-opd": I(False, bare=True),
+    "opd-type": I(),
+    "opd-kl-coef": I(1.0),
+    "opd-teacher-load": I(),
+    "opd-teacher-ckpt-step": I(),
     "lr": I(1e-6),
     "clip-grad": I(1.0),
     "seed": I(1234),

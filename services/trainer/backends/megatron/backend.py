@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,11 @@ from services.trainer.backends import optim, packing, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
-from services.trainer.backends.megatron import convert, cpu_compat, hf_io
+from services.trainer.backends.megatron import cpu_compat, hf_io
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
+from services.trainer.backends.megatron.hf_weights import MegatronHFWeights
 from services.trainer.backends.megatron.routing import MegatronRouting
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from services.trainer.backends.schedule import MicroBatch, dp_schedule
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 LossFn = Callable[[MicroBatch, RolloutBatch, torch.Tensor], torch.Tensor]  # (rows, micro-batch, logits) -> loss
 
 
-class MegatronBackend(MegatronCheckpointing):
+class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     """A policy as a Megatron GPTModel; `train_rollout` runs the same per-rollout schedule as TorchBackend.
 
     Joins the default process group that is already there (the trainer's `parallel.World`, passed as `world` and
@@ -106,10 +107,9 @@ class MegatronBackend(MegatronCheckpointing):
         model_config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._build_optimizer()
         self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
-        self.ref_model = None
-        if config.needs_ref_model:
-            self.ref_model = self._build_gpt().requires_grad_(False)
-            self._copy_hf_weights(self.ref_model, hf)
+        # frozen models: the reference (KL) and the distillation teacher, each loaded over later when asked
+        self.ref_model, self.teacher_model = (self._frozen_copy(hf) if needed else None
+                                              for needed in (config.needs_ref_model, config.needs_teacher_model))
         pad = hf_config.get("pad_token_id")
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
@@ -136,42 +136,6 @@ class MegatronBackend(MegatronCheckpointing):
     def _build_optimizer(self):
         return mcore.build_optimizer(self.config, self.model, use_distributed_optimizer=self.use_distributed_optimizer,
                                      dtype=self.dtype, overrides=self.megatron_args.optimizer)
-
-    def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
-        state = convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                       pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te,
-                                       ep_rank=self.ep_rank, ep_size=self.ep_size)
-        params = dict(gpt.named_parameters())
-        assert params.keys() == state.keys(), f"conversion mismatch: {sorted(params.keys() ^ state.keys())}"
-        with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(state[name])
-
-    def load(self, path: str | Path) -> None:
-        """Replace the policy's weights with an HF checkpoint's (same architecture), with fresh optimizer state."""
-        path = Path(path)
-        if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
-            raise InvalidArgument(f"model {path}: architecture {arch} differs from the policy's {self.arch}")
-        self._copy_hf_weights(self.gpt, hf_io.HFTensors(path))
-        self.optimizer = self._build_optimizer()
-        self._num_steps = 0
-
-    def load_ref(self, path: str | Path) -> None:
-        """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
-        if self.ref_model is None:
-            raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
-        path = Path(path)
-        if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
-            raise InvalidArgument(f"ref_load {path}: architecture {arch} differs from the policy's {self.arch}")
-        self._copy_hf_weights(self.ref_model, hf_io.HFTensors(path))
-
-    def update_ref_model(self) -> None:
-        """Copy the policy into the reference model (slime's --ref-update-interval), shard by shard."""
-        with torch.no_grad():
-            for (name, param), (ref_name, ref) in zip(self.gpt.named_parameters(), self.ref_model.named_parameters(),
-                                                      strict=True):
-                assert name == ref_name, (name, ref_name)
-                ref.copy_(param)
 
     # -- which rows this rank runs
 
@@ -298,7 +262,8 @@ class MegatronBackend(MegatronCheckpointing):
 
             # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce (group None).
             batch = rl_step.with_advantages(batch, cfg, num_steps=len(steps), model=self.model,
-                                            ref_model=self.ref_model, samples=samples, log_probs_of=log_probs_of)
+                                            ref_model=self.ref_model, teacher_model=self.teacher_model,
+                                            samples=samples, log_probs_of=log_probs_of)
             batch = batch.with_routed_experts(recorded[0]) if recorded else batch
         metrics = [self._train_step(batch, rows, micro) for rows, micro in steps]
         self._weight_version += 1
@@ -376,25 +341,6 @@ class MegatronBackend(MegatronCheckpointing):
             for key, value in (part or {}).items():
                 summed[key] = summed.get(key, 0.0) + float(value)
         return summed
-
-    # -- weights out
-
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective: every rank must run it to the end. Global rank 0 yields each HF weight once (a tied
-        lm_head comes as model.embed_tokens.weight only); the other ranks yield nothing."""
-        yield from convert.gather_hf_weights(
-            list(self.gpt.named_parameters()), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
-            tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
-
-    def save_hf(self, path: str | Path) -> None:
-        """Collective: rank 0 writes the HF checkpoint directory."""
-        path = Path(path)
-        weights = dict(self.named_weights())
-        if dist.get_rank() == 0:
-            hf_io.write_checkpoint(path, weights, self.model_path)
-            log.info("saved HF checkpoint to %s", path)
-        dist.barrier()
 
     def close(self) -> None:
         """Drop Megatron's process groups (the default group stays for the next backend in this process)."""

@@ -102,13 +102,24 @@ class MegatronCheckpointing:
 
     def load_ref_sharded(self, path: str | Path) -> None:
         """Collective: the policy of a checkpoint as the reference model (slime's --ref-load of a checkpoint)."""
-        from megatron.core import dist_checkpointing
-
         if self.ref_model is None:
             raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
-        with cpu_compat.cuda_to_cpu():
-            loaded = dist_checkpointing.load({"model": self.ref_model.sharded_state_dict(prefix="model.")}, str(path))
-        self.ref_model.load_state_dict(_strip(loaded["model"], "model."))
+        _load_policy_into(self.ref_model, path)
+
+    def load_teacher_sharded(self, path: str | Path) -> None:
+        """Collective: the policy of a checkpoint as the distillation teacher (slime's --opd-teacher-load)."""
+        if self.teacher_model is None:
+            raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
+        _load_policy_into(self.teacher_model, path)
+
+
+def _load_policy_into(gpt, path: str | Path) -> None:
+    """The policy ("model.") of a checkpoint into a frozen model of the same architecture, in any TP/PP layout."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_compat.cuda_to_cpu():
+        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict(prefix="model.")}, str(path))
+    gpt.load_state_dict(_strip(loaded["model"], "model."))
 
 
 def _strip(state: dict[str, Any], prefix: str) -> dict[str, Any]:
