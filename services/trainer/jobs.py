@@ -306,15 +306,15 @@ class JobRegistry:
             return "job worker thread is not running: queued jobs will not start; restart the trainer"
         return getattr(self._runner, "broken", "")
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop: the running job is preempted at its next check (it stays unfinished, to resume at the next start),
-        queued jobs stay queued; the records are written before this returns (up to `timeout_s`)."""
+    def close(self, timeout_s: float = 30.0, records_timeout_s: float = 10.0) -> None:
+        """Stop: the running job is preempted at its next check (it stays unfinished, to resume at the next start;
+        it gets `timeout_s`), queued jobs stay queued; then the records are written (up to `records_timeout_s`)."""
         self._closed = True
         self.stopping.set()
         self._queue.put(None)
         self._worker.join(timeout_s)
         if self._store is not None:
-            self._store.close()
+            self._store.close(records_timeout_s)
 
     @staticmethod
     def to_dict(job: Job) -> dict[str, Any]:
