@@ -66,7 +66,7 @@ class EngineStatus:
 @dataclass
 class ScaleEvent:
     time_s: float  # unix time
-    kind: str  # scale, launch, join, demote, drain, stop, fail
+    kind: str  # scale, launch, join, demote, drain, stop, fail, replace
     engine: str = ""
     detail: str = ""
 

@@ -12,7 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.trainer.api.server import QUEUE_HEALTH
+from services.trainer.api.job_store import LOAD_TIMEOUT_S
+from services.trainer.api.server import QUEUE_HEALTH, RECORDS_TIMEOUT_S
 from tests.chart.chart import one, pod_spec, render
 
 
@@ -126,7 +127,13 @@ def test_the_grace_period_covers_the_jobs_preemption_and_pods_always_restart(gra
     assert pod.get("restartPolicy", "Always") == "Always"
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     monkeypatch.setenv("PHYSARUM_TRAINER_PREEMPT_TIMEOUT_S", env["PHYSARUM_TRAINER_PREEMPT_TIMEOUT_S"])
-    assert load_config(TrainerConfig, "trainer", []).preempt_timeout_s == grace - 15
+    config = load_config(TrainerConfig, "trainer", [])
+    assert config.preempt_timeout_s == grace - 15
+    # after the job stopped, the stop writes the records and lets in-flight calls end, each bounded, inside the 15 s
+    assert RECORDS_TIMEOUT_S + config.grace_s <= grace - config.preempt_timeout_s - 5  # 5 s: the process's exit
     # liveness gives a stuck queue a few checks before the restart, and never fires on a draining (unready) pod
     liveness = pod["containers"][0]["livenessProbe"]
     assert "physarum.v1.Jobs.queue" in liveness["exec"]["command"][2]
+    # a starting trainer waits for Redis to load its job records (then exits): the startup probe waits longer
+    startup = pod["containers"][0]["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > LOAD_TIMEOUT_S

@@ -15,6 +15,6 @@ def test_fuzz_sample_is_refused_clearly_and_the_stack_stays_up(tmp_path):
 
 
 def test_chaos_one_kill_of_each_kind_loses_and_duplicates_nothing(tmp_path):
-    summary = chaos.run(tmp_path, num_rollout=10, extra_kills=0, seed=1)
+    summary = chaos.run(tmp_path, num_rollout=chaos.NUM_ROLLOUT, seed=1)
     assert (summary["lost"], summary["duplicated"], summary["job"]) == (0, 0, "SUCCEEDED"), summary
     assert summary["kills"] >= 1

@@ -195,3 +195,21 @@ def test_a_hung_engine_fails_its_health_check_and_is_replaced(stack):
     assert {e.weight_version for e in status.engines} == {"v1"}
     detail = [e.detail for e in status.events if e.kind == "fail" and e.engine == hung.name][-1]
     assert f"no /health_generate reply in {TIMEOUT_S} s" in detail
+
+
+def test_an_engine_killed_again_and_again_is_replaced_each_time_without_a_growing_wait(stack):
+    """Kill the newest engine as soon as it serves, four times (real processes, by the PIDs the pool reports): each
+    replacement serves the current version, and the pool's own record of each replacement says it waited 0 s with
+    no start failure counted (engines killed after they showed that they start are no crash loop)."""
+    client = stack["client"]
+    status = wait_status(client, serving_exactly(2), "2 engines serving")
+    killed = []
+    for _ in range(4):
+        victim = max(status.engines, key=lambda e: int(e.name.split("-")[1]))
+        os.kill(victim.pid, signal.SIGKILL)
+        killed.append(victim.name)
+        status = wait_status(client, lambda s, gone=victim.url: gone not in [e.url for e in s.engines]
+                             and serving_exactly(2)(s), f"{victim.name} replaced", timeout_s=60)
+        assert {e.weight_version for e in status.engines} == {"v1"}
+    replaced = {e.engine: e.detail for e in status.events if e.kind == "replace"}
+    assert [replaced[name] for name in killed] == ["in 0.00 s (0 start failures in a row)"] * 4

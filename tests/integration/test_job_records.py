@@ -146,8 +146,8 @@ def test_a_job_the_trainer_died_in_resumes_until_the_restart_limit(redis_url, tm
             registry = JobRegistry(hangs, RedisJobStore(redis_url), max_restarts=2)
             job = registry.get("crashy")
             assert job.attempts == attempt
-            assert any(f"it resumes from its latest checkpoint (restart {attempt} of at most 2)" in e.message
-                       for e in job.events)
+            assert any(f"it resumes from its latest checkpoint (restart {attempt}; {attempt} in a row without "
+                       f"progress, at most 2)" in e.message for e in job.events)
             deadline = time.monotonic() + 30
             while job.state != JobState.RUNNING:
                 assert time.monotonic() < deadline
@@ -155,9 +155,93 @@ def test_a_job_the_trainer_died_in_resumes_until_the_restart_limit(redis_url, tm
             assert registry._store.flush()
         final = JobRegistry(hangs, RedisJobStore(redis_url), max_restarts=2).get("crashy")
         assert final.state == JobState.FAILED and final.attempts == 3
-        assert final.error == "the trainer stopped while the job ran, 3 times (at most 2 restarts): not resumed again"
+        assert final.error == ("the trainer stopped while the job ran (at rollout -1), 3 times in a row without "
+                               "progress (at most 2 restarts): not resumed again")
     finally:
         blocked.set()
+
+
+def wait_job(registry: JobRegistry, job_id: str, *states: JobState):
+    deadline = time.monotonic() + 30
+    while (job := registry.get(job_id)).state not in states:
+        assert time.monotonic() < deadline, f"job {job_id} is {job.state}, not {states}"
+        time.sleep(0.01)
+    return job
+
+
+def died(redis_url: str, runner, max_restarts: int) -> JobRegistry:
+    """A job API started again after its trainer was SIGKILLed (the registry before it is left unclosed)."""
+    return JobRegistry(runner, RedisJobStore(redis_url), max_restarts=max_restarts)
+
+
+def test_every_kind_of_interruption_counts_and_progress_resets_the_count(redis_url, tmp_path):
+    """Deaths (SIGKILL) and evictions (SIGTERM) count together; a new checkpoint (a death) or a trained rollout
+    (an eviction, which checkpoints it) since the start before resets the count; one interruption too many in a
+    row without progress ends the job FAILED saying how it stopped, each time at the same rollout."""
+    plan: list[str] = []  # what each run does: "checkpoint" (reports rollout n with a checkpoint) then waits
+    progress = {"rollout": -1}
+    released = threading.Event()
+
+    def runner(spec, ctx) -> None:
+        if plan.pop(0) == "checkpoint":
+            progress["rollout"] += 1
+            ctx.report(progress["rollout"], {"perf/save_seconds": 0.1})
+        while not released.wait(0.01):
+            ctx.check_cancelled()  # an eviction stops the job here
+
+    def run_then(registry: JobRegistry, how: str) -> JobRegistry:
+        """The job runs in `registry`, then the trainer dies (SIGKILL) or is evicted (SIGTERM)."""
+        wait_job(registry, "flaky", JobState.RUNNING)
+        assert registry._store.flush()
+        if how == "evict":
+            registry.close()
+        return died(redis_url, runner, max_restarts=2)
+
+    plan.extend(["checkpoint", "checkpoint", "wait", "checkpoint", "wait", "wait", "wait"])
+    registry = died(redis_url, runner, max_restarts=2)
+    registry.submit(parse_spec(spec(tmp_path, "flaky", num_rollout=10)))
+    stalls = []
+    for how in ("kill", "evict", "kill", "evict", "evict", "evict", "kill"):
+        registry = run_then(registry, how)
+        stalls.append(registry.get("flaky").stalls)
+        if registry.get("flaky").state == JobState.FAILED:
+            break
+    # kill after a checkpoint: 0; evict after a trained rollout: 0; kill with nothing new: 1; evict after a
+    # trained rollout: 0; evict, evict with nothing new: 1, 2; kill with nothing new: 3 > 2, FAILED
+    assert stalls == [0, 0, 1, 0, 1, 2, 3]
+    final = registry.get("flaky")
+    assert final.state == JobState.FAILED and final.attempts == 3 and final.checkpoints == [0, 1, 2]
+    assert final.error == ("the trainer stopped while the job ran (at rollout 2), 3 times in a row without progress "
+                           "(at most 2 restarts): not resumed again")
+    released.set()
+    registry.close()
+
+
+def test_a_resumed_job_that_raises_fails_with_its_error_and_is_not_run_again(redis_url, tmp_path):
+    """A run that raises is not a restart: the job ends FAILED with the error at once, however it got there."""
+    runs = []
+    hang = threading.Event()
+
+    def runner(spec, ctx) -> None:
+        runs.append(spec.job_id)
+        if len(runs) == 1:
+            hang.wait(60)  # the trainer dies in the middle of this run
+        raise ValueError("rollout 3: the same bad row on every resume")
+
+    first = died(redis_url, runner, max_restarts=3)
+    first.submit(parse_spec(spec(tmp_path, "bad-row")))
+    wait_job(first, "bad-row", JobState.RUNNING)
+    assert first._store.flush()
+    registry = died(redis_url, runner, max_restarts=3)
+    try:
+        job = wait_job(registry, "bad-row", JobState.FAILED)
+        assert job.error == "ValueError: rollout 3: the same bad row on every resume" and runs == ["bad-row"] * 2
+        assert registry._store.flush()
+        assert died(redis_url, runner, max_restarts=3).get("bad-row").state == JobState.FAILED  # stays FAILED
+        assert runs == ["bad-row"] * 2
+    finally:
+        hang.set()
+        registry.close()
 
 
 def test_records_are_written_while_redis_restarts(tmp_path):

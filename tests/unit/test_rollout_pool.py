@@ -4,6 +4,8 @@ only with the current weights (disk or sync), draining, replacing dead or hung e
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
 import time
 
@@ -303,4 +305,73 @@ def test_scale_checks_its_argument_and_external_engines_need_no_launcher():
             pool.scale(-1)
         await pool.close()
         assert list(router.workers) == ["http://ext"]  # external engines stay registered
+    run(main())
+
+
+def newest(pool: EnginePool):
+    """The most recently launched engine the pool knows (None between a hand-back and the next launch)."""
+    return max(pool.records.values(), key=lambda e: int(e.name.split("-")[1]), default=None)
+
+
+def healthy_replacement_of(pool: EnginePool, victim: str):
+    """The engine launched after `victim`, once it answers /health (else None)."""
+    e = newest(pool)
+    return e if e is not None and e.name != victim and e.healthy else None
+
+
+def test_engines_killed_after_they_showed_they_start_are_replaced_at_once_however_often():
+    """Repeated kills (a node lost, chaos): each replacement answers /health and, in sync mode with no broadcast
+    since, waits in JOINING; killed there after healthy_proof_s, it is replaced with no wait. The start-failure
+    back-off (which only counted serving as proof) made this 1, 2, 4, 8, 16 s."""
+    async def main():
+        pool, launcher, router, fleet = make_pool(1, join_mode="sync", healthy_proof_s=0.05)
+        await pool.start()
+        plan = await pool.begin_weight_sync("1")  # the version no replacement holds until the next broadcast
+        pool.end_weight_sync("1", success=True, engine_urls=plan.engine_urls)
+        for kill in range(6):
+            victim = newest(pool)
+            fleet.alive[victim.url] = False  # SIGKILL
+            await until(functools.partial(healthy_replacement_of, pool, victim.name),
+                        what=f"replacement {kill + 1} answering /health")
+            replacement = newest(pool)
+            assert replacement.state == EngineState.JOINING
+            await until(functools.partial(getattr, replacement, "proven"),
+                        what=f"replacement {kill + 1} healthy for healthy_proof_s")
+        assert pool.replacements == collections.deque(
+            [(f"engine-{i}", 0, 0.0) for i in range(6)])  # engine-0 served; engines 1-5 were healthy long enough
+        assert pool.start_failures == 0
+        await pool.close()
+    run(main())
+
+
+def test_a_crash_loop_before_health_backs_off_doubling_until_an_engine_shows_it_starts():
+    """Replacements that die before they answer /health double the wait (start_backoff_s, 2x, 4x); one that stays
+    healthy healthy_proof_s (without serving) resets the count, and the next early death waits the shortest again."""
+    async def main():
+        pool, launcher, router, fleet = make_pool(1, join_mode="sync", healthy_proof_s=0.2, start_backoff_s=0.01)
+        await pool.start()
+        plan = await pool.begin_weight_sync("1")
+        pool.end_weight_sync("1", success=True, engine_urls=plan.engine_urls)
+        original, crashes = launcher.scale, {"left": 3}
+
+        def scale_then_crash(replicas, remove=()):  # the next replacements die before they answer /health
+            original(replicas, remove)
+            for e in launcher.running.values():
+                if crashes["left"] and e.name != "engine-0" and fleet.alive.get(e.url) and e.url not in router.workers:
+                    fleet.alive[e.url] = False
+                    crashes["left"] -= 1
+        launcher.scale = scale_then_crash
+        fleet.alive["http://engine-0"] = False  # the serving engine is killed
+        await until(lambda: crashes["left"] == 0 and healthy_replacement_of(pool, "engine-3") is not None,
+                    what="engine-4, after three crashes, answering /health")
+        assert newest(pool).name == "engine-4"
+        assert [delay for _, _, delay in pool.replacements] == [0.0, 0.01, 0.02, 0.04]
+        assert pool.start_failures == 3
+        await until(lambda: pool.start_failures == 0, what="engine-4 healthy for healthy_proof_s")
+        assert states(pool)["engine-4"] == "JOINING"  # it never served: being healthy long enough was the proof
+        crashes["left"] = 1
+        fleet.alive["http://engine-4"] = False
+        await until(lambda: len(pool.replacements) == 6, what="engine-4 and engine-5 replaced")
+        assert list(pool.replacements)[4:] == [("engine-4", 0, 0.0), ("engine-5", 1, 0.01)]
+        await pool.close()
     run(main())

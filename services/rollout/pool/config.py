@@ -25,6 +25,14 @@ class PoolConfig:
     tick_s: float = 0.2
     own_router: bool = False  # remove router workers this pool never registered (one manager per router)
     max_start_failures: int = 3  # engines failing before the pool first served: then start() fails
+    # A launched engine that dies before it has shown that engines start (it served, or answered /health and stayed
+    # healthy healthy_proof_s) counts as a start failure: it is replaced after a wait that doubles with each one in a
+    # row (start_backoff_s, 2x, 4x ... at most start_backoff_max_s), so a crash loop (a bad model, too little memory)
+    # is not relaunched flat out. Any other dead engine (killed, evicted, lost with its node) is replaced at once, and
+    # an engine that shows it starts forgets the failures counted so far: repeated kills never grow the wait.
+    healthy_proof_s: float = 5.0
+    start_backoff_s: float = 1.0
+    start_backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.replicas < 0:

@@ -40,6 +40,7 @@ class EngineRecord:
     join_mode: str = "none"  # how it got the weights it joined with: disk, sync, or none (no version yet)
     healthy: bool = False
     served: bool = False  # it was SERVING once
+    proven: bool = False  # it showed that engines start (served, or healthy for the pool's healthy_proof_s)
     next_check_s: float = 0.0
     disk_loading: bool = False
     suspect: bool = False  # a failed weight sync named it: left out of syncs until it is checked
@@ -48,6 +49,10 @@ class EngineRecord:
     @property
     def busy(self) -> bool:
         return self.task is not None and not self.task.done()
+
+    def healthy_for(self, seconds: float) -> bool:
+        """It first answered /health at least `seconds` ago."""
+        return self.healthy_s > 0 and time.monotonic() - self.healthy_s >= seconds
 
 
 class StepHost(Protocol):
@@ -67,9 +72,9 @@ class StepHost(Protocol):
 
     def event(self, kind: str, engine: str = "", detail: str = "") -> None: ...
 
-    def engine_served(self) -> None: ...
+    def engine_proven(self, e: EngineRecord) -> None: ...
 
-    def start_failed(self, e: EngineRecord, reason: str) -> float | None: ...
+    def replacement_delay(self, e: EngineRecord, reason: str) -> float | None: ...
 
     async def replace(self, e: EngineRecord) -> None: ...
 
@@ -105,7 +110,7 @@ async def join(pool: StepHost, e: EngineRecord) -> None:
     if e.weight_version is not None and e.weight_version == pool.weight_version and not pool.syncing:
         pool.settled_version = e.weight_version  # an engine that joined from the snapshot (or a restarted pool's)
     e.next_check_s = time.monotonic() + pool.config.health_check_first_wait_s + pool.config.health_check_interval_s
-    pool.engine_served()
+    pool.engine_proven(e)
     join_s = time.monotonic() - e.healthy_s
     pool.metrics.join_seconds.labels(e.join_mode).observe(join_s)
     pool.event("join", e.name, f"{e.url} serving weight version {e.weight_version} ({e.join_mode}) "
@@ -186,11 +191,11 @@ async def fail(pool: StepHost, e: EngineRecord, reason: str) -> None:
     if e.external:
         e.state, e.weight_version, e.created_s = EngineState.STARTING, None, time.monotonic()
         return
-    if not e.served:
-        backoff_s = pool.start_failed(e, reason)
-        if backoff_s is None:
-            return
-        await asyncio.sleep(backoff_s)
+    delay_s = pool.replacement_delay(e, reason)
+    if delay_s is None:
+        return
+    if delay_s:
+        await asyncio.sleep(delay_s)
     await pool.replace(e)
 
 

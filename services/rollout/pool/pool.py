@@ -61,7 +61,8 @@ class EnginePool:
         self.launcher_lock = asyncio.Lock()
         self.wake = asyncio.Event()
         self.ready = asyncio.Event()  # set once every engine wanted at start serves
-        self.start_failures = 0
+        self.start_failures = 0  # launched engines in a row that died before they showed that engines start
+        self.replacements: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=MAX_EVENTS)
         self.last_poll_s = float("-inf")
         self.controller: asyncio.Task | None = None
         self.fatal: Exception | None = None
@@ -271,6 +272,8 @@ class EnginePool:
         await self.registrations.refresh({e.url for e in self.records.values()})
         await self._resize()
         for e in list(self.records.values()):
+            if not e.external and e.state != EngineState.FAILED and e.healthy_for(self.config.healthy_proof_s):
+                self.engine_proven(e)
             if not e.busy:
                 self._dispatch(e, time.monotonic())
         self.update_gauges()
@@ -347,20 +350,31 @@ class EnginePool:
 
     # What the engine steps ask of the pool (engine_steps.StepHost): they change its state only through these.
 
-    def engine_served(self) -> None:
-        """An engine began serving: launch failures before it no longer count towards giving up."""
-        self.start_failures = 0
+    def engine_proven(self, e: EngineRecord) -> None:
+        """`e` showed that engines start (it serves, or was healthy healthy_proof_s): forget the start failures."""
+        if not e.proven:
+            e.proven = True
+            self.start_failures = 0
 
-    def start_failed(self, e: EngineRecord, reason: str) -> float | None:
-        """A launched engine failed before it ever served: the back-off before replacing it, or None once the pool
-        gives up (too many such failures before the pool first served; start() then raises)."""
-        self.start_failures += 1
-        if not self.ready.is_set() and self.start_failures >= self.config.max_start_failures:
-            self.fatal = Unavailable(f"engine pool: {self.start_failures} engines failed to start; last: "
-                                     f"{e.name} {e.url}: {reason}")
-            self.wake.set()
-            return None
-        return min(2.0 ** (self.start_failures - 1), 30.0)  # back off a crash loop
+    def replacement_delay(self, e: EngineRecord, reason: str) -> float | None:
+        """The wait before replacing `e`, a launched engine that failed (None: the pool gives up, start() raises): none
+        if it showed that engines start, else doubling with each start failure in a row (PoolConfig). Each decision
+        is kept in `replacements` (engine, start failures in a row, seconds) and in the pool's events."""
+        if e.proven or e.healthy_for(self.config.healthy_proof_s):
+            self.engine_proven(e)
+            delay_s = 0.0
+        else:
+            self.start_failures += 1
+            if not self.ready.is_set() and self.start_failures >= self.config.max_start_failures:
+                self.fatal = Unavailable(f"engine pool: {self.start_failures} engines failed to start; last: "
+                                         f"{e.name} {e.url}: {reason}")
+                self.wake.set()
+                return None
+            doubled = self.config.start_backoff_s * 2.0 ** (self.start_failures - 1)
+            delay_s = min(doubled, self.config.start_backoff_max_s)
+        self.replacements.append((e.name, self.start_failures, delay_s))
+        self.event("replace", e.name, f"in {delay_s:.2f} s ({self.start_failures} start failures in a row)")
+        return delay_s
 
     async def replace(self, e: EngineRecord) -> None:
         """Stop `e` and have the launcher start another in its place."""

@@ -86,12 +86,15 @@ class RedisJobStore:
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is pending, then stop the flusher; returns within `timeout_s` in all (a write stuck on a Redis
+        that does not answer is left to the daemon flusher)."""
+        deadline = time.monotonic() + timeout_s
         if not self.flush(timeout_s):
             log.error("job store: %d jobs' last changes not written to Redis", len(self._dirty))
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._flusher.join(timeout_s)
+        self._flusher.join(max(0.0, deadline - time.monotonic()))
         self.redis.close()
 
     def _flush_loop(self) -> None:

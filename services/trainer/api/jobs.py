@@ -71,6 +71,12 @@ class Job:
     order: int = 0                  # submission number: the queue's order, across restarts
     attempts: int = 0               # starts after the first: times the trainer stopped while the job ran
     checkpoints: list[int] = field(default_factory=list)  # rollouts a checkpoint was saved after
+    stalls: int = 0                 # interruptions in a row, each without progress since the start before it
+    started_at: tuple[int, int] = (-1, -1)  # (rollout_id, latest checkpoint) when the job last started running
+
+    @property
+    def latest_checkpoint(self) -> int:
+        return self.checkpoints[-1] if self.checkpoints else -1
 
     @property
     def job_id(self) -> str:
@@ -134,7 +140,7 @@ class JobRegistry:
     """Jobs in submission order; one worker thread runs them FIFO with `runner`. Given a `store`, every change is
     persisted and the jobs of the job API before this one are loaded back: the unfinished ones queue again in their
     order, a job the trainer stopped in the middle of first (resuming from its latest checkpoint), unless it was
-    interrupted more than `max_restarts` times."""
+    interrupted (the trainer died or was evicted) more than `max_restarts` times in a row with no new checkpoint."""
 
     def __init__(self, runner: Runner, store: RedisJobStore | None = None, max_restarts: int = 3) -> None:
         self._runner = runner
@@ -227,14 +233,26 @@ class JobRegistry:
 
     def _interrupted(self, job: Job) -> None:
         """A job RUNNING in the records of a job API that is gone: the trainer died in the middle of it."""
-        job.attempts += 1
-        if job.attempts > self._max_restarts:
-            self._finish(job, JobState.FAILED, f"the trainer stopped while the job ran, {job.attempts} times (at "
-                                               f"most {self._max_restarts} restarts): not resumed again")
+        job.attempts += 1  # what it trained since its start is kept only up to its latest checkpoint
+        if self._stalled(job, "the trainer stopped while the job ran",
+                         progressed=job.latest_checkpoint > job.started_at[1]):
             return
         self.record(job, state=JobState.QUEUED, message=f"the trainer stopped while the job ran: it resumes from its "
-                                                        f"latest checkpoint (restart {job.attempts} of at most "
+                                                        f"latest checkpoint (restart {job.attempts}; {job.stalls} "
+                                                        f"in a row without progress, at most "
                                                         f"{self._max_restarts})")
+
+    def _stalled(self, job: Job, cause: str, *, progressed: bool) -> bool:
+        """Count an interruption of `job` (the trainer died, or was stopped, while it ran): in a row with the one
+        before unless the job `progressed` since it last started. More than max_restarts in a row: the job fails the
+        same way each time (it stops before it gets further), so it is FAILED, not resumed again."""
+        job.stalls = 0 if progressed else job.stalls + 1
+        if job.stalls <= self._max_restarts:
+            return False
+        self._finish(job, JobState.FAILED, f"{cause} (at rollout {job.rollout_id}), {job.stalls} times in a row "
+                                           f"without progress (at most {self._max_restarts} restarts): not resumed "
+                                           f"again")
+        return True
 
     def _finish(self, job: Job, state: JobState, message: str) -> None:
         if job.state.terminal:
@@ -257,12 +275,16 @@ class JobRegistry:
         if job.state.terminal or self.stopping.is_set():
             return
         resumed = job.attempts > 0 or any(e.message.startswith(PREEMPTED) for e in job.events)
+        job.started_at = (job.rollout_id, job.latest_checkpoint)
         self.record(job, state=JobState.RUNNING, message="running" + (" (resumed)" if resumed else ""))
         try:
             self._runner(resume_spec(job.spec) if resumed else job.spec, JobContext(self, job))
         except JobPreempted:
-            self.record(job, state=JobState.QUEUED, message=f"{PREEMPTED}: the trainer stopped; the job resumes "
-                                                            "from its latest checkpoint at the trainer's next start")
+            # the rollouts trained since the start are checkpointed at the safe point the job stopped at
+            if not self._stalled(job, "the trainer was stopped (SIGTERM) while the job ran",
+                                 progressed=job.rollout_id > job.started_at[0]):
+                self.record(job, state=JobState.QUEUED, message=f"{PREEMPTED}: the trainer stopped; the job "
+                                                                "resumes from its latest checkpoint at the next start")
         except JobCancelled as err:
             self._finish(job, JobState.CANCELLED, str(err))
         # BaseException: torch's CheckpointException is one, and SystemExit in this thread would end only the
@@ -280,15 +302,15 @@ class JobRegistry:
             return "job worker thread is not running: queued jobs will not start; restart the trainer"
         return getattr(self._runner, "broken", "")
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop: the running job is preempted at its next check (it stays unfinished, to resume at the next start),
-        queued jobs stay queued; the records are written before this returns (up to `timeout_s`)."""
+    def close(self, timeout_s: float = 30.0, records_timeout_s: float = 10.0) -> None:
+        """Stop: the running job is preempted at its next check (it stays unfinished, to resume at the next start;
+        it gets `timeout_s`), queued jobs stay queued; then the records are written (up to `records_timeout_s`)."""
         self._closed = True
         self.stopping.set()
         self._queue.put(None)
         self._worker.join(timeout_s)
         if self._store is not None:
-            self._store.close()
+            self._store.close(records_timeout_s)
 
     @staticmethod
     def to_dict(job: Job) -> dict[str, Any]:
@@ -318,7 +340,8 @@ def record_fields(job: Job) -> dict[str, str]:
     return {"order": str(job.order), "spec": job.spec.model_dump_json(), "state": job.state.value,
             "rollout_id": str(job.rollout_id), "metrics": json.dumps(job.metrics), "error": job.error,
             "created_at": repr(job.created_at), "finished_at": repr(job.finished_at), "attempts": str(job.attempts),
-            "checkpoints": json.dumps(job.checkpoints)}
+            "checkpoints": json.dumps(job.checkpoints), "stalls": str(job.stalls),
+            "started_at": json.dumps(job.started_at)}
 
 
 def job_from_record(fields: dict[str, str], events: list[dict]) -> Job:
@@ -326,5 +349,6 @@ def job_from_record(fields: dict[str, str], events: list[dict]) -> Job:
                rollout_id=int(fields["rollout_id"]), metrics=json.loads(fields["metrics"]), error=fields["error"],
                created_at=float(fields["created_at"]), finished_at=float(fields["finished_at"]),
                order=int(fields["order"]), attempts=int(fields["attempts"]),
-               checkpoints=json.loads(fields["checkpoints"]),
+               checkpoints=json.loads(fields["checkpoints"]), stalls=int(fields.get("stalls", "0")),
+               started_at=tuple(json.loads(fields.get("started_at", "[-1, -1]"))),
                events=[JobEvent(**{**e, "state": JobState(e["state"])}) for e in events])

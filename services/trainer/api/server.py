@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 EVENT_POLL_S = 0.2
 HEALTH_POLL_S = 1.0
 QUEUE_HEALTH = "physarum.v1.Jobs.queue"  # a health service name of its own: SERVING unless the job queue is stuck
+# On SIGTERM, after the job stopped (preempt_timeout_s): seconds the job records get to reach Redis. With the gRPC
+# grace (grace_s) this is what the stop needs beyond preempt_timeout_s; the chart leaves 15 s for it.
+RECORDS_TIMEOUT_S = 5.0
 
 
 def job_to_proto(job: Job) -> jobs_pb2.Job:
@@ -128,7 +131,7 @@ class TrainerServers:
         self.health_task.cancel()
         await self.grpc.set_serving(False)  # draining: unready (the queue's own health, liveness, stays SERVING)
         # the running job checkpoints at its next safe point and stops; then the records are written
-        await asyncio.to_thread(self.registry.close, preempt_timeout_s)
+        await asyncio.to_thread(self.registry.close, preempt_timeout_s, RECORDS_TIMEOUT_S)
         await self.rest.stop()
         await self.grpc.server.stop(grace_s)
 
