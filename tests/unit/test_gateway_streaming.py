@@ -75,3 +75,4 @@ def test_stream_generate_yields_chunks_and_retries_only_before_the_first():
     error = chunk([7], None) + 'data: {"error": {"message": "boom"}}\n\n'
     with pytest.raises(InvalidArgument, match="ended the stream"):
         asyncio.run(collect(context(lambda request: httpx.Response(200, text=error))))
+
