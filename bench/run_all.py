@@ -28,7 +28,7 @@ SCRIPTS = {
     "same_host_sync": ["--rounds", "3"],
     "engine_decode": ["--rounds", "3"],
     "router_overhead": ["--requests", "200"],
-    "gateway_overhead": ["--sessions", "20"],
+    "gateway_overhead": ["--sessions", "40"],
     "buffer_vs_redis": ["--rounds", "10"],
     "redis_appendfsync": ["--rounds", "10"],
     "reward_grpc": ["--calls", "20"],

@@ -196,25 +196,28 @@ def _logprob_start_len(value, prompt_len: int, where: str) -> int:
 
 def to_response(request: Request, return_logprob: bool, index: int | None) -> dict:
     """One finished request as SGLang's /generate object (§3.2)."""
-    meta = {
-        "id": request.rid,
-        "finish_reason": request.finish_reason,
-        "prompt_tokens": len(request.input_ids),
-        "completion_tokens": len(request.output_ids),
-        "cached_tokens": 0,
-        "weight_version": request.weight_version,
-        "e2e_latency": request.finished_s - request.created_s,
-    }
+    response = to_chunk(request, return_logprob, index, len(request.output_ids), request.text or "")
+    response["meta_info"].update(finish_reason=request.finish_reason, weight_version=request.weight_version,
+                                 e2e_latency=request.finished_s - request.created_s)
+    return response
+
+
+def to_chunk(request: Request, return_logprob: bool, index: int | None, num_tokens: int, text: str) -> dict:
+    """A streamed request's first `num_tokens` tokens as SGLang's cumulative stream chunk (§3.3): the text and ids so
+    far, finish_reason null."""
+    ids = request.output_ids[:num_tokens]
+    meta = {"id": request.rid, "finish_reason": None, "prompt_tokens": len(request.input_ids),
+            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": request.weight_version}
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None]
-                                         for lp, tok in zip(request.output_logprobs, request.output_ids, strict=True)]
+                                         for lp, tok in zip(request.output_logprobs[:num_tokens], ids, strict=True)]
         if request.input_logprobs is not None:  # SGLang's shape: the first input token's log-prob is null
             scored = request.input_ids[request.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, tok, None]
                                             for lp, tok in zip(request.input_logprobs, scored, strict=True)]
     if request.return_routed_experts:  # SGLang's layout: base64 of int32 [len(tokens) - 1, num_layers, top_k]
         meta["routed_experts"] = base64.b64encode(bytes(request.routed_experts)).decode("ascii")
-    response = {"text": request.text or "", "output_ids": list(request.output_ids), "meta_info": meta}
+    response = {"text": text, "output_ids": ids, "meta_info": meta}
     if index is not None:
         response["index"] = index
     return response

@@ -55,6 +55,8 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     on_finish: Callable[[Request], None] = lambda request: None
+    # a streamed request's: called on the scheduler thread after each step with the number of tokens generated so far
+    on_token: Callable[[Request, int], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     text: str | None = None
@@ -203,6 +205,13 @@ class Scheduler:
         except Exception:  # a broken callback must not stop the scheduler
             log.exception("on_finish of request %s failed", request.rid)
 
+    @staticmethod
+    def _notify_token(request: Request) -> None:
+        try:
+            request.on_token(request, len(request.output_ids))
+        except Exception:  # a broken callback must not stop the scheduler
+            log.exception("on_token of request %s failed", request.rid)
+
     # -- pause, continue, exclusive access for weight updates --------------------------------------------
 
     def pause(self, mode: str, timeout_s: float) -> None:
@@ -323,6 +332,9 @@ class Scheduler:
             self.last_progress_s = time.monotonic()
             for request, reason in done:
                 self._finish(request, reason)
+            for request in batch:
+                if request.on_token is not None and not request.finished:
+                    self._notify_token(request)
             try:
                 while True:
                     for request in batch:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from services.common import auth
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
@@ -29,6 +29,7 @@ from services.engine.fake import FakeEngine, FakeWeights, read_model_config
 from services.engine.protocol import parse_generate, to_response
 from services.engine.scheduler import Request as GenRequest
 from services.engine.scheduler import SamplingParams, Scheduler
+from services.engine.streaming import stream_chunks
 
 log = logging.getLogger(__name__)
 
@@ -204,15 +205,15 @@ def create_app(state: EngineState) -> FastAPI:
         return JSONResponse({"error": {"message": f"invalid request: {err}"}}, status_code=400)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request) -> JSONResponse:
+    async def generate(request: Request) -> Response:
         engine = state.ready()
         body = await _body(request)
-        if body.get("stream"):
-            raise InvalidArgument("stream is not supported by the CPU engine; send stream=false")
         if "text" in body or request.state.body_bytes > INLINE_PARSE_BYTES:  # tokenizing holds no loop
             call = await asyncio.to_thread(parse_generate, body, engine)
         else:
             call = parse_generate(body, engine)
+        if body.get("stream"):
+            return StreamingResponse(stream_chunks(engine, call), media_type="text/event-stream")
         await _wait_for(engine, call.requests)
         outs = [to_response(r, lp, i if call.listed else None)
                 for i, (r, lp) in enumerate(zip(call.requests, call.return_logprob, strict=True))]

@@ -22,7 +22,7 @@ COMPONENTS = {
     "rollout": ("rollout", {"host", "port", "rest_port", "buffer_addr", "reward_addr", "router_url", "router_policy",
                             "model_path", "engine_launcher", "k8s_namespace", "k8s_engine_deployment",
                             "k8s_engine_selector", "k8s_engine_port", "num_engines", "engine_join_mode",
-                            "weight_snapshot_dir"}),
+                            "weight_snapshot_dir", "gateway_port", "gateway_url"}),
     "engines.cpu": ("engine", {"host", "port", "model_path", "served_model_name"}),
     "trainer": ("trainer", {"host", "port", "rest_port", "buffer_addr", "rollout_addr", "master_address",
                             "default_train_backend", "api_token", "dist_backend", "world_size", "rank", "data_roots",

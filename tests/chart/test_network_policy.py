@@ -72,6 +72,10 @@ def expected(values: dict, fetch: bool) -> tuple[dict[str, Pairs], dict[str, Pai
         "trainer": grant([ANY], [*trainer, "engine"])
                    | grant(tcp(v["trainer"]["port"], v["trainer"]["restPort"]), job_api),
     }
+    gateway = v["rollout"]["gateway"]
+    if gateway["enabled"]:  # agents in other pods reach the rollout manager's agent gateway
+        agents = [json.dumps(p, sort_keys=True) for p in gateway["from"]] or [ANYONE]
+        ingress["rollout"] |= grant(tcp(gateway["port"]), agents)
     calls = {  # egress besides DNS: what each component calls
         "buffer": set(),
         "reward": set(),

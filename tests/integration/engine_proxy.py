@@ -70,6 +70,8 @@ class EngineProxy:
         if handler.path == "/abort_request":
             with self.lock:
                 self.aborts.append(json.loads(body))
+        if handler.path == "/generate" and json.loads(body).get("stream"):
+            return self._forward_stream(handler, body)
         reply = httpx.request(method, self.engine_url + handler.path, content=body or None, timeout=TIMEOUT_S,
                               headers={"Content-Type": "application/json"} if body else None)
         if handler.path == "/generate" and reply.status_code == 200:
@@ -88,6 +90,27 @@ class EngineProxy:
             handler.wfile.write(reply.content)
         except OSError:
             pass  # the client went away (a cancelled request)
+
+    def _forward_stream(self, handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        """A streamed /generate, passed on event by event as the engine sends them (the reply ends when the
+        connection closes: HTTP/1.0); its last chunk is recorded as the reply."""
+        last = None
+        with httpx.stream("POST", self.engine_url + "/generate", content=body, timeout=TIMEOUT_S,
+                          headers={"Content-Type": "application/json"}) as reply:
+            try:
+                handler.send_response(reply.status_code)
+                handler.send_header("Content-Type", reply.headers.get("Content-Type", "text/event-stream"))
+                handler.end_headers()
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        last = json.loads(line[6:])
+                    handler.wfile.write(f"{line}\n".encode())
+                    handler.wfile.flush()
+            except OSError:
+                return  # the client went away
+        if last is not None and last["meta_info"]["finish_reason"] is not None:
+            with self.lock:
+                self.generated.append((json.loads(body), last))
 
     def _wait_if_held(self) -> None:
         with self.lock:

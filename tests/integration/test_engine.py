@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from pathlib import Path
 
@@ -52,6 +53,36 @@ def test_single_request_shape(http):
     assert meta["e2e_latency"] > 0
     assert [entry[1:] for entry in meta["output_token_logprobs"]] == [[t, None] for t in out["output_ids"]]
     assert all(entry[0] < 0 for entry in meta["output_token_logprobs"])
+
+
+def stream_chunks(http: httpx.Client, **body) -> tuple[list[dict], str]:
+    """The JSON chunks of a streamed /generate and the line that ended it."""
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines[:-1]], lines[-1]
+
+
+def test_stream_sends_cumulative_chunks_then_done(http):
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_logprob": True, "rid": "stream-1"}
+    plain = generate(http, **body)
+    chunks, last = stream_chunks(http, **body)
+    assert last == "[DONE]" and len(chunks) >= 2  # one per step: the answer is not one chunk at the end
+    assert chunks[-1]["output_ids"] == plain["output_ids"] and chunks[-1]["text"] == plain["text"]
+    final_meta = chunks[-1]["meta_info"]
+    assert final_meta["finish_reason"] == plain["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    streamed, expected = final_meta["output_token_logprobs"], plain["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in streamed] == [e[1] for e in expected]
+    assert [e[0] for e in streamed] == pytest.approx([e[0] for e in expected], abs=1e-4)
+    for earlier, later in zip(chunks, chunks[1:], strict=False):  # cumulative: each chunk extends the one before
+        assert earlier["meta_info"]["finish_reason"] is None and earlier["meta_info"]["id"] == "stream-1"
+        assert later["output_ids"][:len(earlier["output_ids"])] == earlier["output_ids"]
+        assert len(earlier["meta_info"]["output_token_logprobs"]) == len(earlier["output_ids"])
+    batch, last = stream_chunks(http, input_ids=[[5, 6], [7]], sampling_params={"max_new_tokens": 3})
+    finished = {c["index"]: c for c in batch if c["meta_info"]["finish_reason"] is not None}
+    assert last == "[DONE]" and sorted(finished) == [0, 1]
+    assert all(len(c["output_ids"]) == 3 for c in finished.values())
 
 
 def test_no_logprobs_unless_asked(http):
@@ -201,7 +232,6 @@ def test_stop_token_ids_and_stop_strings(http):
     ({"input_ids": []}, "empty"),
     ({"input_ids": [5], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [5], "sampling_params": {"json_schema": "{}"}}, "json_schema"),
-    ({"input_ids": [5], "stream": True}, "stream"),
     ({"input_ids": [5], "sampling_params": {"n": 200_000}}, "n must be in [1, 128], got 200000"),
     ({"input_ids": [5], "sampling_params": {"max_new_tokens": 10**9}}, "max_new_tokens 1000000000 is more than"),
     ({"input_ids": [5], "sampling_params": {"max_new_tokens": 1e300}}, "is more than the model's context length"),

@@ -17,6 +17,7 @@ from tests.integration.engine_fixtures import start_engines, stop_engines
 from tests.integration.engine_proxy import EngineProxy
 from tests.integration.gateway_fixtures import (
     ANTHROPIC_TOOL,
+    CALCULATOR_CONVERSATION,
     OPENAI_TOOL,
     QUESTION,
     GatewayThread,
@@ -125,6 +126,35 @@ def test_openai_stream_and_n_match_the_plain_reply(gateway):
     assert usage.completion_tokens * 2 == plain.usage.completion_tokens
 
 
+def test_openai_stream_sends_the_answer_as_it_is_generated(gateway):
+    """Streamed, the answer comes as several content deltas (one per engine chunk that settles more text); joined
+    they are the plain answer, and the session trains the same engine tokens, log-probs included."""
+    gw, proxy = gateway
+    messages = [{"role": "user", "content": QUESTION}, *CALCULATOR_CONVERSATION["messages"][1:3]]
+    plain_session, streamed_session = gw.open(), gw.open()
+    plain = openai_client(gw, plain_session.key).chat.completions.create(
+        model="m", messages=messages, tools=[OPENAI_TOOL], temperature=0)
+    start = len(proxy.generated)
+    stream = openai_client(gw, streamed_session.key).chat.completions.create(
+        model="m", messages=messages, tools=[OPENAI_TOOL], temperature=0, stream=True, logprobs=True,
+        stream_options={"include_usage": True})
+    deltas, finish, usage, logprobs = [], None, None, []
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for delta_choice in chunk.choices:
+            deltas += [delta_choice.delta.content] if delta_choice.delta.content else []
+            logprobs += [c.logprob for c in (delta_choice.logprobs.content or [])] if delta_choice.logprobs else []
+            finish = delta_choice.finish_reason or finish
+    assert plain.choices[0].message.content == "The answer is 5."
+    assert len(deltas) > 1 and "".join(deltas) == plain.choices[0].message.content
+    assert finish == "stop" and usage.completion_tokens == plain.usage.completion_tokens
+    [(inputs, outputs, engine_logprobs)] = engine_turns(proxy, start)
+    assert logprobs == engine_logprobs
+    trained = sample_tokens(streamed_session.trajectory.tip)
+    assert trained.tokens == inputs + outputs == sample_tokens(plain_session.trajectory.tip).tokens
+    assert trained.rollout_log_probs == engine_logprobs and trained.loss_mask == [1] * len(outputs)
+
+
 def test_anthropic_tool_use_then_answer_plain_and_streamed(gateway):
     gw, proxy = gateway
     session = gw.open()
@@ -138,9 +168,9 @@ def test_anthropic_tool_use_then_answer_plain_and_streamed(gateway):
     messages += [{"role": "assistant", "content": [block.model_dump() for block in first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
     with client.messages.stream(model="m", max_tokens=120, messages=messages, tools=[ANTHROPIC_TOOL]) as stream:
-        text = "".join(stream.text_stream)
+        pieces = list(stream.text_stream)
         final = stream.get_final_message()
-    assert text == "The answer is 5." and final.stop_reason == "end_turn"
+    assert len(pieces) > 1 and "".join(pieces) == "The answer is 5." and final.stop_reason == "end_turn"
     (in1, out1, _), (in2, out2, _) = engine_turns(proxy, start)
     assert final.usage.input_tokens == len(in2) and final.usage.output_tokens == len(out2)
     assert in2[:len(in1) + len(out1)] == in1 + out1

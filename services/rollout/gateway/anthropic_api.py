@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument
@@ -60,26 +60,50 @@ def message(result: TurnResult, model: str) -> dict[str, Any]:
             "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens}}
 
 
-def events(result: TurnResult, model: str) -> Iterator[str]:
-    """The message as Anthropic's stream: message_start, each block's start / delta / stop, message_delta,
-    message_stop. (The engine's reply is complete before the first event is sent.)"""
-    full = message(result, model)
+def _event(kind: str, **data: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-    def event(kind: str, **data: Any) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-    start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": result.prompt_tokens, "output_tokens": 0}}
-    yield event("message_start", message=start)
-    for i, block in enumerate(full["content"]):
-        if block["type"] == "text":
-            yield event("content_block_start", index=i, content_block={"type": "text", "text": ""})
-            yield event("content_block_delta", index=i, delta={"type": "text_delta", "text": block["text"]})
-        else:
-            yield event("content_block_start", index=i, content_block={**block, "input": {}})
-            yield event("content_block_delta", index=i,
-                        delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
-        yield event("content_block_stop", index=i)
-    yield event("message_delta", delta={"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]},
-                usage={"output_tokens": result.completion_tokens})
-    yield event("message_stop")
+def _start(message_id: str, model: str, prompt_tokens: int) -> str:
+    return _event("message_start", message={"id": message_id, "type": "message", "role": "assistant", "model": model,
+                                            "content": [], "stop_reason": None, "stop_sequence": None,
+                                            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
+
+
+def _tool_blocks(blocks: list[dict[str, Any]], first_index: int) -> Iterator[str]:
+    for i, block in enumerate(blocks, start=first_index):
+        yield _event("content_block_start", index=i, content_block={**block, "input": {}})
+        yield _event("content_block_delta", index=i,
+                     delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+        yield _event("content_block_stop", index=i)
+
+
+def _end(result: TurnResult) -> Iterator[str]:
+    choice = result.choices[0]
+    yield _event("message_delta", delta={"stop_reason": _stop_reason(choice), "stop_sequence": choice.matched_stop},
+                 usage={"output_tokens": result.completion_tokens})
+    yield _event("message_stop")
+
+
+async def live_events(turn: AsyncIterator[str | TurnResult], prompt_tokens: int, model: str) -> AsyncIterator[str]:
+    """The message as Anthropic's stream while it is generated: message_start, a text block whose deltas come as
+    the engine's tokens arrive, the tool_use blocks, message_delta, message_stop. `turn`: Session.turn_stream past
+    its first item (the prompt's token count)."""
+    num_blocks = 0
+    try:
+        yield _start(f"msg_{secrets.token_hex(12)}", model, prompt_tokens)
+        async for item in turn:
+            if isinstance(item, str):
+                if not num_blocks:
+                    num_blocks = 1
+                    yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": item})
+                continue
+            if num_blocks:
+                yield _event("content_block_stop", index=0)
+            for event in _tool_blocks([b for b in _blocks(item.choices[0]) if b["type"] == "tool_use"], num_blocks):
+                yield event
+            for event in _end(item):
+                yield event
+    finally:
+        await turn.aclose()

@@ -113,11 +113,16 @@ def create_app(registry: SessionRegistry) -> FastAPI:
         conversation = from_openai(body, limits)
         if body.get("tool_choice") == "none":
             conversation.tools = []
-        result = await session.turn(conversation, turn_params)
         decode = lambda ids: session.renderer.decode(ids, skip_special_tokens=False)  # noqa: E731
         want_logprobs = bool(body.get("logprobs"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if body.get("stream") and turn_params.n == 1:
+            turn = session.turn_stream(conversation, turn_params)
+            await anext(turn)  # the bounds are checked: a request past one gets its 4xx, not a stream
+            return StreamingResponse(openai_api.live_chunks(turn, session.model, want_logprobs, include_usage, decode),
+                                     media_type="text/event-stream")
+        result = await session.turn(conversation, turn_params)
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(openai_api.chunks(result, session.model, want_logprobs, include_usage, decode),
                                      media_type="text/event-stream")
         return JSONResponse(openai_api.completion(result, session.model, want_logprobs, decode))
@@ -130,9 +135,12 @@ def create_app(registry: SessionRegistry) -> FastAPI:
         conversation = from_anthropic(body, limits)
         if (body.get("tool_choice") or {}).get("type") == "none":
             conversation.tools = []
-        result = await session.turn(conversation, turn_params)
         if body.get("stream"):
-            return StreamingResponse(anthropic_api.events(result, session.model), media_type="text/event-stream")
+            turn = session.turn_stream(conversation, turn_params)
+            prompt_tokens = await anext(turn)  # the bounds are checked: a request past one gets its 4xx
+            return StreamingResponse(anthropic_api.live_events(turn, prompt_tokens, session.model),
+                                     media_type="text/event-stream")
+        result = await session.turn(conversation, turn_params)
         return JSONResponse(anthropic_api.message(result, session.model))
 
     @app.get("/v1/session")

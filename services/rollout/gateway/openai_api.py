@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument
@@ -84,25 +84,61 @@ def _usage(result: TurnResult) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
-def chunks(result: TurnResult, model: str, want_logprobs: bool, include_usage: bool, decode: Any) -> Iterator[str]:
-    """The completion as server-sent events: per choice a role chunk, its content, its tool calls, its finish; then
-    usage if asked; then [DONE]. (The engine's reply is complete before the first chunk is sent.)"""
-    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model, "system_fingerprint": None}
+class _Chunks:
+    """chat.completion.chunk events of one completion (one id)."""
 
-    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+    def __init__(self, model: str) -> None:
+        self.base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": model, "system_fingerprint": None}
 
-    for i, choice in enumerate(result.choices):
-        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-        if choice.content:
-            yield event([{"index": i, "delta": {"content": choice.content}, "finish_reason": None,
-                          "logprobs": _logprobs(choice, decode) if want_logprobs else None}])
+    def event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        return f"data: {json.dumps({**self.base, 'choices': choices, **extra})}\n\n"
+
+    def delta(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
+        return self.event([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+
+    def ending(self, index: int, choice: Choice, logprobs: Any) -> Iterator[str]:
+        """A choice's tool calls, its log-probs (when asked and not sent with its content), its finish."""
+        if logprobs is not None:
+            yield self.delta(index, {}, logprobs)
         for j, call in enumerate(_tool_calls(choice)):
-            yield event([{"index": i, "delta": {"tool_calls": [{"index": j, **call}]}, "logprobs": None,
-                          "finish_reason": None}])
-        yield event([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish(choice)}])
+            yield self.delta(index, {"tool_calls": [{"index": j, **call}]})
+        yield self.delta(index, {}, finish=_finish(choice))
+
+
+def chunks(result: TurnResult, model: str, want_logprobs: bool, include_usage: bool, decode: Any) -> Iterator[str]:
+    """A finished completion as server-sent events (n > 1): per choice a role chunk, its content, its tool calls,
+    its finish; then usage if asked; then [DONE]."""
+    out = _Chunks(model)
+    for i, choice in enumerate(result.choices):
+        yield out.delta(i, {"role": "assistant", "content": ""})
+        logprobs = _logprobs(choice, decode) if want_logprobs else None
+        if choice.content:
+            yield out.delta(i, {"content": choice.content}, logprobs)
+            logprobs = None
+        yield from out.ending(i, choice, logprobs)
     if include_usage:
-        yield event([], usage=_usage(result))
+        yield out.event([], usage=_usage(result))
     yield "data: [DONE]\n\n"
+
+
+async def live_chunks(turn: AsyncIterator[str | TurnResult], model: str, want_logprobs: bool, include_usage: bool,
+                      decode: Any) -> AsyncIterator[str]:
+    """A completion as it is generated (n = 1): the role chunk, a content chunk per delta as the engine's tokens
+    arrive, then the tool calls, the finish, usage if asked, [DONE]. `turn`: Session.turn_stream past its first
+    item."""
+    out = _Chunks(model)
+    try:
+        yield out.delta(0, {"role": "assistant", "content": ""})
+        async for item in turn:
+            if isinstance(item, str):
+                yield out.delta(0, {"content": item})
+                continue
+            choice = item.choices[0]
+            for event in out.ending(0, choice, _logprobs(choice, decode) if want_logprobs else None):
+                yield event
+            if include_usage:
+                yield out.event([], usage=_usage(item))
+        yield "data: [DONE]\n\n"
+    finally:
+        await turn.aclose()

@@ -9,16 +9,18 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message
+from services.rollout.gateway.deltas import ContentDeltas
 from services.rollout.gateway.metrics import GatewayMetrics
 from services.rollout.gateway.toolcalls import ToolCall, parse_tool_calls
 from services.rollout.gateway.trajectory import Renderer, Trajectory
-from services.rollout.generation.generate import GenerateContext, post_generate
+from services.rollout.generation.generate import GenerateContext, post_generate, stream_generate
 
 log = logging.getLogger(__name__)
 
@@ -85,58 +87,99 @@ class Session:
     async def turn(self, conversation: Conversation, params: TurnParams) -> TurnResult:
         """Generate the next assistant turn for `conversation` (one per choice); InvalidArgument past a bound."""
         async with self.lock:
-            if self.closed:
-                raise SessionClosed(f"session {self.id} has ended; its sample is being scored")
-            if self.num_turns >= self.limits.max_turns:
-                raise InvalidArgument(f"session {self.id}: {self.num_turns} turns, at most {self.limits.max_turns} "
-                                      "per session")
-            if not 1 <= params.n <= self.limits.max_choices:
-                raise InvalidArgument(f"n must be in [1, {self.limits.max_choices}], got {params.n}")
             start_s = time.monotonic()
-            prepared = self.trajectory.prepare(conversation)
-            root = prepared.parent.path()[0] if prepared.parent is not None else None
-            used = len(prepared.input_ids) - (len(root.context) if root is not None else len(prepared.input_ids))
-            budget = int(self.sampling_params["max_new_tokens"]) - used
-            if budget <= 0:
-                limit = self.sampling_params["max_new_tokens"]
-                raise InvalidArgument(f"session {self.id}: its response budget of {limit} tokens is spent ({used} "
-                                      "used); finish the episode")
-            if params.max_tokens is not None and params.max_tokens < 1:
-                raise InvalidArgument(f"max_tokens must be >= 1, got {params.max_tokens}")
-            replies = await self._generate(prepared.input_ids, params, min(budget, params.max_tokens or budget))
-            self.num_turns += 1
-            choices = [self._record(prepared, conversation, reply, params, make_tip=i == 0)
-                       for i, reply in enumerate(replies)]
-            if prepared.branch_reason:
-                self.metrics.branches.inc()
-                log.info("session %s: turn %d starts a branch: %s", self.id, self.trajectory.tip.index,
-                         prepared.branch_reason)
-            completion = sum(len(c.token_ids) for c in choices)
-            self.metrics.turns.inc()
-            self.metrics.prompt_tokens.inc(len(prepared.input_ids))
-            self.metrics.completion_tokens.inc(completion)
-            self.metrics.turn_seconds.observe(time.monotonic() - start_s)
-            return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason)
+            prepared, max_new_tokens = self._prepare(conversation, params)
+            replies = await self._generate(prepared.input_ids, params, max_new_tokens)
+            return self._finish(prepared, conversation, replies, params, start_s)
 
-    async def _generate(self, input_ids: list[int], params: TurnParams, max_new_tokens: int) -> list[dict]:
+    async def turn_stream(self, conversation: Conversation,
+                          params: TurnParams) -> AsyncIterator[int | str | TurnResult]:
+        """The turn as it is generated (n = 1): first the prompt's token count, then content deltas as the engine's
+        tokens arrive, last the TurnResult (whose content the deltas joined begin; tool calls come only with it).
+        Bounds are checked before the first item."""
+        async with self.lock:
+            start_s = time.monotonic()
+            prepared, max_new_tokens = self._prepare(conversation, params)
+            yield len(prepared.input_ids)
+            deltas = ContentDeltas(params.stop, bool(conversation.tools))
+            what = f"{self.ctx.name}: gateway session {self.id} turn {self.num_turns}"
+            last: dict = {}
+            async for last in stream_generate(self.ctx, what, self._payload(prepared.input_ids, params,
+                                                                            max_new_tokens), routing_key=self.id):
+                entries = (last.get("meta_info") or {}).get("output_token_logprobs") or []
+                if delta := deltas.update(self.renderer.decode([int(e[1]) for e in entries])):
+                    yield delta
+            result = self._finish(prepared, conversation, [self._checked(last, what)], params, start_s)
+            if rest := deltas.finish(result.choices[0].content):
+                yield rest
+            yield result
+
+    def _prepare(self, conversation: Conversation, params: TurnParams) -> tuple[Any, int]:
+        """Check the bounds, match the history: what to generate from and the most new tokens (the lock held)."""
+        if self.closed:
+            raise SessionClosed(f"session {self.id} has ended; its sample is being scored")
+        if self.num_turns >= self.limits.max_turns:
+            raise InvalidArgument(f"session {self.id}: {self.num_turns} turns, at most {self.limits.max_turns} "
+                                  "per session")
+        if not 1 <= params.n <= self.limits.max_choices:
+            raise InvalidArgument(f"n must be in [1, {self.limits.max_choices}], got {params.n}")
+        prepared = self.trajectory.prepare(conversation)
+        root = prepared.parent.path()[0] if prepared.parent is not None else None
+        used = len(prepared.input_ids) - (len(root.context) if root is not None else len(prepared.input_ids))
+        budget = int(self.sampling_params["max_new_tokens"]) - used
+        if budget <= 0:
+            limit = self.sampling_params["max_new_tokens"]
+            raise InvalidArgument(f"session {self.id}: its response budget of {limit} tokens is spent ({used} "
+                                  "used); finish the episode")
+        if params.max_tokens is not None and params.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {params.max_tokens}")
+        return prepared, min(budget, params.max_tokens or budget)
+
+    def _finish(self, prepared: Any, conversation: Conversation, replies: list[dict], params: TurnParams,
+                start_s: float) -> TurnResult:
+        """Record the engine's replies as the turn's choices, count them (the lock held)."""
+        self.num_turns += 1
+        choices = [self._record(prepared, conversation, reply, params, make_tip=i == 0)
+                   for i, reply in enumerate(replies)]
+        if prepared.branch_reason:
+            self.metrics.branches.inc()
+            log.info("session %s: turn %d starts a branch: %s", self.id, self.trajectory.tip.index,
+                     prepared.branch_reason)
+        completion = sum(len(c.token_ids) for c in choices)
+        self.metrics.turns.inc()
+        self.metrics.prompt_tokens.inc(len(prepared.input_ids))
+        self.metrics.completion_tokens.inc(completion)
+        self.metrics.turn_seconds.observe(time.monotonic() - start_s)
+        return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason)
+
+    def _payload(self, input_ids: list[int], params: TurnParams, max_new_tokens: int) -> dict[str, Any]:
         sampling = dict(self.sampling_params, max_new_tokens=max_new_tokens)
         for name in ("temperature", "top_p", "top_k"):
             if getattr(params, name) is not None:
                 sampling[name] = getattr(params, name)
         sampling["stop"] = [*sampling.get("stop", []), *params.stop]
         sampling["stop_token_ids"] = sorted({*sampling.get("stop_token_ids", []), *self.stop_token_ids})
-        payload = {"input_ids": input_ids if params.n == 1 else [input_ids] * params.n, "sampling_params": sampling,
-                   "return_logprob": True}
+        return {"input_ids": input_ids if params.n == 1 else [input_ids] * params.n, "sampling_params": sampling,
+                "return_logprob": True}
+
+    def _checked(self, reply: dict, what: str) -> dict:
+        """The reply, unless the engine or the manager aborted it (Unavailable) or it never finished."""
+        finish = (reply.get("meta_info") or {}).get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            self.aborted = True
+            raise Unavailable(f"{what}: the rollout was aborted (its batch is full or the weights are changing)")
+        if not finish:
+            raise Unavailable(f"{what}: the /generate stream ended before its last chunk")
+        return reply
+
+    async def _generate(self, input_ids: list[int], params: TurnParams, max_new_tokens: int) -> list[dict]:
         what = f"{self.ctx.name}: gateway session {self.id} turn {self.num_turns}"
-        data = await post_generate(self.ctx, what, payload, count=None if params.n == 1 else params.n,
-                                   routing_key=self.id)
+        data = await post_generate(self.ctx, what, self._payload(input_ids, params, max_new_tokens),
+                                   count=None if params.n == 1 else params.n, routing_key=self.id)
         replies = data if isinstance(data, list) else [data]
         if len(replies) != params.n:
             raise FailedPrecondition(f"{what}: {params.n} choices asked, {len(replies)} replies")
-        if any((r.get("meta_info", {}).get("finish_reason") or {}).get("type") == "abort" for r in replies):
-            self.aborted = True
-            raise Unavailable(f"{what}: the rollout was aborted (its batch is full or the weights are changing)")
-        return replies
+        return [self._checked(reply, what) for reply in replies]
 
     def _record(self, prepared: Any, conversation: Conversation, reply: dict, params: TurnParams,
                 make_tip: bool) -> Choice:

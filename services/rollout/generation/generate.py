@@ -16,10 +16,11 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import json
 import logging
 import types
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Sample, Status
-from services.rollout.generation.router_http import Poster, PostError
+from services.rollout.generation.router_http import Poster, PostError, StreamError
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,49 @@ async def post_generate(ctx: GenerateContext, what: str, payload: dict[str, Any]
         return payload if count is not None else {**payload, "rid": f"{ctx.rid_prefix}-{uuid.uuid4().hex[:16]}"}
 
     return await _post_generate(ctx, what, body, headers, count=count)
+
+
+async def stream_generate(ctx: GenerateContext, what: str, payload: dict[str, Any], *,
+                          routing_key: str = "") -> AsyncIterator[dict[str, Any]]:
+    """A streamed /generate of one prompt through `ctx`: SGLang's cumulative chunks as they arrive, the last one
+    finished. Retries as post_generate does while no chunk has arrived (then it cannot: the caller has them)."""
+    headers = {ROUTING_KEY_HEADER: routing_key} if ctx.sticky_routing and routing_key else None
+    last_error = ""
+    for attempt in range(1, ctx.max_attempts + 1):
+        if ctx.aborting:
+            yield abort_reply(f"{ctx.name} was aborted: its batch is full")
+            return
+        body = {**payload, "stream": True, "rid": f"{ctx.rid_prefix}-{uuid.uuid4().hex[:16]}"}
+        start_version = ctx.version_now() if ctx.version_now is not None else None
+        num_chunks = 0
+        try:
+            async with ctx.slots or contextlib.nullcontext():
+                async for data in ctx.http.stream(f"{ctx.router_url}/generate", body, headers):
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise InvalidArgument(f"{what}: the engine ended the stream: {chunk['error']}")
+                    if start_version is not None and isinstance(chunk.get("meta_info"), dict):
+                        chunk["meta_info"][START_VERSION_KEY] = start_version
+                    num_chunks += 1
+                    yield chunk
+            return
+        except StreamError as err:
+            if 400 <= err.status_code < 500:
+                raise InvalidArgument(f"{what}: router {ctx.router_url} rejected /generate: {err}") from None
+            last_error = f"{type(err).__name__}: {err}"
+        except PostError as err:
+            last_error = f"{type(err).__name__}: {err}"
+        if num_chunks:
+            raise Unavailable(f"{what}: the /generate stream broke after {num_chunks} chunks: {last_error}")
+        if attempt < ctx.max_attempts:
+            delay_s = min(ctx.retry_delay_s * 2 ** (attempt - 1), 8.0)
+            log.warning("%s: streamed /generate attempt %d/%d failed (%s); retry in %.1f s", what, attempt,
+                        ctx.max_attempts, last_error, delay_s)
+            await asyncio.sleep(delay_s)
+    raise Unavailable(f"{what}: /generate through router {ctx.router_url} failed {ctx.max_attempts} times; "
+                      f"last: {last_error}")
 
 
 def current_context() -> GenerateContext:

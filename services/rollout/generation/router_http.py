@@ -9,6 +9,7 @@ client (a scripted MockTransport in tests) fits the same interface through Httpx
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +35,23 @@ class PostReply:
 class Poster(Protocol):
     async def post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> PostReply: ...
 
+    def stream(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+               ) -> AsyncIterator[str]: ...
+
     async def aclose(self) -> None: ...
+
+
+class StreamError(PostError):
+    """A streamed request answered with an HTTP error before any event (its status code and body)."""
+
+    def __init__(self, status_code: int, text: str) -> None:
+        super().__init__(f"HTTP {status_code}: {text[:500]}")
+        self.status_code = status_code
+
+
+def _sse_data(line: str) -> str | None:
+    """The payload of a server-sent event's `data:` line; None for any other line."""
+    return line[5:].strip() if line.startswith("data:") else None
 
 
 class AiohttpPoster:
@@ -67,6 +84,22 @@ class AiohttpPoster:
         except (TimeoutError, aiohttp.ClientError) as err:
             raise PostError(f"POST {url}: {type(err).__name__}: {err}") from err
 
+    async def stream(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+                     ) -> AsyncIterator[str]:
+        """POST `body` and yield the `data:` payloads of the server-sent events as they arrive (SGLang's stream)."""
+        import aiohttp
+
+        data = json.dumps(body, separators=(",", ":")).encode()
+        try:
+            async with self._get_session().post(url, data=data, headers={**JSON_HEADERS, **(headers or {})}) as reply:
+                if reply.status != 200:
+                    raise StreamError(reply.status, await reply.text())
+                async for raw in reply.content:
+                    if (payload := _sse_data(raw.decode())) is not None:
+                        yield payload
+        except (TimeoutError, aiohttp.ClientError) as err:
+            raise PostError(f"POST {url} (stream): {type(err).__name__}: {err}") from err
+
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -85,6 +118,18 @@ class HttpxPoster:
         except httpx.TransportError as err:
             raise PostError(f"POST {url}: {type(err).__name__}: {err}") from err
         return PostReply(reply.status_code, reply.text)
+
+    async def stream(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+                     ) -> AsyncIterator[str]:
+        try:
+            async with self.http.stream("POST", url, json=body, headers=headers) as reply:
+                if reply.status_code != 200:
+                    raise StreamError(reply.status_code, (await reply.aread()).decode(errors="replace"))
+                async for line in reply.aiter_lines():
+                    if (payload := _sse_data(line)) is not None:
+                        yield payload
+        except httpx.TransportError as err:
+            raise PostError(f"POST {url} (stream): {type(err).__name__}: {err}") from err
 
     async def aclose(self) -> None:
         await self.http.aclose()
