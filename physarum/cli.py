@@ -105,7 +105,7 @@ def cmd_up(args) -> int:
     if args.trainer_ranks < 1:
         raise SystemExit(f"physarum: --trainer-ranks must be >= 1, got {args.trainer_ranks}")
     if args.model is None:
-        from physarum.demo import demo_model
+        from physarum.demo_model import demo_model
 
         args.model, _ = demo_model()
         print(f"no --model: starting on the demo's model, {args.model} (`physarum submit examples/demo/sft.yaml`)")

@@ -20,23 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-from physarum import cputime, stack, tasks, tinymodel
+from physarum import cputime, stack
 from physarum.cli import add_device_flags, follow, load_job_file
+from physarum.demo_model import DEMO_DIR, demo_model
 from physarum.families import DEFAULT_FAMILY, FAMILIES
 
-DEMO_DIR = Path(".physarum/demo")
 EXAMPLES = Path("examples/demo")
-
-
-def demo_model(seed: int = 0, family: str = "") -> tuple[Path, Path]:
-    """The demo's tiny model of `family` (default: the demo's; built when missing) and its task files (the job files
-    name them); returns the model's directory and the held-out test set. `physarum up` without --model starts on the
-    default family's seed 0."""
-    family = family or DEFAULT_FAMILY
-    model_dir = tinymodel.build_tiny_model(DEMO_DIR / model_name(family, seed), tasks.corpus(), seed=seed,
-                                           family=family)
-    _, test_path = tasks.write_addition_task(DEMO_DIR / "task")
-    return model_dir, test_path
 
 
 def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: int = 4) -> float:
@@ -107,12 +96,6 @@ def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> li
     tensor_parallel = capabilities(train_backend).tensor_parallel
     return [f"train_backend={train_backend}",
             *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if tensor_parallel else [])]
-
-
-def model_name(family: str, seed: int) -> str:
-    """The demo model's directory name: `model` for the default family at seed 0 (`physarum up --model` names it)."""
-    name = "model" if family == DEFAULT_FAMILY else f"model-{family}"
-    return name if seed == 0 else f"{name}-seed{seed}"
 
 
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from physarum.demo import model_name, refuse_unbuildable
+from physarum.demo import refuse_unbuildable
+from physarum.demo_model import model_name
 from physarum.families import tiny_config
 
 

@@ -11,6 +11,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Prompt, SampleGroup, Status, group_id_for
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState
+from services.rollout.generation import engine_weights
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.generation.prompts import PromptEncoder
 from tests.unit.rollout_fakes import (
@@ -353,7 +354,6 @@ def test_a_restarted_managers_rollout_waits_for_the_trainers_weights(tiny_model_
     until the pool holds 2 (the trainer's announce), then completes with that version on every sample; one started
     at version 0 (the engines' starting checkpoint) does not wait; a pool that never gets there fails the rollout
     naming both versions."""
-    from services.rollout.generation import manager as manager_module
 
     async def main() -> None:
         buffer = FakeBuffer(num_prompts=6)
@@ -372,7 +372,7 @@ def test_a_restarted_managers_rollout_waits_for_the_trainers_weights(tiny_model_
         version["now"] = None
         manager, _ = new_manager(FakeBuffer(num_prompts=3), router, tiny_model_dir, version_now=lambda: version["now"])
         assert (await rollout(manager, rollout_config(), 0, "0")).state == RolloutState.DONE
-        monkeypatch.setattr(manager_module, "WEIGHTS_WAIT_S", 0.5)
+        monkeypatch.setattr(engine_weights, "WAIT_S", 0.5)
         status = await rollout(manager, rollout_config(), 1, "3")
         assert status.state == RolloutState.FAILED
         assert "the engines hold weight version None, not the trainer's 3" in status.error

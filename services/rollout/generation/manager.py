@@ -20,7 +20,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Physarum
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus
-from services.rollout.generation import filters, teacher
+from services.rollout.generation import engine_weights, filters, teacher
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus
 from services.rollout.generation.evaluation import run_eval
@@ -44,8 +44,6 @@ DROPPED_ROLLOUT_ID = -1  # dropped groups are stored here: their prompts are use
 EMPTY_LEASE_POLL_S = 0.5
 MAX_FINISHED_RUNS = 256
 MAX_CONCURRENT_REQUESTS = 256  # /generate requests in flight (and kept-alive connections to the router)
-WEIGHTS_WAIT_S = 300.0  # how long a rollout waits for its engines to reach the trainer's weights before it fails
-WEIGHTS_POLL_S = 0.2
 
 
 class RolloutManager:
@@ -151,7 +149,7 @@ class RolloutManager:
         config, target = run.config, run.config.rollout_batch_size
         pending: dict[asyncio.Task, Prompt] = {}
         async with self._ending(run, pending):
-            await self._await_weights(run)
+            await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
             run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
             empty_since = None
             while run.num_groups_done < target:
@@ -178,7 +176,7 @@ class RolloutManager:
         config = run.config
         pending: dict[asyncio.Task, Prompt] = {}
         async with self._ending(run, pending):
-            await self._await_weights(run)
+            await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
             while True:
                 waiting = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
                 if (missing := config.max_inflight_groups - waiting - len(pending)) > 0:
@@ -188,23 +186,6 @@ class RolloutManager:
                     continue
                 done, _ = await asyncio.wait(pending, timeout=EMPTY_LEASE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 await self._settle(run, pending, done, limit=None)
-
-    async def _await_weights(self, run: Run) -> None:
-        """Generate nothing until the engines hold the trainer's weights. The trainer pushes its weights before its
-        first rollout, so the pool holds the version a rollout starts with; a manager restarted mid-job holds none
-        (its engines serve the checkpoint they started from) until the trainer announces its snapshot, right after
-        the start. Version 0, or a name that is no version number, is the engines' starting checkpoint."""
-        want = run.weight_version
-        if self.version_now is None or not (want.isdigit() and int(want) > 0):
-            return
-        deadline = time.monotonic() + WEIGHTS_WAIT_S
-        while not holds_version(self.version_now(), want):
-            if time.monotonic() > deadline:
-                raise FailedPrecondition(
-                    f"{run.name}: the engines hold weight version {self.version_now()!r}, not the trainer's {want}, "
-                    f"{WEIGHTS_WAIT_S:.0f} s after the start, and the trainer announced no snapshot of it (with "
-                    "engine_join_mode sync there is none to load): resume the job from its last checkpoint")
-            await asyncio.sleep(WEIGHTS_POLL_S)
 
     async def _lease_groups(self, run: Run, pending: dict[asyncio.Task, Prompt], count: int) -> None:
         """Lease up to `count` prompts and start a group task for each."""
@@ -400,8 +381,3 @@ class RolloutManager:
         for run in self.runs.values():
             await self._return_leases(run, list(run.leased))
         await asyncio.gather(self.http.aclose(), self.aborter.close())
-
-
-def holds_version(now: str | None, want: str) -> bool:
-    """The pool's settled version `now` is the trainer's `want` or newer (one_step_async and fully_async push on)."""
-    return now is not None and (now == want or (now.isdigit() and want.isdigit() and int(now) >= int(want)))
