@@ -158,36 +158,36 @@ def load_state(path: Path, backend: TrainBackend, world: World, parts: tuple[str
         log.warning("checkpoint %s has no %s; keeping the current ones", path, ", ".join(sorted(missing)))
 
 
-def load_reference(root: str | Path, backend: TrainBackend, world: World, rollout_id: int | None = None) -> None:
-    """slime's --ref-load (and --ref-ckpt-step): the reference model from an HF directory, a slime torch_dist
-    checkpoint, or the policy of a checkpoint root's checkpoint `rollout_id` (default: the latest)."""
+# a frozen model the trainer loads -> (its name in the log, the backend's HF load, its sharded load)
+FROZEN_MODELS = {"ref_model": ("reference model", "load_ref", "load_ref_sharded"),
+                 "teacher": ("distillation teacher", "load_teacher", "load_teacher_sharded")}
+
+
+def load_frozen(into: str, root: str | Path, backend: TrainBackend, rollout_id: int | None = None) -> None:
+    """A frozen model (`into`: ref_model, teacher) from an HF directory, a slime torch_dist checkpoint, or the policy
+    of a checkpoint root's checkpoint `rollout_id` (default: the latest), Physarum's or slime's."""
+    what, load_hf, load_sharded = FROZEN_MODELS[into]
     if (slime := slime_checkpoint(root, rollout_id)) is not None:
-        backend.load_megatron_checkpoint(slime, "ref_model")
-        log.info("reference model from slime's checkpoint %s", slime)
+        backend.load_megatron_checkpoint(slime, into)
+        log.info("%s from slime's checkpoint %s", what, slime)
         return
     rollout_id = latest_iteration(root) if rollout_id is None else rollout_id
     if rollout_id is None:
-        backend.load_ref(root)
+        getattr(backend, load_hf)(root)
         return
     path = _state_dir(iteration_dir(root, rollout_id), backend)
-    backend.load_ref_sharded(path)
-    log.info("reference model from checkpoint %s", path)
+    getattr(backend, load_sharded)(path)
+    log.info("%s from checkpoint %s", what, path)
+
+
+def load_reference(root: str | Path, backend: TrainBackend, world: World, rollout_id: int | None = None) -> None:
+    """slime's --ref-load (and --ref-ckpt-step)."""
+    load_frozen("ref_model", root, backend, rollout_id)
 
 
 def load_teacher(root: str | Path, backend: TrainBackend, world: World, rollout_id: int | None = None) -> None:
-    """slime's --opd-teacher-load (and --opd-teacher-ckpt-step): the distillation teacher from an HF directory, or
-    from the policy of a checkpoint root's checkpoint `rollout_id` (default: the latest), Physarum's or slime's."""
-    if (slime := slime_checkpoint(root, rollout_id)) is not None:
-        backend.load_megatron_checkpoint(slime, "teacher")
-        log.info("distillation teacher from slime's checkpoint %s", slime)
-        return
-    rollout_id = latest_iteration(root) if rollout_id is None else rollout_id
-    if rollout_id is None:
-        backend.load_teacher(root)
-        return
-    path = _state_dir(iteration_dir(root, rollout_id), backend)
-    backend.load_teacher_sharded(path)
-    log.info("distillation teacher from checkpoint %s", path)
+    """slime's --opd-teacher-load (and --opd-teacher-ckpt-step)."""
+    load_frozen("teacher", root, backend, rollout_id)
 
 
 def _write_atomic(path: Path, text: str) -> None:
