@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import sys
+import threading
 
 from services.common.config import as_dict, load_config
 from services.common.grpc_server import wait_for_stop_signal
@@ -15,8 +16,11 @@ from services.trainer.api.config import TrainerConfig
 
 log = logging.getLogger("services.trainer")
 
+LOST_POLL_S = 0.5
+RANK_LOST_EXIT = 3  # a rank was lost mid-job: its supervisor (Kubernetes, a test harness) starts all the ranks again
 
-async def serve(config: TrainerConfig) -> None:
+
+async def serve(config: TrainerConfig) -> int:
     import torch  # the trainer is one of the two processes that import torch
 
     from services.buffer.client import BufferClient
@@ -39,12 +43,22 @@ async def serve(config: TrainerConfig) -> None:
     servers = await create_server(config, dispatcher)
     log.info("trainer serving (rank 0 of %d): gRPC %s:%d, REST http://%s:%d (docs at /docs)", world.world_size,
              config.host, servers.grpc.port, config.host, servers.rest.port)
-    await wait_for_stop_signal()
-    log.info("stopping")
+    lost = servers.registry.ranks_lost
+    await wait_for_stop_signal_or(lost)
+    log.info("stopping" + (": a trainer rank was lost; exiting for all the ranks to restart" if lost.is_set() else ""))
     await servers.stop(config.grace_s, config.preempt_timeout_s)
     dispatcher.close()
     buffer.close()
     rollout.close()
+    return RANK_LOST_EXIT if lost.is_set() else 0
+
+
+async def wait_for_stop_signal_or(event: threading.Event) -> None:
+    """Return on SIGTERM or SIGINT, or once `event` is set (checked every LOST_POLL_S)."""
+    signalled = asyncio.create_task(wait_for_stop_signal())
+    while not (signalled.done() or event.is_set()):
+        await asyncio.wait([signalled], timeout=LOST_POLL_S)
+    signalled.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.rank != 0:
         log.error("rank %d: ranks > 0 run `python -m services.trainer.api.worker`", config.rank)
         return 2
-    asyncio.run(serve(config))
-    return 0
+    return asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

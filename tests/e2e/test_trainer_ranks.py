@@ -1,5 +1,6 @@
 """End to end on a stack of its own with two trainer ranks (FSDP2 over gloo): the demo job from the CLI, a job
-killed with SIGKILL after a checkpoint that resumes by itself on exactly the prompts of a never-stopped job, and
+killed with SIGKILL after a checkpoint that resumes by itself on exactly the prompts of a never-stopped job, one
+whose worker rank alone is SIGKILLed that resumes when the ranks restart, and
 rollouts dumped without training, then replayed through training without engines, and a job whose two ranks split
 every sequence (context parallelism). Then the same two ranks as one Megatron TP=2 group: the engines get weights
 converted from Megatron, and a job resumes from its dist-checkpoint."""
@@ -21,8 +22,10 @@ from physarum import stack
 from services.common.errors import InvalidArgument
 from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
+from services.trainer.__main__ import RANK_LOST_EXIT
 from services.trainer.api.client import JobsRestClient
 from services.trainer.driver import checkpoint
+from tests.e2e.test_eviction import wait_exit
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -125,9 +128,10 @@ def test_a_job_killed_after_a_checkpoint_resumes_by_itself_on_the_prompts_of_a_n
     assert resumed["attempts"] == 1 and second["state"] == "SUCCEEDED", second["error"]
     assert events[:len(history)] == history  # the history from before the kill, as it was
     reasons = [t["reason"] for t in resumed["transitions"]]
-    assert reasons[0] == "queued" and reasons[1] == "running" and "(restart 1 of at most 3)" in reasons[2]
+    assert reasons[:2] == ["queued", "running"]
+    assert "(restart 1; 0 in a row without progress, at most 3)" in reasons[2]
     assert reasons[3:] == ["running (resumed)", "finished"]
-    restarted = next(i for i, e in enumerate(events) if "(restart 1 of at most 3)" in e["message"])
+    restarted = next(i for i, e in enumerate(events) if "(restart 1; " in e["message"])
     trained = sorted({e["rollout_id"] for e in events[restarted:] if "train/loss" in e["metrics"]})
     assert trained == list(range(latest + 1, 5))
     assert any(f"at rollout {latest + 1}" in e["message"] for e in events)
@@ -137,6 +141,41 @@ def test_a_job_killed_after_a_checkpoint_resumes_by_itself_on_the_prompts_of_a_n
     expected = prompt_indices(str(tmp_path / "ref" / "{rollout_id}.pt"), 5)
     assert prompt_indices(str(tmp_path / "run" / "{rollout_id}.pt"), 5) == expected
     assert len({i for rollout in expected for i in rollout}) == 10  # no prompt twice
+
+
+def test_a_worker_rank_killed_mid_job_stops_rank_0_and_the_job_resumes_when_the_ranks_restart(
+        ranks_stack, tiny_model_dir, addition_task, tmp_path):
+    """SIGKILL to rank 1 alone in the middle of a job: rank 0's next collective breaks, the job is not FAILED but
+    waits to resume, rank 0 exits non-zero; started again as a supervisor would, the ranks resume it from its latest
+    checkpoint and it finishes, its history naming the lost rank."""
+    train_path, _ = addition_task
+    save = tmp_path / "ckpt"
+    spec = job_spec(tiny_model_dir, train_path, "worker-killed", num_rollout=4, save=str(save), save_interval=1)
+    with JobsRestClient(ranks_stack["trainer_url"], timeout_s=30) as client:
+        client.submit(spec)
+        job = wait(client, "worker-killed", until=lambda job: job["rollout_id"] >= 1 or job["state"] in TERMINAL)
+        assert job["state"] == "RUNNING", job
+    entries = {e["name"]: e for e in stack.read_state(ranks_stack["work_dir"])["processes"]}
+    rank0, worker = entries["trainer"], entries["trainer-1"]
+    assert stack._owned(rank0) and stack._owned(worker)
+    os.kill(worker["pid"], signal.SIGKILL)
+    assert wait_exit(rank0["pid"], timeout_s=180) == RANK_LOST_EXIT  # it noticed, recorded the job, and left
+    latest = checkpoint.latest_iteration(save)
+    assert latest is not None and latest < 3
+
+    stack.restart_trainer(ranks_stack["work_dir"])
+    with JobsRestClient(ranks_stack["trainer_url"], timeout_s=30) as client:
+        resumed = wait(client, "worker-killed")
+        events = client.events("worker-killed")
+    assert resumed["state"] == "SUCCEEDED", resumed["error"]
+    assert resumed["attempts"] == 1
+    reasons = [t["reason"] for t in resumed["transitions"]]
+    assert reasons[:2] == ["queued", "running"] and reasons[3:] == ["running (resumed)", "finished"]
+    assert reasons[2].startswith("a trainer rank was lost: a collective between the trainer's ranks broke"), reasons
+    assert "(restart 1; " in reasons[2]
+    restarted = next(i for i, e in enumerate(events) if e["message"] == "running (resumed)")
+    trained = sorted({e["rollout_id"] for e in events[restarted:] if "train/loss" in e["metrics"]})
+    assert trained == list(range(latest + 1, 4))
 
 
 def test_rollouts_dumped_without_training_replay_through_training_without_engines(

@@ -152,3 +152,31 @@ def test_health_names_a_worker_that_stopped_and_a_runner_out_of_step():
     registry = JobRegistry(Broken())
     assert registry.health() == Broken.broken
     registry.close()
+
+
+@pytest.mark.parametrize("max_restarts", [1, 0])
+def test_a_lost_rank_queues_its_job_to_resume_starts_no_other_and_asks_the_process_to_exit(max_restarts):
+    from services.trainer.driver.job import RanksLost
+
+    def runner(spec, ctx):
+        raise RanksLost("a collective between the trainer's ranks broke")
+
+    registry = JobRegistry(runner, max_restarts=max_restarts)
+    registry.submit(parse_spec({**BASE, "job_id": "lost"}))
+    registry.submit(parse_spec({**BASE, "job_id": "behind"}))
+    assert registry.ranks_lost.wait(5.0)
+    lost = registry.get("lost")
+    assert lost.attempts == 1 and lost.stalls == 1  # no checkpoint since it started: one in a row without progress
+    if max_restarts:
+        assert lost.state == JobState.QUEUED and lost.error == ""
+        assert lost.transitions[-1].message.startswith("a trainer rank was lost: a collective")
+        assert "(restart 1; 1 in a row without progress, at most 1)" in lost.transitions[-1].message
+    else:  # no restart allowed: FAILED with the reason, as for a trainer that died
+        assert lost.state == JobState.FAILED and "a trainer rank was lost while the job ran" in lost.error
+    deadline = time.monotonic() + 5.0
+    while not registry._queue.empty():  # the worker took the next job off the queue: it must not have started it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert registry.get("behind").state == JobState.QUEUED
+    registry.close()

@@ -23,7 +23,7 @@ from prometheus_client import Counter
 
 from services.common.errors import FailedPrecondition, NotFound
 from services.trainer.api.spec import JobSpec
-from services.trainer.driver.job import JobCancelled, JobPreempted
+from services.trainer.driver.job import JobCancelled, JobPreempted, RanksLost
 from services.trainer.driver.metrics import PREFIX
 
 if TYPE_CHECKING:
@@ -152,6 +152,7 @@ class JobRegistry:
         self._orders = itertools.count(1)
         self._closed = False
         self.stopping = threading.Event()  # set by close(): the running job is preempted, not cancelled
+        self.ranks_lost = threading.Event()  # a rank died mid-job: the process should exit for all ranks to restart
         if store is not None:
             self._load(store)
         self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
@@ -242,6 +243,22 @@ class JobRegistry:
                                                         f"in a row without progress, at most "
                                                         f"{self._max_restarts})")
 
+    def _ranks_lost(self, job: Job, err: RanksLost) -> None:
+        """A collective between the trainer's ranks broke (a rank died): counted as the trainer dying in the middle
+        of the job, which resumes from its latest checkpoint once all the ranks start again. No job starts before
+        that: `ranks_lost` tells the process to exit (non-zero), for its supervisor to restart the ranks."""
+        self.stopping.set()  # the next job waits for the restart too
+        job.attempts += 1
+        try:
+            if not self._stalled(job, "a trainer rank was lost while the job ran",
+                                 progressed=job.latest_checkpoint > job.started_at[1]):
+                self.record(job, state=JobState.QUEUED, message=f"{RANK_LOST}: {err}; the job resumes from its latest "
+                                                                f"checkpoint when all the ranks are back (restart "
+                                                                f"{job.attempts}; {job.stalls} in a row without "
+                                                                f"progress, at most {self._max_restarts})")
+        finally:
+            self.ranks_lost.set()
+
     def _stalled(self, job: Job, cause: str, *, progressed: bool) -> bool:
         """Count an interruption of `job` (the trainer died, or was stopped, while it ran): in a row with the one
         before unless the job `progressed` since it last started. More than max_restarts in a row: the job fails the
@@ -285,6 +302,8 @@ class JobRegistry:
                                  progressed=job.rollout_id > job.started_at[0]):
                 self.record(job, state=JobState.QUEUED, message=f"{PREEMPTED}: the trainer stopped; the job "
                                                                 "resumes from its latest checkpoint at the next start")
+        except RanksLost as err:
+            self._ranks_lost(job, err)
         except JobCancelled as err:
             self._finish(job, JobState.CANCELLED, str(err))
         # BaseException: torch's CheckpointException is one, and SystemExit in this thread would end only the
@@ -323,6 +342,7 @@ class JobRegistry:
 
 
 PREEMPTED = "preempted"
+RANK_LOST = "a trainer rank was lost"
 CHECKPOINT_METRIC = "perf/save_seconds"  # in a rollout's metrics when the loop saved a checkpoint after it
 
 

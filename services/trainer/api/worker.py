@@ -16,10 +16,10 @@ from services.common.config import as_dict, load_config
 from services.common.errors import FailedPrecondition
 from services.common.logging import configure_logging
 from services.trainer.api.config import TrainerConfig
-from services.trainer.api.jobs import JobContext, Runner
+from services.trainer.api.jobs import JobContext, Runner, failure_reason
 from services.trainer.api.spec import JobSpec
-from services.trainer.distributed.parallel import STOP, RankAborted, World, init_world
-from services.trainer.driver.job import JobCancelled
+from services.trainer.distributed.parallel import STOP, RankAborted, World, init_world, peer_lost
+from services.trainer.driver.job import JobCancelled, RanksLost
 
 log = logging.getLogger("services.trainer.api.worker")
 
@@ -30,7 +30,9 @@ class Dispatcher:
     """Rank 0's job runner: hands each job to the workers, runs it here, then waits for every worker to finish it.
 
     A worker that does not finish (left waiting in a collective by a failure on rank 0 alone) means the ranks are
-    out of step: later jobs fail at once, naming the cause, until the trainer's ranks are restarted.
+    out of step: later jobs fail at once, naming the cause, until the trainer's ranks are restarted. A collective
+    that broke because a rank died or timed out (`peer_lost`) raises RanksLost instead of the job's failure: the
+    registry keeps the job to resume and the trainer exits, to start again with all its ranks.
     """
 
     def __init__(self, world: World, runner: Runner) -> None:
@@ -49,10 +51,20 @@ class Dispatcher:
         with self._lock:
             seq, self._seq = self._seq, self._seq + 1
             self.world.send_job(seq, spec.model_dump_json().encode())
+        lost = False
         try:
             self.runner(spec, ctx)
+        except BaseException as err:
+            lost = peer_lost(err)
+            if not lost:
+                raise
+            # a rank died or stopped answering: waiting for it to finish the job would wait for nothing
+            self.broken = (f"a collective between the trainer's ranks broke during job {spec.job_id} "
+                           f"({failure_reason(err)}): restart the trainer's ranks")
+            log.error("%s", self.broken)
+            raise RanksLost(self.broken) from err
         finally:
-            missing = self.world.wait_done(seq, DONE_TIMEOUT_S)
+            missing = [] if lost else self.world.wait_done(seq, DONE_TIMEOUT_S)
             if missing:
                 self.broken = (f"trainer ranks {missing} did not finish job {spec.job_id} (it failed on rank 0 while "
                                "they waited for it): the ranks are out of step; restart the trainer's ranks")

@@ -13,6 +13,7 @@ import datetime
 import io
 import logging
 import pickle
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -20,7 +21,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, PhysarumError
 from services.common.samples import Sample, SampleGroup
 from services.common.shares import Share, share_positions
 from services.trainer.distributed import devices
@@ -34,6 +35,35 @@ CLOSED_KEY = "physarum/closed/{rank}"
 CLOSE_WAIT_S = 60.0  # rank 0 waits this long for the others to leave before it takes the store down
 STOP = b""  # the job payload that tells workers to exit
 JOB_WAIT_S = 600.0  # a worker's store wait is re-armed after this; a lost rank 0 ends it at once
+
+
+# What gloo raises (a plain RuntimeError) when a peer rank died, its sockets closed, or stopped answering within the
+# group's timeout; nccl and the store raise torch's DistBackendError / DistNetworkError instead.
+GLOO_PEER_LOST = re.compile(r"gloo/transport/.*(Connection closed by peer|Connection reset by peer|Timed out waiting "
+                            r"\d+ms for (send|recv) operation)|^Application timeout caused pair closure")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """`err` (or the error it was raised from; for torch's CheckpointException, any rank's) is a collective between
+    the trainer's ranks that broke because a peer died or timed out, not an error of the job's own code. The
+    project's own errors are classified already (a weight sync that lost an engine: WeightSyncError): never."""
+    seen: set[int] = set()
+    pending = [err]
+    while pending:
+        cause = pending.pop()
+        if cause is None or id(cause) in seen or isinstance(cause, PhysarumError | RankAborted) or not isinstance(
+                cause, BaseException):
+            continue
+        seen.add(id(cause))
+        if isinstance(cause, dist.DistBackendError | dist.DistNetworkError):
+            return True
+        if isinstance(cause, RuntimeError) and GLOO_PEER_LOST.search(str(cause)):
+            return True
+        failures = getattr(cause, "failures", None)  # CheckpointException: rank -> exception or (exception, tb)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        pending.append(cause.__cause__)
+    return False
 
 
 class RankAborted(RuntimeError):

@@ -26,6 +26,12 @@ class JobPreempted(JobCancelled):
     latest checkpoint at the trainer's next start."""
 
 
+class RanksLost(Exception):
+    """Raised on rank 0 when a collective between the trainer's ranks broke (a rank died, or stopped answering
+    within dist_timeout_s): the job stays unfinished, like a job whose trainer died, and the trainer exits so that
+    all its ranks start again together and resume it from its latest checkpoint."""
+
+
 def preempted(err: BaseException) -> bool:
     """`err` ends a job because the trainer is stopping: JobPreempted on rank 0, the RankAborted that names it on
     the other ranks."""
