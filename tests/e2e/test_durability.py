@@ -115,7 +115,7 @@ def test_trainer_killed_resumes_from_its_checkpoint(durable_stack, tiny_model_di
 
     assert final["state"] == "SUCCEEDED", final["error"]
     assert final["attempts"] == 1
-    restarted = next(i for i, e in enumerate(events) if "(restart 1 of at most" in e["message"])
+    restarted = next(i for i, e in enumerate(events) if "(restart 1; " in e["message"])
     events = events[restarted:]  # the resumed run's
     assert any(f"at rollout {taken}" in e["message"] for e in events), [e["message"] for e in events]
     assert d.trained_rollouts(events) == list(range(taken, NUM_ROLLOUT))
