@@ -151,8 +151,9 @@ def test_slime_args_submit_over_rest_grpc_and_the_cli(servers, tmp_path):
             assert (spec["rm_type"], spec["n_samples_per_prompt"], spec["train_backend"]) == ("deepscaler", 4, "fsdp")
             assert spec["plugin_args"]["colocate"] is True and spec["slime_notes"][0].startswith("--colocate: ")
         assert via_grpc["job_id"] == "slime-grpc"
-        with pytest.raises(InvalidArgument, match="slime_args: --use-opd: on-policy distillation"):
-            grpc.submit({"slime_args": argv + " --use-opd"})
+        with pytest.raises(InvalidArgument, match="slime_args: --allgather-cp: slime's all-gather CP layout is not "
+                                                  "implemented"):
+            grpc.submit({"slime_args": argv + " --allgather-cp"})
     job_file = tmp_path / "job.yaml"
     job_file.write_text("job_id: from-file\nrm_type: math\n")
     assert load_job_file(job_file, ["num_rollout=5"], argv) == {"job_id": "from-file", "rm_type": "math",
