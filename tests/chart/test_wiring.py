@@ -220,6 +220,31 @@ def test_new_engines_get_weights_from_a_volume_the_trainer_shares(objects, value
     assert len(claims) == 2 and claims[0] == claims[1]
 
 
+def test_the_rollout_manager_reads_the_models_a_job_may_name(objects, value_set):
+    """A job's hf_checkpoint (the tokenizer the manager loads) may be under any of the trainer's data roots, e.g. a
+    model an SFT job saved on the checkpoints volume: the manager mounts each shared volume there, read-only."""
+    trainer = one(objects, "StatefulSet", "trainer")
+    rollout = one(objects, "Deployment", "rollout")
+    roots = env_of(containers(trainer)[0])["PHYSARUM_TRAINER_DATA_ROOTS"]["value"].split(",")
+    trainer_mounts = {m["mountPath"]: m["name"] for m in containers(trainer)[0]["volumeMounts"]}
+    rollout_mounts = {m["mountPath"]: m for m in containers(rollout)[0]["volumeMounts"]}
+    trainer_claims = {v["name"]: v["persistentVolumeClaim"] for v in pod_spec(trainer)["volumes"]
+                      if "persistentVolumeClaim" in v}
+    rollout_claims = {v["name"]: v["persistentVolumeClaim"] for v in pod_spec(rollout)["volumes"]
+                      if "persistentVolumeClaim" in v}
+    access = values_of(value_set)["checkpoints"]["persistence"]["accessMode"]
+    shared = 0
+    for root in roots:
+        volume = trainer_mounts.get(root)
+        if volume not in trainer_claims or (volume == "checkpoints" and access == "ReadWriteOnce"):
+            continue  # the trainer's own (an emptyDir, or a claim one node attaches): nothing to share
+        mount = rollout_mounts.get(root)
+        assert mount and mount.get("readOnly") is True, f"the rollout manager does not mount {root} read-only"
+        assert rollout_claims[mount["name"]]["claimName"] == trainer_claims[volume]["claimName"]
+        shared += 1
+    assert shared or value_set == "minimal", "a value set with shared volumes shares none with the manager"
+
+
 def test_one_scaler_owns_engine_replicas(objects, value_set):
     engines = values_of(value_set)["engines"]
     deployment = one(objects, "Deployment", "engine")
