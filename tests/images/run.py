@@ -34,6 +34,7 @@ SLIME_IMPORTS = {"rollout": "slime.utils.types, slime.rollout.rm_hub",
                  "reward": "slime.utils.types, slime.rollout.rm_hub",
                  "trainer": "slime.utils.types, slime.backends.megatron_utils.cp_utils"}
 WORK = ROOT / ".physarum" / "images-test"
+JOB_TIMEOUT_S = 3600.0  # a stuck job ends the run instead of hanging it
 
 
 def check_image(registry: str, version: str, name: str) -> list[str]:
@@ -104,7 +105,7 @@ def run_jobs(stack, model_dir: Path) -> dict:
         for name, path, overrides in jobs:
             start = time.monotonic()
             job = client.submit(load_job_file(path, overrides))
-            job = follow(client, job["job_id"], job["num_rollout"])
+            job = follow(client, job["job_id"], job["num_rollout"], timeout_s=JOB_TIMEOUT_S)
             events = client.events(job["job_id"])
             rewards = [e["metrics"]["rollout/reward_mean"] for e in events if "rollout/reward_mean" in e["metrics"]]
             result[name] = {"state": job["state"], "error": job.get("error", ""), "rollouts": len(events),
