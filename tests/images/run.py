@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = tinymodel.build_tiny_model(models / "model", tasks.corpus(), seed=0)
         tasks.write_addition_task(models / "data" / "task")
         build_multiturn([str(models / "data" / "multiturn")])
+        for path in [models, *models.rglob("*")]:  # the volume is the pods' own (the chart's fsGroup; model files
+            os.chown(path, 10001, 10001)           # are written 0600 here)
         stack = ImageStack(args.registry, args.version, WORK / "stack", models, plugin_dir=plugin_dir)
         try:
             stack.up()
