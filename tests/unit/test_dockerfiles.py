@@ -408,3 +408,14 @@ def test_the_rollout_image_has_the_hf_cli_the_chart_fetches_models_with():
     constraints = load_script("docker_constraints")
     rollout = [Requirement(r) for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["rollout"]]
     assert "huggingface-hub" in constraints.closure(rollout)
+
+
+def test_the_trainer_image_has_what_the_charts_trainer_settings_import():
+    """The chart keeps job records in Redis (PHYSARUM_TRAINER_JOBS_REDIS_URL): the trainer extra, which is all the
+    trainer image installs, must bring the Redis client its job store imports (images-test found it missing)."""
+    chart = (ROOT / "deploy" / "helm" / "physarum" / "templates" / "trainer.yaml").read_text()
+    assert "PHYSARUM_TRAINER_JOBS_REDIS_URL" in chart
+    assert "import redis" in (ROOT / "services" / "trainer" / "job_store.py").read_text()
+    constraints = load_script("docker_constraints")
+    trainer = [Requirement(r) for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["trainer"]]
+    assert "redis" in constraints.closure(trainer)
