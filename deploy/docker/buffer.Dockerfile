@@ -2,7 +2,7 @@
 # The buffer service: prompt datasets, leases and sample groups in Redis. `python -m services.buffer`,
 # settings from flags or PHYSARUM_BUFFER_* (README "Configuration").
 # Image physarum-buffer; build from the repository root: make images (or docker build -f deploy/docker/buffer.Dockerfile .)
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="physarum-buffer"

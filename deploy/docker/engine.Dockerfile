@@ -4,7 +4,7 @@
 # time. GPU engines are SGLang itself, from SGLang's own image pinned by digest in the chart (engines.sglang.image):
 # it serves the same HTTP API, so this repository builds no GPU engine image.
 # Image physarum-engine; build from the repository root: make images (or docker build -f deploy/docker/engine.Dockerfile .)
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
 # where the CPU torch wheel comes from: PyTorch's CPU index, or any pip index that serves it (make TORCH_INDEX_URL=)
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 

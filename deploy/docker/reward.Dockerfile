@@ -2,7 +2,7 @@
 # The reward service: scorers over gRPC and REST. `python -m services.reward`,
 # settings from flags or PHYSARUM_REWARD_* (README "Configuration").
 # Image physarum-reward; build from the repository root: make images (or docker build -f deploy/docker/reward.Dockerfile .)
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="physarum-reward"

@@ -2,7 +2,7 @@
 # The rollout manager: the generation loop and the engine pool (in a cluster its engines are the pods of the
 # engine Deployment). `python -m services.rollout`, settings from flags or PHYSARUM_ROLLOUT_* (README "Configuration").
 # Image physarum-rollout; build from the repository root: make images (or docker build -f deploy/docker/rollout.Dockerfile .)
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="physarum-rollout"

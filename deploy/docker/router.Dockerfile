@@ -3,7 +3,7 @@
 # them through its /workers API. Its flags are the router's own (`python -m sglang_router.launch_router --help`),
 # not PHYSARUM_* settings. Same version as the rollout extra in pyproject.toml.
 # Image physarum-router; build from the repository root: make images (or docker build -f deploy/docker/router.Dockerfile .)
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="physarum-router"

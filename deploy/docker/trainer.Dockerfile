@@ -6,7 +6,7 @@
 # container toolkit. Both on Python 3.11, the Python constraints.txt was made on.
 # Image physarum-trainer; build from the repository root: make images [VARIANT=gpu]
 ARG VARIANT=cpu
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
 # where the CPU torch wheel comes from: PyTorch's CPU index, or any pip index that serves it (make TORCH_INDEX_URL=)
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 

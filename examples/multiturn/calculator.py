@@ -17,10 +17,13 @@ import functools
 import operator
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
-from services.rollout.generation.generate import append_reply, router_generate
+# `generate` runs in the rollout manager, `reward` in the reward service, whose image has neither tokenizers nor the
+# manager's generation code: what `generate` needs is imported when it runs.
 
 CALL = "="  # a turn ending here is a calculator call
 MAX_CALLS = 3  # after this many calls the model only gets to answer
@@ -55,11 +58,15 @@ def _evaluate(node: ast.AST) -> float:
 
 @functools.cache
 def _tokenizer(model_path: str) -> Tokenizer:
+    from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
 
 
 async def generate(args, sample, sampling_params):
     """Alternate model turns and calculator answers until the model ends its answer or the budget is spent."""
+    from services.rollout.generation.generate import append_reply, router_generate
+
     tokenizer = _tokenizer(args.hf_checkpoint)
     max_response_len = sampling_params["max_new_tokens"]
     while (budget := max_response_len - sample.response_length) > 0:

@@ -20,8 +20,9 @@ source scripts/images/env.sh
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 base=${PYTHON_IMAGE:-}
 if [ -z "$base" ]; then
-  if timeout 60 buildah pull -q docker.io/library/python:3.11.7-slim-bookworm >/dev/null 2>&1; then
-    base=docker.io/library/python:3.11.7-slim-bookworm
+  pinned=$(sed -n 's/^ARG PYTHON_IMAGE=//p' deploy/docker/buffer.Dockerfile)  # the Dockerfiles' default, by digest
+  if timeout 60 buildah pull -q "docker.io/library/$pinned" >/dev/null 2>&1; then
+    base=docker.io/library/$pinned
   else
     echo "images-test: no registry reachable: a local base image stands in"
     base=localhost/physarum-base:bookworm

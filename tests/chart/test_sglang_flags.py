@@ -1,5 +1,7 @@
 """The flags Physarum passes to SGLang's `launch_server` are flags of the SGLang release the chart pins: the chart's
 engine args (with the gpu-cluster value set's extraArgs), the local launcher's fixed ones and the admin-key flag.
+The image the chart pins is named as SGLang's release workflows name theirs (tests/data/sglang_image_tags.json, read
+from those workflows), for that same release, and pinned by digest.
 
 tests/data/sglang_server_flags.json is read from the sglang wheel of that release by scripts/sglang_server_flags.py
 (SGLang itself cannot be imported without CUDA kernels); a new pin in values.yaml needs the file written again.
@@ -8,6 +10,7 @@ tests/data/sglang_server_flags.json is read from the sglang wheel of that releas
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -17,6 +20,7 @@ from services.rollout.pool.sglang_launcher import sglang_server_argv
 from tests.chart.chart import CHART, rendered
 
 DATA = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_server_flags.json").read_text())
+IMAGE_TAGS = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_image_tags.json").read_text())
 SGLANG_FLAGS = set(DATA["flags"])
 
 
@@ -52,3 +56,30 @@ def test_the_local_launcher_and_the_admin_key_use_launch_server_flags():
 def test_a_flag_sglang_lacks_is_seen():
     """The check can fail: a made-up flag is not in the list."""
     assert "--add-url" not in SGLANG_FLAGS and flag_names(["--add-url=x"]) == ["--add-url"]
+
+
+def release_of(tag: str) -> str | None:
+    """The SGLang version a tag of SGLang's own release naming pins (None: not such a tag, or a moving one)."""
+    for pattern in IMAGE_TAGS["tags"]:
+        if "{version}" in pattern:
+            regex = re.escape(pattern).replace(re.escape("{version}"), r"(\d+\.\d+\.\d+(?:\.post\d+)?)")
+            if match := re.fullmatch(regex, tag):
+                return match.group(1)
+    return None
+
+
+def test_the_sglang_image_is_a_release_tag_of_sglangs_own_naming_pinned_by_digest():
+    image = yaml.safe_load((CHART / "values.yaml").read_text())["engines"]["sglang"]["image"]
+    assert image["repository"] == IMAGE_TAGS["repository"]
+    assert release_of(image["tag"]) == DATA["sglang_version"], image["tag"]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", image["digest"])
+    (engine,) = [o for o in rendered("gpu-cluster") if o["kind"] == "Deployment"
+                 and o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"]
+    pulled = engine["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert pulled.endswith(f"@{image['digest']}") and pulled.startswith(IMAGE_TAGS["repository"]), pulled
+
+
+def test_a_tag_sglang_never_pushes_is_seen():
+    """The check can fail: no v prefix, a made-up CUDA suffix and a moving tag are not release tags."""
+    assert release_of("v0.5.17-cu130-runtime") == "0.5.17" and release_of("v0.5.17") == "0.5.17"
+    assert release_of("0.5.17") is None and release_of("v0.5.17-cu118-runtime") is None and release_of("latest") is None

@@ -220,6 +220,31 @@ def test_new_engines_get_weights_from_a_volume_the_trainer_shares(objects, value
     assert len(claims) == 2 and claims[0] == claims[1]
 
 
+@pytest.mark.parametrize("reader", ["buffer", "rollout"])
+def test_the_pods_that_read_a_jobs_files_mount_the_trainers_data_roots(objects, value_set, reader):
+    """A job's prompt_data (read by the buffer) and hf_checkpoint (the tokenizer the rollout manager loads) may be
+    under any of the trainer's data roots, e.g. a model an SFT job saved on the checkpoints volume: both pods mount
+    each shared volume there, read-only, from the same claim."""
+    trainer = one(objects, "StatefulSet", "trainer")
+    pod = one(objects, "Deployment", reader)
+    roots = env_of(containers(trainer)[0])["PHYSARUM_TRAINER_DATA_ROOTS"]["value"].split(",")
+    trainer_mounts = {m["mountPath"]: m["name"] for m in containers(trainer)[0]["volumeMounts"]}
+    pod_mounts = {m["mountPath"]: m for m in containers(pod)[0]["volumeMounts"]}
+    trainer_claims, pod_claims = ({v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod_spec(w)["volumes"]
+                                   if "persistentVolumeClaim" in v} for w in (trainer, pod))
+    access = values_of(value_set)["checkpoints"]["persistence"]["accessMode"]
+    shared = 0
+    for root in roots:
+        volume = trainer_mounts.get(root)
+        if volume not in trainer_claims or (volume == "checkpoints" and access == "ReadWriteOnce"):
+            continue  # the trainer's own (an emptyDir, or a claim one node attaches): nothing to share
+        mount = pod_mounts.get(root)
+        assert mount and mount.get("readOnly") is True, f"the {reader} pod does not mount {root} read-only"
+        assert pod_claims[mount["name"]] == trainer_claims[volume]
+        shared += 1
+    assert shared or value_set == "minimal", "a value set with shared volumes shares none"
+
+
 def test_one_scaler_owns_engine_replicas(objects, value_set):
     engines = values_of(value_set)["engines"]
     deployment = one(objects, "Deployment", "engine")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 USER = "10001:10001"  # the images' user, the chart's runAsUser/runAsGroup
 
 
-def buildah(*args: str, timeout_s: float = 120.0) -> str:
+def buildah(*args: str, timeout_s: float = 600.0) -> str:  # waits out a build holding the storage lock
     result = subprocess.run(["buildah", *args], capture_output=True, text=True, timeout=timeout_s)
     if result.returncode:
         raise RuntimeError(f"buildah {' '.join(args[:3])}: {result.stderr.strip()[-600:]}")

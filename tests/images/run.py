@@ -34,6 +34,7 @@ SLIME_IMPORTS = {"rollout": "slime.utils.types, slime.rollout.rm_hub",
                  "reward": "slime.utils.types, slime.rollout.rm_hub",
                  "trainer": "slime.utils.types, slime.backends.megatron_utils.cp_utils"}
 WORK = ROOT / ".physarum" / "images-test"
+JOB_TIMEOUT_S = 3600.0  # a stuck job ends the run instead of hanging it
 
 
 def check_image(registry: str, version: str, name: str) -> list[str]:
@@ -79,37 +80,41 @@ def copy_plugins(plugin_image: str, volume: Path) -> list[str]:
     return []
 
 
-def run_jobs(stack, model_dir: Path, task_dir: Path, multiturn_dir: Path) -> dict:
+def run_jobs(stack, model_dir: Path) -> dict:
+    """The jobs, named by the paths the pods see (the models volume at MODELS, the checkpoints one at CHECKPOINTS);
+    the held-out reward is measured from here through the router, with the tokenizer of model_dir."""
     from physarum.cli import follow, load_job_file
     from physarum.demo import evaluate
     from services.trainer.api.client import JobsRestClient
+    from tests.images.stack import CHECKPOINTS, MODELS
 
     state = {"router_url": f"http://{stack.addr['router']}", "reward_addr": stack.addr["reward"]}
-    checkpoints = stack.work_dir / "checkpoints"
-    result: dict = {"held_out_before": evaluate(state, model_dir, task_dir / "test.jsonl")}
+    held_out = stack.models_dir / "data" / "task" / "test.jsonl"
+    task, multiturn = f"{MODELS}/data/task", f"{MODELS}/data/multiturn"
+    result: dict = {"held_out_before": evaluate(state, model_dir, held_out)}
     jobs = [
-        ("sft", ROOT / "examples/demo/sft.yaml", [f"hf_checkpoint={model_dir}", f"prompt_data={task_dir}/sft.jsonl",
-                                                  "num_rollout=40", f"save_hf={checkpoints}/sft-model"]),
-        ("grpo", ROOT / "examples/demo/job.yaml", [f"hf_checkpoint={checkpoints}/sft-model",
-                                                   f"prompt_data={task_dir}/train.jsonl", "num_rollout=20"]),
+        ("sft", ROOT / "examples/demo/sft.yaml", [f"hf_checkpoint={MODELS}/model", f"prompt_data={task}/sft.jsonl",
+                                                  "num_rollout=40", f"save_hf={CHECKPOINTS}/sft-model"]),
+        ("grpo", ROOT / "examples/demo/job.yaml", [f"hf_checkpoint={CHECKPOINTS}/sft-model",
+                                                   f"prompt_data={task}/train.jsonl", "num_rollout=20"]),
         ("multiturn", ROOT / "examples/multiturn/job.yaml", [
-            f"hf_checkpoint={model_dir}", f"prompt_data={multiturn_dir}/train.jsonl", "num_rollout=2",
-            f"eval_prompt_data=[calc={multiturn_dir}/test.jsonl]", "eval_interval=2"]),
+            f"hf_checkpoint={MODELS}/model", f"prompt_data={multiturn}/train.jsonl", "num_rollout=2",
+            f"eval_prompt_data=[calc={multiturn}/test.jsonl]", "eval_interval=2"]),
     ]
     with JobsRestClient(stack.trainer_url, token=stack.api_token) as client:
         for name, path, overrides in jobs:
             start = time.monotonic()
             job = client.submit(load_job_file(path, overrides))
-            job = follow(client, job["job_id"], job["num_rollout"])
+            job = follow(client, job["job_id"], job["num_rollout"], timeout_s=JOB_TIMEOUT_S)
             events = client.events(job["job_id"])
             rewards = [e["metrics"]["rollout/reward_mean"] for e in events if "rollout/reward_mean" in e["metrics"]]
             result[name] = {"state": job["state"], "error": job.get("error", ""), "rollouts": len(events),
                             "seconds": round(time.monotonic() - start), "reward_first": rewards[:3],
                             "reward_last": rewards[-3:]}
             if name == "sft":
-                result["held_out_after_sft"] = evaluate(state, model_dir, task_dir / "test.jsonl")
+                result["held_out_after_sft"] = evaluate(state, model_dir, held_out)
             if name == "grpo":
-                result["held_out_after_grpo"] = evaluate(state, model_dir, task_dir / "test.jsonl")
+                result["held_out_after_grpo"] = evaluate(state, model_dir, held_out)
     return result
 
 
@@ -133,14 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         from physarum import tasks, tinymodel
         from tests.images.stack import ImageStack
 
-        model_dir = tinymodel.build_tiny_model(WORK / "model", tasks.corpus(), seed=0)
-        _, test_path = tasks.write_addition_task(WORK / "data" / "task")
-        build_multiturn([str(WORK / "data" / "multiturn")])
-        stack = ImageStack(args.registry, args.version, WORK / "stack", model_dir, WORK / "data",
-                           plugin_dir=plugin_dir)
+        models = WORK / "models"  # the models volume: the tiny model and the jobs' prompt data
+        model_dir = tinymodel.build_tiny_model(models / "model", tasks.corpus(), seed=0)
+        tasks.write_addition_task(models / "data" / "task")
+        build_multiturn([str(models / "data" / "multiturn")])
+        for path in [models, *models.rglob("*")]:  # the volume is the pods' own (the chart's fsGroup; model files
+            os.chown(path, 10001, 10001)           # are written 0600 here)
+        stack = ImageStack(args.registry, args.version, WORK / "stack", models, plugin_dir=plugin_dir)
         try:
             stack.up()
-            summary.update(run_jobs(stack, model_dir, test_path.parent, WORK / "data" / "multiturn"))
+            summary.update(run_jobs(stack, model_dir))
         finally:
             stack.down()
         for name in ("sft", "grpo", "multiturn"):

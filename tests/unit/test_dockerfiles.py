@@ -7,6 +7,7 @@ a non-root user, on pinned Python 3.11 base images (the trainer's GPU variant ad
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER_DIR = ROOT / "deploy" / "docker"
@@ -63,9 +66,9 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 
 class Dockerfile:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, path: Path | None = None) -> None:
         self.name = name
-        self.path = DOCKER_DIR / f"{name}.Dockerfile"
+        self.path = path or DOCKER_DIR / f"{name}.Dockerfile"
         self.args: dict[str, str] = {}  # ARGs before the first FROM, with their defaults
         self.stages: list[dict] = []  # {"image": ..., "name": ..., "steps": [(INSTRUCTION, args)]}
         for word, rest in instructions(self.path):
@@ -219,17 +222,52 @@ def test_hadolint_passes_with_every_ignored_rule_justified():
     assert result.returncode != 0 and "DL3013" in result.stdout
 
 
-@params
-def test_base_images_are_pinned_pythons_of_the_constraints(name):
-    """Every image (the trainer's GPU variant too) runs the Python minor version constraints.txt was made on."""
-    images = DOCKERFILES[name].external_images()
-    assert images
-    for image in images:
-        assert "$" not in image, f"{name}: unresolved {image}"
-        tag = image.split("/")[-1].partition(":")[2]
-        assert "@sha256:" in image or re.search(r"\d+\.\d+\.\d+", tag), f"{name}: base image {image} is not pinned"
-        python = "{}.{}.".format(*sys.version_info[:2])
-        assert tag.startswith(python), f"{name}: {image} is not Python {python}x"
+PLUGIN_DOCKERFILE = Dockerfile("plugins", ROOT / "deploy" / "plugins" / "Dockerfile")
+PINNED_IMAGE = re.compile(r"(?P<name>[a-z0-9./-]+):(?P<tag>[\w.-]+)@sha256:[0-9a-f]{64}")
+
+
+def base_image_python(image: str) -> Version:
+    """The Python version a python:<X.Y.Z>-... base image's tag names."""
+    match = PINNED_IMAGE.fullmatch(image)
+    assert match, f"base image {image} is not pinned as name:tag@sha256:<digest>"
+    version = re.match(r"\d+\.\d+\.\d+", match["tag"])
+    assert match["name"].split("/")[-1] == "python" and version, f"{image}: not a python:X.Y.Z image"
+    return Version(version.group())
+
+
+def test_every_base_image_is_one_python_pinned_by_digest():
+    """All seven Dockerfiles (the plugin image's too) default to one base, name:tag@sha256:<digest>."""
+    defaults = {d.name: d.args.get("PYTHON_IMAGE") for d in [*DOCKERFILES.values(), PLUGIN_DOCKERFILE]}
+    assert len(set(defaults.values())) == 1, defaults
+    for name, dockerfile in [*DOCKERFILES.items(), ("plugins", PLUGIN_DOCKERFILE)]:
+        assert dockerfile.external_images(), name
+        for image in dockerfile.external_images():
+            base_image_python(image)
+    assert not PINNED_IMAGE.fullmatch("python:3.11.7-slim-bookworm")  # the check can fail: a bare tag is refused
+
+
+def test_the_base_python_fits_every_package_the_images_install():
+    """The base image's Python (its tag, read statically) is the minor version constraints.txt was made on, meets
+    pyproject's requires-python, and every pinned package's own Requires-Python; the local stand-in base
+    (scripts/images/base.sh) is the same Debian release, whose Python is that same minor version."""
+    (image,) = set(DOCKERFILES["buffer"].external_images())
+    python = base_image_python(image)
+    assert (python.major, python.minor) == sys.version_info[:2], f"{image}: constraints.txt was made on another Python"
+    assert SpecifierSet(PYPROJECT["requires-python"]).contains(python)
+    constraints = load_script("docker_constraints")
+    refused, checked = {}, set()
+    for package, version in constraints.read_pins().items():
+        if Version(importlib.metadata.version(package)).public != version:
+            continue  # the venv moved on from this pin: its metadata is not the pinned release's
+        checked.add(package)
+        requires = importlib.metadata.metadata(package).get("Requires-Python")
+        if requires and not SpecifierSet(requires).contains(python):
+            refused[package] = requires
+    assert not refused, f"pinned packages that refuse Python {python}: {refused}"
+    assert {"torch", "numpy", "grpcio", "redis", "sglang-router"} <= checked, "the heavy pins went unchecked"
+    assert not SpecifierSet(">=3.12").contains(python)  # the check can fail
+    release = image.split(":")[1].split("@")[0].rsplit("-", 1)[-1]  # python:3.11.7-slim-bookworm -> bookworm
+    assert f" {release} " in (ROOT / "scripts" / "images" / "base.sh").read_text(), release
 
 
 def test_trainer_variants_pick_the_cpu_or_the_cuda_torch_build():
@@ -370,3 +408,14 @@ def test_the_rollout_image_has_the_hf_cli_the_chart_fetches_models_with():
     constraints = load_script("docker_constraints")
     rollout = [Requirement(r) for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["rollout"]]
     assert "huggingface-hub" in constraints.closure(rollout)
+
+
+def test_the_trainer_image_has_what_the_charts_trainer_settings_import():
+    """The chart keeps job records in Redis (PHYSARUM_TRAINER_JOBS_REDIS_URL): the trainer extra, which is all the
+    trainer image installs, must bring the Redis client its job store imports (images-test found it missing)."""
+    chart = (ROOT / "deploy" / "helm" / "physarum" / "templates" / "trainer.yaml").read_text()
+    assert "PHYSARUM_TRAINER_JOBS_REDIS_URL" in chart
+    assert "import redis" in (ROOT / "services" / "trainer" / "api" / "job_store.py").read_text()
+    constraints = load_script("docker_constraints")
+    trainer = [Requirement(r) for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["trainer"]]
+    assert "redis" in constraints.closure(trainer)

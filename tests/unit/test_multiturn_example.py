@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,21 @@ def test_reward_is_one_when_the_last_number_is_the_label():
         return asyncio.run(calculator.reward(None, Sample(response=response, label=label)))
 
     assert score("3*4+5=17\n", "17") == 1.0 and score("17 or 18", "17") == 0.0 and score("none", "17") == 0.0
+
+
+def test_the_reward_loads_where_the_reward_service_runs():
+    """The reward service imports the module for `reward`; its image has neither tokenizers nor the rollout
+    manager's generation code, so importing them must wait for `generate`."""
+    probe = ("import sys, asyncio, types\n"
+             "sys.modules['tokenizers'] = None\n"  # None in sys.modules: `import tokenizers` raises ImportError
+             "sys.modules['services.rollout'] = None\n"
+             "from examples.multiturn import calculator\n"
+             "sample = types.SimpleNamespace(response='2+3=5', label='5')\n"
+             "print(asyncio.run(calculator.reward(None, sample)))\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            cwd=EXAMPLE.parents[1])
+    assert result.returncode == 0, result.stderr[-600:]
+    assert result.stdout.strip() == "1.0"
 
 
 def test_dataset_rows_are_distinct_questions_with_exact_answers(tmp_path):

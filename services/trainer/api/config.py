@@ -30,9 +30,9 @@ class TrainerConfig:
                                "`authorization` metadata); empty: no token (the local stack)")
     jobs_redis_url: str = field("", "Redis that keeps the job records (spec, state, events, checkpoints), so jobs "
                                     "outlive the trainer and resume when it comes back; empty: in memory, lost with it")
-    job_max_restarts: int = field(3, "times in a row a job resumes after the trainer died or was evicted while it "
-                                     "ran without progress since its start before (a new checkpoint; after an "
-                                     "eviction, a trained rollout); one more: FAILED")
+    job_max_restarts: int = field(3, "times in a row a job resumes after the trainer died, lost a rank or was "
+                                     "evicted while it ran without progress since its start before (a new "
+                                     "checkpoint; after an eviction, a trained rollout); one more: FAILED")
     preempt_timeout_s: float = field(300.0, "on SIGTERM, seconds the running job gets to reach its next safe point, "
                                             "checkpoint and stop (below the pod's terminationGracePeriodSeconds)")
     # The trainer's ranks (torchrun's variables): rank 0 is this service, ranks 1.. run services.trainer.api.worker.

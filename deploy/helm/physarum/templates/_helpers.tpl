@@ -165,6 +165,25 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end -}}
 
 {{/* The checkpoints PVC as a pod volume (the trainer writes it; engines read weight snapshots from it). */}}
+{{- /* "true" where pods besides the trainer may mount the checkpoints volume read-only (a claim, not ReadWriteOnce):
+     the buffer and the rollout manager read a job's files there, e.g. a model an SFT job saved */ -}}
+{{- define "physarum.checkpointsShared" -}}
+{{- $p := .Values.checkpoints.persistence }}
+{{- if and $p.enabled (ne $p.accessMode "ReadWriteOnce") }}true{{ end }}
+{{- end -}}
+
+{{- define "physarum.checkpointsReadOnlyMount" -}}
+{{- if include "physarum.checkpointsShared" . }}
+- {name: checkpoints, mountPath: {{ .Values.checkpoints.mountPath }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "physarum.checkpointsReadOnlyVolume" -}}
+{{- if include "physarum.checkpointsShared" . }}
+{{ include "physarum.checkpointsVolume" (dict "root" . "readOnly" true) }}
+{{- end }}
+{{- end -}}
+
 {{- define "physarum.checkpointsVolume" -}}
 - name: checkpoints
   persistentVolumeClaim:
