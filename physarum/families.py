@@ -31,6 +31,13 @@ def qwen3(**common: Any):
     return Qwen3Config(**common, intermediate_size=4 * h, head_dim=h // 4, tie_word_embeddings=True)
 
 
+def qwen2(**common: Any):
+    from transformers import Qwen2Config
+
+    h = common["hidden_size"]  # Qwen2.5: q/k/v bias, no q/k norm; the small ones tie lm_head to the embedding
+    return Qwen2Config(**common, intermediate_size=4 * h, tie_word_embeddings=True)
+
+
 def llama(**common: Any):
     from transformers import LlamaConfig
 
@@ -100,7 +107,7 @@ def qwen3_5_moe(**common: Any):
 
 
 FAMILIES: dict[str, Callable[..., Any]] = {
-    "qwen3": qwen3, "llama": llama, "glm4": glm4, "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe,
+    "qwen3": qwen3, "qwen2": qwen2, "llama": llama, "glm4": glm4, "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe,
     "deepseek_v3": deepseek_v3, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
 }
 

@@ -14,7 +14,7 @@ from services.trainer.api.preflight import preflight, with_preflight
 from services.trainer.api.spec import parse_spec
 from services.trainer.backends import capabilities, model_families
 
-MEGATRON_BUILDS = {"qwen3", "llama", "qwen3_moe"}  # of the tiny families
+MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe"}  # of the tiny families
 
 
 def config_of(family: str) -> dict:

@@ -1,0 +1,147 @@
+"""A slime example's argv made to run on one CPU with a tiny model of its family: what changes and nothing else.
+
+- the model: a tiny one of the example's family (2 layers, hidden 128; its tokenizer by character, over printable
+  ASCII so the plugins' prompts tokenize, with a 2048-token context: retool's system prompt is ~900 characters);
+- the model block's architecture flags take the tiny model's values (read from its config.json the way the submit
+  check reads them); a bare flag stays where the tiny model has the feature and goes where it does not (the tiny
+  Qwen3 ties its embeddings: `--untie-embeddings-and-output-weights` goes);
+- parallelism sizes become 1 (one trainer rank, one engine per model);
+- batch sizes and lengths become tiny (two rollouts of two prompts × two samples, eight tokens each);
+- paths name the test's files: the tiny model for `--hf-checkpoint`, `--ref-load` and `--opd-teacher-load` (an HF
+  directory; slime's torch_dist layout is read in tests/integration/test_megatron_slime_checkpoint.py), empty
+  directories for `--load` and `--save`, prompt rows with the example's keys, the eval files and YAMLs, and
+  `--rm-url` (slime's OPD teacher) naming an engine of the test's.
+Every other flag (algorithm, rollout function, hooks and plugins, eval settings) is kept as slime's script wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from physarum import tasks, tinymodel
+from services.trainer.slime.megatron_flags import ARCH
+
+# Parallelism: the test's stack has one trainer rank and single-process CPU engines.
+ONE = ("actor-num-nodes", "actor-num-gpus-per-node", "rollout-num-gpus", "rollout-num-gpus-per-engine",
+       "tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size",
+       "expert-model-parallel-size", "expert-tensor-parallel-size")
+# Sizes: one optimizer step per rollout of 2 prompts × 2 samples; responses short enough for a 2-layer model on CPU.
+TINY = {"num-rollout": "2", "rollout-batch-size": "2", "n-samples-per-prompt": "2", "global-batch-size": "4",
+        "rollout-max-response-len": "8", "eval-max-response-len": "8", "n-samples-per-eval-prompt": "2",
+        **{flag: "1" for flag in ONE}}
+PROMPTS = [{"prompt": "What is 1+2?", "label": "3"}, {"prompt": "What is 2+2?", "label": "4"}]
+EVAL_PROMPT = {"prompt": "What is 3+3?", "label": "6"}
+
+
+CONTEXT_LEN = 2048
+
+
+def build_tiny_model(out_dir: Path, family: str) -> Path:
+    """A tiny model of `family` with its character tokenizer, in one HF directory (built once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from physarum.families import tiny_config
+
+    if (out_dir / "model.safetensors").exists():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tinymodel.build_tokenizer([*tasks.corpus(), string.printable], out_dir)
+    vocab = json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    config = tiny_config(family, vocab_size=len(vocab), eos_id=vocab[tinymodel.EOS_TOKEN])
+    config.max_position_embeddings = CONTEXT_LEN
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def split_flags(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """[(flag, its values)] in argv order (a value never starts with `--` in slime's scripts)."""
+    flags: list[tuple[str, list[str]]] = []
+    for token in argv:
+        if token.startswith("--"):
+            flags.append((token[2:], []))
+        else:
+            flags[-1][1].append(token)
+    return flags
+
+
+def arch_values(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The tiny model's value of each architecture flag its config says (None: it does not say)."""
+    return {flag: arch.expected(hf_config) for flag, arch in ARCH.items()}
+
+
+def tiny_argv(argv: list[str], *, model_dir: Path, work_dir: Path, rm_url: str = "") -> list[str]:
+    """`argv` with the changes in this module's docstring; writes the files it names under `work_dir`."""
+    tiny = arch_values(json.loads((model_dir / "config.json").read_text()))
+    paths = {"hf-checkpoint": str(model_dir), "ref-load": str(model_dir), "opd-teacher-load": str(model_dir),
+             "load": str(work_dir / "load"), "save": str(work_dir / "save"), "rm-url": rm_url}
+    out: list[str] = []
+    for flag, values in split_flags(argv):
+        if flag in ARCH:
+            if tiny[flag] is None:
+                continue
+            if ARCH[flag].bare:
+                out += [f"--{flag}"] if tiny[flag] else []
+            else:
+                out += [f"--{flag}", str(tiny[flag])]
+        elif flag in TINY:
+            out += [f"--{flag}", TINY[flag]]
+        elif flag in paths:
+            out += [f"--{flag}", paths[flag]]
+        elif flag == "prompt-data":
+            out += [f"--{flag}", str(write_prompts(Path(values[0]).suffix, argv, work_dir))]
+        elif flag == "eval-prompt-data":  # name path pairs
+            names = values[0::2]
+            out += [f"--{flag}", *[v for name in names for v in (name, str(write_rows(work_dir / f"{name}.jsonl",
+                                                                                     [EVAL_PROMPT])))]]
+        elif flag == "eval-config":
+            out += [f"--{flag}", str(write_eval_config(work_dir))]
+        else:
+            out += [f"--{flag}", *values]
+    return out
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_prompts(suffix: str, argv: list[str], work_dir: Path) -> Path:
+    """Prompt rows under the example's --input-key / --label-key, in its file format (search-r1's: Parquet, its label
+    a dict of ground-truth targets, as Search-R1's data has)."""
+    given = dict(zip(argv, argv[1:], strict=False))
+    input_key, label_key = given.get("--input-key", "input"), given.get("--label-key", "label")
+    if label_key == "reward_model":
+        rows = [{input_key: r["prompt"], label_key: {"ground_truth": {"target": [r["label"]]}, "style": "rule"}}
+                for r in PROMPTS]
+    else:
+        rows = [{input_key: r["prompt"], label_key: r["label"]} for r in PROMPTS]
+    if suffix == ".parquet":
+        path = work_dir / "train.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        return path
+    return write_rows(work_dir / "train.jsonl", rows)
+
+
+def write_eval_config(work_dir: Path) -> Path:
+    """slime's eval_multi_task/multi_task.yaml: two datasets, each its own samples per prompt and reward, the
+    defaults' lengths tiny."""
+    datasets = [{"name": "aime", "path": str(write_rows(work_dir / "aime.jsonl", [EVAL_PROMPT])),
+                 "rm_type": "deepscaler", "n_samples_per_eval_prompt": 4},
+                {"name": "gpqa", "path": str(write_rows(work_dir / "gpqa.jsonl", [{"prompt": "A or B?",
+                                                                                   "label": "A"}])),
+                 "rm_type": "gpqa", "n_samples_per_eval_prompt": 2}]
+    path = work_dir / "multi_task.yaml"
+    path.write_text(yaml.safe_dump({"eval": {"defaults": {"max_response_len": 8, "top_p": 0.7},
+                                             "datasets": datasets}}))
+    return path

@@ -1,0 +1,172 @@
+"""End to end: every slime example script that Physarum accepts at submit (tests/slime_examples/launch_args.json)
+runs two rollouts to SUCCEEDED through the whole stack on a tiny model of its family, its argv converted by the job
+API as `physarum submit --slime-args` sends it. Only the model, parallelism, sizes and paths change
+(tests/e2e/slime_tiny.py names each flag and why); algorithm, rollout mode, hooks, plugins and eval settings stay as
+slime's script wrote them.
+
+The examples are megatron-typed (slime's default backend) and run on megatron: their tiny models are of families
+megatron-core builds here (Qwen2.5, Qwen3). Left out, as tests/unit/test_slime_examples.py shows them refused at
+submit for a listed reason: train_infer_mismatch_helper (context parallelism 2 on megatron; its MIS module is also
+slime's own, not in this repository), multi_agent (Qwen3-30B-A3B at tensor parallelism 4) and fully_async_qwen3.5_9B
+(gated delta-net layers, which megatron here does not build).
+
+One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
+once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
+and their modules on its allow-list, as slime's scripts put them on PYTHONPATH. Outside services have local
+stand-ins: Search-R1's retrieval server (its URL set in the user's copy of the example, as a Search-R1 user edits
+SEARCH_R1_CONFIGS), retool's sandbox (in the rollout service, as in slime), W&B for `--use-wandb` (offline mode,
+WANDB_MODE), and slime's OPD teacher at `--rm-url` (the stack's own engine). About three minutes on 2 cores, most of
+it starting the two stacks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from physarum import stack
+from services.buffer.client import BufferClient
+from services.common.plugins import ALLOWLIST_ENV
+from tests.e2e.slime_tiny import build_tiny_model, tiny_argv
+from tests.e2e.test_loop import engine_urls, run
+from tests.integration.slime_fixtures import JsonServer
+from tests.unit.test_slime_examples import EXAMPLES, HF_CONFIGS, REFUSED
+
+SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"
+PLUGIN_FOLDERS = ("retool", "search_r1")  # slime's launch scripts put the example's folder on PYTHONPATH
+PLUGIN_MODULES = ("generate_with_retool", "generate_with_search")
+SEARCH_URL = "http://127.0.0.1:8000/retrieve"  # Search-R1's SEARCH_R1_CONFIGS["local"]["search_url"]
+
+
+def family(name: str) -> str:
+    """The example's model family: its --hf-checkpoint's model_type."""
+    argv = EXAMPLES[name]["argv"]
+    return HF_CONFIGS[Path(argv[argv.index("--hf-checkpoint") + 1]).name]["model_type"]
+
+
+ACCEPTED = sorted((name for name in EXAMPLES if name not in REFUSED), key=lambda name: (family(name), name))
+
+
+def job_id(name: str) -> str:
+    return "slime-" + name.lower().replace("_", "-").replace(".", "-")
+
+
+@pytest.fixture(scope="module")
+def search_server():
+    """Search-R1's retrieval server format: {"queries", "topk"} -> {"result": [[{"contents": ...}] * topk]}."""
+    server = JsonServer(lambda path, body: (200, {"result": [[
+        {"contents": '"France"\nParis is the capital of France.'}] * body["topk"]]}))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def plugin_path(search_server, tmp_path_factory) -> str:
+    """The examples' folders as a user deploys them: search-r1's with its search_url set to the local server."""
+    root = tmp_path_factory.mktemp("slime-plugins")
+    for folder in PLUGIN_FOLDERS:
+        shutil.copytree(SLIME_EXAMPLES / folder, root / folder)
+    search = root / "search_r1" / "generate_with_search.py"
+    search.write_text(search.read_text().replace(SEARCH_URL, f"{search_server.url}/retrieve"))
+    return os.pathsep.join(str(root / folder) for folder in PLUGIN_FOLDERS)
+
+
+@pytest.fixture(scope="module")
+def stack_of(session_dir, plugin_path):
+    """family -> (its stack's state, its tiny model): started on first use, one at a time (the last one stops when
+    another family's starts; ACCEPTED runs them grouped)."""
+    up: dict[str, tuple[Path, dict, Path]] = {}
+
+    def get(model_type: str) -> tuple[dict, Path]:
+        if model_type not in up:
+            for work_dir, _, _ in up.values():
+                stack.down(work_dir)
+            up.clear()
+            model = build_tiny_model(session_dir / f"slime-tiny-{model_type}", model_type)
+            work_dir = session_dir / f"slime-examples-{model_type}"
+            allowed = ",".join([os.environ.get(ALLOWLIST_ENV, ""), *PLUGIN_MODULES])
+            (work_dir / "wandb").mkdir(parents=True, exist_ok=True)
+            with pytest.MonkeyPatch.context() as env:  # what the stack's processes inherit
+                env.setenv("PYTHONPATH", os.pathsep.join([plugin_path, os.environ.get("PYTHONPATH", "")]))
+                env.setenv("WANDB_MODE", "offline")  # the scripts' --use-wandb: W&B's own local stand-in
+                env.setenv("WANDB_DIR", str(work_dir / "wandb"))
+                state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model, num_engines=1,
+                                                    trainer_threads=1, plugin_allowlist=allowed))
+            up[model_type] = (work_dir, state, model)
+        _, state, model = up[model_type]
+        return state, model
+
+    yield get
+    for work_dir, _, _ in up.values():
+        stack.down(work_dir)
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_each_accepted_example_runs_two_rollouts_on_a_tiny_model_of_its_family(name, stack_of, tmp_path):
+    state, model = stack_of(family(name))
+    teacher = f"{engine_urls(state)[0]}/generate"
+    argv = tiny_argv(EXAMPLES[name]["argv"], model_dir=model, work_dir=tmp_path, rm_url=teacher)
+    spec = {"slime_args": argv, "job_id": job_id(name), "weight_sync_timeout_s": 60.0,
+            "lease_timeout_s": 120.0, "rollout_timeout_s": 300.0}
+    job, events = run(state, spec, timeout_s=400)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
+    assert len(steps) == 2, [e["message"] for e in events]
+    assert all(m["rollout/reward_failed_ratio"] == 0.0 for m in steps)  # the examples' reward functions ran clean
+    converted = job["spec"]
+    assert converted["train_backend"] == "megatron" and converted["hf_checkpoint"] == str(model)
+    if "--use-wandb" in argv:  # a W&B run of the job's (offline: no W&B server here)
+        runs = Path(state["work_dir"], "wandb", "wandb").glob("offline-run-*/run-*.wandb")
+        assert any(spec["job_id"].encode() in run.read_bytes() for run in runs)
+    CHECKS.get(name, lambda *_: None)(converted, steps, state)
+
+
+def check_fully_async(spec: dict, steps: list[dict], state: dict) -> None:
+    assert spec["mode"] == "fully_async"  # slime's generate_rollout_fully_async
+
+
+def check_retool(spec: dict, steps: list[dict], state: dict) -> None:
+    # retool's reward: no \boxed{} answer (the tiny tokenizer has no backslash) and no tool call: -1 - 0.1
+    assert [m["rollout/reward_mean"] for m in steps] == pytest.approx([-1.1, -1.1])
+    assert "eval/aime" in steps[-1] and "eval/aime-pass@2" in steps[-1]  # its eval set, after the last rollout
+
+
+def buffer_samples(state: dict, spec: dict) -> list:
+    """Rollout 0's samples, as the buffer holds them."""
+    with BufferClient(state["buffer_addr"], timeout_s=30.0) as buffer:
+        groups = buffer.get_batch(spec["job_id"], 0, spec["rollout_batch_size"], timeout_s=5)
+    return [sample for group in groups for sample in group.samples]
+
+
+def check_search_r1(spec: dict, steps: list[dict], state: dict) -> None:
+    labels = [s.label for s in buffer_samples(state, spec)]
+    assert labels and all(label["ground_truth"]["target"] in (["3"], ["4"]) for label in labels)
+
+
+def check_eval_multi_task(spec: dict, steps: list[dict], state: dict) -> None:
+    last = steps[-1]  # each dataset its own samples per prompt (multi_task.yaml): pass@4 for aime, pass@2 for gpqa
+    assert "eval/aime-pass@4" in last and "eval/gpqa-pass@2" in last and "eval/gpqa-pass@4" not in last
+
+
+def check_opd(spec: dict, steps: list[dict], state: dict) -> None:
+    """The teacher holds the student's own first weights (sglang: the stack's engine; megatron: opd_teacher_load
+    names the tiny model), so its log-probs of the student's sampled tokens are the student's: the first step's
+    reverse KL is 0 up to float noise (tests/e2e/test_distillation.py has a student learn from a real teacher)."""
+    assert abs(steps[0]["train/opd_reverse_kl"]) < 1e-3
+    if spec["opd_type"] == "megatron":  # the teacher model in the trainer, and a real reward (--rm-type math)
+        assert not spec["opd_only"] and spec["rm_type"] == "math"
+        return
+    # slime's OPD reward function and post-process: the teacher's log-probs of each response token, reward 0
+    assert spec["opd_only"] and all(m["rollout/reward_mean"] == 0.0 for m in steps)
+    for sample in buffer_samples(state, spec):
+        assert sample.teacher_log_probs == pytest.approx(sample.rollout_log_probs, abs=1e-4)
+        assert len(sample.teacher_log_probs) == sample.response_length > 0
+
+
+CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "retool": check_retool, "search_r1": check_search_r1,
+          "eval_multi_task": check_eval_multi_task, "on_policy_distillation_sglang": check_opd,
+          "on_policy_distillation_megatron": check_opd}
+
