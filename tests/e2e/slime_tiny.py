@@ -97,11 +97,14 @@ def tiny_argv(argv: list[str], *, model_dir: Path, work_dir: Path, rm_url: str =
         elif flag in paths:
             out += [f"--{flag}", paths[flag]]
         elif flag == "prompt-data":
-            out += [f"--{flag}", str(write_prompts(Path(values[0]).suffix, argv, work_dir))]
+            path = work_dir / f"train{Path(values[0]).suffix}"
+            out += [f"--{flag}", str(write_rows(path, example_rows(PROMPTS, argv)))]
         elif flag == "eval-prompt-data":  # name path pairs
-            names = values[0::2]
-            out += [f"--{flag}", *[v for name in names for v in (name, str(write_rows(work_dir / f"{name}.jsonl",
-                                                                                     [EVAL_PROMPT])))]]
+            pairs = []
+            for name, given in zip(values[0::2], values[1::2], strict=True):
+                path = write_rows(work_dir / f"eval-{name}{Path(given).suffix}", example_rows([EVAL_PROMPT], argv))
+                pairs += [name, str(path)]
+            out += [f"--{flag}", *pairs]
         elif flag == "eval-config":
             out += [f"--{flag}", str(write_eval_config(work_dir))]
         else:
@@ -111,26 +114,25 @@ def tiny_argv(argv: list[str], *, model_dir: Path, work_dir: Path, rm_url: str =
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
-def write_prompts(suffix: str, argv: list[str], work_dir: Path) -> Path:
-    """Prompt rows under the example's --input-key / --label-key, in its file format (search-r1's: Parquet, its label
-    a dict of ground-truth targets, as Search-R1's data has)."""
+def example_rows(rows: list[dict], argv: list[str]) -> list[dict]:
+    """`rows` under the script's --input-key / --label-key, in the form its data has: chat messages for a
+    `messages` key (gsm8k's), a dict of ground-truth targets for a `reward_model` label (Search-R1's)."""
     given = dict(zip(argv, argv[1:], strict=False))
     input_key, label_key = given.get("--input-key", "input"), given.get("--label-key", "label")
-    if label_key == "reward_model":
-        rows = [{input_key: r["prompt"], label_key: {"ground_truth": {"target": [r["label"]]}, "style": "rule"}}
-                for r in PROMPTS]
-    else:
-        rows = [{input_key: r["prompt"], label_key: r["label"]} for r in PROMPTS]
-    if suffix == ".parquet":
-        path = work_dir / "train.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist(rows), path)
-        return path
-    return write_rows(work_dir / "train.jsonl", rows)
+    out = []
+    for row in rows:
+        prompt = [{"role": "user", "content": row["prompt"]}] if input_key == "messages" else row["prompt"]
+        label = {"ground_truth": {"target": [row["label"]]}, "style": "rule"} if label_key == "reward_model" \
+            else row["label"]
+        out.append({input_key: prompt, label_key: label})
+    return out
 
 
 def write_eval_config(work_dir: Path) -> Path:
