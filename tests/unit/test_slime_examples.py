@@ -222,3 +222,27 @@ def test_the_dense_scripts_are_refused_only_for_listed_features(script):
         listed = slime_flags.FLAGS.get(flag) or megatron_flags.MEGATRON.get(flag)
         assert listed is not None and listed.status == "refused" or listed.note.startswith("1 only"), problem
         assert listed.note in DOC, problem
+
+
+def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):
+    """fully_async_qwen3.5_9B, refused on megatron for its family, moved to fsdp (`--train-backend fsdp` appended):
+    the refusal names every flag that became a Megatron setting; without them, and at fsdp's tensor parallelism 1
+    (appended: the last wins), the script is accepted as it is otherwise."""
+    argv = materialize(EXAMPLES["fully_async_qwen3.5_9B"]["argv"], tmp_path) + ["--train-backend", "fsdp"]
+    with pytest.raises(InvalidArgument) as err:
+        submit(argv)
+    named = re.fullmatch(r"slime_args: (.*): Megatron settings, which train_backend fsdp does not take; drop them",
+                         str(err.value))
+    assert named, err.value
+    megatron_only = named.group(1).split(", ")
+    assert sorted(megatron_only) == ["--accumulate-allreduce-grads-in-fp32", "--attention-dropout",
+                                     "--attention-softmax-in-fp32", "--hidden-dropout", "--recompute-granularity",
+                                     "--recompute-method", "--recompute-num-layers", "--sequence-parallel"]
+    kept, dropping = [], False
+    for token in argv:
+        if token.startswith("--"):
+            dropping = token in megatron_only
+        if not dropping:
+            kept.append(token)
+    spec = submit([*kept, "--tensor-model-parallel-size", "1"])
+    assert (spec.train_backend, spec.mode, spec.megatron) == ("fsdp", "fully_async", {})

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from services.common.errors import InvalidArgument
+from services.trainer.backends.capabilities import capabilities
 from services.trainer.slime.argv import destination, last_wins, slime_value, split_argv_at
 from services.trainer.slime.eval_config import eval_spec
 from services.trainer.slime.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, Flag, is_moe_flag, spec_key
@@ -319,6 +320,20 @@ def _convert_megatron(out: Conversion, name: str, value: Any) -> None:
         out.megatron[field_name] = (not value) if name in NEGATED else value
 
 
+def megatron_only(conv: Conversion, rest: dict[str, Any]) -> list[str]:
+    """The flags that became Megatron settings (the spec's `megatron:` section), named, when the job's train_backend
+    takes none: what a script moved to another backend drops."""
+    backend = rest.get("train_backend", conv.spec.get("train_backend"))
+    try:
+        if not conv.megatron or capabilities(str(backend)).extra_flags:
+            return []
+    except InvalidArgument:  # an unknown backend: the spec names it
+        return []
+    flag_of = {MEGATRON_FIELD.get(name, spec_key(name)): name for name in MEGATRON}
+    flags = ", ".join(f"--{flag_of.get(key, key)}" for key in conv.megatron)
+    return [f"{flags}: Megatron settings, which train_backend {backend} does not take; drop them"]
+
+
 def apply(data: dict[str, Any], spec_keys: set[str]) -> dict[str, Any]:
     """A submitted spec with its `slime_args` converted: converted keys first, the spec's own keys over them.
     InvalidArgument lists every refused and unknown flag at once."""
@@ -331,7 +346,7 @@ def apply(data: dict[str, Any], spec_keys: set[str]) -> dict[str, Any]:
     conv = convert(argv, spec_keys=spec_keys, check_architecture=True,
                    hf_config=read_hf_config(rest["hf_checkpoint"]) if "hf_checkpoint" in rest else None)
     problems = conv.invalid + conv.refused + [f"{flag}: not a slime or Megatron flag Physarum knows"
-                                              for flag in conv.unknown]
+                                              for flag in conv.unknown] + megatron_only(conv, rest)
     if problems:
         raise InvalidArgument("slime_args: " + "; ".join(problems))
     spec = {**conv.spec, **rest}
