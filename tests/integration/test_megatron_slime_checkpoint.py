@@ -36,3 +36,32 @@ def test_slimes_checkpoints_load_as_reference_teacher_and_policy(results):
 def test_the_conversion_to_hf_gives_the_checkpoints_weights(results):
     """train_backend fsdp reads slime's checkpoints through an HF directory that slime_to_hf writes."""
     assert flat(results["converted_hf"]) == pytest.approx(flat(results["teacher_hf"]), abs=1e-5)
+
+
+def test_a_saved_checkpoint_is_megatron_lms_and_round_trips_parameter_by_parameter(results):
+    """slime's --save on train_backend megatron: iter_0000003/ holds Megatron-LM's torch_dist files (beside Physarum's
+    trainer state and RNG files) and latest_checkpointed_iteration.txt names it; dist_checkpointing.load, asked as
+    Megatron-LM's load_checkpoint asks, gives fresh models the trained weights and Adam moments exactly, and so do
+    Physarum's loaders (--load resumes at rollout 4, --ref-load, the torch_dist reader)."""
+    saved = results["saved"]
+    assert saved["latest"] == "3\n"
+    assert {"metadata.json", "common.pt", ".metadata", "__0_0.distcp", "trainer_state.json",
+            "rng_rank0.pt"} <= set(saved["files"])
+    assert not saved["is_slime_layout"]  # trainer_state.json: Physarum resumes it in full
+    assert max(saved["fresh_diffs"].values()) > 1e-4  # the fresh model starts elsewhere
+    for key in ("megatron_lm_diffs", "resumed_diffs", "ref_diffs", "teacher_diffs"):
+        assert saved[key].keys() == saved["fresh_diffs"].keys(), key
+        assert max(saved[key].values()) == 0.0, key
+    assert saved["megatron_lm_moment_diffs"] and max(saved["megatron_lm_moment_diffs"]) == 0.0
+    # what Megatron-LM's load_checkpoint reads beside the tensors
+    assert (saved["iteration"], saved["checkpoint_version"]) == (3, 3.0)
+    assert saved["content_metadata"] == {"distrib_optim_sharding_type": "dp_reshardable",
+                                         "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    args = saved["args"]
+    assert (args["num_layers"], args["hidden_size"], args["num_attention_heads"]) == (2, 64, 4)
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (1, 1)
+    assert args["no_save_rng"] and not args["no_save_optim"]
+    # slime's scheduler counts samples: 2 optimizer steps of global_batch_size 4 (lr 1e-6, constant by default)
+    scheduler = saved["opt_param_scheduler"]
+    assert (scheduler["num_steps"], scheduler["max_lr"]) == (8, 1e-6)
+    assert (saved["resumed_rollout_id"], saved["resumed_num_steps"]) == (3, saved["trained_num_steps"])
