@@ -78,10 +78,12 @@ def convert_once(hf_checkpoint: str, root: str, step: int | None, out_root: Path
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S,
                               check=False)
     except subprocess.TimeoutExpired:
+        shutil.rmtree(partial, ignore_errors=True)
         raise DeadlineExceeded(f"slime's checkpoint {source}: its conversion to HF took over "
                                f"{CONVERT_TIMEOUT_S:.0f} s; convert it beforehand ({' '.join(command[1:])}) and name "
                                "the HF directory") from None
     if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
         raise InvalidArgument(f"slime's checkpoint {source}: the conversion to HF failed (exit {done.returncode}): "
                               f"{done.stderr.strip()[-2000:]}")
     if (out / "config.json").is_file():  # another trainer on this host converted it meanwhile
