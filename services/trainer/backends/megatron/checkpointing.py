@@ -21,7 +21,9 @@ from services.common.errors import InvalidArgument
 from services.trainer.backends.megatron import cpu_compat
 
 # Megatron-LM's content metadata (its default: the distributed optimizer's buffers as they are, no gather; a load may
-# change the data-parallel size only), saved with the checkpoint: Megatron-LM builds its load request from it.
+# change the data-parallel size only, and needs DDP's bucketing: both sides bucket alike without overlap_grad_reduce),
+# saved with the checkpoint: Megatron-LM builds its load request from it. (fully_reshardable, free of the bucketing,
+# fails in megatron-core 0.16 with torch's Adam: its load copies a `step` the checkpoint lacks.)
 CONTENT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                     "chained_optim_avoid_prefix": True}
 # a part of Physarum's checkpoint -> its key in the state dict (Megatron-LM's where it has one)
