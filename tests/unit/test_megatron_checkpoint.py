@@ -116,3 +116,23 @@ def test_ref_ckpt_step_picks_the_reference_checkpoint(tmp_path):
     assert loader.calls[-1] == ("load_ref", checkpoint.iteration_dir(tmp_path, 2))
     checkpoint.load_reference(tmp_path, loader, World())
     assert loader.calls[-1] == ("load_ref", checkpoint.iteration_dir(tmp_path, 3))
+
+
+def test_a_torch_dist_checkpoint_also_writes_slimes_data_source_state(tmp_path):
+    """slime's --load of the save root reads rollout/global_dataset_state_dict_N.pt (a plain dict, loaded with
+    torch.load): the epoch and the prompts of it trained on, those still queued (returned, leased or pending)
+    handed out again."""
+    import torch
+
+    buffer = {"num_prompts": 10, "shuffle": False, "seed": 1, "epoch": 2, "cursor": 6, "returned": ["2:5"],
+              "leased": ["1:9"], "pending": ["2:4"], "rollout_id": 3}
+    checkpoint.save_checkpoint(tmp_path, 3, FakeSharded(), World(), lambda: checkpoint.TrainerState(
+        rollout_id=3, job_id="j", world_size=1, buffer=buffer))
+    data_state = torch.load(tmp_path / "rollout" / "global_dataset_state_dict_3.pt", weights_only=True)
+    assert data_state == {"sample_offset": 4, "epoch_id": 2, "sample_group_index": 24, "metadata": {}}
+    assert checkpoint.load_checkpoint(tmp_path, FakeSharded(), World()).buffer == buffer  # Physarum's own, whole
+    dcp_backend = FakeSharded()
+    dcp_backend.checkpoint_format = "dcp"  # Physarum's other layout: slime does not read it, nothing for it
+    checkpoint.save_checkpoint(tmp_path / "dcp", 3, dcp_backend, World(), lambda: checkpoint.TrainerState(
+        rollout_id=3, job_id="j", world_size=1, buffer=buffer))
+    assert not (tmp_path / "dcp" / "rollout").exists()

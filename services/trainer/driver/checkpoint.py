@@ -3,8 +3,9 @@
 `{save}/iter_{rollout_id:07d}/` holds each rank's RNG states, trainer_state.json (the rollout id and the buffer's
 data-source state) and the backend's state, written and read through `TrainBackend`: Megatron-LM's torch_dist files in
 iter_N/ itself (train_backend megatron: slime's and Megatron-LM's `--load` resume from them too), or dcp/
-(torch.distributed.checkpoint). `latest_checkpointed_iteration.txt` names the newest complete one: it is rewritten
-last, so a save cut short leaves the previous checkpoint in force.
+(torch.distributed.checkpoint); beside a torch_dist one, slime's data-source state in
+`rollout/global_dataset_state_dict_N.pt`. `latest_checkpointed_iteration.txt` names the newest complete one: it is
+rewritten last, so a save cut short leaves the previous checkpoint in force.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 
 
+SLIME_DATA_STATE = "rollout/global_dataset_state_dict_{rollout_id}.pt"  # slime's data source reads it on --load
 TORCH_DIST = "torch_dist"  # Megatron-LM's format, whose files lie in iter_N/ itself (where slime looks for them)
 TORCH_DIST_FILE = "metadata.json"  # what dist-checkpointing writes into every checkpoint directory
 
@@ -142,16 +144,32 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: TrainBackend, wo
     the buffer's snapshot); a failure there ends the save on every rank before anything is written."""
     path = iteration_dir(root, rollout_id)
     # taken first, written after the backend's files (dist-checkpointing wants an empty directory)
-    state = world.on_rank0(lambda: json.dumps(dataclasses.asdict(trainer_state()), indent=1))
+    state = world.on_rank0(lambda: dataclasses.asdict(trainer_state()))
     backend.save_sharded(state_dir(path, backend.checkpoint_format), rollout_id=rollout_id)
     path.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), path / f"rng_rank{world.rank}.pt")
     world.barrier()
     if world.rank == 0:
-        _write_atomic(path / STATE_FILE, state)
+        _write_atomic(path / STATE_FILE, json.dumps(state, indent=1))
+        if backend.checkpoint_format == TORCH_DIST and state["buffer"] is not None:  # slime's --load reads this one
+            data_state = Path(root) / SLIME_DATA_STATE.format(rollout_id=rollout_id)
+            data_state.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(slime_data_state(state["buffer"]), data_state)
         _write_atomic(Path(root) / LATEST_FILE, f"{rollout_id}\n")
         log.info("saved checkpoint %s", path)
     return path
+
+
+def slime_data_state(buffer: dict[str, Any]) -> dict[str, int | dict]:
+    """slime's RolloutDataSource state for the buffer's (`DataSourceState.to_dict()`): the epoch, and as its offset
+    the prompts of that epoch trained on (handed out, less those returned, leased or pending: slime serves in order,
+    so it hands those out again rather than skip them; under rollout_shuffle its own order is another)."""
+    epoch = buffer["epoch"]
+    slots = [slot for key in ("returned", "leased", "pending") for slot in buffer[key]]
+    unserved = sum(slot.split(":")[0] == str(epoch) for slot in slots)
+    offset = max(0, buffer["cursor"] - unserved)
+    return {"sample_offset": offset, "epoch_id": epoch, "sample_group_index": epoch * buffer["num_prompts"] + offset,
+            "metadata": {}}
 
 
 def load_checkpoint(root: str | Path, backend: TrainBackend, world: World,
