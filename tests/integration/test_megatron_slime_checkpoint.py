@@ -67,7 +67,7 @@ def test_a_saved_checkpoint_is_megatron_lms_and_round_trips_parameter_by_paramet
     assert args["no_save_rng"] and not args["no_save_optim"]
     # slime's scheduler counts samples: 2 optimizer steps of global_batch_size 4 (lr 1e-6, constant by default)
     scheduler = saved["opt_param_scheduler"]
-    assert (scheduler["num_steps"], scheduler["max_lr"]) == (8, 1e-6)
+    assert (scheduler["num_steps"], scheduler["max_lr"], args["consumed_train_samples"]) == (8, 1e-6, 8)
     assert (saved["resumed_rollout_id"], saved["resumed_num_steps"]) == (3, saved["trained_num_steps"])
 
 

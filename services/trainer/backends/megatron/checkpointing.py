@@ -68,7 +68,8 @@ class MegatronCheckpointing:
             tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
             expert_model_parallel_size=self.ep_size, data_parallel_size=self.dp_size,
             world_size=self.tp_size * self.pp_size * self.dp_size, ckpt_format="torch_dist",
-            use_distributed_optimizer=self.use_distributed_optimizer, no_save_optim=False, no_save_rng=True)
+            use_distributed_optimizer=self.use_distributed_optimizer, no_save_optim=False, no_save_rng=True,
+            consumed_train_samples=self._num_steps * samples_per_step)
         scheduler = {"max_lr": cfg.lr, "min_lr": cfg.min_lr, "lr_warmup_steps": cfg.lr_warmup_iters * samples_per_step,
                      "lr_decay_steps": (cfg.lr_decay_iters or 0) * samples_per_step,
                      "lr_decay_style": cfg.lr_decay_style, "num_steps": self._num_steps * samples_per_step}
