@@ -155,14 +155,16 @@ def test_a_checkpoint_whose_files_are_missing_is_refused_at_submit(paths, tmp_pa
     root = tmp_path / "ckpt"
     root.mkdir()
     (root / "latest_checkpointed_iteration.txt").write_text("release")
-    with pytest.raises(InvalidArgument, match=r"ref_load: .*ckpt has no release/ \(the checkpoint "
-                                              r"latest_checkpointed_iteration.txt names\)"):
+    with pytest.raises(InvalidArgument, match=r"ref_load: .*ckpt has no release/ \(named by "
+                                              r"latest_checkpointed_iteration.txt\)"):
         preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "megatron"}))
     (root / "iter_0000004").mkdir()
     (root / "iter_0000004" / "metadata.json").write_text("{}")  # no .metadata: a copy cut short
     with pytest.raises(InvalidArgument, match=r"load: .*iter_0000004 holds neither Physarum's checkpoint "
                                               r"\(trainer_state.json\) nor a torch_dist one"):
         preflight(parse_spec({**paths, "load": str(root), "ckpt_step": 4, "train_backend": "megatron"}))
+    with pytest.raises(InvalidArgument, match=r"load: .*ckpt has no iter_0000005/ \(named by the ckpt step\)"):
+        preflight(parse_spec({**paths, "load": str(root), "ckpt_step": 5, "train_backend": "megatron"}))
     (root / "latest_checkpointed_iteration.txt").write_text("latest")
     with pytest.raises(InvalidArgument, match=r"holds 'latest', not `release` or an iteration"):
         preflight(parse_spec({**paths, "load": str(root)}))

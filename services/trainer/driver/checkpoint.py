@@ -105,7 +105,7 @@ def checkpoint_problem(root: str | Path, step: int | None = None) -> str:
         return f"{latest} holds {text!r}, not `release` or an iteration"
     path = Path(root) / name
     if not path.is_dir():
-        return f"{root} has no {name}/ (the checkpoint {'its step' if step is not None else LATEST_FILE} names)"
+        return f"{root} has no {name}/ (named by {'the ckpt step' if step is not None else LATEST_FILE})"
     if not (path / STATE_FILE).is_file() and not ((path / TORCH_DIST_FILE).is_file()
                                                   and (path / ".metadata").is_file()):
         return f"{path} holds neither Physarum's checkpoint ({STATE_FILE}) nor a torch_dist one ({TORCH_DIST_FILE} " \

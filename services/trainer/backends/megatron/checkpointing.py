@@ -26,8 +26,6 @@ from services.trainer.backends.megatron import cpu_compat
 # fails in megatron-core 0.16 with torch's Adam: its load copies a `step` the checkpoint lacks.)
 CONTENT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                     "chained_optim_avoid_prefix": True}
-# a part of Physarum's checkpoint -> its key in the state dict (Megatron-LM's where it has one)
-PART_KEYS = {"model": "model", "optim": "optimizer", "ref_model": "ref_model"}
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's: QKV in its current order
 
 
