@@ -4,6 +4,7 @@ its output, run in tests/integration/test_megatron_slime_checkpoint.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -58,6 +59,8 @@ def test_only_slimes_checkpoints_are_converted_each_under_the_save_root(tmp_path
     for _, env in calls:  # a world of its own, on the CPU
         assert "WORLD_SIZE" not in env and "MASTER_PORT" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
     assert slime_conversion.converted_paths(job, World()) == converted and len(calls) == 2  # converted once
+    os.utime(ref / "release" / "metadata.json", ns=(1, 1))  # written again: a new copy
+    assert slime_conversion.converted_paths(job, World()).ref_load != converted.ref_load and len(calls) == 3
 
 
 def test_a_failed_conversion_names_the_checkpoint_and_the_converters_error(tmp_path, monkeypatch):

@@ -61,7 +61,9 @@ def convert_once(hf_checkpoint: str, root: str, step: int | None, out_root: Path
     """The HF copy of slime's checkpoint (root, step): made now, or found from an earlier conversion."""
     source = slime_checkpoint(root, step)
     assert source is not None, root
-    digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
+    # the source's path and when it was written: a checkpoint written again over the same path is converted again
+    written_ns = (source / "metadata.json").stat().st_mtime_ns
+    digest = hashlib.sha256(f"{source.resolve()}@{written_ns}".encode()).hexdigest()[:12]
     out = out_root / f"{Path(root).resolve().name}-{source.name}-{digest}"
     if (out / "config.json").is_file():
         log.info("slime's checkpoint %s: HF copy %s (converted before)", source, out)
