@@ -3,6 +3,8 @@ import are refused at submit, all named in one message; a bad rm_type already at
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common.errors import InvalidArgument
@@ -122,14 +124,47 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
                                               r"to \(qwen3_moe, qwen3_5_moe\)"):
         preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
     assert preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
-def test_a_slime_torch_dist_checkpoint_needs_the_megatron_backend(paths, tmp_path):
+
+
+QWEN3 = {"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": False}
+
+
+def test_a_slime_torch_dist_checkpoint_loads_on_fsdp_when_megatron_can_convert_it(paths, tmp_path):
+    """fsdp reads slime's checkpoints through the megatron backend's conversion at job start: accepted when that
+    builds hf_checkpoint's model, refused naming why when not; megatron reads them as they are."""
     root = tmp_path / "Qwen3-8B_torch_dist"
     (root / "release").mkdir(parents=True)
-    (root / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    for name in ("metadata.json", ".metadata"):
+        (root / "release" / name).write_text('{"sharded_backend": "torch_dist"}')
     (root / "latest_checkpointed_iteration.txt").write_text("release")
     spec = parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "fsdp"})
     with pytest.raises(InvalidArgument, match=r"ref_load: .*Qwen3-8B_torch_dist is a slime \(Megatron\) torch_dist "
-                                              r"checkpoint, which train_backend fsdp does not read"):
-        preflight(spec)
+                                              r"checkpoint, which train_backend fsdp reads through a conversion to HF "
+                                              r"by the megatron backend, and that cannot build hf_checkpoint's model"):
+        preflight(spec)  # config.json {}: no family the converter maps
     assert preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "megatron",
                                  "rm_type": "exact_match"})).ref_load == str(root)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(QWEN3))
+    assert preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "load": str(root),
+                                 "train_backend": "fsdp", "rm_type": "exact_match"})).load == str(root)
+
+
+def test_a_checkpoint_whose_files_are_missing_is_refused_at_submit(paths, tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(InvalidArgument, match=r"ref_load: .*ckpt has no release/ \(named by "
+                                              r"latest_checkpointed_iteration.txt\)"):
+        preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "megatron"}))
+    (root / "iter_0000004").mkdir()
+    (root / "iter_0000004" / "metadata.json").write_text("{}")  # no .metadata: a copy cut short
+    with pytest.raises(InvalidArgument, match=r"load: .*iter_0000004 holds neither Physarum's checkpoint "
+                                              r"\(trainer_state.json\) nor a torch_dist one"):
+        preflight(parse_spec({**paths, "load": str(root), "ckpt_step": 4, "train_backend": "megatron"}))
+    with pytest.raises(InvalidArgument, match=r"load: .*ckpt has no iter_0000005/ \(named by the ckpt step\)"):
+        preflight(parse_spec({**paths, "load": str(root), "ckpt_step": 5, "train_backend": "megatron"}))
+    (root / "latest_checkpointed_iteration.txt").write_text("latest")
+    with pytest.raises(InvalidArgument, match=r"holds 'latest', not `release` or an iteration"):
+        preflight(parse_spec({**paths, "load": str(root)}))

@@ -256,3 +256,16 @@ def test_slimes_distillation_reward_needs_its_teacher_url_and_its_post_process_n
                                                     "tests.g"]})
     assert (other.custom_rm_path, other.custom_reward_post_process_path, other.opd_only) == ("tests.f", "tests.g",
                                                                                             False)
+
+
+def test_megatrons_checkpoint_flags_pick_the_iteration_or_say_why_not():
+    """--ckpt-step picks --load's iteration (an int, as Megatron-LM parses it); --ckpt-format is noted (torch_dist is
+    what the megatron backend writes and Megatron-LM loads whatever its format); the weights-only switches are
+    refused with what does that job here."""
+    out = slime_args.convert("--load /ckpt --ckpt-step 7 --ckpt-format torch", spec_keys=SPEC_KEYS)
+    assert (out.spec["load"], out.spec["ckpt_step"]) == ("/ckpt", 7)
+    assert out.notes == ["--ckpt-format: train_backend megatron writes torch_dist, which Megatron-LM loads whatever "
+                         "its --ckpt-format (fsdp writes its own dcp/)"]
+    refused = slime_args.convert("--finetune --no-load-optim --no-load-rng", spec_keys=SPEC_KEYS).refused
+    assert [line.split(":")[0] for line in refused] == ["--finetune", "--no-load-optim", "--no-load-rng"]
+    assert all("load an HF export (save_hf)" in line for line in refused)

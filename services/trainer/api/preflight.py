@@ -42,19 +42,33 @@ def check_paths(spec: JobSpec) -> list[str]:
 
 
 def _megatron_checkpoints(spec: JobSpec) -> list[str]:
-    """slime's torch_dist checkpoints (ref_load, opd_teacher_load, load) load on train_backend megatron only."""
-    from services.trainer.driver.checkpoint import slime_checkpoint
-    from services.trainer.driver.slime_to_hf import COMMAND
+    """The checkpoints the job loads (load, ref_load, opd_teacher_load) are there; slime's torch_dist ones load on
+    train_backend megatron as they are, and on a backend of HF weights through a conversion at job start by the
+    megatron backend, which must build hf_checkpoint's model."""
+    from services.trainer.driver.checkpoint import checkpoint_problem, slime_checkpoint
 
-    if capabilities.capabilities(spec.train_backend).slime_checkpoints:
-        return []
     named = (("ref_load", spec.ref_load, spec.ref_ckpt_step),
              ("opd_teacher_load", spec.opd_teacher_load, spec.opd_teacher_ckpt_step),
              ("load", spec.load, spec.ckpt_step))
-    return [f"{key}: {path} is a slime (Megatron) torch_dist checkpoint, which train_backend {spec.train_backend} "
-            f"does not read; use train_backend megatron, or convert it to an HF directory ({COMMAND}) and name that"
-            for key, path, step in named
-            if path and slime_checkpoint(path, step) is not None]
+    problems = [f"{key}: {why}" for key, path, step in named if path and (why := checkpoint_problem(path, step))]
+    if capabilities.capabilities(spec.train_backend).slime_checkpoints:
+        return problems
+    slime = [key for key, path, step in named if path and slime_checkpoint(path, step) is not None]
+    if slime and (why := _conversion_problem(spec)):
+        problems += [f"{key}: {getattr(spec, key)} is a slime (Megatron) torch_dist checkpoint, which train_backend "
+                     f"{spec.train_backend} reads through a conversion to HF by the megatron backend, and that cannot "
+                     f"build hf_checkpoint's model ({why}); use an HF directory" for key in slime]
+    return problems
+
+
+def _conversion_problem(spec: JobSpec) -> str:
+    path = Path(spec.hf_checkpoint) / "config.json"
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return f"cannot read {path}: {err}"
+    return capabilities.capabilities("megatron").model_problem(hf_config) if isinstance(hf_config, dict) else \
+        f"{path} is not a JSON object"
 
 
 def check_plugins(spec: JobSpec) -> list[str]:

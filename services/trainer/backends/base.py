@@ -228,7 +228,7 @@ class TrainBackend(Protocol):
 
     config: TrainConfig
     model_path: Path  # the HF directory it started from: the engines' base model and the tokenizer files
-    checkpoint_format: str  # the directory of its state inside a checkpoint's iter_N/ (dcp, mcore)
+    checkpoint_format: str  # its state's format: dcp (in iter_N/dcp/), torch_dist (Megatron-LM's, in iter_N/ itself)
 
     @property
     def weight_version(self) -> int:
@@ -276,8 +276,9 @@ class TrainBackend(Protocol):
         """The parts a checkpoint of this backend holds (model, optim, ref_model, ...)."""
         ...
 
-    def save_sharded(self, path: str | Path) -> None:
-        """Write its state into `path` (iter_N/<checkpoint_format>/), each rank its shards."""
+    def save_sharded(self, path: str | Path, rollout_id: int = 0) -> None:
+        """Write its state, the checkpoint of rollout `rollout_id`, into `path` (`checkpoint.state_dir`), each rank
+        its shards."""
         ...
 
     def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]:

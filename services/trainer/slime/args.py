@@ -28,7 +28,7 @@ ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and r
 _LAYOUT_ONE = ("expert-tensor-parallel-size",)
 _SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
               "context-parallel-size",
-              "use-distributed-optimizer",
+              "use-distributed-optimizer", "ckpt-step",
               "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",
               "adam-beta2", "adam-eps", "bf16", "moe-aux-loss-coeff", "moe-router-load-balancing-type"}
 

@@ -222,6 +222,8 @@ def check_arch(flag: str, value: Any, hf_config: dict[str, Any] | None) -> str:
 
 _SPEC = "the job spec's own key"
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
+_WEIGHTS_ONLY = ("a --load of slime's checkpoint reads its weights only (rollout 0, a fresh optimizer), of Physarum's "
+                 "its whole state; for weights only, load an HF export (save_hf)")
 _NO_MOE = "the megatron backend trains Qwen3-MoE; train_backend fsdp trains the other MoE families"
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
@@ -248,6 +250,13 @@ MEGATRON: dict[str, Flag] = {
                                                       "tensor parallelism)", bare=True),
     "decoder-last-pipeline-num-layers": Flag("refused", None, "uneven pipeline stages are not supported"),
     "use-distributed-optimizer": Flag("mapped", False, _SPEC + " use_distributed_optimizer", bare=True),
+    # checkpoints (slime's --load, --save: flags.py)
+    "ckpt-step": Flag("mapped", None, _SPEC + " ckpt_step (the iteration of --load to read)"),
+    "ckpt-format": Flag("mapped", "torch_dist", "train_backend megatron writes torch_dist, which Megatron-LM loads "
+                                                "whatever its --ckpt-format (fsdp writes its own dcp/)", warn=True),
+    "finetune": Flag("refused", False, _WEIGHTS_ONLY, bare=True),
+    "no-load-optim": Flag("refused", False, _WEIGHTS_ONLY, bare=True),
+    "no-load-rng": Flag("refused", False, _WEIGHTS_ONLY, bare=True),
     # optimizer and schedule
     "optimizer": Flag("mapped", "adam", "adam only (Adam with decoupled weight decay, Megatron's adam)"),
     "lr-decay-style": Flag("mapped", "linear", _SPEC + " lr_decay_style (constant, linear, cosine)"),
