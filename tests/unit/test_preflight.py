@@ -117,10 +117,12 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
         preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron",
                               "tensor_model_parallel_size": 2}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
-    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' is not one it applies "
-                                              r"to \(qwen3_moe, qwen3_5_moe\)"):
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'mixtral' is not one it applies "
+                                              r"to \(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3\)"):
         preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
+    assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
     assert preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
 def test_a_slime_torch_dist_checkpoint_needs_the_megatron_backend(paths, tmp_path):
     root = tmp_path / "Qwen3-8B_torch_dist"

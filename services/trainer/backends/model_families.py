@@ -53,8 +53,10 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
 # Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
 REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
                                       "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
-# The families whose models output their router logits (output_router_logits) for the load-balancing loss.
-AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+# The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
+# sigmoid ones score experts by sigmoid (algorithms/moe.py), the others by softmax.
+SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3")
+AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe", *SIGMOID_ROUTERS)
 
 
 def _family_problem(hf_config: dict[str, Any], families: tuple[str, ...] | dict[str, str]) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.trainer.backends.model_families import language_model_config
+from services.trainer.backends.model_families import SIGMOID_ROUTERS, language_model_config
 from services.trainer.slime.flags import Flag
 
 
@@ -35,7 +35,7 @@ GATED_ATTENTION = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # q_proj doubled: a 
 QK_NORM = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo2", "gemma3"}  # per-head q/k RMSNorm
 INTERLEAVED_ROTARY = {"glm4"}  # rotates (even, odd) pairs, not the two halves (glm4_moe rotates halves)
 POST_NORMS = {"glm4"}  # an RMSNorm after attention and after the MLP, before each residual add
-SIGMOID_ROUTER = {"deepseek_v3", "glm4_moe"}  # sigmoid scores with a learned expert bias (e_score_correction_bias)
+SIGMOID_ROUTER = set(SIGMOID_ROUTERS)  # sigmoid scores with a learned expert bias (e_score_correction_bias)
 
 
 def _get(key: str, default: Any = None) -> Callable[[dict[str, Any]], Any]:
