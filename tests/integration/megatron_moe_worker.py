@@ -3,7 +3,7 @@ Qwen3-MoE). First megatron-core's MoE GPTModel with expert parallelism EP=2 (eac
 tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend, data parallel
 over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
 saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend; and
-one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay."""
+one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay, at tensor parallelism 1 and 2."""
 
 from __future__ import annotations
 
@@ -124,18 +124,36 @@ def engine_routed(model_dir: Path, samples: list) -> list:
     return samples
 
 
-def grpo_routing_replay(model_dir: Path, setting: str) -> dict:
-    """One rollout at EP=2 under `setting` (use_rollout_routing_replay: an engine's other routing; or
-    use_routing_replay)."""
+def replayed_log_probs(backend, samples: list) -> list[list[float]]:
+    """The log-probs the policy gives the samples routed to their engine-routed experts (the old log-probs of
+    use_rollout_routing_replay), response-aligned."""
+    from services.trainer.backends.batch import build_rollout_batch
+
+    batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id,
+                                routing_shape=(backend.arch.num_layers, backend.arch.moe_router_topk))
+    log_probs = backend._log_probs(backend.model, batch, backend._micro_batches(batch, list(range(batch.size)),
+                                                                                training=False))
+    return [log_probs[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
+
+
+def grpo_routing_replay(model_dir: Path, setting: str, *, tp: int = 1, ep: int = 2,
+                        save_dir: Path | None = None) -> dict:
+    """One rollout at TP=tp, EP=ep under `setting` (use_rollout_routing_replay: an engine's other routing; or
+    use_routing_replay): the replayed and the routers' own log-probs before it, the metrics, the log-probs after;
+    the HF export in save_dir when given."""
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), expert_model_parallel_size=2)
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}),
+                              tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     rollout = engine_routed(model_dir, grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0))
+    replayed, own = replayed_log_probs(backend, rollout), backend.compute_log_probs(rollout)
     metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
     after = backend.compute_log_probs(rollout)
+    if save_dir is not None:
+        backend.save_hf(save_dir)
     backend.close()
-    return {"metrics": metrics, "log_probs_after": after}
+    return {"metrics": metrics, "log_probs_after": after, "replayed_log_probs": replayed, "own_log_probs": own}
 
 
 def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
@@ -148,7 +166,12 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
                **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)},
                "grpo_aux_loss": grpo_aux_loss(model_dir),
                **{setting: grpo_routing_replay(model_dir, setting)
-                  for setting in ("use_rollout_routing_replay", "use_routing_replay")}}
+                  for setting in ("use_rollout_routing_replay", "use_routing_replay")},
+               # tensor parallelism 2: every expert on both ranks (EP=1), or two on each (EP=2, the EP group the TP one)
+               **{f"{setting}_tp2_ep{ep}": grpo_routing_replay(model_dir, setting, tp=2, ep=ep,
+                                                               save_dir=out_dir / f"{setting}_tp2_ep{ep}")
+                  for setting, ep in (("use_rollout_routing_replay", 1), ("use_rollout_routing_replay", 2),
+                                      ("use_routing_replay", 2))}}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 

@@ -75,9 +75,27 @@ def fsdp_aux_loss_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     return _family_problem(hf_config, AUX_LOSS_FAMILIES)
 
 
-def megatron_replay_problem(hf_config: dict[str, Any], *, tp_size: int = 1, **_layout: int) -> str:
-    """megatron-core replays any MoE it builds, at TP 1: sequence parallelism splits the tokens the routers see."""
-    return f"it replays at tensor_model_parallel_size 1, got {tp_size}" if tp_size > 1 else ""
+def megatron_replay_problem(hf_config: dict[str, Any], *, tp_size: int = 1, sequence_parallel: bool = False,
+                            **_layout: int) -> str:
+    """megatron-core replays any MoE it builds: at TP > 1 every TP rank's routers see all of the tokens and replay
+    the same experts, unless sequence parallelism splits the tokens between them."""
+    if tp_size > 1 and sequence_parallel:
+        return (f"it replays at tensor_model_parallel_size {tp_size} only without megatron.sequence_parallel (which "
+                "gives each TP rank's routers a share of the tokens)")
+    return ""
+
+
+def megatron_train_mode_problem(hf_config: dict[str, Any], *, tp_size: int = 1, sequence_parallel: bool = False,
+                                **_layout: int) -> str:
+    """Why megatron-core cannot run this model's training forwards in train mode, which its load-balancing loss and
+    dropout need: its MoE layers refuse it at TP > 1 without sequence parallelism (the backend trains them there in
+    eval mode)."""
+    config = language_model_config(hf_config)
+    moe = any(config.get(name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if moe and tp_size > 1 and not sequence_parallel:
+        return (f"it adds it to a MoE model at tensor_model_parallel_size 1 or under megatron.sequence_parallel "
+                f"(megatron-core's MoE layers train at TP > 1 only so), got tensor_model_parallel_size {tp_size}")
+    return ""
 
 
 def no_problem(hf_config: dict[str, Any], **_layout: int) -> str:

@@ -242,8 +242,8 @@ MEGATRON: dict[str, Flag] = {
     "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (train_backend fsdp; megatron "
                                                    "refuses above 1)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
-    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps a MoE model's tensor "
-                                                     "parallelism at 1"),
+    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
+                                                     "each tensor-parallel rank"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (dropped, as Megatron does, without "
                                                       "tensor parallelism)", bare=True),
     "decoder-last-pipeline-num-layers": Flag("refused", None, "uneven pipeline stages are not supported"),
