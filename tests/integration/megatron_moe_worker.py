@@ -2,7 +2,8 @@
 Qwen3-MoE). First megatron-core's MoE GPTModel with expert parallelism EP=2 (each rank two of the four experts, the
 tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend, data parallel
 over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
-saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend; and
+saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend (at
+tensor parallelism 1, and 2 with the two ranks one TP group); and
 one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay, at tensor parallelism 1 and 2."""
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def ep2_forward(model_dir: Path) -> float:
     return float(diff)
 
 
-def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
-    """Two rollouts at expert parallelism `ep`, a dist-checkpoint after the first; then a fresh backend resumes from
-    it and trains the second again."""
+def grpo(model_dir: Path, out_dir: Path, ep: int, tp: int = 1) -> dict:
+    """Two rollouts at expert parallelism `ep` (tensor parallelism `tp`), a dist-checkpoint after the first; then a
+    fresh backend resumes from it and trains the second again."""
     import torch.distributed as dist
 
     from services.trainer.backends.base import TrainConfig
@@ -66,7 +67,8 @@ def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
     def build() -> MegatronBackend:
-        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), expert_model_parallel_size=ep)
+        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
+                               expert_model_parallel_size=ep)
 
     backend = build()
     rollouts = [grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
@@ -164,6 +166,7 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
     logging.disable(logging.WARNING)
     results = {"ep2_max_abs_logit_diff": ep2_forward(model_dir),
                **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)},
+               **{f"grpo_tp2_ep{ep}": grpo(model_dir, out_dir / f"tp2_ep{ep}", ep, tp=2) for ep in (1, 2)},
                "grpo_aux_loss": grpo_aux_loss(model_dir),
                **{setting: grpo_routing_replay(model_dir, setting)
                   for setting in ("use_rollout_routing_replay", "use_routing_replay")},

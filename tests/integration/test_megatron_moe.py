@@ -1,8 +1,9 @@
 """Qwen3-MoE on the Megatron backend, over 2 gloo processes: megatron-core's MoE layers with expert parallelism
 (EP=2) give the HF model's logits within 1e-5, and MegatronBackend, with every expert on each rank (EP=1) or two on
-each (EP=2), trains the first four GRPO steps as TorchBackend does, its HF export holding the same weights under
-transformers' names, and resumes from its dist-checkpoint exactly. Under routing replay, at tensor parallelism 1
-and 2 (the two ranks one TP group), it routes and trains as TorchBackend does.
+each (EP=2), at tensor parallelism 1 and 2 (the two ranks one TP group), trains the first four GRPO steps as
+TorchBackend does, its HF export holding the same weights under transformers' names, and resumes from its
+dist-checkpoint exactly. Under routing replay, at tensor parallelism 1 and 2, it routes and trains as TorchBackend
+does.
 
 One launch of tests/integration/megatron_moe_worker.py serves the tests here."""
 
@@ -54,12 +55,15 @@ def test_expert_parallel_moe_layers_give_the_hf_logits(results):
     assert results["ep2_max_abs_logit_diff"] <= 1e-5
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(results, torch_reference, ep):
+LAYOUTS = ["ep1", "ep2", "tp2_ep1", "tp2_ep2"]  # expert parallelism 1 or 2, at tensor parallelism 1 or 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(results, torch_reference, layout):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    run, save_dir = results[f"grpo_ep{ep}"], results["out"] / f"ep{ep}" / "hf"
+    run, save_dir = results[f"grpo_{layout}"], results["out"] / layout / "hf"
     assert max_diff(run["log_probs_before"], torch_reference["log_probs_before"]) < 1e-5
     assert len(run["metrics"]) == len(torch_reference["metrics"]) == 2 * NUM_ROLLOUTS
     for step, (got, want) in enumerate(zip(run["metrics"], torch_reference["metrics"], strict=True)):
@@ -78,9 +82,9 @@ def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(res
         assert torch.equal(reloaded[name], weight), name
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never_stopped(results, ep):
-    run = results[f"grpo_ep{ep}"]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never_stopped(results, layout):
+    run = results[f"grpo_{layout}"]
     never_stopped = run["metrics"][2:]
     assert len(run["resumed_metrics"]) == len(never_stopped) == 2
     for got, want in zip(run["resumed_metrics"], never_stopped, strict=True):
