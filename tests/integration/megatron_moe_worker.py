@@ -92,14 +92,16 @@ def grpo(model_dir: Path, out_dir: Path, ep: int, tp: int = 1) -> dict:
             "resumed_metrics": resumed_metrics, "resumed_log_probs_after": resumed_after}
 
 
-def grpo_aux_loss(model_dir: Path) -> dict:
-    """One rollout at EP=2 under moe_aux_loss_coeff (megatron-core's own load-balancing loss)."""
+def grpo_aux_loss(model_dir: Path, *, replay: bool = False) -> dict:
+    """One rollout at EP=2 under moe_aux_loss_coeff (megatron-core's own load-balancing loss); replay: routed to an
+    engine's experts too (use_rollout_routing_replay)."""
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=AUX_LOSS_COEFF),
-                              expert_model_parallel_size=2)
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=AUX_LOSS_COEFF,
+                                                     use_rollout_routing_replay=replay), expert_model_parallel_size=2)
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
+    rollout = engine_routed(model_dir, rollout) if replay else rollout
     metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
     after = backend.compute_log_probs(rollout)
     backend.close()
@@ -168,6 +170,7 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
                **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)},
                **{f"grpo_tp2_ep{ep}": grpo(model_dir, out_dir / f"tp2_ep{ep}", ep, tp=2) for ep in (1, 2)},
                "grpo_aux_loss": grpo_aux_loss(model_dir),
+               "grpo_aux_loss_replayed": grpo_aux_loss(model_dir, replay=True),
                **{setting: grpo_routing_replay(model_dir, setting)
                   for setting in ("use_rollout_routing_replay", "use_routing_replay")},
                # tensor parallelism 2: every expert on both ranks (EP=1), or two on each (EP=2, the EP group the TP one)

@@ -93,18 +93,22 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never
     assert max_diff(run["resumed_log_probs_after"], run["log_probs_after"]) < 1e-6
 
 
-def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(results, model_dir):
+@pytest.mark.parametrize("replay", [False, True])
+def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(results, model_dir, replay):
+    """Under routing replay too: both count the experts the router's own scores pick."""
     from services.trainer.backends.fsdp import TorchBackend
 
     def torch_run(coeff: float) -> tuple[list[dict], list[list[float]]]:
-        backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=coeff), num_threads=1)
+        backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=coeff,
+                                                      use_rollout_routing_replay=replay), num_threads=1)
         rollout = grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0)
+        rollout = engine_routed(model_dir, rollout) if replay else rollout
         metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
         return metrics, backend.compute_log_probs(rollout)
 
     want, want_after = torch_run(AUX_LOSS_COEFF)
     plain, plain_after = torch_run(0.0)
-    got = results["grpo_aux_loss"]
+    got = results["grpo_aux_loss_replayed" if replay else "grpo_aux_loss"]
     for step, (m, w, p) in enumerate(zip(got["metrics"], want, plain, strict=True)):
         assert m["train/grad_norm"] == pytest.approx(w["train/grad_norm"], rel=1e-4), step
         assert abs(w["train/grad_norm"] - p["train/grad_norm"]) > 1e-3, step  # the loss is not negligible

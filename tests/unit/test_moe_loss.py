@@ -26,13 +26,9 @@ def test_an_even_routing_costs_one_per_layer_and_a_skewed_one_more():
     skewed = torch.tensor([[LN3, 0.0], [LN3, 0.0]])
     assert load_balancing_loss([skewed], top_k=1).item() == pytest.approx(1.5, abs=1e-6)
     assert load_balancing_loss([even, skewed], top_k=1).item() == pytest.approx(2.5, abs=1e-6)
-    # Replayed experts count instead of the router's own: the skewed probabilities sent to experts 1 and 0:
-    # c = (1, 1): 2 / 4 · (1.5 + .5) = 1.
-    assert load_balancing_loss([skewed], top_k=1, experts=[torch.tensor([[1], [0]])]).item() == pytest.approx(1.0)
-    # k = 2 of three experts, one token with uniform probabilities (1/3 each) to experts 0 and 2:
-    # P = (1/3, 1/3, 1/3), c = (1, 0, 1): 3 / (2 · 1) · 2/3 = 1.
-    assert load_balancing_loss([torch.zeros(1, 3)], top_k=2, experts=[torch.tensor([[0, 2]])]).item() == \
-        pytest.approx(1.0, abs=1e-6)
+    # k = 2 of three experts, one token with probabilities (3, 1, 1) / 5 (logits ln 3, 0, 0) to expert 0 and one of
+    # the tied others: P = (.6, .2, .2), c = (1, 1, 0) or (1, 0, 1): 3 / (2 · 1) · .8 = 1.2 either way.
+    assert load_balancing_loss([torch.tensor([[LN3, 0.0, 0.0]])], top_k=2).item() == pytest.approx(1.2, abs=1e-6)
 
 
 def test_a_sigmoid_router_weighs_its_scores_normalized_over_the_experts():
@@ -44,9 +40,6 @@ def test_a_sigmoid_router_weighs_its_scores_normalized_over_the_experts():
     # unnormalized sigmoid's (.75, .5) 1.5 too).
     skewed = torch.tensor([[LN3, 0.0], [LN3, 0.0]])
     assert load_balancing_loss([skewed], top_k=1, score_function="sigmoid").item() == pytest.approx(1.2, abs=1e-6)
-    # Replayed experts 1 and 0 count instead: c = (1, 1): 2 / 4 · (1.2 + .8) = 1.
-    assert load_balancing_loss([skewed], top_k=1, experts=[torch.tensor([[1], [0]])],
-                               score_function="sigmoid").item() == pytest.approx(1.0, abs=1e-6)
     # k = 2 of three experts, one token scoring sigmoid (.75, .5, .25) -> (1/2, 1/3, 1/6), to experts 0 and 1:
     # c = (1, 1, 0): 3 / (2 · 1) · (1/2 + 1/3) = 1.25.
     one = torch.tensor([[LN3, 0.0, -LN3]])
@@ -124,11 +117,8 @@ def test_the_backend_trains_a_sigmoid_router_on_megatrons_loss(family_model_dir,
     assert metrics["train/moe_aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
     assert metrics["train/grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
     assert metrics["train/grad_norm"] > 0 and metrics["train/pg_loss"] == 0.0
-    # the router's own (biased) choice would count expert 3 for every token: another loss
-    routed = [torch.cat([torch.full((logits.shape[0], 1), 3), logits.topk(top_k - 1).indices], dim=1)
-              for logits in layers]
-    assert abs(load_balancing_loss(layers, top_k=top_k, experts=routed, score_function="sigmoid").item()
-               - aux.item()) > 0.05
+    # counting the router's own (biased) choice, expert 3 for every token, would give another loss
+    assert all((logits.topk(top_k).indices != 3).any() for logits in layers)
 
 
 def test_no_coefficient_or_type_none_adds_nothing(family_model_dir):

@@ -30,22 +30,19 @@ def router_scores(logits: torch.Tensor, score_function: ScoreFunction) -> torch.
 
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], *, top_k: int,
-                        experts: Sequence[torch.Tensor] | None = None,
                         score_function: ScoreFunction = "softmax") -> torch.Tensor:
     """Σ over layers of E / (k · T²) · Σ_e P_e · c_e, a float32 scalar.
 
     router_logits: one [T, E] per MoE layer over the same T tokens. P_e = Σ_t score_te (`router_scores`: the router's
-    probability mass on expert e); c_e = the tokens routed to e, each token counted at its k experts: the top k of
-    its scores (as megatron-core counts them; for a sigmoid router this ignores its expert bias and group limit), or
-    `experts` (one [T, k] per layer) where the routing was replayed. A perfectly even routing gives 1 per layer
-    (P_e = T / E, c_e = k · T / E).
+    probability mass on expert e); c_e = the tokens whose k top scores include e, as megatron-core counts them: for
+    a sigmoid router its expert bias and group limit do not count, and under routing replay neither do the replayed
+    experts. A perfectly even routing gives 1 per layer (P_e = T / E, c_e = k · T / E).
     """
     total = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
-    for i, logits in enumerate(router_logits):
+    for logits in router_logits:
         scores = router_scores(logits, score_function)
         num_tokens, num_experts = scores.shape
-        chosen = experts[i].to(scores.device, torch.long) if experts is not None else \
-            scores.topk(top_k, dim=-1).indices
+        chosen = scores.topk(top_k, dim=-1).indices
         counts = torch.zeros(num_experts, dtype=torch.float32, device=scores.device)
         counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=scores.device))
         total = total + num_experts / (top_k * num_tokens ** 2) * (scores.sum(dim=0) * counts).sum()

@@ -298,7 +298,7 @@ class TorchBackend(TorchStateDicts):
             return loss, metrics
         return moe_loss.add_load_balancing_loss(
             loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, router=self._router,
-            packed=self._packs(mb), routing=self.routing, num_micro_batches=num_micro_batches)
+            packed=self._packs(mb), num_micro_batches=num_micro_batches)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches,
