@@ -56,6 +56,7 @@ REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_
 # The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
 # sigmoid ones score experts by sigmoid (algorithms/moe.py), the others by softmax.
 SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3")
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
 AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe", *SIGMOID_ROUTERS)
 
 
@@ -91,14 +92,10 @@ def megatron_train_mode_problem(hf_config: dict[str, Any], *, tp_size: int = 1, 
     dropout need: its MoE layers refuse it at TP > 1 without sequence parallelism (the backend trains them there in
     eval mode)."""
     config = language_model_config(hf_config)
-    moe = any(config.get(name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    moe = any(config.get(name) for name in EXPERT_COUNT_FIELDS)
     if moe and tp_size > 1 and not sequence_parallel:
         return (f"it adds it to a MoE model at tensor_model_parallel_size 1 or under megatron.sequence_parallel "
                 f"(megatron-core's MoE layers train at TP > 1 only so), got tensor_model_parallel_size {tp_size}")
-    return ""
-
-
-def no_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     return ""
 
 

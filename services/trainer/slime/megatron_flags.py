@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.trainer.backends.model_families import SIGMOID_ROUTERS, language_model_config
+from services.trainer.backends.model_families import EXPERT_COUNT_FIELDS, SIGMOID_ROUTERS, language_model_config
 from services.trainer.slime.flags import Flag
 
 
@@ -73,9 +73,6 @@ def _family(cfg: dict[str, Any]) -> str:
 
 def _in(families: set[str]) -> Callable[[dict[str, Any]], bool]:
     return lambda cfg: _family(cfg) in families
-
-
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
 
 
 def _num_experts(cfg: dict[str, Any]) -> Any:
