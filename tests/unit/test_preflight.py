@@ -114,15 +114,23 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
     assert preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
     with pytest.raises(InvalidArgument, match="agent sessions do not record"):
         parse_spec({**paths, "use_rollout_routing_replay": True, "agent_function_path": "tests.plugins.agents.f"})
+    megatron_tp2 = {**paths, "train_backend": "megatron", "tensor_model_parallel_size": 2}
+    assert preflight(parse_spec({**megatron_tp2, "use_routing_replay": True}))
     with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
-                                              "tensor_model_parallel_size 1, got 2"):
-        preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron",
-                              "tensor_model_parallel_size": 2}))
+                                              "tensor_model_parallel_size 2 only without megatron.sequence_parallel"):
+        preflight(parse_spec({**megatron_tp2, "use_routing_replay": True, "megatron": {"sequence_parallel": True}}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: train_backend megatron adds it to a MoE model at "
+                                              "tensor_model_parallel_size 1 or under megatron.sequence_parallel"):
+        preflight(parse_spec({**megatron_tp2, "moe_aux_loss_coeff": 0.01}))
+    with pytest.raises(InvalidArgument, match="megatron dropout: train_backend megatron adds it to a MoE model"):
+        preflight(parse_spec({**megatron_tp2, "megatron": {"hidden_dropout": 0.1}}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
-    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' is not one it applies "
-                                              r"to \(qwen3_moe, qwen3_5_moe\)"):
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'mixtral' is not one it applies "
+                                              r"to \(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3\)"):
         preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
+    assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
     assert preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
 
 

@@ -114,11 +114,15 @@ def check_model_family(spec: JobSpec) -> list[str]:
                                           or spec.moe_aux_loss_coeff > 0):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: routing replay and moe_aux_loss_coeff "
                         "need each token's router logits on one rank; use context_parallel_size 1")
+    layout = {"tp_size": spec.tensor_model_parallel_size,
+              "sequence_parallel": bool(spec.megatron.get("sequence_parallel"))}
     if spec.use_routing_replay or spec.use_rollout_routing_replay:
-        problems.append(capabilities.router_problem("routing replay", spec.train_backend, hf_config,
-                                                    tp_size=spec.tensor_model_parallel_size))
+        problems.append(capabilities.router_problem("routing replay", spec.train_backend, hf_config, **layout))
     if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
-        problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config))
+        problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config, **layout))
+    if any(spec.megatron.get(name) for name in ("hidden_dropout", "attention_dropout")) and \
+            (why := model_families.megatron_train_mode_problem(hf_config, **layout)):
+        problems.append(f"megatron dropout: train_backend megatron {why.removeprefix('it ')}")
     return [problem for problem in problems if problem]
 
 

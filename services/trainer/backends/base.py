@@ -128,7 +128,8 @@ class TrainConfig:
     use_rollout_routing_replay: bool = shared(RolloutConfig, "use_rollout_routing_replay")
     moe_aux_loss_coeff: float = field(
         0.0, "MoE load-balancing loss weight (Megatron's aux_loss, summed over the MoE layers, per micro-batch), "
-             "added to the policy loss (fsdp: Qwen3-MoE, Qwen3.5-MoE; megatron: megatron-core's routers)", NON_NEGATIVE)
+             "added to the policy loss (fsdp: Qwen3-MoE, Qwen3.5-MoE by softmax scores, GLM-4-MoE, DeepSeek-V3 by "
+             "normalized sigmoid scores; megatron: megatron-core's routers)", NON_NEGATIVE)
     moe_router_load_balancing_type: MoELoadBalancingType = field(
         "aux_loss", "the load-balancing loss moe_aux_loss_coeff weighs: aux_loss, or none")
 

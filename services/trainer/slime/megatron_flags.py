@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.trainer.backends.model_families import language_model_config
+from services.trainer.backends.model_families import EXPERT_COUNT_FIELDS, SIGMOID_ROUTERS, language_model_config
 from services.trainer.slime.flags import Flag
 
 
@@ -35,7 +35,7 @@ GATED_ATTENTION = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # q_proj doubled: a 
 QK_NORM = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo2", "gemma3"}  # per-head q/k RMSNorm
 INTERLEAVED_ROTARY = {"glm4"}  # rotates (even, odd) pairs, not the two halves (glm4_moe rotates halves)
 POST_NORMS = {"glm4"}  # an RMSNorm after attention and after the MLP, before each residual add
-SIGMOID_ROUTER = {"deepseek_v3", "glm4_moe"}  # sigmoid scores with a learned expert bias (e_score_correction_bias)
+SIGMOID_ROUTER = set(SIGMOID_ROUTERS)  # sigmoid scores with a learned expert bias (e_score_correction_bias)
 
 
 def _get(key: str, default: Any = None) -> Callable[[dict[str, Any]], Any]:
@@ -73,9 +73,6 @@ def _family(cfg: dict[str, Any]) -> str:
 
 def _in(families: set[str]) -> Callable[[dict[str, Any]], bool]:
     return lambda cfg: _family(cfg) in families
-
-
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
 
 
 def _num_experts(cfg: dict[str, Any]) -> Any:
@@ -244,8 +241,8 @@ MEGATRON: dict[str, Flag] = {
     "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (train_backend fsdp; megatron "
                                                    "refuses above 1)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
-    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps a MoE model's tensor "
-                                                     "parallelism at 1"),
+    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
+                                                     "each tensor-parallel rank"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (dropped, as Megatron does, without "
                                                       "tensor parallelism)", bare=True),
     "decoder-last-pipeline-num-layers": Flag("refused", None, "uneven pipeline stages are not supported"),
