@@ -1,0 +1,189 @@
+"""slime's --rollout-function-path in the rollout service: the user's `generate_rollout(args, rollout_id, data_source,
+evaluation=False)` runs once per rollout in a worker thread, against the job's data source (--data-source-path,
+built once per job on data_source.JobPrompts, the job's buffer). Its groups come back checked, finished and scored,
+each with the prompt it answers; the manager writes them as its own. Coroutines the function runs through
+slime.utils.async_utils.run go to the service's event loop, so slime's generate reaches the router as the loop's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from services.common import plugins
+from services.common.errors import InvalidArgument
+from services.common.plugin_sample import finish_plugin_sample
+from services.common.samples import Prompt, Sample, Status
+from services.common.settings.rollout import RolloutConfig
+from services.rollout.generation import data_source
+from services.rollout.generation.data_source import JobPrompts
+from services.rollout.generation.generate import LOG_PROB_SETTINGS, use_context
+from services.rollout.generation.groups import Generation, rate_group
+from services.rollout.generation.prompts import PromptEncoder
+
+if TYPE_CHECKING:
+    from services.buffer.client import BufferClient
+
+log = logging.getLogger(__name__)
+
+EXPECTED, DATA_SOURCE_EXPECTED, FILTER_EXPECTED = (plugins.ROLLOUT_FUNCTION.expected, plugins.DATA_SOURCE.expected,
+                                                   plugins.BUFFER_FILTER.expected)
+DEFAULT_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+DATA_SOURCE_METHODS = ("get_samples", "add_samples", "save", "load")
+
+_SERVICE_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "physarum_service_loop", default=None)
+
+
+def service_loop() -> asyncio.AbstractEventLoop | None:
+    """The rollout service's event loop, inside a rollout function it runs (None elsewhere)."""
+    return _SERVICE_LOOP.get()
+
+
+@functools.cache
+def load_rollout_function(path: str) -> Callable[..., Any]:
+    fn = plugins.load_function(path, flag="rollout_function_path", expected=EXPECTED, is_async=False, num_params=3)
+    params = inspect.signature(fn).parameters
+    if "evaluation" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise InvalidArgument(f"rollout_function_path: {path} takes no `evaluation` keyword (slime passes it); "
+                              f"expected {EXPECTED}")
+    return fn
+
+
+@functools.cache
+def load_data_source_class(path: str) -> type:
+    """The user's class, or slime's default (the compatibility package's, backed by the buffer) for an empty path."""
+    if not path:
+        plugins.ensure_slime_compat()
+        module, _, name = DEFAULT_DATA_SOURCE.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+    cls = plugins.load_function(path, flag="data_source_path", expected=DATA_SOURCE_EXPECTED)
+    missing = [name for name in DATA_SOURCE_METHODS if not callable(getattr(cls, name, None))]
+    if not inspect.isclass(cls) or missing:
+        what = "is not a class" if not inspect.isclass(cls) else f"has no {', '.join(missing)}"
+        raise InvalidArgument(f"data_source_path: {path} {what}; expected {DATA_SOURCE_EXPECTED}")
+    return cls
+
+
+@functools.cache
+def load_buffer_filter(path: str) -> Callable[..., Any]:
+    return plugins.load_function(path, flag="buffer_filter_path", expected=FILTER_EXPECTED, is_async=False,
+                                 num_params=4)
+
+
+@dataclass
+class JobSource:
+    """A job's data source in this service: the user's object (built at its first rollout) over its prompts."""
+
+    prompts: JobPrompts
+    data_source: Any = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one rollout of a job at a time
+
+
+MAX_JOBS = 256  # data sources kept; beyond this the least recently used job's is forgotten
+
+
+def job_source(sources: dict[str, JobSource], config: RolloutConfig, buffer: BufferClient,
+               encoder: PromptEncoder) -> JobSource:
+    """The job's JobSource in `sources` (made at its first rollout), bound for slime.rollout.data_source."""
+    source = sources.pop(config.job_id, None) or JobSource(JobPrompts(buffer, encoder, config))
+    sources[config.job_id] = source  # the most recent last
+    data_source.bind(config.job_id, source.prompts)
+    for job in list(sources)[: max(0, len(sources) - MAX_JOBS)]:
+        data_source.unbind(job)
+        del sources[job]
+    return source
+
+
+@contextlib.asynccontextmanager
+async def job_rollout(sources: dict[str, JobSource], config: RolloutConfig, buffer: BufferClient,
+                      encoder: PromptEncoder, rollout_id: int,
+                      give_back: Callable[[list[str]], Awaitable[None]]) -> AsyncIterator[JobSource]:
+    """One rollout of a job with a rollout function: its JobSource, held for the rollout (one at a time per job);
+    after it, the data source saved when the trainer checkpoints this rollout, and the leases neither written nor
+    kept given back."""
+    source = job_source(sources, config, buffer, encoder)
+    async with source.lock:
+        try:
+            yield source
+            if source.data_source is not None and save_due(config.args, rollout_id):
+                await asyncio.to_thread(source.data_source.save, rollout_id)
+        finally:
+            await give_back(source.prompts.release())
+
+
+def train_groups(output: Any, what: str) -> list[list[Sample]]:
+    """slime's call_rollout_fn for training: RolloutFnTrainOutput's samples, or the list a legacy function returns;
+    groups (lists) of Samples."""
+    groups = getattr(output, "samples", output)
+    if not isinstance(groups, list) or not all(isinstance(g, list) and g and all(isinstance(s, Sample) for s in g)
+                                               for g in groups):
+        raise InvalidArgument(f"{what}: the rollout function returned {type(groups).__name__}, not groups of "
+                              f"Samples (a list of non-empty lists); expected {EXPECTED}")
+    return groups
+
+
+async def generate_groups(gen: Generation, source: JobSource, rollout_id: int, weight_version: str,
+                          what: str) -> list[tuple[Prompt, list[Sample]]]:
+    """Run the job's rollout function for `rollout_id`; each group it returns, finished and scored, with its
+    prompt. InvalidArgument says what the function got wrong."""
+    config = gen.config
+    fn = load_rollout_function(config.rollout_function_path)
+    if not getattr(gen.args, "job_id", ""):
+        gen.args.job_id = config.job_id  # slime.rollout.data_source finds the job's prompts by it
+    use_context(gen.ctx)  # the worker thread, and what it schedules on the loop, generate through this rollout's
+    _SERVICE_LOOP.set(asyncio.get_running_loop())
+    source.prompts.config, source.prompts.rollout_id = config, rollout_id
+    output = await asyncio.to_thread(_call, fn, gen.args, rollout_id, source)
+    groups = train_groups(output, what)
+    if len(groups) != config.rollout_batch_size:
+        raise InvalidArgument(f"{what}: the rollout function returned {len(groups)} groups; the trainer trains on "
+                              f"rollout_batch_size ({config.rollout_batch_size})")
+    out: list[tuple[Prompt, list[Sample]]] = []
+    for position, group in enumerate(groups):
+        prompt = source.prompts.prompt_of(group)
+        if prompt is None or any(prompt is other for other, _ in out):
+            problem = "answers no prompt leased from the buffer" if prompt is None else "answers a prompt again"
+            raise InvalidArgument(f"{what}: group {position} (group_index {group[0].group_index}) {problem}: build "
+                                  "each group from one group of data_source.get_samples")
+        _finish(group, weight_version, config.args, f"{what}: group {position}")
+        out.append((prompt, group))
+    await asyncio.gather(*(rate_group(gen, group, f"{what}: prompt {prompt.index}") for prompt, group in out))
+    return out
+
+
+def _call(fn: Callable[..., Any], args: Any, rollout_id: int, source: JobSource) -> Any:
+    """In the worker thread: build the job's data source at its first rollout (loading its state as slime does at
+    start: load(rollout_id - 1)), then call the function as slime's call_rollout_fn does."""
+    if source.data_source is None:
+        cls = load_data_source_class(source.prompts.config.data_source_path)
+        source.data_source = cls(args)
+        source.data_source.load(rollout_id - 1)
+    return fn(args, rollout_id, source.data_source, evaluation=False)
+
+
+def _finish(group: list[Sample], weight_version: str, job_args: dict[str, Any], what: str) -> None:
+    needs = next((flag for flag in LOG_PROB_SETTINGS if job_args.get(flag)), "")
+    for j, sample in enumerate(group):
+        if sample.status == Status.ABORTED:
+            raise InvalidArgument(f"{what}: sample {j} is ABORTED; give aborted groups back with "
+                                  "data_source.add_samples")
+        finish_plugin_sample(sample, needs_log_probs=needs, what=f"{what} sample {j}")
+        if not sample.weight_versions:
+            sample.weight_versions = [weight_version]  # tokens made without the engines' weight_version
+
+
+def save_due(job_args: dict[str, Any], rollout_id: int) -> bool:
+    """slime saves the data source with the trainer's checkpoints: every save_interval rollouts and at the last."""
+    interval, last = job_args.get("save_interval"), job_args.get("num_rollout")
+    if not job_args.get("save"):
+        return False
+    return bool(interval and (rollout_id + 1) % int(interval) == 0) or (last is not None and rollout_id + 1 == last)

@@ -1,0 +1,121 @@
+"""slime's rollout function, data source and buffer filter in the rollout manager (rollout_function.py,
+data_source.py, compat slime.rollout.data_source), against the in-memory buffer and reward and a mocked router."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.samples import group_id_for
+from services.rollout.client import RolloutState
+from services.rollout.generation import rollout_function
+from tests.plugins import slime_rollout
+from tests.unit.rollout_fakes import JOB, Engine, FakeBuffer, new_manager, rollout, rollout_config
+
+FN = "tests.plugins.slime_rollout.generate_rollout"
+
+
+def config(tiny_model_dir, tmp_path, **overrides):
+    """A job with slime's rollout function: `args` holds what slime's GenerateState reads."""
+    args = {"hf_checkpoint": str(tiny_model_dir), "rollout_temperature": 1.0, "rollout_top_p": 1.0,
+            "rollout_top_k": -1, "rollout_max_response_len": 5, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+            "save": str(tmp_path / "ckpt"), "save_interval": 2, "num_rollout": 2,
+            "buffer_filter_path": overrides.get("buffer_filter_path", "")}
+    values = dict(rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=5, args=args,
+                  rollout_function_path=FN, data_source_path="tests.plugins.slime_rollout.TaggedDataSource")
+    return rollout_config(**{**values, **overrides})
+
+
+def run_two(buffer, cfg, tiny_model_dir):
+    async def main():
+        manager, reward = new_manager(buffer, Engine(), tiny_model_dir)
+        try:
+            return [await rollout(manager, cfg, rollout_id) for rollout_id in (0, 1)], reward
+        finally:
+            await manager.close()
+    return asyncio.run(main())
+
+
+def test_two_rollouts_of_a_users_function_reach_the_buffer_scored_with_the_filter_taking_kept_groups(
+        tiny_model_dir, tmp_path):
+    buffer = FakeBuffer(8)
+    cfg = config(tiny_model_dir, tmp_path, buffer_filter_path="tests.plugins.slime_rollout.take_newest")
+    statuses, reward = run_two(buffer, cfg, tiny_model_dir)
+    assert [s.state for s in statuses] == [RolloutState.DONE] * 2, [s.error for s in statuses]
+    first, second = buffer.rollout_groups(0), buffer.rollout_groups(1)
+    # rollout 0 leased prompts 0, 1, 2 and gave 2 back to its data source; rollout 1 took 2 out through the filter
+    assert [g.prompt_index for g in first] == [0, 1] and [g.prompt_index for g in second] == [2, 3]
+    assert [g.group_id for g in second] == [group_id_for(JOB, 0, 2), group_id_for(JOB, 0, 3)]
+    taken = {g.prompt_index: g.samples[0].metadata.get("taken_by_filter") for g in second}
+    assert taken == {2: 1, 3: None}
+    for rollout_id, groups in ((0, first), (1, second)):
+        for position, group in enumerate(groups):
+            assert len(group.samples) == 2
+            for sample in group.samples:
+                assert sample.metadata["rollout_function"] == rollout_id
+                assert sample.metadata["data_source"] == "TaggedDataSource"
+                assert sample.metadata["loaded_from"] == -1  # slime loads the data source at start: load(start - 1)
+                assert sample.tokens[-3:] == [17, 18, 0] and sample.rollout_log_probs == [-0.5, -1.25, -0.125]
+                assert sample.weight_versions == ["v7"] and sample.loss_mask == [1, 1, 1]
+                # the function's own reward is kept; the others come from the job's reward (len("12") = 2)
+                assert sample.reward == (slime_rollout.PRESET_REWARD if position == 0 else 2.0)
+    assert len(reward.calls) >= 1
+    # the prompt rollout 1 kept for later (4) holds its lease; nothing else is leased or lost
+    assert [p.index for p in buffer.leased.values()] == [4] and not buffer.returned
+    # save_interval 2: saved after rollout 1, with the one group it keeps
+    assert (tmp_path / "ckpt" / "data_source_1.json").read_text() == '{"buffered": 1}'
+    assert not (tmp_path / "ckpt" / "data_source_0.json").exists()
+    assert statuses[1].metrics["rollout/reward_mean"] == pytest.approx((0.5 * 2 + 2.0 * 2) / 4)
+
+
+def test_slimes_default_data_source_and_pop_first_without_the_paths(tiny_model_dir, tmp_path):
+    buffer = FakeBuffer(8)
+    statuses, _ = run_two(buffer, config(tiny_model_dir, tmp_path, data_source_path=""), tiny_model_dir)
+    assert [s.state for s in statuses] == [RolloutState.DONE] * 2, [s.error for s in statuses]
+    # pop_first takes the oldest kept group (prompt 2) first
+    assert [g.prompt_index for g in buffer.rollout_groups(1)] == [2, 3]
+    assert "data_source" not in buffer.rollout_groups(1)[0].samples[0].metadata
+
+
+@pytest.mark.parametrize(("fn", "message"), [
+    ("returns_too_few", "returned 0 groups; the trainer trains on rollout_batch_size (2)"),
+    ("returns_made_up_groups", "answers no prompt leased from the buffer"),
+])
+def test_a_function_that_breaks_the_contract_fails_its_rollout_and_gives_its_leases_back(tiny_model_dir, tmp_path,
+                                                                                       fn, message):
+    buffer = FakeBuffer(8)
+
+    async def main():
+        manager, _ = new_manager(buffer, Engine(), tiny_model_dir)
+        try:
+            return await rollout(manager, config(tiny_model_dir, tmp_path, data_source_path="",
+                                                 rollout_function_path=f"tests.plugins.slime_rollout.{fn}"), 0)
+        finally:
+            await manager.close()
+
+    status = asyncio.run(main())
+    assert status.state == RolloutState.FAILED and message in status.error
+    assert not buffer.leased and not buffer.groups and buffer.returned
+
+
+@pytest.mark.parametrize(("loader", "path", "message"), [
+    (rollout_function.load_rollout_function, "tests.plugins.slime_rollout.async_rollout", "must be a plain function"),
+    (rollout_function.load_rollout_function, "tests.plugins.slime_rollout.no_evaluation", "no `evaluation` keyword"),
+    (rollout_function.load_rollout_function, "tests.plugins.slime_rollout.missing", "has no function 'missing'"),
+    (rollout_function.load_rollout_function, "elsewhere.rollout.fn", "not under an allowed plugin module"),
+    (rollout_function.load_data_source_class, "tests.plugins.slime_rollout.take_newest", "is not a class"),
+    (rollout_function.load_buffer_filter, "tests.plugins.slime_rollout.two_params_filter", "takes 2 positional"),
+])
+def test_hooks_that_do_not_fit_are_refused_naming_the_setting(loader, path, message):
+    with pytest.raises(InvalidArgument, match="^(rollout_function_path|data_source_path|buffer_filter_path): ") as err:
+        loader(path)
+    assert message in str(err.value)
+
+
+def test_a_data_source_or_filter_without_a_rollout_function_is_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(InvalidArgument, match="set rollout_function_path"):
+        config(tiny_model_dir, tmp_path, rollout_function_path="")
+    with pytest.raises(InvalidArgument, match="does not take a fully_async stream"):
+        config(tiny_model_dir, tmp_path, max_inflight_groups=4)
