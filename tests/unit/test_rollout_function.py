@@ -119,3 +119,16 @@ def test_a_data_source_or_filter_without_a_rollout_function_is_refused(tiny_mode
         config(tiny_model_dir, tmp_path, rollout_function_path="")
     with pytest.raises(InvalidArgument, match="does not take a fully_async stream"):
         config(tiny_model_dir, tmp_path, max_inflight_groups=4)
+
+
+def test_args_hold_the_rollouts_int_settings_as_ints_after_the_proto():
+    """A Struct carries numbers as floats; slime's functions do range(args.n_samples_per_prompt)."""
+    from services.common.samples import dict_to_struct, struct_to_dict
+    from services.rollout.generation.generate import plugin_args
+
+    job_args = struct_to_dict(dict_to_struct({"n_samples_per_prompt": 2, "rollout_batch_size": 8,
+                                              "rollout_temperature": 1.0, "lr": 1e-6}))
+    args = plugin_args(job_args, "http://127.0.0.1:30000")
+    assert (args.n_samples_per_prompt, args.rollout_batch_size) == (2, 8)
+    assert isinstance(args.n_samples_per_prompt, int) and isinstance(args.rollout_temperature, float)
+    assert (args.sglang_router_ip, args.sglang_router_port, args.lr) == ("127.0.0.1", 30000, 1e-6)
