@@ -164,5 +164,3 @@ def test_slimes_rollout_hooks_are_read_not_run_at_submit_and_refused_naming_the_
         with pytest.raises(InvalidArgument) as err:
             preflight(parse_spec({**paths, **keys}))
         assert message in str(err.value), str(err.value)
-    with pytest.raises(InvalidArgument, match="set rollout_function_path"):
-        parse_spec({**paths, "buffer_filter_path": "tests.plugins.slime_rollout.take_newest"})

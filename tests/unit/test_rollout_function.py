@@ -12,7 +12,17 @@ from services.common.samples import group_id_for
 from services.rollout.client import RolloutState
 from services.rollout.generation import rollout_function
 from tests.plugins import slime_rollout
-from tests.unit.rollout_fakes import JOB, Engine, FakeBuffer, new_manager, rollout, rollout_config
+from tests.unit.rollout_fakes import (
+    JOB,
+    Engine,
+    FakeBuffer,
+    ScriptedRouter,
+    new_manager,
+    reply,
+    rollout,
+    rollout_config,
+    sample_of,
+)
 
 FN = "tests.plugins.slime_rollout.generate_rollout"
 
@@ -114,11 +124,64 @@ def test_hooks_that_do_not_fit_are_refused_naming_the_setting(loader, path, mess
     assert message in str(err.value)
 
 
-def test_a_data_source_or_filter_without_a_rollout_function_is_refused(tiny_model_dir, tmp_path):
-    with pytest.raises(InvalidArgument, match="set rollout_function_path"):
-        config(tiny_model_dir, tmp_path, rollout_function_path="")
+def test_a_rollout_function_does_not_take_a_fully_async_stream(tiny_model_dir, tmp_path):
     with pytest.raises(InvalidArgument, match="does not take a fully_async stream"):
         config(tiny_model_dir, tmp_path, max_inflight_groups=4)
+
+
+def test_a_data_source_alone_runs_slimes_default_rollout_with_over_sampling_and_partial_rollout(tiny_model_dir,
+                                                                                              tmp_path):
+    """No rollout function: slime's generate_rollout over the data source. Each rollout over-samples 3 prompts for
+    2 groups; the last prompt's requests are held until the batch is full and aborted with one token generated,
+    which partial_rollout gives back to the data source; the next rollout's buffer filter takes it first and its
+    samples continue from that token."""
+    buffer, held = FakeBuffer(8), {2}
+    router = ScriptedRouter(lambda body, headers: None if sample_of(body)[0] in held else reply([17, 18, 0], "12"),
+                            on_abort=lambda body: reply([9], "9", finish="abort"))
+    cfg = config(tiny_model_dir, tmp_path, rollout_function_path="", over_sampling_batch_size=3,
+                 partial_rollout=True, buffer_filter_path="tests.plugins.slime_rollout.take_newest")
+
+    async def main():
+        manager, _ = new_manager(buffer, router, tiny_model_dir)
+        try:
+            first = await rollout(manager, cfg, 0)
+            held.clear()
+            held.add(4)
+            router.aborted.clear()
+            return first, await rollout(manager, cfg, 1)
+        finally:
+            await manager.close()
+
+    statuses = asyncio.run(main())
+    assert [s.state for s in statuses] == [RolloutState.DONE] * 2, [s.error for s in statuses]
+    assert [g.prompt_index for g in buffer.rollout_groups(0)] == [0, 1]
+    second = buffer.rollout_groups(1)
+    assert [g.prompt_index for g in second] == [2, 3]
+    resumed = second[0].samples
+    assert all(s.metadata["taken_by_filter"] == 1 and s.metadata["start_rollout_id"] == 0 for s in resumed)
+    assert all(s.tokens[-4:] == [9, 17, 18, 0] and s.response_length == 4 for s in resumed)
+    assert all(s.response == "912" and s.reward == 3.0 for s in resumed)  # scored once, whole: len("912")
+    assert "taken_by_filter" not in second[1].samples[0].metadata
+    # prompt 4 was aborted with a token and is held by the data source with its lease
+    assert [p.index for p in buffer.leased.values()] == [4] and not buffer.returned
+
+
+def test_slimes_default_rollout_drops_filtered_groups_as_the_service_loop_does(tiny_model_dir, tmp_path):
+    buffer = FakeBuffer(8)
+    cfg = config(tiny_model_dir, tmp_path, rollout_function_path="", over_sampling_batch_size=3,
+                 dynamic_sampling_filter_path="tests.plugins.rollout_fns.keep_even_prompts")
+
+    async def main():
+        manager, _ = new_manager(buffer, Engine(), tiny_model_dir)
+        try:
+            return await rollout(manager, cfg, 0)
+        finally:
+            await manager.close()
+
+    status = asyncio.run(main())
+    assert status.state == RolloutState.DONE, status.error
+    assert [g.prompt_index for g in buffer.rollout_groups(0)] == [0, 2]
+    assert [g.prompt_index for g in buffer.rollout_groups(-1)] == [1]  # used up for the epoch, as in slime
 
 
 def test_args_hold_the_rollouts_int_settings_as_ints_after_the_proto():

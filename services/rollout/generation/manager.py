@@ -123,7 +123,7 @@ class RolloutManager:
                    weight_version=weight_version, filter_fn=self._filter(config))
         self._forget_finished()
         self.runs[key] = run
-        body = self._stream(run) if stream else self._run_function(run) if config.rollout_function_path else \
+        body = self._stream(run) if stream else self._run_function(run) if config.uses_data_source else \
             self._run(run)
         run.task = asyncio.get_running_loop().create_task(body, name=run.name)
         log.info("%s started: %d groups of %d (over-sampling %d), weight version %s, %s", run.name,
@@ -185,12 +185,11 @@ class RolloutManager:
         async with self._ending(run, {}), rollout_function.job_rollout(
                 self.sources, config, self.buffer, self._encoder(config), run.rollout_id, give_back) as source:
             await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
-            done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
-            if done < config.rollout_batch_size:  # a rollout asked again after its groups were written: done
-                groups = await rollout_function.generate_groups(run.gen, source, run.rollout_id, run.weight_version,
-                                                                run.name)
-                await self._write(run, [(prompt, samples, run.rollout_id) for prompt, samples in groups])
-                source.prompts.written([prompt for prompt, _ in groups])
+            kept, dropped = await rollout_function.generate_groups(run.gen, source, run.rollout_id, run.weight_version,
+                                                                   run.name, self.aborter)
+            writes = [(p, s, run.rollout_id) for p, s in kept] + [(p, s, DROPPED_ROLLOUT_ID) for p, s in dropped]
+            await self._write(run, writes)
+            source.prompts.written([prompt for prompt, _, _ in writes])
             run.state = RolloutState.DONE
 
     async def _stream(self, run: Run) -> None:

@@ -25,6 +25,7 @@ from services.common.samples import Prompt, Sample, Status
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.generation import data_source
 from services.rollout.generation.data_source import JobPrompts
+from services.rollout.generation.drain import EngineAborter
 from services.rollout.generation.generate import LOG_PROB_SETTINGS, use_context
 from services.rollout.generation.groups import Generation, rate_group
 from services.rollout.generation.prompts import PromptEncoder
@@ -39,17 +40,41 @@ EXPECTED, DATA_SOURCE_EXPECTED, FILTER_EXPECTED = (plugins.ROLLOUT_FUNCTION.expe
 DEFAULT_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
 DATA_SOURCE_METHODS = ("get_samples", "add_samples", "save", "load")
 
-_SERVICE_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
-    "physarum_service_loop", default=None)
+# slime's default rollout function over a data source (with data_source_path or buffer_filter_path alone)
+DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+RATED_ATTR = "_physarum_rated"  # on each sample of a group rate_once rated
+
+
+@dataclass(frozen=True)
+class FunctionRun:
+    """What slime's own rollout code (compat sglang_rollout) runs with inside a rollout function: the rollout's
+    generation, the service's loop and its engine aborter."""
+
+    gen: Generation
+    loop: asyncio.AbstractEventLoop
+    aborter: EngineAborter
+    dropped: list[list[Sample]] = field(default_factory=list)  # groups the dynamic filter dropped
+
+
+_RUN: contextvars.ContextVar[FunctionRun | None] = contextvars.ContextVar("physarum_function_run", default=None)
+
+
+def current_run() -> FunctionRun | None:
+    """The rollout function run this code is part of (None outside one)."""
+    return _RUN.get()
 
 
 def service_loop() -> asyncio.AbstractEventLoop | None:
     """The rollout service's event loop, inside a rollout function it runs (None elsewhere)."""
-    return _SERVICE_LOOP.get()
+    run = _RUN.get()
+    return None if run is None else run.loop
 
 
 @functools.cache
 def load_rollout_function(path: str) -> Callable[..., Any]:
+    """The user's function, or slime's default (the compatibility package's, on the data source) for an empty path."""
+    if not path:
+        return _compat(DEFAULT_ROLLOUT_FUNCTION)
     fn = plugins.load_function(path, flag="rollout_function_path", expected=EXPECTED, is_async=False, num_params=3)
     params = inspect.signature(fn).parameters
     if "evaluation" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
@@ -62,15 +87,20 @@ def load_rollout_function(path: str) -> Callable[..., Any]:
 def load_data_source_class(path: str) -> type:
     """The user's class, or slime's default (the compatibility package's, backed by the buffer) for an empty path."""
     if not path:
-        plugins.ensure_slime_compat()
-        module, _, name = DEFAULT_DATA_SOURCE.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+        return _compat(DEFAULT_DATA_SOURCE)
     cls = plugins.load_function(path, flag="data_source_path", expected=DATA_SOURCE_EXPECTED)
     missing = [name for name in DATA_SOURCE_METHODS if not callable(getattr(cls, name, None))]
     if not inspect.isclass(cls) or missing:
         what = "is not a class" if not inspect.isclass(cls) else f"has no {', '.join(missing)}"
         raise InvalidArgument(f"data_source_path: {path} {what}; expected {DATA_SOURCE_EXPECTED}")
     return cls
+
+
+def _compat(path: str) -> Any:
+    """slime's own object at `path`, from the compatibility package (slime's defaults need no allow-listing)."""
+    plugins.ensure_slime_compat()
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 @functools.cache
@@ -131,24 +161,32 @@ def train_groups(output: Any, what: str) -> list[list[Sample]]:
     return groups
 
 
-async def generate_groups(gen: Generation, source: JobSource, rollout_id: int, weight_version: str,
-                          what: str) -> list[tuple[Prompt, list[Sample]]]:
-    """Run the job's rollout function for `rollout_id`; each group it returns, finished and scored, with its
-    prompt. InvalidArgument says what the function got wrong."""
+Answered = list[tuple[Prompt, list[Sample]]]
+
+
+async def generate_groups(gen: Generation, source: JobSource, rollout_id: int, weight_version: str, what: str,
+                          aborter: EngineAborter) -> tuple[Answered, Answered]:
+    """Run the job's rollout function for `rollout_id`: each group it returns, finished and scored, with its
+    prompt, and the groups slime's default function dropped (dynamic filter). InvalidArgument says what the function
+    got wrong."""
     config = gen.config
+    done = await asyncio.to_thread(source.prompts.buffer.count_groups, config.job_id, rollout_id)
+    if done >= config.rollout_batch_size:  # asked again after its groups were written (a trainer that resumed)
+        return [], []
     fn = load_rollout_function(config.rollout_function_path)
     if not getattr(gen.args, "job_id", ""):
         gen.args.job_id = config.job_id  # slime.rollout.data_source finds the job's prompts by it
     use_context(gen.ctx)  # the worker thread, and what it schedules on the loop, generate through this rollout's
-    _SERVICE_LOOP.set(asyncio.get_running_loop())
+    function_run = FunctionRun(gen=gen, loop=asyncio.get_running_loop(), aborter=aborter)
+    _RUN.set(function_run)
     source.prompts.config, source.prompts.rollout_id = config, rollout_id
     output = await asyncio.to_thread(_call, fn, gen.args, rollout_id, source)
     groups = train_groups(output, what)
     if len(groups) != config.rollout_batch_size:
         raise InvalidArgument(f"{what}: the rollout function returned {len(groups)} groups; the trainer trains on "
                               f"rollout_batch_size ({config.rollout_batch_size})")
-    out: list[tuple[Prompt, list[Sample]]] = []
-    for position, group in enumerate(groups):
+    out: Answered = []
+    for position, group in enumerate(groups + function_run.dropped):
         prompt = source.prompts.prompt_of(group)
         if prompt is None or any(prompt is other for other, _ in out):
             problem = "answers no prompt leased from the buffer" if prompt is None else "answers a prompt again"
@@ -156,8 +194,18 @@ async def generate_groups(gen: Generation, source: JobSource, rollout_id: int, w
                                   "each group from one group of data_source.get_samples")
         _finish(group, weight_version, config.args, f"{what}: group {position}")
         out.append((prompt, group))
-    await asyncio.gather(*(rate_group(gen, group, f"{what}: prompt {prompt.index}") for prompt, group in out))
-    return out
+    kept = out[:len(groups)]
+    await asyncio.gather(*(rate_once(gen, group, f"{what}: prompt {prompt.index}") for prompt, group in kept))
+    return kept, out[len(groups):]
+
+
+async def rate_once(gen: Generation, group: list[Sample], what: str) -> None:
+    """rate_group, unless the group was rated already (slime's default function rates its groups as they finish)."""
+    if group and all(getattr(sample, RATED_ATTR, False) for sample in group):
+        return
+    await rate_group(gen, group, what)
+    for sample in group:
+        setattr(sample, RATED_ATTR, True)
 
 
 def _call(fn: Callable[..., Any], args: Any, rollout_id: int, source: JobSource) -> Any:

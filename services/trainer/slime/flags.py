@@ -166,15 +166,16 @@ FLAGS: dict[str, Flag] = {
                                   "fully_async: the manager streams groups across rollouts); evaluation runs the "
                                   "service's eval, not the function"),
     "data-source-path": Flag("implemented", "slime.rollout.data_source.RolloutDataSourceWithBuffer",
-                             "data_source_path, with rollout_function_path: a user's DataSource class, built once "
-                             "per job in the rollout service; slime.rollout.data_source's classes (the default "
+                             "data_source_path: a user's DataSource class, built once per job in the rollout service "
+                             "and given to the rollout function (slime's default generate_rollout when "
+                             "--rollout-function-path names none); slime.rollout.data_source's classes (the default "
                              "included) lease the job's prompts from the buffer, and a group given back "
                              "(add_samples) keeps its prompt's lease"),
     "rollout-buffer-url": R(None, "the buffer service is the rollout buffer"),
-    "buffer-filter-path": Flag("implemented", None, "buffer_filter_path, with rollout_function_path: "
-                                                    "RolloutDataSourceWithBuffer.get_samples takes the groups given "
-                                                    "back through it, with the rollout id being generated (slime "
-                                                    "passes None)"),
+    "buffer-filter-path": Flag("implemented", None, "buffer_filter_path: RolloutDataSourceWithBuffer.get_samples "
+                                                    "takes the groups given back through it, with the rollout id "
+                                                    "being generated (slime passes None); it runs the rollout "
+                                                    "through a rollout function, slime's default when none is named"),
     "rollout-data-transport": M("object-store", "samples travel through the buffer service", warn=True),
     "fetch-trajectory-retry-times": M(-1, "the buffer waits for a rollout's groups itself", warn=True),
     "min-batch-collection-ratio": R(1, "a rollout always collects its full batch"),
