@@ -89,6 +89,55 @@ def test_slimes_default_data_source_and_pop_first_without_the_paths(tiny_model_d
     assert "data_source" not in buffer.rollout_groups(1)[0].samples[0].metadata
 
 
+def test_a_kept_group_whose_lease_expired_is_not_generated_twice_when_its_prompt_comes_back(tiny_model_dir, tmp_path):
+    """Rollout 0 keeps prompt 2; its lease expires (the buffer serves it again, first); rollout 1 takes the kept
+    group through the filter and leases on: the prompt served again renews the kept group's lease, no second group."""
+    buffer = FakeBuffer(8)
+    cfg = config(tiny_model_dir, tmp_path, buffer_filter_path="tests.plugins.slime_rollout.take_newest")
+
+    async def main():
+        manager, _ = new_manager(buffer, Engine(), tiny_model_dir)
+        try:
+            first = await rollout(manager, cfg, 0)
+            expired = [lease for lease, prompt in buffer.leased.items() if prompt.index == 2]
+            buffer.returned += [buffer.leased.pop(lease) for lease in expired]  # what the buffer does at expiry
+            return first, await rollout(manager, cfg, 1)
+        finally:
+            await manager.close()
+
+    statuses = asyncio.run(main())
+    assert [s.state for s in statuses] == [RolloutState.DONE] * 2, [s.error for s in statuses]
+    assert [g.prompt_index for g in buffer.rollout_groups(1)] == [2, 3]
+    assert [p.index for p in buffer.leased.values()] == [4] and not buffer.returned
+
+
+def test_a_trainer_that_resumed_gets_its_data_source_built_and_loaded_again(tiny_model_dir, tmp_path):
+    """Rollout 1 asked again after it ran here (the trainer resumed from rollout 0's checkpoint and the buffer's
+    restored state lost rollout 1): slime's start, load(start - 1), on a new data source; the old one's kept group
+    gives its prompt back."""
+    buffer = FakeBuffer(8)
+    cfg = config(tiny_model_dir, tmp_path)
+
+    async def main():
+        manager, _ = new_manager(buffer, Engine(), tiny_model_dir)
+        try:
+            for rollout_id in (0, 1):
+                await rollout(manager, cfg, rollout_id)
+            for group in buffer.rollout_groups(1):
+                del buffer.groups[group.group_id]
+            del manager.runs[(JOB, 1)]
+            return await rollout(manager, cfg, 1)
+        finally:
+            await manager.close()
+
+    status = asyncio.run(main())
+    assert status.state == RolloutState.DONE, status.error
+    groups = buffer.rollout_groups(1)
+    assert all(s.metadata["loaded_from"] == 0 for g in groups for s in g.samples)
+    # prompt 4, kept by the old data source, went back and was leased first; the new one keeps prompt 6
+    assert [g.prompt_index for g in groups] == [4, 5] and [p.index for p in buffer.leased.values()] == [6]
+
+
 @pytest.mark.parametrize(("fn", "message"), [
     ("returns_too_few", "returned 0 groups; the trainer trains on rollout_batch_size (2)"),
     ("returns_made_up_groups", "answers no prompt leased from the buffer"),

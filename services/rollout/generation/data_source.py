@@ -19,6 +19,7 @@ from services.rollout.generation.prompts import PromptEncoder
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient
 
+MAX_LEASE_CALLS = 8  # LeasePrompts calls per get_samples, each short only by prompts renewed here
 GROUP_KEY_ATTR = "_physarum_group"  # on each sample a group leased here holds: which prompt (lease) it answers
 
 
@@ -36,22 +37,45 @@ class JobPrompts:
 
     def lease_groups(self, num_groups: int, n_samples: int) -> list[list[PluginSample]]:
         """Lease `num_groups` prompts (fewer only if the buffer has fewer) as groups of n_samples fresh samples each:
-        the prompt's tokens, label and metadata, group_index the prompt's index, as the service's loop makes them."""
-        if num_groups <= 0:
-            return []
-        prompts = self.buffer.lease_prompts(self.config.job_id, self.rollout_id, num_groups,
-                                            self.config.lease_timeout_s)
-        groups = []
-        for prompt in prompts:
-            text, prompt_ids = self.encoder.encode(prompt)
-            with self._lock:
-                key, self._next_key = self._next_key, self._next_key + 1
-                self._leased[key] = prompt
-            group = [new_sample(prompt, text, prompt_ids, j) for j in range(n_samples)]
-            for sample in group:
-                setattr(sample, GROUP_KEY_ATTR, key)
-            groups.append(group)
+        the prompt's tokens, label and metadata, group_index the prompt's index, as the service's loop makes them.
+        A prompt served again while a group of it is held here (its lease expired, e.g. a kept group waiting longer
+        than lease_timeout_s) renews that group's lease instead of making a second group of it."""
+        groups: list[list[PluginSample]] = []
+        for _ in range(MAX_LEASE_CALLS):
+            if len(groups) >= num_groups:
+                break
+            prompts = self.buffer.lease_prompts(self.config.job_id, self.rollout_id, num_groups - len(groups),
+                                                self.config.lease_timeout_s)
+            if not prompts:
+                break
+            groups += [self._group(prompt, n_samples) for prompt in prompts if not self._renews(prompt)]
         return groups
+
+    def _renews(self, prompt: Prompt) -> bool:
+        with self._lock:
+            held = next((key for key, p in self._leased.items() if (p.epoch, p.index) == (prompt.epoch, prompt.index)),
+                        None)
+            if held is not None:
+                self._leased[held] = prompt
+            return held is not None
+
+    def _group(self, prompt: Prompt, n_samples: int) -> list[PluginSample]:
+        text, prompt_ids = self.encoder.encode(prompt)
+        with self._lock:
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._leased[key] = prompt
+        group = [new_sample(prompt, text, prompt_ids, j) for j in range(n_samples)]
+        for sample in group:
+            setattr(sample, GROUP_KEY_ATTR, key)
+        return group
+
+    def forget_kept(self) -> list[str]:
+        """A trainer that resumed restored the buffer, ending every lease: the kept groups are gone with their data
+        source; their lease ids are returned (the buffer ignores ended ones)."""
+        with self._lock:
+            ids = [self._leased.pop(key).lease_id for key in self._kept if key in self._leased]
+            self._kept.clear()
+            return ids
 
     def keep(self, groups: list[list[Sample]]) -> None:
         """These groups stay with the data source past this rollout: their leases are not given back."""

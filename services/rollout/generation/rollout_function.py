@@ -116,6 +116,7 @@ class JobSource:
     prompts: JobPrompts
     data_source: Any = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one rollout of a job at a time
+    last_rollout_id: int | None = None  # the last rollout generated here; an earlier one means the trainer resumed
 
 
 MAX_JOBS = 256  # data sources kept; beyond this the least recently used job's is forgotten
@@ -174,6 +175,13 @@ async def generate_groups(gen: Generation, source: JobSource, rollout_id: int, w
     if done >= config.rollout_batch_size:  # asked again after its groups were written (a trainer that resumed)
         return [], []
     fn = load_rollout_function(config.rollout_function_path)
+    if source.last_rollout_id is not None and rollout_id <= source.last_rollout_id:
+        log.info("%s: the trainer resumed (last rollout here %d): the data source is built and loaded again", what,
+                 source.last_rollout_id)
+        source.data_source = None
+        if forgotten := source.prompts.forget_kept():
+            await asyncio.to_thread(source.prompts.buffer.return_prompts, config.job_id, forgotten)
+    source.last_rollout_id = rollout_id
     if not getattr(gen.args, "job_id", ""):
         gen.args.job_id = config.job_id  # slime.rollout.data_source finds the job's prompts by it
     use_context(gen.ctx)  # the worker thread, and what it schedules on the loop, generate through this rollout's
