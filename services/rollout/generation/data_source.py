@@ -1,4 +1,4 @@
-"""The job's buffer as slime's data source reads it (--data-source-path under --rollout-function-path): one JobPrompts
+"""The job's buffer as slime's data source reads it (--data-source-path, for a rollout function): one JobPrompts
 per job, bound by job id, through which slime.rollout.data_source's classes lease prompts as groups of slime's
 Samples. Each group holds its prompt's lease until the group is written, kept (add_samples) or given back, so no
 prompt is lost. Called from the rollout function's worker thread; knows nothing of gRPC or of the user's classes.

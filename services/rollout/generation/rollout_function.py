@@ -1,7 +1,8 @@
 """slime's --rollout-function-path in the rollout service: the user's `generate_rollout(args, rollout_id, data_source,
-evaluation=False)` runs once per rollout in a worker thread, against the job's data source (--data-source-path,
-built once per job on data_source.JobPrompts, the job's buffer). Its groups come back checked, finished and scored,
-each with the prompt it answers; the manager writes them as its own. Coroutines the function runs through
+evaluation=False)` (or slime's default, compat sglang_rollout's, for a job that names only a data source or a buffer
+filter) runs once per rollout in a worker thread, against the job's data source (--data-source-path, built once per
+job on data_source.JobPrompts, the job's buffer). Its groups come back checked, finished and scored, each with the
+prompt it answers; the manager writes them as its own. Coroutines the function runs through
 slime.utils.async_utils.run go to the service's event loop, so slime's generate reaches the router as the loop's does.
 """
 
