@@ -78,6 +78,7 @@ def test_two_rollouts_of_a_users_function_reach_the_buffer_scored_with_the_filte
     assert (tmp_path / "ckpt" / "data_source_1.json").read_text() == '{"buffered": 1}'
     assert not (tmp_path / "ckpt" / "data_source_0.json").exists()
     assert statuses[1].metrics["rollout/reward_mean"] == pytest.approx((0.5 * 2 + 2.0 * 2) / 4)
+    assert statuses[1].metrics["rollout/function_groups"] == 2.0 and "note" not in statuses[1].metrics
 
 
 def test_slimes_default_data_source_and_pop_first_without_the_paths(tiny_model_dir, tmp_path):
@@ -231,6 +232,7 @@ def test_slimes_default_rollout_drops_filtered_groups_as_the_service_loop_does(t
     assert status.state == RolloutState.DONE, status.error
     assert [g.prompt_index for g in buffer.rollout_groups(0)] == [0, 2]
     assert [g.prompt_index for g in buffer.rollout_groups(-1)] == [1]  # used up for the epoch, as in slime
+    assert status.metrics["rollout/dynamic_filter/drop_filtered"] == 1.0
 
 
 def test_args_hold_the_rollouts_int_settings_as_ints_after_the_proto():

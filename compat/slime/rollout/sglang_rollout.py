@@ -154,6 +154,7 @@ async def generate_rollout_async(args: Any, rollout_id: int,
             if output is not None and filters.should_drop(output, num_remaining=remaining, target=target):
                 remaining -= 1
                 job.dropped.append(group)  # its prompt is used up for the epoch, as in the service's loop
+                job.drops[filters.drop_metric(output.reason)] += 1
                 continue
             if len(data) < target:
                 data.append(group)

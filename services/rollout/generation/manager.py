@@ -185,8 +185,7 @@ class RolloutManager:
         async with self._ending(run, {}), rollout_function.job_rollout(
                 self.sources, config, self.buffer, self._encoder(config), run.rollout_id, give_back) as source:
             await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
-            kept, dropped = await rollout_function.generate_groups(run.gen, source, run.rollout_id, run.weight_version,
-                                                                   run.name, self.aborter)
+            kept, dropped = await rollout_function.generate_groups(run, source, self.aborter)
             writes = [(p, s, run.rollout_id) for p, s in kept] + [(p, s, DROPPED_ROLLOUT_ID) for p, s in dropped]
             await self._write(run, writes)
             source.prompts.written([prompt for prompt, _, _ in writes])

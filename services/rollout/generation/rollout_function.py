@@ -9,12 +9,14 @@ slime.utils.async_utils.run go to the service's event loop, so slime's generate 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import functools
 import importlib
 import inspect
 import logging
+import numbers
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,6 +35,7 @@ from services.rollout.generation.prompts import PromptEncoder
 
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient
+    from services.rollout.generation.run_state import Run
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class FunctionRun:
     loop: asyncio.AbstractEventLoop
     aborter: EngineAborter
     dropped: list[list[Sample]] = field(default_factory=list)  # groups the dynamic filter dropped
+    drops: collections.Counter[str] = field(default_factory=collections.Counter)  # by drop_metric(reason)
 
 
 _RUN: contextvars.ContextVar[FunctionRun | None] = contextvars.ContextVar("physarum_function_run", default=None)
@@ -166,11 +170,11 @@ def train_groups(output: Any, what: str) -> list[list[Sample]]:
 Answered = list[tuple[Prompt, list[Sample]]]
 
 
-async def generate_groups(gen: Generation, source: JobSource, rollout_id: int, weight_version: str, what: str,
-                          aborter: EngineAborter) -> tuple[Answered, Answered]:
-    """Run the job's rollout function for `rollout_id`: each group it returns, finished and scored, with its
-    prompt, and the groups slime's default function dropped (dynamic filter). InvalidArgument says what the function
-    got wrong."""
+async def generate_groups(run: Run, source: JobSource, aborter: EngineAborter) -> tuple[Answered, Answered]:
+    """Run the job's rollout function for the run's rollout: each group it returns, finished and scored, with its
+    prompt, and the groups slime's default function dropped (dynamic filter); the function's numeric metrics join
+    the run's. InvalidArgument says what the function got wrong."""
+    gen, rollout_id, weight_version, what = run.gen, run.rollout_id, run.weight_version, run.name
     config = gen.config
     done = await asyncio.to_thread(source.prompts.buffer.count_groups, config.job_id, rollout_id)
     if done >= config.rollout_batch_size:  # asked again after its groups were written (a trainer that resumed)
@@ -191,6 +195,9 @@ async def generate_groups(gen: Generation, source: JobSource, rollout_id: int, w
     source.prompts.config, source.prompts.rollout_id = config, rollout_id
     output = await asyncio.to_thread(_call, fn, gen.args, rollout_id, source)
     groups = train_groups(output, what)
+    run.drops.update(function_run.drops)
+    run.extra_metrics = {str(k): float(v) for k, v in (getattr(output, "metrics", None) or {}).items()
+                         if isinstance(v, numbers.Real)}
     if len(groups) != config.rollout_batch_size:
         raise InvalidArgument(f"{what}: the rollout function returned {len(groups)} groups; the trainer trains on "
                               f"rollout_batch_size ({config.rollout_batch_size})")
