@@ -46,6 +46,7 @@ DATA_SOURCE_METHODS = ("get_samples", "add_samples", "save", "load")
 
 # slime's default rollout function over a data source (with data_source_path or buffer_filter_path alone)
 DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+FUNCTION_METRICS = "rollout/function/"  # a rollout function's metrics under this prefix reach the trainer's logs
 RATED_ATTR = "_physarum_rated"  # on each sample of a group rate_once rated
 
 
@@ -196,8 +197,8 @@ async def generate_groups(run: Run, source: JobSource, aborter: EngineAborter) -
     output = await asyncio.to_thread(_call, fn, gen.args, rollout_id, source)
     groups = train_groups(output, what)
     run.drops.update(function_run.drops)
-    run.extra_metrics = {str(k): float(v) for k, v in (getattr(output, "metrics", None) or {}).items()
-                         if isinstance(v, numbers.Real)}
+    run.extra_metrics = {FUNCTION_METRICS + str(k).removeprefix("rollout/"): float(v)
+                         for k, v in (getattr(output, "metrics", None) or {}).items() if isinstance(v, numbers.Real)}
     if len(groups) != config.rollout_batch_size:
         raise InvalidArgument(f"{what}: the rollout function returned {len(groups)} groups; the trainer trains on "
                               f"rollout_batch_size ({config.rollout_batch_size})")
