@@ -22,6 +22,8 @@ def test_a_job_with_slimes_rollout_function_data_source_and_buffer_filter_trains
     assert len(steps) == 2
     # the log-probs the function's generate calls kept reached the trainer aligned with its own recomputation
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
+    metrics = [e["metrics"] for e in events if "rollout/function/function_groups" in e["metrics"]]
+    assert [m["rollout/function/function_groups"] for m in metrics] == [4.0, 4.0]  # the function's own, logged
     # rollout 1 trained on the group rollout 0 gave back (prompt 4, the filter took it first; the function set its
     # reward) and prompts 5-7 (exact_match rewards)
     board = httpx.get(f"{local_stack['trainer_url']}/v1/dashboard/jobs/{job['job_id']}/samples", timeout=30).json()
