@@ -80,6 +80,7 @@ class Signature:
     num_params: int = 0
     keyword: str = ""
     is_class: bool = False
+    methods: tuple[str, ...] = ()  # a class's methods taking (self, one argument), checked where the class defines them
 
 
 # slime's rollout hooks, checked at submit (from the source) and where the rollout service loads them
@@ -87,7 +88,7 @@ ROLLOUT_FUNCTION = Signature("def generate_rollout(args, rollout_id, data_source
                              "list[list[Sample]] | RolloutFnTrainOutput", num_params=3, keyword="evaluation")
 DATA_SOURCE = Signature("a class of slime's DataSource interface: __init__(self, args), get_samples(self, "
                         "num_samples), add_samples(self, samples), save(self, rollout_id), load(self, rollout_id=None)",
-                        is_class=True)
+                        is_class=True, methods=("__init__", "get_samples", "add_samples", "save", "load"))
 BUFFER_FILTER = Signature("def buffer_filter(args, rollout_id, buffer, num_samples) -> list[list[Sample]]",
                           num_params=4)
 
@@ -118,15 +119,24 @@ def signature_problem(origin: str | None, path: str, flag: str, signature: Signa
         return ""
     if signature.is_class or isinstance(found, ast.ClassDef):
         what = "a class" if isinstance(found, ast.ClassDef) else "a function"
-        return "" if signature.is_class == isinstance(found, ast.ClassDef) else \
-            f"{flag}: {path} is {what}; expected {expected}"
+        if signature.is_class != isinstance(found, ast.ClassDef):
+            return f"{flag}: {path} is {what}; expected {expected}"
+        methods = {m.name: m for m in found.body if isinstance(m, ast.FunctionDef) and m.name in signature.methods}
+        short = [name for name, method in methods.items() if _num_positional(method.args) < 2]
+        return "" if not short else \
+            f"{flag}: {path}'s {', '.join(short)} take no argument besides self; expected {expected}"
     if isinstance(found, ast.AsyncFunctionDef):
         return f"{flag}: {path} must be a plain function (slime calls it without await): {expected}"
     params = found.args
     names = [a.arg for a in (*params.posonlyargs, *params.args)]
-    if len(names) < signature.num_params and params.vararg is None:
+    if _num_positional(params) < signature.num_params:
         return f"{flag}: {path} takes {len(names)} positional parameters; expected {expected}"
     if signature.keyword and params.kwarg is None and signature.keyword not in names + [
             a.arg for a in params.kwonlyargs]:
         return f"{flag}: {path} takes no `{signature.keyword}` keyword (slime passes it); expected {expected}"
     return ""
+
+
+def _num_positional(params: ast.arguments) -> float:
+    """How many positional arguments a definition takes (any number with *args)."""
+    return float("inf") if params.vararg is not None else len(params.posonlyargs) + len(params.args)

@@ -91,3 +91,8 @@ def no_evaluation(args, rollout_id, data_source):
 
 def two_params_filter(args, buffer):
     return buffer
+
+
+class NoCountDataSource(RolloutDataSourceWithBuffer):
+    def get_samples(self):
+        return super().get_samples(1)
