@@ -236,14 +236,16 @@ def test_slimes_default_rollout_drops_filtered_groups_as_the_service_loop_does(t
     assert status.metrics["rollout/dynamic_filter/drop_filtered"] == 1.0
 
 
-def test_args_hold_the_rollouts_int_settings_as_ints_after_the_proto():
-    """A Struct carries numbers as floats; slime's functions do range(args.n_samples_per_prompt)."""
-    from services.common.samples import dict_to_struct, struct_to_dict
-    from services.rollout.generation.generate import plugin_args
+def test_args_hold_integers_as_integers_after_the_proto(tiny_model_dir, tmp_path):
+    """A Struct carries numbers as doubles; slime's functions do range(args.n_samples_per_prompt)."""
+    from services.rollout.client import config_from_proto, config_to_proto
 
-    job_args = struct_to_dict(dict_to_struct({"n_samples_per_prompt": 2, "rollout_batch_size": 8,
-                                              "rollout_temperature": 1.0, "lr": 1e-6}))
-    args = plugin_args(job_args, "http://127.0.0.1:30000")
-    assert (args.n_samples_per_prompt, args.rollout_batch_size) == (2, 8)
-    assert isinstance(args.n_samples_per_prompt, int) and isinstance(args.rollout_temperature, float)
-    assert (args.sglang_router_ip, args.sglang_router_port, args.lr) == ("127.0.0.1", 30000, 1e-6)
+    cfg = config(tiny_model_dir, tmp_path)
+    cfg = rollout_config(**{**{k: getattr(cfg, k) for k in ("rollout_batch_size", "rollout_function_path")},
+                            "args": {"n_samples_per_prompt": 2, "num_rollout": 3, "lr": 1e-6, "temperature": 1.0,
+                                     "colocate": True, "nested": {"k": 1}}})
+    args = config_from_proto(config_to_proto(cfg)).args
+    assert args == {"n_samples_per_prompt": 2, "num_rollout": 3, "lr": 1e-6, "temperature": 1.0, "colocate": True,
+                    "nested": {"k": 1}}
+    assert [type(args[k]) for k in ("n_samples_per_prompt", "num_rollout", "temperature", "colocate")] == [
+        int, int, float, bool]

@@ -14,7 +14,6 @@ import asyncio
 import base64
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import inspect
 import json
@@ -31,7 +30,6 @@ from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Sample, Status
-from services.common.settings.rollout import RolloutConfig
 from services.rollout.generation.router_http import Poster, PostError, StreamError
 
 log = logging.getLogger(__name__)
@@ -330,17 +328,11 @@ def sampling_params(*, temperature: float, top_p: float, top_k: int, max_new_tok
             "no_stop_trim": True, "skip_special_tokens": True}
 
 
-# The proto carries `args` as a Struct, whose numbers are floats: the rollout's int settings are ints again in args
-_INT_SETTINGS = frozenset(f.name for f in dataclasses.fields(RolloutConfig) if f.type in ("int", "int | None"))
-
-
 def plugin_args(job_args: dict[str, Any], router_url: str) -> types.SimpleNamespace:
     """slime's `args` for plugins: the job spec, plus where the router is (sglang_router_ip / _port)."""
     url = httpx.URL(router_url)
     port = url.port or (443 if url.scheme == "https" else 80)
-    ints = {key: int(value) for key, value in job_args.items()
-            if key in _INT_SETTINGS and isinstance(value, float) and value.is_integer()}
-    return types.SimpleNamespace(**{**job_args, **ints, "sglang_router_ip": url.host, "sglang_router_port": port})
+    return types.SimpleNamespace(**{**job_args, "sglang_router_ip": url.host, "sglang_router_port": port})
 
 
 def new_session_id() -> str:
