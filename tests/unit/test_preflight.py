@@ -176,3 +176,37 @@ def test_a_checkpoint_whose_files_are_missing_is_refused_at_submit(paths, tmp_pa
     (root / "latest_checkpointed_iteration.txt").write_text("latest")
     with pytest.raises(InvalidArgument, match=r"holds 'latest', not `release` or an iteration"):
         preflight(parse_spec({**paths, "load": str(root)}))
+
+
+def test_slimes_rollout_hooks_are_read_not_run_at_submit_and_refused_naming_the_flag(paths, monkeypatch):
+    """A rollout function, data source or buffer filter that is missing or has the wrong shape fails at submit,
+    read from its source without executing its module; a good set passes."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "tests.plugins.slime_rollout", raising=False)
+    good = parse_spec({**paths, "rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+                       "data_source_path": "tests.plugins.slime_rollout.TaggedDataSource",
+                       "buffer_filter_path": "tests.plugins.slime_rollout.take_newest"})
+    assert preflight(good) is good
+    assert "tests.plugins.slime_rollout" not in sys.modules
+    cases = [({"rollout_function_path": "tests.plugins.slime_rollout.nowhere"},
+              "rollout_function_path: module 'tests.plugins.slime_rollout' has no 'nowhere'"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.async_rollout"},
+              "rollout_function_path: tests.plugins.slime_rollout.async_rollout must be a plain function"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.no_evaluation"},
+              "rollout_function_path: tests.plugins.slime_rollout.no_evaluation takes no `evaluation` keyword"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+               "data_source_path": "tests.plugins.slime_rollout.take_newest"},
+              "data_source_path: tests.plugins.slime_rollout.take_newest is a function; expected a class"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+               "data_source_path": "tests.plugins.slime_rollout.NoCountDataSource"},
+              "data_source_path: tests.plugins.slime_rollout.NoCountDataSource's get_samples take no argument"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+               "buffer_filter_path": "tests.plugins.slime_rollout.two_params_filter"},
+              "buffer_filter_path: tests.plugins.slime_rollout.two_params_filter takes 2 positional parameters"),
+             ({"rollout_function_path": "evil_pkg.rollout.generate_rollout"},
+              "rollout_function_path: 'evil_pkg.rollout.generate_rollout' is not under an allowed plugin module")]
+    for keys, message in cases:
+        with pytest.raises(InvalidArgument) as err:
+            preflight(parse_spec({**paths, **keys}))
+        assert message in str(err.value), str(err.value)

@@ -119,8 +119,23 @@ def test_slimes_sft_rollout_is_sft_loss():
     assert conv.spec["loss_type"] == "sft_loss" and conv.refused == []
     conv = slime_args.convert(["--rollout-function-path", "my.rollout", "--disable-compute-advantages-and-returns"],
                               spec_keys=SPEC_KEYS, check_architecture=False)
-    assert [r.split(":")[0] for r in conv.refused] == ["--rollout-function-path my.rollout",
-                                                      "--disable-compute-advantages-and-returns"]
+    assert [r.split(":")[0] for r in conv.refused] == ["--disable-compute-advantages-and-returns"]
+
+
+def test_a_users_rollout_function_data_source_and_buffer_filter_are_their_spec_keys():
+    argv = ["--rollout-function-path", "my.rollout.generate_rollout", "--data-source-path", "my.source.Curriculum",
+            "--buffer-filter-path", "my.source.newest_first"]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [] and conv.spec.items() >= {
+        "rollout_function_path": "my.rollout.generate_rollout", "data_source_path": "my.source.Curriculum",
+        "buffer_filter_path": "my.source.newest_first"}.items()
+    # slime's own defaults named explicitly are the spec's defaults: nothing to import under the allow-list
+    defaults = ["--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout", "--data-source-path",
+                "slime.rollout.data_source.RolloutDataSourceWithBuffer", "--buffer-filter-path",
+                "slime.rollout.data_source.pop_first"]
+    conv = slime_args.convert(defaults, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [] and not {"rollout_function_path", "data_source_path", "buffer_filter_path"} & set(
+        conv.spec)
 
 
 def test_slime_args_submit_through_parse_spec(tmp_path):

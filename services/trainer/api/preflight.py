@@ -19,7 +19,11 @@ from services.trainer.backends import capabilities, model_families
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
-                 "custom_tis_function_path", "agent_function_path")
+                 "custom_tis_function_path", "agent_function_path", "rollout_function_path", "data_source_path",
+                 "buffer_filter_path")
+# the hooks whose definition is read (not imported) at submit: a missing name or a wrong signature fails here
+SIGNATURES = {"rollout_function_path": plugins.ROLLOUT_FUNCTION, "data_source_path": plugins.DATA_SOURCE,
+              "buffer_filter_path": plugins.BUFFER_FILTER}
 
 
 def data_path(value: str) -> str:
@@ -84,11 +88,13 @@ def check_plugins(spec: JobSpec) -> list[str]:
             continue
         module = path.rpartition(".")[0]
         try:
-            found = importlib.util.find_spec(module) is not None
+            found = importlib.util.find_spec(module)
         except (ImportError, ValueError):  # a parent package that is missing or broken
-            found = False
-        if not found:
+            found = None
+        if found is None:
             problems.append(f"{key}: module {module!r} of {path!r} is not importable (install it in the images)")
+        elif key in SIGNATURES and (problem := plugins.signature_problem(found.origin, path, key, SIGNATURES[key])):
+            problems.append(problem)
     return problems
 
 
