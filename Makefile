@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint
 
-# torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build. The images'
+# constraints pin the rest, so the tests run on the very versions the images install.
+$(STAMP): pyproject.toml deploy/docker/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' -c deploy/docker/constraints.txt
 	touch $(STAMP)
 
 redis-server:

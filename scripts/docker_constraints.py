@@ -2,7 +2,9 @@
 package the images install: the project's dependencies and its service extras, with all their dependencies.
 
     .venv/bin/python scripts/docker_constraints.py          # rewrite the file
-    .venv/bin/python scripts/docker_constraints.py --check  # exit 1 if a package is missing from it
+    .venv/bin/python scripts/docker_constraints.py --check  # exit 1 if a package is missing or its pin is stale
+
+`make setup` installs the .venv with -c this file too, so the tested versions and the images' are the same.
 """
 
 from __future__ import annotations
@@ -64,16 +66,23 @@ def read_pins(path: Path = CONSTRAINTS) -> dict[str, str]:
     return pins
 
 
+def stale(pins: dict[str, str], written: dict[str, str]) -> list[str]:
+    """'name: pinned X, installed Y' for each pin that differs from the installed version."""
+    return [f"{name}: pinned {written[name]}, installed {version}"
+            for name, version in pins.items() if name in written and written[name] != version]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a needed package is not pinned")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a needed package is unpinned or pinned stale")
     args = parser.parse_args(argv)
     pins = closure(project_requirements())
     if args.check:
-        missing = sorted(set(pins) - set(read_pins()))
-        if missing:
-            sys.stderr.write(f"{CONSTRAINTS.relative_to(ROOT)} lacks {', '.join(missing)}: run {__file__}\n")
-        return 1 if missing else 0
+        written = read_pins()
+        problems = [f"lacks {name}" for name in sorted(set(pins) - set(written))] + stale(pins, written)
+        for problem in problems:
+            sys.stderr.write(f"{CONSTRAINTS.relative_to(ROOT)}: {problem}: run {__file__}\n")
+        return 1 if problems else 0
     CONSTRAINTS.write_text(render(pins))
     sys.stdout.write(f"wrote {len(pins)} pins to {CONSTRAINTS.relative_to(ROOT)}\n")
     return 0

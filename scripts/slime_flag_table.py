@@ -49,7 +49,7 @@ def render() -> str:
     for name, flag in sorted(FLAGS.items()):
         note = flag.note or DEFAULTS_DIFFER.get(name, "")
         if flag.status == "implemented" and name in DEFAULTS_DIFFER:
-            note = "default differs: " + DEFAULTS_DIFFER[name]
+            note = "default differs: " + DEFAULTS_DIFFER[name] + (f"; {flag.note}" if flag.note else "")
         lines.append(f"| `--{name}` | `{_cell(repr(flag.default))}` | {flag.status} | {_cell(note)} |")
     lines += ["", "## Megatron's flags in slime's launch scripts", "",
               "Architecture flags (`scripts/models/*.sh`) are checked against `hf_checkpoint`'s `config.json`: "

@@ -6,12 +6,14 @@ stack's flags) are imported: a job spec or a request names code, it never brings
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
@@ -68,3 +70,73 @@ def load_function(path: str, *, flag: str, expected: str, num_params: int | None
         if len(params) < num_params:
             raise InvalidArgument(f"{flag}: {path} takes {len(params)} positional parameters; expected {expected}")
     return fn
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a hook must be: a plain function of `num_params` positional parameters (and a `keyword`), or a class."""
+
+    expected: str
+    num_params: int = 0
+    keyword: str = ""
+    is_class: bool = False
+    methods: tuple[str, ...] = ()  # a class's methods taking (self, one argument), checked where the class defines them
+
+
+# slime's rollout hooks, checked at submit (from the source) and where the rollout service loads them
+ROLLOUT_FUNCTION = Signature("def generate_rollout(args, rollout_id, data_source, evaluation=False) -> "
+                             "list[list[Sample]] | RolloutFnTrainOutput", num_params=3, keyword="evaluation")
+DATA_SOURCE = Signature("a class of slime's DataSource interface: __init__(self, args), get_samples(self, "
+                        "num_samples), add_samples(self, samples), save(self, rollout_id), load(self, rollout_id=None)",
+                        is_class=True, methods=("__init__", "get_samples", "add_samples", "save", "load"))
+BUFFER_FILTER = Signature("def buffer_filter(args, rollout_id, buffer, num_samples) -> list[list[Sample]]",
+                          num_params=4)
+
+
+def signature_problem(origin: str | None, path: str, flag: str, signature: Signature) -> str:
+    """Whether module file `origin` defines `path`'s last part as `signature` says, read without importing it; ''
+    when it does, or when the source cannot say (a name bound by an import or an assignment, a compiled module)."""
+    attr, expected = path.rpartition(".")[2], signature.expected
+    if not origin or not origin.endswith(".py"):
+        return ""
+    try:
+        tree = ast.parse(Path(origin).read_text(), origin)
+    except (OSError, SyntaxError, ValueError) as err:
+        return f"{flag}: cannot read {origin} ({type(err).__name__}: {err})"
+    found: ast.AST | None = None
+    for stmt in tree.body:  # the last binding at the top level wins, as when the module runs
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and stmt.name == attr:
+            found = stmt
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)) and any(
+                (alias.asname or alias.name.split(".")[0]) == attr for alias in stmt.names):
+            found = stmt
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and attr in {
+                t.id for t in getattr(stmt, "targets", [getattr(stmt, "target", None)]) if isinstance(t, ast.Name)}:
+            found = stmt
+    if found is None:
+        return f"{flag}: module {path.rpartition('.')[0]!r} has no {attr!r}; expected {expected}"
+    if not isinstance(found, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return ""
+    if signature.is_class or isinstance(found, ast.ClassDef):
+        what = "a class" if isinstance(found, ast.ClassDef) else "a function"
+        if signature.is_class != isinstance(found, ast.ClassDef):
+            return f"{flag}: {path} is {what}; expected {expected}"
+        methods = {m.name: m for m in found.body if isinstance(m, ast.FunctionDef) and m.name in signature.methods}
+        short = [name for name, method in methods.items() if _num_positional(method.args) < 2]
+        return "" if not short else \
+            f"{flag}: {path}'s {', '.join(short)} take no argument besides self; expected {expected}"
+    if isinstance(found, ast.AsyncFunctionDef):
+        return f"{flag}: {path} must be a plain function (slime calls it without await): {expected}"
+    params = found.args
+    names = [a.arg for a in (*params.posonlyargs, *params.args)]
+    if _num_positional(params) < signature.num_params:
+        return f"{flag}: {path} takes {len(names)} positional parameters; expected {expected}"
+    if signature.keyword and params.kwarg is None and signature.keyword not in names + [
+            a.arg for a in params.kwonlyargs]:
+        return f"{flag}: {path} takes no `{signature.keyword}` keyword (slime passes it); expected {expected}"
+    return ""
+
+
+def _num_positional(params: ast.arguments) -> float:
+    """How many positional arguments a definition takes (any number with *args)."""
+    return float("inf") if params.vararg is not None else len(params.posonlyargs) + len(params.args)

@@ -105,15 +105,19 @@ def snapshot_path(snapshot_dir: str | Path, version: str | int) -> Path:
 
 def config_to_proto(config: RolloutConfig) -> rollout_pb2.RolloutConfig:
     values = dataclasses.asdict(config)
-    return rollout_pb2.RolloutConfig(**{**values, "args": dict_to_struct(values["args"]),
+    int_args = sorted(k for k, v in values["args"].items() if isinstance(v, int) and not isinstance(v, bool))
+    return rollout_pb2.RolloutConfig(**{**values, "args": dict_to_struct(values["args"]), "int_args": int_args,
                                         "eval_dataset_settings": dict_to_struct(values["eval_dataset_settings"])})
 
 
 def config_from_proto(msg: rollout_pb2.RolloutConfig) -> RolloutConfig:
-    """Raises InvalidArgument naming the bad field."""
+    """Raises InvalidArgument naming the bad field. `args`' integers are integers again (plugins do
+    range(args.n_samples_per_prompt))."""
     values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(RolloutConfig)}
+    args = struct_to_dict(msg.args)
+    args.update({key: int(args[key]) for key in msg.int_args if isinstance(args.get(key), float)})
     values.update(rollout_stop=list(msg.rollout_stop), rollout_stop_token_ids=list(msg.rollout_stop_token_ids),
-                  args=struct_to_dict(msg.args), eval_prompt_data=list(msg.eval_prompt_data),
+                  args=args, eval_prompt_data=list(msg.eval_prompt_data),
                   eval_dataset_settings=struct_to_dict(msg.eval_dataset_settings))
     return RolloutConfig(**values)
 

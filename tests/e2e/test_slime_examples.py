@@ -8,9 +8,9 @@ and eval settings stay as slime's script wrote them.
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
 builds here (Qwen2.5, Qwen3). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers with a
 refusal that names fsdp, runs moved to fsdp as README's porting section says (ON_FSDP). Left out, as
-tests/unit/test_slime_examples.py shows them refused at submit for a listed reason: train_infer_mismatch_helper
-(context parallelism 2 on megatron) and multi_agent (Qwen3-30B-A3B at tensor parallelism 4); the plugin modules
-both name are also slime's own (examples.*), not in this repository.
+tests/unit/test_slime_examples.py shows it refused at submit for a listed reason: train_infer_mismatch_helper
+(context parallelism 2 on megatron). Both it and multi_agent (accepted) name plugin modules of slime's own
+(examples.*) that this repository does not hold (NOT_HELD).
 
 One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
 once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
@@ -23,6 +23,7 @@ of it starting the three stacks (each job takes seconds).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -69,8 +70,10 @@ DENSE_LEFT_OUT = {
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
 # says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
 ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5"}
+# Accepted at submit but not run here: the plugin module it names is slime's own, which this repository does not hold
+NOT_HELD = {"multi_agent": "examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents"}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
-           if name not in REFUSED},
+           if name not in REFUSED and name not in NOT_HELD},
         **{name: (DENSE[name], model_type) for name, model_type in DENSE_RUNS.items()},
         **{name: (EXAMPLES[name]["argv"], model_type) for name, model_type in ON_FSDP.items()}}
 MEGATRON_ONLY = re.compile(r"slime_args: (.*): Megatron settings, which train_backend fsdp does not take; drop them")
@@ -132,6 +135,16 @@ def stack_of(session_dir, plugin_path):
 
 def test_every_dense_script_runs_here_or_is_left_out_for_a_reason():
     assert sorted(DENSE) == sorted([*DENSE_RUNS, *DENSE_LEFT_OUT])
+
+
+def test_the_examples_not_run_name_modules_this_repository_does_not_hold():
+    for name, path in NOT_HELD.items():
+        assert path in EXAMPLES[name]["argv"]
+        try:
+            found = importlib.util.find_spec(path.rpartition(".")[0]) is not None
+        except ModuleNotFoundError:  # its parent package is missing too
+            found = False
+        assert not found, f"{path} is importable now: run {name} here"
 
 
 def moved_to_fsdp(state: dict, argv: list[str], job: str) -> list[str]:

@@ -239,8 +239,9 @@ def test_a_megatron_tp2_job_feeds_the_engines_converted_weights_and_resumes_from
                          "model.embed_tokens.weight"):
                 got = client.get_weights_by_name(name, truncate_size=64)
                 assert got == pytest.approx(exported[name].flatten()[:64].tolist(), abs=1e-7), name
-    assert sorted(p.name for p in checkpoint.iteration_dir(save, 2).iterdir()) == [
-        "mcore", "rng_rank0.pt", "rng_rank1.pt", "trainer_state.json"]
+    assert {"metadata.json", "common.pt", "rng_rank0.pt", "rng_rank1.pt", "trainer_state.json"} <= {
+        p.name for p in checkpoint.iteration_dir(save, 2).iterdir()}  # Megatron-LM's layout: slime's --load reads it
+    assert (save / "rollout" / "global_dataset_state_dict_2.pt").is_file()  # slime's data source resumes from it
 
     # one more rollout from the checkpoint, with its policy as the reference model too (ref_load)
     resumed, events = run(ranks_stack, {**spec, "job_id": "megatron-tp2-resumed", "num_rollout": 4,

@@ -2,8 +2,9 @@
 Qwen3-MoE). First megatron-core's MoE GPTModel with expert parallelism EP=2 (each rank two of the four experts, the
 tokens of both ranks' sequences dispatched all-to-all) against the HF forward; then MegatronBackend, data parallel
 over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
-saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend; and
-one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay."""
+saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend (at
+tensor parallelism 1, and 2 with the two ranks one TP group); and
+one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay, at tensor parallelism 1 and 2."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def ep2_forward(model_dir: Path) -> float:
     return float(diff)
 
 
-def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
-    """Two rollouts at expert parallelism `ep`, a dist-checkpoint after the first; then a fresh backend resumes from
-    it and trains the second again."""
+def grpo(model_dir: Path, out_dir: Path, ep: int, tp: int = 1) -> dict:
+    """Two rollouts at expert parallelism `ep` (tensor parallelism `tp`), a dist-checkpoint after the first; then a
+    fresh backend resumes from it and trains the second again."""
     import torch.distributed as dist
 
     from services.trainer.backends.base import TrainConfig
@@ -66,7 +67,8 @@ def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
     def build() -> MegatronBackend:
-        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), expert_model_parallel_size=ep)
+        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
+                               expert_model_parallel_size=ep)
 
     backend = build()
     rollouts = [grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
@@ -90,14 +92,16 @@ def grpo(model_dir: Path, out_dir: Path, ep: int) -> dict:
             "resumed_metrics": resumed_metrics, "resumed_log_probs_after": resumed_after}
 
 
-def grpo_aux_loss(model_dir: Path) -> dict:
-    """One rollout at EP=2 under moe_aux_loss_coeff (megatron-core's own load-balancing loss)."""
+def grpo_aux_loss(model_dir: Path, *, replay: bool = False) -> dict:
+    """One rollout at EP=2 under moe_aux_loss_coeff (megatron-core's own load-balancing loss); replay: routed to an
+    engine's experts too (use_rollout_routing_replay)."""
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=AUX_LOSS_COEFF),
-                              expert_model_parallel_size=2)
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=AUX_LOSS_COEFF,
+                                                     use_rollout_routing_replay=replay), expert_model_parallel_size=2)
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
+    rollout = engine_routed(model_dir, rollout) if replay else rollout
     metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
     after = backend.compute_log_probs(rollout)
     backend.close()
@@ -124,18 +128,36 @@ def engine_routed(model_dir: Path, samples: list) -> list:
     return samples
 
 
-def grpo_routing_replay(model_dir: Path, setting: str) -> dict:
-    """One rollout at EP=2 under `setting` (use_rollout_routing_replay: an engine's other routing; or
-    use_routing_replay)."""
+def replayed_log_probs(backend, samples: list) -> list[list[float]]:
+    """The log-probs the policy gives the samples routed to their engine-routed experts (the old log-probs of
+    use_rollout_routing_replay), response-aligned."""
+    from services.trainer.backends.batch import build_rollout_batch
+
+    batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id,
+                                routing_shape=(backend.arch.num_layers, backend.arch.moe_router_topk))
+    log_probs = backend._log_probs(backend.model, batch, backend._micro_batches(batch, list(range(batch.size)),
+                                                                                training=False))
+    return [log_probs[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
+
+
+def grpo_routing_replay(model_dir: Path, setting: str, *, tp: int = 1, ep: int = 2,
+                        save_dir: Path | None = None) -> dict:
+    """One rollout at TP=tp, EP=ep under `setting` (use_rollout_routing_replay: an engine's other routing; or
+    use_routing_replay): the replayed and the routers' own log-probs before it, the metrics, the log-probs after;
+    the HF export in save_dir when given."""
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), expert_model_parallel_size=2)
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}),
+                              tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     rollout = engine_routed(model_dir, grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0))
+    replayed, own = replayed_log_probs(backend, rollout), backend.compute_log_probs(rollout)
     metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
     after = backend.compute_log_probs(rollout)
+    if save_dir is not None:
+        backend.save_hf(save_dir)
     backend.close()
-    return {"metrics": metrics, "log_probs_after": after}
+    return {"metrics": metrics, "log_probs_after": after, "replayed_log_probs": replayed, "own_log_probs": own}
 
 
 def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
@@ -146,9 +168,16 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
     logging.disable(logging.WARNING)
     results = {"ep2_max_abs_logit_diff": ep2_forward(model_dir),
                **{f"grpo_ep{ep}": grpo(model_dir, out_dir / f"ep{ep}", ep) for ep in (1, 2)},
+               **{f"grpo_tp2_ep{ep}": grpo(model_dir, out_dir / f"tp2_ep{ep}", ep, tp=2) for ep in (1, 2)},
                "grpo_aux_loss": grpo_aux_loss(model_dir),
+               "grpo_aux_loss_replayed": grpo_aux_loss(model_dir, replay=True),
                **{setting: grpo_routing_replay(model_dir, setting)
-                  for setting in ("use_rollout_routing_replay", "use_routing_replay")}}
+                  for setting in ("use_rollout_routing_replay", "use_routing_replay")},
+               # tensor parallelism 2: every expert on both ranks (EP=1), or two on each (EP=2, the EP group the TP one)
+               **{f"{setting}_tp2_ep{ep}": grpo_routing_replay(model_dir, setting, tp=2, ep=ep,
+                                                               save_dir=out_dir / f"{setting}_tp2_ep{ep}")
+                  for setting, ep in (("use_rollout_routing_replay", 1), ("use_rollout_routing_replay", 2),
+                                      ("use_routing_replay", 2))}}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 

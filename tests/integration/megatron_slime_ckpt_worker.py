@@ -1,7 +1,9 @@
 """One gloo rank for test_megatron_slime_checkpoint: checkpoints in slime's layout written by megatron-core's own
 dist_checkpointing.save (as Megatron-LM writes them: the model's sharded tensors under Megatron's keys, an argparse
 Namespace in the common state), then read back by MegatronBackend as --ref-load (`release`), --opd-teacher-load
-(`iter_0000003`) and --load, and converted to an HF directory (slime_to_hf).
+(`iter_0000003`) and --load, and converted to an HF directory (slime_to_hf); and a trained backend's own checkpoint
+(slime's --save) read back as Megatron-LM's load_checkpoint reads it, by megatron-core's dist_checkpointing.load into
+fresh models, and by Physarum's loaders.
 
 Run: python -m tests.integration.megatron_slime_ckpt_worker OUT_DIR  (writes OUT_DIR/results.json)
 """
@@ -37,6 +39,74 @@ def save_slime_layout(gpt, root: Path, iteration: str) -> None:
     (root / "latest_checkpointed_iteration.txt").write_text(iteration)
 
 
+def megatron_lm_load(backend, path: Path) -> tuple[dict, dict]:
+    """What Megatron-LM's load_checkpoint does with a torch_dist directory (slime's --load): its common state, then
+    the model and optimizer requested under the checkpoint's content metadata, loaded by dist_checkpointing.load
+    into `backend`'s freshly built model and optimizer."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    metadata = {**dist_checkpointing.load_content_metadata(preloaded_state_dict=common),
+                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    backend._init_optimizer_state()  # torch's Adam has no state before its first step (Megatron-LM's GPU Adams do)
+    model = backend.gpt.sharded_state_dict(metadata=metadata)
+    request = {"model": model, "optimizer": backend.optimizer.sharded_state_dict(model, is_loading=True,
+                                                                                 metadata=metadata)}
+    loaded = dist_checkpointing.load(request, str(path))
+    backend.gpt.load_state_dict(loaded["model"])
+    with torch.no_grad():
+        backend.optimizer.load_state_dict(loaded["optimizer"])
+    return common, metadata
+
+
+def optimizer_moments(backend) -> list[torch.Tensor]:
+    inner = [opt.optimizer for opt in getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])]
+    return [state[key] for opt in inner for state in opt.state.values() for key in ("exp_avg", "exp_avg_sq")]
+
+
+def save_round_trip(trained, root: Path, student_dir: Path, world) -> dict:
+    """slime's --save on the megatron backend: the checkpoint of rollout 3, read back four ways; each compared
+    parameter by parameter with the trained model."""
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.driver import checkpoint
+
+    path = checkpoint.save_checkpoint(root, 3, trained, world, lambda: checkpoint.TrainerState(
+        rollout_id=3, job_id="saver", world_size=1))
+    want = {name: p.detach().clone() for name, p in trained.gpt.named_parameters()}
+    want_moments = optimizer_moments(trained)
+
+    def max_diffs(backend) -> dict[str, float]:
+        got = dict(backend.gpt.named_parameters())
+        return {name: (got[name] - value).abs().max().item() for name, value in want.items()}
+
+    result = {"files": sorted(p.name for p in path.iterdir()), "latest": (root / checkpoint.LATEST_FILE).read_text(),
+              "is_slime_layout": checkpoint.slime_checkpoint(root) is not None}
+    fresh = MegatronBackend(student_dir, TrainConfig(**CONFIG))  # a freshly built model: the student's weights
+    result["fresh_diffs"] = max_diffs(fresh)
+    common, metadata = megatron_lm_load(fresh, path)
+    result.update(megatron_lm_diffs=max_diffs(fresh), megatron_lm_moment_diffs=[
+        (got - w).abs().max().item() for got, w in zip(optimizer_moments(fresh), want_moments, strict=True)],
+        iteration=common["iteration"], checkpoint_version=common["checkpoint_version"],
+        args=vars(common["args"]), opt_param_scheduler=common["opt_param_scheduler"],
+        content_metadata={k: v for k, v in metadata.items() if k != "dp_cp_group"})
+    fresh.close()
+
+    resumed = MegatronBackend(student_dir, TrainConfig(**CONFIG))  # Physarum's --load of the same root
+    state = checkpoint.load_checkpoint(root, resumed, world)
+    result.update(resumed_rollout_id=state.rollout_id, resumed_diffs=max_diffs(resumed),
+                  resumed_num_steps=resumed._num_steps, trained_num_steps=trained._num_steps)
+    checkpoint.load_reference(root, resumed, world)  # --ref-load of the root: its policy
+    ref = dict(resumed.ref_model.named_parameters())
+    result["ref_diffs"] = {name: (ref[name] - value).abs().max().item() for name, value in want.items()}
+    resumed.load_megatron_checkpoint(path, "teacher")  # the torch_dist reader of slime's checkpoints
+    teacher = dict(resumed.teacher_model.named_parameters())
+    result["teacher_diffs"] = {name: (teacher[name] - value).abs().max().item() for name, value in want.items()}
+    resumed.close()
+    return result
+
+
 def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_dir: Path) -> None:
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.batch import build_rollout_batch
@@ -68,6 +138,7 @@ def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_di
     backend.load_megatron_checkpoint(checkpoint.slime_checkpoint(out_dir / "iter-root"), "model")
     results["policy_after"] = log_probs(backend.model)
     results["metrics"] = backend.train_rollout(samples)
+    results["saved"] = save_round_trip(backend, out_dir / "saved", student_dir, world)
     backend.close()
     from services.trainer.driver.slime_to_hf import convert
 

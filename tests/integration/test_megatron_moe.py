@@ -1,7 +1,9 @@
 """Qwen3-MoE on the Megatron backend, over 2 gloo processes: megatron-core's MoE layers with expert parallelism
 (EP=2) give the HF model's logits within 1e-5, and MegatronBackend, with every expert on each rank (EP=1) or two on
-each (EP=2), trains the first four GRPO steps as TorchBackend does, its HF export holding the same weights under
-transformers' names, and resumes from its dist-checkpoint exactly.
+each (EP=2), at tensor parallelism 1 and 2 (the two ranks one TP group), trains the first four GRPO steps as
+TorchBackend does, its HF export holding the same weights under transformers' names, and resumes from its
+dist-checkpoint exactly. Under routing replay, at tensor parallelism 1 and 2, it routes and trains as TorchBackend
+does.
 
 One launch of tests/integration/megatron_moe_worker.py serves the tests here."""
 
@@ -53,12 +55,15 @@ def test_expert_parallel_moe_layers_give_the_hf_logits(results):
     assert results["ep2_max_abs_logit_diff"] <= 1e-5
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(results, torch_reference, ep):
+LAYOUTS = ["ep1", "ep2", "tp2_ep1", "tp2_ep2"]  # expert parallelism 1 or 2, at tensor parallelism 1 or 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(results, torch_reference, layout):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    run, save_dir = results[f"grpo_ep{ep}"], results["out"] / f"ep{ep}" / "hf"
+    run, save_dir = results[f"grpo_{layout}"], results["out"] / layout / "hf"
     assert max_diff(run["log_probs_before"], torch_reference["log_probs_before"]) < 1e-5
     assert len(run["metrics"]) == len(torch_reference["metrics"]) == 2 * NUM_ROLLOUTS
     for step, (got, want) in enumerate(zip(run["metrics"], torch_reference["metrics"], strict=True)):
@@ -77,9 +82,9 @@ def test_grpo_steps_match_torch_backend_and_the_export_loads_in_transformers(res
         assert torch.equal(reloaded[name], weight), name
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never_stopped(results, ep):
-    run = results[f"grpo_ep{ep}"]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never_stopped(results, layout):
+    run = results[f"grpo_{layout}"]
     never_stopped = run["metrics"][2:]
     assert len(run["resumed_metrics"]) == len(never_stopped) == 2
     for got, want in zip(run["resumed_metrics"], never_stopped, strict=True):
@@ -88,18 +93,22 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never
     assert max_diff(run["resumed_log_probs_after"], run["log_probs_after"]) < 1e-6
 
 
-def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(results, model_dir):
+@pytest.mark.parametrize("replay", [False, True])
+def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(results, model_dir, replay):
+    """Under routing replay too: both count the experts the router's own scores pick."""
     from services.trainer.backends.fsdp import TorchBackend
 
     def torch_run(coeff: float) -> tuple[list[dict], list[list[float]]]:
-        backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=coeff), num_threads=1)
+        backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=coeff,
+                                                      use_rollout_routing_replay=replay), num_threads=1)
         rollout = grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0)
+        rollout = engine_routed(model_dir, rollout) if replay else rollout
         metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
         return metrics, backend.compute_log_probs(rollout)
 
     want, want_after = torch_run(AUX_LOSS_COEFF)
     plain, plain_after = torch_run(0.0)
-    got = results["grpo_aux_loss"]
+    got = results["grpo_aux_loss_replayed" if replay else "grpo_aux_loss"]
     for step, (m, w, p) in enumerate(zip(got["metrics"], want, plain, strict=True)):
         assert m["train/grad_norm"] == pytest.approx(w["train/grad_norm"], rel=1e-4), step
         assert abs(w["train/grad_norm"] - p["train/grad_norm"]) > 1e-3, step  # the loss is not negligible
@@ -126,3 +135,47 @@ def test_routing_replay_routes_as_the_torch_backend_does(results, model_dir, set
     if setting == "use_rollout_routing_replay":  # the engine's other routing changed the training
         plain, plain_after = torch_run()
         assert abs(plain[0]["train/grad_norm"] - want[0]["train/grad_norm"]) > 1e-3
+
+
+@pytest.mark.parametrize("run", ["use_rollout_routing_replay_tp2_ep1", "use_rollout_routing_replay_tp2_ep2",
+                                 "use_routing_replay_tp2_ep2"])
+def test_routing_replay_at_tensor_parallelism_2_routes_as_at_1(results, model_dir, run):
+    from safetensors.torch import load_file
+
+    from services.trainer.backends.fsdp import TorchBackend
+
+    setting = run.split("_tp2_")[0]
+    got, tp1 = results[run], results[setting]
+    assert max_diff(got["replayed_log_probs"], tp1["replayed_log_probs"]) <= 1e-5
+    assert max_diff(got["own_log_probs"], tp1["own_log_probs"]) <= 1e-5
+    for step, (m, w) in enumerate(zip(got["metrics"], tp1["metrics"], strict=True)):
+        for key in ("train/pg_loss", "train/ppo_kl", "train/grad_norm"):
+            assert m[key] == pytest.approx(w[key], abs=2e-5, rel=1e-4), (step, key)
+    assert max_diff(got["log_probs_after"], tp1["log_probs_after"]) < 1e-5
+    if setting == "use_rollout_routing_replay":  # the engine's other routing changes the log-probs and the step
+        assert max_diff(got["replayed_log_probs"], got["own_log_probs"]) > 1e-3
+        plain = results["grpo_ep2"]["metrics"][0]  # the same rollout's first step, routed by the policy's routers
+        assert abs(got["metrics"][0]["train/grad_norm"] - plain["train/grad_norm"]) > 1e-3
+    backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), num_threads=1)
+    backend.train_rollout(engine_routed(model_dir, grpo_rollout(backend.model.config.vocab_size,
+                                                                backend.pad_token_id, 0)))
+    want, saved = dict(backend.named_weights()), load_file(results["out"] / run / "model.safetensors")
+    assert saved.keys() == want.keys()
+    for name, weight in want.items():
+        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
+
+
+def test_what_megatron_core_cannot_train_at_tensor_parallelism_2_is_refused_before_any_group_forms(model_dir):
+    from services.common.errors import InvalidArgument
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: train_backend megatron adds it to a MoE model at "
+                                              "tensor_model_parallel_size 1 or under megatron.sequence_parallel"):
+        MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=0.1), tensor_model_parallel_size=2)
+    with pytest.raises(InvalidArgument, match="megatron dropout: train_backend megatron adds it to a MoE model"):
+        MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=2,
+                        megatron_args={"attention_dropout": 0.1})
+    with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
+                                              "tensor_model_parallel_size 2 only without megatron.sequence_parallel"):
+        MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, use_routing_replay=True), tensor_model_parallel_size=2,
+                        megatron_args={"sequence_parallel": True})

@@ -171,6 +171,14 @@ def test_constraints_pin_every_package_the_images_install():
     assert Requirement("torch==2.13.0").specifier.contains("2.13.0+cu130")  # a pin the CUDA build also meets
 
 
+def test_the_tested_venv_has_the_images_versions():
+    """`make setup` installs with -c constraints.txt: a pin that differs from what the tests ran on is stale."""
+    constraints = load_script("docker_constraints")
+    pins = constraints.closure(constraints.project_requirements())
+    assert constraints.stale(pins, constraints.read_pins()) == []
+    assert constraints.stale({"pyyaml": "6.0.4"}, {"pyyaml": "6.0.3"}) == ["pyyaml: pinned 6.0.3, installed 6.0.4"]
+
+
 @params
 def test_entrypoint_is_an_importable_python_module(name):
     (entrypoint,) = [rest for word, rest in DOCKERFILES[name].final if word == "ENTRYPOINT"]

@@ -75,9 +75,10 @@ def test_a_variant_megatron_cannot_build_names_its_reason(job):
 
 def test_a_layout_megatron_cannot_cut_the_model_into_is_refused_at_submit(job):
     moe = job(config_of("qwen3_moe"), "megatron")
-    with pytest.raises(InvalidArgument, match="cannot build model family 'qwen3_moe': tensor_model_parallel_size 2: "
-                                              "tensor parallelism of a MoE model"):
-        preflight(parse_spec({**moe, "tensor_model_parallel_size": 2}))
+    assert preflight(parse_spec({**moe, "tensor_model_parallel_size": 2})).tensor_model_parallel_size == 2
+    with pytest.raises(InvalidArgument, match="cannot build model family 'qwen3_moe': tensor_model_parallel_size 3 "
+                                              "must divide num_attention_heads 4"):
+        preflight(parse_spec({**moe, "tensor_model_parallel_size": 3}))
     with pytest.raises(InvalidArgument, match="pipeline_model_parallel_size 3 must divide num_hidden_layers 2"):
         preflight(parse_spec({**job(config_of("qwen3"), "megatron"), "pipeline_model_parallel_size": 3}))
 

@@ -84,7 +84,8 @@ class FakeRollout:
 
     def rollout_status(self, job_id, rollout_id):
         return RolloutStatus(state=RolloutState.DONE, metrics={"rollout/reward_mean": 0.5,
-                                                               "rollout/dynamic_filter/drop_zero_std_1.0": 3.0})
+                                                               "rollout/dynamic_filter/drop_zero_std_1.0": 3.0,
+                                                               "rollout/function/turns": 7.0})
 
     def run_eval(self, config, rollout_id, weight_version, timeout_s):
         self.evals.append((config.eval_prompt_data, rollout_id, weight_version, timeout_s))
@@ -97,7 +98,8 @@ def test_generation_metrics_add_the_managers_counters_and_eval_when_due():
     spec = parse_spec({**BASE, "job_id": "j", "eval_prompt_data": ["a=/x"], "eval_interval": 2})
     rollout = FakeRollout()
     deps = TrainerDeps(rollout=rollout)
-    assert generation_metrics(spec.driver, spec.rollout, deps, 0) == {"rollout/dynamic_filter/drop_zero_std_1.0": 3.0}
+    assert generation_metrics(spec.driver, spec.rollout, deps, 0) == {"rollout/dynamic_filter/drop_zero_std_1.0": 3.0,
+                                                                      "rollout/function/turns": 7.0}
     metrics = generation_metrics(spec.driver, spec.rollout, deps, 1)
     assert metrics["eval/a"] == 0.25 and metrics["perf/eval_seconds"] >= 0
     assert rollout.evals == [(["a=/x"], 1, "2", 600.0)]  # evaluated with the weights pushed after rollout 1

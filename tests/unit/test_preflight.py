@@ -3,6 +3,8 @@ import are refused at submit, all named in one message; a bad rm_type already at
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common.errors import InvalidArgument
@@ -112,24 +114,99 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
     assert preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron"}))
     with pytest.raises(InvalidArgument, match="agent sessions do not record"):
         parse_spec({**paths, "use_rollout_routing_replay": True, "agent_function_path": "tests.plugins.agents.f"})
+    megatron_tp2 = {**paths, "train_backend": "megatron", "tensor_model_parallel_size": 2}
+    assert preflight(parse_spec({**megatron_tp2, "use_routing_replay": True}))
     with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
-                                              "tensor_model_parallel_size 1, got 2"):
-        preflight(parse_spec({**paths, "use_routing_replay": True, "train_backend": "megatron",
-                              "tensor_model_parallel_size": 2}))
+                                              "tensor_model_parallel_size 2 only without megatron.sequence_parallel"):
+        preflight(parse_spec({**megatron_tp2, "use_routing_replay": True, "megatron": {"sequence_parallel": True}}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: train_backend megatron adds it to a MoE model at "
+                                              "tensor_model_parallel_size 1 or under megatron.sequence_parallel"):
+        preflight(parse_spec({**megatron_tp2, "moe_aux_loss_coeff": 0.01}))
+    with pytest.raises(InvalidArgument, match="megatron dropout: train_backend megatron adds it to a MoE model"):
+        preflight(parse_spec({**megatron_tp2, "megatron": {"hidden_dropout": 0.1}}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
-    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'glm4_moe' is not one it applies "
-                                              r"to \(qwen3_moe, qwen3_5_moe\)"):
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'mixtral' is not one it applies "
+                                              r"to \(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3\)"):
         preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
+    assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
     assert preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
-def test_a_slime_torch_dist_checkpoint_needs_the_megatron_backend(paths, tmp_path):
+
+
+QWEN3 = {"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": False}
+
+
+def test_a_slime_torch_dist_checkpoint_loads_on_fsdp_when_megatron_can_convert_it(paths, tmp_path):
+    """fsdp reads slime's checkpoints through the megatron backend's conversion at job start: accepted when that
+    builds hf_checkpoint's model, refused naming why when not; megatron reads them as they are."""
     root = tmp_path / "Qwen3-8B_torch_dist"
     (root / "release").mkdir(parents=True)
-    (root / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    for name in ("metadata.json", ".metadata"):
+        (root / "release" / name).write_text('{"sharded_backend": "torch_dist"}')
     (root / "latest_checkpointed_iteration.txt").write_text("release")
     spec = parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "fsdp"})
     with pytest.raises(InvalidArgument, match=r"ref_load: .*Qwen3-8B_torch_dist is a slime \(Megatron\) torch_dist "
-                                              r"checkpoint, which train_backend fsdp does not read"):
-        preflight(spec)
+                                              r"checkpoint, which train_backend fsdp reads through a conversion to HF "
+                                              r"by the megatron backend, and that cannot build hf_checkpoint's model"):
+        preflight(spec)  # config.json {}: no family the converter maps
     assert preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "megatron",
                                  "rm_type": "exact_match"})).ref_load == str(root)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(QWEN3))
+    assert preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "load": str(root),
+                                 "train_backend": "fsdp", "rm_type": "exact_match"})).load == str(root)
+
+
+def test_a_checkpoint_whose_files_are_missing_is_refused_at_submit(paths, tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(InvalidArgument, match=r"ref_load: .*ckpt has no release/ \(named by "
+                                              r"latest_checkpointed_iteration.txt\)"):
+        preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "train_backend": "megatron"}))
+    (root / "iter_0000004").mkdir()
+    (root / "iter_0000004" / "metadata.json").write_text("{}")  # no .metadata: a copy cut short
+    with pytest.raises(InvalidArgument, match=r"load: .*iter_0000004 holds neither Physarum's checkpoint "
+                                              r"\(trainer_state.json\) nor a torch_dist one"):
+        preflight(parse_spec({**paths, "load": str(root), "ckpt_step": 4, "train_backend": "megatron"}))
+    with pytest.raises(InvalidArgument, match=r"load: .*ckpt has no iter_0000005/ \(named by the ckpt step\)"):
+        preflight(parse_spec({**paths, "load": str(root), "ckpt_step": 5, "train_backend": "megatron"}))
+    (root / "latest_checkpointed_iteration.txt").write_text("latest")
+    with pytest.raises(InvalidArgument, match=r"holds 'latest', not `release` or an iteration"):
+        preflight(parse_spec({**paths, "load": str(root)}))
+
+
+def test_slimes_rollout_hooks_are_read_not_run_at_submit_and_refused_naming_the_flag(paths, monkeypatch):
+    """A rollout function, data source or buffer filter that is missing or has the wrong shape fails at submit,
+    read from its source without executing its module; a good set passes."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "tests.plugins.slime_rollout", raising=False)
+    good = parse_spec({**paths, "rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+                       "data_source_path": "tests.plugins.slime_rollout.TaggedDataSource",
+                       "buffer_filter_path": "tests.plugins.slime_rollout.take_newest"})
+    assert preflight(good) is good
+    assert "tests.plugins.slime_rollout" not in sys.modules
+    cases = [({"rollout_function_path": "tests.plugins.slime_rollout.nowhere"},
+              "rollout_function_path: module 'tests.plugins.slime_rollout' has no 'nowhere'"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.async_rollout"},
+              "rollout_function_path: tests.plugins.slime_rollout.async_rollout must be a plain function"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.no_evaluation"},
+              "rollout_function_path: tests.plugins.slime_rollout.no_evaluation takes no `evaluation` keyword"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+               "data_source_path": "tests.plugins.slime_rollout.take_newest"},
+              "data_source_path: tests.plugins.slime_rollout.take_newest is a function; expected a class"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+               "data_source_path": "tests.plugins.slime_rollout.NoCountDataSource"},
+              "data_source_path: tests.plugins.slime_rollout.NoCountDataSource's get_samples take no argument"),
+             ({"rollout_function_path": "tests.plugins.slime_rollout.generate_rollout",
+               "buffer_filter_path": "tests.plugins.slime_rollout.two_params_filter"},
+              "buffer_filter_path: tests.plugins.slime_rollout.two_params_filter takes 2 positional parameters"),
+             ({"rollout_function_path": "evil_pkg.rollout.generate_rollout"},
+              "rollout_function_path: 'evil_pkg.rollout.generate_rollout' is not under an allowed plugin module")]
+    for keys, message in cases:
+        with pytest.raises(InvalidArgument) as err:
+            preflight(parse_spec({**paths, **keys}))
+        assert message in str(err.value), str(err.value)

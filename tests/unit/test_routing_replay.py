@@ -173,7 +173,15 @@ def test_a_family_whose_router_it_does_not_replay_is_refused(tiny_model_dir):
         RoutingReplay(model, model.config.num_hidden_layers)
     assert "routing replay: model family 'mixtral' is not one it applies to" in \
         capabilities.router_problem("routing replay", "fsdp", {"model_type": "mixtral"})
-    assert capabilities.router_problem("routing replay", "megatron", {"model_type": "qwen3_moe"},
-                                       tp_size=2) == ("routing replay: train_backend megatron replays at "
-                                                      "tensor_model_parallel_size 1, got 2")
+    qwen3_moe = {"model_type": "qwen3_moe", "num_experts": 4}
+    assert capabilities.router_problem("routing replay", "megatron", qwen3_moe, tp_size=2) == ""
+    assert capabilities.router_problem("routing replay", "megatron", qwen3_moe, tp_size=2, sequence_parallel=True) \
+        == ("routing replay: train_backend megatron replays at tensor_model_parallel_size 2 only without "
+            "megatron.sequence_parallel (which gives each TP rank's routers a share of the tokens)")
+    assert capabilities.router_problem("moe_aux_loss_coeff", "megatron", qwen3_moe, tp_size=2) == (
+        "moe_aux_loss_coeff: train_backend megatron adds it to a MoE model at tensor_model_parallel_size 1 or under "
+        "megatron.sequence_parallel (megatron-core's MoE layers train at TP > 1 only so), got "
+        "tensor_model_parallel_size 2")
+    for layout in ({"tp_size": 1}, {"tp_size": 2, "sequence_parallel": True}):
+        assert capabilities.router_problem("moe_aux_loss_coeff", "megatron", qwen3_moe, **layout) == ""
     assert capabilities.router_problem("routing replay", "fsdp", {"model_type": "glm4_moe"}) == ""

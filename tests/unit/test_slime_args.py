@@ -119,8 +119,23 @@ def test_slimes_sft_rollout_is_sft_loss():
     assert conv.spec["loss_type"] == "sft_loss" and conv.refused == []
     conv = slime_args.convert(["--rollout-function-path", "my.rollout", "--disable-compute-advantages-and-returns"],
                               spec_keys=SPEC_KEYS, check_architecture=False)
-    assert [r.split(":")[0] for r in conv.refused] == ["--rollout-function-path my.rollout",
-                                                      "--disable-compute-advantages-and-returns"]
+    assert [r.split(":")[0] for r in conv.refused] == ["--disable-compute-advantages-and-returns"]
+
+
+def test_a_users_rollout_function_data_source_and_buffer_filter_are_their_spec_keys():
+    argv = ["--rollout-function-path", "my.rollout.generate_rollout", "--data-source-path", "my.source.Curriculum",
+            "--buffer-filter-path", "my.source.newest_first"]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [] and conv.spec.items() >= {
+        "rollout_function_path": "my.rollout.generate_rollout", "data_source_path": "my.source.Curriculum",
+        "buffer_filter_path": "my.source.newest_first"}.items()
+    # slime's own defaults named explicitly are the spec's defaults: nothing to import under the allow-list
+    defaults = ["--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout", "--data-source-path",
+                "slime.rollout.data_source.RolloutDataSourceWithBuffer", "--buffer-filter-path",
+                "slime.rollout.data_source.pop_first"]
+    conv = slime_args.convert(defaults, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == [] and not {"rollout_function_path", "data_source_path", "buffer_filter_path"} & set(
+        conv.spec)
 
 
 def test_slime_args_submit_through_parse_spec(tmp_path):
@@ -256,3 +271,16 @@ def test_slimes_distillation_reward_needs_its_teacher_url_and_its_post_process_n
                                                     "tests.g"]})
     assert (other.custom_rm_path, other.custom_reward_post_process_path, other.opd_only) == ("tests.f", "tests.g",
                                                                                             False)
+
+
+def test_megatrons_checkpoint_flags_pick_the_iteration_or_say_why_not():
+    """--ckpt-step picks --load's iteration (an int, as Megatron-LM parses it); --ckpt-format is noted (torch_dist is
+    what the megatron backend writes and Megatron-LM loads whatever its format); the weights-only switches are
+    refused with what does that job here."""
+    out = slime_args.convert("--load /ckpt --ckpt-step 7 --ckpt-format torch", spec_keys=SPEC_KEYS)
+    assert (out.spec["load"], out.spec["ckpt_step"]) == ("/ckpt", 7)
+    assert out.notes == ["--ckpt-format: train_backend megatron writes torch_dist, which Megatron-LM loads whatever "
+                         "its --ckpt-format (fsdp writes its own dcp/)"]
+    refused = slime_args.convert("--finetune --no-load-optim --no-load-rng", spec_keys=SPEC_KEYS).refused
+    assert [line.split(":")[0] for line in refused] == ["--finetune", "--no-load-optim", "--no-load-rng"]
+    assert all("load an HF export (save_hf)" in line for line in refused)

@@ -58,8 +58,6 @@ HF_CONFIGS = {
 REFUSED = {
     # --context-parallel-size 2 on slime's default backend: megatron-core's local attention has no CP, fsdp has
     "train_infer_mismatch_helper": {"context parallelism"},
-    # Qwen3-30B-A3B with TP=4: Megatron here builds Qwen3-MoE with expert parallelism but not tensor parallelism
-    "multi_agent": {"family"},
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
 }

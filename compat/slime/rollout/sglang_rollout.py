@@ -1,5 +1,8 @@
-"""slime.rollout.sglang_rollout: GenerateState (tokenizer, sampling params, concurrency of a job's generation) and
-the default `generate`, for custom generate functions that build on them."""
+"""slime.rollout.sglang_rollout: GenerateState (tokenizer, sampling params, concurrency of a job's generation), the
+default `generate`, for custom generate functions that build on them, and slime's default rollout function,
+`generate_rollout`, over a data source, for rollout functions that wrap it (and for a job that names only a data
+source or a buffer filter). Its groups are generated and scored as the rollout service's own (the job's generate
+function, sampling and reward)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,18 @@ import asyncio
 import functools
 from typing import Any
 
+from services.common.errors import FailedPrecondition
+from services.common.samples import Prompt, Status
+from services.rollout.generation import filters
+from services.rollout.generation.drain import drain_surplus
 from services.rollout.generation.generate import generate as _physarum_generate
 from services.rollout.generation.generate import sampling_params as _sampling_params
+from services.rollout.generation.groups import generate_group
+from services.rollout.generation.partial import PartialGroups, prepare_resumed
 from services.rollout.generation.prompts import PromptEncoder
+from services.rollout.generation.rollout_function import FunctionRun, current_run, rate_once
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.utils.async_utils import run
 
 
 class Tokenizer:
@@ -90,4 +102,80 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     return await _physarum_generate(args, sample, sampling_params)
 
 
-__all__ = ["GenerateState", "generate", "get_model_url", "load_tokenizer"]
+def _run_of(what: str) -> FunctionRun:
+    job = current_run()
+    if job is None:
+        raise FailedPrecondition(f"slime.rollout.sglang_rollout.{what}: runs inside a rollout function the rollout "
+                                 "service runs (rollout_function_path)")
+    return job
+
+
+async def generate_and_rm_group(args: Any, group: list[Any], sampling_params: dict[str, Any] | None = None,
+                                evaluation: bool = False) -> list[Any]:
+    """slime's: the group generated and scored as the service does its own (the job's generate function, sampling
+    params and reward; `sampling_params` is not used); an aborted group comes back unscored."""
+    gen = _run_of("generate_and_rm_group").gen
+    if any(sample.response_length for sample in group):  # a partial group given back by an earlier rollout
+        prepare_resumed(group, gen.config.mask_offpolicy_in_partial_rollout)
+    samples = await generate_group(gen, group)
+    if not gen.ctx.aborting and not any(s.status == Status.ABORTED for s in samples):
+        await rate_once(gen, samples, f"{gen.ctx.name}: prompt {samples[0].group_index}")
+    return samples
+
+
+async def generate_rollout_async(args: Any, rollout_id: int,
+                                 data_source: Any) -> tuple[RolloutFnTrainOutput, list[list[Any]]]:
+    """slime's default rollout: groups of over_sampling_batch_size prompts from `data_source` (get_samples) until
+    rollout_batch_size are kept past the dynamic filter, then the rest aborted; with partial_rollout the aborted
+    groups come back with what they generated (for add_samples), otherwise they are cancelled."""
+    job = _run_of("generate_rollout")
+    config = job.gen.config  # the job's settings, typed (args holds the same, as slime's flags)
+    path = config.dynamic_sampling_filter_path
+    dynamic_filter = filters.load_filter(path) if path else None
+    target = config.rollout_batch_size
+    data: list[list[Any]] = []
+    pending: dict[asyncio.Task, Prompt] = {}
+    remaining = submitted = 0  # groups kept or generating (slime's remaining_batch_size); groups asked for
+    while len(data) < target:
+        while remaining < target:
+            groups = await asyncio.to_thread(data_source, config.over_sampling_batch_size or target)
+            if not groups:
+                raise FailedPrecondition(f"{job.gen.ctx.name}: the data source gave no groups")
+            for group in groups:  # a placeholder prompt per group: drain_surplus keys what it keeps by it
+                pending[asyncio.create_task(generate_and_rm_group(args, group))] = Prompt(
+                    job_id=config.job_id, index=submitted, epoch=0)
+                submitted += 1
+            remaining += len(groups)
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            del pending[task]
+            group = task.result()
+            output = filters.call_filter(dynamic_filter, args, group) if dynamic_filter else None
+            if output is not None and filters.should_drop(output, num_remaining=remaining, target=target):
+                remaining -= 1
+                job.dropped.append(group)  # its prompt is used up for the epoch, as in the service's loop
+                job.drops[filters.drop_metric(output.reason)] += 1
+                continue
+            if len(data) < target:
+                data.append(group)
+    aborted = PartialGroups()
+    if pending:
+        await drain_surplus(job.gen, rollout_id, pending, job.aborter, aborted)
+    return RolloutFnTrainOutput(samples=data, metrics={}), aborted.drained()
+
+
+def generate_rollout(args: Any, rollout_id: int, data_source: Any,
+                     evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """slime's default rollout function: generate_rollout_async on data_source.get_samples, the aborted groups given
+    back to the data source. Evaluation is the rollout service's own (RunEval), not this function's."""
+    if evaluation:
+        raise FailedPrecondition("slime.rollout.sglang_rollout.generate_rollout: evaluation runs in the rollout "
+                                 "service's eval, not through the rollout function")
+    output, aborted_samples = run(generate_rollout_async(args, rollout_id, data_source.get_samples))
+    if aborted_samples:
+        data_source.add_samples(aborted_samples)
+    return output
+
+
+__all__ = ["GenerateState", "generate", "generate_and_rm_group", "generate_rollout", "generate_rollout_async",
+           "get_model_url", "load_tokenizer"]

@@ -96,6 +96,24 @@ class RolloutConfig:
     opd_only: bool = field(False, "on-policy distillation alone: every sample's reward is 0 and no reward is "
                                   "computed, the teacher's log-probs are the only signal (what slime's "
                                   "on_policy_distillation reward and post-process give)")
+    rollout_function_path: str = field(
+        "", "import path of slime's def generate_rollout(args, rollout_id, data_source, evaluation=False) -> groups of "
+            "Samples (or RolloutFnTrainOutput): the rollout service runs it once per rollout, in a worker thread, in "
+            "place of its own loop, against data_source_path's data source; each group must answer a prompt that "
+            "data source leased from the buffer; a sample with reward None is scored by the job's reward, one "
+            "without weight versions gets the rollout's (empty: the service's own loop)")
+    data_source_path: str = field(
+        "", "import path of a class of slime's DataSource interface (get_samples, add_samples, save, load), built "
+            "with `args` once per job in the rollout service and given to the rollout function (rollout_function_path, "
+            "else slime's default generate_rollout: over-sampling, dynamic filter, partial groups given back); its "
+            "base classes are slime.rollout.data_source's (empty: RolloutDataSourceWithBuffer, which leases the "
+            "job's prompts from the buffer and keeps given-back groups with their leases); as slime, the service "
+            "calls load(rollout_id - 1) when it builds it (again when the trainer resumed) and save(rollout_id) "
+            "after a rollout the trainer checkpoints (save, save_interval, the last)")
+    buffer_filter_path: str = field(
+        "", "import path of slime's def buffer_filter(args, rollout_id, buffer, num_samples) -> groups: which "
+            "groups given back to the data source (add_samples) get_samples takes, removing them from `buffer` "
+            "(empty: slime's pop_first); like data_source_path, it makes the rollout a rollout function's")
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -149,8 +167,25 @@ class RolloutConfig:
         if self.opd_teacher_url and not self.opd_teacher_url.startswith(("http://", "https://")):
             raise InvalidArgument(f"rollout config: opd_teacher_url must be an http(s) URL of the teacher's "
                                   f"/generate, got {self.opd_teacher_url!r}")
+        self._check_rollout_function()
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise InvalidArgument("rollout config: mask_offpolicy_in_partial_rollout needs partial_rollout")
+
+    @property
+    def uses_data_source(self) -> bool:
+        """The rollout is a rollout function's (the user's, or slime's default over data_source_path's data source
+        or buffer_filter_path), not the service's own loop."""
+        return bool(self.rollout_function_path or self.data_source_path or self.buffer_filter_path)
+
+    def _check_rollout_function(self) -> None:
+        if not self.uses_data_source:
+            return
+        clash = [name for name, on in (("a fully_async stream (max_inflight_groups > 0)", self.max_inflight_groups),
+                                       ("agent_function_path", self.agent_function_path)) if on]
+        if clash:
+            raise InvalidArgument(f"rollout config: rollout_function_path, data_source_path and buffer_filter_path "
+                                  f"run a rollout function in place of the service's loop, which does not take "
+                                  f"{' or '.join(clash)}")
 
     @property
     def eval_datasets(self) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """One group: the samples answering one prompt, each run through the generate function concurrently, and the
-generation settings one rollout (or eval) of a job shares. Knows nothing of the buffer, rewards or filters.
+generation settings one rollout (or eval) of a job shares, and what scores a generated group. Knows nothing of the
+buffer or of filters.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
 from services.common.settings.rollout import RolloutConfig
+from services.rollout.generation import teacher
 from services.rollout.generation.agents import AgentGateway, agent_generate_function, session_opener
 from services.rollout.generation.generate import (
     GenerateContext,
@@ -31,7 +33,7 @@ from services.rollout.generation.loss_masks import conversation_sample, is_conve
 from services.rollout.generation.partial import FINISHED
 from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.generation.router_http import Poster
-from services.rollout.generation.scoring import ServiceScorer, load_group_reward
+from services.rollout.generation.scoring import ServiceScorer, load_group_reward, score_group
 
 if TYPE_CHECKING:
     from services.reward.client import RewardClient
@@ -84,6 +86,19 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,
                       scorer=ServiceScorer(reward, config))
+
+
+async def rate_group(gen: Generation, samples: list[Sample], what: str) -> None:
+    """A generated group's signal: the teacher's log-probs (opd_teacher_url), then its rewards, or reward 0 under
+    opd_only."""
+    config = gen.config
+    if config.opd_teacher_url:
+        await teacher.score_group_with_teacher(gen.ctx.http, config.opd_teacher_url, samples,
+                                               temperature=config.rollout_temperature, what=what)
+    if config.opd_only:
+        teacher.distillation_only(samples)
+    else:
+        await score_group(gen.scorer, gen.args, samples, what)
 
 
 def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> PluginSample:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,17 +21,23 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Physarum
 from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus
-from services.rollout.generation import engine_weights, filters, teacher
+from services.rollout.generation import engine_weights, filters, rollout_function
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus
 from services.rollout.generation.evaluation import run_eval
 from services.rollout.generation.generate import STICKY_POLICIES
-from services.rollout.generation.groups import Generation, generate_group, new_generation, new_sample, sft_sample
+from services.rollout.generation.groups import (
+    Generation,
+    generate_group,
+    new_generation,
+    new_sample,
+    rate_group,
+    sft_sample,
+)
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
 from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster
 from services.rollout.generation.run_state import Run
-from services.rollout.generation.scoring import score_group
 
 if TYPE_CHECKING:
     from services.buffer.client import BufferClient
@@ -75,6 +82,7 @@ class RolloutManager:
         self.runs: dict[tuple[str, int], Run] = {}
         self.evals: dict[tuple[str, int], asyncio.Task] = {}
         self.partial = PartialGroups()
+        self.sources: dict[str, rollout_function.JobSource] = {}  # rollout_function_path jobs' data sources
 
     def _encoder(self, config: RolloutConfig) -> PromptEncoder:
         path = config.tokenizer_path or self.model_path
@@ -115,8 +123,9 @@ class RolloutManager:
                    weight_version=weight_version, filter_fn=self._filter(config))
         self._forget_finished()
         self.runs[key] = run
-        run.task = asyncio.get_running_loop().create_task(self._stream(run) if stream else self._run(run),
-                                                           name=run.name)
+        body = self._stream(run) if stream else self._run_function(run) if config.uses_data_source else \
+            self._run(run)
+        run.task = asyncio.get_running_loop().create_task(body, name=run.name)
         log.info("%s started: %d groups of %d (over-sampling %d), weight version %s, %s", run.name,
                  config.rollout_batch_size, config.n_samples_per_prompt, config.over_sampling_batch_size,
                  weight_version, config.loss_type)
@@ -169,6 +178,18 @@ class RolloutManager:
             await self._drain(run, pending)
             run.state = RolloutState.DONE
             log.info("%s done: %d groups; %s", run.name, run.num_groups_done, run.metrics())
+
+    async def _run_function(self, run: Run) -> None:
+        """rollout_function_path: the user's function makes the rollout's groups (rollout_function.py)."""
+        config, give_back = run.config, functools.partial(self._return_leases, run)
+        async with self._ending(run, {}), rollout_function.job_rollout(
+                self.sources, config, self.buffer, self._encoder(config), run.rollout_id, give_back) as source:
+            await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
+            kept, dropped = await rollout_function.generate_groups(run, source, self.aborter)
+            writes = [(p, s, run.rollout_id) for p, s in kept] + [(p, s, DROPPED_ROLLOUT_ID) for p, s in dropped]
+            await self._write(run, writes)
+            source.prompts.written([prompt for prompt, _, _ in writes])
+            run.state = RolloutState.DONE
 
     async def _stream(self, run: Run) -> None:
         """fully_async: generate across rollout boundaries until StopRollout, keeping max_inflight_groups groups
@@ -343,14 +364,7 @@ class RolloutManager:
         samples = await generate_group(gen, samples)
         if gen.ctx.aborting or any(s.status == Status.ABORTED for s in samples):
             return samples
-        what = f"{run.name}: prompt {prompt.index}"
-        if config.opd_teacher_url:
-            await teacher.score_group_with_teacher(gen.ctx.http, config.opd_teacher_url, samples,
-                                                   temperature=config.rollout_temperature, what=what)
-        if config.opd_only:
-            teacher.distillation_only(samples)
-        else:
-            await score_group(gen.scorer, gen.args, samples, what)
+        await rate_group(gen, samples, f"{run.name}: prompt {prompt.index}")
         return samples
 
     # ----- eval -----

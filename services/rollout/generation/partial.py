@@ -60,6 +60,12 @@ class PartialGroups:
             return None  # a job id reused with another dataset
         return samples
 
+    def drained(self) -> list[list[Sample]]:
+        """Every kept group, oldest first, taken out (for a data source to hold instead)."""
+        groups = list(self._groups.values())
+        self._groups.clear()
+        return groups
+
 
 def prepare_resumed(samples: list[Sample], mask_offpolicy: bool) -> None:
     """slime's --mask-offpolicy-in-partial-rollout: tokens an earlier rollout's policy generated leave the loss."""

@@ -34,6 +34,7 @@ class Run:
     num_failed_in_a_row: int = 0
     num_dropped_in_a_row: int = 0
     drops: collections.Counter[str] = field(default_factory=collections.Counter)
+    extra_metrics: dict[str, float] = field(default_factory=dict)  # a rollout function's own (slime's metrics)
     task: asyncio.Task | None = None
     stopping: bool = False  # StopRollout cancelled it: it ends DONE, not FAILED
 
@@ -49,7 +50,7 @@ class Run:
         self.stats.add(samples)
 
     def metrics(self) -> dict[str, float]:
-        metrics = {name: float(count) for name, count in self.drops.items()}
+        metrics = {**self.extra_metrics, **{name: float(count) for name, count in self.drops.items()}}
         if not self.stats.num_samples:
             return metrics
         elapsed_s = max((self.finished_at or time.monotonic()) - self.started_at, 1e-9)

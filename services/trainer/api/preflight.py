@@ -19,7 +19,11 @@ from services.trainer.backends import capabilities, model_families
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
-                 "custom_tis_function_path", "agent_function_path")
+                 "custom_tis_function_path", "agent_function_path", "rollout_function_path", "data_source_path",
+                 "buffer_filter_path")
+# the hooks whose definition is read (not imported) at submit: a missing name or a wrong signature fails here
+SIGNATURES = {"rollout_function_path": plugins.ROLLOUT_FUNCTION, "data_source_path": plugins.DATA_SOURCE,
+              "buffer_filter_path": plugins.BUFFER_FILTER}
 
 
 def data_path(value: str) -> str:
@@ -42,19 +46,33 @@ def check_paths(spec: JobSpec) -> list[str]:
 
 
 def _megatron_checkpoints(spec: JobSpec) -> list[str]:
-    """slime's torch_dist checkpoints (ref_load, opd_teacher_load, load) load on train_backend megatron only."""
-    from services.trainer.driver.checkpoint import slime_checkpoint
-    from services.trainer.driver.slime_to_hf import COMMAND
+    """The checkpoints the job loads (load, ref_load, opd_teacher_load) are there; slime's torch_dist ones load on
+    train_backend megatron as they are, and on a backend of HF weights through a conversion at job start by the
+    megatron backend, which must build hf_checkpoint's model."""
+    from services.trainer.driver.checkpoint import checkpoint_problem, slime_checkpoint
 
-    if capabilities.capabilities(spec.train_backend).slime_checkpoints:
-        return []
     named = (("ref_load", spec.ref_load, spec.ref_ckpt_step),
              ("opd_teacher_load", spec.opd_teacher_load, spec.opd_teacher_ckpt_step),
              ("load", spec.load, spec.ckpt_step))
-    return [f"{key}: {path} is a slime (Megatron) torch_dist checkpoint, which train_backend {spec.train_backend} "
-            f"does not read; use train_backend megatron, or convert it to an HF directory ({COMMAND}) and name that"
-            for key, path, step in named
-            if path and slime_checkpoint(path, step) is not None]
+    problems = [f"{key}: {why}" for key, path, step in named if path and (why := checkpoint_problem(path, step))]
+    if capabilities.capabilities(spec.train_backend).slime_checkpoints:
+        return problems
+    slime = [key for key, path, step in named if path and slime_checkpoint(path, step) is not None]
+    if slime and (why := _conversion_problem(spec)):
+        problems += [f"{key}: {getattr(spec, key)} is a slime (Megatron) torch_dist checkpoint, which train_backend "
+                     f"{spec.train_backend} reads through a conversion to HF by the megatron backend, and that cannot "
+                     f"build hf_checkpoint's model ({why}); use an HF directory" for key in slime]
+    return problems
+
+
+def _conversion_problem(spec: JobSpec) -> str:
+    path = Path(spec.hf_checkpoint) / "config.json"
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return f"cannot read {path}: {err}"
+    return capabilities.capabilities("megatron").model_problem(hf_config) if isinstance(hf_config, dict) else \
+        f"{path} is not a JSON object"
 
 
 def check_plugins(spec: JobSpec) -> list[str]:
@@ -70,11 +88,13 @@ def check_plugins(spec: JobSpec) -> list[str]:
             continue
         module = path.rpartition(".")[0]
         try:
-            found = importlib.util.find_spec(module) is not None
+            found = importlib.util.find_spec(module)
         except (ImportError, ValueError):  # a parent package that is missing or broken
-            found = False
-        if not found:
+            found = None
+        if found is None:
             problems.append(f"{key}: module {module!r} of {path!r} is not importable (install it in the images)")
+        elif key in SIGNATURES and (problem := plugins.signature_problem(found.origin, path, key, SIGNATURES[key])):
+            problems.append(problem)
     return problems
 
 
@@ -100,11 +120,15 @@ def check_model_family(spec: JobSpec) -> list[str]:
                                           or spec.moe_aux_loss_coeff > 0):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: routing replay and moe_aux_loss_coeff "
                         "need each token's router logits on one rank; use context_parallel_size 1")
+    layout = {"tp_size": spec.tensor_model_parallel_size,
+              "sequence_parallel": bool(spec.megatron.get("sequence_parallel"))}
     if spec.use_routing_replay or spec.use_rollout_routing_replay:
-        problems.append(capabilities.router_problem("routing replay", spec.train_backend, hf_config,
-                                                    tp_size=spec.tensor_model_parallel_size))
+        problems.append(capabilities.router_problem("routing replay", spec.train_backend, hf_config, **layout))
     if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
-        problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config))
+        problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config, **layout))
+    if any(spec.megatron.get(name) for name in ("hidden_dropout", "attention_dropout")) and \
+            (why := model_families.megatron_train_mode_problem(hf_config, **layout)):
+        problems.append(f"megatron dropout: train_backend megatron {why.removeprefix('it ')}")
     return [problem for problem in problems if problem]
 
 

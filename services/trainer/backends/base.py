@@ -128,7 +128,8 @@ class TrainConfig:
     use_rollout_routing_replay: bool = shared(RolloutConfig, "use_rollout_routing_replay")
     moe_aux_loss_coeff: float = field(
         0.0, "MoE load-balancing loss weight (Megatron's aux_loss, summed over the MoE layers, per micro-batch), "
-             "added to the policy loss (fsdp: Qwen3-MoE, Qwen3.5-MoE; megatron: megatron-core's routers)", NON_NEGATIVE)
+             "added to the policy loss (fsdp: Qwen3-MoE, Qwen3.5-MoE by softmax scores, GLM-4-MoE, DeepSeek-V3 by "
+             "normalized sigmoid scores; megatron: megatron-core's routers)", NON_NEGATIVE)
     moe_router_load_balancing_type: MoELoadBalancingType = field(
         "aux_loss", "the load-balancing loss moe_aux_loss_coeff weighs: aux_loss, or none")
 
@@ -228,7 +229,7 @@ class TrainBackend(Protocol):
 
     config: TrainConfig
     model_path: Path  # the HF directory it started from: the engines' base model and the tokenizer files
-    checkpoint_format: str  # the directory of its state inside a checkpoint's iter_N/ (dcp, mcore)
+    checkpoint_format: str  # its state's format: dcp (in iter_N/dcp/), torch_dist (Megatron-LM's, in iter_N/ itself)
 
     @property
     def weight_version(self) -> int:
@@ -276,8 +277,9 @@ class TrainBackend(Protocol):
         """The parts a checkpoint of this backend holds (model, optim, ref_model, ...)."""
         ...
 
-    def save_sharded(self, path: str | Path) -> None:
-        """Write its state into `path` (iter_N/<checkpoint_format>/), each rank its shards."""
+    def save_sharded(self, path: str | Path, rollout_id: int = 0) -> None:
+        """Write its state, the checkpoint of rollout `rollout_id`, into `path` (`checkpoint.state_dir`), each rank
+        its shards."""
         ...
 
     def load_sharded(self, path: str | Path, parts: set[str] | None = None) -> set[str]:

@@ -47,7 +47,7 @@ BACKENDS: dict[str, Capabilities] = {
                              slime_checkpoints=True,
                              model_problem=model_families.megatron_problem,
                              replay_problem=model_families.megatron_replay_problem,
-                             aux_loss_problem=model_families.no_problem),
+                             aux_loss_problem=model_families.megatron_train_mode_problem),
 }
 
 
@@ -83,10 +83,13 @@ def model_problem(train_backend: str, hf_config: dict[str, Any], *, tp_size: int
             f"{model_families.family(hf_config)!r}: {problem}{instead}")
 
 
-def router_problem(setting: str, train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1) -> str:
+def router_problem(setting: str, train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1,
+                   sequence_parallel: bool = False) -> str:
     """"" when `train_backend` applies the MoE router `setting` ("routing replay" or "moe_aux_loss_coeff") to
-    hf_config's model at tensor_model_parallel_size tp_size, else why not."""
+    hf_config's model at tensor_model_parallel_size tp_size (with or without Megatron's sequence_parallel), else why
+    not."""
     check = {"routing replay": "replay_problem", "moe_aux_loss_coeff": "aux_loss_problem"}[setting]
-    problem = getattr(BACKENDS[train_backend], check)(hf_config, tp_size=tp_size) if train_backend in BACKENDS else ""
+    problem = getattr(BACKENDS[train_backend], check)(hf_config, tp_size=tp_size, sequence_parallel=sequence_parallel) \
+        if train_backend in BACKENDS else ""
     return f"{setting}: train_backend {train_backend} {problem.removeprefix('it ')}" if problem.startswith("it ") else \
         f"{setting}: {problem}" if problem else ""

@@ -37,7 +37,7 @@ class DCPCheckpointing:
         """The parts a checkpoint of this backend holds now (an optimizer only once it has stepped)."""
         return set(self.state_dict())
 
-    def save_sharded(self, path: str | Path) -> None:
+    def save_sharded(self, path: str | Path, rollout_id: int = 0) -> None:
         with _one_process_is_intended():
             dcp.save(self.state_dict(), checkpoint_id=Path(path), no_dist=not self.world.distributed)
 

@@ -85,7 +85,7 @@ class TorchBackend(TorchStateDicts):
         # "fallthrough")
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
-        self._top_k = moe_loss.router_top_k(model) if config.moe_aux_loss else 0
+        self._router = moe_loss.router_kind(model) if config.moe_aux_loss else None
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
             frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))
@@ -297,8 +297,8 @@ class TorchBackend(TorchStateDicts):
         if not cfg.moe_aux_loss:
             return loss, metrics
         return moe_loss.add_load_balancing_loss(
-            loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, top_k=self._top_k,
-            packed=self._packs(mb), routing=self.routing, num_micro_batches=num_micro_batches)
+            loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, router=self._router,
+            packed=self._packs(mb), num_micro_batches=num_micro_batches)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches,

@@ -23,7 +23,7 @@ class LayoutConfig:
     tensor_model_parallel_size: int = field(1, "megatron: tensor-parallel ranks", POSITIVE)
     pipeline_model_parallel_size: int = field(1, "megatron: pipeline stages", POSITIVE)
     expert_model_parallel_size: int = field(1, "megatron: ranks a MoE model's experts are spread over (carved out of "
-                                               "the data-parallel ranks)", POSITIVE)
+                                               "the tensor- and data-parallel ranks)", POSITIVE)
     context_parallel_size: int = field(1, "fsdp: ranks that split every sequence between them (Megatron's "
                                           "load-balanced chunks; each group of this many consecutive ranks trains "
                                           "one data-parallel share)", POSITIVE)

@@ -53,8 +53,11 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
 # Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
 REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
                                       "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
-# The families whose models output their router logits (output_router_logits) for the load-balancing loss.
-AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+# The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
+# sigmoid ones score experts by sigmoid (algorithms/moe.py), the others by softmax.
+SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3")
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
+AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe", *SIGMOID_ROUTERS)
 
 
 def _family_problem(hf_config: dict[str, Any], families: tuple[str, ...] | dict[str, str]) -> str:
@@ -73,12 +76,26 @@ def fsdp_aux_loss_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     return _family_problem(hf_config, AUX_LOSS_FAMILIES)
 
 
-def megatron_replay_problem(hf_config: dict[str, Any], *, tp_size: int = 1, **_layout: int) -> str:
-    """megatron-core replays any MoE it builds, at TP 1: sequence parallelism splits the tokens the routers see."""
-    return f"it replays at tensor_model_parallel_size 1, got {tp_size}" if tp_size > 1 else ""
+def megatron_replay_problem(hf_config: dict[str, Any], *, tp_size: int = 1, sequence_parallel: bool = False,
+                            **_layout: int) -> str:
+    """megatron-core replays any MoE it builds: at TP > 1 every TP rank's routers see all of the tokens and replay
+    the same experts, unless sequence parallelism splits the tokens between them."""
+    if tp_size > 1 and sequence_parallel:
+        return (f"it replays at tensor_model_parallel_size {tp_size} only without megatron.sequence_parallel (which "
+                "gives each TP rank's routers a share of the tokens)")
+    return ""
 
 
-def no_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+def megatron_train_mode_problem(hf_config: dict[str, Any], *, tp_size: int = 1, sequence_parallel: bool = False,
+                                **_layout: int) -> str:
+    """Why megatron-core cannot run this model's training forwards in train mode, which its load-balancing loss and
+    dropout need: its MoE layers refuse it at TP > 1 without sequence parallelism (the backend trains them there in
+    eval mode)."""
+    config = language_model_config(hf_config)
+    moe = any(config.get(name) for name in EXPERT_COUNT_FIELDS)
+    if moe and tp_size > 1 and not sequence_parallel:
+        return (f"it adds it to a MoE model at tensor_model_parallel_size 1 or under megatron.sequence_parallel "
+                f"(megatron-core's MoE layers train at TP > 1 only so), got tensor_model_parallel_size {tp_size}")
     return ""
 
 

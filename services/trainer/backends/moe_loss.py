@@ -1,39 +1,43 @@
 """The load-balancing loss of an HF MoE model's training forward (moe_aux_loss_coeff): its router logits over the
-micro-batch's real tokens, the experts those tokens went to (replayed ones under routing replay), the loss added to
-the policy loss. The formula is algorithms/moe.py's."""
+micro-batch's real tokens, the loss added to the policy loss. The formula is algorithms/moe.py's (megatron-core's:
+under routing replay too it counts the experts the router's own scores pick)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from services.common.errors import InvalidArgument
-from services.trainer.algorithms.moe import load_balancing_loss
+from services.trainer.algorithms.moe import ScoreFunction, load_balancing_loss
+from services.trainer.backends import model_families
 from services.trainer.backends.batch import RolloutBatch
-from services.trainer.backends.routing_replay import RoutingReplay
 
 
-def router_top_k(model: torch.nn.Module) -> int:
-    """The experts per token of a model that outputs its router logits (transformers' output_router_logits), or
+@dataclass(frozen=True)
+class RouterKind:
+    top_k: int  # experts per token
+    score_function: ScoreFunction  # the scores the loss weighs: softmax (Qwen) or sigmoid (GLM-4-MoE, DeepSeek-V3)
+
+
+def router_kind(model: torch.nn.Module) -> RouterKind:
+    """The routers of a model that outputs its router logits (transformers' output_router_logits), or
     InvalidArgument."""
     config = model.config.get_text_config()
     if not hasattr(config, "output_router_logits"):
         raise InvalidArgument(f"moe_aux_loss_coeff: {type(model).__name__} outputs no router logits "
                               "(output_router_logits) to compute a load-balancing loss from")
-    return int(config.num_experts_per_tok)
+    sigmoid = model_families.family({"model_type": model.config.model_type}) in model_families.SIGMOID_ROUTERS
+    return RouterKind(int(config.num_experts_per_tok), "sigmoid" if sigmoid else "softmax")
 
 
 def add_load_balancing_loss(loss: torch.Tensor, metrics: dict[str, torch.Tensor],
-                            router_logits: tuple[torch.Tensor, ...], mb: RolloutBatch, *, coeff: float, top_k: int,
-                            packed: bool, routing: RoutingReplay | None,
+                            router_logits: tuple[torch.Tensor, ...], mb: RolloutBatch, *, coeff: float,
+                            router: RouterKind, packed: bool,
                             num_micro_batches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss + coeff · aux / num_micro_batches (Megatron scales each micro-batch's aux loss so that a step's is their
     mean); `moe_aux_loss` in the metrics, which sum over a step's micro-batches, likewise."""
     real = None if packed else mb.attention_mask.bool().flatten()  # padding rows route too: not counted
     logits = [layer if real is None else layer[real.to(layer.device)] for layer in router_logits]
-    experts = None
-    replayed = mb.flat_routed_experts(packed=packed) if routing is not None else None
-    if replayed is not None:
-        rows = replayed if real is None else replayed[real.to(replayed.device)]
-        experts = [rows[:, layer] for layer, _ in routing.routers]
-    aux = load_balancing_loss(logits, top_k=top_k, experts=experts) / num_micro_batches
+    aux = load_balancing_loss(logits, top_k=router.top_k, score_function=router.score_function) / num_micro_batches
     return loss + coeff * aux.to(loss.dtype), {**metrics, "moe_aux_loss": aux.detach()}

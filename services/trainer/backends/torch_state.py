@@ -109,8 +109,8 @@ class TorchStateDicts(DCPCheckpointing):
 
     def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
         raise InvalidArgument(f"checkpoint {path}: a slime (Megatron) torch_dist checkpoint loads on train_backend "
-                              "megatron; for fsdp convert it to an HF directory (python -m "
-                              "services.trainer.driver.slime_to_hf) and name that")
+                              "megatron; this backend reads its HF copy (the driver's slime_conversion, or python -m "
+                              "services.trainer.driver.slime_to_hf)")
 
     def load_teacher_sharded(self, path: str | Path) -> None:
         """The policy of a checkpoint's dcp/ directory as the teacher."""

@@ -1,10 +1,11 @@
 """Checkpoints and debug rollout dumps on disk, in slime's layout.
 
 `{save}/iter_{rollout_id:07d}/` holds each rank's RNG states, trainer_state.json (the rollout id and the buffer's
-data-source state) and the backend's state in the directory its `checkpoint_format` names (dcp/:
-torch.distributed.checkpoint; mcore/: Megatron's dist-checkpointing), written and read through `TrainBackend`.
-`latest_checkpointed_iteration.txt` names
-the newest complete one: it is rewritten last, so a save cut short leaves the previous checkpoint in force.
+data-source state) and the backend's state, written and read through `TrainBackend`: Megatron-LM's torch_dist files in
+iter_N/ itself (train_backend megatron: slime's and Megatron-LM's `--load` resume from them too), or dcp/
+(torch.distributed.checkpoint); beside a torch_dist one, slime's data-source state in
+`rollout/global_dataset_state_dict_N.pt`. `latest_checkpointed_iteration.txt` names the newest complete one: it is
+rewritten last, so a save cut short leaves the previous checkpoint in force.
 """
 
 from __future__ import annotations
@@ -34,15 +35,28 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 
 
+SLIME_DATA_STATE = "rollout/global_dataset_state_dict_{rollout_id}.pt"  # slime's data source reads it on --load
+TORCH_DIST = "torch_dist"  # Megatron-LM's format, whose files lie in iter_N/ itself (where slime looks for them)
+TORCH_DIST_FILE = "metadata.json"  # what dist-checkpointing writes into every checkpoint directory
+
+
+def state_dir(path: Path, fmt: str) -> Path:
+    """Where a backend of format `fmt` keeps its state in the checkpoint directory `path`."""
+    return path if fmt == TORCH_DIST else path / fmt
+
+
 def _state_dir(path: Path, backend: TrainBackend) -> Path:
-    """iter_N/<format>/ of the backend; a checkpoint written by a backend of another format is refused."""
+    """The backend's state in iter_N/; a checkpoint written by a backend of another format is refused."""
     fmt = backend.checkpoint_format
-    if not (path / fmt).is_dir():
-        others = sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
-        if others:
-            raise InvalidArgument(f"checkpoint {path}: holds {', '.join(others)}/, written by another train_backend; "
-                                  f"this job's backend reads {fmt}/")
-    return path / fmt
+    if fmt == TORCH_DIST and (path / TORCH_DIST_FILE).is_file() or fmt != TORCH_DIST and (path / fmt).is_dir():
+        return state_dir(path, fmt)
+    found = [f"{p.name}/" for p in sorted(path.iterdir()) if p.is_dir()] if path.is_dir() else []
+    found += [f"{TORCH_DIST} files"] if (path / TORCH_DIST_FILE).is_file() else []
+    if found:
+        wanted = f"{TORCH_DIST} files in iter_N/ itself" if fmt == TORCH_DIST else f"{fmt}/"
+        raise InvalidArgument(f"checkpoint {path}: holds {', '.join(found)}, written by another train_backend (or an "
+                              f"earlier Physarum); this job's backend reads {wanted}")
+    return state_dir(path, fmt)
 
 
 @dataclass
@@ -76,6 +90,29 @@ def slime_checkpoint(root: str | Path, step: int | None = None) -> Path | None:
     return None
 
 
+def checkpoint_problem(root: str | Path, step: int | None = None) -> str:
+    """Why the checkpoint root names a checkpoint that is not there ("" when it is, or when root holds none, e.g.
+    an HF directory): the directory its latest file (or `step`) names, and a slime one's torch_dist files."""
+    latest = Path(root) / LATEST_FILE
+    if not latest.is_file():
+        return ""
+    text = latest.read_text().strip()
+    if step is not None:
+        name = iteration_dir(root, step).name
+    elif text == "release" or text.isdigit():
+        name = "release" if text == "release" else iteration_dir(root, int(text)).name
+    else:
+        return f"{latest} holds {text!r}, not `release` or an iteration"
+    path = Path(root) / name
+    if not path.is_dir():
+        return f"{root} has no {name}/ (named by {'the ckpt step' if step is not None else LATEST_FILE})"
+    if not (path / STATE_FILE).is_file() and not ((path / TORCH_DIST_FILE).is_file()
+                                                  and (path / ".metadata").is_file()):
+        return f"{path} holds neither Physarum's checkpoint ({STATE_FILE}) nor a torch_dist one ({TORCH_DIST_FILE} " \
+               "and .metadata)"
+    return ""
+
+
 def latest_iteration(root: str | Path) -> int | None:
     """The rollout id in root's latest_checkpointed_iteration.txt; None when root holds no checkpoint."""
     path = Path(root) / LATEST_FILE
@@ -106,20 +143,33 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: TrainBackend, wo
     """Every rank: write checkpoint `rollout_id` under root. `trainer_state` runs on rank 0 only, first (it takes
     the buffer's snapshot); a failure there ends the save on every rank before anything is written."""
     path = iteration_dir(root, rollout_id)
-
-    def write_trainer_state() -> None:
-        state = trainer_state()
-        path.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
-
-    world.on_rank0(write_trainer_state)
-    backend.save_sharded(path / backend.checkpoint_format)
+    # taken first, written after the backend's files (dist-checkpointing wants an empty directory)
+    state = world.on_rank0(lambda: dataclasses.asdict(trainer_state()))
+    backend.save_sharded(state_dir(path, backend.checkpoint_format), rollout_id=rollout_id)
+    path.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), path / f"rng_rank{world.rank}.pt")
     world.barrier()
     if world.rank == 0:
+        _write_atomic(path / STATE_FILE, json.dumps(state, indent=1))
+        if backend.checkpoint_format == TORCH_DIST and state["buffer"] is not None:  # slime's --load reads this one
+            data_state = Path(root) / SLIME_DATA_STATE.format(rollout_id=rollout_id)
+            data_state.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(slime_data_state(state["buffer"]), data_state)
         _write_atomic(Path(root) / LATEST_FILE, f"{rollout_id}\n")
         log.info("saved checkpoint %s", path)
     return path
+
+
+def slime_data_state(buffer: dict[str, Any]) -> dict[str, int | dict]:
+    """slime's RolloutDataSource state for the buffer's (`DataSourceState.to_dict()`): the epoch, and as its offset
+    the prompts of that epoch trained on (handed out, less those returned, leased or pending: slime serves in order,
+    so it hands those out again rather than skip them; under rollout_shuffle its own order is another)."""
+    epoch = buffer["epoch"]
+    slots = [slot for key in ("returned", "leased", "pending") for slot in buffer[key]]
+    unserved = sum(slot.split(":")[0] == str(epoch) for slot in slots)
+    offset = max(0, buffer["cursor"] - unserved)
+    return {"sample_offset": offset, "epoch_id": epoch, "sample_group_index": epoch * buffer["num_prompts"] + offset,
+            "metadata": {}}
 
 
 def load_checkpoint(root: str | Path, backend: TrainBackend, world: World,

@@ -20,9 +20,10 @@ from services.common.settings.rollout import RolloutConfig
 from services.common.settings.sync import SyncConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
 from services.trainer.backends.base import TrainBackend
+from services.trainer.backends.capabilities import capabilities
 from services.trainer.backends.registry import build_backend
 from services.trainer.distributed.parallel import RankAborted, World
-from services.trainer.driver import checkpoint
+from services.trainer.driver import checkpoint, slime_conversion
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import RolloutFeed, combine_rollout_stats, make_feed, metrics_writer, rollout_sums
 from services.trainer.driver.intervals import should_run_periodic_action
@@ -106,6 +107,8 @@ def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
         return
     if driver.engines:
         deps.world.on_rank0(load_dataset, driver, rollout, deps, ctx)
+    if not capabilities(spec.layout.train_backend).slime_checkpoints:  # before the backend takes the memory
+        driver = slime_conversion.converted_paths(driver, deps.world)
     backend = make_backend(spec, deps.world, deps.num_threads)
     run(driver, rollout, spec.sync, backend, ctx, deps)
 

@@ -1,5 +1,6 @@
 """What rank 0 asks the rollout manager after each rollout: its counters the trainer cannot compute from samples
-(rollout/dynamic_filter/drop_<reason>) and, when due, an eval, for the job's events.
+(rollout/dynamic_filter/drop_<reason>, a rollout function's rollout/function/*) and, when due, an eval, for the
+job's events.
 
 Eval runs like slime's periodic action: after every eval_interval-th rollout and after the last one, once the engines
 hold the new weights.
@@ -18,7 +19,8 @@ from services.trainer.driver.intervals import should_run_periodic_action
 
 log = logging.getLogger(__name__)
 
-MANAGER_METRICS = ("rollout/dynamic_filter/",)  # the manager's counters the trainer cannot compute from samples
+# the manager's counters the trainer cannot compute from samples, and a rollout function's own metrics
+MANAGER_METRICS = ("rollout/dynamic_filter/", "rollout/function/")
 
 
 def eval_due(driver: DriverConfig, rollout: RolloutConfig, rollout_id: int) -> bool:

@@ -1,6 +1,7 @@
 """Convert a slime (Megatron-LM) torch_dist checkpoint into an HF directory, for train_backend fsdp (which reads HF
-weights) or any other HF consumer: the Megatron backend reads the checkpoint's weights into a model of
-`--hf-checkpoint`'s architecture (`slime_checkpoint`) and exports them with its HF conversion (`save_hf`).
+weights; `slime_conversion` runs this at job start) or any other HF consumer: the Megatron backend reads the
+checkpoint's weights into a model of `--hf-checkpoint`'s architecture (`slime_checkpoint`) and exports them with its
+HF conversion (`save_hf`).
 
     python -m services.trainer.driver.slime_to_hf --hf-checkpoint HF_DIR --load ROOT [--ckpt-step N] --out DIR
 
@@ -15,9 +16,6 @@ from pathlib import Path
 
 from services.common.errors import InvalidArgument
 from services.trainer.driver.checkpoint import slime_checkpoint
-
-# the command a refusal names
-COMMAND = "python -m services.trainer.driver.slime_to_hf --hf-checkpoint HF_DIR --load ROOT --out DIR"
 
 
 def convert(hf_checkpoint: str | Path, root: str | Path, out: str | Path, step: int | None = None) -> Path:

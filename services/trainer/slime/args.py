@@ -29,7 +29,7 @@ ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and r
 _LAYOUT_ONE = ("expert-tensor-parallel-size",)
 _SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
               "context-parallel-size",
-              "use-distributed-optimizer",
+              "use-distributed-optimizer", "ckpt-step",
               "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",
               "adam-beta2", "adam-eps", "bf16", "moe-aux-loss-coeff", "moe-router-load-balancing-type"}
 
@@ -179,13 +179,21 @@ def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[s
 
 
 def _rollout_function(out: Conversion, value: Any) -> None:
-    """slime's own rollout functions become what they do here; any other is refused."""
+    """slime's own rollout functions become what they do here; any other is the job's rollout_function_path."""
     if value in SLIME_ROLLOUTS:
         key, setting = SLIME_ROLLOUTS[value]
         out.spec.setdefault(key, setting)
         out.sources[key] = f"{setting}, from {out.sources['rollout_function_path']}"
     elif value != FLAGS["rollout-function-path"].default:
-        out.refused.append(f"--rollout-function-path {value}: {FLAGS['rollout-function-path'].note}")
+        out.spec["rollout_function_path"] = value
+
+
+def _slime_default_or_spec(name: str, slime_default: str) -> Any:
+    """A hook flag naming slime's own default is the spec's default (empty); another value is the spec key."""
+    def convert(out: Conversion, value: Any) -> None:
+        if value not in (None, slime_default):
+            out.spec[spec_key(name)] = value
+    return convert
 
 
 def _custom_rm(out: Conversion, value: Any) -> None:
@@ -289,7 +297,9 @@ def _transport(out: Conversion, value: Any) -> None:
 _SPECIAL = {"update-weight-transport": _transport, "custom-rm-path": _custom_rm,
             "custom-reward-post-process-path": _reward_post_process,
             "rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
-            "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch}
+            "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch,
+            "data-source-path": _slime_default_or_spec("data-source-path", FLAGS["data-source-path"].default),
+            "buffer-filter-path": _slime_default_or_spec("buffer-filter-path", "slime.rollout.data_source.pop_first")}
 # slime's sglang-type on-policy distillation: a reward function asking the teacher, a post-process keeping its log-probs
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
 SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"

@@ -15,7 +15,8 @@ from services.trainer.slime.flags import FLAGS, spec_key
 # How slime's parser reads each flag's value (argparse `type=`, `choices=`, `nargs=`, `action=`); a flag listed in
 # none of these takes one string, kept as written.
 INT_FLAGS = frozenset({
-    "actor-num-gpus-per-node", "actor-num-nodes", "data-pad-size-multiplier", "distributed-timeout-minutes",
+    "actor-num-gpus-per-node", "actor-num-nodes", "ckpt-step", "data-pad-size-multiplier",
+    "distributed-timeout-minutes",
     "eval-interval", "eval-max-context-len", "eval-max-prompt-len", "eval-max-response-len", "eval-min-new-tokens",
     "eval-top-k", "fetch-trajectory-retry-times", "global-batch-size", "log-probs-chunk-size",
     "log-probs-max-tokens-per-gpu", "max-tokens-per-gpu", "megatron-deepgemm-forward-layers",

@@ -156,16 +156,26 @@ FLAGS: dict[str, Flag] = {
     "rollout-skip-special-tokens": M(False, "the default generate sends skip_special_tokens=true; kept in args for "
                                             "plugins", warn=True, bare=True),
     "rollout-task-type": M("math", "kept in args for plugins"),
-    "rollout-function-path": M("slime.rollout.sglang_rollout.generate_rollout",
-                               "slime's own rollouts: generate_rollout (the rollout service's), "
-                               "sft_rollout.generate_rollout (loss_type sft_loss) and "
-                               "fully_async_rollout.generate_rollout_fully_async (mode fully_async: the manager "
-                               "streams groups across rollouts); any other is refused: customise per sample "
-                               "(custom_generate_function_path) and per group (dynamic_sampling_filter_path)"),
-    "data-source-path": R("slime.rollout.data_source.RolloutDataSourceWithBuffer",
-                          "the buffer service is the data source; load prompts with prompt_data"),
+    "rollout-function-path": Flag("implemented", "slime.rollout.sglang_rollout.generate_rollout",
+                                  "rollout_function_path: the rollout service runs a user's generate_rollout(args, "
+                                  "rollout_id, data_source, evaluation=False) once per rollout, against the "
+                                  "data_source_path data source (the job's buffer), and writes its groups as its own "
+                                  "(a reward left None is scored by the job's reward); slime's own become "
+                                  "settings: generate_rollout (the service's loop), sft_rollout.generate_rollout "
+                                  "(loss_type sft_loss), fully_async_rollout.generate_rollout_fully_async (mode "
+                                  "fully_async: the manager streams groups across rollouts); evaluation runs the "
+                                  "service's eval, not the function"),
+    "data-source-path": Flag("implemented", "slime.rollout.data_source.RolloutDataSourceWithBuffer",
+                             "data_source_path: a user's DataSource class, built once per job in the rollout service "
+                             "and given to the rollout function (slime's default generate_rollout when "
+                             "--rollout-function-path names none); slime.rollout.data_source's classes (the default "
+                             "included) lease the job's prompts from the buffer, and a group given back "
+                             "(add_samples) keeps its prompt's lease"),
     "rollout-buffer-url": R(None, "the buffer service is the rollout buffer"),
-    "buffer-filter-path": R(None, "the buffer serves groups in order; filter groups with dynamic_sampling_filter_path"),
+    "buffer-filter-path": Flag("implemented", None, "buffer_filter_path: RolloutDataSourceWithBuffer.get_samples "
+                                                    "takes the groups given back through it, with the rollout id "
+                                                    "being generated (slime passes None); it runs the rollout "
+                                                    "through a rollout function, slime's default when none is named"),
     "rollout-data-transport": M("object-store", "samples travel through the buffer service", warn=True),
     "fetch-trajectory-retry-times": M(-1, "the buffer waits for a rollout's groups itself", warn=True),
     "min-batch-collection-ratio": R(1, "a rollout always collects its full batch"),
@@ -346,6 +356,8 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "prompt-data": "required (slime fails without it too)",
     "num-rollout": "required unless num_epoch is given with a JSONL prompt_data (it is derived then)",
     "rollout-batch-size": "required (slime fails without it too)",
+    "rollout-function-path": "empty: slime's default, the rollout service's own loop",
+    "data-source-path": "empty: slime's default, slime.rollout.data_source.RolloutDataSourceWithBuffer",
 }
 # store_false flags: slime's default (None/True) is its destination's; the flag absent means False here and there
 STORE_FALSE = ("disable-compute-advantages-and-returns", "disable-grpo-std-normalization",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.trainer.backends.model_families import language_model_config
+from services.trainer.backends.model_families import EXPERT_COUNT_FIELDS, SIGMOID_ROUTERS, language_model_config
 from services.trainer.slime.flags import Flag
 
 
@@ -35,7 +35,7 @@ GATED_ATTENTION = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # q_proj doubled: a 
 QK_NORM = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo2", "gemma3"}  # per-head q/k RMSNorm
 INTERLEAVED_ROTARY = {"glm4"}  # rotates (even, odd) pairs, not the two halves (glm4_moe rotates halves)
 POST_NORMS = {"glm4"}  # an RMSNorm after attention and after the MLP, before each residual add
-SIGMOID_ROUTER = {"deepseek_v3", "glm4_moe"}  # sigmoid scores with a learned expert bias (e_score_correction_bias)
+SIGMOID_ROUTER = set(SIGMOID_ROUTERS)  # sigmoid scores with a learned expert bias (e_score_correction_bias)
 
 
 def _get(key: str, default: Any = None) -> Callable[[dict[str, Any]], Any]:
@@ -73,9 +73,6 @@ def _family(cfg: dict[str, Any]) -> str:
 
 def _in(families: set[str]) -> Callable[[dict[str, Any]], bool]:
     return lambda cfg: _family(cfg) in families
-
-
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
 
 
 def _num_experts(cfg: dict[str, Any]) -> Any:
@@ -222,6 +219,8 @@ def check_arch(flag: str, value: Any, hf_config: dict[str, Any] | None) -> str:
 
 _SPEC = "the job spec's own key"
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
+_WEIGHTS_ONLY = ("a --load of slime's checkpoint reads its weights only (rollout 0, a fresh optimizer), of Physarum's "
+                 "its whole state; for weights only, load an HF export (save_hf)")
 _NO_MOE = "the megatron backend trains Qwen3-MoE; train_backend fsdp trains the other MoE families"
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
@@ -242,12 +241,19 @@ MEGATRON: dict[str, Flag] = {
     "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (train_backend fsdp; megatron "
                                                    "refuses above 1)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
-    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps a MoE model's tensor "
-                                                     "parallelism at 1"),
+    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
+                                                     "each tensor-parallel rank"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (dropped, as Megatron does, without "
                                                       "tensor parallelism)", bare=True),
     "decoder-last-pipeline-num-layers": Flag("refused", None, "uneven pipeline stages are not supported"),
     "use-distributed-optimizer": Flag("mapped", False, _SPEC + " use_distributed_optimizer", bare=True),
+    # checkpoints (slime's --load, --save: flags.py)
+    "ckpt-step": Flag("mapped", None, _SPEC + " ckpt_step (the iteration of --load to read)"),
+    "ckpt-format": Flag("mapped", "torch_dist", "train_backend megatron writes torch_dist, which Megatron-LM loads "
+                                                "whatever its --ckpt-format (fsdp writes its own dcp/)", warn=True),
+    "finetune": Flag("refused", False, _WEIGHTS_ONLY, bare=True),
+    "no-load-optim": Flag("refused", False, _WEIGHTS_ONLY, bare=True),
+    "no-load-rng": Flag("refused", False, _WEIGHTS_ONLY, bare=True),
     # optimizer and schedule
     "optimizer": Flag("mapped", "adam", "adam only (Adam with decoupled weight decay, Megatron's adam)"),
     "lr-decay-style": Flag("mapped", "linear", _SPEC + " lr_decay_style (constant, linear, cosine)"),

@@ -27,9 +27,10 @@ def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: 
         raise InvalidArgument(f"train_backend megatron: {world.world_size} trainer ranks are not a multiple of "
                               f"tensor_model_parallel_size × pipeline_model_parallel_size "
                               f"({layout.model_parallel_size})")
-    if (world.world_size // layout.model_parallel_size) % layout.expert_model_parallel_size:
+    per_stage = world.world_size // layout.pipeline_model_parallel_size  # experts are not split by TP (expert TP 1)
+    if per_stage % layout.expert_model_parallel_size:
         raise InvalidArgument(f"train_backend megatron: expert_model_parallel_size {layout.expert_model_parallel_size} "
-                              f"must divide the {world.world_size // layout.model_parallel_size} data-parallel ranks")
+                              f"must divide the {per_stage} tensor- and data-parallel ranks of a pipeline stage")
     return MegatronBackend(hf_checkpoint, config, tensor_model_parallel_size=layout.tensor_model_parallel_size,
                            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
                            use_distributed_optimizer=layout.use_distributed_optimizer, megatron_args=layout.megatron,

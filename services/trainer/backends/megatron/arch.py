@@ -56,9 +56,6 @@ class ModelArch:
         if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
             raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
                                   f"({self.num_experts} in {self.model_type})")
-        if self.num_experts and tp_size > 1:
-            raise InvalidArgument(f"tensor_model_parallel_size {tp_size}: tensor parallelism of a MoE model "
-                                  f"({self.model_type}) is not supported")
         for name, value in (("num_attention_heads", self.num_attention_heads), ("num_key_value_heads",
                             self.num_query_groups), ("intermediate_size", self.ffn_hidden_size)):
             if value % tp_size:

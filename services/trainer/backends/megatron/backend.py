@@ -24,7 +24,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import optim, packing, rl_step, slime_hooks
+from services.trainer.backends import capabilities, model_families, optim, packing, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
@@ -75,8 +75,15 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.arch = ModelArch.from_hf_config(hf_config)
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
         self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep)
-        if config.replays_routing and (tp > 1 or not self.arch.num_experts):
-            raise InvalidArgument("routing replay on train_backend megatron: an MoE model at tensor parallelism 1")
+        if config.replays_routing and not self.arch.num_experts:
+            raise InvalidArgument("routing replay on train_backend megatron: the model has no MoE layers")
+        layout = {"tp_size": tp, "sequence_parallel": bool(self.megatron_args.transformer.get("sequence_parallel"))}
+        for setting, wanted in (("routing replay", config.replays_routing),
+                                ("moe_aux_loss_coeff", config.moe_aux_loss)):
+            if wanted and (problem := capabilities.router_problem(setting, "megatron", hf_config, **layout)):
+                raise InvalidArgument(problem)
+        if self.megatron_args.dropout and (problem := model_families.megatron_train_mode_problem(hf_config, **layout)):
+            raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
         mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
@@ -232,6 +239,12 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         dist.all_reduce(tensor)
         return tensor.cpu()
 
+    def _tp_broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """TP rank 0's `tensor`, on every rank of its tensor-parallel group (on the host)."""
+        tensor = tensor.to(self.device)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return tensor.cpu()
+
     def rollout_share(self) -> Share:
         """Every rank reads the whole rollout: the backend splits each step over its data-parallel ranks."""
         return Share()
@@ -258,7 +271,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 record = self.routing.empty(*rollout.tokens.shape) \
                     if model is self.model and self.routing and not r3 else None
                 recorded.extend([] if record is None else [record])
-                return self._log_probs(model, rollout, micro, record)
+                log_probs = self._log_probs(model, rollout, micro, record)
+                if record is not None and self.tp_size > 1:  # every TP rank's routers replay TP rank 0's record
+                    record.copy_(self._tp_broadcast(record))
+                return log_probs
 
             # Every rank holds the whole rollout, so advantages need no data-parallel all-reduce (group None).
             batch = rl_step.with_advantages(batch, cfg, num_steps=len(steps), model=self.model,
@@ -308,9 +324,20 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             self._run(self.model, batch, micro_batches, step_loss, forward_only=False, routing=self._replay(self.model))
         finally:
             self.model.eval()
+        self._count_experts_tokens_once()
         grad_norm, lr = self._optimizer_step(rows)
         return {**{f"train/{key}": value for key, value in self._sum_metrics(totals).items()},
                 "train/grad_norm": grad_norm, "train/lr": lr}
+
+    def _count_experts_tokens_once(self) -> None:
+        """Without sequence parallelism every TP rank holds all of its replica's tokens, and under expert parallelism
+        each sends them all to the experts' ranks: an expert's gradient, reduced over those ranks, holds each token
+        tp_size times. Divide it back (experts on every rank, EP 1, see only their own rank's tokens)."""
+        if self.tp_size == 1 or self.ep_size == 1 or self.gpt.config.sequence_parallel:
+            return
+        for param in self.gpt.parameters():
+            if param.requires_grad and not getattr(param, "allreduce", True):  # megatron-core's expert-parallel mark
+                param.main_grad.div_(self.tp_size)
 
     def _optimizer_step(self, rows: list[int]) -> tuple[float, float]:
         """Clip and step at the scheduled lr (Megatron's lr_mult / wd_mult per group: no decay on biases and

@@ -10,7 +10,8 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
 - linear_proj, linear_fc2: chunk r of dim 1. Embedding and output layer: the vocab padded with zero rows, chunk r
   of dim 0. Norms are replicated.
 - MoE layers: mlp.router <- mlp.gate; expert e is local expert e - r·E/ep of expert-parallel rank r, its linear_fc1
-  cat(gate_e, up_e), its linear_fc2 down_e. HF checkpoints on disk name each expert (mlp.experts.{e}.gate_proj);
+  cat(gate_e, up_e), its linear_fc2 down_e; router and experts are whole on every TP rank (expert TP 1). HF
+  checkpoints on disk name each expert (mlp.experts.{e}.gate_proj);
   transformers' models in memory, and so the engines' weight names, hold them fused (mlp.experts.gate_up_proj
   [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written.
 """
@@ -242,10 +243,12 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
                 index, rest = tail.split(".", 1)
                 for j, expert in enumerate(_gather_experts(tensor, ep_size, ep_group)):
                     global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
-                    yield from megatron_to_hf(global_name, [expert], arch, offset=offset)
+                    if tp_rank == 0:
+                        yield from megatron_to_hf(global_name, [expert], arch, offset=offset)
                 continue
             shards = [tensor]
-            if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            # experts are whole on every TP rank (expert TP 1), though megatron-core marks them tensor-parallel
+            if tp_size > 1 and getattr(param, "tensor_model_parallel", False) and LOCAL_EXPERT not in name:
                 shards = [torch.empty_like(tensor) for _ in range(tp_size)]
                 dist.all_gather(shards, tensor.contiguous(), group=tp_group)
             if tp_rank == 0:

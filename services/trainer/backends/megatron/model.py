@@ -35,7 +35,8 @@ def has_transformer_engine() -> bool:
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1) -> None:
     """Join the default process group (torchrun's env, or a world of one) and cut it into Megatron's TP, PP, EP and
     DP groups (order tp-cp-ep-dp-pp: global rank 0 is TP, PP and DP rank 0; expert-parallel ranks are carved out of
-    the data-parallel ones). Seeds the model-parallel RNG."""
+    the tensor- and data-parallel ones: experts are never split by tensor parallelism, expert TP 1). Seeds the
+    model-parallel RNG."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -56,7 +57,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1)
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                              pipeline_model_parallel_size=pp_size,
-                                             expert_model_parallel_size=ep_size,
+                                             expert_model_parallel_size=ep_size, expert_tensor_parallel_size=1,
                                              distributed_timeout_minutes=int(DIST_TIMEOUT.total_seconds() // 60))
     model_parallel_cuda_manual_seed(seed)
 
@@ -147,6 +148,12 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope", rotary_base=arch.rope_theta,
             rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
+    if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1:
+        # every TP rank holds all experts whole (expert TP 1), which megatron-core still marks tensor-parallel;
+        # without expert parallelism they are dense parameters, so the gradient norm would count each tp_size times
+        for name, param in model.named_parameters():
+            if ".mlp.experts." in name:
+                param.tensor_model_parallel = False
     return model.cuda() if torch.cuda.is_available() else model
 
 
