@@ -17,8 +17,8 @@ once for the module and shared by that family's examples, with the plugins' fold
 and their modules on its allow-list, as slime's scripts put them on PYTHONPATH. Outside services have local
 stand-ins: Search-R1's retrieval server (its URL set in the user's copy of the example, as a Search-R1 user edits
 SEARCH_R1_CONFIGS), retool's sandbox (in the rollout service, as in slime), W&B for `--use-wandb` (offline mode,
-WANDB_MODE), and slime's OPD teacher at `--rm-url` (the stack's own engine). 5.5 minutes on 2 cores at load 20, most
-of it starting the three stacks (each job takes seconds).
+WANDB_MODE), and slime's OPD teacher at `--rm-url` (the stack's own engine). 4.5 minutes on 2 cores at load 20, most
+of it starting the three stacks (each job takes seconds once its stack is up).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import importlib.util
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,15 @@ def stack_of(session_dir, plugin_path):
         stack.down(work_dir)
 
 
+def serving_engine(state: dict, timeout_s: float = 180.0) -> str:
+    """The stack's engine, once its rollout manager lists it (slime's OPD teacher at --rm-url)."""
+    deadline = time.monotonic() + timeout_s
+    while not (urls := engine_urls(state)):
+        assert time.monotonic() < deadline, f"no engine joined the pool in {timeout_s} s"
+        time.sleep(0.5)
+    return urls[0]
+
+
 def test_every_dense_script_runs_here_or_is_left_out_for_a_reason():
     assert sorted(DENSE) == sorted([*DENSE_RUNS, *DENSE_LEFT_OUT])
 
@@ -163,7 +173,7 @@ def moved_to_fsdp(state: dict, argv: list[str], job: str) -> list[str]:
 def test_each_accepted_script_runs_two_rollouts_on_a_tiny_model_of_its_family(name, stack_of, tmp_path):
     script_argv, model_type = RUNS[name]
     state, model = stack_of(model_type)
-    teacher = f"{engine_urls(state)[0]}/generate"
+    teacher = f"{serving_engine(state)}/generate"
     argv = tiny_argv(script_argv, model_dir=model, work_dir=tmp_path, rm_url=teacher)
     if name in ON_FSDP:
         argv = moved_to_fsdp(state, argv, job_id(name))
