@@ -180,15 +180,23 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         if not micro_batches:  # a data-parallel replica with no rows (all of its ranks skip together)
             return
 
+        pad_to = self.tp_size if self.gpt.config.sequence_parallel else 1  # each TP rank an equal slice
+
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
+            packed = self._packs(mb)
+            inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
+                                      pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
             with routing(rows, mb) if routing else contextlib.nullcontext():  # the policy's routing replay
-                output = module(**mcore.gpt_inputs(mb, packed=self._packs(mb), use_te=self.use_te))
+                output = module(**inputs)
+            if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
+                output = output[:, :mcore.sequence_length(mb, packed=packed)]
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
-        shapes = [(sum(mb.total_lengths), 1) if self._packs(mb) else tuple(mb.tokens.shape[::-1]) for _, mb in data]
+        shapes = [(_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
+                   1 if self._packs(mb) else mb.size) for _, mb in data]
         with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
@@ -372,6 +380,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def close(self) -> None:
         """Drop Megatron's process groups (the default group stays for the next backend in this process)."""
         mcore.destroy_model_parallel()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor):
