@@ -124,6 +124,8 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
         preflight(parse_spec({**megatron_tp2, "moe_aux_loss_coeff": 0.01}))
     with pytest.raises(InvalidArgument, match="megatron dropout: train_backend megatron adds it to a MoE model"):
         preflight(parse_spec({**megatron_tp2, "megatron": {"hidden_dropout": 0.1}}))
+    sequence_parallel = {**megatron_tp2, "megatron": {"sequence_parallel": True, "hidden_dropout": 0.1}}
+    assert preflight(parse_spec({**sequence_parallel, "moe_aux_loss_coeff": 0.01}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'mixtral' is not one it applies "
@@ -176,3 +178,13 @@ def test_a_checkpoint_whose_files_are_missing_is_refused_at_submit(paths, tmp_pa
     (root / "latest_checkpointed_iteration.txt").write_text("latest")
     with pytest.raises(InvalidArgument, match=r"holds 'latest', not `release` or an iteration"):
         preflight(parse_spec({**paths, "load": str(root)}))
+
+
+def test_sequence_parallel_without_tensor_parallelism_is_refused_at_submit(paths):
+    """megatron-core refuses it when the trainer builds the model: at submit instead, naming what to change."""
+    megatron = {**paths, "train_backend": "megatron", "megatron": {"sequence_parallel": True}}
+    with pytest.raises(InvalidArgument, match=r"megatron.sequence_parallel: needs tensor_model_parallel_size > 1 "
+                                              r"\(it splits each row's tokens over the tensor-parallel ranks\)"):
+        preflight(parse_spec(megatron))
+    assert preflight(parse_spec({**megatron, "tensor_model_parallel_size": 2}))
+
