@@ -232,3 +232,6 @@ def test_the_dense_scripts_are_refused_only_for_listed_features(script):
         listed = slime_flags.FLAGS.get(flag) or megatron_flags.MEGATRON.get(flag)
         assert listed is not None and listed.status == "refused" or listed.note.startswith("1 only"), problem
         assert listed.note in DOC, problem
+    given = dict(zip(DENSE[script], DENSE[script][1:], strict=False))
+    tensor_parallel = int(given.get("--tensor-model-parallel-size", 1)) > 1  # megatron-core runs it only there
+    assert conv.megatron.get("sequence_parallel", False) is ("--sequence-parallel" in DENSE[script] and tensor_parallel)
