@@ -1,7 +1,8 @@
 """Megatron's sequence parallelism on the megatron backend, over 2 gloo processes: at tensor parallelism 2 with
 megatron.sequence_parallel (each TP rank normalizes, routes and runs its experts on a slice of the tokens, every row
 padded to a multiple of 2), a dense Qwen3 and a Qwen3-MoE under a load-balancing loss give the log-probs and train
-the GRPO steps of tensor parallelism 1, within 1e-5 in float32, packed and as padded rectangles.
+the GRPO steps of tensor parallelism 1, within 1e-5 in float32, packed and as padded rectangles; so does the MoE
+under routing replay (each TP rank replays its slice of the tokens' experts, records are gathered over TP).
 
 One launch of tests/integration/megatron_sp_worker.py serves the tests here."""
 
@@ -27,10 +28,14 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 @pytest.mark.parametrize("run", ["dense_tp2_packTrue", "dense_tp2_packFalse", "moe_tp2_packTrue",
-                                 "moe_tp2_packFalse", "moe_tp2_ep2_packTrue"])
+                                 "moe_tp2_packFalse", "moe_tp2_ep2_packTrue", "rollout_replay_tp2_packTrue",
+                                 "replay_tp2_ep2_packFalse"])
 def test_sequence_parallel_trains_as_tensor_parallelism_1(results, run):
     got, want = results[run], results[run.replace("_tp2_", "_tp1_")]
     assert max_diff(got["log_probs_before"], want["log_probs_before"]) <= 1e-5
+    if "replay" in run:  # the engine's other routing changes the log-probs
+        assert max_diff(got["replayed_log_probs"], want["replayed_log_probs"]) <= 1e-5
+        assert max_diff(got["replayed_log_probs"], got["log_probs_before"]) > 1e-3
     assert len(got["metrics"]) == len(want["metrics"]) == 2
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"], strict=True)):
         assert g.keys() == w.keys(), step

@@ -106,8 +106,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         gpt = self._build_gpt()
         self._copy_hf_weights(gpt, hf)
         model_config = gpt.config
-        self.routing = MegatronRouting(gpt, self.arch.num_layers, self.arch.moe_router_topk) \
-            if config.replays_routing else None
+        self.routing = MegatronRouting(gpt, self.arch.num_layers, self.arch.moe_router_topk,
+                                       sequence_parallel_group=self.tp_group if model_config.sequence_parallel
+                                       else None) if config.replays_routing else None
         self.model = mcore.wrap_ddp(gpt, model_config, use_distributed_optimizer=use_distributed_optimizer,
                                     overrides=self.megatron_args.ddp)
         model_config.no_sync_func = self.model.no_sync
