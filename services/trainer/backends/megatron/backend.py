@@ -92,7 +92,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.is_first_stage, self.is_last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else cpu_compat.CPU
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
@@ -188,6 +188,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             packed = self._packs(mb)
             inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
                                       pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
+            if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
+                # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
+                inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
             with routing(rows, mb) if routing else contextlib.nullcontext():  # the policy's routing replay
                 output = module(**inputs)
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
