@@ -220,7 +220,8 @@ def test_a_megatron_tp2_job_feeds_the_engines_converted_weights_and_resumes_from
     spec = job_spec(tiny_model_dir, train_path, "megatron-tp2", num_rollout=3, train_backend="megatron",
                     tensor_model_parallel_size=2, use_kl_loss=True, kl_loss_coef=0.01, ref_update_interval=2,
                     save=str(save), save_hf=str(tmp_path / "hf"),
-                    megatron={"attention_dropout": 0.0, "hidden_dropout": 0.0, "bucket_size": 1 << 20})
+                    megatron={"attention_dropout": 0.0, "hidden_dropout": 0.0, "bucket_size": 1 << 20,
+                              "sequence_parallel": True})  # as slime's scripts at TP > 1 run
     job, events = run(ranks_stack, spec)
     assert job["state"] == "SUCCEEDED", job["error"]
     steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]

@@ -175,7 +175,3 @@ def test_what_megatron_core_cannot_train_at_tensor_parallelism_2_is_refused_befo
     with pytest.raises(InvalidArgument, match="megatron dropout: train_backend megatron adds it to a MoE model"):
         MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=2,
                         megatron_args={"attention_dropout": 0.1})
-    with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
-                                              "tensor_model_parallel_size 2 only without megatron.sequence_parallel"):
-        MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, use_routing_replay=True), tensor_model_parallel_size=2,
-                        megatron_args={"sequence_parallel": True})

@@ -116,14 +116,14 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
         parse_spec({**paths, "use_rollout_routing_replay": True, "agent_function_path": "tests.plugins.agents.f"})
     megatron_tp2 = {**paths, "train_backend": "megatron", "tensor_model_parallel_size": 2}
     assert preflight(parse_spec({**megatron_tp2, "use_routing_replay": True}))
-    with pytest.raises(InvalidArgument, match="routing replay: train_backend megatron replays at "
-                                              "tensor_model_parallel_size 2 only without megatron.sequence_parallel"):
-        preflight(parse_spec({**megatron_tp2, "use_routing_replay": True, "megatron": {"sequence_parallel": True}}))
+    assert preflight(parse_spec({**megatron_tp2, "use_routing_replay": True, "megatron": {"sequence_parallel": True}}))
     with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: train_backend megatron adds it to a MoE model at "
                                               "tensor_model_parallel_size 1 or under megatron.sequence_parallel"):
         preflight(parse_spec({**megatron_tp2, "moe_aux_loss_coeff": 0.01}))
     with pytest.raises(InvalidArgument, match="megatron dropout: train_backend megatron adds it to a MoE model"):
         preflight(parse_spec({**megatron_tp2, "megatron": {"hidden_dropout": 0.1}}))
+    sequence_parallel = {**megatron_tp2, "megatron": {"sequence_parallel": True, "hidden_dropout": 0.1}}
+    assert preflight(parse_spec({**sequence_parallel, "moe_aux_loss_coeff": 0.01}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'mixtral' is not one it applies "
@@ -210,3 +210,13 @@ def test_slimes_rollout_hooks_are_read_not_run_at_submit_and_refused_naming_the_
         with pytest.raises(InvalidArgument) as err:
             preflight(parse_spec({**paths, **keys}))
         assert message in str(err.value), str(err.value)
+
+
+def test_sequence_parallel_without_tensor_parallelism_is_refused_at_submit(paths):
+    """megatron-core refuses it when the trainer builds the model: at submit instead, naming what to change."""
+    megatron = {**paths, "train_backend": "megatron", "megatron": {"sequence_parallel": True}}
+    with pytest.raises(InvalidArgument, match=r"megatron.sequence_parallel: needs tensor_model_parallel_size > 1 "
+                                              r"\(it splits each row's tokens over the tensor-parallel ranks\)"):
+        preflight(parse_spec(megatron))
+    assert preflight(parse_spec({**megatron, "tensor_model_parallel_size": 2}))
+

@@ -161,6 +161,18 @@ def test_what_each_accepted_example_becomes(tmp_path):
                                            "gpqa": {"rm_type": "gpqa", "n_samples_per_eval_prompt": 2}}
 
 
+def test_sequence_parallel_reaches_megatron_wherever_tensor_parallelism_does(tmp_path):
+    """Each accepted example passes --sequence-parallel: at TP > 1 megatron-core runs it (rows padded to a multiple
+    of the TP size, tests/integration/test_megatron_sequence_parallel.py); at TP 1 it is dropped, as Megatron does."""
+    for name in sorted(set(EXAMPLES) - set(REFUSED)):
+        spec = submit(materialize(EXAMPLES[name]["argv"], tmp_path / name))
+        assert "--sequence-parallel" in EXAMPLES[name]["argv"], name
+        tensor_parallel = spec.tensor_model_parallel_size > 1
+        assert spec.megatron.get("sequence_parallel", False) is tensor_parallel, name
+        assert ("--sequence-parallel: dropped without tensor parallelism, as Megatron does" in spec.slime_notes) \
+            is not tensor_parallel, name
+
+
 def test_the_on_policy_distillation_examples_become_a_teacher_engine_or_a_teacher_model(tmp_path):
     """slime's sglang type: its reward function (the teacher at --rm-url) and post-process become the rollout
     service's teacher call with reward 0; the megatron type: a teacher model in the trainer from opd_teacher_load."""
@@ -220,6 +232,9 @@ def test_the_dense_scripts_are_refused_only_for_listed_features(script):
         listed = slime_flags.FLAGS.get(flag) or megatron_flags.MEGATRON.get(flag)
         assert listed is not None and listed.status == "refused" or listed.note.startswith("1 only"), problem
         assert listed.note in DOC, problem
+    given = dict(zip(DENSE[script], DENSE[script][1:], strict=False))
+    tensor_parallel = int(given.get("--tensor-model-parallel-size", 1)) > 1  # megatron-core runs it only there
+    assert conv.megatron.get("sequence_parallel", False) is ("--sequence-parallel" in DENSE[script] and tensor_parallel)
 
 
 def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):

@@ -141,6 +141,9 @@ def check_megatron(spec: JobSpec) -> list[str]:
         args.split(spec.megatron)
     except InvalidArgument as err:
         return [str(err)]
+    if spec.megatron.get("sequence_parallel") and spec.tensor_model_parallel_size == 1:
+        return ["megatron.sequence_parallel: needs tensor_model_parallel_size > 1 (it splits each row's tokens over "
+                "the tensor-parallel ranks); drop it or set tensor_model_parallel_size"]
     return []
 
 

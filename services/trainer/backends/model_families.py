@@ -76,13 +76,9 @@ def fsdp_aux_loss_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     return _family_problem(hf_config, AUX_LOSS_FAMILIES)
 
 
-def megatron_replay_problem(hf_config: dict[str, Any], *, tp_size: int = 1, sequence_parallel: bool = False,
-                            **_layout: int) -> str:
-    """megatron-core replays any MoE it builds: at TP > 1 every TP rank's routers see all of the tokens and replay
-    the same experts, unless sequence parallelism splits the tokens between them."""
-    if tp_size > 1 and sequence_parallel:
-        return (f"it replays at tensor_model_parallel_size {tp_size} only without megatron.sequence_parallel (which "
-                "gives each TP rank's routers a share of the tokens)")
+def megatron_replay_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """megatron-core replays any MoE it builds, in any layout: at TP > 1 every TP rank's routers replay the same
+    experts, or under sequence parallelism each its slice of the tokens'."""
     return ""
 
 

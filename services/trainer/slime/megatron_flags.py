@@ -243,8 +243,10 @@ MEGATRON: dict[str, Flag] = {
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
     "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
                                                      "each tensor-parallel rank"),
-    "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (dropped, as Megatron does, without "
-                                                      "tensor parallelism)", bare=True),
+    "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (each tensor-parallel rank holds a "
+                                                      "slice of every row, padded to a multiple of the TP size; "
+                                                      "dropped, as Megatron does, without tensor parallelism)",
+                              bare=True),
     "decoder-last-pipeline-num-layers": Flag("refused", None, "uneven pipeline stages are not supported"),
     "use-distributed-optimizer": Flag("mapped", False, _SPEC + " use_distributed_optimizer", bare=True),
     # checkpoints (slime's --load, --save: flags.py)

@@ -92,7 +92,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.is_first_stage, self.is_last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else cpu_compat.CPU
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
@@ -106,8 +106,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         gpt = self._build_gpt()
         self._copy_hf_weights(gpt, hf)
         model_config = gpt.config
-        self.routing = MegatronRouting(gpt, self.arch.num_layers, self.arch.moe_router_topk) \
-            if config.replays_routing else None
+        self.routing = MegatronRouting(gpt, self.arch.num_layers, self.arch.moe_router_topk,
+                                       sequence_parallel_group=self.tp_group if model_config.sequence_parallel
+                                       else None) if config.replays_routing else None
         self.model = mcore.wrap_ddp(gpt, model_config, use_distributed_optimizer=use_distributed_optimizer,
                                     overrides=self.megatron_args.ddp)
         model_config.no_sync_func = self.model.no_sync
@@ -180,15 +181,26 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         if not micro_batches:  # a data-parallel replica with no rows (all of its ranks skip together)
             return
 
+        pad_to = self.tp_size if self.gpt.config.sequence_parallel else 1  # each TP rank an equal slice
+
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
+            packed = self._packs(mb)
+            inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
+                                      pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
+            if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
+                # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
+                inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
             with routing(rows, mb) if routing else contextlib.nullcontext():  # the policy's routing replay
-                output = module(**mcore.gpt_inputs(mb, packed=self._packs(mb), use_te=self.use_te))
+                output = module(**inputs)
+            if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
+                output = output[:, :mcore.sequence_length(mb, packed=packed)]
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
-        shapes = [(sum(mb.total_lengths), 1) if self._packs(mb) else tuple(mb.tokens.shape[::-1]) for _, mb in data]
+        shapes = [(_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
+                   1 if self._packs(mb) else mb.size) for _, mb in data]
         with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
@@ -372,6 +384,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def close(self) -> None:
         """Drop Megatron's process groups (the default group stays for the next backend in this process)."""
         mcore.destroy_model_parallel()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor):

@@ -1,9 +1,9 @@
 """Megatron-core pieces of the backend: process groups (TP × PP × DP), GPTModel from an HF config, DDP, optimizer.
 
-The local layer spec on CPU (torch norms and attention), the Transformer Engine spec when transformer_engine is
-installed. Parameters in the training dtype (bf16: float32 main parameters in the optimizer, gradients reduced in
-float32); dropout off, so training forwards and no-grad recomputes see one policy. Knows
-nothing of HF names (convert.py) or losses (backend.py).
+The local layer spec on CPU (torch attention and torch RMSNorms that take sequence parallelism), the Transformer
+Engine spec when transformer_engine is installed. Parameters in the training dtype (bf16: float32 main parameters in
+the optimizer, gradients reduced in float32); dropout off, so training forwards and no-grad recomputes see one
+policy. Knows nothing of HF names (convert.py) or losses (backend.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
 from services.trainer.backends import packing
@@ -76,7 +77,6 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
                        overrides: dict | None = None):
     """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout,
     MoE layers when it has experts; then the `megatron:` section's TransformerConfig fields (`args.split`)."""
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
@@ -132,6 +132,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
     )
 
     from services.trainer.backends.megatron.attention import SDPAttention
+    from services.trainer.backends.megatron.norm import SequenceParallelRMSNorm
 
     experts = arch.num_experts or None
     if use_te:
@@ -139,6 +140,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
     else:
         spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = SDPAttention  # torch's fused kernels
+        spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=arch.qk_layernorm)
     with cpu_compat.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
@@ -150,11 +152,25 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
     if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1:
         # every TP rank holds all experts whole (expert TP 1), which megatron-core still marks tensor-parallel;
-        # without expert parallelism they are dense parameters, so the gradient norm would count each tp_size times
+        # without expert parallelism they are dense parameters, so the gradient norm would count each tp_size times.
+        # Under sequence parallelism each TP rank's experts see its slice of the tokens: their gradients are summed
+        # over the TP ranks as the norms' are
         for name, param in model.named_parameters():
             if ".mlp.experts." in name:
                 param.tensor_model_parallel = False
+                param.sequence_parallel = config.sequence_parallel
     return model.cuda() if torch.cuda.is_available() else model
+
+
+def _with_norm(layer_spec, norm: type, config, *, qk_layernorm: bool):
+    """The block of this stage's layers, `layer_spec` each, with `norm` for every RMSNorm (the final one too)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = layer_spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = norm
+    if qk_layernorm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=norm)
 
 
 def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict | None = None):
@@ -184,20 +200,45 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
         return get_megatron_optimizer(opt_config, [ddp_model])
 
 
-def gpt_inputs(mb: RolloutBatch, *, packed: bool, use_te: bool) -> dict:
+def gpt_inputs(mb: RolloutBatch, *, packed: bool, use_te: bool, pad_to: int = 1, pad_token_id: int = 0,
+               padding_mask: bool = False) -> dict:
     """GPTModel's inputs for a micro-batch, on its device. Packed: one THD row with its cumulative lengths (RoPE
     restarts at each sequence, attention stays within it); padded: the rectangle under the causal mask (right
-    padding is never attended to by a real token)."""
+    padding is never attended to by a real token). pad_to: the row lengthened to a multiple of it with pad tokens
+    (sequence parallelism cuts it into tp_size equal slices), packed as one more sequence, which no real token
+    attends to; the logits' first `sequence_length(mb, packed)` positions are the micro-batch's. padding_mask: mark
+    every pad token for the MoE routers (a load-balancing loss over the real tokens only)."""
+    length = sequence_length(mb, packed=packed)
+    extra = -length % pad_to
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         row = packing.pack(mb)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
-                                 max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
-        return {"input_ids": row.input_ids, "position_ids": row.position_ids, "attention_mask": None,
-                "packed_seq_params": params}
-    seq_len = mb.tokens.shape[1]
-    mask = None if use_te else torch.triu(
-        torch.ones(seq_len, seq_len, dtype=torch.bool, device=mb.device), diagonal=1)[None, None]
-    positions = torch.arange(seq_len, device=mb.device).expand_as(mb.tokens)
-    return {"input_ids": mb.tokens, "position_ids": positions, "attention_mask": mask}
+        input_ids, positions, cu_seqlens = row.input_ids, row.position_ids, row.cu_seqlens
+        if extra:
+            input_ids = F.pad(input_ids, (0, extra), value=pad_token_id)
+            positions = torch.cat([positions, torch.arange(extra, device=mb.device)[None]], dim=1)
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + extra])
+        max_seqlen = max(row.max_seqlen, extra)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+        inputs = {"input_ids": input_ids, "position_ids": positions, "attention_mask": None,
+                  "packed_seq_params": params}
+        real = torch.ones_like(row.input_ids, dtype=torch.bool)
+    else:
+        input_ids = F.pad(mb.tokens, (0, extra), value=pad_token_id)
+        seq_len = length + extra
+        mask = None if use_te else torch.triu(
+            torch.ones(seq_len, seq_len, dtype=torch.bool, device=mb.device), diagonal=1)[None, None]
+        positions = torch.arange(seq_len, device=mb.device).expand_as(input_ids)
+        inputs = {"input_ids": input_ids, "position_ids": positions, "attention_mask": mask}
+        real = mb.attention_mask.bool()
+    if padding_mask:  # megatron-core's padding_mask is True on the pad tokens
+        inputs["padding_mask"] = ~F.pad(real, (0, extra), value=False)
+    return inputs
+
+
+def sequence_length(mb: RolloutBatch, *, packed: bool) -> int:
+    """The micro-batch's row length before any padding for sequence parallelism: its tokens packed, or the
+    rectangle's."""
+    return sum(mb.total_lengths) if packed else mb.tokens.shape[1]
