@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="trainer backend of both jobs (default: fsdp)")
     parser.add_argument("--trainer-ranks", type=int, default=None,
                         help="trainer processes (default: 1 for fsdp, 2 for megatron)")
+    parser.add_argument("--trainer-threads", type=int, default=None,
+                        help="torch threads per trainer process (default: 2 on one rank, 1 each on several); 1 is "
+                             "many times faster on a machine busy with other work (two threads wait on each other)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="megatron: TP size (default: the trainer ranks)")
     parser.add_argument("--model-family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
@@ -149,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, args.set)
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
+    trainer_threads = args.trainer_threads or (2 if ranks == 1 else 1)
     state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model_dir, num_engines=args.engines,
-                                        trainer_ranks=ranks, trainer_threads=2 if ranks == 1 else 1,
+                                        trainer_ranks=ranks, trainer_threads=trainer_threads,
                                         trainer_device=args.device, engine_device=args.engine_device))
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
