@@ -40,6 +40,7 @@ SCRIPTS = {
     "megatron_parity": [],
     "trainer_throughput": ["--rounds", "2"],
     "weight_sync_paths": ["--rounds", "2"],
+    "trainer_threads": ["--rounds", "2"],
 }
 # imported or run by the scripts, or not a benchmark (gpu_check is `make gpu-check`, on a CUDA machine)
 HELPERS = {"_harness", "_delta_link", "_precision", "_gateway_host", "run_all", "inprocess_loop", "sim_engines",

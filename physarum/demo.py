@@ -98,6 +98,15 @@ def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> li
             *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if tensor_parallel else [])]
 
 
+def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets: list[str],
+                  grpo_sets: list[str]) -> tuple[list[str], list[str]]:
+    """The `--set` overrides of the SFT warm-up and of the GRPO job: the backend's, the seed, the SFT job's starting
+    model (the GRPO job starts from what SFT saved), then the user's own, which win."""
+    seeds = [f"seed={seed}", f"rollout_seed={seed}"]
+    return ([*backend_sets, *seeds, f"hf_checkpoint={model_dir}", *sft_sets],
+            [*backend_sets, *seeds, *grpo_sets])
+
+
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
     """Stop before the stack starts when the backend cannot build the family (the job API would refuse both jobs)."""
     from services.trainer.backends import capabilities
@@ -113,10 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the model's initialisation and of both jobs' shuffling and sampling")
     parser.add_argument("--set", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
+    parser.add_argument("--sft-set", action="append", default=[],
+                        help="override an SFT warm-up job key (KEY=VALUE), e.g. num_rollout=3 for a smoke run")
     parser.add_argument("--train-backend", choices=("fsdp", "megatron"), default="fsdp",
                         help="trainer backend of both jobs (default: fsdp)")
     parser.add_argument("--trainer-ranks", type=int, default=None,
                         help="trainer processes (default: 1 for fsdp, 2 for megatron)")
+    parser.add_argument("--trainer-threads", type=int, default=None,
+                        help="torch threads per trainer process (default: 2 on one rank, 1 each on several); 1 is "
+                             "many times faster on a machine busy with other work (two threads wait on each other)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="megatron: TP size (default: the trainer ranks)")
     parser.add_argument("--model-family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
@@ -135,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     model_dir, test_path = demo_model(args.seed, args.model_family)
     refuse_unbuildable(model_dir, args.train_backend)
-    seed_sets = [f"seed={args.seed}", f"rollout_seed={args.seed}", f"hf_checkpoint={model_dir}"]
+    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, args.set)
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
+    trainer_threads = args.trainer_threads or (2 if ranks == 1 else 1)
     state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model_dir, num_engines=args.engines,
-                                        trainer_ranks=ranks, trainer_threads=2 if ranks == 1 else 1,
+                                        trainer_ranks=ranks, trainer_threads=trainer_threads,
                                         trainer_device=args.device, engine_device=args.engine_device))
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
@@ -149,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out reward before training: {before:.3f}", flush=True)
         roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
         train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
-        sft_events = run_job(state, EXAMPLES / "sft.yaml", [*backend_sets, *seed_sets])
+        sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
         sft_s = time.monotonic() - train_start
         after_sft = evaluate(state, model_dir, test_path)  # the SFT job pushed its weights to the engines
         print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
         grpo_start = time.monotonic()
-        grpo_events = run_job(state, EXAMPLES / "job.yaml", [*backend_sets, *seed_sets[:2], *args.set])
+        grpo_events = run_job(state, EXAMPLES / "job.yaml", grpo_sets)
         train_s = sft_s + time.monotonic() - grpo_start
         train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
         after = evaluate(state, model_dir, test_path)
