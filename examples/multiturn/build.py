@@ -4,8 +4,8 @@ OUT_DIR/model: the agent example's tiny model (examples/agent/model.py: same tok
 N worked transcripts in this example's format (the question, `a*b+c=`, the calculator's answer, `The answer is R.`,
 end of sequence), so the policy starts able to call the calculator; OUT_DIR/train.jsonl and OUT_DIR/test.jsonl: the
 agent example's questions (examples/agent/build.py, same seed) in this example's wording. The two examples then
-train on the same questions from equally warmed-up models, one through a custom generate function, one through the
-agent gateway.
+train on the same questions from the same model warmed up on the same worked questions, one through a custom
+generate function, one through the agent gateway.
 """
 
 from __future__ import annotations
