@@ -1,14 +1,19 @@
 """The agent gateway's overhead: a 4-turn session through the gateway (the real `openai` client, the OpenAI API,
 the chat template, the trajectory record) against the same token requests sent straight to the router's /generate.
 
-`python bench/gateway_overhead.py [--sessions 40]`. One CPU engine (a tiny model with a tools chat template) behind
+`python bench/gateway_overhead.py [--sessions 50]`. One CPU engine (a tiny model with a tools chat template) behind
 the real sglang-router; the gateway runs in its own process, as in the rollout service. The first session records
-the /generate bodies the gateway sends; then each turn of every later session is paired with the same body sent
-straight to the router, the two sent back to back in alternating order (so load on a shared machine falls on both
-alike; greedy decoding: both generate the same tokens, which is checked). Overhead at p50 = the median over pairs of
-gateway latency / direct latency - 1 (p99 likewise); the table also gives each side's median and the gateway
-process's CPU time per turn (its two bench calls per session included), which shows what the gateway itself spends.
-Prints a table, then one JSON line (`gateway_overhead_p50`, goal <= 0.10).
+the /generate bodies the gateway sends, and it and the next WARMUP_SESSIONS warm both paths up untimed (imports,
+template, pooled connections); then each turn of every later session is paired with the same body sent straight to
+the router, the two sent back to back in alternating order (so load on a shared machine falls on both alike; greedy
+decoding: both generate the same tokens, which is checked). Each request of a pair starts after a SETTLE_S pause,
+so that neither runs into what the other left running: without it, one run on a loaded 2-core machine gave a median
+ratio of 0.13 over the pairs where the gateway went second and 0.06 where it went first, and the median over all
+pairs fell between the two modes. Overhead at p50 = the median over pairs of gateway latency / direct latency - 1
+(p99 likewise). The table also gives each side's median, the CPU time per turn of the `openai` client (the bench
+process's thread, around each call) and of the gateway process (its two bench calls per session included): on a
+loaded machine the added latency grows with them. Prints a table, then one JSON line (`gateway_overhead_p50`, goal
+<= 0.10).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from services.rollout.pool.router import RouterClient  # noqa: E402
 
 NUM_TURNS = 4
 MAX_TOKENS = 16
+WARMUP_SESSIONS = 2  # after the recording one: untimed
+SETTLE_S = 0.02  # the pause before each request of a pair
 HOST_SCRIPT = Path(__file__).with_name("_gateway_host.py")
 
 
@@ -39,9 +46,9 @@ def user_turn(turn: int) -> dict[str, str]:
 
 
 def session_pairs(client: Any, http: Any, gateway_url: str, router_url: str, bodies: list[dict[str, Any]],
-                  expected: list[list[int]], gateway_first: bool) -> list[tuple[float, float]]:
+                  expected: list[list[int]], gateway_first: bool) -> list[tuple[float, float, float]]:
     """One 4-turn session through the gateway, each turn paired with its recorded body sent straight to the router:
-    (gateway seconds, direct seconds) per turn."""
+    (gateway seconds, direct seconds, the openai client's CPU seconds) per turn."""
     client = client.with_options(api_key=http.post(f"{gateway_url}/bench/open").json()["key"])
     messages: list[dict[str, Any]] = []
     pairs = []
@@ -49,10 +56,13 @@ def session_pairs(client: Any, http: Any, gateway_url: str, router_url: str, bod
         messages.append(user_turn(turn))
         timed: dict[str, float] = {}
         for side in (("gateway", "direct") if (turn + gateway_first) % 2 else ("direct", "gateway")):
+            time.sleep(SETTLE_S)
             start = time.perf_counter()
             if side == "gateway":
+                cpu_start = time.thread_time()
                 reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=MAX_TOKENS)
                 timed[side] = time.perf_counter() - start
+                timed["client_cpu"] = time.thread_time() - cpu_start
                 messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
             else:
                 direct = http.post(f"{router_url}/generate", json=bodies[turn])
@@ -60,7 +70,7 @@ def session_pairs(client: Any, http: Any, gateway_url: str, router_url: str, bod
                 direct.raise_for_status()
                 if direct.json()["output_ids"] != expected[turn]:
                     raise SystemExit("the replayed requests generated other tokens: not greedy?")
-        pairs.append((timed["gateway"], timed["direct"]))
+        pairs.append((timed["gateway"], timed["direct"], timed["client_cpu"]))
     if http.get(f"{gateway_url}/bench/bodies").json() != bodies:
         raise SystemExit("the gateway sent other /generate bodies than in the first session")
     return pairs
@@ -77,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sessions", type=int, default=40, help="4-turn sessions, each turn paired with a direct one")
+    parser.add_argument("--sessions", type=int, default=50, help="4-turn sessions, each turn paired with a direct one")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="physarum-bench-gateway-"))
     model = build_agent_model(work / "model")
@@ -103,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
             bodies = http.get(f"{gateway_url}/bench/bodies").json()
             expected = [http.post(f"{router_url}/generate", json=body).json()["output_ids"] for body in bodies]
+            for index in range(WARMUP_SESSIONS):
+                session_pairs(client, http, gateway_url, router_url, bodies, expected, index % 2 == 0)
             cpu_start_s = cpu_seconds(gateway.pid)
             pairs = [pair for index in range(args.sessions)
                      for pair in session_pairs(client, http, gateway_url, router_url, bodies, expected, index % 2 == 0)]
@@ -111,16 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         gateway.stop()
         router.stop()
         engine.stop()
-    gateway_s, direct_s = [g for g, _ in pairs], [d for _, d in pairs]
-    ratios = [g / d - 1 for g, d in pairs]
+    gateway_s, direct_s = [g for g, _, _ in pairs], [d for _, d, _ in pairs]
+    ratios = [g / d - 1 for g, d, _ in pairs]
     figures = {50: median(ratios), 99: percentile(ratios, 99)}
-    row = [1e3 * median(direct_s), 1e3 * median(gateway_s), 1e3 * median([g - d for g, d in pairs]),
-           1e3 * gateway_cpu_s / len(pairs), figures[50], figures[99]]
+    row = [1e3 * median(direct_s), 1e3 * median(gateway_s), 1e3 * median([g - d for g, d, _ in pairs]),
+           1e3 * median([c for _, _, c in pairs]), 1e3 * gateway_cpu_s / len(pairs), figures[50], figures[99]]
     prompt_tokens = [len(body["input_ids"]) for body in bodies]
     print_table(f"agent gateway overhead per turn: {len(pairs)} turns ({args.sessions} sessions of {NUM_TURNS}), each "
                 f"paired with the same /generate sent direct (prompts of {prompt_tokens} tokens, up to {MAX_TOKENS} "
                 "generated)",
-                ["direct p50 ms", "gateway p50 ms", "added p50 ms", "gateway CPU ms per turn",
+                ["direct p50 ms", "gateway p50 ms", "added p50 ms", "openai client CPU ms per turn",
+                 "gateway CPU ms per turn",
                  "overhead p50 (goal <= 0.10)", "overhead p99"],
                 [row])
     emit({"gateway_overhead_p50": figures[50], "gateway_overhead_p99": figures[99]})

@@ -31,19 +31,30 @@ def worked(a: int, b: int, c: int) -> dict:
         {"role": "assistant", "content": f"The answer is {a * b + c}."}]}
 
 
-def build(out_dir: Path, *, num_train: int = 200, num_test: int = 20, num_warmup: int = 4,
-          seed: int = 0) -> tuple[Path, Path, Path]:
-    """The model and the train and test prompts (distinct questions); returns their paths."""
+Triple = tuple[int, int, int]
+
+
+def split_questions(num_warmup: int, num_train: int, num_test: int,
+                    seed: int = 0) -> tuple[list[Triple], list[Triple], list[Triple]]:
+    """Distinct (a, b, c) for a*b+c, a and b in 2..9, c in 1..99: the warm-up's, the train and the test questions
+    (examples/multiturn/build.py asks the same ones)."""
     rng = random.Random(seed)
-    triples: set[tuple[int, int, int]] = set()
+    triples: set[Triple] = set()
     while len(triples) < num_train + num_test + num_warmup:
         triples.add((rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 99)))
     ordered = sorted(triples)
     rng.shuffle(ordered)
+    return ordered[:num_warmup], ordered[num_warmup:num_warmup + num_train], ordered[-num_test:]
+
+
+def build(out_dir: Path, *, num_train: int = 200, num_test: int = 20, num_warmup: int = 4,
+          seed: int = 0) -> tuple[Path, Path, Path]:
+    """The model and the train and test prompts (distinct questions); returns their paths."""
+    warmup, train, test = split_questions(num_warmup, num_train, num_test, seed)
     out_dir = Path(out_dir)
-    model = build_agent_model(out_dir / "model", conversations=[worked(*t) for t in ordered[:num_warmup]])
+    model = build_agent_model(out_dir / "model", conversations=[worked(*t) for t in warmup])
     paths = [model]
-    for name, rows in (("train", ordered[num_warmup:num_warmup + num_train]), ("test", ordered[-num_test:])):
+    for name, rows in (("train", train), ("test", test)):
         path = out_dir / f"{name}.jsonl"
         path.write_text("".join(json.dumps(question(*t)) + "\n" for t in rows))
         paths.append(path)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 from examples.multiturn.calculator import calculate
 
@@ -23,12 +23,18 @@ TOOL = {"type": "function", "function": {"name": "calculator", "description": "A
 
 
 async def agent(base_url: str, api_key: str, prompt: dict[str, Any]) -> None:
-    """Ask, run the calculator for every call the model makes, give its results back, until the model answers."""
+    """Ask, run the calculator for every call the model makes, give its results back, until the model answers or the
+    session's response budget is spent (the gateway refuses the next turn with HTTP 400: the episode is over)."""
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=300.0, max_retries=0)
     messages = list(prompt["messages"]) or [{"role": "user", "content": prompt["prompt"]}]
     try:
         for _ in range(MAX_CALLS + 1):
-            reply = await client.chat.completions.create(model="policy", messages=messages, tools=[TOOL])
+            try:
+                reply = await client.chat.completions.create(model="policy", messages=messages, tools=[TOOL])
+            except BadRequestError as err:
+                if "response budget" in str(err):  # the tool results filled the session's budget
+                    return None
+                raise
             choice = reply.choices[0]
             messages.append(choice.message.model_dump(exclude_none=True))
             if not choice.message.tool_calls or choice.finish_reason == "length":

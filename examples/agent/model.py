@@ -38,9 +38,10 @@ def corpus() -> list[str]:
 
 def build_agent_model(out_dir: Path, *, max_positions: int = 2048, hidden_size: int = 64, num_layers: int = 2,
                       seed: int = 0, conversations: list[dict[str, Any]] | None = None,
-                      warmup_steps: int = 300) -> Path:
+                      transcripts: list[list[tuple[str, bool]]] | None = None, warmup_steps: int = 300) -> Path:
     """Tokenizer (with TOOLS_CHAT_TEMPLATE) and model in one HF directory; with `conversations` ({"messages",
-    "tools"}), trained on their assistant turns until it reproduces them greedily. Skips work already done."""
+    "tools"}), trained on their assistant turns until it reproduces them greedily; with `transcripts` (plain text as
+    (piece, trained) pairs, each ending at end-of-sequence), on their trained pieces. Skips work already done."""
     out_dir = Path(out_dir)
     if (out_dir / "model.safetensors").exists():
         return out_dir
@@ -52,8 +53,9 @@ def build_agent_model(out_dir: Path, *, max_positions: int = 2048, hidden_size: 
     config.pop("chat_template", None)
     config_path.write_text(json.dumps(config, indent=2))
     model = _new_model(out_dir, max_positions, hidden_size, num_layers, seed)
-    if conversations:
-        _warm_up(model, out_dir, conversations, warmup_steps)
+    if conversations or transcripts:
+        rows = _chat_rows(out_dir, conversations or []) + _text_rows(out_dir, transcripts or [])
+        _warm_up(model, rows, warmup_steps)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -72,11 +74,9 @@ def _new_model(out_dir: Path, max_positions: int, hidden_size: int, num_layers: 
     return Qwen3ForCausalLM(config)
 
 
-def _warm_up(model: Any, out_dir: Path, conversations: list[dict[str, Any]], steps: int) -> None:
-    """Next-token loss on the assistant turns (the text after each '<|im_start|>assistant\\n' up to and including
-    its <|im_end|>), full batch, Adam, until the loss is near 0 (at most `steps` steps)."""
-    import torch
-
+def _chat_rows(out_dir: Path, conversations: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) per conversation: its assistant turns (the text after each '<|im_start|>assistant\\n'
+    up to and including its <|im_end|>) trained, the rest not."""
     from services.rollout.generation.prompts import PromptEncoder
 
     encoder = PromptEncoder(out_dir)
@@ -94,6 +94,30 @@ def _warm_up(model: Any, out_dir: Path, conversations: list[dict[str, Any]], ste
             turn = encoder.encode_text(done[len(before):].removesuffix("\n"))
             ids, mask = ids + new + turn, mask + [0] * len(new) + [1] * len(turn)
         rows.append((ids, mask))
+    return rows
+
+
+def _text_rows(out_dir: Path, transcripts: list[list[tuple[str, bool]]]) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) per plain-text transcript, each piece tokenized on its own (as a custom generate
+    function appends a tool's answer), the end-of-sequence token appended and trained."""
+    from services.rollout.generation.prompts import PromptEncoder
+
+    encoder = PromptEncoder(out_dir)
+    rows = []
+    for pieces in transcripts:
+        ids, mask = [], []
+        for text, trained in pieces:
+            piece = encoder.encode_text(text)
+            ids, mask = ids + piece, mask + [int(trained)] * len(piece)
+        rows.append((ids + [encoder.eos_token_id], mask + [1]))
+    return rows
+
+
+def _warm_up(model: Any, rows: list[tuple[list[int], list[int]]], steps: int) -> None:
+    """Next-token loss on the rows' trained tokens, full batch, Adam, until the loss is near 0 (at most `steps`
+    steps)."""
+    import torch
+
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
     weights = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)

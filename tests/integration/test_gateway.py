@@ -4,6 +4,7 @@ are the engine's own, with masks and log-probs; an edited history is a reported 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -225,3 +226,22 @@ def test_keys_and_bounds_answer_4xx(gateway):
     gw.close_session(session)
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+
+
+def test_calculator_agent_ends_its_episode_when_a_tool_result_spends_the_budget(gateway):
+    from examples.agent.calculator import agent
+
+    gw, proxy = gateway
+    messages = [{"role": "user", "content": QUESTION}]
+    before = gw.encoder.render_messages(messages, [OPENAI_TOOL], add_generation_prompt=True)
+    done = gw.encoder.render_messages(CALCULATOR_CONVERSATION["messages"][:2], [OPENAI_TOOL],
+                                      add_generation_prompt=False)
+    num_call_tokens = len(gw.encoder.encode_text(done[len(before):].removesuffix("\n")))
+    # room for the warmed-up calculator call, not for its result's turn after it
+    session = gw.open(max_new_tokens=num_call_tokens + 2)
+    start = len(proxy.generated)
+    prompt = {"prompt": QUESTION, "messages": [], "label": "5", "metadata": {}}
+    assert asyncio.run(asyncio.wait_for(agent(f"{gw.url}/v1", session.key, prompt), TIMEOUT_S)) is None
+    assert len(engine_turns(proxy, start)) == 1 and session.num_turns == 1  # the call; the answer was refused
+    assert session.trajectory.tip.generated[-1] == gw.encoder.tokenizer.token_to_id("<|im_end|>")
+    gw.close_session(session)
