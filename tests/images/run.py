@@ -96,7 +96,7 @@ def run_jobs(stack, model_dir: Path) -> dict:
         ("sft", ROOT / "examples/demo/sft.yaml", [f"hf_checkpoint={MODELS}/model", f"prompt_data={task}/sft.jsonl",
                                                   "num_rollout=40", f"save_hf={CHECKPOINTS}/sft-model"]),
         ("grpo", ROOT / "examples/demo/job.yaml", [f"hf_checkpoint={CHECKPOINTS}/sft-model",
-                                                   f"prompt_data={task}/train.jsonl", "num_rollout=20"]),
+                                                   f"prompt_data={task}/train.jsonl", "num_rollout=100"]),
         ("multiturn", ROOT / "examples/multiturn/job.yaml", [
             f"hf_checkpoint={MODELS}/model", f"prompt_data={multiturn}/train.jsonl", "num_rollout=2",
             f"eval_prompt_data=[calc={multiturn}/test.jsonl]", "eval_interval=2"]),
