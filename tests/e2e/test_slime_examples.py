@@ -65,8 +65,8 @@ DENSE_LEFT_OUT = {
     "run-qwen3-4b-fp8.sh": "its point is the FP8 checkpoint; a tiny model of its family is not FP8",
     "run-glm4-9B.sh": "GLM-4, which megatron here does not build: it moves to fsdp as fully_async_qwen3.5_9B does "
                       "(and so ran when tried), left out for the cost of one more stack",
-    "run-qwen3-32B.sh": "--use-precision-aware-optimizer: megatron-core's OptimizerConfig compares TransformerEngine's "
-                        "version, and fails (TypeError) where TransformerEngine is not installed, as on CPU here",
+    "run-qwen3-32B.sh": "refused at submit where TransformerEngine is not installed, as on CPU here: "
+                        "--use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's FusedAdam)",
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
 # says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)

@@ -2,11 +2,13 @@
 script builds, model block included) submitted as they are, with the files they name present: the models' HF
 config.json, prompt rows, the YAML files. Each is accepted at submit, or refused only for features that
 docs/slime-flags.md lists as refused (MoE, MTP), each with its reason, or for context parallelism on megatron
-(the refusal names fsdp, which runs it).
+(the refusal names fsdp, which runs it), or, where TransformerEngine is not installed (as on CPU here), for
+--use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's FusedAdam).
 A slime user's one change, dropping a refused flag, is shown by appending its accepted value (the last one wins)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -61,6 +63,13 @@ REFUSED = {
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
 }
+# multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam
+TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
+if not TRANSFORMER_ENGINE:
+    REFUSED["multi_agent"] = {"precision-aware optimizer"}
+PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron-core runs it only with "
+                     "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's image; "
+                     "drop it (slime: --use-precision-aware-optimizer)")
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
 CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
@@ -132,6 +141,9 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     problems = re.split(r"; (?=--)", str(err.value).removeprefix("slime_args: "))
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
+        return
+    if REFUSED[name] == {"precision-aware optimizer"}:
+        assert str(err.value) == PRECISION_REFUSAL
         return
     if REFUSED[name] == {"context parallelism"}:
         assert problems == [f"job spec: {CP_REFUSAL} (megatron-core's local attention cannot split a sequence); set "
@@ -220,6 +232,28 @@ def test_the_dense_scripts_are_refused_only_for_listed_features(script):
         listed = slime_flags.FLAGS.get(flag) or megatron_flags.MEGATRON.get(flag)
         assert listed is not None and listed.status == "refused" or listed.note.startswith("1 only"), problem
         assert listed.note in DOC, problem
+
+
+@pytest.mark.parametrize("script", sorted(DENSE))
+def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_config(script):
+    """Each script's `megatron:` settings are built into megatron-core's OptimizerConfig at submit: where
+    TransformerEngine is not installed (as on this CPU install), --use-precision-aware-optimizer (run-qwen3-32B.sh)
+    is refused there by name; otherwise they build."""
+    import importlib.util
+
+    from services.trainer.api.spec import JobSpec
+    from services.trainer.backends.megatron import args as megatron_args
+    from services.trainer.slime import args as slime_args
+
+    conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
+    split = megatron_args.split(conv.megatron)
+    distributed = conv.spec.get("use_distributed_optimizer", True)
+    if split.optimizer.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(InvalidArgument, match=r"megatron.use_precision_aware_optimizer: .* TransformerEngine is "
+                                                  r"not installed"):
+            megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
+    else:
+        megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
 
 
 def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):

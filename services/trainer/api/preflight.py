@@ -1,6 +1,6 @@
 """Submit-time checks of a parsed job spec: what would otherwise fail only after GPUs are allocated. The paths the job
 reads exist where the trainer (and the buffer, on the same volume) sees them, the chosen train_backend builds
-hf_checkpoint's model family, `megatron:` keys are megatron-core's,
+hf_checkpoint's model family, `megatron:` keys are megatron-core's and its OptimizerConfig takes them,
 and plugin import paths lie under the operator's allow-list and name a module the images hold (found, not imported:
 no plugin code runs before a spec is accepted); every problem is reported at once. (rm_type is checked by the spec
 itself, against the reward client's list of scorers.)"""
@@ -138,7 +138,8 @@ def check_megatron(spec: JobSpec) -> list[str]:
     from services.trainer.backends.megatron import args  # megatron-core: only for specs that use it
 
     try:
-        args.split(spec.megatron)
+        split = args.split(spec.megatron)
+        args.check_optimizer(split.optimizer, use_distributed_optimizer=spec.layout.use_distributed_optimizer)
     except InvalidArgument as err:
         return [str(err)]
     return []

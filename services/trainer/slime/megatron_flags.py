@@ -267,7 +267,9 @@ MEGATRON: dict[str, Flag] = {
     "adam-eps": Flag("mapped", 1e-8, _SPEC + " adam_eps"),
     "optimizer-cpu-offload": Flag("mapped", False, _MEGA, bare=True),
     "overlap-cpu-optimizer-d2h-h2d": Flag("mapped", False, _MEGA, bare=True),
-    "use-precision-aware-optimizer": Flag("mapped", False, _MEGA, bare=True),
+    "use-precision-aware-optimizer": Flag("mapped", False, _MEGA + "; refused at submit where TransformerEngine "
+                                          "(its FusedAdam, which megatron-core runs it on) is not installed",
+                                          bare=True),
     # numerics and memory
     "attention-dropout": Flag("mapped", 0.1, _MEGA),
     "hidden-dropout": Flag("mapped", 0.1, _MEGA),
