@@ -45,6 +45,11 @@ HF_CONFIGS = {
     "qwen3-4b-sft": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
                      "rope_theta": 5000000, "max_position_embeddings": 262144},
+    # Qwen3-4B's FP8 checkpoint (slime's run-qwen3-4b-fp8.sh): block-wise FP8 weights, for slime's FP8 rollout
+    "Qwen3-4B-FP8": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                     "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}},
     "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
                  "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": False},
     "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -254,6 +259,32 @@ def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_conf
             megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
     else:
         megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
+
+
+def test_the_fp8_script_is_refused_at_submit_for_its_fp8_checkpoint(tmp_path):
+    """run-qwen3-4b-fp8.sh: slime's FP8 rollout (the engines serve Qwen3-4B-FP8, the trainer's bf16 weights are
+    quantized at each sync), which Physarum does not do: refused for its checkpoint, its only such setting."""
+    argv = materialize(DENSE["run-qwen3-4b-fp8.sh"], tmp_path)
+    with pytest.raises(InvalidArgument) as err:
+        submit(argv)
+    hf = argv[argv.index("--hf-checkpoint") + 1]
+    problems = [p for p in re.split(r"; (?=[a-z_]+: )", str(err.value).removeprefix("job spec: "))
+                if not p.startswith("ref_load: ")]  # the bf16 model's torch_dist checkpoint: not made here
+    assert problems == [f"hf_checkpoint: {hf}/config.json has a quantization_config (quant_method 'fp8'): quantized "
+                        "checkpoints are not supported (the backends train bf16 or float32 weights and send them to "
+                        "the engines as they are); use the model's unquantized checkpoint"]
+    assert preflight.QUANTIZED_REFUSAL in DOC
+
+
+def test_fp8_training_flags_are_refused_naming_the_reason():
+    from services.trainer.api.spec import JobSpec
+    from services.trainer.slime import args as slime_args
+
+    argv = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
+    conv = slime_args.convert(argv, spec_keys=set(JobSpec.model_fields), check_architecture=False)
+    assert conv.unknown == [] and len(conv.refused) == 3
+    assert all(megatron_flags.FP8_TRAINING_REFUSAL in problem for problem in conv.refused), conv.refused
+    assert megatron_flags.FP8_TRAINING_REFUSAL in DOC
 
 
 def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):

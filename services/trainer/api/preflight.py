@@ -25,6 +25,9 @@ PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sam
 SIGNATURES = {"rollout_function_path": plugins.ROLLOUT_FUNCTION, "data_source_path": plugins.DATA_SOURCE,
               "buffer_filter_path": plugins.BUFFER_FILTER}
 
+QUANTIZED_REFUSAL = ("quantized checkpoints are not supported (the backends train bf16 or float32 weights and send "
+                     "them to the engines as they are); use the model's unquantized checkpoint")
+
 
 def data_path(value: str) -> str:
     """slime's `path@[start:end]` slice notation names the file `path`."""
@@ -99,8 +102,8 @@ def check_plugins(spec: JobSpec) -> list[str]:
 
 
 def check_model_family(spec: JobSpec) -> list[str]:
-    """The chosen backend builds hf_checkpoint's model (read where the trainer sees it; a hub id is not checked), and
-    context parallelism can split it."""
+    """The chosen backend builds hf_checkpoint's model (read where the trainer sees it; a hub id is not checked), which
+    is not quantized, and context parallelism can split it."""
     path = Path(spec.hf_checkpoint) / "config.json"
     if not path.is_file():
         return []
@@ -110,6 +113,10 @@ def check_model_family(spec: JobSpec) -> list[str]:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
     if not isinstance(hf_config, dict):
         return []
+    if isinstance(quantized := hf_config.get("quantization_config"), dict):
+        # e.g. slime's FP8 rollout: an FP8 checkpoint the engines serve, bf16 weights quantized at each sync
+        return [f"hf_checkpoint: {path} has a quantization_config (quant_method "
+                f"{quantized.get('quant_method', '?')!r}): {QUANTIZED_REFUSAL}"]
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
                                            ep_size=spec.expert_model_parallel_size)]

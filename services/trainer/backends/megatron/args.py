@@ -26,6 +26,9 @@ OWNED: dict[str, str] = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
         "use_distributed_optimizer", "lr", "min_lr",
         "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")},
+    **{name: "FP8/FP4 training is not supported: the backends train in bf16 or float32" for name in (
+        "fp8", "fp8_recipe", "fp8_param", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp4", "fp4_recipe",
+        "fp4_param")},
     **{name: "is set from the job spec's `bf16` (fp32 main parameters and gradient reduction)" for name in (
         "params_dtype", "pipeline_dtype", "bf16", "fp16", "main_params_dtype", "main_grads_dtype")},
 }
