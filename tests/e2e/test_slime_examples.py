@@ -9,8 +9,9 @@ The scripts are megatron-typed (slime's default backend) and run on megatron whe
 builds here (Qwen2.5, Qwen3). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers with a
 refusal that names fsdp, runs moved to fsdp as README's porting section says (ON_FSDP). Left out, as
 tests/unit/test_slime_examples.py shows it refused at submit for a listed reason: train_infer_mismatch_helper
-(context parallelism 2 on megatron). Both it and multi_agent (accepted) name plugin modules of slime's own
-(examples.*) that this repository does not hold (NOT_HELD).
+(context parallelism 2 on megatron) and, without TransformerEngine (as on CPU here), multi_agent
+(--use-precision-aware-optimizer). Both name plugin modules of slime's own (examples.*) that this repository does
+not hold (NOT_HELD).
 
 One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
 once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
