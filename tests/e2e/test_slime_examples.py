@@ -6,12 +6,12 @@ sizes and paths change (tests/e2e/slime_tiny.py names each flag and why); algori
 and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
-builds here (Qwen2.5, Qwen3). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers with a
-refusal that names fsdp, runs moved to fsdp as README's porting section says (ON_FSDP). Left out, as
-tests/unit/test_slime_examples.py shows it refused at submit for a listed reason: train_infer_mismatch_helper
-(context parallelism 2 on megatron) and, without TransformerEngine (as on CPU here), multi_agent
-(--use-precision-aware-optimizer). Both name plugin modules of slime's own (examples.*) that this repository does
-not hold (NOT_HELD).
+builds here (Qwen2.5, Qwen3). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers, and
+train_infer_mismatch_helper, refused on megatron for its context parallelism, both with a refusal that names fsdp, run
+moved to fsdp as README's porting section says (ON_FSDP; the mismatch helper's mis.py and mis.yaml, slime's, from
+tests/slime_examples/examples). Left out: multi_agent, refused at submit without TransformerEngine (as on CPU here)
+for --use-precision-aware-optimizer, as tests/unit/test_slime_examples.py shows, and naming a plugin module of
+slime's own that this repository does not hold (NOT_HELD).
 
 One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
 once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
@@ -45,7 +45,7 @@ from tests.unit.test_slime_examples import DENSE, EXAMPLES, HF_CONFIGS, REFUSED
 
 SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"
 PLUGIN_FOLDERS = ("retool", "search_r1")  # slime's launch scripts put the example's folder on PYTHONPATH
-PLUGIN_MODULES = ("generate_with_retool", "generate_with_search")
+PLUGIN_MODULES = ("generate_with_retool", "generate_with_search", "examples.train_infer_mismatch_helper")
 SEARCH_URL = "http://127.0.0.1:8000/retrieve"  # Search-R1's SEARCH_R1_CONFIGS["local"]["search_url"]
 
 
@@ -71,7 +71,7 @@ DENSE_LEFT_OUT = {
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
 # says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
-ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5"}
+ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5", "train_infer_mismatch_helper": "qwen3"}
 # Accepted at submit but not run here: the plugin module it names is slime's own, which this repository does not hold
 NOT_HELD = {"multi_agent": "examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents"}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
@@ -102,7 +102,8 @@ def plugin_path(search_server, tmp_path_factory) -> str:
         shutil.copytree(SLIME_EXAMPLES / folder, root / folder)
     search = root / "search_r1" / "generate_with_search.py"
     search.write_text(search.read_text().replace(SEARCH_URL, f"{search_server.url}/retrieve"))
-    return os.pathsep.join(str(root / folder) for folder in PLUGIN_FOLDERS)
+    shutil.copytree(SLIME_EXAMPLES / "examples", root / "examples")  # slime's root: examples.* (a namespace package)
+    return os.pathsep.join([*(str(root / folder) for folder in PLUGIN_FOLDERS), str(root)])
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +177,9 @@ def test_each_accepted_script_runs_two_rollouts_on_a_tiny_model_of_its_family(na
     state, model = stack_of(model_type)
     teacher = f"{serving_engine(state)}/generate"
     argv = tiny_argv(script_argv, model_dir=model, work_dir=tmp_path, rm_url=teacher)
+    if "--custom-config-path" in argv:  # relative to slime's root, which tests/slime_examples mirrors
+        at = argv.index("--custom-config-path") + 1
+        argv[at] = str(SLIME_EXAMPLES / argv[at])
     if name in ON_FSDP:
         argv = moved_to_fsdp(state, argv, job_id(name))
     spec = {"slime_args": argv, "job_id": job_id(name), "weight_sync_timeout_s": 60.0,
@@ -236,7 +240,15 @@ def check_opd(spec: dict, steps: list[dict], state: dict) -> None:
         assert len(sample.teacher_log_probs) == sample.response_length > 0
 
 
+def check_mismatch_helper(spec: dict, steps: list[dict], state: dict) -> None:
+    """slime's mis.py ran as the job's TIS function (its mis.yaml's settings in slime's args): its metrics, per step."""
+    assert spec["custom_tis_function_path"] == "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
+    assert spec["use_tis"] and {**spec, **spec["plugin_args"]}["tis_mode"] == "truncate"
+    assert all(any("is_ratio_mean_final" in key for key in m) for m in steps), sorted(steps[0])
+
+
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
-          "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd}
+          "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,
+          "train_infer_mismatch_helper": check_mismatch_helper}
 

@@ -130,6 +130,7 @@ def allow_the_examples_plugins(monkeypatch):
     monkeypatch.setenv(plugins.ALLOWLIST_ENV, PLUGIN_MODULES)
     monkeypatch.syspath_prepend(str(HERE / "slime_examples" / "retool"))
     monkeypatch.syspath_prepend(str(HERE / "slime_examples" / "search_r1"))
+    monkeypatch.syspath_prepend(str(HERE / "slime_examples"))  # examples.train_infer_mismatch_helper, as slime's root
     monkeypatch.setattr(preflight, "CHECKS", (preflight.check_paths, preflight.check_model_family,
                                               preflight.check_megatron))  # modules: below
 
@@ -209,18 +210,20 @@ def test_the_mismatch_helper_example_without_context_parallelism(tmp_path):
 
 
 def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
-    """retool's and search-r1's modules are importable (tests/slime_examples); a module the images do not hold
-    fails the submit naming it."""
+    """retool's, search-r1's and the mismatch helper's modules are importable (tests/slime_examples); a module the
+    images do not hold (multi_agent's, slime's own) fails the submit naming it."""
     all_checks = (preflight.check_paths, preflight.check_megatron, preflight.check_plugins)
     for name in ("retool", "search_r1"):
         spec = parse_spec({"slime_args": materialize(EXAMPLES[name]["argv"], tmp_path / name)})
         assert [problem for check in all_checks for problem in check(spec)] == []
     argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path / "mis") + [
         "--context-parallel-size", "1"]
+    assert preflight.check_plugins(parse_spec({"slime_args": argv})) == []
+    argv = materialize(EXAMPLES["multi_agent"]["argv"], tmp_path / "multi_agent")
     problems = preflight.check_plugins(parse_spec({"slime_args": argv}))
-    assert problems == ["custom_tis_function_path: module 'examples.train_infer_mismatch_helper.mis' of "
-                        "'examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp' is not importable "
-                        "(install it in the images)"]
+    assert problems == ["custom_generate_function_path: module 'examples.multi_agent.rollout_with_multi_agents' of "
+                        "'examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents' is not "
+                        "importable (install it in the images)"]
 
 
 @pytest.mark.parametrize("script", sorted(DENSE))
