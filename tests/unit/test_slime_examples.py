@@ -210,8 +210,8 @@ def test_the_mismatch_helper_example_without_context_parallelism(tmp_path):
 
 
 def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
-    """retool's, search-r1's and the mismatch helper's modules are importable (tests/slime_examples); a module the
-    images do not hold (multi_agent's, slime's own) fails the submit naming it."""
+    """retool's, search-r1's, the mismatch helper's and multi_agent's modules are importable (tests/slime_examples); a
+    module the images do not hold fails the submit naming it."""
     all_checks = (preflight.check_paths, preflight.check_megatron, preflight.check_plugins)
     for name in ("retool", "search_r1"):
         spec = parse_spec({"slime_args": materialize(EXAMPLES[name]["argv"], tmp_path / name)})
@@ -220,10 +220,11 @@ def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
         "--context-parallel-size", "1"]
     assert preflight.check_plugins(parse_spec({"slime_args": argv})) == []
     argv = materialize(EXAMPLES["multi_agent"]["argv"], tmp_path / "multi_agent")
-    problems = preflight.check_plugins(parse_spec({"slime_args": argv}))
-    assert problems == ["custom_generate_function_path: module 'examples.multi_agent.rollout_with_multi_agents' of "
-                        "'examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents' is not "
-                        "importable (install it in the images)"]
+    assert preflight.check_plugins(parse_spec({"slime_args": argv})) == []
+    missing = "examples.multi_agent.rollout_with_no_agents.generate"
+    problems = preflight.check_plugins(parse_spec({"slime_args": [*argv, "--custom-generate-function-path", missing]}))
+    assert problems == ["custom_generate_function_path: module 'examples.multi_agent.rollout_with_no_agents' of "
+                        f"'{missing}' is not importable (install it in the images)"]
 
 
 @pytest.mark.parametrize("script", sorted(DENSE))
