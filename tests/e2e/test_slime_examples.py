@@ -19,9 +19,9 @@ once for the module and shared by that family's examples, with the plugins' fold
 and their modules on its allow-list, as slime's scripts put them on PYTHONPATH. Outside services have local
 stand-ins: Search-R1's retrieval server (its URL set in the user's copy of the example, as a Search-R1 user edits
 SEARCH_R1_CONFIGS), retool's sandbox (in the rollout service, as in slime), W&B for `--use-wandb` (offline mode,
-WANDB_MODE), and slime's OPD teacher at `--rm-url` (the stack's own engine). 4.5 minutes on 2 cores at load 20, most
-of it starting the stacks (each job takes seconds once its stack is up), before train_infer_mismatch_helper and
-multi_agent joined: 42 s and 26 s more, each measured alone at load 10 with its stack's start.
+WANDB_MODE), and slime's OPD teacher at `--rm-url` (the stack's own engine). 2 minutes on 2 cores at load 9 (4.5 at
+load 20), most of it starting the four stacks (each job takes seconds once its stack is up): multi_agent's 28 s
+include its Qwen3-MoE stack's start, train_infer_mismatch_helper's 2 s share the Qwen3 stack.
 """
 
 from __future__ import annotations
