@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "slime-flags.md"
 
 sys.path.insert(0, str(ROOT))
+from services.trainer.api.preflight import QUANTIZED_REFUSAL  # noqa: E402
 from services.trainer.slime.flags import DEFAULTS_DIFFER, FLAGS, MOE_REFUSAL  # noqa: E402
 from services.trainer.slime.megatron_flags import ARCH, MEGATRON  # noqa: E402
 
@@ -60,7 +61,9 @@ def render() -> str:
     for name, flag in sorted(MEGATRON.items()):
         lines.append(f"| `--{name}` | {flag.status} | {_cell(flag.note)} |")
     lines += ["", f"Megatron's MoE flags that the table does not list (`--moe-*`, `--num-experts`) are refused: "
-              f"{MOE_REFUSAL}."]
+              f"{MOE_REFUSAL}.", "",
+              "An `--hf-checkpoint` whose config.json has a `quantization_config` (an FP8 checkpoint, as slime's FP8 "
+              f"rollout serves) is refused at submit: {QUANTIZED_REFUSAL}."]
     return "\n".join(lines) + "\n"
 
 

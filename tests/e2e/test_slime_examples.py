@@ -6,24 +6,26 @@ sizes and paths change (tests/e2e/slime_tiny.py names each flag and why); algori
 and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
-builds here (Qwen2.5, Qwen3). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers with a
-refusal that names fsdp, runs moved to fsdp as README's porting section says (ON_FSDP). Left out, as
-tests/unit/test_slime_examples.py shows it refused at submit for a listed reason: train_infer_mismatch_helper
-(context parallelism 2 on megatron). Both it and multi_agent (accepted) name plugin modules of slime's own
-(examples.*) that this repository does not hold (NOT_HELD).
+builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers,
+and train_infer_mismatch_helper, refused on megatron for its context parallelism, both with a refusal that names
+fsdp, run moved to fsdp as README's porting section says (ON_FSDP; the mismatch helper's mis.py and mis.yaml,
+slime's, from tests/slime_examples/examples). multi_agent (slime's multi-agent generate function, from there too, on
+a tiny Qwen3-MoE), refused at submit without TransformerEngine (as on CPU here) for --use-precision-aware-optimizer
+as tests/unit/test_slime_examples.py shows, runs with that flag dropped, as its refusal says, and the CPU-offloaded
+optimizer flags that go with it (DROPPED).
 
 One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
 once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
 and their modules on its allow-list, as slime's scripts put them on PYTHONPATH. Outside services have local
 stand-ins: Search-R1's retrieval server (its URL set in the user's copy of the example, as a Search-R1 user edits
 SEARCH_R1_CONFIGS), retool's sandbox (in the rollout service, as in slime), W&B for `--use-wandb` (offline mode,
-WANDB_MODE), and slime's OPD teacher at `--rm-url` (the stack's own engine). 4.5 minutes on 2 cores at load 20, most
-of it starting the three stacks (each job takes seconds once its stack is up).
+WANDB_MODE), and slime's OPD teacher at `--rm-url` (the stack's own engine). 2 minutes on 2 cores at load 9 (4.5 at
+load 20), most of it starting the four stacks (each job takes seconds once its stack is up): multi_agent's 28 s
+include its Qwen3-MoE stack's start, train_infer_mismatch_helper's 2 s share the Qwen3 stack.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -44,7 +46,8 @@ from tests.unit.test_slime_examples import DENSE, EXAMPLES, HF_CONFIGS, REFUSED
 
 SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"
 PLUGIN_FOLDERS = ("retool", "search_r1")  # slime's launch scripts put the example's folder on PYTHONPATH
-PLUGIN_MODULES = ("generate_with_retool", "generate_with_search")
+PLUGIN_MODULES = ("generate_with_retool", "generate_with_search", "examples.train_infer_mismatch_helper",
+                  "examples.multi_agent")
 SEARCH_URL = "http://127.0.0.1:8000/retrieve"  # Search-R1's SEARCH_R1_CONFIGS["local"]["search_url"]
 
 
@@ -62,21 +65,26 @@ DENSE_LEFT_OUT = {
     "run-qwen3.5-27B.sh": "refused: --decoder-last-pipeline-num-layers (uneven pipeline stages)",
     "run-mimo-7B-rl-eagle.sh": "refused: --mtp-num-layers, --enable-mtp-training (multi-token prediction)",
     "run-qwen3-4B-base-sft.sh": "refused: --num-epoch over a Parquet prompt_data (the prompts are not counted)",
-    "run-qwen3-4b-fp8.sh": "its point is the FP8 checkpoint; a tiny model of its family is not FP8",
+    "run-qwen3-4b-fp8.sh": "refused at submit: its FP8 checkpoint (a quantization_config in config.json)",
     "run-glm4-9B.sh": "GLM-4, which megatron here does not build: it moves to fsdp as fully_async_qwen3.5_9B does "
                       "(and so ran when tried), left out for the cost of one more stack",
-    "run-qwen3-32B.sh": "--use-precision-aware-optimizer: megatron-core's OptimizerConfig compares TransformerEngine's "
-                        "version, and fails (TypeError) where TransformerEngine is not installed, as on CPU here",
+    "run-qwen3-32B.sh": "refused at submit where TransformerEngine is not installed, as on CPU here: "
+                        "--use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's FusedAdam)",
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
 # says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
-ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5"}
-# Accepted at submit but not run here: the plugin module it names is slime's own, which this repository does not hold
-NOT_HELD = {"multi_agent": "examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents"}
+ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5", "train_infer_mismatch_helper": "qwen3"}
+# Refused at submit here (no TransformerEngine) for --use-precision-aware-optimizer: run with it dropped, and with the
+# CPU-offloaded optimizer flags that go with it, which megatron-core's hybrid optimizer fails at the job's first step
+# on CPU ("can't optimize a non-leaf Tensor"; accepted at submit: not yet refused there)
+DROPPED = {"multi_agent": ("qwen3_moe", ("use-precision-aware-optimizer", "optimizer-cpu-offload",
+                                          "overlap-cpu-optimizer-d2h-h2d"))}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
-           if name not in REFUSED and name not in NOT_HELD},
+           if name not in REFUSED},
         **{name: (DENSE[name], model_type) for name, model_type in DENSE_RUNS.items()},
-        **{name: (EXAMPLES[name]["argv"], model_type) for name, model_type in ON_FSDP.items()}}
+        **{name: (EXAMPLES[name]["argv"], model_type) for name, model_type in ON_FSDP.items()},
+        **{name: (EXAMPLES[name]["argv"], model_type) for name, (model_type, _) in DROPPED.items()
+           if name in REFUSED}}
 MEGATRON_ONLY = re.compile(r"slime_args: (.*): Megatron settings, which train_backend fsdp does not take; drop them")
 
 
@@ -101,7 +109,8 @@ def plugin_path(search_server, tmp_path_factory) -> str:
         shutil.copytree(SLIME_EXAMPLES / folder, root / folder)
     search = root / "search_r1" / "generate_with_search.py"
     search.write_text(search.read_text().replace(SEARCH_URL, f"{search_server.url}/retrieve"))
-    return os.pathsep.join(str(root / folder) for folder in PLUGIN_FOLDERS)
+    shutil.copytree(SLIME_EXAMPLES / "examples", root / "examples")  # slime's root: examples.* (a namespace package)
+    return os.pathsep.join([*(str(root / folder) for folder in PLUGIN_FOLDERS), str(root)])
 
 
 @pytest.fixture(scope="module")
@@ -147,16 +156,6 @@ def test_every_dense_script_runs_here_or_is_left_out_for_a_reason():
     assert sorted(DENSE) == sorted([*DENSE_RUNS, *DENSE_LEFT_OUT])
 
 
-def test_the_examples_not_run_name_modules_this_repository_does_not_hold():
-    for name, path in NOT_HELD.items():
-        assert path in EXAMPLES[name]["argv"]
-        try:
-            found = importlib.util.find_spec(path.rpartition(".")[0]) is not None
-        except ModuleNotFoundError:  # its parent package is missing too
-            found = False
-        assert not found, f"{path} is importable now: run {name} here"
-
-
 def moved_to_fsdp(state: dict, argv: list[str], job: str) -> list[str]:
     """What a slime user does when megatron refuses the model's family: append `--train-backend fsdp`, submit, drop
     the flags the refusal names."""
@@ -175,8 +174,14 @@ def test_each_accepted_script_runs_two_rollouts_on_a_tiny_model_of_its_family(na
     state, model = stack_of(model_type)
     teacher = f"{serving_engine(state)}/generate"
     argv = tiny_argv(script_argv, model_dir=model, work_dir=tmp_path, rm_url=teacher)
+    if "--custom-config-path" in argv:  # relative to slime's root, which tests/slime_examples mirrors
+        at = argv.index("--custom-config-path") + 1
+        argv[at] = str(SLIME_EXAMPLES / argv[at])
     if name in ON_FSDP:
         argv = moved_to_fsdp(state, argv, job_id(name))
+    if name in DROPPED and name in REFUSED:
+        drop = DROPPED[name][1]
+        argv = [token for flag, values in split_flags(argv) if flag not in drop for token in (f"--{flag}", *values)]
     spec = {"slime_args": argv, "job_id": job_id(name), "weight_sync_timeout_s": 60.0,
             "lease_timeout_s": 120.0, "rollout_timeout_s": 300.0}
     job, events = run(state, spec, timeout_s=400)
@@ -235,7 +240,23 @@ def check_opd(spec: dict, steps: list[dict], state: dict) -> None:
         assert len(sample.teacher_log_probs) == sample.response_length > 0
 
 
+def check_mismatch_helper(spec: dict, steps: list[dict], state: dict) -> None:
+    """slime's mis.py ran as the job's TIS function (its mis.yaml's settings in slime's args): its metrics, per step."""
+    assert spec["custom_tis_function_path"] == "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
+    assert spec["use_tis"] and {**spec, **spec["plugin_args"]}["tis_mode"] == "truncate"
+    assert all(any("is_ratio_mean_final" in key for key in m) for m in steps), sorted(steps[0])
+
+
+def check_multi_agent(spec: dict, steps: list[dict], state: dict) -> None:
+    """slime's multi-agent system ran as the generate function: its solvers' (and rewriters') samples, a fan-out of
+    several per prompt, trained."""
+    assert spec["custom_generate_function_path"] == \
+        "examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents"
+    assert len(buffer_samples(state, spec)) > spec["rollout_batch_size"]
+
+
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
-          "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd}
+          "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,
+          "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent}
 

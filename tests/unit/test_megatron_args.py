@@ -52,6 +52,7 @@ def test_configs_are_built_with_the_overrides():
     ({"tensor_model_parallel_size": 2}, r"megatron.tensor_model_parallel_size: is the job spec's own key"),
     ({"lr": 1e-3}, r"megatron.lr: is the job spec's own key: set `lr` at the top level"),
     ({"bf16": True}, r"megatron.bf16: is set from the job spec.s .bf16."),
+    ({"fp8": "e4m3"}, r"megatron.fp8: FP8/FP4 training is not supported: the backends train in bf16 or float32"),
     ({"hidden_dropout": "0.1"}, r"megatron.hidden_dropout: expected float \(default 0.1\), got '0.1'"),
     ({"recompute_num_layers": 1.5}, None),  # default None: Megatron's own check decides (below)
     ({"overlap_grad_reduce": 1}, r"megatron.overlap_grad_reduce: expected bool"),

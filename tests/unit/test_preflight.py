@@ -71,6 +71,37 @@ def test_megatron_keys_are_checked_against_megatron_core(paths):
         preflight(parse_spec({**base, "megatron": {"attn_dropout": 0.1}}))
 
 
+def test_megatron_cores_optimizer_config_is_built_at_submit(paths, monkeypatch):
+    """megatron-core's OptimizerConfig checks its fields only when built: at submit, not at the job's start."""
+    import importlib.util
+
+    base = {**paths, "train_backend": "megatron"}
+    real_find_spec = importlib.util.find_spec
+
+    def transformer_engine(installed: bool) -> None:
+        marker = real_find_spec("json")  # any module's spec: TransformerEngine found (its checks come after these)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (marker if installed else None)
+                            if name == "transformer_engine" else real_find_spec(name, *a))
+
+    transformer_engine(installed=True)
+    with pytest.raises(InvalidArgument, match=r"megatron.use_precision_aware_optimizer, megatron.optimizer: "
+                                              r"megatron-core's OptimizerConfig refused them: "
+                                              r"--use-precision-aware-optimizer only supported with adam"):
+        preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": True, "optimizer": "sgd"}}))
+    with pytest.raises(InvalidArgument, match=r"refused them: --use-precision-aware-optimizer only supported with "
+                                              r"distributed optimizer"):
+        preflight(parse_spec({**base, "use_distributed_optimizer": False,
+                              "megatron": {"use_precision_aware_optimizer": True}}))
+    # without TransformerEngine (this CPU install; an image without it) it is refused by name, not by a TypeError
+    transformer_engine(installed=False)
+    with pytest.raises(InvalidArgument, match=r"^job spec: megatron.use_precision_aware_optimizer: megatron-core runs "
+                                              r"it only with TransformerEngine's FusedAdam, and TransformerEngine is "
+                                              r"not installed in the trainer's image; drop it \(slime: "
+                                              r"--use-precision-aware-optimizer\)$"):
+        preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": True}}))
+    assert preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": False}}))
+
+
 def test_the_submit_parser_parses_then_checks(paths):
     parse = with_preflight(parse_spec)
     assert parse(paths).hf_checkpoint == paths["hf_checkpoint"]

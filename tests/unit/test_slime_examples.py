@@ -2,11 +2,13 @@
 script builds, model block included) submitted as they are, with the files they name present: the models' HF
 config.json, prompt rows, the YAML files. Each is accepted at submit, or refused only for features that
 docs/slime-flags.md lists as refused (MoE, MTP), each with its reason, or for context parallelism on megatron
-(the refusal names fsdp, which runs it).
+(the refusal names fsdp, which runs it), or, where TransformerEngine is not installed (as on CPU here), for
+--use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's FusedAdam).
 A slime user's one change, dropping a refused flag, is shown by appending its accepted value (the last one wins)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -43,6 +45,11 @@ HF_CONFIGS = {
     "qwen3-4b-sft": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
                      "rope_theta": 5000000, "max_position_embeddings": 262144},
+    # Qwen3-4B's FP8 checkpoint (slime's run-qwen3-4b-fp8.sh): block-wise FP8 weights, for slime's FP8 rollout
+    "Qwen3-4B-FP8": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                     "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}},
     "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
                  "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": False},
     "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -61,6 +68,13 @@ REFUSED = {
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
 }
+# multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam
+TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
+if not TRANSFORMER_ENGINE:
+    REFUSED["multi_agent"] = {"precision-aware optimizer"}
+PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron-core runs it only with "
+                     "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's image; "
+                     "drop it (slime: --use-precision-aware-optimizer)")
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
 CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
@@ -116,6 +130,7 @@ def allow_the_examples_plugins(monkeypatch):
     monkeypatch.setenv(plugins.ALLOWLIST_ENV, PLUGIN_MODULES)
     monkeypatch.syspath_prepend(str(HERE / "slime_examples" / "retool"))
     monkeypatch.syspath_prepend(str(HERE / "slime_examples" / "search_r1"))
+    monkeypatch.syspath_prepend(str(HERE / "slime_examples"))  # examples.train_infer_mismatch_helper, as slime's root
     monkeypatch.setattr(preflight, "CHECKS", (preflight.check_paths, preflight.check_model_family,
                                               preflight.check_megatron))  # modules: below
 
@@ -132,6 +147,9 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     problems = re.split(r"; (?=--)", str(err.value).removeprefix("slime_args: "))
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
+        return
+    if REFUSED[name] == {"precision-aware optimizer"}:
+        assert str(err.value) == PRECISION_REFUSAL
         return
     if REFUSED[name] == {"context parallelism"}:
         assert problems == [f"job spec: {CP_REFUSAL} (megatron-core's local attention cannot split a sequence); set "
@@ -204,18 +222,21 @@ def test_the_mismatch_helper_example_without_context_parallelism(tmp_path):
 
 
 def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
-    """retool's and search-r1's modules are importable (tests/slime_examples); a module the images do not hold
-    fails the submit naming it."""
+    """retool's, search-r1's, the mismatch helper's and multi_agent's modules are importable (tests/slime_examples); a
+    module the images do not hold fails the submit naming it."""
     all_checks = (preflight.check_paths, preflight.check_megatron, preflight.check_plugins)
     for name in ("retool", "search_r1"):
         spec = parse_spec({"slime_args": materialize(EXAMPLES[name]["argv"], tmp_path / name)})
         assert [problem for check in all_checks for problem in check(spec)] == []
     argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path / "mis") + [
         "--context-parallel-size", "1"]
-    problems = preflight.check_plugins(parse_spec({"slime_args": argv}))
-    assert problems == ["custom_tis_function_path: module 'examples.train_infer_mismatch_helper.mis' of "
-                        "'examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp' is not importable "
-                        "(install it in the images)"]
+    assert preflight.check_plugins(parse_spec({"slime_args": argv})) == []
+    argv = materialize(EXAMPLES["multi_agent"]["argv"], tmp_path / "multi_agent")
+    assert preflight.check_plugins(parse_spec({"slime_args": argv})) == []
+    missing = "examples.multi_agent.rollout_with_no_agents.generate"
+    problems = preflight.check_plugins(parse_spec({"slime_args": [*argv, "--custom-generate-function-path", missing]}))
+    assert problems == ["custom_generate_function_path: module 'examples.multi_agent.rollout_with_no_agents' of "
+                        f"'{missing}' is not importable (install it in the images)"]
 
 
 @pytest.mark.parametrize("script", sorted(DENSE))
@@ -235,6 +256,54 @@ def test_the_dense_scripts_are_refused_only_for_listed_features(script):
     given = dict(zip(DENSE[script], DENSE[script][1:], strict=False))
     tensor_parallel = int(given.get("--tensor-model-parallel-size", 1)) > 1  # megatron-core runs it only there
     assert conv.megatron.get("sequence_parallel", False) is ("--sequence-parallel" in DENSE[script] and tensor_parallel)
+
+
+@pytest.mark.parametrize("script", sorted(DENSE))
+def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_config(script):
+    """Each script's `megatron:` settings are built into megatron-core's OptimizerConfig at submit: where
+    TransformerEngine is not installed (as on this CPU install), --use-precision-aware-optimizer (run-qwen3-32B.sh)
+    is refused there by name; otherwise they build."""
+    import importlib.util
+
+    from services.trainer.api.spec import JobSpec
+    from services.trainer.backends.megatron import args as megatron_args
+    from services.trainer.slime import args as slime_args
+
+    conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
+    split = megatron_args.split(conv.megatron)
+    distributed = conv.spec.get("use_distributed_optimizer", True)
+    if split.optimizer.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(InvalidArgument, match=r"megatron.use_precision_aware_optimizer: .* TransformerEngine is "
+                                                  r"not installed"):
+            megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
+    else:
+        megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
+
+
+def test_the_fp8_script_is_refused_at_submit_for_its_fp8_checkpoint(tmp_path):
+    """run-qwen3-4b-fp8.sh: slime's FP8 rollout (the engines serve Qwen3-4B-FP8, the trainer's bf16 weights are
+    quantized at each sync), which Physarum does not do: refused for its checkpoint, its only such setting."""
+    argv = materialize(DENSE["run-qwen3-4b-fp8.sh"], tmp_path)
+    with pytest.raises(InvalidArgument) as err:
+        submit(argv)
+    hf = argv[argv.index("--hf-checkpoint") + 1]
+    problems = [p for p in re.split(r"; (?=[a-z_]+: )", str(err.value).removeprefix("job spec: "))
+                if not p.startswith("ref_load: ")]  # the bf16 model's torch_dist checkpoint: not made here
+    assert problems == [f"hf_checkpoint: {hf}/config.json has a quantization_config (quant_method 'fp8'): quantized "
+                        "checkpoints are not supported (the backends train bf16 or float32 weights and send them to "
+                        "the engines as they are); use the model's unquantized checkpoint"]
+    assert preflight.QUANTIZED_REFUSAL in DOC
+
+
+def test_fp8_training_flags_are_refused_naming_the_reason():
+    from services.trainer.api.spec import JobSpec
+    from services.trainer.slime import args as slime_args
+
+    argv = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
+    conv = slime_args.convert(argv, spec_keys=set(JobSpec.model_fields), check_architecture=False)
+    assert conv.unknown == [] and len(conv.refused) == 3
+    assert all(megatron_flags.FP8_TRAINING_REFUSAL in problem for problem in conv.refused), conv.refused
+    assert megatron_flags.FP8_TRAINING_REFUSAL in DOC
 
 
 def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):

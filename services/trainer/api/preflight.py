@@ -1,6 +1,6 @@
 """Submit-time checks of a parsed job spec: what would otherwise fail only after GPUs are allocated. The paths the job
 reads exist where the trainer (and the buffer, on the same volume) sees them, the chosen train_backend builds
-hf_checkpoint's model family, `megatron:` keys are megatron-core's,
+hf_checkpoint's model family, `megatron:` keys are megatron-core's and its OptimizerConfig takes them,
 and plugin import paths lie under the operator's allow-list and name a module the images hold (found, not imported:
 no plugin code runs before a spec is accepted); every problem is reported at once. (rm_type is checked by the spec
 itself, against the reward client's list of scorers.)"""
@@ -24,6 +24,9 @@ PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sam
 # the hooks whose definition is read (not imported) at submit: a missing name or a wrong signature fails here
 SIGNATURES = {"rollout_function_path": plugins.ROLLOUT_FUNCTION, "data_source_path": plugins.DATA_SOURCE,
               "buffer_filter_path": plugins.BUFFER_FILTER}
+
+QUANTIZED_REFUSAL = ("quantized checkpoints are not supported (the backends train bf16 or float32 weights and send "
+                     "them to the engines as they are); use the model's unquantized checkpoint")
 
 
 def data_path(value: str) -> str:
@@ -99,8 +102,8 @@ def check_plugins(spec: JobSpec) -> list[str]:
 
 
 def check_model_family(spec: JobSpec) -> list[str]:
-    """The chosen backend builds hf_checkpoint's model (read where the trainer sees it; a hub id is not checked), and
-    context parallelism can split it."""
+    """The chosen backend builds hf_checkpoint's model (read where the trainer sees it; a hub id is not checked), which
+    is not quantized, and context parallelism can split it."""
     path = Path(spec.hf_checkpoint) / "config.json"
     if not path.is_file():
         return []
@@ -110,6 +113,10 @@ def check_model_family(spec: JobSpec) -> list[str]:
         return [f"hf_checkpoint: cannot read {path} ({err})"]
     if not isinstance(hf_config, dict):
         return []
+    if isinstance(quantized := hf_config.get("quantization_config"), dict):
+        # e.g. slime's FP8 rollout: an FP8 checkpoint the engines serve, bf16 weights quantized at each sync
+        return [f"hf_checkpoint: {path} has a quantization_config (quant_method "
+                f"{quantized.get('quant_method', '?')!r}): {QUANTIZED_REFUSAL}"]
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
                                            ep_size=spec.expert_model_parallel_size)]
@@ -138,7 +145,8 @@ def check_megatron(spec: JobSpec) -> list[str]:
     from services.trainer.backends.megatron import args  # megatron-core: only for specs that use it
 
     try:
-        args.split(spec.megatron)
+        split = args.split(spec.megatron)
+        args.check_optimizer(split.optimizer, use_distributed_optimizer=spec.layout.use_distributed_optimizer)
     except InvalidArgument as err:
         return [str(err)]
     if spec.megatron.get("sequence_parallel") and spec.tensor_model_parallel_size == 1:

@@ -218,6 +218,7 @@ def check_arch(flag: str, value: Any, hf_config: dict[str, Any] | None) -> str:
 
 
 _SPEC = "the job spec's own key"
+FP8_TRAINING_REFUSAL = "FP8 training is not supported: the backends train in bf16 or float32; drop it"
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
 _WEIGHTS_ONLY = ("a --load of slime's checkpoint reads its weights only (rollout 0, a fresh optimizer), of Physarum's "
                  "its whole state; for weights only, load an HF export (save_hf)")
@@ -269,7 +270,9 @@ MEGATRON: dict[str, Flag] = {
     "adam-eps": Flag("mapped", 1e-8, _SPEC + " adam_eps"),
     "optimizer-cpu-offload": Flag("mapped", False, _MEGA, bare=True),
     "overlap-cpu-optimizer-d2h-h2d": Flag("mapped", False, _MEGA, bare=True),
-    "use-precision-aware-optimizer": Flag("mapped", False, _MEGA, bare=True),
+    "use-precision-aware-optimizer": Flag("mapped", False, _MEGA + "; refused at submit where TransformerEngine "
+                                          "(its FusedAdam, which megatron-core runs it on) is not installed",
+                                          bare=True),
     # numerics and memory
     "attention-dropout": Flag("mapped", 0.1, _MEGA),
     "hidden-dropout": Flag("mapped", 0.1, _MEGA),
@@ -289,6 +292,10 @@ MEGATRON: dict[str, Flag] = {
     "bf16": Flag("mapped", False, "the spec's bf16 (its default: bf16 on GPUs, float32 on CPU)", bare=True),
     "fp16": Flag("refused", False, "fp16 training needs dynamic loss scaling, which Physarum does not implement; "
                                    "use --bf16", bare=True),
+    # FP8 training (TransformerEngine's recipes): the backends train in bf16 or float32
+    **{name: Flag("refused", default, FP8_TRAINING_REFUSAL, bare=default is False) for name, default in (
+        ("fp8-format", None), ("fp8-recipe", "delayed"), ("fp8-margin", 0), ("fp8-interval", 1),
+        ("fp8-amax-history-len", 1), ("fp8-amax-compute-algo", "most_recent"), ("fp8-param-gather", False))},
     # mixture-of-experts runtime settings (the architecture's are checked, above)
     "moe-grouped-gemm": Flag("mapped", False, _MOE_KERNEL, warn=True, bare=True),
     "moe-token-dispatcher-type": Flag("mapped", "allgather", _MOE_KERNEL, warn=True),

@@ -26,6 +26,9 @@ OWNED: dict[str, str] = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
         "use_distributed_optimizer", "lr", "min_lr",
         "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")},
+    **{name: "FP8/FP4 training is not supported: the backends train in bf16 or float32" for name in (
+        "fp8", "fp8_recipe", "fp8_param", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp4", "fp4_recipe",
+        "fp4_param")},
     **{name: "is set from the job spec's `bf16` (fp32 main parameters and gradient reduction)" for name in (
         "params_dtype", "pipeline_dtype", "bf16", "fp16", "main_params_dtype", "main_grads_dtype")},
 }
@@ -80,8 +83,25 @@ def build(cls: Callable[..., Any], what: str, values: dict[str, Any], overrides:
     """cls(**values, **overrides); Megatron's own checks of the result come back as InvalidArgument."""
     try:
         return cls(**{**values, **overrides})
-    except (ValueError, AssertionError, TypeError) as err:
+    except (ValueError, AssertionError, TypeError, RuntimeError) as err:
         if not overrides:
             raise
         keys = ", ".join(f"megatron.{k}" for k in overrides)
         raise InvalidArgument(f"{keys}: megatron-core's {what} refused them: {err}") from err
+
+
+def check_optimizer(overrides: dict[str, Any], *, use_distributed_optimizer: bool) -> None:
+    """Build megatron-core's OptimizerConfig as the backend does, so its own checks of the `megatron:` section fail
+    the submit, not the job's start (nothing is allocated)."""
+    import importlib.util
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    # megatron-core runs it only on TransformerEngine's FusedAdam, and without TransformerEngine its check fails
+    # with a TypeError (comparing a missing version) rather than saying so
+    if overrides.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
+        raise InvalidArgument("megatron.use_precision_aware_optimizer: megatron-core runs it only with "
+                              "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's "
+                              "image; drop it (slime: --use-precision-aware-optimizer)")
+    values = dict(optimizer="adam", use_distributed_optimizer=use_distributed_optimizer)
+    build(OptimizerConfig, "OptimizerConfig", values, overrides)
