@@ -100,6 +100,11 @@ def test_megatron_cores_optimizer_config_is_built_at_submit(paths, monkeypatch):
                                               r"--use-precision-aware-optimizer\)$"):
         preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": True}}))
     assert preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": False}}))
+    # megatron-core's hybrid CPU-offload optimizer fails at the first step: refused at submit, TransformerEngine or not
+    transformer_engine(installed=True)
+    with pytest.raises(InvalidArgument, match=r"megatron.optimizer_cpu_offload: megatron-core's hybrid CPU-offload "
+                                              r"optimizer fails at this backend's first step"):
+        preflight(parse_spec({**base, "megatron": {"optimizer_cpu_offload": True}}))
 
 
 def test_the_submit_parser_parses_then_checks(paths):

@@ -67,11 +67,11 @@ REFUSED = {
     "train_infer_mismatch_helper": {"context parallelism"},
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
+    # megatron-core's hybrid CPU-offload optimizer fails at the first step (refused; the e2e runs it dropped)
+    "multi_agent": {"--optimizer-cpu-offload"},
 }
 # multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
-if not TRANSFORMER_ENGINE:
-    REFUSED["multi_agent"] = {"precision-aware optimizer"}
 PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron-core runs it only with "
                      "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's image; "
                      "drop it (slime: --use-precision-aware-optimizer)")
@@ -148,9 +148,6 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
-    if REFUSED[name] == {"precision-aware optimizer"}:
-        assert str(err.value) == PRECISION_REFUSAL
-        return
     if REFUSED[name] == {"context parallelism"}:
         assert problems == [f"job spec: {CP_REFUSAL} (megatron-core's local attention cannot split a sequence); set "
                             "train_backend: fsdp (slime: --train-backend fsdp)"], problems
@@ -161,8 +158,20 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
         checked = flag[2:] in megatron_flags.ARCH and f"| `{flag}` | checked |" in DOC
         assert (listed is not None and listed.note in DOC) or slime_flags.is_moe_flag(flag[2:]) or checked, flag
     assert all(p.endswith(("MoE models are not supported", slime_flags.MOE_REFUSAL,
+                           megatron_flags.MEGATRON["optimizer-cpu-offload"].note,
                            "Physarum builds the model from the HF config: fix or drop the flag"))
                for p in problems), problems
+
+
+def test_multi_agent_without_the_offload_flag_needs_transformer_engine_for_its_optimizer(tmp_path):
+    """--use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam."""
+    argv = [a for a in materialize(EXAMPLES["multi_agent"]["argv"], tmp_path) if a != "--optimizer-cpu-offload"]
+    if TRANSFORMER_ENGINE:
+        assert submit(argv).train_backend == "megatron"
+        return
+    with pytest.raises(InvalidArgument) as err:
+        submit(argv)
+    assert str(err.value) == PRECISION_REFUSAL
 
 
 def test_what_each_accepted_example_becomes(tmp_path):
@@ -231,7 +240,8 @@ def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
     argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path / "mis") + [
         "--context-parallel-size", "1"]
     assert preflight.check_plugins(parse_spec({"slime_args": argv})) == []
-    argv = materialize(EXAMPLES["multi_agent"]["argv"], tmp_path / "multi_agent")
+    argv = [a for a in materialize(EXAMPLES["multi_agent"]["argv"], tmp_path / "multi_agent")
+            if a != "--optimizer-cpu-offload"]
     assert preflight.check_plugins(parse_spec({"slime_args": argv})) == []
     missing = "examples.multi_agent.rollout_with_no_agents.generate"
     problems = preflight.check_plugins(parse_spec({"slime_args": [*argv, "--custom-generate-function-path", missing]}))

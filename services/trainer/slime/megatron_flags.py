@@ -268,7 +268,9 @@ MEGATRON: dict[str, Flag] = {
     "adam-beta1": Flag("mapped", 0.9, _SPEC + " adam_beta1"),
     "adam-beta2": Flag("mapped", 0.999, _SPEC + " adam_beta2"),
     "adam-eps": Flag("mapped", 1e-8, _SPEC + " adam_eps"),
-    "optimizer-cpu-offload": Flag("mapped", False, _MEGA, bare=True),
+    "optimizer-cpu-offload": Flag("refused", False, "megatron-core's hybrid CPU-offload optimizer fails at this "
+                                  "backend's first step (\"can't optimize a non-leaf Tensor\", seen on CPU; not yet "
+                                  "run on a GPU)", bare=True),
     "overlap-cpu-optimizer-d2h-h2d": Flag("mapped", False, _MEGA, bare=True),
     "use-precision-aware-optimizer": Flag("mapped", False, _MEGA + "; refused at submit where TransformerEngine "
                                           "(its FusedAdam, which megatron-core runs it on) is not installed",

@@ -103,5 +103,9 @@ def check_optimizer(overrides: dict[str, Any], *, use_distributed_optimizer: boo
         raise InvalidArgument("megatron.use_precision_aware_optimizer: megatron-core runs it only with "
                               "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's "
                               "image; drop it (slime: --use-precision-aware-optimizer)")
+    if overrides.get("optimizer_cpu_offload"):
+        raise InvalidArgument("megatron.optimizer_cpu_offload: megatron-core's hybrid CPU-offload optimizer fails at "
+                              "this backend's first step (\"can't optimize a non-leaf Tensor\", seen on CPU; not yet "
+                              "run on a GPU); drop it (slime: --optimizer-cpu-offload)")
     values = dict(optimizer="adam", use_distributed_optimizer=use_distributed_optimizer)
     build(OptimizerConfig, "OptimizerConfig", values, overrides)
