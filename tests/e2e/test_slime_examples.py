@@ -74,9 +74,9 @@ DENSE_LEFT_OUT = {
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
 # says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
 ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5", "train_infer_mismatch_helper": "qwen3"}
-# Refused at submit here (no TransformerEngine) for --use-precision-aware-optimizer: run with it dropped, and with the
-# CPU-offloaded optimizer flags that go with it, which megatron-core's hybrid optimizer fails at the job's first step
-# on CPU ("can't optimize a non-leaf Tensor"; accepted at submit: not yet refused there)
+# Refused at submit for --optimizer-cpu-offload (megatron-core's hybrid optimizer fails at the job's first step: "can't
+# optimize a non-leaf Tensor") and here, with no TransformerEngine, for --use-precision-aware-optimizer: run with
+# those dropped, and the offload's overlap flag with them
 DROPPED = {"multi_agent": ("qwen3_moe", ("use-precision-aware-optimizer", "optimizer-cpu-offload",
                                           "overlap-cpu-optimizer-d2h-h2d"))}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
