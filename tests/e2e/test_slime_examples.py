@@ -10,9 +10,9 @@ builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on mega
 and train_infer_mismatch_helper, refused on megatron for its context parallelism, both with a refusal that names
 fsdp, run moved to fsdp as README's porting section says (ON_FSDP; the mismatch helper's mis.py and mis.yaml,
 slime's, from tests/slime_examples/examples). multi_agent (slime's multi-agent generate function, from there too, on
-a tiny Qwen3-MoE), refused at submit without TransformerEngine (as on CPU here) for --use-precision-aware-optimizer
-as tests/unit/test_slime_examples.py shows, runs with that flag dropped, as its refusal says, and the CPU-offloaded
-optimizer flags that go with it (DROPPED).
+a tiny Qwen3-MoE), refused at submit for --optimizer-cpu-offload and, without TransformerEngine (as on CPU here), for
+--use-precision-aware-optimizer, as tests/unit/test_slime_examples.py shows, runs with those dropped, as the
+refusals say, and the offload's overlap flag with them (DROPPED).
 
 One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
 once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
@@ -62,14 +62,16 @@ DENSE_RUNS = {"run-qwen3-4B.sh": "qwen3", "run-qwen3-4B-amd.sh": "qwen3",
 DENSE_LEFT_OUT = {
     "run_qwen2.5_3B.sh": "search-r1's script: the search_r1 example",
     "retool_qwen3_4b_rl.sh": "retool's script: the retool example",
-    "run-qwen3.5-27B.sh": "refused: --decoder-last-pipeline-num-layers (uneven pipeline stages)",
+    "run-qwen3.5-27B.sh": "refused: --decoder-last-pipeline-num-layers (uneven pipeline stages), "
+                          "--optimizer-cpu-offload",
     "run-mimo-7B-rl-eagle.sh": "refused: --mtp-num-layers, --enable-mtp-training (multi-token prediction)",
     "run-qwen3-4B-base-sft.sh": "refused: --num-epoch over a Parquet prompt_data (the prompts are not counted)",
     "run-qwen3-4b-fp8.sh": "refused at submit: its FP8 checkpoint (a quantization_config in config.json)",
     "run-glm4-9B.sh": "GLM-4, which megatron here does not build: it moves to fsdp as fully_async_qwen3.5_9B does "
                       "(and so ran when tried), left out for the cost of one more stack",
-    "run-qwen3-32B.sh": "refused at submit where TransformerEngine is not installed, as on CPU here: "
-                        "--use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's FusedAdam)",
+    "run-qwen3-32B.sh": "refused: --optimizer-cpu-offload, and where TransformerEngine is not installed, as on CPU "
+                        "here, --use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's "
+                        "FusedAdam)",
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
 # says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
