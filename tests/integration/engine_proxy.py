@@ -93,8 +93,8 @@ class EngineProxy:
 
     def _forward_stream(self, handler: BaseHTTPRequestHandler, body: bytes) -> None:
         """A streamed /generate, passed on event by event as the engine sends them (the reply ends when the
-        connection closes: HTTP/1.0); its last chunk is recorded as the reply."""
-        last = None
+        connection closes: HTTP/1.0); its finishing chunk is recorded as the reply, before it is passed on, so a
+        client that has read it finds the record there."""
         with httpx.stream("POST", self.engine_url + "/generate", content=body, timeout=TIMEOUT_S,
                           headers={"Content-Type": "application/json"}) as reply:
             try:
@@ -103,14 +103,14 @@ class EngineProxy:
                 handler.end_headers()
                 for line in reply.iter_lines():
                     if line.startswith("data: {"):
-                        last = json.loads(line[6:])
+                        chunk = json.loads(line[6:])
+                        if chunk["meta_info"].get("finish_reason") is not None:
+                            with self.lock:
+                                self.generated.append((json.loads(body), chunk))
                     handler.wfile.write(f"{line}\n".encode())
                     handler.wfile.flush()
             except OSError:
                 return  # the client went away
-        if last is not None and last["meta_info"]["finish_reason"] is not None:
-            with self.lock:
-                self.generated.append((json.loads(body), last))
 
     def _wait_if_held(self) -> None:
         with self.lock:
