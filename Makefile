@@ -126,7 +126,7 @@ push: docker-check
 
 # The images built with buildah (no daemon) and run: each as the chart runs it, then the demo's jobs and a plugin job
 # across them, a container per service (scripts/images/test.sh, tests/images/run.py). Not part of `make test`: it
-# took 66 minutes to build and up to 32 GB of disk on 2 busy cores (deploy/docker/README.md, "make images-test").
+# took 88 minutes from a fresh clone and up to 32 GB of disk on 2 busy cores (deploy/docker/README.md, "make images-test").
 images-test: setup
 	PY=$(BIN)/python scripts/images/test.sh
 
