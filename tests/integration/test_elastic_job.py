@@ -144,7 +144,10 @@ def test_job_survives_scale_up_a_killed_engine_and_scale_down(stack):
     def allow_rollouts(last: int) -> None:  # rollouts 0..last may end
         stack["gate"].write_text(str((last + 1) * BATCH - 1))
 
-    with JobsRestClient(stack["trainer_url"], timeout_s=30) as jobs, RolloutClient(stack["rollout_addr"]) as rollout, \
+    # status calls get 60 s: the manager runs in this process, and on a loaded machine a replacement's bookkeeping
+    # has kept one past the client's default 10 s
+    with JobsRestClient(stack["trainer_url"], timeout_s=30) as jobs, \
+            RolloutClient(stack["rollout_addr"], timeout_s=60.0) as rollout, \
             BufferClient(stack["buffer_addr"]) as buffer:
         job = jobs.submit(spec)["job_id"]
 
