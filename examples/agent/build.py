@@ -11,6 +11,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from examples.agent.calculator import TOOL
@@ -47,29 +48,42 @@ def split_questions(num_warmup: int, num_train: int, num_test: int,
     return ordered[:num_warmup], ordered[num_warmup:num_warmup + num_train], ordered[-num_test:]
 
 
-def build(out_dir: Path, *, num_train: int = 200, num_test: int = 20, num_warmup: int = 4,
-          seed: int = 0) -> tuple[Path, Path, Path]:
-    """The model and the train and test prompts (distinct questions); returns their paths."""
+def write_task(out_dir: Path, question_row: Callable[[int, int, int], dict[str, str]],
+               warm_model: Callable[[Path, list[Triple]], Path], *, num_train: int, num_test: int, num_warmup: int,
+               seed: int) -> tuple[Path, Path, Path]:
+    """The model, warmed up on the warm-up questions, and the train and test prompts in an example's own wording
+    (both calculator examples ask the same questions); returns their paths."""
     warmup, train, test = split_questions(num_warmup, num_train, num_test, seed)
     out_dir = Path(out_dir)
-    model = build_agent_model(out_dir / "model", conversations=[worked(*t) for t in warmup])
-    paths = [model]
+    paths = [warm_model(out_dir / "model", warmup)]
     for name, rows in (("train", train), ("test", test)):
         path = out_dir / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(question(*t)) + "\n" for t in rows))
+        path.write_text("".join(json.dumps(question_row(*t)) + "\n" for t in rows))
         paths.append(path)
     return paths[0], paths[1], paths[2]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def cli(argv: list[str] | None, description: str, build_fn: Callable[..., tuple[Path, Path, Path]],
+        warmup_help: str) -> int:
+    """`OUT_DIR [--num-warmup N]`, for either example's build."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--num-warmup", type=int, default=4, help="worked conversations the model is warmed up on")
+    parser.add_argument("--num-warmup", type=int, default=4, help=warmup_help)
     args = parser.parse_args(argv)
-    paths = build(args.out_dir, num_warmup=args.num_warmup)
+    paths = build_fn(args.out_dir, num_warmup=args.num_warmup)
     sys.stdout.write("wrote " + ", ".join(map(str, paths)) + "\n")
     return 0
 
 
+def build(out_dir: Path, *, num_train: int = 200, num_test: int = 20, num_warmup: int = 4,
+          seed: int = 0) -> tuple[Path, Path, Path]:
+    """The model and the train and test prompts (distinct questions); returns their paths."""
+    def warm(model_dir: Path, warmup: list[Triple]) -> Path:
+        return build_agent_model(model_dir, conversations=[worked(*t) for t in warmup])
+
+    return write_task(out_dir, question, warm, num_train=num_train, num_test=num_test, num_warmup=num_warmup,
+                      seed=seed)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(None, __doc__, build, "worked conversations the model is warmed up on"))

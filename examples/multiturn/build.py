@@ -10,12 +10,10 @@ generate function, one through the agent gateway.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-from examples.agent.build import split_questions
+from examples.agent.build import cli, write_task
 from examples.agent.model import build_agent_model
 from examples.multiturn.build_dataset import question
 
@@ -30,26 +28,10 @@ def worked(a: int, b: int, c: int) -> list[tuple[str, bool]]:
 def build(out_dir: Path, *, num_train: int = 200, num_test: int = 20, num_warmup: int = 4,
           seed: int = 0) -> tuple[Path, Path, Path]:
     """The model and the train and test prompts; returns their paths."""
-    warmup, train, test = split_questions(num_warmup, num_train, num_test, seed)
-    out_dir = Path(out_dir)
-    model = build_agent_model(out_dir / "model", transcripts=[worked(*t) for t in warmup])
-    paths = [model]
-    for name, rows in (("train", train), ("test", test)):
-        path = out_dir / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(question(*t)) + "\n" for t in rows))
-        paths.append(path)
-    return paths[0], paths[1], paths[2]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--num-warmup", type=int, default=4, help="worked transcripts the model is warmed up on")
-    args = parser.parse_args(argv)
-    paths = build(args.out_dir, num_warmup=args.num_warmup)
-    sys.stdout.write("wrote " + ", ".join(map(str, paths)) + "\n")
-    return 0
+    return write_task(out_dir, question,
+                      lambda model_dir, warmup: build_agent_model(model_dir, transcripts=[worked(*t) for t in warmup]),
+                      num_train=num_train, num_test=num_test, num_warmup=num_warmup, seed=seed)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(None, __doc__, build, "worked transcripts the model is warmed up on"))
