@@ -81,6 +81,17 @@ def deepseek_v3(**common: Any):
                             qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
 
 
+def glm4_moe_lite(**common: Any):
+    from transformers import Glm4MoeLiteConfig
+
+    h, layers = common["hidden_size"], common["num_hidden_layers"]  # GLM-4.7-Flash: DeepSeek-V3's shape
+    return Glm4MoeLiteConfig(**{**common, "num_key_value_heads": 4}, **_moe(h), intermediate_size=4 * h,
+                             n_routed_experts=4, n_shared_experts=1,
+                             mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), n_group=1, topk_group=1,
+                             q_lora_rank=h // 2, kv_lora_rank=h // 2, qk_rope_head_dim=8,
+                             qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
+
+
 def _linear_attention(h: int, num_layers: int) -> dict[str, Any]:
     """Qwen3.5's hybrid stack: gated delta-net (linear attention) layers, every last of four a full-attention one;
     at 2 layers one of each."""
@@ -109,7 +120,7 @@ def qwen3_5_moe(**common: Any):
 
 FAMILIES: dict[str, Callable[..., Any]] = {
     "qwen3": qwen3, "qwen2": qwen2, "llama": llama, "glm4": glm4, "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe,
-    "deepseek_v3": deepseek_v3, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
+    "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
 }
 
 

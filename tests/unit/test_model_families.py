@@ -14,7 +14,7 @@ from services.trainer.api.preflight import preflight, with_preflight
 from services.trainer.api.spec import parse_spec
 from services.trainer.backends import capabilities, model_families
 
-MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe"}  # of the tiny families
+MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite"}  # of the tiny families
 
 
 def config_of(family: str) -> dict:
@@ -46,7 +46,8 @@ def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
         preflight(spec)
     model_type = config_of(family)["model_type"]
     assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
-            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama); train_backend fsdp trains "
+            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, deepseek_v3, "
+            "glm4_moe_lite); train_backend fsdp trains "
             "it"
             in str(err.value))
 
@@ -71,6 +72,28 @@ def test_a_variant_megatron_cannot_build_names_its_reason(job):
     with pytest.raises(InvalidArgument, match="cannot build model family 'qwen3': use_sliding_window is not "
                                               "supported; train_backend fsdp trains it"):
         preflight(parse_spec(job(sliding, "megatron")))
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"norm_topk_prob": False}, "deepseek_v3 norm_topk_prob false: megatron-core's sigmoid router always normalises"),
+    ({"n_group": 2, "topk_group": 2}, "grouped top-k with num_experts_per_tok 2 and topk_group 2: megatron-core"),
+    ({"attention_bias": True}, "attention_bias: megatron-core's multi-latent attention projections have no bias"),
+    ({"rope_interleave": False}, "rope_interleave false"),
+])
+def test_a_deepseek_v3_variant_megatron_core_routes_or_attends_otherwise_is_refused_naming_the_field(job, change,
+                                                                                                   reason):
+    with pytest.raises(InvalidArgument, match=reason):
+        preflight(parse_spec(job({**config_of("deepseek_v3"), **change}, "megatron")))
+
+
+def test_an_mla_layout_is_checked_against_the_latent_ranks(job):
+    with pytest.raises(InvalidArgument, match="tensor_model_parallel_size 3 must divide num_attention_heads 4"):
+        preflight(parse_spec({**job(config_of("glm4_moe_lite"), "megatron"), "tensor_model_parallel_size": 3}))
+    shape = {**config_of("deepseek_v3"), "num_attention_heads": 8, "num_key_value_heads": 8, "kv_lora_rank": 30,
+             "qk_rope_head_dim": 8}
+    with pytest.raises(InvalidArgument, match="tensor_model_parallel_size 4 must divide kv_lora_rank \\+ "
+                                              "qk_rope_head_dim 38"):
+        preflight(parse_spec({**job(shape, "megatron"), "tensor_model_parallel_size": 4}))
 
 
 def test_a_layout_megatron_cannot_cut_the_model_into_is_refused_at_submit(job):

@@ -52,10 +52,11 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
 # logits, top-k weights, top-k indices; backends/routing_replay.py replaces the indices and recomputes the weights):
 # Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
 REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
-                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter",
+                                      "glm4_moe_lite": "Glm4MoeLiteTopkRouter"}
 # The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
 # sigmoid ones score experts by sigmoid (algorithms/moe.py), the others by softmax.
-SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3")
+SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
 AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe", *SIGMOID_ROUTERS)
 

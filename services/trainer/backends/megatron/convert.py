@@ -1,5 +1,5 @@
-"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama: names, fused layouts, TP shards, vocab
-padding, experts.
+"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama, and (attention from `deepseek_v3.py`)
+DeepSeek-V3 and GLM-4.7-Flash: names, fused layouts, TP shards, vocab padding, experts.
 
 `hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
 Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
@@ -13,7 +13,9 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
   cat(gate_e, up_e), its linear_fc2 down_e; router and experts are whole on every TP rank (expert TP 1). HF
   checkpoints on disk name each expert (mlp.experts.{e}.gate_proj);
   transformers' models in memory, and so the engines' weight names, hold them fused (mlp.experts.gate_up_proj
-  [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written.
+  [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written. A sigmoid router's
+  expert bias (mlp.gate.e_score_correction_bias, a buffer in both) maps to mlp.router.expert_bias; shared experts
+  (mlp.shared_experts.*) are TP-sharded as a dense MLP is. Layers before the first MoE one are dense.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from services.trainer.backends.megatron import deepseek_v3
 from services.trainer.backends.megatron.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -42,6 +45,15 @@ ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  #
 QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
 DENSE_MLP = ("mlp.linear_fc2.weight",)  # a MoE layer has experts instead
 LOCAL_EXPERT = "mlp.experts.local_experts."
+EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer: the router's float32 bias of the scores that choose experts
+HF_SHARED_EXPERTS = "mlp.shared_experts."  # DeepSeek-V3's and GLM's always-on MLP of a MoE layer
+FC1 = ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight")  # cat(gate chunk r, up chunk r) on rank r
+
+
+def weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A GPTModel's weights that an HF checkpoint holds: its parameters and its routers' expert biases."""
+    return [*module.named_parameters(), *((name, buf) for name, buf in module.named_buffers()
+                                          if name.endswith(EXPERT_BIAS))]
 
 
 def layer_offset(arch: ModelArch, *, pp_rank: int, pp_size: int) -> int:
@@ -95,9 +107,17 @@ def _hf_expert(hf: Mapping[str, torch.Tensor], layer: str, e: int) -> tuple[torc
 
 
 def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: str, *, ep_rank: int,
-               ep_size: int) -> dict[str, torch.Tensor]:
-    """A MoE layer's router and this expert-parallel rank's experts."""
+               ep_size: int, shard) -> dict[str, torch.Tensor]:
+    """A MoE layer's router (and its expert bias), its shared experts (this TP rank's shard, as a dense MLP's) and
+    this expert-parallel rank's experts."""
     out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone().contiguous()}
+    if arch.moe_router_expert_bias:
+        out[dst + EXPERT_BIAS] = hf[src + "mlp.gate.e_score_correction_bias"].clone().contiguous()
+    if arch.moe_shared_expert_intermediate_size:
+        shared = src + HF_SHARED_EXPERTS
+        out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [shard(hf[shared + "gate_proj.weight"]), shard(hf[shared + "up_proj.weight"])])
+        out[dst + "mlp.shared_experts.linear_fc2.weight"] = shard(hf[shared + "down_proj.weight"], dim=1)
     local = arch.num_experts // ep_size
     for i in range(local):
         fc1, fc2 = _hf_expert(hf, src, ep_rank * local + i)
@@ -122,20 +142,24 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
     for local in range(arch.num_layers // pp_size):
         src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
+        moe = arch.is_moe_layer(offset + local)
         for mg_sub, hf_sub in RENAMED.items():
-            if (mg_sub in QK_NORMS and not arch.qk_layernorm) or (mg_sub in DENSE_MLP and arch.num_experts):
+            if (mg_sub in QK_NORMS and not arch.qk_layernorm) or (mg_sub in DENSE_MLP and moe):
                 continue
             tensor = hf[src + hf_sub]
             out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
                 tensor.clone().contiguous()
         attn = src + "self_attn."
-        out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
-            arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
+        if arch.mla is not None:
+            out.update(deepseek_v3.hf_to_megatron_attention(hf, arch, src, dst, shard, te_names=te_names))
+        else:
+            out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
+                arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
         if arch.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
                 arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
-        if arch.num_experts:
-            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size))
+        if moe:
+            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size, shard=shard))
             continue
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
@@ -166,6 +190,9 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
     index, sub = name.removeprefix("decoder.layers.").split(".", 1)
     prefix = HF_LAYER.format(offset + int(index))
     sub = _local_sub(sub)
+    if arch.mla is not None and (mla := deepseek_v3.megatron_to_hf_attention(deepseek_v3.local_sub(sub), list(shards),
+                                                                             prefix)) is not None:
+        return mla
     if sub in RENAMED:
         tensor = torch.cat(list(shards), dim=1) if sub in ROW_PARALLEL else shards[0]
         return [(prefix + RENAMED[sub], tensor)]
@@ -175,12 +202,17 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
         return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
     if sub == "mlp.router.weight":
         return [(prefix + "mlp.gate.weight", shards[0])]
+    if sub == EXPERT_BIAS:
+        return [(prefix + "mlp.gate.e_score_correction_bias", shards[0])]
+    if sub == "mlp.shared_experts.linear_fc2.weight":
+        return [(prefix + HF_SHARED_EXPERTS + "down_proj.weight", torch.cat(list(shards), dim=1))]
     if sub.startswith(LOCAL_EXPERT):  # one expert: fused with the others of its layer by `fuse_experts`
         index, kind = sub.removeprefix(LOCAL_EXPERT).split(".", 1)
         return [(f"{prefix}mlp.experts.{index}.{kind}", shards[0])]
-    if sub == "mlp.linear_fc1.weight":
+    if sub in FC1:
         gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
-        return [(prefix + "mlp.gate_proj.weight", torch.cat(gates)), (prefix + "mlp.up_proj.weight", torch.cat(ups))]
+        mlp = prefix + ("mlp." if sub == FC1[0] else HF_SHARED_EXPERTS)
+        return [(mlp + "gate_proj.weight", torch.cat(gates)), (mlp + "up_proj.weight", torch.cat(ups))]
     raise ValueError(f"no HF name for Megatron parameter {name!r}")
 
 

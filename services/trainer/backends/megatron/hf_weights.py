@@ -30,7 +30,7 @@ class MegatronHFWeights:
         state = convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                        pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te,
                                        ep_rank=self.ep_rank, ep_size=self.ep_size)
-        params = dict(gpt.named_parameters())
+        params = dict(convert.weights(gpt))
         assert params.keys() == state.keys(), f"conversion mismatch: {sorted(params.keys() ^ state.keys())}"
         with torch.no_grad():
             for name, param in params.items():
@@ -75,7 +75,7 @@ class MegatronHFWeights:
     def update_ref_model(self) -> None:
         """Copy the policy into the reference model (slime's --ref-update-interval), shard by shard."""
         with torch.no_grad():
-            for (name, param), (ref_name, ref) in zip(self.gpt.named_parameters(), self.ref_model.named_parameters(),
+            for (name, param), (ref_name, ref) in zip(convert.weights(self.gpt), convert.weights(self.ref_model),
                                                       strict=True):
                 assert name == ref_name, (name, ref_name)
                 ref.copy_(param)
@@ -84,7 +84,7 @@ class MegatronHFWeights:
         """Collective: every rank must run it to the end. Global rank 0 yields each HF weight once (a tied
         lm_head comes as model.embed_tokens.weight only); the other ranks yield nothing."""
         yield from convert.gather_hf_weights(
-            list(self.gpt.named_parameters()), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
+            convert.weights(self.gpt), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
             tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
             dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
 

@@ -1,0 +1,83 @@
+"""The multi-latent attention families' two gloo ranks: `python -m tests.integration.megatron_mla_worker OUT
+MODEL_DIR...` (tiny deepseek_v3 and glm4_moe_lite). For each model, MegatronBackend in every layout of LAYOUTS gives
+the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 layout also saves its HF export;
+then at EP=2 it trains under each kind of routing replay. Results go to OUT/results.json for the test to compare
+with TorchBackend."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.megatron_parity import spawn
+from tests.integration.megatron_moe_worker import engine_routed
+from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+
+# name -> (tensor, pipeline, expert) parallel sizes on a world of two; the rest of the world is data-parallel
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2), "tp2_ep2": (2, 1, 2)}
+REPLAY_SETTINGS = ("use_routing_replay", "use_rollout_routing_replay")
+
+
+def _metrics(backend, rollout) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+
+
+def layout_run(model_dir: Path, layout: str, save_dir: Path | None) -> dict:
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    tp, pp, ep = LAYOUTS[layout]
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
+    before = backend.compute_log_probs(rollout)
+    metrics = _metrics(backend, rollout)
+    after = backend.compute_log_probs(rollout)
+    if save_dir is not None:
+        backend.save_hf(save_dir)
+    backend.close()
+    return {"log_probs_before": before, "metrics": metrics, "log_probs_after": after}
+
+
+def replay_run(model_dir: Path, setting: str) -> dict:
+    """One rollout at EP=2 under `setting`, routed to an engine's other experts (use_rollout_routing_replay) or to
+    the experts the old policy's forward chose (use_routing_replay)."""
+    from services.trainer.backends.base import TrainConfig
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), expert_model_parallel_size=2)
+    rollout = engine_routed(model_dir, grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0))
+    metrics = _metrics(backend, rollout)
+    after = backend.compute_log_probs(rollout)
+    backend.close()
+    return {"metrics": metrics, "log_probs_after": after}
+
+
+def run(rank: int, world_size: int, out_dir: Path, model_dirs: list[Path]) -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    results = {}
+    for model_dir in model_dirs:
+        results[model_dir.name] = {
+            **{layout: layout_run(model_dir, layout, out_dir / model_dir.name if layout == "ep2" else None)
+               for layout in LAYOUTS},
+            **{setting: replay_run(model_dir, setting) for setting in REPLAY_SETTINGS}}
+    if rank == 0:
+        (out_dir / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # no OpenMP pool before the fork
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import transformers  # noqa: F401
+
+    import services.trainer.backends.megatron.backend  # noqa: F401
+
+    spawn(run, Path(sys.argv[1]), [Path(arg) for arg in sys.argv[2:]],
+          start_method="spawn" if torch.cuda.is_available() else "fork")
