@@ -127,11 +127,28 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
     if out.no_advantages and out.spec.get("loss_type") != "sft_loss":
         out.refused.append("--disable-compute-advantages-and-returns: " +
                            FLAGS["disable-compute-advantages-and-returns"].note)
+    _resolve_load_balancing_type(out)
     tp = int(out.spec.get("tensor_model_parallel_size", 1) or 1)
     if out.megatron.get("sequence_parallel") and tp == 1:
         del out.megatron["sequence_parallel"]
         out.notes.append("--sequence-parallel: dropped without tensor parallelism, as Megatron does")
     return out
+
+
+def _resolve_load_balancing_type(out: Conversion) -> None:
+    """Megatron's seq_aux_loss and global_aux_loss (GLM's and DeepSeek's scripts): under --moe-aux-loss-coeff 0 no
+    load-balancing loss is added whatever its type, so the job runs as with none; with a weight it is refused."""
+    kind = out.spec.get("moe_router_load_balancing_type")
+    if kind not in ("seq_aux_loss", "global_aux_loss"):
+        return
+    if float(out.spec.get("moe_aux_loss_coeff", 0.0) or 0.0) == 0.0:
+        out.spec["moe_router_load_balancing_type"] = "none"
+        out.notes.append(f"--moe-router-load-balancing-type {kind}: no load-balancing loss under --moe-aux-loss-coeff "
+                         "0, as in Megatron; the job runs with none")
+        return
+    del out.spec["moe_router_load_balancing_type"]
+    out.refused.append(f"--moe-router-load-balancing-type {kind}: the backends add Megatron's aux_loss only (per "
+                       "micro-batch); set --moe-router-load-balancing-type aux_loss or --moe-aux-loss-coeff 0")
 
 
 def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[str],
@@ -266,10 +283,17 @@ def _resolve_num_epoch(out: Conversion) -> None:
         return
     path, batch = Path(str(out.spec.get("prompt_data", ""))), out.spec.get("rollout_batch_size")
     try:
-        if path.suffix != ".jsonl" or not batch:
-            raise ValueError("needs a .jsonl prompt_data and rollout_batch_size")
-        with path.open() as rows:
-            count = sum(1 for row in rows if row.strip())
+        if path.suffix not in (".jsonl", ".parquet") or not batch:
+            raise ValueError("needs a .jsonl or .parquet prompt_data and rollout_batch_size")
+        if path.suffix == ".parquet":  # the row count is in the file's footer
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as err:
+                raise ValueError("a .parquet prompt_data is counted with pyarrow, which this image lacks") from err
+            count = pq.ParquetFile(path).metadata.num_rows
+        else:
+            with path.open() as rows:
+                count = sum(1 for row in rows if row.strip())
     except (OSError, ValueError) as err:
         out.refused.append(f"--num-epoch {out.num_epoch}: cannot count the prompts ({err}); give num_rollout")
         return
