@@ -1,7 +1,7 @@
 """The multi-latent attention families' two gloo ranks: `python -m tests.integration.megatron_mla_worker OUT
 MODEL_DIR...` (tiny deepseek_v3 and glm4_moe_lite). For each model, MegatronBackend in every layout of LAYOUTS gives
-the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 layout also saves its HF export;
-then at EP=2 it trains under each kind of routing replay. Results go to OUT/results.json for the test to compare
+the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 layout also saves its HF export,
+the TP=2 × EP=2 one a dist-checkpoint it resumes from; then at EP=2 it trains under each kind of routing replay. Results go to OUT/results.json for the test to compare
 with TorchBackend."""
 
 from __future__ import annotations
@@ -25,21 +25,43 @@ def _metrics(backend, rollout) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
 
 
-def layout_run(model_dir: Path, layout: str, save_dir: Path | None) -> dict:
+def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Path | None) -> dict:
+    """One rollout's log-probs, steps and log-probs after in `layout`; save_dir: the HF export then; ckpt_dir: a
+    dist-checkpoint then, a second rollout trained, and a fresh backend resumed from the checkpoint training it
+    again."""
+    import torch.distributed as dist
+
     from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.distributed.parallel import World
+    from services.trainer.driver import checkpoint
 
     tp, pp, ep = LAYOUTS[layout]
-    backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
-                              pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+
+    def build() -> MegatronBackend:
+        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+
+    backend = build()
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
     before = backend.compute_log_probs(rollout)
     metrics = _metrics(backend, rollout)
     after = backend.compute_log_probs(rollout)
     if save_dir is not None:
         backend.save_hf(save_dir)
+    out = {"log_probs_before": before, "metrics": metrics, "log_probs_after": after}
+    if ckpt_dir is not None:
+        world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
+        checkpoint.save_checkpoint(ckpt_dir, 0, backend, world, lambda: checkpoint.TrainerState(
+            rollout_id=0, job_id="mla", world_size=world.world_size))
+        second = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 1)
+        out["second_metrics"] = _metrics(backend, second)
+        backend.close()
+        backend = build()
+        checkpoint.load_checkpoint(ckpt_dir, backend, world)
+        out["resumed_metrics"] = _metrics(backend, second)
     backend.close()
-    return {"log_probs_before": before, "metrics": metrics, "log_probs_after": after}
+    return out
 
 
 def replay_run(model_dir: Path, setting: str) -> dict:
@@ -65,7 +87,8 @@ def run(rank: int, world_size: int, out_dir: Path, model_dirs: list[Path]) -> No
     results = {}
     for model_dir in model_dirs:
         results[model_dir.name] = {
-            **{layout: layout_run(model_dir, layout, out_dir / model_dir.name if layout == "ep2" else None)
+            **{layout: layout_run(model_dir, layout, out_dir / model_dir.name if layout == "ep2" else None,
+                                  out_dir / f"{model_dir.name}-ckpt" if layout == "tp2_ep2" else None)
                for layout in LAYOUTS},
             **{setting: replay_run(model_dir, setting) for setting in REPLAY_SETTINGS}}
     if rank == 0:

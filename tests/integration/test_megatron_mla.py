@@ -2,7 +2,8 @@
 multi-latent attention and sigmoid-routed MoE (expert bias, shared experts, a dense first layer; DeepSeek-V3 also with
 grouped top-k and YaRN rotary scaling) give the HF model's log-probs within 1e-5 at TP=2, PP=2, EP=2 and TP=2 × EP=2;
 a GRPO rollout's steps there match TorchBackend's (fsdp) on the same model, as do the steps under each kind of
-routing replay at EP=2, and the EP=2 HF export holds TorchBackend's weights under transformers' names.
+routing replay at EP=2, and the EP=2 HF export holds TorchBackend's weights under transformers' names; a backend
+resumed from a TP=2 × EP=2 dist-checkpoint trains as if never stopped.
 
 One launch of tests/integration/megatron_mla_worker.py serves the tests here."""
 
@@ -138,3 +139,12 @@ def test_routing_replay_at_expert_parallelism_2_routes_as_the_torch_backend_does
     if setting == "use_rollout_routing_replay":  # the engine's other routing changed the step
         plain = torch_reference[family]["metrics"][0]["train/grad_norm"]
         assert abs(want["metrics"][0]["train/grad_norm"] - plain) > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_as_if_never_stopped(results, family):
+    run = results[family]["tp2_ep2"]
+    assert len(run["resumed_metrics"]) == len(run["second_metrics"]) == 2
+    for got, want in zip(run["resumed_metrics"], run["second_metrics"], strict=True):
+        for key in want:
+            assert got[key] == pytest.approx(want[key], abs=1e-6, rel=1e-6), key
