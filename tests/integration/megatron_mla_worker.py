@@ -1,8 +1,8 @@
 """The multi-latent attention families' two gloo ranks: `python -m tests.integration.megatron_mla_worker OUT
 MODEL_DIR...` (tiny deepseek_v3 and glm4_moe_lite). For each model, MegatronBackend in every layout of LAYOUTS gives
 the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 layout also saves its HF export,
-the TP=2 × EP=2 one a dist-checkpoint it resumes from; then at EP=2 it trains under each kind of routing replay. Results go to OUT/results.json for the test to compare
-with TorchBackend."""
+the TP=2 × EP=2 one a dist-checkpoint it resumes from; then at EP=2 it trains under each kind of routing replay.
+Results go to OUT/results.json for the test to compare with TorchBackend."""
 
 from __future__ import annotations
 
