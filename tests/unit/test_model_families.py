@@ -14,7 +14,7 @@ from services.trainer.api.preflight import preflight, with_preflight
 from services.trainer.api.spec import parse_spec
 from services.trainer.backends import capabilities, model_families
 
-MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite"}  # of the tiny families
+MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe"}  # tiny ones
 
 
 def config_of(family: str) -> dict:
@@ -46,15 +46,15 @@ def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
         preflight(spec)
     model_type = config_of(family)["model_type"]
     assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
-            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, deepseek_v3, "
+            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4_moe, deepseek_v3, "
             "glm4_moe_lite); train_backend fsdp trains "
             "it"
             in str(err.value))
 
 
-def test_a_glm4_moe_job_for_megatron_is_refused_at_submit_through_the_job_parser(job):
-    with pytest.raises(InvalidArgument, match="train_backend megatron cannot build model family 'glm4_moe'"):
-        with_preflight(parse_spec)(job(config_of("glm4_moe"), "megatron"))
+def test_a_qwen3_5_moe_job_for_megatron_is_refused_at_submit_through_the_job_parser(job):
+    with pytest.raises(InvalidArgument, match="train_backend megatron cannot build model family 'qwen3_5_moe'"):
+        with_preflight(parse_spec)(job(config_of("qwen3_5_moe"), "megatron"))
 
 
 def test_a_model_no_backend_builds_is_refused_with_the_reason(job):

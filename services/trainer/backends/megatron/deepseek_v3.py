@@ -58,20 +58,6 @@ def arch_fields(get: Callable[..., Any]) -> dict[str, Any]:
     if not get("rope_interleave", True):
         raise refuse("rope_interleave false: megatron-core's multi-latent attention takes interleaved rope weights")
     num_layers, heads = get("num_hidden_layers"), get("num_attention_heads")
-    experts, topk = get("n_routed_experts") or 0, get("num_experts_per_tok") or 0
-    if model_type == "glm4_moe_lite":
-        kinds = list(get("mlp_layer_types") or ["sparse"] * num_layers)
-        moe_layers = tuple(kind == "sparse" for kind in kinds)
-    else:
-        first_dense = get("first_k_dense_replace") or 0
-        moe_layers = tuple(i >= first_dense for i in range(num_layers))
-    groups, group_topk = get("n_group") or 1, get("topk_group") or 1
-    if groups > 1 and (topk % group_topk or topk // group_topk != 2):
-        # transformers scores a group by its best two experts, megatron-core by its best topk / group_topk
-        raise refuse(f"grouped top-k with num_experts_per_tok {topk} and topk_group {group_topk}: megatron-core scores "
-                     "each group by its best num_experts_per_tok / topk_group experts, transformers by its best 2")
-    if topk > 1 and not get("norm_topk_prob", True):
-        raise refuse("norm_topk_prob false: megatron-core's sigmoid router always normalises the top-k weights")
     rope = get("rope_parameters") or get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope_theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
@@ -86,24 +72,48 @@ def arch_fields(get: Callable[..., Any]) -> dict[str, Any]:
         raise refuse(f"rope {rope!r} is not supported (default or yarn)")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse("partial_rotary_factor: multi-latent attention rotates all qk_rope_head_dim dimensions")
-    scaling = get("routed_scaling_factor")
+    if model_type == "glm4_moe_lite":
+        kinds = list(get("mlp_layer_types") or ["sparse"] * num_layers)
+        moe_layers = tuple(kind == "sparse" for kind in kinds)
+    else:
+        moe_layers = tuple(i >= (get("first_k_dense_replace") or 0) for i in range(num_layers))
     return dict(
         model_type=model_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
         ffn_hidden_size=get("intermediate_size"), num_layers=num_layers, num_attention_heads=heads,
         num_query_groups=heads, head_dim=get("v_head_dim"), norm_epsilon=get("rms_norm_eps"), rope_theta=rope_theta,
         rope_scaling_factor=None, max_position_embeddings=get("max_position_embeddings"), qkv_bias=False,
         qk_layernorm=False, tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        num_experts=experts, moe_router_topk=topk if experts else 0,
-        moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if experts else 0,
-        moe_router_score_function="sigmoid", moe_router_expert_bias=bool(experts),
-        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
-        moe_router_topk_scaling_factor=float(scaling) if scaling and scaling != 1.0 else None,
-        moe_shared_expert_intermediate_size=(get("n_shared_experts") or 0) * (get("moe_intermediate_size") or 0),
-        moe_layers=moe_layers if experts else None,
+        **sigmoid_moe_fields(get, refuse, moe_layers),
         mla=MLAShape(q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank"),
                      qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
                      v_head_dim=get("v_head_dim")),
         yarn=yarn)
+
+
+def sigmoid_moe_fields(get: Callable[..., Any], refuse: Callable[[str], InvalidArgument],
+                       moe_layers: tuple[bool, ...]) -> dict[str, Any]:
+    """ModelArch's MoE fields of a DeepSeek-V3-style router (DeepSeek-V3, GLM-4.5/4.7 and GLM-4.7-Flash): sigmoid
+    scores, an expert bias that chooses but does not weigh, grouped top-k, the top-k weights renormalized and
+    scaled, n_shared_experts always-on experts of the routed ones' size, `moe_layers` the MoE ones."""
+    experts, topk = get("n_routed_experts") or 0, get("num_experts_per_tok") or 0
+    if not experts:
+        return {}
+    groups, group_topk = get("n_group") or 1, get("topk_group") or 1
+    if groups > 1 and (topk % group_topk or topk // group_topk != 2):
+        # transformers scores a group by its best two experts, megatron-core by its best topk / group_topk
+        raise refuse(f"grouped top-k with num_experts_per_tok {topk} and topk_group {group_topk}: megatron-core scores "
+                     "each group by its best num_experts_per_tok / topk_group experts, transformers by its best 2")
+    if topk > 1 and not get("norm_topk_prob", True):
+        raise refuse("norm_topk_prob false: megatron-core's sigmoid router always normalises the top-k weights")
+    scaling = get("routed_scaling_factor")
+    return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=get("moe_intermediate_size") or 0,
+                moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=group_topk if groups > 1 else None,
+                moe_router_topk_scaling_factor=float(scaling) if scaling and scaling != 1.0 else None,
+                moe_shared_expert_intermediate_size=(get("n_shared_experts") or 0) * (get("moe_intermediate_size")
+                                                                                      or 0),
+                moe_layers=moe_layers)
 
 
 def config_fields(arch) -> dict[str, Any]:

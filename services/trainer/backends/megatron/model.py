@@ -176,7 +176,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=arch.rope_theta,
+            position_embedding_type="rope", rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
             rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
     if arch.mla is not None and not use_te:
         from services.trainer.backends.megatron.deepseek_v3 import whole_kv_down_projections

@@ -1,11 +1,12 @@
-"""DeepSeek-V3 and GLM-4.7-Flash (glm4_moe_lite) on the Megatron backend, over 2 gloo processes: megatron-core's
-multi-latent attention and sigmoid-routed MoE (expert bias, shared experts, a dense first layer; DeepSeek-V3 also with
+"""DeepSeek-V3, GLM-4.7-Flash (glm4_moe_lite) and GLM-4.5/4.7 (glm4_moe) on the Megatron backend, over 2 gloo
+processes: megatron-core's multi-latent attention (the first two), GLM-4.5's half-rotary attention with q/k/v bias and
+q/k norms, and their sigmoid-routed MoE (expert bias, shared experts, a dense first layer; DeepSeek-V3 also with
 grouped top-k and YaRN rotary scaling) give the HF model's log-probs within 1e-5 at TP=2, PP=2, EP=2 and TP=2 × EP=2;
 a GRPO rollout's steps there match TorchBackend's (fsdp) on the same model, as do the steps under each kind of
 routing replay at EP=2, and the EP=2 HF export holds TorchBackend's weights under transformers' names; a backend
 resumed from a TP=2 × EP=2 dist-checkpoint trains as if never stopped.
 
-One launch of tests/integration/megatron_mla_worker.py serves the tests here."""
+One launch of tests/integration/megatron_moe_families_worker.py serves the tests here."""
 
 from __future__ import annotations
 
@@ -16,17 +17,18 @@ import pytest
 import torch
 
 from services.trainer.backends.base import TrainConfig
-from tests.integration.megatron_mla_worker import LAYOUTS, REPLAY_SETTINGS
+from tests.integration.megatron_moe_families_worker import LAYOUTS, REPLAY_SETTINGS
 from tests.integration.megatron_moe_worker import engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
 
-FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
 
 
 def _varied(family_dir: Path, out: Path, family: str) -> Path:
     """The tiny family model with norms away from 1 and a non-zero expert bias (so that a lost one shows); the
-    DeepSeek-V3 one also routes by groups (2 groups of 2 experts, the best one first) under YaRN rotary scaling."""
+    DeepSeek-V3 one also routes by groups (2 groups of 2 experts, the best one first) under YaRN rotary scaling, the
+    GLM-4.5 one has q/k/v biases (as the released models do)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(family_dir)
@@ -34,13 +36,15 @@ def _varied(family_dir: Path, out: Path, family: str) -> Path:
         config.n_group, config.topk_group = 2, 1
         config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 4}
+    if family == "glm4_moe":
+        config.attention_bias = True
     model = AutoModelForCausalLM.from_pretrained(family_dir, config=config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name and tensor.dim() == 1:
                 tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
-            elif name.endswith("e_score_correction_bias"):
+            elif name.endswith(("e_score_correction_bias", "_proj.bias")):
                 tensor.copy_(0.2 * torch.randn(tensor.shape, generator=generator))
     model.save_pretrained(out / family)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
@@ -51,14 +55,14 @@ def _varied(family_dir: Path, out: Path, family: str) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dirs(family_model_dir, tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("mla-models")
+    out = tmp_path_factory.mktemp("moe-family-models")
     return {family: _varied(family_model_dir(family), out, family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
 def results(model_dirs, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("megatron-mla")
-    run_worker("tests.integration.megatron_mla_worker", str(out), *map(str, model_dirs.values()),
+    out = tmp_path_factory.mktemp("megatron-moe-families")
+    run_worker("tests.integration.megatron_moe_families_worker", str(out), *map(str, model_dirs.values()),
                log_path=out / "worker.log", timeout_s=600)
     return {**json.loads((out / "results.json").read_text()), "out": out}
 

@@ -1,8 +1,8 @@
-"""The multi-latent attention families' two gloo ranks: `python -m tests.integration.megatron_mla_worker OUT
-MODEL_DIR...` (tiny deepseek_v3 and glm4_moe_lite). For each model, MegatronBackend in every layout of LAYOUTS gives
-the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 layout also saves its HF export,
-the TP=2 × EP=2 one a dist-checkpoint it resumes from; then at EP=2 it trains under each kind of routing replay.
-Results go to OUT/results.json for the test to compare with TorchBackend."""
+"""The sigmoid-routed MoE families' two gloo ranks: `python -m tests.integration.megatron_moe_families_worker OUT
+MODEL_DIR...` (tiny deepseek_v3, glm4_moe_lite and glm4_moe). For each model, MegatronBackend in every layout of
+LAYOUTS gives the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 layout also saves
+its HF export, the TP=2 × EP=2 one a dist-checkpoint it resumes from; then at EP=2 it trains under each kind of
+routing replay. Results go to OUT/results.json for the test to compare with TorchBackend."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
     if ckpt_dir is not None:
         world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
         checkpoint.save_checkpoint(ckpt_dir, 0, backend, world, lambda: checkpoint.TrainerState(
-            rollout_id=0, job_id="mla", world_size=world.world_size))
+            rollout_id=0, job_id="moe-families", world_size=world.world_size))
         second = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 1)
         out["second_metrics"] = _metrics(backend, second)
         backend.close()
