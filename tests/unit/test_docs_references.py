@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -42,7 +43,8 @@ OUTSIDE_FLAGS = {
 }
 
 # Run in a child: each program as `python -m`/`python script` would, with argparse's parse_args stopping it at the
-# parser, which is sent back; nothing past the parsing runs.
+# parser, which is sent back; nothing past the parsing runs. Every program the docs name parses its arguments before
+# it does any work (one without a parser would run, and fail the assertion below).
 CAPTURE = r"""
 import argparse, json, runpy, sys
 class Parsed(BaseException):
@@ -88,14 +90,19 @@ def python_commands(text: str) -> list[tuple[str, str, str]]:
     return found
 
 
+def program_file(kind: str, name: str) -> Path | None:
+    if kind == "module":
+        return module_file(name)
+    return ROOT / name if (ROOT / name).is_file() else None
+
+
 def makefile_programs() -> set[tuple[str, str]]:
     """The repository's programs the Makefile runs (`make chaos` -> tests.fuzz.chaos): flags of theirs may be named."""
     text = (ROOT / "Makefile").read_text()
-    modules = {("module", m) for m in re.findall(r"python\S*\s+-m\s+([\w.]+)|\)\s+-m\s+([\w.]+)", text) for m in m if m}
-    scripts = {("script", s) for s in re.findall(r"python\S*\s+([\w./-]+\.py)", text)}
+    modules = {("module", name) for name in re.findall(r"(?:python\S*|\))\s+-m\s+([\w.]+)", text)}  # $$(...) -m x
+    scripts = {("script", name) for name in re.findall(r"python\S*\s+([\w./-]+\.py)", text)}
     return {(kind, name) for kind, name in modules | scripts
-            if (module_file(name) if kind == "module" else ROOT / name) and ROOT in
-            (module_file(name) if kind == "module" else ROOT / name).resolve().parents}
+            if (file := program_file(kind, name)) and ROOT in file.resolve().parents}  # not pytest, zipfile
 
 
 @cache
@@ -103,11 +110,10 @@ def parsers() -> dict[str, set[str]]:
     """Each program the docs or the Makefile run (outside ones excepted): the option strings of its own parser."""
     programs = {(kind, name) for doc in DOCS for kind, name, _ in python_commands(doc.read_text())
                 if name not in OUTSIDE_PROGRAMS} | makefile_programs()
-    programs = {(kind, name) for kind, name in programs
-                if (module_file(name) if kind == "module" else (ROOT / name).is_file())}  # missing: its own test
+    programs = {(kind, name) for kind, name in programs if program_file(kind, name)}  # a missing one: its own test
     result = subprocess.run([sys.executable, "-c", CAPTURE, json.dumps(sorted(programs))], cwd=ROOT,
                             capture_output=True, text=True, timeout=240,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, f"reading the programs' parsers failed:\n{result.stderr[-3000:]}"
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert all(found.values()), f"programs without an argparse parser: {[n for n, f in found.items() if not f]}"
@@ -177,7 +183,7 @@ def test_python_commands_exist_with_their_flags(doc: Path) -> None:
     for kind, name, rest in python_commands(doc.read_text()):
         if name in OUTSIDE_PROGRAMS:
             continue
-        if not (module_file(name) if kind == "module" else (ROOT / name).is_file()):
+        if not program_file(kind, name):
             wrong.append(f"`python {'-m ' if kind == 'module' else ''}{name}`: no such {kind}")
             continue
         wrong += [f"`{name} {flag}`: no such flag" for flag in FLAG.findall(rest) if flag not in parsers()[name]]
