@@ -1,8 +1,8 @@
 """The sigmoid-routed MoE families' two gloo ranks: `python -m tests.integration.megatron_moe_families_worker OUT
 MODEL_DIR...` (tiny deepseek_v3, glm4_moe_lite and glm4_moe). For each model, MegatronBackend in every layout of
-LAYOUTS gives the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 layout also saves
-its HF export, the TP=2 × EP=2 one a dist-checkpoint it resumes from; then at EP=2 it trains under each kind of
-routing replay. Results go to OUT/results.json for the test to compare with TorchBackend."""
+LAYOUTS gives the log-probs of a GRPO rollout, trains it (two steps) and gives them again; the EP=2 and expert-TP=2
+layouts also save their HF export, the TP=2 × EP=2 one a dist-checkpoint it resumes from; then at EP=2 it trains
+under each kind of routing replay. Results go to OUT/results.json for the test to compare with TorchBackend."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from bench.megatron_parity import spawn
 from tests.integration.megatron_moe_worker import engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
-# name -> (tensor, pipeline, expert) parallel sizes on a world of two; the rest of the world is data-parallel
-LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2), "tp2_ep2": (2, 1, 2)}
+# name -> (tensor, pipeline, expert, expert tensor) parallel sizes on a world of two; the rest is data-parallel
+LAYOUTS = {"tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "ep2": (1, 1, 2, 1), "tp2_ep2": (2, 1, 2, 1),
+           "tp2_etp2": (2, 1, 1, 2)}
+EXPORTED = ("ep2", "tp2_etp2")  # the layouts whose HF export the test reads
 REPLAY_SETTINGS = ("use_routing_replay", "use_rollout_routing_replay")
 
 
@@ -36,11 +38,12 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
     from services.trainer.distributed.parallel import World
     from services.trainer.driver import checkpoint
 
-    tp, pp, ep = LAYOUTS[layout]
+    tp, pp, ep, etp = LAYOUTS[layout]
 
     def build() -> MegatronBackend:
         return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+                               pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                               expert_tensor_parallel_size=etp)
 
     backend = build()
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
@@ -87,7 +90,8 @@ def run(rank: int, world_size: int, out_dir: Path, model_dirs: list[Path]) -> No
     results = {}
     for model_dir in model_dirs:
         results[model_dir.name] = {
-            **{layout: layout_run(model_dir, layout, out_dir / model_dir.name if layout == "ep2" else None,
+            **{layout: layout_run(model_dir, layout, out_dir / f"{model_dir.name}-{layout}" if layout in EXPORTED
+                                  else None,
                                   out_dir / f"{model_dir.name}-ckpt" if layout == "tp2_ep2" else None)
                for layout in LAYOUTS},
             **{setting: replay_run(model_dir, setting) for setting in REPLAY_SETTINGS}}

@@ -1,10 +1,11 @@
-"""DeepSeek-V3, GLM-4.7-Flash (glm4_moe_lite) and GLM-4.5/4.7 (glm4_moe) on the Megatron backend, over 2 gloo
-processes: megatron-core's multi-latent attention (the first two), GLM-4.5's half-rotary attention with q/k/v bias and
-q/k norms, and their sigmoid-routed MoE (expert bias, shared experts, a dense first layer; DeepSeek-V3 also with
-grouped top-k and YaRN rotary scaling) give the HF model's log-probs within 1e-5 at TP=2, PP=2, EP=2 and TP=2 × EP=2;
-a GRPO rollout's steps there match TorchBackend's (fsdp) on the same model, as do the steps under each kind of
-routing replay at EP=2, and the EP=2 HF export holds TorchBackend's weights under transformers' names; a backend
-resumed from a TP=2 × EP=2 dist-checkpoint trains as if never stopped.
+"""DeepSeek-V3, GLM-4.7-Flash (glm4_moe_lite) and GLM-4.5/4.7 (glm4_moe) on the Megatron backend, over 2 gloo processes:
+megatron-core's multi-latent attention (the first two), GLM-4.5's half-rotary attention with q/k/v bias and q/k
+norms, and their sigmoid-routed MoE (expert bias, shared experts, a dense first layer; DeepSeek-V3 also with grouped
+top-k and YaRN rotary scaling) give the HF model's log-probs within 1e-5 at TP=2, PP=2, EP=2, TP=2 × EP=2 and TP=2
+with each expert cut over the two TP ranks (expert TP 2); a GRPO rollout's steps there match TorchBackend's (fsdp) on
+the same model, as do the steps under each kind of routing replay at EP=2, and the EP=2 and expert-TP=2 HF exports
+hold TorchBackend's weights under transformers' names; a backend resumed from a TP=2 × EP=2 dist-checkpoint trains as
+if never stopped.
 
 One launch of tests/integration/megatron_moe_families_worker.py serves the tests here."""
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from services.trainer.backends.base import TrainConfig
-from tests.integration.megatron_moe_families_worker import LAYOUTS, REPLAY_SETTINGS
+from tests.integration.megatron_moe_families_worker import EXPORTED, LAYOUTS, REPLAY_SETTINGS
 from tests.integration.megatron_moe_worker import engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
@@ -115,13 +116,14 @@ def test_log_probs_and_grpo_steps_match_the_hf_model_on_torch_backend(results, t
     assert max_diff(run["log_probs_after"], want["log_probs_after"]) < 1e-4
 
 
+@pytest.mark.parametrize("layout", EXPORTED)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_expert_parallel_export_holds_the_torch_backend_weights_under_transformers_names(results, torch_reference,
-                                                                                           family):
+                                                                                           family, layout):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    save_dir = results["out"] / family
+    save_dir = results["out"] / f"{family}-{layout}"
     saved, want = load_file(save_dir / "model.safetensors"), torch_reference[family]["weights"]
     assert saved.keys() == want.keys()
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in saved

@@ -53,7 +53,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
                  megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None,
-                 expert_model_parallel_size: int = 1, pack_sequences: bool = True,
+                 expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1,
+                 pack_sequences: bool = True,
                  min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
@@ -74,7 +75,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         hf_config = hf_io.read_config(self.model_path)
         self.arch = ModelArch.from_hf_config(hf_config)
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep)
+        self.etp_size = expert_tensor_parallel_size
+        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep, etp_size=self.etp_size)
         if config.replays_routing and not self.arch.num_experts:
             raise InvalidArgument("routing replay on train_backend megatron: the model has no MoE layers")
         layout = {"tp_size": tp, "sequence_parallel": bool(self.megatron_args.transformer.get("sequence_parallel"))}
@@ -84,8 +86,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 raise InvalidArgument(problem)
         if self.megatron_args.dropout and (problem := model_families.megatron_train_mode_problem(hf_config, **layout)):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
-        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep)
+        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep, etp_size=self.etp_size)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
+        self.etp_group = ps.get_expert_tensor_parallel_group() if self.etp_size > 1 else None
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
         self.expert_dp_rank = ps.get_expert_data_parallel_rank() if ep > 1 else 0
         self.tp_size, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
@@ -343,12 +347,13 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
     def _count_experts_tokens_once(self) -> None:
         """Without sequence parallelism every TP rank holds all of its replica's tokens, and under expert parallelism
-        each sends them all to the experts' ranks: an expert's gradient, reduced over those ranks, holds each token
-        tp_size times. Divide it back (experts on every rank, EP 1, see only their own rank's tokens)."""
-        if self.tp_size == 1 or self.ep_size == 1 or self.gpt.config.sequence_parallel:
+        (or expert tensor parallelism) each sends them all to the experts' ranks: an expert's gradient, reduced over
+        those ranks, holds each token tp_size times. Divide it back (whole experts on every rank, EP 1 and expert TP
+        1, see only their own rank's tokens)."""
+        if self.tp_size == 1 or (self.ep_size == 1 and self.etp_size == 1) or self.gpt.config.sequence_parallel:
             return
-        for param in self.gpt.parameters():
-            if param.requires_grad and not getattr(param, "allreduce", True):  # megatron-core's expert-parallel mark
+        for name, param in self.gpt.named_parameters():
+            if param.requires_grad and ".mlp.experts." in name:  # the routed experts (not the shared ones)
                 param.main_grad.div_(self.tp_size)
 
     def _optimizer_step(self, rows: list[int]) -> tuple[float, float]:

@@ -107,7 +107,7 @@ def _hf_expert(hf: Mapping[str, torch.Tensor], layer: str, e: int) -> tuple[torc
 
 
 def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: str, *, ep_rank: int,
-               ep_size: int, shard) -> dict[str, torch.Tensor]:
+               ep_size: int, shard, etp_rank: int = 0, etp_size: int = 1) -> dict[str, torch.Tensor]:
     """A MoE layer's router (and its expert bias), its shared experts (this TP rank's shard, as a dense MLP's) and
     this expert-parallel rank's experts."""
     out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone().contiguous()}
@@ -121,6 +121,10 @@ def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: s
     local = arch.num_experts // ep_size
     for i in range(local):
         fc1, fc2 = _hf_expert(hf, src, ep_rank * local + i)
+        if etp_size > 1:  # expert tensor parallelism: each expert cut as a dense MLP is over the expert-TP ranks
+            gate, up = fc1.chunk(2)
+            fc1 = torch.cat([gate.chunk(etp_size)[etp_rank], up.chunk(etp_size)[etp_rank]]).contiguous()
+            fc2 = fc2.chunk(etp_size, dim=1)[etp_rank].contiguous()
         out[f"{dst}mlp.experts.local_experts.{i}.linear_fc1.weight"] = fc1
         out[f"{dst}mlp.experts.local_experts.{i}.linear_fc2.weight"] = fc2
     return out
@@ -128,7 +132,7 @@ def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: s
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: int = 0, tp_size: int = 1,
                    pp_rank: int = 0, pp_size: int = 1, te_names: bool = False, ep_rank: int = 0,
-                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+                   ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state (local layer indices, this TP shard) from full HF tensors (name -> tensor;
     only the names this stage needs are read). Tensors are fresh and contiguous."""
 
@@ -159,7 +163,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
             out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
                 arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
         if moe:
-            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size, shard=shard))
+            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size, shard=shard,
+                                  etp_rank=etp_rank, etp_size=etp_size))
             continue
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
@@ -235,6 +240,15 @@ def fuse_experts(named: Iterator[tuple[str, torch.Tensor]], arch: ModelArch) -> 
                 stacked
 
 
+def _whole_expert(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One expert's parameter from its expert-TP shards: linear_fc1 cat(gate, up) of the gathered chunks, linear_fc2
+    its dim-1 chunks side by side."""
+    if name.endswith("linear_fc2.weight"):
+        return torch.cat(list(shards), dim=1)
+    gates, ups = zip(*(shard.chunk(2) for shard in shards), strict=True)
+    return torch.cat([*gates, *ups])
+
+
 def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.Tensor]:
     """One local expert's parameter from every expert-parallel rank, in EP-rank order."""
     import torch.distributed as dist
@@ -246,12 +260,15 @@ def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.
 
 def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
                       tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int, ep_group=None,
-                      ep_size: int = 1, expert_dp_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+                      ep_size: int = 1, expert_dp_rank: int = 0,
+                      etp_size: int = 1, etp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: the source rank (global rank 0: pp, tp and dp rank 0) yields every HF weight
     once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
     parameters over TP, its TP rank 0 converts them and sends them to the source rank. Experts are first
     all-gathered over the expert-parallel group, whose other ranks are other data-parallel ranks: those join the
-    gathers and yield nothing."""
+    gathers and yield nothing. Under expert tensor parallelism (etp_size = tp_size, without expert parallelism:
+    `ModelArch.check_parallel`) each expert is gathered over its expert-TP group (the TP ranks) and put together as
+    a dense MLP is."""
     import torch.distributed as dist
 
     if dp_rank != 0:
@@ -277,6 +294,12 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
                     global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
                     if tp_rank == 0:
                         yield from megatron_to_hf(global_name, [expert], arch, offset=offset)
+                continue
+            if LOCAL_EXPERT in name and etp_size > 1:
+                shards = [torch.empty_like(tensor) for _ in range(etp_size)]
+                dist.all_gather(shards, tensor.contiguous(), group=etp_group)
+                if tp_rank == 0:
+                    yield from megatron_to_hf(name, [_whole_expert(name, shards)], arch, offset=offset)
                 continue
             shards = [tensor]
             # experts are whole on every TP rank (expert TP 1), though megatron-core marks them tensor-parallel

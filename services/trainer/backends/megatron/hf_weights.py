@@ -29,7 +29,8 @@ class MegatronHFWeights:
     def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
         state = convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                        pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te,
-                                       ep_rank=self.ep_rank, ep_size=self.ep_size)
+                                       ep_rank=self.ep_rank, ep_size=self.ep_size,
+                                       etp_rank=self.etp_rank, etp_size=self.etp_size)
         params = dict(convert.weights(gpt))
         assert params.keys() == state.keys(), f"conversion mismatch: {sorted(params.keys() ^ state.keys())}"
         with torch.no_grad():
@@ -86,7 +87,8 @@ class MegatronHFWeights:
         yield from convert.gather_hf_weights(
             convert.weights(self.gpt), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
             tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
+            dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank,
+            etp_size=self.etp_size, etp_group=self.etp_group)
 
     def save_hf(self, path: str | Path) -> None:
         """Collective: rank 0 writes the HF checkpoint directory."""

@@ -33,7 +33,7 @@ def has_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1) -> None:
+def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1, etp_size: int = 1) -> None:
     """Join the default process group (torchrun's env, or a world of one) and cut it into Megatron's TP, PP, EP and
     DP groups (order tp-cp-ep-dp-pp: global rank 0 is TP, PP and DP rank 0; expert-parallel ranks are carved out of
     the tensor- and data-parallel ones: experts are never split by tensor parallelism, expert TP 1). Seeds the
@@ -58,7 +58,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1)
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                              pipeline_model_parallel_size=pp_size,
-                                             expert_model_parallel_size=ep_size, expert_tensor_parallel_size=1,
+                                             expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size,
                                              distributed_timeout_minutes=int(DIST_TIMEOUT.total_seconds() // 60))
     model_parallel_cuda_manual_seed(seed)
 
@@ -182,7 +182,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         from services.trainer.backends.megatron.deepseek_v3 import whole_kv_down_projections
 
         whole_kv_down_projections(model, config)
-    if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1:
+    if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1 and \
+            config.expert_tensor_parallel_size == 1:
         # every TP rank holds all experts whole (expert TP 1), which megatron-core still marks tensor-parallel;
         # without expert parallelism they are dense parameters, so the gradient norm would count each tp_size times.
         # Under sequence parallelism each TP rank's experts see its slice of the tokens: their gradients are summed
