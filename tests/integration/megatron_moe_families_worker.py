@@ -33,10 +33,10 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
     again."""
     import torch.distributed as dist
 
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.checkpoint import iterations
     from services.trainer.distributed.parallel import World
-    from services.trainer.driver import checkpoint
+    from services.trainer.settings.train import TrainConfig
 
     tp, pp, ep, etp = LAYOUTS[layout]
 
@@ -55,13 +55,13 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
     out = {"log_probs_before": before, "metrics": metrics, "log_probs_after": after}
     if ckpt_dir is not None:
         world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
-        checkpoint.save_checkpoint(ckpt_dir, 0, backend, world, lambda: checkpoint.TrainerState(
+        iterations.save_checkpoint(ckpt_dir, 0, backend, world, lambda: iterations.TrainerState(
             rollout_id=0, job_id="moe-families", world_size=world.world_size))
         second = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 1)
         out["second_metrics"] = _metrics(backend, second)
         backend.close()
         backend = build()
-        checkpoint.load_checkpoint(ckpt_dir, backend, world)
+        iterations.load_checkpoint(ckpt_dir, backend, world)
         out["resumed_metrics"] = _metrics(backend, second)
     backend.close()
     return out
@@ -70,8 +70,8 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
 def replay_run(model_dir: Path, setting: str) -> dict:
     """One rollout at EP=2 under `setting`, routed to an engine's other experts (use_rollout_routing_replay) or to
     the experts the old policy's forward chose (use_routing_replay)."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), expert_model_parallel_size=2)
     rollout = engine_routed(model_dir, grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.backends.base import TrainConfig
+from services.trainer.settings.train import TrainConfig
 from tests.integration.megatron_moe_families_worker import EXPORTED, LAYOUTS, REPLAY_SETTINGS
 from tests.integration.megatron_moe_worker import engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
@@ -76,7 +76,7 @@ def _clean(metrics: list[dict]) -> list[dict]:
 def torch_reference(model_dirs) -> dict:
     """TorchBackend's (the HF model's) log-probs before and after the rollout, metrics and weights; and under each
     routing replay setting."""
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     out = {}
     for family, model_dir in model_dirs.items():

@@ -1,0 +1,167 @@
+"""The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
+`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`) as the few numbers Megatron and the converter need.
+
+Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4_moe", *MLA_MODEL_TYPES)
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
+# The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention: queries through a q_lora_rank bottleneck (None: one projection), keys and values
+    from a kv_lora_rank latent; each head's query/key is a nope part and a rope part (one rope key for all heads)."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    norm_epsilon: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # Llama-3 RoPE scaling, None when off
+    rotary_percent: float = 1.0  # the share of each head's dimensions RoPE rotates (the first ones; GLM-4.5: half)
+    max_position_embeddings: int
+    qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
+    qk_layernorm: bool  # Qwen3: RMSNorm of each query and key head
+    tie_word_embeddings: bool
+    # mixture of experts (Qwen3-MoE: every layer's MLP); 0 experts: a dense model
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_pre_softmax: bool = False  # softmax over every expert, then top-k (HF's norm_topk_prob false)
+    moe_router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3, GLM-4.5/4.7)
+    moe_router_expert_bias: bool = False  # a per-expert bias added to the scores that choose (not weigh) experts
+    moe_router_num_groups: int | None = None  # grouped top-k: experts in groups, the best group_topk groups first
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  # the top-k weights times this (routed_scaling_factor)
+    moe_shared_expert_intermediate_size: int = 0  # an always-on MLP beside the routed experts; 0: none
+    moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
+    mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
+    yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer `index` has routed experts."""
+        return bool(self.num_experts) and (self.moe_layers is None or self.moe_layers[index])
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Megatron's padded vocab: the next multiple of 128·tp_size (the extra rows are zero and never sampled)."""
+        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int = 1) -> None:
+        """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards with its experts over
+        ep_size ranks, each cut over etp_size ranks (1, or the TP size without expert parallelism)."""
+        if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
+            raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
+                                  f"({self.num_experts} in {self.model_type})")
+        if etp_size > 1 and (not self.num_experts or etp_size != tp_size or ep_size > 1
+                             or self.moe_ffn_hidden_size % etp_size):
+            raise InvalidArgument(f"expert_tensor_parallel_size {etp_size}: the megatron backend cuts each expert "
+                                  "over the tensor-parallel ranks (expert_tensor_parallel_size = "
+                                  "tensor_model_parallel_size, dividing the experts' intermediate size) without expert "
+                                  "parallelism, or keeps it whole (1)")
+        sizes = [("num_attention_heads", self.num_attention_heads), ("num_key_value_heads", self.num_query_groups),
+                 ("intermediate_size", self.ffn_hidden_size)]
+        if self.moe_shared_expert_intermediate_size:
+            sizes.append(("the shared experts' intermediate size", self.moe_shared_expert_intermediate_size))
+        if self.mla:  # the local spec's down-projections are column-parallel
+            sizes.append(("kv_lora_rank + qk_rope_head_dim", self.mla.kv_lora_rank + self.mla.qk_rope_head_dim))
+            if self.mla.q_lora_rank:
+                sizes.append(("q_lora_rank", self.mla.q_lora_rank))
+        for name, value in sizes:
+            if value % tp_size:
+                raise InvalidArgument(f"tensor_model_parallel_size {tp_size} must divide {name} {value}")
+        if self.num_layers % pp_size:
+            raise InvalidArgument(f"pipeline_model_parallel_size {pp_size} must divide num_hidden_layers "
+                                  f"{self.num_layers}")
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelArch:
+        """From a transformers PretrainedConfig or a config.json dict; unsupported variants raise InvalidArgument."""
+        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        model_type = get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
+                                  f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if model_type in MLA_MODEL_TYPES:
+            from services.trainer.models import deepseek_v3
+
+            fields = deepseek_v3.arch_fields(get)
+            yarn = fields.pop("yarn")
+            return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+        if model_type == "glm4_moe":
+            from services.trainer.models import glm4_moe
+
+            return cls(**glm4_moe.arch_fields(get))
+        if get("hidden_act", "silu") != "silu":
+            raise InvalidArgument(f"megatron backend: hidden_act {get('hidden_act')!r} is not supported (silu only)")
+        if get("use_sliding_window", False):
+            raise InvalidArgument("megatron backend: use_sliding_window is not supported")
+        if model_type != "qwen2" and get("attention_bias", False):
+            raise InvalidArgument(f"megatron backend: attention_bias is not supported for {model_type}")
+        if get("mlp_bias", False):
+            raise InvalidArgument("megatron backend: mlp_bias is not supported")
+        num_experts = get("num_experts") or get("num_local_experts") or 0
+        if num_experts and (get("decoder_sparse_step", 1) != 1 or get("mlp_only_layers")):
+            raise InvalidArgument("megatron backend: dense layers among MoE layers (decoder_sparse_step, "
+                                  "mlp_only_layers) are not supported")
+        heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        head_dim = get("head_dim") or hidden // heads
+        rope = get("rope_parameters") or get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
+        scaling_factor = None
+        if rope_type == "llama3" and all(float(rope.get(k, v)) == v for k, v in LLAMA3_ROPE_DEFAULTS.items()):
+            scaling_factor = float(rope["factor"])
+        elif rope_type != "default":
+            raise InvalidArgument(f"megatron backend: rope {rope!r} is not supported (default, or llama3 with "
+                                  f"{LLAMA3_ROPE_DEFAULTS})")
+        return cls(model_type=model_type, vocab_size=get("vocab_size"), hidden_size=hidden,
+                   ffn_hidden_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
+                   num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
+                   head_dim=head_dim, norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope_theta),
+                   rope_scaling_factor=scaling_factor, max_position_embeddings=get("max_position_embeddings"),
+                   qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+                   tie_word_embeddings=bool(get("tie_word_embeddings", False)), num_experts=num_experts,
+                   moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
+                   moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,
+                   moe_router_pre_softmax=bool(num_experts) and not get("norm_topk_prob", False))
