@@ -120,7 +120,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
                 f"{quantized.get('quant_method', '?')!r}): {QUANTIZED_REFUSAL}"]
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
-                                           ep_size=spec.expert_model_parallel_size)]
+                                           ep_size=spec.expert_model_parallel_size,
+                                           etp_size=spec.expert_tensor_parallel_size)]
     if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(hf_config)):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")

@@ -38,11 +38,13 @@ def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     return ""
 
 
-def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> str:
+def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
+                     etp_size: int = 1) -> str:
     from services.trainer.models.arch import ModelArch  # the arch module alone: no megatron-core import
 
     try:
-        ModelArch.from_hf_config(hf_config).check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+        ModelArch.from_hf_config(hf_config).check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
+                                                           etp_size=etp_size)
     except InvalidArgument as err:
         return str(err).removeprefix("megatron backend: ")
     return ""

@@ -26,8 +26,9 @@ from services.trainer.slime_flags.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, 
 from services.trainer.slime_flags.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
-_LAYOUT_ONE = ("expert-tensor-parallel-size",)
+_LAYOUT_ONE: tuple[str, ...] = ()
 _SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
+              "expert-tensor-parallel-size",
               "context-parallel-size",
               "use-distributed-optimizer", "ckpt-step",
               "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",

@@ -274,8 +274,8 @@ MEGATRON: dict[str, Flag] = {
     "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (train_backend fsdp; megatron "
                                                    "refuses above 1)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
-    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
-                                                     "each tensor-parallel rank"),
+    "expert-tensor-parallel-size": Flag("mapped", 1, _SPEC + " expert_tensor_parallel_size (1, or the "
+                                                     "tensor-parallel size without expert parallelism)"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (each tensor-parallel rank holds a "
                                                       "slice of every row, padded to a multiple of the TP size; "
                                                       "dropped, as Megatron does, without tensor parallelism)",
