@@ -7,6 +7,9 @@ the same model, as do the steps under each kind of routing replay at EP=2, and t
 hold TorchBackend's weights under transformers' names; a backend resumed from a TP=2 × EP=2 dist-checkpoint trains as
 if never stopped.
 
+GLM-4 (glm4, dense: interleaved half rotary, norms after attention and after the MLP) gives the HF log-probs and
+the fsdp steps at TP=2 and PP=2.
+
 One launch of tests/integration/megatron_moe_families_worker.py serves the tests here."""
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ import pytest
 import torch
 
 from services.trainer.settings.train import TrainConfig
-from tests.integration.megatron_moe_families_worker import EXPORTED, LAYOUTS, REPLAY_SETTINGS
+from tests.integration.megatron_moe_families_worker import DENSE_LAYOUTS, EXPORTED, LAYOUTS, REPLAY_SETTINGS
 from tests.integration.megatron_moe_worker import engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
 
-FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
+FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")  # MoE, in every layout of LAYOUTS
+DENSE = ("glm4",)  # GLM-4: in DENSE_LAYOUTS
+RUNS = [(family, layout) for family in FAMILIES for layout in LAYOUTS] + [
+    (family, layout) for family in DENSE for layout in DENSE_LAYOUTS]
 
 
 def _varied(family_dir: Path, out: Path, family: str) -> Path:
     """The tiny family model with norms away from 1 and a non-zero expert bias (so that a lost one shows); the
     DeepSeek-V3 one also routes by groups (2 groups of 2 experts, the best one first) under YaRN rotary scaling, the
-    GLM-4.5 one has q/k/v biases (as the released models do)."""
+    GLM-4.5 and GLM-4 ones have q/k/v biases (as the released models do)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(family_dir)
@@ -37,7 +43,7 @@ def _varied(family_dir: Path, out: Path, family: str) -> Path:
         config.n_group, config.topk_group = 2, 1
         config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 4}
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "glm4"):
         config.attention_bias = True
     model = AutoModelForCausalLM.from_pretrained(family_dir, config=config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(3)
@@ -57,7 +63,7 @@ def _varied(family_dir: Path, out: Path, family: str) -> Path:
 @pytest.fixture(scope="module")
 def model_dirs(family_model_dir, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("moe-family-models")
-    return {family: _varied(family_model_dir(family), out, family) for family in FAMILIES}
+    return {family: _varied(family_model_dir(family), out, family) for family in (*FAMILIES, *DENSE)}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +92,7 @@ def torch_reference(model_dirs) -> dict:
         metrics = _clean(backend.train_rollout(rollout))
         out[family] = {"log_probs_before": before, "metrics": metrics,
                        "log_probs_after": backend.compute_log_probs(rollout), "weights": dict(backend.named_weights())}
-        for setting in REPLAY_SETTINGS:
+        for setting in REPLAY_SETTINGS if family in FAMILIES else ():
             backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), num_threads=1)
             rollout = engine_routed(model_dir, grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0))
             out[family][setting] = {"metrics": _clean(backend.train_rollout(rollout)),
@@ -106,8 +112,7 @@ def _assert_steps_match(got: list[dict], want: list[dict]) -> None:
             assert g[key] == pytest.approx(w[key], abs=1e-5, rel=1e-5), (step, key)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "layout"), RUNS)
 def test_log_probs_and_grpo_steps_match_the_hf_model_on_torch_backend(results, torch_reference, family, layout):
     run, want = results[family][layout], torch_reference[family]
     assert max_diff(run["log_probs_before"], want["log_probs_before"]) <= 1e-5

@@ -15,7 +15,7 @@ from services.trainer.api.spec import parse_spec
 from services.trainer.backends import capabilities
 from services.trainer.models import families
 
-MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe"}  # tiny ones
+MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4"}
 
 
 def config_of(family: str) -> dict:
@@ -47,8 +47,8 @@ def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
         preflight(spec)
     model_type = config_of(family)["model_type"]
     assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
-            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4_moe, deepseek_v3, "
-            "glm4_moe_lite); train_backend fsdp trains "
+            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
+            "deepseek_v3, glm4_moe_lite); train_backend fsdp trains "
             "it"
             in str(err.value))
 
@@ -135,12 +135,14 @@ def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_con
 
 
 def test_expert_tensor_parallelism_is_the_tensor_parallel_size_without_expert_parallelism(job):
-    """Each expert cut over the TP ranks (megatron-core's expert_tensor_parallel_size), from the spec or slime's flag."""
+    """Each expert cut over the TP ranks (megatron-core's expert_tensor_parallel_size), from the spec or slime's
+    flag."""
     deepseek = job(config_of("deepseek_v3"), "megatron")
     spec = preflight(parse_spec({**deepseek, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2}))
     assert spec.expert_tensor_parallel_size == 2
     for layout in ({"expert_tensor_parallel_size": 2},
-                   {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2}):
+                   {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2,
+                    "expert_model_parallel_size": 2}):
         with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size 2: the megatron backend cuts each "
                                                   "expert over the tensor-parallel ranks"):
             preflight(parse_spec({**deepseek, **layout}))

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from services.trainer.models import deepseek_v3
+from services.trainer.models import deepseek_v3, glm4
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -162,6 +162,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
         if arch.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
                 arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
+        if arch.post_norms:
+            out.update(glm4.hf_to_megatron_layer(hf, src, dst, shard))
+            continue
         if moe:
             out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size, shard=shard,
                                   etp_rank=etp_rank, etp_size=etp_size))
@@ -198,6 +201,8 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
     if arch.mla is not None and (mla := deepseek_v3.megatron_to_hf_attention(deepseek_v3.local_sub(sub), list(shards),
                                                                              prefix)) is not None:
         return mla
+    if arch.post_norms and (pairs := glm4.megatron_to_hf_layer(sub, list(shards), prefix)) is not None:
+        return pairs
     if sub in RENAMED:
         tensor = torch.cat(list(shards), dim=1) if sub in ROW_PARALLEL else shards[0]
         return [(prefix + RENAMED[sub], tensor)]

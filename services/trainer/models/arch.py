@@ -1,5 +1,6 @@
 """The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
-`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`) as the few numbers Megatron and the converter need.
+`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`) as the few numbers Megatron and the
+converter need.
 
 Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
 """
@@ -13,7 +14,7 @@ from typing import Any
 from services.common.errors import InvalidArgument
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4_moe", *MLA_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", *MLA_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -54,6 +55,8 @@ class ModelArch:
     rope_theta: float
     rope_scaling_factor: float | None  # Llama-3 RoPE scaling, None when off
     rotary_percent: float = 1.0  # the share of each head's dimensions RoPE rotates (the first ones; GLM-4.5: half)
+    rotary_interleaved: bool = False  # RoPE on (even, odd) pairs, not the two halves (GLM-4)
+    post_norms: bool = False  # an RMSNorm after attention and after the MLP, before each residual add (GLM-4)
     max_position_embeddings: int
     qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
     qk_layernorm: bool  # Qwen3: RMSNorm of each query and key head
@@ -127,6 +130,10 @@ class ModelArch:
             fields = deepseek_v3.arch_fields(get)
             yarn = fields.pop("yarn")
             return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+        if model_type == "glm4":
+            from services.trainer.models import glm4
+
+            return cls(**glm4.arch_fields(get))
         if model_type == "glm4_moe":
             from services.trainer.models import glm4_moe
 

@@ -98,7 +98,8 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **moe_fields(arch),
-        **{**mla, "qk_layernorm": arch.qk_layernorm or bool(mla)}), overrides or {})
+        rotary_interleaved=arch.rotary_interleaved, **{**mla, "qk_layernorm": arch.qk_layernorm or bool(mla)}),
+        overrides or {})
 
 
 def moe_fields(arch: ModelArch) -> dict:
@@ -155,7 +156,18 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
     from services.trainer.backends.megatron.norm import SequenceParallelRMSNorm
 
     experts = arch.num_experts or None
-    if arch.mla is not None or arch.moe_layers is not None:  # layers of two kinds, or multi-latent attention
+    if arch.post_norms:  # GLM-4: a norm after attention's and the MLP's output projections
+        from services.trainer.backends.megatron.post_norm import PostNormRowParallelLinear
+
+        if use_te:
+            raise InvalidArgument("megatron backend: GLM-4's post-attention and post-MLP norms are built on the local "
+                                  "spec only (Transformer Engine is installed)")
+        spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        spec.submodules.self_attention.submodules.linear_proj = PostNormRowParallelLinear
+        spec.submodules.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
+        spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=False)
+    elif arch.mla is not None or arch.moe_layers is not None:  # layers of two kinds, or multi-latent attention
         block = _decoder_block(config, use_te=use_te)
         spec = block if use_te else _with_local_modules(block, SDPAttention, SequenceParallelRMSNorm)
         if arch.mla is not None and not use_te:
