@@ -15,7 +15,8 @@ from services.trainer.api.spec import parse_spec
 from services.trainer.backends import capabilities
 from services.trainer.models import families
 
-MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4"}
+MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4",
+                   "minimax_m2"}
 
 
 def config_of(family: str) -> dict:
@@ -48,7 +49,7 @@ def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
     model_type = config_of(family)["model_type"]
     assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
             f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
-            "deepseek_v3, glm4_moe_lite); train_backend fsdp trains "
+            "minimax_m2, deepseek_v3, glm4_moe_lite); train_backend fsdp trains "
             "it"
             in str(err.value))
 

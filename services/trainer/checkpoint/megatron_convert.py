@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from services.trainer.models import deepseek_v3, glm4
+from services.trainer.models import deepseek_v3, glm4, minimax_m2
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -96,6 +96,11 @@ def _split_qkv(arch: ModelArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
+def _hf_expert_bias(arch: ModelArch) -> str:
+    """The HF name (under the layer) of a sigmoid router's expert bias: on the gate, or on MiniMax-M2's MoE block."""
+    return minimax_m2.HF_EXPERT_BIAS if arch.model_type == "minimax_m2" else "mlp.gate.e_score_correction_bias"
+
+
 def _hf_expert(hf: Mapping[str, torch.Tensor], layer: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert e of an HF MoE layer as Megatron's (linear_fc1, linear_fc2), from fused or per-expert HF names."""
     fused = layer + "mlp.experts.gate_up_proj"
@@ -112,7 +117,7 @@ def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: s
     this expert-parallel rank's experts."""
     out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone().contiguous()}
     if arch.moe_router_expert_bias:
-        out[dst + EXPERT_BIAS] = hf[src + "mlp.gate.e_score_correction_bias"].clone().contiguous()
+        out[dst + EXPERT_BIAS] = hf[src + _hf_expert_bias(arch)].clone().contiguous()
     if arch.moe_shared_expert_intermediate_size:
         shared = src + HF_SHARED_EXPERTS
         out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
@@ -140,6 +145,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
         return tensor.chunk(tp_size, dim=dim)[tp_rank].clone().contiguous()
 
     out: dict[str, torch.Tensor] = {}
+    if arch.model_type == "minimax_m2":
+        hf = minimax_m2.CheckpointNames(hf)
     padded = arch.padded_vocab_size(tp_size)
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
@@ -148,9 +155,13 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
         src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
         moe = arch.is_moe_layer(offset + local)
         for mg_sub, hf_sub in RENAMED.items():
-            if (mg_sub in QK_NORMS and not arch.qk_layernorm) or (mg_sub in DENSE_MLP and moe):
+            if (mg_sub in QK_NORMS and not (arch.qk_layernorm or arch.projection_qk_norm)) or \
+                    (mg_sub in DENSE_MLP and moe):
                 continue
             tensor = hf[src + hf_sub]
+            if mg_sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
+                out[dst + mg_sub] = shard(tensor)
+                continue
             out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
                 tensor.clone().contiguous()
         attn = src + "self_attn."
@@ -203,6 +214,8 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
         return mla
     if arch.post_norms and (pairs := glm4.megatron_to_hf_layer(sub, list(shards), prefix)) is not None:
         return pairs
+    if sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
+        return [(prefix + RENAMED[sub], torch.cat(list(shards)))]
     if sub in RENAMED:
         tensor = torch.cat(list(shards), dim=1) if sub in ROW_PARALLEL else shards[0]
         return [(prefix + RENAMED[sub], tensor)]
@@ -213,7 +226,7 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
     if sub == "mlp.router.weight":
         return [(prefix + "mlp.gate.weight", shards[0])]
     if sub == EXPERT_BIAS:
-        return [(prefix + "mlp.gate.e_score_correction_bias", shards[0])]
+        return [(prefix + _hf_expert_bias(arch), shards[0])]
     if sub == "mlp.shared_experts.linear_fc2.weight":
         return [(prefix + HF_SHARED_EXPERTS + "down_proj.weight", torch.cat(list(shards), dim=1))]
     if sub.startswith(LOCAL_EXPERT):  # one expert: fused with the others of its layer by `fuse_experts`

@@ -14,7 +14,7 @@ from typing import Any
 from services.common.errors import InvalidArgument
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", *MLA_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -57,6 +57,7 @@ class ModelArch:
     rotary_percent: float = 1.0  # the share of each head's dimensions RoPE rotates (the first ones; GLM-4.5: half)
     rotary_interleaved: bool = False  # RoPE on (even, odd) pairs, not the two halves (GLM-4)
     post_norms: bool = False  # an RMSNorm after attention and after the MLP, before each residual add (GLM-4)
+    projection_qk_norm: bool = False  # the q/k norms span the whole projection, not each head (MiniMax-M2)
     max_position_embeddings: int
     qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
     qk_layernorm: bool  # Qwen3: RMSNorm of each query and key head
@@ -130,6 +131,10 @@ class ModelArch:
             fields = deepseek_v3.arch_fields(get)
             yarn = fields.pop("yarn")
             return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+        if model_type == "minimax_m2":
+            from services.trainer.models import minimax_m2
+
+            return cls(**minimax_m2.arch_fields(get))
         if model_type == "glm4":
             from services.trainer.models import glm4
 

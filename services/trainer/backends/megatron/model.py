@@ -177,11 +177,19 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
                 attn = layer_spec.submodules.self_attention.submodules
                 attn.q_layernorm = attn.kv_layernorm = LatentRMSNorm
     elif use_te:
+        if arch.projection_qk_norm:
+            raise InvalidArgument("megatron backend: MiniMax-M2's whole-projection q/k norms are built on the local "
+                                  "spec only (Transformer Engine is installed)")
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = SDPAttention  # torch's fused kernels
         spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=arch.qk_layernorm)
+        if arch.projection_qk_norm:  # MiniMax-M2: one norm over every head of the q (k) projection
+            from services.trainer.backends.megatron.projection_norm import KProjectionRMSNorm, QProjectionRMSNorm
+
+            attn = spec.layer_specs[0].submodules.self_attention.submodules
+            attn.q_layernorm, attn.k_layernorm = QProjectionRMSNorm, KProjectionRMSNorm
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
