@@ -65,7 +65,7 @@ DENSE_LEFT_OUT = {
     "run-qwen3.5-27B.sh": "refused: --decoder-last-pipeline-num-layers (uneven pipeline stages), "
                           "--optimizer-cpu-offload",
     "run-mimo-7B-rl-eagle.sh": "refused: --mtp-num-layers, --enable-mtp-training (multi-token prediction)",
-    "run-qwen3-4B-base-sft.sh": "refused: --num-epoch over a Parquet prompt_data (the prompts are not counted)",
+    "run-qwen3-4B-base-sft.sh": "the sft_qwen3_4B_base example (tests/slime_examples/launch_args.json)",
     "run-qwen3-4b-fp8.sh": "refused at submit: its FP8 checkpoint (a quantization_config in config.json)",
     "run-glm4-9B.sh": "GLM-4, which megatron here does not build: it moves to fsdp as fully_async_qwen3.5_9B does "
                       "(and so ran when tried), left out for the cost of one more stack",

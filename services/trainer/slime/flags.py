@@ -139,8 +139,9 @@ FLAGS: dict[str, Flag] = {
     "rollout-shuffle": I(False, bare=True),
     "rollout-seed": I(42),
     "num-rollout": I(),
-    "num-epoch": M(None, "num_rollout = num_epoch × (the JSONL prompt_data's rows // rollout_batch_size), as slime "
-                         "computes it; ignored when num_rollout is given (as in slime); Parquet: give num_rollout"),
+    "num-epoch": M(None, "num_rollout = num_epoch × (prompt_data's rows, JSONL or Parquet, after its @[start:end] "
+                         "slice // rollout_batch_size), as slime computes it; ignored when num_rollout is given (as "
+                         "in slime)"),
     "rollout-batch-size": I(),
     "n-samples-per-prompt": I(1),
     "over-sampling-batch-size": I(),
