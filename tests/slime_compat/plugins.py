@@ -1,0 +1,57 @@
+"""Plugins written the way slime's docs and examples write them, with slime's imports only: a rollout function on
+generate_and_rm and call_dynamic_filter, a generate function that scores its sample with async_rm, a filter."""
+
+from __future__ import annotations
+
+import asyncio
+
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter
+from slime.rollout.rm_hub import async_rm
+from slime.rollout.sglang_rollout import GenerateState, generate, generate_and_rm
+from slime.utils.async_utils import run
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+
+def drop_prompt_one(args, samples, **kwargs):
+    """A legacy filter: a plain bool (slime wraps it in DynamicFilterOutput)."""
+    return samples[0].group_index != 1
+
+
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    """slime's custom-rollout pattern: get groups, generate and score each sample with generate_and_rm, filter each
+    group with call_dynamic_filter, until rollout_batch_size groups are kept; the dropped ones' count as metrics."""
+    state = GenerateState(args)
+    keep_fn = load_function(args.my_filter_path)
+    gatherer = MetricGatherer()
+    kept: list[list[Sample]] = []
+
+    async def one_group(group):
+        return list(await asyncio.gather(*(generate_and_rm(args, sample, state.sampling_params.copy())
+                                           for sample in group)))
+
+    while len(kept) < args.rollout_batch_size:
+        groups = data_source.get_samples(1)
+        group = run(one_group(groups[0]))
+        verdict = call_dynamic_filter(keep_fn, args, group)
+        if verdict.keep:
+            kept.append(group)
+        else:
+            gatherer.on_dynamic_filter_drop("prompt_one")  # and the group is left out, as slime's rollout does
+    return RolloutFnTrainOutput(samples=kept, metrics=gatherer.collect())
+
+
+async def generate_then_score(args, sample, sampling_params):
+    """A custom generate function that sets its own reward with async_rm, as slime's examples do."""
+    sample = await generate(args, sample, sampling_params)
+    sample.reward = await async_rm(args, sample)
+    sample.metadata["scored_in_generate"] = True
+    return sample
+
+
+def eval_rollout(args, rollout_id, data_source, evaluation=False):
+    """An eval function (slime's --eval-function-path): one made-up dataset, its rewards and truncation."""
+    assert evaluation
+    return RolloutFnEvalOutput(data={"made_up": {"rewards": [1.0, 0.0, 0.5], "truncated": [False, True, False]}},
+                               metrics={"eval/made_up_calls": 1})
