@@ -55,3 +55,25 @@ def eval_rollout(args, rollout_id, data_source, evaluation=False):
     assert evaluation
     return RolloutFnEvalOutput(data={"made_up": {"rewards": [1.0, 0.0, 0.5], "truncated": [False, True, False]}},
                                metrics={"eval/made_up_calls": 1})
+
+
+def rollout_with_slimes_eval(args, rollout_id, data_source, evaluation=False):
+    """A rollout function that leaves evaluation to slime's default (sglang_rollout.generate_rollout's eval)."""
+    from slime.rollout import sglang_rollout
+
+    if evaluation:
+        return sglang_rollout.generate_rollout(args, rollout_id, data_source, evaluation=True)
+    return generate_rollout(args, rollout_id, data_source, evaluation=False)
+
+
+def rollout_ignoring_evaluation(args, rollout_id, data_source, evaluation=False):
+    """A rollout function that returns training groups even when asked to evaluate."""
+    return RolloutFnTrainOutput(samples=[])
+
+
+def eval_with_slimes_default(args, rollout_id, data_source, evaluation=False):
+    """An --eval-function-path function: slime's default eval of the job's eval datasets, plus a metric of its own."""
+    from slime.rollout import sglang_rollout
+
+    output = sglang_rollout.generate_rollout(args, rollout_id, data_source, evaluation=True)
+    return RolloutFnEvalOutput(data=output.data, metrics={"eval/by_eval_function": len(output.data)})

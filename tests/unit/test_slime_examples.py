@@ -80,7 +80,8 @@ PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
 CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
-PLUGIN_MODULES = "generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent"
+PLUGIN_MODULES = ("generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent,"
+                  "tests.slime_compat")
 
 
 def materialize(argv: list[str], root: Path) -> list[str]:
@@ -352,3 +353,15 @@ def test_the_base_sft_script_counts_its_parquet_epochs(tmp_path):
     assert spec.prompt_data.endswith("openhermes2_5.parquet")
     assert "--num-epoch 3: num_rollout 3 (128 prompts, 128 per rollout)" in spec.slime_notes
     assert not spec.driver.debug_train_only and not spec.driver.ref_load
+
+
+def test_the_eval_function_case_names_its_function_and_keeps_the_eval_config(tmp_path):
+    """eval_multi_task with --eval-function-path: the function is the job's eval (checked at submit), each dataset's
+    settings stay (they reach the service's eval the function delegates to)."""
+    spec = submit(materialize(EXAMPLES["eval_function"]["argv"], tmp_path))
+    assert spec.rollout.eval_function_path == "tests.slime_compat.plugins.eval_with_slimes_default"
+    assert spec.eval_dataset_settings["aime"]["n_samples_per_eval_prompt"] == 16
+    assert preflight.check_plugins(spec) == []
+    argv = [*EXAMPLES["eval_function"]["argv"][:-1], "tests.slime_compat.plugins.no_such_function"]
+    problems = preflight.check_plugins(parse_spec({"slime_args": materialize(argv, tmp_path / "missing")}))
+    assert len(problems) == 1 and problems[0].startswith("eval_function_path: "), problems

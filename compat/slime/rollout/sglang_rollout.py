@@ -210,15 +210,29 @@ async def generate_rollout_async(args: Any, rollout_id: int,
 def generate_rollout(args: Any, rollout_id: int, data_source: Any,
                      evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """slime's default rollout function: generate_rollout_async on data_source.get_samples, the aborted groups given
-    back to the data source. Evaluation is the rollout service's own (RunEval), not this function's."""
+    back to the data source; with evaluation=True, slime's eval_rollout: every eval dataset generated and scored
+    (the rollout service's eval, each dataset's own settings) as {name: {rewards, truncated, samples}}."""
     if evaluation:
-        raise FailedPrecondition("slime.rollout.sglang_rollout.generate_rollout: evaluation runs in the rollout "
-                                 "service's eval, not through the rollout function")
+        return RolloutFnEvalOutput(data=run(eval_rollout(args, rollout_id)))
     output, aborted_samples = run(generate_rollout_async(args, rollout_id, data_source.get_samples))
     if aborted_samples:
         data_source.add_samples(aborted_samples)
     return output
 
 
+async def eval_rollout(args: Any, rollout_id: int) -> dict[str, dict[str, list[Any]]]:
+    """slime's eval data of the job's eval datasets, their samples in prompt order."""
+    job = _run_of("eval_rollout")
+    if job.eval_groups is None:
+        raise FailedPrecondition("slime.rollout.sglang_rollout.eval_rollout: runs inside an eval the rollout service "
+                                 "runs")
+    data = {}
+    for name, groups in (await job.eval_groups()).items():
+        samples = [sample for group in groups for sample in group]
+        data[name] = {"rewards": [s.reward for s in samples], "truncated": [s.status == Status.TRUNCATED
+                                                                           for s in samples], "samples": samples}
+    return data
+
+
 __all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "generate_rollout",
-           "generate_rollout_async", "get_model_url", "load_tokenizer"]
+           "generate_rollout_async", "eval_rollout", "get_model_url", "load_tokenizer"]
