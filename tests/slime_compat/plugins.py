@@ -77,3 +77,43 @@ def eval_with_slimes_default(args, rollout_id, data_source, evaluation=False):
 
     output = sglang_rollout.generate_rollout(args, rollout_id, data_source, evaluation=True)
     return RolloutFnEvalOutput(data=output.data, metrics={"eval/by_eval_function": len(output.data)})
+
+
+_OPENAI_ADAPTER = None
+
+
+async def openai_adapter_generate(args, sample, sampling_params):
+    """slime's coding-agent pattern on slime.agent.adapters.openai: open a session, run an OpenAI-API agent (the
+    calculator conversation: a tool call, its result, the answer), drain the session into samples; the agent's
+    model output parsed with slime.agent.parsing as a harness would."""
+    import secrets
+
+    from openai import AsyncOpenAI
+    from slime.agent.adapters.common import flatten_content
+    from slime.agent.adapters.openai import OpenAIAdapter
+    from slime.agent.parsing import parse_model_output
+
+    from tests.integration.gateway_fixtures import OPENAI_TOOL
+
+    global _OPENAI_ADAPTER
+    _OPENAI_ADAPTER = _OPENAI_ADAPTER or OpenAIAdapter(tokenizer=None, sglang_url="http://unused")
+    adapter = _OPENAI_ADAPTER
+    sid = f"slime-{secrets.token_hex(16)}"
+    adapter.open_session(sid, sampling_defaults=sampling_params)
+    try:
+        async with AsyncOpenAI(base_url=adapter.url, api_key=sid, timeout=120.0, max_retries=0) as client:
+            messages = [{"role": "user", "content": flatten_content(sample.prompt_messages[-1]["content"])}]
+            first = await client.chat.completions.create(model="m", max_tokens=120, messages=messages,
+                                                         tools=[OPENAI_TOOL])
+            call = first.choices[0].message.tool_calls[0]
+            messages += [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+            final = await client.chat.completions.create(model="m", max_tokens=120, messages=messages,
+                                                         tools=[OPENAI_TOOL])
+        parsed = parse_model_output(final.choices[0].message.content or "", tools_schema=[OPENAI_TOOL],
+                                    tool_parser_name="qwen25", reasoning_parser_name=None)
+        return await adapter.finish_session(sid, base_sample=sample, reward=1.0,
+                                            extra_metadata={"harness": "openai", "final_text": parsed.text,
+                                                            "tool": call.function.name})
+    finally:
+        await adapter.drop_session(sid)
