@@ -4,11 +4,14 @@ buffer, reward service, router and CPU engine serving a tiny model taught the ca
 
 from __future__ import annotations
 
+import pytest
+
 from services.common.samples import Status
 from services.common.settings.rollout import RolloutConfig
 from tests.integration.test_agent_rollout import run_rollouts, stack  # noqa: F401 - stack: its module fixture
 
 
+@pytest.mark.slow  # its own engine and services: about 2 minutes on 2 loaded cores
 def test_a_generate_function_on_the_openai_adapter_module_runs_on_the_gateway(stack):  # noqa: F811
     cfg = RolloutConfig(job_id="slime-compat-openai", rollout_batch_size=1, n_samples_per_prompt=1,
                         rollout_temperature=0.0, rollout_max_response_len=200, apply_chat_template=True,
