@@ -117,3 +117,30 @@ async def openai_adapter_generate(args, sample, sampling_params):
                                                             "tool": call.function.name})
     finally:
         await adapter.drop_session(sid)
+
+
+async def fan_out_two(args, sample, sampling_params, evaluation=False):
+    """A per-sample generate function (a sample's generate_function_path) that fans out into two samples, the second
+    with a reward of its own; it records the evaluation flag it was given."""
+    first = await generate(args, sample, sampling_params)
+    second = Sample(prompt=first.prompt, tokens=list(first.tokens), response=first.response,
+                    response_length=first.response_length, loss_mask=list(first.loss_mask or []),
+                    rollout_log_probs=list(first.rollout_log_probs or []), status=first.status, reward=0.25,
+                    group_index=first.group_index, metadata={"evaluation": evaluation})
+    first.metadata["evaluation"] = evaluation
+    return [first, second]
+
+
+def rollout_with_fan_out(args, rollout_id, data_source, evaluation=False):
+    """generate_and_rm on samples naming their own generate function: each returns a list, flattened per group."""
+    state = GenerateState(args)
+    groups = data_source.get_samples(args.rollout_batch_size)
+
+    async def one_group(group):
+        for sample in group:
+            sample.generate_function_path = "tests.slime_compat.plugins.fan_out_two"
+        outputs = await asyncio.gather(*(generate_and_rm(args, sample, dict(state.sampling_params))
+                                         for sample in group))
+        return [sample for output in outputs for sample in output]
+
+    return [run(one_group(group)) for group in groups]  # a legacy plain list of groups

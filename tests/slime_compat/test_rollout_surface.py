@@ -115,3 +115,16 @@ def test_async_rm_outside_a_rollout_runs_slimes_rule_based_reward():
                                             ("response_length", 0), ("metadata", {})])
 def test_sample_has_slimes_fields_and_defaults(field, default):
     assert getattr(Sample(), field) == default
+
+
+def test_generate_and_rm_runs_a_samples_own_generate_function_and_scores_its_fan_out(tiny_model_dir):
+    """sample.generate_function_path wins over the job's; its list comes back as a list; the sample without a reward
+    is scored by the reward service (len("12") = 2), the one with its own (0.25) is kept."""
+    buffer = FakeBuffer(2)
+    status, reward = run_rollout(buffer, config(
+        tiny_model_dir, rollout_function_path="tests.slime_compat.plugins.rollout_with_fan_out"), tiny_model_dir)
+    assert status.state == RolloutState.DONE, status.error
+    for group in buffer.rollout_groups(0):
+        assert [s.reward for s in group.samples] == [2.0, 0.25, 2.0, 0.25]
+        assert all(s.metadata["evaluation"] is False for s in group.samples)
+    assert reward.calls
