@@ -118,10 +118,10 @@ def encode_group(group: SampleGroup, encoded_samples: Sequence[sample_pb2.Sample
     encoded = list(encoded_samples) or [None] * len(group.samples)
     if len(encoded) != len(group.samples):
         raise ValueError(f"group {group.group_id}: {len(encoded)} encoded samples for {len(group.samples)} samples")
-    samples = [msg or sample_to_proto(sample) for sample, msg in zip(group.samples, encoded, strict=True)]
     msg = sample_pb2.SampleGroup(group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
-                                 prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id,
-                                 samples=samples)
+                                 prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id)
+    # extend, not the constructor's samples=: half the time for a group of small samples
+    msg.samples.extend(m or sample_to_proto(sample) for sample, m in zip(group.samples, encoded, strict=True))
     return EncodedGroup(group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch,
                         group.lease_id, weight_version_range(group.samples), msg.SerializeToString(),
                         sum(len(s.tokens) for s in group.samples))
@@ -137,9 +137,11 @@ def encoded_group_from_proto(msg: sample_pb2.SampleGroup) -> EncodedGroup:
 def set_reward_fields(msg: sample_pb2.Sample, sample: Sample) -> None:
     """Carry what scoring sets on a sample (reward, reward_scores, reward_error) over to its proto."""
     msg.reward = sample.reward
-    msg.reward_scores.clear()
-    msg.reward_scores.update(sample.reward_scores)
-    msg.reward_error = sample.reward_error
+    if msg.reward_scores or sample.reward_scores:  # most samples have none: a map's clear and update cost more
+        msg.reward_scores.clear()
+        msg.reward_scores.update(sample.reward_scores)
+    if msg.reward_error != sample.reward_error:
+        msg.reward_error = sample.reward_error
 
 
 def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:
