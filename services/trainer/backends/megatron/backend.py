@@ -10,6 +10,7 @@ metrics) are the same on every rank; HF weights come out on rank 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -30,7 +31,7 @@ from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
 from services.trainer.backends.megatron import cpu_compat, hf_io
 from services.trainer.backends.megatron import model as mcore
-from services.trainer.backends.megatron.arch import ModelArch
+from services.trainer.backends.megatron.arch import ModelArch, uneven_stage_layers
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
 from services.trainer.backends.megatron.hf_weights import MegatronHFWeights
 from services.trainer.backends.megatron.routing import MegatronRouting
@@ -72,9 +73,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         if num_threads:
             torch.set_num_threads(num_threads)
         hf_config = hf_io.read_config(self.model_path)
-        self.arch = ModelArch.from_hf_config(hf_config)
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep)
+        self.arch = ModelArch.from_hf_config(hf_config)
+        stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
+        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers)
+        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep, stage_layers=stage_layers)
         if config.replays_routing and not self.arch.num_experts:
             raise InvalidArgument("routing replay on train_backend megatron: the model has no MoE layers")
         layout = {"tp_size": tp, "sequence_parallel": bool(self.megatron_args.transformer.get("sequence_parallel"))}

@@ -74,19 +74,32 @@ class MegatronCheckpointing:
         return {"iteration": rollout_id, "checkpoint_version": CHECKPOINT_VERSION, "args": args,
                 "opt_param_scheduler": scheduler}
 
+    def _torch_adams(self) -> list[torch.optim.Adam]:
+        """The torch Adams that hold the state: megatron-core's own, or the hybrid optimizer's (offloaded state)."""
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+        adams = []
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = optimizer.optimizer
+            subs = inner.sub_optimizers if isinstance(inner, HybridDeviceOptimizer) else [inner]
+            adams += [sub for sub in subs if isinstance(sub, torch.optim.Adam)]
+        return adams
+
     def _init_optimizer_state(self) -> None:
         """Allocate a fresh torch Adam's state as it would itself (step 0, zero moments; its next update is a
         fresh Adam's): Megatron's state dict reads the step count off that state, which torch creates only at the
-        first step (TE's and Apex's Adam keep it elsewhere)."""
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = optimizer.optimizer
-            if not isinstance(inner, torch.optim.Adam):
-                continue
+        first step (TE's and Apex's Adam keep it elsewhere). The hybrid optimizer shows its Adams' state as its own."""
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+        for inner in self._torch_adams():
             for group in inner.param_groups:
                 for param in group["params"]:
                     if not inner.state[param]:
                         inner.state[param].update(step=torch.tensor(0.0, device="cpu"), exp_avg=torch.zeros_like(param),
                                                   exp_avg_sq=torch.zeros_like(param))
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if isinstance(optimizer.optimizer, HybridDeviceOptimizer):
+                optimizer.optimizer._sync_sub_optimizers_state_to_hdo()
 
     def _set_adam_steps(self, num_steps: int) -> None:
         """Each parameter's Adam step count (its bias correction), one tensor each. megatron-core 0.16 restores it
@@ -94,11 +107,9 @@ class MegatronCheckpointing:
         keeps it out of the checkpoint's tensors) and shares one tensor among all parameters (incremented once
         per parameter per step). Every optimizer step of this backend steps every parameter, so each count is
         the backend's step count."""
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = optimizer.optimizer
-            if isinstance(inner, torch.optim.Adam):
-                for state in inner.state.values():
-                    state["step"] = torch.tensor(float(num_steps), device="cpu")
+        for inner in self._torch_adams():
+            for state in inner.state.values():
+                state["step"] = torch.tensor(float(num_steps), device="cpu")
 
     def save_sharded(self, path: str | Path, rollout_id: int = 0) -> None:
         """Collective: write the checkpoint's parts, the lr schedule's step count and the weight version, with what

@@ -21,7 +21,7 @@ from services.common.errors import InvalidArgument
 from services.trainer.backends import packing
 from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.batch import RolloutBatch
-from services.trainer.backends.megatron import args, cpu_compat
+from services.trainer.backends.megatron import args, cpu_compat, offload
 from services.trainer.backends.megatron.arch import ModelArch
 
 log = logging.getLogger(__name__)
@@ -188,15 +188,20 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
                     dtype: torch.dtype = torch.float32, overrides: dict | None = None):
     """Megatron's Adam (decoupled weight decay, no decay on biases and norms), a constant lr (the backend sets each
     step's), global-norm clip, float32 main parameters under bf16; then the `megatron:` section's OptimizerConfig
-    fields."""
+    fields. With optimizer_cpu_offload, megatron-core's hybrid optimizer keeps the state on the host (`offload`)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = train_config
-    opt_config = args.build(OptimizerConfig, "OptimizerConfig", dict(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer), overrides or {})
-    with cpu_compat.cuda_to_cpu():
+    overrides = overrides or {}
+    args.check_optimizer(overrides, use_distributed_optimizer=use_distributed_optimizer)
+    with offload.config_without_te():
+        opt_config = args.build(OptimizerConfig, "OptimizerConfig", dict(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=dtype,
+            bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer,
+            **offload.optimizer_fields(overrides)), overrides)
+    offload.apply()
+    with cpu_compat.cuda_to_cpu(), offload.leaf_fp32_shards():
         return get_megatron_optimizer(opt_config, [ddp_model])
 
 
