@@ -30,6 +30,7 @@ from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
 from services.trainer.backends.megatron import cpu_compat, hf_io
+from services.trainer.backends.megatron import critic as value_model
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch, uneven_stage_layers
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
@@ -59,9 +60,6 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
-        if config.use_critic:
-            raise InvalidArgument("train_backend megatron: advantage_estimator 'ppo' needs a critic, which this "
-                                  "backend does not train; use train_backend fsdp")
         if world is not None and world.device.type == "cpu" and torch.cuda.is_available():
             raise InvalidArgument("train_backend megatron on device cpu while CUDA is visible: Megatron takes every "
                                   "visible GPU; hide them (CUDA_VISIBLE_DEVICES=) to train on the CPU")
@@ -118,6 +116,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         model_config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._build_optimizer()
         self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
+        # PPO's value model: the policy's backbone with a value head, its own DDP, optimizer and lr clock
+        self.critic = self._build_critic(hf, hf_config.get("initializer_range", 0.02)) if config.use_critic else None
         # frozen models: the reference (KL) and the distillation teacher, each loaded over later when asked
         self.ref_model, self.teacher_model = (self._frozen_copy(hf) if needed else None
                                               for needed in (config.needs_ref_model, config.needs_teacher_model))
@@ -137,16 +137,31 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """The GPTModel (this rank's stage and TP shard) inside the DDP wrapper."""
         return self.model.module
 
-    def _build_gpt(self):
-        config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
-                                          overrides={**mcore.router_fields(self.arch, self.config),
+    def _build_gpt(self, arch: ModelArch | None = None):
+        arch = arch or self.arch
+        config = mcore.transformer_config(arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
+                                          overrides={**mcore.router_fields(arch, self.config),
                                                      **self.megatron_args.transformer})
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
-        return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()
+        return mcore.build_gpt(arch, config, use_te=self.use_te).eval()
 
-    def _build_optimizer(self):
-        return mcore.build_optimizer(self.config, self.model, use_distributed_optimizer=self.use_distributed_optimizer,
-                                     dtype=self.dtype, overrides=self.megatron_args.optimizer)
+    def _build_optimizer(self, model=None):
+        return mcore.build_optimizer(self.config, model or self.model,
+                                     use_distributed_optimizer=self.use_distributed_optimizer, dtype=self.dtype,
+                                     overrides=self.megatron_args.optimizer)
+
+    def _build_critic(self, hf: hf_io.HFTensors, init_std: float) -> MegatronCritic:
+        """The value model: the policy's GPTModel from its checkpoint, untied, with a value head for its output."""
+        from megatron.core.distributed import finalize_model_grads
+
+        gpt = self._build_gpt(dataclasses.replace(self.arch, tie_word_embeddings=False))
+        value_model.attach_value_head(gpt, hidden_size=self.arch.hidden_size, init_std=init_std, seed=self.config.seed)
+        self._copy_hf_weights(gpt, hf, output_layer=False)
+        model = mcore.wrap_ddp(gpt, gpt.config, use_distributed_optimizer=self.use_distributed_optimizer,
+                               overrides=self.megatron_args.ddp)
+        gpt.config.no_sync_func = model.no_sync
+        gpt.config.finalize_model_grads_func = finalize_model_grads
+        return MegatronCritic(model=model, optimizer=self._build_optimizer(model))
 
     # -- which rows this rank runs
 
@@ -245,6 +260,20 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             out.zero_()
         return self._all_reduce(out)
 
+    def _values(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """[B, R] critic values without grad of every row in the batch, on every rank (as `_log_probs`)."""
+        out = torch.zeros_like(batch.loss_masks)
+
+        def store(rows: MicroBatch, mb: RolloutBatch, output: torch.Tensor) -> torch.Tensor:
+            values = value_model.response_values(output, mb)
+            out[rows, :values.shape[1]] = values.cpu()
+            return values.sum() * 0.0
+
+        self._run(self.critic.model, batch, micro_batches, store, forward_only=True)
+        if not self._is_reporter():
+            out.zero_()
+        return self._all_reduce(out)
+
     def _is_reporter(self) -> bool:
         """One rank per data-parallel replica holds each result: the last stage's TP rank 0."""
         return self.is_last_stage and self.tp_rank == 0
@@ -278,8 +307,13 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
                                     routing_shape=r3)
         steps = [(rows, self._micro_batches(batch, rows)) for rows in self._steps(batch)]
-        if cfg.loss_type != "sft_loss":
-            micro, rollout, recorded = [mb for _, step in steps for mb in step], batch, []
+        # slime's --num-critic-only-steps: the first rollouts train the critic alone
+        train_actor = self.critic is None or self._weight_version >= cfg.num_critic_only_steps
+        micro = [mb for _, step in steps for mb in step]
+        if self.critic is not None:
+            batch = batch.with_(values=self._values(batch, micro))
+        if cfg.loss_type != "sft_loss" and train_actor:
+            rollout, recorded = batch, []
 
             def log_probs_of(model: torch.nn.Module) -> torch.Tensor:
                 # slime's "record" stage: the old policy's forward records the experts the training forwards replay
@@ -296,9 +330,28 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                                             ref_model=self.ref_model, teacher_model=self.teacher_model,
                                             samples=samples, log_probs_of=log_probs_of)
             batch = batch.with_routed_experts(recorded[0]) if recorded else batch
-        metrics = [self._train_step(batch, rows, micro) for rows, micro in steps]
+        metrics: list[dict[str, float]] = [{} for _ in steps]
+        if self.critic is not None:
+            critic_batch = batch.with_(returns=rl_step.critic_returns(batch, cfg, samples))
+            for step_metrics, (rows, micro_batches) in zip(metrics, steps, strict=True):
+                step_metrics.update(self._critic_step(critic_batch, rows, micro_batches))
+        if train_actor:
+            for step_metrics, (rows, micro_batches) in zip(metrics, steps, strict=True):
+                step_metrics.update(self._train_step(batch, rows, micro_batches))
         self._weight_version += 1
         return metrics
+
+    def _critic_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
+        """One step of the value model on the clipped value loss (its own lr clock)."""
+        def loss(mb: RolloutBatch, output: torch.Tensor, reduce: Reducer):
+            return rl_step.value_loss(self.config, mb, values=value_model.response_values(output, mb), reduce=reduce)
+
+        critic = self.critic
+        metrics, grad_norm, _ = self._step(critic.model, critic.optimizer, critic.num_steps, batch, rows,
+                                           micro_batches, loss, routing=None)
+        critic.num_steps += 1
+        return {"train/value_loss": metrics["value_loss"], "train/value_clipfrac": metrics["value_clipfrac"],
+                "train/critic_grad_norm": grad_norm}
 
     def _micro_batch_loss(self, mb: RolloutBatch, logits: torch.Tensor,
                           reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -315,9 +368,21 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         return full[..., :self.arch.vocab_size]
 
     def _train_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
-        """One optimizer step over `rows`. Each micro-batch's loss is its share of the step's loss (normalized by
-        the whole step's sample or token count, over all DP ranks), times num_microbatches × dp_size to undo the
-        schedule's and DDP's averaging: the gradient is that of the step's loss, however it is split."""
+        """One policy step over `rows`."""
+        metrics, grad_norm, lr = self._step(self.model, self.optimizer, self._num_steps, batch, rows, micro_batches,
+                                            self._micro_batch_loss, routing=self._replay(self.model))
+        self._num_steps += 1
+        return {**{f"train/{key}": value for key, value in metrics.items()}, "train/grad_norm": grad_norm,
+                "train/lr": lr}
+
+    def _step(self, model, optimizer, num_steps: int, batch: RolloutBatch, rows: list[int],
+              micro_batches: list[MicroBatch], loss_of: Callable, *,
+              routing: Callable | None) -> tuple[dict[str, float], float, float]:
+        """One optimizer step of `model` over `rows`, its lr schedule at `num_steps`; loss_of(mb, output, reduce)
+        -> (loss, metrics). Each micro-batch's loss is its share of the step's loss (normalized by the whole
+        step's sample or token count, over all DP ranks), times num_microbatches × dp_size to undo the schedule's
+        and DDP's averaging: the gradient is that of the step's loss, however it is split. Returns (metrics summed
+        over the step, grad_norm, lr)."""
         cfg = self.config
         mask_sums = batch.loss_masks.sum(dim=-1)
         normalizer = rl_step.step_normalizer(cfg, mask_sums[rows])
@@ -326,52 +391,51 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
         def step_loss(mb_rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
             reduce = rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows].to(self.device), normalizer)
-            loss, metrics = self._micro_batch_loss(mb, logits, reduce)
+            loss, metrics = loss_of(mb, logits, reduce)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().double().cpu()
             return loss * scale
 
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
         # train mode only for dropout or megatron-core's load-balancing loss (its routers add it only in training)
-        self.model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
+        model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
         try:
-            self._run(self.model, batch, micro_batches, step_loss, forward_only=False, routing=self._replay(self.model))
+            self._run(model, batch, micro_batches, step_loss, forward_only=False, routing=routing)
         finally:
-            self.model.eval()
-        self._count_experts_tokens_once()
-        grad_norm, lr = self._optimizer_step(rows)
-        return {**{f"train/{key}": value for key, value in self._sum_metrics(totals).items()},
-                "train/grad_norm": grad_norm, "train/lr": lr}
+            model.eval()
+        self._count_experts_tokens_once(model.module)
+        grad_norm, lr = self._optimizer_step(model, optimizer, num_steps, rows)
+        return self._sum_metrics(totals), grad_norm, lr
 
-    def _count_experts_tokens_once(self) -> None:
+    def _count_experts_tokens_once(self, gpt) -> None:
         """Without sequence parallelism every TP rank holds all of its replica's tokens, and under expert parallelism
         each sends them all to the experts' ranks: an expert's gradient, reduced over those ranks, holds each token
         tp_size times. Divide it back (experts on every rank, EP 1, see only their own rank's tokens)."""
         if self.tp_size == 1 or self.ep_size == 1 or self.gpt.config.sequence_parallel:
             return
-        for param in self.gpt.parameters():
+        for param in gpt.parameters():
             if param.requires_grad and not getattr(param, "allreduce", True):  # megatron-core's expert-parallel mark
                 param.main_grad.div_(self.tp_size)
 
-    def _optimizer_step(self, rows: list[int]) -> tuple[float, float]:
-        """Clip and step at the scheduled lr (Megatron's lr_mult / wd_mult per group: no decay on biases and
-        norms); a non-finite gradient norm raises before any weight changes. Returns (grad_norm, lr)."""
+    def _optimizer_step(self, model, optimizer, num_steps: int, rows: list[int]) -> tuple[float, float]:
+        """Clip and step at the lr scheduled for step `num_steps` (Megatron's lr_mult / wd_mult per group: no decay
+        on biases and norms); a non-finite gradient norm raises before any weight changes. Returns (grad_norm,
+        lr)."""
         cfg = self.config
-        lr = optim.lr_at(self._num_steps, **optim.lr_schedule(cfg))
-        for group in self.optimizer.param_groups:
+        lr = optim.lr_at(num_steps, **optim.lr_schedule(cfg))
+        for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
         with cpu_compat.cuda_to_cpu():
-            found_inf = self.optimizer.prepare_grads()
-            grad_norm = float(self.optimizer.get_grad_norm())
+            found_inf = optimizer.prepare_grads()
+            grad_norm = float(optimizer.get_grad_norm())
             if found_inf or not math.isfinite(grad_norm):
-                self.optimizer.zero_grad()
-                self.model.zero_grad_buffer()
+                optimizer.zero_grad()
+                model.zero_grad_buffer()
                 raise FloatingPointError(f"grad norm is {grad_norm} on samples [{rows[0]}, {rows[-1] + 1}); "
                                          "step not applied")
-            self.optimizer.step()
-        self._num_steps += 1
+            optimizer.step()
         return grad_norm, lr
 
     def _sum_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -387,6 +451,19 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def close(self) -> None:
         """Drop Megatron's process groups (the default group stays for the next backend in this process)."""
         mcore.destroy_model_parallel()
+
+
+@dataclasses.dataclass
+class MegatronCritic:
+    """PPO's value model on megatron-core (`critic.py`): its DDP-wrapped GPTModel, optimizer and lr clock."""
+
+    model: Any
+    optimizer: Any
+    num_steps: int = 0
+
+    @property
+    def gpt(self):
+        return self.model.module
 
 
 def _round_up(n: int, multiple: int) -> int:
