@@ -6,12 +6,13 @@ sizes and paths change (tests/e2e/slime_tiny.py names each flag and why); algori
 and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
-builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers,
-and train_infer_mismatch_helper, refused on megatron for its context parallelism, both with a refusal that names
-fsdp, run moved to fsdp as README's porting section says (ON_FSDP; the mismatch helper's mis.py and mis.yaml,
-slime's, from tests/slime_examples/examples). multi_agent (slime's multi-agent generate function, from there too, on
-a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their optimizer offloaded to the host (--optimizer-cpu-offload
---overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer, megatron-core's hybrid optimizer).
+builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers
+with a refusal that names fsdp, runs moved to fsdp as README's porting section says (ON_FSDP).
+train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
+tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
+(slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
+optimizer offloaded to the host (--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d
+--use-precision-aware-optimizer, megatron-core's hybrid optimizer).
 
 One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
 once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
@@ -71,7 +72,7 @@ DENSE_LEFT_OUT = {
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
 # says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
-ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5", "train_infer_mismatch_helper": "qwen3"}
+ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5"}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
            if name not in REFUSED},
         **{name: (DENSE[name], model_type) for name, model_type in DENSE_RUNS.items()},

@@ -68,7 +68,7 @@ def test_capabilities_as_declared():
     assert backends_that(lambda caps: caps.critic) == ["fsdp", "megatron"]
     assert backends_that(lambda caps: caps.tensor_parallel) == ["megatron"]
     assert backends_that(lambda caps: caps.packing) == ["fsdp", "megatron"]
-    assert backends_that(lambda caps: caps.context_parallel) == ["fsdp"]
+    assert backends_that(lambda caps: caps.context_parallel) == ["fsdp", "megatron"]
     assert backends_that(lambda caps: caps.reads_shares) == ["fsdp"]
 
 

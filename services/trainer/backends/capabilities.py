@@ -43,7 +43,7 @@ BACKENDS: dict[str, Capabilities] = {
                          replay_problem=model_families.fsdp_replay_problem,
                          aux_loss_problem=model_families.fsdp_aux_loss_problem),
     "megatron": Capabilities(critic=True, packing=True, tensor_parallel=True, pipeline_parallel=True,
-                             expert_parallel=True, context_parallel=False, extra_flags=True, reads_shares=False,
+                             expert_parallel=True, context_parallel=True, extra_flags=True, reads_shares=False,
                              slime_checkpoints=True,
                              model_problem=model_families.megatron_problem,
                              replay_problem=model_families.megatron_replay_problem,

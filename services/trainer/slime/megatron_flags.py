@@ -241,8 +241,8 @@ MEGATRON: dict[str, Flag] = {
     # layout
     "tensor-model-parallel-size": Flag("mapped", 1, _SPEC + " tensor_model_parallel_size"),
     "pipeline-model-parallel-size": Flag("mapped", 1, _SPEC + " pipeline_model_parallel_size"),
-    "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (train_backend fsdp; megatron "
-                                                   "refuses above 1)"),
+    "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (both backends: Megatron's "
+                                                   "load-balanced chunks)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
     "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
                                                      "each tensor-parallel rank"),

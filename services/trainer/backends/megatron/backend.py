@@ -28,7 +28,9 @@ from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends import capabilities, model_families, optim, packing, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
+from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL
 from services.trainer.backends.megatron import args as margs
+from services.trainer.backends.megatron import context_parallel as megatron_cp
 from services.trainer.backends.megatron import cpu_compat, hf_io
 from services.trainer.backends.megatron import critic as value_model
 from services.trainer.backends.megatron import model as mcore
@@ -55,7 +57,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
                  megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None,
-                 expert_model_parallel_size: int = 1, pack_sequences: bool = True,
+                 expert_model_parallel_size: int = 1, context_parallel_size: int = 1, pack_sequences: bool = True,
                  min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
@@ -85,7 +87,13 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 raise InvalidArgument(problem)
         if self.megatron_args.dropout and (problem := model_families.megatron_train_mode_problem(hf_config, **layout)):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
-        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep)
+        if context_parallel_size > 1 and (problem := _context_parallel_problem(config)):
+            raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
+        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep, cp_size=context_parallel_size)
+        self.cp_size, self.cp_rank = context_parallel_size, ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if context_parallel_size > 1 else None
+        self.dp_cp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # one rank of a CP group sends weights
+        self._cp_row: megatron_cp.CPRow | None = None  # the micro-batch whose loss is computed next (CP > 1)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
         self.expert_dp_rank = ps.get_expert_data_parallel_rank() if ep > 1 else 0
@@ -141,6 +149,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         arch = arch or self.arch
         config = mcore.transformer_config(arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
                                           overrides={**mcore.router_fields(arch, self.config),
+                                                     "context_parallel_size": self.cp_size,
                                                      **self.megatron_args.transformer})
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
         return mcore.build_gpt(arch, config, use_te=self.use_te).eval()
@@ -204,6 +213,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
             packed = self._packs(mb)
+            if self.cp_size > 1:  # this rank's slice; the loss, computed right after, gathers its outputs
+                self._cp_row = self._cp_slice(mb)
+                with routing(rows, mb) if routing else contextlib.nullcontext():
+                    output = module(**self._cp_row.inputs)
+                return output, functools.partial(_loss_output, loss_fn, rows, mb)
             inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
                                       pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
             if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
@@ -217,7 +231,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
-        shapes = [(_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
+        shapes = [(self._cp_slice(mb).local_length, 1 if self._packs(mb) else mb.size) if self.cp_size > 1 else
+                  (_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
                    1 if self._packs(mb) else mb.size) for _, mb in data]
         with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
@@ -233,10 +248,29 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def _packs(self, mb: RolloutBatch) -> bool:
         return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
 
+    def _cp_slice(self, mb: RolloutBatch) -> megatron_cp.CPRow:
+        return megatron_cp.cp_row(mb, packed=self._packs(mb), rank=self.cp_rank, size=self.cp_size, group=self.cp_group,
+                                  pad_token_id=self.pad_token_id,
+                                  pad_multiple=self.tp_size if self.gpt.config.sequence_parallel else 1)
+
+    def _per_position(self, output: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+        """Per-position outputs of the model: as they are, or under CP this rank's [rows, T_local] gathered into
+        the CP-1 layout."""
+        return self._cp_row.gather(output) if self.cp_size > 1 else output
+
     def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature, from vocab-parallel
-        logits, padded [b, L, V/tp] or packed [1, T, V/tp]."""
+        logits, padded [b, L, V/tp] or packed [1, T, V/tp]; under CP, of this rank's slice (each position's stats
+        against the token it predicts, gathered over the group)."""
+        if self.cp_size > 1:
+            log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+                logits, self._cp_row.targets, vocab_size=self.arch.vocab_size,
+                temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                group=self.tp_group, with_entropy=with_entropy, entropy_grad=self.config.entropy_coef != 0)
+            gathered = [None if x is None else packing.gather_response(self._cp_row.gather(x), mb)
+                        for x in (log_probs, entropy)]
+            return gathered[0], gathered[1] if with_entropy else None
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             packing.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
             temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -265,7 +299,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         out = torch.zeros_like(batch.loss_masks)
 
         def store(rows: MicroBatch, mb: RolloutBatch, output: torch.Tensor) -> torch.Tensor:
-            values = value_model.response_values(output, mb)
+            values = value_model.response_values(self._per_position(output[..., 0], mb)[..., None], mb)
             out[rows, :values.shape[1]] = values.cpu()
             return values.sum() * 0.0
 
@@ -275,8 +309,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         return self._all_reduce(out)
 
     def _is_reporter(self) -> bool:
-        """One rank per data-parallel replica holds each result: the last stage's TP rank 0."""
-        return self.is_last_stage and self.tp_rank == 0
+        """One rank per data-parallel replica holds each result: the last stage's TP and CP rank 0."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.to(self.device)
@@ -344,7 +378,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def _critic_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
         """One step of the value model on the clipped value loss (its own lr clock)."""
         def loss(mb: RolloutBatch, output: torch.Tensor, reduce: Reducer):
-            return rl_step.value_loss(self.config, mb, values=value_model.response_values(output, mb), reduce=reduce)
+            values = value_model.response_values(self._per_position(output[..., 0], mb)[..., None], mb)
+            return rl_step.value_loss(self.config, mb, values=values, reduce=reduce)
 
         critic = self.critic
         metrics, grad_norm, _ = self._step(critic.model, critic.optimizer, critic.num_steps, batch, rows,
@@ -381,12 +416,14 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """One optimizer step of `model` over `rows`, its lr schedule at `num_steps`; loss_of(mb, output, reduce)
         -> (loss, metrics). Each micro-batch's loss is its share of the step's loss (normalized by the whole
         step's sample or token count, over all DP ranks), times num_microbatches × dp_size to undo the schedule's
-        and DDP's averaging: the gradient is that of the step's loss, however it is split. Returns (metrics summed
-        over the step, grad_norm, lr)."""
+        and DDP's averaging: the gradient is that of the step's loss, however it is split. Under CP every rank of
+        the group computes the whole loss, and the gather's backward already sums the group's gradients (CP times
+        each rank's part) where the schedule multiplies the loss by CP for losses of a rank's own tokens: ÷ CP.
+        Returns (metrics summed over the step, grad_norm, lr)."""
         cfg = self.config
         mask_sums = batch.loss_masks.sum(dim=-1)
         normalizer = rl_step.step_normalizer(cfg, mask_sums[rows])
-        scale = len(micro_batches) * self.dp_size
+        scale = len(micro_batches) * self.dp_size / self.cp_size
         totals: dict[str, torch.Tensor] = {}
 
         def step_loss(mb_rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
@@ -464,6 +501,15 @@ class MegatronCritic:
     @property
     def gpt(self):
         return self.model.module
+
+
+def _context_parallel_problem(config: TrainConfig) -> str:
+    """Why this job cannot split its sequences over CP ranks here ("" when it can)."""
+    if config.loss_type == "custom_loss":
+        return CUSTOM_LOSS_REFUSAL.removeprefix("context_parallel_size > 1 ")
+    if config.replays_routing or config.moe_aux_loss:
+        return "routing replay and moe_aux_loss_coeff need each token's router logits on one rank"
+    return ""
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -90,7 +90,7 @@ class MegatronHFWeights:
         yield from convert.gather_hf_weights(
             list(self.gpt.named_parameters()), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
             tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
+            dp_rank=self.dp_cp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
 
     def save_hf(self, path: str | Path) -> None:
         """Collective: rank 0 writes the HF checkpoint directory."""
