@@ -7,7 +7,7 @@ and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
 builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers
-with a refusal that names fsdp, runs moved to fsdp as README's porting section says (ON_FSDP).
+with a refusal that names fsdp, runs moved to fsdp as docs/slime.md's porting section says (ON_FSDP).
 train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
 tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
 (slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
@@ -70,8 +70,8 @@ DENSE_LEFT_OUT = {
     "run-glm4-9B.sh": "GLM-4, which megatron here does not build: it moves to fsdp as fully_async_qwen3.5_9B does "
                       "(and so ran when tried), left out for the cost of one more stack",
 }
-# Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
-# says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
+# Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as docs/slime.md's porting
+# section says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
 ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5"}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
            if name not in REFUSED},

@@ -30,9 +30,9 @@ RUNS = {  # name: (model, tp, cp, packed, sequence parallel)
 
 
 def train(model_dir: Path, *, tp: int, cp: int, packed: bool, sequence_parallel: bool) -> dict:
-    from services.trainer.backends.base import TrainConfig
-    from services.trainer.backends.megatron import convert
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.checkpoint import megatron_convert as convert
+    from services.trainer.settings.train import TrainConfig
 
     # the plain optimizer: every rank holds its parameters' whole reduced gradient after the step
     backend = MegatronBackend(model_dir, TrainConfig(**CONFIG), tensor_model_parallel_size=tp,

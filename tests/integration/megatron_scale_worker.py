@@ -63,8 +63,8 @@ def train(model_dir: Path, *, bf16: bool = False, tp: int = 1, pp: int = 1, mega
           ckpt: Path | None = None, config: dict | None = None, num_rollouts: int = 2) -> dict:
     """Rollouts of two steps: metrics, log-probs after and the HF weights (rank 0). ckpt: saved after the first
     rollout, and a fresh backend resumed from it trains the second again."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     def build() -> MegatronBackend:
         return MegatronBackend(model_dir, TrainConfig(**(config or STEP_CONFIG), bf16=bf16),

@@ -35,8 +35,8 @@ def results(out_dir) -> dict:
 
 def fsdp_run(model_dir: Path, config: dict, num_rollouts: int) -> dict:
     """The fsdp backend (one process) on the worker's model and rollouts: metrics, log-probs after, weights."""
-    from services.trainer.backends.base import TrainConfig
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
+    from services.trainer.settings.train import TrainConfig
 
     backend = TorchBackend(model_dir, TrainConfig(**config), num_threads=1)
     rollouts = [grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, r) for r in range(num_rollouts)]

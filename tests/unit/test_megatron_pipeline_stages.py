@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends import model_families
-from services.trainer.backends.megatron.arch import ModelArch, uneven_stage_layers
+from services.trainer.models import families as model_families
+from services.trainer.models.arch import ModelArch, uneven_stage_layers
 
 QWEN3 = {"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 61, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

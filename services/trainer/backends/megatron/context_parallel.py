@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.trainer.backends.batch import RolloutBatch
-from services.trainer.backends.context_parallel import (
+from services.trainer.backends.fsdp.context_parallel import (
     CPGroup,
     CPSlice,
     all_gather,
@@ -28,8 +27,9 @@ from services.trainer.backends.context_parallel import (
     padded_lengths,
     split,
 )
-from services.trainer.backends.cp_attention import causal_attention
+from services.trainer.backends.fsdp.cp_attention import causal_attention
 from services.trainer.backends.megatron.attention import SDPAttention
+from services.trainer.batching.batch import RolloutBatch
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.trainer.backends import packing
-from services.trainer.backends.batch import RolloutBatch
-from services.trainer.backends.critic import initial_value_head
+from services.trainer.backends.fsdp.critic import initial_value_head
+from services.trainer.batching import packing
+from services.trainer.batching.batch import RolloutBatch
 
 
 class ValueHead(torch.nn.Module):
