@@ -1,7 +1,8 @@
 """Four gloo ranks for test_megatron_context_parallel: one GRPO rollout (two steps) of a tiny Qwen3 and a tiny
 Qwen3-MoE on megatron at context parallelism 1 and 2, with tensor parallelism 1 and 2, packed (THD) and as padded
-rectangles, and under sequence parallelism; the log-probs before and after, the steps' metrics, the last step's
-gradient of every parameter (HF names, whole) and the weights after.
+rectangles, under sequence parallelism, and with slime's mismatch example's mis.py as the TIS function; the
+log-probs before and after, the steps' metrics, the last step's gradient of every parameter (HF names, whole) and
+the weights after.
 
 Run: python -m tests.integration.megatron_cp_worker DENSE_DIR MOE_DIR OUT_DIR  (writes OUT_DIR/results.json)
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -26,16 +28,28 @@ RUNS = {  # name: (model, tp, cp, packed, sequence parallel)
     **{f"dense_tp1_cp{cp}_packFalse": ("dense", 1, cp, False, False) for cp in (1, 2)},
     **{f"dense_tp2_cp2_sp_pack{packed}": ("dense", 2, 2, packed, True) for packed in (True, False)},
     **{f"moe_tp1_cp{cp}_packTrue": ("moe", 1, cp, True, False) for cp in (1, 2)},
+    # mis.py normalizes its weights over each micro-batch: both runs deal the rows to 2 data-parallel ranks alike
+    **{f"mis_tp{tp}_cp{cp}_packTrue": ("dense", tp, cp, True, False) for tp, cp in ((2, 1), (1, 2))},
 }
+SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"  # slime's root: examples.*
+MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 
 
-def train(model_dir: Path, *, tp: int, cp: int, packed: bool, sequence_parallel: bool) -> dict:
+def mis_config() -> dict:
+    """slime's train-inference mismatch example: its mis.py as the TIS function, its mis.yaml as slime's args."""
+    import yaml
+
+    args = yaml.safe_load((SLIME_EXAMPLES / "examples" / "train_infer_mismatch_helper" / "mis.yaml").read_text())
+    return {**CONFIG, "use_tis": True, "custom_tis_function_path": MIS, "args": args}
+
+
+def train(model_dir: Path, *, tp: int, cp: int, packed: bool, sequence_parallel: bool, config: dict) -> dict:
     from services.trainer.backends.megatron.backend import MegatronBackend
     from services.trainer.checkpoint import megatron_convert as convert
     from services.trainer.settings.train import TrainConfig
 
     # the plain optimizer: every rank holds its parameters' whole reduced gradient after the step
-    backend = MegatronBackend(model_dir, TrainConfig(**CONFIG), tensor_model_parallel_size=tp,
+    backend = MegatronBackend(model_dir, TrainConfig(**config), tensor_model_parallel_size=tp,
                               context_parallel_size=cp, pack_sequences=packed, use_distributed_optimizer=False,
                               megatron_args={"sequence_parallel": True} if sequence_parallel else None)
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
@@ -66,7 +80,8 @@ def run(rank: int, world_size: int, dense_dir: Path, moe_dir: Path, out_dir: Pat
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     models = {"dense": dense_dir, "moe": moe_dir}
-    results = {name: train(models[model], tp=tp, cp=cp, packed=packed, sequence_parallel=sp)
+    results = {name: train(models[model], tp=tp, cp=cp, packed=packed, sequence_parallel=sp,
+                           config=mis_config() if name.startswith("mis") else CONFIG)
                for name, (model, tp, cp, packed, sp) in RUNS.items()}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
@@ -78,6 +93,9 @@ if __name__ == "__main__":
     import transformers  # noqa: F401
 
     import services.trainer.backends.megatron.backend  # noqa: F401
+    from services.common.plugins import ALLOWLIST_ENV
 
+    sys.path.insert(0, str(SLIME_EXAMPLES))  # as slime's launch scripts put its root on PYTHONPATH
+    os.environ[ALLOWLIST_ENV] = "examples.train_infer_mismatch_helper"
     spawn(run, Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), world_size=WORLD_SIZE,
           start_method="spawn" if torch.cuda.is_available() else "fork")

@@ -2,7 +2,7 @@
 sequence, attention across the slices by the project's own CP attention) a tiny Qwen3 gives the log-probs, the
 losses and every parameter's gradient of CP=1 within 1e-5, packed (THD) and as padded rectangles, at tensor
 parallelism 1 and 2, also under sequence parallelism (each sequence padded to a multiple of 2·CP·TP); so does a tiny
-Qwen3-MoE.
+Qwen3-MoE, and so does slime's train-inference mismatch example's mis.py, unchanged, as the TIS function.
 
 One launch of tests/integration/megatron_cp_worker.py serves the tests here."""
 
@@ -41,6 +41,7 @@ def max_tensor_diff(a: dict, b: dict) -> float:
     ("dense_tp2_cp2_sp_packTrue", "dense_tp1_cp1_packTrue"),
     ("dense_tp2_cp2_sp_packFalse", "dense_tp1_cp1_packFalse"),
     ("moe_tp1_cp2_packTrue", "moe_tp1_cp1_packTrue"),
+    ("mis_tp1_cp2_packTrue", "mis_tp2_cp1_packTrue"),  # the same micro-batches (mis.py normalizes over each)
 ])
 def test_context_parallelism_trains_as_one_rank_per_sequence(results, run, reference):
     got, want = results[run], results[reference]
@@ -57,3 +58,9 @@ def test_context_parallelism_trains_as_one_rank_per_sequence(results, run, refer
     # Adam divides each gradient by its own root mean square: on entries whose gradient is ~1e-8 a 1e-7 difference
     # moves the update by a good part of lr (1e-3), so the weights agree less closely than the gradients
     assert max_tensor_diff(got["weights"], want["weights"]) <= 1e-4
+
+
+def test_slimes_mismatch_example_runs_at_context_parallelism_2(results):
+    """mis.py's own metrics are in the steps' (slime's compute_mis_weights_with_cp ran on every step)."""
+    for step in results["mis_tp1_cp2_packTrue"]["metrics"]:
+        assert any("is_ratio_mean_final" in key for key in step), sorted(step)
