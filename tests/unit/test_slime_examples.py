@@ -1,10 +1,10 @@
-"""slime's example launch scripts (tests/slime_examples/launch_args.json: the train.py / train_async.py argv each
-script builds, model block included) submitted as they are, with the files they name present: the models' HF
-config.json, prompt rows, the YAML files. Each is accepted at submit, or refused only for features that
-docs/slime-flags.md lists as refused (MoE, MTP), each with its reason, or for context parallelism on megatron
-(the refusal names fsdp, which runs it), or, where TransformerEngine is not installed (as on CPU here), for
---use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's FusedAdam).
-A slime user's one change, dropping a refused flag, is shown by appending its accepted value (the last one wins)."""
+"""slime's example launch scripts (tests/slime_examples/launch_args.json: the train.py / train_async.py argv each script
+builds, model block included) submitted as they are, with the files they name present: the models' HF config.json,
+prompt rows, the YAML files. Each is accepted at submit, or refused only for features that docs/slime-flags.md lists
+as refused (MoE, MTP), each with its reason, or, where TransformerEngine is not installed (as on CPU here), for
+--use-precision-aware-optimizer without --optimizer-cpu-offload (megatron-core runs it only on TransformerEngine's
+FusedAdam or on its CPU-offload optimizer). A slime user's one change, dropping a refused flag, is shown by appending
+its accepted value (the last one wins)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,8 @@ HF_CONFIGS = {
                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
                      "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                              "weight_block_size": [128, 128]}},
+    "Qwen3-4B-Base": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True},
     "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
                  "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": False},
     "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -102,37 +104,29 @@ HF_CONFIGS = {
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
-    # --context-parallel-size 2 on slime's default backend: megatron-core's local attention has no CP, fsdp has
-    "train_infer_mismatch_helper": {"context parallelism"},
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
-    # megatron-core's hybrid CPU-offload optimizer fails at the first step (refused; the e2e runs it dropped)
-    "multi_agent": {"--optimizer-cpu-offload"},
-    # slime's MoE scripts: the CPU-offloaded optimizer, uneven pipeline stages and MTP training are refused (another
-    # part of the megatron backend); the families themselves and their MoE flags are accepted
-    "glm4.7_30B_A3B": {"--optimizer-cpu-offload", "--decoder-last-pipeline-num-layers", "--mtp-num-layers",
-                       "--enable-mtp-training", "--mtp-loss-scaling-factor"},
-    "deepseek_r1": {"--optimizer-cpu-offload", "--decoder-last-pipeline-num-layers"},
-    "moonlight_16B_A3B": {"--optimizer-cpu-offload"},
-    "qwen3_30B_A3B": {"--optimizer-cpu-offload"},
-    # the gated delta-net families: megatron-core here builds no gated-delta-net layers (refused naming fsdp); the
-    # Qwen3.5 SFT script's --loss-mask-type qwen3_5 is refused too (no Qwen3.5 chat mask in the rollout service)
-    "qwen3.5_35B_A3B_sft": {"--optimizer-cpu-offload", "family"},
-    "qwen3_next_80B_A3B": {"--optimizer-cpu-offload", "--decoder-last-pipeline-num-layers", "family"},
+    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained); Qwen3-Next's
+    # gated delta-net layers are not built by megatron-core here (refused naming fsdp); the Qwen3.5 SFT script's
+    # --loss-mask-type qwen3_5 is refused by the job spec (no Qwen3.5 chat mask in the rollout service)
+    "glm4.7_30B_A3B": {"--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"},
+    "qwen3_next_80B_A3B": {"family"},
+    "qwen3.5_35B_A3B_sft": {"loss_mask_type"},
 }
-# The refused flags of those MoE scripts (a flag with a value drops with it), and the families megatron builds
+# The refused flags of slime's MoE scripts (a flag with a value drops with it), and the families megatron builds
 MOE_SCRIPTS = ("glm4.7_30B_A3B", "deepseek_r1", "moonlight_16B_A3B", "qwen3_30B_A3B")
-OTHER_PART = {"--optimizer-cpu-offload": 0, "--enable-mtp-training": 0, "--decoder-last-pipeline-num-layers": 1,
-              "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1}
-# multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam
+OTHER_PART = {"--enable-mtp-training": 0, "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1}  # MTP training
+# multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam or on its
+# CPU-offload optimizer (multi_agent offloads it)
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron-core runs it only with "
-                     "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's image; "
-                     "drop it (slime: --use-precision-aware-optimizer)")
+                     "TransformerEngine's FusedAdam or with optimizer_cpu_offload, and TransformerEngine is not "
+                     "installed in the trainer's image; drop it or offload the optimizer (slime: "
+                     "--use-precision-aware-optimizer, --optimizer-cpu-offload)")
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
-CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
-PLUGIN_MODULES = "generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent"
+PLUGIN_MODULES = ("generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent,"
+                  "tests.slime_compat")
 
 
 def materialize(argv: list[str], root: Path) -> list[str]:
@@ -145,6 +139,7 @@ def materialize(argv: list[str], root: Path) -> list[str]:
     data = Path(given["--prompt-data"])
     data.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    rows *= max(1, int(given.get("--rollout-batch-size", 1)) // len(rows))  # --num-epoch counts at least a rollout
     if data.suffix == ".parquet":
         pq.write_table(pa.Table.from_pylist(rows), data)
     else:
@@ -202,14 +197,8 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
-    if "family" in REFUSED[name]:  # the flags are refused first (slime_args), the family once they are dropped
-        problems = [p for p in problems if FAMILY_REFUSAL not in p]
-        refused = REFUSED[name] - {"family"}
-        assert {p.split(":")[0].split(" ")[0] for p in problems} == refused, problems
-        return
-    if REFUSED[name] == {"context parallelism"}:
-        assert problems == [f"job spec: {CP_REFUSAL} (megatron-core's local attention cannot split a sequence); set "
-                            "train_backend: fsdp (slime: --train-backend fsdp)"], problems
+    if REFUSED[name] == {"loss_mask_type"}:
+        assert problems == ["job spec: loss_mask_type: Input should be 'qwen', 'qwen3' or 'distill'"], problems
         return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
@@ -219,41 +208,35 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     notes = tuple((slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON[flag[2:]]).note
                   for flag in REFUSED[name] if flag[2:] in slime_flags.FLAGS or flag[2:] in megatron_flags.MEGATRON)
     assert all(p.endswith(("MoE models are not supported", slime_flags.MOE_REFUSAL,
-                           megatron_flags.MEGATRON["optimizer-cpu-offload"].note, *notes,
+                           *notes,
                            "Physarum builds the model from the HF config: fix or drop the flag"))
                for p in problems), problems
 
 
 def _without_other_parts(argv: list[str]) -> list[str]:
-    """The argv without the flags OTHER_PART names (and their values), and without --use-precision-aware-optimizer
-    where TransformerEngine is not installed; context parallelism 1 (megatron's is refused, naming fsdp)."""
+    """The argv without the flags OTHER_PART names (and their values)."""
     out, skip = [], 0
     for token in argv:
         if skip:
             skip -= 1
         elif token in OTHER_PART:
             skip = OTHER_PART[token]
-        elif not (token == "--use-precision-aware-optimizer" and not TRANSFORMER_ENGINE):
+        else:
             out.append(token)
-    return [*out, "--context-parallel-size", "1"]
+    return out
 
 
 @pytest.mark.parametrize("name", MOE_SCRIPTS)
-def test_the_moe_scripts_without_the_other_parts_flags_build_their_family_with_every_moe_flag(name, tmp_path):
-    """DeepSeek-R1, Moonlight (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite) and Qwen3-30B-A3B build on megatron with
-    every MoE and model flag their scripts pass, at their own tensor and expert parallel sizes. Where a script cuts
-    its layers into uneven pipeline stages, the even cut it is left with is refused naming the layer count, and
-    accepted at one stage."""
+def test_the_moe_scripts_build_their_family_with_every_moe_flag_at_their_own_parallel_sizes(name, tmp_path):
+    """DeepSeek-R1, Moonlight (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite; without its MTP flags) and Qwen3-30B-A3B
+    build on megatron with every MoE and model flag their scripts pass, at their own tensor, pipeline and expert
+    parallel sizes."""
     argv = _without_other_parts(materialize(EXAMPLES[name]["argv"], tmp_path))
     given = dict(zip(argv, argv[1:], strict=False))
-    if "--decoder-last-pipeline-num-layers" in EXAMPLES[name]["argv"]:
-        stages = given["--pipeline-model-parallel-size"]
-        with pytest.raises(InvalidArgument, match=f"pipeline_model_parallel_size {stages} must divide num_hidden"):
-            submit(argv)
-        argv = [*argv, "--pipeline-model-parallel-size", "1"]
     spec = submit(argv)
     assert spec.train_backend == "megatron"
     assert spec.tensor_model_parallel_size == int(given["--tensor-model-parallel-size"])
+    assert spec.pipeline_model_parallel_size == int(given["--pipeline-model-parallel-size"])
     assert spec.expert_model_parallel_size == int(given["--expert-model-parallel-size"])
     assert spec.moe_router_load_balancing_type in ("none", "aux_loss")
     if "--moe-enable-deepep" in argv:
@@ -261,7 +244,8 @@ def test_the_moe_scripts_without_the_other_parts_flags_build_their_family_with_e
 
 
 def test_multi_agent_without_the_offload_flag_needs_transformer_engine_for_its_optimizer(tmp_path):
-    """--use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam."""
+    """--use-precision-aware-optimizer without --optimizer-cpu-offload: megatron-core runs it only on
+    TransformerEngine's FusedAdam."""
     argv = [a for a in materialize(EXAMPLES["multi_agent"]["argv"], tmp_path) if a != "--optimizer-cpu-offload"]
     if TRANSFORMER_ENGINE:
         assert submit(argv).train_backend == "megatron"
@@ -313,18 +297,17 @@ def test_the_on_policy_distillation_examples_become_a_teacher_engine_or_a_teache
     assert megatron.driver.opd_teacher_load.endswith("/root/Qwen3-8B_torch_dist")
 
 
-def test_the_mismatch_helper_example_without_context_parallelism(tmp_path):
-    """train_infer_mismatch_helper with its one refused flag set to what Physarum runs (appended: the last wins):
-    MIS through custom_tis_function_path, its YAML's settings in slime's args."""
-    argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path) + ["--context-parallel-size", "1"]
+def test_the_mismatch_helper_example_runs_on_megatron_at_context_parallelism_2(tmp_path):
+    """train_infer_mismatch_helper as it is: megatron at CP=2 (with TP=2 and sequence parallelism), MIS through
+    custom_tis_function_path, its YAML's settings in slime's args."""
+    argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path)
     spec = submit(argv)
     train = spec.train
+    assert (spec.train_backend, spec.context_parallel_size) == ("megatron", 2)
     assert train.use_tis and train.custom_tis_function_path == \
         "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
     assert (train.args["tis_mode"], train.args["rs_veto_threshold"], train.args["tis_batch_normalize"]) == \
         ("truncate", 1e-4, True)
-    assert spec.slime_sources["context_parallel_size"] == \
-        "--context-parallel-size (argv[139]), the last of 2: over argv[99]"
 
 
 def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
@@ -368,8 +351,8 @@ def test_the_dense_scripts_are_refused_only_for_listed_features(script):
 @pytest.mark.parametrize("script", sorted(DENSE))
 def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_config(script):
     """Each script's `megatron:` settings are built into megatron-core's OptimizerConfig at submit: where
-    TransformerEngine is not installed (as on this CPU install), --use-precision-aware-optimizer (run-qwen3-32B.sh)
-    is refused there by name; otherwise they build."""
+    TransformerEngine is not installed (as on this CPU install), --use-precision-aware-optimizer without
+    --optimizer-cpu-offload is refused there by name; otherwise they build (run-qwen3-32B.sh offloads it)."""
     import importlib.util
 
     from services.trainer.api.spec import JobSpec
@@ -379,7 +362,8 @@ def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_conf
     conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     split = megatron_args.split(conv.megatron)
     distributed = conv.spec.get("use_distributed_optimizer", True)
-    if split.optimizer.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
+    if split.optimizer.get("use_precision_aware_optimizer") and not split.optimizer.get("optimizer_cpu_offload") \
+            and importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(InvalidArgument, match=r"megatron.use_precision_aware_optimizer: .* TransformerEngine is "
                                                   r"not installed"):
             megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
@@ -435,3 +419,26 @@ def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):
             kept.append(token)
     spec = submit([*kept, "--tensor-model-parallel-size", "1"])
     assert (spec.train_backend, spec.mode, spec.megatron) == ("fsdp", "fully_async", {})
+
+
+def test_the_base_sft_script_counts_its_parquet_epochs(tmp_path):
+    """run-qwen3-4B-base-sft.sh: slime's sft_rollout is sft_loss; --num-epoch 3 over its Parquet rows (made 128 here,
+    one rollout's worth) is 3 rollouts; --debug-train-only and --ref-load (its start weights, no KL) are dropped with
+    a note each."""
+    spec = submit(materialize(EXAMPLES["sft_qwen3_4B_base"]["argv"], tmp_path))
+    assert (spec.loss_type, spec.num_rollout, spec.rollout_batch_size) == ("sft_loss", 3, 128)
+    assert spec.prompt_data.endswith("openhermes2_5.parquet")
+    assert "--num-epoch 3: num_rollout 3 (128 prompts, 128 per rollout)" in spec.slime_notes
+    assert not spec.driver.debug_train_only and not spec.driver.ref_load
+
+
+def test_the_eval_function_case_names_its_function_and_keeps_the_eval_config(tmp_path):
+    """eval_multi_task with --eval-function-path: the function is the job's eval (checked at submit), each dataset's
+    settings stay (they reach the service's eval the function delegates to)."""
+    spec = submit(materialize(EXAMPLES["eval_function"]["argv"], tmp_path))
+    assert spec.rollout.eval_function_path == "tests.slime_compat.plugins.eval_with_slimes_default"
+    assert spec.eval_dataset_settings["aime"]["n_samples_per_eval_prompt"] == 16
+    assert preflight.check_plugins(spec) == []
+    argv = [*EXAMPLES["eval_function"]["argv"][:-1], "tests.slime_compat.plugins.no_such_function"]
+    problems = preflight.check_plugins(parse_spec({"slime_args": materialize(argv, tmp_path / "missing")}))
+    assert len(problems) == 1 and problems[0].startswith("eval_function_path: "), problems

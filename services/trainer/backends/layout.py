@@ -27,7 +27,7 @@ class LayoutConfig:
                                                "the tensor- and data-parallel ranks)", POSITIVE)
     expert_tensor_parallel_size: int = field(1, "megatron: ranks each expert is cut over (1: whole on each rank; or "
                                                 "tensor_model_parallel_size, without expert parallelism)", POSITIVE)
-    context_parallel_size: int = field(1, "fsdp: ranks that split every sequence between them (Megatron's "
+    context_parallel_size: int = field(1, "ranks that split every sequence between them (Megatron's "
                                           "load-balanced chunks; each group of this many consecutive ranks trains "
                                           "one data-parallel share)", POSITIVE)
     use_distributed_optimizer: bool = field(True, "megatron: shard the optimizer state over data-parallel ranks")

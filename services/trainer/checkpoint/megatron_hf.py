@@ -26,12 +26,16 @@ class MegatronHFWeights:
         self._copy_hf_weights(gpt, hf)
         return gpt
 
-    def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
+    def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors, *, output_layer: bool = True) -> None:
+        """output_layer False: all but the output layer (the critic's is its own value head)."""
         state = megatron_convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                                 pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te,
                                                 ep_rank=self.ep_rank, ep_size=self.ep_size,
                                                 etp_rank=self.etp_rank, etp_size=self.etp_size)
         params = dict(megatron_convert.weights(gpt))
+        if not output_layer:
+            state.pop("output_layer.weight", None)
+            params.pop("output_layer.weight", None)
         assert params.keys() == state.keys(), f"conversion mismatch: {sorted(params.keys() ^ state.keys())}"
         with torch.no_grad():
             for name, param in params.items():
@@ -87,7 +91,7 @@ class MegatronHFWeights:
         yield from megatron_convert.gather_hf_weights(
             megatron_convert.weights(self.gpt), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
             tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank,
+            dp_rank=self.dp_cp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank,
             etp_size=self.etp_size, etp_group=self.etp_group)
 
     def save_hf(self, path: str | Path) -> None:
