@@ -93,12 +93,20 @@ return out
 """
 
 # ARGV: prefix, position, prompt payloads (their index position, position + 1, ...)
-# -> {num_appended, num_prompts} | {-1, num_prompts} a dataset loaded from a file | {-2, num_prompts} a gap
-# A payload whose index is stored already is passed over: the first copy of a position stays.
+# -> {num_appended, num_prompts} | {-1, num_prompts} a file's dataset already served | {-2, num_prompts} a gap
+# A payload whose index is stored already is passed over: the first copy of a position stays. A file's dataset
+# (prompt_data, which slime requires even of a data source that makes its own prompts) is replaced while none of
+# its prompts has been leased.
 APPEND_PROMPTS = """
 local p, position = ARGV[1], tonumber(ARGV[2])
-local meta = redis.call('HMGET', p .. 'meta', 'num_prompts', 'generated')
-if meta[1] and meta[2] ~= '1' then return {-1, tonumber(meta[1])} end
+local meta = redis.call('HMGET', p .. 'meta', 'num_prompts', 'generated', 'epoch', 'cursor', 'num_groups')
+if meta[1] and meta[2] ~= '1' then
+  local untouched = meta[3] == '0' and meta[4] == '0' and meta[5] == '0' and redis.call('EXISTS', p .. 'leases',
+    p .. 'returned') == 0
+  if not untouched then return {-1, tonumber(meta[1])} end
+  redis.call('DEL', p .. 'prompts', p .. 'meta', p .. 'order:0')
+  meta = {false}
+end
 local n = tonumber(meta[1] or 0)
 if position > n then return {-2, n} end
 if not meta[1] then

@@ -178,8 +178,8 @@ class BufferStore:
                     .SerializeToString() for i, prompt in enumerate(prompts)]
         appended, num_prompts = await self._run("append_prompts", _prefix(job_id), position, *payloads)
         if appended == -1:
-            raise FailedPrecondition(f"buffer: job {job_id!r} has a dataset loaded from a file ({num_prompts} "
-                                     "prompts); its data source cannot add prompts of its own")
+            raise FailedPrecondition(f"buffer: job {job_id!r} serves a dataset loaded from a file ({num_prompts} "
+                                     "prompts, some leased already); its data source cannot add prompts of its own")
         if appended == -2:
             raise FailedPrecondition(f"buffer: job {job_id!r}: prompts appended at position {position}, past the "
                                      f"{num_prompts} stored (a gap)")

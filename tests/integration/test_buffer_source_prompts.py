@@ -47,13 +47,18 @@ def test_positions_already_stored_keep_their_first_prompt(client):
     assert [p.prompt for p in client.lease_prompts(job, 0, 5, lease_timeout_s=60)] == ["d"]
 
 
-def test_a_dataset_from_a_file_takes_no_appended_prompts(client, tmp_path):
+def test_a_files_dataset_is_replaced_until_its_prompts_are_served(client, tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text('{"input": "q"}\n')
-    job = new_job()
-    client.load_dataset(job, str(path))
+    path.write_text('{"input": "q0"}\n{"input": "q1"}\n')
+    unserved, served = new_job(), new_job()
+    for job in (unserved, served):
+        client.load_dataset(job, str(path), rollout_shuffle=True)
+    assert client.append_prompts(unserved, 0, made("x")) == (1, 1)
+    assert [p.prompt for p in client.lease_prompts(unserved, 0, 5, lease_timeout_s=60)] == ["x"]
+    assert client.load_dataset(unserved, str(path)).already_loaded  # the trainer resuming loads nothing again
+    client.lease_prompts(served, 0, 1, lease_timeout_s=60)
     with pytest.raises(FailedPrecondition, match="loaded from a file"):
-        client.append_prompts(job, 0, made("x"))
+        client.append_prompts(served, 0, made("x"))
 
 
 def test_a_source_position_is_kept_per_rollout(client):

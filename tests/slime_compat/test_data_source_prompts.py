@@ -58,6 +58,9 @@ def trained(buffer, job_id, rollout_id):
 def test_a_data_source_that_makes_its_prompts_feeds_training_and_resumes_at_its_checkpoint(buffer, tiny_model_dir,
                                                                                           tmp_path):
     job = f"made-{uuid.uuid4().hex[:8]}"
+    data = tmp_path / "prompts.jsonl"  # slime requires --prompt-data even of such a job; the trainer loads it
+    data.write_text('{"input": "from the file"}\n')
+    buffer.load_dataset(job, str(data))
     # A service's life: rollouts 0 and 1 (the source saved at 1, beside its position), then rollout 2 takes its
     # prompts and dies before writing them.
     statuses = run(buffer, config(tmp_path, job, fail_at=2), tiny_model_dir, [0, 1, 2])
