@@ -104,6 +104,7 @@ if meta[1] and meta[2] ~= '1' then
   local untouched = meta[3] == '0' and meta[4] == '0' and meta[5] == '0' and redis.call('EXISTS', p .. 'leases',
     p .. 'returned') == 0
   if not untouched then return {-1, tonumber(meta[1])} end
+  if position > 0 then return {-2, 0} end
   redis.call('DEL', p .. 'prompts', p .. 'meta', p .. 'order:0')
   meta = {false}
 end

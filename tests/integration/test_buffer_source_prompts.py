@@ -56,6 +56,9 @@ def test_a_files_dataset_is_replaced_until_its_prompts_are_served(client, tmp_pa
     assert client.append_prompts(unserved, 0, made("x")) == (1, 1)
     assert [p.prompt for p in client.lease_prompts(unserved, 0, 5, lease_timeout_s=60)] == ["x"]
     assert client.load_dataset(unserved, str(path)).already_loaded  # the trainer resuming loads nothing again
+    with pytest.raises(FailedPrecondition, match="past the 0 stored"):
+        client.append_prompts(served, 1, made("x"))  # refused before anything is replaced
+    assert client.stats(served).num_prompts == 2
     client.lease_prompts(served, 0, 1, lease_timeout_s=60)
     with pytest.raises(FailedPrecondition, match="loaded from a file"):
         client.append_prompts(served, 0, made("x"))
