@@ -6,6 +6,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec, parse_spec, slime_args_to_dict
+from services.trainer.slime import args as slime_args
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 4,
         "n_samples_per_prompt": 8}
@@ -131,3 +132,14 @@ def test_unknown_rm_type_is_refused_at_submit():
 def test_a_warmup_as_long_as_the_job_is_fine_with_a_constant_lr():
     spec = parse_spec({**BASE, "lr_warmup_iters": 3, "lr_decay_style": "constant"})  # 3 rollouts × 1 step
     assert spec.lr_warmup_iters == 3
+
+
+def test_multimodal_keys_come_from_slimes_flag_and_are_refused_while_no_backend_takes_images():
+    conv = slime_args.convert(["--multimodal-keys", '{"image": "images"}'], spec_keys=set(JobSpec.model_fields),
+                              check_architecture=False)
+    assert conv.spec["multimodal_keys"] == {"image": "images"} and not conv.refused
+    with pytest.raises(InvalidArgument, match="modality 'audio' is not supported"):
+        parse_spec({**BASE, "multimodal_keys": {"audio": "clips"}})
+    with pytest.raises(InvalidArgument, match="multimodal_keys: train_backend fsdp does not take images"):
+        parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"}})
+    assert parse_spec(BASE).multimodal_keys == {}

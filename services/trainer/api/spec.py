@@ -110,6 +110,11 @@ class JobSpec(_JobSettings):
             able = " or ".join(backends_that(lambda caps: caps.critic))
             raise ValueError(f"advantage_estimator ppo trains a critic, which train_backend {layout.train_backend} "
                              f"does not; set train_backend: {able}")
+        if rollout.multimodal_keys and not layout.capabilities.vision:
+            able = " or ".join(backends_that(lambda caps: caps.vision))
+            raise ValueError(f"multimodal_keys: train_backend {layout.train_backend} does not take images in its "
+                             "forward; " + (f"set train_backend: {able}" if able else
+                                            "no training backend does yet (the buffer loads and checks the images)"))
         return self
 
     def _values(self, part: type) -> dict[str, Any]:
