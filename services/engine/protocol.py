@@ -119,6 +119,8 @@ def _prompts(body: dict, engine: Scheduler) -> tuple[list[list[int]], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if body.get("input_embeds") is not None:
         raise InvalidArgument("input_embeds is not supported by the CPU engine; send input_ids or text")
+    if body.get("image_data") not in (None, [], ""):  # generating without them would answer another prompt
+        raise InvalidArgument("image_data: the CPU engine serves its model as a text model and takes no images")
     if (text is None) == (input_ids is None):
         raise InvalidArgument("exactly one of text and input_ids is required")
     if input_ids is not None:
