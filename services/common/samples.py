@@ -71,6 +71,7 @@ class SampleGroup:
     epoch: int
     samples: list[Sample]
     lease_id: str = ""
+    images: list[Image] = field(default_factory=list)  # the prompt's, once for all its samples
 
 
 # slime's MultimodalTypes: the placeholder of each modality in a prompt's text (multimodal_keys). Only images are read.
@@ -306,13 +307,14 @@ def group_to_proto(group: SampleGroup) -> sample_pb2.SampleGroup:
     return sample_pb2.SampleGroup(
         group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
         prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id,
-        samples=[sample_to_proto(s) for s in group.samples])
+        samples=[sample_to_proto(s) for s in group.samples], images=[image_to_proto(i) for i in group.images])
 
 
 def group_from_proto(msg: sample_pb2.SampleGroup) -> SampleGroup:
     return SampleGroup(
         group_id=msg.group_id, job_id=msg.job_id, rollout_id=msg.rollout_id, prompt_index=msg.prompt_index,
-        epoch=msg.epoch, lease_id=msg.lease_id, samples=[sample_from_proto(s) for s in msg.samples])
+        epoch=msg.epoch, lease_id=msg.lease_id, samples=[sample_from_proto(s) for s in msg.samples],
+        images=[image_from_proto(i) for i in msg.images])
 
 
 def prompt_to_proto(prompt: Prompt) -> sample_pb2.Prompt:

@@ -305,7 +305,8 @@ class RolloutManager:
             return
         job = run.config.job_id
         groups = [SampleGroup(group_id=group_id_for(job, prompt.epoch, prompt.index), job_id=job, rollout_id=rollout_id,
-                              prompt_index=prompt.index, epoch=prompt.epoch, samples=samples, lease_id=prompt.lease_id)
+                              prompt_index=prompt.index, epoch=prompt.epoch, samples=samples, lease_id=prompt.lease_id,
+                              images=prompt.images)
                   for prompt, samples, rollout_id in writes]
         result = await asyncio.to_thread(self.buffer.put_groups, groups)
         for prompt, _, _ in writes:

@@ -113,7 +113,7 @@ class Sample(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., response: _Optional[str] = ..., response_length: _Optional[int] = ..., label: _Optional[str] = ..., reward: _Optional[float] = ..., reward_scores: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., weight_versions: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., index: _Optional[int] = ..., reward_error: _Optional[str] = ..., label_json: _Optional[str] = ..., rollout_id: _Optional[int] = ..., remove_sample: _Optional[bool] = ..., teacher_log_probs: _Optional[_Iterable[float]] = ..., train_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., custom_rm_path: _Optional[str] = ..., generate_function_path: _Optional[str] = ..., rollout_routed_experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleGroup(_message.Message):
-    __slots__ = ("group_id", "job_id", "rollout_id", "prompt_index", "epoch", "lease_id", "samples")
+    __slots__ = ("group_id", "job_id", "rollout_id", "prompt_index", "epoch", "lease_id", "samples", "images")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class SampleGroup(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     job_id: str
     rollout_id: int
@@ -128,7 +129,8 @@ class SampleGroup(_message.Message):
     epoch: int
     lease_id: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("job_id", "index", "epoch", "prompt", "messages", "label", "metadata", "lease_id", "label_json", "images")
