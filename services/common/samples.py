@@ -56,6 +56,9 @@ class Sample:
     generate_function_path: str = ""
     # SGLang's routed experts: [len(tokens) - 1, num layers, top-k] flattened; empty unless the job asked for them
     rollout_routed_experts: list[int] = field(default_factory=list)
+    # its prompt's images: its group's list (SampleGroup.images), shared by the group's samples and never stored per
+    # sample (sample_to_proto leaves it out; the trainer's feed sets it from the group)
+    images: list[Image] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:

@@ -101,9 +101,14 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Genera
 def load_model(model_path: str, *, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer) from a Hugging Face directory: on `device` in `dtype`, eval mode, no gradients."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    vision = getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
-    model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM  # a VLM with its vision tower
+    # a vision-language checkpoint whose family has no causal LM (Qwen2.5-VL, Qwen3-VL): with its vision tower, as
+    # the trainer builds it (a Qwen3.5 checkpoint is served as its language model, as the trainer trains it)
+    config = AutoConfig.from_pretrained(model_path)
+    vision = getattr(config, "vision_config", None) is not None and \
+        config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = model_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

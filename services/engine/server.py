@@ -74,7 +74,7 @@ class EngineState:
             log.exception("could not load the model from %s", self.model_path)
             return
         try:
-            vision = Vision.load(self.model_path, model.config)
+            vision = Vision.load(self.model_path, model)
         except Exception as err:
             self.load_error = f"{type(err).__name__}: {err}"
             log.exception("could not load the image processor from %s", self.model_path)

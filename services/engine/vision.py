@@ -42,10 +42,13 @@ class Vision:
         self.merge_size = merge_size
 
     @classmethod
-    def load(cls, model_path: str, config: Any) -> Vision | None:
-        """The model directory's image processor when its config is a vision-language model's, else None."""
+    def load(cls, model_path: str, model: Any) -> Vision | None:
+        """The model directory's image processor when the loaded model is a vision-language model (its inner model
+        computes the multimodal rotary positions), else None."""
+        config = model.config
         vision_config = getattr(config, "vision_config", None)
-        if vision_config is None or getattr(config, "image_token_id", None) is None:
+        if vision_config is None or getattr(config, "image_token_id", None) is None \
+                or not hasattr(getattr(model, "model", None), "get_rope_index"):
             return None
         if not (Path(model_path) / "preprocessor_config.json").is_file():
             raise InvalidArgument(f"model {model_path}: a vision-language model without preprocessor_config.json "

@@ -39,7 +39,7 @@ class Capabilities:
 BACKENDS: dict[str, Capabilities] = {
     "fsdp": Capabilities(critic=True, packing=True, tensor_parallel=False, pipeline_parallel=False,
                          expert_parallel=False, context_parallel=True, extra_flags=False, reads_shares=True,
-                         slime_checkpoints=False,
+                         slime_checkpoints=False, vision=True,
                          model_problem=model_families.fsdp_problem,
                          replay_problem=model_families.fsdp_replay_problem,
                          aux_loss_problem=model_families.fsdp_aux_loss_problem),

@@ -26,7 +26,16 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.backends import context_parallel, cp_attention, moe_loss, packing, rl_step, slime_hooks, varlen
+from services.trainer.backends import (
+    context_parallel,
+    cp_attention,
+    moe_loss,
+    packing,
+    rl_step,
+    slime_hooks,
+    varlen,
+    vision,
+)
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.critic import Critic
@@ -68,7 +77,12 @@ class TorchBackend(TorchStateDicts):
         self.device = self.world.device
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
+        # a job whose prompts have images trains the whole vision-language model (vision.py); others the causal LM
+        self.image_processor = vision.load_image_processor(self.model_path) if config.multimodal_keys else None
+        self._images: vision.RolloutImages | None = None  # the rollout being trained's, when it has images
         model = load_causal_lm(self.model_path).to(self.device)
+        if config.freeze_vision:
+            log.info("freeze_vision: %d vision tower parameters frozen", vision.freeze_vision_tower(model))
         if self.pack_sequences and not varlen.packable(model):
             log.warning("%s cannot keep packed sequences apart (an attention that is not transformers' "
                         "AttentionInterface, or layers that mix tokens outside attention): micro-batches stay padded",
@@ -125,7 +139,8 @@ class TorchBackend(TorchStateDicts):
                           adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps)
 
     def _packs(self, mb: RolloutBatch) -> bool:
-        return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
+        """Rows with images stay padded: their rotary positions are the model's rope index's, per row."""
+        return self.pack_sequences and mb.sample_index is None and packing.worth_packing(mb, self.min_padding_to_pack)
 
     def _model_inputs(self, mb: RolloutBatch, packed: bool) -> dict[str, torch.Tensor | int]:
         """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
@@ -135,7 +150,10 @@ class TorchBackend(TorchStateDicts):
             row = packing.pack(mb)
             return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
-        return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
+        inputs = {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
+        if mb.sample_index is not None and self._images is not None:
+            inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask))
+        return inputs
 
     def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,
                  router_logits: bool = False):
@@ -219,7 +237,16 @@ class TorchBackend(TorchStateDicts):
                                       global_batch_size=self.job_global_batch_size,
                                       n_samples_per_prompt=self.config.n_samples_per_prompt)
 
+    def _see_images(self, samples: Sequence[Sample]) -> None:
+        """The rollout's images through the image processor, once per group, before its forwards."""
+        self._images = vision.RolloutImages(self.image_processor, samples) \
+            if self.image_processor is not None and any(s.images for s in samples) else None
+        if self._images is None and any(s.images for s in samples):
+            raise InvalidArgument("samples with images, but the job has no multimodal_keys: its model is the causal "
+                                  "LM alone")
+
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        self._see_images(samples)
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, device=self.device)
         (micro_batches,) = self._schedule(batch, None)
         log_probs = self._recompute(lambda mb: self._log_probs(self.model, mb), batch, micro_batches)
@@ -227,6 +254,7 @@ class TorchBackend(TorchStateDicts):
 
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
+        self._see_images(samples)
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
                                     device=self.device, routing_shape=self._routing_shape())
         steps = self._schedule(batch, cfg.global_batch_size)

@@ -4,6 +4,7 @@ saves and loads, each rank its own shards under FSDP."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -11,17 +12,22 @@ from typing import Any
 import torch
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends import varlen
+from services.trainer.backends import model_families, varlen
 from services.trainer.backends.dcp import DCPCheckpointing
 from services.trainer.distributed import parallel
 
 
 def load_causal_lm(path: Path):
-    """An HF causal LM in float32, in eval mode, its attention able to take packed rows."""
-    from transformers import AutoModelForCausalLM
+    """An HF causal LM in float32, in eval mode, its attention able to take packed rows; a vision-language checkpoint
+    (`model_families.is_vision_language`) as its whole model (...ForConditionalGeneration) with the vision tower."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config_path = path / "config.json"
+        hf_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        vision = model_families.is_vision_language(hf_config)
+        model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"model {path}: cannot load a causal LM ({err})") from err
     varlen.use_in(model)  # packed rows take varlen flash attention where it applies
