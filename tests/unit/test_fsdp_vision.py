@@ -118,3 +118,18 @@ def test_a_rollout_without_images_runs_as_text(vlm_dir):
     assert text_job.image_processor is None
     with pytest.raises(InvalidArgument, match="no multimodal_keys"):
         text_job.compute_log_probs(vlm_samples(vlm_dir)[:1])
+
+
+def test_the_weight_sync_names_every_engine_weight_the_vision_tower_included(vlm_dir):
+    """The weights the trainer broadcasts are the CPU engine's by name (its update loads by state_dict name): the
+    vision tower's reach the engine's vision tower."""
+    from services.engine.generation import load_model
+
+    backend = make_backend(vlm_dir)
+    sent = {name: tuple(t.shape) for name, t in backend.named_weights()}
+    engine_model, _ = load_model(str(vlm_dir))
+    served = {name: tuple(t.shape) for name, t in engine_model.state_dict().items()}
+    assert sent.items() <= served.items()
+    visual = {name for name in served if name.startswith("model.visual.")}
+    assert visual and visual <= set(sent)
+    assert set(served) - set(sent) <= {"lm_head.weight"}  # a tied head is the embedding, sent once
