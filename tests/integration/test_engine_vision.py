@@ -18,6 +18,9 @@ from tests.integration.engine_fixtures import start_engines, stop_engines
 PROMPT = "<|im_start|>user\nhow many? <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
 
 
+pytestmark = pytest.mark.slow  # a VLM engine process per module
+
+
 def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (width, height), color).save(out, format="PNG")

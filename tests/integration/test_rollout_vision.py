@@ -26,6 +26,8 @@ from services.rollout.local import start_router
 from services.rollout.pool.router import RouterClient
 from tests.integration.engine_fixtures import engine_healthy
 
+pytestmark = pytest.mark.slow  # a VLM engine, a router, buffer and reward per module
+
 
 def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
     out = io.BytesIO()
