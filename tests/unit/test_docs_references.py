@@ -131,8 +131,8 @@ def known_flags() -> set[str]:
     sys.modules["config_table"] = config_table
     spec.loader.exec_module(config_table)
     flags |= {row[1].strip("`") for service in config_table.discover() for row in config_table.rows(service)}
-    from services.trainer.slime.flags import FLAGS
-    from services.trainer.slime.megatron_flags import ARCH, MEGATRON
+    from services.trainer.slime_flags.flags import FLAGS
+    from services.trainer.slime_flags.megatron_flags import ARCH, MEGATRON
 
     flags |= {f"--{name}" for name in [*FLAGS, *ARCH, *MEGATRON]}
     return flags | set(OUTSIDE_FLAGS)

@@ -16,8 +16,8 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Image, Sample
 from services.rollout.generation.image_tokens import ImageTokens
 from services.rollout.generation.prompts import PromptEncoder
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.settings.train import TrainConfig
 
 KEYS = {"image": "images"}
 
