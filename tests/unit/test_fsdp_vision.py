@@ -1,6 +1,6 @@
-"""The fsdp backend on a tiny Qwen2.5-VL: a rollout's images reach the policy's forward, each row's with it however
-the rollout is cut into micro-batches, its log-probs equal the HF model's own forward, and training moves the vision
-tower unless freeze_vision holds it."""
+"""The fsdp backend on a tiny Qwen2.5-VL and a tiny Qwen3-VL: a rollout's images reach the policy's forward, each
+row's with it however the rollout is cut into micro-batches, its log-probs equal the HF model's own forward, and
+training moves the vision tower unless freeze_vision holds it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from PIL import Image as PILImage
 
 from physarum import tasks
-from physarum.tinyvlm import build_tiny_vlm
+from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
 from services.common.errors import InvalidArgument
 from services.common.samples import Image, Sample
 from services.rollout.generation.image_tokens import ImageTokens
@@ -22,9 +22,9 @@ from services.trainer.settings.train import TrainConfig
 KEYS = {"image": "images"}
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), tasks.corpus())
+@pytest.fixture(scope="module", params=VLM_FAMILIES)
+def vlm_dir(request, tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{request.param}"), tasks.corpus(), family=request.param)
 
 
 def image(width: int, height: int, color: tuple[int, int, int]) -> Image:
@@ -55,9 +55,9 @@ def vlm_samples(vlm_dir) -> list[Sample]:
 
 
 def hf_log_probs(model_dir, sample: Sample, temperature: float) -> list[float]:
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([sample.tokens])
     extra = {}
     if sample.images:

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image as PILImage
 
 from physarum import tasks
-from physarum.tinyvlm import build_tiny_vlm
+from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Image, Prompt
@@ -31,11 +31,13 @@ def image(width: int, height: int) -> Image:
     return Image(data=out.getvalue(), mime_type="image/png", width=width, height=height)
 
 
-def test_counts_equal_the_image_processors_grids(vlm_dir):
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_counts_equal_the_image_processors_grids(family, tmp_path):
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(vlm_dir)
-    tokens = ImageTokens.load(vlm_dir)
+    model_dir = build_tiny_vlm(tmp_path / family, tasks.corpus(), family=family, num_layers=1)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    tokens = ImageTokens.load(model_dir)
     rng = random.Random(0)
     sizes = [(1, 1), (28, 28), (60, 40), (40, 90), (500, 7), (7, 500), (112, 112), (113, 111), (1000, 999)]
     sizes += [(rng.randint(1, 800), rng.randint(1, 800)) for _ in range(40)]

@@ -111,7 +111,7 @@ class TorchBackend(TorchStateDicts):
         self.dp_group = self.cp.dp_group if self.cp.size > 1 else \
             torch.distributed.group.WORLD if self.world.distributed else None
         self.optimizer = self._make_optimizer()
-        pad = self.model.config.pad_token_id
+        pad = self.model.config.get_text_config().pad_token_id  # a vision-language config keeps it in its text part
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
         log.info("loaded %s: %.1fM parameters on %s (%s compute), loss %s, reference model %s", self.model_path,
