@@ -1,5 +1,6 @@
-"""The CPU engine serving a vision-language model (a tiny Qwen2.5-VL): /generate takes SGLang's image_data, expands
-each image placeholder to the model's image tokens, and its log-probs are the HF model's own with the same images."""
+"""The CPU engine serving a vision-language model (a tiny Qwen2.5-VL, a tiny Qwen3-VL): /generate takes SGLang's
+image_data, expands each image placeholder to the model's image tokens, and its log-probs are the HF model's own with
+the same images."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from PIL import Image
 
 from physarum import tasks
-from physarum.tinyvlm import build_tiny_vlm
+from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
 from tests.integration.engine_fixtures import start_engines, stop_engines
 
 PROMPT = "<|im_start|>user\nhow many? <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
@@ -31,9 +32,10 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(session_dir):
-    return build_tiny_vlm(session_dir / "tiny-vlm", tasks.corpus())
+@pytest.fixture(scope="module", params=VLM_FAMILIES)
+def vlm_dir(request, session_dir):
+    name = "tiny-vlm" if request.param == "qwen2_5_vl" else f"tiny-{request.param}"  # the e2e test's model too
+    return build_tiny_vlm(session_dir / name, tasks.corpus(), family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,9 @@ def http(vlm_dir, tmp_path_factory):
 
 def hf_logprobs(vlm_dir, prompt_ids: list[int], output_ids: list[int], images: list[bytes]) -> list[float]:
     """The HF model's log-probs of `output_ids` after `prompt_ids`, with its own processor's pixels (temperature 1)."""
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
     processor = AutoImageProcessor.from_pretrained(vlm_dir)
     pixels = processor(images=[Image.open(io.BytesIO(i)).convert("RGB") for i in images], return_tensors="pt")
     ids = torch.tensor([prompt_ids + output_ids])
@@ -69,7 +71,7 @@ def test_generate_with_images_expands_the_placeholder_and_matches_the_hf_forward
     tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
     from transformers import AutoImageProcessor
 
-    image = png(60, 40, (255, 0, 0))  # resized to 84x56: 6x4 patches, merged 2x2: 6 image tokens
+    image = png(60, 40, (255, 0, 0))  # resized to 84x56 (patches of 14) or 96x64 (16): 6x4 patches, 6 image tokens
     grid = AutoImageProcessor.from_pretrained(vlm_dir)(images=[Image.open(io.BytesIO(image))],
                                                        return_tensors="pt")["image_grid_thw"]
     assert grid.tolist() == [[1, 4, 6]]
