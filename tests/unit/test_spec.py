@@ -149,6 +149,9 @@ def test_multimodal_keys_come_from_slimes_flag_and_train_on_fsdp():
     with pytest.raises(InvalidArgument, match="multimodal_keys: rollout_function_path would make groups without"):
         parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
                     "rollout_function_path": "tests.plugins.rollouts.f"})
+    with pytest.raises(InvalidArgument, match="rollout dumps"):
+        parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
+                    "save_debug_rollout_data": "/tmp/dump_{rollout_id}.pt"})
     with pytest.raises(InvalidArgument, match="freeze_vision needs multimodal_keys"):
         parse_spec({**BASE, "freeze_vision": True})
     spec = parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},

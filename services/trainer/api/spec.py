@@ -117,6 +117,9 @@ class JobSpec(_JobSettings):
         if rollout.multimodal_keys and (layout.context_parallel_size > 1 or train.use_critic):
             raise ValueError("multimodal_keys: a forward with images runs whole on one rank and without a critic; "
                              "use context_parallel_size 1 and an advantage_estimator other than ppo")
+        if rollout.multimodal_keys and (driver.save_debug_rollout_data or driver.load_debug_rollout_data):
+            raise ValueError("multimodal_keys: rollout dumps (save_debug_rollout_data, load_debug_rollout_data) hold "
+                             "samples without their groups' images")
         if train.freeze_vision and not rollout.multimodal_keys:
             raise ValueError("freeze_vision needs multimodal_keys (a job without images trains the language model)")
         return self
