@@ -47,7 +47,7 @@ from tests.unit.test_slime_examples import DENSE, EXAMPLES, HF_CONFIGS, REFUSED
 SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"
 PLUGIN_FOLDERS = ("retool", "search_r1")  # slime's launch scripts put the example's folder on PYTHONPATH
 PLUGIN_MODULES = ("generate_with_retool", "generate_with_search", "examples.train_infer_mismatch_helper",
-                  "examples.multi_agent")
+                  "examples.multi_agent", "tests.slime_compat")  # the last: the eval_function case's function
 SEARCH_URL = "http://127.0.0.1:8000/retrieve"  # Search-R1's SEARCH_R1_CONFIGS["local"]["search_url"]
 
 
@@ -65,7 +65,7 @@ DENSE_LEFT_OUT = {
     "run-qwen3.5-27B.sh": "refused: --decoder-last-pipeline-num-layers (uneven pipeline stages), "
                           "--optimizer-cpu-offload",
     "run-mimo-7B-rl-eagle.sh": "refused: --mtp-num-layers, --enable-mtp-training (multi-token prediction)",
-    "run-qwen3-4B-base-sft.sh": "refused: --num-epoch over a Parquet prompt_data (the prompts are not counted)",
+    "run-qwen3-4B-base-sft.sh": "the sft_qwen3_4B_base example (tests/slime_examples/launch_args.json)",
     "run-qwen3-4b-fp8.sh": "refused at submit: its FP8 checkpoint (a quantization_config in config.json)",
     "run-glm4-9B.sh": "GLM-4, which megatron here does not build: it moves to fsdp as fully_async_qwen3.5_9B does "
                       "(and so ran when tried), left out for the cost of one more stack",
@@ -227,6 +227,13 @@ def check_eval_multi_task(spec: dict, steps: list[dict], state: dict) -> None:
     assert "eval/aime-pass@4" in last and "eval/gpqa-pass@2" in last and "eval/gpqa-pass@4" not in last
 
 
+def check_eval_function(spec: dict, steps: list[dict], state: dict) -> None:
+    """--eval-function-path: the user's function ran each eval (its own metric), delegating to slime's default eval
+    of the eval config's datasets, each with its own samples per prompt."""
+    check_eval_multi_task(spec, steps, state)
+    assert steps[-1]["eval/by_eval_function"] == 2.0
+
+
 def check_opd(spec: dict, steps: list[dict], state: dict) -> None:
     """The teacher holds the student's own first weights (sglang: the stack's engine; megatron: opd_teacher_load
     names the tiny model), so its log-probs of the student's sampled tokens are the student's: the first step's
@@ -259,6 +266,7 @@ def check_multi_agent(spec: dict, steps: list[dict], state: dict) -> None:
 
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
+          "eval_function": check_eval_function,
           "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,
           "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent}
 

@@ -21,10 +21,10 @@ from services.trainer.models import families
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
                  "custom_tis_function_path", "agent_function_path", "rollout_function_path", "data_source_path",
-                 "buffer_filter_path")
+                 "buffer_filter_path", "eval_function_path")
 # the hooks whose definition is read (not imported) at submit: a missing name or a wrong signature fails here
 SIGNATURES = {"rollout_function_path": plugins.ROLLOUT_FUNCTION, "data_source_path": plugins.DATA_SOURCE,
-              "buffer_filter_path": plugins.BUFFER_FILTER}
+              "buffer_filter_path": plugins.BUFFER_FILTER, "eval_function_path": plugins.ROLLOUT_FUNCTION}
 
 QUANTIZED_REFUSAL = ("quantized checkpoints are not supported (the backends train bf16 or float32 weights and send "
                      "them to the engines as they are); use the model's unquantized checkpoint")

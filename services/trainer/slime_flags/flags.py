@@ -139,8 +139,9 @@ FLAGS: dict[str, Flag] = {
     "rollout-shuffle": I(False, bare=True),
     "rollout-seed": I(42),
     "num-rollout": I(),
-    "num-epoch": M(None, "num_rollout = num_epoch × (the JSONL prompt_data's rows // rollout_batch_size), as slime "
-                         "computes it; ignored when num_rollout is given (as in slime); Parquet: give num_rollout"),
+    "num-epoch": M(None, "num_rollout = num_epoch × (prompt_data's rows, JSONL or Parquet, after its @[start:end] "
+                         "slice // rollout_batch_size), as slime computes it; ignored when num_rollout is given (as "
+                         "in slime)"),
     "rollout-batch-size": I(),
     "n-samples-per-prompt": I(1),
     "over-sampling-batch-size": I(),
@@ -163,8 +164,8 @@ FLAGS: dict[str, Flag] = {
                                   "(a reward left None is scored by the job's reward); slime's own become "
                                   "settings: generate_rollout (the service's loop), sft_rollout.generate_rollout "
                                   "(loss_type sft_loss), fully_async_rollout.generate_rollout_fully_async (mode "
-                                  "fully_async: the manager streams groups across rollouts); evaluation runs the "
-                                  "service's eval, not the function"),
+                                  "fully_async: the manager streams groups across rollouts); each eval calls it "
+                                  "with evaluation=True unless eval_function_path is given, as slime does"),
     "data-source-path": Flag("implemented", "slime.rollout.data_source.RolloutDataSourceWithBuffer",
                              "data_source_path: a user's DataSource class, built once per job in the rollout service "
                              "and given to the rollout function (slime's default generate_rollout when "
@@ -216,7 +217,8 @@ FLAGS: dict[str, Flag] = {
                            "settings with no counterpart (stop settings, min_new_tokens, repetition_penalty, "
                            "metadata injection, a per-dataset generate function or chat template) are refused, and "
                            "rm_type ifbench is refused by the reward service (IFBench's checker is not shipped)"),
-    "eval-function-path": R(None, "evaluation runs the job's generate function (with evaluation=True)"),
+    "eval-function-path": Flag("implemented", None, "eval_function_path: each eval calls it with evaluation=True "
+                                                    "in the rollout service; its RolloutFnEvalOutput becomes eval/*"),
     "eval-input-key": I(),
     "eval-label-key": I(),
     "eval-tool-key": R(None, "tool schemas in the data are not rendered (see tool_key)"),
