@@ -88,6 +88,14 @@ def group_header(group: EncodedGroup) -> buffer_pb2.GroupHeader:
                                   num_tokens=group.num_tokens)
 
 
+def decode_served_group(payload: bytes, rollout_id: int) -> SampleGroup:
+    """A group the buffer served for `rollout_id` (it carries that id beside the group's bytes: a stream group
+    holds the id it was written with)."""
+    group = group_from_proto(sample_pb2.SampleGroup.FromString(payload))
+    group.rollout_id = rollout_id
+    return group
+
+
 def share_to_proto(share: Share) -> buffer_pb2.Share:
     return buffer_pb2.Share(index=share.index, count=share.count, step_groups=share.step_groups)
 
@@ -108,15 +116,6 @@ class BufferClient(GrpcClient):
     def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3, **options: float) -> None:
         super().__init__(addr, timeout_s, max_retries, **options)
         self.stub = buffer_pb2_grpc.BufferStub(self.channel)
-        # the wire views of buffer.proto: groups go out and come back as the bytes the buffer stores
-        self._put_encoded = self.channel.unary_unary(
-            "/physarum.v1.Buffer/PutGroups", request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
-            response_deserializer=buffer_pb2.PutGroupsResponse.FromString, _registered_method=True)
-        self._get_encoded, self._take_encoded = (self.channel.unary_unary(
-            f"/physarum.v1.Buffer/{method}", request_serializer=request.SerializeToString,
-            response_deserializer=buffer_pb2.EncodedGroupsResponse.FromString, _registered_method=True)
-            for method, request in (("GetBatch", buffer_pb2.GetBatchRequest),
-                                    ("TakeBatch", buffer_pb2.TakeBatchRequest)))
 
     def load_dataset(self, job_id: str, path: str, *, input_key: str = "input", label_key: str = "",
                      metadata_key: str = "metadata", apply_chat_template: bool = False,
@@ -145,25 +144,26 @@ class BufferClient(GrpcClient):
     def put_groups(self, groups: list[SampleGroup] | list[EncodedGroup]) -> PutResult:
         """Store groups: SampleGroups are encoded here, once; EncodedGroups go as the bytes they hold."""
         encoded = [g if isinstance(g, EncodedGroup) else encode_group(g) for g in groups]
-        request = buffer_pb2.EncodedPutGroupsRequest(groups=[g.payload for g in encoded],
-                                                     headers=[group_header(g) for g in encoded])
-        reply = self.call(self._put_encoded, request, idempotent=True)
+        request = buffer_pb2.PutGroupsRequest(encoded_groups=[
+            buffer_pb2.EncodedGroup(header=group_header(g), sample_group=g.payload) for g in encoded])
+        reply = self.call(self.stub.PutGroups, request, idempotent=True)
         return PutResult(num_written=reply.num_written, num_duplicate=reply.num_duplicate)
 
     def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
                   share: Share = Share()) -> list[SampleGroup]:
         """The first num_groups groups of the rollout (or `share`'s part of them), waiting up to timeout_s for them
         to be written."""
-        return [group_from_proto(sample_pb2.SampleGroup.FromString(g))
+        return [decode_served_group(g, rollout_id)
                 for g in self.get_batch_encoded(job_id, rollout_id, num_groups, timeout_s, share)]
 
     def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
                           share: Share = Share()) -> list[bytes]:
-        """get_batch's groups as the buffer serves them: serialized SampleGroups."""
+        """get_batch's groups as the buffer stores them: serialized SampleGroups, each holding the rollout id it was
+        written with (a stream group's is -2: it belongs to `rollout_id` all the same)."""
         request = buffer_pb2.GetBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
-                                             timeout_s=timeout_s, share=share_to_proto(share))
-        reply = self.call(self._get_encoded, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
-        return list(reply.groups)
+                                             timeout_s=timeout_s, share=share_to_proto(share), encoded=True)
+        reply = self.call(self.stub.GetBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return list(reply.encoded_groups)
 
     def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
                    stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1,
@@ -174,19 +174,19 @@ class BufferClient(GrpcClient):
         taken = self.take_batch_encoded(job_id, rollout_id, num_groups, min_weight_version=min_weight_version,
                                         stale_policy=stale_policy, timeout_s=timeout_s,
                                         max_weight_version=max_weight_version, share=share)
-        taken.groups = [group_from_proto(sample_pb2.SampleGroup.FromString(g)) for g in taken.groups]
+        taken.groups = [decode_served_group(g, rollout_id) for g in taken.groups]
         return taken
 
     def take_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
                            stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1,
                            share: Share = Share()) -> TakenBatch:
-        """take_batch, its groups as the buffer serves them (serialized SampleGroups)."""
+        """take_batch, its groups as the buffer stores them (serialized SampleGroups, as in get_batch_encoded)."""
         request = buffer_pb2.TakeBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
                                               min_weight_version=min_weight_version, stale_policy=stale_policy,
                                               timeout_s=timeout_s, max_weight_version=max_weight_version,
-                                              share=share_to_proto(share))
-        reply = self.call(self._take_encoded, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
-        return TakenBatch(groups=list(reply.groups), num_stale_dropped=reply.num_stale_dropped,
+                                              share=share_to_proto(share), encoded=True)
+        reply = self.call(self.stub.TakeBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return TakenBatch(groups=list(reply.encoded_groups), num_stale_dropped=reply.num_stale_dropped,
                           num_stale_regenerated=reply.num_stale_regenerated)
 
     def count_groups(self, job_id: str, rollout_id: int) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import redis.asyncio as redis
+from google.protobuf.message import DecodeError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -44,7 +45,6 @@ from services.common.samples import (
     Prompt,
     SampleGroup,
     encode_group,
-    group_id_field,
     group_id_for,
     prompt_from_proto,
     prompt_to_proto,
@@ -218,6 +218,9 @@ class BufferStore:
         if len(groups) > MAX_ITEMS_PER_CALL:
             raise InvalidArgument(f"groups: at most {MAX_ITEMS_PER_CALL} per call, got {len(groups)}")
         args: list[object] = []
+        for group in groups:
+            if isinstance(group, EncodedGroup):  # a writer's bytes: checked to be the group its header names
+                _check_payload(group)
         groups = [g if isinstance(g, EncodedGroup) else encode_group(g) for g in groups]
         for group in groups:
             _rollout_id(group.rollout_id, low=STREAM_ROLLOUT_ID)
@@ -227,9 +230,6 @@ class BufferStore:
             if group.group_id != expected:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
                                       "(job_id:epoch:prompt_index)")
-            if not group.payload.startswith(group_id_field(group.group_id)):
-                raise InvalidArgument(f"group {group.group_id!r}: its bytes are another group's (a serialized "
-                                      "SampleGroup starts with its group_id)")
             args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
                      f"{group.epoch}:{group.prompt_index}", " ".join(map(str, group.weight_version_range)),
                      group.num_tokens, group.payload]
@@ -244,9 +244,9 @@ class BufferStore:
     @_redis_errors
     async def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
                                 share: Share = Share()) -> list[bytes]:
-        """The rollout's first num_groups groups as stored (serialized SampleGroups; group_payload_as_rollout serves
-        one), once that many exist (polls up to timeout_s): all of them in write order, or `share`'s in group_id
-        order."""
+        """The rollout's first num_groups groups as stored (serialized SampleGroups, each holding the rollout id it
+        was written with), once that many exist (polls up to timeout_s): all of them in write order, or `share`'s in
+        group_id order."""
         _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
         _count("num_groups", num_groups)
         bounds.finite("timeout_s", timeout_s, 0.0, bounds.MAX_WAIT_S)
@@ -375,6 +375,19 @@ class BufferStore:
         log.info("job %s: data source restored to epoch %d cursor %d (%d slots queued again, %d leases dropped)",
                  job_id, state.epoch, state.cursor, reply[0], reply[1])
         return int(reply[0]), int(reply[1])
+
+
+def _check_payload(group: EncodedGroup) -> None:
+    """InvalidArgument unless the group's bytes parse as a SampleGroup with the ids its header gives."""
+    try:
+        msg = sample_pb2.SampleGroup.FromString(group.payload)
+    except DecodeError:
+        raise InvalidArgument(f"group {group.group_id!r}: its bytes are no serialized SampleGroup") from None
+    held = (msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id)
+    named = (group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch, group.lease_id)
+    if held != named:
+        raise InvalidArgument(f"group {group.group_id!r}: its bytes are another group's: (group_id, job_id, "
+                              f"rollout_id, prompt_index, epoch, lease_id) {held} in the bytes, {named} in its header")
 
 
 def _shuffled_order(num_prompts: int, seed: int) -> bytes:

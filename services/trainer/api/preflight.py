@@ -118,9 +118,12 @@ def check_model_family(spec: JobSpec) -> list[str]:
         # e.g. slime's FP8 rollout: an FP8 checkpoint the engines serve, bf16 weights quantized at each sync
         return [f"hf_checkpoint: {path} has a quantization_config (quant_method "
                 f"{quantized.get('quant_method', '?')!r}): {QUANTIZED_REFUSAL}"]
+    # uneven pipeline stages (the `megatron:` section's; a backend without that section takes no such setting)
+    ends = {"first": spec.megatron.get("num_layers_in_first_pipeline_stage"),
+            "last": spec.megatron.get("num_layers_in_last_pipeline_stage")}
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
-                                           ep_size=spec.expert_model_parallel_size)]
+                                           ep_size=spec.expert_model_parallel_size, pipeline_ends=ends)]
     if spec.multimodal_keys and not families.is_vision_language(hf_config):
         problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} is built as a "
                         "language model, which takes no images (a family with a causal LM, such as Qwen3.5, trains as "

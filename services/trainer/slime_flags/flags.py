@@ -100,8 +100,8 @@ FLAGS: dict[str, Flag] = {
     "only-train-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
     "use-routing-replay": I(False, bare=True),
     "use-rollout-routing-replay": I(False, bare=True),
-    "allgather-cp": R(False, "slime's all-gather CP layout is not implemented; context_parallel_size (train_backend "
-                             "fsdp) splits sequences in Megatron's load-balanced chunks", bare=True),
+    "allgather-cp": R(False, "slime's all-gather CP layout is not implemented; context_parallel_size splits "
+                             "sequences in Megatron's load-balanced chunks", bare=True),
     "use-stateless-adam": R(False, "the optimizer is Adam(W) (torch or megatron-core's)", bare=True),
     "recompute-loss-function": M(False, "the backends manage their activation memory (megatron: "
                                         "megatron.recompute_granularity)", warn=True, bare=True),
