@@ -132,7 +132,7 @@ FLAGS: dict[str, Flag] = {
     "metadata-key": I("metadata"),
     "tool-key": R("tools", "tool schemas in the data are not rendered into prompts; render them into the prompt "
                            "text (or messages) when building the dataset"),
-    "multimodal-keys": R(None, "multimodal inputs are not supported"),
+    "multimodal-keys": I(),
     "apply-chat-template": I(False, bare=True),
     "apply-chat-template-kwargs": R("{}", "chat templates render with their defaults; render the prompts yourself "
                                           "if you need template arguments"),
@@ -356,6 +356,7 @@ DEFAULTS_DIFFER: dict[str, str] = {
                "--custom-rm-path, and a per-sample metadata.rm_type still wins",
     "rollout-max-response-len": "1024: slime leaves SGLang's own limit, which depends on the server",
     "hf-checkpoint": "required (slime fails without it too)",
+    "multimodal-keys": "{}: no modality, the same as slime's None",
     "prompt-data": "required (slime fails without it too)",
     "num-rollout": "required unless num_epoch is given with a JSONL prompt_data (it is derived then)",
     "rollout-batch-size": "required (slime fails without it too)",
