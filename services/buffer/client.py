@@ -18,6 +18,7 @@ from services.common.samples import (
     encode_group,
     group_from_proto,
     prompt_from_proto,
+    prompt_to_proto,
 )
 from services.common.shares import Share
 
@@ -70,6 +71,7 @@ class DataSourceState:
     leased: list[str] = field(default_factory=list)  # leased and not yet written, in lease order
     pending: list[str] = field(default_factory=list)  # written for rollouts after rollout_id, not yet trained on
     rollout_id: int = -1  # the last rollout trained on when the state was saved
+    generated: bool = False  # the prompts are a data source's own (AppendPrompts), not a file's
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -107,7 +109,8 @@ def state_to_proto(state: DataSourceState) -> buffer_pb2.DataSourceState:
 def state_from_proto(msg: buffer_pb2.DataSourceState) -> DataSourceState:
     return DataSourceState(num_prompts=msg.num_prompts, shuffle=msg.shuffle, seed=msg.seed, epoch=msg.epoch,
                            cursor=msg.cursor, returned=list(msg.returned), leased=list(msg.leased),
-                           pending=list(msg.pending), rollout_id=msg.rollout_id)
+                           pending=list(msg.pending), rollout_id=msg.rollout_id,
+                           generated=msg.generated)
 
 
 class BufferClient(GrpcClient):
@@ -119,10 +122,12 @@ class BufferClient(GrpcClient):
 
     def load_dataset(self, job_id: str, path: str, *, input_key: str = "input", label_key: str = "",
                      metadata_key: str = "metadata", apply_chat_template: bool = False,
-                     rollout_shuffle: bool = False, rollout_seed: int = 42) -> DatasetInfo:
+                     rollout_shuffle: bool = False, rollout_seed: int = 42,
+                     multimodal_keys: dict[str, str] | None = None) -> DatasetInfo:
         request = buffer_pb2.LoadDatasetRequest(
             job_id=job_id, path=path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-            apply_chat_template=apply_chat_template, rollout_shuffle=rollout_shuffle, rollout_seed=rollout_seed)
+            apply_chat_template=apply_chat_template, rollout_shuffle=rollout_shuffle, rollout_seed=rollout_seed,
+            multimodal_keys=multimodal_keys or {})
         reply = self.call(self.stub.LoadDataset, request, timeout_s=max(self.timeout_s, LOAD_TIMEOUT_S),
                           idempotent=True)
         return DatasetInfo(num_prompts=reply.num_prompts, num_skipped=reply.num_skipped, errors=list(reply.errors),
@@ -206,3 +211,21 @@ class BufferClient(GrpcClient):
         request = buffer_pb2.RestoreStateRequest(job_id=job_id, state=state_to_proto(state))
         reply = self.call(self.stub.RestoreState, request, idempotent=True)
         return reply.num_requeued, reply.num_leases_dropped
+
+    def append_prompts(self, job_id: str, position: int, prompts: list[Prompt]) -> tuple[int, int]:
+        """Store a data source's own prompts at positions position, position + 1, ...; idempotent (a position stored
+        already keeps its first prompt). Returns (num_appended, num_prompts)."""
+        request = buffer_pb2.AppendPromptsRequest(job_id=job_id, position=position,
+                                                  prompts=[prompt_to_proto(p) for p in prompts])
+        reply = self.call(self.stub.AppendPrompts, request, idempotent=True)
+        return reply.num_appended, reply.num_prompts
+
+    def save_source_position(self, job_id: str, rollout_id: int, position: int) -> None:
+        """How many prompts the job's data source had yielded when it saved its state for `rollout_id`."""
+        request = buffer_pb2.SourcePositionRequest(job_id=job_id, rollout_id=rollout_id, position=position)
+        self.call(self.stub.SaveSourcePosition, request, idempotent=True)
+
+    def load_source_position(self, job_id: str, rollout_id: int) -> int:
+        """The position save_source_position stored for `rollout_id`; 0 when none was (a source loads fresh)."""
+        request = buffer_pb2.SourcePositionRequest(job_id=job_id, rollout_id=rollout_id)
+        return self.call(self.stub.LoadSourcePosition, request, idempotent=True).position

@@ -17,7 +17,7 @@ from services.common import auth
 from services.common.errors import Unavailable
 from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
-from services.common.samples import EncodedGroup, encoded_group_from_proto, prompt_to_proto
+from services.common.samples import EncodedGroup, encoded_group_from_proto, prompt_from_proto, prompt_to_proto
 from services.common.shares import Share
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def LoadDataset(self, request, context):
         read = functools.partial(read_prompts, request.path, input_key=request.input_key or "input",
                                  label_key=request.label_key, metadata_key=request.metadata_key or "metadata",
-                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots)
+                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots,
+                                 multimodal_keys=dict(request.multimodal_keys))
         info = await self.store.load_dataset(request.job_id, read, shuffle=request.rollout_shuffle,
                                              seed=request.rollout_seed, path=request.path)
         return buffer_pb2.LoadDatasetResponse(num_prompts=info.num_prompts, num_skipped=info.num_skipped,
@@ -97,6 +98,22 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def RestoreState(self, request, context):
         num_requeued, num_dropped = await self.store.restore_state(request.job_id, state_from_proto(request.state))
         return buffer_pb2.RestoreStateResponse(num_requeued=num_requeued, num_leases_dropped=num_dropped)
+
+    @handle_errors
+    async def AppendPrompts(self, request, context):
+        num_appended, num_prompts = await self.store.append_prompts(
+            request.job_id, request.position, [prompt_from_proto(p) for p in request.prompts])
+        return buffer_pb2.AppendPromptsResponse(num_appended=num_appended, num_prompts=num_prompts)
+
+    @handle_errors
+    async def SaveSourcePosition(self, request, context):
+        await self.store.save_source_position(request.job_id, request.rollout_id, request.position)
+        return buffer_pb2.SourcePosition(position=request.position, found=True)
+
+    @handle_errors
+    async def LoadSourcePosition(self, request, context):
+        position = await self.store.load_source_position(request.job_id, request.rollout_id)
+        return buffer_pb2.SourcePosition(position=position or 0, found=position is not None)
 
 
 def encoded_group_from_wire(msg: buffer_pb2.EncodedGroup) -> EncodedGroup:

@@ -132,7 +132,7 @@ FLAGS: dict[str, Flag] = {
     "metadata-key": I("metadata"),
     "tool-key": R("tools", "tool schemas in the data are not rendered into prompts; render them into the prompt "
                            "text (or messages) when building the dataset"),
-    "multimodal-keys": R(None, "multimodal inputs are not supported"),
+    "multimodal-keys": I(),
     "apply-chat-template": I(False, bare=True),
     "apply-chat-template-kwargs": R("{}", "chat templates render with their defaults; render the prompts yourself "
                                           "if you need template arguments"),
@@ -171,7 +171,8 @@ FLAGS: dict[str, Flag] = {
                              "and given to the rollout function (slime's default generate_rollout when "
                              "--rollout-function-path names none); slime.rollout.data_source's classes (the default "
                              "included) lease the job's prompts from the buffer, and a group given back "
-                             "(add_samples) keeps its prompt's lease"),
+                             "(add_samples) keeps its prompt's lease; another DataSource class makes its own "
+                             "prompts, which the buffer stores at its position in place of prompt_data's"),
     "rollout-buffer-url": R(None, "the buffer service is the rollout buffer"),
     "buffer-filter-path": Flag("implemented", None, "buffer_filter_path: RolloutDataSourceWithBuffer.get_samples "
                                                     "takes the groups given back through it, with the rollout id "
@@ -355,6 +356,7 @@ DEFAULTS_DIFFER: dict[str, str] = {
                "--custom-rm-path, and a per-sample metadata.rm_type still wins",
     "rollout-max-response-len": "1024: slime leaves SGLang's own limit, which depends on the server",
     "hf-checkpoint": "required (slime fails without it too)",
+    "multimodal-keys": "{}: no modality, the same as slime's None",
     "prompt-data": "required (slime fails without it too)",
     "num-rollout": "required unless num_epoch is given with a JSONL prompt_data (it is derived then)",
     "rollout-batch-size": "required (slime fails without it too)",

@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadDatasetRequest(_message.Message):
-    __slots__ = ("job_id", "path", "input_key", "label_key", "metadata_key", "apply_chat_template", "rollout_shuffle", "rollout_seed")
+    __slots__ = ("job_id", "path", "input_key", "label_key", "metadata_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "multimodal_keys")
+    class MultimodalKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     INPUT_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +24,7 @@ class LoadDatasetRequest(_message.Message):
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_SEED_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_KEYS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     path: str
     input_key: str
@@ -25,7 +33,8 @@ class LoadDatasetRequest(_message.Message):
     apply_chat_template: bool
     rollout_shuffle: bool
     rollout_seed: int
-    def __init__(self, job_id: _Optional[str] = ..., path: _Optional[str] = ..., input_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., rollout_shuffle: _Optional[bool] = ..., rollout_seed: _Optional[int] = ...) -> None: ...
+    multimodal_keys: _containers.ScalarMap[str, str]
+    def __init__(self, job_id: _Optional[str] = ..., path: _Optional[str] = ..., input_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., rollout_shuffle: _Optional[bool] = ..., rollout_seed: _Optional[int] = ..., multimodal_keys: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadDatasetResponse(_message.Message):
     __slots__ = ("num_prompts", "num_skipped", "errors", "already_loaded")
@@ -232,7 +241,7 @@ class SaveStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ...) -> None: ...
 
 class DataSourceState(_message.Message):
-    __slots__ = ("num_prompts", "shuffle", "seed", "epoch", "cursor", "returned", "leased", "pending", "rollout_id")
+    __slots__ = ("num_prompts", "shuffle", "seed", "epoch", "cursor", "returned", "leased", "pending", "rollout_id", "generated")
     NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +251,7 @@ class DataSourceState(_message.Message):
     LEASED_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
     num_prompts: int
     shuffle: bool
     seed: int
@@ -251,7 +261,8 @@ class DataSourceState(_message.Message):
     leased: _containers.RepeatedScalarFieldContainer[str]
     pending: _containers.RepeatedScalarFieldContainer[str]
     rollout_id: int
-    def __init__(self, num_prompts: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., returned: _Optional[_Iterable[str]] = ..., leased: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ..., rollout_id: _Optional[int] = ...) -> None: ...
+    generated: bool
+    def __init__(self, num_prompts: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., returned: _Optional[_Iterable[str]] = ..., leased: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ..., rollout_id: _Optional[int] = ..., generated: _Optional[bool] = ...) -> None: ...
 
 class RestoreStateRequest(_message.Message):
     __slots__ = ("job_id", "state")
@@ -268,3 +279,39 @@ class RestoreStateResponse(_message.Message):
     num_requeued: int
     num_leases_dropped: int
     def __init__(self, num_requeued: _Optional[int] = ..., num_leases_dropped: _Optional[int] = ...) -> None: ...
+
+class AppendPromptsRequest(_message.Message):
+    __slots__ = ("job_id", "position", "prompts")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    position: int
+    prompts: _containers.RepeatedCompositeFieldContainer[_sample_pb2.Prompt]
+    def __init__(self, job_id: _Optional[str] = ..., position: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[_sample_pb2.Prompt, _Mapping]]] = ...) -> None: ...
+
+class AppendPromptsResponse(_message.Message):
+    __slots__ = ("num_appended", "num_prompts")
+    NUM_APPENDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    num_appended: int
+    num_prompts: int
+    def __init__(self, num_appended: _Optional[int] = ..., num_prompts: _Optional[int] = ...) -> None: ...
+
+class SourcePositionRequest(_message.Message):
+    __slots__ = ("job_id", "rollout_id", "position")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rollout_id: int
+    position: int
+    def __init__(self, job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class SourcePosition(_message.Message):
+    __slots__ = ("position", "found")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    found: bool
+    def __init__(self, position: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...
