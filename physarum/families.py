@@ -81,6 +81,26 @@ def deepseek_v3(**common: Any):
                             qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
 
 
+def glm4_moe_lite(**common: Any):
+    from transformers import Glm4MoeLiteConfig
+
+    h, layers = common["hidden_size"], common["num_hidden_layers"]  # GLM-4.7-Flash: DeepSeek-V3's shape
+    return Glm4MoeLiteConfig(**{**common, "num_key_value_heads": 4}, **_moe(h), intermediate_size=4 * h,
+                             n_routed_experts=4, n_shared_experts=1,
+                             mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), n_group=1, topk_group=1,
+                             q_lora_rank=h // 2, kv_lora_rank=h // 2, qk_rope_head_dim=8,
+                             qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
+
+
+def minimax_m2(**common: Any):
+    from transformers import MiniMaxM2Config
+
+    h = common["hidden_size"]  # q/k norms over the whole projection, half rotary, every layer 4 sigmoid-routed experts
+    return MiniMaxM2Config(**common, intermediate_size=h, head_dim=h // 4, num_local_experts=4, num_experts_per_tok=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.5}, tie_word_embeddings=False)
+
+
 def _linear_attention(h: int, num_layers: int) -> dict[str, Any]:
     """Qwen3.5's hybrid stack: gated delta-net (linear attention) layers, every last of four a full-attention one;
     at 2 layers one of each."""
@@ -109,7 +129,8 @@ def qwen3_5_moe(**common: Any):
 
 FAMILIES: dict[str, Callable[..., Any]] = {
     "qwen3": qwen3, "qwen2": qwen2, "llama": llama, "glm4": glm4, "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe,
-    "deepseek_v3": deepseek_v3, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
+    "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "minimax_m2": minimax_m2,
+    "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
 }
 
 

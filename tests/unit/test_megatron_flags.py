@@ -156,3 +156,50 @@ def test_a_qwen3_moe_slime_job_is_accepted_at_submit_with_expert_parallelism(tmp
     with pytest.raises(InvalidArgument, match=r"expert_model_parallel_size 5 must divide the number of experts "
                                               r"\(128 in qwen3_moe\)"):
         parse({"slime_args": [*argv, "--expert-model-parallel-size", "5"]})
+
+
+def test_yarn_pre_softmax_shared_expert_gate_and_glm47_flash_routing_are_checked_against_each_family():
+    """DeepSeek-R1's YaRN against its rope_scaling (none elsewhere: factor 1, any mscale); pre-softmax against a
+    softmax router's norm_topk_prob (a sigmoid router ignores it); the shared-expert gate only where Qwen has one;
+    GLM-4.7-Flash routes by sigmoid with an expert bias though its config has no field saying so, and its dense
+    layers are its mlp_layer_types."""
+    from transformers import DeepseekV3Config, Glm4MoeLiteConfig
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+            "beta_slow": 1, "original_max_position_embeddings": 4096, "rope_theta": 10000.0}
+    r1 = DeepseekV3Config(rope_parameters=yarn).to_dict()
+    for flag, value in [("rotary-scaling-factor", 40), ("mscale", 1.0), ("mscale-all-dim", 1.0),
+                        ("moe-router-pre-softmax", True), ("no-position-embedding", True),
+                        ("moe-shared-expert-gate", False)]:
+        assert check_arch(flag, value, r1) == "", flag
+    assert check_arch("rotary-scaling-factor", 4, r1) != ""
+    assert check_arch("mscale-all-dim", 0.707, r1) != ""
+    assert check_arch("moe-shared-expert-gate", True, r1) != ""
+    plain = DeepseekV3Config().to_dict()  # no YaRN: a factor of 1 (Moonlight's script), any mscale
+    assert check_arch("rotary-scaling-factor", 1, plain) == "" and check_arch("mscale-all-dim", 1.0, plain) == ""
+    assert check_arch("rotary-scaling-factor", 40, plain) != ""
+    qwen = {**qwen3_30b_a3b(), "norm_topk_prob": True}  # the hub config.json: top-k renormalized, not pre-softmax
+    assert check_arch("moe-router-pre-softmax", True, qwen) != ""
+    assert check_arch("moe-router-pre-softmax", True, {**qwen, "norm_topk_prob": False}) == ""
+    flash = Glm4MoeLiteConfig().to_dict()
+    assert "scoring_func" not in flash and "e_score_correction_bias" not in json.dumps(flash)
+    assert check_arch("moe-router-score-function", "sigmoid", flash) == ""
+    assert check_arch("moe-router-score-function", "softmax", flash) != ""
+    assert check_arch("moe-router-enable-expert-bias", True, flash) == ""
+    assert check_arch("moe-layer-freq", "[0]*1+[1]*46", flash) == ""
+    assert check_arch("moe-layer-freq", "[0]*3+[1]*44", flash) != ""
+    assert check_arch("add-qkv-bias", True, flash) == ""  # MLA's projections have no bias whatever the flag says
+
+
+@pytest.mark.parametrize(("coeff", "refused"), [("0", False), ("0.001", True)])
+def test_seq_and_global_aux_loss_run_as_none_without_a_weight_and_are_refused_with_one(coeff, refused):
+    for kind in ("seq_aux_loss", "global_aux_loss"):
+        conv = slime_args.convert(["--moe-router-load-balancing-type", kind, "--moe-aux-loss-coeff", coeff],
+                                  spec_keys=SPEC_KEYS, check_architecture=False)
+        if refused:
+            assert conv.refused == [f"--moe-router-load-balancing-type {kind}: the backends add Megatron's aux_loss "
+                                    "only (per micro-batch); set --moe-router-load-balancing-type aux_loss or "
+                                    "--moe-aux-loss-coeff 0"]
+            assert "moe_router_load_balancing_type" not in conv.spec
+        else:
+            assert conv.refused == [] and conv.spec["moe_router_load_balancing_type"] == "none"

@@ -15,7 +15,8 @@ from services.trainer.api.spec import parse_spec
 from services.trainer.backends import capabilities
 from services.trainer.models import families
 
-MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe"}  # of the tiny families
+MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4",
+                   "minimax_m2"}
 
 
 def config_of(family: str) -> dict:
@@ -47,14 +48,15 @@ def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
         preflight(spec)
     model_type = config_of(family)["model_type"]
     assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
-            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama); train_backend fsdp trains "
+            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
+            "minimax_m2, deepseek_v3, glm4_moe_lite); train_backend fsdp trains "
             "it"
             in str(err.value))
 
 
-def test_a_glm4_moe_job_for_megatron_is_refused_at_submit_through_the_job_parser(job):
-    with pytest.raises(InvalidArgument, match="train_backend megatron cannot build model family 'glm4_moe'"):
-        with_preflight(parse_spec)(job(config_of("glm4_moe"), "megatron"))
+def test_a_qwen3_5_moe_job_for_megatron_is_refused_at_submit_through_the_job_parser(job):
+    with pytest.raises(InvalidArgument, match="train_backend megatron cannot build model family 'qwen3_5_moe'"):
+        with_preflight(parse_spec)(job(config_of("qwen3_5_moe"), "megatron"))
 
 
 def test_a_model_no_backend_builds_is_refused_with_the_reason(job):
@@ -72,6 +74,28 @@ def test_a_variant_megatron_cannot_build_names_its_reason(job):
     with pytest.raises(InvalidArgument, match="cannot build model family 'qwen3': use_sliding_window is not "
                                               "supported; train_backend fsdp trains it"):
         preflight(parse_spec(job(sliding, "megatron")))
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"norm_topk_prob": False}, "deepseek_v3 norm_topk_prob false: megatron-core's sigmoid router always normalises"),
+    ({"n_group": 2, "topk_group": 2}, "grouped top-k with num_experts_per_tok 2 and topk_group 2: megatron-core"),
+    ({"attention_bias": True}, "attention_bias: megatron-core's multi-latent attention projections have no bias"),
+    ({"rope_interleave": False}, "rope_interleave false"),
+])
+def test_a_deepseek_v3_variant_megatron_core_routes_or_attends_otherwise_is_refused_naming_the_field(job, change,
+                                                                                                   reason):
+    with pytest.raises(InvalidArgument, match=reason):
+        preflight(parse_spec(job({**config_of("deepseek_v3"), **change}, "megatron")))
+
+
+def test_an_mla_layout_is_checked_against_the_latent_ranks(job):
+    with pytest.raises(InvalidArgument, match="tensor_model_parallel_size 3 must divide num_attention_heads 4"):
+        preflight(parse_spec({**job(config_of("glm4_moe_lite"), "megatron"), "tensor_model_parallel_size": 3}))
+    shape = {**config_of("deepseek_v3"), "num_attention_heads": 8, "num_key_value_heads": 8, "kv_lora_rank": 30,
+             "qk_rope_head_dim": 8}
+    with pytest.raises(InvalidArgument, match="tensor_model_parallel_size 4 must divide kv_lora_rank \\+ "
+                                              "qk_rope_head_dim 38"):
+        preflight(parse_spec({**job(shape, "megatron"), "tensor_model_parallel_size": 4}))
 
 
 def test_a_layout_megatron_cannot_cut_the_model_into_is_refused_at_submit(job):
@@ -109,3 +133,23 @@ def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_con
     assert families.language_model_config(composite)["hidden_size"] == 64
     assert capabilities.backends_for(composite) == ["fsdp"]
     assert capabilities.backends_for(config_of("llama")) == ["fsdp", "megatron"]
+
+
+def test_expert_tensor_parallelism_is_the_tensor_parallel_size_without_expert_parallelism(job):
+    """Each expert cut over the TP ranks (megatron-core's expert_tensor_parallel_size), from the spec or slime's
+    flag."""
+    deepseek = job(config_of("deepseek_v3"), "megatron")
+    spec = preflight(parse_spec({**deepseek, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2}))
+    assert spec.expert_tensor_parallel_size == 2
+    for layout in ({"expert_tensor_parallel_size": 2},
+                   {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2,
+                    "expert_model_parallel_size": 2}):
+        with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size 2: the megatron backend cuts each "
+                                                  "expert over the tensor-parallel ranks"):
+            preflight(parse_spec({**deepseek, **layout}))
+    with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size: train_backend fsdp cannot run"):
+        parse_spec({**job(config_of("deepseek_v3"), "fsdp"), "expert_tensor_parallel_size": 2})
+    slime = {"slime_args": ["--hf-checkpoint", deepseek["hf_checkpoint"], "--prompt-data", deepseek["prompt_data"],
+                            "--num-rollout", "1", "--rollout-batch-size", "1", "--tensor-model-parallel-size", "2",
+                            "--expert-tensor-parallel-size", "2"]}
+    assert preflight(parse_spec(slime)).expert_tensor_parallel_size == 2

@@ -145,7 +145,7 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
 
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     with pytest.raises(InvalidArgument, match="routing replay: model family 'mixtral' is not one it applies to "
-                                              r"\(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3\)"):
+                                              r"\(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3, glm4_moe_lite\)"):
         preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
     from transformers import Qwen3MoeConfig
 
@@ -169,7 +169,7 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01, "train_backend": "megatron"}))
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     with pytest.raises(InvalidArgument, match="moe_aux_loss_coeff: model family 'mixtral' is not one it applies "
-                                              r"to \(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3\)"):
+                                              r"to \(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3, glm4_moe_lite\)"):
         preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
     assert preflight(parse_spec({**paths, "moe_aux_loss_coeff": 0.01}))

@@ -33,6 +33,21 @@ _QWEN2 = {"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6, "ro
           "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768}
 _QWEN3 = {"model_type": "qwen3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000,
           "vocab_size": 151936, "head_dim": 128, "attention_bias": False, "max_position_embeddings": 40960}
+_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+                "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "rope_theta": 10000, "vocab_size": 129280,
+                "max_position_embeddings": 163840, "attention_bias": False, "tie_word_embeddings": False}
+_GLM47_FLASH = {"model_type": "glm4_moe_lite", "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10240,
+                "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+                "num_key_value_heads": 20, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4,
+                "mlp_layer_types": ["dense"] + ["sparse"] * 46, "q_lora_rank": 768, "kv_lora_rank": 512,
+                "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "n_group": 1, "topk_group": 1,
+                "norm_topk_prob": True, "routed_scaling_factor": 1.8, "rms_norm_eps": 1e-5, "rope_theta": 1000000,
+                "vocab_size": 154880, "max_position_embeddings": 202752, "attention_bias": False,
+                "tie_word_embeddings": False}
 # The models' config.json values the architecture flags are checked against (the published configs' keys)
 HF_CONFIGS = {
     "Qwen2.5-0.5B-Instruct": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
@@ -62,12 +77,45 @@ HF_CONFIGS = {
                    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 32,
                    "rms_norm_eps": 1e-6, "rope_theta": 10000000, "partial_rotary_factor": 0.25, "vocab_size": 248320,
                    "tie_word_embeddings": False},
+    # slime's MoE scripts' models (scripts/models/*.sh), their published config.json fields the flags are checked on
+    "GLM-4.7-Flash": {**_GLM47_FLASH},
+    "DeepSeek-R1": {**_DEEPSEEK_V3, "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0,
+                                                     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                                     "original_max_position_embeddings": 4096}},
+    "Moonlight-16B-A3B": {**_DEEPSEEK_V3, "hidden_size": 2048, "intermediate_size": 11264,
+                          "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+                          "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2,
+                          "num_experts_per_tok": 6, "first_k_dense_replace": 1, "q_lora_rank": None, "n_group": 1,
+                          "topk_group": 1, "routed_scaling_factor": 2.446, "rope_theta": 50000.0,
+                          "rms_norm_eps": 1e-5, "vocab_size": 163840, "max_position_embeddings": 8192},
+    "Qwen3-Next-80B-A3B-Thinking": {**_QWEN3, "model_type": "qwen3_next", "hidden_size": 2048,
+                                    "intermediate_size": 5120, "moe_intermediate_size": 512,
+                                    "shared_expert_intermediate_size": 512, "num_experts": 512,
+                                    "num_experts_per_tok": 10, "num_attention_heads": 16, "num_key_value_heads": 2,
+                                    "head_dim": 256, "num_hidden_layers": 48, "rope_theta": 10000000,
+                                    "partial_rotary_factor": 0.25, "norm_topk_prob": True,
+                                    "full_attention_interval": 4, "tie_word_embeddings": False},
+    "Qwen3.5-35B-A3B": {"model_type": "qwen3_5_moe", "tie_word_embeddings": False, "text_config": {
+        "model_type": "qwen3_5_moe_text", "hidden_act": "silu", "hidden_size": 2048, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "num_hidden_layers": 40, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        "vocab_size": 248320, "tie_word_embeddings": False}},
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
+    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained); Qwen3-Next's
+    # gated delta-net layers are not built by megatron-core here (refused naming fsdp); the Qwen3.5 SFT script's
+    # --loss-mask-type qwen3_5 is refused by the job spec (no Qwen3.5 chat mask in the rollout service)
+    "glm4.7_30B_A3B": {"--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"},
+    "qwen3_next_80B_A3B": {"family"},
+    "qwen3.5_35B_A3B_sft": {"loss_mask_type"},
 }
+# The refused flags of slime's MoE scripts (a flag with a value drops with it), and the families megatron builds
+MOE_SCRIPTS = ("glm4.7_30B_A3B", "deepseek_r1", "moonlight_16B_A3B", "qwen3_30B_A3B")
+OTHER_PART = {"--enable-mtp-training": 0, "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1}  # MTP training
 # multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam or on its
 # CPU-offload optimizer (multi_agent offloads it)
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
@@ -149,14 +197,50 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
+    if REFUSED[name] == {"loss_mask_type"}:
+        assert problems == ["job spec: loss_mask_type: Input should be 'qwen', 'qwen3' or 'distill'"], problems
+        return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
         checked = flag[2:] in megatron_flags.ARCH and f"| `{flag}` | checked |" in DOC
         assert (listed is not None and listed.note in DOC) or slime_flags.is_moe_flag(flag[2:]) or checked, flag
+    notes = tuple((slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON[flag[2:]]).note
+                  for flag in REFUSED[name] if flag[2:] in slime_flags.FLAGS or flag[2:] in megatron_flags.MEGATRON)
     assert all(p.endswith(("MoE models are not supported", slime_flags.MOE_REFUSAL,
+                           *notes,
                            "Physarum builds the model from the HF config: fix or drop the flag"))
                for p in problems), problems
+
+
+def _without_other_parts(argv: list[str]) -> list[str]:
+    """The argv without the flags OTHER_PART names (and their values)."""
+    out, skip = [], 0
+    for token in argv:
+        if skip:
+            skip -= 1
+        elif token in OTHER_PART:
+            skip = OTHER_PART[token]
+        else:
+            out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("name", MOE_SCRIPTS)
+def test_the_moe_scripts_build_their_family_with_every_moe_flag_at_their_own_parallel_sizes(name, tmp_path):
+    """DeepSeek-R1, Moonlight (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite; without its MTP flags) and Qwen3-30B-A3B
+    build on megatron with every MoE and model flag their scripts pass, at their own tensor, pipeline and expert
+    parallel sizes."""
+    argv = _without_other_parts(materialize(EXAMPLES[name]["argv"], tmp_path))
+    given = dict(zip(argv, argv[1:], strict=False))
+    spec = submit(argv)
+    assert spec.train_backend == "megatron"
+    assert spec.tensor_model_parallel_size == int(given["--tensor-model-parallel-size"])
+    assert spec.pipeline_model_parallel_size == int(given["--pipeline-model-parallel-size"])
+    assert spec.expert_model_parallel_size == int(given["--expert-model-parallel-size"])
+    assert spec.moe_router_load_balancing_type in ("none", "aux_loss")
+    if "--moe-enable-deepep" in argv:
+        assert any(note.startswith("--moe-enable-deepep: megatron-core's all-to-all") for note in spec.slime_notes)
 
 
 def test_multi_agent_without_the_offload_flag_needs_transformer_engine_for_its_optimizer(tmp_path):

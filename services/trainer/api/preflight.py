@@ -123,7 +123,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
             "last": spec.megatron.get("num_layers_in_last_pipeline_stage")}
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
-                                           ep_size=spec.expert_model_parallel_size, pipeline_ends=ends)]
+                                           ep_size=spec.expert_model_parallel_size, pipeline_ends=ends,
+                                           etp_size=spec.expert_tensor_parallel_size)]
     if spec.multimodal_keys and not families.is_vision_language(hf_config):
         problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} is built as a "
                         "language model, which takes no images (a family with a causal LM, such as Qwen3.5, trains as "

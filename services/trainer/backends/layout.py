@@ -14,7 +14,8 @@ CUSTOM_LOSS_REFUSAL = ("context_parallel_size > 1 does not run loss_type custom_
 # a layout setting beyond its default -> the capability it needs
 NEEDS: dict[str, str] = {"tensor_model_parallel_size": "tensor_parallel",
                          "pipeline_model_parallel_size": "pipeline_parallel",
-                         "expert_model_parallel_size": "expert_parallel", "megatron": "extra_flags"}
+                         "expert_model_parallel_size": "expert_parallel",
+                         "expert_tensor_parallel_size": "expert_parallel", "megatron": "extra_flags"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +25,8 @@ class LayoutConfig:
     pipeline_model_parallel_size: int = field(1, "megatron: pipeline stages", POSITIVE)
     expert_model_parallel_size: int = field(1, "megatron: ranks a MoE model's experts are spread over (carved out of "
                                                "the tensor- and data-parallel ranks)", POSITIVE)
+    expert_tensor_parallel_size: int = field(1, "megatron: ranks each expert is cut over (1: whole on each rank; or "
+                                                "tensor_model_parallel_size, without expert parallelism)", POSITIVE)
     context_parallel_size: int = field(1, "ranks that split every sequence between them (Megatron's "
                                           "load-balanced chunks; each group of this many consecutive ranks trains "
                                           "one data-parallel share)", POSITIVE)

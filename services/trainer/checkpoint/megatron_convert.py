@@ -1,5 +1,5 @@
-"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama: names, fused layouts, TP shards, vocab
-padding, experts.
+"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama, and (attention from `deepseek_v3.py`)
+DeepSeek-V3 and GLM-4.7-Flash: names, fused layouts, TP shards, vocab padding, experts.
 
 `hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
 Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
@@ -13,7 +13,9 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
   cat(gate_e, up_e), its linear_fc2 down_e; router and experts are whole on every TP rank (expert TP 1). HF
   checkpoints on disk name each expert (mlp.experts.{e}.gate_proj);
   transformers' models in memory, and so the engines' weight names, hold them fused (mlp.experts.gate_up_proj
-  [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written.
+  [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written. A sigmoid router's
+  expert bias (mlp.gate.e_score_correction_bias, a buffer in both) maps to mlp.router.expert_bias; shared experts
+  (mlp.shared_experts.*) are TP-sharded as a dense MLP is. Layers before the first MoE one are dense.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from services.trainer.models import deepseek_v3, glm4, minimax_m2
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -42,6 +45,15 @@ ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  #
 QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
 DENSE_MLP = ("mlp.linear_fc2.weight",)  # a MoE layer has experts instead
 LOCAL_EXPERT = "mlp.experts.local_experts."
+EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer: the router's float32 bias of the scores that choose experts
+HF_SHARED_EXPERTS = "mlp.shared_experts."  # DeepSeek-V3's and GLM's always-on MLP of a MoE layer
+FC1 = ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight")  # cat(gate chunk r, up chunk r) on rank r
+
+
+def weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A GPTModel's weights that an HF checkpoint holds: its parameters and its routers' expert biases."""
+    return [*module.named_parameters(), *((name, buf) for name, buf in module.named_buffers()
+                                          if name.endswith(EXPERT_BIAS))]
 
 
 def layer_offset(arch: ModelArch, *, pp_rank: int, pp_size: int) -> int:
@@ -84,6 +96,11 @@ def _split_qkv(arch: ModelArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
+def _hf_expert_bias(arch: ModelArch) -> str:
+    """The HF name (under the layer) of a sigmoid router's expert bias: on the gate, or on MiniMax-M2's MoE block."""
+    return minimax_m2.HF_EXPERT_BIAS if arch.model_type == "minimax_m2" else "mlp.gate.e_score_correction_bias"
+
+
 def _hf_expert(hf: Mapping[str, torch.Tensor], layer: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert e of an HF MoE layer as Megatron's (linear_fc1, linear_fc2), from fused or per-expert HF names."""
     fused = layer + "mlp.experts.gate_up_proj"
@@ -95,12 +112,24 @@ def _hf_expert(hf: Mapping[str, torch.Tensor], layer: str, e: int) -> tuple[torc
 
 
 def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: str, *, ep_rank: int,
-               ep_size: int) -> dict[str, torch.Tensor]:
-    """A MoE layer's router and this expert-parallel rank's experts."""
+               ep_size: int, shard, etp_rank: int = 0, etp_size: int = 1) -> dict[str, torch.Tensor]:
+    """A MoE layer's router (and its expert bias), its shared experts (this TP rank's shard, as a dense MLP's) and
+    this expert-parallel rank's experts."""
     out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone().contiguous()}
+    if arch.moe_router_expert_bias:
+        out[dst + EXPERT_BIAS] = hf[src + _hf_expert_bias(arch)].clone().contiguous()
+    if arch.moe_shared_expert_intermediate_size:
+        shared = src + HF_SHARED_EXPERTS
+        out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [shard(hf[shared + "gate_proj.weight"]), shard(hf[shared + "up_proj.weight"])])
+        out[dst + "mlp.shared_experts.linear_fc2.weight"] = shard(hf[shared + "down_proj.weight"], dim=1)
     local = arch.num_experts // ep_size
     for i in range(local):
         fc1, fc2 = _hf_expert(hf, src, ep_rank * local + i)
+        if etp_size > 1:  # expert tensor parallelism: each expert cut as a dense MLP is over the expert-TP ranks
+            gate, up = fc1.chunk(2)
+            fc1 = torch.cat([gate.chunk(etp_size)[etp_rank], up.chunk(etp_size)[etp_rank]]).contiguous()
+            fc2 = fc2.chunk(etp_size, dim=1)[etp_rank].contiguous()
         out[f"{dst}mlp.experts.local_experts.{i}.linear_fc1.weight"] = fc1
         out[f"{dst}mlp.experts.local_experts.{i}.linear_fc2.weight"] = fc2
     return out
@@ -108,7 +137,7 @@ def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: s
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: int = 0, tp_size: int = 1,
                    pp_rank: int = 0, pp_size: int = 1, te_names: bool = False, ep_rank: int = 0,
-                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+                   ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state (local layer indices, this TP shard) from full HF tensors (name -> tensor;
     only the names this stage needs are read). Tensors are fresh and contiguous."""
 
@@ -116,26 +145,40 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
         return tensor.chunk(tp_size, dim=dim)[tp_rank].clone().contiguous()
 
     out: dict[str, torch.Tensor] = {}
+    if arch.model_type == "minimax_m2":
+        hf = minimax_m2.CheckpointNames(hf)
     padded = arch.padded_vocab_size(tp_size)
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
     for local in range(len(arch.stage_layer_range(pp_rank, pp_size))):
         src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
+        moe = arch.is_moe_layer(offset + local)
         for mg_sub, hf_sub in RENAMED.items():
-            if (mg_sub in QK_NORMS and not arch.qk_layernorm) or (mg_sub in DENSE_MLP and arch.num_experts):
+            if (mg_sub in QK_NORMS and not (arch.qk_layernorm or arch.projection_qk_norm)) or \
+                    (mg_sub in DENSE_MLP and moe):
                 continue
             tensor = hf[src + hf_sub]
+            if mg_sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
+                out[dst + mg_sub] = shard(tensor)
+                continue
             out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
                 tensor.clone().contiguous()
         attn = src + "self_attn."
-        out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
-            arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
+        if arch.mla is not None:
+            out.update(deepseek_v3.hf_to_megatron_attention(hf, arch, src, dst, shard, te_names=te_names))
+        else:
+            out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
+                arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
         if arch.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
                 arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
-        if arch.num_experts:
-            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size))
+        if arch.post_norms:
+            out.update(glm4.hf_to_megatron_layer(hf, src, dst, shard))
+            continue
+        if moe:
+            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size, shard=shard,
+                                  etp_rank=etp_rank, etp_size=etp_size))
             continue
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
@@ -166,6 +209,13 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
     index, sub = name.removeprefix("decoder.layers.").split(".", 1)
     prefix = HF_LAYER.format(offset + int(index))
     sub = _local_sub(sub)
+    if arch.mla is not None and (mla := deepseek_v3.megatron_to_hf_attention(deepseek_v3.local_sub(sub), list(shards),
+                                                                             prefix)) is not None:
+        return mla
+    if arch.post_norms and (pairs := glm4.megatron_to_hf_layer(sub, list(shards), prefix)) is not None:
+        return pairs
+    if sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
+        return [(prefix + RENAMED[sub], torch.cat(list(shards)))]
     if sub in RENAMED:
         tensor = torch.cat(list(shards), dim=1) if sub in ROW_PARALLEL else shards[0]
         return [(prefix + RENAMED[sub], tensor)]
@@ -175,12 +225,17 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
         return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
     if sub == "mlp.router.weight":
         return [(prefix + "mlp.gate.weight", shards[0])]
+    if sub == EXPERT_BIAS:
+        return [(prefix + _hf_expert_bias(arch), shards[0])]
+    if sub == "mlp.shared_experts.linear_fc2.weight":
+        return [(prefix + HF_SHARED_EXPERTS + "down_proj.weight", torch.cat(list(shards), dim=1))]
     if sub.startswith(LOCAL_EXPERT):  # one expert: fused with the others of its layer by `fuse_experts`
         index, kind = sub.removeprefix(LOCAL_EXPERT).split(".", 1)
         return [(f"{prefix}mlp.experts.{index}.{kind}", shards[0])]
-    if sub == "mlp.linear_fc1.weight":
+    if sub in FC1:
         gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
-        return [(prefix + "mlp.gate_proj.weight", torch.cat(gates)), (prefix + "mlp.up_proj.weight", torch.cat(ups))]
+        mlp = prefix + ("mlp." if sub == FC1[0] else HF_SHARED_EXPERTS)
+        return [(mlp + "gate_proj.weight", torch.cat(gates)), (mlp + "up_proj.weight", torch.cat(ups))]
     raise ValueError(f"no HF name for Megatron parameter {name!r}")
 
 
@@ -203,6 +258,15 @@ def fuse_experts(named: Iterator[tuple[str, torch.Tensor]], arch: ModelArch) -> 
                 stacked
 
 
+def _whole_expert(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One expert's parameter from its expert-TP shards: linear_fc1 cat(gate, up) of the gathered chunks, linear_fc2
+    its dim-1 chunks side by side."""
+    if name.endswith("linear_fc2.weight"):
+        return torch.cat(list(shards), dim=1)
+    gates, ups = zip(*(shard.chunk(2) for shard in shards), strict=True)
+    return torch.cat([*gates, *ups])
+
+
 def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.Tensor]:
     """One local expert's parameter from every expert-parallel rank, in EP-rank order."""
     import torch.distributed as dist
@@ -214,12 +278,15 @@ def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.
 
 def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
                       tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int, ep_group=None,
-                      ep_size: int = 1, expert_dp_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+                      ep_size: int = 1, expert_dp_rank: int = 0,
+                      etp_size: int = 1, etp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: the source rank (global rank 0: pp, tp and dp rank 0) yields every HF weight
     once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
     parameters over TP, its TP rank 0 converts them and sends them to the source rank. Experts are first
     all-gathered over the expert-parallel group, whose other ranks are other data-parallel ranks: those join the
-    gathers and yield nothing."""
+    gathers and yield nothing. Under expert tensor parallelism (etp_size = tp_size, without expert parallelism:
+    `ModelArch.check_parallel`) each expert is gathered over its expert-TP group (the TP ranks) and put together as
+    a dense MLP is."""
     import torch.distributed as dist
 
     if dp_rank != 0:
@@ -245,6 +312,12 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
                     global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
                     if tp_rank == 0:
                         yield from megatron_to_hf(global_name, [expert], arch, offset=offset)
+                continue
+            if LOCAL_EXPERT in name and etp_size > 1:
+                shards = [torch.empty_like(tensor) for _ in range(etp_size)]
+                dist.all_gather(shards, tensor.contiguous(), group=etp_group)
+                if tp_rank == 0:
+                    yield from megatron_to_hf(name, [_whole_expert(name, shards)], arch, offset=offset)
                 continue
             shards = [tensor]
             # experts are whole on every TP rank (expert TP 1), though megatron-core marks them tensor-parallel

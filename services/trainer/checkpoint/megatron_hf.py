@@ -30,8 +30,9 @@ class MegatronHFWeights:
         """output_layer False: all but the output layer (the critic's is its own value head)."""
         state = megatron_convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                                 pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te,
-                                                ep_rank=self.ep_rank, ep_size=self.ep_size)
-        params = dict(gpt.named_parameters())
+                                                ep_rank=self.ep_rank, ep_size=self.ep_size,
+                                                etp_rank=self.etp_rank, etp_size=self.etp_size)
+        params = dict(megatron_convert.weights(gpt))
         if not output_layer:
             state.pop("output_layer.weight", None)
             params.pop("output_layer.weight", None)
@@ -79,8 +80,8 @@ class MegatronHFWeights:
     def update_ref_model(self) -> None:
         """Copy the policy into the reference model (slime's --ref-update-interval), shard by shard."""
         with torch.no_grad():
-            for (name, param), (ref_name, ref) in zip(self.gpt.named_parameters(), self.ref_model.named_parameters(),
-                                                      strict=True):
+            for (name, param), (ref_name, ref) in zip(megatron_convert.weights(self.gpt),
+                                                      megatron_convert.weights(self.ref_model), strict=True):
                 assert name == ref_name, (name, ref_name)
                 ref.copy_(param)
 
@@ -88,9 +89,10 @@ class MegatronHFWeights:
         """Collective: every rank must run it to the end. Global rank 0 yields each HF weight once (a tied
         lm_head comes as model.embed_tokens.weight only); the other ranks yield nothing."""
         yield from megatron_convert.gather_hf_weights(
-            list(self.gpt.named_parameters()), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
+            megatron_convert.weights(self.gpt), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
             tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            dp_rank=self.dp_cp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
+            dp_rank=self.dp_cp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank,
+            etp_size=self.etp_size, etp_group=self.etp_group)
 
     def save_hf(self, path: str | Path) -> None:
         """Collective: rank 0 writes the HF checkpoint directory."""

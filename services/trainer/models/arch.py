@@ -1,5 +1,6 @@
-"""The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama) as the few numbers Megatron and the converter
-need.
+"""The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
+`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`) as the few numbers Megatron and the
+converter need.
 
 Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
 """
@@ -12,10 +13,32 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention: queries through a q_lora_rank bottleneck (None: one projection), keys and values
+    from a kv_lora_rank latent; each head's query/key is a nope part and a rope part (one rope key for all heads)."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +54,10 @@ class ModelArch:
     norm_epsilon: float
     rope_theta: float
     rope_scaling_factor: float | None  # Llama-3 RoPE scaling, None when off
+    rotary_percent: float = 1.0  # the share of each head's dimensions RoPE rotates (the first ones; GLM-4.5: half)
+    rotary_interleaved: bool = False  # RoPE on (even, odd) pairs, not the two halves (GLM-4)
+    post_norms: bool = False  # an RMSNorm after attention and after the MLP, before each residual add (GLM-4)
+    projection_qk_norm: bool = False  # the q/k norms span the whole projection, not each head (MiniMax-M2)
     max_position_embeddings: int
     qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
     qk_layernorm: bool  # Qwen3: RMSNorm of each query and key head
@@ -42,6 +69,19 @@ class ModelArch:
     moe_router_pre_softmax: bool = False  # softmax over every expert, then top-k (HF's norm_topk_prob false)
     # decoder layers of each pipeline stage when they are uneven (megatron-core's first/last stage sizes); None: even
     stage_layers: tuple[int, ...] | None = None
+    moe_router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3, GLM-4.5/4.7)
+    moe_router_expert_bias: bool = False  # a per-expert bias added to the scores that choose (not weigh) experts
+    moe_router_num_groups: int | None = None  # grouped top-k: experts in groups, the best group_topk groups first
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  # the top-k weights times this (routed_scaling_factor)
+    moe_shared_expert_intermediate_size: int = 0  # an always-on MLP beside the routed experts; 0: none
+    moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
+    mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
+    yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer `index` has routed experts."""
+        return bool(self.num_experts) and (self.moe_layers is None or self.moe_layers[index])
 
     @property
     def heads_per_group(self) -> int:
@@ -58,15 +98,29 @@ class ModelArch:
         start = sum(counts[:pp_rank])
         return range(start, start + counts[pp_rank])
 
-    def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1,
+    def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int = 1,
                        stage_layers: tuple[int, ...] | None = None) -> None:
         """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards with its experts over
-        ep_size ranks (`stage_layers`: each stage's layers, when they are uneven)."""
+        ep_size ranks, each cut over etp_size ranks (1, or the TP size without expert parallelism; `stage_layers`:
+        each stage's layers, when they are uneven)."""
         if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
             raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
                                   f"({self.num_experts} in {self.model_type})")
-        for name, value in (("num_attention_heads", self.num_attention_heads), ("num_key_value_heads",
-                            self.num_query_groups), ("intermediate_size", self.ffn_hidden_size)):
+        if etp_size > 1 and (not self.num_experts or etp_size != tp_size or ep_size > 1
+                             or self.moe_ffn_hidden_size % etp_size):
+            raise InvalidArgument(f"expert_tensor_parallel_size {etp_size}: the megatron backend cuts each expert "
+                                  "over the tensor-parallel ranks (expert_tensor_parallel_size = "
+                                  "tensor_model_parallel_size, dividing the experts' intermediate size) without expert "
+                                  "parallelism, or keeps it whole (1)")
+        sizes = [("num_attention_heads", self.num_attention_heads), ("num_key_value_heads", self.num_query_groups),
+                 ("intermediate_size", self.ffn_hidden_size)]
+        if self.moe_shared_expert_intermediate_size:
+            sizes.append(("the shared experts' intermediate size", self.moe_shared_expert_intermediate_size))
+        if self.mla:  # megatron-core builds the down-projections column-parallel (the kv one is then made whole)
+            sizes.append(("kv_lora_rank + qk_rope_head_dim", self.mla.kv_lora_rank + self.mla.qk_rope_head_dim))
+            if self.mla.q_lora_rank:
+                sizes.append(("q_lora_rank", self.mla.q_lora_rank))
+        for name, value in sizes:
             if value % tp_size:
                 raise InvalidArgument(f"tensor_model_parallel_size {tp_size} must divide {name} {value}")
         if stage_layers is not None:
@@ -85,6 +139,24 @@ class ModelArch:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if model_type in MLA_MODEL_TYPES:
+            from services.trainer.models import deepseek_v3
+
+            fields = deepseek_v3.arch_fields(get)
+            yarn = fields.pop("yarn")
+            return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+        if model_type == "minimax_m2":
+            from services.trainer.models import minimax_m2
+
+            return cls(**minimax_m2.arch_fields(get))
+        if model_type == "glm4":
+            from services.trainer.models import glm4
+
+            return cls(**glm4.arch_fields(get))
+        if model_type == "glm4_moe":
+            from services.trainer.models import glm4_moe
+
+            return cls(**glm4_moe.arch_fields(get))
         if get("hidden_act", "silu") != "silu":
             raise InvalidArgument(f"megatron backend: hidden_act {get('hidden_act')!r} is not supported (silu only)")
         if get("use_sliding_window", False):

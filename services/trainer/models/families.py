@@ -53,7 +53,7 @@ def is_vision_language(hf_config: dict[str, Any]) -> bool:
 
 
 def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
-                     pipeline_ends: dict[str, int | None] | None = None) -> str:
+                     etp_size: int = 1, pipeline_ends: dict[str, int | None] | None = None) -> str:
     """pipeline_ends: the first and last stages' layers when the pipeline is uneven (`uneven_stage_layers`)."""
     # the arch module alone: no megatron-core import
     from services.trainer.models.arch import ModelArch, uneven_stage_layers
@@ -61,7 +61,8 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
     try:
         arch = ModelArch.from_hf_config(hf_config)
         stage_layers = uneven_stage_layers(arch.num_layers, pp_size, **(pipeline_ends or {}))
-        arch.check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, stage_layers=stage_layers)
+        arch.check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, etp_size=etp_size,
+                            stage_layers=stage_layers)
     except InvalidArgument as err:
         return str(err).removeprefix("megatron backend: ")
     return ""
@@ -71,10 +72,11 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
 # logits, top-k weights, top-k indices; moe/hf_routing_replay.py replaces the indices and recomputes the weights):
 # Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
 REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
-                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter",
+                                      "glm4_moe_lite": "Glm4MoeLiteTopkRouter"}
 # The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
 # sigmoid ones score experts by sigmoid (moe/load_balancing.py), the others by softmax.
-SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3")
+SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
 AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe", *SIGMOID_ROUTERS)
 

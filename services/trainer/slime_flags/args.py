@@ -27,8 +27,9 @@ from services.trainer.slime_flags.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, 
 from services.trainer.slime_flags.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
-_LAYOUT_ONE = ("expert-tensor-parallel-size",)
+_LAYOUT_ONE: tuple[str, ...] = ()
 _SPEC_KEYS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
+              "expert-tensor-parallel-size",
               "context-parallel-size",
               "use-distributed-optimizer", "ckpt-step",
               "lr-decay-style", "lr-decay-iters", "lr-warmup-iters", "min-lr", "weight-decay", "adam-beta1",
@@ -137,11 +138,28 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
     if out.no_advantages and out.spec.get("loss_type") != "sft_loss":
         out.refused.append("--disable-compute-advantages-and-returns: " +
                            FLAGS["disable-compute-advantages-and-returns"].note)
+    _resolve_load_balancing_type(out)
     tp = int(out.spec.get("tensor_model_parallel_size", 1) or 1)
     if out.megatron.get("sequence_parallel") and tp == 1:
         del out.megatron["sequence_parallel"]
         out.notes.append("--sequence-parallel: dropped without tensor parallelism, as Megatron does")
     return out
+
+
+def _resolve_load_balancing_type(out: Conversion) -> None:
+    """Megatron's seq_aux_loss and global_aux_loss (GLM's and DeepSeek's scripts): under --moe-aux-loss-coeff 0 no
+    load-balancing loss is added whatever its type, so the job runs as with none; with a weight it is refused."""
+    kind = out.spec.get("moe_router_load_balancing_type")
+    if kind not in ("seq_aux_loss", "global_aux_loss"):
+        return
+    if float(out.spec.get("moe_aux_loss_coeff", 0.0) or 0.0) == 0.0:
+        out.spec["moe_router_load_balancing_type"] = "none"
+        out.notes.append(f"--moe-router-load-balancing-type {kind}: no load-balancing loss under --moe-aux-loss-coeff "
+                         "0, as in Megatron; the job runs with none")
+        return
+    del out.spec["moe_router_load_balancing_type"]
+    out.refused.append(f"--moe-router-load-balancing-type {kind}: the backends add Megatron's aux_loss only (per "
+                       "micro-batch); set --moe-router-load-balancing-type aux_loss or --moe-aux-loss-coeff 0")
 
 
 def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[str],

@@ -36,6 +36,7 @@ QK_NORM = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo2"
 INTERLEAVED_ROTARY = {"glm4"}  # rotates (even, odd) pairs, not the two halves (glm4_moe rotates halves)
 POST_NORMS = {"glm4"}  # an RMSNorm after attention and after the MLP, before each residual add
 SIGMOID_ROUTER = set(SIGMOID_ROUTERS)  # sigmoid scores with a learned expert bias (e_score_correction_bias)
+SHARED_EXPERT_GATE = {"qwen2_moe", "qwen3_next", "qwen3_5_moe"}  # a sigmoid gate on the shared expert's output
 
 
 def _get(key: str, default: Any = None) -> Callable[[dict[str, Any]], Any]:
@@ -101,12 +102,33 @@ def _moe_layers(cfg: dict[str, Any]) -> Any:
     num_layers = cfg.get("num_hidden_layers")
     if not num_layers:
         return None
-    if "first_k_dense_replace" in cfg:  # DeepSeek, GLM
+    if cfg.get("mlp_layer_types"):  # GLM-4.7-Flash: "dense" or "sparse" per layer
+        dense = {i for i, kind in enumerate(cfg["mlp_layer_types"]) if kind != "sparse"}
+    elif "first_k_dense_replace" in cfg:  # DeepSeek, GLM
         dense = set(range(cfg["first_k_dense_replace"] or 0))
     else:  # Qwen: every decoder_sparse_step-th layer, but mlp_only_layers
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = {i for i in range(num_layers) if (i + 1) % step} | set(cfg.get("mlp_only_layers") or ())
     return [0 if i in dense else 1 for i in range(num_layers)]
+
+
+def _pre_softmax(cfg: dict[str, Any]) -> Any:
+    """--moe-router-pre-softmax: a softmax router's top-k weights unrenormalized (HF's norm_topk_prob false); a
+    sigmoid router ignores it in megatron-core, so any value agrees."""
+    if _family(cfg) in SIGMOID_ROUTER or "norm_topk_prob" not in cfg:
+        return None
+    return not cfg["norm_topk_prob"]
+
+
+def _yarn(key: str, default: Any) -> Callable[[dict[str, Any]], Any]:
+    """A YaRN rotary field (DeepSeek's --rotary-scaling-factor, --mscale, --mscale-all-dim); without YaRN the factor
+    is 1 (no scaling) and the mscales weigh nothing, so any value of them agrees."""
+    def read(cfg: dict[str, Any]) -> Any:
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type")) != "yarn":
+            return 1.0 if key == "factor" else None
+        return rope.get(key) if rope.get(key) is not None else default
+    return read
 
 
 def _layer_pattern(value: Any, cfg: dict[str, Any]) -> Any:
@@ -149,13 +171,19 @@ ARCH: dict[str, Arch] = {
     "swiglu": Arch(lambda cfg: cfg.get("hidden_act", "silu") == "silu" if "hidden_act" in cfg else None, bare=True),
     "normalization": Arch(lambda cfg: "RMSNorm" if "rms_norm_eps" in cfg else None),
     "disable-bias-linear": Arch(lambda cfg: not cfg.get("mlp_bias", False), bare=True),
-    "add-qkv-bias": Arch(lambda cfg: cfg.get("attention_bias", cfg.get("model_type") == "qwen2"), bare=True),
+    # multi-latent attention's projections have no bias whatever the flag says (megatron-core builds them without)
+    "add-qkv-bias": Arch(lambda cfg: None if "kv_lora_rank" in cfg else
+                         cfg.get("attention_bias", cfg.get("model_type") == "qwen2"), bare=True),
     # MLA's q and kv latent norms are Megatron's qk_layernorm too; GLM-4.5 says use_qk_norm
     "qk-layernorm": Arch(lambda cfg: _family(cfg) in QK_NORM or bool(cfg.get("use_qk_norm"))
                          or "kv_lora_rank" in cfg, bare=True),
     "untie-embeddings-and-output-weights": Arch(lambda cfg: not cfg.get("tie_word_embeddings", True), bare=True),
     "use-rotary-position-embeddings": Arch(lambda cfg: True, bare=True),
     "position-embedding-type": Arch(lambda cfg: "rope"),
+    "no-position-embedding": Arch(lambda cfg: True, bare=True),  # no learned absolute positions: RoPE only
+    "rotary-scaling-factor": Arch(_yarn("factor", None)),
+    "mscale": Arch(_yarn("mscale", 1.0)),
+    "mscale-all-dim": Arch(_yarn("mscale_all_dim", 0.0)),
     "rotary-percent": Arch(lambda cfg: float(_rope("partial_rotary_factor", 1.0)(cfg))),
     # MLA's rotary layout is the converter's business: not checked there
     "rotary-interleaved": Arch(lambda cfg: None if "kv_lora_rank" in cfg else _family(cfg) in INTERLEAVED_ROTARY,
@@ -178,6 +206,9 @@ ARCH: dict[str, Arch] = {
     "moe-router-topk-scaling-factor": Arch(_moe(_get("routed_scaling_factor"))),
     "moe-router-num-groups": Arch(_moe(_get("n_group"))),
     "moe-router-group-topk": Arch(_moe(_get("topk_group"))),
+    "moe-router-pre-softmax": Arch(_moe(_pre_softmax), bare=True),
+    "moe-shared-expert-gate": Arch(_moe(lambda cfg: _family(cfg) in SHARED_EXPERT_GATE
+                                        and bool(_shared_expert_size(cfg))), bare=True),
     # multi-latent attention (DeepSeek-V3)
     "multi-latent-attention": Arch(lambda cfg: "kv_lora_rank" in cfg, bare=True),
     "q-lora-rank": Arch(_get("q_lora_rank")),
@@ -222,7 +253,8 @@ FP8_TRAINING_REFUSAL = "FP8 training is not supported: the backends train in bf1
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
 _WEIGHTS_ONLY = ("a --load of slime's checkpoint reads its weights only (rollout 0, a fresh optimizer), of Physarum's "
                  "its whole state; for weights only, load an HF export (save_hf)")
-_NO_MOE = "the megatron backend trains Qwen3-MoE; train_backend fsdp trains the other MoE families"
+_NO_MOE = ("the megatron backend trains Qwen3-MoE, DeepSeek-V3, GLM-4.5/4.7, GLM-4.7-Flash and MiniMax-M2; "
+           "train_backend fsdp trains the other MoE families")
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
 # Megatron flag -> megatron-core config field, where the names differ
@@ -244,8 +276,8 @@ MEGATRON: dict[str, Flag] = {
     "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (both backends: Megatron's "
                                                    "load-balanced chunks)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
-    "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
-                                                     "each tensor-parallel rank"),
+    "expert-tensor-parallel-size": Flag("mapped", 1, _SPEC + " expert_tensor_parallel_size (1, or the "
+                                                     "tensor-parallel size without expert parallelism)"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (each tensor-parallel rank holds a "
                                                       "slice of every row, padded to a multiple of the TP size; "
                                                       "dropped, as Megatron does, without tensor parallelism)",
@@ -316,9 +348,18 @@ MEGATRON: dict[str, Flag] = {
     "moe-aux-loss-coeff": Flag("mapped", 0.0, _SPEC + " moe_aux_loss_coeff (both backends add Megatron's aux_loss to "
                                                  "the policy loss)"),
     "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _SPEC + " moe_router_load_balancing_type (aux_loss "
-                                                                         "or none)"),
+                                                                         "or none; seq_aux_loss and global_aux_loss "
+                                                                         "as none under --moe-aux-loss-coeff 0, "
+                                                                         "refused with a weight)"),
     "moe-router-bias-update-rate": Flag("mapped", 1e-3, "the routers' expert bias (e_score_correction_bias) stays "
                                                         "as the checkpoint has it, as with rate 0", warn=True),
+    "moe-enable-deepep": Flag("mapped", False, "megatron-core's all-to-all token dispatcher: DeepEP is not in the "
+                                               "trainer's image; the experts and their routing are the same, the "
+                                               "dispatch slower across nodes", warn=True, bare=True),
+    "make-vocab-size-divisible-by": Flag("mapped", 128, "the megatron backend pads the vocab to a multiple of 128 × "
+                                                        "the TP size; padding rows are never sampled and are dropped "
+                                                        "from HF exports, so the multiple changes nothing trained",
+                                         warn=True),
     "spec": Flag("mapped", None, "the megatron backend builds the layer spec from the HF config's model_type",
                  warn=True, nargs=True),
 }

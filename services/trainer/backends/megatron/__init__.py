@@ -27,7 +27,7 @@ def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: 
         raise InvalidArgument(f"train_backend megatron: {world.world_size} trainer ranks are not a multiple of "
                               f"tensor_model_parallel_size × pipeline_model_parallel_size "
                               f"({layout.model_parallel_size})")
-    per_stage = world.world_size // layout.pipeline_model_parallel_size  # experts are not split by TP (expert TP 1)
+    per_stage = world.world_size // layout.pipeline_model_parallel_size  # experts over the TP and DP ranks
     if per_stage % layout.expert_model_parallel_size:
         raise InvalidArgument(f"train_backend megatron: expert_model_parallel_size {layout.expert_model_parallel_size} "
                               f"must divide the {per_stage} tensor- and data-parallel ranks of a pipeline stage")
@@ -36,4 +36,5 @@ def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: 
                            use_distributed_optimizer=layout.use_distributed_optimizer, megatron_args=layout.megatron,
                            num_threads=num_threads, world=world,
                            expert_model_parallel_size=layout.expert_model_parallel_size,
+                           expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
                            context_parallel_size=layout.context_parallel_size)

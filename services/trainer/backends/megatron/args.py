@@ -21,10 +21,13 @@ OWNED: dict[str, str] = {
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
         "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
         "add_qkv_bias", "qk_layernorm", "rotary_base", "rope_scaling", "rope_scaling_factor", "num_moe_experts",
-        "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax")},
+        "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_score_function",
+        "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+        "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_layer_freq", "rotary_percent",
+        "multi_latent_attention")},
     **{name: f"is the job spec's own key: set `{name}` at the top level" for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-        "use_distributed_optimizer", "lr", "min_lr",
+        "expert_tensor_parallel_size", "use_distributed_optimizer", "lr", "min_lr",
         "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")},
     "pipeline_model_parallel_layout": "is not supported: set num_layers_in_first_pipeline_stage and/or "
                                       "num_layers_in_last_pipeline_stage (slime: --decoder-first-pipeline-num-layers, "

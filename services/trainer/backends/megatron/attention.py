@@ -18,6 +18,12 @@ from services.trainer.batching.varlen import varlen_causal_attention
 
 
 class SDPAttention(DotProductAttention):
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+        """k_channels, v_channels: multi-latent attention's query/key and value head sizes, which differ
+        (megatron-core's own local attention refuses them); the kernels take them from the tensors, the config's
+        kv_channels being the value head size for Megatron's own path."""
+        super().__init__(*args, **kwargs)
+
     def _megatron_only(self) -> bool:
         config = self.config
         return (config.apply_query_key_layer_scaling or config.window_size is not None

@@ -61,7 +61,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
                  megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None,
-                 expert_model_parallel_size: int = 1, context_parallel_size: int = 1, pack_sequences: bool = True,
+                 expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1,
+                 context_parallel_size: int = 1, pack_sequences: bool = True,
                  min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
@@ -81,7 +82,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.arch = ModelArch.from_hf_config(hf_config)
         stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
         self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers)
-        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep, stage_layers=stage_layers)
+        self.etp_size = expert_tensor_parallel_size
+        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep, etp_size=self.etp_size,
+                                 stage_layers=stage_layers)
         if config.replays_routing and not self.arch.num_experts:
             raise InvalidArgument("routing replay on train_backend megatron: the model has no MoE layers")
         layout = {"tp_size": tp, "sequence_parallel": bool(self.megatron_args.transformer.get("sequence_parallel"))}
@@ -93,12 +96,15 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
         if context_parallel_size > 1 and (problem := _context_parallel_problem(config)):
             raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
-        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep, cp_size=context_parallel_size)
+        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep, cp_size=context_parallel_size,
+                               etp_size=self.etp_size)
         self.cp_size, self.cp_rank = context_parallel_size, ps.get_context_parallel_rank()
         self.cp_group = ps.get_context_parallel_group() if context_parallel_size > 1 else None
         self.dp_cp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # one rank of a CP group sends weights
         self._cp_row: megatron_cp.CPRow | None = None  # the micro-batch whose loss is computed next (CP > 1)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
+        self.etp_group = ps.get_expert_tensor_parallel_group() if self.etp_size > 1 else None
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
         self.expert_dp_rank = ps.get_expert_data_parallel_rank() if ep > 1 else 0
         self.tp_size, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
@@ -452,12 +458,13 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
     def _count_experts_tokens_once(self, gpt) -> None:
         """Without sequence parallelism every TP rank holds all of its replica's tokens, and under expert parallelism
-        each sends them all to the experts' ranks: an expert's gradient, reduced over those ranks, holds each token
-        tp_size times. Divide it back (experts on every rank, EP 1, see only their own rank's tokens)."""
-        if self.tp_size == 1 or self.ep_size == 1 or self.gpt.config.sequence_parallel:
+        (or expert tensor parallelism) each sends them all to the experts' ranks: an expert's gradient, reduced over
+        those ranks, holds each token tp_size times. Divide it back (whole experts on every rank, EP 1 and expert TP
+        1, see only their own rank's tokens)."""
+        if self.tp_size == 1 or (self.ep_size == 1 and self.etp_size == 1) or self.gpt.config.sequence_parallel:
             return
-        for param in gpt.parameters():
-            if param.requires_grad and not getattr(param, "allreduce", True):  # megatron-core's expert-parallel mark
+        for name, param in gpt.named_parameters():
+            if param.requires_grad and ".mlp.experts." in name:  # the routed experts (not the shared ones)
                 param.main_grad.div_(self.tp_size)
 
     def _optimizer_step(self, model, optimizer, num_steps: int, rows: list[int]) -> tuple[float, float]:

@@ -34,7 +34,8 @@ def has_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1, cp_size: int = 1) -> None:
+def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1, cp_size: int = 1,
+                     etp_size: int = 1) -> None:
     """Join the default process group (torchrun's env, or a world of one) and cut it into Megatron's TP, PP, EP and
     DP groups (order tp-cp-ep-dp-pp: global rank 0 is TP, PP and DP rank 0; expert-parallel ranks are carved out of
     the tensor- and data-parallel ones: experts are never split by tensor parallelism, expert TP 1). Seeds the
@@ -59,7 +60,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1,
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                              pipeline_model_parallel_size=pp_size, context_parallel_size=cp_size,
-                                             expert_model_parallel_size=ep_size, expert_tensor_parallel_size=1,
+                                             expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size,
                                              distributed_timeout_minutes=int(DIST_TIMEOUT.total_seconds() // 60))
     model_parallel_cuda_manual_seed(seed)
 
@@ -78,21 +79,27 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
                        overrides: dict | None = None):
     """The TransformerConfig of `arch`: RMSNorm, SwiGLU, GQA, RoPE, optional QKV bias and q/k norms, no dropout,
     MoE layers when it has experts; then the `megatron:` section's TransformerConfig fields (`args.split`)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     on_gpu = torch.cuda.is_available()
-    return args.build(TransformerConfig, "TransformerConfig", dict(
+    mla = {}
+    if arch.mla is not None:  # multi-latent attention: its own config class (deepseek_v3.py's fields)
+        from services.trainer.models import deepseek_v3
+
+        mla = deepseek_v3.config_fields(arch)
+    return args.build(MLATransformerConfig if mla else TransformerConfig, "TransformerConfig", dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
         kv_channels=arch.head_dim, normalization="RMSNorm", layernorm_epsilon=arch.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16, variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # dense model; the default rejects variable_seq_lengths
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **moe_fields(arch)),
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **moe_fields(arch),
+        rotary_interleaved=arch.rotary_interleaved, **{**mla, "qk_layernorm": arch.qk_layernorm or bool(mla)}),
         overrides or {})
 
 
@@ -104,11 +111,25 @@ def moe_fields(arch: ModelArch) -> dict:
         return {}
     from megatron.core import parallel_state
 
-    return dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_router_topk,
-                moe_ffn_hidden_size=arch.moe_ffn_hidden_size, moe_router_pre_softmax=arch.moe_router_pre_softmax,
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-                moe_grouped_gemm=False, moe_permute_fusion=False,
-                expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+    fields = dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_router_topk,
+                  moe_ffn_hidden_size=arch.moe_ffn_hidden_size, moe_router_pre_softmax=arch.moe_router_pre_softmax,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
+                  moe_grouped_gemm=False, moe_permute_fusion=False,
+                  moe_router_score_function=arch.moe_router_score_function,
+                  expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                  expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
+    if arch.moe_router_expert_bias:  # the bias stays the checkpoint's (slime's --moe-router-bias-update-rate 0)
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if arch.moe_router_num_groups:
+        fields.update(moe_router_num_groups=arch.moe_router_num_groups,
+                      moe_router_group_topk=arch.moe_router_group_topk)
+    if arch.moe_router_topk_scaling_factor:
+        fields.update(moe_router_topk_scaling_factor=arch.moe_router_topk_scaling_factor)
+    if arch.moe_shared_expert_intermediate_size:
+        fields.update(moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size)
+    if arch.moe_layers is not None:
+        fields.update(moe_layer_freq=[int(moe) for moe in arch.moe_layers])
+    return fields
 
 
 def router_fields(arch: ModelArch, train: TrainConfig) -> dict:
@@ -137,7 +158,30 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
     from services.trainer.backends.megatron.norm import SequenceParallelRMSNorm
 
     experts = arch.num_experts or None
-    if use_te:
+    if arch.post_norms:  # GLM-4: a norm after attention's and the MLP's output projections
+        from services.trainer.backends.megatron.post_norm import PostNormRowParallelLinear
+
+        if use_te:
+            raise InvalidArgument("megatron backend: GLM-4's post-attention and post-MLP norms are built on the local "
+                                  "spec only (Transformer Engine is installed)")
+        spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        spec.submodules.self_attention.submodules.linear_proj = PostNormRowParallelLinear
+        spec.submodules.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
+        spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=False)
+    elif arch.mla is not None or arch.moe_layers is not None:  # layers of two kinds, or multi-latent attention
+        block = _decoder_block(config, use_te=use_te)
+        spec = block if use_te else _with_local_modules(block, SDPAttention, SequenceParallelRMSNorm)
+        if arch.mla is not None and not use_te:
+            from services.trainer.backends.megatron.mla import LatentRMSNorm
+
+            for layer_spec in spec.layer_specs:
+                attn = layer_spec.submodules.self_attention.submodules
+                attn.q_layernorm = attn.kv_layernorm = LatentRMSNorm
+    elif use_te:
+        if arch.projection_qk_norm:
+            raise InvalidArgument("megatron backend: MiniMax-M2's whole-projection q/k norms are built on the local "
+                                  "spec only (Transformer Engine is installed)")
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
@@ -145,6 +189,11 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         spec.submodules.self_attention.submodules.core_attention = CPAttention \
             if config.context_parallel_size > 1 else SDPAttention
         spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=arch.qk_layernorm)
+        if arch.projection_qk_norm:  # MiniMax-M2: one norm over every head of the q (k) projection
+            from services.trainer.backends.megatron.projection_norm import KProjectionRMSNorm, QProjectionRMSNorm
+
+            attn = spec.layer_specs[0].submodules.self_attention.submodules
+            attn.q_layernorm, attn.k_layernorm = QProjectionRMSNorm, KProjectionRMSNorm
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
@@ -152,9 +201,14 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=arch.rope_theta,
+            position_embedding_type="rope", rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
             rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
-    if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1:
+    if arch.mla is not None and not use_te:
+        from services.trainer.backends.megatron.mla import whole_kv_down_projections
+
+        whole_kv_down_projections(model, config)
+    if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1 and \
+            config.expert_tensor_parallel_size == 1:
         # every TP rank holds all experts whole (expert TP 1), which megatron-core still marks tensor-parallel;
         # without expert parallelism they are dense parameters, so the gradient norm would count each tp_size times.
         # Under sequence parallelism each TP rank's experts see its slice of the tokens: their gradients are summed
@@ -164,6 +218,35 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
                 param.tensor_model_parallel = False
                 param.sequence_parallel = config.sequence_parallel
     return model.cuda() if torch.cuda.is_available() else model
+
+
+def _decoder_block(config, *, use_te: bool):
+    """megatron-core's block of this stage's layers, each a dense or MoE layer as config.moe_layer_freq says, with
+    multi-latent attention when config.multi_latent_attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        # without TransformerEngine megatron-core's TE extension imports with a MagicMock in its place, which MLA
+        # takes for TransformerEngine (and then fails an isinstance check on it)
+        multi_latent_attention.HAVE_TE = False
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+
+
+def _with_local_modules(block, attention: type, norm: type):
+    """The local spec's block with `attention` as every core attention and `norm` for every RMSNorm."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    for layer_spec in {id(spec): spec for spec in block.layer_specs}.values():
+        layer = layer_spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = norm
+        attn = layer.self_attention.submodules
+        attn.core_attention = attention
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            if getattr(attn, name, IdentityOp) is not IdentityOp:
+                setattr(attn, name, norm)
+    block.layer_norm = norm
+    return block
 
 
 def _with_norm(layer_spec, norm: type, config, *, qk_layernorm: bool):
