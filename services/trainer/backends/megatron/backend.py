@@ -23,12 +23,13 @@ import torch.distributed as dist
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
+from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends import capabilities, model_families, optim, packing, rl_step, slime_hooks
 from services.trainer.backends.base import TrainConfig, load_custom_loss
 from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
 from services.trainer.backends.megatron import args as margs
-from services.trainer.backends.megatron import cpu_compat, hf_io
+from services.trainer.backends.megatron import cpu_compat, fused_head, hf_io
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.arch import ModelArch
 from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
@@ -40,7 +41,9 @@ from services.trainer.distributed import devices
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[MicroBatch, RolloutBatch, torch.Tensor], torch.Tensor]  # (rows, micro-batch, logits) -> loss
+# (rows, micro-batch, logits, head) -> loss; under the fused head (`fused_head`) the "logits" are the hidden states
+# [b, s, H] and the head the output layer's weight, else None
+LossFn = Callable[[MicroBatch, RolloutBatch, torch.Tensor, fused_head.Head | None], torch.Tensor]
 
 
 class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
@@ -191,11 +194,12 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
                 # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
                 inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
-            with routing(rows, mb) if routing else contextlib.nullcontext():  # the policy's routing replay
+            with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
+                  fused_head.hidden_states_out(module, self._fuses_head()) as head):
                 output = module(**inputs)
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
                 output = output[:, :mcore.sequence_length(mb, packed=packed)]
-            return output, functools.partial(_loss_output, loss_fn, rows, mb)
+            return output, functools.partial(_loss_output, loss_fn, rows, mb, head)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
@@ -215,10 +219,23 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def _packs(self, mb: RolloutBatch) -> bool:
         return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
 
-    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
-                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _fuses_head(self) -> bool:
+        """Whether forwards stop at the hidden states, for the fused log-probs (not for a custom loss, which takes
+        the logits)."""
+        return self.config.log_probs_chunk_size > 0 and self.config.loss_type != "custom_loss"
+
+    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *, with_entropy: bool = True,
+                     head: fused_head.Head | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature, from vocab-parallel
-        logits, padded [b, L, V/tp] or packed [1, T, V/tp]."""
+        logits, padded [b, L, V/tp] or packed [1, T, V/tp], or with the head from the hidden states it projects."""
+        if head is not None:
+            cfg, rows = self.config, head.weight.shape[0]
+            log_probs, entropy = fused_log_probs_and_entropy(
+                packing.gather_response(logits, mb), head.weight, mb.response_tokens.to(logits.device),
+                temperature=cfg.rollout_temperature, with_entropy=with_entropy, entropy_grad=cfg.entropy_coef != 0,
+                chunk_size=cfg.log_probs_chunk_size, vocab_size=self.arch.vocab_size, vocab_start=self.tp_rank * rows,
+                group=self.tp_group if self.tp_size > 1 else None)
+            return log_probs, entropy
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             packing.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
             temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -232,8 +249,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         with the experts the policy routes this rank's rows to."""
         out = torch.zeros_like(batch.loss_masks)
 
-        def store(rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
-            log_probs, _ = self._token_stats(logits, mb, with_entropy=False)
+        def store(rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor, head) -> torch.Tensor:
+            log_probs, _ = self._token_stats(logits, mb, with_entropy=False, head=head)
             out[rows, :log_probs.shape[1]] = log_probs.cpu()
             return log_probs.sum() * 0.0
 
@@ -297,11 +314,13 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self._weight_version += 1
         return metrics
 
-    def _micro_batch_loss(self, mb: RolloutBatch, logits: torch.Tensor,
-                          reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """rl_step's loss of a micro-batch from vocab-parallel logits (custom_loss gets them gathered over TP)."""
+    def _micro_batch_loss(self, mb: RolloutBatch, logits: torch.Tensor, reduce: Reducer,
+                          head: fused_head.Head | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """rl_step's loss of a micro-batch from vocab-parallel logits (custom_loss gets them gathered over TP), or
+        the hidden states and the head."""
         return rl_step.micro_batch_loss(self.config, mb, logits=logits, reduce=reduce,
-                                        custom_loss_fn=self.custom_loss, token_stats=self._token_stats,
+                                        custom_loss_fn=self.custom_loss,
+                                        token_stats=functools.partial(self._token_stats, head=head),
                                         full_logits=self._full_logits)
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -321,9 +340,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         scale = len(micro_batches) * self.dp_size
         totals: dict[str, torch.Tensor] = {}
 
-        def step_loss(mb_rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
+        def step_loss(mb_rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor, head) -> torch.Tensor:
             reduce = rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows].to(self.device), normalizer)
-            loss, metrics = self._micro_batch_loss(mb, logits, reduce)
+            loss, metrics = self._micro_batch_loss(mb, logits, reduce, head)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().double().cpu()
             return loss * scale
@@ -390,6 +409,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor):
+def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, head: fused_head.Head | None,
+                 logits: torch.Tensor):
     """Megatron's loss_func contract: (loss, reported); the schedule divides the loss by num_microbatches."""
-    return loss_fn(rows, mb, logits), {}
+    return loss_fn(rows, mb, logits, head), {}
