@@ -49,7 +49,8 @@ class _FusedLogProbs(torch.autograd.Function):
             exp = z.exp()
             sums = [exp.sum(dim=-1), picked - peak * in_range[start:end]]
             if with_entropy:
-                sums.append((exp * z).sum(dim=-1))  # Σ e^(z-m)·(z-m)
+                # Σ e^(z-m)·(z-m) as a row-wise dot product: no third [chunk × vocab] tensor
+                sums.append(torch.matmul(exp.unsqueeze(-2), z.unsqueeze(-1)).view(-1))
             sums = torch.stack(sums)
             if group is not None:
                 dist.all_reduce(sums, group=group)
@@ -121,8 +122,8 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     slices (their statistics are all-reduced; each rank gets the gradient of its own slice, and the gradient of
     `hidden` from its slice alone: the caller sums it over the group, as Megatron's output layer does). targets:
     [...] global token ids. compute_dtype: the projection's (default: autocast's where it is on, as the unfused
-    nn.Linear would run, else the inputs'); the softmax is float32. Returns (log_probs, entropy or None), [...] float32; entropy_grad False: the entropy is a
-    metric only, detached.
+    nn.Linear would run, else the inputs'); the softmax is float32. Returns (log_probs, entropy or None), [...]
+    float32; entropy_grad False: the entropy is a metric only, detached.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
