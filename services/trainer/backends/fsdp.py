@@ -27,6 +27,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.backends import (
+    compiled_layers,
     context_parallel,
     cp_attention,
     fused_head,
@@ -97,6 +98,9 @@ class TorchBackend(TorchStateDicts):
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
         self._router = moe_loss.router_kind(model) if config.moe_aux_loss else None
+        if config.compile_layers:
+            for compiled in (model, ref_model, teacher):
+                compiled_layers.compile_layers(parallel.decoder_layers(compiled) if compiled is not None else [])
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
             frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))

@@ -104,6 +104,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
             else None
         slime_hooks.load_all(config)
+        if config.compile_layers:
+            log.warning("compile_layers: the megatron backend runs its layers eagerly (compiled layers are the fsdp "
+                        "backend's)")
 
         hf = hf_io.HFTensors(self.model_path)
         gpt = self._build_gpt()
