@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from services.common.samples import Sample
-from services.trainer.backends import compiled_layers
-from services.trainer.backends.base import TrainConfig
+from services.trainer.backends.fsdp import compiled_layers
+from services.trainer.settings.train import TrainConfig
 from services.trainer.backends.fsdp import TorchBackend
 from tests.tiny_samples import samples_of
 

@@ -11,10 +11,10 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec, parse_spec
-from services.trainer.slime import args as slime_args
-from services.trainer.slime import argv as slime_argv
-from services.trainer.slime import flags as slime_flags
-from services.trainer.slime import megatron_flags
+from services.trainer.slime_flags import args as slime_args
+from services.trainer.slime_flags import argv as slime_argv
+from services.trainer.slime_flags import flags as slime_flags
+from services.trainer.slime_flags import megatron_flags
 
 DATA = Path(__file__).parent.parent / "data"
 SLIME_FLAGS = json.loads((DATA / "slime_flags.json").read_text())
@@ -285,3 +285,22 @@ def test_megatrons_checkpoint_flags_pick_the_iteration_or_say_why_not():
     refused = slime_args.convert("--finetune --no-load-optim --no-load-rng", spec_keys=SPEC_KEYS).refused
     assert [line.split(":")[0] for line in refused] == ["--finetune", "--no-load-optim", "--no-load-rng"]
     assert all("load an HF export (save_hf)" in line for line in refused)
+
+
+def test_num_epoch_counts_parquet_rows_and_a_row_slice(tmp_path):
+    """slime counts the dataset's rows whatever its format: a Parquet file's rows, and a `path@[start:end]` slice's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": str(i)}]} for i in range(11)]), data)
+    argv = ["--prompt-data", str(data), "--rollout-batch-size", "2", "--num-epoch", "3"]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 15 and conv.refused == []  # 3 × (11 // 2)
+    argv[1] = f"{data}@[1:-2]"  # rows 1..8: 8 rows
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 12 and conv.refused == []
+    argv[1] = str(tmp_path / "rows.csv")
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == ["--num-epoch 3: cannot count the prompts (needs a .jsonl or .parquet prompt_data, got "
+                            "'.csv'); give num_rollout"]

@@ -22,8 +22,8 @@ from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.trainer.api import preflight
 from services.trainer.api.spec import parse_spec
-from services.trainer.slime import flags as slime_flags
-from services.trainer.slime import megatron_flags
+from services.trainer.slime_flags import flags as slime_flags
+from services.trainer.slime_flags import megatron_flags
 
 HERE = Path(__file__).resolve().parents[1]
 EXAMPLES = json.loads((HERE / "slime_examples" / "launch_args.json").read_text())
@@ -50,6 +50,8 @@ HF_CONFIGS = {
                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
                      "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                              "weight_block_size": [128, 128]}},
+    "Qwen3-4B-Base": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True},
     "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
                  "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": False},
     "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -78,7 +80,8 @@ PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
 CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
-PLUGIN_MODULES = "generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent"
+PLUGIN_MODULES = ("generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent,"
+                  "tests.slime_compat")
 
 
 def materialize(argv: list[str], root: Path) -> list[str]:
@@ -91,6 +94,7 @@ def materialize(argv: list[str], root: Path) -> list[str]:
     data = Path(given["--prompt-data"])
     data.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    rows *= max(1, int(given.get("--rollout-batch-size", 1)) // len(rows))  # --num-epoch counts at least a rollout
     if data.suffix == ".parquet":
         pq.write_table(pa.Table.from_pylist(rows), data)
     else:
@@ -252,7 +256,7 @@ def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
 @pytest.mark.parametrize("script", sorted(DENSE))
 def test_the_dense_scripts_are_refused_only_for_listed_features(script):
     from services.trainer.api.spec import JobSpec
-    from services.trainer.slime import args as slime_args
+    from services.trainer.slime_flags import args as slime_args
 
     conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     assert conv.unknown == []
@@ -277,7 +281,7 @@ def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_conf
 
     from services.trainer.api.spec import JobSpec
     from services.trainer.backends.megatron import args as megatron_args
-    from services.trainer.slime import args as slime_args
+    from services.trainer.slime_flags import args as slime_args
 
     conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     split = megatron_args.split(conv.megatron)
@@ -307,7 +311,7 @@ def test_the_fp8_script_is_refused_at_submit_for_its_fp8_checkpoint(tmp_path):
 
 def test_fp8_training_flags_are_refused_naming_the_reason():
     from services.trainer.api.spec import JobSpec
-    from services.trainer.slime import args as slime_args
+    from services.trainer.slime_flags import args as slime_args
 
     argv = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
     conv = slime_args.convert(argv, spec_keys=set(JobSpec.model_fields), check_architecture=False)
@@ -338,3 +342,26 @@ def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):
             kept.append(token)
     spec = submit([*kept, "--tensor-model-parallel-size", "1"])
     assert (spec.train_backend, spec.mode, spec.megatron) == ("fsdp", "fully_async", {})
+
+
+def test_the_base_sft_script_counts_its_parquet_epochs(tmp_path):
+    """run-qwen3-4B-base-sft.sh: slime's sft_rollout is sft_loss; --num-epoch 3 over its Parquet rows (made 128 here,
+    one rollout's worth) is 3 rollouts; --debug-train-only and --ref-load (its start weights, no KL) are dropped with
+    a note each."""
+    spec = submit(materialize(EXAMPLES["sft_qwen3_4B_base"]["argv"], tmp_path))
+    assert (spec.loss_type, spec.num_rollout, spec.rollout_batch_size) == ("sft_loss", 3, 128)
+    assert spec.prompt_data.endswith("openhermes2_5.parquet")
+    assert "--num-epoch 3: num_rollout 3 (128 prompts, 128 per rollout)" in spec.slime_notes
+    assert not spec.driver.debug_train_only and not spec.driver.ref_load
+
+
+def test_the_eval_function_case_names_its_function_and_keeps_the_eval_config(tmp_path):
+    """eval_multi_task with --eval-function-path: the function is the job's eval (checked at submit), each dataset's
+    settings stay (they reach the service's eval the function delegates to)."""
+    spec = submit(materialize(EXAMPLES["eval_function"]["argv"], tmp_path))
+    assert spec.rollout.eval_function_path == "tests.slime_compat.plugins.eval_with_slimes_default"
+    assert spec.eval_dataset_settings["aime"]["n_samples_per_eval_prompt"] == 16
+    assert preflight.check_plugins(spec) == []
+    argv = [*EXAMPLES["eval_function"]["argv"][:-1], "tests.slime_compat.plugins.no_such_function"]
+    problems = preflight.check_plugins(parse_spec({"slime_args": materialize(argv, tmp_path / "missing")}))
+    assert len(problems) == 1 and problems[0].startswith("eval_function_path: "), problems

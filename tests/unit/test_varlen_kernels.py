@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.trainer.backends import varlen
+from services.trainer.batching import varlen
 
 CU_SEQLENS = [0, 37, 130, 131, 200]  # uneven sequences, one of a single token, none a multiple of a block
 

@@ -114,6 +114,12 @@ class RolloutConfig:
         "", "import path of slime's def buffer_filter(args, rollout_id, buffer, num_samples) -> groups: which "
             "groups given back to the data source (add_samples) get_samples takes, removing them from `buffer` "
             "(empty: slime's pop_first); like data_source_path, it makes the rollout a rollout function's")
+    eval_function_path: str = field(
+        "", "import path of slime's eval function, generate_rollout(args, rollout_id, data_source, evaluation=True) "
+            "-> RolloutFnEvalOutput (or its data dict): at each eval the rollout service runs it in a worker thread "
+            "(empty: rollout_function_path's, as slime defaults it, else the service's own eval); its data's "
+            "{dataset: {rewards, truncated}} become eval/<dataset> (mean reward), -truncated_ratio and -pass@k (by "
+            "the dataset's n_samples_per_eval_prompt), its numeric metrics join them")
 
     def __post_init__(self) -> None:
         if not self.job_id:

@@ -102,6 +102,7 @@ class GenerateContext:
     batch_groups: bool = False  # a group's fresh samples go out as one /generate (default generate function only)
     # opens an agent-gateway session for a sample of this rollout: (session_id, sampling_params, key) -> Session
     open_session: Callable[..., Any] | None = None
+    scorer: Any = None  # the rollout's reward-service scorer (scoring.ServiceScorer), for slime's rm_hub.async_rm
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
@@ -209,6 +210,11 @@ async def stream_generate(ctx: GenerateContext, what: str, payload: dict[str, An
 def current_context() -> GenerateContext:
     """The rollout's GenerateContext bound to the calling task (a generate function's)."""
     return _context()
+
+
+def bound_context() -> GenerateContext | None:
+    """The rollout's GenerateContext bound to the calling task, or None outside a rollout."""
+    return _CONTEXT.get(None)
 
 
 def _context() -> GenerateContext:

@@ -83,9 +83,10 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
     ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
+    ctx.scorer = ServiceScorer(reward, config)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,
-                      scorer=ServiceScorer(reward, config))
+                      scorer=ctx.scorer)
 
 
 async def rate_group(gen: Generation, samples: list[Sample], what: str) -> None:

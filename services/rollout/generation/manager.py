@@ -24,7 +24,7 @@ from services.rollout.client import RolloutState, RolloutStatus
 from services.rollout.generation import engine_weights, filters, rollout_function
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus
-from services.rollout.generation.evaluation import run_eval
+from services.rollout.generation.evaluation import eval_groups, run_eval
 from services.rollout.generation.generate import STICKY_POLICIES
 from services.rollout.generation.groups import (
     Generation,
@@ -377,13 +377,26 @@ class RolloutManager:
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             gens = {name: self._generation(config.for_eval_dataset(name), rollout_id, evaluation=True)
                     for name in config.eval_datasets}
-            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, gens, rollout_id),
-                                                           name=f"eval at rollout {rollout_id} of job {config.job_id}")
+            body = self._function_eval(config, gens, rollout_id) if (
+                config.eval_function_path or config.rollout_function_path) else run_eval(self.buffer, gens,
+                                                                                          rollout_id)
+            task = asyncio.get_running_loop().create_task(body, name=f"eval at rollout {rollout_id} of job "
+                                                                     f"{config.job_id}")
             self.evals[key] = task
             for old in list(self.evals)[: max(0, len(self.evals) - MAX_FINISHED_RUNS)]:
                 if self.evals[old].done():
                     del self.evals[old]
         return await asyncio.shield(task)
+
+    async def _function_eval(self, config: RolloutConfig, gens: dict[str, Generation],
+                             rollout_id: int) -> dict[str, float]:
+        """slime's eval function (eval_function_path, else the rollout function) on the job's data source."""
+        source = rollout_function.job_source(self.sources, config, self.buffer, self._encoder(config))
+        metrics = await rollout_function.evaluate(
+            source, self._generation(config, rollout_id, evaluation=True), gens, rollout_id, self.aborter,
+            lambda: eval_groups(self.buffer, gens, rollout_id))
+        log.info("eval at rollout %d of job %s (eval function): %s", rollout_id, config.job_id, metrics)
+        return metrics
 
     async def close(self) -> None:
         """Cancel the running rollouts and evals; rollouts give their leased prompts back as they stop."""

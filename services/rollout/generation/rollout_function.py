@@ -29,6 +29,7 @@ from services.common.settings.rollout import RolloutConfig
 from services.rollout.generation import data_source
 from services.rollout.generation.data_source import JobPrompts
 from services.rollout.generation.drain import EngineAborter
+from services.rollout.generation.evaluation import function_eval_metrics
 from services.rollout.generation.generate import LOG_PROB_SETTINGS, use_context
 from services.rollout.generation.groups import Generation, rate_group
 from services.rollout.generation.prompts import PromptEncoder
@@ -60,6 +61,8 @@ class FunctionRun:
     aborter: EngineAborter
     dropped: list[list[Sample]] = field(default_factory=list)  # groups the dynamic filter dropped
     drops: collections.Counter[str] = field(default_factory=collections.Counter)  # by drop_metric(reason)
+    # in an eval: the service's own eval of the job's eval datasets, {name: groups} (slime's default eval_rollout)
+    eval_groups: Callable[[], Awaitable[dict[str, list[list[Sample]]]]] | None = None
 
 
 _RUN: contextvars.ContextVar[FunctionRun | None] = contextvars.ContextVar("physarum_function_run", default=None)
@@ -225,14 +228,38 @@ async def rate_once(gen: Generation, group: list[Sample], what: str) -> None:
         setattr(sample, RATED_ATTR, True)
 
 
-def _call(fn: Callable[..., Any], args: Any, rollout_id: int, source: JobSource) -> Any:
-    """In the worker thread: build the job's data source at its first rollout (loading its state as slime does at
+def _call(fn: Callable[..., Any], args: Any, rollout_id: int, source: JobSource, evaluation: bool = False) -> Any:
+    """In the worker thread: build the job's data source at its first use (loading its state as slime does at
     start: load(rollout_id - 1)), then call the function as slime's call_rollout_fn does."""
     if source.data_source is None:
         cls = load_data_source_class(source.prompts.config.data_source_path)
         source.data_source = cls(args)
         source.data_source.load(rollout_id - 1)
-    return fn(args, rollout_id, source.data_source, evaluation=False)
+    return fn(args, rollout_id, source.data_source, evaluation=evaluation)
+
+
+async def evaluate(source: JobSource, gen: Generation, gens: dict[str, Generation], rollout_id: int,
+                   aborter: EngineAborter, eval_groups: Callable[[], Awaitable[dict[str, list[list[Sample]]]]],
+                   ) -> dict[str, float]:
+    """slime's eval through a function: eval_function_path (else rollout_function_path) called with
+    evaluation=True on the job's data source, in a worker thread; its RolloutFnEvalOutput (or the data dict a
+    legacy function returns) becomes the eval/* metrics. `gen` is the eval's generation (the job's eval sampling),
+    `gens` each eval dataset's, whose samples per prompt group the rewards for pass@k."""
+    config = gen.config
+    path = config.eval_function_path or config.rollout_function_path
+    fn = load_rollout_function(path)
+    if not getattr(gen.args, "job_id", ""):
+        gen.args.job_id = config.job_id
+    use_context(gen.ctx)
+    _RUN.set(FunctionRun(gen=gen, loop=asyncio.get_running_loop(), aborter=aborter, eval_groups=eval_groups))
+    async with source.lock:  # the data source is built once, and used by one call at a time
+        output = await asyncio.to_thread(_call, fn, gen.args, rollout_id, source, True)
+    data = getattr(output, "data", output)
+    if not isinstance(data, dict) or hasattr(output, "samples"):
+        raise InvalidArgument(f"eval function {path}: returned {type(output).__name__} for evaluation=True; expected "
+                              "RolloutFnEvalOutput(data={dataset: {rewards, truncated, samples}}) or that dict")
+    return function_eval_metrics(data, getattr(output, "metrics", None),
+                                 {name: g.n_samples for name, g in gens.items()})
 
 
 def _finish(group: list[Sample], weight_version: str, job_args: dict[str, Any], what: str) -> None:
