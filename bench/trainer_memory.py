@@ -68,9 +68,9 @@ def available_bytes(device: str) -> int:
 def one_run(model_dir: str, device: str, response_tokens: int, fused: bool, vocab: int) -> int:
     """Peak bytes of one training step (this process)."""
     from services.common.samples import Sample
-    from services.trainer.settings.train import TrainConfig
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
     from services.trainer.distributed.parallel import World
+    from services.trainer.settings.train import TrainConfig
 
     num = response_tokens // RESPONSE
     gen = torch.Generator().manual_seed(0)

@@ -8,8 +8,8 @@ import torch
 
 from services.common.samples import Sample
 from services.trainer.backends.fsdp import compiled_layers
+from services.trainer.backends.fsdp.backend import TorchBackend
 from services.trainer.settings.train import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
 from tests.tiny_samples import samples_of
 
 ROLLOUTS = [[("1+2=", "3", 1.0), ("1+2=", "4", 0.0), ("12+34=", "46", 0.0), ("12+34=", "55", 1.0)],
