@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,56 +112,36 @@ class EncodedGroup:
     num_tokens: int = 0  # over its samples: what a rollout's shares are balanced by (services.common.shares)
 
 
-def encode_group(group: SampleGroup) -> EncodedGroup:
+def encode_group(group: SampleGroup, encoded_samples: Sequence[sample_pb2.Sample | None] = ()) -> EncodedGroup:
+    """The group in its wire form. `encoded_samples` holds, beside each sample, its proto when it was converted
+    already (for the reward service, with its reward set since): the group is built from those, not converted again."""
+    encoded = list(encoded_samples) or [None] * len(group.samples)
+    if len(encoded) != len(group.samples):
+        raise ValueError(f"group {group.group_id}: {len(encoded)} encoded samples for {len(group.samples)} samples")
+    msg = sample_pb2.SampleGroup(group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
+                                 prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id)
+    # extend, not the constructor's samples=: half the time for a group of small samples
+    msg.samples.extend(m or sample_to_proto(sample) for sample, m in zip(group.samples, encoded, strict=True))
     return EncodedGroup(group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch,
-                        group.lease_id, weight_version_range(group.samples), group_to_proto(group).SerializeToString(),
+                        group.lease_id, weight_version_range(group.samples), msg.SerializeToString(),
                         sum(len(s.tokens) for s in group.samples))
 
 
 def encoded_group_from_proto(msg: sample_pb2.SampleGroup) -> EncodedGroup:
-    return _encoded(msg, msg.SerializeToString())
-
-
-def encoded_group_from_payload(payload: bytes) -> EncodedGroup:
-    """A serialized SampleGroup indexed as it is: parsed once (a payload that is no SampleGroup raises DecodeError),
-    never serialized again."""
-    return _encoded(sample_pb2.SampleGroup.FromString(payload), payload)
-
-
-def _encoded(msg: sample_pb2.SampleGroup, payload: bytes) -> EncodedGroup:
+    """A SampleGroup message in its wire form, indexed by what it holds."""
     return EncodedGroup(msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id,
-                        _version_range(v for s in msg.samples for v in s.weight_versions), payload,
+                        _version_range(v for s in msg.samples for v in s.weight_versions), msg.SerializeToString(),
                         sum(len(s.tokens) for s in msg.samples))
 
 
-_GROUP_ID_TAG = b"\x0a"  # SampleGroup.group_id: field 1, length-delimited
-_ROLLOUT_ID_TAG = b"\x18"  # SampleGroup.rollout_id: field 3, varint
-
-
-def _varint(value: int) -> bytes:
-    value, out = value & 0xFFFF_FFFF_FFFF_FFFF, bytearray()  # int64: a negative value takes ten bytes
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def group_id_field(group_id: str) -> bytes:
-    """How a serialized SampleGroup starts (fields go out in number order): its group_id field."""
-    encoded = group_id.encode()
-    return _GROUP_ID_TAG + _varint(len(encoded)) + encoded
-
-
-def group_payload_as_rollout(payload: bytes, rollout_id: int) -> bytes:
-    """A stored group's bytes, as assigned to `rollout_id` (a stream group is stored as written, rollout -2): a
-    scalar field repeated later on the wire wins when parsed, so appending it replaces the stored one unparsed."""
-    return payload + _ROLLOUT_ID_TAG + _varint(rollout_id)
-
-
-def group_payload_to_proto(payload: bytes, rollout_id: int) -> sample_pb2.SampleGroup:
-    """A stored group's proto, as assigned to `rollout_id`."""
-    return sample_pb2.SampleGroup.FromString(group_payload_as_rollout(payload, rollout_id))
+def set_reward_fields(msg: sample_pb2.Sample, sample: Sample) -> None:
+    """Carry what scoring sets on a sample (reward, reward_scores, reward_error) over to its proto."""
+    msg.reward = sample.reward
+    if msg.reward_scores or sample.reward_scores:  # most samples have none: a map's clear and update cost more
+        msg.reward_scores.clear()
+        msg.reward_scores.update(sample.reward_scores)
+    if msg.reward_error != sample.reward_error:
+        msg.reward_error = sample.reward_error
 
 
 def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:

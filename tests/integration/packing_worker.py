@@ -73,8 +73,8 @@ def megatron_probe(model_dir: Path, config, samples: list[Sample], packed: bool)
     micro = backend._micro_batches(batch, list(range(batch.size)))
     stats = torch.zeros(2, *batch.loss_masks.shape)
 
-    def store(rows, mb, logits, head):
-        log_probs, entropy = backend._token_stats(logits, mb, head=head)
+    def store(rows, mb, logits):
+        log_probs, entropy = backend._token_stats(logits, mb)
         stats[0, rows, :log_probs.shape[1]] = log_probs.cpu()
         stats[1, rows, :entropy.shape[1]] = entropy.cpu()
         return log_probs.sum() * 0.0

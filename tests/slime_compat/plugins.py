@@ -1,14 +1,19 @@
 """Plugins written the way slime's docs and examples write them, with slime's imports only: a rollout function on
-generate_and_rm and call_dynamic_filter, a generate function that scores its sample with async_rm, a filter."""
+generate_and_rm and call_dynamic_filter, a generate function that scores its sample with async_rm, a filter, a data
+source that makes its own prompts."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.data_source import DataSource
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter
 from slime.rollout.rm_hub import async_rm
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_and_rm
+from slime.rollout.sglang_rollout import generate_rollout as generate_rollout_default
 from slime.utils.async_utils import run
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -144,3 +149,51 @@ def rollout_with_fan_out(args, rollout_id, data_source, evaluation=False):
         return [sample for output in outputs for sample in output]
 
     return [run(one_group(group)) for group in groups]  # a legacy plain list of groups
+
+
+class CountingPrompts(DataSource):
+    """A data source that makes its own prompts, as slime's DataSource interface allows: question k is "k+k=",
+    labelled 2k, tagged with the instance that made it. Its position (the next k) is its state, saved under
+    args.save as slime's data sources save theirs."""
+
+    made = 0  # instances made in this process: a data source built again after a restart tags its prompts anew
+
+    def __init__(self, args):
+        self.args = args
+        self.next = 0
+        CountingPrompts.made += 1
+        self.instance = CountingPrompts.made
+
+    def get_samples(self, num_samples):
+        groups = []
+        for k in range(self.next, self.next + num_samples):
+            groups.append([Sample(prompt=f"{k}+{k}=", label=str(2 * k), metadata={"made_by": self.instance})
+                           for _ in range(self.args.n_samples_per_prompt)])
+        self.next += num_samples
+        return groups
+
+    def add_samples(self, samples):
+        raise RuntimeError("CountingPrompts takes no samples back")
+
+    def save(self, rollout_id):
+        os.makedirs(self.args.save, exist_ok=True)
+        with open(os.path.join(self.args.save, f"counting_{rollout_id}.json"), "w") as out:
+            json.dump({"next": self.next}, out)
+
+    def load(self, rollout_id=None):
+        path = os.path.join(self.args.save, f"counting_{rollout_id}.json")
+        if os.path.exists(path):
+            with open(path) as state:
+                self.next = json.load(state)["next"]
+
+    def __len__(self):
+        return self.next
+
+
+def rollout_failing_at(args, rollout_id, data_source, evaluation=False):
+    """slime's default rollout function, except that at rollout args.fail_at it takes its prompts and fails (a
+    rollout cut short by a crash)."""
+    if rollout_id == args.fail_at:
+        data_source.get_samples(args.rollout_batch_size)
+        raise RuntimeError(f"rollout {rollout_id} fails on purpose")
+    return generate_rollout_default(args, rollout_id, data_source, evaluation=evaluation)

@@ -53,7 +53,6 @@ def test_unknown_key_is_named_with_a_suggestion():
     ({"max_inflight_groups": 2}, r"max_inflight_groups \(2\) must be >= rollout_batch_size \(4\)"),
     ({"mode": "one_step_async", "debug_rollout_only": True}, "mode one_step_async needs engines and a trainer"),
     ({"tensor_model_parallel_size": 2}, "need train_backend: megatron"),
-    ({"train_backend": "megatron", "advantage_estimator": "ppo"}, "set train_backend: fsdp"),
     # hostile numbers and names: each refused by name, never a crash later
     ({"loss_type": "custom_loss", "custom_loss_function_path": "os.system"},
      "custom_loss_function_path: 'os.system' is not under an allowed plugin module"),
@@ -71,6 +70,11 @@ def test_unknown_key_is_named_with_a_suggestion():
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(InvalidArgument, match=message):
         parse_spec({**BASE, **override})
+
+
+def test_ppo_trains_its_critic_on_either_backend():
+    for backend in ("fsdp", "megatron"):
+        assert parse_spec({**BASE, "train_backend": backend, "advantage_estimator": "ppo"}).train.use_critic
 
 
 def test_fully_async_sends_the_manager_a_stream_bound():

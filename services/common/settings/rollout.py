@@ -107,9 +107,12 @@ class RolloutConfig:
             "with `args` once per job in the rollout service and given to the rollout function (rollout_function_path, "
             "else slime's default generate_rollout: over-sampling, dynamic filter, partial groups given back); its "
             "base classes are slime.rollout.data_source's (empty: RolloutDataSourceWithBuffer, which leases the "
-            "job's prompts from the buffer and keeps given-back groups with their leases); as slime, the service "
-            "calls load(rollout_id - 1) when it builds it (again when the trainer resumed) and save(rollout_id) "
-            "after a rollout the trainer checkpoints (save, save_interval, the last)")
+            "job's prompts from the buffer and keeps given-back groups with their leases); a class that is not "
+            "RolloutDataSource or a subclass makes its own prompts: what its get_samples yields is stored in the "
+            "buffer at its position when the buffer runs short (in place of prompt_data's), and the rollout "
+            "function gets RolloutDataSourceWithBuffer over them; as slime, the service calls load(rollout_id - 1) "
+            "when it builds it (again when the trainer resumed) and save(rollout_id) after a rollout the trainer "
+            "checkpoints (save, save_interval, the last)")
     buffer_filter_path: str = field(
         "", "import path of slime's def buffer_filter(args, rollout_id, buffer, num_samples) -> groups: which "
             "groups given back to the data source (add_samples) get_samples takes, removing them from `buffer` "

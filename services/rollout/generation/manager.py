@@ -18,7 +18,7 @@ import httpx
 
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
-from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
+from services.common.samples import Prompt, Sample, SampleGroup, Status, encode_group, group_id_for
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus
 from services.rollout.generation import engine_weights, filters, rollout_function
@@ -286,6 +286,8 @@ class RolloutManager:
             return None
         run.num_failed_in_a_row = 0
         if run.filter_fn is not None:
+            if run.filter_fn not in filters.BUILTINS.values():  # a user's filter may change the samples it reads
+                run.encoded.pop(prompt.lease_id, None)
             output = filters.call_filter(run.filter_fn, run.gen.args, samples)
             if filters.should_drop(output, num_remaining=run.num_groups_done + num_pending + 1,
                                    target=config.rollout_batch_size):
@@ -304,8 +306,10 @@ class RolloutManager:
         if not writes:
             return
         job = run.config.job_id
-        groups = [SampleGroup(group_id=group_id_for(job, prompt.epoch, prompt.index), job_id=job, rollout_id=rollout_id,
-                              prompt_index=prompt.index, epoch=prompt.epoch, samples=samples, lease_id=prompt.lease_id)
+        groups = [encode_group(SampleGroup(group_id=group_id_for(job, prompt.epoch, prompt.index), job_id=job,
+                                           rollout_id=rollout_id, prompt_index=prompt.index, epoch=prompt.epoch,
+                                           samples=samples, lease_id=prompt.lease_id),
+                               run.encoded.pop(prompt.lease_id, ()))
                   for prompt, samples, rollout_id in writes]
         result = await asyncio.to_thread(self.buffer.put_groups, groups)
         for prompt, _, _ in writes:
@@ -337,6 +341,7 @@ class RolloutManager:
         """Give prompts back at once; if the buffer cannot be reached they come back when their lease expires."""
         for lease_id in lease_ids:
             run.leased.pop(lease_id, None)
+            run.encoded.pop(lease_id, None)
         if not lease_ids:
             return
         try:
@@ -364,7 +369,7 @@ class RolloutManager:
         samples = await generate_group(gen, samples)
         if gen.ctx.aborting or any(s.status == Status.ABORTED for s in samples):
             return samples
-        await rate_group(gen, samples, f"{run.name}: prompt {prompt.index}")
+        run.encoded[prompt.lease_id] = await rate_group(gen, samples, f"{run.name}: prompt {prompt.index}")
         return samples
 
     # ----- eval -----

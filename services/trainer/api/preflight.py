@@ -118,9 +118,12 @@ def check_model_family(spec: JobSpec) -> list[str]:
         # e.g. slime's FP8 rollout: an FP8 checkpoint the engines serve, bf16 weights quantized at each sync
         return [f"hf_checkpoint: {path} has a quantization_config (quant_method "
                 f"{quantized.get('quant_method', '?')!r}): {QUANTIZED_REFUSAL}"]
+    # uneven pipeline stages (the `megatron:` section's; a backend without that section takes no such setting)
+    ends = {"first": spec.megatron.get("num_layers_in_first_pipeline_stage"),
+            "last": spec.megatron.get("num_layers_in_last_pipeline_stage")}
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
-                                           ep_size=spec.expert_model_parallel_size)]
+                                           ep_size=spec.expert_model_parallel_size, pipeline_ends=ends)]
     if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(hf_config)):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")

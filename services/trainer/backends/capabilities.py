@@ -42,8 +42,8 @@ BACKENDS: dict[str, Capabilities] = {
                          model_problem=families.fsdp_problem,
                          replay_problem=families.fsdp_replay_problem,
                          aux_loss_problem=families.fsdp_aux_loss_problem),
-    "megatron": Capabilities(critic=False, packing=True, tensor_parallel=True, pipeline_parallel=True,
-                             expert_parallel=True, context_parallel=False, extra_flags=True, reads_shares=False,
+    "megatron": Capabilities(critic=True, packing=True, tensor_parallel=True, pipeline_parallel=True,
+                             expert_parallel=True, context_parallel=True, extra_flags=True, reads_shares=False,
                              slime_checkpoints=True,
                              model_problem=families.megatron_problem,
                              replay_problem=families.megatron_replay_problem,
@@ -69,12 +69,13 @@ def backends_for(hf_config: dict[str, Any]) -> list[str]:
 
 
 def model_problem(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1,
-                  ep_size: int = 1) -> str:
+                  ep_size: int = 1, **layout: Any) -> str:
     """"" when `train_backend` builds hf_config's model (or the config does not say) in the layout tp_size ×
     pp_size with experts over ep_size ranks, else why not and which backend does."""
     if "model_type" not in hf_config or train_backend not in BACKENDS:
         return ""
-    problem = BACKENDS[train_backend].model_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+    problem = BACKENDS[train_backend].model_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
+                                                    **layout)
     if not problem:
         return ""
     others = [name for name in backends_for(hf_config) if name != train_backend]

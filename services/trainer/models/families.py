@@ -38,11 +38,16 @@ def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     return ""
 
 
-def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> str:
-    from services.trainer.models.arch import ModelArch  # the arch module alone: no megatron-core import
+def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
+                     pipeline_ends: dict[str, int | None] | None = None) -> str:
+    """pipeline_ends: the first and last stages' layers when the pipeline is uneven (`uneven_stage_layers`)."""
+    # the arch module alone: no megatron-core import
+    from services.trainer.models.arch import ModelArch, uneven_stage_layers
 
     try:
-        ModelArch.from_hf_config(hf_config).check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+        arch = ModelArch.from_hf_config(hf_config)
+        stage_layers = uneven_stage_layers(arch.num_layers, pp_size, **(pipeline_ends or {}))
+        arch.check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, stage_layers=stage_layers)
     except InvalidArgument as err:
         return str(err).removeprefix("megatron backend: ")
     return ""

@@ -100,8 +100,8 @@ FLAGS: dict[str, Flag] = {
     "only-train-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
     "use-routing-replay": I(False, bare=True),
     "use-rollout-routing-replay": I(False, bare=True),
-    "allgather-cp": R(False, "slime's all-gather CP layout is not implemented; context_parallel_size (train_backend "
-                             "fsdp) splits sequences in Megatron's load-balanced chunks", bare=True),
+    "allgather-cp": R(False, "slime's all-gather CP layout is not implemented; context_parallel_size splits "
+                             "sequences in Megatron's load-balanced chunks", bare=True),
     "use-stateless-adam": R(False, "the optimizer is Adam(W) (torch or megatron-core's)", bare=True),
     "recompute-loss-function": M(False, "the backends manage their activation memory (megatron: "
                                         "megatron.recompute_granularity)", warn=True, bare=True),
@@ -171,7 +171,8 @@ FLAGS: dict[str, Flag] = {
                              "and given to the rollout function (slime's default generate_rollout when "
                              "--rollout-function-path names none); slime.rollout.data_source's classes (the default "
                              "included) lease the job's prompts from the buffer, and a group given back "
-                             "(add_samples) keeps its prompt's lease"),
+                             "(add_samples) keeps its prompt's lease; another DataSource class makes its own "
+                             "prompts, which the buffer stores at its position in place of prompt_data's"),
     "rollout-buffer-url": R(None, "the buffer service is the rollout buffer"),
     "buffer-filter-path": Flag("implemented", None, "buffer_filter_path: RolloutDataSourceWithBuffer.get_samples "
                                                     "takes the groups given back through it, with the rollout id "
