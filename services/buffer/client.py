@@ -122,10 +122,12 @@ class BufferClient(GrpcClient):
 
     def load_dataset(self, job_id: str, path: str, *, input_key: str = "input", label_key: str = "",
                      metadata_key: str = "metadata", apply_chat_template: bool = False,
-                     rollout_shuffle: bool = False, rollout_seed: int = 42) -> DatasetInfo:
+                     rollout_shuffle: bool = False, rollout_seed: int = 42,
+                     multimodal_keys: dict[str, str] | None = None) -> DatasetInfo:
         request = buffer_pb2.LoadDatasetRequest(
             job_id=job_id, path=path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-            apply_chat_template=apply_chat_template, rollout_shuffle=rollout_shuffle, rollout_seed=rollout_seed)
+            apply_chat_template=apply_chat_template, rollout_shuffle=rollout_shuffle, rollout_seed=rollout_seed,
+            multimodal_keys=multimodal_keys or {})
         reply = self.call(self.stub.LoadDataset, request, timeout_s=max(self.timeout_s, LOAD_TIMEOUT_S),
                           idempotent=True)
         return DatasetInfo(num_prompts=reply.num_prompts, num_skipped=reply.num_skipped, errors=list(reply.errors),

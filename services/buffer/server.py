@@ -32,7 +32,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def LoadDataset(self, request, context):
         read = functools.partial(read_prompts, request.path, input_key=request.input_key or "input",
                                  label_key=request.label_key, metadata_key=request.metadata_key or "metadata",
-                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots)
+                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots,
+                                 multimodal_keys=dict(request.multimodal_keys))
         info = await self.store.load_dataset(request.job_id, read, shuffle=request.rollout_shuffle,
                                              seed=request.rollout_seed, path=request.path)
         return buffer_pb2.LoadDatasetResponse(num_prompts=info.num_prompts, num_skipped=info.num_skipped,

@@ -66,3 +66,15 @@ def test_protos_that_are_not_one_per_sample_are_refused():
     group = make_group()
     with pytest.raises(ValueError, match="1 encoded samples for 3 samples"):
         encode_group(group, [sample_to_proto(group.samples[0])])
+
+
+def test_a_groups_images_travel_once_in_its_wire_form():
+    from services.common.samples import Image
+
+    images = [Image(data=b"\x89PNG fake", mime_type="image/png", width=3, height=2)]
+    group = SampleGroup(**{**vars(make_group()), "images": images})
+    encoded = encode_group(group)
+    assert encoded == encoded_group_from_proto(group_to_proto(group))
+    decoded = group_from_proto(sample_pb2.SampleGroup.FromString(encoded.payload))
+    assert decoded.images == images and decoded == group
+    assert encoded.payload.count(b"\x89PNG fake") == 1  # once for the group, not per sample

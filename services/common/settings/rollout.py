@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from services.common.config import NON_NEGATIVE, POSITIVE, PROBABILITY, REQUIRED, check_fields, field
 from services.common.errors import InvalidArgument
+from services.common.samples import MULTIMODAL_PLACEHOLDERS
 from services.common.settings.rewards import check_rm_type
 
 LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
@@ -78,6 +79,11 @@ class RolloutConfig:
     label_key: str = field("label", "the label's key in each data row (slime's default)")
     metadata_key: str = field("metadata", "the metadata's key in each data row")
     apply_chat_template: bool = field(False, "wrap each prompt in the tokenizer's chat template")
+    multimodal_keys: dict[str, str] = field(
+        {}, "slime's multimodal keys: modality -> the data rows' column of its items, e.g. {\"image\": \"images\"}; "
+            "each <image> in a prompt becomes an image part, filled in order from that column (a file under the data "
+            "roots, relative to the dataset's folder; a data: URL; base64; bytes), every image read and checked when "
+            "the dataset loads")
     max_inflight_groups: int | None = field(
         None, "fully_async: groups generating or waiting (None: rollout_batch_size); > 0 makes the manager stream")
     agent_function_path: str = field(
@@ -144,6 +150,18 @@ class RolloutConfig:
         if 0 < self.max_inflight_groups < self.rollout_batch_size:
             raise InvalidArgument(f"rollout config: max_inflight_groups ({self.max_inflight_groups}) must be >= "
                                   f"rollout_batch_size ({self.rollout_batch_size})")
+        for modality, column in self.multimodal_keys.items():
+            if modality not in MULTIMODAL_PLACEHOLDERS:
+                raise InvalidArgument(f"rollout config: multimodal_keys: modality {modality!r} is not supported "
+                                      f"(supported: {', '.join(MULTIMODAL_PLACEHOLDERS)})")
+            if not isinstance(column, str) or not column:
+                raise InvalidArgument(f"rollout config: multimodal_keys: {modality!r} must name a column, got "
+                                      f"{column!r}")
+        if self.multimodal_keys and (names := [name for name in ("agent_function_path", "rollout_function_path",
+                                                                  "data_source_path") if getattr(self, name)]):
+            raise InvalidArgument(f"rollout config: multimodal_keys: {', '.join(names)} would make groups without "
+                                  "their prompts' images; prompts with images run the service's own rollout loop (a "
+                                  "custom_generate_function_path is fine)")
         if self.use_rollout_routing_replay and self.agent_function_path:
             raise InvalidArgument("rollout config: use_rollout_routing_replay needs the engines' routed experts, "
                                   "which agent sessions do not record; use use_routing_replay")

@@ -77,7 +77,8 @@ async def eval_groups(buffer: BufferClient, gens: dict[str, Generation],
         eval_job = f"{config.job_id}.eval.{name}"
         info = await asyncio.to_thread(
             buffer.load_dataset, eval_job, path, input_key=config.eval_input_key, label_key=config.eval_label_key,
-            metadata_key=config.metadata_key, apply_chat_template=config.apply_chat_template)
+            metadata_key=config.metadata_key, apply_chat_template=config.apply_chat_template,
+            multimodal_keys=config.multimodal_keys)
         if not info.num_prompts:
             raise InvalidArgument(f"eval dataset {name} ({path}): no usable prompts ({'; '.join(info.errors)})")
         prompts = await asyncio.to_thread(buffer.lease_prompts, eval_job, rollout_id, info.num_prompts,

@@ -107,7 +107,8 @@ def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Plug
     """Sample j of the group answering `prompt` (slime's Sample): its tokens are the prompt's, its response empty."""
     return PluginSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
                          metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
-                         session_id=new_session_id())
+                         session_id=new_session_id(),
+                         multimodal_inputs={"images": prompt.images} if prompt.images else None)
 
 
 async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:

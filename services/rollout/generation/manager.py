@@ -308,7 +308,7 @@ class RolloutManager:
         job = run.config.job_id
         groups = [encode_group(SampleGroup(group_id=group_id_for(job, prompt.epoch, prompt.index), job_id=job,
                                            rollout_id=rollout_id, prompt_index=prompt.index, epoch=prompt.epoch,
-                                           samples=samples, lease_id=prompt.lease_id),
+                                           samples=samples, lease_id=prompt.lease_id, images=prompt.images),
                                run.encoded.pop(prompt.lease_id, ()))
                   for prompt, samples, rollout_id in writes]
         result = await asyncio.to_thread(self.buffer.put_groups, groups)

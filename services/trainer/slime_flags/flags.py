@@ -132,7 +132,7 @@ FLAGS: dict[str, Flag] = {
     "metadata-key": I("metadata"),
     "tool-key": R("tools", "tool schemas in the data are not rendered into prompts; render them into the prompt "
                            "text (or messages) when building the dataset"),
-    "multimodal-keys": R(None, "multimodal inputs are not supported"),
+    "multimodal-keys": I(),
     "apply-chat-template": I(False, bare=True),
     "apply-chat-template-kwargs": R("{}", "chat templates render with their defaults; render the prompts yourself "
                                           "if you need template arguments"),
@@ -358,6 +358,7 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "log-probs-chunk-size": "1024: the fused, chunked log-probs, which never hold the [tokens × vocab] logits, are "
                             "exact and lighter; -1 (slime's default) projects every token at once",
     "hf-checkpoint": "required (slime fails without it too)",
+    "multimodal-keys": "{}: no modality, the same as slime's None",
     "prompt-data": "required (slime fails without it too)",
     "num-rollout": "required unless num_epoch is given with a JSONL prompt_data (it is derived then)",
     "rollout-batch-size": "required (slime fails without it too)",

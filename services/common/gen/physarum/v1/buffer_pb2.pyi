@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadDatasetRequest(_message.Message):
-    __slots__ = ("job_id", "path", "input_key", "label_key", "metadata_key", "apply_chat_template", "rollout_shuffle", "rollout_seed")
+    __slots__ = ("job_id", "path", "input_key", "label_key", "metadata_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "multimodal_keys")
+    class MultimodalKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     INPUT_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +24,7 @@ class LoadDatasetRequest(_message.Message):
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_SEED_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_KEYS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     path: str
     input_key: str
@@ -25,7 +33,8 @@ class LoadDatasetRequest(_message.Message):
     apply_chat_template: bool
     rollout_shuffle: bool
     rollout_seed: int
-    def __init__(self, job_id: _Optional[str] = ..., path: _Optional[str] = ..., input_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., rollout_shuffle: _Optional[bool] = ..., rollout_seed: _Optional[int] = ...) -> None: ...
+    multimodal_keys: _containers.ScalarMap[str, str]
+    def __init__(self, job_id: _Optional[str] = ..., path: _Optional[str] = ..., input_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., rollout_shuffle: _Optional[bool] = ..., rollout_seed: _Optional[int] = ..., multimodal_keys: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadDatasetResponse(_message.Message):
     __slots__ = ("num_prompts", "num_skipped", "errors", "already_loaded")
