@@ -6,7 +6,10 @@
 2. With two GPUs: the NCCL weight sync's failure case, the launcher and the bf16 tests.
 3. The demo with the trainer and a CPU engine on the GPU (`physarum.demo --device cuda --engine-device cuda`).
 4. The throughput rows (bench/trainer_throughput.py) in bf16 and float32: each backend against the plain loop, and
-   the packed step against padded and against the plain loop on long-tailed responses.
+   the packed step against padded and against the plain loop on long-tailed responses, with tokens/s and MFU.
+5. Packed rows' attention through the real CUDA kernels (varlen flash in bf16, compiled flex attention in float32)
+   against one attention per sequence, and the peak memory of a training step with the fused log-probs against the
+   logits path (bench/trainer_memory.py).
 
 On a machine without CUDA it says so and exits 0. Each part runs in its own process (Megatron takes every visible
 GPU, so the CPU runs hide them). Exit status 1 when a part fails.
@@ -124,6 +127,20 @@ def throughput() -> list[tuple[str, bool, str]]:
     return rows
 
 
+def kernels_and_memory() -> list[tuple[str, bool, str]]:
+    proc = run(["-m", "pytest", "-q", "-rs", "-s", "tests/unit/test_varlen_kernels.py"])
+    kernels = " ".join(line for line in proc.stdout.splitlines() if line.startswith("torch."))
+    rows = [("varlen kernels on CUDA", proc.returncode == 0 and "skipped" not in proc.stdout.splitlines()[-1],
+             f"{kernels} | {proc.stdout.strip().splitlines()[-1]}")]
+    proc = run(["-m", "bench.trainer_memory", "--device", "cuda"], timeout_s=900)
+    if proc.returncode:
+        return [*rows, ("fused log-probs memory", False, proc.stderr.strip()[-400:])]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    ratio = r.get("logprob_peak_ratio_8k")
+    return [*rows, ("fused log-probs memory", ratio is not None and ratio <= 0.25,
+                    f"fused / logits path peak: {', '.join(f'{k}: {v}' for k, v in r.items() if 'ratio' in k)}")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-demo", action="store_true")
@@ -143,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = parity(Path(tmp))
         rows.extend(gpu_families.family_rows(Path(tmp) / "families"))
+    rows.extend(kernels_and_memory())
     rows.append(two_gpus())
     if not args.skip_demo:
         rows.append(demo())

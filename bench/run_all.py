@@ -39,6 +39,7 @@ SCRIPTS = {
     "async_speedup": ["--rounds", "1", "--num-rollout", "6", "--calibration-rounds", "1"],
     "megatron_parity": [],
     "trainer_throughput": ["--rounds", "2"],
+    "trainer_memory": ["--sizes", "1024,8192", "--vocab", "37984"],
     "weight_sync_paths": ["--rounds", "2"],
     "trainer_threads": ["--rounds", "2"],
 }

@@ -13,7 +13,9 @@ Prints the tables, then one JSON line: {"device", "dtype", "clock", "fsdp": R, "
 "equal_vs_padded_fsdp": E, "equal_vs_padded_megatron": E, "packed_vs_padded_fsdp": P, "packed_vs_padded_megatron": P,
 "packed_vs_plain_fsdp": Q, "packed_vs_plain_megatron": Q}: R = a backend's tokens/s over the plain loop's (equal
 lengths), E = the backend as it runs over the same backend always padded (equal lengths), P = packed over the same
-backend padded, Q = packed over the plain loop (long tail).
+backend padded, Q = packed over the plain loop (long tail). Added to those: "tokens_per_s" and "tail_tokens_per_s"
+(each run's), and on CUDA "mfu" and "tail_mfu" (each run's model FLOPs per second over the card's peak, `mfu`),
+"peak_tflops" and "peak_source".
 CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 measurement.
 
 Run: python -m bench.trainer_throughput [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds N]
@@ -46,6 +48,41 @@ SHAPES = {
                  num_samples=32, prompt_len=256, response_len=768, micro_batch_size=4,
                  long_tail=dict(num_samples=32, prompt_len=256, max_response_len=1024)),
 }
+
+
+# Dense bf16 / tf32 tensor-core peaks (FLOP/s) by device name; a card not listed gets its peak measured
+PEAKS = {"H200": (989e12, 494e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12), "L40S": (362e12, 183e12),
+         "A10G": (70e12, 35e12), "L4": (121e12, 60e12)}
+
+
+def flops_per_token(model: dict, seq_len: float) -> float:
+    """Training FLOPs per token: 6 × the parameters each token multiplies (the layers' projections and MLP, the LM
+    head; not the embedding lookup) plus causal attention's scores and weighted sum, 6 × layers × heads × head_dim ×
+    seq_len (half of the full square's 12)."""
+    hidden, layers, heads = model["hidden_size"], model["num_hidden_layers"], model["num_attention_heads"]
+    head_dim, kv = model["head_dim"], model["num_key_value_heads"]
+    attention = hidden * head_dim * (2 * heads + 2 * kv)  # q, o; k, v
+    mlp = 3 * hidden * model["intermediate_size"]
+    matmul_params = layers * (attention + mlp) + model["vocab_size"] * hidden
+    return 6 * matmul_params + 6 * layers * heads * head_dim * seq_len
+
+
+def card_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The card's dense matrix peak in `dtype` (tf32 for float32): from PEAKS by name, else a measured 8192³
+    matmul."""
+    name = torch.cuda.get_device_name(device)
+    for key, (half, tf32) in PEAKS.items():
+        if key in name:
+            return (half if dtype != torch.float32 else tf32), f"{name} (table)"
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    torch.cuda.synchronize()
+    return 5 * 2 * 8192**3 / (time.perf_counter() - start), f"{name} (measured matmul)"
 
 
 def build_model(out_dir: Path, shape: dict) -> Path:
@@ -230,6 +267,17 @@ def main(argv: list[str] | None = None) -> dict:
         padded_rate = tail_rate[name.split()[0] + " padded"]
         print(f"{name:<16} {tail_tokens / rate:>8.3f} {rate:>10.0f} {rate / padded_rate:>9.2f} "
               f"{rate / tail_rate['plain padded']:>9.2f}")
+    extra: dict = {"tokens_per_s": {name: round(rate, 1) for name, rate in tokens_per_s.items()},
+                   "tail_tokens_per_s": {name: round(rate, 1) for name, rate in tail_rate.items()}}
+    if device.type == "cuda":
+        peak, source = card_peak(device, dtype)
+        equal_flops = flops_per_token(shape["model"], shape["prompt_len"] + shape["response_len"])
+        tail_flops = sum(flops_per_token(shape["model"], len(s.tokens)) * len(s.tokens) for s in tailed) / tail_tokens
+        extra.update(peak_tflops=round(peak / 1e12, 1), peak_source=source,
+                     mfu={name: round(rate * equal_flops / peak, 4) for name, rate in tokens_per_s.items()},
+                     tail_mfu={name: round(rate * tail_flops / peak, 4) for name, rate in tail_rate.items()})
+        print(f"MFU against {peak / 1e12:.0f} TFLOP/s ({source}): "
+              + ", ".join(f"{name} {value:.1%}" for name, value in extra["mfu"].items()))
     result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "clock": args.clock,
               "fsdp": round(tokens_per_s["fsdp"] / tokens_per_s["plain"], 3),
               "megatron": round(tokens_per_s["megatron"] / tokens_per_s["plain"], 3),
@@ -238,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
               **{f"packed_vs_padded_{name}": round(tail_rate[f"{name} packed"] / tail_rate[f"{name} padded"], 3)
                  for name in ("fsdp", "megatron")},
               **{f"packed_vs_plain_{name}": round(tail_rate[f"{name} packed"] / tail_rate["plain padded"], 3)
-                 for name in ("fsdp", "megatron")}}
+                 for name in ("fsdp", "megatron")}, **extra}
     print(json.dumps(result))
     return result
 

@@ -175,3 +175,26 @@ def test_train_config_defaults_and_validation():
     ]:
         with pytest.raises(ValueError, match=message):
             TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("batching", [{"micro_batch_size": 4}, {"use_dynamic_batch_size": True,
+                                                                  "max_tokens_per_gpu": 14}])
+def test_the_fused_head_trains_as_the_logits_path(tiny_model_dir, samples, batching):
+    """log_probs_chunk_size > 0 (the default) reads log-probs and entropy from the final hidden states and the head
+    in chunks; -1 projects onto the vocabulary: the same metrics and gradients, padded and packed."""
+    results = []
+    for chunk in (2, -1):
+        backend = make_backend(tiny_model_dir, **batching, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
+                               rollout_temperature=0.8, log_probs_chunk_size=chunk)
+        assert backend.fuse_head == (chunk > 0)
+        for s, log_probs in zip(samples, backend.compute_log_probs(samples), strict=True):
+            s.rollout_log_probs = [lp + 0.01 for lp in log_probs]
+        (metrics,) = backend.train_rollout(samples)
+        results.append((metrics, {name: p.grad.clone() for name, p in backend.model.named_parameters()}))
+    (fused, fused_grads), (plain, plain_grads) = results
+    assert fused["train/entropy_loss"] > 0.0
+    for key, value in plain.items():
+        if not key.startswith("perf/"):
+            assert fused[key] == pytest.approx(value, abs=1e-6, rel=1e-5), key
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-6, rtol=1e-5)

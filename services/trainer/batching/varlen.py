@@ -1,8 +1,10 @@
 """Causal attention over packed sequences ([T, heads, head_dim] and their cumulative lengths) for both backends:
-torch's varlen flash attention on CUDA in half precision; on CUDA otherwise one scaled_dot_product_attention under a
-block-diagonal causal mask; on CPU one causal scaled_dot_product_attention per sequence, which spends no work on
-pairs of positions in different sequences (the mask's row costs T² where the sequences cost Σ L_i²: five times the
-time on the bench's long tail). The HF attention function here runs it for packed rows, HF's sdpa for the rest.
+torch's varlen flash attention on CUDA in half precision; on CUDA otherwise (float32) compiled flex attention under a
+block mask, which skips the blocks of pairs in different sequences (one scaled_dot_product_attention under the dense
+block-diagonal causal mask only with dropout, which flex attention does not take); on CPU one causal
+scaled_dot_product_attention per sequence, which spends no work on pairs of positions in different sequences (the
+mask's row costs T² where the sequences cost Σ L_i²: five times the time on the bench's long tail). The HF attention
+function here runs it for packed rows, HF's sdpa for the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +26,40 @@ def _flash_varlen():
     except ImportError:  # torch before varlen attention
         return None
     return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+@functools.cache
+def _flex():
+    """torch's flex_attention compiled once (dynamic shapes: one kernel for every row length), and create_block_mask;
+    None where torch has no flex attention."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention, dynamic=True), create_block_mask
+
+
+def flex_applies(query: torch.Tensor, dropout_p: float = 0.0) -> bool:
+    """Whether compiled flex attention runs `query`: CUDA, no dropout."""
+    return query.is_cuda and dropout_p == 0.0 and _flex() is not None
+
+
+def flex_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                          scale: float | None = None) -> torch.Tensor:
+    """`varlen_causal_attention` by flex attention: [1, heads, T, head_dim] in and out, under a block mask built from
+    each position's sequence index, so that blocks holding no pair of one sequence are skipped."""
+    flex, create_block_mask = _flex()
+    num_tokens = query.shape[2]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=query.device), lengths.to(query.device),
+                                       output_size=num_tokens)
+
+    def same_sequence_causal(batch, head, q_index, kv_index):
+        return (sequence[q_index] == sequence[kv_index]) & (q_index >= kv_index)
+
+    mask = create_block_mask(same_sequence_causal, B=None, H=None, Q_LEN=num_tokens, KV_LEN=num_tokens,
+                             device=query.device)
+    return flex(query, key, value, block_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -55,6 +91,9 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
         return flash(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
                      window_size=(-1, 0), **extra)
+    if flex_applies(query, dropout_p):
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim]
+        return flex_causal_attention(q, k, v, cu_seqlens, scale=scale)[0].transpose(0, 1)
     if query.is_cuda:  # one kernel over the row
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu_seqlens, q.shape[2]),

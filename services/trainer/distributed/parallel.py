@@ -252,7 +252,7 @@ def shard_model(model: torch.nn.Module, world: World, *, param_dtype: torch.dtyp
         raise InvalidArgument(f"FSDP on CUDA ranks needs dist_backend nccl, not {world.backend}")
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)  # the losses upcast
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -261,7 +261,7 @@ def shard_model(model: torch.nn.Module, world: World, *, param_dtype: torch.dtyp
     return model
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of an HF causal LM (model.model.layers) or backbone (model.layers)."""
     for owner in (getattr(model, "model", None), model, getattr(model, "backbone", None)):
         layers = getattr(owner, "layers", None)

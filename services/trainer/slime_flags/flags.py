@@ -105,7 +105,7 @@ FLAGS: dict[str, Flag] = {
     "use-stateless-adam": R(False, "the optimizer is Adam(W) (torch or megatron-core's)", bare=True),
     "recompute-loss-function": M(False, "the backends manage their activation memory (megatron: "
                                         "megatron.recompute_granularity)", warn=True, bare=True),
-    "log-probs-chunk-size": M(-1, "the backends compute log-probs by micro-batch", warn=True),
+    "log-probs-chunk-size": I(-1),
     "log-probs-max-tokens-per-gpu": M(None, "the backends use max_tokens_per_gpu for log-probs too", warn=True),
     "data-pad-size-multiplier": M(128, "the backends pad batches themselves", warn=True),
     "balance-data": M(False, "micro-batches are always dealt to the data-parallel ranks by tokens, as many to "
@@ -355,6 +355,8 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "rm-type": "math: slime fails at the first sample without one; every launch script sets --rm-type or "
                "--custom-rm-path, and a per-sample metadata.rm_type still wins",
     "rollout-max-response-len": "1024: slime leaves SGLang's own limit, which depends on the server",
+    "log-probs-chunk-size": "1024: the fused, chunked log-probs, which never hold the [tokens × vocab] logits, are "
+                            "exact and lighter; -1 (slime's default) projects every token at once",
     "hf-checkpoint": "required (slime fails without it too)",
     "multimodal-keys": "{}: no modality, the same as slime's None",
     "prompt-data": "required (slime fails without it too)",

@@ -26,7 +26,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.backends.base import load_custom_loss
-from services.trainer.backends.fsdp import context_parallel, cp_attention
+from services.trainer.backends.fsdp import compiled_layers, context_parallel, cp_attention, fused_head
 from services.trainer.backends.fsdp.critic import Critic
 from services.trainer.batching import packing, varlen, vision
 from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
@@ -85,6 +85,8 @@ class TorchBackend(TorchStateDicts):
             context_parallel.check(model, self.pack_sequences, config)
             cp_attention.use_in(model)  # the reference model is its copy
         self._tied_names = parallel.tied_names(model)
+        # response log-probs from the final hidden states and the head, chunked (`fused_head`)
+        self.fuse_head = config.log_probs_chunk_size > 0 and fused_head.fusable(model)
         # frozen copies: the reference model (KL) and the distillation teacher, each loaded over later when asked
         ref_model, teacher = (copy.deepcopy(model).requires_grad_(False) if needed else None
                               for needed in (config.needs_ref_model, config.needs_teacher_model))
@@ -93,6 +95,9 @@ class TorchBackend(TorchStateDicts):
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
         self._router = hf_aux_loss.router_kind(model) if config.moe_aux_loss else None
+        if config.compile_layers:
+            for compiled in (model, ref_model, teacher):
+                compiled_layers.compile_layers(parallel.decoder_layers(compiled) if compiled is not None else [])
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
             frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))
@@ -149,23 +154,27 @@ class TorchBackend(TorchStateDicts):
         return inputs
 
     def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,
-                 router_logits: bool = False):
+                 router_logits: bool = False, fuse: bool = True) -> tuple[object, fused_head.Head | None]:
         """The HF forward's outputs: the response tokens' logits alone, [N, V] (`rl_step.response_row_log_probs`
         reads them): the model projects onto the vocabulary only the positions that predict a response token, no
         prompt's and no padding's (`packing.response_mask`); response_only=False (a custom loss, which takes them
         all): every position's, [b, L, V] padded or [1, T, V] packed. With each MoE layer's router logits when asked
-        for; the policy replays the micro-batch's routed experts when it has them."""
+        for; the policy replays the micro-batch's routed experts when it has them. Under the fused head
+        (response_only, `fuse_head`) the rows are the final hidden states [N, H] instead, and the Head comes along."""
         packed = self._packs(mb)
         keep = {"logits_to_keep": packing.response_mask(mb, packed=packed)} if response_only else {}
         replay = contextlib.nullcontext()
         if self.routing is not None and model is self.model:
             replay = self.routing.replaying(mb.flat_routed_experts(packed=packed))
-        with self._autocast(), replay:
-            return model(**self._model_inputs(mb, packed), **keep, use_cache=False,
-                         **({"output_router_logits": True} if router_logits else {}))
+        with self._autocast(), replay, fused_head.hidden_states_out(
+                model, fuse and response_only and self.fuse_head) as head:
+            out = model(**self._model_inputs(mb, packed), **keep, use_cache=False,
+                        **({"output_router_logits": True} if router_logits else {}))
+        return out, head
 
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True) -> torch.Tensor:
-        return self._forward(model, mb, response_only=response_only).logits
+        """The projected logits, unfused: the response rows [N, V] or every position's."""
+        return self._forward(model, mb, response_only=response_only, fuse=False)[0].logits
 
     def _values(self, mb: RolloutBatch) -> torch.Tensor:
         with self._autocast():
@@ -176,17 +185,24 @@ class TorchBackend(TorchStateDicts):
     def _cp_slice(self, mb: RolloutBatch) -> context_parallel.CPSlice:
         return context_parallel.split(mb, self.cp, self.pad_token_id)
 
-    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
-                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-aligned (log_probs, entropy) [b, R] from `_logits`' rows."""
-        return rl_step.response_row_log_probs(logits, mb, self.config, with_entropy=with_entropy)
+    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *, with_entropy: bool = True,
+                     head: fused_head.Head | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned (log_probs, entropy) [b, R] from `_forward`'s rows: logits, or with the head the
+        hidden states it projects."""
+        if head is None:
+            return rl_step.response_row_log_probs(logits, mb, self.config, with_entropy=with_entropy)
+        cfg = self.config
+        return fused_head.response_row_stats(logits, head, mb, temperature=cfg.rollout_temperature,
+                                             chunk_size=cfg.log_probs_chunk_size, with_entropy=with_entropy,
+                                             entropy_grad=cfg.entropy_coef != 0)
 
     def _model_stats(self, model: torch.nn.Module, mb: RolloutBatch, *,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned (log_probs, entropy) [b, R] of `model` at the rollout temperature, on one rank or split
         over the context-parallel group."""
         if self.cp.size == 1:
-            return self._token_stats(self._logits(model, mb), mb, with_entropy=with_entropy)
+            out, head = self._forward(model, mb)
+            return self._token_stats(out.logits, mb, with_entropy=with_entropy, head=head)
         with self._autocast():
             return context_parallel.response_stats(model, mb, self._cp_slice(mb), self.config,
                                                    with_entropy=with_entropy)
@@ -311,10 +327,11 @@ class TorchBackend(TorchStateDicts):
         if self.cp.size > 1:  # routing replay and the MoE aux loss are refused at submit under CP
             log_probs, entropy = self._model_stats(self.model, mb, with_entropy=cfg.loss_type == "policy_loss")
             return rl_step.log_prob_loss(cfg, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
-        out = self._forward(self.model, mb, response_only=cfg.loss_type != "custom_loss",
-                            router_logits=cfg.moe_aux_loss)
+        out, head = self._forward(self.model, mb, response_only=cfg.loss_type != "custom_loss",
+                                  router_logits=cfg.moe_aux_loss)
         loss, metrics = rl_step.micro_batch_loss(cfg, mb, logits=out.logits, reduce=reduce,
-                                                 custom_loss_fn=self.custom_loss, token_stats=self._token_stats)
+                                                 custom_loss_fn=self.custom_loss,
+                                                 token_stats=functools.partial(self._token_stats, head=head))
         if not cfg.moe_aux_loss:
             return loss, metrics
         return hf_aux_loss.add_load_balancing_loss(

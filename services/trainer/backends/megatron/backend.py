@@ -24,6 +24,7 @@ import torch.distributed as dist
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
+from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends import capabilities
 from services.trainer.backends.base import load_custom_loss
@@ -31,6 +32,7 @@ from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL
 from services.trainer.backends.megatron import args as margs
 from services.trainer.backends.megatron import context_parallel as megatron_cp
 from services.trainer.backends.megatron import critic as value_model
+from services.trainer.backends.megatron import fused_head
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from services.trainer.batching import packing
@@ -102,6 +104,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.cp_group = ps.get_context_parallel_group() if context_parallel_size > 1 else None
         self.dp_cp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # one rank of a CP group sends weights
         self._cp_row: megatron_cp.CPRow | None = None  # the micro-batch whose loss is computed next (CP > 1)
+        self._head: fused_head.Head | None = None  # the output layer's weight for the loss computed next (fused)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.etp_group = ps.get_expert_tensor_parallel_group() if self.etp_size > 1 else None
@@ -220,6 +223,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             return
 
         pad_to = self.tp_size if self.gpt.config.sequence_parallel else 1  # each TP rank an equal slice
+        # the policy's and the frozen models' forwards stop at the hidden states for the fused log-probs (`_head`);
+        # not the critic's (a value head) nor under CP
+        fuse = self._fuses_head() and self.cp_size == 1 and (self.critic is None or model is not self.critic.model)
+        self._head = None
 
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
@@ -234,8 +241,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
                 # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
                 inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
-            with routing(rows, mb) if routing else contextlib.nullcontext():  # the policy's routing replay
+            with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
+                  fused_head.hidden_states_out(module, fuse) as head):
                 output = module(**inputs)
+            self._head = head  # the loss, computed right after on the last stage, reads it
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
                 output = output[:, :mcore.sequence_length(mb, packed=packed)]
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
@@ -269,11 +278,23 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         the CP-1 layout."""
         return self._cp_row.gather(output) if self.cp_size > 1 else output
 
+    def _fuses_head(self) -> bool:
+        """Whether log-probs come from the hidden states and the output layer's weight, chunked (not for a custom
+        loss, which takes the logits)."""
+        return self.config.log_probs_chunk_size > 0 and self.config.loss_type != "custom_loss"
+
     def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature, from vocab-parallel
         logits, padded [b, L, V/tp] or packed [1, T, V/tp]; under CP, of this rank's slice (each position's stats
         against the token it predicts, gathered over the group)."""
+        if (head := self._head) is not None:  # `logits` are the hidden states [b, s, H]
+            cfg, rows = self.config, head.weight.shape[0]
+            return fused_log_probs_and_entropy(
+                packing.gather_response(logits, mb), head.weight, mb.response_tokens.to(logits.device),
+                temperature=cfg.rollout_temperature, with_entropy=with_entropy, entropy_grad=cfg.entropy_coef != 0,
+                chunk_size=cfg.log_probs_chunk_size, vocab_size=self.arch.vocab_size, vocab_start=self.tp_rank * rows,
+                group=self.tp_group if self.tp_size > 1 else None)
         if self.cp_size > 1:
             log_probs, entropy = vocab_parallel_log_probs_and_entropy(
                 logits, self._cp_row.targets, vocab_size=self.arch.vocab_size,

@@ -1,0 +1,145 @@
+"""Token log-probs and entropy straight from the final hidden states and the LM head, never holding the
+[tokens × vocab] logits: the tokens go through in chunks, forward and backward (the backward recomputes each chunk's
+logits), and a vocab-parallel head (each tensor-parallel rank holds a slice of the vocabulary) reduces its softmax
+statistics over the group. Equal to projecting onto the vocabulary and taking `token_log_probs_and_entropy`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_SIZE = 1024  # tokens per chunk: [1024 × 151,936] float32 logits are 0.6 GB
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the projection runs in: autocast's where it is on (as the unfused nn.Linear would), else the
+    inputs' common one."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    """hidden [N, H], weight [V_local, H] -> (log_probs [N], entropy [N]) in float32, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_start, valid, group, with_entropy,
+                dtype):
+        num = hidden.shape[0]
+        w = weight[:valid].to(dtype)
+        local = targets.long() - vocab_start
+        in_range = (local >= 0) & (local < valid)
+        local = local.clamp(0, max(valid - 1, 0))
+        log_probs = torch.empty(num, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(log_probs)
+        entropy = torch.empty_like(log_probs) if with_entropy else None
+        for start in range(0, num, chunk_size):
+            end = min(start + chunk_size, num)
+            z = torch.matmul(hidden[start:end].to(dtype), w.t()).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            peak = z.amax(dim=-1) if valid else z.new_full((end - start,), float("-inf"))
+            if group is not None:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            picked = z.gather(-1, local[start:end].unsqueeze(-1)).squeeze(-1) * in_range[start:end] if valid \
+                else z.new_zeros(end - start)
+            z.sub_(peak.unsqueeze(-1))  # z - max
+            exp = z.exp()
+            sums = [exp.sum(dim=-1), picked - peak * in_range[start:end]]
+            if with_entropy:
+                # Σ e^(z-m)·(z-m) as a row-wise dot product: no third [chunk × vocab] tensor
+                sums.append(torch.matmul(exp.unsqueeze(-2), z.unsqueeze(-1)).view(-1))
+            sums = torch.stack(sums)
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            log_z = sums[0].log()  # log Σ e^(z - m)
+            lse[start:end] = peak + log_z
+            log_probs[start:end] = sums[1] - log_z
+            if with_entropy:
+                entropy[start:end] = log_z - sums[2] / sums[0]
+        ctx.save_for_backward(hidden, weight, local, in_range, lse, entropy if with_entropy else lse)
+        ctx.args = (temperature, chunk_size, valid, dtype, with_entropy)
+        ctx.set_materialize_grads(False)  # None for an output the loss does not use: its term is skipped
+        if with_entropy:
+            return log_probs, entropy
+        return log_probs, torch.zeros_like(log_probs)
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, local, in_range, lse, entropy = ctx.saved_tensors
+        temperature, chunk_size, valid, dtype, with_entropy = ctx.args
+        w = weight[:valid].to(dtype)
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        use_entropy = with_entropy and grad_entropy is not None
+        if grad_log_probs is None:
+            grad_log_probs = torch.zeros_like(lse)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            h = hidden[start:end].to(dtype)
+            z = torch.matmul(h, w.t()).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            log_p = z.sub_(lse[start:end].unsqueeze(-1))  # log π over this rank's slice
+            p = log_p.exp()
+            g_lp = grad_log_probs[start:end]
+            # d log π_t / dz = onehot_t - π; dH / dz = -π·(log π + H)
+            if use_entropy:
+                grad_z = p.mul_(log_p.add_(entropy[start:end].unsqueeze(-1)).mul_(-grad_entropy[start:end]
+                                                                                   .unsqueeze(-1))
+                                .sub_(g_lp.unsqueeze(-1)))
+            else:
+                grad_z = p.mul_(-g_lp.unsqueeze(-1))
+            if valid:
+                rows = torch.arange(end - start, device=grad_z.device)
+                grad_z[rows, local[start:end]] += g_lp * in_range[start:end]
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            grad_z = grad_z.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = torch.matmul(grad_z, w).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += torch.matmul(grad_z.t(), h).float()
+        if grad_w is not None:
+            full = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+            full[:valid] = grad_w.to(weight.dtype)
+            grad_w = full
+        return grad_hidden, grad_w, None, None, None, None, None, None, None, None
+
+
+def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                                temperature: float = 1.0, with_entropy: bool = True, entropy_grad: bool = True,
+                                chunk_size: int = DEFAULT_CHUNK_SIZE, vocab_size: int | None = None,
+                                vocab_start: int = 0, group: dist.ProcessGroup | None = None,
+                                compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(target) and the entropy of π = softmax(hidden·weightᵀ / temperature), without the whole logits.
+
+    hidden: [..., H] (the final norm's output at the positions that predict `targets`); weight: [V_local, H], the
+    LM head's rows [vocab_start, vocab_start + V_local) of the vocabulary; rows at or past `vocab_size` (the padding
+    of a vocab-parallel head) are left out of the softmax. group: the tensor-parallel ranks that hold the other
+    slices (their statistics are all-reduced; each rank gets the gradient of its own slice, and the gradient of
+    `hidden` from its slice alone: the caller sums it over the group, as Megatron's output layer does). targets:
+    [...] global token ids. compute_dtype: the projection's (default: autocast's where it is on, as the unfused
+    nn.Linear would run, else the inputs'); the softmax is float32. Returns (log_probs, entropy or None), [...]
+    float32; entropy_grad False: the entropy is a metric only, detached.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree")
+    vocab_size = weight.shape[0] + vocab_start if vocab_size is None else vocab_size
+    valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    group = group if group is not None and dist.get_world_size(group) > 1 else None
+    dtype = compute_dtype or _compute_dtype(hidden, weight)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    with torch.autocast(hidden.device.type, enabled=False):
+        log_probs, entropy = _FusedLogProbs.apply(flat, weight, targets.reshape(-1), float(temperature),
+                                                  int(chunk_size), int(vocab_start), valid, group, with_entropy,
+                                                  dtype)
+    log_probs = log_probs.view(targets.shape)
+    if not with_entropy:
+        return log_probs, None
+    entropy = entropy.view(targets.shape)
+    return log_probs, entropy if entropy_grad else entropy.detach()

@@ -1,0 +1,130 @@
+"""The fused, chunked log-probs and entropy equal the logits path (project onto the vocabulary, log-softmax) in
+values and in the gradients of the hidden states and the LM head, on one rank and vocab-parallel over two."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
+from services.trainer.algorithms.losses import token_log_probs_and_entropy
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _inputs(tokens: int = 37, hidden: int = 16, vocab: int = 50, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) * 0.5
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    weights = torch.randn(2, tokens, generator=gen)  # what the loss weighs each token's log-prob and entropy by
+    return h, w, targets, weights
+
+
+def _loss_and_grads(fn, h, w, targets, weights, **kw):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    log_probs, entropy = fn(h, w, targets, **kw)
+    loss = (log_probs * weights[0]).sum() + (0 if entropy is None else (entropy * weights[1]).sum())
+    loss.backward()
+    return log_probs.detach(), None if entropy is None else entropy.detach(), h.grad, w.grad
+
+
+def _unfused(h, w, targets, *, temperature=1.0, with_entropy=True, entropy_grad=True, **_):
+    return token_log_probs_and_entropy(h @ w.t(), targets, temperature=temperature, with_entropy=with_entropy,
+                                       entropy_grad=entropy_grad)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 8, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_equal_the_logits_path(chunk_size, temperature):
+    h, w, targets, weights = _inputs()
+    want = _loss_and_grads(_unfused, h, w, targets, weights, temperature=temperature)
+    got = _loss_and_grads(fused_log_probs_and_entropy, h, w, targets, weights, temperature=temperature,
+                          chunk_size=chunk_size)
+    for name, a, b in zip(("log_probs", "entropy", "grad hidden", "grad weight"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+def test_without_entropy_or_its_gradient():
+    h, w, targets, weights = _inputs(seed=1)
+    want = _loss_and_grads(_unfused, h, w, targets, weights, with_entropy=False)
+    got = _loss_and_grads(fused_log_probs_and_entropy, h, w, targets, weights, with_entropy=False, chunk_size=5)
+    assert got[1] is None
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[2], want[2], **TOL)
+    torch.testing.assert_close(got[3], want[3], **TOL)
+    # a metric-only entropy: its value, no gradient through it
+    want = _loss_and_grads(_unfused, h, w, targets, weights, entropy_grad=False)
+    got = _loss_and_grads(fused_log_probs_and_entropy, h, w, targets, weights, entropy_grad=False, chunk_size=5)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_batched_shapes_and_vocab_padding_rows_are_left_out():
+    h, w, targets, weights = _inputs(tokens=12, vocab=20, seed=2)
+    padded = torch.cat([w, torch.randn(4, w.shape[1]) * 5])  # four padding rows that must not enter the softmax
+    lp, ent = fused_log_probs_and_entropy(h.view(3, 4, -1), padded, targets.view(3, 4), vocab_size=20, chunk_size=5)
+    want_lp, want_ent = _unfused(h, w, targets)
+    torch.testing.assert_close(lp, want_lp.view(3, 4), **TOL)
+    torch.testing.assert_close(ent, want_ent.view(3, 4), **TOL)
+    hh, pw = h.clone().requires_grad_(), padded.clone().requires_grad_()
+    fused_log_probs_and_entropy(hh, pw, targets, vocab_size=20)[0].sum().backward()
+    assert torch.equal(pw.grad[20:], torch.zeros(4, w.shape[1]))
+
+
+def test_bf16_autocast_matches_the_autocast_linear():
+    """Under autocast the projection runs in bfloat16 as the model's nn.Linear head would; the softmax in float32."""
+    h, w, targets, weights = _inputs(seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _loss_and_grads(lambda h, w, t, **kw: token_log_probs_and_entropy(torch.nn.functional.linear(h, w), t),
+                               h, w, targets, weights)
+        got = _loss_and_grads(fused_log_probs_and_entropy, h, w, targets, weights, chunk_size=16)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[2], want[2], atol=2e-2, rtol=2e-2)  # bf16 gradient matmuls, in another order
+    torch.testing.assert_close(got[3], want[3], atol=2e-2, rtol=2e-2)
+
+
+def test_bad_arguments_are_refused():
+    h, w, targets, _ = _inputs()
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_log_probs_and_entropy(h, w, targets, chunk_size=0)
+    with pytest.raises(ValueError, match="disagree"):
+        fused_log_probs_and_entropy(h, w, targets[:-1])
+
+
+def _tp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    h, w, targets, weights = _inputs(vocab=50, seed=4)
+    part = 26  # the vocab padded to 52 = 2 × 26: rank 1 holds rows 26..51, its last two padding
+    padded = torch.cat([w, torch.zeros(2, w.shape[1])])
+    mine = padded[rank * part:(rank + 1) * part]
+    hh, ww = h.clone().requires_grad_(), mine.clone().requires_grad_()
+    lp, ent = fused_log_probs_and_entropy(hh, ww, targets, temperature=0.8, chunk_size=7, vocab_size=50,
+                                          vocab_start=rank * part, group=dist.group.WORLD)
+    ((lp * weights[0]).sum() + (ent * weights[1]).sum()).backward()
+    grad_h = hh.grad.clone()
+    dist.all_reduce(grad_h)  # the caller sums the hidden states' gradient over the group (Megatron's output layer)
+    torch.save({"lp": lp.detach(), "ent": ent.detach(), "grad_h": grad_h, "grad_w": ww.grad},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_over_two_ranks_equals_the_whole_vocabulary():
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_tp_rank, args=(2, os.path.join(out, "init"), out), nprocs=2, join=True)
+        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    h, w, targets, weights = _inputs(vocab=50, seed=4)
+    lp, ent, grad_h, grad_w = _loss_and_grads(_unfused, h, w, targets, weights, temperature=0.8)
+    for got in ranks:
+        torch.testing.assert_close(got["lp"], lp, **TOL)
+        torch.testing.assert_close(got["ent"], ent, **TOL)
+        torch.testing.assert_close(got["grad_h"], grad_h, **TOL)
+    torch.testing.assert_close(torch.cat([ranks[0]["grad_w"], ranks[1]["grad_w"][:24]]), grad_w, **TOL)
+    assert torch.equal(ranks[1]["grad_w"][24:], torch.zeros(2, w.shape[1]))

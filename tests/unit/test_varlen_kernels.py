@@ -1,0 +1,49 @@
+"""Packed-row attention through the real variable-length kernels: flex attention's block mask (eager on the CPU,
+compiled on CUDA) and, on CUDA, torch's varlen flash attention, each against one causal attention per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.trainer.batching import varlen
+
+CU_SEQLENS = [0, 37, 130, 131, 200]  # uneven sequences, one of a single token, none a multiple of a block
+
+
+def _inputs(device: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(200, heads, 32, generator=gen) for heads in (4, 2, 2))
+    return [t.to(device=device, dtype=dtype) for t in (query, key, value)], torch.tensor(CU_SEQLENS)
+
+
+def _per_sequence(query, key, value, cu_seqlens):
+    """The CPU path: one causal attention per sequence, in float32."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    out = [F.scaled_dot_product_attention(*(t.float().cpu().transpose(0, 1)[None] for t in qkv), is_causal=True,
+                                          enable_gqa=True)[0]
+           for qkv in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)]
+    return torch.cat(out, dim=1).transpose(0, 1)
+
+
+def test_flex_attentions_block_mask_keeps_each_sequence_to_itself(monkeypatch):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    monkeypatch.setattr(varlen, "_flex", lambda: (flex_attention, create_block_mask))  # eager: no compile here
+    (query, key, value), cu_seqlens = _inputs("cpu", torch.float32)
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
+    got = varlen.flex_causal_attention(q, k, v, cu_seqlens)[0].transpose(0, 1)
+    torch.testing.assert_close(got, _per_sequence(query, key, value, cu_seqlens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU kernels run in make gpu-check")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_varlen_kernels_equal_one_attention_per_sequence(dtype):
+    (query, key, value), cu_seqlens = _inputs("cuda", dtype)
+    kernel = "flash" if varlen.flash_applies(query) else "flex" if varlen.flex_applies(query) else "masked sdpa"
+    print(f"{dtype}: {kernel}")
+    assert kernel != "masked sdpa", "CUDA has neither varlen flash nor flex attention"
+    got = varlen.varlen_causal_attention(query, key, value, cu_seqlens.cuda(), 93)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float().cpu(), _per_sequence(query, key, value, cu_seqlens), atol=tol, rtol=tol)
