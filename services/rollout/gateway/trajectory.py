@@ -82,6 +82,10 @@ class Trajectory:
         """Match the conversation to the turns produced; render and tokenize only what is new after the match.
         InvalidArgument when the prompt leaves no room for one new token in `context_len`, found before an
         over-long text is tokenized whole."""
+        limit = None if context_len is None else context_len - 1
+        if limit is not None:  # a message past the context alone is refused before the template copies it
+            for message in conversation.messages:
+                refuse_past(self.renderer, message.get("content") or "", limit)
         keys, tools_key = conversation.keys(), conversation.tools_key()
         parent = None
         for turn in reversed(self.turns):  # newest first among equally long matches
@@ -90,7 +94,6 @@ class Trajectory:
                     parent is None or k > len(parent.keys)):
                 parent = turn
         full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
-        limit = None if context_len is None else context_len - 1
         if parent is None:
             reason = "" if not self.turns else "the history repeats no turn the gateway produced"
             ids = encode_within(self.renderer, full, limit)
@@ -142,26 +145,36 @@ class Trajectory:
 
 
 def encode_within(renderer: Renderer, text: str, max_tokens: int | None) -> list[int]:
-    """`text`'s tokens; InvalidArgument when there are more than `max_tokens`. A text too long to be sure of is
-    first counted in pieces cut before whitespace (as the pre-tokenizer cuts), stopping once the count is past the
-    bound: tokenizing takes the interpreter's lock, so a huge message must never be tokenized whole."""
-    if max_tokens is not None and len(text) > WHOLE_CHARS_PER_TOKEN * max(max_tokens, 1):
-        counted, pieces, start = 0, 0, 0
-        while start < len(text):
-            end = min(len(text), start + COUNT_CHUNK_CHARS)
-            if end < len(text) and (cut := text.rfind(" ", start + COUNT_CHUNK_CHARS // 2, end)) > start:
-                end = cut
-            counted += len(renderer.encode_text(text[start:end]))
-            pieces += 1
-            if counted > max_tokens + pieces:  # a cut may split one token in two: allow one per piece
-                raise InvalidArgument(f"the prompt does not fit the model's context: over {max_tokens} new tokens, "
-                                      f"room for {max_tokens} (one kept for the reply)")
-            start = end
+    """`text`'s tokens; InvalidArgument when there are more than `max_tokens`, found before a text too long to be
+    sure of is tokenized whole (refuse_past)."""
+    if max_tokens is not None:
+        refuse_past(renderer, text, max_tokens)
     ids = renderer.encode_text(text)
     if max_tokens is not None and len(ids) > max_tokens:
         raise InvalidArgument(f"the prompt does not fit the model's context: {len(ids)} new tokens, room for "
                               f"{max_tokens} (one kept for the reply)")
     return ids
+
+
+def refuse_past(renderer: Renderer, text: str, max_tokens: int) -> None:
+    """InvalidArgument if `text`, longer than WHOLE_CHARS_PER_TOKEN characters per allowed token, has more than
+    `max_tokens` tokens: counted in pieces cut before whitespace (as the pre-tokenizer cuts), a few times the bound
+    at a time, stopping once the count is past it. Tokenizing holds the interpreter's lock, so a huge text must
+    never be tokenized whole."""
+    if len(text) <= WHOLE_CHARS_PER_TOKEN * max(max_tokens, 1):
+        return
+    piece_chars = min(COUNT_CHUNK_CHARS, max(1024, 2 * max_tokens))
+    counted, pieces, start = 0, 0, 0
+    while start < len(text):
+        end = min(len(text), start + piece_chars)
+        if end < len(text) and (cut := text.rfind(" ", start + piece_chars // 2, end)) > start:
+            end = cut
+        counted += len(renderer.encode_text(text[start:end]))
+        pieces += 1
+        if counted > max_tokens + pieces:  # a cut may split one token in two: allow one per piece
+            raise InvalidArgument(f"the prompt does not fit the model's context: over {max_tokens} tokens, room "
+                                  f"for {max_tokens} (one kept for the reply)")
+        start = end
 
 
 @dataclass
