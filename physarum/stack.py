@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +53,20 @@ class StackOptions:
 
 
 def default_path_roots(work_dir: Path) -> tuple[Path, ...]:
-    """Where a local stack's jobs may read and write by default: the directory `up` ran from, the one that holds the
-    stack's work dir, and the temporary directory (a scratch place of this machine's)."""
-    roots = (Path.cwd(), Path(work_dir).resolve().parent, Path(tempfile.gettempdir()))
-    return tuple(dict.fromkeys(root.resolve() for root in roots))
+    """Where a local stack's jobs may read and write by default: the stack's private `files` directory (created
+    0700), the directory `up` ran from and the one that holds the work dir; never a world-writable directory (the
+    system temporary directory, say), where another user could plant a link."""
+    private = Path(work_dir).resolve() / "files"
+    private.mkdir(mode=0o700, parents=True, exist_ok=True)
+    roots = (private, Path.cwd(), Path(work_dir).resolve().parent)
+    return tuple(dict.fromkeys(root.resolve() for root in roots if not _world_writable(root)))
+
+
+def _world_writable(path: Path) -> bool:
+    try:
+        return bool(path.stat().st_mode & stat.S_IWOTH)
+    except OSError:
+        return True
 
 
 def root_flags(options: StackOptions, work_dir: Path) -> tuple[list[str], list[str]]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.common import write_roots
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
 from services.trainer.distributed.parallel import World
@@ -142,6 +143,7 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: TrainBackend, wo
                     trainer_state: Callable[[], TrainerState]) -> Path:
     """Every rank: write checkpoint `rollout_id` under root. `trainer_state` runs on rank 0 only, first (it takes
     the buffer's snapshot); a failure there ends the save on every rank before anything is written."""
+    root = write_roots.writable_dir(root, write_roots.CHECKPOINTS, "save")  # checked now, not only at submit
     path = iteration_dir(root, rollout_id)
     # taken first, written after the backend's files (dist-checkpointing wants an empty directory)
     state = world.on_rank0(lambda: dataclasses.asdict(trainer_state()))
@@ -254,9 +256,9 @@ def debug_rollout_path(pattern: str, rollout_id: int) -> Path:
 
 def save_debug_rollout_data(pattern: str, rollout_id: int, samples: list[Sample]) -> Path:
     path = debug_rollout_path(pattern, rollout_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
     dumped = [{**dataclasses.asdict(s), "status": s.status.name} for s in samples]
-    torch.save({"rollout_id": rollout_id, "samples": dumped}, path)
+    with write_roots.open_for_write(path, write_roots.EXPORTS, "save_debug_rollout_data") as out:
+        torch.save({"rollout_id": rollout_id, "samples": dumped}, out)
     return path
 
 

@@ -14,6 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
+from services.common import write_roots
 from services.common.errors import InvalidArgument
 from services.common.settings.driver import DriverConfig
 from services.common.settings.rollout import RolloutConfig
@@ -158,7 +159,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
             metrics.update(feed.after_rollout(rollout_id))  # the manager's counters, and eval when due
             feed.report(rollout_id, metrics)
         if driver.save_hf:
-            backend.save_hf(driver.save_hf.format(rollout_id=last))
+            backend.save_hf(write_roots.writable_dir(driver.save_hf.format(rollout_id=last), write_roots.EXPORTS,
+                                                     "save_hf"))
     finally:
         feed.close()
         weights.close()
