@@ -119,7 +119,7 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
     """The rollout -> train -> checkpoint -> weights loop of every mode; the feed is where the modes differ."""
     world, last = deps.world, driver.num_rollout - 1
     weights = EngineWeights(world, deps.rollout, engines=driver.engines, sync=sync,
-                            master_address=deps.master_address, model_dir=driver.hf_checkpoint)
+                            master_address=deps.master_address, model_dir=driver.hf_checkpoint, job_id=driver.job_id)
     feed = make_feed(driver, rollout, deps, ctx, weights, backend.rollout_share())
     try:
         start_id = resume(driver, backend, feed, world)
