@@ -72,8 +72,8 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int,
     import httpx
     from safetensors.torch import load_file
 
-    from services.common.settings.sync import DeltaSettings
-    from services.trainer.sync.delta_push import DeltaBroadcaster
+    from services.trainer.settings.weight_sync import DeltaSettings
+    from services.trainer.weight_sync.delta_push import DeltaBroadcaster
 
     # in memory, as a trainer's weights are (a mapped file would fault its pages in during the first sync)
     versions = [[(k, v.clone()) for k, v in sorted(load_file(path).items())] for path in (before, after)]

@@ -52,7 +52,7 @@ def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     Each rank's store connection formats its address with getnameinfo (torch's c10d), a reverse DNS query for a
     v4-mapped loopback address that /etc/hosts cannot answer: where the resolver drops one, glibc waits its timeout
     (5 s by default) before asking again, and the whole group waits for that rank."""
-    from services.trainer.sync.weight_sync import WeightBroadcaster
+    from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
     times = []
     with WeightBroadcaster(urls, timeout_s=120.0) as broadcaster:

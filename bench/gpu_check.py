@@ -42,7 +42,7 @@ def grpo_steps(out: Path, backend: str, bf16: bool) -> None:
     import warnings
 
     from bench.megatron_parity import build_tiny_qwen3
-    from services.trainer.backends.base import TrainConfig
+    from services.trainer.settings.train import TrainConfig
     from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
     warnings.filterwarnings("ignore")
@@ -50,7 +50,7 @@ def grpo_steps(out: Path, backend: str, bf16: bool) -> None:
     model_dir = build_tiny_qwen3(out.parent / "model", tie_word_embeddings=True)
     config = TrainConfig(**GRPO_CONFIG, bf16=bf16, allow_tf32=False)
     if backend == "fsdp":
-        from services.trainer.backends.fsdp import TorchBackend
+        from services.trainer.backends.fsdp.backend import TorchBackend
         from services.trainer.distributed.parallel import World
 
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -21,9 +21,9 @@ FAMILIES = ("qwen3_moe", "qwen3_5")
 
 def grpo_rollout(model_dir: Path, device: torch.device, bf16: bool) -> dict:
     """Two rollouts of the parity tests' GRPO setting on `device`; their metrics and the first rollout's log-probs."""
-    from services.trainer.backends.base import TrainConfig
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
     from services.trainer.distributed.parallel import World
+    from services.trainer.settings.train import TrainConfig
     from tests.integration.megatron_worker import GRPO_CONFIG
     from tests.integration.megatron_worker import grpo_rollout as fixed_rollout
 

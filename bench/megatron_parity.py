@@ -74,17 +74,19 @@ def parity_scenario(model_dir: Path, *, tp: int, pp: int) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.backends.megatron import convert, cpu_compat, model
-    from services.trainer.backends.megatron.arch import ModelArch
+    from services.trainer.backends.megatron import model
     from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
+    from services.trainer.checkpoint import megatron_convert
+    from services.trainer.distributed import megatron_cpu
+    from services.trainer.models.arch import ModelArch
 
     model.init_distributed(tp_size=tp, pp_size=pp, seed=SEED)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     arch = ModelArch.from_hf_config(hf.config)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     gpt = model.build_gpt(arch, model.transformer_config(arch, tp_size=tp, pp_size=pp), use_te=False).eval()
-    state = convert.hf_to_megatron(load_file(model_dir / "model.safetensors"), arch, tp_rank=tp_rank, tp_size=tp,
-                                   pp_rank=pp_rank, pp_size=pp)
+    state = megatron_convert.hf_to_megatron(load_file(model_dir / "model.safetensors"), arch, tp_rank=tp_rank,
+                                            tp_size=tp, pp_rank=pp_rank, pp_size=pp)
     gpt.load_state_dict(state, strict=True)
 
     tokens = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -96,7 +98,7 @@ def parity_scenario(model_dir: Path, *, tp: int, pp: int) -> dict:
         logits = module(input_ids=batch, position_ids=torch.arange(16).expand(2, 16), attention_mask=causal)
         return logits, lambda out: (outputs.append(out.detach()) or out.sum() * 0, {})
 
-    with torch.no_grad(), cpu_compat.cuda_to_cpu():
+    with torch.no_grad(), megatron_cpu.cuda_to_cpu():
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[gpt],
                                     num_microbatches=1, seq_length=16, micro_batch_size=2, forward_only=True)
     logit_diff = logprob_diff = 0.0
@@ -115,7 +117,7 @@ def parity_scenario(model_dir: Path, *, tp: int, pp: int) -> dict:
         logit_diff = (logits - expected).abs().max().item()
         logprob_diff = (log_probs - want).abs().max().item()
 
-    exported = dict(convert.gather_hf_weights(
+    exported = dict(megatron_convert.gather_hf_weights(
         list(gpt.named_parameters()), arch, tp_group=ps.get_tensor_model_parallel_group(), tp_rank=tp_rank,
         tp_size=tp, pp_group=ps.get_pipeline_model_parallel_group(), pp_rank=pp_rank, pp_size=pp,
         dp_rank=ps.get_data_parallel_rank()))

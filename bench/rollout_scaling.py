@@ -128,7 +128,7 @@ def bench_fake(work: Path, model: Path, counts: list[int], duration_s: float) ->
 
 def bench_cpu(work: Path, model: Path, counts: list[int], duration_s: float) -> dict:
     """CPU engines, disk join: throughput and group rebuild by count, each new engine's join time."""
-    from services.trainer.sync.weight_sync import WeightBroadcaster, sync_engine_pool
+    from services.trainer.weight_sync.weight_sync import WeightBroadcaster, sync_engine_pool
 
     manager = Manager(work, model, "cpu-disk", "--engine-join-mode", "disk")
     weights = engine_weights(model)
@@ -157,7 +157,7 @@ def bench_cpu(work: Path, model: Path, counts: list[int], duration_s: float) -> 
 def bench_sync_join(work: Path, model: Path, repeats: int) -> list[float]:
     """CPU engines, sync join: the time from the next sync's start to the new engine serving (group rebuild with the
     newcomer, broadcast, registration); the wait for that sync comes on top."""
-    from services.trainer.sync.weight_sync import WeightBroadcaster, sync_engine_pool
+    from services.trainer.weight_sync.weight_sync import WeightBroadcaster, sync_engine_pool
 
     manager = Manager(work, model, "cpu-sync", "--engine-join-mode", "sync")
     weights, times = engine_weights(model), []

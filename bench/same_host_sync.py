@@ -42,7 +42,7 @@ def shm_round_trip(tensors: list, targets: list) -> None:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from services.trainer.sync.auto import make_broadcaster
+    from services.trainer.weight_sync.auto import make_broadcaster
 
     args, work, model, weights = start_sync_bench(argparse.ArgumentParser(description=__doc__), argv,
                                                   "physarum-bench-shm-")

@@ -114,7 +114,7 @@ def plain_step(model_dir: Path, samples, prompt_len: int, micro_batch_size: int,
 
 def train_config(shape: dict, dtype: torch.dtype, num_samples: int, packed_budget: int | None = None):
     """micro_batch_size samples per micro-batch; with packed_budget, micro-batches packed to that many tokens."""
-    from services.trainer.backends.base import TrainConfig
+    from services.trainer.settings.train import TrainConfig
 
     return TrainConfig(n_samples_per_prompt=2, global_batch_size=num_samples,
                        micro_batch_size=shape["micro_batch_size"], lr=1e-6, bf16=dtype == torch.bfloat16,
@@ -122,7 +122,7 @@ def train_config(shape: dict, dtype: torch.dtype, num_samples: int, packed_budge
 
 
 def fsdp_step(model_dir: Path, samples, config, device: torch.device, packed: bool = True) -> Callable[[], None]:
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
     from services.trainer.distributed.parallel import World
 
     backend = TorchBackend(model_dir, config, world=World(device=device), pack_sequences=packed)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         receiver(int(port), int(rank), int(world_size), spec, int(rounds))
         return 0
 
-    from services.trainer.sync.weight_sync import WeightBroadcaster
+    from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engines", type=int, default=2)

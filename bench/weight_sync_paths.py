@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from services.trainer.sync.shm import SharedMemoryBroadcaster
-from services.trainer.sync.weight_sync import WeightBroadcaster
+from services.trainer.weight_sync.shm import SharedMemoryBroadcaster
+from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 from tests.integration.engine_fixtures import start_engines, stop_engines
 
 

@@ -1,7 +1,7 @@
 """The local stack (`physarum up` / `down`): every service as a process on loopback, started once.
 
 Starts a private redis-server, buffer, reward, the real sglang-router, the rollout manager (which starts the
-CPU engines) and the trainer's ranks (rank 0 serves the job API; ranks 1.. run services.trainer.api.worker, with
+CPU engines) and the trainer's ranks (rank 0 serves the job API; ranks 1.. run services.trainer.ranks.worker, with
 torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); records each PID, command line and environment in
 stack.json so `down` stops exactly those and `restart_trainer` starts the trainer's ranks again.
 """
@@ -185,7 +185,7 @@ def trainer_ranks(options: StackOptions, ports: dict[str, int], addr: dict[str, 
                           "--rest-port", str(ports["trainer_rest"]), *flags, *(rank0_flags or []))
     ranks = [ManagedProcess("trainer", rank0, logs / "trainer.log", env={**env, "RANK": "0", "LOCAL_RANK": "0"})]
     for rank in range(1, options.trainer_ranks):
-        ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.api.worker", *flags),
+        ranks.append(ManagedProcess(f"trainer-{rank}", python_module("services.trainer.ranks.worker", *flags),
                                     logs / f"trainer-{rank}.log",
                                     env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
     return ranks

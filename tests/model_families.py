@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from physarum import tinymodel
-from services.trainer.distributed.hf_files import TOKENIZER_FILES
+from services.trainer.checkpoint.hf_files import TOKENIZER_FILES
 
 # qwen3, the default tiny model, is every other test's model
 FAMILIES = ("llama", "glm4", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe")

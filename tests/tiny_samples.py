@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from services.common.samples import Sample
-from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
+from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
 
 Rollout = list[tuple[str, str, float]]
 

@@ -1,5 +1,5 @@
 """Run the trainer's rank 0: the job API (gRPC + REST) and the driver of submitted jobs (ranks > 0 run
-`python -m services.trainer.api.worker` and join it)."""
+`python -m services.trainer.ranks.worker` and join it)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ async def serve(config: TrainerConfig) -> int:
     from services.buffer.client import BufferClient
     from services.rollout.client import RolloutClient
     from services.trainer.api.server import create_server
-    from services.trainer.api.worker import Dispatcher
     from services.trainer.distributed.parallel import init_world
     from services.trainer.driver.deps import TrainerDeps
     from services.trainer.driver.loop import train
+    from services.trainer.ranks.worker import Dispatcher
 
     torch.set_num_threads(config.num_threads)
     world = await asyncio.to_thread(init_world, rank=0, world_size=config.world_size, master_addr=config.master_addr,
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("config: %s", as_dict(config))
     write_roots.configure(config.checkpoint_roots, config.export_roots)  # checked again at each write
     if config.rank != 0:
-        log.error("rank %d: ranks > 0 run `python -m services.trainer.api.worker`", config.rank)
+        log.error("rank %d: ranks > 0 run `python -m services.trainer.ranks.worker`", config.rank)
         return 2
     return asyncio.run(serve(config))
 

@@ -21,13 +21,13 @@ def trainer_container(values: dict) -> dict:
     return pod_spec(one(render(values), "StatefulSet", "trainer"))["containers"][0]
 
 
-@pytest.mark.parametrize("pod, local, module", [("0", 0, "services.trainer"), ("0", 1, "services.trainer.api.worker"),
-                                                ("3", 0, "services.trainer.api.worker")])
+@pytest.mark.parametrize("pod, local, module", [("0", 0, "services.trainer"), ("0", 1, "services.trainer.ranks.worker"),
+                                                ("3", 0, "services.trainer.ranks.worker")])
 def test_the_pod_launches_one_rank_per_gpu(pod, local, module):
-    from services.trainer.api.launch import rank_command, rank_envs
+    from services.trainer.ranks.launch import rank_command, rank_envs
 
     container = trainer_container({"trainer": {"replicas": 4, "gpus": 2}})
-    assert container["command"] == ["python", "-m", "services.trainer.api.launch"] and "args" not in container
+    assert container["command"] == ["python", "-m", "services.trainer.ranks.launch"] and "args" not in container
     env = {e["name"]: e.get("value") for e in container["env"]}
     envs = rank_envs(pod_index=int(pod), num_pods=int(env["NUM_PODS"]), nproc_per_pod=int(env["NPROC_PER_POD"]))
     assert envs[local]["WORLD_SIZE"] == env["WORLD_SIZE"] == "8"

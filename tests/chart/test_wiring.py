@@ -50,7 +50,7 @@ PENDING_FIELDS: dict[str, set[str]] = {}
 RELEASE_PEER = {"app.kubernetes.io/instance": "demo", "app.kubernetes.io/part-of": "physarum"}
 
 
-TRAINER_LAUNCH = ["python", "-m", "services.trainer.api.launch"]  # one rank per GPU: services.trainer and its workers
+TRAINER_LAUNCH = ["python", "-m", "services.trainer.ranks.launch"]  # one rank per GPU: services.trainer and its workers
 
 
 def physarum_containers(objects):
@@ -69,7 +69,8 @@ def test_containers_run_the_local_entry_points(objects, value_set):
     found = {service for _, _, service in physarum_containers(objects)}
     backend = values_of(value_set)["engines"]["backend"]
     assert found == {"buffer", "reward", "rollout", "trainer"} | ({"engine"} if backend == "cpu" else set())
-    for module in [m for m, _ in SERVICES.values()] + ["services.trainer.api.worker", "services.trainer.api.launch"]:
+    ranks = ["services.trainer.ranks.worker", "services.trainer.ranks.launch"]
+    for module in [m for m, _ in SERVICES.values()] + ranks:
         assert importlib.util.find_spec(module) is not None, module
     router = one(objects, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
     # with auth on, a shell adds the token file's key to the same module's command line (test_auth.py)

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from physarum import tasks, tinymodel
-from services.trainer.slime.megatron_flags import ARCH
+from services.trainer.slime_flags.megatron_flags import ARCH
 
 # Parallelism: the test's stack has one trainer rank and single-process CPU engines.
 ONE = ("actor-num-nodes", "actor-num-gpus-per-node", "rollout-num-gpus", "rollout-num-gpus-per-engine",

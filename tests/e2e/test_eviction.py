@@ -11,7 +11,7 @@ from pathlib import Path
 
 from physarum import stack
 from services.trainer.api.client import JobsRestClient
-from services.trainer.driver import checkpoint
+from services.trainer.checkpoint import iterations
 from tests.e2e.test_loop import job_spec
 
 NUM_ROLLOUT = 6
@@ -43,12 +43,12 @@ def test_sigterm_checkpoints_at_the_next_safe_point_exits_0_and_the_job_resumes(
         while (job := client.get("evicted"))["rollout_id"] < 1:
             assert job["state"] not in TERMINAL and time.monotonic() < deadline, job
             time.sleep(0.1)
-    assert checkpoint.latest_iteration(save) is None
+    assert iterations.latest_iteration(save) is None
     [trainer] = [e for e in stack.read_state(work_dir)["processes"] if e["name"] == "trainer"]
     assert stack._owned(trainer)
     os.kill(trainer["pid"], signal.SIGTERM)
     assert wait_exit(trainer["pid"]) == 0
-    latest = checkpoint.latest_iteration(save)
+    latest = iterations.latest_iteration(save)
     assert latest is not None and 1 <= latest < NUM_ROLLOUT - 1, latest
 
     state = stack.restart_trainer(work_dir)

@@ -3,7 +3,7 @@ killed with SIGKILL after a checkpoint that resumes by itself on exactly the pro
 whose worker rank alone is SIGKILLed that resumes when the ranks restart, and
 rollouts dumped without training, then replayed through training without engines, and a job whose two ranks split
 every sequence (context parallelism). Then the same two ranks as one Megatron TP=2 group: the engines get weights
-converted from Megatron, and a job resumes from its dist-checkpoint."""
+converted from Megatron, and a job resumes from its dist-iterations."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
 from services.trainer.__main__ import RANK_LOST_EXIT
 from services.trainer.api.client import JobsRestClient
-from services.trainer.driver import checkpoint
+from services.trainer.checkpoint import iterations
 from tests.e2e.test_eviction import wait_exit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def run(state, spec):
 
 def prompt_indices(pattern: str, num_rollout: int) -> list[list[int]]:
     """Per rollout, the prompt (dataset index) of each group it trained on, from its debug dump."""
-    return [sorted({s.group_index for s in checkpoint.load_debug_rollout_data(pattern, r)}) for r in range(num_rollout)]
+    return [sorted({s.group_index for s in iterations.load_debug_rollout_data(pattern, r)}) for r in range(num_rollout)]
 
 
 def test_cli_runs_the_demo_job_on_two_trainer_ranks(ranks_stack, tiny_model_dir, addition_task, tmp_path):
@@ -115,7 +115,7 @@ def test_a_job_killed_after_a_checkpoint_resumes_by_itself_on_the_prompts_of_a_n
     assert len(killed) == 2 and all(stack._owned(e) for e in killed)
     for entry in killed:
         os.kill(entry["pid"], signal.SIGKILL)
-    latest = checkpoint.latest_iteration(save)
+    latest = iterations.latest_iteration(save)
     assert latest is not None and latest >= 1
 
     stack.restart_trainer(ranks_stack["work_dir"])
@@ -160,7 +160,7 @@ def test_a_worker_rank_killed_mid_job_stops_rank_0_and_the_job_resumes_when_the_
     assert stack._owned(rank0) and stack._owned(worker)
     os.kill(worker["pid"], signal.SIGKILL)
     assert wait_exit(rank0["pid"], timeout_s=180) == RANK_LOST_EXIT  # it noticed, recorded the job, and left
-    latest = checkpoint.latest_iteration(save)
+    latest = iterations.latest_iteration(save)
     assert latest is not None and latest < 3
 
     stack.restart_trainer(ranks_stack["work_dir"])
@@ -187,7 +187,7 @@ def test_rollouts_dumped_without_training_replay_through_training_without_engine
     assert generated["state"] == "SUCCEEDED", generated["error"]
     metrics = [e["metrics"] for e in events if e["metrics"]]
     assert len(metrics) == 1 and "rollout/reward_mean" in metrics[0] and "train/loss" not in metrics[0]
-    samples = checkpoint.load_debug_rollout_data(pattern, 0)
+    samples = iterations.load_debug_rollout_data(pattern, 0)
     assert len(samples) == 4 and all(s.response_length > 0 and s.rollout_log_probs for s in samples)
 
     replayed, events = run(ranks_stack, job_spec(tiny_model_dir, "unused.jsonl", "train-only", num_rollout=1,
@@ -241,7 +241,7 @@ def test_a_megatron_tp2_job_feeds_the_engines_converted_weights_and_resumes_from
                 got = client.get_weights_by_name(name, truncate_size=64)
                 assert got == pytest.approx(exported[name].flatten()[:64].tolist(), abs=1e-7), name
     assert {"metadata.json", "common.pt", "rng_rank0.pt", "rng_rank1.pt", "trainer_state.json"} <= {
-        p.name for p in checkpoint.iteration_dir(save, 2).iterdir()}  # Megatron-LM's layout: slime's --load reads it
+        p.name for p in iterations.iteration_dir(save, 2).iterdir()}  # Megatron-LM's layout: slime's --load reads it
     assert (save / "rollout" / "global_dataset_state_dict_2.pt").is_file()  # slime's data source resumes from it
 
     # one more rollout from the checkpoint, with its policy as the reference model too (ref_load)

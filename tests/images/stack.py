@@ -132,7 +132,7 @@ class ImageStack:
                                   "PHYSARUM_ROLLOUT_WEIGHT_SNAPSHOT_DIR": f"{CHECKPOINTS}/weight-snapshots"})
         rollout.wait_ready(_grpc_ready(self.addr["rollout"]), timeout_s=start_timeout_s)
         trainer = self._start("trainer", self._container("trainer", checkpoints="rw"),
-                              ["python", "-m", "services.trainer.api.launch"], {
+                              ["python", "-m", "services.trainer.ranks.launch"], {
                                   "PHYSARUM_TRAINER_HOST": HOST, "PHYSARUM_TRAINER_PORT": str(port["trainer"]),
                                   "PHYSARUM_TRAINER_REST_PORT": str(port["trainer_rest"]),
                                   "PHYSARUM_TRAINER_BUFFER_ADDR": self.addr["buffer"],

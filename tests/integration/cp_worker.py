@@ -29,8 +29,8 @@ CASES = {  # every policy-loss term live, on a token budget (per CP rank); SFT o
 def probe(model_dir: Path, config, world, cp_size: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from services.trainer.backends.batch import build_rollout_batch
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
+    from services.trainer.batching.batch import build_rollout_batch
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
@@ -64,8 +64,8 @@ def diffs(one: dict, cp: dict) -> dict:
 
 def main(model_dir: Path, out_dir: Path) -> None:
     from services.trainer.api.config import TrainerConfig
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.distributed.parallel import World, init_world
+    from services.trainer.settings.train import TrainConfig
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)

@@ -1,4 +1,4 @@
-"""A rank started by services.trainer.api.launch for test_launch: joins the trainer's world as the trainer would and
+"""A rank started by services.trainer.ranks.launch for test_launch: joins the trainer's world as the trainer would and
 writes what it was told (rank 0 writes every rank's view to $PROBE_OUT)."""
 
 from __future__ import annotations

@@ -27,16 +27,16 @@ def ep2_forward(model_dir: Path) -> float:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.backends.megatron import convert, hf_io
     from services.trainer.backends.megatron import model as mcore
-    from services.trainer.backends.megatron.arch import ModelArch
-    from services.trainer.backends.megatron.cpu_compat import cuda_to_cpu
+    from services.trainer.checkpoint import hf_io, megatron_convert
+    from services.trainer.distributed.megatron_cpu import cuda_to_cpu
+    from services.trainer.models.arch import ModelArch
 
     mcore.init_distributed(tp_size=1, pp_size=1, seed=0, ep_size=2)
     arch = ModelArch.from_hf_config(hf_io.read_config(model_dir))
     gpt = mcore.build_gpt(arch, mcore.transformer_config(arch, tp_size=1, pp_size=1), use_te=False).eval()
-    state = convert.hf_to_megatron(hf_io.HFTensors(model_dir), arch, ep_rank=ps.get_expert_model_parallel_rank(),
-                                   ep_size=2)
+    state = megatron_convert.hf_to_megatron(hf_io.HFTensors(model_dir), arch,
+                                            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=2)
     assert state.keys() == {name for name, _ in gpt.named_parameters()}
     with torch.no_grad():
         for name, param in gpt.named_parameters():
@@ -60,10 +60,10 @@ def grpo(model_dir: Path, out_dir: Path, ep: int, tp: int = 1) -> dict:
     fresh backend resumes from it and trains the second again."""
     import torch.distributed as dist
 
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.checkpoint import iterations
     from services.trainer.distributed.parallel import World
-    from services.trainer.driver import checkpoint
+    from services.trainer.settings.train import TrainConfig
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
     def build() -> MegatronBackend:
@@ -77,13 +77,13 @@ def grpo(model_dir: Path, out_dir: Path, ep: int, tp: int = 1) -> dict:
     for rollout_id, rollout in enumerate(rollouts):
         metrics += [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
         if rollout_id == 0:
-            checkpoint.save_checkpoint(out_dir / "ckpt", 0, backend, world, lambda: checkpoint.TrainerState(
+            iterations.save_checkpoint(out_dir / "ckpt", 0, backend, world, lambda: iterations.TrainerState(
                 rollout_id=0, job_id="moe", world_size=world.world_size))
     after = backend.compute_log_probs(rollouts[0])
     backend.save_hf(out_dir / "hf")
     backend.close()
     resumed = build()
-    checkpoint.load_checkpoint(out_dir / "ckpt", resumed, world)
+    iterations.load_checkpoint(out_dir / "ckpt", resumed, world)
     resumed_metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")}
                        for m in resumed.train_rollout(rollouts[1])]
     resumed_after = resumed.compute_log_probs(rollouts[0])
@@ -95,8 +95,8 @@ def grpo(model_dir: Path, out_dir: Path, ep: int, tp: int = 1) -> dict:
 def grpo_aux_loss(model_dir: Path, *, replay: bool = False) -> dict:
     """One rollout at EP=2 under moe_aux_loss_coeff (megatron-core's own load-balancing loss); replay: routed to an
     engine's experts too (use_rollout_routing_replay)."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=AUX_LOSS_COEFF,
                                                      use_rollout_routing_replay=replay), expert_model_parallel_size=2)
@@ -113,7 +113,7 @@ def engine_routed(model_dir: Path, samples: list) -> list:
     seed) routed each token to, as its return_routed_experts reports them."""
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.backends.routing_replay import RoutingReplay, moe_routers
+    from services.trainer.moe.hf_routing_replay import RoutingReplay, moe_routers
 
     engine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
@@ -131,7 +131,7 @@ def engine_routed(model_dir: Path, samples: list) -> list:
 def replayed_log_probs(backend, samples: list) -> list[list[float]]:
     """The log-probs the policy gives the samples routed to their engine-routed experts (the old log-probs of
     use_rollout_routing_replay), response-aligned."""
-    from services.trainer.backends.batch import build_rollout_batch
+    from services.trainer.batching.batch import build_rollout_batch
 
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id,
                                 routing_shape=(backend.arch.num_layers, backend.arch.moe_router_topk))
@@ -145,8 +145,8 @@ def grpo_routing_replay(model_dir: Path, setting: str, *, tp: int = 1, ep: int =
     """One rollout at TP=tp, EP=ep under `setting` (use_rollout_routing_replay: an engine's other routing; or
     use_routing_replay): the replayed and the routers' own log-probs before it, the metrics, the log-probs after;
     the HF export in save_dir when given."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}),
                               tensor_model_parallel_size=tp, expert_model_parallel_size=ep)

@@ -37,11 +37,11 @@ def hf_log_probs(model_dir: Path, samples) -> list[list[float]]:
 
 
 def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_dir: Path) -> None:
-    from services.trainer.backends.base import TrainConfig
-    from services.trainer.backends.batch import build_rollout_batch
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.batching.batch import build_rollout_batch
+    from services.trainer.checkpoint import iterations
     from services.trainer.distributed.parallel import World
-    from services.trainer.driver import checkpoint
+    from services.trainer.settings.train import TrainConfig
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -49,8 +49,8 @@ def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_di
     # the teacher as a policy, saved as a checkpoint root (what --opd-teacher-load of a checkpoint reads)
     as_policy = MegatronBackend(teacher_dir, TrainConfig(n_samples_per_prompt=2))
     root = out_dir / "teacher-ckpt"
-    checkpoint.save_checkpoint(root, 4, as_policy, world,
-                               lambda: checkpoint.TrainerState(rollout_id=4, job_id="teacher", world_size=1))
+    iterations.save_checkpoint(root, 4, as_policy, world,
+                                lambda: iterations.TrainerState(rollout_id=4, job_id="teacher", world_size=1))
     as_policy.close()
 
     backend = MegatronBackend(student_dir, TrainConfig(**OPD_CONFIG))
@@ -63,9 +63,9 @@ def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_di
         return [out[i, :s.response_length].tolist() for i, s in enumerate(samples)]
 
     before = teacher_log_probs()  # the student's own weights until a teacher is loaded
-    checkpoint.load_teacher(teacher_dir, backend, world)
+    iterations.load_teacher(teacher_dir, backend, world)
     from_hf = teacher_log_probs()
-    checkpoint.load_teacher(root, backend, world)
+    iterations.load_teacher(root, backend, world)
     from_checkpoint = teacher_log_probs()
     metrics = backend.train_rollout(samples)
     backend.close()

@@ -68,11 +68,11 @@ def optimizer_moments(backend) -> list[torch.Tensor]:
 def save_round_trip(trained, root: Path, student_dir: Path, world) -> dict:
     """slime's --save on the megatron backend: the checkpoint of rollout 3, read back four ways; each compared
     parameter by parameter with the trained model."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
-    from services.trainer.driver import checkpoint
+    from services.trainer.checkpoint import iterations
+    from services.trainer.settings.train import TrainConfig
 
-    path = checkpoint.save_checkpoint(root, 3, trained, world, lambda: checkpoint.TrainerState(
+    path = iterations.save_checkpoint(root, 3, trained, world, lambda: iterations.TrainerState(
         rollout_id=3, job_id="saver", world_size=1))
     want = {name: p.detach().clone() for name, p in trained.gpt.named_parameters()}
     want_moments = optimizer_moments(trained)
@@ -81,8 +81,8 @@ def save_round_trip(trained, root: Path, student_dir: Path, world) -> dict:
         got = dict(backend.gpt.named_parameters())
         return {name: (got[name] - value).abs().max().item() for name, value in want.items()}
 
-    result = {"files": sorted(p.name for p in path.iterdir()), "latest": (root / checkpoint.LATEST_FILE).read_text(),
-              "is_slime_layout": checkpoint.slime_checkpoint(root) is not None}
+    result = {"files": sorted(p.name for p in path.iterdir()), "latest": (root / iterations.LATEST_FILE).read_text(),
+              "is_slime_layout": iterations.slime_checkpoint(root) is not None}
     fresh = MegatronBackend(student_dir, TrainConfig(**CONFIG))  # a freshly built model: the student's weights
     result["fresh_diffs"] = max_diffs(fresh)
     common, metadata = megatron_lm_load(fresh, path)
@@ -94,10 +94,10 @@ def save_round_trip(trained, root: Path, student_dir: Path, world) -> dict:
     fresh.close()
 
     resumed = MegatronBackend(student_dir, TrainConfig(**CONFIG))  # Physarum's --load of the same root
-    state = checkpoint.load_checkpoint(root, resumed, world)
+    state = iterations.load_checkpoint(root, resumed, world)
     result.update(resumed_rollout_id=state.rollout_id, resumed_diffs=max_diffs(resumed),
                   resumed_num_steps=resumed._num_steps, trained_num_steps=trained._num_steps)
-    checkpoint.load_reference(root, resumed, world)  # --ref-load of the root: its policy
+    iterations.load_reference(root, resumed, world)  # --ref-load of the root: its policy
     ref = dict(resumed.ref_model.named_parameters())
     result["ref_diffs"] = {name: (ref[name] - value).abs().max().item() for name, value in want.items()}
     resumed.load_megatron_checkpoint(path, "teacher")  # the torch_dist reader of slime's checkpoints
@@ -108,11 +108,11 @@ def save_round_trip(trained, root: Path, student_dir: Path, world) -> dict:
 
 
 def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_dir: Path) -> None:
-    from services.trainer.backends.base import TrainConfig
-    from services.trainer.backends.batch import build_rollout_batch
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.batching.batch import build_rollout_batch
+    from services.trainer.checkpoint import iterations
     from services.trainer.distributed.parallel import World
-    from services.trainer.driver import checkpoint
+    from services.trainer.settings.train import TrainConfig
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -131,11 +131,11 @@ def run(rank: int, world_size: int, out_dir: Path, student_dir: Path, teacher_di
         out = backend._log_probs(model, batch, micro)
         return [out[i, :s.response_length].tolist() for i, s in enumerate(samples)]
 
-    checkpoint.load_reference(out_dir / "release-root", backend, world)
-    checkpoint.load_teacher(out_dir / "iter-root", backend, world)
+    iterations.load_reference(out_dir / "release-root", backend, world)
+    iterations.load_teacher(out_dir / "iter-root", backend, world)
     results = {"ref": log_probs(backend.ref_model), "teacher": log_probs(backend.teacher_model),
                "policy_before": log_probs(backend.model)}
-    backend.load_megatron_checkpoint(checkpoint.slime_checkpoint(out_dir / "iter-root"), "model")
+    backend.load_megatron_checkpoint(iterations.slime_checkpoint(out_dir / "iter-root"), "model")
     results["policy_after"] = log_probs(backend.model)
     results["metrics"] = backend.train_rollout(samples)
     results["saved"] = save_round_trip(backend, out_dir / "saved", student_dir, world)

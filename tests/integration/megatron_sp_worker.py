@@ -24,8 +24,8 @@ def grpo(model_dir: Path, *, tp: int, pack: bool, ep: int = 1, aux_loss: float =
     """One rollout at tensor parallelism `tp` (2: under megatron.sequence_parallel): the log-probs before and
     after, the metrics of its two steps. replay: that routing replay setting, the rollout routed by an engine whose
     routers differ, its replayed log-probs too."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     backend = MegatronBackend(model_dir, TrainConfig(**CONFIG, moe_aux_loss_coeff=aux_loss,
                                                      **({replay: True} if replay else {})),

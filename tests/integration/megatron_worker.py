@@ -54,10 +54,10 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
     policy as its reference model (ref_load)."""
     import torch.distributed as dist
 
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.checkpoint import iterations
     from services.trainer.distributed.parallel import World
-    from services.trainer.driver import checkpoint
+    from services.trainer.settings.train import TrainConfig
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
     name = f"grpo-tp{tp}-pp{pp}"
@@ -76,7 +76,7 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
         metrics += backend.train_rollout(rollout)
         if rollout_id == CKPT_ROLLOUT:
             start = time.monotonic()
-            checkpoint.save_checkpoint(ckpt_root, rollout_id, backend, world, lambda: checkpoint.TrainerState(
+            iterations.save_checkpoint(ckpt_root, rollout_id, backend, world, lambda: iterations.TrainerState(
                 rollout_id=CKPT_ROLLOUT, job_id=name, world_size=world.world_size))
             save_seconds = time.monotonic() - start
             at_checkpoint = backend.compute_log_probs(samples)
@@ -90,12 +90,12 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
     backend.close()
 
     resumed = build()
-    state = checkpoint.load_checkpoint(ckpt_root, resumed, world)
+    state = iterations.load_checkpoint(ckpt_root, resumed, world)
     resumed_version = resumed.weight_version
     resumed_metrics = [m for rollout in rollouts[state.rollout_id + 1:] for m in resumed.train_rollout(rollout)]
     resumed_after = resumed.compute_log_probs(samples)
     resumed_weights = dict(resumed.named_weights())
-    checkpoint.load_reference(ckpt_root, resumed, world)
+    iterations.load_reference(ckpt_root, resumed, world)
     ref_log_probs = _ref_log_probs(resumed, samples)
     resumed.close()
     if dist.get_rank() != 0:
@@ -106,7 +106,7 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
     return {"tp": tp, "pp": pp, "metrics": metrics, "log_probs_before": before, "log_probs_after": after,
             "log_probs_reloaded": reloaded, "kl_after_ref_update": kl_after_ref_update, "save_dir": str(save_dir),
             "save_seconds": save_seconds,
-            "checkpoint_files": sorted(p.name for p in checkpoint.iteration_dir(ckpt_root, CKPT_ROLLOUT).iterdir()),
+            "checkpoint_files": sorted(p.name for p in iterations.iteration_dir(ckpt_root, CKPT_ROLLOUT).iterdir()),
             "resumed_rollout_id": state.rollout_id, "resumed_version": resumed_version,
             "resumed_metrics": resumed_metrics, "resumed_log_probs_after": resumed_after,
             "resumed_max_weight_diff": max((resumed_weights[k] - final[k]).abs().max().item() for k in final),
@@ -115,7 +115,7 @@ def grpo_scenario(model_dir: Path, out_dir: Path, *, tp: int, pp: int, distribut
 
 def _ref_log_probs(backend, samples: list[Sample]) -> list[list[float]]:
     """The reference model's log-probs of `samples` (the backend's own recompute, run on its ref_model)."""
-    from services.trainer.backends.batch import build_rollout_batch
+    from services.trainer.batching.batch import build_rollout_batch
 
     batch = build_rollout_batch(samples, pad_token_id=backend.pad_token_id)
     micro = backend._micro_batches(batch, list(range(batch.size)), training=False)
@@ -125,8 +125,8 @@ def _ref_log_probs(backend, samples: list[Sample]) -> list[list[float]]:
 
 def sft_scenario(model_dir: Path, *, tp: int, pp: int, loss: str) -> list[dict]:
     """Two SFT steps, through sft_loss or the custom-loss path (logits gathered over TP)."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     backend = MegatronBackend(model_dir, TrainConfig(**SFT_CONFIG, **SFT_LOSSES[loss]), tensor_model_parallel_size=tp,
                               pipeline_model_parallel_size=pp)

@@ -29,7 +29,7 @@ class Trainer:
     """Answers the requests; keeps one WeightBroadcaster (and so one weight-update group) across them."""
 
     def __init__(self, model_dir: str, master_address: str, timeout_s: float) -> None:
-        from services.trainer.sync.weight_sync import WeightBroadcaster
+        from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
         self.weights = hf_weights(model_dir)
         self.timeout_s = timeout_s
@@ -37,7 +37,7 @@ class Trainer:
                                       bucket_bytes=256 << 10)
 
     def broadcast(self, urls: list[str], seed: int, version: str) -> dict:
-        from services.trainer.sync.weight_sync import WeightSyncError
+        from services.trainer.weight_sync.weight_sync import WeightSyncError
 
         weights = perturbed(self.weights, seed)
         self.sync.set_engines(urls)

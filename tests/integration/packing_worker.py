@@ -44,8 +44,8 @@ def rollout(vocab_size: int, pad_token_id: int) -> list[Sample]:
 def fsdp_probe(model_dir: Path, config, world, samples: list[Sample], packed: bool) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from services.trainer.backends.batch import build_rollout_batch
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
+    from services.trainer.batching.batch import build_rollout_batch
     from services.trainer.distributed.parallel import shard_rollout
 
     backend = TorchBackend(model_dir, config, world=world, pack_sequences=packed, min_padding_to_pack=0.0)
@@ -64,8 +64,8 @@ def fsdp_probe(model_dir: Path, config, world, samples: list[Sample], packed: bo
 
 
 def megatron_probe(model_dir: Path, config, samples: list[Sample], packed: bool) -> dict:
-    from services.trainer.backends.batch import build_rollout_batch
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.batching.batch import build_rollout_batch
 
     backend = MegatronBackend(model_dir, config, use_distributed_optimizer=False, pack_sequences=packed,
                               min_padding_to_pack=0.0)
@@ -105,8 +105,8 @@ def max_diffs(padded: dict, packed: dict) -> dict:
 
 
 def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.distributed.parallel import World
+    from services.trainer.settings.train import TrainConfig
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)

@@ -18,8 +18,8 @@ from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
 
 def run(model_dir: Path, bf16: bool) -> dict:
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     backend = MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG, bf16=bf16))
     samples = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id)

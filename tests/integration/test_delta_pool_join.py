@@ -12,8 +12,8 @@ import torch
 from services.common import procs, weight_delta
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.trainer.sync.delta_disk import DiskBroadcaster
-from services.trainer.sync.weight_sync import sync_engine_pool
+from services.trainer.weight_sync.delta_disk import DiskBroadcaster
+from services.trainer.weight_sync.weight_sync import sync_engine_pool
 from tests.integration.delta_checks import sign_steps
 from tests.integration.inprocess import InProcessManager
 from tests.integration.test_weight_sync_pool import router_urls, wait_pool

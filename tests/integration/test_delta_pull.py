@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from services.common import weight_delta
-from services.common.settings.sync import DeltaSettings
-from services.trainer.sync.delta_disk import DiskBroadcaster
+from services.trainer.settings.weight_sync import DeltaSettings
+from services.trainer.weight_sync.delta_disk import DiskBroadcaster
 from tests.integration.delta_checks import assert_engines_hold, sign_steps
 from tests.integration.engine_fixtures import start_engines, stop_engines
 

@@ -133,7 +133,7 @@ def publish_version(stack, version: str) -> str:
     """What the trainer does in disk-join mode: a snapshot, then Begin/End around its broadcast."""
     import torch
 
-    from services.trainer.sync.weight_sync import write_snapshot
+    from services.trainer.weight_sync.weight_sync import write_snapshot
 
     client = stack["client"]
     plan = client.begin_weight_sync(version)

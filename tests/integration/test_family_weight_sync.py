@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from services.common.samples import Sample
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.sync.weight_sync import WeightBroadcaster
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.settings.train import TrainConfig
+from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 from tests.integration.engine_fixtures import start_engines, stop_engines
 from tests.tiny_samples import samples_of
 

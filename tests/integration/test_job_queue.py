@@ -17,9 +17,9 @@ import torch
 from services.trainer.api.client import JobsRestClient
 from services.trainer.api.config import TrainerConfig
 from services.trainer.api.server import create_server
-from services.trainer.backends.dcp import DCPCheckpointing
+from services.trainer.checkpoint import iterations
+from services.trainer.checkpoint.dcp import DCPCheckpointing
 from services.trainer.distributed.parallel import World
-from services.trainer.driver import checkpoint
 
 
 class TinyBackend(DCPCheckpointing):
@@ -50,9 +50,9 @@ class Runner:
         try:
             backend = TinyBackend()
             if spec.ref_load:
-                checkpoint.load_reference(spec.ref_load, backend, backend.world)
+                iterations.load_reference(spec.ref_load, backend, backend.world)
             if spec.load:
-                checkpoint.load_checkpoint(spec.load, backend, backend.world)
+                iterations.load_checkpoint(spec.load, backend, backend.world)
             self.ran.append(spec.job_id)
         finally:
             self.held.release()
@@ -65,9 +65,9 @@ class Evil:
 
 def saved_checkpoint(root: Path) -> Path:
     backend = TinyBackend()
-    checkpoint.save_checkpoint(root, 0, backend, backend.world,
-                               lambda: checkpoint.TrainerState(rollout_id=0, job_id="saver", world_size=1))
-    return checkpoint.iteration_dir(root, 0) / backend.checkpoint_format
+    iterations.save_checkpoint(root, 0, backend, backend.world,
+                                lambda: iterations.TrainerState(rollout_id=0, job_id="saver", world_size=1))
+    return iterations.iteration_dir(root, 0) / backend.checkpoint_format
 
 
 @pytest.fixture

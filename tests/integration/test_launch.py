@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from services.common.procs import free_port
-from services.trainer.api.launch import rank_envs
+from services.trainer.ranks.launch import rank_envs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_rank_envs_map_pods_and_local_ranks_to_global_ranks():
 
 
 def launcher(pod: int, env: dict[str, str], module: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.trainer.api.launch", "--pod-index", str(pod),
+    return subprocess.Popen([sys.executable, "-m", "services.trainer.ranks.launch", "--pod-index", str(pod),
                              "--num-pods", "2", "--nproc-per-pod", "2", "--rank-module", module],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -43,7 +43,7 @@ def test_two_pods_of_two_local_ranks_form_one_world(tmp_path):
 
 def test_a_failing_rank_stops_the_pod_with_its_exit_code(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "services.trainer.api.launch", "--nproc-per-pod", "2",
+    proc = subprocess.run([sys.executable, "-m", "services.trainer.ranks.launch", "--nproc-per-pod", "2",
                            "--rank-module", "tests.integration.launch_fail"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.backends.base import TrainConfig
+from services.trainer.settings.train import TrainConfig
 from tests.integration.megatron_moe_worker import AUX_LOSS_COEFF, NUM_ROLLOUTS, engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
@@ -36,7 +36,7 @@ def results(model_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def torch_reference(model_dir) -> dict:
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG), num_threads=1)
     rollouts = [grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
@@ -96,7 +96,7 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_experts_as_if_never
 @pytest.mark.parametrize("replay", [False, True])
 def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(results, model_dir, replay):
     """Under routing replay too: both count the experts the router's own scores pick."""
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     def torch_run(coeff: float) -> tuple[list[dict], list[list[float]]]:
         backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, moe_aux_loss_coeff=coeff,
@@ -118,7 +118,7 @@ def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(res
 
 @pytest.mark.parametrize("setting", ["use_rollout_routing_replay", "use_routing_replay"])
 def test_routing_replay_routes_as_the_torch_backend_does(results, model_dir, setting):
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     def torch_run(**overrides) -> tuple[list[dict], list[list[float]]]:
         backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, **overrides), num_threads=1)
@@ -142,7 +142,7 @@ def test_routing_replay_routes_as_the_torch_backend_does(results, model_dir, set
 def test_routing_replay_at_tensor_parallelism_2_routes_as_at_1(results, model_dir, run):
     from safetensors.torch import load_file
 
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     setting = run.split("_tp2_")[0]
     got, tp1 = results[run], results[setting]

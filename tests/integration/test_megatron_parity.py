@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.megatron_parity import summary_line
-from services.trainer.backends.base import TrainConfig
+from services.trainer.settings.train import TrainConfig
 from tests.integration.megatron_worker import CKPT_ROLLOUT, GRPO_CONFIG, NUM_ROLLOUTS, SFT_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
 
@@ -29,7 +29,7 @@ def results(tiny_model_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def torch_reference(tiny_model_dir) -> dict:
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     backend = TorchBackend(tiny_model_dir, TrainConfig(**GRPO_CONFIG), num_threads=1)
     rollouts = [grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, r) for r in range(NUM_ROLLOUTS)]
@@ -123,7 +123,7 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_as_if_never_stopped(res
 
 
 def test_sft_and_custom_loss_at_tp2_match_torch_backend(results, tiny_model_dir):
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     backend = TorchBackend(tiny_model_dir, TrainConfig(**SFT_CONFIG, loss_type="sft_loss"), num_threads=1)
     want = [{k: v for k, v in m.items() if not k.startswith("perf/")}  # timings, not results

@@ -78,18 +78,18 @@ def test_an_fsdp_job_converts_slimes_checkpoints_at_start_and_starts_from_their_
     weights, tensor by tensor; a restarted job reuses the HF copies."""
     from safetensors.torch import load_file
 
-    from services.common.settings.driver import DriverConfig
-    from services.trainer.backends.base import TrainConfig
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
     from services.trainer.distributed import parallel
     from services.trainer.distributed.parallel import World
-    from services.trainer.driver import loop, slime_conversion
+    from services.trainer.driver import loop, slime_checkpoint_conversion
+    from services.trainer.settings.driver import DriverConfig
+    from services.trainer.settings.train import TrainConfig
 
     out, world = Path(results["out"]), World()
     driver = DriverConfig(hf_checkpoint=str(out / "student"), prompt_data=str(tmp_path / "unused.jsonl"),
                           num_rollout=1, load=str(out / "iter-root"), ref_load=str(out / "release-root"),
                           save=str(tmp_path / "save"))
-    converted = slime_conversion.converted_paths(driver, world)
+    converted = slime_checkpoint_conversion.converted_paths(driver, world)
     assert Path(converted.load).parent == Path(converted.ref_load).parent == tmp_path / "save" / "slime_hf"
     assert Path(converted.load).name.startswith("iter-root-iter_0000003-")
 
@@ -106,5 +106,5 @@ def test_an_fsdp_job_converts_slimes_checkpoints_at_start_and_starts_from_their_
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(slime_conversion.subprocess, "run", no_conversion)
-    assert slime_conversion.converted_paths(driver, world) == converted  # a restarted job: the same copies
+    monkeypatch.setattr(slime_checkpoint_conversion.subprocess, "run", no_conversion)
+    assert slime_checkpoint_conversion.converted_paths(driver, world) == converted  # a restarted job: the same copies

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
-from services.trainer.backends.fsdp import TorchBackend
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.batching.batch import build_rollout_batch
+from services.trainer.settings.train import TrainConfig
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from services.trainer.sync.shm import SharedMemoryBroadcaster
-from services.trainer.sync.weight_sync import WeightSyncError
+from services.trainer.weight_sync.shm import SharedMemoryBroadcaster
+from services.trainer.weight_sync.weight_sync import WeightSyncError
 from tests.integration.engine_fixtures import start_engines, stop_engines
 from tests.integration.hf_weights import hf_weights, perturbed
 from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has

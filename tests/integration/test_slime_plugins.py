@@ -167,7 +167,7 @@ def test_search_r1_launch_args_as_pasted_run_two_rollouts(buffer_addr, search_se
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from services.trainer.slime.megatron_flags import ARCH
+    from services.trainer.slime_flags.megatron_flags import ARCH
 
     tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     answers = itertools.cycle(["Paris", "Lyon"])

@@ -11,8 +11,8 @@ import torch
 
 from services.common.shares import Share
 from services.trainer.api.spec import parse_spec
+from services.trainer.checkpoint import iterations
 from services.trainer.distributed.parallel import World, shard_rollout
-from services.trainer.driver import checkpoint
 from services.trainer.driver.loop import make_backend
 from tests.integration.trainer_ranks import BASE, CASES, NUM_ROLLOUTS, make_samples, run_case
 from tests.integration.workers import run_ranks
@@ -78,7 +78,7 @@ def test_one_process_resumes_a_two_rank_checkpoint_exactly(two_ranks, one_rank, 
     _, reference = one_rank[1]["grpo"]
     spec = parse_spec({**BASE, "hf_checkpoint": str(tiny_model_dir)})
     resumed = make_backend(spec, World(), num_threads=1)
-    state = checkpoint.load_checkpoint(two_ranks[0] / "grpo" / "ckpt", resumed, World())
+    state = iterations.load_checkpoint(two_ranks[0] / "grpo" / "ckpt", resumed, World())
     assert (state.rollout_id, state.world_size, resumed.weight_version) == (NUM_ROLLOUTS - 1, 2, NUM_ROLLOUTS)
     samples = make_samples(tiny_model_dir)
     shard = shard_rollout(samples, Share(), n_samples_per_prompt=2)

@@ -15,7 +15,7 @@ import torch
 
 from services.common.errors import FailedPrecondition
 from services.common.sglang import SGLangClient
-from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError
+from services.trainer.weight_sync.weight_sync import WeightBroadcaster, WeightSyncError
 from tests.integration.engine_fixtures import start_engines, stop_engines
 from tests.integration.hf_weights import hf_weights, perturbed
 

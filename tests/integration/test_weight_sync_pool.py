@@ -17,7 +17,7 @@ import torch
 from services.common import procs
 from services.rollout.client import EngineState, RolloutClient
 from services.rollout.config import RolloutManagerConfig
-from services.trainer.sync.weight_sync import WeightBroadcaster, WeightSyncError, sync_engine_pool
+from services.trainer.weight_sync.weight_sync import WeightBroadcaster, WeightSyncError, sync_engine_pool
 from tests.integration.inprocess import InProcessManager
 
 TIMEOUT_S = 5.0

@@ -40,11 +40,11 @@ def make_samples(model_dir: Path) -> list[Sample]:
 
 
 def run_case(name: str, model_dir: Path, out_dir: Path, world):
-    """Train NUM_ROLLOUTS rollouts of the case; export HF and a checkpoint. Returns per rollout, per step, the
+    """Train NUM_ROLLOUTS rollouts of the case; export HF and a iterations. Returns per rollout, per step, the
     metrics averaged over the ranks, and the backend."""
     from services.trainer.api.spec import parse_spec
+    from services.trainer.checkpoint import iterations
     from services.trainer.distributed.parallel import shard_rollout
-    from services.trainer.driver import checkpoint
     from services.trainer.driver.loop import make_backend
 
     layout = {} if world.distributed else {"context_parallel_size": 1}
@@ -60,8 +60,8 @@ def run_case(name: str, model_dir: Path, out_dir: Path, world):
         if spec.ref_update_interval:
             backend.update_ref_model()
     backend.save_hf(out_dir / name / "hf")
-    checkpoint.save_checkpoint(out_dir / name / "ckpt", NUM_ROLLOUTS - 1, backend, world,
-                               lambda: checkpoint.TrainerState(NUM_ROLLOUTS - 1, name, world.world_size))
+    iterations.save_checkpoint(out_dir / name / "ckpt", NUM_ROLLOUTS - 1, backend, world,
+                                lambda: iterations.TrainerState(NUM_ROLLOUTS - 1, name, world.world_size))
     return metrics, backend
 
 

@@ -18,7 +18,7 @@ from services.trainer.algorithms.advantages import (
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
 )
-from services.trainer.backends.base import ADVANTAGE_ESTIMATORS
+from services.trainer.settings.train import ADVANTAGE_ESTIMATORS
 
 EPS = 1e-6
 

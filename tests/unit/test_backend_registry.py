@@ -8,11 +8,11 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.backends import registry
-from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.capabilities import BackendName
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.distributed.parallel import World
 from services.trainer.driver import loop  # noqa: F401 - imports the backends, which register themselves
+from services.trainer.settings.train import TrainConfig
 
 
 def test_every_layout_backend_name_has_a_builder():

@@ -7,7 +7,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer.backends.batch import build_rollout_batch
+from services.trainer.batching.batch import build_rollout_batch
 
 
 def _samples() -> list[Sample]:

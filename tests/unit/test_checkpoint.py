@@ -4,7 +4,8 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import parse_spec
-from services.trainer.driver import checkpoint, intervals
+from services.trainer.checkpoint import iterations
+from services.trainer.driver import intervals
 from services.trainer.driver.metrics import prometheus_name
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 2}
@@ -20,13 +21,13 @@ def test_periodic_actions_follow_slime():
 
 
 def test_latest_iteration(tmp_path):
-    assert checkpoint.latest_iteration(tmp_path) is None
-    (tmp_path / checkpoint.LATEST_FILE).write_text("12\n")
-    assert checkpoint.latest_iteration(tmp_path) == 12
-    assert checkpoint.iteration_dir(tmp_path, 12) == tmp_path / "iter_0000012"
-    (tmp_path / checkpoint.LATEST_FILE).write_text("release")
+    assert iterations.latest_iteration(tmp_path) is None
+    (tmp_path / iterations.LATEST_FILE).write_text("12\n")
+    assert iterations.latest_iteration(tmp_path) == 12
+    assert iterations.iteration_dir(tmp_path, 12) == tmp_path / "iter_0000012"
+    (tmp_path / iterations.LATEST_FILE).write_text("release")
     with pytest.raises(InvalidArgument, match="expected a rollout id, got 'release'"):
-        checkpoint.latest_iteration(tmp_path)
+        iterations.latest_iteration(tmp_path)
 
 
 def test_checkpoint_and_debug_keys_are_validated():

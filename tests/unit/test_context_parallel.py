@@ -19,8 +19,9 @@ from services.common.samples import Sample
 from services.trainer.api import preflight as preflight_checks
 from services.trainer.api.preflight import preflight
 from services.trainer.api.spec import parse_spec
-from services.trainer.backends import context_parallel, cp_attention, packing, varlen
-from services.trainer.backends.batch import build_rollout_batch
+from services.trainer.backends.fsdp import context_parallel, cp_attention
+from services.trainer.batching import packing, varlen
+from services.trainer.batching.batch import build_rollout_batch
 
 PAD = 0
 

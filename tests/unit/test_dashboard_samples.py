@@ -82,8 +82,8 @@ def test_the_log_tail_picks_a_jobs_lines_by_its_record_or_its_message():
 
 
 def test_checkpoints_are_listed_newest_first_with_the_one_in_force(tmp_path):
+    from services.trainer.checkpoint.iterations import LATEST_FILE, iteration_dir
     from services.trainer.dashboard.api import checkpoints_of
-    from services.trainer.driver.checkpoint import LATEST_FILE, iteration_dir
 
     for rollout_id in (0, 1, 2):
         iteration_dir(tmp_path, rollout_id).mkdir()

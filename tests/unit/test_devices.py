@@ -9,12 +9,12 @@ import torch
 
 from services.common.samples import Sample
 from services.trainer.algorithms.kl import KL_LOSS_TYPES, compute_approx_kl
-from services.trainer.backends import rl_step
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
-from services.trainer.backends.fsdp import TorchBackend
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.batching.batch import build_rollout_batch
 from services.trainer.distributed import devices
 from services.trainer.distributed.parallel import World
+from services.trainer.settings.train import TrainConfig
+from services.trainer.step import rl_step
 from tests.device_check import DeviceMismatch, SameDevice
 from tests.tiny_samples import samples_of, two_by_two_batch
 from tests.unit.test_fsdp_rl import ESTIMATOR_CONFIGS, ROLLOUT
@@ -40,7 +40,7 @@ def test_the_check_catches_what_meta_alone_lets_through():
 
 
 def test_the_factory_rule_flags_project_code_only():
-    from services.trainer.backends.batch import RolloutBatch
+    from services.trainer.batching.batch import RolloutBatch
 
     batch = two_by_two_batch()
     with SameDevice(named_factories=True):

@@ -17,9 +17,9 @@ from services.common.samples import Sample
 from services.engine.generation import Engine, Request, SamplingParams, load_model
 from services.engine.protocol import parse_generate, to_response
 from services.rollout.generation.generate import append_reply
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.backends.routing_replay import RoutingReplay
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.moe.hf_routing_replay import RoutingReplay
+from services.trainer.settings.train import TrainConfig
 
 
 def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:

@@ -13,9 +13,9 @@ import torch
 from services.common.samples import Sample
 from services.engine.generation import Engine, Request, SamplingParams, load_model
 from services.engine.weights import WeightUpdater
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.sync.weight_sync import write_snapshot
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.settings.train import TrainConfig
+from services.trainer.weight_sync.weight_sync import write_snapshot
 from tests.model_families import FAMILIES, TIED
 from tests.tiny_samples import samples_of
 

@@ -19,7 +19,7 @@ from services.rollout.client import PoolStatus, RolloutState, RolloutStatus, sna
 from services.trainer.api.spec import parse_spec
 from services.trainer.distributed.parallel import World
 from services.trainer.driver import feed
-from services.trainer.sync.versions import EngineWeights
+from services.trainer.weight_sync.versions import EngineWeights
 
 VERSION = 3  # the trainer's weights: rollout 3 of a fully_async job, every earlier version pushed
 MAX_POLLS = 200

@@ -10,8 +10,8 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.settings.train import TrainConfig
 from tests.tiny_samples import samples_of
 
 # (prompt, response, reward): two groups of n = 2, one rewarded response each.

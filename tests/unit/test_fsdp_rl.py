@@ -10,9 +10,9 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
-from services.trainer.backends.fsdp import TorchBackend
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.batching.batch import build_rollout_batch
+from services.trainer.settings.train import TrainConfig
 from tests.tiny_samples import samples_of
 
 # (prompt, response, reward): two groups of n = 2; token counts 9, 9, 6, 6 (+1 eos on each response)

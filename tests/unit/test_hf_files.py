@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.distributed.hf_files import SIDE_FILES, TOKENIZER_FILES, copy_side_files
-from services.trainer.sync.weight_sync import write_snapshot
+from services.trainer.checkpoint.hf_files import SIDE_FILES, TOKENIZER_FILES, copy_side_files
+from services.trainer.weight_sync.weight_sync import write_snapshot
 
 
 def base_model(tmp_path):

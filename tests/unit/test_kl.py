@@ -60,9 +60,9 @@ def test_low_var_kl_is_clamped_after_the_importance_ratio():
 
 
 def test_kl_loss_types_match_the_config_names():
-    from services.trainer.backends import base
+    from services.trainer.settings import train
 
-    assert base.KL_LOSS_TYPES == KL_LOSS_TYPES
+    assert train.KL_LOSS_TYPES == KL_LOSS_TYPES
 
 
 def test_unknown_type_lists_the_valid_ones():

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 
 from services.trainer.api.jobs import JobRegistry, JobState
 from services.trainer.api.spec import parse_spec
-from services.trainer.driver import checkpoint
+from services.trainer.checkpoint import iterations
 from services.trainer.driver.loop import TrainerDeps, train
 from tests.integration.trainer_ranks import make_samples
 
@@ -34,7 +34,7 @@ def dumps(tiny_model_dir, tmp_path_factory) -> str:
         samples = make_samples(tiny_model_dir)
         for s in samples if rollout_id % 2 else ():  # odd rollouts reward the other response of each pair
             s.reward = 1.0 - s.reward
-        checkpoint.save_debug_rollout_data(pattern, rollout_id, samples)
+        iterations.save_debug_rollout_data(pattern, rollout_id, samples)
     return pattern
 
 
@@ -61,9 +61,9 @@ def test_a_dump_replays_through_training_checkpoints_and_resumes_exactly(registr
     assert job.state == JobState.SUCCEEDED, job.error
     assert sorted(metrics) == [0, 1, 2] and all(m["train/grad_norm"] > 0 for m in metrics.values())
     # slime's schedule: every save_interval rollouts, and the last one
-    assert checkpoint.latest_iteration(save) == 2
+    assert iterations.latest_iteration(save) == 2
     assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
-    state = json.loads((save / "iter_0000001" / checkpoint.STATE_FILE).read_text())
+    state = json.loads((save / "iter_0000001" / iterations.STATE_FILE).read_text())
     assert state == {"rollout_id": 1, "job_id": "replay", "world_size": 1, "buffer": None}
 
     events = EventAccumulator(str(save / "tensorboard"))
@@ -97,9 +97,9 @@ def test_load_of_an_empty_directory_starts_fresh_and_a_missing_dump_fails_the_jo
 def test_debug_dumps_round_trip(tiny_model_dir, tmp_path):
     samples = make_samples(tiny_model_dir)
     samples[0].metadata = {"source": "x"}
-    path = checkpoint.save_debug_rollout_data(str(tmp_path / "d{rollout_id}.pt"), 7, samples)
+    path = iterations.save_debug_rollout_data(str(tmp_path / "d{rollout_id}.pt"), 7, samples)
     assert path.name == "d7.pt"
-    assert checkpoint.load_debug_rollout_data(str(tmp_path / "d{rollout_id}.pt"), 7) == samples
+    assert iterations.load_debug_rollout_data(str(tmp_path / "d{rollout_id}.pt"), 7) == samples
 
 
 def test_ref_load_takes_the_reference_from_an_hf_export_or_a_checkpoint(registry, tiny_model_dir, dumps, tmp_path):
@@ -142,7 +142,7 @@ def test_a_stopping_trainer_checkpoints_the_last_trained_rollout_and_leaves_the_
         assert time.monotonic() < deadline and not job.state.terminal, job.events[-1]
         time.sleep(0.05)
     assert job.state == JobState.QUEUED and job.rollout_id == 0
-    assert checkpoint.latest_iteration(save) == 0
-    state = json.loads((checkpoint.iteration_dir(save, 0) / checkpoint.STATE_FILE).read_text())
+    assert iterations.latest_iteration(save) == 0
+    state = json.loads((iterations.iteration_dir(save, 0) / iterations.STATE_FILE).read_text())
     assert state["rollout_id"] == 0 and state["job_id"] == "stopped"
     registry.close()

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.megatron import args, model
-from services.trainer.backends.megatron.arch import ModelArch
+from services.trainer.models.arch import ModelArch
+from services.trainer.settings.train import TrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # megatron-core: no TE/Apex on CPU
 

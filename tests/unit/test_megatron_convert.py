@@ -7,9 +7,9 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.trainer.algorithms.losses import token_log_probs_and_entropy
-from services.trainer.backends.megatron.arch import ModelArch
-from services.trainer.backends.megatron.convert import hf_to_megatron, layer_offset, megatron_to_hf
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from services.trainer.checkpoint.megatron_convert import hf_to_megatron, layer_offset, megatron_to_hf
+from services.trainer.models.arch import ModelArch
 
 BASE = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.trainer.api.spec import JobSpec
-from services.trainer.slime import args as slime_args
-from services.trainer.slime.megatron_flags import check_arch
+from services.trainer.slime_flags import args as slime_args
+from services.trainer.slime_flags.megatron_flags import check_arch
 
 SPEC_KEYS = set(JobSpec.model_fields)
 SCRIPTS = json.loads((Path(__file__).resolve().parents[1] / "data" / "slime_launch_scripts.json").read_text())

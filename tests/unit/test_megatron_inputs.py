@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from services.common.samples import Sample
-from services.trainer.backends.batch import build_rollout_batch
 from services.trainer.backends.megatron.model import gpt_inputs, sequence_length
+from services.trainer.batching.batch import build_rollout_batch
 
 PAD = 9
 

@@ -12,7 +12,8 @@ from physarum.families import FAMILIES, tiny_config
 from services.common.errors import InvalidArgument
 from services.trainer.api.preflight import preflight, with_preflight
 from services.trainer.api.spec import parse_spec
-from services.trainer.backends import capabilities, model_families
+from services.trainer.backends import capabilities
+from services.trainer.models import families
 
 MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe"}  # of the tiny families
 
@@ -104,7 +105,7 @@ def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_con
 
     composite = Qwen3_5Config(text_config=config_of("qwen3_5")).to_dict()
     assert composite["model_type"] == "qwen3_5" and "hidden_size" not in composite
-    assert model_families.family(composite) == model_families.family(config_of("qwen3_5")) == "qwen3_5"
-    assert model_families.language_model_config(composite)["hidden_size"] == 64
+    assert families.family(composite) == families.family(config_of("qwen3_5")) == "qwen3_5"
+    assert families.language_model_config(composite)["hidden_size"] == 64
     assert capabilities.backends_for(composite) == ["fsdp"]
     assert capabilities.backends_for(config_of("llama")) == ["fsdp", "megatron"]

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from services.trainer.algorithms.moe import load_balancing_loss
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.fsdp import TorchBackend
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.moe.load_balancing import load_balancing_loss
+from services.trainer.settings.train import TrainConfig
 from tests.tiny_samples import samples_of
 
 LN3 = math.log(3.0)

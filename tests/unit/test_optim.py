@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from services.trainer.backends.base import LR_DECAY_STYLES
-from services.trainer.backends.optim import LR_DECAY_STYLES as OPTIM_STYLES
-from services.trainer.backends.optim import lr_at, make_adamw, scheduled_step
+from services.trainer.settings.train import LR_DECAY_STYLES
+from services.trainer.step.optim import LR_DECAY_STYLES as OPTIM_STYLES
+from services.trainer.step.optim import lr_at, make_adamw, scheduled_step
 
 SCHEDULE = {"lr": 1.0, "min_lr": 0.1, "lr_warmup_iters": 2, "lr_decay_iters": 6}
 

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from services.common.samples import Sample
-from services.trainer.backends import packing, rl_step, varlen
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
-from services.trainer.backends.fsdp import TorchBackend
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.batching import packing, varlen
+from services.trainer.batching.batch import build_rollout_batch
+from services.trainer.settings.train import TrainConfig
+from services.trainer.step import rl_step
 from tests.tiny_samples import samples_of
 
 TOLERANCE = 1e-5

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from services.common.samples import Sample
-from services.trainer.backends import rl_step
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
+from services.trainer.batching.batch import build_rollout_batch
+from services.trainer.settings.train import TrainConfig
+from services.trainer.step import rl_step
 from tests.tiny_samples import two_by_two_batch
 
 

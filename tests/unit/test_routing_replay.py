@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from services.common.samples import Sample
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
-from services.trainer.backends.fsdp import TorchBackend
-from services.trainer.backends.routing_replay import RoutingReplay, moe_routers, replayed_gate
+from services.trainer.backends.fsdp.backend import TorchBackend
+from services.trainer.batching.batch import build_rollout_batch
+from services.trainer.moe.hf_routing_replay import RoutingReplay, moe_routers, replayed_gate
+from services.trainer.settings.train import TrainConfig
 from tests.tiny_samples import samples_of
 
 ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "55", 0.0), ("1+2=", "3", 0.0), ("1+2=", "4", 1.0)]

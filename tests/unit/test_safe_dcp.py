@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.safe_dcp import SafeFileSystemReader
+from services.trainer.checkpoint.safe_dcp import SafeFileSystemReader
 
 
 class _Payload:

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-from services.trainer.backends.schedule import (
-    assign_to_ranks,
-    dp_schedule,
-    first_fit,
-    halve,
-    split_to,
-    step_schedule,
-)
+from services.trainer.batching.schedule import assign_to_ranks, dp_schedule, first_fit, halve, split_to, step_schedule
 
 
 def test_fixed_micro_batches_and_trailing_samples_dropped():

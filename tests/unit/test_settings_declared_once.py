@@ -11,7 +11,7 @@ import pytest
 from services.common.config import POSITIVE, check_fields, declared_in, field, own_settings, settings, shared
 from services.common.settings.rollout import RolloutConfig
 from services.trainer.api.spec import PARTS, JobSpec, parse_spec
-from services.trainer.backends.base import TrainConfig
+from services.trainer.settings.train import TrainConfig
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 4}
 

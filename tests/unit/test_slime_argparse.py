@@ -11,8 +11,8 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec, parse_spec
-from services.trainer.slime import args as slime_args
-from services.trainer.slime import argv as slime_argv
+from services.trainer.slime_flags import args as slime_args
+from services.trainer.slime_flags import argv as slime_argv
 
 DECLS = json.loads((Path(__file__).parent.parent / "data" / "slime_flag_decls.json").read_text())
 SPEC_KEYS = set(JobSpec.model_fields)

@@ -11,10 +11,10 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec, parse_spec
-from services.trainer.slime import args as slime_args
-from services.trainer.slime import argv as slime_argv
-from services.trainer.slime import flags as slime_flags
-from services.trainer.slime import megatron_flags
+from services.trainer.slime_flags import args as slime_args
+from services.trainer.slime_flags import argv as slime_argv
+from services.trainer.slime_flags import flags as slime_flags
+from services.trainer.slime_flags import megatron_flags
 
 DATA = Path(__file__).parent.parent / "data"
 SLIME_FLAGS = json.loads((DATA / "slime_flags.json").read_text())

@@ -10,9 +10,9 @@ import subprocess
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.settings.driver import DriverConfig
 from services.trainer.distributed.parallel import World
-from services.trainer.driver import slime_conversion
+from services.trainer.driver import slime_checkpoint_conversion
+from services.trainer.settings.driver import DriverConfig
 
 
 def slime_root(path, iteration: str = "release"):
@@ -44,12 +44,12 @@ def test_only_slimes_checkpoints_are_converted_each_under_the_save_root(tmp_path
         (tmp_path / out / "config.json").write_text("{}")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(slime_conversion.subprocess, "run", fake_run)
+    monkeypatch.setattr(slime_checkpoint_conversion.subprocess, "run", fake_run)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_PORT", "29500")
     job = driver(tmp_path, ref_load=str(ref), opd_teacher_load=str(teacher), opd_teacher_ckpt_step=5, load=str(hf),
                  save=str(tmp_path / "save"))
-    converted = slime_conversion.converted_paths(job, World())
+    converted = slime_checkpoint_conversion.converted_paths(job, World())
     assert converted.load == str(hf)  # an HF directory stays as it is
     assert converted.opd_teacher_ckpt_step is None  # the copy is of that step
     for path in (converted.ref_load, converted.opd_teacher_load):
@@ -58,16 +58,18 @@ def test_only_slimes_checkpoints_are_converted_each_under_the_save_root(tmp_path
     assert calls[1][0][-2:] == ["--ckpt-step", "5"]
     for _, env in calls:  # a world of its own, on the CPU
         assert "WORLD_SIZE" not in env and "MASTER_PORT" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
-    assert slime_conversion.converted_paths(job, World()) == converted and len(calls) == 2  # converted once
+    assert slime_checkpoint_conversion.converted_paths(job, World()) == converted and len(calls) == 2  # converted once
     os.utime(ref / "release" / "metadata.json", ns=(1, 1))  # written again: a new copy
-    assert slime_conversion.converted_paths(job, World()).ref_load != converted.ref_load and len(calls) == 3
+    assert slime_checkpoint_conversion.converted_paths(job, World()).ref_load != converted.ref_load and len(calls) == 3
 
 
 def test_a_failed_conversion_names_the_checkpoint_and_the_converters_error(tmp_path, monkeypatch):
     root = slime_root(tmp_path / "broken_torch_dist")
-    monkeypatch.setattr(slime_conversion.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
-        command, 1, "", "InvalidArgument: checkpoint: no tensor decoder.final_layernorm.weight"))
+    monkeypatch.setattr(slime_checkpoint_conversion.subprocess, "run",
+                        lambda command, **kwargs: subprocess.CompletedProcess(
+                            command, 1, "", "InvalidArgument: checkpoint: no tensor decoder.final_layernorm.weight"))
     with pytest.raises(InvalidArgument, match=r"slime's checkpoint .*broken_torch_dist/release: the conversion to HF "
                                               r"failed \(exit 1\): .*no tensor decoder.final_layernorm.weight"):
-        slime_conversion.converted_paths(driver(tmp_path, load=str(root), save=str(tmp_path / "save")), World())
+        slime_checkpoint_conversion.converted_paths(driver(tmp_path, load=str(root), save=str(tmp_path / "save")),
+                                                    World())
     assert list((tmp_path / "save" / "slime_hf").iterdir()) == []  # nothing a later job would take for a copy

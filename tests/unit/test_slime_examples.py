@@ -22,8 +22,8 @@ from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.trainer.api import preflight
 from services.trainer.api.spec import parse_spec
-from services.trainer.slime import flags as slime_flags
-from services.trainer.slime import megatron_flags
+from services.trainer.slime_flags import flags as slime_flags
+from services.trainer.slime_flags import megatron_flags
 
 HERE = Path(__file__).resolve().parents[1]
 EXAMPLES = json.loads((HERE / "slime_examples" / "launch_args.json").read_text())
@@ -252,7 +252,7 @@ def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
 @pytest.mark.parametrize("script", sorted(DENSE))
 def test_the_dense_scripts_are_refused_only_for_listed_features(script):
     from services.trainer.api.spec import JobSpec
-    from services.trainer.slime import args as slime_args
+    from services.trainer.slime_flags import args as slime_args
 
     conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     assert conv.unknown == []
@@ -277,7 +277,7 @@ def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_conf
 
     from services.trainer.api.spec import JobSpec
     from services.trainer.backends.megatron import args as megatron_args
-    from services.trainer.slime import args as slime_args
+    from services.trainer.slime_flags import args as slime_args
 
     conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     split = megatron_args.split(conv.megatron)
@@ -307,7 +307,7 @@ def test_the_fp8_script_is_refused_at_submit_for_its_fp8_checkpoint(tmp_path):
 
 def test_fp8_training_flags_are_refused_naming_the_reason():
     from services.trainer.api.spec import JobSpec
-    from services.trainer.slime import args as slime_args
+    from services.trainer.slime_flags import args as slime_args
 
     argv = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
     conv = slime_args.convert(argv, spec_keys=set(JobSpec.model_fields), check_architecture=False)

@@ -14,9 +14,9 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.trainer.algorithms.advantages import normalize_advantages
 from services.trainer.api.spec import parse_spec
-from services.trainer.backends import rl_step
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import build_rollout_batch
+from services.trainer.batching.batch import build_rollout_batch
+from services.trainer.settings.train import TrainConfig
+from services.trainer.step import rl_step
 from tests.tiny_samples import samples_of
 
 HOOKS = "tests.plugins.slime_hooks"
@@ -106,7 +106,7 @@ def rollout(tiny_model_dir) -> list[Sample]:
 
 
 def test_the_three_hooks_train_a_step_of_the_tiny_model(tiny_model_dir, rollout):
-    from services.trainer.backends.fsdp import TorchBackend
+    from services.trainer.backends.fsdp.backend import TorchBackend
 
     config = TrainConfig(n_samples_per_prompt=2, lr=1e-3, lr_decay_style="constant", use_tis=True,
                          custom_tis_function_path=f"{HOOKS}.mis_token_mask",

@@ -87,7 +87,7 @@ def test_missing_required_key_is_named():
 
 
 def test_train_config_takes_every_training_key_and_defaults_lr_decay_to_the_run():
-    from services.trainer.backends.base import TrainConfig
+    from services.trainer.settings.train import TrainConfig
 
     assert {f.name for f in dataclasses.fields(TrainConfig)} - set(JobSpec.model_fields) == {"args"}  # internal
     spec = parse_spec({**BASE, "num_steps_per_rollout": 4, "advantage_estimator": "ppo", "gamma": 0.9, "kl_coef": 0.1,

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from services.trainer.sync import auto
-from services.trainer.sync.shm import SharedMemoryBroadcaster
-from services.trainer.sync.weight_sync import WeightBroadcaster
+from services.trainer.weight_sync import auto
+from services.trainer.weight_sync.shm import SharedMemoryBroadcaster
+from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
 
 def test_same_host_needs_every_engine_on_this_host():
@@ -40,9 +40,9 @@ def test_make_broadcaster_names_each_backend():
 
 
 def test_delta_and_disk_settings_pick_their_broadcasters(tmp_path):
-    from services.common.settings.sync import DeltaSettings, SyncConfig
-    from services.trainer.sync.delta_disk import DiskBroadcaster
-    from services.trainer.sync.delta_push import DeltaBroadcaster
+    from services.trainer.settings.weight_sync import DeltaSettings, SyncConfig
+    from services.trainer.weight_sync.delta_disk import DiskBroadcaster
+    from services.trainer.weight_sync.delta_push import DeltaBroadcaster
 
     options = SyncConfig(weight_sync_backend="disk", update_weight_mode="delta", update_weight_disk_dir=str(tmp_path),
                          update_weight_delta_encoding="overwrite").broadcaster_options()

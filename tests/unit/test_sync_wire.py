@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from services.trainer.sync import wire
-from services.trainer.sync.weight_sync import WeightSyncError, _alongside
+from services.trainer.weight_sync import wire
+from services.trainer.weight_sync.weight_sync import WeightSyncError, _alongside
 
 
 class Engine:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from services.common import weight_copies
-from services.trainer.sync.shm import SharedMemoryBroadcaster
+from services.trainer.weight_sync.shm import SharedMemoryBroadcaster
 
 
 def dead_pid() -> int:

@@ -9,9 +9,9 @@ import torch
 
 from services.common import weight_delta
 from services.common.errors import FailedPrecondition
-from services.common.settings.sync import DeltaSettings
 from services.engine.delta import apply_blob
-from services.trainer.sync.delta import DeltaTracker, bits, served
+from services.trainer.settings.weight_sync import DeltaSettings
+from services.trainer.weight_sync.delta import DeltaTracker, bits, served
 
 
 def test_xor_payload_is_the_xor_of_the_bits():

@@ -8,10 +8,10 @@ import pytest
 
 from services.common.errors import FailedPrecondition
 from services.trainer.api.spec import parse_spec
-from services.trainer.api.worker import Dispatcher
 from services.trainer.distributed.parallel import STOP, RankAborted, peer_lost
 from services.trainer.driver.job import RanksLost
-from services.trainer.sync.weight_sync import WeightSyncError
+from services.trainer.ranks.worker import Dispatcher
+from services.trainer.weight_sync.weight_sync import WeightSyncError
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 1, "rollout_batch_size": 2}
 

@@ -11,7 +11,7 @@ import pytest
 from services.common import write_roots
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
-from services.trainer.driver import checkpoint
+from services.trainer.checkpoint import iterations as checkpoint
 
 
 @pytest.fixture

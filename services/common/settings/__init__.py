@@ -1,2 +1,2 @@
-"""A job's settings, one module per part (driver, rollout, rewards, weight sync, slime hooks): declared once, checked
-where they are made, and owned by no service's client, so every service and the trainer import them from here."""
+"""A job's settings that more than one service reads (the rollout's, the rewards'): declared once, checked where they
+are made, and owned by no service's client. The trainer's own are `services/trainer/settings/`."""

@@ -35,7 +35,7 @@ class TrainerConfig:
                                      "checkpoint; after an eviction, a trained rollout); one more: FAILED")
     preempt_timeout_s: float = field(300.0, "on SIGTERM, seconds the running job gets to reach its next safe point, "
                                             "checkpoint and stop (below the pod's terminationGracePeriodSeconds)")
-    # The trainer's ranks (torchrun's variables): rank 0 is this service, ranks 1.. run services.trainer.api.worker.
+    # The trainer's ranks (torchrun's variables): rank 0 is this service, ranks 1.. run services.trainer.ranks.worker.
     data_roots: list[str] = field([], "directories job specs may read models and datasets under (empty: any)")
     checkpoint_roots: list[str] = field([], "directories job specs may save and load checkpoints under (empty: any)")
     export_roots: list[str] = field([], "directories job specs may export models and dumps under (empty: any)")

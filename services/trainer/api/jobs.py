@@ -348,7 +348,7 @@ CHECKPOINT_METRIC = "perf/save_seconds"  # in a rollout's metrics when the loop 
 
 def resume_spec(spec: JobSpec) -> JobSpec:
     """The spec a resumed job runs with: `load` from its own `save` once that holds a checkpoint (the latest one)."""
-    from services.trainer.driver.checkpoint import latest_iteration
+    from services.trainer.checkpoint.iterations import latest_iteration
 
     if spec.save and latest_iteration(spec.save) is not None:
         return spec.model_copy(update={"load": spec.save, "ckpt_step": None})

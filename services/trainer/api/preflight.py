@@ -15,7 +15,8 @@ from pathlib import Path
 from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec
-from services.trainer.backends import capabilities, model_families
+from services.trainer.backends import capabilities
+from services.trainer.models import families
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
@@ -52,7 +53,7 @@ def _megatron_checkpoints(spec: JobSpec) -> list[str]:
     """The checkpoints the job loads (load, ref_load, opd_teacher_load) are there; slime's torch_dist ones load on
     train_backend megatron as they are, and on a backend of HF weights through a conversion at job start by the
     megatron backend, which must build hf_checkpoint's model."""
-    from services.trainer.driver.checkpoint import checkpoint_problem, slime_checkpoint
+    from services.trainer.checkpoint.iterations import checkpoint_problem, slime_checkpoint
 
     named = (("ref_load", spec.ref_load, spec.ref_ckpt_step),
              ("opd_teacher_load", spec.opd_teacher_load, spec.opd_teacher_ckpt_step),
@@ -120,7 +121,7 @@ def check_model_family(spec: JobSpec) -> list[str]:
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
                                            ep_size=spec.expert_model_parallel_size)]
-    if spec.context_parallel_size > 1 and (why := model_families.context_parallel_problem(hf_config)):
+    if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(hf_config)):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")
     if spec.context_parallel_size > 1 and (spec.use_routing_replay or spec.use_rollout_routing_replay
@@ -134,7 +135,7 @@ def check_model_family(spec: JobSpec) -> list[str]:
     if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
         problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config, **layout))
     if any(spec.megatron.get(name) for name in ("hidden_dropout", "attention_dropout")) and \
-            (why := model_families.megatron_train_mode_problem(hf_config, **layout)):
+            (why := families.megatron_train_mode_problem(hf_config, **layout)):
         problems.append(f"megatron dropout: train_backend megatron {why.removeprefix('it ')}")
     return [problem for problem in problems if problem]
 

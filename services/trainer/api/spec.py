@@ -16,14 +16,14 @@ from pydantic import ConfigDict, Field, ValidationError, create_model, field_val
 from services.common import bounds
 from services.common.config import own_settings, settings
 from services.common.errors import InvalidArgument
-from services.common.settings.driver import DriverConfig
 from services.common.settings.rollout import RolloutConfig
-from services.common.settings.slime import SlimeConfig
-from services.common.settings.sync import SyncConfig
-from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.capabilities import backends_that
 from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL, LayoutConfig
-from services.trainer.slime import args as slime_args
+from services.trainer.settings.driver import DriverConfig
+from services.trainer.settings.slime import SlimeConfig
+from services.trainer.settings.train import TrainConfig
+from services.trainer.settings.weight_sync import SyncConfig
+from services.trainer.slime_flags import args as slime_args
 
 # The parts a job configures, in the order the README lists them. Every job-spec key is a setting declared by one of
 # them (a part reusing another's declaration, like TrainConfig's n_samples_per_prompt, adds no key).

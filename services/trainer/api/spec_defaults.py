@@ -9,7 +9,7 @@ from typing import Any
 from services.trainer.api.config import TrainerConfig
 from services.trainer.api.spec import JobSpec, parse_spec
 from services.trainer.api.spec_paths import PathRoots, confine_paths
-from services.trainer.slime import args as slime_args
+from services.trainer.slime_flags import args as slime_args
 
 SpecParser = Callable[[Any], JobSpec]
 

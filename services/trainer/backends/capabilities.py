@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends import model_families
+from services.trainer.models import families
 
 BackendName = Literal["fsdp", "megatron"]
 
@@ -39,15 +39,15 @@ BACKENDS: dict[str, Capabilities] = {
     "fsdp": Capabilities(critic=True, packing=True, tensor_parallel=False, pipeline_parallel=False,
                          expert_parallel=False, context_parallel=True, extra_flags=False, reads_shares=True,
                          slime_checkpoints=False,
-                         model_problem=model_families.fsdp_problem,
-                         replay_problem=model_families.fsdp_replay_problem,
-                         aux_loss_problem=model_families.fsdp_aux_loss_problem),
+                         model_problem=families.fsdp_problem,
+                         replay_problem=families.fsdp_replay_problem,
+                         aux_loss_problem=families.fsdp_aux_loss_problem),
     "megatron": Capabilities(critic=False, packing=True, tensor_parallel=True, pipeline_parallel=True,
                              expert_parallel=True, context_parallel=False, extra_flags=True, reads_shares=False,
                              slime_checkpoints=True,
-                             model_problem=model_families.megatron_problem,
-                             replay_problem=model_families.megatron_replay_problem,
-                             aux_loss_problem=model_families.megatron_train_mode_problem),
+                             model_problem=families.megatron_problem,
+                             replay_problem=families.megatron_replay_problem,
+                             aux_loss_problem=families.megatron_train_mode_problem),
 }
 
 
@@ -80,7 +80,7 @@ def model_problem(train_backend: str, hf_config: dict[str, Any], *, tp_size: int
     others = [name for name in backends_for(hf_config) if name != train_backend]
     instead = f"; train_backend {' or '.join(others)} trains it" if others else ""
     return (f"hf_checkpoint: train_backend {train_backend} cannot build model family "
-            f"{model_families.family(hf_config)!r}: {problem}{instead}")
+            f"{families.family(hf_config)!r}: {problem}{instead}")
 
 
 def router_problem(setting: str, train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1,

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.base import TrainBackend, TrainConfig
+from services.trainer.backends.base import TrainBackend
 from services.trainer.backends.capabilities import BACKENDS
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.distributed.parallel import World
+from services.trainer.settings.train import TrainConfig
 
 # (hf_checkpoint, training settings, layout, this rank's world, CPU threads) -> the backend on this rank
 Builder = Callable[[str, TrainConfig, LayoutConfig, World, int], TrainBackend]

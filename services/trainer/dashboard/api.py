@@ -66,7 +66,7 @@ def pool_to_dict(status: PoolStatus) -> dict[str, Any]:
 
 def checkpoints_of(save_dir: str) -> dict[str, Any]:
     """The iter_* checkpoints under a job's `save` directory, newest first, and the one in force."""
-    from services.trainer.driver.checkpoint import LATEST_FILE
+    from services.trainer.checkpoint.iterations import LATEST_FILE
 
     if not save_dir or not Path(save_dir).is_dir():
         return {"save": save_dir, "latest": None, "checkpoints": []}

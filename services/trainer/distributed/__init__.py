@@ -1,2 +1,2 @@
-"""Distributed plumbing of the trainer's ranks: the process group and its collectives, each rank's device, and the
-Hugging Face side files a checkpoint carries."""
+"""The trainer's ranks as one torch.distributed world: the process group and its collectives, each rank's device and
+precision, and megatron-core's CUDA-only calls made to run on the CPU."""

@@ -1,6 +1,6 @@
 """The trainer's ranks as one static torch.distributed world, formed at start-up from torchrun's variables.
 
-Rank 0 runs the job API and alone talks to the rollout manager; ranks 1..N-1 (`python -m services.trainer.api.worker`)
+Rank 0 runs the job API and alone talks to the rollout manager; ranks 1..N-1 (`python -m services.trainer.ranks.worker`)
 take each job from the world's store, run the same driver and read their own share of each rollout from the buffer.
 Here: forming the world, handing jobs over, rank 0's broadcasts (control results, never samples), a rollout's split
 across ranks and a model's FSDP2 sharding. Training itself is the backend's.

@@ -27,18 +27,19 @@ from services.buffer.client import STREAM_ROLLOUT_ID, DataSourceState
 from services.common.errors import DeadlineExceeded, PhysarumError, Unavailable
 from services.common.rollout_stats import RolloutStats
 from services.common.samples import Sample, SampleGroup, weight_version_range
-from services.common.settings.driver import DriverConfig
 from services.common.settings.rollout import RolloutConfig
 from services.common.shares import Share, share_positions
 from services.rollout.client import RolloutState
+from services.trainer.checkpoint import iterations
 from services.trainer.distributed.parallel import RankAborted, shard_rollout
-from services.trainer.driver import checkpoint, wandb_log
+from services.trainer.driver import wandb_log
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.intervals import should_run_periodic_action
 from services.trainer.driver.job import JobControl
 from services.trainer.driver.metrics import CHECKPOINTS, MetricsWriter
 from services.trainer.driver.post_rollout import generation_metrics
-from services.trainer.sync.versions import EngineWeights
+from services.trainer.settings.driver import DriverConfig
+from services.trainer.weight_sync.versions import EngineWeights
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +105,14 @@ class RolloutFeed:
         """The job resumes at rollout `start_id`: the buffer's data source goes back to the checkpoint's state."""
         self.world.on_rank0(self._resumed, start_id, buffer_state)
 
-    def trainer_state(self, rollout_id: int) -> checkpoint.TrainerState:
-        """Rank 0 (checkpoint.save_checkpoint calls it there): the driver's part of checkpoint `rollout_id`, with
+    def trainer_state(self, rollout_id: int) -> iterations.TrainerState:
+        """Rank 0 (iterations.save_checkpoint calls it there): the driver's part of checkpoint `rollout_id`, with
         the buffer's snapshot (no rollout is running)."""
         driver = self.driver
         buffer = None if driver.train_only else self.deps.buffer.save_state(driver.job_id, rollout_id).to_dict()
         CHECKPOINTS.inc()
-        return checkpoint.TrainerState(rollout_id=rollout_id, job_id=driver.job_id,
-                                       world_size=self.world.world_size, buffer=buffer)
+        return iterations.TrainerState(rollout_id=rollout_id, job_id=driver.job_id,
+                                        world_size=self.world.world_size, buffer=buffer)
 
     every_rollout = True  # sync pushes weights after every rollout; the async modes every update_weights_interval
 
@@ -141,7 +142,7 @@ class RolloutFeed:
         whole = Share() if driver.save_debug_rollout_data else share
         groups = sorted(self._groups(rollout_id, self.weights.version, whole), key=lambda g: g.group_id)
         if driver.save_debug_rollout_data:
-            checkpoint.save_debug_rollout_data(driver.save_debug_rollout_data, rollout_id, _flat(groups))
+            iterations.save_debug_rollout_data(driver.save_debug_rollout_data, rollout_id, _flat(groups))
             positions = share_positions([g.group_id for g in groups],
                                         [sum(len(s.tokens) for s in g.samples) for g in groups], share)
             groups = [groups[i] for i in positions]
@@ -158,7 +159,7 @@ class RolloutFeed:
                                                 timeout_s=READ_SHARE_S, share=self.share))
 
     def _dumped(self, rollout_id: int, share: Share) -> list[Sample]:
-        samples = checkpoint.load_debug_rollout_data(self.driver.load_debug_rollout_data, rollout_id)
+        samples = iterations.load_debug_rollout_data(self.driver.load_debug_rollout_data, rollout_id)
         return shard_rollout(samples, share, self.config.n_samples_per_prompt) if not share.whole else samples
 
     def _started(self, rollout_id: int) -> None:

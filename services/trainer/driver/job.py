@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from services.common.settings.driver import DriverConfig
     from services.common.settings.rollout import RolloutConfig
-    from services.common.settings.sync import SyncConfig
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.layout import LayoutConfig
+    from services.trainer.settings.driver import DriverConfig
+    from services.trainer.settings.train import TrainConfig
+    from services.trainer.settings.weight_sync import SyncConfig
 
 
 class JobCancelled(Exception):

@@ -16,21 +16,22 @@ from pathlib import Path
 
 from services.common import write_roots
 from services.common.errors import InvalidArgument
-from services.common.settings.driver import DriverConfig
 from services.common.settings.rollout import RolloutConfig
-from services.common.settings.sync import SyncConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
 from services.trainer.backends.base import TrainBackend
 from services.trainer.backends.capabilities import capabilities
 from services.trainer.backends.registry import build_backend
+from services.trainer.checkpoint import iterations
 from services.trainer.distributed.parallel import RankAborted, World
-from services.trainer.driver import checkpoint, slime_conversion
+from services.trainer.driver import slime_checkpoint_conversion
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.feed import RolloutFeed, combine_rollout_stats, make_feed, metrics_writer, rollout_sums
 from services.trainer.driver.intervals import should_run_periodic_action
 from services.trainer.driver.job import JobControl, JobParts, JobPreempted, preempted
 from services.trainer.driver.sample_board import BOARD
-from services.trainer.sync.versions import EngineWeights
+from services.trainer.settings.driver import DriverConfig
+from services.trainer.settings.weight_sync import SyncConfig
+from services.trainer.weight_sync.versions import EngineWeights
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +47,17 @@ def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world
     """Load `ref_load`, `opd_teacher_load` and `load` (the feed puts the buffer's data source back); the first
     rollout id to run."""
     if driver.ref_load:
-        checkpoint.load_reference(driver.ref_load, backend, world, driver.ref_ckpt_step)
+        iterations.load_reference(driver.ref_load, backend, world, driver.ref_ckpt_step)
     if driver.opd_teacher_load:
-        checkpoint.load_teacher(driver.opd_teacher_load, backend, world, driver.opd_teacher_ckpt_step)
+        iterations.load_teacher(driver.opd_teacher_load, backend, world, driver.opd_teacher_ckpt_step)
     if not driver.load:
         return 0
-    if (slime := checkpoint.slime_checkpoint(driver.load, driver.ckpt_step)) is not None:
+    if (slime := iterations.slime_checkpoint(driver.load, driver.ckpt_step)) is not None:
         # slime's finetune case: the weights, a fresh optimizer; Megatron-LM's optimizer and data state stay unread
         backend.load_megatron_checkpoint(slime, "model")
         log.info("job %s: policy weights from slime's checkpoint %s; starting at rollout 0", driver.job_id, slime)
         return 0
-    state = checkpoint.load_checkpoint(driver.load, backend, world, driver.ckpt_step)
+    state = iterations.load_checkpoint(driver.load, backend, world, driver.ckpt_step)
     if state is None:
         if (Path(driver.load) / "config.json").is_file():
             backend.load(driver.load)  # an HF directory: its weights, a fresh optimizer (slime's second case)
@@ -109,7 +110,7 @@ def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
     if driver.engines:
         deps.world.on_rank0(load_dataset, driver, rollout, deps, ctx)
     if not capabilities(spec.layout.train_backend).slime_checkpoints:  # before the backend takes the memory
-        driver = slime_conversion.converted_paths(driver, deps.world)
+        driver = slime_checkpoint_conversion.converted_paths(driver, deps.world)
     backend = make_backend(spec, deps.world, deps.num_threads)
     run(driver, rollout, spec.sync, backend, ctx, deps)
 
@@ -133,8 +134,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
                 samples = feed.samples(rollout_id)
             except (JobPreempted, RankAborted) as err:  # SIGTERM: the state after the last step is the safe point
                 if driver.save and saved < rollout_id - 1 and preempted(err):
-                    checkpoint.save_checkpoint(driver.save, rollout_id - 1, backend, world,
-                                               functools.partial(feed.trainer_state, rollout_id - 1))
+                    iterations.save_checkpoint(driver.save, rollout_id - 1, backend, world,
+                                                functools.partial(feed.trainer_state, rollout_id - 1))
                 raise
             rollout_s = time.monotonic() - start
             feed.started(rollout_id)
@@ -149,8 +150,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
             if driver.save and (rollout_id == last or should_run_periodic_action(
                     rollout_id, driver.save_interval, num_rollout=driver.num_rollout)):
                 start = time.monotonic()
-                checkpoint.save_checkpoint(driver.save, rollout_id, backend, world,
-                                           functools.partial(feed.trainer_state, rollout_id))
+                iterations.save_checkpoint(driver.save, rollout_id, backend, world,
+                                            functools.partial(feed.trainer_state, rollout_id))
                 metrics["perf/save_seconds"] = time.monotonic() - start
                 saved = rollout_id
             if feed.weight_update_due(rollout_id):

@@ -12,10 +12,10 @@ import logging
 import time
 
 from services.common.errors import InvalidArgument, PhysarumError
-from services.common.settings.driver import DriverConfig
 from services.common.settings.rollout import RolloutConfig
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.intervals import should_run_periodic_action
+from services.trainer.settings.driver import DriverConfig
 
 log = logging.getLogger(__name__)
 

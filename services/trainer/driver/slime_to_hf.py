@@ -1,7 +1,7 @@
 """Convert a slime (Megatron-LM) torch_dist checkpoint into an HF directory, for train_backend fsdp (which reads HF
-weights; `slime_conversion` runs this at job start) or any other HF consumer: the Megatron backend reads the
-checkpoint's weights into a model of `--hf-checkpoint`'s architecture (`slime_checkpoint`) and exports them with its
-HF conversion (`save_hf`).
+weights; `slime_checkpoint_conversion` runs this at job start) or any other HF consumer: the Megatron backend reads the
+checkpoint's weights into a model of `--hf-checkpoint`'s architecture (`checkpoint/slime_torch_dist.py`) and exports
+them with its HF conversion (`save_hf`).
 
     python -m services.trainer.driver.slime_to_hf --hf-checkpoint HF_DIR --load ROOT [--ckpt-step N] --out DIR
 
@@ -15,14 +15,14 @@ import logging
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
-from services.trainer.driver.checkpoint import slime_checkpoint
+from services.trainer.checkpoint.iterations import slime_checkpoint
 
 
 def convert(hf_checkpoint: str | Path, root: str | Path, out: str | Path, step: int | None = None) -> Path:
     """Write the HF directory `out` from slime's checkpoint under `root` (its latest, or iteration `step`);
     `hf_checkpoint` gives the architecture, the configs and the tokenizer files."""
-    from services.trainer.backends.base import TrainConfig
     from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
 
     path = slime_checkpoint(root, step)
     if path is None:

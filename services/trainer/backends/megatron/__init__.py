@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.base import TrainConfig
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.backends.registry import register
 from services.trainer.distributed.parallel import World
+from services.trainer.settings.train import TrainConfig
 
 if TYPE_CHECKING:
     from services.trainer.backends.megatron.backend import MegatronBackend

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from services.trainer.backends.varlen import varlen_causal_attention
+from services.trainer.batching.varlen import varlen_causal_attention
 
 
 class SDPAttention(DotProductAttention):

@@ -3,7 +3,7 @@
 Every rank of the job builds one and makes the same calls with the same samples (each method is collective). A
 step's samples are cut into micro-batches, each one packed (THD) row, dealt to the data-parallel ranks by tokens
 (`schedule.dp_schedule`) and run by Megatron's schedule (1F1B under PP). Every formula comes from
-`backends.rl_step`, on log-probs that `vocab_parallel` computes from the TP-sharded logits. Results (log-probs,
+`step.rl_step`, on log-probs that `vocab_parallel` computes from the TP-sharded logits. Results (log-probs,
 metrics) are the same on every rank; HF weights come out on rank 0.
 """
 
@@ -24,19 +24,23 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import capabilities, model_families, optim, packing, rl_step, slime_hooks
-from services.trainer.backends.base import TrainConfig, load_custom_loss
-from services.trainer.backends.batch import RolloutBatch, build_rollout_batch
+from services.trainer.backends import capabilities
+from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.megatron import args as margs
-from services.trainer.backends.megatron import cpu_compat, hf_io
 from services.trainer.backends.megatron import model as mcore
-from services.trainer.backends.megatron.arch import ModelArch
-from services.trainer.backends.megatron.checkpointing import MegatronCheckpointing
-from services.trainer.backends.megatron.hf_weights import MegatronHFWeights
-from services.trainer.backends.megatron.routing import MegatronRouting
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
-from services.trainer.backends.schedule import MicroBatch, dp_schedule
-from services.trainer.distributed import devices
+from services.trainer.batching import packing
+from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
+from services.trainer.batching.schedule import MicroBatch, dp_schedule
+from services.trainer.checkpoint import hf_io
+from services.trainer.checkpoint.megatron_dist import MegatronCheckpointing
+from services.trainer.checkpoint.megatron_hf import MegatronHFWeights
+from services.trainer.distributed import devices, megatron_cpu
+from services.trainer.models import families
+from services.trainer.models.arch import ModelArch
+from services.trainer.moe.megatron_routing_replay import MegatronRouting
+from services.trainer.settings.train import TrainConfig
+from services.trainer.step import hooks, optim, rl_step
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                                 ("moe_aux_loss_coeff", config.moe_aux_loss)):
             if wanted and (problem := capabilities.router_problem(setting, "megatron", hf_config, **layout)):
                 raise InvalidArgument(problem)
-        if self.megatron_args.dropout and (problem := model_families.megatron_train_mode_problem(hf_config, **layout)):
+        if self.megatron_args.dropout and (problem := families.megatron_train_mode_problem(hf_config, **layout)):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
         mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
@@ -93,14 +97,15 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.is_first_stage, self.is_last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else cpu_compat.CPU
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else megatron_cpu.CPU)
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
         self.use_te = mcore.has_transformer_engine()
         self.use_distributed_optimizer = use_distributed_optimizer
         self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
             else None
-        slime_hooks.load_all(config)
+        hooks.load_all(config)
 
         hf = hf_io.HFTensors(self.model_path)
         gpt = self._build_gpt()
@@ -201,7 +206,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
         shapes = [(_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
                    1 if self._packs(mb) else mb.size) for _, mb in data]
-        with cpu_compat.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
+        with megatron_cpu.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
                 num_microbatches=len(data), seq_length=max(seq for seq, _ in shapes),
@@ -359,7 +364,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
-        with cpu_compat.cuda_to_cpu():
+        with megatron_cpu.cuda_to_cpu():
             found_inf = self.optimizer.prepare_grads()
             grad_norm = float(self.optimizer.get_grad_norm())
             if found_inf or not math.isfinite(grad_norm):

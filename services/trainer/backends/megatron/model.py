@@ -18,11 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends import packing
-from services.trainer.backends.base import TrainConfig
-from services.trainer.backends.batch import RolloutBatch
-from services.trainer.backends.megatron import args, cpu_compat
-from services.trainer.backends.megatron.arch import ModelArch
+from services.trainer.backends.megatron import args
+from services.trainer.batching import packing
+from services.trainer.batching.batch import RolloutBatch
+from services.trainer.distributed import megatron_cpu
+from services.trainer.models.arch import ModelArch
+from services.trainer.settings.train import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    cpu_compat.apply()
+    megatron_cpu.apply()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -141,7 +142,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = SDPAttention  # torch's fused kernels
         spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=arch.qk_layernorm)
-    with cpu_compat.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
+    with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
@@ -180,7 +181,7 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict 
     ddp_config = args.build(DistributedDataParallelConfig, "DistributedDataParallelConfig", dict(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer),
         overrides or {})
-    with cpu_compat.cuda_to_cpu():
+    with megatron_cpu.cuda_to_cpu():
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
@@ -196,7 +197,7 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
         optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
         adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer), overrides or {})
-    with cpu_compat.cuda_to_cpu():
+    with megatron_cpu.cuda_to_cpu():
         return get_megatron_optimizer(opt_config, [ddp_model])
 
 

@@ -1,0 +1,370 @@
+"""The torch backend: an HF causal LM with AdamW and gradient accumulation on the rank's device, in one process or
+data-parallel over the trainer's ranks with FSDP2 (each rank trains its share of every step, `parallel.py`). Master
+weights are float32; under bf16 the forward runs in bfloat16 (autocast on one rank, FSDP2's mixed-precision policy
+over several), log-probs and losses in float32. Each micro-batch is one packed row (`packing.py`), as in slime; under
+context parallelism each rank of a group holds a slice of it (`context_parallel.py`).
+
+It owns the models (policy, reference, PPO critic), the optimizers and the step loop; every formula from the forward
+outputs to the loss is in `rl_step` (shared with the Megatron backend). Sharding and the ranks are
+`parallel.py`'s; checkpoint files `checkpoint/iterations.py`'s; the weight broadcast to engines `weight_sync.py`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+from services.common.shares import Share
+from services.trainer.backends.base import load_custom_loss
+from services.trainer.backends.fsdp import context_parallel, cp_attention
+from services.trainer.backends.fsdp.critic import Critic
+from services.trainer.batching import packing, varlen
+from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
+from services.trainer.batching.schedule import MicroBatch, Step, split_to, step_schedule
+from services.trainer.checkpoint.hf_files import TOKENIZER_FILES, copy_side_files
+from services.trainer.checkpoint.torch_state import TorchStateDicts, load_causal_lm
+from services.trainer.distributed import devices, parallel
+from services.trainer.moe import hf_aux_loss
+from services.trainer.moe.hf_routing_replay import RoutingReplay
+from services.trainer.settings.train import TrainConfig
+from services.trainer.step import hooks, rl_step
+from services.trainer.step.optim import lr_schedule, make_adamw, scheduled_step
+
+log = logging.getLogger(__name__)
+
+
+
+class TorchBackend(TorchStateDicts):
+    """One process, one model: `train_rollout` runs slime's per-rollout schedule (recompute old / reference
+    log-probs and critic values, advantages, then global_batch_size steps of micro-batches)."""
+
+    def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
+                 world: parallel.World | None = None, job_global_batch_size: int | None = None,
+                 pack_sequences: bool = True, min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK,
+                 context_parallel_size: int = 1) -> None:
+        self.model_path = Path(model_path)
+        self.config = config
+        # a micro-batch with enough padding runs as one packed row (`packing.worth_packing`); False: always a padded
+        # rectangle (the reference the tests hold it to)
+        self.pack_sequences = pack_sequences
+        self.min_padding_to_pack = min_padding_to_pack
+        # the job's step size: `config` holds this rank's share of it when the world has more than one rank
+        self.job_global_batch_size = job_global_batch_size or config.global_batch_size
+        self.world = world or parallel.World()
+        # context parallelism (`context_parallel`): each sequence split over the ranks of a CP group
+        self.cp = context_parallel.make_groups(self.world.rank, self.world.world_size, context_parallel_size)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(config.seed)
+        self.device = self.world.device
+        self.dtype = devices.train_dtype(config.bf16, self.device)
+        devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
+        model = load_causal_lm(self.model_path).to(self.device)
+        if self.pack_sequences and not varlen.packable(model):
+            log.warning("%s cannot keep packed sequences apart (an attention that is not transformers' "
+                        "AttentionInterface, or layers that mix tokens outside attention): micro-batches stay padded",
+                        type(model).__name__)
+            self.pack_sequences = False
+        if self.cp.size > 1:
+            context_parallel.check(model, self.pack_sequences, config)
+            cp_attention.use_in(model)  # the reference model is its copy
+        self._tied_names = parallel.tied_names(model)
+        # frozen copies: the reference model (KL) and the distillation teacher, each loaded over later when asked
+        ref_model, teacher = (copy.deepcopy(model).requires_grad_(False) if needed else None
+                              for needed in (config.needs_ref_model, config.needs_teacher_model))
+        # the routing hooks go on the policy alone, after the frozen copies: those route as they are (slime's
+        # "fallthrough")
+        self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
+            if config.replays_routing else None
+        self._router = hf_aux_loss.router_kind(model) if config.moe_aux_loss else None
+        self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
+        self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
+            frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))
+        self.critic = Critic(self.model_path, config, device=self.device) if config.use_critic else None
+        if self.critic is not None and self.cp.size > 1:
+            cp_attention.use_in(self.critic.model.backbone)
+        if self.critic is not None and self.world.distributed:  # its optimizer must hold the sharded parameters
+            parallel.shard_model(self.critic.model, self.world, param_dtype=self.dtype)
+            self.critic.optimizer = make_adamw(self.critic.model.named_parameters(), lr=config.lr,
+                                               weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+                                               adam_beta2=config.adam_beta2, adam_eps=config.adam_eps)
+        self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
+            else None
+        hooks.load_all(config)
+        # data-parallel ranks: normalize_advantages all-reduces its statistics over it
+        self.dp_group = self.cp.dp_group if self.cp.size > 1 else \
+            torch.distributed.group.WORLD if self.world.distributed else None
+        self.optimizer = self._make_optimizer()
+        pad = self.model.config.pad_token_id
+        self.pad_token_id = 0 if pad is None else int(pad)
+        self._weight_version = 0
+        log.info("loaded %s: %.1fM parameters on %s (%s compute), loss %s, reference model %s", self.model_path,
+                 sum(p.numel() for p in self.model.parameters()) / 1e6, self.device, self.dtype, config.loss_type,
+                 self.ref_model is not None)
+
+    def _autocast(self):
+        """bf16 compute for float32 parameters on one rank; FSDP2's policy casts them itself over several."""
+        return devices.autocast(self.device, torch.float32 if self.world.distributed else self.dtype)
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.config
+        return make_adamw(self.model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                          adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps)
+
+    def _packs(self, mb: RolloutBatch) -> bool:
+        return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
+
+    def _model_inputs(self, mb: RolloutBatch, packed: bool) -> dict[str, torch.Tensor | int]:
+        """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
+        a block-diagonal causal mask, and the cumulative lengths for varlen flash attention (`varlen`); padded: the
+        rectangle and its mask."""
+        if packed:
+            row = packing.pack(mb)
+            return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
+                    "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
+        return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
+
+    def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,
+                 router_logits: bool = False):
+        """The HF forward's outputs: the response tokens' logits alone, [N, V] (`rl_step.response_row_log_probs`
+        reads them): the model projects onto the vocabulary only the positions that predict a response token, no
+        prompt's and no padding's (`packing.response_mask`); response_only=False (a custom loss, which takes them
+        all): every position's, [b, L, V] padded or [1, T, V] packed. With each MoE layer's router logits when asked
+        for; the policy replays the micro-batch's routed experts when it has them."""
+        packed = self._packs(mb)
+        keep = {"logits_to_keep": packing.response_mask(mb, packed=packed)} if response_only else {}
+        replay = contextlib.nullcontext()
+        if self.routing is not None and model is self.model:
+            replay = self.routing.replaying(mb.flat_routed_experts(packed=packed))
+        with self._autocast(), replay:
+            return model(**self._model_inputs(mb, packed), **keep, use_cache=False,
+                         **({"output_router_logits": True} if router_logits else {}))
+
+    def _logits(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True) -> torch.Tensor:
+        return self._forward(model, mb, response_only=response_only).logits
+
+    def _values(self, mb: RolloutBatch) -> torch.Tensor:
+        with self._autocast():
+            if self.cp.size > 1:
+                return context_parallel.response_values(self.critic.model, mb, self._cp_slice(mb))
+            return self.critic.values(mb, self._model_inputs(mb, self._packs(mb)))
+
+    def _cp_slice(self, mb: RolloutBatch) -> context_parallel.CPSlice:
+        return context_parallel.split(mb, self.cp, self.pad_token_id)
+
+    def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
+                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned (log_probs, entropy) [b, R] from `_logits`' rows."""
+        return rl_step.response_row_log_probs(logits, mb, self.config, with_entropy=with_entropy)
+
+    def _model_stats(self, model: torch.nn.Module, mb: RolloutBatch, *,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned (log_probs, entropy) [b, R] of `model` at the rollout temperature, on one rank or split
+        over the context-parallel group."""
+        if self.cp.size == 1:
+            return self._token_stats(self._logits(model, mb), mb, with_entropy=with_entropy)
+        with self._autocast():
+            return context_parallel.response_stats(model, mb, self._cp_slice(mb), self.config,
+                                                   with_entropy=with_entropy)
+
+    def _log_probs(self, model: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
+        """Response-aligned log-probs [b, R] at the rollout temperature."""
+        return self._model_stats(model, mb, with_entropy=False)[0]
+
+    def _schedule(self, batch: RolloutBatch, global_batch_size: int | None) -> list[Step]:
+        """Each step's micro-batches. Over several ranks each step has as many on every rank (FSDP gathers and
+        reduces at every forward and backward): the most any rank has, by halving this rank's heaviest (or, with
+        no sample left to split off, an empty micro-batch that runs a zero-weighted forward)."""
+        cfg = self.config
+        lengths = batch.total_lengths
+        # under CP a micro-batch's tokens are spread over the group (slime: max_tokens_per_gpu × cp_size)
+        budget = cfg.max_tokens_per_gpu * self.cp.size if cfg.use_dynamic_batch_size else None
+        steps = step_schedule(lengths, global_batch_size=global_batch_size, micro_batch_size=cfg.micro_batch_size,
+                              max_tokens_per_gpu=budget)
+        if not self.world.distributed or not steps:
+            return steps
+        counts = torch.tensor([len(step) for step in steps], dtype=torch.long, device=self.world.comm_device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        return [split_to(lengths, step, count) for step, count in zip(steps, counts.tolist(), strict=True)]
+
+    @torch.no_grad()
+    def _recompute(self, forward, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """[B, R] of `forward(mb) -> [b, R]` without grad, in the micro-batches the training forward will use."""
+        out = torch.zeros_like(batch.loss_masks)
+        for rows in micro_batches:
+            if not rows:  # an empty micro-batch: the forward only keeps the ranks' collectives in step
+                forward(batch.take([0]))
+                continue
+            values = forward(batch.take(rows))
+            out[rows, :values.shape[1]] = values
+        return out
+
+    def rollout_share(self) -> Share:
+        """This rank's share of each step (`parallel.rollout_share`): each rank reads its own from the buffer, the
+        ranks of a CP group the same one."""
+        return parallel.rollout_share(rank=self.cp.dp_rank, world_size=self.cp.dp_size,
+                                      global_batch_size=self.job_global_batch_size,
+                                      n_samples_per_prompt=self.config.n_samples_per_prompt)
+
+    def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, device=self.device)
+        (micro_batches,) = self._schedule(batch, None)
+        log_probs = self._recompute(lambda mb: self._log_probs(self.model, mb), batch, micro_batches)
+        return [log_probs[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
+
+    def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
+        cfg = self.config
+        batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
+                                    device=self.device, routing_shape=self._routing_shape())
+        steps = self._schedule(batch, cfg.global_batch_size)
+        if not steps:
+            raise InvalidArgument(f"rollout has {batch.size} samples, fewer than global_batch_size "
+                                  f"{cfg.global_batch_size}")
+        if (used := sum(len(mb) for step in steps for mb in step)) < batch.size:
+            log.warning("dropping the last %d of %d samples: they do not fill a step of global_batch_size %d",
+                        batch.size - used, batch.size, cfg.global_batch_size)
+        # slime's --num-critic-only-steps: the first rollouts train the critic alone.
+        train_actor = self.critic is None or self._weight_version >= cfg.num_critic_only_steps
+        start = time.perf_counter()
+        if cfg.loss_type != "sft_loss":
+            batch = self._prepare(batch, [mb for step in steps for mb in step], len(steps), train_actor, samples)
+        metrics: list[dict[str, float]] = [{} for _ in steps]
+        metrics[0]["perf/log_probs_seconds"] = time.perf_counter() - start  # the rollout's recompute, once
+        if self.critic is not None:
+            critic_batch = batch.with_(returns=rl_step.critic_returns(batch, cfg, samples))
+            for step_metrics, step in zip(metrics, steps, strict=True):
+                step_metrics.update(self._critic_step(critic_batch, step))
+        if train_actor:
+            for step_metrics, step in zip(metrics, steps, strict=True):
+                step_metrics.update(self._actor_step(batch, step))
+        self._weight_version += 1
+        return metrics
+
+    def _routing_shape(self) -> tuple[int, int] | None:
+        """(num_layers, top_k) of the engines' routed experts, when this job replays the rollout's routing."""
+        if self.routing is None or not self.config.use_rollout_routing_replay:
+            return None
+        return self.routing.num_layers, self.routing.top_k
+
+    def _prepare(self, batch: RolloutBatch, micro_batches: list[MicroBatch], num_steps: int,
+                 train_actor: bool, samples: Sequence[Sample]) -> RolloutBatch:
+        """Critic values, old and reference log-probs (each in the training micro-batches), then advantages."""
+        if self.critic is not None:
+            batch = batch.with_(values=self._recompute(self._values, batch, micro_batches))
+        if not train_actor:
+            return batch
+        rollout, recorded = batch, []
+
+        def log_probs_of(model: torch.nn.Module) -> torch.Tensor:
+            if model is self.model and self.routing is not None and rollout.routed_experts is None:
+                # slime's "record" stage: the old policy's forward records the experts the training forwards replay
+                log_probs, routed = self.routing.record_batch(lambda mb: self._log_probs(model, mb), rollout,
+                                                              micro_batches, packs=self._packs)
+                recorded.append(routed)
+                return log_probs
+            return self._recompute(lambda mb: self._log_probs(model, mb), rollout, micro_batches)
+
+        batch = rl_step.with_advantages(batch, self.config, num_steps=num_steps, model=self.model,
+                                        ref_model=self.ref_model, teacher_model=self.teacher_model, samples=samples,
+                                        group=self.dp_group, log_probs_of=log_probs_of)
+        return batch.with_routed_experts(recorded[0].routed_experts) if recorded else batch
+
+    def _actor_loss(self, mb: RolloutBatch, reduce, *,
+                    num_micro_batches: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy's loss on a micro-batch; the load-balancing loss is shared among the step's
+        `num_micro_batches`."""
+        cfg = self.config
+        if self.cp.size > 1:  # routing replay and the MoE aux loss are refused at submit under CP
+            log_probs, entropy = self._model_stats(self.model, mb, with_entropy=cfg.loss_type == "policy_loss")
+            return rl_step.log_prob_loss(cfg, mb, log_probs=log_probs, entropy=entropy, reduce=reduce)
+        out = self._forward(self.model, mb, response_only=cfg.loss_type != "custom_loss",
+                            router_logits=cfg.moe_aux_loss)
+        loss, metrics = rl_step.micro_batch_loss(cfg, mb, logits=out.logits, reduce=reduce,
+                                                 custom_loss_fn=self.custom_loss, token_stats=self._token_stats)
+        if not cfg.moe_aux_loss:
+            return loss, metrics
+        return hf_aux_loss.add_load_balancing_loss(
+            loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, router=self._router,
+            packed=self._packs(mb), num_micro_batches=num_micro_batches)
+
+    def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
+        metrics = self._train_step(self.model, self.optimizer, batch, micro_batches,
+                                   functools.partial(self._actor_loss, num_micro_batches=len(micro_batches)))
+        return {key if key.startswith("perf/") else f"train/{key}": value for key, value in metrics.items()}
+
+    def _critic_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
+        def loss_fn(mb: RolloutBatch, reduce):
+            return rl_step.value_loss(self.config, mb, values=self._values(mb), reduce=reduce)
+
+        metrics = self._train_step(self.critic.model, self.critic.optimizer, batch, micro_batches, loss_fn)
+        return {"train/value_loss": metrics["value_loss"], "train/value_clipfrac": metrics["value_clipfrac"],
+                "train/critic_grad_norm": metrics["grad_norm"]}
+
+    def _train_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch,
+                    micro_batches: Step, loss_fn: rl_step.LossFn) -> dict[str, float]:
+        """One optimizer step over a step's micro-batches. Losses are normalized by the whole step's sample (or
+        token) count, so the loss and its gradient do not depend on how the step is cut into micro-batches."""
+        cfg = self.config
+        # Each sample is its own rollout here, so its denominator is its own loss-mask total (slime's
+        # rollout_mask_sums with no fan-out).
+        mask_sums = batch.loss_masks.sum(dim=-1)
+        rows = [i for mb in micro_batches for i in mb]
+        # Over data-parallel ranks, their counts' mean: FSDP averages gradients, so the loss is the whole step's.
+        normalizer = parallel.dp_mean(rl_step.step_normalizer(cfg, mask_sums[rows]), self.world)
+        optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        start = time.perf_counter()
+        for mb_rows in micro_batches:
+            if not mb_rows:  # an empty micro-batch: a zero-weighted pass keeps the ranks' collectives in step
+                mb = batch.take(rows[:1])
+                loss, _ = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[rows[:1]], normalizer))
+                (loss * 0.0).backward()
+                continue
+            mb = batch.take(mb_rows)
+            loss, metrics = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows], normalizer))
+            loss.backward()
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        forward_backward_s, start = time.perf_counter() - start, time.perf_counter()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else math.inf))
+        if not math.isfinite(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"grad norm is {grad_norm} on samples [{min(rows)}, {max(rows) + 1}); "
+                                     "step not applied")
+        lr = scheduled_step(optimizer, **lr_schedule(cfg))
+        return {**totals, "grad_norm": grad_norm, "lr": lr, "perf/forward_backward_seconds": forward_backward_s,
+                "perf/optimizer_seconds": time.perf_counter() - start}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.
+        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none."""
+        weights = parallel.full_state_dict(self.model, self.world)
+        return iter([(name, t.detach()) for name, t in weights.items() if name not in self._tied_names])
+
+    def save_hf(self, path: str | Path) -> None:
+        """Write safetensors, config and tokenizer files transformers loads; under FSDP every rank calls it (the
+        weights are gathered to rank 0, which writes)."""
+        path = Path(path)
+        weights = parallel.full_state_dict(self.model, self.world)
+        if self.world.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            # transformers 5 empties the state_dict it is given: pass a copy.
+            self.model.save_pretrained(path, state_dict=dict(weights))
+            copy_side_files(self.model_path, path, TOKENIZER_FILES)  # save_pretrained wrote the configs
+            log.info("saved HF checkpoint to %s", path)
+        self.world.barrier()

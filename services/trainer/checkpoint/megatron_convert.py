@@ -1,0 +1,278 @@
+"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama: names, fused layouts, TP shards, vocab
+padding, experts.
+
+`hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
+Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
+yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attention):
+- linear_qkv: per query group g, rows [q heads of g (heads_per_group·head_dim), k_g (head_dim), v_g (head_dim)];
+  TP rank r holds query groups [r·G/tp, (r+1)·G/tp), i.e. chunk r of dim 0.
+- linear_fc1: on TP rank r, cat(gate chunk r, up chunk r) along dim 0.
+- linear_proj, linear_fc2: chunk r of dim 1. Embedding and output layer: the vocab padded with zero rows, chunk r
+  of dim 0. Norms are replicated.
+- MoE layers: mlp.router <- mlp.gate; expert e is local expert e - r·E/ep of expert-parallel rank r, its linear_fc1
+  cat(gate_e, up_e), its linear_fc2 down_e; router and experts are whole on every TP rank (expert TP 1). HF
+  checkpoints on disk name each expert (mlp.experts.{e}.gate_proj);
+  transformers' models in memory, and so the engines' weight names, hold them fused (mlp.experts.gate_up_proj
+  [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from services.trainer.models.arch import ModelArch
+
+HF_LAYER = "model.layers.{}."
+MG_LAYER = "decoder.layers.{}."
+# Megatron sub-name -> HF sub-name, for per-layer tensors that are only renamed (local spec names).
+RENAMED = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+# With the Transformer Engine spec the pre-attention and pre-MLP norms are fused into the next linear layer.
+TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # TP-split along dim 1
+QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
+DENSE_MLP = ("mlp.linear_fc2.weight",)  # a MoE layer has experts instead
+LOCAL_EXPERT = "mlp.experts.local_experts."
+
+
+def layer_offset(arch: ModelArch, *, pp_rank: int, pp_size: int) -> int:
+    """Global index of this pipeline stage's first layer (layers are split evenly)."""
+    return pp_rank * (arch.num_layers // pp_size)
+
+
+def _te_name(sub: str, te_names: bool) -> str:
+    return TE_RENAMES.get(sub, sub) if te_names else sub
+
+
+def _local_sub(sub: str) -> str:
+    """The local-spec sub-name of a per-layer Megatron sub-name (TE fused norm names map back)."""
+    for local, te in TE_RENAMES.items():
+        if sub == te:
+            return local
+    return sub
+
+
+def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    extra = padded_vocab_size - weight.shape[0]
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
+
+
+def _fuse_qkv(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q [H·d, ...], k/v [G·d, ...] -> Megatron linear_qkv [(H + 2G)·d, ...] in per-query-group order."""
+    groups, d = arch.num_query_groups, arch.head_dim
+    tail = q.shape[1:]
+    q = q.reshape(groups, arch.heads_per_group * d, *tail)
+    k, v = k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(arch: ModelArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `_fuse_qkv` on the full (TP-gathered) tensor."""
+    groups, d = arch.num_query_groups, arch.head_dim
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (arch.heads_per_group + 2) * d, *tail)
+    q, k, v = grouped.split([arch.heads_per_group * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _hf_expert(hf: Mapping[str, torch.Tensor], layer: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e of an HF MoE layer as Megatron's (linear_fc1, linear_fc2), from fused or per-expert HF names."""
+    fused = layer + "mlp.experts.gate_up_proj"
+    if fused in hf:
+        return hf[fused][e].clone().contiguous(), hf[layer + "mlp.experts.down_proj"][e].clone().contiguous()
+    expert = f"{layer}mlp.experts.{e}."
+    return (torch.cat([hf[expert + "gate_proj.weight"], hf[expert + "up_proj.weight"]]),
+            hf[expert + "down_proj.weight"].clone().contiguous())
+
+
+def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: str, *, ep_rank: int,
+               ep_size: int) -> dict[str, torch.Tensor]:
+    """A MoE layer's router and this expert-parallel rank's experts."""
+    out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone().contiguous()}
+    local = arch.num_experts // ep_size
+    for i in range(local):
+        fc1, fc2 = _hf_expert(hf, src, ep_rank * local + i)
+        out[f"{dst}mlp.experts.local_experts.{i}.linear_fc1.weight"] = fc1
+        out[f"{dst}mlp.experts.local_experts.{i}.linear_fc2.weight"] = fc2
+    return out
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: int = 0, tp_size: int = 1,
+                   pp_rank: int = 0, pp_size: int = 1, te_names: bool = False, ep_rank: int = 0,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """This rank's GPTModel state (local layer indices, this TP shard) from full HF tensors (name -> tensor;
+    only the names this stage needs are read). Tensors are fresh and contiguous."""
+
+    def shard(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return tensor.chunk(tp_size, dim=dim)[tp_rank].clone().contiguous()
+
+    out: dict[str, torch.Tensor] = {}
+    padded = arch.padded_vocab_size(tp_size)
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
+    offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
+    for local in range(arch.num_layers // pp_size):
+        src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
+        for mg_sub, hf_sub in RENAMED.items():
+            if (mg_sub in QK_NORMS and not arch.qk_layernorm) or (mg_sub in DENSE_MLP and arch.num_experts):
+                continue
+            tensor = hf[src + hf_sub]
+            out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
+                tensor.clone().contiguous()
+        attn = src + "self_attn."
+        out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
+            arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
+        if arch.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
+                arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
+        if arch.num_experts:
+            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size))
+            continue
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
+    if pp_rank == pp_size - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone().contiguous()
+        # Tied embeddings: the last stage keeps its own copy of the embedding as the output layer, unless the
+        # same stage holds the embedding (then GPTModel has no output weight at all).
+        if not arch.tie_word_embeddings:
+            out["output_layer.weight"] = shard(_pad_vocab(hf["lm_head.weight"], padded))
+        elif pp_size > 1:
+            out["output_layer.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
+    return out
+
+
+def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *,
+                   offset: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """HF (name, full tensor) pairs of one Megatron parameter given its TP shards in TP-rank order (a replicated
+    parameter: any one shard). `offset` is the stage's first global layer. The tied output layer maps to nothing:
+    the embedding stands for it."""
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", torch.cat(list(shards))[:arch.vocab_size])]
+    if name == "output_layer.weight":
+        return [] if arch.tie_word_embeddings else [("lm_head.weight", torch.cat(list(shards))[:arch.vocab_size])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", shards[0])]
+    if not name.startswith("decoder.layers."):
+        raise ValueError(f"no HF name for Megatron parameter {name!r}")
+    index, sub = name.removeprefix("decoder.layers.").split(".", 1)
+    prefix = HF_LAYER.format(offset + int(index))
+    sub = _local_sub(sub)
+    if sub in RENAMED:
+        tensor = torch.cat(list(shards), dim=1) if sub in ROW_PARALLEL else shards[0]
+        return [(prefix + RENAMED[sub], tensor)]
+    if sub in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = sub.rsplit(".", 1)[1]
+        q, k, v = _split_qkv(arch, torch.cat(list(shards)))
+        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
+    if sub == "mlp.router.weight":
+        return [(prefix + "mlp.gate.weight", shards[0])]
+    if sub.startswith(LOCAL_EXPERT):  # one expert: fused with the others of its layer by `fuse_experts`
+        index, kind = sub.removeprefix(LOCAL_EXPERT).split(".", 1)
+        return [(f"{prefix}mlp.experts.{index}.{kind}", shards[0])]
+    if sub == "mlp.linear_fc1.weight":
+        gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
+        return [(prefix + "mlp.gate_proj.weight", torch.cat(gates)), (prefix + "mlp.up_proj.weight", torch.cat(ups))]
+    raise ValueError(f"no HF name for Megatron parameter {name!r}")
+
+
+def fuse_experts(named: Iterator[tuple[str, torch.Tensor]], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert (name, tensor) pairs of `megatron_to_hf` (`...mlp.experts.{e}.linear_fc1.weight`) held until a
+    layer's experts are all there, then yielded under transformers' fused names; every other pair passes through."""
+    held: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in named:
+        layer, sep, rest = name.partition("mlp.experts.")
+        if not sep or not rest.split(".", 1)[0].isdigit():
+            yield name, tensor
+            continue
+        index, kind = rest.split(".", 1)
+        experts = held.setdefault((layer, kind), {})
+        experts[int(index)] = tensor
+        if len(experts) == arch.num_experts:
+            stacked = torch.stack([experts[e] for e in range(arch.num_experts)])
+            del held[(layer, kind)]
+            yield layer + ("mlp.experts.gate_up_proj" if kind == "linear_fc1.weight" else "mlp.experts.down_proj"), \
+                stacked
+
+
+def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.Tensor]:
+    """One local expert's parameter from every expert-parallel rank, in EP-rank order."""
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(tensor) for _ in range(ep_size)]
+    dist.all_gather(gathered, tensor.contiguous(), group=ep_group)
+    return gathered
+
+
+def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
+                      tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int, ep_group=None,
+                      ep_size: int = 1, expert_dp_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective over all ranks: the source rank (global rank 0: pp, tp and dp rank 0) yields every HF weight
+    once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
+    parameters over TP, its TP rank 0 converts them and sends them to the source rank. Experts are first
+    all-gathered over the expert-parallel group, whose other ranks are other data-parallel ranks: those join the
+    gathers and yield nothing."""
+    import torch.distributed as dist
+
+    if dp_rank != 0:
+        if ep_size > 1 and expert_dp_rank == 0:
+            for name, param in named_params:
+                if LOCAL_EXPERT in name:
+                    _gather_experts(param.detach(), ep_size, ep_group)
+        return
+    local_experts = arch.num_experts // ep_size
+    offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else [dist.get_rank()]
+    source = pp_ranks[0]
+
+    def converted() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in named_params:
+            if name == "output_layer.weight" and arch.tie_word_embeddings:
+                continue  # the last stage's copy of the embedding
+            tensor = param.detach()
+            if LOCAL_EXPERT in name and ep_size > 1:  # expert i of EP rank j is global expert j·local + i
+                head, tail = name.split(LOCAL_EXPERT)
+                index, rest = tail.split(".", 1)
+                for j, expert in enumerate(_gather_experts(tensor, ep_size, ep_group)):
+                    global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
+                    if tp_rank == 0:
+                        yield from megatron_to_hf(global_name, [expert], arch, offset=offset)
+                continue
+            shards = [tensor]
+            # experts are whole on every TP rank (expert TP 1), though megatron-core marks them tensor-parallel
+            if tp_size > 1 and getattr(param, "tensor_model_parallel", False) and LOCAL_EXPERT not in name:
+                shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+                dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+            if tp_rank == 0:
+                yield from megatron_to_hf(name, shards, arch, offset=offset)
+
+    if pp_rank == 0:
+        yield from fuse_experts(converted(), arch)
+    elif tp_rank == 0:
+        for hf_name, tensor in fuse_experts(converted(), arch):
+            dist.send_object_list([(hf_name, tuple(tensor.shape), tensor.dtype)], dst=source, device=tensor.device)
+            dist.send(tensor.contiguous(), dst=source)
+        dist.send_object_list([None], dst=source, device=named_params[0][1].device)
+    else:
+        for _ in converted():
+            pass
+    if pp_rank == 0 and tp_rank == 0:
+        device = named_params[0][1].device
+        for stage in range(1, pp_size):
+            while True:
+                meta = [None]
+                dist.recv_object_list(meta, src=pp_ranks[stage], device=device)
+                if meta[0] is None:
+                    break
+                hf_name, shape, dtype = meta[0]
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(tensor, src=pp_ranks[stage])
+                yield hf_name, tensor

@@ -1,0 +1,117 @@
+"""The torch backend's state: HF checkpoints loaded into the policy or the reference, and the state by part (policy,
+optimizer, reference, critic, weight version) as torch's distributed-checkpoint state dicts, which `DCPCheckpointing`
+saves and loads, each rank its own shards under FSDP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.trainer.batching import varlen
+from services.trainer.checkpoint.dcp import DCPCheckpointing
+from services.trainer.distributed import parallel
+
+
+def load_causal_lm(path: Path):
+    """An HF causal LM in float32, in eval mode, its attention able to take packed rows."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as err:
+        raise InvalidArgument(f"model {path}: cannot load a causal LM ({err})") from err
+    varlen.use_in(model)  # packed rows take varlen flash attention where it applies
+    # No dropout: the training forward, the no-grad recompute and the engines see the same policy.
+    return model.eval()
+
+
+class TorchStateDicts(DCPCheckpointing):
+    """Needs `model`, `optimizer`, `ref_model`, `critic` (None or with `.model`, `.optimizer`), `world`,
+    `_weight_version` and `_make_optimizer`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ref_model: torch.nn.Module | None
+    teacher_model: torch.nn.Module | None
+    critic: Any
+    world: parallel.World
+    _weight_version: int
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def update_ref_model(self) -> None:
+        """Copy the policy into the reference model (slime's --ref-update-interval); shard by shard under FSDP."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        set_model_state_dict(self.ref_model, get_model_state_dict(self.model))
+
+    def state_dict(self, parts: Iterable[str] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds, by part: model and optim (the policy and its optimizer), ref_model, critic and
+        critic_optim, weight_version; each rank's own shards under FSDP. parts None: every part that exists (an
+        optimizer only once it has stepped); otherwise exactly those parts, e.g. to load them."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        wanted = None if parts is None else set(parts)
+        out: dict[str, Any] = {}
+        for name, optim, model, optimizer in self._checkpoint_parts():
+            if model is not None and (wanted is None or name in wanted):
+                out[name] = get_model_state_dict(model)
+            # get_optimizer_state_dict steps a fresh optimizer (lr 0) to create its state: only to load into it.
+            if optimizer is not None and (optim in wanted if wanted is not None else bool(optimizer.state)):
+                for group in optimizer.param_groups:  # a checkpoint loads only the keys its target has
+                    group.setdefault("num_steps", 0)  # optim.scheduled_step's count of steps taken
+                out[optim] = get_optimizer_state_dict(model, optimizer)
+        if wanted is None or "weight_version" in wanted:
+            out["weight_version"] = self._weight_version
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the parts `state` holds (as `state_dict` gives them, filled in from a checkpoint)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        for name, optim, model, optimizer in self._checkpoint_parts():
+            if name in state:
+                set_model_state_dict(model, state[name])
+            if optim in state:
+                set_optimizer_state_dict(model, optimizer, state[optim])
+        if "weight_version" in state:
+            self._weight_version = int(state["weight_version"])
+
+    def _checkpoint_parts(self) -> list[tuple[str, str, torch.nn.Module | None, torch.optim.Optimizer | None]]:
+        """(model part, optimizer part, model, optimizer) of every model a checkpoint holds."""
+        parts = [("model", "optim", self.model, self.optimizer), ("ref_model", "", self.ref_model, None)]
+        if self.critic is not None:
+            parts.append(("critic", "critic_optim", self.critic.model, self.critic.optimizer))
+        return parts
+
+    def load(self, path: str | Path) -> None:
+        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays).
+        Every rank calls it (each reads the directory)."""
+        parallel.load_full_state_dict(self.model, load_causal_lm(Path(path)).state_dict(), self.world)
+        self.optimizer = self._make_optimizer()
+
+    def load_ref(self, path: str | Path) -> None:
+        """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
+        if self.ref_model is None:
+            raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
+        parallel.load_full_state_dict(self.ref_model, load_causal_lm(Path(path)).state_dict(), self.world)
+
+    def load_teacher(self, path: str | Path) -> None:
+        """Replace the distillation teacher's weights with an HF checkpoint's (the policy's architecture)."""
+        if self.teacher_model is None:
+            raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
+        parallel.load_full_state_dict(self.teacher_model, load_causal_lm(Path(path)).state_dict(), self.world)
+
+    def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
+        raise InvalidArgument(f"checkpoint {path}: a slime (Megatron) torch_dist checkpoint loads on train_backend "
+                              "megatron; this backend reads its HF copy (the driver's slime_checkpoint_conversion, or "
+                              "python -m services.trainer.driver.slime_to_hf)")
+
+    def load_teacher_sharded(self, path: str | Path) -> None:
+        """The policy of a checkpoint's dcp/ directory as the teacher."""
+        self._load_policy_into(self.teacher_model, path)

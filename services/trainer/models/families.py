@@ -1,0 +1,108 @@
+"""Which trainer backend builds which model family (hf_checkpoint's config.json `model_type`), asked at submit so a
+job whose model cannot be built is refused before any GPU is allocated, naming the family and the backend that can.
+
+The torch backend (fsdp) and the CPU engine build any causal LM transformers implements (AutoModelForCausalLM); the
+megatron backend builds what `models/arch.py` reads. Each backend's capabilities (`capabilities.py`) name
+its check here. Knows nothing of jobs or specs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+
+def family(hf_config: dict[str, Any]) -> str:
+    """The family's name: its model_type, a multimodal checkpoint's text model by the checkpoint's name
+    (qwen3_5_text is qwen3_5)."""
+    return str(hf_config.get("model_type", "")).removesuffix("_text")
+
+
+def language_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: a multimodal checkpoint's (Qwen3.5's) text_config over its own top level."""
+    text = hf_config.get("text_config")
+    return {**hf_config, **text} if isinstance(text, dict) else hf_config
+
+
+def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """Why the fsdp backend cannot build this model ("" when it can); its layout is data-parallel alone."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if hf_config.get("is_encoder_decoder"):
+        return ("an encoder-decoder model; the fsdp backend and the CPU engine train and serve decoder-only causal "
+                "LMs")
+    if hf_config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return ("transformers has no causal LM of this model_type (AutoModelForCausalLM); the fsdp backend and the CPU "
+                "engine train and serve decoder-only causal LMs")
+    return ""
+
+
+def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> str:
+    from services.trainer.models.arch import ModelArch  # the arch module alone: no megatron-core import
+
+    try:
+        ModelArch.from_hf_config(hf_config).check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+    except InvalidArgument as err:
+        return str(err).removeprefix("megatron backend: ")
+    return ""
+
+
+# The MoE families whose routers the fsdp backend replays, by the transformers class of their router (each returns
+# logits, top-k weights, top-k indices; moe/hf_routing_replay.py replaces the indices and recomputes the weights):
+# Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
+REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
+                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+# The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
+# sigmoid ones score experts by sigmoid (moe/load_balancing.py), the others by softmax.
+SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3")
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
+AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe", *SIGMOID_ROUTERS)
+
+
+def _family_problem(hf_config: dict[str, Any], families: tuple[str, ...] | dict[str, str]) -> str:
+    if "model_type" in hf_config and family(hf_config) not in families:
+        return f"model family {family(hf_config)!r} is not one it applies to ({', '.join(families)})"
+    return ""
+
+
+def fsdp_replay_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """Why the torch backend cannot replay this model's routing ("" when it can): it patches the routers above."""
+    return _family_problem(hf_config, REPLAYABLE_ROUTERS)
+
+
+def fsdp_aux_loss_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """Why the torch backend cannot add this model's load-balancing loss ("" when it can)."""
+    return _family_problem(hf_config, AUX_LOSS_FAMILIES)
+
+
+def megatron_replay_problem(hf_config: dict[str, Any], **_layout: int) -> str:
+    """megatron-core replays any MoE it builds, in any layout: at TP > 1 every TP rank's routers replay the same
+    experts, or under sequence parallelism each its slice of the tokens'."""
+    return ""
+
+
+def megatron_train_mode_problem(hf_config: dict[str, Any], *, tp_size: int = 1, sequence_parallel: bool = False,
+                                **_layout: int) -> str:
+    """Why megatron-core cannot run this model's training forwards in train mode, which its load-balancing loss and
+    dropout need: its MoE layers refuse it at TP > 1 without sequence parallelism (the backend trains them there in
+    eval mode)."""
+    config = language_model_config(hf_config)
+    moe = any(config.get(name) for name in EXPERT_COUNT_FIELDS)
+    if moe and tp_size > 1 and not sequence_parallel:
+        return (f"it adds it to a MoE model at tensor_model_parallel_size 1 or under megatron.sequence_parallel "
+                f"(megatron-core's MoE layers train at TP > 1 only so), got tensor_model_parallel_size {tp_size}")
+    return ""
+
+
+def context_parallel_problem(hf_config: dict[str, Any]) -> str:
+    """"" when context parallelism (`backends/fsdp/context_parallel.py`) can split the model's sequences, else why not:
+    its attention runs per token pair across ranks, so every layer must be full causal attention (no sliding
+    window, no layer mixing tokens outside attention, such as Qwen3.5's gated delta nets)."""
+    config = language_model_config(hf_config)
+    other = sorted({kind for kind in config.get("layer_types") or [] if kind != "full_attention"})
+    if other:
+        return f"its {', '.join(other)} layers are not full attention"
+    if config.get("use_sliding_window"):
+        return "its attention has a sliding window"
+    return ""

@@ -1,0 +1,2 @@
+"""Mixture-of-experts bookkeeping: the load-balancing loss, and routing replay on transformers' MoE layers and on
+megatron-core's routers."""

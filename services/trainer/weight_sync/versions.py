@@ -1,0 +1,85 @@
+"""The weight-version bookkeeping of a job: which version the engines hold, its push after training (every rank
+gathers, rank 0 pushes), and telling a rollout manager that restarted which version that is.
+
+Version v is the trainer's weights after v rollouts; the engines hold the last version pushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from services.rollout.client import RolloutClient, snapshot_path
+from services.trainer.distributed.parallel import World
+from services.trainer.settings.weight_sync import SyncConfig
+
+if TYPE_CHECKING:
+    from services.trainer.backends.base import TrainBackend
+
+log = logging.getLogger(__name__)
+
+
+class EngineWeights:
+    """What the engines hold. `engines`: whether this job pushes weights to them (not under debug_rollout_only:
+    they keep whatever weights they hold). `push` is collective (every rank calls it); `announce` is rank 0's."""
+
+    def __init__(self, world: World, rollout: RolloutClient | None, *, engines: bool, version: int = 0,
+                 sync: SyncConfig | None = None, master_address: str = "127.0.0.1", model_dir: str = "",
+                 job_id: str = "") -> None:
+        self.world, self.rollout, self.engines, self.version = world, rollout, engines, version
+        self.unannounceable: set[int] = set()  # versions without a snapshot to announce (warned once each)
+        self.broadcaster = None
+        if engines and sync is not None and world.rank == 0:
+            from services.trainer.weight_sync.auto import make_broadcaster
+
+            self.broadcaster = make_broadcaster(sync.weight_sync_backend, [], master_address=master_address,
+                                                timeout_s=sync.weight_sync_timeout_s,
+                                                bucket_bytes=sync.update_weight_buffer_size, model_dir=model_dir,
+                                                job_id=job_id, **sync.broadcaster_options())
+
+    def push(self, backend: TrainBackend, version: int) -> dict[str, float]:
+        """Every rank: gather the full weights to rank 0 (FSDP), which pushes them to the manager's engines as
+        `version`; returns the perf/ metrics on every rank."""
+        start = time.monotonic()
+        weights = list(backend.named_weights())
+        metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start)
+        self.version = version
+        return metrics
+
+    def _push_rank0(self, weights, version: int, model_dir, start: float) -> dict[str, float]:
+        from services.trainer.weight_sync.weight_sync import sync_engine_pool
+
+        stats = sync_engine_pool(self.broadcaster, self.rollout, weights, str(version), base_model_dir=model_dir)
+        return {"perf/update_weights_seconds": time.monotonic() - start,
+                "perf/update_weights_bytes": float(stats.get("bytes", 0)),
+                "perf/engine_pause_seconds": float(stats.get("pause_seconds", 0.0))}
+
+    def announce(self) -> None:
+        """Rank 0. A rollout manager that restarted knows no weights: its new engines serve the base model, and in
+        fully_async every group they generate would be refused as stale while the trainer, waiting for fresh ones,
+        never pushes weights again. Tell its pool the version the engines should hold, with the snapshot written at
+        that push (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining."""
+        if not self.engines:
+            return
+        version = self.version
+        pool = self.rollout.pool_status()
+        if pool.weight_version == str(version):
+            return
+        snapshot = snapshot_path(pool.snapshot_dir, version) if pool.snapshot_dir else None
+        if snapshot is None or not (snapshot / "model.safetensors").is_file():
+            if version in self.unannounceable:
+                return
+            self.unannounceable.add(version)
+            log.warning("the rollout manager's pool holds weight version %r, not %d, and there is no snapshot of %d "
+                        "(join mode sync?): its engines get the trainer's weights with the next sync",
+                        pool.weight_version, version, version)
+            return
+        self.rollout.begin_weight_sync(str(version))
+        self.rollout.end_weight_sync(str(version), success=True, engine_urls=[], snapshot_path=str(snapshot))
+        log.warning("the rollout manager's pool held weight version %r, not %d (restarted?): announced %d with its "
+                    "snapshot %s", pool.weight_version, version, version, snapshot)
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
