@@ -70,6 +70,18 @@ class TrainerState:
     buffer: dict[str, Any] | None = None  # services.buffer.client.DataSourceState.to_dict(); None: no buffer
 
 
+METRICS_FILE = "rollout_metrics.json"
+
+
+def saved_metrics(root: str | Path, rollout_id: int) -> dict[str, float] | None:
+    """The metrics of rollout `rollout_id` saved with its checkpoint (None: none were)."""
+    try:
+        metrics = json.loads((iteration_dir(root, rollout_id) / METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
 def iteration_dir(root: str | Path, rollout_id: int) -> Path:
     return Path(root) / f"iter_{rollout_id:07d}"
 
@@ -140,9 +152,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: str | Path, rollout_id: int, backend: BackendState, world: World,
-                    trainer_state: Callable[[], TrainerState]) -> Path:
+                    trainer_state: Callable[[], TrainerState], metrics: dict[str, float] | None = None) -> Path:
     """Every rank: write checkpoint `rollout_id` under root. `trainer_state` runs on rank 0 only, first (it takes
-    the buffer's snapshot); a failure there ends the save on every rank before anything is written."""
+    the buffer's snapshot); a failure there ends the save on every rank before anything is written. `metrics`, the
+    rollout's, are kept with it (saved_metrics)."""
     root = write_roots.writable_dir(root, write_roots.CHECKPOINTS, "save")  # checked now, not only at submit
     path = iteration_dir(root, rollout_id)
     # taken first, written after the backend's files (dist-checkpointing wants an empty directory)
@@ -153,6 +166,8 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: BackendState, wo
     world.barrier()
     if world.rank == 0:
         _write_atomic(path / STATE_FILE, json.dumps(state, indent=1))
+        if metrics:  # the rollout's metrics go with the checkpoint: a kill before they are reported loses none
+            _write_atomic(path / METRICS_FILE, json.dumps(metrics))
         if backend.checkpoint_format == TORCH_DIST and state["buffer"] is not None:  # slime's --load reads this one
             data_state = Path(root) / SLIME_DATA_STATE.format(rollout_id=rollout_id)
             data_state.parent.mkdir(parents=True, exist_ok=True)

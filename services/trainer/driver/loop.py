@@ -64,7 +64,9 @@ def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world
         else:
             log.info("job %s: %s holds no checkpoint yet; starting at rollout 0", driver.job_id, driver.load)
         return 0
-    feed.resumed(state.rollout_id + 1, state.buffer)
+    # this job's own checkpoint (it was stopped): the rollout's metrics, in case the stop came before their report
+    metrics = iterations.saved_metrics(driver.load, state.rollout_id) if state.job_id == driver.job_id else None
+    feed.resumed(state.rollout_id + 1, state.buffer, metrics)
     return state.rollout_id + 1
 
 
@@ -151,7 +153,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
                     rollout_id, driver.save_interval, num_rollout=driver.num_rollout)):
                 start = time.monotonic()
                 iterations.save_checkpoint(driver.save, rollout_id, backend, world,
-                                            functools.partial(feed.trainer_state, rollout_id))
+                                            functools.partial(feed.trainer_state, rollout_id),
+                                            metrics={**metrics, "perf/save_seconds": 0.0})  # kept with it
                 metrics["perf/save_seconds"] = time.monotonic() - start
                 saved = rollout_id
             if feed.weight_update_due(rollout_id):
