@@ -1,6 +1,7 @@
 """The gateway's HTTP API (FastAPI): /v1/chat/completions, /v1/models, /v1/messages, and the session's own
 /v1/session (its state) and /v1/session/reward. Each request's key (Authorization: Bearer, or x-api-key) opens its
-own session and no other; bodies are bounded before they are parsed; errors come in each API's error shape.
+own session and no other; bodies are bounded before they are read, then parsed and checked against their API's
+schema (schema.py) in the worker pool, off the event loop; errors come in each API's error shape.
 """
 
 from __future__ import annotations
