@@ -5,10 +5,11 @@ hostile messages, against the same sessions without them.
 2,048-token context) behind the real sglang-router; the gateway in its own process (tests/fuzz/gateway_host.py), as
 the rollout service runs it. NORMAL_WORKERS threads each send short chat completions (a fresh one-turn conversation,
 MAX_TOKENS new tokens) one after another. The run alternates quiet phases and hostile phases, --rounds of each, every
-phase --requests requests per normal worker; in a hostile phase HOSTILE_WORKERS processes each send a body just
-under the gateway's 4 MiB bound every --hostile-interval-s (0.5 s: 2 x 8 MB/s), whose one user message is ~4
-million characters (OpenAI and Anthropic alternately, encoded once), which the gateway must refuse with a 400 (past
-the model's context) without stalling the others. Sent back to back instead, the hostile bodies keep the gateway's
+phase --requests requests per normal worker; in a hostile phase HOSTILE_WORKERS processes (started once, before the
+first phase, and switched on and off: their start-up is not timed) each send a body just under the gateway's 4 MiB
+bound every --hostile-interval-s (0.5 s: 2 x 8 MB/s), whose one user message is ~4 million characters (OpenAI and
+Anthropic alternately, encoded once), which the gateway must refuse with a 400 (past the model's context) without
+stalling the others. Sent back to back instead, the hostile bodies keep the gateway's
 one interpreter busy parsing (a few tens of ms of CPU each): that is load, not blocking, and it moves the ratio with
 the machine's spare cores. Alternating the phases spreads the shared machine's other load over both sides.
 gateway_isolation_p99_ratio = normal requests' p99 latency in hostile phases / in quiet phases (goal <= 1.5).
@@ -60,10 +61,10 @@ def normal_worker(http, url: str, keys: list[str], requests: int, latencies: lis
             errors.append(f"normal: {reply.status_code} {reply.text[:200]}")
 
 
-def hostile_sender(url: str, key: str, interval_s: float, stop: Any, results: Any) -> None:
-    """A process of its own (so that its sending takes nothing from the timed threads' interpreter): a hostile body
-    every `interval_s` (or back to back, if one takes longer) until `stop` is set; then (status counts, latencies)
-    on `results`."""
+def hostile_sender(url: str, key: str, interval_s: float, active: Any, stop: Any, results: Any) -> None:
+    """A process of its own, started once before the first phase (so that neither its start nor its sending takes
+    anything from the timed threads' interpreter): while `active` is set, a hostile body every `interval_s` (or
+    back to back, if one takes longer); once `stop` is set, (status counts, latencies) on `results`."""
     import httpx
 
     bodies = hostile_bodies()
@@ -72,6 +73,8 @@ def hostile_sender(url: str, key: str, interval_s: float, stop: Any, results: An
     latencies: list[float] = []
     with httpx.Client(timeout=120.0) as http:
         while not stop.is_set():
+            if not active.wait(0.1):
+                continue
             route, body = bodies[len(latencies) % len(bodies)]
             start = time.perf_counter()
             status = http.post(f"{url}{route}", headers=headers, content=body).status_code
@@ -81,21 +84,42 @@ def hostile_sender(url: str, key: str, interval_s: float, stop: Any, results: An
     results.put((counts, latencies))
 
 
-def phase(url: str, keys: list[str], hostile_keys: list[str], requests: int, hostile: float, counts: dict[int, int],
-          hostile_latencies: list[float], errors: list[str]) -> list[float]:
-    """One phase: every normal worker's latencies (with hostile senders, one body each per `hostile` seconds, if
-    `hostile` is not 0)."""
+class HostileSenders:
+    """HOSTILE_WORKERS sender processes, one session each, switched on for the hostile phases."""
+
+    def __init__(self, url: str, keys: list[str], interval_s: float) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self.active, self.stop, self.results = spawn.Event(), spawn.Event(), spawn.Queue()
+        self.processes = [spawn.Process(target=hostile_sender, args=(url, key, interval_s, self.active, self.stop,
+                                                                     self.results)) for key in keys]
+        for process in self.processes:
+            process.start()
+
+    def close(self) -> tuple[dict[int, int], list[float]]:
+        """Stop them; every answer's status counted, and their latencies."""
+        self.active.clear()
+        self.stop.set()
+        counts: dict[int, int] = {}
+        latencies: list[float] = []
+        for _ in self.processes:
+            sent, sent_latencies = self.results.get(timeout=300)
+            for status, count in sent.items():
+                counts[status] = counts.get(status, 0) + count
+            latencies += sent_latencies
+        for process in self.processes:
+            process.join(timeout=60)
+        return counts, latencies
+
+
+def phase(url: str, keys: list[str], requests: int, senders: HostileSenders | None, errors: list[str]) -> list[float]:
+    """One phase: every normal worker's latencies (with the hostile senders on, if given)."""
     import httpx
 
     latencies: list[float] = []
-    spawn = multiprocessing.get_context("spawn")
-    stop, results = spawn.Event(), spawn.Queue()
-    senders = [spawn.Process(target=hostile_sender, args=(url, key, hostile, stop, results))
-               for key in (hostile_keys if hostile else [])]
-    for sender in senders:
-        sender.start()
     with httpx.Client(timeout=120.0) as http:
-        time.sleep(3.0 if hostile else 0.0)  # the hostile load is on before the first timed request
+        if senders is not None:
+            senders.active.set()
+            time.sleep(0.5)  # the hostile load is on before the first timed request
         workers = [threading.Thread(target=normal_worker, args=(http, url, keys[w::NORMAL_WORKERS], requests,
                                                                 latencies, errors))
                    for w in range(NORMAL_WORKERS)]
@@ -103,14 +127,8 @@ def phase(url: str, keys: list[str], hostile_keys: list[str], requests: int, hos
             worker.start()
         for worker in workers:
             worker.join()
-    stop.set()
-    for _ in senders:
-        sent, sent_latencies = results.get(timeout=300)
-        for status, count in sent.items():
-            counts[status] = counts.get(status, 0) + count
-        hostile_latencies += sent_latencies
-    for sender in senders:
-        sender.join(timeout=60)
+        if senders is not None:
+            senders.active.clear()
     return latencies
 
 
@@ -147,14 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         gateway.wait_ready(lambda: keys_file.exists() and http_ok(f"{gateway_url}/healthz")(), timeout_s=120)
         keys = keys_file.read_text().split()
         normal_keys, hostile_keys = keys[:num_normal], keys[num_normal:]
-        phase(gateway_url, normal_keys, hostile_keys, 2, 0.0, counts, hostile_latencies, errors)  # warm-up
-        for _ in range(args.rounds):
-            quiet += phase(gateway_url, normal_keys, hostile_keys, args.requests, 0.0, counts, hostile_latencies,
-                           errors)
-            hostile_start = time.monotonic()
-            loud += phase(gateway_url, normal_keys, hostile_keys, args.requests, args.hostile_interval_s, counts,
-                          hostile_latencies, errors)
-            hostile_s += time.monotonic() - hostile_start
+        phase(gateway_url, normal_keys, 2, None, errors)  # warm-up
+        senders = HostileSenders(gateway_url, hostile_keys, args.hostile_interval_s)
+        try:
+            time.sleep(5.0)  # the senders have started (their interpreters, their bodies) before the first phase
+            for _ in range(args.rounds):
+                quiet += phase(gateway_url, normal_keys, args.requests, None, errors)
+                hostile_start = time.monotonic()
+                loud += phase(gateway_url, normal_keys, args.requests, senders, errors)
+                hostile_s += time.monotonic() - hostile_start
+        finally:
+            counts, hostile_latencies = senders.close()
         alive = gateway.alive()
     finally:
         gateway.stop()
