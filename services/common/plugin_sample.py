@@ -8,6 +8,7 @@ turns what a generate function returned back into a core record (or refuses it, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -262,9 +263,14 @@ def finish_plugin_sample(sample: Sample, *, needs_log_probs: str, what: str) -> 
     return sample
 
 
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
 def _plugin_attrs(sample: Sample) -> dict[str, Any]:
     """The JSON-representable attributes set on the sample beyond its dataclass fields."""
-    names = {f.name for f in dataclasses.fields(sample)}
+    names = _field_names(type(sample))
     extras = {}
     for name, value in vars(sample).items():
         if name in names or name.startswith("_"):

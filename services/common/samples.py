@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ class Status(enum.Enum):
 @dataclass
 class Sample:
     prompt: str = ""
-    prompt_messages: list[dict[str, str]] = field(default_factory=list)
+    prompt_messages: list[dict[str, Any]] = field(default_factory=list)  # as Prompt.messages
     tokens: list[int] = field(default_factory=list)
     response: str = ""
     response_length: int = 0
@@ -56,6 +56,9 @@ class Sample:
     generate_function_path: str = ""
     # SGLang's routed experts: [len(tokens) - 1, num layers, top-k] flattened; empty unless the job asked for them
     rollout_routed_experts: list[int] = field(default_factory=list)
+    # its prompt's images: its group's list (SampleGroup.images), shared by the group's samples and never stored per
+    # sample (sample_to_proto leaves it out; the trainer's feed sets it from the group)
+    images: list[Image] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -71,6 +74,21 @@ class SampleGroup:
     epoch: int
     samples: list[Sample]
     lease_id: str = ""
+    images: list[Image] = field(default_factory=list)  # the prompt's, once for all its samples
+
+
+# slime's MultimodalTypes: the placeholder of each modality in a prompt's text (multimodal_keys). Only images are read.
+MULTIMODAL_PLACEHOLDERS = {"image": "<image>"}
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image of a prompt: its encoded file bytes as read (checked at load), never re-encoded on the way."""
+
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
 
 
 @dataclass
@@ -79,10 +97,13 @@ class Prompt:
     index: int
     epoch: int
     prompt: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    # A message's content is a string, or (a prompt with images) a list of parts {"type": "text", "text": ...} and
+    # {"type": "image"}, the k-th image part standing for images[k].
+    messages: list[dict[str, Any]] = field(default_factory=list)
     label: Any = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     lease_id: str = ""
+    images: list[Image] = field(default_factory=list)
 
 
 def weight_version_range(samples: list[Sample]) -> tuple[int, int]:
@@ -112,56 +133,38 @@ class EncodedGroup:
     num_tokens: int = 0  # over its samples: what a rollout's shares are balanced by (services.common.shares)
 
 
-def encode_group(group: SampleGroup) -> EncodedGroup:
+def encode_group(group: SampleGroup, encoded_samples: Sequence[sample_pb2.Sample | None] = ()) -> EncodedGroup:
+    """The group in its wire form. `encoded_samples` holds, beside each sample, its proto when it was converted
+    already (for the reward service, with its reward set since): the group is built from those, not converted again."""
+    encoded = list(encoded_samples) or [None] * len(group.samples)
+    if len(encoded) != len(group.samples):
+        raise ValueError(f"group {group.group_id}: {len(encoded)} encoded samples for {len(group.samples)} samples")
+    msg = sample_pb2.SampleGroup(group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
+                                 prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id)
+    # extend, not the constructor's samples=: half the time for a group of small samples
+    msg.samples.extend(m or sample_to_proto(sample) for sample, m in zip(group.samples, encoded, strict=True))
+    if group.images:
+        msg.images.extend(image_to_proto(image) for image in group.images)
     return EncodedGroup(group.group_id, group.job_id, group.rollout_id, group.prompt_index, group.epoch,
-                        group.lease_id, weight_version_range(group.samples), group_to_proto(group).SerializeToString(),
+                        group.lease_id, weight_version_range(group.samples), msg.SerializeToString(),
                         sum(len(s.tokens) for s in group.samples))
 
 
 def encoded_group_from_proto(msg: sample_pb2.SampleGroup) -> EncodedGroup:
-    return _encoded(msg, msg.SerializeToString())
-
-
-def encoded_group_from_payload(payload: bytes) -> EncodedGroup:
-    """A serialized SampleGroup indexed as it is: parsed once (a payload that is no SampleGroup raises DecodeError),
-    never serialized again."""
-    return _encoded(sample_pb2.SampleGroup.FromString(payload), payload)
-
-
-def _encoded(msg: sample_pb2.SampleGroup, payload: bytes) -> EncodedGroup:
+    """A SampleGroup message in its wire form, indexed by what it holds."""
     return EncodedGroup(msg.group_id, msg.job_id, msg.rollout_id, msg.prompt_index, msg.epoch, msg.lease_id,
-                        _version_range(v for s in msg.samples for v in s.weight_versions), payload,
+                        _version_range(v for s in msg.samples for v in s.weight_versions), msg.SerializeToString(),
                         sum(len(s.tokens) for s in msg.samples))
 
 
-_GROUP_ID_TAG = b"\x0a"  # SampleGroup.group_id: field 1, length-delimited
-_ROLLOUT_ID_TAG = b"\x18"  # SampleGroup.rollout_id: field 3, varint
-
-
-def _varint(value: int) -> bytes:
-    value, out = value & 0xFFFF_FFFF_FFFF_FFFF, bytearray()  # int64: a negative value takes ten bytes
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def group_id_field(group_id: str) -> bytes:
-    """How a serialized SampleGroup starts (fields go out in number order): its group_id field."""
-    encoded = group_id.encode()
-    return _GROUP_ID_TAG + _varint(len(encoded)) + encoded
-
-
-def group_payload_as_rollout(payload: bytes, rollout_id: int) -> bytes:
-    """A stored group's bytes, as assigned to `rollout_id` (a stream group is stored as written, rollout -2): a
-    scalar field repeated later on the wire wins when parsed, so appending it replaces the stored one unparsed."""
-    return payload + _ROLLOUT_ID_TAG + _varint(rollout_id)
-
-
-def group_payload_to_proto(payload: bytes, rollout_id: int) -> sample_pb2.SampleGroup:
-    """A stored group's proto, as assigned to `rollout_id`."""
-    return sample_pb2.SampleGroup.FromString(group_payload_as_rollout(payload, rollout_id))
+def set_reward_fields(msg: sample_pb2.Sample, sample: Sample) -> None:
+    """Carry what scoring sets on a sample (reward, reward_scores, reward_error) over to its proto."""
+    msg.reward = sample.reward
+    if msg.reward_scores or sample.reward_scores:  # most samples have none: a map's clear and update cost more
+        msg.reward_scores.clear()
+        msg.reward_scores.update(sample.reward_scores)
+    if msg.reward_error != sample.reward_error:
+        msg.reward_error = sample.reward_error
 
 
 def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:
@@ -180,12 +183,36 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
     return json_format.MessageToDict(struct)
 
 
-def _messages_to_proto(messages: list[dict[str, str]]) -> list[sample_pb2.ChatMessage]:
-    return [sample_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+def _messages_to_proto(messages: list[dict[str, Any]]) -> list[sample_pb2.ChatMessage]:
+    return [sample_pb2.ChatMessage(role=m["role"], content=m["content"]) if isinstance(m["content"], str) else
+            sample_pb2.ChatMessage(role=m["role"], parts=[_part_to_proto(p) for p in m["content"]])
+            for m in messages]
 
 
-def _messages_from_proto(messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def _part_to_proto(part: dict[str, Any]) -> sample_pb2.ContentPart:
+    return sample_pb2.ContentPart(type="text", text=part["text"]) if part["type"] == "text" else \
+        sample_pb2.ContentPart(type=part["type"])
+
+
+def _messages_from_proto(messages) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": m.content} if not m.parts else
+            {"role": m.role, "content": [{"type": "text", "text": p.text} if p.type == "text" else {"type": p.type}
+                                         for p in m.parts]}
+            for m in messages]
+
+
+def image_to_proto(image: Image) -> sample_pb2.Image:
+    return sample_pb2.Image(data=image.data, mime_type=image.mime_type, width=image.width, height=image.height)
+
+
+def image_from_proto(msg: sample_pb2.Image) -> Image:
+    return Image(data=msg.data, mime_type=msg.mime_type, width=msg.width, height=msg.height)
+
+
+def count_image_parts(messages: list[dict[str, Any]]) -> int:
+    """How many images the messages' image parts stand for."""
+    return sum(1 for m in messages if not isinstance(m["content"], str)
+               for p in m["content"] if p["type"] == "image")
 
 
 def label_to_proto(label: Any) -> dict[str, str]:
@@ -265,24 +292,26 @@ def group_to_proto(group: SampleGroup) -> sample_pb2.SampleGroup:
     return sample_pb2.SampleGroup(
         group_id=group.group_id, job_id=group.job_id, rollout_id=group.rollout_id,
         prompt_index=group.prompt_index, epoch=group.epoch, lease_id=group.lease_id,
-        samples=[sample_to_proto(s) for s in group.samples])
+        samples=[sample_to_proto(s) for s in group.samples], images=[image_to_proto(i) for i in group.images])
 
 
 def group_from_proto(msg: sample_pb2.SampleGroup) -> SampleGroup:
     return SampleGroup(
         group_id=msg.group_id, job_id=msg.job_id, rollout_id=msg.rollout_id, prompt_index=msg.prompt_index,
-        epoch=msg.epoch, lease_id=msg.lease_id, samples=[sample_from_proto(s) for s in msg.samples])
+        epoch=msg.epoch, lease_id=msg.lease_id, samples=[sample_from_proto(s) for s in msg.samples],
+        images=[image_from_proto(i) for i in msg.images])
 
 
 def prompt_to_proto(prompt: Prompt) -> sample_pb2.Prompt:
     return sample_pb2.Prompt(
         job_id=prompt.job_id, index=prompt.index, epoch=prompt.epoch, prompt=prompt.prompt,
         messages=_messages_to_proto(prompt.messages), **label_to_proto(prompt.label),
-        metadata=dict_to_struct(prompt.metadata), lease_id=prompt.lease_id)
+        metadata=dict_to_struct(prompt.metadata), lease_id=prompt.lease_id,
+        images=[image_to_proto(i) for i in prompt.images])
 
 
 def prompt_from_proto(msg: sample_pb2.Prompt) -> Prompt:
     return Prompt(
         job_id=msg.job_id, index=msg.index, epoch=msg.epoch, prompt=msg.prompt,
         messages=_messages_from_proto(msg.messages), label=label_from_proto(msg), metadata=struct_to_dict(msg.metadata),
-        lease_id=msg.lease_id)
+        lease_id=msg.lease_id, images=[image_from_proto(i) for i in msg.images])

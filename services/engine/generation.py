@@ -20,6 +20,7 @@ from services.engine.scheduler import (
     abort_reason,
     token_id_set,
 )
+from services.engine.vision import Vision
 
 __all__ = ["PAUSE_MODES", "Engine", "Request", "SamplingParams", "abort_reason", "load_model", "sample_next",
            "sample_rows"]
@@ -99,9 +100,16 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Genera
 
 def load_model(model_path: str, *, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer) from a Hugging Face directory: on `device` in `dtype`, eval mode, no gradients."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    # a vision-language checkpoint whose family has no causal LM (Qwen2.5-VL, Qwen3-VL): with its vision tower, as
+    # the trainer builds it (a Qwen3.5 checkpoint is served as its language model, as the trainer trains it)
+    config = AutoConfig.from_pretrained(model_path)
+    vision = getattr(config, "vision_config", None) is not None and \
+        config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = model_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return model, tokenizer
@@ -111,7 +119,7 @@ class Engine(Scheduler):
     """The scheduler over one transformers model: every batch is a real prefill and decode."""
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 64, seed: int = 0,
-                 weight_version: str = "default", per_token_delay_s: float = 0.0) -> None:
+                 weight_version: str = "default", per_token_delay_s: float = 0.0, vision: Vision | None = None) -> None:
         text_config = model.config.get_text_config()
         eos_ids = frozenset(token_id_set(text_config.eos_token_id)
                             | token_id_set(getattr(model.generation_config, "eos_token_id", None)))
@@ -127,6 +135,7 @@ class Engine(Scheduler):
         self.pad_id: int = pad if pad is not None else min(self.eos_ids, default=0)
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer used from two threads can fail "Already borrowed"
         self.rng = torch.Generator().manual_seed(seed)
+        self.vision = vision
 
     def encode(self, text: str) -> list[int]:
         with self.tokenizer_lock:
@@ -149,7 +158,8 @@ class Engine(Scheduler):
         log_softmax(logits / T) at each next input token, T as in `sample_next`."""
         for request in requests:
             ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.model.device)
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float().cpu()
+            extra = self._vision_inputs([request], ids, torch.ones_like(ids))
+            logits = self.model(input_ids=ids, use_cache=False, **extra).logits[0, :-1].float().cpu()
             temperature = 1.0 if request.params.temperature < 1e-6 else request.params.temperature
             targets = torch.tensor(request.input_ids[1:], dtype=torch.long, device="cpu")
             scored = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
@@ -174,16 +184,32 @@ class Engine(Scheduler):
             input_ids[row, width - len(context):] = torch.tensor(context, dtype=torch.long, device="cpu")
             mask[row, width - len(context):] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra = self._vision_inputs(batch, input_ids, mask)
+        positions = extra.pop("position_ids") if extra else (mask.cumsum(-1) - 1).clamp(min=0)
         with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured:
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+                             past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1,
+                             **extra)
         if captured:  # each row's context is right-aligned: its experts are the row's last len(context) positions
             experts = captured[0].view(size, width, self.routing.num_layers, self.routing.top_k)
             for row, (request, context) in enumerate(zip(batch, contexts, strict=True)):
                 if request.return_routed_experts:
                     request.routed_experts = bytearray(experts[row, width - len(context):].numpy().tobytes())
         return out, mask, positions
+
+    def _vision_inputs(self, batch: list[Request], input_ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        """A batch with images: their patches, grids and the multimodal rotary positions of every row (left padding
+        masked); {} for a batch without images, which runs as a text model's."""
+        rows = [r.images for r in batch if r.images is not None]
+        if not rows:
+            return {}
+        device = self.model.device
+        grid = torch.cat([images.image_grid_thw for images in rows]).to(device)
+        positions, _ = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=self.vision.mm_token_type_ids(input_ids), image_grid_thw=grid,
+            attention_mask=mask)
+        pixel_values = torch.cat([images.pixel_values for images in rows]).to(device, self.model.dtype)
+        return {"pixel_values": pixel_values, "image_grid_thw": grid, "position_ids": positions}
 
     def _decode(self, batch: list[Request]) -> bool:
         """Generate for `batch` until every row finished (False) or requests joined it (True: prefill again)."""
@@ -208,7 +234,7 @@ class Engine(Scheduler):
             if self._admit(batch):
                 return True
             mask = torch.cat([mask, mask.new_ones((size, 1))], dim=1)
-            positions = positions[:, -1:] + 1
+            positions = positions[..., -1:] + 1  # [B, 1], or [3, B, 1] for a VLM's multimodal rotary positions
             with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured:
                 out = self.model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
                                  past_key_values=out.past_key_values, use_cache=True)

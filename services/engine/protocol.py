@@ -119,6 +119,8 @@ def _prompts(body: dict, engine: Scheduler) -> tuple[list[list[int]], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if body.get("input_embeds") is not None:
         raise InvalidArgument("input_embeds is not supported by the CPU engine; send input_ids or text")
+    if body.get("image_data") not in (None, [], "") and engine.vision is None:  # without them: another prompt
+        raise InvalidArgument("image_data: the engine's model is a text model and takes no images")
     if (text is None) == (input_ids is None):
         raise InvalidArgument("exactly one of text and input_ids is required")
     if input_ids is not None:
@@ -162,11 +164,16 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
         rids = [rids]
     if not isinstance(rids, list) or len(rids) != size or not all(isinstance(r, str) for r in rids):
         raise InvalidArgument(f"rid must be a string for one prompt or a list of {size} strings, got {rids!r}")
+    images = _per_prompt_images(body.get("image_data"), size, batched)
     requests, return_logprob, listed = [], [], batched
     for i, prompt in enumerate(prompts):
         where = f"prompt {i}" if batched else "prompt"
         if not prompt:
             raise InvalidArgument(f"{where} is empty")
+        prompt_images = None
+        if images[i]:
+            prompt_images = engine.vision.process(images[i], where)
+            prompt = engine.vision.expand(prompt, prompt_images, where)
         if len(prompt) >= engine.context_len:
             raise InvalidArgument(f"{where}: the input ({len(prompt)} tokens) is longer than the model's context "
                                   f"length ({engine.context_len} tokens)")
@@ -181,9 +188,21 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
         for j in range(n):
             requests.append(Request(rid=rids[i] if n == 1 else f"{rids[i]}_{j}", input_ids=list(prompt),
                                     params=params, return_routed_experts=bool(routed_flags[i]),
-                                    logprob_start_len=start))
+                                    logprob_start_len=start, images=prompt_images))
             return_logprob.append(bool(logprob_flags[i]))
     return GenerateCall(requests, return_logprob, listed)
+
+
+def _per_prompt_images(image_data, size: int, batched: bool) -> list[list]:
+    """SGLang's image_data as one list of images per prompt: for one prompt an image or a list of them, for a
+    batch a list with one entry (None, an image or a list of images) per prompt."""
+    if image_data in (None, [], ""):
+        return [[] for _ in range(size)]
+    if not batched:
+        return [image_data if isinstance(image_data, list) else [image_data]]
+    if not isinstance(image_data, list) or len(image_data) != size:
+        raise InvalidArgument(f"image_data: a batch of {size} prompts needs a list of {size} entries, one per prompt")
+    return [[] if item is None else item if isinstance(item, list) else [item] for item in image_data]
 
 
 def _logprob_start_len(value, prompt_len: int, where: str) -> int:

@@ -73,6 +73,7 @@ class Request:
     # none); the engine scores the whole input before generating (a teacher's prefill-only call: max_new_tokens 0)
     logprob_start_len: int = -1
     input_logprobs: list[float | None] | None = None
+    images: Any = None  # a prompt with images: what the engine's model reads of them (vision.PromptImages)
 
     @property
     def scores_input(self) -> bool:
@@ -106,6 +107,7 @@ class Scheduler:
         self.weight_version = weight_version
         self.per_token_delay_s = per_token_delay_s  # added to every decode step (latency-controlled tests)
         self.routes_experts = False  # whether it reports the experts an MoE model routed each token to
+        self.vision: Any = None  # a vision-language model's image side (vision.Vision); None: it takes no images
         self.last_progress_s = time.monotonic()  # the last time any request got a token or finished
         self.cond = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()

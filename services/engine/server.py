@@ -62,6 +62,7 @@ class EngineState:
         import torch
 
         from services.engine.generation import Engine, load_model
+        from services.engine.vision import Vision
         from services.engine.weights import WeightUpdater
 
         torch.set_num_threads(self.config.num_threads)
@@ -72,9 +73,15 @@ class EngineState:
             self.load_error = f"{type(err).__name__}: {err}"
             log.exception("could not load the model from %s", self.model_path)
             return
+        try:
+            vision = Vision.load(self.model_path, model)
+        except Exception as err:
+            self.load_error = f"{type(err).__name__}: {err}"
+            log.exception("could not load the image processor from %s", self.model_path)
+            return
         engine = Engine(model, tokenizer, max_batch_size=self.config.max_batch_size, seed=self.config.seed,
                         weight_version=self.config.weight_version,
-                        per_token_delay_s=self.config.per_token_delay_s).start()
+                        per_token_delay_s=self.config.per_token_delay_s, vision=vision).start()
         self.updater = WeightUpdater(engine, self.config.weight_sync_timeout_s)
         self.engine = engine
         log.info("model %s loaded in %.1f s (%d parameters, context %d)", self.model_path, time.monotonic() - start,
@@ -208,7 +215,7 @@ def create_app(state: EngineState) -> FastAPI:
     async def generate(request: Request) -> Response:
         engine = state.ready()
         body = await _body(request)
-        if "text" in body or request.state.body_bytes > INLINE_PARSE_BYTES:  # tokenizing holds no loop
+        if "text" in body or "image_data" in body or request.state.body_bytes > INLINE_PARSE_BYTES:  # off the loop
             call = await asyncio.to_thread(parse_generate, body, engine)
         else:
             call = parse_generate(body, engine)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc
+from services.common.gen.physarum.v1 import reward_pb2, reward_pb2_grpc, sample_pb2
 from services.common.grpc_client import GrpcClient
 from services.common.samples import Sample, dict_to_struct, sample_to_proto
 
@@ -30,16 +30,18 @@ class RewardClient(GrpcClient):
         super().__init__(addr, timeout_s, max_retries)
         self.stub = reward_pb2_grpc.RewardStub(self.channel)
 
-    def score(self, samples: list[Sample], *, rm_type: str = "math", custom_rm_path: str = "",
-              reward_key: str = "", timeout_s: float = 10.0, args: dict[str, Any] | None = None) -> list[ScoreResult]:
+    def score(self, samples: list[Sample] | list[sample_pb2.Sample], *, rm_type: str = "math",
+              custom_rm_path: str = "", reward_key: str = "", timeout_s: float = 10.0,
+              args: dict[str, Any] | None = None) -> list[ScoreResult]:
         """Score each sample (per-sample timeout timeout_s); failures come back as ok=False with the reason.
 
         custom_rm_path ("pkg.mod.fn", slime's `async def f(args, sample)`) wins over rm_type; `args` is handed to
-        it as a namespace. Raises InvalidArgument for an unknown rm_type or an unloadable custom_rm_path.
+        it as a namespace. Raises InvalidArgument for an unknown rm_type or an unloadable custom_rm_path. A sample
+        already converted to its proto is sent as it is.
         """
-        request = reward_pb2.ScoreRequest(
-            rm_type=rm_type, custom_rm_path=custom_rm_path, reward_key=reward_key, timeout_s=timeout_s,
-            samples=[sample_to_proto(s) for s in samples], args=dict_to_struct(args))
+        protos = [s if isinstance(s, sample_pb2.Sample) else sample_to_proto(s) for s in samples]
+        request = reward_pb2.ScoreRequest(rm_type=rm_type, custom_rm_path=custom_rm_path, reward_key=reward_key,
+                                          timeout_s=timeout_s, samples=protos, args=dict_to_struct(args))
         # Every sample ends within its timeout once it gets a slot; cover the rounds a full server needs.
         num_rounds = max(1, math.ceil(len(samples) / _SERVER_MAX_CONCURRENCY))
         reply = self.call(self.stub.Score, request, timeout_s=self.timeout_s + timeout_s * num_rounds,

@@ -117,7 +117,7 @@ def config_from_proto(msg: rollout_pb2.RolloutConfig) -> RolloutConfig:
     args = struct_to_dict(msg.args)
     args.update({key: int(args[key]) for key in msg.int_args if isinstance(args.get(key), float)})
     values.update(rollout_stop=list(msg.rollout_stop), rollout_stop_token_ids=list(msg.rollout_stop_token_ids),
-                  args=args, eval_prompt_data=list(msg.eval_prompt_data),
+                  args=args, eval_prompt_data=list(msg.eval_prompt_data), multimodal_keys=dict(msg.multimodal_keys),
                   eval_dataset_settings=struct_to_dict(msg.eval_dataset_settings))
     return RolloutConfig(**values)
 

@@ -6,7 +6,8 @@
   check reads them); a bare flag stays where the tiny model has the feature and goes where it does not (the tiny
   Qwen3 ties its embeddings: `--untie-embeddings-and-output-weights` goes);
 - parallelism sizes become 1 (one trainer rank, one engine per model);
-- batch sizes and lengths become tiny (two rollouts of two prompts × two samples, eight tokens each);
+- batch sizes and lengths become tiny (two rollouts, or two epochs of the two prompts, of two prompts × two samples
+  (one where the script samples one), eight tokens each);
 - paths name the test's files: the tiny model for `--hf-checkpoint`, `--ref-load` and `--opd-teacher-load` (an HF
   directory; slime's torch_dist layout is read in tests/integration/test_megatron_slime_checkpoint.py), empty
   directories for `--load` and `--save`, prompt rows with the example's keys, the eval files and YAMLs, and
@@ -33,8 +34,9 @@ ONE = ("actor-num-nodes", "actor-num-gpus-per-node", "rollout-num-gpus", "rollou
        "tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size",
        "expert-model-parallel-size", "expert-tensor-parallel-size")
 # Sizes: one optimizer step per rollout of 2 prompts × 2 samples; responses short enough for a 2-layer model on CPU.
-TINY = {"num-rollout": "2", "rollout-batch-size": "2", "n-samples-per-prompt": "2", "global-batch-size": "4",
-        "rollout-max-response-len": "8", "eval-max-response-len": "8", "n-samples-per-eval-prompt": "2",
+TINY = {"num-rollout": "2", "num-epoch": "2", "rollout-batch-size": "2", "n-samples-per-prompt": "2",
+        "global-batch-size": "4", "rollout-max-response-len": "8", "eval-max-response-len": "8",
+        "n-samples-per-eval-prompt": "2",
         **{flag: "1" for flag in ONE}}
 PROMPTS = [{"prompt": "What is 1+2?", "label": "3"}, {"prompt": "What is 2+2?", "label": "4"}]
 EVAL_PROMPT = {"prompt": "What is 3+3?", "label": "6"}
@@ -92,6 +94,8 @@ def tiny_argv(argv: list[str], *, model_dir: Path, work_dir: Path, rm_url: str =
                 out += [f"--{flag}"] if tiny[flag] else []
             else:
                 out += [f"--{flag}", str(tiny[flag])]
+        elif flag == "global-batch-size" and "--n-samples-per-prompt" not in argv:  # one sample per prompt (SFT)
+            out += [f"--{flag}", TINY["rollout-batch-size"]]
         elif flag in TINY:
             out += [f"--{flag}", TINY[flag]]
         elif flag in paths:

@@ -6,13 +6,13 @@ sizes and paths change (tests/e2e/slime_tiny.py names each flag and why); algori
 and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
-builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers,
-and train_infer_mismatch_helper, refused on megatron for its context parallelism, both with a refusal that names
-fsdp, run moved to fsdp as docs/slime.md's porting section says (ON_FSDP; the mismatch helper's mis.py and mis.yaml,
-slime's, from tests/slime_examples/examples). multi_agent (slime's multi-agent generate function, from there too, on
-a tiny Qwen3-MoE), refused at submit for --optimizer-cpu-offload and, without TransformerEngine (as on CPU here), for
---use-precision-aware-optimizer, as tests/unit/test_slime_examples.py shows, runs with those dropped, as the
-refusals say, and the offload's overlap flag with them (DROPPED).
+builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers
+with a refusal that names fsdp, runs moved to fsdp as docs/slime.md's porting section says (ON_FSDP).
+train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
+tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
+(slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
+optimizer offloaded to the host (--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d
+--use-precision-aware-optimizer, megatron-core's hybrid optimizer).
 
 One stack per family (redis, buffer, reward, router, rollout manager with one CPU engine, one trainer rank), started
 once for the module and shared by that family's examples, with the plugins' folders on its services' PYTHONPATH
@@ -47,7 +47,7 @@ from tests.unit.test_slime_examples import DENSE, EXAMPLES, HF_CONFIGS, REFUSED
 SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"
 PLUGIN_FOLDERS = ("retool", "search_r1")  # slime's launch scripts put the example's folder on PYTHONPATH
 PLUGIN_MODULES = ("generate_with_retool", "generate_with_search", "examples.train_infer_mismatch_helper",
-                  "examples.multi_agent")
+                  "examples.multi_agent", "tests.slime_compat")  # the last: the eval_function case's function
 SEARCH_URL = "http://127.0.0.1:8000/retrieve"  # Search-R1's SEARCH_R1_CONFIGS["local"]["search_url"]
 
 
@@ -57,36 +57,26 @@ def family(argv: list[str]) -> str:
 
 
 # The dense scripts (tests/data/slime_launch_scripts.json) that run here, by family, and why each other one does not
-DENSE_RUNS = {"run-qwen3-4B.sh": "qwen3", "run-qwen3-4B-amd.sh": "qwen3",
+DENSE_RUNS = {"run-qwen3-4B.sh": "qwen3", "run-qwen3-4B-amd.sh": "qwen3", "run-qwen3-32B.sh": "qwen3",
               "run-qwen2.5-0.5B-gb10-smoke.sh": "qwen2", "run-qwen2.5-0.5B-reproducibility.sh": "qwen2"}
 DENSE_LEFT_OUT = {
     "run_qwen2.5_3B.sh": "search-r1's script: the search_r1 example",
     "retool_qwen3_4b_rl.sh": "retool's script: the retool example",
-    "run-qwen3.5-27B.sh": "refused: --decoder-last-pipeline-num-layers (uneven pipeline stages), "
-                          "--optimizer-cpu-offload",
+    "run-qwen3.5-27B.sh": "Qwen3.5's gated delta-net layers, which megatron here does not build (refused at submit, "
+                          "naming fsdp, as fully_async_qwen3.5_9B)",
     "run-mimo-7B-rl-eagle.sh": "refused: --mtp-num-layers, --enable-mtp-training (multi-token prediction)",
-    "run-qwen3-4B-base-sft.sh": "refused: --num-epoch over a Parquet prompt_data (the prompts are not counted)",
+    "run-qwen3-4B-base-sft.sh": "the sft_qwen3_4B_base example (tests/slime_examples/launch_args.json)",
     "run-qwen3-4b-fp8.sh": "refused at submit: its FP8 checkpoint (a quantization_config in config.json)",
     "run-glm4-9B.sh": "GLM-4, which megatron here does not build: it moves to fsdp as fully_async_qwen3.5_9B does "
                       "(and so ran when tried), left out for the cost of one more stack",
-    "run-qwen3-32B.sh": "refused: --optimizer-cpu-offload, and where TransformerEngine is not installed, as on CPU "
-                        "here, --use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's "
-                        "FusedAdam)",
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as docs/slime.md's porting
 # section says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
-ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5", "train_infer_mismatch_helper": "qwen3"}
-# Refused at submit for --optimizer-cpu-offload (megatron-core's hybrid optimizer fails at the job's first step: "can't
-# optimize a non-leaf Tensor") and here, with no TransformerEngine, for --use-precision-aware-optimizer: run with
-# those dropped, and the offload's overlap flag with them
-DROPPED = {"multi_agent": ("qwen3_moe", ("use-precision-aware-optimizer", "optimizer-cpu-offload",
-                                          "overlap-cpu-optimizer-d2h-h2d"))}
+ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5"}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
            if name not in REFUSED},
         **{name: (DENSE[name], model_type) for name, model_type in DENSE_RUNS.items()},
-        **{name: (EXAMPLES[name]["argv"], model_type) for name, model_type in ON_FSDP.items()},
-        **{name: (EXAMPLES[name]["argv"], model_type) for name, (model_type, _) in DROPPED.items()
-           if name in REFUSED}}
+        **{name: (EXAMPLES[name]["argv"], model_type) for name, model_type in ON_FSDP.items()}}
 MEGATRON_ONLY = re.compile(r"slime_args: (.*): Megatron settings, which train_backend fsdp does not take; drop them")
 
 
@@ -181,9 +171,6 @@ def test_each_accepted_script_runs_two_rollouts_on_a_tiny_model_of_its_family(na
         argv[at] = str(SLIME_EXAMPLES / argv[at])
     if name in ON_FSDP:
         argv = moved_to_fsdp(state, argv, job_id(name))
-    if name in DROPPED and name in REFUSED:
-        drop = DROPPED[name][1]
-        argv = [token for flag, values in split_flags(argv) if flag not in drop for token in (f"--{flag}", *values)]
     spec = {"slime_args": argv, "job_id": job_id(name), "weight_sync_timeout_s": 60.0,
             "lease_timeout_s": 120.0, "rollout_timeout_s": 300.0}
     job, events = run(state, spec, timeout_s=400)
@@ -227,6 +214,13 @@ def check_eval_multi_task(spec: dict, steps: list[dict], state: dict) -> None:
     assert "eval/aime-pass@4" in last and "eval/gpqa-pass@2" in last and "eval/gpqa-pass@4" not in last
 
 
+def check_eval_function(spec: dict, steps: list[dict], state: dict) -> None:
+    """--eval-function-path: the user's function ran each eval (its own metric), delegating to slime's default eval
+    of the eval config's datasets, each with its own samples per prompt."""
+    check_eval_multi_task(spec, steps, state)
+    assert steps[-1]["eval/by_eval_function"] == 2.0
+
+
 def check_opd(spec: dict, steps: list[dict], state: dict) -> None:
     """The teacher holds the student's own first weights (sglang: the stack's engine; megatron: opd_teacher_load
     names the tiny model), so its log-probs of the student's sampled tokens are the student's: the first step's
@@ -259,6 +253,7 @@ def check_multi_agent(spec: dict, steps: list[dict], state: dict) -> None:
 
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
+          "eval_function": check_eval_function,
           "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,
           "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent}
 

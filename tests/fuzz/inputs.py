@@ -123,6 +123,10 @@ def hostile_fields(t: Target) -> Iterator[tuple[str, str, Send]]:
         ("ReturnPrompts", buffer_pb2.ReturnPromptsRequest(job_id=job, lease_ids=["x"] * 20000)),
         ("RestoreState", buffer_pb2.RestoreStateRequest(job_id=job, state=buffer_pb2.DataSourceState(
             num_prompts=INT64_MAX, cursor=-5, epoch=2**31 - 1, pending=["9" * 400 + ":1"]))),
+        ("AppendPrompts", buffer_pb2.AppendPromptsRequest(job_id=job, position=INT64_MAX,
+                                                          prompts=[sample_pb2.Prompt(prompt="x")])),
+        ("AppendPrompts", buffer_pb2.AppendPromptsRequest(job_id=job, position=-1)),
+        ("SaveSourcePosition", buffer_pb2.SourcePositionRequest(job_id=job, rollout_id=INT64_MAX, position=-1)),
         ("LoadDataset", buffer_pb2.LoadDatasetRequest(job_id=job, path="/etc/passwd")),
         ("LoadDataset", buffer_pb2.LoadDatasetRequest(job_id=job, path="/proc/self/environ@[0:1]")),
         ("LoadDataset", buffer_pb2.LoadDatasetRequest(job_id=job, path="x@[a:b]")),

@@ -110,6 +110,37 @@ def test_load_dataset_once(client, job_id, tmp_path):
     assert (first.job_id, first.index, first.epoch, first.prompt, first.label) == (job_id, 0, 0, "q1", "1")
 
 
+def test_prompts_with_images_load_checked_and_lease_with_their_images(client, job_id, tmp_path):
+    """slime's multimodal keys through the service: a bad image skips its row (named), the others lease with their
+    images byte for byte."""
+    import base64
+    import io
+
+    from PIL import Image as PILImage
+
+    def png(size: int) -> bytes:
+        out = io.BytesIO()
+        PILImage.new("RGB", (size, size), (size, 0, 0)).save(out, format="PNG")
+        return out.getvalue()
+
+    (tmp_path / "three.png").write_bytes(png(3))
+    rows = [{"input": "<image>count", "label": "3", "images": ["three.png"]},
+            {"input": "<image>", "images": ["missing.png"]},
+            {"input": "two <image>", "label": "2",
+             "images": ["data:image/png;base64," + base64.b64encode(png(2)).decode()]}]
+    path = tmp_path / "vlm.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = client.load_dataset(job_id, str(path), label_key="label", multimodal_keys={"image": "images"})
+    assert (info.num_prompts, info.num_skipped) == (2, 1)
+    assert info.errors == [f"dataset {path} line 2: 'images' image 0: image 'missing.png': no such file"]
+    first, second = client.lease_prompts(job_id, 0, 2, 60.0)
+    assert first.messages == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "count"}]}]
+    assert [(i.data, i.width) for i in first.images] == [(png(3), 3)]
+    assert second.messages[0]["content"][-1] == {"type": "image"} and second.images[0].data == png(2)
+    with pytest.raises(InvalidArgument, match="modality 'video' is not supported"):
+        client.load_dataset(job_id + "-v", str(path), multimodal_keys={"video": "clips"})
+
+
 def test_lease_then_put_acks_the_lease(client, loaded):
     prompts = client.lease_prompts(loaded, 0, 3, 60.0)
     assert [(p.index, p.epoch, p.prompt, p.label) for p in prompts] == [(i, 0, f"q{i}", str(i)) for i in range(3)]

@@ -51,7 +51,7 @@ def test_encoded_groups_are_stored_and_served_as_their_bytes(client, loaded):  #
     encoded = [encode_group(g) for g in groups_of(client, loaded, 1, 1)]
     assert client.put_groups(encoded).num_written == 8
     served = client.get_batch_encoded(loaded, 1, 8, timeout_s=5.0)
-    # the stored bytes, with the rollout id appended (a later scalar field wins when parsed)
+    # the stored bytes as the writer encoded them
     assert [s[:len(e.payload)] for s, e in zip(served, encoded, strict=True)] == [e.payload for e in encoded]
 
 

@@ -13,6 +13,7 @@ import torch
 from services.common import weight_delta
 from services.trainer.settings.weight_sync import DeltaSettings
 from services.trainer.weight_sync.delta_push import DeltaBroadcaster
+from services.trainer.weight_sync.weight_sync import buckets
 from tests.integration.delta_checks import assert_engines_hold, sign_steps
 from tests.integration.engine_fixtures import start_engines, stop_engines
 
@@ -79,3 +80,43 @@ def test_an_engine_at_another_version_gets_a_full_copy(engines, sync, steps):
     stats = sync.broadcast(steps[4].items(), "6")  # and deltas resume from there (here a step back)
     assert stats["mode"] == "delta"
     assert_engines_hold(engines, steps[4], "6")
+
+
+
+def test_a_delta_in_parts_keeps_engines_exact_and_a_failed_part_sends_the_rest_in_full(engines, sync, steps,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(sync, "part_bytes", 64 << 10)  # the tiny model in many parts, each encoded while one ships
+    parts = [[name for name, _ in part] for part in buckets(
+        [(name, t.to(torch.bfloat16)) for name, t in steps[1].items()], sync.part_bytes)]  # as the engines serve
+    assert len(parts) >= 3
+    encode, calls = sync.tracker.encode, []
+
+    def recording(named, version):
+        calls.append(([name for name, _ in named], version))
+        return encode(named, version)
+
+    monkeypatch.setattr(sync.tracker, "encode", recording)
+    stats = sync.broadcast(steps[1].items(), "7")
+    assert stats["mode"] == "delta" and stats["repaired"] == []
+    # every part but the last keeps the engines' version; they take the new one with the last
+    assert calls == [(part, "6") for part in parts[:-1]] + [(parts[-1], "7")]
+    assert_engines_hold(engines, steps[1], "7")
+
+    corrupted = []
+
+    def corrupting_the_second(named, version):
+        blob, part_stats = encode(named, version)
+        if len(corrupted) == 1:  # the second part: flip a byte in the middle of its largest payload
+            _, entries, payloads = weight_delta.unpack(blob)
+            victim = max(entries, key=lambda e: e.length)
+            blob[len(blob) - len(payloads) + victim.offset + victim.length // 2] ^= 0x5A
+            corrupted.append(victim.name)
+        elif not corrupted:
+            corrupted.append(None)
+        return blob, part_stats
+
+    monkeypatch.setattr(sync.tracker, "encode", corrupting_the_second)
+    stats = sync.broadcast(steps[2].items(), "8")
+    unsent = [name for part in parts[2:] for name in part]
+    assert stats["mode"] == "delta" and stats["repaired"] == sorted({corrupted[1], *unsent})
+    assert_engines_hold(engines, steps[2], "8")

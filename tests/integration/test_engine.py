@@ -237,6 +237,7 @@ def test_stop_token_ids_and_stop_strings(http):
     ({"input_ids": [5], "sampling_params": {"max_new_tokens": 1e300}}, "is more than the model's context length"),
     ({"input_ids": [[5]] * 40, "sampling_params": {"n": 128}}, "more than 4096 requests"),
     ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len must be an integer"),
+    ({"text": "1+1=", "image_data": ["data:image/png;base64,iVBORw0KGgo="]}, "model is a text model"),
 ])
 def test_bad_requests_get_400(http, body, fragment):
     reply = http.post("/generate", json=body)

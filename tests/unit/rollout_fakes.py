@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from services.buffer.client import DatasetInfo, PutResult
-from services.common.samples import Prompt, SampleGroup
+from services.buffer.client import DatasetInfo, PutResult, decode_served_group
+from services.common.samples import EncodedGroup, Prompt, SampleGroup
 from services.common.settings.rollout import RolloutConfig
 from services.reward.client import ScoreResult
 from services.rollout.client import RolloutStatus
@@ -70,9 +70,12 @@ class FakeBuffer:
         buffer.returned.extend(back)
         return len(back)
 
-    def put_groups(self, groups: list[SampleGroup]) -> PutResult:
+    def put_groups(self, groups: list[SampleGroup] | list[EncodedGroup]) -> PutResult:
+        """Stores each group as a reader of the buffer gets it back (an encoded one decoded from its bytes)."""
         written = 0
         for group in groups:
+            if isinstance(group, EncodedGroup):
+                group = decode_served_group(group.payload, group.rollout_id)
             self.leased.pop(group.lease_id, None)
             if group.group_id not in self.groups:
                 self.groups[group.group_id], written = group, written + 1

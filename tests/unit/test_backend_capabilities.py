@@ -65,10 +65,10 @@ def test_every_backend_name_declares_its_capabilities():
 
 
 def test_capabilities_as_declared():
-    assert backends_that(lambda caps: caps.critic) == ["fsdp"]
+    assert backends_that(lambda caps: caps.critic) == ["fsdp", "megatron"]
     assert backends_that(lambda caps: caps.tensor_parallel) == ["megatron"]
     assert backends_that(lambda caps: caps.packing) == ["fsdp", "megatron"]
-    assert backends_that(lambda caps: caps.context_parallel) == ["fsdp"]
+    assert backends_that(lambda caps: caps.context_parallel) == ["fsdp", "megatron"]
     assert backends_that(lambda caps: caps.reads_shares) == ["fsdp"]
 
 

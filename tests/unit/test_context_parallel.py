@@ -83,17 +83,12 @@ BASE = {"hf_checkpoint": "m", "prompt_data": "d.jsonl", "num_rollout": 1, "rollo
         "n_samples_per_prompt": 2}
 
 
-def test_a_backend_without_context_parallelism_is_refused_naming_the_one_with_it():
-    with pytest.raises(InvalidArgument, match=r"context_parallel_size 2: train_backend megatron has no context "
-                                              r"parallelism .*set train_backend: fsdp"):
-        parse_spec({**BASE, "train_backend": "megatron", "context_parallel_size": 2})
-    with pytest.raises(InvalidArgument, match="set train_backend: fsdp"):  # slime's argv: megatron by default
-        parse_spec({"slime_args": "--hf-checkpoint m --prompt-data d.jsonl --num-rollout 1 --rollout-batch-size 2 "
-                               "--context-parallel-size 2"})
-    spec = parse_spec({"slime_args": "--hf-checkpoint m --prompt-data d.jsonl --num-rollout 1 --rollout-batch-size 2 "
-                               "--context-parallel-size 2 "
-                                     "--train-backend fsdp"})
-    assert (spec.train_backend, spec.context_parallel_size) == ("fsdp", 2)
+def test_both_backends_take_context_parallelism():
+    assert parse_spec({**BASE, "train_backend": "megatron", "context_parallel_size": 2}).context_parallel_size == 2
+    for backend in ("megatron", "fsdp"):  # slime's argv: megatron by default
+        spec = parse_spec({"slime_args": "--hf-checkpoint m --prompt-data d.jsonl --num-rollout 1 "
+                                         f"--rollout-batch-size 2 --context-parallel-size 2 --train-backend {backend}"})
+        assert (spec.train_backend, spec.context_parallel_size) == (backend, 2)
 
 
 def test_a_custom_loss_is_refused_under_context_parallelism(monkeypatch):

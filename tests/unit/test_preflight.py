@@ -92,19 +92,25 @@ def test_megatron_cores_optimizer_config_is_built_at_submit(paths, monkeypatch):
                                               r"distributed optimizer"):
         preflight(parse_spec({**base, "use_distributed_optimizer": False,
                               "megatron": {"use_precision_aware_optimizer": True}}))
-    # without TransformerEngine (this CPU install; an image without it) it is refused by name, not by a TypeError
+    # without TransformerEngine (this CPU install; an image without it) it is refused by name, not by a TypeError,
+    # unless megatron-core runs it on its CPU-offload optimizer
     transformer_engine(installed=False)
     with pytest.raises(InvalidArgument, match=r"^job spec: megatron.use_precision_aware_optimizer: megatron-core runs "
-                                              r"it only with TransformerEngine's FusedAdam, and TransformerEngine is "
-                                              r"not installed in the trainer's image; drop it \(slime: "
-                                              r"--use-precision-aware-optimizer\)$"):
+                                              r"it only with TransformerEngine's FusedAdam or with "
+                                              r"optimizer_cpu_offload, and TransformerEngine is not installed in the "
+                                              r"trainer's image; drop it or offload the optimizer \(slime: "
+                                              r"--use-precision-aware-optimizer, --optimizer-cpu-offload\)$"):
         preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": True}}))
     assert preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": False}}))
-    # megatron-core's hybrid CPU-offload optimizer fails at the first step: refused at submit, TransformerEngine or not
+    assert preflight(parse_spec({**base, "megatron": {"use_precision_aware_optimizer": True,
+                                                      "optimizer_cpu_offload": True}}))
+    # megatron-core's hybrid CPU-offload optimizer: accepted with the distributed optimizer, TransformerEngine or not
     transformer_engine(installed=True)
-    with pytest.raises(InvalidArgument, match=r"megatron.optimizer_cpu_offload: megatron-core's hybrid CPU-offload "
-                                              r"optimizer fails at this backend's first step"):
-        preflight(parse_spec({**base, "megatron": {"optimizer_cpu_offload": True}}))
+    assert preflight(parse_spec({**base, "megatron": {"optimizer_cpu_offload": True,
+                                                      "overlap_cpu_optimizer_d2h_h2d": True}}))
+    with pytest.raises(InvalidArgument, match=r"megatron.optimizer_cpu_offload: runs with the distributed optimizer "
+                                              r"only"):
+        preflight(parse_spec({**base, "use_distributed_optimizer": False, "megatron": {"optimizer_cpu_offload": True}}))
 
 
 def test_the_submit_parser_parses_then_checks(paths):
@@ -276,3 +282,17 @@ def test_a_job_whose_prompts_and_responses_exceed_the_models_context_is_refused_
     rows.write_text('{"input": "1+1", "label": "2"}\n')
     spec = parse_spec({**base, "rollout_max_response_len": 32})
     assert preflight(spec) is spec
+
+
+def test_multimodal_keys_need_a_vision_language_checkpoint(paths, tmp_path):
+    """A Qwen2.5-VL checkpoint trains with its images on fsdp; a Qwen3.5 one is built as its language model, and a
+    job with images on it is refused at submit, saying why."""
+    vlm = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}, "image_token_id": 7}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(vlm))
+    job = {**paths, "train_backend": "fsdp", "multimodal_keys": {"image": "images"}}
+    assert preflight(parse_spec(job)).multimodal_keys == {"image": "images"}
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**vlm, "model_type": "qwen3_5"}))
+    with pytest.raises(InvalidArgument, match="multimodal_keys: hf_checkpoint's model_type 'qwen3_5' is built as a "
+                                              "language model"):
+        preflight(parse_spec(job))
+    assert preflight(parse_spec({**paths, "train_backend": "fsdp"}))  # the same checkpoint trains as text

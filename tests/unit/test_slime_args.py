@@ -61,8 +61,6 @@ def test_what_the_launch_scripts_still_cannot_use():
         argv, spec_keys=SPEC_KEYS, check_architecture=False).refused) for script, argv in SCRIPTS.items()}
     assert {s: r for s, r in refused.items() if r} == {
         "run-qwen3-4B-base-sft.sh": ["--num-epoch 3"],  # its prompt_data is not here to count
-        "run-qwen3.5-27B.sh": ["--decoder-last-pipeline-num-layers", "--optimizer-cpu-offload"],
-        "run-qwen3-32B.sh": ["--optimizer-cpu-offload"],
         "run-mimo-7B-rl-eagle.sh": ["--enable-mtp-training", "--mtp-loss-scaling-factor", "--mtp-num-layers"],
     }
 
@@ -285,3 +283,22 @@ def test_megatrons_checkpoint_flags_pick_the_iteration_or_say_why_not():
     refused = slime_args.convert("--finetune --no-load-optim --no-load-rng", spec_keys=SPEC_KEYS).refused
     assert [line.split(":")[0] for line in refused] == ["--finetune", "--no-load-optim", "--no-load-rng"]
     assert all("load an HF export (save_hf)" in line for line in refused)
+
+
+def test_num_epoch_counts_parquet_rows_and_a_row_slice(tmp_path):
+    """slime counts the dataset's rows whatever its format: a Parquet file's rows, and a `path@[start:end]` slice's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": str(i)}]} for i in range(11)]), data)
+    argv = ["--prompt-data", str(data), "--rollout-batch-size", "2", "--num-epoch", "3"]
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 15 and conv.refused == []  # 3 × (11 // 2)
+    argv[1] = f"{data}@[1:-2]"  # rows 1..8: 8 rows
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["num_rollout"] == 12 and conv.refused == []
+    argv[1] = str(tmp_path / "rows.csv")
+    conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.refused == ["--num-epoch 3: cannot count the prompts (needs a .jsonl or .parquet prompt_data, got "
+                            "'.csv'); give num_rollout"]

@@ -1,10 +1,10 @@
-"""slime's example launch scripts (tests/slime_examples/launch_args.json: the train.py / train_async.py argv each
-script builds, model block included) submitted as they are, with the files they name present: the models' HF
-config.json, prompt rows, the YAML files. Each is accepted at submit, or refused only for features that
-docs/slime-flags.md lists as refused (MoE, MTP), each with its reason, or for context parallelism on megatron
-(the refusal names fsdp, which runs it), or, where TransformerEngine is not installed (as on CPU here), for
---use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's FusedAdam).
-A slime user's one change, dropping a refused flag, is shown by appending its accepted value (the last one wins)."""
+"""slime's example launch scripts (tests/slime_examples/launch_args.json: the train.py / train_async.py argv each script
+builds, model block included) submitted as they are, with the files they name present: the models' HF config.json,
+prompt rows, the YAML files. Each is accepted at submit, or refused only for features that docs/slime-flags.md lists
+as refused (MoE, MTP), each with its reason, or, where TransformerEngine is not installed (as on CPU here), for
+--use-precision-aware-optimizer without --optimizer-cpu-offload (megatron-core runs it only on TransformerEngine's
+FusedAdam or on its CPU-offload optimizer). A slime user's one change, dropping a refused flag, is shown by appending
+its accepted value (the last one wins)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ HF_CONFIGS = {
                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True,
                      "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                              "weight_block_size": [128, 128]}},
+    "Qwen3-4B-Base": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                      "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True},
     "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
                  "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": False},
     "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -63,22 +65,20 @@ HF_CONFIGS = {
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
-    # --context-parallel-size 2 on slime's default backend: megatron-core's local attention has no CP, fsdp has
-    "train_infer_mismatch_helper": {"context parallelism"},
     # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
     "fully_async_qwen3.5_9B": {"family"},
-    # megatron-core's hybrid CPU-offload optimizer fails at the first step (refused; the e2e runs it dropped)
-    "multi_agent": {"--optimizer-cpu-offload"},
 }
-# multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam
+# multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam or on its
+# CPU-offload optimizer (multi_agent offloads it)
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron-core runs it only with "
-                     "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's image; "
-                     "drop it (slime: --use-precision-aware-optimizer)")
+                     "TransformerEngine's FusedAdam or with optimizer_cpu_offload, and TransformerEngine is not "
+                     "installed in the trainer's image; drop it or offload the optimizer (slime: "
+                     "--use-precision-aware-optimizer, --optimizer-cpu-offload)")
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
-CP_REFUSAL = "context_parallel_size 2: train_backend megatron has no context parallelism"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
-PLUGIN_MODULES = "generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent"
+PLUGIN_MODULES = ("generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent,"
+                  "tests.slime_compat")
 
 
 def materialize(argv: list[str], root: Path) -> list[str]:
@@ -91,6 +91,7 @@ def materialize(argv: list[str], root: Path) -> list[str]:
     data = Path(given["--prompt-data"])
     data.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    rows *= max(1, int(given.get("--rollout-batch-size", 1)) // len(rows))  # --num-epoch counts at least a rollout
     if data.suffix == ".parquet":
         pq.write_table(pa.Table.from_pylist(rows), data)
     else:
@@ -148,23 +149,19 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
-    if REFUSED[name] == {"context parallelism"}:
-        assert problems == [f"job spec: {CP_REFUSAL} (megatron-core's local attention cannot split a sequence); set "
-                            "train_backend: fsdp (slime: --train-backend fsdp)"], problems
-        return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
         checked = flag[2:] in megatron_flags.ARCH and f"| `{flag}` | checked |" in DOC
         assert (listed is not None and listed.note in DOC) or slime_flags.is_moe_flag(flag[2:]) or checked, flag
     assert all(p.endswith(("MoE models are not supported", slime_flags.MOE_REFUSAL,
-                           megatron_flags.MEGATRON["optimizer-cpu-offload"].note,
                            "Physarum builds the model from the HF config: fix or drop the flag"))
                for p in problems), problems
 
 
 def test_multi_agent_without_the_offload_flag_needs_transformer_engine_for_its_optimizer(tmp_path):
-    """--use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam."""
+    """--use-precision-aware-optimizer without --optimizer-cpu-offload: megatron-core runs it only on
+    TransformerEngine's FusedAdam."""
     argv = [a for a in materialize(EXAMPLES["multi_agent"]["argv"], tmp_path) if a != "--optimizer-cpu-offload"]
     if TRANSFORMER_ENGINE:
         assert submit(argv).train_backend == "megatron"
@@ -216,18 +213,17 @@ def test_the_on_policy_distillation_examples_become_a_teacher_engine_or_a_teache
     assert megatron.driver.opd_teacher_load.endswith("/root/Qwen3-8B_torch_dist")
 
 
-def test_the_mismatch_helper_example_without_context_parallelism(tmp_path):
-    """train_infer_mismatch_helper with its one refused flag set to what Physarum runs (appended: the last wins):
-    MIS through custom_tis_function_path, its YAML's settings in slime's args."""
-    argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path) + ["--context-parallel-size", "1"]
+def test_the_mismatch_helper_example_runs_on_megatron_at_context_parallelism_2(tmp_path):
+    """train_infer_mismatch_helper as it is: megatron at CP=2 (with TP=2 and sequence parallelism), MIS through
+    custom_tis_function_path, its YAML's settings in slime's args."""
+    argv = materialize(EXAMPLES["train_infer_mismatch_helper"]["argv"], tmp_path)
     spec = submit(argv)
     train = spec.train
+    assert (spec.train_backend, spec.context_parallel_size) == ("megatron", 2)
     assert train.use_tis and train.custom_tis_function_path == \
         "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
     assert (train.args["tis_mode"], train.args["rs_veto_threshold"], train.args["tis_batch_normalize"]) == \
         ("truncate", 1e-4, True)
-    assert spec.slime_sources["context_parallel_size"] == \
-        "--context-parallel-size (argv[139]), the last of 2: over argv[99]"
 
 
 def test_the_examples_plugin_modules_are_checked_at_submit(tmp_path):
@@ -271,8 +267,8 @@ def test_the_dense_scripts_are_refused_only_for_listed_features(script):
 @pytest.mark.parametrize("script", sorted(DENSE))
 def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_config(script):
     """Each script's `megatron:` settings are built into megatron-core's OptimizerConfig at submit: where
-    TransformerEngine is not installed (as on this CPU install), --use-precision-aware-optimizer (run-qwen3-32B.sh)
-    is refused there by name; otherwise they build."""
+    TransformerEngine is not installed (as on this CPU install), --use-precision-aware-optimizer without
+    --optimizer-cpu-offload is refused there by name; otherwise they build (run-qwen3-32B.sh offloads it)."""
     import importlib.util
 
     from services.trainer.api.spec import JobSpec
@@ -282,7 +278,8 @@ def test_the_dense_scripts_megatron_settings_build_megatron_cores_optimizer_conf
     conv = slime_args.convert(DENSE[script], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     split = megatron_args.split(conv.megatron)
     distributed = conv.spec.get("use_distributed_optimizer", True)
-    if split.optimizer.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
+    if split.optimizer.get("use_precision_aware_optimizer") and not split.optimizer.get("optimizer_cpu_offload") \
+            and importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(InvalidArgument, match=r"megatron.use_precision_aware_optimizer: .* TransformerEngine is "
                                                   r"not installed"):
             megatron_args.check_optimizer(split.optimizer, use_distributed_optimizer=distributed)
@@ -338,3 +335,26 @@ def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):
             kept.append(token)
     spec = submit([*kept, "--tensor-model-parallel-size", "1"])
     assert (spec.train_backend, spec.mode, spec.megatron) == ("fsdp", "fully_async", {})
+
+
+def test_the_base_sft_script_counts_its_parquet_epochs(tmp_path):
+    """run-qwen3-4B-base-sft.sh: slime's sft_rollout is sft_loss; --num-epoch 3 over its Parquet rows (made 128 here,
+    one rollout's worth) is 3 rollouts; --debug-train-only and --ref-load (its start weights, no KL) are dropped with
+    a note each."""
+    spec = submit(materialize(EXAMPLES["sft_qwen3_4B_base"]["argv"], tmp_path))
+    assert (spec.loss_type, spec.num_rollout, spec.rollout_batch_size) == ("sft_loss", 3, 128)
+    assert spec.prompt_data.endswith("openhermes2_5.parquet")
+    assert "--num-epoch 3: num_rollout 3 (128 prompts, 128 per rollout)" in spec.slime_notes
+    assert not spec.driver.debug_train_only and not spec.driver.ref_load
+
+
+def test_the_eval_function_case_names_its_function_and_keeps_the_eval_config(tmp_path):
+    """eval_multi_task with --eval-function-path: the function is the job's eval (checked at submit), each dataset's
+    settings stay (they reach the service's eval the function delegates to)."""
+    spec = submit(materialize(EXAMPLES["eval_function"]["argv"], tmp_path))
+    assert spec.rollout.eval_function_path == "tests.slime_compat.plugins.eval_with_slimes_default"
+    assert spec.eval_dataset_settings["aime"]["n_samples_per_eval_prompt"] == 16
+    assert preflight.check_plugins(spec) == []
+    argv = [*EXAMPLES["eval_function"]["argv"][:-1], "tests.slime_compat.plugins.no_such_function"]
+    problems = preflight.check_plugins(parse_spec({"slime_args": materialize(argv, tmp_path / "missing")}))
+    assert len(problems) == 1 and problems[0].startswith("eval_function_path: "), problems

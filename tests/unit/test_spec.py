@@ -6,6 +6,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.trainer.api.spec import JobSpec, parse_spec, slime_args_to_dict
+from services.trainer.slime_flags import args as slime_args
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 4,
         "n_samples_per_prompt": 8}
@@ -53,7 +54,6 @@ def test_unknown_key_is_named_with_a_suggestion():
     ({"max_inflight_groups": 2}, r"max_inflight_groups \(2\) must be >= rollout_batch_size \(4\)"),
     ({"mode": "one_step_async", "debug_rollout_only": True}, "mode one_step_async needs engines and a trainer"),
     ({"tensor_model_parallel_size": 2}, "need train_backend: megatron"),
-    ({"train_backend": "megatron", "advantage_estimator": "ppo"}, "set train_backend: fsdp"),
     # hostile numbers and names: each refused by name, never a crash later
     ({"loss_type": "custom_loss", "custom_loss_function_path": "os.system"},
      "custom_loss_function_path: 'os.system' is not under an allowed plugin module"),
@@ -71,6 +71,11 @@ def test_unknown_key_is_named_with_a_suggestion():
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(InvalidArgument, match=message):
         parse_spec({**BASE, **override})
+
+
+def test_ppo_trains_its_critic_on_either_backend():
+    for backend in ("fsdp", "megatron"):
+        assert parse_spec({**BASE, "train_backend": backend, "advantage_estimator": "ppo"}).train.use_critic
 
 
 def test_fully_async_sends_the_manager_a_stream_bound():
@@ -131,3 +136,29 @@ def test_unknown_rm_type_is_refused_at_submit():
 def test_a_warmup_as_long_as_the_job_is_fine_with_a_constant_lr():
     spec = parse_spec({**BASE, "lr_warmup_iters": 3, "lr_decay_style": "constant"})  # 3 rollouts × 1 step
     assert spec.lr_warmup_iters == 3
+
+
+def test_multimodal_keys_come_from_slimes_flag_and_train_on_fsdp():
+    conv = slime_args.convert(["--multimodal-keys", '{"image": "images"}'], spec_keys=set(JobSpec.model_fields),
+                              check_architecture=False)
+    assert conv.spec["multimodal_keys"] == {"image": "images"} and not conv.refused
+    with pytest.raises(InvalidArgument, match="modality 'audio' is not supported"):
+        parse_spec({**BASE, "multimodal_keys": {"audio": "clips"}})
+    with pytest.raises(InvalidArgument, match="multimodal_keys: train_backend megatron does not take images in its "
+                                              "forward; set train_backend: fsdp"):
+        parse_spec({**BASE, "train_backend": "megatron", "multimodal_keys": {"image": "images"}})
+    with pytest.raises(InvalidArgument, match="without a critic"):
+        parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
+                    "advantage_estimator": "ppo"})
+    with pytest.raises(InvalidArgument, match="multimodal_keys: rollout_function_path would make groups without"):
+        parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
+                    "rollout_function_path": "tests.plugins.rollouts.f"})
+    with pytest.raises(InvalidArgument, match="rollout dumps"):
+        parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
+                    "save_debug_rollout_data": "/tmp/dump_{rollout_id}.pt"})
+    with pytest.raises(InvalidArgument, match="freeze_vision needs multimodal_keys"):
+        parse_spec({**BASE, "freeze_vision": True})
+    spec = parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
+                       "freeze_vision": True})
+    assert (spec.multimodal_keys, spec.freeze_vision) == ({"image": "images"}, True)
+    assert parse_spec(BASE).multimodal_keys == {}

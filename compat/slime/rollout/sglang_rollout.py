@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from typing import Any
 
 from services.common.errors import FailedPrecondition
@@ -15,12 +16,14 @@ from services.common.samples import Prompt, Status
 from services.rollout.generation import filters
 from services.rollout.generation.drain import drain_surplus
 from services.rollout.generation.generate import generate as _physarum_generate
+from services.rollout.generation.generate import load_generate_function, run_generate
 from services.rollout.generation.generate import sampling_params as _sampling_params
 from services.rollout.generation.groups import generate_group
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
 from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.generation.rollout_function import FunctionRun, current_run, rate_once
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.rm_hub import batched_async_rm
 from slime.utils.async_utils import run
 
 
@@ -102,6 +105,46 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     return await _physarum_generate(args, sample, sampling_params)
 
 
+async def generate_and_rm(args: Any, sample: Any, sampling_params: dict[str, Any],
+                          evaluation: bool = False) -> Any:
+    """slime's per-sample step: a finished sample comes back as it is; otherwise the sample's generate_function_path,
+    the job's custom_generate_function_path or slime's `generate` runs on it (under GenerateState's semaphore), and
+    each sample it returns without a reward is scored through the reward service (not under group_rm). Returns
+    what the generate function returned: one Sample or a list (slime's fan-out)."""
+    if getattr(args, "partial_rollout", False) and getattr(args, "mask_offpolicy_in_partial_rollout", False) \
+            and sample.response_length > 0:
+        sample.loss_mask = [0] * sample.response_length
+    if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+        return sample
+    state = GenerateState(args)
+    async with state.semaphore:
+        if state.aborted:
+            sample.status = Status.ABORTED
+            return sample
+        path = getattr(sample, "generate_function_path", None) or getattr(args, "custom_generate_function_path", None)
+        fn = load_generate_function(path) if path else _physarum_generate
+        what = f"slime.rollout.sglang_rollout.generate_and_rm: prompt {sample.group_index} sample {sample.index}"
+        kwargs = {"evaluation": evaluation} if "evaluation" in inspect.signature(fn).parameters else {}
+        returned = await fn(args, sample, dict(sampling_params), **kwargs)
+        outputs = await run_generate(_returning(returned), args, sample, sampling_params, evaluation=False,
+                                     what=what)
+    if getattr(args, "group_rm", False) or any(out.status == Status.ABORTED for out in outputs):
+        return outputs if isinstance(returned, list) else outputs[0]
+    unscored = [out for out in outputs if out.reward is None]
+    if unscored:
+        for out, reward in zip(unscored, await batched_async_rm(args, unscored), strict=True):
+            out.reward = reward
+    return outputs if isinstance(returned, list) else outputs[0]
+
+
+def _returning(value: Any) -> Any:
+    """A generate function that returns `value`: run_generate checks and finishes what a function returned."""
+    async def returned(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
+        return value
+    returned.__qualname__ = "the generate function"
+    return returned
+
+
 def _run_of(what: str) -> FunctionRun:
     job = current_run()
     if job is None:
@@ -167,15 +210,29 @@ async def generate_rollout_async(args: Any, rollout_id: int,
 def generate_rollout(args: Any, rollout_id: int, data_source: Any,
                      evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """slime's default rollout function: generate_rollout_async on data_source.get_samples, the aborted groups given
-    back to the data source. Evaluation is the rollout service's own (RunEval), not this function's."""
+    back to the data source; with evaluation=True, slime's eval_rollout: every eval dataset generated and scored
+    (the rollout service's eval, each dataset's own settings) as {name: {rewards, truncated, samples}}."""
     if evaluation:
-        raise FailedPrecondition("slime.rollout.sglang_rollout.generate_rollout: evaluation runs in the rollout "
-                                 "service's eval, not through the rollout function")
+        return RolloutFnEvalOutput(data=run(eval_rollout(args, rollout_id)))
     output, aborted_samples = run(generate_rollout_async(args, rollout_id, data_source.get_samples))
     if aborted_samples:
         data_source.add_samples(aborted_samples)
     return output
 
 
-__all__ = ["GenerateState", "generate", "generate_and_rm_group", "generate_rollout", "generate_rollout_async",
-           "get_model_url", "load_tokenizer"]
+async def eval_rollout(args: Any, rollout_id: int) -> dict[str, dict[str, list[Any]]]:
+    """slime's eval data of the job's eval datasets, their samples in prompt order."""
+    job = _run_of("eval_rollout")
+    if job.eval_groups is None:
+        raise FailedPrecondition("slime.rollout.sglang_rollout.eval_rollout: runs inside an eval the rollout service "
+                                 "runs")
+    data = {}
+    for name, groups in (await job.eval_groups()).items():
+        samples = [sample for group in groups for sample in group]
+        data[name] = {"rewards": [s.reward for s in samples], "truncated": [s.status == Status.TRUNCATED
+                                                                           for s in samples], "samples": samples}
+    return data
+
+
+__all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "generate_rollout",
+           "generate_rollout_async", "eval_rollout", "get_model_url", "load_tokenizer"]

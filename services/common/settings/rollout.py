@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from services.common.config import NON_NEGATIVE, POSITIVE, PROBABILITY, REQUIRED, check_fields, field
 from services.common.errors import InvalidArgument
+from services.common.samples import MULTIMODAL_PLACEHOLDERS
 from services.common.settings.rewards import check_rm_type
 
 LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
@@ -78,6 +79,11 @@ class RolloutConfig:
     label_key: str = field("label", "the label's key in each data row (slime's default)")
     metadata_key: str = field("metadata", "the metadata's key in each data row")
     apply_chat_template: bool = field(False, "wrap each prompt in the tokenizer's chat template")
+    multimodal_keys: dict[str, str] = field(
+        {}, "slime's multimodal keys: modality -> the data rows' column of its items, e.g. {\"image\": \"images\"}; "
+            "each <image> in a prompt becomes an image part, filled in order from that column (a file under the data "
+            "roots, relative to the dataset's folder; a data: URL; base64; bytes), every image read and checked when "
+            "the dataset loads")
     max_inflight_groups: int | None = field(
         None, "fully_async: groups generating or waiting (None: rollout_batch_size); > 0 makes the manager stream")
     agent_function_path: str = field(
@@ -107,13 +113,22 @@ class RolloutConfig:
             "with `args` once per job in the rollout service and given to the rollout function (rollout_function_path, "
             "else slime's default generate_rollout: over-sampling, dynamic filter, partial groups given back); its "
             "base classes are slime.rollout.data_source's (empty: RolloutDataSourceWithBuffer, which leases the "
-            "job's prompts from the buffer and keeps given-back groups with their leases); as slime, the service "
-            "calls load(rollout_id - 1) when it builds it (again when the trainer resumed) and save(rollout_id) "
-            "after a rollout the trainer checkpoints (save, save_interval, the last)")
+            "job's prompts from the buffer and keeps given-back groups with their leases); a class that is not "
+            "RolloutDataSource or a subclass makes its own prompts: what its get_samples yields is stored in the "
+            "buffer at its position when the buffer runs short (in place of prompt_data's), and the rollout "
+            "function gets RolloutDataSourceWithBuffer over them; as slime, the service calls load(rollout_id - 1) "
+            "when it builds it (again when the trainer resumed) and save(rollout_id) after a rollout the trainer "
+            "checkpoints (save, save_interval, the last)")
     buffer_filter_path: str = field(
         "", "import path of slime's def buffer_filter(args, rollout_id, buffer, num_samples) -> groups: which "
             "groups given back to the data source (add_samples) get_samples takes, removing them from `buffer` "
             "(empty: slime's pop_first); like data_source_path, it makes the rollout a rollout function's")
+    eval_function_path: str = field(
+        "", "import path of slime's eval function, generate_rollout(args, rollout_id, data_source, evaluation=True) "
+            "-> RolloutFnEvalOutput (or its data dict): at each eval the rollout service runs it in a worker thread "
+            "(empty: rollout_function_path's, as slime defaults it, else the service's own eval); its data's "
+            "{dataset: {rewards, truncated}} become eval/<dataset> (mean reward), -truncated_ratio and -pass@k (by "
+            "the dataset's n_samples_per_eval_prompt), its numeric metrics join them")
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -135,6 +150,18 @@ class RolloutConfig:
         if 0 < self.max_inflight_groups < self.rollout_batch_size:
             raise InvalidArgument(f"rollout config: max_inflight_groups ({self.max_inflight_groups}) must be >= "
                                   f"rollout_batch_size ({self.rollout_batch_size})")
+        for modality, column in self.multimodal_keys.items():
+            if modality not in MULTIMODAL_PLACEHOLDERS:
+                raise InvalidArgument(f"rollout config: multimodal_keys: modality {modality!r} is not supported "
+                                      f"(supported: {', '.join(MULTIMODAL_PLACEHOLDERS)})")
+            if not isinstance(column, str) or not column:
+                raise InvalidArgument(f"rollout config: multimodal_keys: {modality!r} must name a column, got "
+                                      f"{column!r}")
+        if self.multimodal_keys and (names := [name for name in ("agent_function_path", "rollout_function_path",
+                                                                  "data_source_path") if getattr(self, name)]):
+            raise InvalidArgument(f"rollout config: multimodal_keys: {', '.join(names)} would make groups without "
+                                  "their prompts' images; prompts with images run the service's own rollout loop (a "
+                                  "custom_generate_function_path is fine)")
         if self.use_rollout_routing_replay and self.agent_function_path:
             raise InvalidArgument("rollout config: use_rollout_routing_replay needs the engines' routed experts, "
                                   "which agent sessions do not record; use use_routing_replay")

@@ -15,7 +15,8 @@ from services.rollout.gateway.sessions import Choice, TurnParams, TurnResult
 # temperature / top_p / top_k: older clients send them (the current API dropped them); the rest has no effect here
 KNOWN = {"model", "messages", "system", "tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k",
          "stop_sequences", "stream", "metadata", "thinking", "service_tier", "cache_control", "speed", "inference_geo",
-         "diagnostics", "user_profile_id", "workspace_id"}
+         "diagnostics", "user_profile_id", "workspace_id", "output_config"}
+OUTPUT_CONFIG = {"effort"}  # Claude Code sends output_config.effort; a hint with no effect here, like `speed`
 
 
 def params(body: dict[str, Any]) -> TurnParams:
@@ -30,6 +31,9 @@ def params(body: dict[str, Any]) -> TurnParams:
     choice = body.get("tool_choice")
     if choice is not None and (not isinstance(choice, dict) or choice.get("type") not in ("auto", "none")):
         raise InvalidArgument("tool_choice: only {'type': 'auto'} and {'type': 'none'} are supported")
+    output_config = body.get("output_config") or {}
+    if not isinstance(output_config, dict) or set(output_config) - OUTPUT_CONFIG:
+        raise InvalidArgument("output_config: only 'effort' is supported (structured output formats are not)")
     if (body.get("thinking") or {}).get("type", "disabled") != "disabled":
         raise InvalidArgument("thinking: extended thinking is not supported")
     return TurnParams(max_tokens=_number(body["max_tokens"], "max_tokens", int),

@@ -1,7 +1,8 @@
 """The job's buffer as slime's data source reads it (--data-source-path, for a rollout function): one JobPrompts
 per job, bound by job id, through which slime.rollout.data_source's classes lease prompts as groups of slime's
 Samples. Each group holds its prompt's lease until the group is written, kept (add_samples) or given back, so no
-prompt is lost. Called from the rollout function's worker thread; knows nothing of gRPC or of the user's classes.
+prompt is lost. A data source that makes its own prompts feeds the buffer through a PromptFeeder when the buffer
+runs short. Called from the rollout function's worker thread; knows nothing of gRPC.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample
 from services.common.settings.rollout import RolloutConfig
@@ -20,7 +21,65 @@ if TYPE_CHECKING:
     from services.buffer.client import BufferClient
 
 MAX_LEASE_CALLS = 8  # LeasePrompts calls per get_samples, each short only by prompts renewed here
+MAX_FEED_CALLS = 64  # get_samples calls per feed of a data source that makes its own prompts
 GROUP_KEY_ATTR = "_physarum_group"  # on each sample a group leased here holds: which prompt (lease) it answers
+
+
+class PromptFeeder:
+    """A data source that makes its own prompts (a generator, an environment): what its get_samples yields goes to
+    the buffer at its position (the count it has yielded), so the buffer leases it like a dataset's prompt. The
+    position is saved beside the source's own state (save) and read back with it (load): a source that resumed
+    yields again prompts the buffer has already, which keep their first copy, so none is served twice or lost."""
+
+    def __init__(self, source: Any, buffer: BufferClient, job_id: str) -> None:
+        self.source, self.buffer, self.job_id = source, buffer, job_id
+        self.position = 0
+        self.broken = False  # an append failed after the source moved on: it must be built and loaded again
+
+    def load(self, rollout_id: int) -> None:
+        self.source.load(rollout_id)
+        self.position = self.buffer.load_source_position(self.job_id, rollout_id) if rollout_id >= 0 else 0
+
+    def save(self, rollout_id: int) -> None:
+        self.buffer.save_source_position(self.job_id, rollout_id, self.position)
+        self.source.save(rollout_id)
+
+    def feed(self, num_prompts: int) -> int:
+        """Ask the source for groups until num_prompts new prompts are stored (or it yields none); the number
+        stored. A source behind the buffer (it resumed) is asked for what it must yield again to catch up."""
+        total, behind = 0, 0
+        for _ in range(MAX_FEED_CALLS):
+            if total >= num_prompts:
+                break
+            groups = self.source.get_samples(num_prompts - total + behind)
+            prompts = [_prompt_of_made(group, self.job_id) for group in groups or []]
+            if not prompts:
+                break
+            try:
+                appended, stored = self.buffer.append_prompts(self.job_id, self.position, prompts)
+            except Exception:
+                self.broken = True
+                raise
+            self.position += len(prompts)
+            total, behind = total + appended, max(0, stored - self.position)
+        return total
+
+
+def _prompt_of_made(group: Any, job_id: str) -> Prompt:
+    """The prompt of a group a source made: its first sample's prompt (text, or chat messages), label and
+    metadata."""
+    sample = group[0] if isinstance(group, list) and group else None
+    prompt = getattr(sample, "prompt", None)
+    if not isinstance(prompt, str | list):
+        raise InvalidArgument(f"data source: get_samples returned {type(group).__name__} with no prompt; expected "
+                              "groups (lists) of Samples whose prompt is a string or a list of chat messages")
+    metadata = getattr(sample, "metadata", None) or {}
+    if not isinstance(metadata, dict):
+        raise InvalidArgument(f"data source: a sample's metadata is {type(metadata).__name__}, not a dict")
+    label = getattr(sample, "label", None)
+    return Prompt(job_id=job_id, index=0, epoch=0, prompt=prompt if isinstance(prompt, str) else "",
+                  messages=[] if isinstance(prompt, str) else [dict(m) for m in prompt],
+                  label="" if label is None else label, metadata=metadata)
 
 
 class JobPrompts:
@@ -34,6 +93,7 @@ class JobPrompts:
         self._next_key = 0
         self._leased: dict[int, Prompt] = {}  # group key -> its prompt, lease held
         self._kept: set[int] = set()  # keys of groups a data source holds across rollouts (add_samples)
+        self.feeder: PromptFeeder | None = None  # the job's data source, when it makes its own prompts
 
     def lease_groups(self, num_groups: int, n_samples: int) -> list[list[PluginSample]]:
         """Lease `num_groups` prompts (fewer only if the buffer has fewer) as groups of n_samples fresh samples each:
@@ -44,12 +104,21 @@ class JobPrompts:
         for _ in range(MAX_LEASE_CALLS):
             if len(groups) >= num_groups:
                 break
-            prompts = self.buffer.lease_prompts(self.config.job_id, self.rollout_id, num_groups - len(groups),
-                                                self.config.lease_timeout_s)
+            prompts = self._lease(num_groups - len(groups))
+            if not prompts and self.feeder is not None and self.feeder.feed(num_groups - len(groups)):
+                continue  # the source's new prompts are leased on the next pass
             if not prompts:
                 break
             groups += [self._group(prompt, n_samples) for prompt in prompts if not self._renews(prompt)]
         return groups
+
+    def _lease(self, count: int) -> list[Prompt]:
+        try:
+            return self.buffer.lease_prompts(self.config.job_id, self.rollout_id, count, self.config.lease_timeout_s)
+        except NotFound:
+            if self.feeder is None:
+                raise
+            return []  # a source that makes its own prompts has stored none yet
 
     def _renews(self, prompt: Prompt) -> bool:
         with self._lock:
@@ -113,7 +182,12 @@ class JobPrompts:
             return [self._leased.pop(key).lease_id for key in unused]
 
     def num_prompts(self) -> int:
-        return self.buffer.stats(self.config.job_id).num_prompts
+        try:
+            return self.buffer.stats(self.config.job_id).num_prompts
+        except NotFound:
+            if self.feeder is None:
+                raise
+            return 0
 
 
 def _key(group: list[Sample]) -> int | None:

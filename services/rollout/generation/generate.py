@@ -29,7 +29,7 @@ import httpx
 from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
-from services.common.samples import Sample, Status
+from services.common.samples import Image, Sample, Status
 from services.rollout.generation.router_http import Poster, PostError, StreamError
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class GenerateContext:
     batch_groups: bool = False  # a group's fresh samples go out as one /generate (default generate function only)
     # opens an agent-gateway session for a sample of this rollout: (session_id, sampling_params, key) -> Session
     open_session: Callable[..., Any] | None = None
+    scorer: Any = None  # the rollout's reward-service scorer (scoring.ServiceScorer), for slime's rm_hub.async_rm
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
@@ -211,6 +212,11 @@ def current_context() -> GenerateContext:
     return _context()
 
 
+def bound_context() -> GenerateContext | None:
+    """The rollout's GenerateContext bound to the calling task, or None outside a rollout."""
+    return _CONTEXT.get(None)
+
+
 def _context() -> GenerateContext:
     ctx = _CONTEXT.get(None)
     if ctx is None:
@@ -268,7 +274,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         sample.status = Status.TRUNCATED
         return sample
     reply = await router_generate(sample, {"input_ids": list(sample.tokens), "sampling_params": params,
-                                           "return_logprob": True, **routed_experts_option(args)})
+                                           "return_logprob": True, **routed_experts_option(args),
+                                           **image_data_option([sample])})
     append_reply(sample, reply)
     return sample
 
@@ -280,11 +287,25 @@ async def generate_fresh_batch(args: Any, samples: list[Sample], sampling_params
     each handle a request, however many prompts it holds). The samples come back finished as run_generate's do."""
     replies = await router_generate_batch(samples, {"input_ids": [list(s.tokens) for s in samples],
                                                     "sampling_params": dict(sampling_params), "return_logprob": True,
-                                                    **routed_experts_option(args)})
+                                                    **routed_experts_option(args), **image_data_option(samples)})
     needs = next((flag for flag in LOG_PROB_SETTINGS if getattr(args, flag, False)), "")
     for sample, reply in zip(samples, replies, strict=True):
         append_reply(sample, reply)
     return [finish_plugin_sample(s, needs_log_probs=needs, what=f"{what}: generate") for s in samples]
+
+
+def image_data_option(samples: list[Sample]) -> dict[str, Any]:
+    """SGLang's image_data for samples whose prompt has images (multimodal_inputs["images"]), each a data: URL: one
+    list for one sample, a list per sample for a batch; {} when none has images (a text prompt's body is unchanged)."""
+    per_sample = [[image_data_url(i) for i in (getattr(s, "multimodal_inputs", None) or {}).get("images") or []]
+                  for s in samples]
+    if not any(per_sample):
+        return {}
+    return {"image_data": per_sample[0] if len(samples) == 1 else per_sample}
+
+
+def image_data_url(image: Image) -> str:
+    return f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode()}"
 
 
 def routed_experts_option(args: Any) -> dict[str, bool]:

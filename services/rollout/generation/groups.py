@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidArgument
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
 from services.common.settings.rollout import RolloutConfig
@@ -83,29 +84,31 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
     ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
+    ctx.scorer = ServiceScorer(reward, config)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,
-                      scorer=ServiceScorer(reward, config))
+                      scorer=ctx.scorer)
 
 
-async def rate_group(gen: Generation, samples: list[Sample], what: str) -> None:
+async def rate_group(gen: Generation, samples: list[Sample], what: str) -> list[sample_pb2.Sample | None]:
     """A generated group's signal: the teacher's log-probs (opd_teacher_url), then its rewards, or reward 0 under
-    opd_only."""
+    opd_only. Returns, beside each sample, the proto the reward service was sent (score_group), None where none was."""
     config = gen.config
     if config.opd_teacher_url:
         await teacher.score_group_with_teacher(gen.ctx.http, config.opd_teacher_url, samples,
                                                temperature=config.rollout_temperature, what=what)
     if config.opd_only:
         teacher.distillation_only(samples)
-    else:
-        await score_group(gen.scorer, gen.args, samples, what)
+        return [None] * len(samples)
+    return await score_group(gen.scorer, gen.args, samples, what)
 
 
 def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> PluginSample:
     """Sample j of the group answering `prompt` (slime's Sample): its tokens are the prompt's, its response empty."""
     return PluginSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
                          metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
-                         session_id=new_session_id())
+                         session_id=new_session_id(),
+                         multimodal_inputs={"images": prompt.images} if prompt.images else None)
 
 
 async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:

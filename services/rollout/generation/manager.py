@@ -18,13 +18,13 @@ import httpx
 
 from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
-from services.common.samples import Prompt, Sample, SampleGroup, Status, group_id_for
+from services.common.samples import Prompt, Sample, SampleGroup, Status, encode_group, group_id_for
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus
 from services.rollout.generation import engine_weights, filters, rollout_function
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus
-from services.rollout.generation.evaluation import run_eval
+from services.rollout.generation.evaluation import eval_groups, run_eval
 from services.rollout.generation.generate import STICKY_POLICIES
 from services.rollout.generation.groups import (
     Generation,
@@ -286,6 +286,8 @@ class RolloutManager:
             return None
         run.num_failed_in_a_row = 0
         if run.filter_fn is not None:
+            if run.filter_fn not in filters.BUILTINS.values():  # a user's filter may change the samples it reads
+                run.encoded.pop(prompt.lease_id, None)
             output = filters.call_filter(run.filter_fn, run.gen.args, samples)
             if filters.should_drop(output, num_remaining=run.num_groups_done + num_pending + 1,
                                    target=config.rollout_batch_size):
@@ -304,8 +306,10 @@ class RolloutManager:
         if not writes:
             return
         job = run.config.job_id
-        groups = [SampleGroup(group_id=group_id_for(job, prompt.epoch, prompt.index), job_id=job, rollout_id=rollout_id,
-                              prompt_index=prompt.index, epoch=prompt.epoch, samples=samples, lease_id=prompt.lease_id)
+        groups = [encode_group(SampleGroup(group_id=group_id_for(job, prompt.epoch, prompt.index), job_id=job,
+                                           rollout_id=rollout_id, prompt_index=prompt.index, epoch=prompt.epoch,
+                                           samples=samples, lease_id=prompt.lease_id, images=prompt.images),
+                               run.encoded.pop(prompt.lease_id, ()))
                   for prompt, samples, rollout_id in writes]
         result = await asyncio.to_thread(self.buffer.put_groups, groups)
         for prompt, _, _ in writes:
@@ -337,6 +341,7 @@ class RolloutManager:
         """Give prompts back at once; if the buffer cannot be reached they come back when their lease expires."""
         for lease_id in lease_ids:
             run.leased.pop(lease_id, None)
+            run.encoded.pop(lease_id, None)
         if not lease_ids:
             return
         try:
@@ -364,7 +369,7 @@ class RolloutManager:
         samples = await generate_group(gen, samples)
         if gen.ctx.aborting or any(s.status == Status.ABORTED for s in samples):
             return samples
-        await rate_group(gen, samples, f"{run.name}: prompt {prompt.index}")
+        run.encoded[prompt.lease_id] = await rate_group(gen, samples, f"{run.name}: prompt {prompt.index}")
         return samples
 
     # ----- eval -----
@@ -377,13 +382,26 @@ class RolloutManager:
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             gens = {name: self._generation(config.for_eval_dataset(name), rollout_id, evaluation=True)
                     for name in config.eval_datasets}
-            task = asyncio.get_running_loop().create_task(run_eval(self.buffer, gens, rollout_id),
-                                                           name=f"eval at rollout {rollout_id} of job {config.job_id}")
+            body = self._function_eval(config, gens, rollout_id) if (
+                config.eval_function_path or config.rollout_function_path) else run_eval(self.buffer, gens,
+                                                                                          rollout_id)
+            task = asyncio.get_running_loop().create_task(body, name=f"eval at rollout {rollout_id} of job "
+                                                                     f"{config.job_id}")
             self.evals[key] = task
             for old in list(self.evals)[: max(0, len(self.evals) - MAX_FINISHED_RUNS)]:
                 if self.evals[old].done():
                     del self.evals[old]
         return await asyncio.shield(task)
+
+    async def _function_eval(self, config: RolloutConfig, gens: dict[str, Generation],
+                             rollout_id: int) -> dict[str, float]:
+        """slime's eval function (eval_function_path, else the rollout function) on the job's data source."""
+        source = rollout_function.job_source(self.sources, config, self.buffer, self._encoder(config))
+        metrics = await rollout_function.evaluate(
+            source, self._generation(config, rollout_id, evaluation=True), gens, rollout_id, self.aborter,
+            lambda: eval_groups(self.buffer, gens, rollout_id))
+        log.info("eval at rollout %d of job %s (eval function): %s", rollout_id, config.job_id, metrics)
+        return metrics
 
     async def close(self) -> None:
         """Cancel the running rollouts and evals; rollouts give their leased prompts back as they stop."""

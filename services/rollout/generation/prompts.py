@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Prompt
+from services.rollout.generation.image_tokens import ImageTokens
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -49,6 +50,7 @@ class PromptEncoder:
         self.chat_template = _compile(template) if isinstance(template, str) else None
         self.eos_token_id = self._find_eos_token_id(path)
         self.context_len = model_context_len(path)
+        self.image_tokens = ImageTokens.load(path)  # None: a text model
 
     def _find_eos_token_id(self, path: Path) -> int | None:
         """generation_config.json wins over config.json, which wins over tokenizer_config's eos_token."""
@@ -91,8 +93,16 @@ class PromptEncoder:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
+        """The rendered prompt and its tokens; a prompt's images each take as many image tokens as the model reads
+        for it (image_tokens.py)."""
         text = self.render(prompt)
-        return text, self.encode_text(text)
+        ids = self.encode_text(text)
+        if not prompt.images:
+            return text, ids
+        where = f"prompt {prompt.index} of job {prompt.job_id}"
+        if self.image_tokens is None:
+            raise InvalidArgument(f"{where} has {len(prompt.images)} images, but {self.path} is a text model")
+        return text, self.image_tokens.expand(ids, prompt.images, where)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

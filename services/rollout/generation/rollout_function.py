@@ -27,8 +27,9 @@ from services.common.plugin_sample import finish_plugin_sample
 from services.common.samples import Prompt, Sample, Status
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.generation import data_source
-from services.rollout.generation.data_source import JobPrompts
+from services.rollout.generation.data_source import JobPrompts, PromptFeeder
 from services.rollout.generation.drain import EngineAborter
+from services.rollout.generation.evaluation import function_eval_metrics
 from services.rollout.generation.generate import LOG_PROB_SETTINGS, use_context
 from services.rollout.generation.groups import Generation, rate_group
 from services.rollout.generation.prompts import PromptEncoder
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 EXPECTED, DATA_SOURCE_EXPECTED, FILTER_EXPECTED = (plugins.ROLLOUT_FUNCTION.expected, plugins.DATA_SOURCE.expected,
                                                    plugins.BUFFER_FILTER.expected)
 DEFAULT_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+BUFFER_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSource"  # its subclasses read the buffer's prompts
 DATA_SOURCE_METHODS = ("get_samples", "add_samples", "save", "load")
 
 # slime's default rollout function over a data source (with data_source_path or buffer_filter_path alone)
@@ -60,6 +62,8 @@ class FunctionRun:
     aborter: EngineAborter
     dropped: list[list[Sample]] = field(default_factory=list)  # groups the dynamic filter dropped
     drops: collections.Counter[str] = field(default_factory=collections.Counter)  # by drop_metric(reason)
+    # in an eval: the service's own eval of the job's eval datasets, {name: groups} (slime's default eval_rollout)
+    eval_groups: Callable[[], Awaitable[dict[str, list[list[Sample]]]]] | None = None
 
 
 _RUN: contextvars.ContextVar[FunctionRun | None] = contextvars.ContextVar("physarum_function_run", default=None)
@@ -100,6 +104,12 @@ def load_data_source_class(path: str) -> type:
         what = "is not a class" if not inspect.isclass(cls) else f"has no {', '.join(missing)}"
         raise InvalidArgument(f"data_source_path: {path} {what}; expected {DATA_SOURCE_EXPECTED}")
     return cls
+
+
+def makes_own_prompts(data_source_path: str) -> bool:
+    """Whether the job's data source makes its own prompts: a class that is not slime's RolloutDataSource (which
+    reads the buffer's dataset) or a subclass of it."""
+    return not issubclass(load_data_source_class(data_source_path), _compat(BUFFER_DATA_SOURCE))
 
 
 def _compat(path: str) -> Any:
@@ -153,6 +163,8 @@ async def job_rollout(sources: dict[str, JobSource], config: RolloutConfig, buff
             yield source
             if source.data_source is not None and save_due(config.args, rollout_id):
                 await asyncio.to_thread(source.data_source.save, rollout_id)
+                if source.prompts.feeder is not None:
+                    await asyncio.to_thread(source.prompts.feeder.save, rollout_id)
         finally:
             await give_back(source.prompts.release())
 
@@ -177,6 +189,8 @@ async def generate_groups(run: Run, source: JobSource, aborter: EngineAborter) -
     the run's. InvalidArgument says what the function got wrong."""
     gen, rollout_id, weight_version, what = run.gen, run.rollout_id, run.weight_version, run.name
     config = gen.config
+    if makes_own_prompts(config.data_source_path):  # its prompts' dataset exists from the first rollout on
+        await asyncio.to_thread(source.prompts.buffer.append_prompts, config.job_id, 0, [])
     done = await asyncio.to_thread(source.prompts.buffer.count_groups, config.job_id, rollout_id)
     if done >= config.rollout_batch_size:  # asked again after its groups were written (a trainer that resumed)
         return [], []
@@ -225,14 +239,45 @@ async def rate_once(gen: Generation, group: list[Sample], what: str) -> None:
         setattr(sample, RATED_ATTR, True)
 
 
-def _call(fn: Callable[..., Any], args: Any, rollout_id: int, source: JobSource) -> Any:
-    """In the worker thread: build the job's data source at its first rollout (loading its state as slime does at
+def _call(fn: Callable[..., Any], args: Any, rollout_id: int, source: JobSource, evaluation: bool = False) -> Any:
+    """In the worker thread: build the job's data source at its first use (loading its state as slime does at
     start: load(rollout_id - 1)), then call the function as slime's call_rollout_fn does."""
-    if source.data_source is None:
+    feeder = source.prompts.feeder
+    if source.data_source is None or (feeder is not None and feeder.broken):
         cls = load_data_source_class(source.prompts.config.data_source_path)
-        source.data_source = cls(args)
-        source.data_source.load(rollout_id - 1)
-    return fn(args, rollout_id, source.data_source, evaluation=False)
+        if not makes_own_prompts(source.prompts.config.data_source_path):
+            source.prompts.feeder = None
+            source.data_source = cls(args)
+            source.data_source.load(rollout_id - 1)
+        else:  # it makes its own prompts: they go to the buffer, which slime's default data source reads
+            source.prompts.feeder = PromptFeeder(cls(args), source.prompts.buffer, source.prompts.config.job_id)
+            source.prompts.feeder.load(rollout_id - 1)
+            source.data_source = _compat(DEFAULT_DATA_SOURCE)(args)
+    return fn(args, rollout_id, source.data_source, evaluation=evaluation)
+
+
+async def evaluate(source: JobSource, gen: Generation, gens: dict[str, Generation], rollout_id: int,
+                   aborter: EngineAborter, eval_groups: Callable[[], Awaitable[dict[str, list[list[Sample]]]]],
+                   ) -> dict[str, float]:
+    """slime's eval through a function: eval_function_path (else rollout_function_path) called with
+    evaluation=True on the job's data source, in a worker thread; its RolloutFnEvalOutput (or the data dict a
+    legacy function returns) becomes the eval/* metrics. `gen` is the eval's generation (the job's eval sampling),
+    `gens` each eval dataset's, whose samples per prompt group the rewards for pass@k."""
+    config = gen.config
+    path = config.eval_function_path or config.rollout_function_path
+    fn = load_rollout_function(path)
+    if not getattr(gen.args, "job_id", ""):
+        gen.args.job_id = config.job_id
+    use_context(gen.ctx)
+    _RUN.set(FunctionRun(gen=gen, loop=asyncio.get_running_loop(), aborter=aborter, eval_groups=eval_groups))
+    async with source.lock:  # the data source is built once, and used by one call at a time
+        output = await asyncio.to_thread(_call, fn, gen.args, rollout_id, source, True)
+    data = getattr(output, "data", output)
+    if not isinstance(data, dict) or hasattr(output, "samples"):
+        raise InvalidArgument(f"eval function {path}: returned {type(output).__name__} for evaluation=True; expected "
+                              "RolloutFnEvalOutput(data={dataset: {rewards, truncated, samples}}) or that dict")
+    return function_eval_metrics(data, getattr(output, "metrics", None),
+                                 {name: g.n_samples for name, g in gens.items()})
 
 
 def _finish(group: list[Sample], weight_version: str, job_args: dict[str, Any], what: str) -> None:

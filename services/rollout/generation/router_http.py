@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+import orjson
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 IDLE_CLOSE_S = 10.0
@@ -29,7 +30,10 @@ class PostReply:
     text: str
 
     def json(self) -> Any:
-        return json.loads(self.text)
+        try:
+            return orjson.loads(self.text)  # a batch's replies: several times faster than json.loads
+        except orjson.JSONDecodeError:
+            return json.loads(self.text)  # what orjson refuses and json reads (NaN, Infinity), or its error
 
 
 class Poster(Protocol):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.rollout_stats import RolloutStats
 from services.common.samples import Prompt, Sample
 from services.common.settings.rollout import RolloutConfig
@@ -30,6 +31,9 @@ class Run:
     num_groups_done: int = 0
     error: str = ""
     leased: dict[str, Prompt] = field(default_factory=dict)  # lease_id -> prompt not yet written or returned
+    # lease_id -> the protos a scored group's samples were sent to the reward service as (rewards set): the write
+    # stores those, so a sample is converted once
+    encoded: dict[str, list[sample_pb2.Sample | None]] = field(default_factory=dict)
     stats: RolloutStats = field(default_factory=RolloutStats)
     num_failed_in_a_row: int = 0
     num_dropped_in_a_row: int = 0

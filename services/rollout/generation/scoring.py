@@ -2,7 +2,8 @@
 --group-rm, the user's `async def f(args, samples) -> list[float]`, called once per group in this process.
 
 A failing scorer gives its samples reward 0 and a reward_error; it never fails the rollout. The groups of one rollout
-that finish together are scored in one reward-service call (ServiceScorer).
+that finish together are scored in one reward-service call (ServiceScorer). A sample sent to the reward service is
+converted to its proto once: that proto, its reward set, is what the buffer write stores (encode_group).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from services.common import plugins
 from services.common.errors import InvalidArgument, PhysarumError
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.plugin_sample import PluginSample
-from services.common.samples import Sample
+from services.common.samples import Sample, sample_to_proto, set_reward_fields
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.generation.batcher import Batcher
 
@@ -36,13 +38,14 @@ class ServiceScorer:
 
     def __init__(self, reward: RewardClient, config: RolloutConfig) -> None:
         self.reward, self.config = reward, config
-        self.batcher: Batcher[list[Sample], list[Any]] = Batcher(self._score_groups, MAX_SAMPLES_PER_CALL, size=len)
+        self.batcher: Batcher[list[sample_pb2.Sample], list[Any]] = Batcher(self._score_groups, MAX_SAMPLES_PER_CALL,
+                                                                            size=len)
 
-    async def score(self, samples: list[Sample]) -> list[Any]:
+    async def score(self, samples: list[sample_pb2.Sample]) -> list[Any]:
         """The reward service's ScoreResult for each sample (raises what RewardClient.score raises)."""
         return await self.batcher.submit(samples)
 
-    async def _score_groups(self, groups: list[list[Sample]]) -> list[list[Any]]:
+    async def _score_groups(self, groups: list[list[sample_pb2.Sample]]) -> list[list[Any]]:
         config = self.config
         results = await asyncio.to_thread(
             self.reward.score, [s for group in groups for s in group], rm_type=config.rm_type,
@@ -63,36 +66,43 @@ def load_group_reward(path: str) -> Callable[..., Any]:
                                  num_params=2)
 
 
-async def score_group(scorer: ServiceScorer, args: Any, samples: list[Sample], what: str) -> None:
+async def score_group(scorer: ServiceScorer, args: Any, samples: list[Sample],
+                      what: str) -> list[sample_pb2.Sample | None]:
     """Set reward, reward_scores and reward_error on every sample of the group. As in slime, a reward the generate
-    function already set is kept (only group_rm rescores the whole group)."""
+    function already set is kept (only group_rm rescores the whole group). Returns, beside each sample, the proto
+    it was sent to the reward service as, with its reward set (None where it was not sent)."""
     config = scorer.config
     if config.group_rm:
         await _score_with_group_function(config, args, samples, what)
-        return
+        return [None] * len(samples)
     preset = [s for s in samples if isinstance(s, PluginSample) and s.reward is not None]
     for sample in preset:
         sample.reward, sample.reward_scores, sample.reward_error = _reward_value(
             sample.reward, config.reward_key, "the reward the generate function set")
     todo = [s for s in samples if not any(s is p for p in preset)]
-    if todo:
-        await _score_with_service(scorer, todo, what)
+    encoded = await _score_with_service(scorer, todo, what) if todo else []
+    by_sample = {id(sample): msg for sample, msg in zip(todo, encoded, strict=True)}
+    return [by_sample.get(id(sample)) for sample in samples]
 
 
-async def _score_with_service(scorer: ServiceScorer, samples: list[Sample], what: str) -> None:
+async def _score_with_service(scorer: ServiceScorer, samples: list[Sample], what: str) -> list[sample_pb2.Sample]:
+    encoded = [sample_to_proto(s) for s in samples]
     try:
-        results = await scorer.score(samples)
+        results = await scorer.score(encoded)
     except InvalidArgument:
         raise
     except PhysarumError as err:
         log.warning("%s: scoring %d samples failed, reward 0: %s", what, len(samples), err)
         for sample in samples:
             sample.reward, sample.reward_error = 0.0, f"reward service: {err}"
-        return
-    for sample, result in zip(samples, results, strict=True):
-        sample.reward = result.reward if result.ok else 0.0
-        sample.reward_scores = dict(result.scores or {})
-        sample.reward_error = "" if result.ok else (result.error or "scoring failed")
+    else:
+        for sample, result in zip(samples, results, strict=True):
+            sample.reward = result.reward if result.ok else 0.0
+            sample.reward_scores = dict(result.scores or {})
+            sample.reward_error = "" if result.ok else (result.error or "scoring failed")
+    for sample, msg in zip(samples, encoded, strict=True):
+        set_reward_fields(msg, sample)
+    return encoded
 
 
 async def _score_with_group_function(config: RolloutConfig, args: Any, samples: list[Sample], what: str) -> None:

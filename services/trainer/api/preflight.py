@@ -22,10 +22,10 @@ from services.trainer.models import families
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
                  "custom_tis_function_path", "agent_function_path", "rollout_function_path", "data_source_path",
-                 "buffer_filter_path")
+                 "buffer_filter_path", "eval_function_path")
 # the hooks whose definition is read (not imported) at submit: a missing name or a wrong signature fails here
 SIGNATURES = {"rollout_function_path": plugins.ROLLOUT_FUNCTION, "data_source_path": plugins.DATA_SOURCE,
-              "buffer_filter_path": plugins.BUFFER_FILTER}
+              "buffer_filter_path": plugins.BUFFER_FILTER, "eval_function_path": plugins.ROLLOUT_FUNCTION}
 
 QUANTIZED_REFUSAL = ("quantized checkpoints are not supported (the backends train bf16 or float32 weights and send "
                      "them to the engines as they are); use the model's unquantized checkpoint")
@@ -119,9 +119,16 @@ def check_model_family(spec: JobSpec) -> list[str]:
         # e.g. slime's FP8 rollout: an FP8 checkpoint the engines serve, bf16 weights quantized at each sync
         return [f"hf_checkpoint: {path} has a quantization_config (quant_method "
                 f"{quantized.get('quant_method', '?')!r}): {QUANTIZED_REFUSAL}"]
+    # uneven pipeline stages (the `megatron:` section's; a backend without that section takes no such setting)
+    ends = {"first": spec.megatron.get("num_layers_in_first_pipeline_stage"),
+            "last": spec.megatron.get("num_layers_in_last_pipeline_stage")}
     problems = [capabilities.model_problem(spec.train_backend, hf_config, tp_size=spec.tensor_model_parallel_size,
                                            pp_size=spec.pipeline_model_parallel_size,
-                                           ep_size=spec.expert_model_parallel_size)]
+                                           ep_size=spec.expert_model_parallel_size, pipeline_ends=ends)]
+    if spec.multimodal_keys and not families.is_vision_language(hf_config):
+        problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} is built as a "
+                        "language model, which takes no images (a family with a causal LM, such as Qwen3.5, trains as "
+                        "its text model); use a vision-language checkpoint (qwen2_5_vl, qwen3_vl, ...)")
     if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(hf_config)):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")

@@ -110,6 +110,18 @@ class JobSpec(_JobSettings):
             able = " or ".join(backends_that(lambda caps: caps.critic))
             raise ValueError(f"advantage_estimator ppo trains a critic, which train_backend {layout.train_backend} "
                              f"does not; set train_backend: {able}")
+        if rollout.multimodal_keys and not layout.capabilities.vision:
+            able = " or ".join(backends_that(lambda caps: caps.vision))
+            raise ValueError(f"multimodal_keys: train_backend {layout.train_backend} does not take images in its "
+                             f"forward; set train_backend: {able}")
+        if rollout.multimodal_keys and (layout.context_parallel_size > 1 or train.use_critic):
+            raise ValueError("multimodal_keys: a forward with images runs whole on one rank and without a critic; "
+                             "use context_parallel_size 1 and an advantage_estimator other than ppo")
+        if rollout.multimodal_keys and (driver.save_debug_rollout_data or driver.load_debug_rollout_data):
+            raise ValueError("multimodal_keys: rollout dumps (save_debug_rollout_data, load_debug_rollout_data) hold "
+                             "samples without their groups' images")
+        if train.freeze_vision and not rollout.multimodal_keys:
+            raise ValueError("freeze_vision needs multimodal_keys (a job without images trains the language model)")
         return self
 
     def _values(self, part: type) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class Capabilities:
     extra_flags: bool  # takes the job's `megatron:` section (Megatron's config fields by name)
     reads_shares: bool  # each data-parallel rank reads its own share of a rollout (whole groups), not all of it
     slime_checkpoints: bool  # loads slime's torch_dist checkpoints (megatron-core dist-checkpointing) as they are
+    vision: bool = False  # prompts with images (multimodal_keys): the vision inputs in the policy's forward
     # why it cannot build a model of this config.json in this layout ("" when it can)
     model_problem: Callable[..., str]
     # why it cannot replay a MoE model's routing / add its load-balancing loss in this layout ("" when it can)
@@ -38,12 +39,12 @@ class Capabilities:
 BACKENDS: dict[str, Capabilities] = {
     "fsdp": Capabilities(critic=True, packing=True, tensor_parallel=False, pipeline_parallel=False,
                          expert_parallel=False, context_parallel=True, extra_flags=False, reads_shares=True,
-                         slime_checkpoints=False,
+                         slime_checkpoints=False, vision=True,
                          model_problem=families.fsdp_problem,
                          replay_problem=families.fsdp_replay_problem,
                          aux_loss_problem=families.fsdp_aux_loss_problem),
-    "megatron": Capabilities(critic=False, packing=True, tensor_parallel=True, pipeline_parallel=True,
-                             expert_parallel=True, context_parallel=False, extra_flags=True, reads_shares=False,
+    "megatron": Capabilities(critic=True, packing=True, tensor_parallel=True, pipeline_parallel=True,
+                             expert_parallel=True, context_parallel=True, extra_flags=True, reads_shares=False,
                              slime_checkpoints=True,
                              model_problem=families.megatron_problem,
                              replay_problem=families.megatron_replay_problem,
@@ -69,12 +70,13 @@ def backends_for(hf_config: dict[str, Any]) -> list[str]:
 
 
 def model_problem(train_backend: str, hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1,
-                  ep_size: int = 1) -> str:
+                  ep_size: int = 1, **layout: Any) -> str:
     """"" when `train_backend` builds hf_config's model (or the config does not say) in the layout tp_size ×
     pp_size with experts over ep_size ranks, else why not and which backend does."""
     if "model_type" not in hf_config or train_backend not in BACKENDS:
         return ""
-    problem = BACKENDS[train_backend].model_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+    problem = BACKENDS[train_backend].model_problem(hf_config, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
+                                                    **layout)
     if not problem:
         return ""
     others = [name for name in backends_for(hf_config) if name != train_backend]

@@ -24,7 +24,7 @@ class LayoutConfig:
     pipeline_model_parallel_size: int = field(1, "megatron: pipeline stages", POSITIVE)
     expert_model_parallel_size: int = field(1, "megatron: ranks a MoE model's experts are spread over (carved out of "
                                                "the tensor- and data-parallel ranks)", POSITIVE)
-    context_parallel_size: int = field(1, "fsdp: ranks that split every sequence between them (Megatron's "
+    context_parallel_size: int = field(1, "ranks that split every sequence between them (Megatron's "
                                           "load-balanced chunks; each group of this many consecutive ranks trains "
                                           "one data-parallel share)", POSITIVE)
     use_distributed_optimizer: bool = field(True, "megatron: shard the optimizer state over data-parallel ranks")

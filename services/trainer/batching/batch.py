@@ -42,6 +42,9 @@ class RolloutBatch:
     # [B, R] on-policy distillation's teacher log-probs of the response tokens: the samples' own (a teacher engine
     # gave them) or a teacher model's in the trainer
     teacher_log_probs: torch.Tensor | None = None
+    # [B] int64: each row's position among the rollout's samples, set when any has images (vision.py finds a row's
+    # images by it); None for a text rollout
+    sample_index: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -195,5 +198,6 @@ def build_rollout_batch(samples: Sequence[Sample], *, pad_token_id: int = 0, rew
         advantages=torch.zeros((num, resp_len), dtype=torch.float32, device=HOST),
         rewards=torch.tensor([sample_reward(s, reward_key) for s in samples], dtype=torch.float32, device=HOST),
         routed_experts=_routed_experts(samples, seq_len, routing_shape) if routing_shape else None,
-        teacher_log_probs=teacher_log_probs)
+        teacher_log_probs=teacher_log_probs,
+        sample_index=torch.arange(num, dtype=torch.long, device=HOST) if any(s.images for s in samples) else None)
     return batch.to(device)

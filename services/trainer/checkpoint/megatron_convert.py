@@ -45,8 +45,8 @@ LOCAL_EXPERT = "mlp.experts.local_experts."
 
 
 def layer_offset(arch: ModelArch, *, pp_rank: int, pp_size: int) -> int:
-    """Global index of this pipeline stage's first layer (layers are split evenly)."""
-    return pp_rank * (arch.num_layers // pp_size)
+    """Global index of this pipeline stage's first layer (split evenly, or as `arch.stage_layers` says)."""
+    return arch.stage_layer_range(pp_rank, pp_size).start
 
 
 def _te_name(sub: str, te_names: bool) -> str:
@@ -120,7 +120,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
-    for local in range(arch.num_layers // pp_size):
+    for local in range(len(arch.stage_layer_range(pp_rank, pp_size))):
         src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
         for mg_sub, hf_sub in RENAMED.items():
             if (mg_sub in QK_NORMS and not arch.qk_layernorm) or (mg_sub in DENSE_MLP and arch.num_experts):

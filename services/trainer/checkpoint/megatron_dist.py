@@ -36,8 +36,10 @@ class MegatronCheckpointing:
     checkpoint_format = "torch_dist"  # Megatron-LM's layout: the state lives in iter_N/ itself
 
     def checkpoint_parts(self) -> set[str]:
-        """What a checkpoint of this backend holds: model and optim (the policy and its optimizer), ref_model."""
-        return {"model", "optim"} | ({"ref_model"} if self.ref_model is not None else set())
+        """What a checkpoint of this backend holds: model and optim (the policy and its optimizer), ref_model, critic
+        and critic_optim (PPO's value model and its optimizer)."""
+        return {"model", "optim"} | ({"ref_model"} if self.ref_model is not None else set()) | \
+            ({"critic", "critic_optim"} if self.critic is not None else set())
 
     def _sharded_state_dict(self, parts: set[str], *, loading: bool) -> dict[str, Any]:
         """Megatron-LM's generate_state_dict for these parts: the same keys and metadata, so either side reads
@@ -53,6 +55,12 @@ class MegatronCheckpointing:
                 state["optimizer"] = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
         if "ref_model" in parts:
             state["ref_model"] = self.ref_model.sharded_state_dict(prefix="ref_model.", metadata=metadata)
+        if "critic" in parts:
+            state["critic"] = self.critic.gpt.sharded_state_dict(prefix="critic.", metadata=metadata)
+        if "critic_optim" in parts:
+            with megatron_cpu.cuda_to_cpu():
+                state["critic_optimizer"] = _renamed(self.critic.optimizer.sharded_state_dict(
+                    state["critic"], is_loading=loading, metadata=metadata), "optimizer.", "critic_optimizer.")
         return state
 
     def _megatron_lm_common(self, rollout_id: int) -> dict[str, Any]:
@@ -74,31 +82,46 @@ class MegatronCheckpointing:
         return {"iteration": rollout_id, "checkpoint_version": CHECKPOINT_VERSION, "args": args,
                 "opt_param_scheduler": scheduler}
 
+    def _optimizers(self) -> list[Any]:
+        return [self.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
+
+    def _torch_adams(self, optimizer: Any) -> list[torch.optim.Adam]:
+        """The torch Adams that hold the state: megatron-core's own, or the hybrid optimizer's (offloaded state)."""
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+        adams = []
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner = part.optimizer
+            subs = inner.sub_optimizers if isinstance(inner, HybridDeviceOptimizer) else [inner]
+            adams += [sub for sub in subs if isinstance(sub, torch.optim.Adam)]
+        return adams
+
     def _init_optimizer_state(self) -> None:
         """Allocate a fresh torch Adam's state as it would itself (step 0, zero moments; its next update is a
         fresh Adam's): Megatron's state dict reads the step count off that state, which torch creates only at the
-        first step (TE's and Apex's Adam keep it elsewhere)."""
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = optimizer.optimizer
-            if not isinstance(inner, torch.optim.Adam):
-                continue
+        first step (TE's and Apex's Adam keep it elsewhere). The hybrid optimizer shows its Adams' state as its own."""
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+        for inner in (adam for optimizer in self._optimizers() for adam in self._torch_adams(optimizer)):
             for group in inner.param_groups:
                 for param in group["params"]:
                     if not inner.state[param]:
                         inner.state[param].update(step=torch.tensor(0.0, device="cpu"), exp_avg=torch.zeros_like(param),
                                                   exp_avg_sq=torch.zeros_like(param))
+        for chained in self._optimizers():
+            for optimizer in getattr(chained, "chained_optimizers", [chained]):
+                if isinstance(optimizer.optimizer, HybridDeviceOptimizer):
+                    optimizer.optimizer._sync_sub_optimizers_state_to_hdo()
 
-    def _set_adam_steps(self, num_steps: int) -> None:
+    def _set_adam_steps(self, optimizer: Any, num_steps: int) -> None:
         """Each parameter's Adam step count (its bias correction), one tensor each. megatron-core 0.16 restores it
         wrongly for torch's Adam: the distributed optimizer overwrites the loaded count with the fresh one (it
         keeps it out of the checkpoint's tensors) and shares one tensor among all parameters (incremented once
         per parameter per step). Every optimizer step of this backend steps every parameter, so each count is
         the backend's step count."""
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = optimizer.optimizer
-            if isinstance(inner, torch.optim.Adam):
-                for state in inner.state.values():
-                    state["step"] = torch.tensor(float(num_steps), device="cpu")
+        for inner in self._torch_adams(optimizer):
+            for state in inner.state.values():
+                state["step"] = torch.tensor(float(num_steps), device="cpu")
 
     def save_sharded(self, path: str | Path, rollout_id: int = 0) -> None:
         """Collective: write the checkpoint's parts, the lr schedule's step count and the weight version, with what
@@ -109,7 +132,8 @@ class MegatronCheckpointing:
         path.mkdir(parents=True, exist_ok=True)
         parts = self.checkpoint_parts()
         state = {**self._sharded_state_dict(parts, loading=False), **self._megatron_lm_common(rollout_id),
-                 "parts": sorted(parts), "num_steps": self._num_steps, "weight_version": self._weight_version}
+                 "parts": sorted(parts), "num_steps": self._num_steps, "weight_version": self._weight_version,
+                 **({"critic_num_steps": self.critic.num_steps} if self.critic is not None else {})}
         with megatron_cpu.cuda_to_cpu():
             dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(),
                                     content_metadata=dict(CONTENT_METADATA))
@@ -122,7 +146,7 @@ class MegatronCheckpointing:
         path = Path(path)
         saved = set(dist_checkpointing.load_common_state_dict(str(path))["parts"])
         wanted = self.checkpoint_parts() & saved & (parts if parts is not None else saved)
-        if "optim" in wanted and "model" not in wanted:
+        if ("optim" in wanted and "model" not in wanted) or ("critic_optim" in wanted and "critic" not in wanted):
             raise InvalidArgument(f"checkpoint {path}: an optimizer loads only with its model")
         with megatron_cpu.cuda_to_cpu():
             loaded = dist_checkpointing.load(self._sharded_state_dict(wanted, loading=True), str(path))
@@ -132,9 +156,16 @@ class MegatronCheckpointing:
             with torch.no_grad(), megatron_cpu.cuda_to_cpu():  # the main params are views of the model's
                 self.optimizer.load_state_dict(loaded["optimizer"])
             self._num_steps = int(loaded["num_steps"])
-            self._set_adam_steps(self._num_steps)
+            self._set_adam_steps(self.optimizer, self._num_steps)
         if "ref_model" in wanted:
             self.ref_model.load_state_dict(_strip(loaded["ref_model"], "ref_model."))
+        if "critic" in wanted:
+            self.critic.gpt.load_state_dict(_strip(loaded["critic"], "critic."))
+        if "critic_optim" in wanted:
+            with torch.no_grad(), megatron_cpu.cuda_to_cpu():
+                self.critic.optimizer.load_state_dict(loaded["critic_optimizer"])
+            self.critic.num_steps = int(loaded["critic_num_steps"])
+            self._set_adam_steps(self.critic.optimizer, self.critic.num_steps)
         if parts is None:
             self._weight_version = int(loaded["weight_version"])
         return wanted
@@ -160,6 +191,21 @@ def _load_policy_into(gpt, path: str | Path) -> None:
     with megatron_cpu.cuda_to_cpu():
         loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(path))
     gpt.load_state_dict(loaded["model"])
+
+
+def _renamed(sharded: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """`sharded` with the checkpoint keys that begin with `old` beginning with `new` instead (a second optimizer's
+    keys would be the policy optimizer's); in place, other keys as they are."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import dict_list_map_inplace
+
+    def rename(x):
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)) and x.key.startswith(old):
+            x.key = new + x.key[len(old):]
+        return x
+
+    dict_list_map_inplace(rename, sharded)
+    return sharded
 
 
 def _strip(state: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -26,11 +26,15 @@ class MegatronHFWeights:
         self._copy_hf_weights(gpt, hf)
         return gpt
 
-    def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors) -> None:
+    def _copy_hf_weights(self, gpt, hf: hf_io.HFTensors, *, output_layer: bool = True) -> None:
+        """output_layer False: all but the output layer (the critic's is its own value head)."""
         state = megatron_convert.hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                                 pp_rank=self.pp_rank, pp_size=self.pp_size, te_names=self.use_te,
-                                       ep_rank=self.ep_rank, ep_size=self.ep_size)
+                                                ep_rank=self.ep_rank, ep_size=self.ep_size)
         params = dict(gpt.named_parameters())
+        if not output_layer:
+            state.pop("output_layer.weight", None)
+            params.pop("output_layer.weight", None)
         assert params.keys() == state.keys(), f"conversion mismatch: {sorted(params.keys() ^ state.keys())}"
         with torch.no_grad():
             for name, param in params.items():
@@ -86,7 +90,7 @@ class MegatronHFWeights:
         yield from megatron_convert.gather_hf_weights(
             list(self.gpt.named_parameters()), self.arch, tp_group=self.tp_group, tp_rank=self.tp_rank,
             tp_size=self.tp_size, pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            dp_rank=self.dp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
+            dp_rank=self.dp_cp_rank, ep_group=self.ep_group, ep_size=self.ep_size, expert_dp_rank=self.expert_dp_rank)
 
     def save_hf(self, path: str | Path) -> None:
         """Collective: rank 0 writes the HF checkpoint directory."""

@@ -4,6 +4,7 @@ saves and loads, each rank its own shards under FSDP."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,19 @@ from services.common.errors import InvalidArgument
 from services.trainer.batching import varlen
 from services.trainer.checkpoint.dcp import DCPCheckpointing
 from services.trainer.distributed import parallel
+from services.trainer.models import families
 
 
 def load_causal_lm(path: Path):
-    """An HF causal LM in float32, in eval mode, its attention able to take packed rows."""
-    from transformers import AutoModelForCausalLM
+    """An HF causal LM in float32, in eval mode, its attention able to take packed rows; a vision-language checkpoint
+    (`families.is_vision_language`) as its whole model (...ForConditionalGeneration) with the vision tower."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config_path = path / "config.json"
+        hf_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        model_class = AutoModelForImageTextToText if families.is_vision_language(hf_config) else AutoModelForCausalLM
+        model = model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"model {path}: cannot load a causal LM ({err})") from err
     varlen.use_in(model)  # packed rows take varlen flash attention where it applies

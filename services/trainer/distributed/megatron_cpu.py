@@ -9,6 +9,9 @@ P4 (MoE): the token dispatcher's device-to-host side stream is a host no-op, and
 host as numpy arrays become numpy arrays when they already are on the host.
 P5 (MoE, on any device): without Transformer Engine, the router's gating matmul is torch's (megatron-core 0.16
 reads an undefined `te_general_gemm` there).
+P6 (optimizer offload): megatron-core's HybridDeviceOptimizer moves only parameters that are on a GPU (`is_cuda`) to
+pinned host copies; while it sorts them, host parameters pass for device ones and pinning is a no-op (P3), so its
+whole copy-out, host step, copy-back path runs as on a GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def apply() -> None:
     if _applied or not needed():
         return
     _host_streams()
+    _offload_host_parameters()
     from megatron.core.tensor_parallel import random as mcore_random
 
     def get_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
@@ -65,6 +69,9 @@ def _router_without_te() -> None:
 
 class _HostEvent:
     def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
         pass
 
 
@@ -98,6 +105,38 @@ def _host_streams() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _offload_host_parameters() -> None:
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    sort = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+    def sort_as_on_device(self, offload_fraction: float):
+        is_cuda = torch.Tensor.is_cuda
+        # only while the parameters are sorted: each passes for a device one, its pinned host copy does not
+        torch.Tensor.is_cuda = property(lambda tensor: not getattr(tensor, "_host_copy", False))
+        try:
+            with _PinnedCopies():
+                return sort(self, offload_fraction)
+        finally:
+            torch.Tensor.is_cuda = is_cuda
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = sort_as_on_device
+
+
+class _PinnedCopies(TorchFunctionMode):
+    """`.pin_memory()` marks its tensor as a host copy (pinning itself needs a GPU), and what is made from a host
+    copy (its float32 copy) is one too."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.pin_memory:
+            args[0]._host_copy = True
+            return args[0]
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and any(getattr(a, "_host_copy", False) for a in args):
+            result._host_copy = True
+        return result
+
+
 def _to_cpu(device):
     if isinstance(device, str) and device.startswith("cuda"):
         return CPU
@@ -109,8 +148,10 @@ def _to_cpu(device):
 class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if "device" in kwargs:
             kwargs["device"] = _to_cpu(kwargs["device"])
         if func is torch.Tensor.to:

@@ -338,7 +338,14 @@ def metrics_writer(driver: DriverConfig, deps: TrainerDeps, args: dict) -> Metri
 
 
 def _flat(groups: list[SampleGroup]) -> list[Sample]:
-    return [s for g in sorted(groups, key=lambda g: g.group_id) for s in g.samples]
+    """The groups' samples in group order; each sample of a group with images refers to the group's list."""
+    samples = []
+    for group in sorted(groups, key=lambda g: g.group_id):
+        for sample in group.samples:
+            if group.images:
+                sample.images = group.images
+            samples.append(sample)
+    return samples
 
 
 def rollout_sums(samples: list[Sample], version: int) -> dict[str, float]:

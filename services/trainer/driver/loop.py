@@ -74,7 +74,8 @@ def load_dataset(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps
     info = deps.buffer.load_dataset(driver.job_id, driver.prompt_data, input_key=rollout.input_key,
                                     label_key=rollout.label_key, metadata_key=rollout.metadata_key,
                                     apply_chat_template=rollout.apply_chat_template,
-                                    rollout_shuffle=driver.rollout_shuffle, rollout_seed=driver.rollout_seed)
+                                    rollout_shuffle=driver.rollout_shuffle, rollout_seed=driver.rollout_seed,
+                                    multimodal_keys=rollout.multimodal_keys)
     if info.num_prompts == 0:
         raise InvalidArgument(f"prompt_data {driver.prompt_data}: no usable prompts ({'; '.join(info.errors)})")
     ctx.report(-1, {}, f"dataset: {info.num_prompts} prompts, {info.num_skipped} rows skipped")

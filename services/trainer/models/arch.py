@@ -40,6 +40,8 @@ class ModelArch:
     moe_router_topk: int = 0
     moe_ffn_hidden_size: int = 0
     moe_router_pre_softmax: bool = False  # softmax over every expert, then top-k (HF's norm_topk_prob false)
+    # decoder layers of each pipeline stage when they are uneven (megatron-core's first/last stage sizes); None: even
+    stage_layers: tuple[int, ...] | None = None
 
     @property
     def heads_per_group(self) -> int:
@@ -50,9 +52,16 @@ class ModelArch:
         multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
+    def stage_layer_range(self, pp_rank: int, pp_size: int) -> range:
+        """The global indices of the decoder layers pipeline stage `pp_rank` holds."""
+        counts = self.stage_layers or (self.num_layers // pp_size,) * pp_size
+        start = sum(counts[:pp_rank])
+        return range(start, start + counts[pp_rank])
+
+    def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1,
+                       stage_layers: tuple[int, ...] | None = None) -> None:
         """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards with its experts over
-        ep_size ranks."""
+        ep_size ranks (`stage_layers`: each stage's layers, when they are uneven)."""
         if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
             raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
                                   f"({self.num_experts} in {self.model_type})")
@@ -60,7 +69,11 @@ class ModelArch:
                             self.num_query_groups), ("intermediate_size", self.ffn_hidden_size)):
             if value % tp_size:
                 raise InvalidArgument(f"tensor_model_parallel_size {tp_size} must divide {name} {value}")
-        if self.num_layers % pp_size:
+        if stage_layers is not None:
+            if len(stage_layers) != pp_size or sum(stage_layers) != self.num_layers or min(stage_layers) < 1:
+                raise InvalidArgument(f"pipeline stages of {list(stage_layers)} layers: {pp_size} stages of at least "
+                                      f"one layer must hold the model's num_hidden_layers {self.num_layers}")
+        elif self.num_layers % pp_size:
             raise InvalidArgument(f"pipeline_model_parallel_size {pp_size} must divide num_hidden_layers "
                                   f"{self.num_layers}")
 
@@ -106,3 +119,28 @@ class ModelArch:
                    moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
                    moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,
                    moe_router_pre_softmax=bool(num_experts) and not get("norm_topk_prob", False))
+
+
+def uneven_stage_layers(num_layers: int, pp_size: int, *, first: int | None = None,
+                        last: int | None = None) -> tuple[int, ...] | None:
+    """Each pipeline stage's decoder layers with megatron-core's num_layers_in_first/last_pipeline_stage (slime:
+    --decoder-first/last-pipeline-num-layers): the given ends, the rest split evenly over the middle stages (None
+    when neither is given). Raises InvalidArgument when they do not add up."""
+    if first is None and last is None:
+        return None
+    if pp_size < 2:
+        raise InvalidArgument("uneven pipeline stages (num_layers_in_first/last_pipeline_stage) need "
+                              "pipeline_model_parallel_size > 1")
+    ends = [n for n in (first, last) if n is not None]
+    middle = pp_size - len(ends)
+    rest = num_layers - sum(ends)
+    if min(ends) < 1 or rest < middle or (middle and rest % middle) or (not middle and rest):
+        raise InvalidArgument(f"uneven pipeline stages: first {first}, last {last} of num_hidden_layers {num_layers} "
+                              f"leave {rest} layers, which {middle} middle stages cannot split evenly")
+    each = rest // middle if middle else 0
+    counts = [each] * pp_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return tuple(counts)

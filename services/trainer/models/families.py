@@ -32,17 +32,36 @@ def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     if hf_config.get("is_encoder_decoder"):
         return ("an encoder-decoder model; the fsdp backend and the CPU engine train and serve decoder-only causal "
                 "LMs")
-    if hf_config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if hf_config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not is_vision_language(hf_config):
         return ("transformers has no causal LM of this model_type (AutoModelForCausalLM); the fsdp backend and the CPU "
                 "engine train and serve decoder-only causal LMs")
     return ""
 
 
-def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> str:
-    from services.trainer.models.arch import ModelArch  # the arch module alone: no megatron-core import
+def is_vision_language(hf_config: dict[str, Any]) -> bool:
+    """Whether the trainer and the CPU engine build this checkpoint as its vision-language model (with the vision
+    tower): a model_type with an image-text-to-text class and no causal LM (Qwen2.5-VL, Qwen3-VL, GLM-4V). A
+    checkpoint whose family also has a causal LM (Qwen3.5) is built as that language model."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = hf_config.get("model_type")
+    return "vision_config" in hf_config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES \
+        and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
+                     pipeline_ends: dict[str, int | None] | None = None) -> str:
+    """pipeline_ends: the first and last stages' layers when the pipeline is uneven (`uneven_stage_layers`)."""
+    # the arch module alone: no megatron-core import
+    from services.trainer.models.arch import ModelArch, uneven_stage_layers
 
     try:
-        ModelArch.from_hf_config(hf_config).check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
+        arch = ModelArch.from_hf_config(hf_config)
+        stage_layers = uneven_stage_layers(arch.num_layers, pp_size, **(pipeline_ends or {}))
+        arch.check_parallel(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, stage_layers=stage_layers)
     except InvalidArgument as err:
         return str(err).removeprefix("megatron backend: ")
     return ""

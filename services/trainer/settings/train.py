@@ -64,6 +64,9 @@ class TrainConfig:
     n_samples_per_prompt: int = shared(RolloutConfig, "n_samples_per_prompt")
     reward_key: str = shared(RolloutConfig, "reward_key")
     rollout_temperature: float = shared(RolloutConfig, "rollout_temperature")
+    multimodal_keys: dict[str, str] = shared(RolloutConfig, "multimodal_keys")
+    freeze_vision: bool = field(False, "multimodal_keys: the vision tower's weights stay as loaded (only the language "
+                                       "model and the merger train)")
     global_batch_size: int | None = field(
         None, "samples per optimizer step; trailing samples that do not fill a step are dropped (None: the rollout's "
               "samples / num_steps_per_rollout)", AT_LEAST_ONE)

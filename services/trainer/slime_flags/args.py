@@ -12,6 +12,7 @@ where each value came from.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,15 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
         out.refused += problems
     if out.opd_reward or out.opd_post_process:
         _resolve_opd_reward(out)
+    if out.spec.get("loss_type") == "sft_loss" and out.spec.get("debug_train_only") and \
+            not out.spec.get("load_debug_rollout_data"):  # slime's SFT scripts: sft_rollout without engines
+        del out.spec["debug_train_only"]
+        out.notes.append("--debug-train-only: dropped; with sft_loss (slime's sft_rollout) the rollout service "
+                         "builds each sample from its prompt and label, generating nothing, as slime's SFT does")
+    if out.spec.get("ref_load") and not (out.spec.get("use_kl_loss") or out.spec.get("kl_coef")):
+        del out.spec["ref_load"]  # slime reads it then only as the starting weights, when --load holds no checkpoint
+        out.notes.append("--ref-load: dropped, no reference model (no KL); slime starts from it when --load holds no "
+                         "checkpoint, Physarum from hf_checkpoint's weights (the same model in slime's scripts)")
     if out.no_advantages and out.spec.get("loss_type") != "sft_loss":
         out.refused.append("--disable-compute-advantages-and-returns: " +
                            FLAGS["disable-compute-advantages-and-returns"].note)
@@ -264,12 +274,11 @@ def _resolve_num_epoch(out: Conversion) -> None:
     if "num_rollout" in out.spec:
         out.notes.append("--num-epoch: ignored, num_rollout is given (as slime does)")
         return
-    path, batch = Path(str(out.spec.get("prompt_data", ""))), out.spec.get("rollout_batch_size")
+    data, batch = str(out.spec.get("prompt_data", "")), out.spec.get("rollout_batch_size")
     try:
-        if path.suffix != ".jsonl" or not batch:
-            raise ValueError("needs a .jsonl prompt_data and rollout_batch_size")
-        with path.open() as rows:
-            count = sum(1 for row in rows if row.strip())
+        if not batch:
+            raise ValueError("needs rollout_batch_size")
+        count = count_rows(data)
     except (OSError, ValueError) as err:
         out.refused.append(f"--num-epoch {out.num_epoch}: cannot count the prompts ({err}); give num_rollout")
         return
@@ -277,6 +286,28 @@ def _resolve_num_epoch(out: Conversion) -> None:
     out.sources["num_rollout"] = f"--num-epoch {out.num_epoch} × ({count} prompts // {batch} per rollout)"
     out.notes.append(f"--num-epoch {out.num_epoch}: num_rollout {out.spec['num_rollout']} ({count} prompts, "
                      f"{batch} per rollout)")
+
+
+def count_rows(spec: str) -> int:
+    """The rows of a .jsonl (non-blank lines) or .parquet (its footer's row count) prompt file, after slime's
+    `path@[start:end]` slice; ValueError for another format."""
+    sliced = re.fullmatch(r"(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]", spec)
+    path = Path(sliced["path"] if sliced else spec)
+    rows = slice(*(int(x) if x else None for x in (sliced["start"], sliced["end"]))) if sliced else slice(None)
+    if path.suffix == ".jsonl":
+        with path.open("rb") as lines:
+            count = sum(1 for line in lines if line.strip())
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            count = pq.ParquetFile(path).metadata.num_rows
+        except pa.ArrowException as err:
+            raise ValueError(f"{path}: cannot read parquet: {err}") from None
+    else:
+        raise ValueError(f"needs a .jsonl or .parquet prompt_data, got {path.suffix or 'no suffix'!r}")
+    return len(range(count)[rows])
 
 
 def _eval_config(out: Conversion, value: Any) -> None:

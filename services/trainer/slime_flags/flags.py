@@ -100,8 +100,8 @@ FLAGS: dict[str, Flag] = {
     "only-train-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
     "use-routing-replay": I(False, bare=True),
     "use-rollout-routing-replay": I(False, bare=True),
-    "allgather-cp": R(False, "slime's all-gather CP layout is not implemented; context_parallel_size (train_backend "
-                             "fsdp) splits sequences in Megatron's load-balanced chunks", bare=True),
+    "allgather-cp": R(False, "slime's all-gather CP layout is not implemented; context_parallel_size splits "
+                             "sequences in Megatron's load-balanced chunks", bare=True),
     "use-stateless-adam": R(False, "the optimizer is Adam(W) (torch or megatron-core's)", bare=True),
     "recompute-loss-function": M(False, "the backends manage their activation memory (megatron: "
                                         "megatron.recompute_granularity)", warn=True, bare=True),
@@ -132,15 +132,16 @@ FLAGS: dict[str, Flag] = {
     "metadata-key": I("metadata"),
     "tool-key": R("tools", "tool schemas in the data are not rendered into prompts; render them into the prompt "
                            "text (or messages) when building the dataset"),
-    "multimodal-keys": R(None, "multimodal inputs are not supported"),
+    "multimodal-keys": I(),
     "apply-chat-template": I(False, bare=True),
     "apply-chat-template-kwargs": R("{}", "chat templates render with their defaults; render the prompts yourself "
                                           "if you need template arguments"),
     "rollout-shuffle": I(False, bare=True),
     "rollout-seed": I(42),
     "num-rollout": I(),
-    "num-epoch": M(None, "num_rollout = num_epoch × (the JSONL prompt_data's rows // rollout_batch_size), as slime "
-                         "computes it; ignored when num_rollout is given (as in slime); Parquet: give num_rollout"),
+    "num-epoch": M(None, "num_rollout = num_epoch × (prompt_data's rows, JSONL or Parquet, after its @[start:end] "
+                         "slice // rollout_batch_size), as slime computes it; ignored when num_rollout is given (as "
+                         "in slime)"),
     "rollout-batch-size": I(),
     "n-samples-per-prompt": I(1),
     "over-sampling-batch-size": I(),
@@ -163,14 +164,15 @@ FLAGS: dict[str, Flag] = {
                                   "(a reward left None is scored by the job's reward); slime's own become "
                                   "settings: generate_rollout (the service's loop), sft_rollout.generate_rollout "
                                   "(loss_type sft_loss), fully_async_rollout.generate_rollout_fully_async (mode "
-                                  "fully_async: the manager streams groups across rollouts); evaluation runs the "
-                                  "service's eval, not the function"),
+                                  "fully_async: the manager streams groups across rollouts); each eval calls it "
+                                  "with evaluation=True unless eval_function_path is given, as slime does"),
     "data-source-path": Flag("implemented", "slime.rollout.data_source.RolloutDataSourceWithBuffer",
                              "data_source_path: a user's DataSource class, built once per job in the rollout service "
                              "and given to the rollout function (slime's default generate_rollout when "
                              "--rollout-function-path names none); slime.rollout.data_source's classes (the default "
                              "included) lease the job's prompts from the buffer, and a group given back "
-                             "(add_samples) keeps its prompt's lease"),
+                             "(add_samples) keeps its prompt's lease; another DataSource class makes its own "
+                             "prompts, which the buffer stores at its position in place of prompt_data's"),
     "rollout-buffer-url": R(None, "the buffer service is the rollout buffer"),
     "buffer-filter-path": Flag("implemented", None, "buffer_filter_path: RolloutDataSourceWithBuffer.get_samples "
                                                     "takes the groups given back through it, with the rollout id "
@@ -216,7 +218,8 @@ FLAGS: dict[str, Flag] = {
                            "settings with no counterpart (stop settings, min_new_tokens, repetition_penalty, "
                            "metadata injection, a per-dataset generate function or chat template) are refused, and "
                            "rm_type ifbench is refused by the reward service (IFBench's checker is not shipped)"),
-    "eval-function-path": R(None, "evaluation runs the job's generate function (with evaluation=True)"),
+    "eval-function-path": Flag("implemented", None, "eval_function_path: each eval calls it with evaluation=True "
+                                                    "in the rollout service; its RolloutFnEvalOutput becomes eval/*"),
     "eval-input-key": I(),
     "eval-label-key": I(),
     "eval-tool-key": R(None, "tool schemas in the data are not rendered (see tool_key)"),
@@ -353,6 +356,7 @@ DEFAULTS_DIFFER: dict[str, str] = {
                "--custom-rm-path, and a per-sample metadata.rm_type still wins",
     "rollout-max-response-len": "1024: slime leaves SGLang's own limit, which depends on the server",
     "hf-checkpoint": "required (slime fails without it too)",
+    "multimodal-keys": "{}: no modality, the same as slime's None",
     "prompt-data": "required (slime fails without it too)",
     "num-rollout": "required unless num_epoch is given with a JSONL prompt_data (it is derived then)",
     "rollout-batch-size": "required (slime fails without it too)",

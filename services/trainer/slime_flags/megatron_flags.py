@@ -232,6 +232,8 @@ MEGATRON_FIELD = {
     "no-rope-fusion": "apply_rope_fusion",
     "no-bias-swiglu-fusion": "bias_activation_fusion",
     "no-masked-softmax-fusion": "masked_softmax_fusion",
+    "decoder-first-pipeline-num-layers": "num_layers_in_first_pipeline_stage",
+    "decoder-last-pipeline-num-layers": "num_layers_in_last_pipeline_stage",
 }
 NEGATED = {"no-gradient-accumulation-fusion", "no-rope-fusion", "no-bias-swiglu-fusion", "no-masked-softmax-fusion"}
 
@@ -239,8 +241,8 @@ MEGATRON: dict[str, Flag] = {
     # layout
     "tensor-model-parallel-size": Flag("mapped", 1, _SPEC + " tensor_model_parallel_size"),
     "pipeline-model-parallel-size": Flag("mapped", 1, _SPEC + " pipeline_model_parallel_size"),
-    "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (train_backend fsdp; megatron "
-                                                   "refuses above 1)"),
+    "context-parallel-size": Flag("mapped", 1, _SPEC + " context_parallel_size (both backends: Megatron's "
+                                                   "load-balanced chunks)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
     "expert-tensor-parallel-size": Flag("mapped", 1, "1 only: the megatron backend keeps every expert whole on "
                                                      "each tensor-parallel rank"),
@@ -248,7 +250,10 @@ MEGATRON: dict[str, Flag] = {
                                                       "slice of every row, padded to a multiple of the TP size; "
                                                       "dropped, as Megatron does, without tensor parallelism)",
                               bare=True),
-    "decoder-last-pipeline-num-layers": Flag("refused", None, "uneven pipeline stages are not supported"),
+    "decoder-first-pipeline-num-layers": Flag("mapped", None, _MEGA + " num_layers_in_first_pipeline_stage (the "
+                                                                    "other stages split the rest evenly)"),
+    "decoder-last-pipeline-num-layers": Flag("mapped", None, _MEGA + " num_layers_in_last_pipeline_stage (the "
+                                                                   "other stages split the rest evenly)"),
     "use-distributed-optimizer": Flag("mapped", False, _SPEC + " use_distributed_optimizer", bare=True),
     # checkpoints (slime's --load, --save: flags.py)
     "ckpt-step": Flag("mapped", None, _SPEC + " ckpt_step (the iteration of --load to read)"),
@@ -268,13 +273,15 @@ MEGATRON: dict[str, Flag] = {
     "adam-beta1": Flag("mapped", 0.9, _SPEC + " adam_beta1"),
     "adam-beta2": Flag("mapped", 0.999, _SPEC + " adam_beta2"),
     "adam-eps": Flag("mapped", 1e-8, _SPEC + " adam_eps"),
-    "optimizer-cpu-offload": Flag("refused", False, "megatron-core's hybrid CPU-offload optimizer fails at this "
-                                  "backend's first step (\"can't optimize a non-leaf Tensor\", seen on CPU; not yet "
-                                  "run on a GPU)", bare=True),
+    "optimizer-cpu-offload": Flag("mapped", False, _MEGA + " (megatron-core's hybrid optimizer keeps the "
+                                  "optimizer state and its step on the host; with the distributed optimizer)",
+                                  bare=True),
+    "optimizer-offload-fraction": Flag("mapped", 1.0, _MEGA + " (the share of the state kept on the host; 1.0, "
+                                       "Megatron-LM's default, when only --optimizer-cpu-offload is given)"),
     "overlap-cpu-optimizer-d2h-h2d": Flag("mapped", False, _MEGA, bare=True),
-    "use-precision-aware-optimizer": Flag("mapped", False, _MEGA + "; refused at submit where TransformerEngine "
-                                          "(its FusedAdam, which megatron-core runs it on) is not installed",
-                                          bare=True),
+    "use-precision-aware-optimizer": Flag("mapped", False, _MEGA + "; megatron-core runs it on TransformerEngine's "
+                                          "FusedAdam or, with --optimizer-cpu-offload, on its hybrid optimizer: "
+                                          "refused at submit without either", bare=True),
     # numerics and memory
     "attention-dropout": Flag("mapped", 0.1, _MEGA),
     "hidden-dropout": Flag("mapped", 0.1, _MEGA),

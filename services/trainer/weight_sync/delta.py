@@ -59,6 +59,10 @@ class DeltaStats:
     def changed_fraction(self) -> float:
         return self.num_changed / self.num_elements if self.num_elements else 0.0
 
+    def __add__(self, other: DeltaStats) -> DeltaStats:
+        """Two parts of one delta together."""
+        return DeltaStats(*(a + b for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
+
 
 class DeltaTracker:
     """The base: the served-precision weights of the version every engine was last brought to, or none."""
@@ -89,13 +93,18 @@ class DeltaTracker:
 
     def usable(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Whether a delta from the base can express `named`: same names, shapes and dtypes."""
-        return self.version is not None and len(named) == len(self.base) and all(
+        return len(named) == len(self.base) and self.covers(named)
+
+    def covers(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Whether the base holds each of `named` (a whole model or a part of one) with its shape and dtype."""
+        return self.version is not None and all(
             name in self.base and self.base[name].shape == t.shape and self.base[name].dtype == t.dtype
             for name, t in named)
 
     def encode(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> tuple[bytearray, DeltaStats]:
-        """The blob taking the base to `named` as `version` (the base is kept until `commit`)."""
-        if not self.usable(named):
+        """The blob taking the base's `named` tensors (the whole model, or a part of it) to theirs as `version` (the
+        base is kept until `commit`)."""
+        if not self.covers(named):
             raise ValueError("no delta base for these tensors: send them in full first")
         weight_delta.check_version(version)
         algo, encoding = self.settings.checksum, self.settings.encoding

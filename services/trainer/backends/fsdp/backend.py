@@ -28,7 +28,7 @@ from services.common.shares import Share
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.fsdp import context_parallel, cp_attention
 from services.trainer.backends.fsdp.critic import Critic
-from services.trainer.batching import packing, varlen
+from services.trainer.batching import packing, varlen, vision
 from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
 from services.trainer.batching.schedule import MicroBatch, Step, split_to, step_schedule
 from services.trainer.checkpoint.hf_files import TOKENIZER_FILES, copy_side_files
@@ -69,7 +69,13 @@ class TorchBackend(TorchStateDicts):
         self.device = self.world.device
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
+        # a job whose prompts have images runs the image processor (batching/vision.py); the model is the whole
+        # vision-language model whenever the checkpoint is one (`load_causal_lm`)
+        self.image_processor = vision.load_image_processor(self.model_path) if config.multimodal_keys else None
+        self._images: vision.RolloutImages | None = None  # the rollout being trained's, when it has images
         model = load_causal_lm(self.model_path).to(self.device)
+        if config.freeze_vision:
+            log.info("freeze_vision: %d vision tower parameters frozen", _freeze_vision_tower(model))
         if self.pack_sequences and not varlen.packable(model):
             log.warning("%s cannot keep packed sequences apart (an attention that is not transformers' "
                         "AttentionInterface, or layers that mix tokens outside attention): micro-batches stay padded",
@@ -105,7 +111,7 @@ class TorchBackend(TorchStateDicts):
         self.dp_group = self.cp.dp_group if self.cp.size > 1 else \
             torch.distributed.group.WORLD if self.world.distributed else None
         self.optimizer = self._make_optimizer()
-        pad = self.model.config.pad_token_id
+        pad = self.model.config.get_text_config().pad_token_id  # a vision-language config keeps it in its text part
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
         log.info("loaded %s: %.1fM parameters on %s (%s compute), loss %s, reference model %s", self.model_path,
@@ -126,7 +132,8 @@ class TorchBackend(TorchStateDicts):
                           adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps)
 
     def _packs(self, mb: RolloutBatch) -> bool:
-        return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
+        """Rows with images stay padded: their rotary positions are the model's rope index's, per row."""
+        return self.pack_sequences and mb.sample_index is None and packing.worth_packing(mb, self.min_padding_to_pack)
 
     def _model_inputs(self, mb: RolloutBatch, packed: bool) -> dict[str, torch.Tensor | int]:
         """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
@@ -136,7 +143,10 @@ class TorchBackend(TorchStateDicts):
             row = packing.pack(mb)
             return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
-        return {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
+        inputs = {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
+        if mb.sample_index is not None and self._images is not None:
+            inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask))
+        return inputs
 
     def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,
                  router_logits: bool = False):
@@ -220,7 +230,16 @@ class TorchBackend(TorchStateDicts):
                                       global_batch_size=self.job_global_batch_size,
                                       n_samples_per_prompt=self.config.n_samples_per_prompt)
 
+    def _see_images(self, samples: Sequence[Sample]) -> None:
+        """The rollout's images through the image processor, once per group, before its forwards."""
+        has_images = any(s.images for s in samples)
+        if has_images and self.image_processor is None:
+            raise InvalidArgument("samples with images, but the job has no multimodal_keys: it trains the language "
+                                  "model alone")
+        self._images = vision.RolloutImages(self.image_processor, samples) if has_images else None
+
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        self._see_images(samples)
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, device=self.device)
         (micro_batches,) = self._schedule(batch, None)
         log_probs = self._recompute(lambda mb: self._log_probs(self.model, mb), batch, micro_batches)
@@ -228,6 +247,7 @@ class TorchBackend(TorchStateDicts):
 
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
+        self._see_images(samples)
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
                                     device=self.device, routing_shape=self._routing_shape())
         steps = self._schedule(batch, cfg.global_batch_size)
@@ -368,3 +388,13 @@ class TorchBackend(TorchStateDicts):
             copy_side_files(self.model_path, path, TOKENIZER_FILES)  # save_pretrained wrote the configs
             log.info("saved HF checkpoint to %s", path)
         self.world.barrier()
+
+
+def _freeze_vision_tower(model: torch.nn.Module) -> int:
+    """freeze_vision: the vision tower (`model.visual` of a ...ForConditionalGeneration) keeps its loaded weights;
+    returns how many parameters that freezes."""
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    if visual is None:
+        raise InvalidArgument(f"freeze_vision: {type(model).__name__} has no vision tower (model.visual)")
+    visual.requires_grad_(False)
+    return sum(p.numel() for p in visual.parameters())

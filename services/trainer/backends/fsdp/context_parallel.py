@@ -58,17 +58,18 @@ def make_groups(rank: int, world_size: int, size: int) -> CPGroup:
                    dp_group=dp_group)
 
 
-def padded_lengths(lengths: list[int], size: int) -> list[int]:
-    """Each sequence's length rounded up to a multiple of 2·size."""
-    multiple = 2 * size
+def padded_lengths(lengths: list[int], size: int, pad_multiple: int = 1) -> list[int]:
+    """Each sequence's length rounded up to a multiple of 2·size (× pad_multiple: megatron's sequence parallelism
+    cuts each rank's slice again over the tensor-parallel ranks)."""
+    multiple = 2 * size * pad_multiple
     return [-(-n // multiple) * multiple for n in lengths]
 
 
-def chunk_index(lengths: list[int], rank: int, size: int) -> torch.Tensor:
+def chunk_index(lengths: list[int], rank: int, size: int, pad_multiple: int = 1) -> torch.Tensor:
     """[T / size] int64: the positions, in the row of the sequences padded (`padded_lengths`) and packed back to
     back, that CP rank `rank` holds: chunks rank and 2·size-1-rank of each sequence, in order."""
     parts, offset = [], 0
-    for padded in padded_lengths(lengths, size):
+    for padded in padded_lengths(lengths, size, pad_multiple):
         chunk = padded // (2 * size)
         for k in (rank, 2 * size - 1 - rank):
             parts.append(torch.arange(offset + k * chunk, offset + (k + 1) * chunk))
@@ -131,13 +132,13 @@ class CPSlice:
         return whole.index_select(0, self.real_index.to(whole.device)).unsqueeze(0)
 
 
-def split(mb: RolloutBatch, cp: CPGroup, pad_token_id: int) -> CPSlice:
+def split(mb: RolloutBatch, cp: CPGroup, pad_token_id: int, pad_multiple: int = 1) -> CPSlice:
     """CP rank cp.rank's slice of micro-batch `mb` packed into one row (as `packing.pack`, then padded per
-    sequence and cut into chunks)."""
+    sequence, to a multiple of 2·CP·pad_multiple, and cut into chunks)."""
     device = mb.device
     lengths_t = mb.attention_mask.sum(dim=-1)
     lengths = lengths_t.tolist()
-    padded = padded_lengths(lengths, cp.size)
+    padded = padded_lengths(lengths, cp.size, pad_multiple)
     padded_t = torch.tensor(padded, device=device)
     sequence = torch.repeat_interleave(torch.arange(len(padded), device=device), padded_t)
     starts = torch.cumsum(padded_t, 0) - padded_t
@@ -147,8 +148,8 @@ def split(mb: RolloutBatch, cp: CPGroup, pad_token_id: int) -> CPSlice:
     tokens = torch.where(position < seq_len, mb.tokens[sequence, position.clamp(max=last)], pad_token_id)
     targets = torch.where(position + 1 < seq_len, mb.tokens[sequence, (position + 1).clamp(max=last)],
                           pad_token_id)
-    mine = chunk_index(lengths, cp.rank, cp.size).to(device)
-    gathered = torch.cat([chunk_index(lengths, r, cp.size) for r in range(cp.size)]).to(device)
+    mine = chunk_index(lengths, cp.rank, cp.size, pad_multiple).to(device)
+    gathered = torch.cat([chunk_index(lengths, r, cp.size, pad_multiple) for r in range(cp.size)]).to(device)
     natural = torch.empty_like(gathered)
     natural[gathered] = torch.arange(gathered.numel(), device=device)
     real = (position < seq_len).nonzero().squeeze(-1)

@@ -18,14 +18,21 @@ from services.trainer.settings.train import TrainConfig
 from services.trainer.step.optim import make_adamw
 
 
+def initial_value_head(hidden_size: int, init_std: float, seed: int) -> torch.Tensor:
+    """The value head's first weight [1, hidden] ~ N(0, init_std²), from the job's seed: the same on every rank and
+    in every backend."""
+    return torch.randn(1, hidden_size, generator=torch.Generator().manual_seed(seed)) * init_std
+
+
 class ValueModel(torch.nn.Module):
     """A decoder backbone and a bias-free Linear(hidden, 1) head: per-position scalar values [B, L]."""
 
-    def __init__(self, backbone: torch.nn.Module, hidden_size: int, init_std: float) -> None:
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int, init_std: float, seed: int = 0) -> None:
         super().__init__()
         self.backbone = backbone
         self.value_head = torch.nn.Linear(hidden_size, 1, bias=False)
-        torch.nn.init.normal_(self.value_head.weight, std=init_std)
+        with torch.no_grad():
+            self.value_head.weight.copy_(initial_value_head(hidden_size, init_std, seed))
 
     def forward(self, **inputs) -> torch.Tensor:
         """inputs: the backbone's (input_ids with attention_mask, or packed with position_ids) -> [rows, L]."""
@@ -45,7 +52,8 @@ class Critic:
             raise InvalidArgument(f"model {model_path}: cannot load a backbone for the critic ({err})") from err
         varlen.use_in(backbone)
         hf_config = backbone.config.get_text_config()
-        self.model = ValueModel(backbone, hf_config.hidden_size, getattr(hf_config, "initializer_range", 0.02)).eval()
+        self.model = ValueModel(backbone, hf_config.hidden_size, getattr(hf_config, "initializer_range", 0.02),
+                                seed=config.seed).eval()
         self.model.to(device or torch.device("cpu"))
         self.optimizer = make_adamw(self.model.named_parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                     adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,

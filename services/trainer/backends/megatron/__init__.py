@@ -35,4 +35,5 @@ def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: 
                            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
                            use_distributed_optimizer=layout.use_distributed_optimizer, megatron_args=layout.megatron,
                            num_threads=num_threads, world=world,
-                           expert_model_parallel_size=layout.expert_model_parallel_size)
+                           expert_model_parallel_size=layout.expert_model_parallel_size,
+                           context_parallel_size=layout.context_parallel_size)

@@ -26,6 +26,9 @@ OWNED: dict[str, str] = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
         "use_distributed_optimizer", "lr", "min_lr",
         "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")},
+    "pipeline_model_parallel_layout": "is not supported: set num_layers_in_first_pipeline_stage and/or "
+                                      "num_layers_in_last_pipeline_stage (slime: --decoder-first-pipeline-num-layers, "
+                                      "--decoder-last-pipeline-num-layers)",
     **{name: "FP8/FP4 training is not supported: the backends train in bf16 or float32" for name in (
         "fp8", "fp8_recipe", "fp8_param", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp4", "fp4_recipe",
         "fp4_param")},
@@ -41,6 +44,12 @@ class MegatronArgs:
     transformer: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(default_factory=dict)
     ddp: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pipeline_ends(self) -> dict[str, int | None]:
+        """The first and last pipeline stages' decoder layers when the `megatron:` section makes them uneven."""
+        return {"first": self.transformer.get("num_layers_in_first_pipeline_stage"),
+                "last": self.transformer.get("num_layers_in_last_pipeline_stage")}
 
     @property
     def dropout(self) -> bool:
@@ -97,15 +106,21 @@ def check_optimizer(overrides: dict[str, Any], *, use_distributed_optimizer: boo
 
     from megatron.core.optimizer import OptimizerConfig
 
-    # megatron-core runs it only on TransformerEngine's FusedAdam, and without TransformerEngine its check fails
-    # with a TypeError (comparing a missing version) rather than saying so
-    if overrides.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
+    from services.trainer.backends.megatron import offload
+
+    # megatron-core runs it on TransformerEngine's FusedAdam or on its CPU-offload optimizer; without either, its
+    # check fails with a TypeError (comparing a missing version) rather than saying so
+    if overrides.get("use_precision_aware_optimizer") and not overrides.get("optimizer_cpu_offload") \
+            and importlib.util.find_spec("transformer_engine") is None:
         raise InvalidArgument("megatron.use_precision_aware_optimizer: megatron-core runs it only with "
-                              "TransformerEngine's FusedAdam, and TransformerEngine is not installed in the trainer's "
-                              "image; drop it (slime: --use-precision-aware-optimizer)")
-    if overrides.get("optimizer_cpu_offload"):
-        raise InvalidArgument("megatron.optimizer_cpu_offload: megatron-core's hybrid CPU-offload optimizer fails at "
-                              "this backend's first step (\"can't optimize a non-leaf Tensor\", seen on CPU; not yet "
-                              "run on a GPU); drop it (slime: --optimizer-cpu-offload)")
-    values = dict(optimizer="adam", use_distributed_optimizer=use_distributed_optimizer)
-    build(OptimizerConfig, "OptimizerConfig", values, overrides)
+                              "TransformerEngine's FusedAdam or with optimizer_cpu_offload, and TransformerEngine is "
+                              "not installed in the trainer's image; drop it or offload the optimizer (slime: "
+                              "--use-precision-aware-optimizer, --optimizer-cpu-offload)")
+    if overrides.get("optimizer_cpu_offload") and not use_distributed_optimizer:
+        raise InvalidArgument("megatron.optimizer_cpu_offload: runs with the distributed optimizer only "
+                              "(megatron-core's float16 optimizer swaps in main parameters its hybrid optimizer does "
+                              "not know); set use_distributed_optimizer (slime: --use-distributed-optimizer)")
+    values = dict(optimizer="adam", use_distributed_optimizer=use_distributed_optimizer,
+                  **offload.optimizer_fields(overrides))
+    with offload.config_without_te():
+        build(OptimizerConfig, "OptimizerConfig", values, overrides)

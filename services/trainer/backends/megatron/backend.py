@@ -10,6 +10,7 @@ metrics) are the same on every rank; HF weights come out on rank 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -26,7 +27,10 @@ from services.common.shares import Share
 from services.trainer.algorithms.losses import Reducer
 from services.trainer.backends import capabilities
 from services.trainer.backends.base import load_custom_loss
+from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL
 from services.trainer.backends.megatron import args as margs
+from services.trainer.backends.megatron import context_parallel as megatron_cp
+from services.trainer.backends.megatron import critic as value_model
 from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from services.trainer.batching import packing
@@ -37,7 +41,7 @@ from services.trainer.checkpoint.megatron_dist import MegatronCheckpointing
 from services.trainer.checkpoint.megatron_hf import MegatronHFWeights
 from services.trainer.distributed import devices, megatron_cpu
 from services.trainer.models import families
-from services.trainer.models.arch import ModelArch
+from services.trainer.models.arch import ModelArch, uneven_stage_layers
 from services.trainer.moe.megatron_routing_replay import MegatronRouting
 from services.trainer.settings.train import TrainConfig
 from services.trainer.step import hooks, optim, rl_step
@@ -57,14 +61,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def __init__(self, model_path: str | Path, config: TrainConfig, *, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, use_distributed_optimizer: bool = True,
                  megatron_args: dict[str, Any] | None = None, num_threads: int | None = None, world=None,
-                 expert_model_parallel_size: int = 1, pack_sequences: bool = True,
+                 expert_model_parallel_size: int = 1, context_parallel_size: int = 1, pack_sequences: bool = True,
                  min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
-        if config.use_critic:
-            raise InvalidArgument("train_backend megatron: advantage_estimator 'ppo' needs a critic, which this "
-                                  "backend does not train; use train_backend fsdp")
         if world is not None and world.device.type == "cpu" and torch.cuda.is_available():
             raise InvalidArgument("train_backend megatron on device cpu while CUDA is visible: Megatron takes every "
                                   "visible GPU; hide them (CUDA_VISIBLE_DEVICES=) to train on the CPU")
@@ -76,9 +77,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         if num_threads:
             torch.set_num_threads(num_threads)
         hf_config = hf_io.read_config(self.model_path)
-        self.arch = ModelArch.from_hf_config(hf_config)
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep)
+        self.arch = ModelArch.from_hf_config(hf_config)
+        stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
+        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers)
+        self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep, stage_layers=stage_layers)
         if config.replays_routing and not self.arch.num_experts:
             raise InvalidArgument("routing replay on train_backend megatron: the model has no MoE layers")
         layout = {"tp_size": tp, "sequence_parallel": bool(self.megatron_args.transformer.get("sequence_parallel"))}
@@ -88,7 +91,13 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 raise InvalidArgument(problem)
         if self.megatron_args.dropout and (problem := families.megatron_train_mode_problem(hf_config, **layout)):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
-        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep)
+        if context_parallel_size > 1 and (problem := _context_parallel_problem(config)):
+            raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
+        mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep, cp_size=context_parallel_size)
+        self.cp_size, self.cp_rank = context_parallel_size, ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if context_parallel_size > 1 else None
+        self.dp_cp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # one rank of a CP group sends weights
+        self._cp_row: megatron_cp.CPRow | None = None  # the micro-batch whose loss is computed next (CP > 1)
         self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
         self.expert_dp_rank = ps.get_expert_data_parallel_rank() if ep > 1 else 0
@@ -120,6 +129,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         model_config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._build_optimizer()
         self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
+        # PPO's value model: the policy's backbone with a value head, its own DDP, optimizer and lr clock
+        self.critic = self._build_critic(hf, hf_config.get("initializer_range", 0.02)) if config.use_critic else None
         # frozen models: the reference (KL) and the distillation teacher, each loaded over later when asked
         self.ref_model, self.teacher_model = (self._frozen_copy(hf) if needed else None
                                               for needed in (config.needs_ref_model, config.needs_teacher_model))
@@ -139,16 +150,32 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """The GPTModel (this rank's stage and TP shard) inside the DDP wrapper."""
         return self.model.module
 
-    def _build_gpt(self):
-        config = mcore.transformer_config(self.arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
-                                          overrides={**mcore.router_fields(self.arch, self.config),
+    def _build_gpt(self, arch: ModelArch | None = None):
+        arch = arch or self.arch
+        config = mcore.transformer_config(arch, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype,
+                                          overrides={**mcore.router_fields(arch, self.config),
+                                                     "context_parallel_size": self.cp_size,
                                                      **self.megatron_args.transformer})
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
-        return mcore.build_gpt(self.arch, config, use_te=self.use_te).eval()
+        return mcore.build_gpt(arch, config, use_te=self.use_te).eval()
 
-    def _build_optimizer(self):
-        return mcore.build_optimizer(self.config, self.model, use_distributed_optimizer=self.use_distributed_optimizer,
-                                     dtype=self.dtype, overrides=self.megatron_args.optimizer)
+    def _build_optimizer(self, model=None):
+        return mcore.build_optimizer(self.config, model or self.model,
+                                     use_distributed_optimizer=self.use_distributed_optimizer, dtype=self.dtype,
+                                     overrides=self.megatron_args.optimizer)
+
+    def _build_critic(self, hf: hf_io.HFTensors, init_std: float) -> MegatronCritic:
+        """The value model: the policy's GPTModel from its checkpoint, untied, with a value head for its output."""
+        from megatron.core.distributed import finalize_model_grads
+
+        gpt = self._build_gpt(dataclasses.replace(self.arch, tie_word_embeddings=False))
+        value_model.attach_value_head(gpt, hidden_size=self.arch.hidden_size, init_std=init_std, seed=self.config.seed)
+        self._copy_hf_weights(gpt, hf, output_layer=False)
+        model = mcore.wrap_ddp(gpt, gpt.config, use_distributed_optimizer=self.use_distributed_optimizer,
+                               overrides=self.megatron_args.ddp)
+        gpt.config.no_sync_func = model.no_sync
+        gpt.config.finalize_model_grads_func = finalize_model_grads
+        return MegatronCritic(model=model, optimizer=self._build_optimizer(model))
 
     # -- which rows this rank runs
 
@@ -191,6 +218,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
             packed = self._packs(mb)
+            if self.cp_size > 1:  # this rank's slice; the loss, computed right after, gathers its outputs
+                self._cp_row = self._cp_slice(mb)
+                with routing(rows, mb) if routing else contextlib.nullcontext():
+                    output = module(**self._cp_row.inputs)
+                return output, functools.partial(_loss_output, loss_fn, rows, mb)
             inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
                                       pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
             if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
@@ -204,7 +236,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
-        shapes = [(_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
+        shapes = [(self._cp_slice(mb).local_length, 1 if self._packs(mb) else mb.size) if self.cp_size > 1 else
+                  (_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
                    1 if self._packs(mb) else mb.size) for _, mb in data]
         with megatron_cpu.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
@@ -220,10 +253,29 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def _packs(self, mb: RolloutBatch) -> bool:
         return self.pack_sequences and packing.worth_packing(mb, self.min_padding_to_pack)
 
+    def _cp_slice(self, mb: RolloutBatch) -> megatron_cp.CPRow:
+        return megatron_cp.cp_row(mb, packed=self._packs(mb), rank=self.cp_rank, size=self.cp_size, group=self.cp_group,
+                                  pad_token_id=self.pad_token_id,
+                                  pad_multiple=self.tp_size if self.gpt.config.sequence_parallel else 1)
+
+    def _per_position(self, output: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+        """Per-position outputs of the model: as they are, or under CP this rank's [rows, T_local] gathered into
+        the CP-1 layout."""
+        return self._cp_row.gather(output) if self.cp_size > 1 else output
+
     def _token_stats(self, logits: torch.Tensor, mb: RolloutBatch, *,
                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned (log_probs [b, R], entropy [b, R]) at the rollout temperature, from vocab-parallel
-        logits, padded [b, L, V/tp] or packed [1, T, V/tp]."""
+        logits, padded [b, L, V/tp] or packed [1, T, V/tp]; under CP, of this rank's slice (each position's stats
+        against the token it predicts, gathered over the group)."""
+        if self.cp_size > 1:
+            log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+                logits, self._cp_row.targets, vocab_size=self.arch.vocab_size,
+                temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                group=self.tp_group, with_entropy=with_entropy, entropy_grad=self.config.entropy_coef != 0)
+            gathered = [None if x is None else packing.gather_response(self._cp_row.gather(x), mb)
+                        for x in (log_probs, entropy)]
+            return gathered[0], gathered[1] if with_entropy else None
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             packing.gather_response(logits, mb), mb.response_tokens, vocab_size=self.arch.vocab_size,
             temperature=self.config.rollout_temperature, tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -247,9 +299,23 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             out.zero_()
         return self._all_reduce(out)
 
+    def _values(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """[B, R] critic values without grad of every row in the batch, on every rank (as `_log_probs`)."""
+        out = torch.zeros_like(batch.loss_masks)
+
+        def store(rows: MicroBatch, mb: RolloutBatch, output: torch.Tensor) -> torch.Tensor:
+            values = value_model.response_values(self._per_position(output[..., 0], mb)[..., None], mb)
+            out[rows, :values.shape[1]] = values.cpu()
+            return values.sum() * 0.0
+
+        self._run(self.critic.model, batch, micro_batches, store, forward_only=True)
+        if not self._is_reporter():
+            out.zero_()
+        return self._all_reduce(out)
+
     def _is_reporter(self) -> bool:
-        """One rank per data-parallel replica holds each result: the last stage's TP rank 0."""
-        return self.is_last_stage and self.tp_rank == 0
+        """One rank per data-parallel replica holds each result: the last stage's TP and CP rank 0."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.to(self.device)
@@ -280,8 +346,13 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
                                     routing_shape=r3)
         steps = [(rows, self._micro_batches(batch, rows)) for rows in self._steps(batch)]
-        if cfg.loss_type != "sft_loss":
-            micro, rollout, recorded = [mb for _, step in steps for mb in step], batch, []
+        # slime's --num-critic-only-steps: the first rollouts train the critic alone
+        train_actor = self.critic is None or self._weight_version >= cfg.num_critic_only_steps
+        micro = [mb for _, step in steps for mb in step]
+        if self.critic is not None:
+            batch = batch.with_(values=self._values(batch, micro))
+        if cfg.loss_type != "sft_loss" and train_actor:
+            rollout, recorded = batch, []
 
             def log_probs_of(model: torch.nn.Module) -> torch.Tensor:
                 # slime's "record" stage: the old policy's forward records the experts the training forwards replay
@@ -298,9 +369,29 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                                             ref_model=self.ref_model, teacher_model=self.teacher_model,
                                             samples=samples, log_probs_of=log_probs_of)
             batch = batch.with_routed_experts(recorded[0]) if recorded else batch
-        metrics = [self._train_step(batch, rows, micro) for rows, micro in steps]
+        metrics: list[dict[str, float]] = [{} for _ in steps]
+        if self.critic is not None:
+            critic_batch = batch.with_(returns=rl_step.critic_returns(batch, cfg, samples))
+            for step_metrics, (rows, micro_batches) in zip(metrics, steps, strict=True):
+                step_metrics.update(self._critic_step(critic_batch, rows, micro_batches))
+        if train_actor:
+            for step_metrics, (rows, micro_batches) in zip(metrics, steps, strict=True):
+                step_metrics.update(self._train_step(batch, rows, micro_batches))
         self._weight_version += 1
         return metrics
+
+    def _critic_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
+        """One step of the value model on the clipped value loss (its own lr clock)."""
+        def loss(mb: RolloutBatch, output: torch.Tensor, reduce: Reducer):
+            values = value_model.response_values(self._per_position(output[..., 0], mb)[..., None], mb)
+            return rl_step.value_loss(self.config, mb, values=values, reduce=reduce)
+
+        critic = self.critic
+        metrics, grad_norm, _ = self._step(critic.model, critic.optimizer, critic.num_steps, batch, rows,
+                                           micro_batches, loss, routing=None)
+        critic.num_steps += 1
+        return {"train/value_loss": metrics["value_loss"], "train/value_clipfrac": metrics["value_clipfrac"],
+                "train/critic_grad_norm": grad_norm}
 
     def _micro_batch_loss(self, mb: RolloutBatch, logits: torch.Tensor,
                           reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -317,63 +408,76 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         return full[..., :self.arch.vocab_size]
 
     def _train_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
-        """One optimizer step over `rows`. Each micro-batch's loss is its share of the step's loss (normalized by
-        the whole step's sample or token count, over all DP ranks), times num_microbatches × dp_size to undo the
-        schedule's and DDP's averaging: the gradient is that of the step's loss, however it is split."""
+        """One policy step over `rows`."""
+        metrics, grad_norm, lr = self._step(self.model, self.optimizer, self._num_steps, batch, rows, micro_batches,
+                                            self._micro_batch_loss, routing=self._replay(self.model))
+        self._num_steps += 1
+        return {**{f"train/{key}": value for key, value in metrics.items()}, "train/grad_norm": grad_norm,
+                "train/lr": lr}
+
+    def _step(self, model, optimizer, num_steps: int, batch: RolloutBatch, rows: list[int],
+              micro_batches: list[MicroBatch], loss_of: Callable, *,
+              routing: Callable | None) -> tuple[dict[str, float], float, float]:
+        """One optimizer step of `model` over `rows`, its lr schedule at `num_steps`; loss_of(mb, output, reduce)
+        -> (loss, metrics). Each micro-batch's loss is its share of the step's loss (normalized by the whole
+        step's sample or token count, over all DP ranks), times num_microbatches × dp_size to undo the schedule's
+        and DDP's averaging: the gradient is that of the step's loss, however it is split. Under CP every rank of
+        the group computes the whole loss, and the gather's backward already sums the group's gradients (CP times
+        each rank's part) where the schedule multiplies the loss by CP for losses of a rank's own tokens: ÷ CP.
+        Returns (metrics summed over the step, grad_norm, lr)."""
         cfg = self.config
         mask_sums = batch.loss_masks.sum(dim=-1)
         normalizer = rl_step.step_normalizer(cfg, mask_sums[rows])
-        scale = len(micro_batches) * self.dp_size
+        scale = len(micro_batches) * self.dp_size / self.cp_size
         totals: dict[str, torch.Tensor] = {}
 
         def step_loss(mb_rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
             reduce = rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows].to(self.device), normalizer)
-            loss, metrics = self._micro_batch_loss(mb, logits, reduce)
+            loss, metrics = loss_of(mb, logits, reduce)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().double().cpu()
             return loss * scale
 
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
         # train mode only for dropout or megatron-core's load-balancing loss (its routers add it only in training)
-        self.model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
+        model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
         try:
-            self._run(self.model, batch, micro_batches, step_loss, forward_only=False, routing=self._replay(self.model))
+            self._run(model, batch, micro_batches, step_loss, forward_only=False, routing=routing)
         finally:
-            self.model.eval()
-        self._count_experts_tokens_once()
-        grad_norm, lr = self._optimizer_step(rows)
-        return {**{f"train/{key}": value for key, value in self._sum_metrics(totals).items()},
-                "train/grad_norm": grad_norm, "train/lr": lr}
+            model.eval()
+        self._count_experts_tokens_once(model.module)
+        grad_norm, lr = self._optimizer_step(model, optimizer, num_steps, rows)
+        return self._sum_metrics(totals), grad_norm, lr
 
-    def _count_experts_tokens_once(self) -> None:
+    def _count_experts_tokens_once(self, gpt) -> None:
         """Without sequence parallelism every TP rank holds all of its replica's tokens, and under expert parallelism
         each sends them all to the experts' ranks: an expert's gradient, reduced over those ranks, holds each token
         tp_size times. Divide it back (experts on every rank, EP 1, see only their own rank's tokens)."""
         if self.tp_size == 1 or self.ep_size == 1 or self.gpt.config.sequence_parallel:
             return
-        for param in self.gpt.parameters():
+        for param in gpt.parameters():
             if param.requires_grad and not getattr(param, "allreduce", True):  # megatron-core's expert-parallel mark
                 param.main_grad.div_(self.tp_size)
 
-    def _optimizer_step(self, rows: list[int]) -> tuple[float, float]:
-        """Clip and step at the scheduled lr (Megatron's lr_mult / wd_mult per group: no decay on biases and
-        norms); a non-finite gradient norm raises before any weight changes. Returns (grad_norm, lr)."""
+    def _optimizer_step(self, model, optimizer, num_steps: int, rows: list[int]) -> tuple[float, float]:
+        """Clip and step at the lr scheduled for step `num_steps` (Megatron's lr_mult / wd_mult per group: no decay
+        on biases and norms); a non-finite gradient norm raises before any weight changes. Returns (grad_norm,
+        lr)."""
         cfg = self.config
-        lr = optim.lr_at(self._num_steps, **optim.lr_schedule(cfg))
-        for group in self.optimizer.param_groups:
+        lr = optim.lr_at(num_steps, **optim.lr_schedule(cfg))
+        for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
         with megatron_cpu.cuda_to_cpu():
-            found_inf = self.optimizer.prepare_grads()
-            grad_norm = float(self.optimizer.get_grad_norm())
+            found_inf = optimizer.prepare_grads()
+            grad_norm = float(optimizer.get_grad_norm())
             if found_inf or not math.isfinite(grad_norm):
-                self.optimizer.zero_grad()
-                self.model.zero_grad_buffer()
+                optimizer.zero_grad()
+                model.zero_grad_buffer()
                 raise FloatingPointError(f"grad norm is {grad_norm} on samples [{rows[0]}, {rows[-1] + 1}); "
                                          "step not applied")
-            self.optimizer.step()
-        self._num_steps += 1
+            optimizer.step()
         return grad_norm, lr
 
     def _sum_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -389,6 +493,28 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def close(self) -> None:
         """Drop Megatron's process groups (the default group stays for the next backend in this process)."""
         mcore.destroy_model_parallel()
+
+
+@dataclasses.dataclass
+class MegatronCritic:
+    """PPO's value model on megatron-core (`critic.py`): its DDP-wrapped GPTModel, optimizer and lr clock."""
+
+    model: Any
+    optimizer: Any
+    num_steps: int = 0
+
+    @property
+    def gpt(self):
+        return self.model.module
+
+
+def _context_parallel_problem(config: TrainConfig) -> str:
+    """Why this job cannot split its sequences over CP ranks here ("" when it can)."""
+    if config.loss_type == "custom_loss":
+        return CUSTOM_LOSS_REFUSAL.removeprefix("context_parallel_size > 1 ")
+    if config.replays_routing or config.moe_aux_loss:
+        return "routing replay and moe_aux_loss_coeff need each token's router logits on one rank"
+    return ""
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args
+from services.trainer.backends.megatron import args, offload
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -34,7 +34,7 @@ def has_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1) -> None:
+def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1, cp_size: int = 1) -> None:
     """Join the default process group (torchrun's env, or a world of one) and cut it into Megatron's TP, PP, EP and
     DP groups (order tp-cp-ep-dp-pp: global rank 0 is TP, PP and DP rank 0; expert-parallel ranks are carved out of
     the tensor- and data-parallel ones: experts are never split by tensor parallelism, expert TP 1). Seeds the
@@ -52,13 +52,13 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1)
         else:  # one process, no launcher: a world of one on an in-memory store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=DIST_TIMEOUT)
     world = dist.get_world_size()
-    if world % (tp_size * pp_size):
+    if world % (tp_size * pp_size * cp_size):
         raise InvalidArgument(f"world size {world} is not a multiple of tensor_model_parallel_size {tp_size} × "
-                              f"pipeline_model_parallel_size {pp_size}")
+                              f"pipeline_model_parallel_size {pp_size} × context_parallel_size {cp_size}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
-                                             pipeline_model_parallel_size=pp_size,
+                                             pipeline_model_parallel_size=pp_size, context_parallel_size=cp_size,
                                              expert_model_parallel_size=ep_size, expert_tensor_parallel_size=1,
                                              distributed_timeout_minutes=int(DIST_TIMEOUT.total_seconds() // 60))
     model_parallel_cuda_manual_seed(seed)
@@ -133,6 +133,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
     )
 
     from services.trainer.backends.megatron.attention import SDPAttention
+    from services.trainer.backends.megatron.context_parallel import CPAttention
     from services.trainer.backends.megatron.norm import SequenceParallelRMSNorm
 
     experts = arch.num_experts or None
@@ -140,7 +141,9 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention  # torch's fused kernels
+        # torch's fused kernels; under context parallelism, attention across the CP group's slices
+        spec.submodules.self_attention.submodules.core_attention = CPAttention \
+            if config.context_parallel_size > 1 else SDPAttention
         spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=arch.qk_layernorm)
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
@@ -189,15 +192,20 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
                     dtype: torch.dtype = torch.float32, overrides: dict | None = None):
     """Megatron's Adam (decoupled weight decay, no decay on biases and norms), a constant lr (the backend sets each
     step's), global-norm clip, float32 main parameters under bf16; then the `megatron:` section's OptimizerConfig
-    fields."""
+    fields. With optimizer_cpu_offload, megatron-core's hybrid optimizer keeps the state on the host (`offload`)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = train_config
-    opt_config = args.build(OptimizerConfig, "OptimizerConfig", dict(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer), overrides or {})
-    with megatron_cpu.cuda_to_cpu():
+    overrides = overrides or {}
+    args.check_optimizer(overrides, use_distributed_optimizer=use_distributed_optimizer)
+    with offload.config_without_te():
+        opt_config = args.build(OptimizerConfig, "OptimizerConfig", dict(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=dtype,
+            bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer,
+            **offload.optimizer_fields(overrides)), overrides)
+    offload.apply()
+    with megatron_cpu.cuda_to_cpu(), offload.leaf_fp32_shards():
         return get_megatron_optimizer(opt_config, [ddp_model])
 
 

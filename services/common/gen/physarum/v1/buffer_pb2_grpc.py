@@ -84,6 +84,21 @@ class BufferStub:
                 request_serializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateRequest.SerializeToString,
                 response_deserializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateResponse.FromString,
                 _registered_method=True)
+        self.AppendPrompts = channel.unary_unary(
+                '/physarum.v1.Buffer/AppendPrompts',
+                request_serializer=physarum_dot_v1_dot_buffer__pb2.AppendPromptsRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_buffer__pb2.AppendPromptsResponse.FromString,
+                _registered_method=True)
+        self.SaveSourcePosition = channel.unary_unary(
+                '/physarum.v1.Buffer/SaveSourcePosition',
+                request_serializer=physarum_dot_v1_dot_buffer__pb2.SourcePositionRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_buffer__pb2.SourcePosition.FromString,
+                _registered_method=True)
+        self.LoadSourcePosition = channel.unary_unary(
+                '/physarum.v1.Buffer/LoadSourcePosition',
+                request_serializer=physarum_dot_v1_dot_buffer__pb2.SourcePositionRequest.SerializeToString,
+                response_deserializer=physarum_dot_v1_dot_buffer__pb2.SourcePosition.FromString,
+                _registered_method=True)
 
 
 class BufferServicer:
@@ -151,6 +166,26 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendPrompts(self, request, context):
+        """A data source that makes its own prompts (a generator, an environment): its prompts stored by their position in
+        what it yielded, and that position as it stood when the source saved its state, for the source's load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveSourcePosition(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadSourcePosition(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +238,21 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.RestoreState,
                     request_deserializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateRequest.FromString,
                     response_serializer=physarum_dot_v1_dot_buffer__pb2.RestoreStateResponse.SerializeToString,
+            ),
+            'AppendPrompts': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendPrompts,
+                    request_deserializer=physarum_dot_v1_dot_buffer__pb2.AppendPromptsRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_buffer__pb2.AppendPromptsResponse.SerializeToString,
+            ),
+            'SaveSourcePosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveSourcePosition,
+                    request_deserializer=physarum_dot_v1_dot_buffer__pb2.SourcePositionRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_buffer__pb2.SourcePosition.SerializeToString,
+            ),
+            'LoadSourcePosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadSourcePosition,
+                    request_deserializer=physarum_dot_v1_dot_buffer__pb2.SourcePositionRequest.FromString,
+                    response_serializer=physarum_dot_v1_dot_buffer__pb2.SourcePosition.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +525,87 @@ class Buffer:
             '/physarum.v1.Buffer/RestoreState',
             physarum_dot_v1_dot_buffer__pb2.RestoreStateRequest.SerializeToString,
             physarum_dot_v1_dot_buffer__pb2.RestoreStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendPrompts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Buffer/AppendPrompts',
+            physarum_dot_v1_dot_buffer__pb2.AppendPromptsRequest.SerializeToString,
+            physarum_dot_v1_dot_buffer__pb2.AppendPromptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveSourcePosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Buffer/SaveSourcePosition',
+            physarum_dot_v1_dot_buffer__pb2.SourcePositionRequest.SerializeToString,
+            physarum_dot_v1_dot_buffer__pb2.SourcePosition.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadSourcePosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/physarum.v1.Buffer/LoadSourcePosition',
+            physarum_dot_v1_dot_buffer__pb2.SourcePositionRequest.SerializeToString,
+            physarum_dot_v1_dot_buffer__pb2.SourcePosition.FromString,
             options,
             channel_credentials,
             insecure,

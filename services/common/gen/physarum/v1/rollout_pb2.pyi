@@ -37,7 +37,14 @@ ENGINE_STATE_DRAINING: EngineState
 ENGINE_STATE_FAILED: EngineState
 
 class RolloutConfig(_message.Message):
-    __slots__ = ("job_id", "tokenizer_path", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k", "rollout_max_response_len", "rollout_stop", "rollout_stop_token_ids", "rm_type", "custom_rm_path", "reward_key", "reward_timeout_s", "loss_type", "lease_timeout_s", "args", "over_sampling_batch_size", "dynamic_sampling_filter_path", "partial_rollout", "mask_offpolicy_in_partial_rollout", "custom_generate_function_path", "group_rm", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_temperature", "eval_top_p", "eval_max_response_len", "input_key", "label_key", "metadata_key", "apply_chat_template", "max_inflight_groups", "rm_url", "loss_mask_type", "eval_top_k", "eval_input_key", "eval_label_key", "eval_dataset_settings", "agent_function_path", "agent_timeout_s", "use_rollout_routing_replay", "opd_teacher_url", "opd_only", "rollout_function_path", "data_source_path", "buffer_filter_path", "int_args")
+    __slots__ = ("job_id", "tokenizer_path", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k", "rollout_max_response_len", "rollout_stop", "rollout_stop_token_ids", "rm_type", "custom_rm_path", "reward_key", "reward_timeout_s", "loss_type", "lease_timeout_s", "args", "over_sampling_batch_size", "dynamic_sampling_filter_path", "partial_rollout", "mask_offpolicy_in_partial_rollout", "custom_generate_function_path", "group_rm", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_temperature", "eval_top_p", "eval_max_response_len", "input_key", "label_key", "metadata_key", "apply_chat_template", "multimodal_keys", "max_inflight_groups", "rm_url", "loss_mask_type", "eval_top_k", "eval_input_key", "eval_label_key", "eval_dataset_settings", "agent_function_path", "agent_timeout_s", "use_rollout_routing_replay", "opd_teacher_url", "opd_only", "rollout_function_path", "data_source_path", "buffer_filter_path", "int_args", "eval_function_path")
+    class MultimodalKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +77,7 @@ class RolloutConfig(_message.Message):
     LABEL_KEY_FIELD_NUMBER: _ClassVar[int]
     METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_KEYS_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     RM_URL_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +94,7 @@ class RolloutConfig(_message.Message):
     DATA_SOURCE_PATH_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FILTER_PATH_FIELD_NUMBER: _ClassVar[int]
     INT_ARGS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FUNCTION_PATH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     tokenizer_path: str
     rollout_batch_size: int
@@ -118,6 +127,7 @@ class RolloutConfig(_message.Message):
     label_key: str
     metadata_key: str
     apply_chat_template: bool
+    multimodal_keys: _containers.ScalarMap[str, str]
     max_inflight_groups: int
     rm_url: str
     loss_mask_type: str
@@ -134,7 +144,8 @@ class RolloutConfig(_message.Message):
     data_source_path: str
     buffer_filter_path: str
     int_args: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., rollout_batch_size: _Optional[int] = ..., n_samples_per_prompt: _Optional[int] = ..., rollout_temperature: _Optional[float] = ..., rollout_top_p: _Optional[float] = ..., rollout_top_k: _Optional[int] = ..., rollout_max_response_len: _Optional[int] = ..., rollout_stop: _Optional[_Iterable[str]] = ..., rollout_stop_token_ids: _Optional[_Iterable[int]] = ..., rm_type: _Optional[str] = ..., custom_rm_path: _Optional[str] = ..., reward_key: _Optional[str] = ..., reward_timeout_s: _Optional[float] = ..., loss_type: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., over_sampling_batch_size: _Optional[int] = ..., dynamic_sampling_filter_path: _Optional[str] = ..., partial_rollout: _Optional[bool] = ..., mask_offpolicy_in_partial_rollout: _Optional[bool] = ..., custom_generate_function_path: _Optional[str] = ..., group_rm: _Optional[bool] = ..., eval_prompt_data: _Optional[_Iterable[str]] = ..., n_samples_per_eval_prompt: _Optional[int] = ..., eval_temperature: _Optional[float] = ..., eval_top_p: _Optional[float] = ..., eval_max_response_len: _Optional[int] = ..., input_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., max_inflight_groups: _Optional[int] = ..., rm_url: _Optional[str] = ..., loss_mask_type: _Optional[str] = ..., eval_top_k: _Optional[int] = ..., eval_input_key: _Optional[str] = ..., eval_label_key: _Optional[str] = ..., eval_dataset_settings: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., agent_function_path: _Optional[str] = ..., agent_timeout_s: _Optional[float] = ..., use_rollout_routing_replay: _Optional[bool] = ..., opd_teacher_url: _Optional[str] = ..., opd_only: _Optional[bool] = ..., rollout_function_path: _Optional[str] = ..., data_source_path: _Optional[str] = ..., buffer_filter_path: _Optional[str] = ..., int_args: _Optional[_Iterable[str]] = ...) -> None: ...
+    eval_function_path: str
+    def __init__(self, job_id: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., rollout_batch_size: _Optional[int] = ..., n_samples_per_prompt: _Optional[int] = ..., rollout_temperature: _Optional[float] = ..., rollout_top_p: _Optional[float] = ..., rollout_top_k: _Optional[int] = ..., rollout_max_response_len: _Optional[int] = ..., rollout_stop: _Optional[_Iterable[str]] = ..., rollout_stop_token_ids: _Optional[_Iterable[int]] = ..., rm_type: _Optional[str] = ..., custom_rm_path: _Optional[str] = ..., reward_key: _Optional[str] = ..., reward_timeout_s: _Optional[float] = ..., loss_type: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., over_sampling_batch_size: _Optional[int] = ..., dynamic_sampling_filter_path: _Optional[str] = ..., partial_rollout: _Optional[bool] = ..., mask_offpolicy_in_partial_rollout: _Optional[bool] = ..., custom_generate_function_path: _Optional[str] = ..., group_rm: _Optional[bool] = ..., eval_prompt_data: _Optional[_Iterable[str]] = ..., n_samples_per_eval_prompt: _Optional[int] = ..., eval_temperature: _Optional[float] = ..., eval_top_p: _Optional[float] = ..., eval_max_response_len: _Optional[int] = ..., input_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., multimodal_keys: _Optional[_Mapping[str, str]] = ..., max_inflight_groups: _Optional[int] = ..., rm_url: _Optional[str] = ..., loss_mask_type: _Optional[str] = ..., eval_top_k: _Optional[int] = ..., eval_input_key: _Optional[str] = ..., eval_label_key: _Optional[str] = ..., eval_dataset_settings: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., agent_function_path: _Optional[str] = ..., agent_timeout_s: _Optional[float] = ..., use_rollout_routing_replay: _Optional[bool] = ..., opd_teacher_url: _Optional[str] = ..., opd_only: _Optional[bool] = ..., rollout_function_path: _Optional[str] = ..., data_source_path: _Optional[str] = ..., buffer_filter_path: _Optional[str] = ..., int_args: _Optional[_Iterable[str]] = ..., eval_function_path: _Optional[str] = ...) -> None: ...
 
 class StartRolloutRequest(_message.Message):
     __slots__ = ("config", "rollout_id", "weight_version")

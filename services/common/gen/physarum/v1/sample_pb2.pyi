@@ -24,12 +24,34 @@ SAMPLE_STATUS_ABORTED: SampleStatus
 SAMPLE_STATUS_FAILED: SampleStatus
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("type", "text")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    text: str
+    def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("data", "mime_type", "width", "height")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("prompt", "prompt_messages", "tokens", "response", "response_length", "label", "reward", "reward_scores", "loss_mask", "rollout_log_probs", "status", "metadata", "weight_versions", "group_index", "index", "reward_error", "label_json", "rollout_id", "remove_sample", "teacher_log_probs", "train_metadata", "custom_rm_path", "generate_function_path", "rollout_routed_experts")
@@ -91,7 +113,7 @@ class Sample(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., response: _Optional[str] = ..., response_length: _Optional[int] = ..., label: _Optional[str] = ..., reward: _Optional[float] = ..., reward_scores: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., weight_versions: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., index: _Optional[int] = ..., reward_error: _Optional[str] = ..., label_json: _Optional[str] = ..., rollout_id: _Optional[int] = ..., remove_sample: _Optional[bool] = ..., teacher_log_probs: _Optional[_Iterable[float]] = ..., train_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., custom_rm_path: _Optional[str] = ..., generate_function_path: _Optional[str] = ..., rollout_routed_experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleGroup(_message.Message):
-    __slots__ = ("group_id", "job_id", "rollout_id", "prompt_index", "epoch", "lease_id", "samples")
+    __slots__ = ("group_id", "job_id", "rollout_id", "prompt_index", "epoch", "lease_id", "samples", "images")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +121,7 @@ class SampleGroup(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     job_id: str
     rollout_id: int
@@ -106,10 +129,11 @@ class SampleGroup(_message.Message):
     epoch: int
     lease_id: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., prompt_index: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("job_id", "index", "epoch", "prompt", "messages", "label", "metadata", "lease_id", "label_json")
+    __slots__ = ("job_id", "index", "epoch", "prompt", "messages", "label", "metadata", "lease_id", "label_json", "images")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +143,7 @@ class Prompt(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LABEL_JSON_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     index: int
     epoch: int
@@ -128,4 +153,5 @@ class Prompt(_message.Message):
     metadata: _struct_pb2.Struct
     lease_id: str
     label_json: str
-    def __init__(self, job_id: _Optional[str] = ..., index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., lease_id: _Optional[str] = ..., label_json: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, job_id: _Optional[str] = ..., index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., label: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., lease_id: _Optional[str] = ..., label_json: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...

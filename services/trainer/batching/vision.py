@@ -1,0 +1,86 @@
+"""The vision inputs of a rollout's samples for a vision-language model's forward: each group's images through the
+model's image processor once (the samples of a group share them), and per micro-batch the pixel values, patch grids
+and multimodal rotary positions of its rows, in row order.
+
+The batch finds a row's images by `RolloutBatch.sample_index`; a rollout without images has none and costs nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.common.samples import Sample
+
+
+@dataclass(frozen=True)
+class SampleVision:
+    pixel_values: torch.Tensor    # [num_patches, D] on the host
+    image_grid_thw: torch.Tensor  # [num_images, 3]
+
+
+def is_vision_config(hf_config: dict[str, Any]) -> bool:
+    return "vision_config" in hf_config and hf_config.get("image_token_id") is not None
+
+
+def load_image_processor(model_path: Path):
+    if not (model_path / "preprocessor_config.json").is_file():
+        raise InvalidArgument(f"model {model_path}: a vision-language model without preprocessor_config.json (its "
+                              "image processor)")
+    from transformers import AutoImageProcessor
+
+    with warnings.catch_warnings():  # without torchvision transformers takes its Pillow processor, and says so
+        warnings.simplefilter("ignore")
+        return AutoImageProcessor.from_pretrained(model_path)
+
+
+class RolloutImages:
+    """The processed images of one rollout's samples (None for a sample without images), by sample position."""
+
+    def __init__(self, image_processor: Any, samples: list[Sample] | tuple[Sample, ...]) -> None:
+        from PIL import Image
+
+        processed: dict[int, SampleVision] = {}
+        self.rows: list[SampleVision | None] = []
+        for sample in samples:
+            if not sample.images:
+                self.rows.append(None)
+                continue
+            key = id(sample.images)  # the samples of a group hold the same list: processed once
+            if key not in processed:
+                images = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in sample.images]
+                out = image_processor(images=images, return_tensors="pt")
+                processed[key] = SampleVision(out["pixel_values"], out["image_grid_thw"].to(torch.long))
+            self.rows.append(processed[key])
+
+    @property
+    def any(self) -> bool:
+        return any(row is not None for row in self.rows)
+
+    def forward_inputs(self, model: torch.nn.Module, sample_index: torch.Tensor, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The vision keyword arguments of the padded forward of rows `sample_index` ({} when none has images):
+        pixel values and grids in row order, and the 3-D rotary positions the model's rope index gives them."""
+        rows = [self.rows[i] for i in sample_index.tolist()]
+        rows = [row for row in rows if row is not None]
+        if not rows:
+            return {}
+        device = input_ids.device
+        grid = torch.cat([row.image_grid_thw for row in rows]).to(device)
+        image_token_id = model.config.image_token_id
+        mm_token_type_ids = (input_ids == image_token_id).to(torch.int32)
+        positions, _ = _inner(model).get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+                                                    image_grid_thw=grid, attention_mask=attention_mask)
+        pixel_values = torch.cat([row.pixel_values for row in rows]).to(device)
+        return {"pixel_values": pixel_values, "image_grid_thw": grid, "position_ids": positions}
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The ...ForConditionalGeneration's inner model, which owns the rope index."""
+    return model.model

@@ -1,0 +1,78 @@
+"""End to end: a GRPO job on prompts with images through `physarum up`'s local stack, on fsdp, serving a tiny
+Qwen2.5-VL: the engines' log-probs equal the trainer's recomputation over the same image tokens and pixels, and the
+engines end with the trainer's weights, its vision tower's included."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from PIL import Image
+from safetensors.torch import load_file
+
+from physarum import stack, tasks
+from physarum.tinyvlm import build_tiny_vlm
+from services.common.sglang import SGLangClient
+from services.rollout.client import RolloutClient
+from services.trainer.api.client import JobsRestClient
+
+pytestmark = pytest.mark.slow  # its own stack: buffer, reward, router, a VLM engine, the rollout service, the trainer
+
+COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+
+
+@pytest.fixture(scope="module")
+def vlm_stack(session_dir):
+    model = build_tiny_vlm(session_dir / "tiny-vlm", tasks.corpus())
+    work_dir = session_dir / "vlm-stack"
+    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model, num_engines=1, trainer_threads=1))
+    yield state, model
+    stack.down(work_dir)
+
+
+def write_color_task(path, num_prompts: int) -> None:
+    """'which color?' over one image of a solid color each (files beside the dataset), answered by its name."""
+    rows = []
+    for i in range(num_prompts):
+        name = list(COLORS)[i % len(COLORS)]
+        image = path.parent / f"{i}.png"
+        Image.new("RGB", (40 + 8 * i, 56), COLORS[name]).save(image, format="PNG")
+        rows.append({"input": "<image>which color?", "label": name, "images": [image.name]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_vlm_grpo_job_trains_on_images_end_to_end(vlm_stack, tmp_path):
+    state, model = vlm_stack
+    data = tmp_path / "colors.jsonl"
+    write_color_task(data, 4)
+    spec = {"hf_checkpoint": str(model), "prompt_data": str(data), "multimodal_keys": {"image": "images"},
+            "apply_chat_template": True, "train_backend": "fsdp", "num_rollout": 2, "rollout_batch_size": 2,
+            "n_samples_per_prompt": 2, "global_batch_size": 4, "rollout_max_response_len": 4,
+            "rm_type": "exact_match", "lr": 1e-3, "rollout_temperature": 1.0, "weight_sync_timeout_s": 60.0,
+            "lease_timeout_s": 60.0, "rollout_timeout_s": 300.0, "job_id": "e2e-vlm",
+            "save_hf": str(tmp_path / "final")}
+    with JobsRestClient(state["trainer_url"], timeout_s=30) as client:
+        job = client.submit(spec)
+        deadline = time.monotonic() + 600
+        while (job := client.get(job["job_id"]))["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            assert time.monotonic() < deadline, f"job {job['job_id']} still {job['state']}"
+            time.sleep(1.0)
+        events = client.events(job["job_id"])
+    assert job["state"] == "SUCCEEDED", job["error"]
+    steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
+    assert len(steps) == 2
+    # the engine generated from the images, the trainer recomputed with them: the same log-probs
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    # the export keeps the checkpoint's own names (Qwen2.5-VL's: visual.*), the engine its model's (model.visual.*)
+    saved = next(n for n in sorted(final) if "visual." in n and n.endswith("attn.qkv.weight"))
+    name = saved if saved.startswith("model.") else f"model.{saved}"
+    assert not load_file(model / "model.safetensors")[saved].equal(final[saved])  # the vision tower trained
+    with RolloutClient(state["rollout_addr"]) as rollout:
+        engines, _ = rollout.list_engines()
+    for engine in engines:
+        with SGLangClient(engine.url) as client:
+            assert client.model_info()["weight_version"] == "2"
+            got = client.get_weights_by_name(name, truncate_size=64)
+            assert got == pytest.approx(final[saved].flatten()[:64].tolist(), abs=1e-7)
