@@ -106,6 +106,7 @@ ANTHROPIC_CASES = [
                                                             "content": {"x": 1}}]}]), "messages[0].content[0].content"),
     (anthropic_body(stop_sequences="END"), "stop_sequences"),
     (anthropic_body(metadata="me"), "metadata"),
+    (anthropic_body(output_config={"effort": 3}), "output_config.effort"),
     (anthropic_body(unknown_field=True), "unknown_field"),
     (json.dumps({"model": "m", "messages": USER}).encode(), "max_tokens"),
     (DEEP, None),
@@ -173,4 +174,5 @@ def test_a_valid_body_of_each_api_passes_whole(tmp_path: Path):
         {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "2"}]}]), schema.OPENAI_CHAT)
     assert body["stop"] == "END"
     schema.parse(anthropic_body(system=[{"type": "text", "text": "be brief"}], tool_choice={"type": "auto"},
-                                metadata={"user_id": "u"}, thinking={"type": "disabled"}), schema.ANTHROPIC_MESSAGES)
+                                metadata={"user_id": "u"}, thinking={"type": "disabled"},
+                                output_config={"effort": "high"}), schema.ANTHROPIC_MESSAGES)

@@ -239,5 +239,5 @@ ANTHROPIC_MESSAGES = Obj({
     "stop_sequences": Arr(STR), "stream": BOOL, "metadata": Obj({"user_id": opt(STR)}),
     "thinking": Obj({"type": STR, "budget_tokens": INT}, required=("type",)), "service_tier": STR,
     "cache_control": _CACHE, "speed": ANY, "inference_geo": ANY, "diagnostics": ANY, "user_profile_id": ANY,
-    "workspace_id": ANY,
+    "workspace_id": ANY, "output_config": opt(Obj({"effort": STR})),  # Claude Code's effort hint (anthropic_api.py)
 }, required=("model", "messages", "max_tokens"), closed=True)
