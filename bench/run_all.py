@@ -29,6 +29,7 @@ SCRIPTS = {
     "engine_decode": ["--rounds", "3"],
     "router_overhead": ["--requests", "200"],
     "gateway_overhead": ["--sessions", "40"],
+    "gateway_isolation": ["--rounds", "3"],
     "buffer_vs_redis": ["--rounds", "10"],
     "redis_appendfsync": ["--rounds", "10"],
     "reward_grpc": ["--calls", "20"],
@@ -47,7 +48,8 @@ SCRIPTS = {
 HELPERS = {"_harness", "_delta_link", "_precision", "_gateway_host", "run_all", "inprocess_loop", "sim_engines",
            "demo_sweep", "gpu_check", "gpu_families"}
 KEYS = ("weight_sync_vs_gloo", "same_host_sync_GBps", "engine_vs_hf_generate", "router_overhead_p50",
-        "router_overhead_p99", "gateway_overhead_p50", "buffer_vs_redis", "reward_grpc_vs_inprocess",
+        "router_overhead_p99", "gateway_overhead_p50", "gateway_isolation_p99_ratio",
+        "buffer_vs_redis", "reward_grpc_vs_inprocess",
         "loop_vs_inprocess", "control_plane_samples_per_s_64", "group_rebuild_s_64", "delta_vs_full_sync",
         "packed_vs_padded_fsdp", "packed_vs_padded_megatron")
 

@@ -113,7 +113,7 @@ def cmd_up(args) -> int:
                                         trainer_ranks=args.trainer_ranks, redis_appendfsync=args.redis_appendfsync,
                                         plugin_allowlist=args.plugin_allowlist, auth=args.auth,
                                         trainer_device=args.device, engine_device=args.engine_device,
-                                        path_roots=tuple(args.root) if args.root else None))
+                                        path_roots=tuple(args.root) if args.root else None, supervise=True))
     print(f"stack up: job API {state['trainer_url']} (docs at /docs), router {state['router_url']}")
     print(dashboard_note(state, args.work_dir))
     return 0
@@ -153,6 +153,8 @@ def cmd_submit(args) -> int:
 def cmd_status(args) -> int:
     from services.trainer.api.client import JobsRestClient
 
+    if not args.job_id and not args.url and (state := stack.read_state(args.work_dir)) is not None:
+        print(services_table(state, args.work_dir))
     with JobsRestClient(_job_api(args), token=args.token) as client:
         jobs = [client.get(args.job_id)] if args.job_id else client.list()
     for job in jobs:
@@ -161,6 +163,61 @@ def cmd_status(args) -> int:
         print(f"{job['job_id']}  {job['state']:<9}  rollout {job['rollout_id'] + 1}/{job['num_rollout']}{shown}"
               + (f"  error: {job['error']}" if job["error"] else ""))
     return 0
+
+
+def services_table(state: dict, work_dir: Path) -> str:
+    """The local stack's processes: each running or not, and how often the supervisor started it again."""
+    from physarum import supervisor
+
+    record = supervisor.read(work_dir)
+    lines = [f"{'service':<14} {'state':<8} {'pid':>8} {'restarts':>8}"]
+    entries = [*state["processes"], *([state["supervisor"]] if state.get("supervisor") else [])]
+    for entry in entries:
+        name = "trainer" if stack.is_trainer(entry) else entry["name"]
+        running = "running" if stack.owned(entry) else "down"
+        error = record["errors"].get(name, "") if not stack.owned(entry) else ""
+        lines.append(f"{entry['name']:<14} {running:<8} {entry['pid']:>8} {record['restarts'].get(name, 0):>8}"
+                     + (f"  last error: {error}" if error else ""))
+    return "\n".join(lines)
+
+
+def cmd_restart(args) -> int:
+    try:
+        entry = stack.restart(args.work_dir, args.service)
+    except ValueError as err:  # no stack, or no such service in it
+        raise SystemExit(f"physarum: {err}") from None
+    print(f"{args.service}: started again (pid {entry['pid']})")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    """A service's log (stack.json's record of it), or a job's lines from the trainer's and the manager's logs."""
+    state = stack.read_state(args.work_dir)
+    if state is None:
+        raise SystemExit(f"physarum: no local stack in {args.work_dir} (run `physarum up`)")
+    entries = [*state["processes"], *([state["supervisor"]] if state.get("supervisor") else [])]
+    by_name = {e["name"]: Path(e["log"]) for e in entries}
+    if args.target in by_name:
+        paths, match = [by_name[args.target]], None
+    else:  # a job id: its lines in the logs of the trainer's ranks and of the rollout manager
+        paths = [path for name, path in by_name.items() if stack.is_trainer({"name": name}) or name == "rollout"]
+        match = args.target
+    sizes = {path: 0 for path in paths}
+    while True:
+        for path in paths:
+            try:
+                with open(path, "rb") as log_file:
+                    log_file.seek(sizes[path])
+                    data = log_file.read()
+            except OSError:
+                continue
+            sizes[path] += len(data)
+            for line in data.decode(errors="replace").splitlines():
+                if match is None or match in line:
+                    print(line if len(paths) == 1 else f"{path.stem}: {line}", flush=True)
+        if not args.follow:
+            return 0
+        time.sleep(0.5)
 
 
 def cmd_cancel(args) -> int:
@@ -208,13 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no per-service tokens (by default every port but health and metrics needs one)")
     p.add_argument("--root", action="append", type=Path, metavar="DIR",
                    help="a directory jobs may read data and models under and write checkpoints and exports under "
-                        "(repeatable; default: the current directory, the work dir's parent and the temporary "
-                        "directory); any other path in a job spec is refused at submit")
+                        "(repeatable; default: the work dir's private files/ directory, the current directory and "
+                        "the work dir's parent, none of them world-writable); any other path in a job spec is "
+                        "refused at submit and when it is written")
     p.add_argument("--trainer-ranks", type=int, default=1,
                    help="trainer processes: rank 0 serves the job API, the others train data-parallel (FSDP2)")
     add_device_flags(p)
     p.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the local stack").set_defaults(fn=cmd_down)
+    p = sub.add_parser("restart", help="start one service of the local stack again (the trainer: all its ranks)")
+    p.add_argument("service", help="redis, sglang-router, buffer, reward, rollout or trainer")
+    p.set_defaults(fn=cmd_restart)
+    p = sub.add_parser("logs", help="a service's log, or a job's lines in the trainer's and the manager's logs")
+    p.add_argument("target", metavar="SERVICE|JOB")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing what is written")
+    p.set_defaults(fn=cmd_logs)
     p = sub.add_parser("submit", help="submit a job spec (YAML keyed by slime's flag names)")
     p.add_argument("job_file", type=Path, nargs="?", default=None)
     p.add_argument("--slime-args", default="", metavar="ARGV",
@@ -252,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except PhysarumError as err:
+    except (PhysarumError, stack.StackConflict) as err:
         print(f"physarum: {err}", file=sys.stderr)
         return 1
 

@@ -3,15 +3,20 @@
 Starts a private redis-server, buffer, reward, the real sglang-router, the rollout manager (which starts the
 CPU engines) and the trainer's ranks (rank 0 serves the job API; ranks 1.. run services.trainer.ranks.worker, with
 torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); records each PID, command line and environment in
-stack.json so `down` stops exactly those and `restart_trainer` starts the trainer's ranks again.
+stack.json so `down` stops exactly those and `restart` starts one again. `up` on a work dir whose stack is partly
+alive adopts it (the same tokens, ports and Redis) and starts only what is missing; with `supervise` it also starts
+the supervisor (physarum/supervisor.py), which restarts whatever dies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import shutil
-import tempfile
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +55,24 @@ class StackOptions:
     auth: bool = False                   # per-service tokens on every port (`physarum up` turns it on)
     path_roots: tuple[Path, ...] | None = None  # where jobs may read and write (None: default_path_roots)
     start_timeout_s: float = 180.0
+    supervise: bool = False              # a supervisor restarts what dies (`physarum up`; tests that kill choose)
 
 
 def default_path_roots(work_dir: Path) -> tuple[Path, ...]:
-    """Where a local stack's jobs may read and write by default: the directory `up` ran from, the one that holds the
-    stack's work dir, and the temporary directory (a scratch place of this machine's)."""
-    roots = (Path.cwd(), Path(work_dir).resolve().parent, Path(tempfile.gettempdir()))
-    return tuple(dict.fromkeys(root.resolve() for root in roots))
+    """Where a local stack's jobs may read and write by default: the stack's private `files` directory (created
+    0700), the directory `up` ran from and the one that holds the work dir; never a world-writable directory (the
+    system temporary directory, say), where another user could plant a link."""
+    private = Path(work_dir).resolve() / "files"
+    private.mkdir(mode=0o700, parents=True, exist_ok=True)
+    roots = (private, Path.cwd(), Path(work_dir).resolve().parent)
+    return tuple(dict.fromkeys(root.resolve() for root in roots if not _world_writable(root)))
+
+
+def _world_writable(path: Path) -> bool:
+    try:
+        return bool(path.stat().st_mode & stat.S_IWOTH)
+    except OSError:
+        return True
 
 
 def root_flags(options: StackOptions, work_dir: Path) -> tuple[list[str], list[str]]:
@@ -98,11 +114,83 @@ def read_state(work_dir: Path = DEFAULT_WORK_DIR) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+class StackConflict(RuntimeError):
+    """`up` found a stack it can neither adopt nor replace safely."""
+
+
+@contextlib.contextmanager
+def locked(work_dir: Path) -> Iterator[None]:
+    """The work dir's lock: one `up`, `restart`, `down` or supervisor round changes the stack at a time."""
+    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(work_dir) / "stack.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def up(options: StackOptions) -> dict:
-    """Start the stack unless it is already up; returns its state (addresses and processes)."""
+    """Start the stack; a stack already in the work dir is adopted: if all of it runs it is returned as it is, if
+    part of it runs the rest is started again with its recorded ports, tokens and Redis (StackConflict when that
+    cannot be done); only a stack of which nothing runs is replaced. Returns its state (addresses and processes)."""
     work_dir = options.work_dir.resolve()
-    if (state := read_state(work_dir)) and all_alive(state):
-        return state
+    with locked(work_dir):
+        state = read_state(work_dir)
+        if state is not None and any(owned(e) for e in state["processes"]):
+            state = _adopt(work_dir, state, options)
+        else:
+            state = _fresh(work_dir, options)
+    if options.supervise:
+        start_supervisor(work_dir)
+    return read_state(work_dir) or state
+
+
+def _adopt(work_dir: Path, state: dict, options: StackOptions) -> dict:
+    """Start again, as recorded, the processes of a partly running stack (the lock held)."""
+    missing = [str(Path(env_dir)) for e in state["processes"] for env_dir in e.get("env", {}).values()
+               if env_dir.startswith(str(work_dir / "secrets")) and not Path(env_dir).is_dir()]
+    if missing:
+        raise StackConflict(f"up: the stack in {work_dir} is partly running but its tokens ({missing[0]}) are gone; "
+                            "run `physarum down` first, then `physarum up`")
+    dead = []
+    for entry in state["processes"]:
+        name = "trainer" if is_trainer(entry) else entry["name"]
+        if name not in dead and not owned(entry):
+            dead.append(name)
+    for name in dead:
+        log.info("up: %s is not running; starting it again as recorded", name)
+        try:
+            restart(work_dir, name, start_timeout_s=options.start_timeout_s, lock_held=True)
+        except Exception as err:
+            raise StackConflict(f"up: the stack in {work_dir} is partly running and {name} could not be started "
+                                f"again ({err}); run `physarum down` first, then `physarum up`") from err
+    return read_state(work_dir)
+
+
+def start_supervisor(work_dir: Path) -> None:
+    """Start the work dir's supervisor unless it runs; recorded in stack.json as `supervisor`."""
+    with locked(work_dir):
+        state = read_state(work_dir)
+        if state is None or (state.get("supervisor") and owned(state["supervisor"])):
+            return
+        proc = ManagedProcess("supervisor", python_module("physarum.supervisor", "--work-dir", str(work_dir)),
+                              work_dir / "logs" / "supervisor.log").start()
+        state["supervisor"] = _entry(proc)
+        _write_state(work_dir, state)
+
+
+def _write_state(work_dir: Path, state: dict) -> None:
+    tmp = Path(work_dir) / f".{STATE_FILE}.tmp"
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(Path(work_dir) / STATE_FILE)
+
+
+def _fresh(work_dir: Path, options: StackOptions) -> dict:
+    """A new stack (nothing of an earlier one runs): fresh Redis and tokens (the lock held)."""
+    from services.common import weight_copies
+
+    weight_copies.remove_stale()  # what trainers of an earlier stack left in shared memory
     if options.model_path is None:
         raise ValueError("up: a model directory is needed for the engines (--model)")
     logs = work_dir / "logs"
@@ -157,7 +245,7 @@ def up(options: StackOptions) -> dict:
         "trainer_url": f"http://{addr['trainer_rest']}",
         "processes": [_entry(p) for p in processes],
     }
-    (work_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+    _write_state(work_dir, state)
     return state
 
 
@@ -218,13 +306,20 @@ def _entry(proc: ManagedProcess) -> dict:
             "start_time": start_time(proc.pid)}
 
 
-def _is_trainer(entry: dict) -> bool:
+def is_trainer(entry: dict) -> bool:
     return entry["name"] == "trainer" or entry["name"].startswith("trainer-")
 
 
-def restart_trainer(work_dir: Path = DEFAULT_WORK_DIR, start_timeout_s: float = 180.0) -> dict:
+_is_trainer = is_trainer
+
+
+def restart_trainer(work_dir: Path = DEFAULT_WORK_DIR, start_timeout_s: float = 180.0,
+                    lock_held: bool = False) -> dict:
     """Stop the trainer's ranks that still run and start all of them again, on the same ports (after a crash:
     jobs resume from their checkpoints with `load`). Returns the updated state."""
+    if not lock_held:
+        with locked(work_dir):
+            return restart_trainer(work_dir, start_timeout_s, lock_held=True)
     state = read_state(work_dir)
     if state is None:
         raise ValueError(f"restart_trainer: no stack in {work_dir}")
@@ -235,7 +330,7 @@ def restart_trainer(work_dir: Path = DEFAULT_WORK_DIR, start_timeout_s: float = 
     ranks[0].wait_ready(_grpc_ready(state["trainer_addr"]), timeout_s=start_timeout_s)
     by_name = {p.name: _entry(p) for p in ranks}
     state["processes"] = [by_name.get(e["name"], e) for e in state["processes"]]
-    (Path(work_dir) / STATE_FILE).write_text(json.dumps(state, indent=2))
+    _write_state(work_dir, state)
     return state
 
 
@@ -247,18 +342,28 @@ def _owned(entry: dict) -> bool:
     return cmdline_of(entry["pid"])[: len(entry["argv"])] == entry["argv"]
 
 
+owned = _owned
+
+
 def all_alive(state: dict) -> bool:
     return all(_owned(p) for p in state["processes"])
 
 
 def down(work_dir: Path = DEFAULT_WORK_DIR, grace_s: float = 20.0) -> list[str]:
-    """Stop the processes recorded in stack.json, newest first, each by its PID; returns their names."""
+    """Stop the supervisor, then the processes recorded in stack.json, newest first, each by its PID; returns their
+    names."""
+    from services.common import weight_copies
+
     state = read_state(work_dir)
     if state is None:
         return []
-    stopped = [entry["name"] for entry in reversed(state["processes"]) if _stop(entry, grace_s)]
-    stopped += stop_leftover_engines(Path(work_dir) / "engines", grace_s)  # a killed manager's
-    (Path(work_dir) / STATE_FILE).unlink(missing_ok=True)
+    if state.get("supervisor"):  # first: it would start the others again
+        _stop(state["supervisor"], grace_s)
+    with locked(work_dir):
+        stopped = [entry["name"] for entry in reversed(state["processes"]) if _stop(entry, grace_s)]
+        stopped += stop_leftover_engines(Path(work_dir) / "engines", grace_s)  # a killed manager's
+        (Path(work_dir) / STATE_FILE).unlink(missing_ok=True)
+    weight_copies.remove_stale()  # a trainer that was killed left its copy of the weights
     return stopped
 
 
@@ -283,10 +388,15 @@ def _ready_check(state: dict, name: str):
     return checks[name]() if name in checks else (lambda: True)
 
 
-def restart(work_dir: Path = DEFAULT_WORK_DIR, name: str = "", start_timeout_s: float = 180.0) -> dict:
+def restart(work_dir: Path = DEFAULT_WORK_DIR, name: str = "", start_timeout_s: float = 180.0,
+            lock_held: bool = False) -> dict:
     """Start the recorded process `name` again with its command line and environment (same ports, same Redis
     directory, whose AOF it replays) after a crash; one still running is stopped first. Records the new PID and
-    start time so `down` stops it; returns its new entry. The trainer's ranks restart together (restart_trainer)."""
+    start time so `down` stops it; returns its new entry. The trainer's ranks restart together (restart_trainer).
+    `lock_held`: the caller holds the work dir's lock."""
+    if not lock_held:
+        with locked(work_dir):
+            return restart(work_dir, name, start_timeout_s, lock_held=True)
     state = read_state(work_dir)
     if state is None:
         raise ValueError(f"restart: no stack in {work_dir}")
@@ -295,7 +405,7 @@ def restart(work_dir: Path = DEFAULT_WORK_DIR, name: str = "", start_timeout_s: 
         raise ValueError(f"restart: {work_dir}/{STATE_FILE} records no process {name!r} (it has "
                          f"{', '.join(e['name'] for e in state['processes'])})")
     if _is_trainer(entry):
-        state = restart_trainer(work_dir, start_timeout_s)
+        state = restart_trainer(work_dir, start_timeout_s, lock_held=True)
         return next(e for e in state["processes"] if e["name"] == name)
     _stop(entry, grace_s=10.0)
     proc = ManagedProcess(name, entry["argv"], Path(entry["log"]), env=entry.get("env", {})).start()
@@ -306,5 +416,5 @@ def restart(work_dir: Path = DEFAULT_WORK_DIR, name: str = "", start_timeout_s: 
         raise
     new = _entry(proc)
     state["processes"] = [new if e["name"] == name else e for e in state["processes"]]
-    (Path(work_dir) / STATE_FILE).write_text(json.dumps(state, indent=2))
+    _write_state(work_dir, state)
     return new

@@ -144,11 +144,62 @@ class ManagedProcess:
                 self.popen.wait(timeout=grace_s)
         return self.popen.poll()
 
+    def stop_group(self, grace_s: float = 10.0) -> int | None:
+        """End the whole process group the child leads (it was started in a session of its own): SIGTERM to every
+        member, SIGKILL after grace_s to any left, waiting until none is; a container runtime's or a launcher's
+        children go with it. Returns the leader's exit code."""
+        if self.popen is None:
+            return None
+        pgid = self.popen.pid  # start_new_session: the child leads its group; the id stays in use while any member
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pgid, self.popen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _group_alive(pgid, self.popen):
+            _signal_group(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + grace_s
+            while _group_alive(pgid, self.popen) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return self.popen.poll()
+
     def log_tail(self, num_lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         except OSError:
             return "(no log)"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`, from /proc."""
+    members = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat_file.parent.name))
+    return members
+
+
+def _group_alive(pgid: int, leader: subprocess.Popen) -> bool:
+    """Whether a member of the group still runs (the leader reaped first: a zombie leader does not count; nor do
+    zombies a parent other than this process has yet to reap)."""
+    leader.poll()
+    if Path("/proc/self/stat").exists():
+        return bool(group_members(pgid))
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def python_module(module: str, *args: str) -> list[str]:

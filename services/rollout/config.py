@@ -17,6 +17,8 @@ class RolloutManagerConfig:
                               "session (and key) per sample (0 picks a free one)")
     gateway_url: str = field("", "the base URL agents reach the gateway at, ending in /v1 (default: "
                              "http://<host>:<gateway_port>/v1, 127.0.0.1 for a wildcard host)")
+    gateway_workers: int = field(4, "agent gateway threads that parse, render and tokenize requests, off its event "
+                                 "loop")
     buffer_addr: str = field("127.0.0.1:50051", "buffer service host:port")
     reward_addr: str = field("127.0.0.1:50052", "reward service host:port")
     router_url: str = field("http://127.0.0.1:30000", "sglang-router base URL; /generate goes through it")
@@ -62,6 +64,8 @@ class RolloutManagerConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if not self.router_url.startswith(("http://", "https://")):
             raise ValueError(f"router_url must start with http:// or https://, got {self.router_url!r}")
+        if self.gateway_workers < 1:
+            raise ValueError(f"gateway_workers must be >= 1, got {self.gateway_workers}")
         if self.num_engines < 0:
             raise ValueError(f"num_engines must be >= 0, got {self.num_engines}")
         if self.engine_launcher not in ("local", "kubernetes"):

@@ -152,7 +152,7 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
         health_check_interval_s=config.health_check_interval_s, health_check_timeout_s=config.health_check_timeout_s,
         health_check_first_wait_s=config.health_check_first_wait_s, start_timeout_s=config.engine_start_timeout_s,
         drain_timeout_s=config.drain_timeout_s, own_router=config.own_router), external_urls=config.engine_urls)
-    registry = SessionRegistry()
+    registry = SessionRegistry(workers=config.gateway_workers)
     gateway_server = RestServer(create_gateway_app(registry), config.host, config.gateway_port)
     await gateway_server.start()
     local_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host  # agents in this process

@@ -9,6 +9,7 @@ import logging
 import sys
 import threading
 
+from services.common import write_roots
 from services.common.config import as_dict, load_config
 from services.common.grpc_server import wait_for_stop_signal
 from services.common.logging import configure_logging
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(TrainerConfig, "trainer", argv, description=__doc__)
     configure_logging("trainer")
     log.info("config: %s", as_dict(config))
+    write_roots.configure(config.checkpoint_roots, config.export_roots)  # checked again at each write
     if config.rank != 0:
         log.error("rank %d: ranks > 0 run `python -m services.trainer.ranks.worker`", config.rank)
         return 2

@@ -12,6 +12,7 @@ import yaml
 
 from physarum import stack
 from services.buffer.client import BufferClient
+from tests.e2e.roots import stack_roots
 from tests.e2e.test_loop import run
 from tests.integration.gateway_fixtures import QUESTION, build_tool_model
 
@@ -24,7 +25,8 @@ def agent_stack(session_dir):
     template)."""
     model = build_tool_model(session_dir / "agent-model")
     work_dir = session_dir / "agent-stack"
-    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model, num_engines=1, trainer_threads=1))
+    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model, num_engines=1, trainer_threads=1,
+                                        path_roots=stack_roots(session_dir)))
     yield state, model
     stack.down(work_dir)
 

@@ -21,6 +21,7 @@ from services.rollout.client import EngineState, RolloutClient
 from services.rollout.pool.router import RouterClient
 from services.trainer.api.client import TERMINAL_STATES
 from tests.e2e import durability as d
+from tests.e2e.roots import stack_roots
 from tests.e2e.test_loop import job_spec
 
 NUM_PROMPTS, BATCH, SAMPLES, NUM_ROLLOUT = 8, 4, 2, 6  # 6 rollouts of 4 groups: 3 epochs of 8 prompts
@@ -37,7 +38,8 @@ def durable_stack(session_dir, tiny_model_dir):
     # stream, to be trained twice.
     # The per-token delay makes a rollout take about a second, long enough to kill something in the middle of one.
     stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=2, trainer_threads=1,
-                                redis_appendfsync="always", engine_per_token_delay_s=0.05))
+                                redis_appendfsync="always", engine_per_token_delay_s=0.05,
+                                path_roots=stack_roots(session_dir)))
     yield work_dir
     stack.down(work_dir)
 

@@ -25,6 +25,7 @@ from services.rollout.client import RolloutClient
 from services.trainer.__main__ import RANK_LOST_EXIT
 from services.trainer.api.client import JobsRestClient
 from services.trainer.checkpoint import iterations
+from tests.e2e.roots import stack_roots
 from tests.e2e.test_eviction import wait_exit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 def ranks_stack(session_dir, tiny_model_dir):
     work_dir = session_dir / "stack-ranks"
     state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=1,
-                                        trainer_threads=1, trainer_ranks=2))
+                                        trainer_threads=1, trainer_ranks=2, path_roots=stack_roots(session_dir)))
     yield state
     stack.down(work_dir)
 

@@ -1,13 +1,14 @@
 """`make chaos`: random kills during fully_async jobs under the default settings, ten runs (jobs) in a row on one
 local stack with authentication on.
 
-Kinds of kill: an engine (the manager replaces it), the rollout manager, the buffer, the reward service, Redis
+Kinds of fault: an engine killed (the manager replaces it), the rollout manager, the buffer, the reward service, Redis
 (restarted from its AOF), the trainer with the job API it serves (SIGKILL: its job resumes from its latest checkpoint)
-and an eviction of the trainer (SIGTERM: it checkpoints, exits 0, the job resumes); each is started again on its port
-a moment later, by this harness the way Kubernetes restarts a pod, never by hand. Each run kills every kind once, at
-random points of its job (`--kills-per-run N`: N kinds a run, rotating from run to run, for a busier machine: a
-restart costs 5-45 s on 2 busy cores). Then checks in Redis that every prompt slot was trained at most once
-and none was lost, and that the job ended. Ends with one JSON line: {"runs": 10, "kills": K, "lost": 0,
+and an eviction of the trainer (SIGTERM: it checkpoints, exits 0, the job resumes), each started again on its port by
+the stack's supervisor, as Kubernetes restarts a pod, never by this harness or by hand; and `physarum up` run again
+mid-job right after a service was killed (it must adopt the running stack: same tokens, same Redis). Each run has
+every kind once, at random points of its job (`--kills-per-run N`: N kinds a run, rotating from run to run, for a
+busier machine: a restart costs 5-45 s on 2 busy cores). Then checks in Redis that every prompt slot was trained at
+most once and none was lost, and that the job ended. Ends with one JSON line: {"runs": 10, "kills": K, "lost": 0,
 "duplicated": 0, "manual_steps": 0, "jobs_succeeded": 10, "kinds": {...}}. `--quick` runs one job with one kill of
 each kind (the form `make test` runs); `--runs N` sets the number of runs.
 """
@@ -31,15 +32,22 @@ from tests.e2e import durability as d
 from tests.fuzz.cli import run_from_args
 from tests.fuzz.fuzz import operator_credentials
 
-KINDS = ("engine", "rollout", "buffer", "reward", "redis", "trainer", "evict")
+KINDS = ("engine", "rollout", "buffer", "reward", "redis", "trainer", "evict", "up_again")
+SUPERVISED_S = 300.0  # how long the supervisor may take to bring a killed service back (a busy 2-core machine)
 BATCH, SAMPLES = 4, 2
 NUM_ROLLOUT = 8  # four epochs of the 8-prompt dataset
 KILLS_PER_RUN = len(KINDS)  # every kind in every run: ten runs in 16 min on 2 busy cores (fewer: a busier machine)
 
 
-def kill_one(work_dir: Path, kind: str, rng: random.Random) -> None:
-    """SIGKILL one process of `kind` (evict: SIGTERM to the trainer); it is started again on its port after a short
-    outage, as Kubernetes would restart its pod."""
+def back(work_dir: Path, name: str, old: dict) -> None:
+    """Wait until the supervisor has started `name` again (a new process, recorded, running)."""
+    d.wait_for(f"the supervisor starts {name} again", lambda: (e := d.entry_of(work_dir, name))["pid"] != old["pid"]
+               and stack.owned(e), SUPERVISED_S, interval_s=0.2)
+
+
+def kill_one(work_dir: Path, kind: str, rng: random.Random, options: stack.StackOptions) -> None:
+    """SIGKILL one process of `kind` (evict: SIGTERM to the trainer; up_again: SIGKILL a service, then `up` at once);
+    the supervisor starts it again on its port, as Kubernetes would restart its pod."""
     if kind == "engine":
         with RolloutClient(stack.read_state(work_dir)["rollout_addr"]) as rollout:
             engines = [e for e in rollout.pool_status().engines if e.pid]
@@ -55,11 +63,18 @@ def kill_one(work_dir: Path, kind: str, rng: random.Random) -> None:
         entry = d.entry_of(work_dir, "trainer")
         os.kill(entry["pid"], signal.SIGTERM)
         d.wait_for("the evicted trainer exits", lambda: not stack._owned(entry), 300.0, interval_s=0.2)
-        stack.restart(work_dir, "trainer")
+        back(work_dir, "trainer", entry)
         return
-    d.kill(work_dir, kind)
-    time.sleep(rng.uniform(0.5, 2.0))
-    stack.restart(work_dir, kind)
+    if kind == "up_again":  # an operator runs `physarum up` again while a service is down and the job runs
+        before = stack.read_state(work_dir)
+        victim = rng.choice(("buffer", "reward", "rollout"))
+        entry = d.kill(work_dir, victim)
+        after = stack.up(options)
+        assert (after["redis_url"], after["trainer_url"]) == (before["redis_url"], before["trainer_url"]), after
+        assert {e["name"]: e["env"] for e in after["processes"]} == {e["name"]: e["env"] for e in before["processes"]}
+        back(work_dir, victim, entry)
+        return
+    back(work_dir, kind, d.kill(work_dir, kind))
 
 
 def reached(client: JobsRestClient, job_id: str, rollout_id: int) -> dict:
@@ -75,13 +90,17 @@ def _get(client: JobsRestClient, job_id: str) -> dict | None:
         return None
 
 
+def stack_options(stack_dir: Path, model_dir: Path) -> stack.StackOptions:
+    return stack.StackOptions(work_dir=stack_dir, model_path=model_dir, num_engines=2, trainer_threads=1,
+                              engine_per_token_delay_s=0.05, auth=True, plugin_allowlist="tests,examples",
+                              supervise=True)
+
+
 @contextlib.contextmanager
 def local_stack(work_dir: Path, model_dir: Path) -> Iterator[tuple[Path, JobsRestClient]]:
-    """A local stack with authentication on, and an operator's job API client; stopped at the end."""
+    """A supervised local stack with authentication on, and an operator's job API client; stopped at the end."""
     stack_dir, start = work_dir / "stack", time.monotonic()
-    state = stack.up(stack.StackOptions(work_dir=stack_dir, model_path=model_dir, num_engines=2, trainer_threads=1,
-                                        engine_per_token_delay_s=0.05, auth=True,
-                                        plugin_allowlist="tests,examples"))
+    state = stack.up(stack_options(stack_dir, model_dir))
     print(f"stack up in {time.monotonic() - start:.1f} s", flush=True)
     try:
         with operator_credentials(stack_dir), JobsRestClient(state["trainer_url"], timeout_s=30) as client:
@@ -112,7 +131,7 @@ def job(stack_dir: Path, client: JobsRestClient, work_dir: Path, model_dir: Path
             break  # a kill after the last rollout could only hit a job that has ended
         time.sleep(rng.uniform(0.0, 0.3))
         print(f"{time.monotonic() - t0:6.1f} s: kill {kind} at rollout {state['rollout_id']}", flush=True)
-        kill_one(stack_dir, kind, rng)
+        kill_one(stack_dir, kind, rng, stack_options(stack_dir, model_dir))
         print(f"{time.monotonic() - t0:6.1f} s: {kind} back", flush=True)
         kinds[kind] = kinds.get(kind, 0) + 1
     final = d.wait_for(f"job {job_id} ends", lambda: (j := _get(client, job_id)) and
@@ -125,7 +144,7 @@ def job(stack_dir: Path, client: JobsRestClient, work_dir: Path, model_dir: Path
     if final["error"]:
         print(f"job error: {final['error']}", flush=True)
     return {"kills": sum(kinds.values()), "lost": lost, "duplicated": duplicated, "job": final["state"],
-            "kinds": kinds, "manual_steps": 0}  # every restart above is the harness's, none a person's
+            "kinds": kinds, "manual_steps": 0}  # every restart above is the supervisor's, none a person's
 
 
 def _submit(client: JobsRestClient, spec: dict) -> bool:

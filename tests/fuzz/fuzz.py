@@ -1,15 +1,18 @@
 """`make fuzz`: hostile and malformed inputs against a local stack with authentication on.
 
-Starts the stack (per-service tokens, plugins allowed under `tests` and `examples`), sends every input class of
-`inputs`, checks that every service still answers its health check, runs a normal job, prints a table per input
-class and ends with one JSON line:
-{"inputs": N, "clear_errors": N, "accepted_unauthenticated": N, "internal_errors": N, "hangs": N, "crashes": N,
- "normal_job_after": true}. `--quick` sends a sample of each class (the form `make test` runs).
+Starts the stack (per-service tokens, plugins allowed under `tests` and `examples`) and the agent gateway in its own
+process over the stack's router (gateway_host), sends every input class of `inputs` and the gateway's hostile
+requests of both APIs (`gateway_inputs`), checks that every service and the gateway still answer (each gateway
+session its state, the untouched ones a completion), runs a normal job, prints a table per input class and ends with
+one JSON line: {"inputs": N, "clear_errors": N, "accepted_unauthenticated": N, "internal_errors": N, "hangs": N,
+"crashes": N, "normal_job_after": true, "gateway": {"inputs": N, "internal_errors": N, "hangs": N, "crashed": 0,
+"sessions": N, "sessions_answering": N}}. `--quick` sends a sample of each class (the form `make test` runs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import sys
@@ -22,14 +25,17 @@ import grpc
 import httpx
 
 from physarum import stack, tasks, tinymodel
-from services.common import auth
+from services.common import auth, procs
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import RolloutClient
 from services.trainer.api.client import TERMINAL_STATES, JobsRestClient
-from tests.fuzz import inputs, probes
+from tests.fuzz import gateway_inputs, inputs, probes
 from tests.fuzz.cli import run_from_args
 from tests.integration.engine_fixtures import start_engines
 
+GATEWAY_SESSIONS = 8  # the hostile requests go round these
+CONTROL_SESSIONS = 2  # and never to these: each must still complete a turn afterwards
+GATEWAY_REQUESTS = {True: 60, False: 1200}  # quick, full
 GRPC_SERVICES = {"buffer": "buffer_addr", "reward": "reward_addr", "rollout": "rollout_addr", "trainer": "trainer_addr"}
 
 
@@ -85,6 +91,39 @@ def all_inputs(t: inputs.Target, model_dir: Path, train_path: Path, rng: random.
         yield from (rng.sample(items, min(len(items), 12)) if quick else items)
 
 
+@contextlib.contextmanager
+def gateway_host(work_dir: Path, model_dir: Path, router_url: str) -> Iterator[tuple[procs.ManagedProcess, str,
+                                                                                     list[str]]]:
+    """The gateway in its own process over `router_url`: (its process, its URL, its session keys)."""
+    port, keys_file = procs.free_port(), work_dir / "gateway-keys"
+    host = procs.ManagedProcess("gateway", procs.python_module(
+        "tests.fuzz.gateway_host", "--model-path", str(model_dir), "--router-url", router_url, "--port", str(port),
+        "--sessions", str(GATEWAY_SESSIONS + CONTROL_SESSIONS), "--keys-file", str(keys_file)),
+        work_dir / "gateway.log").start()
+    try:
+        host.wait_ready(keys_file.exists, timeout_s=120)
+        yield host, f"http://{procs.HOST}:{port}", keys_file.read_text().split()
+    finally:
+        host.stop()
+
+
+def gateway_answers(http: httpx.Client, url: str, keys: list[str]) -> int:
+    """How many sessions still answer: each its state; the control sessions (the last ones) a completion too."""
+    answering = 0
+    for i, key in enumerate(keys):
+        headers = {"authorization": f"Bearer {key}"}
+        try:
+            ok = http.get(f"{url}/v1/session", headers=headers, timeout=60).status_code == 200
+            if ok and i >= GATEWAY_SESSIONS:
+                reply = http.post(f"{url}/v1/chat/completions", headers=headers, timeout=120, json={
+                    "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "1+1="}]})
+                ok = reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        except httpx.HTTPError:
+            ok = False
+        answering += ok
+    return answering
+
+
 def healthy(state: dict, engine_urls: list[str]) -> list[str]:
     """The services that do not answer their health check (each within 30 s)."""
     down = []
@@ -121,22 +160,31 @@ def run(work_dir: Path, *, quick: bool, seed: int = 0) -> dict:
     tally = probes.Tally()
     [(foreign, foreign_url)] = start_engines(model_dir, work_dir / "foreign", 1, "--fake-compute", "true")
     try:
-        with operator_credentials(work_dir / "stack"), httpx.Client() as http:
+        with operator_credentials(work_dir / "stack"), httpx.Client() as http, gateway_host(
+                work_dir, model_dir, state["router_url"]) as (gateway, gateway_url, keys):
             t = target_of(state, work_dir, http, foreign_url)
+            hostile = itertools.chain(all_inputs(t, model_dir, train_path, rng, quick), gateway_inputs.gateway_requests(
+                gateway_url, keys[:GATEWAY_SESSIONS], http, rng, GATEWAY_REQUESTS[quick]))
             with ThreadPoolExecutor(4) as pool:  # a few at once: hostile inputs must not starve each other
-                results = pool.map(lambda item: (item[0], item[1], item[2]()), all_inputs(t, model_dir, train_path,
-                                                                                         rng, quick))
+                results = pool.map(lambda item: (item[0], item[1], item[2]()), hostile)
                 for input_class, what, outcome in results:
                     tally.add(input_class, outcome, what)
             down = healthy(state, t.engine_urls)
+            answering = gateway_answers(http, gateway_url, keys)
+            crashed = 0 if gateway.alive() else 1
             job_ok = normal_job(state, model_dir, train_path) if not down else False
     finally:
         foreign.stop()
         stack.down(work_dir / "stack")
     report(tally)
+    gateway_counts = tally.counts.get("gateway", {})
+    internal = gateway_counts.get(probes.INTERNAL, 0)
     return {"inputs": tally.total(), "clear_errors": tally.total(probes.CLEAR),
             "accepted_unauthenticated": tally.total(probes.UNAUTH), "internal_errors": tally.total(probes.INTERNAL),
-            "hangs": tally.total(probes.HANG), "crashes": len(down), "normal_job_after": job_ok}
+            "hangs": tally.total(probes.HANG), "crashes": len(down) + crashed, "normal_job_after": job_ok,
+            "gateway": {"inputs": sum(gateway_counts.values()), "internal_errors": internal,
+                        "hangs": gateway_counts.get(probes.HANG, 0), "crashed": crashed, "sessions": len(keys),
+                        "sessions_answering": answering}}
 
 
 def report(tally: probes.Tally) -> None:
@@ -152,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                             quick_help="a sample of each input class",
                             run=lambda work, args: run(work, quick=args.quick, seed=args.seed))
     bad = summary["accepted_unauthenticated"] + summary["internal_errors"] + summary["hangs"] + summary["crashes"]
-    return 0 if not bad and summary["normal_job_after"] else 1
+    gateway = summary["gateway"]
+    whole = gateway["sessions_answering"] == gateway["sessions"] and gateway["inputs"] >= GATEWAY_REQUESTS[False]
+    return 0 if not bad and summary["normal_job_after"] and (whole or "--quick" in (argv or sys.argv)) else 1
 
 
 if __name__ == "__main__":

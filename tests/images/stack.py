@@ -154,6 +154,6 @@ class ImageStack:
 
     def down(self) -> None:
         for proc in reversed(self.processes):
-            proc.stop(grace_s=20.0)
+            proc.stop_group(grace_s=20.0)  # buildah run's children (the trainer's ranks...) with it
         for container in self.containers:
             container.remove()

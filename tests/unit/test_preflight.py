@@ -198,7 +198,8 @@ def test_a_slime_torch_dist_checkpoint_loads_on_fsdp_when_megatron_can_convert_i
                                  "rm_type": "exact_match"})).ref_load == str(root)
     (tmp_path / "model" / "config.json").write_text(json.dumps(QWEN3))
     assert preflight(parse_spec({**paths, "use_kl_loss": True, "ref_load": str(root), "load": str(root),
-                                 "train_backend": "fsdp", "rm_type": "exact_match"})).load == str(root)
+                                 "train_backend": "fsdp", "rm_type": "exact_match",
+                                 "rollout_max_response_len": 32})).load == str(root)  # fits QWEN3's 64 positions
 
 
 def test_a_checkpoint_whose_files_are_missing_is_refused_at_submit(paths, tmp_path):
@@ -262,6 +263,25 @@ def test_sequence_parallel_without_tensor_parallelism_is_refused_at_submit(paths
         preflight(parse_spec(megatron))
     assert preflight(parse_spec({**megatron, "tensor_model_parallel_size": 2}))
 
+
+
+def test_a_job_whose_prompts_and_responses_exceed_the_models_context_is_refused_at_submit(paths, tmp_path):
+    from physarum import tasks, tinymodel
+
+    model = tmp_path / "tok-model"
+    tinymodel.build_tokenizer(tasks.corpus(), model)
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input": "1+1", "label": "2"}\n' + json.dumps({"input": "1+1 " * 40, "label": "2"}) + "\n")
+    base = {**paths, "hf_checkpoint": str(model), "prompt_data": str(rows)}
+    with pytest.raises(InvalidArgument, match="rollout_max_response_len: 64 tokens leave no room"):
+        preflight(parse_spec({**base, "rollout_max_response_len": 64}))
+    with pytest.raises(InvalidArgument, match=r"prompt_data: row 1's prompt is \d+ tokens; with "
+                                              "rollout_max_response_len 32 it exceeds the model's context of 64"):
+        preflight(parse_spec({**base, "rollout_max_response_len": 32}))
+    rows.write_text('{"input": "1+1", "label": "2"}\n')
+    spec = parse_spec({**base, "rollout_max_response_len": 32})
+    assert preflight(spec) is spec
 
 
 def test_multimodal_keys_need_a_vision_language_checkpoint(paths, tmp_path):

@@ -50,7 +50,8 @@ def test_no_roots_confine_nothing(tmp_path):
 
 def test_physarum_up_confines_paths_by_default(tmp_path, monkeypatch):
     """The flags `physarum up` gives the trainer, parsed as the trainer parses them: without --root, paths under
-    the current directory, the work dir's parent and the temp dir pass; /etc and the home directory do not."""
+    the current directory, the work dir's parent and the stack's private files directory pass; /etc, the home
+    directory and the world-writable temp dir do not."""
     from physarum.stack import StackOptions, root_flags
     from services.common.config import load_config
     from services.trainer.api.config import TrainerConfig
@@ -63,10 +64,12 @@ def test_physarum_up_confines_paths_by_default(tmp_path, monkeypatch):
     parse = spec_parser({}, path_roots(load_config(TrainerConfig, "trainer", trainer_flags)))
     base = {"hf_checkpoint": str(tmp_path / "m"), "prompt_data": str(tmp_path / "d.jsonl"), "num_rollout": 2,
             "rollout_batch_size": 2}
-    assert parse({**base, "save": str(tmp_path / "ckpt"), "save_hf": "/tmp/hf"}).save == str(tmp_path / "ckpt")
+    assert parse({**base, "save": str(tmp_path / "ckpt"), "save_hf": str(work_dir / "files" / "hf")}).save == \
+        str(tmp_path / "ckpt")
     escape = str(tmp_path.joinpath(*[".."] * len(tmp_path.parts), "etc", "x"))  # <tmp_path>/../../../../etc/x
     refused = [("prompt_data", "/etc/passwd"), ("save", escape),
-               ("save_hf", str(Path.home() / ".ssh" / "x")), ("load", "/etc"), ("save_debug_rollout_data", "/etc/x")]
+               ("save_hf", str(Path.home() / ".ssh" / "x")), ("load", "/etc"), ("save_debug_rollout_data", "/etc/x"),
+               ("save_hf", "/tmp/hf")]
     for key, path in refused:
         with pytest.raises(InvalidArgument, match="lies outside the allowed directories"):
             parse({**base, key: path})

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, PhysarumError
 from services.rollout.gateway.openai_api import _number
 from services.rollout.gateway.sessions import Choice, TurnParams, TurnResult
 
@@ -109,5 +109,8 @@ async def live_events(turn: AsyncIterator[str | TurnResult], prompt_tokens: int,
                 yield event
             for event in _end(item):
                 yield event
+    except PhysarumError as err:  # past the headers: the error comes as an event, as the hosted API sends it
+        kind = "invalid_request_error" if isinstance(err, InvalidArgument) else "overloaded_error"
+        yield _event("error", error={"type": kind, "message": str(err)})
     finally:
         await turn.aclose()

@@ -1,11 +1,11 @@
 """The gateway's HTTP API (FastAPI): /v1/chat/completions, /v1/models, /v1/messages, and the session's own
 /v1/session (its state) and /v1/session/reward. Each request's key (Authorization: Bearer, or x-api-key) opens its
-own session and no other; bodies are bounded before they are parsed; errors come in each API's error shape.
+own session and no other; bodies are bounded before they are read, then parsed and checked against their API's
+schema (schema.py) in the worker pool, off the event loop; errors come in each API's error shape.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Any
@@ -13,11 +13,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
-from services.rollout.gateway import anthropic_api, openai_api
-from services.rollout.gateway.conversation import from_anthropic, from_openai
-from services.rollout.gateway.sessions import Session, SessionRegistry
+from services.rollout.gateway import anthropic_api, openai_api, schema
+from services.rollout.gateway.conversation import Conversation, Limits, from_anthropic, from_openai
+from services.rollout.gateway.sessions import Session, SessionRegistry, TurnParams
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def _key(request: Request) -> str:
     return request.headers.get("x-api-key", "").strip()
 
 
-async def _read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+async def _read_body(request: Request, max_bytes: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise BodyTooLarge(f"request body of {length} bytes, at most {max_bytes}")
@@ -46,20 +47,32 @@ async def _read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         data += chunk
         if len(data) > max_bytes:
             raise BodyTooLarge(f"request body over {max_bytes} bytes")
-    try:
-        body = json.loads(data)
-    except ValueError as err:
-        raise InvalidArgument(f"request body is not JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("request body must be a JSON object")
-    return body
+    return bytes(data)
 
 
-def _error(request: Request, status: int, kind: str, message: str) -> JSONResponse:
+def _error(request: Request, status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
     if request.url.path.startswith("/v1/messages"):
         return JSONResponse(status_code=status, content={"type": "error", "error": {"type": kind, "message": message}})
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": None,
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
                                                                "code": None}})
+
+
+_HTTP_KINDS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "request_too_large"}
+
+
+REWARD = schema.Obj({"reward": schema.num(null=False)}, required=("reward",))
+
+
+def openai_request(data: bytes, limits: Limits) -> tuple[dict[str, Any], TurnParams, Conversation]:
+    """A Chat Completions body checked whole (the worker pool: parsing a large body is no work for the event loop)."""
+    body = schema.parse(data, schema.OPENAI_CHAT)
+    return body, openai_api.params(body), from_openai(body, limits)
+
+
+def anthropic_request(data: bytes, limits: Limits) -> tuple[dict[str, Any], TurnParams, Conversation]:
+    body = schema.parse(data, schema.ANTHROPIC_MESSAGES)
+    return body, anthropic_api.params(body), from_anthropic(body, limits)
 
 
 def create_app(registry: SessionRegistry) -> FastAPI:
@@ -68,11 +81,13 @@ def create_app(registry: SessionRegistry) -> FastAPI:
 
     # Handlers for these classes (not for Exception, whose handler Starlette runs and then re-raises, dropping the
     # kept-alive connection under the client's next request); anything else is FastAPI's plain 500.
+    # Messages are the gateway's own (schema.py, conversation.py, sessions.py): none names an engine, the router or a
+    # job; the engines' and the router's errors are logged and answered in general terms (sessions.py).
     async def errors(request: Request, err: Exception) -> JSONResponse:
         if isinstance(err, BodyTooLarge):
             return _error(request, 413, "request_too_large", str(err))
         if isinstance(err, InvalidArgument):
-            return _error(request, 400, "invalid_request_error", str(err))
+            return _error(request, 400, "invalid_request_error", str(err), getattr(err, "param", None))
         if isinstance(err, (Unauthorized, NotFound)):
             return _error(request, 401, "authentication_error", f"invalid API key: {err}")
         if isinstance(err, FailedPrecondition):
@@ -80,10 +95,16 @@ def create_app(registry: SessionRegistry) -> FastAPI:
         if isinstance(err, Unavailable):
             return _error(request, 503, "overloaded_error", str(err))
         log.error("gateway %s failed", request.url.path, exc_info=err)
-        return _error(request, 500, "api_error", f"{type(err).__name__}: {err}")
+        return _error(request, 500, "api_error", "the gateway failed on this request; its log has the details")
+
+    async def http_errors(request: Request, err: Exception) -> JSONResponse:
+        status = getattr(err, "status_code", 400)
+        return _error(request, status, _HTTP_KINDS.get(status, "invalid_request_error"), str(getattr(err, "detail",
+                                                                                                  err)))
 
     for kind in (PhysarumError, Unauthorized):
         app.add_exception_handler(kind, errors)
+    app.add_exception_handler(StarletteHTTPException, http_errors)  # 404, 405 in the API's shape
 
     def session_of(request: Request) -> Session:
         key = _key(request)
@@ -108,9 +129,8 @@ def create_app(registry: SessionRegistry) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         session = session_of(request)
-        body = await _read_json(request, limits.max_body_bytes)
-        turn_params = openai_api.params(body)
-        conversation = from_openai(body, limits)
+        body, turn_params, conversation = await registry.in_pool(openai_request, await _read_body(
+            request, limits.max_body_bytes), limits)
         if body.get("tool_choice") == "none":
             conversation.tools = []
         decode = lambda ids: session.renderer.decode(ids, skip_special_tokens=False)  # noqa: E731
@@ -130,10 +150,9 @@ def create_app(registry: SessionRegistry) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         session = session_of(request)
-        body = await _read_json(request, limits.max_body_bytes)
-        turn_params = anthropic_api.params(body)
-        conversation = from_anthropic(body, limits)
-        if (body.get("tool_choice") or {}).get("type") == "none":
+        body, turn_params, conversation = await registry.in_pool(anthropic_request, await _read_body(
+            request, limits.max_body_bytes), limits)
+        if isinstance(body.get("tool_choice"), dict) and body["tool_choice"]["type"] == "none":
             conversation.tools = []
         if body.get("stream"):
             turn = session.turn_stream(conversation, turn_params)
@@ -152,7 +171,7 @@ def create_app(registry: SessionRegistry) -> FastAPI:
     @app.post("/v1/session/reward")
     async def set_reward(request: Request) -> dict[str, Any]:
         session = session_of(request)
-        body = await _read_json(request, 4096)
+        body = schema.parse(await _read_body(request, 4096), REWARD)
         reward = body.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidArgument(f"reward must be a finite number, got {reward!r}")

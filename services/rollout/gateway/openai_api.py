@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, PhysarumError
 from services.rollout.gateway.sessions import Choice, TurnParams, TurnResult
 
 KNOWN = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
@@ -140,5 +140,8 @@ async def live_chunks(turn: AsyncIterator[str | TurnResult], model: str, want_lo
             if include_usage:
                 yield out.event([], usage=_usage(item))
         yield "data: [DONE]\n\n"
+    except PhysarumError as err:  # past the headers: the error comes as an event, as the hosted API sends it
+        kind = "invalid_request_error" if isinstance(err, InvalidArgument) else "server_error"
+        yield f"data: {json.dumps({'error': {'message': str(err), 'type': kind, 'param': None, 'code': None}})}\n\n"
     finally:
         await turn.aclose()

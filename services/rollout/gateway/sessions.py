@@ -6,14 +6,16 @@ Knows nothing of either API's wire shape (openai_api.py, anthropic_api.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message
 from services.rollout.gateway.deltas import ContentDeltas
@@ -29,6 +31,23 @@ END_OF_TURN_TOKENS = ("<|im_end|>",)  # Qwen/Hermes templates close a turn here:
 
 class SessionClosed(FailedPrecondition):
     """The session has ended (its sample is being scored) or was aborted."""
+
+
+@contextlib.contextmanager
+def _engine_errors(session_id: str) -> Iterator[None]:
+    """The engines' and the router's errors, logged in full and answered in general terms: their texts name internal
+    addresses and the job, which are not the agent's business."""
+    try:
+        yield
+    except PhysarumError as err:
+        log.warning("gateway session %s: %s", session_id, err)
+        if isinstance(err, InvalidArgument):
+            raise InvalidArgument("the model server refused this request (its prompt and max_tokens must fit the "
+                                  "model's context; its sampling fields must be in range)") from None
+        if isinstance(err, Unavailable) and "aborted" in str(err):
+            raise Unavailable("the rollout was aborted (its batch is full or the weights are changing); end the "
+                              "episode") from None
+        raise Unavailable("no model server answered this turn; retry it") from None
 
 
 @dataclass
@@ -80,16 +99,24 @@ class Session:
     stop_token_ids: list[int] = field(default_factory=list)
     registry: SessionRegistry | None = None  # the registry that opened it (closes it)
     gateway_url: str = ""  # where agents reach the gateway (its root), when the manager serves one
+    context_len: int | None = None  # the model's context in tokens, when its config names it
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.renderer)
+
+    async def _prepare_off_loop(self, conversation: Conversation, params: TurnParams) -> tuple[Any, int]:
+        """_prepare in the registry's worker pool: rendering and tokenizing are no work for the event loop."""
+        if self.registry is None:
+            return self._prepare(conversation, params)
+        return await self.registry.in_pool(self._prepare, conversation, params)
 
     async def turn(self, conversation: Conversation, params: TurnParams) -> TurnResult:
         """Generate the next assistant turn for `conversation` (one per choice); InvalidArgument past a bound."""
         async with self.lock:
             start_s = time.monotonic()
-            prepared, max_new_tokens = self._prepare(conversation, params)
-            replies = await self._generate(prepared.input_ids, params, max_new_tokens)
+            prepared, max_new_tokens = await self._prepare_off_loop(conversation, params)
+            with _engine_errors(self.id):
+                replies = await self._generate(prepared.input_ids, params, max_new_tokens)
             return self._finish(prepared, conversation, replies, params, start_s)
 
     async def turn_stream(self, conversation: Conversation,
@@ -99,17 +126,19 @@ class Session:
         Bounds are checked before the first item."""
         async with self.lock:
             start_s = time.monotonic()
-            prepared, max_new_tokens = self._prepare(conversation, params)
+            prepared, max_new_tokens = await self._prepare_off_loop(conversation, params)
             yield len(prepared.input_ids)
             deltas = ContentDeltas(params.stop, bool(conversation.tools))
             what = f"{self.ctx.name}: gateway session {self.id} turn {self.num_turns}"
             last: dict = {}
-            async for last in stream_generate(self.ctx, what, self._payload(prepared.input_ids, params,
-                                                                            max_new_tokens), routing_key=self.id):
-                entries = (last.get("meta_info") or {}).get("output_token_logprobs") or []
-                if delta := deltas.update(self.renderer.decode([int(e[1]) for e in entries])):
-                    yield delta
-            result = self._finish(prepared, conversation, [self._checked(last, what)], params, start_s)
+            with _engine_errors(self.id):
+                async for last in stream_generate(self.ctx, what, self._payload(prepared.input_ids, params,
+                                                                                max_new_tokens), routing_key=self.id):
+                    entries = (last.get("meta_info") or {}).get("output_token_logprobs") or []
+                    if delta := deltas.update(self.renderer.decode([int(e[1]) for e in entries])):
+                        yield delta
+                checked = self._checked(last, what)
+            result = self._finish(prepared, conversation, [checked], params, start_s)
             if rest := deltas.finish(result.choices[0].content):
                 yield rest
             yield result
@@ -123,7 +152,7 @@ class Session:
                                   "per session")
         if not 1 <= params.n <= self.limits.max_choices:
             raise InvalidArgument(f"n must be in [1, {self.limits.max_choices}], got {params.n}")
-        prepared = self.trajectory.prepare(conversation)
+        prepared = self.trajectory.prepare(conversation, self.context_len)
         root = prepared.parent.path()[0] if prepared.parent is not None else None
         used = len(prepared.input_ids) - (len(root.context) if root is not None else len(prepared.input_ids))
         budget = int(self.sampling_params["max_new_tokens"]) - used
@@ -205,10 +234,17 @@ class Session:
 class SessionRegistry:
     """The open sessions, by key; the rollout manager opens and closes them."""
 
-    def __init__(self, limits: Limits | None = None, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, metrics: GatewayMetrics | None = None, workers: int = 4) -> None:
         self.limits = limits or Limits()
         self.metrics = metrics or GatewayMetrics()
         self._by_key: dict[str, Session] = {}
+        if workers < 1:
+            raise ValueError(f"gateway workers must be >= 1, got {workers}")
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="gateway")  # parsing, rendering, tokenizing
+
+    async def in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) in the worker pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def open(self, ctx: GenerateContext, renderer: Any, sampling_params: dict[str, Any], *, session_id: str,
              model: str = "physarum", key: str = "") -> Session:
@@ -220,7 +256,8 @@ class SessionRegistry:
                                                  if (i := tokenizer.token_to_id(token)) is not None]
         session = Session(id=session_id, key=key or f"sk-physarum-{secrets.token_urlsafe(24)}", ctx=ctx,
                           renderer=renderer, sampling_params=dict(sampling_params), limits=self.limits,
-                          metrics=self.metrics, model=model, stop_token_ids=stop_ids, registry=self)
+                          metrics=self.metrics, model=model, stop_token_ids=stop_ids, registry=self,
+                          context_len=getattr(renderer, "context_len", None))
         self._by_key[session.key] = session
         self.metrics.sessions_open.inc()
         return session

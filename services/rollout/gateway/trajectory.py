@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from services.common.errors import InvalidArgument
 from services.rollout.gateway.conversation import Conversation, message_key
 
 PROBE = "\x00physarum-probe\x00"
+COUNT_CHUNK_CHARS = 16384  # a long text is counted in pieces of about this size, stopping past the bound
+WHOLE_CHARS_PER_TOKEN = 8  # a text of up to this many characters per allowed token is tokenized whole at once
 
 
 class Renderer(Protocol):
@@ -75,8 +78,14 @@ class Trajectory:
     branches: list[Branch] = field(default_factory=list)
     _turn_suffix: str | None = None
 
-    def prepare(self, conversation: Conversation) -> Prepared:
-        """Match the conversation to the turns produced; render and tokenize only what is new after the match."""
+    def prepare(self, conversation: Conversation, context_len: int | None = None) -> Prepared:
+        """Match the conversation to the turns produced; render and tokenize only what is new after the match.
+        InvalidArgument when the prompt leaves no room for one new token in `context_len`, found before an
+        over-long text is tokenized whole."""
+        limit = None if context_len is None else context_len - 1
+        if limit is not None:  # a message past the context alone is refused before the template copies it
+            for message in conversation.messages:
+                refuse_past(self.renderer, message.get("content") or "", limit)
         keys, tools_key = conversation.keys(), conversation.tools_key()
         parent = None
         for turn in reversed(self.turns):  # newest first among equally long matches
@@ -87,17 +96,19 @@ class Trajectory:
         full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
         if parent is None:
             reason = "" if not self.turns else "the history repeats no turn the gateway produced"
-            ids = self.renderer.encode_text(full)
+            ids = encode_within(self.renderer, full, limit)
             return Prepared(None, ids, list(ids), reason)
         done = self.renderer.render_messages(conversation.messages[:len(parent.keys)], conversation.tools,
                                              add_generation_prompt=False)
         if not full.startswith(done):  # the template renders earlier turns differently once more follow
-            ids = self.renderer.encode_text(full)
+            ids = encode_within(self.renderer, full, limit)
             return Prepared(None, ids, list(ids), "the chat template renders the history differently as it grows")
-        context = self.renderer.encode_text(self._closing(parent) + full[len(done):])
+        history = parent.tokens()
+        context = encode_within(self.renderer, self._closing(parent) + full[len(done):],
+                                None if limit is None else max(0, limit - len(history)))
         reason = "" if parent is self.tip else (f"continues turn {parent.index}, not the last turn "
                                                 f"{self.tip.index if self.tip else -1}")
-        return Prepared(parent, context, parent.tokens() + context, reason)
+        return Prepared(parent, context, history + context, reason)
 
     def _closing(self, turn: Turn) -> str:
         """The template's text after an assistant turn's content that the engine did not generate: all of it, or
@@ -131,6 +142,39 @@ class Trajectory:
                 self.branches.append(Branch(turn.index, prepared.branch_reason))
             self.tip = turn
         return turn
+
+
+def encode_within(renderer: Renderer, text: str, max_tokens: int | None) -> list[int]:
+    """`text`'s tokens; InvalidArgument when there are more than `max_tokens`, found before a text too long to be
+    sure of is tokenized whole (refuse_past)."""
+    if max_tokens is not None:
+        refuse_past(renderer, text, max_tokens)
+    ids = renderer.encode_text(text)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise InvalidArgument(f"the prompt does not fit the model's context: {len(ids)} new tokens, room for "
+                              f"{max_tokens} (one kept for the reply)")
+    return ids
+
+
+def refuse_past(renderer: Renderer, text: str, max_tokens: int) -> None:
+    """InvalidArgument if `text`, longer than WHOLE_CHARS_PER_TOKEN characters per allowed token, has more than
+    `max_tokens` tokens: counted in pieces cut before whitespace (as the pre-tokenizer cuts), a few times the bound
+    at a time, stopping once the count is past it. Tokenizing holds the interpreter's lock, so a huge text must
+    never be tokenized whole."""
+    if len(text) <= WHOLE_CHARS_PER_TOKEN * max(max_tokens, 1):
+        return
+    piece_chars = min(COUNT_CHUNK_CHARS, max(1024, 2 * max_tokens))
+    counted, pieces, start = 0, 0, 0
+    while start < len(text):
+        end = min(len(text), start + piece_chars)
+        if end < len(text) and (cut := text.rfind(" ", start + piece_chars // 2, end)) > start:
+            end = cut
+        counted += len(renderer.encode_text(text[start:end]))
+        pieces += 1
+        if counted > max_tokens + pieces:  # a cut may split one token in two: allow one per piece
+            raise InvalidArgument(f"the prompt does not fit the model's context: over {max_tokens} tokens, room "
+                                  f"for {max_tokens} (one kept for the reply)")
+        start = end
 
 
 @dataclass

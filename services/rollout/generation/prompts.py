@@ -49,6 +49,7 @@ class PromptEncoder:
         self.path = path
         self.chat_template = _compile(template) if isinstance(template, str) else None
         self.eos_token_id = self._find_eos_token_id(path)
+        self.context_len = model_context_len(path)
         self.image_tokens = ImageTokens.load(path)  # None: a text model
 
     def _find_eos_token_id(self, path: Path) -> int | None:
@@ -105,6 +106,13 @@ class PromptEncoder:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def model_context_len(path: Path) -> int | None:
+    """The model's context in tokens (config.json's max_position_embeddings, or its text_config's), if named."""
+    config = _read_json(path / "config.json")
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _compile(template: str) -> jinja2.Template:

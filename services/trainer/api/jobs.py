@@ -103,6 +103,9 @@ class JobContext:
     def report(self, rollout_id: int, metrics: dict[str, float], message: str = "") -> None:
         self._registry.record(self.job, rollout_id=rollout_id, metrics=metrics, message=message)
 
+    def has_metrics(self, rollout_id: int) -> bool:
+        return any(e.rollout_id == rollout_id and e.metrics for e in list(self.job.events))
+
     def check_cancelled(self) -> None:
         if self._registry.stopping.is_set():
             raise JobPreempted(f"job {self.job.job_id}: the trainer is stopping")

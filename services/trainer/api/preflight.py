@@ -14,6 +14,7 @@ from pathlib import Path
 
 from services.common import plugins
 from services.common.errors import InvalidArgument
+from services.trainer.api.context_fit import check_context
 from services.trainer.api.spec import JobSpec
 from services.trainer.backends import capabilities
 from services.trainer.models import families
@@ -199,7 +200,7 @@ def check_ranks(spec: JobSpec, world_size: int) -> list[str]:
 
 
 CHECKS: tuple[Callable[[JobSpec], list[str]], ...] = (check_paths, check_model_family, check_megatron,
-                                                      check_plugins, check_rollout_ranges)
+                                                      check_plugins, check_rollout_ranges, check_context)
 
 
 def preflight(spec: JobSpec, world_size: int | None = None) -> JobSpec:

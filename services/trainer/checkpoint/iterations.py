@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.common import write_roots
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample, Status
 from services.trainer.distributed.parallel import World
@@ -67,6 +68,18 @@ class TrainerState:
     job_id: str
     world_size: int
     buffer: dict[str, Any] | None = None  # services.buffer.client.DataSourceState.to_dict(); None: no buffer
+
+
+METRICS_FILE = "rollout_metrics.json"
+
+
+def saved_metrics(root: str | Path, rollout_id: int) -> dict[str, float] | None:
+    """The metrics of rollout `rollout_id` saved with its checkpoint (None: none were)."""
+    try:
+        metrics = json.loads((iteration_dir(root, rollout_id) / METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) else None
 
 
 def iteration_dir(root: str | Path, rollout_id: int) -> Path:
@@ -139,9 +152,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: str | Path, rollout_id: int, backend: BackendState, world: World,
-                    trainer_state: Callable[[], TrainerState]) -> Path:
+                    trainer_state: Callable[[], TrainerState], metrics: dict[str, float] | None = None) -> Path:
     """Every rank: write checkpoint `rollout_id` under root. `trainer_state` runs on rank 0 only, first (it takes
-    the buffer's snapshot); a failure there ends the save on every rank before anything is written."""
+    the buffer's snapshot); a failure there ends the save on every rank before anything is written. `metrics`, the
+    rollout's, are kept with it (saved_metrics)."""
+    root = write_roots.writable_dir(root, write_roots.CHECKPOINTS, "save")  # checked now, not only at submit
     path = iteration_dir(root, rollout_id)
     # taken first, written after the backend's files (dist-checkpointing wants an empty directory)
     state = world.on_rank0(lambda: dataclasses.asdict(trainer_state()))
@@ -151,6 +166,8 @@ def save_checkpoint(root: str | Path, rollout_id: int, backend: BackendState, wo
     world.barrier()
     if world.rank == 0:
         _write_atomic(path / STATE_FILE, json.dumps(state, indent=1))
+        if metrics:  # the rollout's metrics go with the checkpoint: a kill before they are reported loses none
+            _write_atomic(path / METRICS_FILE, json.dumps(metrics))
         if backend.checkpoint_format == TORCH_DIST and state["buffer"] is not None:  # slime's --load reads this one
             data_state = Path(root) / SLIME_DATA_STATE.format(rollout_id=rollout_id)
             data_state.parent.mkdir(parents=True, exist_ok=True)
@@ -254,9 +271,9 @@ def debug_rollout_path(pattern: str, rollout_id: int) -> Path:
 
 def save_debug_rollout_data(pattern: str, rollout_id: int, samples: list[Sample]) -> Path:
     path = debug_rollout_path(pattern, rollout_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
     dumped = [{**dataclasses.asdict(s), "status": s.status.name} for s in samples]
-    torch.save({"rollout_id": rollout_id, "samples": dumped}, path)
+    with write_roots.open_for_write(path, write_roots.EXPORTS, "save_debug_rollout_data") as out:
+        torch.save({"rollout_id": rollout_id, "samples": dumped}, out)
     return path
 
 

@@ -101,9 +101,10 @@ class RolloutFeed:
     def report(self, rollout_id: int, metrics: dict[str, float]) -> None:
         self.world.on_rank0(self._report, rollout_id, metrics)
 
-    def resumed(self, start_id: int, buffer_state: dict | None) -> None:
-        """The job resumes at rollout `start_id`: the buffer's data source goes back to the checkpoint's state."""
-        self.world.on_rank0(self._resumed, start_id, buffer_state)
+    def resumed(self, start_id: int, buffer_state: dict | None, metrics: dict[str, float] | None = None) -> None:
+        """The job resumes at rollout `start_id`: the buffer's data source goes back to the checkpoint's state, and
+        the checkpoint's rollout's metrics are reported unless they were before the trainer stopped."""
+        self.world.on_rank0(self._resumed, start_id, buffer_state, metrics)
 
     def trainer_state(self, rollout_id: int) -> iterations.TrainerState:
         """Rank 0 (iterations.save_checkpoint calls it there): the driver's part of checkpoint `rollout_id`, with
@@ -180,9 +181,11 @@ class RolloutFeed:
                  metrics["rollout/reward_mean"], metrics.get("train/loss", float("nan")),
                  metrics["perf/rollout_seconds"], metrics["perf/train_seconds"])
 
-    def _resumed(self, start_id: int, buffer_state: dict | None) -> None:
+    def _resumed(self, start_id: int, buffer_state: dict | None, metrics: dict[str, float] | None) -> None:
         if buffer_state is not None and self.driver.engines:
             self.deps.buffer.restore_state(self.job_id, DataSourceState.from_dict(buffer_state))
+        if metrics and not self.ctx.has_metrics(start_id - 1):  # killed between the checkpoint and its report
+            self.ctx.report(start_id - 1, metrics, f"rollout {start_id - 1}'s metrics, kept with its checkpoint")
         self.ctx.report(start_id - 1, {}, f"resumed from {self.driver.load} at rollout {start_id}")
 
     def _groups(self, rollout_id: int, version: int, share: Share) -> list[SampleGroup]:

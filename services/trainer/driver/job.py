@@ -43,6 +43,9 @@ class JobControl(Protocol):
 
     def report(self, rollout_id: int, metrics: dict[str, float], message: str = "") -> None: ...
 
+    def has_metrics(self, rollout_id: int) -> bool:
+        """Whether rollout `rollout_id`'s metrics were reported (a resumed job reports its checkpoint's otherwise)."""
+
     def check_cancelled(self) -> None:
         """Raises JobCancelled (JobPreempted when the trainer is stopping) once the job should end."""
 

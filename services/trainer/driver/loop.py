@@ -14,6 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
+from services.common import write_roots
 from services.common.errors import InvalidArgument
 from services.common.settings.rollout import RolloutConfig
 from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
@@ -63,7 +64,9 @@ def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world
         else:
             log.info("job %s: %s holds no checkpoint yet; starting at rollout 0", driver.job_id, driver.load)
         return 0
-    feed.resumed(state.rollout_id + 1, state.buffer)
+    # this job's own checkpoint (it was stopped): the rollout's metrics, in case the stop came before their report
+    metrics = iterations.saved_metrics(driver.load, state.rollout_id) if state.job_id == driver.job_id else None
+    feed.resumed(state.rollout_id + 1, state.buffer, metrics)
     return state.rollout_id + 1
 
 
@@ -120,7 +123,7 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
     """The rollout -> train -> checkpoint -> weights loop of every mode; the feed is where the modes differ."""
     world, last = deps.world, driver.num_rollout - 1
     weights = EngineWeights(world, deps.rollout, engines=driver.engines, sync=sync,
-                            master_address=deps.master_address, model_dir=driver.hf_checkpoint)
+                            master_address=deps.master_address, model_dir=driver.hf_checkpoint, job_id=driver.job_id)
     feed = make_feed(driver, rollout, deps, ctx, weights, backend.rollout_share())
     try:
         start_id = resume(driver, backend, feed, world)
@@ -151,7 +154,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
                     rollout_id, driver.save_interval, num_rollout=driver.num_rollout)):
                 start = time.monotonic()
                 iterations.save_checkpoint(driver.save, rollout_id, backend, world,
-                                            functools.partial(feed.trainer_state, rollout_id))
+                                            functools.partial(feed.trainer_state, rollout_id),
+                                            metrics={**metrics, "perf/save_seconds": 0.0})  # kept with it
                 metrics["perf/save_seconds"] = time.monotonic() - start
                 saved = rollout_id
             if feed.weight_update_due(rollout_id):
@@ -160,7 +164,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend:
             metrics.update(feed.after_rollout(rollout_id))  # the manager's counters, and eval when due
             feed.report(rollout_id, metrics)
         if driver.save_hf:
-            backend.save_hf(driver.save_hf.format(rollout_id=last))
+            backend.save_hf(write_roots.writable_dir(driver.save_hf.format(rollout_id=last), write_roots.EXPORTS,
+                                                     "save_hf"))
     finally:
         feed.close()
         weights.close()

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 
+from services.common import write_roots
 from services.common.config import as_dict, load_config
 from services.common.errors import FailedPrecondition
 from services.common.logging import configure_logging
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(TrainerConfig, "trainer", argv, description=__doc__)
     configure_logging(f"trainer-{config.rank}", level=os.environ.get("PHYSARUM_LOG_LEVEL", "WARNING"))
     log.info("config: %s", as_dict(config))
+    write_roots.configure(config.checkpoint_roots, config.export_roots)  # checked again at each write
     if config.rank == 0:
         log.error("rank 0 is the trainer service: run `python -m services.trainer`")
         return 2

@@ -9,7 +9,6 @@ one device. Pausing, timeouts and resuming the engines after a failure are the b
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterable
@@ -18,11 +17,10 @@ from pathlib import Path
 import torch
 
 from services.common.sglang import SGLangClient
+from services.common.weight_copies import SHM_ROOT, default_root, remove_stale, snapshot_dir  # noqa: F401 - auto.py reads SHM_ROOT here
 from services.trainer.weight_sync.weight_sync import WeightBroadcaster, WeightSyncError, _on_all, write_snapshot
 
 log = logging.getLogger(__name__)
-
-SHM_ROOT = Path("/dev/shm")
 
 
 class SharedMemoryBroadcaster(WeightBroadcaster):
@@ -31,8 +29,9 @@ class SharedMemoryBroadcaster(WeightBroadcaster):
     def __init__(self, engine_urls: list[str], *, root: str | Path | None = None, **kwargs) -> None:
         super().__init__(engine_urls, **{**kwargs, "backend": "gloo"})
         self.requested_backend = self.backend = "shm"
-        base = Path(root) if root is not None else (SHM_ROOT if SHM_ROOT.is_dir() else Path("/tmp"))
-        self.root = base / f"physarum-weights-{os.getpid()}"
+        base = Path(root) if root is not None else default_root()
+        remove_stale(base)  # a trainer that died before (SIGKILL) left its copy: this one's restart removes it
+        self.root = snapshot_dir(base, self.job_id)
 
     def init_group(self) -> None:
         """No process group: check the engines answer, and keep a client for each."""

@@ -25,7 +25,8 @@ class EngineWeights:
     they keep whatever weights they hold). `push` is collective (every rank calls it); `announce` is rank 0's."""
 
     def __init__(self, world: World, rollout: RolloutClient | None, *, engines: bool, version: int = 0,
-                 sync: SyncConfig | None = None, master_address: str = "127.0.0.1", model_dir: str = "") -> None:
+                 sync: SyncConfig | None = None, master_address: str = "127.0.0.1", model_dir: str = "",
+                 job_id: str = "") -> None:
         self.world, self.rollout, self.engines, self.version = world, rollout, engines, version
         self.unannounceable: set[int] = set()  # versions without a snapshot to announce (warned once each)
         self.broadcaster = None
@@ -35,7 +36,7 @@ class EngineWeights:
             self.broadcaster = make_broadcaster(sync.weight_sync_backend, [], master_address=master_address,
                                                 timeout_s=sync.weight_sync_timeout_s,
                                                 bucket_bytes=sync.update_weight_buffer_size, model_dir=model_dir,
-                                                **sync.broadcaster_options())
+                                                job_id=job_id, **sync.broadcaster_options())
 
     def push(self, backend: TrainBackend, version: int) -> dict[str, float]:
         """Every rank: gather the full weights to rank 0 (FSDP), which pushes them to the manager's engines as

@@ -129,7 +129,7 @@ class WeightBroadcaster:
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 60.0,
                  bucket_bytes: int = 512 << 20, pause_mode: str = "in_place",  # SyncConfig's default
-                 model_dir: str | Path | None = None) -> None:
+                 model_dir: str | Path | None = None, job_id: str = "") -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         if timeout_s <= 0 or bucket_bytes <= 0:
@@ -144,6 +144,7 @@ class WeightBroadcaster:
         self.bucket_bytes = bucket_bytes
         self.pause_mode = pause_mode
         self.model_dir = model_dir  # the base checkpoint: the dtype of engines that serve "auto"
+        self.job_id = job_id  # names what it leaves on the host (shared-memory snapshots)
         self.dtype: torch.dtype | None = None  # what the engines serve, asked at init_group; None: as they are
         self.group: dist.ProcessGroup | None = None
         self.store: dist.TCPStore | None = None
