@@ -38,7 +38,7 @@ def adamw_step(model_dir: Path, work: Path) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.common import safetensors_io
+    from services.trainer.checkpoint import safetensors_io
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
