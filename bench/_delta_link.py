@@ -112,7 +112,7 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int,
 def measure(work: Path, rounds: int) -> dict:
     """Start the two pods, run the trainer's rounds; its figures, or {"skipped": reason} where there is no netns."""
     from services.common import procs
-    from tests.integration import netns
+    from testkit import netns
 
     reason = netns.unavailable_reason()
     if reason:

@@ -26,9 +26,9 @@ from services.common import auth
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import RolloutClient
 from services.trainer.api.client import TERMINAL_STATES, JobsRestClient
+from testkit.engines import start_engines
 from tests.fuzz import inputs, probes
 from tests.fuzz.cli import run_from_args
-from tests.integration.engine_fixtures import start_engines
 
 GRPC_SERVICES = {"buffer": "buffer_addr", "reward": "reward_addr", "rollout": "rollout_addr", "trainer": "trainer_addr"}
 
