@@ -11,11 +11,11 @@ import sys
 import time
 
 import pytest
-from tests.integration.netns_trainer import TrainerPod, digest
 
 from services.common import procs
 from testkit import netns
 from tests.integration.hf_weights import hf_weights, perturbed
+from tests.integration.netns_trainer import TrainerPod, digest
 
 TIMEOUT_S = 5.0
 SLACK_S = 2.0
