@@ -8,7 +8,7 @@ import pytest
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus, config_from_proto, config_to_proto
-from services.trainer.api.spec import parse_spec, slime_args_to_dict
+from services.trainer.api.spec import parse_spec
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.post_rollout import eval_due, evaluate, manager_metrics
 
@@ -40,7 +40,7 @@ def test_slime_style_eval_prompt_data_and_flags():
     argv = ["--hf-checkpoint", "/m", "--prompt-data", "/d", "--num-rollout", "2", "--rollout-batch-size", "4",
             "--eval-prompt-data", "aime", "/e/aime.jsonl", "gsm", "/e/gsm.jsonl", "--eval-interval", "1",
             "--partial-rollout", "--over-sampling-batch-size", "6"]
-    spec = parse_spec(slime_args_to_dict(argv))
+    spec = parse_spec({"slime_args": argv})
     assert spec.eval_prompt_data == ["aime=/e/aime.jsonl", "gsm=/e/gsm.jsonl"] and spec.partial_rollout
     assert spec.over_sampling_batch_size == 6
     assert parse_spec({**BASE, "eval_prompt_data": ["/e/math500.jsonl"]}).eval_prompt_data == [
