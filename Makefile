@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint
+.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build. The images'
 # constraints pin the rest, so the tests run on the very versions the images install.
@@ -79,8 +79,13 @@ lint: setup
 proto: setup
 	$(BIN)/python proto/generate.py
 
+# The manual (README.md and docs/) as a site in the ignored site/: MkDocs, Material theme; strict, so a broken link,
+# anchor or include fails the build (tests/unit/test_docs_site.py builds it too).
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf .physarum .pytest_cache
+	rm -rf .physarum .pytest_cache site
 
 # What only a CUDA machine confirms (bench/gpu_check.py): both backends on CUDA against CPU, bf16, the demo on the
 # GPU, throughput against a plain PyTorch loop. Without CUDA it says so and exits 0. On a machine with no venv (the

@@ -1,4 +1,5 @@
-"""The README's dashboard screenshot: a newcomer's path on the local stack, photographed in headless Chromium.
+"""The dashboard screenshot of docs/local-stack.md (docs/dashboard.png): a newcomer's path on the local stack,
+photographed in headless Chromium.
 
 `physarum up` (no --model: the demo's model), the demo's SFT warm-up (`--sft-rollouts` of its rollouts: a shorter
 warm-up on a busy machine), then the demo's GRPO job; once GRPO has run `--rollouts` rollouts its page is saved as a

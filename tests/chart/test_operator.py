@@ -211,9 +211,9 @@ def test_trainer_pdb_holds_drains_by_default_and_can_let_one_through():
     assert not find(render({"trainer": {"pdb": {"enabled": False}}}), "PodDisruptionBudget", "trainer")
 
 
-def test_readme_documents_the_drain_procedure():
-    readme = (Path(CHART).parents[2] / "README.md").read_text()
-    assert "### Draining a GPU node" in readme and "trainer.pdb.maxUnavailable" in readme
+def test_docs_document_the_drain_procedure():
+    doc = (Path(CHART).parents[2] / "docs" / "kubernetes.md").read_text()
+    assert "## Draining a GPU node" in doc and "trainer.pdb.maxUnavailable" in doc
 
 
 def test_notes_export_the_variable_the_cli_reads():

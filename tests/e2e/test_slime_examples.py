@@ -8,7 +8,7 @@ and eval settings stay as slime's script wrote them.
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
 builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers,
 and train_infer_mismatch_helper, refused on megatron for its context parallelism, both with a refusal that names
-fsdp, run moved to fsdp as README's porting section says (ON_FSDP; the mismatch helper's mis.py and mis.yaml,
+fsdp, run moved to fsdp as docs/slime.md's porting section says (ON_FSDP; the mismatch helper's mis.py and mis.yaml,
 slime's, from tests/slime_examples/examples). multi_agent (slime's multi-agent generate function, from there too, on
 a tiny Qwen3-MoE), refused at submit for --optimizer-cpu-offload and, without TransformerEngine (as on CPU here), for
 --use-precision-aware-optimizer, as tests/unit/test_slime_examples.py shows, runs with those dropped, as the
@@ -73,8 +73,8 @@ DENSE_LEFT_OUT = {
                         "here, --use-precision-aware-optimizer (megatron-core runs it only on TransformerEngine's "
                         "FusedAdam)",
 }
-# Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as README's porting section
-# says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
+# Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as docs/slime.md's porting
+# section says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
 ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5", "train_infer_mismatch_helper": "qwen3"}
 # Refused at submit for --optimizer-cpu-offload (megatron-core's hybrid optimizer fails at the job's first step: "can't
 # optimize a non-leaf Tensor") and here, with no TransformerEngine, for --use-precision-aware-optimizer: run with

@@ -1,4 +1,5 @@
-"""The README's Configuration table: generated from the config classes, current, and true (each variable is read)."""
+"""The docs' Configuration table (docs/configuration.md) and job-spec table (docs/jobs.md): generated from the config
+classes, current, and true (each variable is read)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ config_table = load_script("config_table")
 SERVICES = config_table.discover()
 
 
-def test_readme_table_is_current():
-    readme = (ROOT / "README.md").read_text()
-    assert "## Configuration" in readme
-    assert config_table.replace_table(readme, config_table.render(SERVICES)) == readme, (
-        "README.md's Configuration table is stale: run .venv/bin/python scripts/config_table.py")
+def test_configuration_table_is_current():
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert "# Configuration" in doc
+    assert config_table.replace_table(doc, config_table.render(SERVICES)) == doc, (
+        "docs/configuration.md's Configuration table is stale: run .venv/bin/python scripts/config_table.py")
 
 
 def test_every_service_main_is_found_with_its_config_class():
@@ -86,12 +87,12 @@ def test_rows_render_flags_variables_defaults_and_escape_pipes():
     ]
 
 
-def test_readme_job_spec_table_is_current():
-    readme = (ROOT / "README.md").read_text()
+def test_job_spec_table_is_current():
+    doc = (ROOT / "docs" / "jobs.md").read_text()
     table = config_table.render_spec(config_table.job_parts())
-    assert config_table.replace_table(readme, table, config_table.SPEC_BEGIN, config_table.SPEC_END) == readme, (
-        "README.md's job-spec table is stale: run .venv/bin/python scripts/config_table.py")
-    assert config_table.current_readme(readme) == readme
+    assert config_table.replace_table(doc, table, config_table.SPEC_BEGIN, config_table.SPEC_END) == doc, (
+        "docs/jobs.md's job-spec table is stale: run .venv/bin/python scripts/config_table.py")
+    assert all(path.read_text() == text for path, text in config_table.current_docs().items())
 
 
 def test_job_spec_rows_name_the_part_mark_required_keys_and_skip_shared_ones():
