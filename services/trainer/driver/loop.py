@@ -43,72 +43,20 @@ log = logging.getLogger(__name__)
 __all__ = ["TrainerDeps", "make_backend", "train"]
 
 
-def sync(run: JobRun, start_id: int) -> None:
-    """Generate rollout i with the weights of rollout i-1, train on it, push the new weights."""
-    driver, rollouts = run.driver, run.rollouts
-    for rollout_id in range(start_id, driver.num_rollout):
-        samples = run.samples(rollout_id, functools.partial(rollouts.collect, rollout_id))
-        metrics = run.train(rollout_id, samples)
-        metrics.update(run.save_if_due(rollout_id))
-        if weight_update_due(driver, rollout_id):
-            metrics.update(run.push_weights(rollout_id))
-        metrics.update(run.manager_metrics(rollout_id))
-        metrics.update(run.evaluate_if_due(rollout_id))
-        run.report(rollout_id, metrics)
-
-
-def one_step_async(run: JobRun, start_id: int) -> None:
-    """Rollout i+1 generates while rollout i trains. Before a weight update the trainer waits for rollout i+1 to
-    finish with the weights it started with (slime waits likewise), so each rollout comes from one policy."""
-    driver, rollouts, world = run.driver, run.rollouts, run.world
-    ready: dict[int, list[SampleGroup]] = {}  # rank 0: rollouts waited for before an update
-
-    def ready_or_collect(rollout_id: int, share: Share) -> list[SampleGroup]:
-        return ready.pop(rollout_id) if rollout_id in ready else rollouts.collect(rollout_id, share)
-
-    def wait_for_next(rollout_id: int) -> dict[str, float]:
-        start = time.monotonic()
-        if rollout_id + 1 < driver.num_rollout:
-            share = Share() if driver.save_debug_rollout_data else rollouts.share
-            ready[rollout_id + 1] = rollouts.collect(rollout_id + 1, share)
-        return {"perf/wait_next_rollout_seconds": time.monotonic() - start}
-
-    for rollout_id in range(start_id, driver.num_rollout):
-        samples = run.samples(rollout_id, functools.partial(ready_or_collect, rollout_id))
-        if rollout_id + 1 < driver.num_rollout:
-            world.on_rank0(rollouts.start, rollout_id + 1)  # generated while this one trains
-        metrics = run.train(rollout_id, samples)
-        metrics.update(run.save_if_due(rollout_id))
-        if weight_update_due(driver, rollout_id):
-            metrics.update(world.on_rank0(wait_for_next, rollout_id))
-            metrics.update(run.push_weights(rollout_id))
-        metrics.update(run.manager_metrics(rollout_id))
-        metrics.update(run.evaluate_if_due(rollout_id))
-        run.report(rollout_id, metrics)
-
-
-def fully_async(run: JobRun, start_id: int) -> None:
-    """Take each rollout from the manager's stream, within the staleness bound; the stream runs on while the
-    trainer trains, and ends with the job."""
-    driver, rollouts, world = run.driver, run.rollouts, run.world
-    try:
-        for rollout_id in range(start_id, driver.num_rollout):
-            samples = run.samples(rollout_id, functools.partial(rollouts.take, rollout_id))
-            metrics = run.train(rollout_id, samples)
-            metrics.update(run.save_if_due(rollout_id))
-            if weight_update_due(driver, rollout_id):
-                metrics.update(run.push_weights(rollout_id))
-            metrics.update(run.manager_metrics(rollout_id))
-            metrics.update(run.evaluate_if_due(rollout_id))
-            if driver.engines:
-                metrics.update(world.on_rank0(lambda: dict(rollouts.stale)))
-            run.report(rollout_id, metrics)
-    finally:
-        if world.rank == 0:
-            rollouts.stop_stream()
-
-
-MODES = {"sync": sync, "one_step_async": one_step_async, "fully_async": fully_async}
+def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
+    """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks). The spec is cut
+    into its parts here, once: the loop reads the driver's settings, each part gets its own config."""
+    driver, rollout = spec.driver, spec.rollout
+    if driver.debug_rollout_only:
+        if deps.world.rank == 0:
+            rollout_only(driver, rollout, ctx, deps)
+        return
+    if driver.engines:
+        deps.world.on_rank0(load_dataset, driver, rollout, deps, ctx)
+    if not capabilities(spec.layout.train_backend).slime_checkpoints:  # before the backend takes the memory
+        driver = slime_checkpoint_conversion.converted_paths(driver, deps.world)
+    backend = make_backend(spec, deps.world, deps.num_threads)
+    run(driver, rollout, spec.sync, backend, ctx, deps)
 
 
 def run(driver: DriverConfig, rollout: RolloutConfig, sync_config: SyncConfig, backend: TrainBackend,
@@ -132,6 +80,74 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync_config: SyncConfig, b
     finally:
         job.close()
         weights.close()
+
+
+def sync(job: JobRun, start_id: int) -> None:
+    """Generate rollout i with the weights of rollout i-1, train on it, push the new weights."""
+    driver, rollouts = job.driver, job.rollouts
+    for rollout_id in range(start_id, driver.num_rollout):
+        samples = job.samples(rollout_id, functools.partial(rollouts.collect, rollout_id))
+        metrics = job.train(rollout_id, samples)
+        metrics.update(job.save_if_due(rollout_id))
+        if weight_update_due(driver, rollout_id):
+            metrics.update(job.push_weights(rollout_id))
+        metrics.update(job.manager_metrics(rollout_id))
+        metrics.update(job.evaluate_if_due(rollout_id))
+        job.report(rollout_id, metrics)
+
+
+def one_step_async(job: JobRun, start_id: int) -> None:
+    """Rollout i+1 generates while rollout i trains. Before a weight update the trainer waits for rollout i+1 to
+    finish with the weights it started with (slime waits likewise), so each rollout comes from one policy."""
+    driver, rollouts, world = job.driver, job.rollouts, job.world
+    ready: dict[int, list[SampleGroup]] = {}  # rank 0: rollouts waited for before an update
+
+    def ready_or_collect(rollout_id: int, share: Share) -> list[SampleGroup]:
+        return ready.pop(rollout_id) if rollout_id in ready else rollouts.collect(rollout_id, share)
+
+    def wait_for_next(rollout_id: int) -> dict[str, float]:
+        start = time.monotonic()
+        if rollout_id + 1 < driver.num_rollout:
+            share = Share() if driver.save_debug_rollout_data else rollouts.share
+            ready[rollout_id + 1] = rollouts.collect(rollout_id + 1, share)
+        return {"perf/wait_next_rollout_seconds": time.monotonic() - start}
+
+    for rollout_id in range(start_id, driver.num_rollout):
+        samples = job.samples(rollout_id, functools.partial(ready_or_collect, rollout_id))
+        if rollout_id + 1 < driver.num_rollout:
+            world.on_rank0(rollouts.start, rollout_id + 1)  # generated while this one trains
+        metrics = job.train(rollout_id, samples)
+        metrics.update(job.save_if_due(rollout_id))
+        if weight_update_due(driver, rollout_id):
+            metrics.update(world.on_rank0(wait_for_next, rollout_id))
+            metrics.update(job.push_weights(rollout_id))
+        metrics.update(job.manager_metrics(rollout_id))
+        metrics.update(job.evaluate_if_due(rollout_id))
+        job.report(rollout_id, metrics)
+
+
+def fully_async(job: JobRun, start_id: int) -> None:
+    """Take each rollout from the manager's stream, within the staleness bound; the stream runs on while the
+    trainer trains, and ends with the job."""
+    driver, rollouts, world = job.driver, job.rollouts, job.world
+    try:
+        for rollout_id in range(start_id, driver.num_rollout):
+            samples = job.samples(rollout_id, functools.partial(rollouts.take, rollout_id))
+            metrics = job.train(rollout_id, samples)
+            metrics.update(job.save_if_due(rollout_id))
+            if weight_update_due(driver, rollout_id):
+                metrics.update(job.push_weights(rollout_id))
+            metrics.update(job.manager_metrics(rollout_id))
+            metrics.update(job.evaluate_if_due(rollout_id))
+            if driver.engines:
+                metrics.update(world.on_rank0(lambda: dict(rollouts.stale)))  # the take's too-stale groups
+            job.report(rollout_id, metrics)
+    finally:
+        if world.rank == 0:
+            rollouts.stop_stream()
+
+
+MODES = {"sync": sync, "one_step_async": one_step_async, "fully_async": fully_async}
 
 
 def resume(driver: DriverConfig, backend: TrainBackend, rollouts: Rollouts, world: World) -> int:
@@ -190,21 +206,3 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobControl, 
 def make_backend(spec: JobParts, world: World, num_threads: int) -> TrainBackend:
     """The spec's train_backend on this rank, built from the spec's training settings and layout."""
     return build_backend(spec.hf_checkpoint, spec.train, spec.layout, world, num_threads)
-
-
-def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
-    """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks). The spec is cut
-    into its parts here, once: the loop reads the driver's settings, each part gets its own config."""
-    driver, rollout = spec.driver, spec.rollout
-    if driver.debug_rollout_only:
-        if deps.world.rank == 0:
-            rollout_only(driver, rollout, ctx, deps)
-        return
-    if driver.engines:
-        deps.world.on_rank0(load_dataset, driver, rollout, deps, ctx)
-    if not capabilities(spec.layout.train_backend).slime_checkpoints:  # before the backend takes the memory
-        driver = slime_checkpoint_conversion.converted_paths(driver, deps.world)
-    backend = make_backend(spec, deps.world, deps.num_threads)
-    run(driver, rollout, spec.sync, backend, ctx, deps)
-
-
