@@ -66,7 +66,7 @@ class RecordedRun:
         self.calls.append(("train", rollout_id))
         return {}
 
-    def save_if_due(self, rollout_id):
+    def save_if_due(self, rollout_id, metrics):
         return {}
 
     def push_weights(self, rollout_id):
