@@ -143,7 +143,7 @@ RESPONSES_CASES = [  # (body, the param the error names)
     (responses_body(input=7), "input"),
     (json.dumps({"model": "m"}).encode(), "input"),
     (responses_body(tools=[{"type": "function", "name": "f", "parameters": "{}"}]), "tools[0].parameters"),
-    (responses_body(tools=[{"type": "web_search"}]), None),
+    (responses_body(tools=[{"type": "web_search"}]), "tools[0].type"),
     (responses_body(temperature=float("nan")), None),
     (responses_body(max_output_tokens=0), "max_output_tokens"),
     (responses_body(previous_response_id=5), "previous_response_id"),
@@ -152,7 +152,7 @@ RESPONSES_CASES = [  # (body, the param the error names)
     (responses_body(text={"format": {"type": "json_schema"}}), "text.format"),
     (responses_body(truncation="middle"), "truncation"),
     (responses_body(frobnicate=1), "frobnicate"),
-    (responses_body(input=[{"type": "reasoning", "summary": []}]), None),
+    (responses_body(input=[{"type": "reasoning", "summary": []}]), "input[0].type"),
     (DEEP.replace(b'"messages"', b'"input"'), None),
     (SURROGATE.replace(b'"messages"', b'"input"'), "input[0].content"),
 ]
@@ -221,3 +221,14 @@ def test_a_valid_body_of_each_api_passes_whole(tmp_path: Path):
     schema.parse(anthropic_body(system=[{"type": "text", "text": "be brief"}], tool_choice={"type": "auto"},
                                 metadata={"user_id": "u"}, thinking={"type": "disabled"},
                                 output_config={"effort": "high"}), schema.ANTHROPIC_MESSAGES)
+
+
+def test_engine_side_errors_of_the_responses_api_name_no_internal_address_or_job(encoder):
+    bodies = [json.dumps({"model": "m", "input": "1+1", "stream": stream}).encode() for stream in (False, True)]
+    plain, streamed = post_all(encoder, [("/v1/responses", body) for body in bodies])
+    assert (plain.status_code, plain.json()["error"]["type"]) == (503, "overloaded_error")
+    assert streamed.status_code == 200  # the stream's headers went before the turn failed
+    assert streamed.text.startswith("event: response.created") and "event: error" in streamed.text, streamed.text
+    assert "response.completed" not in streamed.text
+    for reply in (plain, streamed):
+        assert "127.0.0.1" not in reply.text and JOB not in reply.text and ROUTER not in reply.text, reply.text

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.rollout.gateway.schema import RequestInvalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -240,16 +241,16 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": _response_text(item.get("output"), where)})
         else:
-            raise InvalidArgument(f"{where}: item type {kind!r} is not supported (message, function_call, "
-                                  "function_call_output)")
+            raise RequestInvalid(f"item type {kind!r} is not supported (message, function_call, "
+                                 "function_call_output)", f"{where}.type")
     if not items:
         raise InvalidArgument("input: must not be empty")
     _check_counts(len(out), len(tools), limits)
     checked = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise InvalidArgument(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are "
-                                  "supported")
+            raise RequestInvalid("only function tools ({'type': 'function', 'name': ...}) are supported",
+                                 f"tools[{i}].type")
         checked.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
                                       f"tools[{i}]"))
     return Conversation(out, checked)
