@@ -102,7 +102,8 @@ def test_unknown_or_foreign_previous_response_id_is_a_400(gateway):  # noqa: F81
     foreign = openai_client(gw, other.key).responses.create(model="m", input=QUESTION, max_output_tokens=2)
     assert foreign.status == "incomplete" and foreign.incomplete_details.reason == "max_output_tokens"
     client = openai_client(gw, mine.key)
-    for previous in (foreign.id, "resp_unknown"):
+    unstored = client.responses.create(model="m", input=QUESTION, max_output_tokens=1, store=False)
+    for previous in (foreign.id, "resp_unknown", unstored.id):
         with pytest.raises(openai.BadRequestError, match=f"Previous response with id '{previous}' not found") as err:
             client.responses.create(model="m", input="1", previous_response_id=previous)
         assert err.value.body["param"] == "previous_response_id" and err.value.body["type"] == "invalid_request_error"
@@ -112,4 +113,4 @@ def test_unknown_or_foreign_previous_response_id_is_a_400(gateway):  # noqa: F81
         client.responses.create(model="m", input="1", extra_body={"frobnicate": 1})
     with pytest.raises(openai.BadRequestError, match=r"temperature: 3\.0 is out of range"):
         client.responses.create(model="m", input="1", temperature=3.0)
-    assert _state(gw, mine.key)["turns"] == 0  # nothing refused reached the engine
+    assert _state(gw, mine.key)["turns"] == 1  # nothing refused reached the engine

@@ -167,7 +167,9 @@ def create_app(registry: SessionRegistry) -> FastAPI:
         response_id = responses_api.new_id()
 
         def keep(result: Any, message_id: str) -> None:
-            responses_api.keep(session, response_id, conversation, bool(body.get("instructions")), result.choices[0])
+            if body.get("store") is not False:  # as OpenAI: a response not stored cannot be continued by its id
+                responses_api.keep(session, response_id, conversation, bool(body.get("instructions")),
+                                   result.choices[0])
 
         if body.get("stream"):
             turn = session.turn_stream(conversation, turn_params)
