@@ -177,3 +177,19 @@ def test_slime_style_lora_flags_set_the_spec_keys():
     assert spec["target_modules"] == ["q_proj", "k_proj", "v_proj"]
     bad = slime_args.convert(["--lora-rank", "big"], spec_keys=set(JobSpec.model_fields), check_architecture=False)
     assert bad.invalid == ["--lora-rank: invalid int value: 'big'"]
+
+
+def test_loading_an_hf_checkpoint_replaces_the_base_and_keeps_the_adapters(tiny_model_dir, tmp_path):
+    plain = make_backend(tiny_model_dir)
+    with torch.no_grad():
+        plain.model.model.layers[0].self_attn.q_proj.weight.add_(1.0)
+    plain.save_hf(tmp_path / "base")
+    backend = make_backend(tiny_model_dir, **LORA)
+    randomize_adapters(backend)
+    adapters = {name: p.detach().clone() for name, p in backend.model.named_parameters() if "lora_" in name}
+    backend.load(tmp_path / "base")
+    q = backend.model.model.layers[0].self_attn.q_proj
+    assert torch.equal(q.weight, plain.model.model.layers[0].self_attn.q_proj.weight)
+    assert all(torch.equal(p, adapters[name]) for name, p in backend.model.named_parameters() if "lora_" in name)
+    assert {id(p) for g in backend.optimizer.param_groups for p in g["params"]} == \
+        {id(p) for name, p in backend.model.named_parameters() if "lora_" in name}

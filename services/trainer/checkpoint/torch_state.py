@@ -109,9 +109,13 @@ class TorchStateDicts(DCPCheckpointing):
         return parts
 
     def load(self, path: str | Path) -> None:
-        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays).
-        Every rank calls it (each reads the directory)."""
-        parallel.load_full_state_dict(self.model, load_causal_lm(Path(path)).state_dict(), self.world)
+        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays);
+        under LoRA the base's weights, the adapters kept. Every rank calls it (each reads the directory)."""
+        state = load_causal_lm(Path(path)).state_dict()
+        if self.config.lora and (unknown := [name for name in state if name not in self.model.state_dict()]):
+            raise InvalidArgument(f"checkpoint {path}: {len(unknown)} weights the LoRA policy's base does not have "
+                                  f"(e.g. {unknown[0]})")
+        parallel.load_full_state_dict(self.model, state, self.world, strict=not self.config.lora)
         self.optimizer = self._make_optimizer()
 
     def load_ref(self, path: str | Path) -> None:
