@@ -38,7 +38,7 @@ def adamw_step(model_dir: Path, work: Path) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.common import safetensors_io
+    from services.trainer.checkpoint import safetensors_io
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -112,7 +112,7 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int,
 def measure(work: Path, rounds: int) -> dict:
     """Start the two pods, run the trainer's rounds; its figures, or {"skipped": reason} where there is no netns."""
     from services.common import procs
-    from tests.integration import netns
+    from testkit import netns
 
     reason = netns.unavailable_reason()
     if reason:

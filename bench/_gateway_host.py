@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common import procs  # noqa: E402
 from services.common.rest import RestServer  # noqa: E402
+from services.rollout.engine_calls.generate import GenerateContext, sampling_params  # noqa: E402
+from services.rollout.engine_calls.router_http import AiohttpPoster, PostReply  # noqa: E402
 from services.rollout.gateway.app import create_app  # noqa: E402
 from services.rollout.gateway.sessions import SessionRegistry  # noqa: E402
-from services.rollout.generation.generate import GenerateContext, sampling_params  # noqa: E402
 from services.rollout.generation.prompts import PromptEncoder  # noqa: E402
-from services.rollout.generation.router_http import AiohttpPoster, PostReply  # noqa: E402
 
 
 class RecordingPoster(AiohttpPoster):

@@ -30,7 +30,7 @@ from services.buffer.client import BufferClient  # noqa: E402
 from services.common import procs  # noqa: E402
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import EngineState, RolloutClient  # noqa: E402
-from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster  # noqa: E402
+from services.rollout.engine_calls.router_http import AiohttpPoster, HttpxPoster, Poster  # noqa: E402
 from services.rollout.local import start_router  # noqa: E402
 
 JOB = "bench-control-plane"

@@ -46,7 +46,7 @@ def grpo_steps(out: Path, backend: str, bf16: bool) -> None:
 
     from bench.megatron_parity import build_tiny_qwen3
     from services.trainer.settings.train import TrainConfig
-    from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+    from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)

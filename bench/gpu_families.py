@@ -24,8 +24,8 @@ def grpo_rollout(model_dir: Path, device: torch.device, bf16: bool) -> dict:
     from services.trainer.backends.fsdp.backend import TorchBackend
     from services.trainer.distributed.parallel import World
     from services.trainer.settings.train import TrainConfig
-    from tests.integration.megatron_worker import GRPO_CONFIG
-    from tests.integration.megatron_worker import grpo_rollout as fixed_rollout
+    from testkit.grpo_rollout import GRPO_CONFIG
+    from testkit.grpo_rollout import grpo_rollout as fixed_rollout
 
     backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, bf16=bf16, allow_tf32=False),
                            world=World(device=device))

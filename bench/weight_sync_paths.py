@@ -17,7 +17,7 @@ import torch
 
 from services.trainer.weight_sync.shm import SharedMemoryBroadcaster
 from services.trainer.weight_sync.weight_sync import WeightBroadcaster
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 
 
 def build_model(out_dir: Path, hidden: int, layers: int) -> dict[str, torch.Tensor]:

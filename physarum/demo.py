@@ -88,12 +88,11 @@ def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple
 def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> list[str]:
     """The `--set` overrides that put both demo jobs on `train_backend` (the job files keep the default), over
     tensor_model_parallel_size ranks where the backend splits a model over ranks."""
-    from services.trainer.backends.capabilities import capabilities
-    from services.trainer.backends.layout import LayoutConfig
+    from services.trainer.api.client import DEFAULT_TRAIN_BACKEND, backend_capabilities
 
-    if train_backend == LayoutConfig.train_backend:  # the default
+    if train_backend == DEFAULT_TRAIN_BACKEND:
         return []
-    tensor_parallel = capabilities(train_backend).tensor_parallel
+    tensor_parallel = backend_capabilities(train_backend).tensor_parallel
     return [f"train_backend={train_backend}",
             *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if tensor_parallel else [])]
 
@@ -109,9 +108,9 @@ def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets:
 
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
     """Stop before the stack starts when the backend cannot build the family (the job API would refuse both jobs)."""
-    from services.trainer.backends import capabilities
+    from services.trainer.api.client import model_problem
 
-    problem = capabilities.model_problem(train_backend, json.loads((model_dir / "config.json").read_text()))
+    problem = model_problem(train_backend, json.loads((model_dir / "config.json").read_text()))
     if problem:
         raise SystemExit(f"demo: {problem}")
 
@@ -137,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the tiny model's family (default: {DEFAULT_FAMILY})")
     add_device_flags(parser)
     args = parser.parse_args(argv)
-    from services.trainer.backends.capabilities import capabilities
+    from services.trainer.api.client import backend_capabilities
 
-    model_parallel = capabilities(args.train_backend).tensor_parallel
+    model_parallel = backend_capabilities(args.train_backend).tensor_parallel
     ranks = args.trainer_ranks or (2 if model_parallel else 1)
     tp = args.tensor_model_parallel_size or ranks
     if ranks < 1 or (model_parallel and ranks % tp):

@@ -65,7 +65,7 @@ def _tokenizer(model_path: str) -> Tokenizer:
 
 async def generate(args, sample, sampling_params):
     """Alternate model turns and calculator answers until the model ends its answer or the budget is spent."""
-    from services.rollout.generation.generate import append_reply, router_generate
+    from services.rollout.engine_calls.generate import append_reply, router_generate
 
     tokenizer = _tokenizer(args.hf_checkpoint)
     max_response_len = sampling_params["max_new_tokens"]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.common import safetensors_io
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from services.engine import safetensors_io
 from services.engine.delta import apply_blob
 from services.engine.generation import Engine
 from services.engine.pull import is_delta_store, plan, read_delta

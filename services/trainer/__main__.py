@@ -30,6 +30,7 @@ async def serve(config: TrainerConfig) -> int:
     from services.trainer.distributed.parallel import init_world
     from services.trainer.driver.deps import TrainerDeps
     from services.trainer.driver.loop import train
+    from services.trainer.driver.sample_board import SampleBoard
     from services.trainer.ranks.worker import Dispatcher
 
     torch.set_num_threads(config.num_threads)
@@ -38,10 +39,12 @@ async def serve(config: TrainerConfig) -> int:
                                     timeout_s=config.dist_timeout_s, device=config.device)
     buffer = BufferClient(config.buffer_addr, timeout_s=config.client_timeout_s)
     rollout = RolloutClient(config.rollout_addr, timeout_s=config.client_timeout_s)
+    board = SampleBoard()  # the driver records each rollout's samples, the dashboard shows them
     deps = TrainerDeps(buffer=buffer, rollout=rollout, master_address=config.master_address,
-                       num_threads=config.num_threads, world=world, tensorboard_dir=config.tensorboard_dir)
+                       num_threads=config.num_threads, world=world, tensorboard_dir=config.tensorboard_dir,
+                       board=board)
     dispatcher = Dispatcher(world, functools.partial(train, deps=deps))
-    servers = await create_server(config, dispatcher)
+    servers = await create_server(config, dispatcher, board)
     log.info("trainer serving (rank 0 of %d): gRPC %s:%d, REST http://%s:%d (docs at /docs)", world.world_size,
              config.host, servers.grpc.port, config.host, servers.rest.port)
     lost = servers.registry.ranks_lost

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
+from testkit.engines import start_engines, stop_engines
 from tests.e2e.test_loop import job_spec, run
-from tests.integration.engine_fixtures import start_engines, stop_engines
 
 SFT_STEPS = 40
 

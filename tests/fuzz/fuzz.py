@@ -29,9 +29,9 @@ from services.common import auth, procs
 from services.common.grpc_client import wait_for_health
 from services.rollout.client import RolloutClient
 from services.trainer.api.client import TERMINAL_STATES, JobsRestClient
+from testkit.engines import start_engines
 from tests.fuzz import gateway_inputs, inputs, probes
 from tests.fuzz.cli import run_from_args
-from tests.integration.engine_fixtures import start_engines
 
 GATEWAY_SESSIONS = 8  # the hostile requests go round these
 CONTROL_SESSIONS = 2  # and never to these: each must still complete a turn afterwards

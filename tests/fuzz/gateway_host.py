@@ -13,11 +13,11 @@ from pathlib import Path
 
 from services.common import procs
 from services.common.rest import RestServer
+from services.rollout.engine_calls.generate import GenerateContext, sampling_params
+from services.rollout.engine_calls.router_http import AiohttpPoster
 from services.rollout.gateway.app import create_app
 from services.rollout.gateway.sessions import SessionRegistry
-from services.rollout.generation.generate import GenerateContext, sampling_params
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.generation.router_http import AiohttpPoster
 
 
 async def serve(args: argparse.Namespace) -> None:

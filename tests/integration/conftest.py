@@ -13,7 +13,7 @@ from services.common import procs
 from services.common.errors import NotFound
 from services.rollout.local import start_router
 from services.rollout.pool.router import RouterClient
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 
 
 @pytest.fixture(scope="session")

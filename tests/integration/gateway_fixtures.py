@@ -11,12 +11,12 @@ from typing import Any
 
 from examples.agent.model import build_agent_model
 from services.common.rest import RestServer
+from services.rollout.engine_calls.generate import GenerateContext, sampling_params
+from services.rollout.engine_calls.router_http import AiohttpPoster
 from services.rollout.gateway.app import create_app
 from services.rollout.gateway.conversation import Limits
 from services.rollout.gateway.sessions import Session, SessionRegistry
-from services.rollout.generation.generate import GenerateContext, sampling_params
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.generation.router_http import AiohttpPoster
 
 SCHEMA = {"type": "object", "properties": {"expression": {"type": "string"}}}
 OPENAI_TOOL = {"type": "function", "function": {"name": "calculator", "description": "Arithmetic.",

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from bench.megatron_parity import spawn
-from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
 
 NUM_ROLLOUTS = 2
 AUX_LOSS_COEFF = 0.5  # large, so that the load-balancing loss moves the router visibly in one rollout

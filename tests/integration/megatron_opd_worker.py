@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bench.megatron_parity import build_tiny_qwen3, spawn
-from tests.integration.megatron_worker import grpo_rollout
+from testkit.grpo_rollout import grpo_rollout
 
 OPD_CONFIG = {"n_samples_per_prompt": 2, "global_batch_size": 4, "lr": 1e-3, "use_opd": True,
               "opd_type": "megatron", "opd_kl_coef": 0.5}

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from bench.megatron_parity import build_tiny_qwen3, spawn
+from testkit.grpo_rollout import grpo_rollout
 from tests.integration.megatron_opd_worker import hf_log_probs
-from tests.integration.megatron_worker import grpo_rollout
 
 CONFIG = {"n_samples_per_prompt": 2, "global_batch_size": 4, "use_kl_loss": True, "use_opd": True,
           "opd_type": "megatron"}

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from bench.megatron_parity import spawn
+from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
 from tests.integration.megatron_moe_worker import engine_routed, replayed_log_probs
-from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
 AUX_LOSS_COEFF = 0.5
 CONFIG = {**GRPO_CONFIG, "micro_batch_size": 3}

@@ -17,8 +17,8 @@ import time
 import httpx
 import torch
 
+from testkit.netns import PodProcess
 from tests.integration.hf_weights import hf_weights, perturbed
-from tests.integration.netns import PodProcess
 
 
 def digest(values: torch.Tensor) -> str:

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from bench.megatron_parity import build_tiny_qwen3
+from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
 from tests.device_check import SameDevice
-from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 
 
 def run(model_dir: Path, bf16: bool) -> dict:

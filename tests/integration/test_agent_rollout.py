@@ -21,7 +21,7 @@ from services.rollout.gateway.app import create_app
 from services.rollout.gateway.sessions import SessionRegistry
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.manager import RolloutManager
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 from tests.integration.engine_proxy import EngineProxy
 from tests.integration.gateway_fixtures import QUESTION, build_tool_model
 

@@ -25,7 +25,7 @@ from services.reward.config import RewardConfig
 from services.reward.server import create_server as create_reward
 from services.rollout.local import start_router
 from services.rollout.pool.router import RouterClient
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 from tests.integration.test_buffer import loop_thread, start_buffer  # noqa: F401
 
 

@@ -6,6 +6,7 @@ Servers run in-process on 127.0.0.1:0 in a background event loop; the tests driv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -56,6 +58,19 @@ def loop_thread():
 def start_buffer(loop_thread: LoopThread, redis_url: str, **overrides):
     config = BufferConfig(port=0, redis_url=redis_url, redis_wait_s=5.0, **overrides)
     return loop_thread.run(create_server(config))
+
+
+@contextlib.contextmanager
+def running_buffer_client(redis_url: str) -> Iterator[BufferClient]:
+    """An in-process buffer on its own loop thread and a client to it; both stopped on exit (module fixtures)."""
+    loop_thread = LoopThread()
+    server = start_buffer(loop_thread, redis_url)
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout_s=10.0) as client:
+            yield client
+    finally:
+        loop_thread.run(stop_server(server, grace_s=0))
+        loop_thread.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,15 @@ import uuid
 
 import pytest
 
-from services.buffer.client import BufferClient
-from services.buffer.server import stop_server
 from services.common.errors import FailedPrecondition
 from services.common.samples import Prompt, Sample, SampleGroup, group_id_for
-from tests.integration.test_buffer import LoopThread, start_buffer
+from tests.integration.test_buffer import running_buffer_client
 
 
 @pytest.fixture(scope="module")
 def client(redis_url):
-    loop_thread = LoopThread()
-    server = start_buffer(loop_thread, redis_url)
-    with BufferClient(f"127.0.0.1:{server.port}", timeout_s=10.0) as client:
+    with running_buffer_client(redis_url) as client:
         yield client
-    loop_thread.run(stop_server(server, grace_s=0))
-    loop_thread.close()
 
 
 def made(*texts: str) -> list[Prompt]:

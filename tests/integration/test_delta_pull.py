@@ -14,8 +14,8 @@ import torch
 from services.common import weight_delta
 from services.trainer.settings.weight_sync import DeltaSettings
 from services.trainer.weight_sync.delta_disk import DiskBroadcaster
+from testkit.engines import start_engines, stop_engines
 from tests.integration.delta_checks import assert_engines_hold, sign_steps
-from tests.integration.engine_fixtures import start_engines, stop_engines
 
 TIMEOUT_S = 30.0
 ENGINE_ARGS = ("--dtype", "bfloat16", "--weight-sync-timeout-s", str(TIMEOUT_S))

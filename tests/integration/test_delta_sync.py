@@ -14,8 +14,8 @@ from services.common import weight_delta
 from services.trainer.settings.weight_sync import DeltaSettings
 from services.trainer.weight_sync.delta_push import DeltaBroadcaster
 from services.trainer.weight_sync.weight_sync import buckets
+from testkit.engines import start_engines, stop_engines
 from tests.integration.delta_checks import assert_engines_hold, sign_steps
-from tests.integration.engine_fixtures import start_engines, stop_engines
 
 TIMEOUT_S = 30.0
 

@@ -13,7 +13,7 @@ from services.common.samples import Sample
 from services.trainer.backends.fsdp.backend import TorchBackend
 from services.trainer.settings.train import TrainConfig
 from services.trainer.weight_sync.weight_sync import WeightBroadcaster
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 from tests.tiny_samples import samples_of
 
 ROLLOUT = [("12+34=", "46", 1.0), ("12+34=", "55", 0.0), ("1+2=", "3", 0.0), ("1+2=", "4", 1.0)]

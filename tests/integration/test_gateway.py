@@ -14,7 +14,7 @@ import pytest
 
 from services.rollout.gateway.conversation import Limits
 from services.rollout.gateway.trajectory import sample_tokens
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 from tests.integration.engine_proxy import EngineProxy
 from tests.integration.gateway_fixtures import (
     ANTHROPIC_TOOL,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from services.trainer.settings.train import TrainConfig
+from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
 from tests.integration.megatron_moe_worker import AUX_LOSS_COEFF, NUM_ROLLOUTS, engine_routed
-from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
 
 

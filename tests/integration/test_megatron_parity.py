@@ -15,7 +15,8 @@ import torch
 
 from bench.megatron_parity import summary_line
 from services.trainer.settings.train import TrainConfig
-from tests.integration.megatron_worker import CKPT_ROLLOUT, GRPO_CONFIG, NUM_ROLLOUTS, SFT_CONFIG, grpo_rollout
+from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
+from tests.integration.megatron_worker import CKPT_ROLLOUT, NUM_ROLLOUTS, SFT_CONFIG
 from tests.integration.workers import run_worker
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from services.common import procs
-from tests.integration import netns
+from testkit import netns
 from tests.integration.hf_weights import hf_weights, perturbed
 from tests.integration.netns_trainer import TrainerPod, digest
 

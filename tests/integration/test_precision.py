@@ -14,7 +14,7 @@ import torch
 from services.trainer.backends.fsdp.backend import TorchBackend
 from services.trainer.batching.batch import build_rollout_batch
 from services.trainer.settings.train import TrainConfig
-from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ from services.rollout.generation.manager import RolloutManager
 from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.local import start_router
 from services.rollout.pool.router import RouterClient
-from tests.integration.engine_fixtures import engine_healthy
+from testkit.engines import engine_healthy
 from tests.integration.engine_proxy import EngineProxy
 
 FAST_DELAY_S, SLOW_DELAY_S = 0.005, 0.04  # per decode step

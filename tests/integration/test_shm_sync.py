@@ -10,7 +10,7 @@ import pytest
 
 from services.trainer.weight_sync.shm import SharedMemoryBroadcaster
 from services.trainer.weight_sync.weight_sync import WeightSyncError
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 from tests.integration.hf_weights import hf_weights, perturbed
 from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has
 

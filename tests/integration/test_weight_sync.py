@@ -16,7 +16,7 @@ import torch
 from services.common.errors import FailedPrecondition
 from services.common.sglang import SGLangClient
 from services.trainer.weight_sync.weight_sync import WeightBroadcaster, WeightSyncError
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 from tests.integration.hf_weights import hf_weights, perturbed
 
 TIMEOUT_S = 5.0

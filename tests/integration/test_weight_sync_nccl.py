@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.trainer.weight_sync.weight_sync import WeightBroadcaster, WeightSyncError
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 from tests.integration.hf_weights import hf_weights, perturbed
 from tests.integration.test_weight_sync import TIMEOUT_S, assert_engine_has
 

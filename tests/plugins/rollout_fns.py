@@ -3,8 +3,8 @@ group reward functions, a dynamic filter and a reward."""
 
 from __future__ import annotations
 
+from services.rollout.engine_calls.generate import append_reply, router_generate
 from services.rollout.generation.filters import DynamicFilterOutput
-from services.rollout.generation.generate import append_reply, router_generate
 
 TOOL_TOKENS = [5, 6]  # what the "tool" answers after each model turn but the last
 GROUP_CALLS: list[list[int]] = []  # the sample indices of each group_rm call
@@ -24,7 +24,7 @@ async def model_tool_model(args, sample, sampling_params):
 
 async def generate_with_evaluation(args, sample, sampling_params, evaluation=False):
     """The default generation, tagging the sample with the `evaluation` flag it was called with."""
-    from services.rollout.generation.generate import generate
+    from services.rollout.engine_calls.generate import generate
 
     sample.metadata["evaluation"] = evaluation
     return await generate(args, sample, sampling_params)
@@ -61,7 +61,7 @@ async def response_length_is(args, sample) -> float:
 
 async def reward_in_generate(args, sample, sampling_params):
     """The default generation; even samples get their reward here (as a multi-agent generate does in slime)."""
-    from services.rollout.generation.generate import generate
+    from services.rollout.engine_calls.generate import generate
 
     sample = await generate(args, sample, sampling_params)
     if sample.index % 2 == 0:

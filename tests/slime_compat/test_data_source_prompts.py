@@ -9,10 +9,8 @@ import uuid
 
 import pytest
 
-from services.buffer.client import BufferClient
-from services.buffer.server import stop_server
 from services.rollout.client import RolloutState
-from tests.integration.test_buffer import LoopThread, start_buffer
+from tests.integration.test_buffer import running_buffer_client
 from tests.unit.rollout_fakes import Engine, new_manager, rollout, rollout_config
 
 SOURCE = "tests.slime_compat.plugins.CountingPrompts"
@@ -21,12 +19,8 @@ BATCH = 2
 
 @pytest.fixture(scope="module")
 def buffer(redis_url):
-    loop_thread = LoopThread()
-    server = start_buffer(loop_thread, redis_url)
-    with BufferClient(f"127.0.0.1:{server.port}", timeout_s=10.0) as client:
+    with running_buffer_client(redis_url) as client:
         yield client
-    loop_thread.run(stop_server(server, grace_s=0))
-    loop_thread.close()
 
 
 def config(tmp_path, job_id, **args):

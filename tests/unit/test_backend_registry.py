@@ -1,4 +1,5 @@
-"""Backends register themselves by their train_backend name; the driver builds one without naming any."""
+"""Backends register themselves by their train_backend name, imported by that name when asked for; the driver builds
+one without naming any."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from services.trainer.backends import registry
 from services.trainer.backends.capabilities import BackendName
 from services.trainer.backends.layout import LayoutConfig
 from services.trainer.distributed.parallel import World
-from services.trainer.driver import loop  # noqa: F401 - imports the backends, which register themselves
 from services.trainer.settings.train import TrainConfig
 
 

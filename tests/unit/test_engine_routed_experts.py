@@ -16,7 +16,7 @@ from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.engine.generation import Engine, Request, SamplingParams, load_model
 from services.engine.protocol import parse_generate, to_response
-from services.rollout.generation.generate import append_reply
+from services.rollout.engine_calls.generate import append_reply
 from services.trainer.backends.fsdp.backend import TorchBackend
 from services.trainer.moe.hf_routing_replay import RoutingReplay
 from services.trainer.settings.train import TrainConfig

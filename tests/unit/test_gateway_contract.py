@@ -12,13 +12,13 @@ import httpx
 import pytest
 
 from physarum import tasks, tinymodel
+from services.rollout.engine_calls.generate import GenerateContext, sampling_params
+from services.rollout.engine_calls.router_http import AiohttpPoster
 from services.rollout.gateway import schema
 from services.rollout.gateway.app import create_app
 from services.rollout.gateway.sessions import SessionRegistry
 from services.rollout.gateway.trajectory import COUNT_CHUNK_CHARS
-from services.rollout.generation.generate import GenerateContext, sampling_params
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.generation.router_http import AiohttpPoster
 
 ROUTER = "http://127.0.0.1:9"  # nothing listens: a turn that gets as far as the router fails there
 JOB = "job-secret-7f3a"

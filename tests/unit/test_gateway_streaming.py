@@ -12,9 +12,9 @@ import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY
+from services.rollout.engine_calls.generate import GenerateContext, stream_generate
+from services.rollout.engine_calls.router_http import HttpxPoster
 from services.rollout.gateway.deltas import ContentDeltas
-from services.rollout.generation.generate import GenerateContext, stream_generate
-from services.rollout.generation.router_http import HttpxPoster
 
 
 def feed(deltas: ContentDeltas, texts: list[str]) -> list[str]:

@@ -11,13 +11,13 @@ import pytest
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Status
+from services.rollout.engine_calls.generate import GenerateContext
+from services.rollout.engine_calls.router_http import HttpxPoster
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message, from_anthropic, from_openai
 from services.rollout.gateway.sessions import SessionRegistry, TurnParams
 from services.rollout.gateway.toolcalls import parse_tool_calls
 from services.rollout.gateway.trajectory import Trajectory, sample_tokens
 from services.rollout.generation.agents import session_sample
-from services.rollout.generation.generate import GenerateContext
-from services.rollout.generation.router_http import HttpxPoster
 
 END = "\x01"  # the end-of-turn "token" of the renderer below
 

@@ -15,7 +15,7 @@ from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Image, Prompt
-from services.rollout.generation.generate import image_data_option
+from services.rollout.engine_calls.generate import image_data_option
 from services.rollout.generation.image_tokens import ImageTokens
 from services.rollout.generation.prompts import PromptEncoder
 

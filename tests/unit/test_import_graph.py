@@ -1,5 +1,6 @@
 """The import graph of services/, read with ast (nothing is imported): no circles, and across services only
-`services.<svc>.client` and `services.common` are imported; nothing imports the CLI package `physarum`."""
+`services.<svc>.client` and `services.common` are imported; nothing imports the CLI package `physarum`; only the
+trainer and the engine import torch."""
 
 from __future__ import annotations
 
@@ -139,6 +140,22 @@ def test_services_import_only_clients_and_common_across_services():
 
 def test_no_import_runs_up_the_trainers_floors_or_out_of_common():
     assert imports_running_up(import_graph(ROOT)) == set()
+
+
+def torch_importers(root: Path) -> set[str]:
+    """The services' modules that import torch anywhere in them."""
+    found = set()
+    for path in sorted((root / "services").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(name == "torch" or name.startswith("torch.") for name in names):
+                found.add(module_name(path, root))
+    return found
+
+
+def test_only_the_trainer_and_the_engine_import_torch():
+    assert {m for m in torch_importers(ROOT) if service_of(m) not in ("trainer", "engine")} == set()
 
 
 def test_every_trainer_folder_has_a_floor():

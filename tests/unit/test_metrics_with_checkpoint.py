@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from services.trainer.api.jobs import CHECKPOINT_METRIC, JobRegistry
 from services.trainer.api.spec import parse_spec
 from services.trainer.checkpoint import iterations
-from services.trainer.driver.feed import RolloutFeed
+from services.trainer.driver.rollouts import Rollouts
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 4, "rollout_batch_size": 1}
 SAVED = {"rollout/reward_mean": 0.75, "train/loss": 0.5, CHECKPOINT_METRIC: 0.0}
@@ -27,8 +27,8 @@ def resume(job_id: str, reported_before_kill: bool, root) -> object:
         ctx.report(0, {"rollout/reward_mean": 0.25})
         if reported_before_kill:
             ctx.report(1, SAVED)
-        feed = SimpleNamespace(driver=SimpleNamespace(engines=False, load="/ckpt"), ctx=ctx)
-        RolloutFeed._resumed(feed, 2, None, iterations.saved_metrics(root, 1))
+        rollouts = SimpleNamespace(driver=SimpleNamespace(engines=False, load="/ckpt"), ctx=ctx)
+        Rollouts.resumed(rollouts, 2, None, iterations.saved_metrics(root, 1))
 
     registry = JobRegistry(runner)
     registry.submit(parse_spec({**BASE, "job_id": job_id}))

@@ -32,7 +32,8 @@ def job(tmp_path):
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text(json.dumps(hf_config))
         return {"hf_checkpoint": str(model), "prompt_data": str(tmp_path / "train.jsonl"), "num_rollout": 1,
-                "rollout_batch_size": 1, "train_backend": train_backend}
+                "rollout_batch_size": 1, "train_backend": train_backend,
+                "rollout_max_response_len": 32}  # within the tiny models' 128-position context
 
     return make
 
@@ -151,5 +152,5 @@ def test_expert_tensor_parallelism_is_the_tensor_parallel_size_without_expert_pa
         parse_spec({**job(config_of("deepseek_v3"), "fsdp"), "expert_tensor_parallel_size": 2})
     slime = {"slime_args": ["--hf-checkpoint", deepseek["hf_checkpoint"], "--prompt-data", deepseek["prompt_data"],
                             "--num-rollout", "1", "--rollout-batch-size", "1", "--tensor-model-parallel-size", "2",
-                            "--expert-tensor-parallel-size", "2"]}
+                            "--expert-tensor-parallel-size", "2", "--rollout-max-response-len", "32"]}
     assert preflight(parse_spec(slime)).expert_tensor_parallel_size == 2

@@ -8,9 +8,9 @@ import pytest
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus, config_from_proto, config_to_proto
-from services.trainer.api.spec import parse_spec, slime_args_to_dict
+from services.trainer.api.spec import parse_spec
 from services.trainer.driver.deps import TrainerDeps
-from services.trainer.driver.post_rollout import eval_due, generation_metrics
+from services.trainer.driver.post_rollout import eval_due, evaluate, manager_metrics
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5, "rollout_batch_size": 4,
         "n_samples_per_prompt": 2, "rollout_temperature": 0.8, "rollout_max_response_len": 64}
@@ -40,7 +40,7 @@ def test_slime_style_eval_prompt_data_and_flags():
     argv = ["--hf-checkpoint", "/m", "--prompt-data", "/d", "--num-rollout", "2", "--rollout-batch-size", "4",
             "--eval-prompt-data", "aime", "/e/aime.jsonl", "gsm", "/e/gsm.jsonl", "--eval-interval", "1",
             "--partial-rollout", "--over-sampling-batch-size", "6"]
-    spec = parse_spec(slime_args_to_dict(argv))
+    spec = parse_spec({"slime_args": argv})
     assert spec.eval_prompt_data == ["aime=/e/aime.jsonl", "gsm=/e/gsm.jsonl"] and spec.partial_rollout
     assert spec.over_sampling_batch_size == 6
     assert parse_spec({**BASE, "eval_prompt_data": ["/e/math500.jsonl"]}).eval_prompt_data == [
@@ -94,17 +94,18 @@ class FakeRollout:
         return {"eval/a": 0.25}
 
 
-def test_generation_metrics_add_the_managers_counters_and_eval_when_due():
+def test_the_managers_counters_and_eval_when_due():
     spec = parse_spec({**BASE, "job_id": "j", "eval_prompt_data": ["a=/x"], "eval_interval": 2})
     rollout = FakeRollout()
     deps = TrainerDeps(rollout=rollout)
-    assert generation_metrics(spec.driver, spec.rollout, deps, 0) == {"rollout/dynamic_filter/drop_zero_std_1.0": 3.0,
-                                                                      "rollout/function/turns": 7.0}
-    metrics = generation_metrics(spec.driver, spec.rollout, deps, 1)
+    assert manager_metrics(spec.driver, deps, 0) == {"rollout/dynamic_filter/drop_zero_std_1.0": 3.0,
+                                                     "rollout/function/turns": 7.0}
+    assert not eval_due(spec.driver, spec.rollout, 0) and rollout.evals == []
+    metrics = evaluate(spec.driver, spec.rollout, deps, 1)
     assert metrics["eval/a"] == 0.25 and metrics["perf/eval_seconds"] >= 0
     assert rollout.evals == [(["a=/x"], 1, "2", 600.0)]  # evaluated with the weights pushed after rollout 1
     deps.rollout = FakeRollout(eval_error=Unavailable("no engines"))
-    assert "eval/a" not in generation_metrics(spec.driver, spec.rollout, deps, 1)  # logged and skipped
+    assert "eval/a" not in evaluate(spec.driver, spec.rollout, deps, 1)  # logged and skipped
     deps.rollout = FakeRollout(eval_error=InvalidArgument("eval dataset a (/x): no usable prompts"))
     with pytest.raises(InvalidArgument, match="no usable prompts"):
-        generation_metrics(spec.driver, spec.rollout, deps, 1)
+        evaluate(spec.driver, spec.rollout, deps, 1)

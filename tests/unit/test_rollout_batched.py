@@ -13,8 +13,8 @@ from services.common.errors import FailedPrecondition
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Status, group_id_for
 from services.rollout.client import RolloutState
-from services.rollout.generation import generate as gen
-from services.rollout.generation.router_http import HttpxPoster
+from services.rollout.engine_calls import generate as gen
+from services.rollout.engine_calls.router_http import HttpxPoster
 from tests.unit.rollout_fakes import JOB, Engine, FakeBuffer, new_manager, reply, rollout, rollout_config
 
 

@@ -13,9 +13,9 @@ import pytest
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import PluginSample as RolloutSample
 from services.common.samples import Sample, Status
-from services.rollout.generation import generate as gen
-from services.rollout.generation.generate import GenerateContext
-from services.rollout.generation.router_http import HttpxPoster
+from services.rollout.engine_calls import generate as gen
+from services.rollout.engine_calls.generate import GenerateContext
+from services.rollout.engine_calls.router_http import HttpxPoster
 from tests.unit.rollout_fakes import reply
 
 

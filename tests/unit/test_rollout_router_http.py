@@ -12,8 +12,8 @@ from aiohttp import web
 
 from services.common import procs
 from services.common.plugin_sample import PluginSample
-from services.rollout.generation import generate as gen
-from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, PostError
+from services.rollout.engine_calls import generate as gen
+from services.rollout.engine_calls.router_http import AiohttpPoster, HttpxPoster, PostError
 from tests.unit.rollout_fakes import reply
 
 

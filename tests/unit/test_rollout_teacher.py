@@ -11,8 +11,8 @@ import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.samples import Sample
+from services.rollout.engine_calls.router_http import HttpxPoster
 from services.rollout.generation import teacher
-from services.rollout.generation.router_http import HttpxPoster
 
 URL = "http://teacher.test/generate"
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.trainer.api.spec import JobSpec, parse_spec, slime_args_to_dict
+from services.trainer.api.spec import JobSpec, parse_spec
 from services.trainer.slime_flags import args as slime_args
 
 BASE = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 3, "rollout_batch_size": 4,
@@ -113,11 +113,11 @@ def test_global_batch_from_steps_per_rollout():
 def test_slime_argument_list_gives_the_same_spec():
     argv = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "3", "--rollout-batch-size", "4",
             "--n-samples-per-prompt", "8", "--use-kl-loss", "--kl-loss-coef", "0.01", "--rollout-stop", "\n", "END"]
-    spec = parse_spec(slime_args_to_dict(argv))
+    spec = parse_spec({"slime_args": argv})
     assert spec.use_kl_loss is True and spec.kl_loss_coef == 0.01 and spec.rollout_batch_size == 4
     assert spec.rollout_stop == ["\n", "END"]
     with pytest.raises(InvalidArgument, match="expected a --flag"):
-        slime_args_to_dict(["rollout-batch-size", "4"])
+        parse_spec({"slime_args": ["rollout-batch-size", "4"]})
 
 
 def test_unknown_rm_type_is_refused_at_submit():

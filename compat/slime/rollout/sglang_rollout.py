@@ -13,11 +13,11 @@ from typing import Any
 
 from services.common.errors import FailedPrecondition
 from services.common.samples import Prompt, Status
+from services.rollout.engine_calls.generate import generate as _physarum_generate
+from services.rollout.engine_calls.generate import load_generate_function, run_generate
+from services.rollout.engine_calls.generate import sampling_params as _sampling_params
 from services.rollout.generation import filters
 from services.rollout.generation.drain import drain_surplus
-from services.rollout.generation.generate import generate as _physarum_generate
-from services.rollout.generation.generate import load_generate_function, run_generate
-from services.rollout.generation.generate import sampling_params as _sampling_params
 from services.rollout.generation.groups import generate_group
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
 from services.rollout.generation.prompts import PromptEncoder

@@ -17,12 +17,12 @@ from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY
+from services.rollout.engine_calls.generate import GenerateContext, post_generate, stream_generate
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message
 from services.rollout.gateway.deltas import ContentDeltas
 from services.rollout.gateway.metrics import GatewayMetrics
 from services.rollout.gateway.toolcalls import ToolCall, parse_tool_calls
 from services.rollout.gateway.trajectory import Renderer, Trajectory
-from services.rollout.generation.generate import GenerateContext, post_generate, stream_generate
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.samples import Sample, Status
+from services.rollout.engine_calls.generate import current_context, new_session_id
 from services.rollout.gateway.sessions import SessionRegistry
 from services.rollout.gateway.trajectory import sample_tokens
-from services.rollout.generation.generate import current_context, new_session_id
 from services.rollout.generation.prompts import PromptEncoder
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,7 @@ from services.common.gen.physarum.v1 import sample_pb2
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
 from services.common.settings.rollout import RolloutConfig
-from services.rollout.generation import teacher
-from services.rollout.generation.agents import AgentGateway, agent_generate_function, session_opener
-from services.rollout.generation.generate import (
+from services.rollout.engine_calls.generate import (
     GenerateContext,
     generate,
     generate_fresh_batch,
@@ -30,10 +28,12 @@ from services.rollout.generation.generate import (
     sampling_params,
     use_context,
 )
+from services.rollout.engine_calls.router_http import Poster
+from services.rollout.generation import teacher
+from services.rollout.generation.agents import AgentGateway, agent_generate_function, session_opener
 from services.rollout.generation.loss_masks import conversation_sample, is_conversation
 from services.rollout.generation.partial import FINISHED
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.generation.router_http import Poster
 from services.rollout.generation.scoring import ServiceScorer, load_group_reward, score_group
 
 if TYPE_CHECKING:

@@ -21,11 +21,12 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Physarum
 from services.common.samples import Prompt, Sample, SampleGroup, Status, encode_group, group_id_for
 from services.common.settings.rollout import RolloutConfig
 from services.rollout.client import RolloutState, RolloutStatus
+from services.rollout.engine_calls.generate import STICKY_POLICIES
+from services.rollout.engine_calls.router_http import AiohttpPoster, HttpxPoster, Poster
 from services.rollout.generation import engine_weights, filters, rollout_function
 from services.rollout.generation.agents import AgentGateway
 from services.rollout.generation.drain import EngineAborter, drain_surplus
 from services.rollout.generation.evaluation import eval_groups, run_eval
-from services.rollout.generation.generate import STICKY_POLICIES
 from services.rollout.generation.groups import (
     Generation,
     generate_group,
@@ -36,7 +37,6 @@ from services.rollout.generation.groups import (
 )
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
 from services.rollout.generation.prompts import PromptEncoder
-from services.rollout.generation.router_http import AiohttpPoster, HttpxPoster, Poster
 from services.rollout.generation.run_state import Run
 
 if TYPE_CHECKING:

@@ -26,11 +26,11 @@ from services.common.errors import InvalidArgument
 from services.common.plugin_sample import finish_plugin_sample
 from services.common.samples import Prompt, Sample, Status
 from services.common.settings.rollout import RolloutConfig
+from services.rollout.engine_calls.generate import LOG_PROB_SETTINGS, use_context
 from services.rollout.generation import data_source
 from services.rollout.generation.data_source import JobPrompts, PromptFeeder
 from services.rollout.generation.drain import EngineAborter
 from services.rollout.generation.evaluation import function_eval_metrics
-from services.rollout.generation.generate import LOG_PROB_SETTINGS, use_context
 from services.rollout.generation.groups import Generation, rate_group
 from services.rollout.generation.prompts import PromptEncoder
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.samples import Sample
-from services.rollout.generation.router_http import Poster, PostError
+from services.rollout.engine_calls.router_http import Poster, PostError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Clients of the job API: gRPC (`JobsClient`) and REST (`JobsRestClient`, what the CLI uses)."""
+"""Clients of the job API: gRPC (`JobsClient`) and REST (`JobsRestClient`, what the CLI uses), and what a client may
+ask before it submits a job or starts a stack (torch-free): what each backend can do and builds, the default one."""
 
 from __future__ import annotations
 
@@ -12,8 +13,22 @@ from services.common.gen.physarum.v1 import jobs_pb2, jobs_pb2_grpc
 from services.common.grpc_client import GrpcClient
 from services.common.http_client import HttpClient
 from services.common.samples import dict_to_struct, struct_to_dict
+from services.trainer.backends import capabilities as backends
+from services.trainer.backends.layout import LayoutConfig
 
 TERMINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELLED"}
+DEFAULT_TRAIN_BACKEND: str = LayoutConfig.train_backend  # what a spec that names no train_backend gets
+
+
+def backend_capabilities(train_backend: str) -> backends.Capabilities:
+    """What `train_backend` can do (e.g. `tensor_parallel`: it splits a model over ranks)."""
+    return backends.capabilities(train_backend)
+
+
+def model_problem(train_backend: str, hf_config: dict[str, Any]) -> str:
+    """Why `train_backend` cannot build the model of `hf_config` (its config.json), "" when it can: the job API's own
+    check at submit."""
+    return backends.model_problem(train_backend, hf_config)
 
 
 def job_from_proto(job: jobs_pb2.Job) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from services.trainer.api.rest import create_app
 from services.trainer.api.spec import parse_spec
 from services.trainer.api.spec_defaults import SpecParser, path_roots, spec_defaults, spec_parser
 from services.trainer.dashboard.api import mount_dashboard
+from services.trainer.driver.sample_board import SampleBoard
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,8 @@ class TrainerServers:
         await self.grpc.server.stop(grace_s)
 
 
-async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers:
+async def create_server(config: TrainerConfig, runner: Runner, board: SampleBoard | None = None) -> TrainerServers:
+    """The job API over `runner`; the dashboard shows the samples the driver records on `board`."""
     store = None
     if config.jobs_redis_url:
         from services.trainer.api.job_store import RedisJobStore
@@ -151,7 +153,8 @@ async def create_server(config: TrainerConfig, runner: Runner) -> TrainerServers
                        "physarum.v1.Jobs")],
         config.host, config.port, token=token, service="trainer")  # checked before a request is even decoded
     app = create_app(registry, token, parse)
-    mount_dashboard(app, registry, rollout_addr=config.rollout_addr, buffer_addr=config.buffer_addr)
+    mount_dashboard(app, registry, board or SampleBoard(), rollout_addr=config.rollout_addr,
+                    buffer_addr=config.buffer_addr)
     rest = RestServer(app, config.host, config.rest_port)
     await rest.start()
     return TrainerServers(grpc=grpc_server, rest=rest, registry=registry,

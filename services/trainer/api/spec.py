@@ -231,26 +231,3 @@ def parse_spec(data: dict[str, Any]) -> JobSpec:
     if not spec.job_id:
         spec = spec.model_copy(update={"job_id": f"job-{uuid.uuid4().hex[:8]}"})
     return spec
-
-
-def slime_args_to_dict(argv: list[str]) -> dict[str, Any]:
-    """`--rollout-batch-size 8 --use-kl-loss` -> {"rollout_batch_size": "8", "use_kl_loss": True}.
-
-    Values stay strings; pydantic converts them to each field's type.
-    """
-    spec: dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        flag = argv[i]
-        if not flag.startswith("--"):
-            raise InvalidArgument(f"slime arguments: expected a --flag, got {flag!r}")
-        key = flag[2:].replace("-", "_")
-        values = []
-        while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            values.append(argv[i + 1])
-            i += 1
-        field = JobSpec.model_fields.get(key)
-        is_list = field is not None and "list" in str(field.annotation)
-        spec[key] = True if not values else values if is_list or len(values) > 1 else values[0]
-        i += 1
-    return spec

@@ -1,8 +1,10 @@
-"""Training backends by their `train_backend` name: each backend module registers how it is built for a job, so
-the driver neither imports a backend by name nor branches on one; what each can do is `capabilities.py`."""
+"""Training backends by their `train_backend` name: each backend is the package of that name under `backends/`, which
+registers how it is built for a job when imported. The registry imports it by its name when a job asks for it, so the
+driver neither imports a backend nor branches on one; what each can do is `capabilities.py`."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from services.common.errors import InvalidArgument
@@ -29,12 +31,27 @@ def register(name: str) -> Callable[[Builder], Builder]:
     return add
 
 
+def _import(name: str) -> None:
+    """Import backend `name`'s package, which registers its builder (a package this trainer lacks registers none)."""
+    package = f"{__package__}.{name}"
+    try:
+        importlib.import_module(package)
+    except ModuleNotFoundError as err:
+        if err.name != package:
+            raise
+
+
 def registered() -> tuple[str, ...]:
+    """The backends this trainer can build: every declared one whose package registers a builder."""
+    for name in BACKENDS:
+        _import(name)
     return tuple(sorted(_BUILDERS))
 
 
 def build_backend(hf_checkpoint: str, train: TrainConfig, layout: LayoutConfig, world: World,
                   num_threads: int) -> TrainBackend:
+    if layout.train_backend in BACKENDS:
+        _import(layout.train_backend)
     builder = _BUILDERS.get(layout.train_backend)
     if builder is None:
         raise InvalidArgument(f"train_backend {layout.train_backend!r} is not available in this trainer (registered: "

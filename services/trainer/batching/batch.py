@@ -37,7 +37,7 @@ class RolloutBatch:
     ref_log_probs: torch.Tensor | None = None  # [B, R] the reference model's log-probs, when computed
     values: torch.Tensor | None = None  # [B, R] the critic's values (ppo)
     returns: torch.Tensor | None = None  # [B, R] the estimator's returns (ppo: the critic's targets)
-    # [B, L, num_layers, top_k] int32: the experts each token is routed to when replayed (routing_replay.py)
+    # [B, L, num_layers, top_k] int32: the experts each token is routed to when replayed (moe/hf_routing_replay.py)
     routed_experts: torch.Tensor | None = None
     # [B, R] on-policy distillation's teacher log-probs of the response tokens: the samples' own (a teacher engine
     # gave them) or a teacher model's in the trainer

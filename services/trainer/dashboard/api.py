@@ -2,8 +2,8 @@
 
 The pages (`/dashboard/`) are static files and hold no data; everything they show comes from `/v1/...`, which the
 job API's middleware guards with its bearer token. What the pages read: the job registry (jobs, their events and
-metrics history), the latest rollout's samples (`sample_board.BOARD`), the job's checkpoints on disk, the trainer's log
-tail, the rollout manager's pool through its client and the buffer's counters through its client.
+metrics history), the latest rollout's samples (the driver's `SampleBoard`), the job's checkpoints on disk, the
+trainer's log tail, the rollout manager's pool through its client and the buffer's counters through its client.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from services.buffer.client import BufferClient
 from services.common.errors import InvalidArgument, NotFound, PhysarumError
 from services.rollout.client import PoolStatus, RolloutClient
 from services.trainer.dashboard import logtail
-from services.trainer.driver.sample_board import BOARD
+from services.trainer.driver.sample_board import SampleBoard
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_LOG_LINES = 1000
@@ -85,8 +85,10 @@ def _unavailable(what: str, err: Exception) -> HTTPException:
     return HTTPException(status_code=503, detail=f"{what}: {err}")
 
 
-def mount_dashboard(app: FastAPI, registry, *, rollout_addr: str, buffer_addr: str, timeout_s: float = 5.0) -> Peers:
-    """Add the dashboard's pages and endpoints to the job API `app` (whose middleware guards /v1/*)."""
+def mount_dashboard(app: FastAPI, registry, board: SampleBoard, *, rollout_addr: str, buffer_addr: str,
+                    timeout_s: float = 5.0) -> Peers:
+    """Add the dashboard's pages and endpoints to the job API `app` (whose middleware guards /v1/*); `board` holds
+    the latest rollout's samples the driver recorded."""
     peers = Peers(rollout_addr, buffer_addr, timeout_s)
     tail = logtail.install()
 
@@ -104,7 +106,7 @@ def mount_dashboard(app: FastAPI, registry, *, rollout_addr: str, buffer_addr: s
     def job_samples(job_id: str) -> dict[str, Any]:
         """The latest rollout's samples (none yet: an empty list at rollout -1)."""
         job_of(job_id)
-        return BOARD.latest(job_id) or {"job_id": job_id, "rollout_id": -1, "num_samples": 0, "samples": []}
+        return board.latest(job_id) or {"job_id": job_id, "rollout_id": -1, "num_samples": 0, "samples": []}
 
     @app.get("/v1/dashboard/jobs/{job_id}/checkpoints", tags=["dashboard"])
     def job_checkpoints(job_id: str) -> dict[str, Any]:

@@ -1,2 +1,2 @@
-"""The training driver: the loop, the rollout feeds of each mode, eval, metrics, and the conversion of slime's
+"""The training driver: each mode's loop, the rollouts, eval, metrics, and the conversion of slime's
 checkpoints at job start."""

@@ -1,5 +1,6 @@
-"""What a job runs with besides its spec: the peers, the trainer's ranks, where the weight group and TensorBoard go.
-Its own module so that the loop and the feeds it builds both import it, and not each other."""
+"""What a job runs with besides its spec: the peers, the trainer's ranks, where the weight group and TensorBoard go,
+and where the dashboard's copy of the samples goes. Its own module so that the loop and the parts it builds import it,
+and not each other."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from dataclasses import dataclass, field
 from services.buffer.client import BufferClient
 from services.rollout.client import RolloutClient
 from services.trainer.distributed.parallel import World
+from services.trainer.driver.sample_board import SampleBoard
 
 
 @dataclass
 class TrainerDeps:
     """The peers (the buffer on every rank, each reading its own share of a rollout; the rollout manager on rank 0
-    only, None on the others), the trainer's ranks, where rank 0 hosts the weight-sync group, and where TensorBoard
-    event files go."""
+    only, None on the others), the trainer's ranks, where rank 0 hosts the weight-sync group, where TensorBoard
+    event files go, and rank 0's sample board."""
 
     buffer: BufferClient | None = None
     rollout: RolloutClient | None = None
@@ -22,3 +24,4 @@ class TrainerDeps:
     num_threads: int = 2
     world: World = field(default_factory=World)
     tensorboard_dir: str = ""
+    board: SampleBoard | None = None  # rank 0's: the latest rollout's samples, for the dashboard

@@ -1,34 +1,40 @@
-"""The training driver (slime's train.py and train_async.py): rollout -> train -> checkpoint -> push weights, with
-the rollouts coming from the feed of the job's mode (`feed.make_feed`: sync, one_step_async or fully_async).
+"""The training driver (slime's train.py and train_async.py): each mode is one short function, read top to bottom,
+over the steps of a rollout every mode takes (`job_run.JobRun`) and the two ways of getting a rollout
+(`rollouts.Rollouts`: `collect` one the manager runs by its id, or `take` from its stream).
 
-Every trainer rank runs it (SPMD) and reads its own share of each rollout (`TrainBackend.rollout_share`). All that
-rank 0 alone does (the rollout manager, the buffer's state, the job's events) is the feed's; the weights the engines
-hold are `sync.versions.EngineWeights`'.
+- sync (slime's train.py): rollout i is generated after the weights of rollout i-1 reached the engines.
+- one_step_async (slime's train_async.py): rollout i+1 starts before rollout i trains; before a weight update the
+  trainer waits for it, so each rollout comes from one policy, one version behind.
+- fully_async: the manager streams groups across rollouts (rollout -2 in the buffer, max_inflight_groups bound);
+  rollout i takes the first finished groups whose oldest token is at most max_weight_staleness versions behind the
+  trainer's weights (buffer TakeBatch; staler ones are regenerated or dropped and counted).
+
+Every trainer rank runs it (SPMD) and reads its own share of each rollout (`TrainBackend.rollout_share`); what rank 0
+alone does runs through `world.on_rank0`. The weights the engines hold are `weight_sync.versions.EngineWeights`'.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import time
 from pathlib import Path
 
 from services.common import write_roots
 from services.common.errors import InvalidArgument
+from services.common.samples import SampleGroup
 from services.common.settings.rollout import RolloutConfig
-from services.trainer.backends import fsdp, megatron  # noqa: F401 - each registers its builder
+from services.common.shares import Share
 from services.trainer.backends.base import TrainBackend
 from services.trainer.backends.capabilities import capabilities
 from services.trainer.backends.registry import build_backend
 from services.trainer.checkpoint import iterations
-from services.trainer.distributed.parallel import RankAborted, World
+from services.trainer.distributed.parallel import World
 from services.trainer.driver import slime_checkpoint_conversion
 from services.trainer.driver.deps import TrainerDeps
-from services.trainer.driver.feed import RolloutFeed, combine_rollout_stats, make_feed, metrics_writer, rollout_sums
-from services.trainer.driver.intervals import should_run_periodic_action
-from services.trainer.driver.job import JobControl, JobParts, JobPreempted, preempted
-from services.trainer.driver.sample_board import BOARD
+from services.trainer.driver.job import JobControl, JobParts
+from services.trainer.driver.job_run import JobRun, metrics_writer, weight_update_due
+from services.trainer.driver.rollouts import Rollouts, combine_rollout_stats, rollout_sums
 from services.trainer.settings.driver import DriverConfig
 from services.trainer.settings.weight_sync import SyncConfig
 from services.trainer.weight_sync.versions import EngineWeights
@@ -38,13 +44,116 @@ log = logging.getLogger(__name__)
 __all__ = ["TrainerDeps", "make_backend", "train"]
 
 
-def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for step in steps for k in step}
-    return {k: statistics.fmean(step[k] for step in steps if k in step) for k in sorted(keys)}
+def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
+    """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks). The spec is cut
+    into its parts here, once: the loop reads the driver's settings, each part gets its own config."""
+    driver, rollout = spec.driver, spec.rollout
+    if driver.debug_rollout_only:
+        if deps.world.rank == 0:
+            rollout_only(driver, rollout, ctx, deps)
+        return
+    if driver.engines:
+        deps.world.on_rank0(load_dataset, driver, rollout, deps, ctx)
+    if not capabilities(spec.layout.train_backend).slime_checkpoints:  # before the backend takes the memory
+        driver = slime_checkpoint_conversion.converted_paths(driver, deps.world)
+    backend = make_backend(spec, deps.world, deps.num_threads)
+    run(driver, rollout, spec.sync, backend, ctx, deps)
 
 
-def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world: World) -> int:
-    """Load `ref_load`, `opd_teacher_load` and `load` (the feed puts the buffer's data source back); the first
+def run(driver: DriverConfig, rollout: RolloutConfig, sync_config: SyncConfig, backend: TrainBackend,
+        ctx: JobControl | None, deps: TrainerDeps) -> None:
+    """A job on this rank with its backend built: resume, push the trainer's weights, the mode's driver, the final
+    HF export."""
+    world = deps.world
+    weights = EngineWeights(world, deps.rollout, engines=driver.engines, sync=sync_config,
+                            master_address=deps.master_address, model_dir=driver.hf_checkpoint, job_id=driver.job_id)
+    rollouts = Rollouts(driver, rollout, deps, ctx, weights, backend.rollout_share())
+    job = JobRun(driver, rollout, backend, weights, rollouts, ctx, deps)
+    try:
+        start_id = resume(driver, backend, rollouts, world)
+        job.saved = start_id - 1  # the rollout the latest checkpoint holds (the loaded one)
+        weights.version = start_id
+        if driver.engines:  # like slime, push the trainer's weights first: engines may hold another job's
+            weights.push(backend, start_id)
+        MODES[driver.mode](job, start_id)
+        if driver.save_hf:
+            backend.save_hf(write_roots.writable_dir(driver.save_hf.format(rollout_id=driver.num_rollout - 1),
+                                                     write_roots.EXPORTS, "save_hf"))
+    finally:
+        job.close()
+        weights.close()
+
+
+def sync(job: JobRun, start_id: int) -> None:
+    """Generate rollout i with the weights of rollout i-1, train on it, push the new weights."""
+    driver, rollouts = job.driver, job.rollouts
+    for rollout_id in range(start_id, driver.num_rollout):
+        samples = job.samples(rollout_id, functools.partial(rollouts.collect, rollout_id))
+        metrics = job.train(rollout_id, samples)
+        metrics.update(job.save_if_due(rollout_id, metrics))
+        if weight_update_due(driver, rollout_id):
+            metrics.update(job.push_weights(rollout_id))
+        metrics.update(job.manager_metrics(rollout_id))
+        metrics.update(job.evaluate_if_due(rollout_id))
+        job.report(rollout_id, metrics)
+
+
+def one_step_async(job: JobRun, start_id: int) -> None:
+    """Rollout i+1 generates while rollout i trains. Before a weight update the trainer waits for rollout i+1 to
+    finish with the weights it started with (slime waits likewise), so each rollout comes from one policy."""
+    driver, rollouts, world = job.driver, job.rollouts, job.world
+    ready: dict[int, list[SampleGroup]] = {}  # rank 0: rollouts waited for before an update
+
+    def ready_or_collect(rollout_id: int, share: Share) -> list[SampleGroup]:
+        return ready.pop(rollout_id) if rollout_id in ready else rollouts.collect(rollout_id, share)
+
+    def wait_for_next(rollout_id: int) -> dict[str, float]:
+        start = time.monotonic()
+        if rollout_id + 1 < driver.num_rollout:
+            share = Share() if driver.save_debug_rollout_data else rollouts.share
+            ready[rollout_id + 1] = rollouts.collect(rollout_id + 1, share)
+        return {"perf/wait_next_rollout_seconds": time.monotonic() - start}
+
+    for rollout_id in range(start_id, driver.num_rollout):
+        samples = job.samples(rollout_id, functools.partial(ready_or_collect, rollout_id))
+        if rollout_id + 1 < driver.num_rollout:
+            world.on_rank0(rollouts.start, rollout_id + 1)  # generated while this one trains
+        metrics = job.train(rollout_id, samples)
+        metrics.update(job.save_if_due(rollout_id, metrics))
+        if weight_update_due(driver, rollout_id):
+            metrics.update(world.on_rank0(wait_for_next, rollout_id))
+            metrics.update(job.push_weights(rollout_id))
+        metrics.update(job.manager_metrics(rollout_id))
+        metrics.update(job.evaluate_if_due(rollout_id))
+        job.report(rollout_id, metrics)
+
+
+def fully_async(job: JobRun, start_id: int) -> None:
+    """Take each rollout from the manager's stream, within the staleness bound; the stream runs on while the
+    trainer trains, and ends with the job."""
+    driver, rollouts, world = job.driver, job.rollouts, job.world
+    try:
+        for rollout_id in range(start_id, driver.num_rollout):
+            samples = job.samples(rollout_id, functools.partial(rollouts.take, rollout_id))
+            metrics = job.train(rollout_id, samples)
+            metrics.update(job.save_if_due(rollout_id, metrics))
+            if weight_update_due(driver, rollout_id):
+                metrics.update(job.push_weights(rollout_id))
+            metrics.update(job.manager_metrics(rollout_id))
+            metrics.update(job.evaluate_if_due(rollout_id))
+            if driver.engines:
+                metrics.update(world.on_rank0(lambda: dict(rollouts.stale)))  # the take's too-stale groups
+            job.report(rollout_id, metrics)
+    finally:
+        if world.rank == 0:
+            rollouts.stop_stream()
+
+
+MODES = {"sync": sync, "one_step_async": one_step_async, "fully_async": fully_async}
+
+
+def resume(driver: DriverConfig, backend: TrainBackend, rollouts: Rollouts, world: World) -> int:
+    """Load `ref_load`, `opd_teacher_load` and `load` (and put the buffer's data source back); the first
     rollout id to run."""
     if driver.ref_load:
         iterations.load_reference(driver.ref_load, backend, world, driver.ref_ckpt_step)
@@ -66,7 +175,7 @@ def resume(driver: DriverConfig, backend: TrainBackend, feed: RolloutFeed, world
         return 0
     # this job's own checkpoint (it was stopped): the rollout's metrics, in case the stop came before their report
     metrics = iterations.saved_metrics(driver.load, state.rollout_id) if state.job_id == driver.job_id else None
-    feed.resumed(state.rollout_id + 1, state.buffer, metrics)
+    world.on_rank0(rollouts.resumed, state.rollout_id + 1, state.buffer, metrics)
     return state.rollout_id + 1
 
 
@@ -85,11 +194,13 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobControl, 
     """debug_rollout_only (rank 0 alone): generate (and dump) rollouts with the engines' weights; train nothing."""
     load_dataset(driver, rollout, deps, ctx)
     writer = metrics_writer(driver, deps, rollout.args)
-    feed = make_feed(driver, rollout, deps, ctx)
+    rollouts = Rollouts(driver, rollout, deps, ctx)
+    groups = rollouts.take if driver.mode == "fully_async" else rollouts.collect
     try:
         for rollout_id in range(driver.num_rollout):
-            samples = feed.rollout(rollout_id, feed.share)
-            BOARD.record(driver.job_id, rollout_id, samples, driver.hf_checkpoint)
+            samples = rollouts.rollout(rollout_id, functools.partial(groups, rollout_id))
+            if deps.board is not None:
+                deps.board.record(driver.job_id, rollout_id, samples, driver.hf_checkpoint)
             metrics = combine_rollout_stats([rollout_sums(samples, rollout_id)])
             writer.write(rollout_id, metrics)
             ctx.report(rollout_id, metrics)
@@ -100,72 +211,3 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobControl, 
 def make_backend(spec: JobParts, world: World, num_threads: int) -> TrainBackend:
     """The spec's train_backend on this rank, built from the spec's training settings and layout."""
     return build_backend(spec.hf_checkpoint, spec.train, spec.layout, world, num_threads)
-
-
-def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
-    """Run a job on this rank in the spec's mode; `ctx` is rank 0's (None on the other ranks). The spec is cut
-    into its parts here, once: the loop reads the driver's settings, each part gets its own config."""
-    driver, rollout = spec.driver, spec.rollout
-    if driver.debug_rollout_only:
-        if deps.world.rank == 0:
-            rollout_only(driver, rollout, ctx, deps)
-        return
-    if driver.engines:
-        deps.world.on_rank0(load_dataset, driver, rollout, deps, ctx)
-    if not capabilities(spec.layout.train_backend).slime_checkpoints:  # before the backend takes the memory
-        driver = slime_checkpoint_conversion.converted_paths(driver, deps.world)
-    backend = make_backend(spec, deps.world, deps.num_threads)
-    run(driver, rollout, spec.sync, backend, ctx, deps)
-
-
-def run(driver: DriverConfig, rollout: RolloutConfig, sync: SyncConfig, backend: TrainBackend,
-        ctx: JobControl | None, deps: TrainerDeps) -> None:
-    """The rollout -> train -> checkpoint -> weights loop of every mode; the feed is where the modes differ."""
-    world, last = deps.world, driver.num_rollout - 1
-    weights = EngineWeights(world, deps.rollout, engines=driver.engines, sync=sync,
-                            master_address=deps.master_address, model_dir=driver.hf_checkpoint, job_id=driver.job_id)
-    feed = make_feed(driver, rollout, deps, ctx, weights, backend.rollout_share())
-    try:
-        start_id = resume(driver, backend, feed, world)
-        weights.version = start_id
-        if driver.engines:  # like slime, push the trainer's weights first: engines may hold another job's
-            weights.push(backend, start_id)
-        saved = start_id - 1  # the rollout the latest checkpoint holds (start_id - 1: the loaded one)
-        for rollout_id in range(start_id, driver.num_rollout):
-            start = time.monotonic()
-            try:
-                samples = feed.samples(rollout_id)
-            except (JobPreempted, RankAborted) as err:  # SIGTERM: the state after the last step is the safe point
-                if driver.save and saved < rollout_id - 1 and preempted(err):
-                    iterations.save_checkpoint(driver.save, rollout_id - 1, backend, world,
-                                                functools.partial(feed.trainer_state, rollout_id - 1))
-                raise
-            rollout_s = time.monotonic() - start
-            feed.started(rollout_id)
-            if world.rank == 0:  # the dashboard's copy of rank 0's share; recording never raises
-                BOARD.record(driver.job_id, rollout_id, samples, driver.hf_checkpoint)
-            start = time.monotonic()
-            steps = backend.train_rollout(samples)
-            metrics = {**feed.rollout_metrics(samples, rollout_id), **world.mean(mean_metrics(steps)),
-                       "perf/rollout_seconds": rollout_s, "perf/train_seconds": time.monotonic() - start}
-            if driver.ref_update_interval and (rollout_id + 1) % driver.ref_update_interval == 0:
-                backend.update_ref_model()
-            if driver.save and (rollout_id == last or should_run_periodic_action(
-                    rollout_id, driver.save_interval, num_rollout=driver.num_rollout)):
-                start = time.monotonic()
-                iterations.save_checkpoint(driver.save, rollout_id, backend, world,
-                                            functools.partial(feed.trainer_state, rollout_id),
-                                            metrics={**metrics, "perf/save_seconds": 0.0})  # kept with it
-                metrics["perf/save_seconds"] = time.monotonic() - start
-                saved = rollout_id
-            if feed.weight_update_due(rollout_id):
-                metrics.update(feed.before_weight_update(rollout_id))
-                metrics.update(weights.push(backend, rollout_id + 1))
-            metrics.update(feed.after_rollout(rollout_id))  # the manager's counters, and eval when due
-            feed.report(rollout_id, metrics)
-        if driver.save_hf:
-            backend.save_hf(write_roots.writable_dir(driver.save_hf.format(rollout_id=last), write_roots.EXPORTS,
-                                                     "save_hf"))
-    finally:
-        feed.close()
-        weights.close()

@@ -1,6 +1,6 @@
 """What rank 0 asks the rollout manager after each rollout: its counters the trainer cannot compute from samples
 (rollout/dynamic_filter/drop_<reason>, a rollout function's rollout/function/*) and, when due, an eval, for the
-job's events.
+job's events. The mode's driver calls both (`job_run.JobRun`).
 
 Eval runs like slime's periodic action: after every eval_interval-th rollout and after the last one, once the engines
 hold the new weights.
@@ -28,23 +28,27 @@ def eval_due(driver: DriverConfig, rollout: RolloutConfig, rollout_id: int) -> b
                                                                         num_rollout=driver.num_rollout)
 
 
-def generation_metrics(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps,
-                       rollout_id: int) -> dict[str, float]:
-    """Rank 0, after the weight sync of rollout `rollout_id`: the manager's counters, and eval/* when due.
+def manager_metrics(driver: DriverConfig, deps: TrainerDeps, rollout_id: int) -> dict[str, float]:
+    """Rank 0, after rollout `rollout_id`: the manager's counters the trainer cannot compute from samples."""
+    status = deps.rollout.rollout_status(driver.job_id, rollout_id)
+    return {k: v for k, v in status.metrics.items() if k.startswith(MANAGER_METRICS)}
+
+
+def evaluate(driver: DriverConfig, rollout: RolloutConfig, deps: TrainerDeps, rollout_id: int) -> dict[str, float]:
+    """Rank 0, after the weight sync of rollout `rollout_id`: eval/* from the manager, with the weights pushed after
+    it (version rollout_id + 1).
 
     A bad eval dataset fails the job; an eval the manager could not finish (engines down, timeout) is logged and
     skipped, so a long run does not die of it.
     """
-    status = deps.rollout.rollout_status(driver.job_id, rollout_id)
-    metrics = {k: v for k, v in status.metrics.items() if k.startswith(MANAGER_METRICS)}
-    if eval_due(driver, rollout, rollout_id):
-        start = time.monotonic()
-        try:
-            metrics.update(deps.rollout.run_eval(rollout, rollout_id, str(rollout_id + 1),
-                                                 timeout_s=driver.rollout_timeout_s))
-        except InvalidArgument:
-            raise
-        except PhysarumError as err:
-            log.warning("job %s: eval after rollout %d failed, skipped: %s", driver.job_id, rollout_id, err)
-        metrics["perf/eval_seconds"] = time.monotonic() - start
+    start = time.monotonic()
+    metrics: dict[str, float] = {}
+    try:
+        metrics.update(deps.rollout.run_eval(rollout, rollout_id, str(rollout_id + 1),
+                                             timeout_s=driver.rollout_timeout_s))
+    except InvalidArgument:
+        raise
+    except PhysarumError as err:
+        log.warning("job %s: eval after rollout %d failed, skipped: %s", driver.job_id, rollout_id, err)
+    metrics["perf/eval_seconds"] = time.monotonic() - start
     return metrics

@@ -126,5 +126,3 @@ class SampleBoard:
             record = self._latest.get(job_id)
         return None if record is None else asdict(record)
 
-
-BOARD = SampleBoard()  # this process's (rank 0's): the driver records, the dashboard's endpoints read

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from services.common import safetensors_io, weight_delta
+from services.common import weight_delta
 from services.common.errors import PhysarumError
 from services.common.sglang import SGLangClient
+from services.trainer.checkpoint import safetensors_io
 from services.trainer.checkpoint.hf_files import copy_side_files
 from services.trainer.settings.weight_sync import DeltaSettings
 from services.trainer.weight_sync import wire

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.common import safetensors_io
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
 from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
+from services.trainer.checkpoint import safetensors_io
 from services.trainer.checkpoint.hf_files import copy_side_files
 from services.trainer.weight_sync import wire
 

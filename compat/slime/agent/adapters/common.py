@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from services.rollout.engine_calls.generate import current_context
 from services.rollout.generation.agents import session_sample
-from services.rollout.generation.generate import current_context
 from slime.agent.trajectory import TurnRecord
 
 

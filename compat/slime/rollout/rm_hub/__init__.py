@@ -10,7 +10,7 @@ from typing import Any
 
 from services.reward import verifiers
 from services.reward.rm.math import deepscaler_reward as get_deepscaler_rule_based_reward
-from services.rollout.generation.generate import GenerateContext, bound_context
+from services.rollout.engine_calls.generate import GenerateContext, bound_context
 from slime.rollout.rm_hub.math_utils import extract_answer as extract_boxed_answer
 from slime.rollout.rm_hub.math_utils import grade_answer_verl
 from slime.utils.misc import load_function

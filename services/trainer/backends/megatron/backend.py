@@ -3,7 +3,7 @@
 Every rank of the job builds one and makes the same calls with the same samples (each method is collective). A
 step's samples are cut into micro-batches, each one packed (THD) row, dealt to the data-parallel ranks by tokens
 (`schedule.dp_schedule`) and run by Megatron's schedule (1F1B under PP). Every formula comes from
-`step.rl_step`, on log-probs that `vocab_parallel` computes from the TP-sharded logits. Results (log-probs,
+`step/rl_step.py`, on log-probs that `vocab_parallel` computes from the TP-sharded logits. Results (log-probs,
 metrics) are the same on every rank; HF weights come out on rank 0.
 """
 

@@ -3,7 +3,7 @@
 The local layer spec on CPU (torch attention and torch RMSNorms that take sequence parallelism), the Transformer
 Engine spec when transformer_engine is installed. Parameters in the training dtype (bf16: float32 main parameters in
 the optimizer, gradients reduced in float32); dropout off, so training forwards and no-grad recomputes see one
-policy. Knows nothing of HF names (convert.py) or losses (backend.py).
+policy. Knows nothing of HF names (checkpoint/megatron_convert.py) or losses (backend.py).
 """
 
 from __future__ import annotations

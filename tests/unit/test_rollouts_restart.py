@@ -1,13 +1,14 @@
-"""The manager-restart race of the trainer's feed: whatever call the manager dies after, the rollout's groups come
+"""The manager-restart race of the trainer's rollouts: whatever call the manager dies after, the rollout's groups come
 from engines holding the trainer's current weights.
 
-A fake manager counts the feed's calls and restarts (forgetting its rollouts and its pool's weights) right after the
+A fake manager counts the trainer's calls and restarts (forgetting its rollouts and its pool's weights) right after the
 N-th one, for every N; its groups carry the version its engines held when they generated them, and the fake buffer
-refuses stale ones as TakeBatch does, so a feed that never re-announces the weights would wait forever.
+refuses stale ones as TakeBatch does, so a trainer that never re-announces the weights would wait forever.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from services.common.samples import Sample, SampleGroup, Status
 from services.rollout.client import PoolStatus, RolloutState, RolloutStatus, snapshot_path
 from services.trainer.api.spec import parse_spec
 from services.trainer.distributed.parallel import World
-from services.trainer.driver import feed
+from services.trainer.driver import rollouts
 from services.trainer.weight_sync.versions import EngineWeights
 
 VERSION = 3  # the trainer's weights: rollout 3 of a fully_async job, every earlier version pushed
@@ -70,7 +71,7 @@ class FakeBuffer:
 
     def take_batch(self, job_id: str, rollout_id: int, num_groups: int, **kwargs) -> types.SimpleNamespace:
         self.polls += 1
-        assert self.polls < MAX_POLLS, "the feed keeps waiting for fresh groups: the engines never got the weights"
+        assert self.polls < MAX_POLLS, "the trainer keeps waiting for fresh groups: the engines never got the weights"
         fresh = self.manager.running and self.manager.weight_version == str(rollout_id)
         self.fresh_polls = self.fresh_polls + 1 if fresh else 0
         if self.fresh_polls < 3:  # generating takes a few polls, during which the manager may die too
@@ -82,7 +83,7 @@ class FakeBuffer:
         return types.SimpleNamespace(groups=groups, num_stale_dropped=0, num_stale_regenerated=0)
 
 
-def run_feed(tmp_path: Path, restart_after: int) -> tuple[list[Sample], FakeManager]:
+def take_rollout(tmp_path: Path, restart_after: int) -> tuple[list[Sample], FakeManager]:
     snapshot = snapshot_path(tmp_path, VERSION)
     snapshot.mkdir(parents=True, exist_ok=True)
     (snapshot / "model.safetensors").write_bytes(b"")
@@ -92,16 +93,17 @@ def run_feed(tmp_path: Path, restart_after: int) -> tuple[list[Sample], FakeMana
     deps = types.SimpleNamespace(rollout=manager, buffer=FakeBuffer(manager), world=World())
     ctx = types.SimpleNamespace(check_cancelled=lambda: None)
     weights = EngineWeights(World(), manager, engines=True, version=VERSION)
-    return feed.make_feed(spec.driver, spec.rollout, deps, ctx, weights).samples(VERSION), manager
+    job = rollouts.Rollouts(spec.driver, spec.rollout, deps, ctx, weights)
+    return job.samples(VERSION, functools.partial(job.take, VERSION)), manager
 
 
 @pytest.mark.parametrize("restart_after", range(0, 8))  # 7 calls in all without a restart
 def test_a_manager_restarted_after_any_call_gets_the_weights_before_its_groups_count(tmp_path, restart_after):
-    samples, manager = run_feed(tmp_path, restart_after)
+    samples, manager = take_rollout(tmp_path, restart_after)
     assert len(samples) == 2 and all(s.weight_versions == [str(VERSION)] for s in samples)
     assert manager.weight_version == str(VERSION)
     if restart_after:
-        assert manager.calls >= restart_after  # the restart did happen inside the feed's calls
+        assert manager.calls >= restart_after  # the restart did happen inside the trainer's calls
 
 
 def test_an_unavailable_manager_is_waited_for(tmp_path, monkeypatch):
@@ -115,13 +117,13 @@ def test_an_unavailable_manager_is_waited_for(tmp_path, monkeypatch):
         return original(self, job_id, rollout_id)
 
     monkeypatch.setattr(FakeManager, "rollout_status", flaky)
-    samples, _ = run_feed(tmp_path, restart_after=4)
+    samples, _ = take_rollout(tmp_path, restart_after=4)
     assert all(s.weight_versions == [str(VERSION)] for s in samples)
 
 
 def test_a_manager_unavailable_at_the_start_is_waited_for(tmp_path, monkeypatch):
     """A manager restarting before the rollout starts (its pool still starting) answers StartRollout UNAVAILABLE a
-    few times: the feed retries instead of failing the job."""
+    few times: the trainer retries instead of failing the job."""
     failures = iter([True, True, False])
     original = FakeManager.start_rollout
 
@@ -131,6 +133,6 @@ def test_a_manager_unavailable_at_the_start_is_waited_for(tmp_path, monkeypatch)
         return original(self, config, rollout_id, weight_version)
 
     monkeypatch.setattr(FakeManager, "start_rollout", starting)
-    monkeypatch.setattr(feed, "START_RETRY_S", 0.0)
-    samples, _ = run_feed(tmp_path, restart_after=0)
+    monkeypatch.setattr(rollouts, "START_RETRY_S", 0.0)
+    samples, _ = take_rollout(tmp_path, restart_after=0)
     assert len(samples) == 2 and all(s.weight_versions == [str(VERSION)] for s in samples)

@@ -1,4 +1,4 @@
-"""Start CPU engine processes for integration tests, wait for /health, and stop them by their recorded PIDs."""
+"""Start CPU engine processes for tests and benchmarks, wait for /health, and stop them by their recorded PIDs."""
 
 from __future__ import annotations
 

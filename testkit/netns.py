@@ -1,4 +1,5 @@
-"""A private multi-"host" network for tests: one network namespace per pod, joined by a bridge in a switch namespace.
+"""A private multi-"host" network for tests and benchmarks: one network namespace per pod, joined by a bridge in a
+switch namespace.
 
 Each pod gets a veth named eth0 with an address in 10.200.0.0/24, which exists only inside these namespaces (no
 default route, nothing in the root namespace), and a hosts file with headless-Service-style names, bind-mounted over

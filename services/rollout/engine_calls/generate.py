@@ -30,7 +30,7 @@ from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Image, Sample, Status
-from services.rollout.generation.router_http import Poster, PostError, StreamError
+from services.rollout.engine_calls.router_http import Poster, PostError, StreamError
 
 log = logging.getLogger(__name__)
 

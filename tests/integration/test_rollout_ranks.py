@@ -15,7 +15,7 @@ from services.trainer.distributed.parallel import World
 from tests.integration.test_buffer import LoopThread, start_buffer
 from tests.integration.workers import run_ranks
 
-JOB = "feed-ranks"
+JOB = "rollout-ranks"
 TOKENS = [9, 8, 1, 2, 3, 3, 3, 3]  # per sample of each group (two samples a group)
 
 
@@ -45,10 +45,10 @@ def write_rollouts(buffer: BufferClient, tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(buffer_addr, tmp_path_factory):
-    out = tmp_path_factory.mktemp("feed-ranks")
+    out = tmp_path_factory.mktemp("rollout-ranks")
     with BufferClient(buffer_addr, timeout_s=10.0) as buffer:
         write_rollouts(buffer, out)
-    run_ranks("tests.integration.feed_ranks", str(out), buffer_addr, JOB, log_dir=out, timeout_s=120)
+    run_ranks("tests.integration.rollout_ranks", str(out), buffer_addr, JOB, log_dir=out, timeout_s=120)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
