@@ -42,7 +42,9 @@ def render() -> str:
         f"{counts['refused']} refused. Also accepted: `--sglang-*` (SGLang server options: the rollout service "
         "relaunches the engines it launches with them; a job whose options disagree with engines it did not launch, "
         "as their `/server_info` reports them, fails naming each flag; options the engines do not report are noted), "
-        "`--router-*` (router options of the rollout service), the Megatron flags below.",
+        "`--router-*` (router options of the rollout service), the LoRA flags of slime's forks (`--lora-rank`, "
+        "`--lora-alpha`, `--lora-dropout`, `--target-modules`: the job-spec keys of the same names, fsdp backend; "
+        "see [LoRA adapters](jobs.md#lora-adapters)), the Megatron flags below.",
         "",
         "| flag | slime's default | status | what Physarum does |",
         "|---|---|---|---|",

@@ -88,3 +88,17 @@ def test_one_process_resumes_a_two_rank_checkpoint_exactly(two_ranks, one_rank, 
         for key, value in want.items():
             if not key.startswith("perf/"):  # timings, not results
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_lora_over_two_ranks_exports_the_adapter_one_process_trains(two_ranks, one_rank):
+    from safetensors.torch import load_file
+
+    _, backend = one_rank[1]["lora"]
+    exported = load_file(two_ranks[0] / "lora" / "hf" / "adapter_model.safetensors")
+    adapters = {f"base_model.model.{name}": p for name, p in backend.model.named_parameters() if "lora_" in name}
+    assert set(exported) == set(adapters)
+    # Adam moves each entry by about lr (1e-2) per step whatever its gradient's size, so the reduction order of the
+    # two ranks' gradients shows up to ~1e-5 in the four steps' result
+    for name, tensor in adapters.items():
+        torch.testing.assert_close(exported[name], tensor.detach(), atol=1e-4, rtol=0, msg=name)
+    assert any(name.endswith("lora_B.weight") and tensor.abs().max() > 0 for name, tensor in exported.items())

@@ -22,6 +22,8 @@ CASES = {
     "grpo": {},
     "per_token_kl": {"calculate_per_token_loss": True, "use_kl_loss": True, "kl_loss_coef": 0.1,
                      "entropy_coef": 0.01, "ref_update_interval": 1},
+    # LoRA adapters on a frozen base sharded by FSDP2; the KL reference is the base (the adapters off)
+    "lora": {"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2, "use_kl_loss": True, "kl_loss_coef": 0.1},
     "bf16": {"bf16": True},  # FSDP2's mixed-precision policy over two ranks, autocast in one process
     # both ranks split every sequence (one context-parallel group, one data-parallel share); one process: CP 1
     "context_parallel": {"context_parallel_size": 2, "micro_batch_size": 2, "use_kl_loss": True,

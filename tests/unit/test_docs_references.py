@@ -132,9 +132,10 @@ def known_flags() -> set[str]:
     spec.loader.exec_module(config_table)
     flags |= {row[1].strip("`") for service in config_table.discover() for row in config_table.rows(service)}
     from services.trainer.slime_flags.flags import FLAGS
+    from services.trainer.slime_flags.lora_flags import LORA_FLAGS
     from services.trainer.slime_flags.megatron_flags import ARCH, MEGATRON
 
-    flags |= {f"--{name}" for name in [*FLAGS, *ARCH, *MEGATRON]}
+    flags |= {f"--{name}" for name in [*FLAGS, *LORA_FLAGS, *ARCH, *MEGATRON]}
     return flags | set(OUTSIDE_FLAGS)
 
 

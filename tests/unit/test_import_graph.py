@@ -95,9 +95,9 @@ def forbidden_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 
 # services/trainer's folders from the ground up: a folder imports only its own floor and those below it.
-TRAINER_FLOORS = (("algorithms", "distributed", "batching", "models"), ("settings", "checkpoint", "moe"), ("step",),
-                  ("backends",), ("weight_sync", "slime_flags"), ("driver",), ("dashboard",), ("api",), ("ranks",),
-                  ("__main__",))
+TRAINER_FLOORS = (("algorithms", "distributed", "batching", "models", "lora"), ("settings", "checkpoint", "moe"),
+                  ("step",), ("backends",), ("weight_sync", "slime_flags"), ("driver",), ("dashboard",), ("api",),
+                  ("ranks",), ("__main__",))
 
 
 def trainer_floor(module: str) -> int | None:

@@ -120,6 +120,7 @@ class JobSpec(_JobSettings):
         if rollout.multimodal_keys and (driver.save_debug_rollout_data or driver.load_debug_rollout_data):
             raise ValueError("multimodal_keys: rollout dumps (save_debug_rollout_data, load_debug_rollout_data) hold "
                              "samples without their groups' images")
+        _check_lora(train, layout, driver)
         if train.freeze_vision and not rollout.multimodal_keys:
             raise ValueError("freeze_vision needs multimodal_keys (a job without images trains the language model)")
         return self
@@ -175,6 +176,19 @@ class JobSpec(_JobSettings):
     @property
     def train_only(self) -> bool:
         return self.driver.train_only
+
+
+def _check_lora(train: TrainConfig, layout: LayoutConfig, driver: DriverConfig) -> None:
+    """LoRA trains on a backend with adapter layers; its KL reference is the base model itself."""
+    if not train.lora:
+        return
+    if not layout.capabilities.lora:
+        able = " or ".join(backends_that(lambda caps: caps.lora))
+        raise ValueError(f"lora_rank: train_backend {layout.train_backend} builds megatron-core's parallel layers, "
+                         f"which carry no LoRA adapters here; set train_backend: {able}")
+    if driver.ref_load or driver.ref_update_interval:
+        raise ValueError("lora_rank: the reference model is the base model with the adapters off; ref_load and "
+                         "ref_update_interval do not apply")
 
 
 def _check_distillation(train: TrainConfig, rollout: RolloutConfig, driver: DriverConfig) -> None:

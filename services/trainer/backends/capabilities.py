@@ -29,6 +29,7 @@ class Capabilities:
     reads_shares: bool  # each data-parallel rank reads its own share of a rollout (whole groups), not all of it
     slime_checkpoints: bool  # loads slime's torch_dist checkpoints (megatron-core dist-checkpointing) as they are
     vision: bool = False  # prompts with images (multimodal_keys): the vision inputs in the policy's forward
+    lora: bool = False  # trains LoRA adapters (lora_rank) on a frozen base model
     # why it cannot build a model of this config.json in this layout ("" when it can)
     model_problem: Callable[..., str]
     # why it cannot replay a MoE model's routing / add its load-balancing loss in this layout ("" when it can)
@@ -39,7 +40,7 @@ class Capabilities:
 BACKENDS: dict[str, Capabilities] = {
     "fsdp": Capabilities(critic=True, packing=True, tensor_parallel=False, pipeline_parallel=False,
                          expert_parallel=False, context_parallel=True, extra_flags=False, reads_shares=True,
-                         slime_checkpoints=False, vision=True,
+                         slime_checkpoints=False, vision=True, lora=True,
                          model_problem=families.fsdp_problem,
                          replay_problem=families.fsdp_replay_problem,
                          aux_loss_problem=families.fsdp_aux_loss_problem),

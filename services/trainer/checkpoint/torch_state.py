@@ -36,9 +36,10 @@ def load_causal_lm(path: Path):
 
 
 class TorchStateDicts(DCPCheckpointing):
-    """Needs `model`, `optimizer`, `ref_model`, `critic` (None or with `.model`, `.optimizer`), `world`,
+    """Needs `config`, `model`, `optimizer`, `ref_model`, `critic` (None or with `.model`, `.optimizer`), `world`,
     `_weight_version` and `_make_optimizer`."""
 
+    config: Any  # the TrainConfig
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     ref_model: torch.nn.Module | None
@@ -66,7 +67,11 @@ class TorchStateDicts(DCPCheckpointing):
         out: dict[str, Any] = {}
         for name, optim, model, optimizer in self._checkpoint_parts():
             if model is not None and (wanted is None or name in wanted):
-                out[name] = get_model_state_dict(model)
+                options = self._model_state_options(model)
+                out[name] = get_model_state_dict(model, options=options)
+                if options is not None:  # a tied weight (lm_head under tied embeddings) escapes ignore_frozen_params
+                    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+                    out[name] = {n: t for n, t in out[name].items() if n in trainable}
             # get_optimizer_state_dict steps a fresh optimizer (lr 0) to create its state: only to load into it.
             if optimizer is not None and (optim in wanted if wanted is not None else bool(optimizer.state)):
                 for group in optimizer.param_groups:  # a checkpoint loads only the keys its target has
@@ -82,11 +87,19 @@ class TorchStateDicts(DCPCheckpointing):
 
         for name, optim, model, optimizer in self._checkpoint_parts():
             if name in state:
-                set_model_state_dict(model, state[name])
+                set_model_state_dict(model, state[name], options=self._model_state_options(model))
             if optim in state:
                 set_optimizer_state_dict(model, optimizer, state[optim])
         if "weight_version" in state:
             self._weight_version = int(state["weight_version"])
+
+    def _model_state_options(self, model: torch.nn.Module):
+        """A LoRA policy's checkpoint holds its adapters alone: the frozen base is the HF checkpoint it loads."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if model is self.model and self.config.lora:
+            return StateDictOptions(ignore_frozen_params=True, strict=False)
+        return None
 
     def _checkpoint_parts(self) -> list[tuple[str, str, torch.nn.Module | None, torch.optim.Optimizer | None]]:
         """(model part, optimizer part, model, optimizer) of every model a checkpoint holds."""
@@ -96,9 +109,13 @@ class TorchStateDicts(DCPCheckpointing):
         return parts
 
     def load(self, path: str | Path) -> None:
-        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays).
-        Every rank calls it (each reads the directory)."""
-        parallel.load_full_state_dict(self.model, load_causal_lm(Path(path)).state_dict(), self.world)
+        """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays);
+        under LoRA the base's weights, the adapters kept. Every rank calls it (each reads the directory)."""
+        state = load_causal_lm(Path(path)).state_dict()
+        if self.config.lora and (unknown := [name for name in state if name not in self.model.state_dict()]):
+            raise InvalidArgument(f"checkpoint {path}: {len(unknown)} weights the LoRA policy's base does not have "
+                                  f"(e.g. {unknown[0]})")
+        parallel.load_full_state_dict(self.model, state, self.world, strict=not self.config.lora)
         self.optimizer = self._make_optimizer()
 
     def load_ref(self, path: str | Path) -> None:

@@ -279,15 +279,17 @@ def full_state_dict(model: torch.nn.Module, world: World) -> dict[str, torch.Ten
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], world: World) -> None:
-    """Every rank: copy full weights (each rank passes the whole dict) into a sharded or a plain model."""
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], world: World, *,
+                         strict: bool = True) -> None:
+    """Every rank: copy full weights (each rank passes the whole dict) into a sharded or a plain model; strict=False
+    leaves the model's tensors that `state` lacks as they are."""
     if not world.distributed:
         with torch.no_grad():
-            model.load_state_dict(state)
+            model.load_state_dict(state, strict=strict)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def tied_names(model: torch.nn.Module) -> set[str]:

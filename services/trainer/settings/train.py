@@ -67,6 +67,17 @@ class TrainConfig:
     multimodal_keys: dict[str, str] = shared(RolloutConfig, "multimodal_keys")
     freeze_vision: bool = field(False, "multimodal_keys: the vision tower's weights stay as loaded (only the language "
                                        "model and the merger train)")
+    lora_rank: int = field(0, "LoRA: the adapters' rank r (0: train the full weights); fsdp backend: the base "
+                              "model frozen, only each targeted Linear's A [r, in] and B [out, r] train",
+                           NON_NEGATIVE)
+    lora_alpha: float = field(16.0, "LoRA: the adapter's output is scaled by lora_alpha / lora_rank", POSITIVE)
+    lora_dropout: float = field(0.0, "LoRA: dropout on the adapter's input in the training forward",
+                                Rule(lambda v: 0 <= v < 1, "in [0, 1)"))
+    target_modules: list[str] = field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "LoRA: the Linear layers that get adapters, by name or dotted name suffix (PEFT's rule; never lm_head)")
+    lora_save_merged: bool = field(False, "LoRA: the HF export also writes the merged model (W + alpha/r · B @ A) "
+                                          "under merged/ beside the adapter")
     global_batch_size: int | None = field(
         None, "samples per optimizer step; trailing samples that do not fill a step are dropped (None: the rollout's "
               "samples / num_steps_per_rollout)", AT_LEAST_ONE)
@@ -178,6 +189,10 @@ class TrainConfig:
             raise ValueError(f"opd_type {self.opd_type!r} is set but use_opd is false")
         if self.use_opd and self.loss_type == "sft_loss":
             raise ValueError("use_opd applies to loss_type 'policy_loss' (it shapes the advantages), not 'sft_loss'")
+        if self.lora_rank and not self.target_modules:
+            raise ValueError("lora_rank is set but target_modules is empty")
+        if self.lora_rank and "lm_head" in self.target_modules:
+            raise ValueError("target_modules: lm_head takes no adapter (the log-probs read its weight directly)")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
         if self.lr_decay_style != "constant" and self.lr_decay_iters is not None and \
@@ -214,6 +229,11 @@ class TrainConfig:
     def needs_teacher_model(self) -> bool:
         """On-policy distillation from a teacher model the trainer runs (opd_type megatron)."""
         return self.use_opd and self.opd_type == "megatron"
+
+    @property
+    def lora(self) -> bool:
+        """Trains LoRA adapters on a frozen base model (lora_rank > 0)."""
+        return self.lora_rank > 0
 
     @property
     def needs_ref_model(self) -> bool:

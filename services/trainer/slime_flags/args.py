@@ -24,6 +24,7 @@ from services.trainer.backends.capabilities import capabilities
 from services.trainer.slime_flags.argv import destination, last_wins, slime_value, split_argv_at
 from services.trainer.slime_flags.eval_config import eval_spec
 from services.trainer.slime_flags.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, Flag, is_moe_flag, spec_key
+from services.trainer.slime_flags.lora_flags import LORA_FLAGS, lora_value
 from services.trainer.slime_flags.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
 ENGINE_PREFIXES = ("sglang-", "router-")  # slime's prefixed SGLang server and router arguments
@@ -165,6 +166,9 @@ def _resolve_load_balancing_type(out: Conversion) -> None:
 def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[str],
                  hf_config: dict[str, Any] | None, check_architecture: bool) -> None:
     key = spec_key(name)
+    if name in LORA_FLAGS:
+        out.spec[key] = lora_value(name, values)
+        return
     if name in FLAGS:
         flag = FLAGS[name]
         value = slime_value(name, values)

@@ -34,6 +34,8 @@ from services.trainer.batching.schedule import MicroBatch, Step, split_to, step_
 from services.trainer.checkpoint.hf_files import TOKENIZER_FILES, copy_side_files
 from services.trainer.checkpoint.torch_state import TorchStateDicts, load_causal_lm
 from services.trainer.distributed import devices, parallel
+from services.trainer.lora import export as lora_export
+from services.trainer.lora import layers as lora_layers
 from services.trainer.moe import hf_aux_loss
 from services.trainer.moe.hf_routing_replay import RoutingReplay
 from services.trainer.settings.train import TrainConfig
@@ -76,6 +78,11 @@ class TorchBackend(TorchStateDicts):
         model = load_causal_lm(self.model_path).to(self.device)
         if config.freeze_vision:
             log.info("freeze_vision: %d vision tower parameters frozen", _freeze_vision_tower(model))
+        if config.lora:  # the base frozen; its KL reference is itself with the adapters off, not a copy
+            self.lora_modules = lora_layers.add_adapters(model, rank=config.lora_rank, alpha=config.lora_alpha,
+                                                         dropout=config.lora_dropout,
+                                                         target_modules=config.target_modules)
+            log.info("LoRA: rank %d adapters on %d Linear layers", config.lora_rank, len(self.lora_modules))
         if self.pack_sequences and not varlen.packable(model):
             log.warning("%s cannot keep packed sequences apart (an attention that is not transformers' "
                         "AttentionInterface, or layers that mix tokens outside attention): micro-batches stay padded",
@@ -89,7 +96,7 @@ class TorchBackend(TorchStateDicts):
         self.fuse_head = config.log_probs_chunk_size > 0 and fused_head.fusable(model)
         # frozen copies: the reference model (KL) and the distillation teacher, each loaded over later when asked
         ref_model, teacher = (copy.deepcopy(model).requires_grad_(False) if needed else None
-                              for needed in (config.needs_ref_model, config.needs_teacher_model))
+                              for needed in (config.needs_ref_model and not config.lora, config.needs_teacher_model))
         # the routing hooks go on the policy alone, after the frozen copies: those route as they are (slime's
         # "fallthrough")
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
@@ -306,6 +313,9 @@ class TorchBackend(TorchStateDicts):
         rollout, recorded = batch, []
 
         def log_probs_of(model: torch.nn.Module) -> torch.Tensor:
+            if model is lora_layers.BASE_MODEL:
+                with lora_layers.adapters_disabled(self.model):
+                    return self._recompute(lambda mb: self._log_probs(self.model, mb), rollout, micro_batches)
             if model is self.model and self.routing is not None and rollout.routed_experts is None:
                 # slime's "record" stage: the old policy's forward records the experts the training forwards replay
                 log_probs, routed = self.routing.record_batch(lambda mb: self._log_probs(model, mb), rollout,
@@ -315,9 +325,15 @@ class TorchBackend(TorchStateDicts):
             return self._recompute(lambda mb: self._log_probs(model, mb), rollout, micro_batches)
 
         batch = rl_step.with_advantages(batch, self.config, num_steps=num_steps, model=self.model,
-                                        ref_model=self.ref_model, teacher_model=self.teacher_model, samples=samples,
+                                        ref_model=self._reference(), teacher_model=self.teacher_model, samples=samples,
                                         group=self.dp_group, log_probs_of=log_probs_of)
         return batch.with_routed_experts(recorded[0].routed_experts) if recorded else batch
+
+    def _reference(self) -> torch.nn.Module | None:
+        """The KL reference model: its own copy, or under LoRA the policy with the adapters off."""
+        if self.config.lora and self.config.needs_ref_model:
+            return lora_layers.BASE_MODEL
+        return self.ref_model
 
     def _actor_loss(self, mb: RolloutBatch, reduce, *,
                     num_micro_batches: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -391,6 +407,8 @@ class TorchBackend(TorchStateDicts):
         """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.
         Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none."""
         weights = parallel.full_state_dict(self.model, self.world)
+        if self.config.lora:  # until the engines serve adapters, they get the merged weights
+            weights = lora_export.merged_state_dict(weights, scaling=self.config.lora_alpha / self.config.lora_rank)
         return iter([(name, t.detach()) for name, t in weights.items() if name not in self._tied_names])
 
     def save_hf(self, path: str | Path) -> None:
@@ -398,12 +416,33 @@ class TorchBackend(TorchStateDicts):
         weights are gathered to rank 0, which writes)."""
         path = Path(path)
         weights = parallel.full_state_dict(self.model, self.world)
-        if self.world.rank == 0:
+        if self.config.lora:
+            self._save_lora(path, weights)
+        elif self.world.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             # transformers 5 empties the state_dict it is given: pass a copy.
             self.model.save_pretrained(path, state_dict=dict(weights))
             copy_side_files(self.model_path, path, TOKENIZER_FILES)  # save_pretrained wrote the configs
             log.info("saved HF checkpoint to %s", path)
+        self.world.barrier()
+
+    def _save_lora(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
+        """LoRA's HF export: PEFT's adapter directory at `path`, with lora_save_merged the merged model under
+        path/merged."""
+        cfg = self.config
+        if self.world.rank == 0:
+            lora_export.save_peft_adapter(path, weights, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                          dropout=cfg.lora_dropout, target_modules=cfg.target_modules,
+                                          base_model=str(self.model_path))
+            copy_side_files(self.model_path, path, TOKENIZER_FILES)
+            if cfg.lora_save_merged:
+                merged = lora_export.merged_state_dict(weights, scaling=cfg.lora_alpha / cfg.lora_rank)
+                base = load_causal_lm(self.model_path)  # the base architecture, without adapter layers
+                base.load_state_dict(merged)
+                base.save_pretrained(path / "merged", state_dict=dict(base.state_dict()))
+                copy_side_files(self.model_path, path / "merged", TOKENIZER_FILES)
+            log.info("saved the LoRA adapter (PEFT format) to %s%s", path,
+                     " and the merged model under merged/" if cfg.lora_save_merged else "")
         self.world.barrier()
 
 
