@@ -5,13 +5,16 @@
 - the model block's architecture flags take the tiny model's values (read from its config.json the way the submit
   check reads them); a bare flag stays where the tiny model has the feature and goes where it does not (the tiny
   Qwen3 ties its embeddings: `--untie-embeddings-and-output-weights` goes);
-- parallelism sizes become 1 (one trainer rank, one engine per model);
+- parallelism sizes become 1 (one trainer rank, one engine per model), and the uneven pipeline stages' layer counts
+  go (one stage holds every layer);
 - batch sizes and lengths become tiny (two rollouts, or two epochs of the two prompts, of two prompts × two samples
   (one where the script samples one), eight tokens each);
 - paths name the test's files: the tiny model for `--hf-checkpoint`, `--ref-load` and `--opd-teacher-load` (an HF
   directory; slime's torch_dist layout is read in tests/integration/test_megatron_slime_checkpoint.py), empty
   directories for `--load` and `--save`, prompt rows with the example's keys, the eval files and YAMLs, and
   `--rm-url` (slime's OPD teacher) naming an engine of the test's.
+- slime's zero-std group filter goes: an untrained tiny model scores every sample of a group alike, so it would drop
+  every group (its mapping to the rollout service's built-in is checked at submit, in tests/unit/test_slime_args.py);
 Every other flag (algorithm, rollout function, hooks and plugins, eval settings) is kept as slime's script wrote it.
 """
 
@@ -32,7 +35,12 @@ from services.trainer.slime_flags.megatron_flags import ARCH
 # Parallelism: the test's stack has one trainer rank and single-process CPU engines.
 ONE = ("actor-num-nodes", "actor-num-gpus-per-node", "rollout-num-gpus", "rollout-num-gpus-per-engine",
        "tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size",
-       "expert-model-parallel-size", "expert-tensor-parallel-size")
+       "expert-model-parallel-size", "expert-tensor-parallel-size",
+       "sglang-tp-size", "sglang-dp-size", "sglang-ep-size", "sglang-pp-size", "sglang-moe-dense-tp-size")
+# slime's zero-std filter, dropped (see the docstring)
+ZERO_STD_FILTER = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+# The layer counts of uneven pipeline stages, which one stage has no use for.
+UNEVEN_STAGES = ("decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers")
 # Sizes: one optimizer step per rollout of 2 prompts × 2 samples; responses short enough for a 2-layer model on CPU.
 TINY = {"num-rollout": "2", "num-epoch": "2", "rollout-batch-size": "2", "n-samples-per-prompt": "2",
         "global-batch-size": "4", "rollout-max-response-len": "8", "eval-max-response-len": "8",
@@ -87,6 +95,10 @@ def tiny_argv(argv: list[str], *, model_dir: Path, work_dir: Path, rm_url: str =
              "load": str(work_dir / "load"), "save": str(work_dir / "save"), "rm-url": rm_url}
     out: list[str] = []
     for flag, values in split_flags(argv):
+        if flag in UNEVEN_STAGES:
+            continue
+        if flag == "dynamic-sampling-filter-path" and values == [ZERO_STD_FILTER]:
+            continue
         if flag in ARCH:
             if tiny[flag] is None:
                 continue

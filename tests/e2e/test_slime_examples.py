@@ -39,6 +39,7 @@ from services.buffer.client import BufferClient
 from services.common.errors import InvalidArgument
 from services.common.plugins import ALLOWLIST_ENV
 from services.trainer.api.client import JobsRestClient
+from tests.e2e.roots import stack_roots
 from tests.e2e.slime_tiny import build_tiny_model, split_flags, tiny_argv
 from tests.e2e.test_loop import engine_urls, run
 from tests.integration.slime_fixtures import JsonServer
@@ -125,7 +126,8 @@ def stack_of(session_dir, plugin_path):
                 env.setenv("WANDB_MODE", "offline")  # the scripts' --use-wandb: W&B's own local stand-in
                 env.setenv("WANDB_DIR", str(work_dir / "wandb"))
                 state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model, num_engines=1,
-                                                    trainer_threads=1, plugin_allowlist=allowed))
+                                                    trainer_threads=1, plugin_allowlist=allowed,
+                                                    path_roots=stack_roots(session_dir)))
             up[model_type] = (work_dir, state, model)
         _, state, model = up[model_type]
         return state, model

@@ -16,6 +16,7 @@ from physarum.tinyvlm import build_tiny_vlm
 from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
 from services.trainer.api.client import JobsRestClient
+from tests.e2e.roots import stack_roots
 
 pytestmark = pytest.mark.slow  # its own stack: buffer, reward, router, a VLM engine, the rollout service, the trainer
 
@@ -26,7 +27,8 @@ COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
 def vlm_stack(session_dir):
     model = build_tiny_vlm(session_dir / "tiny-vlm", tasks.corpus())
     work_dir = session_dir / "vlm-stack"
-    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model, num_engines=1, trainer_threads=1))
+    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=model, num_engines=1, trainer_threads=1,
+                                        path_roots=stack_roots(session_dir)))
     yield state, model
     stack.down(work_dir)
 

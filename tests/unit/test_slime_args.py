@@ -302,3 +302,15 @@ def test_num_epoch_counts_parquet_rows_and_a_row_slice(tmp_path):
     conv = slime_args.convert(argv, spec_keys=SPEC_KEYS, check_architecture=False)
     assert conv.refused == ["--num-epoch 3: cannot count the prompts (needs a .jsonl or .parquet prompt_data, got "
                             "'.csv'); give num_rollout"]
+
+
+@pytest.mark.parametrize("name", ["check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback"])
+def test_slimes_own_dynamic_filters_are_the_rollout_services_builtins(name):
+    """slime's scripts name slime's own filters by import path: they are the built-ins of the same name (no plugin to
+    allow-list); any other path stays a plugin path."""
+    path = f"slime.rollout.filter_hub.dynamic_sampling_filters.{name}"
+    conv = slime_args.convert(["--dynamic-sampling-filter-path", path], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.spec["dynamic_sampling_filter_path"] == name
+    other = slime_args.convert(["--dynamic-sampling-filter-path", "mypkg.filters.keep"], spec_keys=SPEC_KEYS,
+                               check_architecture=False)
+    assert other.spec["dynamic_sampling_filter_path"] == "mypkg.filters.keep"

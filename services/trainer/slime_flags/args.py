@@ -220,6 +220,14 @@ def _rollout_function(out: Conversion, value: Any) -> None:
         out.spec["rollout_function_path"] = value
 
 
+def _dynamic_filter(out: Conversion, value: Any) -> None:
+    """slime's own filters (filter_hub.dynamic_sampling_filters) are the rollout service's built-ins of the same name;
+    any other path is a plugin."""
+    module, _, name = str(value).rpartition(".")
+    builtin = module == SLIME_DYNAMIC_FILTERS and name in SLIME_FILTERS
+    out.spec["dynamic_sampling_filter_path"] = name if builtin else value
+
+
 def _slime_default_or_spec(name: str, slime_default: str) -> Any:
     """A hook flag naming slime's own default is the spec's default (empty); another value is the spec key."""
     def convert(out: Conversion, value: Any) -> None:
@@ -351,11 +359,15 @@ _SPECIAL = {"update-weight-transport": _transport, "custom-rm-path": _custom_rm,
             "custom-reward-post-process-path": _reward_post_process,
             "rollout-function-path": _rollout_function, "disable-compute-advantages-and-returns": _no_advantages,
             "custom-config-path": _custom_config, "eval-config": _eval_config, "num-epoch": _num_epoch,
+            "dynamic-sampling-filter-path": _dynamic_filter,
             "data-source-path": _slime_default_or_spec("data-source-path", FLAGS["data-source-path"].default),
             "buffer-filter-path": _slime_default_or_spec("buffer-filter-path", "slime.rollout.data_source.pop_first")}
 # slime's sglang-type on-policy distillation: a reward function asking the teacher, a post-process keeping its log-probs
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
 SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
+# slime's dynamic-sampling filters, each a built-in of the rollout service under its own name
+SLIME_DYNAMIC_FILTERS = "slime.rollout.filter_hub.dynamic_sampling_filters"
+SLIME_FILTERS = ("check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback")
 # slime's rollout functions -> the spec setting that does their job here
 SLIME_ROLLOUTS = {"slime.rollout.sft_rollout.generate_rollout": ("loss_type", "sft_loss"),
                   "slime.rollout.fully_async_rollout.generate_rollout_fully_async": ("mode", "fully_async")}
