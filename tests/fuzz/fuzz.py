@@ -2,7 +2,7 @@
 
 Starts the stack (per-service tokens, plugins allowed under `tests` and `examples`) and the agent gateway in its own
 process over the stack's router (gateway_host), sends every input class of `inputs` and the gateway's hostile
-requests of both APIs (`gateway_inputs`), checks that every service and the gateway still answer (each gateway
+requests of its three APIs (`gateway_inputs`), checks that every service and the gateway still answer (each gateway
 session its state, the untouched ones a completion), runs a normal job, prints a table per input class and ends with
 one JSON line: {"inputs": N, "clear_errors": N, "accepted_unauthenticated": N, "internal_errors": N, "hangs": N,
 "crashes": N, "normal_job_after": true, "gateway": {"inputs": N, "internal_errors": N, "hangs": N, "crashed": 0,

@@ -1,6 +1,6 @@
-"""The agent gateway's hostile inputs for `make fuzz`: valid OpenAI Chat Completions and Anthropic Messages bodies
-(plain and streamed) with one part mutated at random: a field of the wrong type, a deep nest, a lone surrogate, a
-huge or unknown field, broken JSON, a message past the model's context, wrong headers. Each is
+"""The agent gateway's hostile inputs for `make fuzz`: valid OpenAI Chat Completions, OpenAI Responses and Anthropic
+Messages bodies (plain and streamed) with one part mutated at random: a field of the wrong type, a deep nest, a lone
+surrogate, a huge or unknown field, broken JSON, a message past the model's context, wrong headers. Each is
 ("gateway", what, send), `send()` returning a probes outcome: any answer below 500 in time is clear.
 """
 
@@ -15,7 +15,7 @@ import httpx
 
 from tests.fuzz import probes
 
-ROUTES = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages"}
+ROUTES = {"openai": "/v1/chat/completions", "responses": "/v1/responses", "anthropic": "/v1/messages"}
 MAX_BODY_BYTES = 4 << 20  # the gateway's default bound
 
 
@@ -32,6 +32,19 @@ def base_body(api: str, stream: bool, rng: random.Random) -> dict[str, Any]:
                                   "function": {"name": "calculator", "arguments": "{\"expression\": \"1+1\"}"}}]},
                              {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "2"}]}],
                 **({"stream_options": {"include_usage": True}} if stream else {})}
+    if api == "responses":
+        return {"model": "m", "stream": stream, "max_output_tokens": 2, "temperature": 0.0, "instructions": "Be brief.",
+                "store": True, "tool_choice": "auto", "text": {"format": {"type": "text"}},
+                "tools": [{"type": "function", "name": "calculator", "description": "Arithmetic.",
+                           "parameters": {"type": "object", "properties": {}}, "strict": False}],
+                "input": [{"role": "user", "content": [{"type": "input_text",
+                                                        "text": f"{rng.randint(0, 9)}+{rng.randint(0, 9)}="}]},
+                          {"type": "function_call", "call_id": "c1", "name": "calculator",
+                           "arguments": "{\"expression\": \"1+1\"}"},
+                          {"type": "function_call_output", "call_id": "c1", "output": "2"},
+                          {"type": "message", "role": "assistant",
+                           "content": [{"type": "output_text", "text": "2", "annotations": []}]},
+                          {"role": "user", "content": "so?"}]}
     return {"model": "m", "stream": stream, "max_tokens": 2, "temperature": 0.0, "stop_sequences": ["\n\n"],
             "system": [{"type": "text", "text": "Be brief."}], "metadata": {"user_id": "u"},
             "tools": [{"name": "calculator", "description": "Arithmetic.", "input_schema": {"type": "object"}}],
@@ -105,7 +118,10 @@ def _mutated(api: str, stream: bool, rng: random.Random) -> tuple[str, bytes, di
         what = f"without {'.'.join(map(str, path))}"
     elif kind == "huge":  # a message as large as the body bound allows, far past the tiny model's context
         text = "12+34=46 " * ((MAX_BODY_BYTES - 4096) // 9)
-        body["messages"][0 if api == "anthropic" else 1]["content"] = text
+        if api == "responses":
+            body["input"][0]["content"] = text
+        else:
+            body["messages"][0 if api == "anthropic" else 1]["content"] = text
         what = f"a {len(text) >> 20} MiB message"
     elif kind == "headers":
         headers = rng.choice([{"content-type": "text/plain"}, {"authorization": "Bearer sk-wrong", "x-api-key": ""},
@@ -128,9 +144,10 @@ def _get(body: Any, path: tuple) -> Any:
 
 def gateway_requests(url: str, keys: list[str], http: httpx.Client, rng: random.Random,
                      count: int) -> Iterator[tuple[str, str, Callable[[], str]]]:
-    """`count` hostile requests, half OpenAI and half Anthropic, half streamed, over the sessions of `keys`."""
+    """`count` hostile requests, a third each Chat Completions, Responses and Messages, half streamed, over the
+    sessions of `keys`."""
     for i in range(count):
-        api, stream = ("openai", "anthropic")[i % 2], bool(i // 2 % 2)
+        api, stream = ("openai", "anthropic", "responses")[i % 3], bool(i // 3 % 2)
         what, raw, headers = _mutated(api, stream, rng)
         key = keys[i % len(keys)]
         headers = {"authorization": f"Bearer {key}", "x-api-key": key, "content-type": "application/json",

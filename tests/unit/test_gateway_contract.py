@@ -1,4 +1,4 @@
-"""The gateway's input contract, over its real app without sockets: hostile bodies of both APIs answer 4xx in the
+"""The gateway's input contract, over its real app without sockets: hostile bodies of each API answer 4xx in the
 API's error shape naming the field (never 500, never RecursionError), a message past the model's context is refused
 before it is tokenized whole, and errors from the engines' side name no internal address or job."""
 
@@ -130,8 +130,45 @@ def test_hostile_bodies_of_both_apis_answer_400_in_the_apis_shape_naming_the_fie
         assert param is None or data["error"]["message"].startswith(f"{param}:"), (param, data)
 
 
+def responses_body(**fields) -> bytes:
+    return json.dumps({"model": "m", "input": "1+1", **fields}).encode()
+
+
+RESPONSES_CASES = [  # (body, the param the error names)
+    (responses_body(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"x": 1}}]),
+     "input[0].arguments"),
+    (responses_body(input=[{"role": "wizard", "content": "x"}]), "input[0].role"),
+    (responses_body(input=[{"type": "function_call_output", "call_id": "c", "output": 5}]), "input[0].output"),
+    (responses_body(input=[{"role": "user", "content": [{"text": "x"}]}]), "input[0].content[0].type"),
+    (responses_body(input=7), "input"),
+    (json.dumps({"model": "m"}).encode(), "input"),
+    (responses_body(tools=[{"type": "function", "name": "f", "parameters": "{}"}]), "tools[0].parameters"),
+    (responses_body(tools=[{"type": "web_search"}]), "tools[0].type"),
+    (responses_body(temperature=float("nan")), None),
+    (responses_body(max_output_tokens=0), "max_output_tokens"),
+    (responses_body(previous_response_id=5), "previous_response_id"),
+    (responses_body(previous_response_id="resp_nobody"), "previous_response_id"),
+    (responses_body(tool_choice="required"), "tool_choice"),
+    (responses_body(text={"format": {"type": "json_schema"}}), "text.format"),
+    (responses_body(truncation="middle"), "truncation"),
+    (responses_body(frobnicate=1), "frobnicate"),
+    (responses_body(input=[{"type": "reasoning", "summary": []}]), "input[0].type"),
+    (DEEP.replace(b'"messages"', b'"input"'), None),
+    (SURROGATE.replace(b'"messages"', b'"input"'), "input[0].content"),
+]
+
+
+def test_hostile_responses_bodies_answer_400_in_openais_shape_naming_the_field(encoder):
+    replies = post_all(encoder, [("/v1/responses", body) for body, _ in RESPONSES_CASES])
+    for (body, param), reply in zip(RESPONSES_CASES, replies, strict=True):
+        assert reply.status_code == 400, (body[:80], reply.text[:300])
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["param"] == param, (body[:80], error)
+
+
 def test_unknown_routes_answer_in_the_apis_shape(encoder):
-    [openai_404, anthropic_405] = post_all(encoder, [("/v1/responses", b"{}"), ("/v1/messages/count", b"{}")])
+    [openai_404, anthropic_405] = post_all(encoder, [("/v1/embeddings", b"{}"), ("/v1/messages/count", b"{}")])
     assert openai_404.status_code == 404 and openai_404.json()["error"]["type"] == "not_found_error"
     assert anthropic_405.status_code in (404, 405) and anthropic_405.json()["type"] == "error"
 
@@ -173,6 +210,25 @@ def test_a_valid_body_of_each_api_passes_whole(tmp_path: Path):
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "2"}]}]), schema.OPENAI_CHAT)
     assert body["stop"] == "END"
+    schema.parse(responses_body(instructions="be brief", stream=True, store=False, tool_choice="auto", tools=[
+        {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": None}], input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "1+1"}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "{}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "c", "output": "2"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "2", "annotations": []}]}]),
+        schema.OPENAI_RESPONSES)
     schema.parse(anthropic_body(system=[{"type": "text", "text": "be brief"}], tool_choice={"type": "auto"},
                                 metadata={"user_id": "u"}, thinking={"type": "disabled"},
                                 output_config={"effort": "high"}), schema.ANTHROPIC_MESSAGES)
+
+
+def test_engine_side_errors_of_the_responses_api_name_no_internal_address_or_job(encoder):
+    bodies = [json.dumps({"model": "m", "input": "1+1", "stream": stream}).encode() for stream in (False, True)]
+    plain, streamed = post_all(encoder, [("/v1/responses", body) for body in bodies])
+    assert (plain.status_code, plain.json()["error"]["type"]) == (503, "overloaded_error")
+    assert streamed.status_code == 200  # the stream's headers went before the turn failed
+    assert streamed.text.startswith("event: response.created") and "event: error" in streamed.text, streamed.text
+    assert "response.completed" not in streamed.text
+    for reply in (plain, streamed):
+        assert "127.0.0.1" not in reply.text and JOB not in reply.text and ROUTER not in reply.text, reply.text

@@ -1,7 +1,7 @@
-"""The gateway's HTTP API (FastAPI): /v1/chat/completions, /v1/models, /v1/messages, and the session's own
-/v1/session (its state) and /v1/session/reward. Each request's key (Authorization: Bearer, or x-api-key) opens its
-own session and no other; bodies are bounded before they are read, then parsed and checked against their API's
-schema (schema.py) in the worker pool, off the event loop; errors come in each API's error shape.
+"""The gateway's HTTP API (FastAPI): /v1/chat/completions, /v1/responses, /v1/models, /v1/messages, and the
+session's own /v1/session (its state) and /v1/session/reward. Each request's key (Authorization: Bearer, or
+x-api-key) opens its own session and no other; bodies are bounded before they are read, then parsed and checked
+against their API's schema (schema.py) in the worker pool, off the event loop; errors come in each API's error shape.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
-from services.rollout.gateway import anthropic_api, openai_api, schema
-from services.rollout.gateway.conversation import Conversation, Limits, from_anthropic, from_openai
+from services.rollout.gateway import anthropic_api, openai_api, responses_api, schema
+from services.rollout.gateway.conversation import Conversation, Limits, from_anthropic, from_openai, from_responses
 from services.rollout.gateway.sessions import Session, SessionRegistry, TurnParams
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,23 @@ def openai_request(data: bytes, limits: Limits) -> tuple[dict[str, Any], TurnPar
     return body, openai_api.params(body), from_openai(body, limits)
 
 
+def responses_request(data: bytes, limits: Limits, session: Session) -> tuple[dict[str, Any], TurnParams,
+                                                                               Conversation]:
+    """A Responses body checked whole, after the session's previous response when it names one."""
+    body = schema.parse(data, schema.OPENAI_RESPONSES)
+    turn_params = responses_api.params(body)
+    return body, turn_params, from_responses(body, limits, responses_api.history(
+        session, body.get("previous_response_id")))
+
+
 def anthropic_request(data: bytes, limits: Limits) -> tuple[dict[str, Any], TurnParams, Conversation]:
     body = schema.parse(data, schema.ANTHROPIC_MESSAGES)
     return body, anthropic_api.params(body), from_anthropic(body, limits)
 
 
 def create_app(registry: SessionRegistry) -> FastAPI:
-    app = FastAPI(title="Physarum agent gateway", description="OpenAI and Anthropic APIs over one session per sample")
+    app = FastAPI(title="Physarum agent gateway",
+                  description="OpenAI (Chat Completions, Responses) and Anthropic APIs over one session per sample")
     limits = registry.limits
 
     # Handlers for these classes (not for Exception, whose handler Starlette runs and then re-raises, dropping the
@@ -146,6 +156,29 @@ def create_app(registry: SessionRegistry) -> FastAPI:
             return StreamingResponse(openai_api.chunks(result, session.model, want_logprobs, include_usage, decode),
                                      media_type="text/event-stream")
         return JSONResponse(openai_api.completion(result, session.model, want_logprobs, decode))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        session = session_of(request)
+        body, turn_params, conversation = await registry.in_pool(responses_request, await _read_body(
+            request, limits.max_body_bytes), limits, session)
+        if body.get("tool_choice") == "none":
+            conversation.tools = []
+        response_id = responses_api.new_id()
+
+        def keep(result: Any, message_id: str) -> None:
+            if body.get("store") is not False:  # as OpenAI: a response not stored cannot be continued by its id
+                responses_api.keep(session, response_id, conversation, bool(body.get("instructions")),
+                                   result.choices[0])
+
+        if body.get("stream"):
+            turn = session.turn_stream(conversation, turn_params)
+            await anext(turn)  # the bounds are checked: a request past one gets its 4xx, not a stream
+            return StreamingResponse(responses_api.live_events(turn, response_id, body, session.model, keep),
+                                     media_type="text/event-stream")
+        result = await session.turn(conversation, turn_params)
+        keep(result, "")
+        return JSONResponse(responses_api.response(response_id, body, session.model, result))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

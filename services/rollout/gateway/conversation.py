@@ -1,4 +1,4 @@
-"""Both APIs' requests as one conversation: messages in the form chat templates read (OpenAI's, with tool-call
+"""The APIs' requests as one conversation: messages in the form chat templates read (OpenAI's, with tool-call
 arguments as objects) plus the tools, checked and bounded; and each message's canonical key, which is how a
 history sent back is matched to the turns the gateway produced. Knows nothing of tokens or HTTP.
 """
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.rollout.gateway.schema import RequestInvalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -189,3 +190,67 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str
             message["tool_calls"] = calls
         return [message]
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+
+
+def _response_text(content: Any, where: str) -> str:
+    """Responses content: a string, or a list of input_text / output_text parts."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidArgument(f"{where}.content[{j}]: part of type {kind!r} is not supported (input_text, "
+                                      "output_text)")
+        content = [{"type": "text", "text": part.get("text")} for part in content]
+    return _text(content, where)
+
+
+def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str, Any]]) -> Conversation:
+    """OpenAI Responses `instructions`, `input` (messages, function_call and function_call_output items) and `tools`,
+    after `history` (the template messages of the previous response, its input and output). An assistant message
+    and the function calls after it are one assistant turn, as the gateway produced them."""
+    items, tools = body.get("input"), body.get("tools") or []
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list) or not isinstance(tools, list):
+        raise InvalidArgument("input and tools must be lists")
+    out: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        out.append({"role": "system", "content": _text(body["instructions"], "instructions")})
+    out += [dict(message) for message in history]
+    first_new = len(out)
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        open_turn = out[-1] if len(out) > first_new and out[-1]["role"] == "assistant" else None
+        if kind == "message" and item.get("role") in ROLES:
+            role = "system" if item["role"] == "developer" else item["role"]
+            text = _response_text(item.get("content"), where)
+            if role == "assistant" and open_turn is not None and not open_turn.get("tool_calls"):
+                open_turn["content"] += text
+            else:
+                out.append({"role": role, "content": text})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": str(item.get("name", "")),
+                                 "arguments": _arguments(item.get("arguments", ""), where)}}
+            if open_turn is None:
+                open_turn = {"role": "assistant", "content": ""}
+                out.append(open_turn)
+            open_turn.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                        "content": _response_text(item.get("output"), where)})
+        else:
+            raise RequestInvalid(f"item type {kind!r} is not supported (message, function_call, "
+                                 "function_call_output)", f"{where}.type")
+    if not items:
+        raise InvalidArgument("input: must not be empty")
+    _check_counts(len(out), len(tools), limits)
+    checked = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise RequestInvalid("only function tools ({'type': 'function', 'name': ...}) are supported",
+                                 f"tools[{i}].type")
+        checked.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
+                                      f"tools[{i}]"))
+    return Conversation(out, checked)

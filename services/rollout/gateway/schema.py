@@ -1,7 +1,7 @@
 """The gateway's input contract: a request body parsed and checked against the schema of the API it claims (OpenAI
-Chat Completions, Anthropic Messages) before any work: JSON only (no NaN or Infinity), bounded nesting, valid Unicode
-(no lone surrogates), every modelled field of the right type and range, unknown top-level fields refused as the
-hosted APIs refuse them. Each failure is a RequestInvalid naming the field (OpenAI's `param`).
+Chat Completions and Responses, Anthropic Messages) before any work: JSON only (no NaN or Infinity), bounded nesting,
+valid Unicode (no lone surrogates), every modelled field of the right type and range, unknown top-level fields
+refused as the hosted APIs refuse them. Each failure is a RequestInvalid naming the field (OpenAI's `param`).
 """
 
 from __future__ import annotations
@@ -241,3 +241,30 @@ ANTHROPIC_MESSAGES = Obj({
     "cache_control": _CACHE, "speed": ANY, "inference_geo": ANY, "diagnostics": ANY, "user_profile_id": ANY,
     "workspace_id": ANY, "output_config": opt(Obj({"effort": STR})),  # Claude Code's effort hint (anthropic_api.py)
 }, required=("model", "messages", "max_tokens"), closed=True)
+
+# --- OpenAI Responses --------------------------------------------------------------------------------------------
+
+_RESPONSES_PART = Obj({"type": STR, "text": STR, "annotations": ANY, "logprobs": ANY}, required=("type",))
+_RESPONSES_TEXT = OneOf((STR, Arr(_RESPONSES_PART)), "a string or a list of content parts")
+# one object for every input item kind (message, function_call, function_call_output): responses_api.py reads the
+# `type` and refuses the fields a kind lacks
+_RESPONSES_ITEM = Obj({"type": STR, "id": STR, "status": STR,
+                       "role": Scalar(("string",), choices=("system", "developer", "user", "assistant")),
+                       "content": _RESPONSES_TEXT, "call_id": STR, "name": STR, "arguments": STR,
+                       "output": _RESPONSES_TEXT})
+_RESPONSES_TOOL = Obj({"type": STR, "name": STR, "description": opt(STR), "parameters": opt(Obj({})),
+                       "strict": opt(BOOL)}, required=("type",))
+
+OPENAI_RESPONSES = Obj({
+    "model": STR, "input": OneOf((STR, Arr(_RESPONSES_ITEM)), "a string or a list of input items"),
+    "instructions": opt(STR), "tools": opt(Arr(_RESPONSES_TOOL)),
+    "tool_choice": opt(OneOf((STR, Obj({"type": STR, "name": STR}, required=("type",))), "a string or an object")),
+    "temperature": num(0, 2), "top_p": num(0, 1), "max_output_tokens": num(1, kind="integer"),
+    "max_tool_calls": num(1, kind="integer"), "top_logprobs": num(0, 20, kind="integer"), "stream": opt(BOOL),
+    "stream_options": opt(Obj({"include_obfuscation": opt(BOOL)})), "previous_response_id": opt(STR),
+    "store": opt(BOOL), "metadata": opt(Obj({})), "parallel_tool_calls": opt(BOOL), "user": STR,
+    "text": opt(Obj({"format": Obj({"type": STR}, required=("type",)), "verbosity": opt(STR)})),
+    "reasoning": opt(Obj({"effort": opt(STR), "summary": opt(STR), "generate_summary": opt(STR)})),
+    "truncation": opt(Scalar(("string",), choices=("auto", "disabled"))), "include": opt(Arr(STR)),
+    "service_tier": opt(STR), "prompt_cache_key": STR, "safety_identifier": STR, "background": opt(BOOL),
+}, required=("input",), closed=True)

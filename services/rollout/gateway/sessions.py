@@ -1,6 +1,6 @@
 """Sessions and their turns: a session is one sample, opened by the rollout manager, reached by its own API key; a
 turn renders what is new, generates through the router, parses tool calls and records the exact tokens.
-Knows nothing of either API's wire shape (openai_api.py, anthropic_api.py).
+Knows nothing of the APIs' wire shapes (openai_api.py, responses_api.py, anthropic_api.py).
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class Session:
     registry: SessionRegistry | None = None  # the registry that opened it (closes it)
     gateway_url: str = ""  # where agents reach the gateway (its root), when the manager serves one
     context_len: int | None = None  # the model's context in tokens, when its config names it
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # Responses API ids: their messages
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.renderer)

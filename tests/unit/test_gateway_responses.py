@@ -1,0 +1,49 @@
+"""Responses API input as the gateway's conversation: items become template messages (an assistant message and the
+function calls after it one assistant turn, a call's output a tool message), after the stored history."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.rollout.gateway.conversation import Limits, assistant_message, from_responses, message_key
+
+TOOL = {"type": "function", "name": "calculator", "parameters": {"type": "object"}}
+
+
+def test_items_become_template_messages_after_the_history():
+    history = [{"role": "user", "content": "2+3?"}]
+    body = {"instructions": "Be brief.", "tools": [TOOL], "input": [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "calculator", "arguments": '{"expression": "2+3"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "calculator", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "0"}]},
+        {"role": "developer", "content": "Answer now."}]}
+    conversation = from_responses(body, Limits(), history)
+    assert [m["role"] for m in conversation.messages] == ["system", "user", "assistant", "tool", "tool", "system"]
+    produced = assistant_message("Let me see.", [("calculator", {"expression": "2+3"}, "x"), ("calculator", {}, "y")])
+    assert message_key(conversation.messages[2]) == message_key(produced)  # the turn the gateway produced
+    assert conversation.messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "5"}
+    assert conversation.messages[4]["content"] == "0"
+    assert conversation.tools == [{"type": "function", "function": {"name": "calculator", "description": "",
+                                                                     "parameters": {"type": "object"}}}]
+    assert history == [{"role": "user", "content": "2+3?"}]  # the stored history is not changed
+
+
+def test_a_string_input_is_one_user_message():
+    conversation = from_responses({"input": "hi"}, Limits(), [])
+    assert conversation.messages == [{"role": "user", "content": "hi"}] and conversation.tools == []
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"input": []}, "input: must not be empty"),
+    ({"input": [{"type": "reasoning"}]}, "item type 'reasoning' is not supported"),
+    ({"input": "x", "tools": [{"type": "file_search"}]}, "only function tools"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "is not JSON"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "'input_image'"),
+    ({"input": "x", "tools": [TOOL] * 3}, "at most 2 per request"),
+])
+def test_unsupported_input_is_refused_naming_it(body, match):
+    with pytest.raises(InvalidArgument, match=match):
+        from_responses(body, Limits(max_tools=2), [])
