@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import InvalidArgument
+from services.trainer.models.gqa import gqa_fields
 
 POST_NORMS = {"self_attention.linear_proj.post_norm.weight": "post_self_attn_layernorm.weight",
               "mlp.linear_fc2.post_norm.weight": "post_mlp_layernorm.weight"}
@@ -22,21 +22,8 @@ POST_NORMS = {"self_attention.linear_proj.post_norm.weight": "post_self_attn_lay
 def arch_fields(get: Callable[..., Any]) -> dict[str, Any]:
     """ModelArch's fields of a glm4 config (`get(key, default)`); what megatron-core cannot build raises
     InvalidArgument naming the field."""
-    if get("hidden_act", "silu") != "silu":
-        raise InvalidArgument(f"megatron backend: glm4 hidden_act {get('hidden_act')!r} is not supported (silu only)")
-    rope = get("rope_parameters") or get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise InvalidArgument(f"megatron backend: glm4 rope {rope!r} is not supported (default only)")
-    heads = get("num_attention_heads")
-    return dict(
-        model_type="glm4", vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
-        ffn_hidden_size=get("intermediate_size"), num_layers=get("num_hidden_layers"), num_attention_heads=heads,
-        num_query_groups=get("num_key_value_heads") or heads, head_dim=get("head_dim") or get("hidden_size") // heads,
-        norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-        rope_scaling_factor=None, max_position_embeddings=get("max_position_embeddings"),
-        rotary_percent=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.5)) or 1.0),
-        rotary_interleaved=True, post_norms=True, qkv_bias=bool(get("attention_bias", True)), qk_layernorm=False,
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)))
+    return dict(gqa_fields(get, "glm4", partial_rotary_default=0.5), rotary_interleaved=True, post_norms=True,
+                qkv_bias=bool(get("attention_bias", True)), qk_layernorm=False)
 
 
 def hf_to_megatron_layer(hf: Mapping[str, torch.Tensor], src: str, dst: str,

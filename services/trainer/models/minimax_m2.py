@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.trainer.models.gqa import gqa_fields
 
 HF_EXPERT_BIAS = "mlp.e_score_correction_bias"
 
@@ -21,24 +22,14 @@ def arch_fields(get: Callable[..., Any]) -> dict[str, Any]:
     def refuse(problem: str) -> InvalidArgument:
         return InvalidArgument(f"megatron backend: minimax_m2 {problem}")
 
-    if get("hidden_act", "silu") != "silu":
-        raise refuse(f"hidden_act {get('hidden_act')!r} is not supported (silu only)")
-    rope = get("rope_parameters") or get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise refuse(f"rope {rope!r} is not supported (default only)")
+    fields = gqa_fields(get, "minimax_m2")
     if get("use_qk_norm", True) is False or get("qk_norm_type", "per_layer") != "per_layer":
         raise refuse("q/k norms other than one RMSNorm over the whole projection are not supported")
-    heads, experts = get("num_attention_heads"), get("num_local_experts") or 0
+    experts = get("num_local_experts") or 0
     return dict(
-        model_type="minimax_m2", vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
-        ffn_hidden_size=get("intermediate_size"), num_layers=get("num_hidden_layers"), num_attention_heads=heads,
-        num_query_groups=get("num_key_value_heads") or heads, head_dim=get("head_dim") or get("hidden_size") // heads,
-        norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-        rope_scaling_factor=None, max_position_embeddings=get("max_position_embeddings"),
-        rotary_percent=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0)) or 1.0),
+        fields,
         # not megatron-core's qk_layernorm: it would sum the norms' gradients over TP, which cut them as the heads
-        qkv_bias=False, qk_layernorm=False, projection_qk_norm=True,
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)), num_experts=experts,
+        qkv_bias=False, qk_layernorm=False, projection_qk_norm=True, num_experts=experts,
         moe_router_topk=get("num_experts_per_tok") or 0, moe_ffn_hidden_size=get("intermediate_size"),
         moe_router_score_function="sigmoid", moe_router_expert_bias=True)
 
