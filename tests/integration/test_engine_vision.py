@@ -14,7 +14,7 @@ from PIL import Image
 
 from physarum import tasks
 from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
-from tests.integration.engine_fixtures import start_engines, stop_engines
+from testkit.engines import start_engines, stop_engines
 
 PROMPT = "<|im_start|>user\nhow many? <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
 

@@ -24,7 +24,7 @@ from services.rollout.client import RolloutState
 from services.rollout.generation.manager import RolloutManager
 from services.rollout.local import start_router
 from services.rollout.pool.router import RouterClient
-from tests.integration.engine_fixtures import engine_healthy
+from testkit.engines import engine_healthy
 
 pytestmark = pytest.mark.slow  # a VLM engine, a router, buffer and reward per module
 
