@@ -50,8 +50,10 @@ def auth_stack(tmp_path_factory):
     try:
         # the stack's processes run in `home` too: the repository on their path finds the example plugins
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-        done = subprocess.run([sys.executable, "-m", "physarum", "--work-dir", str(work_dir), "up", "--engines", "1"],
-                              cwd=home, capture_output=True, text=True, timeout=600, env=env)
+        # roots: this pytest run's private base directory (the tests' files) and the repository (the examples')
+        roots = [arg for root in (home.parent, ROOT) for arg in ("--root", str(root))]
+        done = subprocess.run([sys.executable, "-m", "physarum", "--work-dir", str(work_dir), "up", "--engines", "1",
+                               *roots], cwd=home, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
         state = stack.read_state(work_dir)
         match = re.search(r"dashboard: (http://\S+)/dashboard/  token: (\S+)", done.stdout)
