@@ -13,6 +13,10 @@ the fsdp steps at TP=2 and PP=2.
 MiniMax-M2 (minimax_m2: q/k norms over the whole projection, cut over TP with the heads; half rotary; the expert bias
 on its MoE block) does the same in every layout but routing replay, which the fsdp backend does not do for it.
 
+GLM-5 (glm_moe_dsa: DeepSeek-V3's attention and MoE with DeepSeek sparse attention, each query attending to the keys
+its indexer ranks best, fewer than the sequence) gives the HF log-probs and the fsdp steps at TP=2, PP=2 and EP=2, and
+its EP=2 export holds the indexer's weights under transformers' names.
+
 One launch of tests/integration/megatron_moe_families_worker.py serves the tests here."""
 
 from __future__ import annotations
@@ -24,15 +28,26 @@ import pytest
 import torch
 
 from services.trainer.settings.train import TrainConfig
-from tests.integration.megatron_moe_families_worker import DENSE_LAYOUTS, EXPORTED, LAYOUTS, REPLAY_SETTINGS, REPLAYED
+from tests.integration.megatron_moe_families_worker import (
+    DENSE_LAYOUTS,
+    EXPORTED,
+    LAYOUTS,
+    REPLAY_SETTINGS,
+    REPLAYED,
+    SPARSE_LAYOUTS,
+)
 from tests.integration.megatron_moe_worker import engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
 
 FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe", "minimax_m2")  # MoE, in every layout of LAYOUTS
 DENSE = ("glm4",)  # GLM-4: in DENSE_LAYOUTS
+SPARSE = ("glm_moe_dsa",)  # GLM-5: in SPARSE_LAYOUTS
 RUNS = [(family, layout) for family in FAMILIES for layout in LAYOUTS] + [
-    (family, layout) for family in DENSE for layout in DENSE_LAYOUTS]
+    (family, layout) for family in DENSE for layout in DENSE_LAYOUTS] + [
+    (family, layout) for family in SPARSE for layout in SPARSE_LAYOUTS]
+EXPORTS = [(family, layout) for family in FAMILIES for layout in EXPORTED] + [
+    (family, layout) for family in SPARSE for layout in SPARSE_LAYOUTS if layout in EXPORTED]
 
 
 def _varied(family_dir: Path, out: Path, family: str) -> Path:
@@ -66,7 +81,7 @@ def _varied(family_dir: Path, out: Path, family: str) -> Path:
 @pytest.fixture(scope="module")
 def model_dirs(family_model_dir, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("moe-family-models")
-    return {family: _varied(family_model_dir(family), out, family) for family in (*FAMILIES, *DENSE)}
+    return {family: _varied(family_model_dir(family), out, family) for family in (*FAMILIES, *DENSE, *SPARSE)}
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +139,7 @@ def test_log_probs_and_grpo_steps_match_the_hf_model_on_torch_backend(results, t
     assert max_diff(run["log_probs_after"], want["log_probs_after"]) < 1e-4
 
 
-@pytest.mark.parametrize("layout", EXPORTED)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "layout"), EXPORTS)
 def test_the_expert_parallel_export_holds_the_torch_backend_weights_under_transformers_names(results, torch_reference,
                                                                                            family, layout):
     from safetensors.torch import load_file

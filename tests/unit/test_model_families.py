@@ -16,7 +16,7 @@ from services.trainer.backends import capabilities
 from services.trainer.models import families
 
 MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4",
-                   "minimax_m2"}
+                   "minimax_m2", "glm_moe_dsa"}
 
 
 def config_of(family: str) -> dict:
@@ -50,7 +50,7 @@ def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
     model_type = config_of(family)["model_type"]
     assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
             f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
-            "minimax_m2, deepseek_v3, glm4_moe_lite); train_backend fsdp trains "
+            "minimax_m2, deepseek_v3, glm4_moe_lite, glm_moe_dsa); train_backend fsdp trains "
             "it"
             in str(err.value))
 
@@ -87,6 +87,29 @@ def test_a_deepseek_v3_variant_megatron_core_routes_or_attends_otherwise_is_refu
                                                                                                    reason):
     with pytest.raises(InvalidArgument, match=reason):
         preflight(parse_spec(job({**config_of("deepseek_v3"), **change}, "megatron")))
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"indexer_types": ["full", "shared"]},
+     "glm_moe_dsa indexer_types 'shared' \\(layers \\[1\\] reuse an earlier layer's top-k\\): megatron-core "
+     "0.16.1's DSAttention runs every layer's own"),
+    ({"indexer_types": None, "index_topk_freq": 2, "index_skip_topk_offset": 1},
+     "indexer_types 'shared' \\(layers \\[1\\]"),  # GLM-5's config.json spelling of the same, read as transformers does
+    ({"index_head_dim": 24}, "index_head_dim 24: megatron-core's indexer Hadamard-rotates"),
+])
+def test_a_glm5_variant_megatron_core_cannot_sparsely_attend_is_refused_naming_the_field(job, change, reason):
+    config = {key: value for key, value in {**config_of("glm_moe_dsa"), **change}.items() if value is not None}
+    with pytest.raises(InvalidArgument, match=reason):
+        preflight(parse_spec(job(config, "megatron")))
+
+
+def test_a_glm5_config_json_reads_transformers_defaults():
+    from services.trainer.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config({"model_type": "glm_moe_dsa", "num_hidden_layers": 5, "vocab_size": 100})
+    assert arch.moe_layers == (False, False, False, True, True)  # first_k_dense_replace 3
+    assert (arch.dsa.index_n_heads, arch.dsa.index_head_dim, arch.dsa.index_topk) == (32, 128, 2048)
+    assert arch.moe_router_topk_scaling_factor == 2.5 and arch.moe_router_score_function == "sigmoid"
 
 
 def test_an_mla_layout_is_checked_against_the_latent_ranks(job):

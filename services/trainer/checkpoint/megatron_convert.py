@@ -1,5 +1,6 @@
 """HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama, and (attention from `deepseek_v3.py`)
-DeepSeek-V3 and GLM-4.7-Flash: names, fused layouts, TP shards, vocab padding, experts.
+DeepSeek-V3, GLM-4.7-Flash and GLM-5 (its sparse attention's indexer from `glm_moe_dsa.py`): names, fused layouts,
+TP shards, vocab padding, experts.
 
 `hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
 Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
@@ -24,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from services.trainer.models import deepseek_v3, glm4, minimax_m2
+from services.trainer.models import deepseek_v3, glm4, glm_moe_dsa, minimax_m2
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -167,6 +168,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
         attn = src + "self_attn."
         if arch.mla is not None:
             out.update(deepseek_v3.hf_to_megatron_attention(hf, arch, src, dst, shard, te_names=te_names))
+            if arch.dsa is not None:
+                out.update(glm_moe_dsa.hf_to_megatron_indexer(hf, arch, src, dst))
         else:
             out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
                 arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
@@ -212,6 +215,9 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
     if arch.mla is not None and (mla := deepseek_v3.megatron_to_hf_attention(deepseek_v3.local_sub(sub), list(shards),
                                                                              prefix)) is not None:
         return mla
+    if arch.dsa is not None and (indexer := glm_moe_dsa.megatron_to_hf_indexer(sub, list(shards), arch,
+                                                                             prefix)) is not None:
+        return indexer
     if arch.post_norms and (pairs := glm4.megatron_to_hf_layer(sub, list(shards), prefix)) is not None:
         return pairs
     if sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are

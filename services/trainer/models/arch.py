@@ -1,6 +1,6 @@
 """The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
-`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`) as the few numbers Megatron and the
-converter need.
+`deepseek_v3.py`, GLM-5's DeepSeek sparse attention through `glm_moe_dsa.py`, GLM-4.5/4.7 through `glm4_moe.py`,
+GLM-4 through `glm4.py`) as the few numbers Megatron and the converter need.
 
 Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")  # deepseek_v3.py reads them
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
@@ -29,6 +29,15 @@ class MLAShape:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class SparseAttentionShape:
+    """DeepSeek sparse attention (GLM-5): each query attends only to the index_topk keys its lightning indexer
+    (index_n_heads heads of index_head_dim) scores highest."""
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class ModelArch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
     mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
     yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+    dsa: SparseAttentionShape | None = None  # DeepSeek sparse attention over the MLA (GLM-5); None: dense attention
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer `index` has routed experts."""
@@ -140,11 +150,16 @@ class ModelArch:
             raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         if model_type in MLA_MODEL_TYPES:
-            from services.trainer.models import deepseek_v3
+            from services.trainer.models import deepseek_v3, glm_moe_dsa
+
+            if model_type == "glm_moe_dsa":  # its defaults and derived per-layer lists, as transformers reads them
+                config = glm_moe_dsa.resolved_config(config)
+                get = lambda key, default=None: getattr(config, key, default)  # noqa: E731
 
             fields = deepseek_v3.arch_fields(get)
-            yarn = fields.pop("yarn")
-            return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+            yarn, dsa = fields.pop("yarn"), fields.pop("dsa", None)
+            return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None,
+                                   "dsa": SparseAttentionShape(**dsa) if dsa else None})
         if model_type == "minimax_m2":
             from services.trainer.models import minimax_m2
 

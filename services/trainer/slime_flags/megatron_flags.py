@@ -35,7 +35,8 @@ GATED_ATTENTION = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # q_proj doubled: a 
 QK_NORM = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo2", "gemma3"}  # per-head q/k RMSNorm
 INTERLEAVED_ROTARY = {"glm4"}  # rotates (even, odd) pairs, not the two halves (glm4_moe rotates halves)
 POST_NORMS = {"glm4"}  # an RMSNorm after attention and after the MLP, before each residual add
-SIGMOID_ROUTER = set(SIGMOID_ROUTERS)  # sigmoid scores with a learned expert bias (e_score_correction_bias)
+# sigmoid scores with a learned expert bias (e_score_correction_bias); GLM-5 routes as DeepSeek-V3
+SIGMOID_ROUTER = set(SIGMOID_ROUTERS) | {"glm_moe_dsa"}
 SHARED_EXPERT_GATE = {"qwen2_moe", "qwen3_next", "qwen3_5_moe"}  # a sigmoid gate on the shared expert's output
 
 

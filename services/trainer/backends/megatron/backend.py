@@ -96,6 +96,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 raise InvalidArgument(problem)
         if self.megatron_args.dropout and (problem := families.megatron_train_mode_problem(hf_config, **layout)):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
+        if self.arch.dsa is not None:  # megatron-core's DSAttention takes padded rectangles alone, whole sequences
+            self.pack_sequences = False
+            if context_parallel_size > 1:
+                raise InvalidArgument(f"context_parallel_size {context_parallel_size}: megatron-core's DeepSeek "
+                                      "sparse attention (GLM-5) does not split sequences over ranks")
         if context_parallel_size > 1 and (problem := _context_parallel_problem(config)):
             raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
         mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep, cp_size=context_parallel_size,

@@ -84,9 +84,9 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
     on_gpu = torch.cuda.is_available()
     mla = {}
     if arch.mla is not None:  # multi-latent attention: its own config class (deepseek_v3.py's fields)
-        from services.trainer.models import deepseek_v3
+        from services.trainer.models import deepseek_v3, glm_moe_dsa
 
-        mla = deepseek_v3.config_fields(arch)
+        mla = {**deepseek_v3.config_fields(arch), **glm_moe_dsa.config_fields(arch)}
     return args.build(MLATransformerConfig if mla else TransformerConfig, "TransformerConfig", dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
@@ -178,6 +178,13 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             for layer_spec in spec.layer_specs:
                 attn = layer_spec.submodules.self_attention.submodules
                 attn.q_layernorm = attn.kv_layernorm = LatentRMSNorm
+        if arch.dsa is not None:  # GLM-5: DeepSeek sparse attention over the MLA
+            from services.trainer.backends.megatron import dsa
+
+            if use_te:
+                raise InvalidArgument("megatron backend: GLM-5's sparse attention is built on the local spec only "
+                                      "(Transformer Engine is installed)")
+            dsa.use_sparse_attention(spec)
     elif use_te:
         if arch.projection_qk_norm:
             raise InvalidArgument("megatron backend: MiniMax-M2's whole-projection q/k norms are built on the local "
@@ -207,6 +214,10 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         from services.trainer.backends.megatron.mla import whole_kv_down_projections
 
         whole_kv_down_projections(model, config)
+    if arch.dsa is not None and not config.dsa_indexer_loss_coeff:
+        from services.trainer.backends.megatron import dsa
+
+        dsa.freeze_indexers(model)
     if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1 and \
             config.expert_tensor_parallel_size == 1:
         # every TP rank holds all experts whole (expert TP 1), which megatron-core still marks tensor-parallel;
