@@ -177,3 +177,15 @@ def test_expert_tensor_parallelism_is_the_tensor_parallel_size_without_expert_pa
                             "--num-rollout", "1", "--rollout-batch-size", "1", "--tensor-model-parallel-size", "2",
                             "--expert-tensor-parallel-size", "2", "--rollout-max-response-len", "32"]}
     assert preflight(parse_spec(slime)).expert_tensor_parallel_size == 2
+
+
+def test_global_aux_loss_is_refused_on_fsdp_at_submit_and_taken_by_megatron(job):
+    weighted = {"moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "global_aux_loss"}
+    with pytest.raises(InvalidArgument, match="moe_router_load_balancing_type global_aux_loss: train_backend fsdp adds "
+                                              "aux_loss or seq_aux_loss; global_aux_loss is megatron-core's"):
+        preflight(parse_spec({**job(config_of("qwen3_moe"), "fsdp"), **weighted}))
+    spec = parse_spec({**job(config_of("qwen3_moe"), "megatron"), **weighted})
+    assert preflight(spec) is spec
+    seq = parse_spec({**job(config_of("qwen3_moe"), "fsdp"), **weighted,
+                      "moe_router_load_balancing_type": "seq_aux_loss"})
+    assert preflight(seq) is seq

@@ -143,6 +143,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
         problems.append(capabilities.router_problem("routing replay", spec.train_backend, hf_config, **layout))
     if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
         problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config, **layout))
+    if spec.moe_aux_loss_coeff > 0:
+        problems.append(capabilities.load_balancing_problem(spec.train_backend, spec.moe_router_load_balancing_type))
     if any(spec.megatron.get(name) for name in ("hidden_dropout", "attention_dropout")) and \
             (why := families.megatron_train_mode_problem(hf_config, **layout)):
         problems.append(f"megatron dropout: train_backend megatron {why.removeprefix('it ')}")

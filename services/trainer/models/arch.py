@@ -88,6 +88,7 @@ class ModelArch:
     mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
     yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
     dsa: SparseAttentionShape | None = None  # DeepSeek sparse attention over the MLA (GLM-5); None: dense attention
+    vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY  # Megatron-LM's --make-vocab-size-divisible-by
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer `index` has routed experts."""
@@ -98,8 +99,9 @@ class ModelArch:
         return self.num_attention_heads // self.num_query_groups
 
     def padded_vocab_size(self, tp_size: int) -> int:
-        """Megatron's padded vocab: the next multiple of 128·tp_size (the extra rows are zero and never sampled)."""
-        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
+        """Megatron's padded vocab: the next multiple of vocab_size_divisible_by·tp_size (128 unless a job says; the
+        extra rows are zero and never sampled)."""
+        multiple = self.vocab_size_divisible_by * tp_size
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def stage_layer_range(self, pp_rank: int, pp_size: int) -> range:

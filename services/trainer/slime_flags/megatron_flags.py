@@ -254,7 +254,7 @@ FP8_TRAINING_REFUSAL = "FP8 training is not supported: the backends train in bf1
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
 _WEIGHTS_ONLY = ("a --load of slime's checkpoint reads its weights only (rollout 0, a fresh optimizer), of Physarum's "
                  "its whole state; for weights only, load an HF export (save_hf)")
-_NO_MOE = ("the megatron backend trains Qwen3-MoE, DeepSeek-V3, GLM-4.5/4.7, GLM-4.7-Flash and MiniMax-M2; "
+_NO_MOE = ("the megatron backend trains Qwen3-MoE, DeepSeek-V3, GLM-4.5/4.7, GLM-4.7-Flash, GLM-5 and MiniMax-M2; "
            "train_backend fsdp trains the other MoE families")
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
@@ -348,19 +348,19 @@ MEGATRON: dict[str, Flag] = {
                                                      "capacity", warn=True),
     "moe-aux-loss-coeff": Flag("mapped", 0.0, _SPEC + " moe_aux_loss_coeff (both backends add Megatron's aux_loss to "
                                                  "the policy loss)"),
-    "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _SPEC + " moe_router_load_balancing_type (aux_loss "
-                                                                         "or none; seq_aux_loss and global_aux_loss "
-                                                                         "as none under --moe-aux-loss-coeff 0, "
-                                                                         "refused with a weight)"),
+    "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _SPEC + " moe_router_load_balancing_type (aux_loss, "
+                                                                         "seq_aux_loss, global_aux_loss on megatron "
+                                                                         "only, or none; none under "
+                                                                         "--moe-aux-loss-coeff 0)"),
     "moe-router-bias-update-rate": Flag("mapped", 1e-3, "the routers' expert bias (e_score_correction_bias) stays "
                                                         "as the checkpoint has it, as with rate 0", warn=True),
     "moe-enable-deepep": Flag("mapped", False, "megatron-core's all-to-all token dispatcher: DeepEP is not in the "
                                                "trainer's image; the experts and their routing are the same, the "
                                                "dispatch slower across nodes", warn=True, bare=True),
-    "make-vocab-size-divisible-by": Flag("mapped", 128, "the megatron backend pads the vocab to a multiple of 128 × "
-                                                        "the TP size; padding rows are never sampled and are dropped "
-                                                        "from HF exports, so the multiple changes nothing trained",
-                                         warn=True),
+    "make-vocab-size-divisible-by": Flag("mapped", 128, _MEGA + " make_vocab_size_divisible_by (the megatron "
+                                                        "backend pads the vocab to a multiple of it × the TP size, as "
+                                                        "slime's checkpoints are; padding rows are never sampled and "
+                                                        "are dropped from HF exports)"),
     "spec": Flag("mapped", None, "the megatron backend builds the layer spec from the HF config's model_type",
                  warn=True, nargs=True),
 }

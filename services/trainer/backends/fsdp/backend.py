@@ -25,6 +25,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
+from services.trainer.backends import capabilities
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.fsdp import compiled_layers, context_parallel, cp_attention, fused_head
 from services.trainer.backends.fsdp.critic import Critic
@@ -101,6 +102,9 @@ class TorchBackend(TorchStateDicts):
         # "fallthrough")
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
+        if config.moe_aux_loss and (problem := capabilities.load_balancing_problem(
+                "fsdp", config.moe_router_load_balancing_type)):
+            raise InvalidArgument(problem)
         self._router = hf_aux_loss.router_kind(model) if config.moe_aux_loss else None
         if config.compile_layers:
             for compiled in (model, ref_model, teacher):
@@ -352,7 +356,7 @@ class TorchBackend(TorchStateDicts):
             return loss, metrics
         return hf_aux_loss.add_load_balancing_loss(
             loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, router=self._router,
-            packed=self._packs(mb), num_micro_batches=num_micro_batches)
+            packed=self._packs(mb), num_micro_batches=num_micro_batches, kind=cfg.moe_router_load_balancing_type)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches,

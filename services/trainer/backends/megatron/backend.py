@@ -44,6 +44,7 @@ from services.trainer.checkpoint.megatron_hf import MegatronHFWeights
 from services.trainer.distributed import devices, megatron_cpu
 from services.trainer.models import families
 from services.trainer.models.arch import ModelArch, uneven_stage_layers
+from services.trainer.moe import megatron_aux_loss
 from services.trainer.moe.megatron_routing_replay import MegatronRouting
 from services.trainer.settings.train import TrainConfig
 from services.trainer.step import hooks, optim, rl_step
@@ -83,7 +84,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
         self.arch = ModelArch.from_hf_config(hf_config)
         stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
-        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers)
+        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers,
+                                        vocab_size_divisible_by=self.megatron_args.vocab_size_divisible_by)
         self.etp_size = expert_tensor_parallel_size
         self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep, etp_size=self.etp_size,
                                  stage_layers=stage_layers)
@@ -472,6 +474,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        load_balancing = cfg.moe_aux_loss and model is self.model
+        if load_balancing:
+            megatron_aux_loss.start_step(model.module)
         # train mode only for dropout or megatron-core's load-balancing loss (its routers add it only in training)
         model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
         try:
@@ -480,7 +485,12 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             model.eval()
         self._count_experts_tokens_once(model.module)
         grad_norm, lr = self._optimizer_step(model, optimizer, num_steps, rows)
-        return self._sum_metrics(totals), grad_norm, lr
+        metrics = self._sum_metrics(totals)
+        if load_balancing:  # megatron-core's routers added it: the step's value, as the fsdp backend reports its own
+            metrics["moe_aux_loss"] = megatron_aux_loss.step_value(
+                cfg.moe_router_load_balancing_type, num_layers=self.arch.num_layers,
+                num_micro_batches=len(micro_batches), device=self.device)
+        return metrics, grad_norm, lr
 
     def _count_experts_tokens_once(self, gpt) -> None:
         """Without sequence parallelism every TP rank holds all of its replica's tokens, and under expert parallelism

@@ -139,8 +139,9 @@ def router_fields(arch: ModelArch, train: TrainConfig) -> dict:
     if not arch.num_experts:
         return {}
     fields = {"moe_enable_routing_replay": True} if train.replays_routing else {}
-    if train.moe_aux_loss:
-        fields.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=train.moe_aux_loss_coeff)
+    if train.moe_aux_loss:  # aux_loss, seq_aux_loss or global_aux_loss (moe/megatron_aux_loss.py logs it)
+        fields.update(moe_router_load_balancing_type=train.moe_router_load_balancing_type,
+                      moe_aux_loss_coeff=train.moe_aux_loss_coeff)
     return fields
 
 
