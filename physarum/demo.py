@@ -85,16 +85,20 @@ def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple
     fig.savefig(out, dpi=100)
 
 
-def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> list[str]:
+def backend_overrides(train_backend: str, tensor_model_parallel_size: int,
+                      expert_model_parallel_size: int = 1) -> list[str]:
     """The `--set` overrides that put both demo jobs on `train_backend` (the job files keep the default), over
-    tensor_model_parallel_size ranks where the backend splits a model over ranks."""
+    tensor_model_parallel_size ranks where the backend splits a model over ranks, a MoE model's experts over
+    expert_model_parallel_size ranks where it spreads them."""
     from services.trainer.api.client import DEFAULT_TRAIN_BACKEND, backend_capabilities
 
     if train_backend == DEFAULT_TRAIN_BACKEND:
         return []
-    tensor_parallel = backend_capabilities(train_backend).tensor_parallel
+    capabilities = backend_capabilities(train_backend)
     return [f"train_backend={train_backend}",
-            *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if tensor_parallel else [])]
+            *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if capabilities.tensor_parallel else []),
+            *([f"expert_model_parallel_size={expert_model_parallel_size}"]
+              if capabilities.expert_parallel and expert_model_parallel_size > 1 else [])]
 
 
 def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets: list[str],
@@ -131,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads per trainer process (default: 2 on one rank, 1 each on several); 1 is "
                              "many times faster on a machine busy with other work (two threads wait on each other)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                        help="megatron: TP size (default: the trainer ranks)")
+                        help="megatron: TP size (default: the trainer ranks, 1 under expert parallelism)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="megatron, a MoE family: the experts spread over this many ranks (default: 1)")
     parser.add_argument("--model-family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
                         help=f"the tiny model's family (default: {DEFAULT_FAMILY})")
     add_device_flags(parser)
@@ -140,10 +146,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model_parallel = backend_capabilities(args.train_backend).tensor_parallel
     ranks = args.trainer_ranks or (2 if model_parallel else 1)
-    tp = args.tensor_model_parallel_size or ranks
+    ep = args.expert_model_parallel_size
+    tp = args.tensor_model_parallel_size or (ranks if ep == 1 else 1)
     if ranks < 1 or (model_parallel and ranks % tp):
         raise SystemExit(f"demo: --trainer-ranks {ranks} must be >= 1 and a multiple of the TP size {tp}")
-    backend_sets = backend_overrides(args.train_backend, tp)
+    if ep > 1 and (not model_parallel or ranks % (tp * ep)):
+        raise SystemExit(f"demo: --expert-model-parallel-size {ep} needs train_backend megatron and trainer ranks a "
+                         f"multiple of TP × EP ({tp} × {ep}), got {ranks}")
+    backend_sets = backend_overrides(args.train_backend, tp, ep)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
     model_dir, test_path = demo_model(args.seed, args.model_family)
@@ -157,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                         trainer_device=args.device, engine_device=args.engine_device))
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
-              f"{args.train_backend}{f' TP={tp}' if model_parallel else ''} on {ranks} rank(s); model: tiny "
+              f"{args.train_backend}{f' TP={tp}' if model_parallel else ''}{f' EP={ep}' if ep > 1 else ''} on "
+              f"{ranks} rank(s); model: tiny "
               f"{args.model_family}", flush=True)
         before = evaluate(state, model_dir, test_path)
         print(f"held-out reward before training: {before:.3f}", flush=True)

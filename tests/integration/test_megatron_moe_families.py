@@ -17,7 +17,11 @@ GLM-5 (glm_moe_dsa: DeepSeek-V3's attention and MoE with DeepSeek sparse attenti
 its indexer ranks best, fewer than the sequence) gives the HF log-probs and the fsdp steps at TP=2, PP=2 and EP=2, and
 its EP=2 export holds the indexer's weights under transformers' names.
 
-One launch of tests/integration/megatron_moe_families_worker.py serves the tests here."""
+DeepSeek-V3 at TP=2 × EP=2 × expert TP 2 (four gloo ranks: each expert cut over the TP ranks, two on each EP rank)
+gives the HF log-probs, the fsdp steps and, in its HF export, the fsdp backend's weights.
+
+One launch of tests/integration/megatron_moe_families_worker.py serves the tests here, one of
+tests/integration/megatron_ep_etp_worker.py the four-rank one."""
 
 from __future__ import annotations
 
@@ -156,6 +160,29 @@ def test_the_expert_parallel_export_holds_the_torch_backend_weights_under_transf
     state = {**reloaded.state_dict(), **dict(reloaded.named_buffers())}
     for name, weight in saved.items():
         assert torch.equal(state[name], weight), name
+
+
+@pytest.fixture(scope="module")
+def ep_etp_results(model_dirs, tmp_path_factory) -> dict:
+    """DeepSeek-V3 at TP=2 × EP=2 × expert TP 2 over four gloo ranks (tests/integration/megatron_ep_etp_worker.py)."""
+    out = tmp_path_factory.mktemp("megatron-ep-etp")
+    run_worker("tests.integration.megatron_ep_etp_worker", str(out), str(model_dirs["deepseek_v3"]),
+               log_path=out / "worker.log", timeout_s=600)
+    return {**json.loads((out / "results.json").read_text()), "out": out}
+
+
+def test_expert_parallelism_and_expert_tensor_parallelism_together_train_as_the_torch_backend(ep_etp_results,
+                                                                                             torch_reference):
+    from safetensors.torch import load_file
+
+    want = torch_reference["deepseek_v3"]
+    assert max_diff(ep_etp_results["log_probs_before"], want["log_probs_before"]) <= 1e-5
+    _assert_steps_match(ep_etp_results["metrics"], want["metrics"])
+    assert max_diff(ep_etp_results["log_probs_after"], want["log_probs_after"]) < 1e-4
+    saved = load_file(ep_etp_results["out"] / "export" / "model.safetensors")
+    assert saved.keys() == want["weights"].keys()
+    for name, weight in want["weights"].items():
+        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("setting", REPLAY_SETTINGS)

@@ -159,18 +159,17 @@ def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_con
     assert capabilities.backends_for(config_of("llama")) == ["fsdp", "megatron"]
 
 
-def test_expert_tensor_parallelism_is_the_tensor_parallel_size_without_expert_parallelism(job):
+def test_expert_tensor_parallelism_is_the_tensor_parallel_size_with_or_without_expert_parallelism(job):
     """Each expert cut over the TP ranks (megatron-core's expert_tensor_parallel_size), from the spec or slime's
     flag."""
     deepseek = job(config_of("deepseek_v3"), "megatron")
     spec = preflight(parse_spec({**deepseek, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2}))
     assert spec.expert_tensor_parallel_size == 2
-    for layout in ({"expert_tensor_parallel_size": 2},
-                   {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2,
-                    "expert_model_parallel_size": 2}):
-        with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size 2: the megatron backend cuts each "
-                                                  "expert over the tensor-parallel ranks"):
-            preflight(parse_spec({**deepseek, **layout}))
+    both = {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2}
+    assert preflight(parse_spec({**deepseek, **both})).expert_model_parallel_size == 2
+    with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size 2: the megatron backend cuts each "
+                                              "expert over the tensor-parallel ranks"):
+        preflight(parse_spec({**deepseek, "expert_tensor_parallel_size": 2}))
     with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size: train_backend fsdp cannot run"):
         parse_spec({**job(config_of("deepseek_v3"), "fsdp"), "expert_tensor_parallel_size": 2})
     slime = {"slime_args": ["--hf-checkpoint", deepseek["hf_checkpoint"], "--prompt-data", deepseek["prompt_data"],

@@ -282,6 +282,17 @@ def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.
     return gathered
 
 
+def _whole_local_expert(name: str, tensor: torch.Tensor, etp_size: int, etp_group) -> torch.Tensor:
+    """This rank's local expert parameter made whole over its expert-TP group (as it is at expert TP 1)."""
+    import torch.distributed as dist
+
+    if etp_size == 1:
+        return tensor
+    shards = [torch.empty_like(tensor) for _ in range(etp_size)]
+    dist.all_gather(shards, tensor.contiguous(), group=etp_group)
+    return _whole_expert(name, shards)
+
+
 def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
                       tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int, ep_group=None,
                       ep_size: int = 1, expert_dp_rank: int = 0,
@@ -290,16 +301,16 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
     once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
     parameters over TP, its TP rank 0 converts them and sends them to the source rank. Experts are first
     all-gathered over the expert-parallel group, whose other ranks are other data-parallel ranks: those join the
-    gathers and yield nothing. Under expert tensor parallelism (etp_size = tp_size, without expert parallelism:
-    `ModelArch.check_parallel`) each expert is gathered over its expert-TP group (the TP ranks) and put together as
-    a dense MLP is."""
+    gathers and yield nothing. Under expert tensor parallelism (etp_size = tp_size: `ModelArch.check_parallel`) each
+    expert is gathered over its expert-TP group (the TP ranks) and put together as a dense MLP is, before any gather
+    over expert parallelism."""
     import torch.distributed as dist
 
     if dp_rank != 0:
         if ep_size > 1 and expert_dp_rank == 0:
             for name, param in named_params:
                 if LOCAL_EXPERT in name:
-                    _gather_experts(param.detach(), ep_size, ep_group)
+                    _gather_experts(_whole_local_expert(name, param.detach(), etp_size, etp_group), ep_size, ep_group)
         return
     local_experts = arch.num_experts // ep_size
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
@@ -314,7 +325,8 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
             if LOCAL_EXPERT in name and ep_size > 1:  # expert i of EP rank j is global expert j·local + i
                 head, tail = name.split(LOCAL_EXPERT)
                 index, rest = tail.split(".", 1)
-                for j, expert in enumerate(_gather_experts(tensor, ep_size, ep_group)):
+                whole = _whole_local_expert(name, tensor, etp_size, etp_group)  # whole over expert TP first
+                for j, expert in enumerate(_gather_experts(whole, ep_size, ep_group)):
                     global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
                     if tp_rank == 0:
                         yield from megatron_to_hf(global_name, [expert], arch, offset=offset)

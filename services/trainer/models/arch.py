@@ -113,17 +113,16 @@ class ModelArch:
     def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int = 1,
                        stage_layers: tuple[int, ...] | None = None) -> None:
         """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards with its experts over
-        ep_size ranks, each cut over etp_size ranks (1, or the TP size without expert parallelism; `stage_layers`:
-        each stage's layers, when they are uneven)."""
+        ep_size ranks, each cut over etp_size ranks (1, or the TP size; `stage_layers`: each stage's layers, when they
+        are uneven)."""
         if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
             raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
                                   f"({self.num_experts} in {self.model_type})")
-        if etp_size > 1 and (not self.num_experts or etp_size != tp_size or ep_size > 1
-                             or self.moe_ffn_hidden_size % etp_size):
+        if etp_size > 1 and (not self.num_experts or etp_size != tp_size or self.moe_ffn_hidden_size % etp_size):
             raise InvalidArgument(f"expert_tensor_parallel_size {etp_size}: the megatron backend cuts each expert "
                                   "over the tensor-parallel ranks (expert_tensor_parallel_size = "
-                                  "tensor_model_parallel_size, dividing the experts' intermediate size) without expert "
-                                  "parallelism, or keeps it whole (1)")
+                                  "tensor_model_parallel_size, dividing the experts' intermediate size), or keeps it "
+                                  "whole (1)")
         sizes = [("num_attention_heads", self.num_attention_heads), ("num_key_value_heads", self.num_query_groups),
                  ("intermediate_size", self.ffn_hidden_size)]
         if self.moe_shared_expert_intermediate_size:

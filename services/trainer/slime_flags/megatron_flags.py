@@ -278,7 +278,7 @@ MEGATRON: dict[str, Flag] = {
                                                    "load-balanced chunks)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
     "expert-tensor-parallel-size": Flag("mapped", 1, _SPEC + " expert_tensor_parallel_size (1, or the "
-                                                     "tensor-parallel size without expert parallelism)"),
+                                                     "tensor-parallel size)"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (each tensor-parallel rank holds a "
                                                       "slice of every row, padded to a multiple of the TP size; "
                                                       "dropped, as Megatron does, without tensor parallelism)",
