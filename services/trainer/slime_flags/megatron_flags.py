@@ -132,6 +132,16 @@ def _yarn(key: str, default: Any) -> Callable[[dict[str, Any]], Any]:
     return read
 
 
+def _attention_variant(cfg: dict[str, Any]) -> Any:
+    """--experimental-attention-variant: dsa for GLM-5's sparse attention; not checked here for the families with
+    linear-attention layers (their gated delta nets); none (plain attention) for the rest."""
+    if _family(cfg) == "glm_moe_dsa":
+        return "dsa"
+    if "linear_attention" in (cfg.get("layer_types") or []) or _family(cfg) == "qwen3_next":
+        return None
+    return "none"
+
+
 def _layer_pattern(value: Any, cfg: dict[str, Any]) -> Any:
     """--moe-layer-freq's value: an int N (every N-th layer) or a Python list expression like "([0]*3+[1]*58)"."""
     import ast
@@ -217,6 +227,11 @@ ARCH: dict[str, Arch] = {
     "qk-head-dim": Arch(_get("qk_nope_head_dim")),
     "qk-pos-emb-head-dim": Arch(_get("qk_rope_head_dim")),
     "v-head-dim": Arch(_get("v_head_dim")),
+    # DeepSeek sparse attention (GLM-5)
+    "experimental-attention-variant": Arch(lambda cfg: _attention_variant(cfg)),
+    "dsa-indexer-n-heads": Arch(_get("index_n_heads")),
+    "dsa-indexer-head-dim": Arch(_get("index_head_dim")),
+    "dsa-indexer-topk": Arch(_get("index_topk")),
 }
 
 
@@ -361,6 +376,9 @@ MEGATRON: dict[str, Flag] = {
                                                         "backend pads the vocab to a multiple of it × the TP size, as "
                                                         "slime's checkpoints are; padding rows are never sampled and "
                                                         "are dropped from HF exports)"),
+    "dsa-indexer-loss-coeff": Flag("mapped", 0.0, _MEGA + " dsa_indexer_loss_coeff (GLM-5: the indexer's KL loss; "
+                                                     "at 0 the indexer stays as loaded, as transformers keeps it)"),
+    "dsa-indexer-use-sparse-loss": Flag("mapped", False, _MEGA + " dsa_indexer_use_sparse_loss", bare=True),
     "spec": Flag("mapped", None, "the megatron backend builds the layer spec from the HF config's model_type",
                  warn=True, nargs=True),
 }

@@ -125,6 +125,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else megatron_cpu.CPU)
         self.dtype = devices.train_dtype(config.bf16, self.device)
+        if self.arch.dsa is not None and self.megatron_args.transformer.get("dsa_indexer_loss_coeff") and \
+                self.device.type != "cuda":
+            raise InvalidArgument("megatron.dsa_indexer_loss_coeff: megatron-core 0.16.1 logs the DSA indexer's KL "
+                                  "loss on CUDA only; train GLM-5's indexer on GPUs, or keep it as loaded (0)")
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
         self.use_te = mcore.has_transformer_engine()
         self.use_distributed_optimizer = use_distributed_optimizer
