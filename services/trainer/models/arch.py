@@ -154,8 +154,7 @@ class ModelArch:
             from services.trainer.models import deepseek_v3, glm_moe_dsa
 
             if model_type == "glm_moe_dsa":  # its defaults and derived per-layer lists, as transformers reads them
-                config = glm_moe_dsa.resolved_config(config)
-                get = lambda key, default=None: getattr(config, key, default)  # noqa: E731
+                get = glm_moe_dsa.config_reader(config)
 
             fields = deepseek_v3.arch_fields(get)
             yarn, dsa = fields.pop("yarn"), fields.pop("dsa", None)

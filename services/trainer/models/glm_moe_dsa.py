@@ -12,7 +12,7 @@ queries and keys rotated alike, do not change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,14 +26,15 @@ INDEXER_RENAMED = {"linear_wq_b.weight": "wq_b.weight", "linear_wk.weight": "wk.
 INDEXER_KEY_NORM_EPS = 1e-6  # transformers' GlmMoeDsaIndexer k_norm, whatever rms_norm_eps says
 
 
-def resolved_config(config: Any) -> Any:
-    """A config.json dict as transformers' GlmMoeDsaConfig reads it (its defaults, and the per-layer lists it derives:
-    mlp_layer_types from first_k_dense_replace, indexer_types from index_topk_freq); a config object as it is."""
-    if not isinstance(config, dict):
-        return config
-    from transformers import GlmMoeDsaConfig
+def config_reader(config: Any) -> Callable[..., Any]:
+    """`get(key, default)` over a GLM-5 config as transformers' GlmMoeDsaConfig reads a config.json dict (its
+    defaults, and the per-layer lists it derives: mlp_layer_types from first_k_dense_replace, indexer_types from
+    index_topk_freq); a config object as it is."""
+    if isinstance(config, dict):
+        from transformers import GlmMoeDsaConfig
 
-    return GlmMoeDsaConfig(**config)
+        config = GlmMoeDsaConfig(**config)
+    return lambda key, default=None: getattr(config, key, default)
 
 
 def sparse_attention_fields(get, refuse) -> dict[str, int]:
