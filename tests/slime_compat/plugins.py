@@ -12,7 +12,7 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import DataSource
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter
 from slime.rollout.rm_hub import async_rm
-from slime.rollout.sglang_rollout import GenerateState, generate, generate_and_rm
+from slime.rollout.sglang_rollout import GenerateState, generate, generate_and_rm, generate_and_rm_group
 from slime.rollout.sglang_rollout import generate_rollout as generate_rollout_default
 from slime.utils.async_utils import run
 from slime.utils.misc import load_function
@@ -149,6 +149,28 @@ def rollout_with_fan_out(args, rollout_id, data_source, evaluation=False):
         return [sample for output in outputs for sample in output]
 
     return [run(one_group(group)) for group in groups]  # a legacy plain list of groups
+
+
+def rollout_with_own_sampling(args, rollout_id, data_source, evaluation=False):
+    """slime's fully-async pattern: every group through generate_and_rm_group at once, with sampling params of its
+    own (GenerateState's, 2 new tokens at temperature 0.5)."""
+    state = GenerateState(args)
+    groups = data_source.get_samples(args.rollout_batch_size)
+    params = {**state.sampling_params, "max_new_tokens": 2, "temperature": 0.5}
+
+    async def all_groups():
+        return await asyncio.gather(*(generate_and_rm_group(args, group, sampling_params=params.copy(),
+                                                            evaluation=False) for group in groups))
+
+    return RolloutFnTrainOutput(samples=list(run(all_groups())))
+
+
+async def generate_recording_dp_ranks(args, sample, sampling_params):
+    """A generate function that records GenerateState's busy data-parallel ranks as it starts."""
+    dp_counts = list(GenerateState(args).dp_counts)
+    sample = await generate(args, sample, sampling_params)
+    sample.metadata["dp_counts"] = dp_counts
+    return sample
 
 
 class CountingPrompts(DataSource):
