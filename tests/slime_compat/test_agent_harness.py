@@ -22,6 +22,7 @@ from services.common.grpc_client import wait_for_health
 from services.common.samples import Status
 from services.common.settings.rollout import RolloutConfig
 from testkit.engines import start_engines, stop_engines
+from tests.integration.gateway_fixtures import QUESTION
 from tests.slime_compat.cli_model import REPLY, build_cli_model
 
 
@@ -175,8 +176,8 @@ def cli_stack(redis_url, shared_router, session_dir):
 
 
 @pytest.mark.slow  # its own engine and services, and each CLI's ~20k-token first request: about 2 minutes
-@pytest.mark.parametrize(("harness", "api"), [("claude_code", "anthropic"), ("codex", "responses")])
-def test_one_episode_of_the_real_agent_cli_on_the_gateway(cli_stack, harness, api):
+@pytest.mark.parametrize("harness", ["claude_code", "codex"])  # Anthropic Messages; OpenAI Responses
+def test_one_episode_of_the_real_agent_cli_on_the_gateway(cli_stack, harness):
     from tests.integration.test_agent_rollout import run_rollouts
 
     cfg = RolloutConfig(job_id=f"slime-harness-{harness.replace('_', '-')}", rollout_batch_size=1,
@@ -190,6 +191,7 @@ def test_one_episode_of_the_real_agent_cli_on_the_gateway(cli_stack, harness, ap
     assert sample.status == Status.COMPLETED and sample.reward == 1.0  # the harness's reward, kept
     assert sample.metadata["harness"] == harness and sample.metadata["agent_final_content"] == REPLY
     assert REPLY in transcript  # the CLI printed the model's answer it got from the gateway
-    # the CLI's own system prompt and tools (thousands of tokens) are the prompt; the model's reply is trained
+    # the CLI's own system prompt and tools (thousands of tokens) and the task are the prompt; the reply is trained
     assert len(sample.tokens) - sample.response_length > 5000
+    assert {"claude_code": "Claude", "codex": "Codex CLI"}[harness] in sample.prompt and QUESTION in sample.prompt
     assert sample.response.startswith(REPLY) and sample.loss_mask == [1] * sample.response_length
