@@ -84,3 +84,20 @@ def test_hf_weights_go_through_two_tensor_parallel_ranks_and_come_back(family):
     assert back.keys() == hf.keys() - tied
     for name, tensor in back.items():
         assert torch.equal(tensor, hf[name]), name
+
+
+def test_a_multimodal_qwen3_5_checkpoint_gives_its_language_model():
+    from transformers import AutoModelForCausalLM
+
+    from physarum.families import tiny_config
+    from services.trainer.checkpoint.megatron_convert import hf_to_megatron
+    from services.trainer.models.arch import ModelArch
+
+    config = tiny_config("qwen3_5", vocab_size=50, eos_id=0, hidden_size=64, num_layers=2)
+    hf = AutoModelForCausalLM.from_config(config).state_dict()
+    multimodal = {name.replace("model.", "model.language_model.", 1): t for name, t in hf.items()}
+    multimodal["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)  # the vision tower, not read
+    arch = ModelArch.from_hf_config({"model_type": "qwen3_5", "vision_config": {}, "text_config": config.to_dict()})
+    want, got = hf_to_megatron(hf, arch, tp_rank=1, tp_size=2), hf_to_megatron(multimodal, arch, tp_rank=1, tp_size=2)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], want[name]) for name in want)

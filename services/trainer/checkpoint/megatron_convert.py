@@ -165,6 +165,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     out: dict[str, torch.Tensor] = {}
     if arch.model_type == "minimax_m2":
         hf = minimax_m2.CheckpointNames(hf)
+    if arch.linear_attention is not None:
+        hf = qwen3_next.CheckpointNames(hf)
     padded = arch.padded_vocab_size(tp_size)
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))

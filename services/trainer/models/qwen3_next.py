@@ -16,7 +16,7 @@ layouts that differ from convert.py's:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,6 +31,10 @@ GDN = "self_attention."
 GDN_RENAMED = {"A_log": "A_log", "dt_bias": "dt_bias", "out_norm.weight": "norm.weight",
                "out_proj.weight": "out_proj.weight", "conv1d.weight": "conv1d.weight"}
 IN_PROJ_PARTS = ("q", "k", "v", "z", "b", "a")
+# transformers' defaults (the same in the three config classes), for a config.json that leaves fields out
+LINEAR_DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+FULL_ATTENTION_INTERVAL, PARTIAL_ROTARY_FACTOR = 4, 0.25
 
 
 def arch_fields(get: Callable[..., Any], family: str) -> dict[str, Any]:
@@ -38,20 +42,20 @@ def arch_fields(get: Callable[..., Any], family: str) -> dict[str, Any]:
     build raises InvalidArgument naming the field."""
     if get("attention_bias", False):
         raise InvalidArgument(f"megatron backend: {family} attention_bias is not supported")
-    layer_types = list(get("layer_types") or [])
     num_layers = get("num_hidden_layers")
+    interval = get("full_attention_interval") or FULL_ATTENTION_INTERVAL  # every interval-th layer full attention
+    layer_types = list(get("layer_types") or ("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                              for i in range(num_layers)))
     other = sorted({kind for kind in layer_types if kind not in ("linear_attention", "full_attention")})
     if len(layer_types) != num_layers or other:
         raise InvalidArgument(f"megatron backend: {family} layer_types must name linear_attention or full_attention "
                               f"for each of the {num_layers} layers, got {layer_types}")
-    fields = gqa_fields(get, family)
+    fields = gqa_fields(get, family, partial_rotary_default=PARTIAL_ROTARY_FACTOR)
+    linear = {name: get(name) or default for name, default in LINEAR_DEFAULTS.items()}
     fields.update(
         qkv_bias=False, qk_layernorm=True, attention_output_gate=True, zero_centered_norms=True,
         linear_layers=tuple(kind == "linear_attention" for kind in layer_types),
-        linear_attention=dict(conv_kernel_dim=get("linear_conv_kernel_dim"), key_head_dim=get("linear_key_head_dim"),
-                              value_head_dim=get("linear_value_head_dim"),
-                              num_key_heads=get("linear_num_key_heads"),
-                              num_value_heads=get("linear_num_value_heads")))
+        linear_attention={name.removeprefix("linear_"): value for name, value in linear.items()})
     if fields["linear_attention"]["num_value_heads"] % fields["linear_attention"]["num_key_heads"]:
         raise InvalidArgument(f"megatron backend: {family} linear_num_value_heads must be a multiple of "
                               "linear_num_key_heads")
@@ -71,6 +75,29 @@ def arch_fields(get: Callable[..., Any], family: str) -> dict[str, Any]:
     if not all(pattern):
         fields["moe_layers"] = pattern
     return fields
+
+
+class CheckpointNames(Mapping):
+    """A checkpoint's tensors under the causal LM's names (model.layers.*), whether its files hold those or a
+    multimodal Qwen3.5 checkpoint's language model (model.language_model.layers.*; its vision tower is not read)."""
+
+    def __init__(self, tensors: Mapping) -> None:
+        self.tensors = tensors
+
+    def _multimodal(self, name: str) -> str:
+        return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+
+    def __getitem__(self, name: str):
+        return self.tensors[name] if name in self.tensors else self.tensors[self._multimodal(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self.tensors or self._multimodal(name) in self.tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def _next_split(hf: Mapping[str, torch.Tensor], gdn: str, shape) -> dict[str, torch.Tensor]:
