@@ -1,8 +1,8 @@
 """The gated delta-net families' two gloo ranks: `python -m tests.integration.megatron_gdn_worker OUT MODEL_DIR...`
 (tiny qwen3_5, qwen3_5_moe and qwen3_next). For each model, MegatronBackend in each of its layouts gives the log-probs
 of a GRPO rollout, trains it (two steps) and gives them again; some layouts also save the HF export, one a
-dist-checkpoint a fresh backend resumes from. Results go to OUT/results.json for the test to compare with
-TorchBackend."""
+dist-checkpoint a fresh backend resumes from; then qwen3_5_moe trains at EP=2 under each kind of routing replay.
+Results go to OUT/results.json for the test to compare with TorchBackend."""
 
 from __future__ import annotations
 
@@ -14,17 +14,20 @@ import torch
 
 from bench.megatron_parity import spawn
 from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
+from tests.integration.megatron_moe_families_worker import REPLAY_SETTINGS, replay_run
 
-# name -> (tensor, pipeline, expert, expert tensor) parallel sizes on a world of two, packed rows or padded ones;
-# the rest is data-parallel
-LAYOUTS = {"tp1": (1, 1, 1, 1, True), "tp1_padded": (1, 1, 1, 1, False), "tp2": (2, 1, 1, 1, True),
-           "pp2": (1, 2, 1, 1, True), "ep2": (1, 1, 2, 1, True), "tp2_ep2": (2, 1, 2, 1, True),
-           "tp2_etp2": (2, 1, 1, 2, True)}
-FAMILY_LAYOUTS = {"qwen3_5": ("tp1", "tp1_padded", "tp2", "pp2"),
-                  "qwen3_5_moe": ("tp2", "pp2", "ep2", "tp2_ep2", "tp2_etp2"),
+# name -> (tensor, pipeline, expert, expert tensor) parallel sizes on a world of two, packed rows or padded ones,
+# sequence parallelism; the rest is data-parallel
+LAYOUTS = {"tp1": (1, 1, 1, 1, True, False), "tp1_padded": (1, 1, 1, 1, False, False),
+           "tp2": (2, 1, 1, 1, True, False), "tp2_sp": (2, 1, 1, 1, True, True), "pp2": (1, 2, 1, 1, True, False),
+           "ep2": (1, 1, 2, 1, True, False), "tp2_ep2": (2, 1, 2, 1, True, False),
+           "tp2_etp2": (2, 1, 1, 2, True, False)}
+FAMILY_LAYOUTS = {"qwen3_5": ("tp1", "tp1_padded", "tp2", "tp2_sp", "pp2"),
+                  "qwen3_5_moe": ("tp2", "tp2_sp", "pp2", "ep2", "tp2_ep2", "tp2_etp2"),
                   "qwen3_next": ("tp2", "pp2", "ep2", "tp2_etp2")}
 EXPORTED = {("qwen3_5", "tp2"), ("qwen3_5_moe", "tp2_ep2"), ("qwen3_next", "tp2")}  # HF exports the test reads
 RESUMED = {("qwen3_5_moe", "tp2_ep2")}  # a dist-checkpoint saved and resumed from
+REPLAYED = ("qwen3_5_moe",)  # routed as the fsdp backend replays (its router is one transformers' Qwen routers)
 
 
 def _metrics(backend, rollout) -> list[dict]:
@@ -42,13 +45,13 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
     from services.trainer.distributed.parallel import World
     from services.trainer.settings.train import TrainConfig
 
-    tp, pp, ep, etp, packed = LAYOUTS[layout]
+    tp, pp, ep, etp, packed, sequence_parallel = LAYOUTS[layout]
 
     def build() -> MegatronBackend:
         return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
                                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                               expert_tensor_parallel_size=etp, pack_sequences=packed,
-                               min_padding_to_pack=0.0)
+                               expert_tensor_parallel_size=etp, pack_sequences=packed, min_padding_to_pack=0.0,
+                               megatron_args={"sequence_parallel": True} if sequence_parallel else None)
 
     backend = build()
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
@@ -86,6 +89,8 @@ def run(rank: int, world_size: int, out_dir: Path, model_dirs: list[Path]) -> No
                                out_dir / f"{family}-{layout}" if (family, layout) in EXPORTED else None,
                                out_dir / f"{family}-ckpt" if (family, layout) in RESUMED else None)
             for layout in FAMILY_LAYOUTS[family]}
+        if family in REPLAYED:
+            results[family].update({setting: replay_run(model_dir, setting) for setting in REPLAY_SETTINGS})
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 

@@ -11,6 +11,7 @@ the TP group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 
 import torch
@@ -23,8 +24,12 @@ L2NORM_EPS = 1e-6  # fla's and transformers' l2norm
 
 def has_fused_kernels(device: torch.device) -> bool:
     """Whether fla's chunked scan and causal-conv1d's kernel run here (CUDA with both installed)."""
-    return device.type == "cuda" and importlib.util.find_spec("fla") is not None \
-        and importlib.util.find_spec("causal_conv1d") is not None
+    return device.type == "cuda" and _fused_kernels_installed()
+
+
+@functools.cache
+def _fused_kernels_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None and importlib.util.find_spec("causal_conv1d") is not None
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
