@@ -16,15 +16,16 @@ from bench.megatron_parity import spawn
 from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
 from tests.integration.megatron_moe_families_worker import REPLAY_SETTINGS, replay_run
 
-# name -> (tensor, pipeline, expert, expert tensor) parallel sizes on a world of two, packed rows or padded ones,
-# sequence parallelism; the rest is data-parallel
-LAYOUTS = {"tp1": (1, 1, 1, 1, True, False), "tp1_padded": (1, 1, 1, 1, False, False),
-           "tp2": (2, 1, 1, 1, True, False), "tp2_sp": (2, 1, 1, 1, True, True), "pp2": (1, 2, 1, 1, True, False),
-           "ep2": (1, 1, 2, 1, True, False), "tp2_ep2": (2, 1, 2, 1, True, False),
-           "tp2_etp2": (2, 1, 1, 2, True, False)}
-FAMILY_LAYOUTS = {"qwen3_5": ("tp1", "tp1_padded", "tp2", "tp2_sp", "pp2"),
+# name -> MegatronBackend's layout on a world of two (the rest data-parallel); rows packed unless said
+TP2, PADDED = {"tensor_model_parallel_size": 2}, {"pack_sequences": False}
+CP2 = {"context_parallel_size": 2}
+LAYOUTS = {"tp1": {}, "tp1_padded": PADDED, "tp2": TP2, "tp2_sp": {**TP2, "megatron_args": {"sequence_parallel": True}},
+           "pp2": {"pipeline_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2},
+           "tp2_ep2": {**TP2, "expert_model_parallel_size": 2}, "tp2_etp2": {**TP2, "expert_tensor_parallel_size": 2},
+           "cp2": CP2, "cp2_padded": {**CP2, **PADDED}}
+FAMILY_LAYOUTS = {"qwen3_5": ("tp1", "tp1_padded", "tp2", "tp2_sp", "pp2", "cp2", "cp2_padded"),
                   "qwen3_5_moe": ("tp2", "tp2_sp", "pp2", "ep2", "tp2_ep2", "tp2_etp2"),
-                  "qwen3_next": ("tp2", "pp2", "ep2", "tp2_etp2")}
+                  "qwen3_next": ("tp2", "pp2", "ep2", "tp2_etp2", "cp2")}
 EXPORTED = {("qwen3_5", "tp2"), ("qwen3_5_moe", "tp2_ep2"), ("qwen3_next", "tp2")}  # HF exports the test reads
 RESUMED = {("qwen3_5_moe", "tp2_ep2")}  # a dist-checkpoint saved and resumed from
 REPLAYED = ("qwen3_5_moe",)  # routed as the fsdp backend replays (its router is one transformers' Qwen routers)
@@ -45,13 +46,8 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
     from services.trainer.distributed.parallel import World
     from services.trainer.settings.train import TrainConfig
 
-    tp, pp, ep, etp, packed, sequence_parallel = LAYOUTS[layout]
-
     def build() -> MegatronBackend:
-        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                               expert_tensor_parallel_size=etp, pack_sequences=packed, min_padding_to_pack=0.0,
-                               megatron_args={"sequence_parallel": True} if sequence_parallel else None)
+        return MegatronBackend(model_dir, TrainConfig(**GRPO_CONFIG), min_padding_to_pack=0.0, **LAYOUTS[layout])
 
     backend = build()
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)

@@ -1,7 +1,8 @@
 """Qwen3.5 (qwen3_5 dense, qwen3_5_moe) and Qwen3-Next (qwen3_next) on the Megatron backend, over 2 gloo processes:
 gated delta-net layers (the PyTorch scan here, on the CPU) among gated full-attention ones, zero-centered norms and
 (MoE) a gated shared expert give the HF model's log-probs within 1e-5 at TP=1 (packed and padded rows), TP=2 (with
-and without sequence parallelism), PP=2, EP=2, TP=2 × EP=2 and expert TP=2, and a GRPO rollout's two steps (loss,
+and without sequence parallelism), PP=2, EP=2, TP=2 × EP=2, expert TP=2 and context parallelism 2 (packed and padded:
+the gated delta-nets gather each sequence over the CP group), and a GRPO rollout's two steps (loss,
 grad norm, every metric) match TorchBackend's (fsdp) on the same model, as do Qwen3.5-MoE's at EP=2 under each kind
 of routing replay; the HF export holds TorchBackend's weights under transformers' names and loads into
 transformers; a backend resumed from a TP=2 × EP=2 dist-checkpoint trains as if never stopped.

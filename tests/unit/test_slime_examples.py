@@ -104,18 +104,13 @@ HF_CONFIGS = {
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
-    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained); Qwen3-Next's
-    # context parallelism 4 is refused (megatron-core's gated delta-net layer does not split a sequence over ranks);
-    # the Qwen3.5 SFT script's --loss-mask-type qwen3_5 is refused by the job spec (no Qwen3.5 chat mask in the
-    # rollout service)
+    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained); the Qwen3.5 SFT
+    # script's --loss-mask-type qwen3_5 is refused by the job spec (no Qwen3.5 chat mask in the rollout service)
     "glm4.7_30B_A3B": {"--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"},
-    "qwen3_next_80B_A3B": {"context_parallel_size"},
     "qwen3.5_35B_A3B_sft": {"loss_mask_type"},
 }
-CP_REFUSAL = ("job spec: context_parallel_size 4: hf_checkpoint's model cannot be split over ranks (its gated "
-              "delta-net (linear_attention) layers are not full attention); use context_parallel_size 1")
 # The gated delta-net scripts, each with the one change a slime user makes for what is refused (the last value wins)
-GATED_DELTA_NET_SCRIPTS = {"fully_async_qwen3.5_9B": [], "qwen3_next_80B_A3B": ["--context-parallel-size", "1"],
+GATED_DELTA_NET_SCRIPTS = {"fully_async_qwen3.5_9B": [], "qwen3_next_80B_A3B": [],
                            "qwen3.5_35B_A3B_sft": ["--loss-mask-type", "qwen3"]}
 # The refused flags of slime's MoE scripts (a flag with a value drops with it), and the families megatron builds
 MOE_SCRIPTS = ("glm4.7_30B_A3B", "deepseek_r1", "moonlight_16B_A3B", "qwen3_30B_A3B")
@@ -204,9 +199,6 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"loss_mask_type"}:
         assert problems == ["job spec: loss_mask_type: Input should be 'qwen', 'qwen3' or 'distill'"], problems
         return
-    if REFUSED[name] == {"context_parallel_size"}:
-        assert problems == [CP_REFUSAL], problems
-        return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
@@ -255,7 +247,8 @@ def test_the_gated_delta_net_scripts_build_on_megatron_at_their_own_parallel_siz
     """Qwen3.5-9B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B (gated delta-nets among gated attention layers, zero-centered
     norms, the MoE ones' gated shared expert) build on megatron with every model and MoE flag their scripts pass
     (--apply-layernorm-1p, --attention-output-gate, --moe-shared-expert-gate checked against the HF config), at
-    their own tensor, pipeline (Qwen3-Next's uneven: --decoder-last-pipeline-num-layers) and expert parallel sizes."""
+    their own tensor, pipeline (Qwen3-Next's uneven: --decoder-last-pipeline-num-layers), context (Qwen3-Next's 4: the
+    gated delta-nets gather each sequence over the CP group) and expert parallel sizes."""
     argv = materialize(EXAMPLES[name]["argv"], tmp_path) + GATED_DELTA_NET_SCRIPTS[name]
     given = dict(zip(argv, argv[1:], strict=False))
     spec = submit(argv)
@@ -263,6 +256,7 @@ def test_the_gated_delta_net_scripts_build_on_megatron_at_their_own_parallel_siz
     assert spec.tensor_model_parallel_size == int(given["--tensor-model-parallel-size"])
     assert spec.pipeline_model_parallel_size == int(given["--pipeline-model-parallel-size"])
     assert spec.expert_model_parallel_size == int(given["--expert-model-parallel-size"])
+    assert spec.context_parallel_size == int(given["--context-parallel-size"])
     if "--decoder-last-pipeline-num-layers" in given:
         assert spec.megatron["num_layers_in_last_pipeline_stage"] == int(given["--decoder-last-pipeline-num-layers"])
 

@@ -3,9 +3,11 @@ its parameters, projections and gated norm are megatron-core's; the causal convo
 per packed sequence (each starts from a zero state), through fla's fused chunked scan and causal-conv1d's kernel on
 CUDA when they are installed, else through megatron-core's exact PyTorch chunked scan and torch's conv1d.
 
-megatron-core builds the layer only where fla is installed and refuses packed rows; the class here lifts both (fla's
-kernels are CUDA-only). The gated norm's weight, replicated, sees each TP rank's heads: its gradient is summed over
-the TP group.
+megatron-core builds the layer only where fla is installed and refuses packed rows and context parallelism; the class
+here lifts all three (fla's kernels are CUDA-only). Under context parallelism each rank all-gathers the projected
+sequence slices of its CP group, runs the scan over whole sequences and keeps its own slice (the gather's backward
+sums the group's gradients, as the loss's does). The gated norm's weight, replicated, sees each TP rank's heads: its
+gradient is summed over the TP group.
 """
 
 from __future__ import annotations
@@ -111,15 +113,50 @@ class GatedDeltaNet(mcore_gdn.GatedDeltaNet):
         right padding is never seen by a real token (the convolution and the scan are causal)."""
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("the gated delta-net layer trains and scores; it keeps no inference state")
-        qkvzba, _ = self.in_proj(hidden_states)  # under sequence parallelism, the whole sequence
-        qkvzba = qkvzba.transpose(0, 1)  # [b, s, ...]
+        qkvzba, _ = self.in_proj(hidden_states)  # under sequence parallelism, the whole sequence (of this CP rank)
+        if self.config.context_parallel_size > 1:
+            return self.out_proj(self._mix_context_parallel(qkvzba, packed_seq_params))
+        seq_len, batch, _ = qkvzba.shape
+        cu_seqlens = [0, seq_len] if packed_seq_params is None else \
+            [int(n) for n in packed_seq_params.cu_seqlens_q.tolist()]
+        out = self._mix(qkvzba.transpose(0, 1), cu_seqlens)  # [b, s, values]
+        return self.out_proj(out.transpose(0, 1).contiguous())
+
+    def _mix_context_parallel(self, qkvzba: torch.Tensor, packed_seq_params) -> torch.Tensor:
+        """This CP rank's slice [s, b, ...] of the projections -> its slice of the gated norm's output, computed over
+        the whole sequences of the CP group's slices (chunks r and 2·CP-1-r of each, `context_parallel.py`)."""
+        from megatron.core import parallel_state
+
+        from services.trainer.backends.fsdp.context_parallel import all_gather, chunk_index
+        from services.trainer.backends.megatron.context_parallel import natural_index
+
+        group = parallel_state.get_context_parallel_group()
+        size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        seq_len, batch, _ = qkvzba.shape
+        if packed_seq_params is not None:  # each sequence's padded length, as the row holds it on every rank
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            lengths = [int(n) for n in (cu[1:] - cu[:-1]).tolist()]
+        else:  # each row one sequence of seq_len·CP
+            lengths = [seq_len * size] * batch
+        local = qkvzba.transpose(0, 1).reshape(batch * seq_len, -1)
+        natural = natural_index(tuple(lengths), size).to(qkvzba.device)
+        whole = all_gather(local, group).index_select(0, natural)
+        cu_seqlens = [0]
+        for length in lengths:
+            cu_seqlens.append(cu_seqlens[-1] + length)
+        mixed = self._mix(whole[None], cu_seqlens)[0]
+        mine = mixed.index_select(0, chunk_index(lengths, rank, size).to(qkvzba.device))
+        return mine.view(batch, seq_len, -1).transpose(0, 1).contiguous()
+
+    def _mix(self, qkvzba: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """[b, s, projections of this TP rank] -> the gated norm's output [b, s, values of this TP rank]: the causal
+        convolution, the gated delta rule of each sequence [cu_seqlens[i], cu_seqlens[i+1]), the gated norm."""
         batch, seq_len, _ = qkvzba.shape
         tp = self.tp_size
         qkv, gate, beta, alpha = torch.split(
             qkvzba, [(2 * self.qk_dim + self.v_dim) // tp, self.v_dim // tp, self.num_value_heads // tp,
                      self.num_value_heads // tp], dim=-1)
-        cu_seqlens = [0, seq_len] if packed_seq_params is None else \
-            [int(n) for n in packed_seq_params.cu_seqlens_q.tolist()]
         qkv = self._causal_conv(qkv, cu_seqlens)
         query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
         query = l2norm(query.reshape(batch, seq_len, -1, self.key_head_dim))
@@ -132,8 +169,7 @@ class GatedDeltaNet(mcore_gdn.GatedDeltaNet):
         out = chunked_gated_delta_rule(query.contiguous(), key.contiguous(), value.contiguous(), g,
                                        beta.sigmoid().contiguous(), cu_seqlens)
         out = self._apply_gated_norm(out, gate.reshape(batch, seq_len, -1, self.value_head_dim))
-        out = out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
-        return self.out_proj(out)
+        return out.reshape(batch, seq_len, -1)
 
     def _apply_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """out_norm(x) · silu(gate) per head, as megatron-core's (eager: its torch.compile'd one needs a compiler

@@ -104,11 +104,14 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
 
 
 def linear_attention_fields(arch: ModelArch) -> dict:
-    """TransformerConfig's fields of a hybrid stack's gated delta-nets and gated attention (none for others)."""
+    """TransformerConfig's fields of a hybrid stack's gated delta-nets and gated attention (none for others).
+    experimental_attention_variant stays unset: `hybrid.py` builds the layers, ModelArch checks their TP sizes, and
+    the variant would only make megatron-core's config refuse context parallelism, which `gated_delta_net.py` runs
+    (megatron-core's own layer lacks it)."""
     shape = arch.linear_attention
     if shape is None:
         return {}
-    return dict(experimental_attention_variant="gated_delta_net", attention_output_gate=arch.attention_output_gate,
+    return dict(attention_output_gate=arch.attention_output_gate,
                 linear_attention_freq=[int(linear) for linear in arch.linear_layers],
                 linear_conv_kernel_dim=shape.conv_kernel_dim, linear_key_head_dim=shape.key_head_dim,
                 linear_value_head_dim=shape.value_head_dim, linear_num_key_heads=shape.num_key_heads,
@@ -185,10 +188,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
     elif arch.linear_attention is not None:  # Qwen3-Next, Qwen3.5: gated delta-nets among gated attention layers
         from services.trainer.backends.megatron.hybrid import hybrid_block
 
-        if config.context_parallel_size > 1:
-            raise InvalidArgument("megatron backend: context parallelism does not split a gated delta-net's "
-                                  "sequence (its scan runs along the whole of it)")
-        spec = hybrid_block(arch, config, core_attention=SDPAttention)
+        spec = hybrid_block(arch, config, core_attention=CPAttention if config.context_parallel_size > 1
+                            else SDPAttention)
     elif arch.mla is not None or arch.moe_layers is not None:  # layers of two kinds, or multi-latent attention
         block = _decoder_block(config, use_te=use_te)
         spec = block if use_te else _with_local_modules(block, SDPAttention, SequenceParallelRMSNorm)
