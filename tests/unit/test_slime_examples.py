@@ -104,14 +104,10 @@ HF_CONFIGS = {
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
-    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained); the Qwen3.5 SFT
-    # script's --loss-mask-type qwen3_5 is refused by the job spec (no Qwen3.5 chat mask in the rollout service)
+    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained)
     "glm4.7_30B_A3B": {"--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"},
-    "qwen3.5_35B_A3B_sft": {"loss_mask_type"},
 }
-# The gated delta-net scripts, each with the one change a slime user makes for what is refused (the last value wins)
-GATED_DELTA_NET_SCRIPTS = {"fully_async_qwen3.5_9B": [], "qwen3_next_80B_A3B": [],
-                           "qwen3.5_35B_A3B_sft": ["--loss-mask-type", "qwen3"]}
+GATED_DELTA_NET_SCRIPTS = ("fully_async_qwen3.5_9B", "qwen3_next_80B_A3B", "qwen3.5_35B_A3B_sft")
 # The refused flags of slime's MoE scripts (a flag with a value drops with it), and the families megatron builds
 MOE_SCRIPTS = ("glm4.7_30B_A3B", "deepseek_r1", "moonlight_16B_A3B", "qwen3_30B_A3B")
 OTHER_PART = {"--enable-mtp-training": 0, "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1}  # MTP training
@@ -196,9 +192,6 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
-    if REFUSED[name] == {"loss_mask_type"}:
-        assert problems == ["job spec: loss_mask_type: Input should be 'qwen', 'qwen3' or 'distill'"], problems
-        return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
@@ -242,14 +235,14 @@ def test_the_moe_scripts_build_their_family_with_every_moe_flag_at_their_own_par
         assert any(note.startswith("--moe-enable-deepep: megatron-core's all-to-all") for note in spec.slime_notes)
 
 
-@pytest.mark.parametrize("name", sorted(GATED_DELTA_NET_SCRIPTS))
+@pytest.mark.parametrize("name", GATED_DELTA_NET_SCRIPTS)
 def test_the_gated_delta_net_scripts_build_on_megatron_at_their_own_parallel_sizes(name, tmp_path):
     """Qwen3.5-9B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B (gated delta-nets among gated attention layers, zero-centered
     norms, the MoE ones' gated shared expert) build on megatron with every model and MoE flag their scripts pass
     (--apply-layernorm-1p, --attention-output-gate, --moe-shared-expert-gate checked against the HF config), at
     their own tensor, pipeline (Qwen3-Next's uneven: --decoder-last-pipeline-num-layers), context (Qwen3-Next's 4: the
     gated delta-nets gather each sequence over the CP group) and expert parallel sizes."""
-    argv = materialize(EXAMPLES[name]["argv"], tmp_path) + GATED_DELTA_NET_SCRIPTS[name]
+    argv = materialize(EXAMPLES[name]["argv"], tmp_path)
     given = dict(zip(argv, argv[1:], strict=False))
     spec = submit(argv)
     assert spec.train_backend == "megatron"
@@ -259,6 +252,8 @@ def test_the_gated_delta_net_scripts_build_on_megatron_at_their_own_parallel_siz
     assert spec.context_parallel_size == int(given["--context-parallel-size"])
     if "--decoder-last-pipeline-num-layers" in given:
         assert spec.megatron["num_layers_in_last_pipeline_stage"] == int(given["--decoder-last-pipeline-num-layers"])
+    if "--loss-mask-type" in given:  # the Qwen3.5 SFT script's chat mask
+        assert spec.loss_mask_type == given["--loss-mask-type"] == "qwen3_5"
 
 
 def test_multi_agent_without_the_offload_flag_needs_transformer_engine_for_its_optimizer(tmp_path):
