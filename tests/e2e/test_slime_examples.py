@@ -6,8 +6,9 @@ sizes and paths change (tests/e2e/slime_tiny.py names each flag and why); algori
 and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron, the family of each one megatron-core
-builds here (Qwen2.5, Qwen3, Qwen3-MoE, Qwen3.5 with its gated delta-net layers); a script whose family megatron
-refused, with a refusal that names fsdp, would run moved to fsdp as docs/slime.md's porting section says (ON_FSDP).
+builds here (Qwen2.5, Qwen3, Qwen3-MoE, and Qwen3.5, Qwen3.5-MoE and Qwen3-Next with their gated delta-net
+layers); a script whose family megatron refused, with a refusal that names fsdp, would run moved to fsdp as
+docs/slime.md's porting section says (ON_FSDP).
 train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
 tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
 (slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
