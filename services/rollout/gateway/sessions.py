@@ -78,6 +78,7 @@ class TurnResult:
     prompt_tokens: int
     completion_tokens: int
     branched: str  # why this turn started a branch ("" if it did not)
+    cached_tokens: int = 0  # of the prompt, found in the engine's prefix cache (its meta_info.cached_tokens)
 
 
 @dataclass
@@ -180,7 +181,9 @@ class Session:
         self.metrics.prompt_tokens.inc(len(prepared.input_ids))
         self.metrics.completion_tokens.inc(completion)
         self.metrics.turn_seconds.observe(time.monotonic() - start_s)
-        return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason)
+        cached = int((replies[0].get("meta_info") or {}).get("cached_tokens") or 0)
+        self.metrics.cached_tokens.inc(cached)
+        return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason, cached)
 
     def _payload(self, input_ids: list[int], params: TurnParams, max_new_tokens: int) -> dict[str, Any]:
         sampling = dict(self.sampling_params, max_new_tokens=max_new_tokens)
