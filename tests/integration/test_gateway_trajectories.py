@@ -1,13 +1,15 @@
 """The trajectories agents produce, through the real `openai` and `anthropic` clients, the gateway, sglang-router and
 a CPU engine (through a recording proxy): parallel tool calls and their results in one message; broken tool calls
 returned and trained as the model wrote them; a history re-sent in another rendering continuing the engine's tokens.
-Each checks that the trained tokens are the engine's and that loss_mask is 0 exactly where the model did not write."""
+Each checks that the trained tokens are the engine's and that loss_mask is 0 exactly where the model did not write.
+Bad agent input is refused with a 4xx naming its bound, and the session goes on."""
 
 from __future__ import annotations
 
 import json
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -196,3 +198,38 @@ def test_a_history_re_sent_in_another_rendering_continues_the_engines_tokens(gat
         {"role": "user", "content": f"  {PARALLEL}\n"}, produced,
         *(results or [{"role": "user", "content": "go on"}]), {**system, "content": " Use the  calculator. "}])
     assert_trained_as_generated(session, engine_turns(proxy, start))
+
+
+def test_bad_agent_input_gets_a_4xx_naming_the_bound_and_the_session_goes_on(gateway):
+    """Each refused before any generation, in its API's error shape, with the gateway's default bounds; the same
+    session then completes its turn."""
+    gw, proxy = gateway
+    session = gw.open(max_new_tokens=600)
+    client, claude = openai_client(gw, session.key), anthropic_client(gw, session.key)
+    user = [{"role": "user", "content": PARALLEL}]
+    start = len(proxy.generated)
+    with pytest.raises(openai.APIStatusError, match=r"request body of \d+ bytes, at most 4194304") as err:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * (10 << 20)}])
+    assert err.value.status_code == 413
+    # the clients refuse to send NaN; Python's json module writes it, so an agent's own HTTP code can
+    for path, body in [("/v1/chat/completions", {"messages": user, "temperature": float("nan")}),
+                       ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": user, "top_p": float("inf")})]:
+        reply = httpx.post(f"{gw.url}{path}", content=json.dumps(body), timeout=TIMEOUT_S,
+                           headers={"Authorization": f"Bearer {session.key}", "content-type": "application/json"})
+        assert reply.status_code == 400 and ("NaN is not JSON" in reply.text or "Infinity is not JSON" in reply.text)
+    with pytest.raises(openai.BadRequestError, match="type must be one of object") as err:
+        client.chat.completions.create(model="m", messages=user, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "banana"}}}}}])
+    assert err.value.body["param"] == "tools[0].function.parameters.properties.x.type"
+    with pytest.raises(anthropic.BadRequestError, match="required must be a list"):
+        claude.messages.create(model="m", max_tokens=8, messages=user, tools=[
+            {"name": "f", "input_schema": {"type": "object", "required": "x"}}])
+    with pytest.raises(openai.BadRequestError, match="tools: 1000 tools, at most 64 per request"):
+        client.chat.completions.create(model="m", messages=user, tools=[OPENAI_TOOL] * 1000)
+    with pytest.raises(openai.BadRequestError, match="messages: 10000 messages, at most 512 per request"):
+        client.chat.completions.create(model="m", messages=user * 10000)
+    with pytest.raises(openai.BadRequestError, match="input: 10000 messages|at most 512"):
+        client.responses.create(model="m", input=[{"role": "user", "content": "q"}] * 10000)
+    assert len(proxy.generated) == start and session.num_turns == 0  # nothing reached the engine
+    reply = client.chat.completions.create(model="m", messages=user, tools=[OPENAI_TOOL], temperature=0)
+    assert reply.choices[0].finish_reason == "tool_calls" and session.num_turns == 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidArgument
-from services.rollout.gateway.schema import RequestInvalid
+from services.rollout.gateway.schema import RequestInvalid, check_json_schema
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -114,11 +114,13 @@ def _check_counts(num_messages: int, num_tools: int, limits: Limits) -> None:
         raise InvalidArgument(f"tools: {num_tools} tools, at most {limits.max_tools} per request")
 
 
-def _function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+def _function_tool(name: Any, description: Any, parameters: Any, where: str, schema_param: str) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"{where}: a tool needs a non-empty string name")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidArgument(f"{where}: the parameters schema must be a JSON object")
+    if parameters is not None:
+        check_json_schema(parameters, schema_param)
     function = {"name": name, "description": description if isinstance(description, str) else "",
                 "parameters": parameters or {"type": "object", "properties": {}}}
     return {"type": "function", "function": function}
@@ -155,7 +157,7 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(function, dict) or tool.get("type", "function") != "function":
             raise InvalidArgument(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools are supported")
         checked.append(_function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                      f"tools[{i}]"))
+                                      f"tools[{i}]", f"tools[{i}].function.parameters"))
     return Conversation(out, checked)
 
 
@@ -178,8 +180,9 @@ def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(blocks, list):
             raise InvalidArgument(f"{where}: content must be a string or a list of blocks")
         out.extend(_anthropic_blocks(message["role"], blocks, where))
-    checked = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
-               if isinstance(t, dict) else _function_tool(None, None, None, f"tools[{i}]")
+    checked = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]",
+                              f"tools.{i}.input_schema")
+               if isinstance(t, dict) else _function_tool(None, None, None, f"tools[{i}]", "")
                for i, t in enumerate(tools)]
     return Conversation(out, checked)
 
@@ -270,5 +273,5 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
             raise RequestInvalid("only function tools ({'type': 'function', 'name': ...}) are supported",
                                  f"tools[{i}].type")
         checked.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
-                                      f"tools[{i}]"))
+                                      f"tools[{i}]", f"tools[{i}].parameters"))
     return Conversation(out, checked)

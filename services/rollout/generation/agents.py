@@ -102,7 +102,8 @@ def session_sample(sample: Sample, session: Any, reward: float | None, truncated
     sample.loss_mask, sample.rollout_log_probs = trained.loss_mask, trained.rollout_log_probs
     sample.weight_versions = trained.weight_versions
     sample.status = Status.TRUNCATED if truncated or trained.finish == "length" else Status.COMPLETED
-    sample.metadata = {**sample.metadata, "agent_turns": session.num_turns, "agent_final_content": tip.messages[-1]["content"],
+    sample.metadata = {**sample.metadata, "agent_turns": session.num_turns,
+                       "agent_final_content": tip.messages[-1]["content"],
                        "agent_branches": [{"turn": b.turn, "reason": b.reason} for b in session.trajectory.branches]}
     reward = reward if reward is not None else session.reward
     if reward is not None:
