@@ -165,3 +165,23 @@ def test_a_history_that_re_renders_differently_continues_the_gateways_own_turns(
     changed = from_openai({"messages": [{"role": "user", "content": "what is 1+3?"}, sent_back], "tools":
                            conversation.tools}, Limits())
     assert trajectory.prepare(changed).parent is None  # a different text is not whitespace
+
+
+def test_spawned_sessions_are_bounded_and_close_with_the_first():
+    from services.common.errors import FailedPrecondition, NotFound
+
+    registry = SessionRegistry(Limits(max_spawned=2))
+    ctx = GenerateContext(http=None, router_url="http://router", name="rollout 0 of job j", rid_prefix="j-0")
+    root = registry.open(ctx, CharRenderer(), {"max_new_tokens": 8}, session_id="s")
+    first = registry.spawn(root)
+    second = registry.spawn(first)  # a sub-agent's sub-agent is the sample's too
+    assert (first.id, second.id, root.children) == ("s-1", "s-2", [first, second])
+    assert first.key != root.key and registry.by_key(second.key) is second and len(registry) == 3
+    with pytest.raises(InvalidArgument, match="2 sessions spawned, at most 2 per sample"):
+        registry.spawn(root)
+    registry.close(root)
+    assert len(registry) == 0 and first.closed and second.closed
+    with pytest.raises(NotFound):
+        registry.by_key(first.key)
+    with pytest.raises(FailedPrecondition, match="has ended"):
+        registry.spawn(first)

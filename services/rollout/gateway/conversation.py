@@ -24,6 +24,7 @@ class Limits:
     max_tools: int = 64
     max_turns: int = 64  # completions per session
     max_choices: int = 8  # n
+    max_spawned: int = 8  # sessions one sample's session may spawn (sub-agents, restarts)
 
 
 @dataclass
