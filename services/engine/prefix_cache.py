@@ -5,7 +5,7 @@ does. The CPU engine still computes every prompt in full: the index counts prefi
 
 from __future__ import annotations
 
-DEFAULT_MAX_TOKENS = 1 << 18  # tokens held before the index starts afresh (SGLang evicts; a CPU engine's is small)
+DEFAULT_MAX_TOKENS = 1 << 17  # tokens held before the index starts afresh (SGLang evicts; a CPU engine's is small)
 
 
 class PrefixIndex:
