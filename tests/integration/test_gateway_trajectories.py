@@ -118,6 +118,36 @@ def test_parallel_tool_calls_and_their_results_in_one_message_openai(gateway):
     assert_trained_as_generated(session, turns)
 
 
+def test_parallel_calls_streamed_and_through_the_responses_api(gateway):
+    """The same two calls streamed (two tool_calls deltas by index), and as two function_call items whose two
+    outputs continue the turn by previous_response_id."""
+    gw, proxy = gateway
+    stream = openai_client(gw, gw.open(max_new_tokens=600).key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": PARALLEL}], tools=[OPENAI_TOOL], temperature=0, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for delta_choice in chunk.choices:
+            for delta in delta_choice.delta.tool_calls or []:
+                calls.setdefault(delta.index, "")
+                calls[delta.index] += delta.function.arguments or ""
+            finish = delta_choice.finish_reason or finish
+    assert finish == "tool_calls" and {i: json.loads(a) for i, a in calls.items()} == {
+        0: {"expression": "2+3"}, 1: {"expression": "4*5"}}
+    session = gw.open(max_new_tokens=600)
+    client = openai_client(gw, session.key)
+    start = len(proxy.generated)
+    tool = {"type": "function", "name": "calculator", "description": "Arithmetic.",
+            "parameters": OPENAI_TOOL["function"]["parameters"]}
+    first = client.responses.create(model="m", input=PARALLEL, tools=[tool], temperature=0)
+    items = [item for item in first.output if item.type == "function_call"]
+    assert [json.loads(item.arguments) for item in items] == [{"expression": "2+3"}, {"expression": "4*5"}]
+    second = client.responses.create(model="m", previous_response_id=first.id, tools=[tool], temperature=0, input=[
+        {"type": "function_call_output", "call_id": items[0].call_id, "output": "5"},
+        {"type": "function_call_output", "call_id": items[1].call_id, "output": "20"}])
+    assert second.output_text == "5 and 20."
+    assert_trained_as_generated(session, engine_turns(proxy, start))
+
+
 def test_parallel_tool_use_blocks_and_their_results_in_one_message_anthropic(gateway):
     gw, proxy = gateway
     session = gw.open(max_new_tokens=600)
