@@ -6,6 +6,7 @@ those tensors to the loss (slime's `compute_advantages_and_returns`, `loss_funct
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -92,7 +93,7 @@ def fanned_out_groups(samples: Sequence[Sample] | None, n_samples_per_prompt: in
     if not samples:
         return None
     ids = [sample.group_index for sample in samples]
-    if any(ids.count(group) != n_samples_per_prompt for group in set(ids)):
+    if any(size != n_samples_per_prompt for size in collections.Counter(ids).values()):
         return ids
     return None
 
