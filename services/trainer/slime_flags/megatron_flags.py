@@ -269,8 +269,8 @@ FP8_TRAINING_REFUSAL = "FP8 training is not supported: the backends train in bf1
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
 _WEIGHTS_ONLY = ("a --load of slime's checkpoint reads its weights only (rollout 0, a fresh optimizer), of Physarum's "
                  "its whole state; for weights only, load an HF export (save_hf)")
-_NO_MOE = ("the megatron backend trains Qwen3-MoE, DeepSeek-V3, GLM-4.5/4.7, GLM-4.7-Flash, GLM-5 and MiniMax-M2; "
-           "train_backend fsdp trains the other MoE families")
+_NO_MOE = ("the megatron backend trains Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5/4.7, GLM-4.7-Flash, "
+           "GLM-5 and MiniMax-M2; train_backend fsdp trains the other MoE families")
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
 # Megatron flag -> megatron-core config field, where the names differ
