@@ -1,4 +1,4 @@
-"""The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
+"""The architecture of an HF causal LM (Qwen2 and MiMo, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
 `deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`) as the few numbers Megatron and the
 converter need.
 
@@ -14,7 +14,9 @@ from typing import Any
 from services.common.errors import InvalidArgument
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
+QWEN2_SHAPED = ("qwen2", "mimo")  # MiMo: Qwen2 with multi-token-prediction layers (`mtp.py`)
+SUPPORTED_MODEL_TYPES = (*QWEN2_SHAPED, "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2",
+                         *MLA_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -78,6 +80,8 @@ class ModelArch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
     mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
     yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+    # multi-token-prediction layers built after the decoder (the job's mtp_num_layers; the checkpoint's: `mtp.py`)
+    mtp_num_layers: int = 0
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer `index` has routed experts."""
@@ -161,7 +165,7 @@ class ModelArch:
             raise InvalidArgument(f"megatron backend: hidden_act {get('hidden_act')!r} is not supported (silu only)")
         if get("use_sliding_window", False):
             raise InvalidArgument("megatron backend: use_sliding_window is not supported")
-        if model_type != "qwen2" and get("attention_bias", False):
+        if model_type not in QWEN2_SHAPED and get("attention_bias", False):
             raise InvalidArgument(f"megatron backend: attention_bias is not supported for {model_type}")
         if get("mlp_bias", False):
             raise InvalidArgument("megatron backend: mlp_bias is not supported")
@@ -186,7 +190,7 @@ class ModelArch:
                    num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
                    head_dim=head_dim, norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope_theta),
                    rope_scaling_factor=scaling_factor, max_position_embeddings=get("max_position_embeddings"),
-                   qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+                   qkv_bias=model_type in QWEN2_SHAPED, qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
                    tie_word_embeddings=bool(get("tie_word_embeddings", False)), num_experts=num_experts,
                    moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
                    moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,
