@@ -16,6 +16,8 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
   [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written. A sigmoid router's
   expert bias (mlp.gate.e_score_correction_bias, a buffer in both) maps to mlp.router.expert_bias; shared experts
   (mlp.shared_experts.*) are TP-sharded as a dense MLP is. Layers before the first MoE one are dense.
+- MTP layers (`models/mtp.py`'s HF names) <-> mtp.layers.{i}: their norms replicated, eh_proj column-parallel (chunk r
+  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's.
 """
 
 from __future__ import annotations
