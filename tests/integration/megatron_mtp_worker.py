@@ -1,6 +1,6 @@
 """Two gloo ranks for test_megatron_mtp: a tiny MiMo (testkit/mimo.py) on megatron with its multi-token-prediction
 layers, one GRPO rollout (two steps) in each run of RUNS: its steps' metrics, the log-probs before and after, and the
-HF export after.
+HF export after; at TP 2 also a dist-checkpoint, a second rollout, and that rollout again from the checkpoint.
 
 Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR OUT_DIR  (writes OUT_DIR/results.json;
 MODEL2_DIR carries two MTP layers)
@@ -32,18 +32,32 @@ RUNS = {  # name: (model, tensor parallel size, packed, sequence parallel, the c
 }
 
 
-def train(model_dir: Path, *, tp: int, packed: bool, sequence_parallel: bool, settings: dict) -> dict:
+def train(model_dir: Path, *, tp: int, packed: bool, sequence_parallel: bool, settings: dict,
+          checkpoint: Path | None = None) -> dict:
+    """checkpoint: also a dist-checkpoint after the rollout, a second rollout trained, and a fresh backend resumed
+    from the checkpoint training that rollout again."""
     from services.trainer.backends.megatron.backend import MegatronBackend
     from services.trainer.settings.train import TrainConfig
 
-    backend = MegatronBackend(model_dir, TrainConfig(**{**GRPO_CONFIG, **settings}), tensor_model_parallel_size=tp,
-                              pack_sequences=packed,
-                              megatron_args={"sequence_parallel": True} if sequence_parallel else None)
+    def build() -> MegatronBackend:
+        return MegatronBackend(model_dir, TrainConfig(**{**GRPO_CONFIG, **settings}), tensor_model_parallel_size=tp,
+                               pack_sequences=packed,
+                               megatron_args={"sequence_parallel": True} if sequence_parallel else None)
+
+    backend = build()
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
     before = backend.compute_log_probs(rollout)
     metrics = backend.train_rollout(rollout)
     out = {"log_probs_before": before, "metrics": metrics, "log_probs_after": backend.compute_log_probs(rollout),
            "weights": {name: w.float().tolist() for name, w in backend.named_weights()}}
+    if checkpoint is not None:
+        backend.save_sharded(checkpoint, 0)
+        second = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 1)
+        out["second"] = backend.train_rollout(second)
+        backend.close()
+        backend = build()
+        backend.load_sharded(checkpoint)
+        out["resumed"] = backend.train_rollout(second)
     backend.close()
     return out
 
@@ -52,7 +66,8 @@ def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, out_dir: 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     models = {"one": model_dir, "two": model2_dir}
-    results = {name: train(models[model], tp=tp, packed=packed, sequence_parallel=sp, settings=settings)
+    results = {name: train(models[model], tp=tp, packed=packed, sequence_parallel=sp, settings=settings,
+                           checkpoint=out_dir / "ckpt" if name == "tp2_sp" else None)
                for name, (model, tp, packed, sp, settings) in RUNS.items()}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))

@@ -3,7 +3,8 @@ testkit/mimo.py) trained with its MTP layers (megatron-core's MTP block) reports
 one computed by hand with plain torch over transformers' Qwen2 modules (1e-5), packed with the fused head, padded
 with the full logits and at TP 2 under sequence parallelism, also with two depths; the policy's own numbers are
 those of a run without MTP layers; the MTP loss trains the MTP layers and, through their input, the decoder; MTP
-layers built but not trained come back in the HF export exactly as the checkpoint has them.
+layers built but not trained come back in the HF export exactly as the checkpoint has them; a backend resumed from a
+dist-checkpoint (the MTP layers and their optimizer state in it) trains as if never stopped.
 
 One launch of tests/integration/megatron_mtp_worker.py serves the tests here."""
 
@@ -92,3 +93,11 @@ def test_untrained_mtp_layers_come_back_as_the_checkpoint_has_them(results, mode
     # and the policy trained as it does without them
     assert torch.allclose(torch.tensor(results["carried"]["log_probs_after"][0]),
                           torch.tensor(results["plain"]["log_probs_after"][0]), atol=1e-6)
+
+
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_mtp_layers_as_if_never_stopped(results):
+    run = results["tp2_sp"]
+    assert [m["train/mtp_loss"] for m in run["resumed"]] == pytest.approx([m["train/mtp_loss"] for m in run["second"]],
+                                                                           abs=1e-6)
+    assert [m["train/grad_norm"] for m in run["resumed"]] == pytest.approx(
+        [m["train/grad_norm"] for m in run["second"]], abs=1e-6)
