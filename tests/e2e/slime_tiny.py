@@ -54,7 +54,7 @@ CONTEXT_LEN = 2048
 
 
 # Families whose checkpoints ship their own modeling code: a tiny one of transformers' family it is shaped as, plus
-# what it adds (MiMo: Qwen2 with multi-token-prediction layers under MiMo's names, testkit/mimo.py)
+# what it adds (MiMo: Qwen2 with multi-token-prediction layers under MiMo's names, testkit/mtp_checkpoints.py)
 REMOTE_CODE_FAMILIES = {"mimo": "qwen2"}
 
 
@@ -76,7 +76,7 @@ def build_tiny_model(out_dir: Path, family: str) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out_dir, safe_serialization=True)
     if family == "mimo":
-        from testkit.mimo import add_mtp_layers
+        from testkit.mtp_checkpoints import add_mtp_layers
 
         add_mtp_layers(out_dir, 1)
     return out_dir

@@ -1,10 +1,10 @@
-"""Two gloo ranks for test_megatron_mtp: a tiny MiMo (testkit/mimo.py) on megatron with its multi-token-prediction
-layers, one GRPO rollout (two steps) in each run of RUNS: its steps' metrics, the log-probs before and after, and the
-HF export after; at TP 2 also a dist-checkpoint, a second rollout, and that rollout again from the checkpoint.
+"""Two gloo ranks for test_megatron_mtp: a tiny MiMo (testkit/mtp_checkpoints.py) on megatron with its
+multi-token-prediction layers, one GRPO rollout (two steps) in each run of RUNS: its steps' metrics, the log-probs
+before and after, and the HF export after; at TP 2 also a dist-checkpoint, a second rollout, and that rollout again
+from the checkpoint.
 
-Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR OUT_DIR  (writes OUT_DIR/results.json;
-MODEL2_DIR carries two MTP layers)
-"""
+Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR DEEPSEEK_DIR OUT_DIR (writes
+OUT_DIR/results.json; MODEL2_DIR carries two MTP layers, DEEPSEEK_DIR is a tiny DeepSeek-V3 with one)"""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ RUNS = {  # name: (model, tensor parallel size, packed, sequence parallel, the c
     "carried": ("one", 1, True, False, {"mtp_num_layers": 1}),  # built, loaded and exported, not trained
     "two_depths": ("two", 1, True, False, {"mtp_num_layers": 2, "enable_mtp_training": True,
                                            "mtp_loss_scaling_factor": 0.5}),
+    # DeepSeek-V3: the MTP layer's transformer layer is an MLA and MoE one, as the decoder's last
+    "deepseek_tp2": ("deepseek", 2, True, False, TRAINED),
+    "deepseek_carried": ("deepseek", 1, True, False, {"mtp_num_layers": 1}),
 }
 
 
@@ -62,10 +65,10 @@ def train(model_dir: Path, *, tp: int, packed: bool, sequence_parallel: bool, se
     return out
 
 
-def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, out_dir: Path) -> None:
+def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, deepseek_dir: Path, out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    models = {"one": model_dir, "two": model2_dir}
+    models = {"one": model_dir, "two": model2_dir, "deepseek": deepseek_dir}
     results = {name: train(models[model], tp=tp, packed=packed, sequence_parallel=sp, settings=settings,
                            checkpoint=out_dir / "ckpt" if name == "tp2_sp" else None)
                for name, (model, tp, packed, sp, settings) in RUNS.items()}
@@ -80,5 +83,5 @@ if __name__ == "__main__":
 
     import services.trainer.backends.megatron.backend  # noqa: F401
 
-    spawn(run, Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), world_size=WORLD_SIZE,
+    spawn(run, *map(Path, sys.argv[1:5]), world_size=WORLD_SIZE,
           start_method="spawn" if torch.cuda.is_available() else "fork")

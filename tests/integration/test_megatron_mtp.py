@@ -1,10 +1,12 @@
 """Multi-token prediction on megatron, over 2 gloo processes: a tiny MiMo (a Qwen2 with MiMo's `model.mtp_layers.*`,
-testkit/mimo.py) trained with its MTP layers (megatron-core's MTP block) reports each depth's MTP loss equal to the
-one computed by hand with plain torch over transformers' Qwen2 modules (1e-5), packed with the fused head, padded
-with the full logits and at TP 2 under sequence parallelism, also with two depths; the policy's own numbers are
-those of a run without MTP layers; the MTP loss trains the MTP layers and, through their input, the decoder; MTP
-layers built but not trained come back in the HF export exactly as the checkpoint has them; a backend resumed from a
-dist-checkpoint (the MTP layers and their optimizer state in it) trains as if never stopped.
+testkit/mtp_checkpoints.py) trained with its MTP layers (megatron-core's MTP block) reports each depth's MTP loss
+equal to the one computed by hand with plain torch over transformers' Qwen2 modules (1e-5), packed with the fused
+head, padded with the full logits and at TP 2 under sequence parallelism, also with two depths; the policy's own
+numbers are those of a run without MTP layers; the MTP loss trains the MTP layers and, through their input, the
+decoder; MTP layers built but not trained come back in the HF export exactly as the checkpoint has them; a backend
+resumed from a dist-checkpoint (the MTP layers and their optimizer state in it) trains as if never stopped. A tiny
+DeepSeek-V3's MTP layer (multi-latent attention and experts, under DeepSeek's names) trains at TP 2 and comes back in
+the export.
 
 One launch of tests/integration/megatron_mtp_worker.py serves the tests here."""
 
@@ -17,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
-from testkit.mimo import build_tiny_mimo, mtp_losses
+from testkit.mtp_checkpoints import build_tiny_deepseek_v3_with_mtp, build_tiny_mimo, mtp_losses
 from tests.integration.workers import run_worker
 
 VOCAB, PAD = 300, 0  # the tiny MiMo's vocabulary; Qwen2Config has no pad_token_id (the backend's default 0)
@@ -27,13 +29,15 @@ POLICY_METRICS = ("train/pg_loss", "train/entropy_loss", "train/kl_loss", "train
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mimo")
-    return {"one": build_tiny_mimo(out / "one", 1), "two": build_tiny_mimo(out / "two", 2)}
+    return {"one": build_tiny_mimo(out / "one", 1), "two": build_tiny_mimo(out / "two", 2),
+            "deepseek": build_tiny_deepseek_v3_with_mtp(out / "deepseek")}
 
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron-mtp")
-    run_worker("tests.integration.megatron_mtp_worker", str(models["one"]), str(models["two"]), str(out),
+    run_worker("tests.integration.megatron_mtp_worker", str(models["one"]), str(models["two"]),
+               str(models["deepseek"]), str(out),
                log_path=out / "worker.log", timeout_s=600)
     return json.loads((out / "results.json").read_text())
 
@@ -101,3 +105,21 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_mtp_layers_as_if_ne
                                                                            abs=1e-6)
     assert [m["train/grad_norm"] for m in run["resumed"]] == pytest.approx(
         [m["train/grad_norm"] for m in run["second"]], abs=1e-6)
+
+
+def test_a_deepseek_v3_mtp_layer_trains_and_comes_back_under_deepseeks_names(results, models):
+    assert all(m["train/mtp_loss"] > 0 for m in results["deepseek_tp2"]["metrics"])
+    checkpoint = load_file(models["deepseek"] / "model.safetensors")
+    prefix = "model.layers.2."  # the tiny model's 2 decoder layers, then its MTP layer
+    exported = {name: torch.as_tensor(value) for name, value in results["deepseek_carried"]["weights"].items()
+                if name.startswith(prefix)}
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.weight", "mlp.shared_experts.down_proj.weight"):
+        assert torch.equal(exported[prefix + name], checkpoint[prefix + name]), name
+    # the experts under transformers' fused names, as the decoder layers' are written
+    gate_up = torch.stack([torch.cat([checkpoint[f"{prefix}mlp.experts.{e}.gate_proj.weight"],
+                                      checkpoint[f"{prefix}mlp.experts.{e}.up_proj.weight"]]) for e in range(4)])
+    assert torch.equal(exported[prefix + "mlp.experts.gate_up_proj"], gate_up)
+    trained = {name: torch.as_tensor(value) for name, value in results["deepseek_tp2"]["weights"].items()
+               if name.startswith(prefix)}
+    assert not torch.equal(trained[prefix + "eh_proj.weight"], checkpoint[prefix + "eh_proj.weight"])

@@ -1,6 +1,7 @@
-"""The CPU engine serving a checkpoint with multi-token-prediction layers (a tiny MiMo, testkit/mimo.py): it decodes
-without a draft model, holds the checkpoint's MTP weights aside, and takes the trainer's MTP weights in a sync where
-SGLang loads them into its speculative draft model; a name past the checkpoint's MTP layers is still refused."""
+"""The CPU engine serving a checkpoint with multi-token-prediction layers (a tiny MiMo, testkit/mtp_checkpoints.py): it
+decodes without a draft model, holds the checkpoint's MTP weights aside, and takes the trainer's MTP weights in a
+sync where SGLang loads them into its speculative draft model; a name past the checkpoint's MTP layers is still
+refused."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from services.common.errors import InvalidArgument
 from services.engine.generation import Engine, load_model
 from services.engine.weights import WeightUpdater
-from testkit.mimo import build_tiny_mimo
+from testkit.mtp_checkpoints import build_tiny_mimo
 from tests.model_families import TOKENIZER_FILES
 
 

@@ -1,7 +1,8 @@
-"""A tiny MiMo for the tests: a Qwen2 checkpoint with multi-token-prediction layers under MiMo's names
-(`model.mtp_layers.{i}.*`, config num_nextn_predict_layers; MiMo's own modeling code ships with its checkpoints, so
-the model stays a qwen2 one that transformers loads, its MTP tensors left aside), and MiMo's MTP loss computed by hand
-with plain torch over transformers' Qwen2 modules.
+"""Tiny checkpoints with multi-token-prediction layers for the tests. A MiMo: a Qwen2 checkpoint with MTP layers under
+MiMo's names (`model.mtp_layers.{i}.*`, config num_nextn_predict_layers; MiMo's own modeling code ships with its
+checkpoints, so the model stays a qwen2 one that transformers loads, its MTP tensors left aside), and MiMo's MTP loss
+computed by hand with plain torch over transformers' Qwen2 modules. A DeepSeek-V3 with its MTP layer as one more
+decoder layer (`model.layers.{num_hidden_layers}.*` with enorm, hnorm, eh_proj, shared_head.norm).
 """
 
 from __future__ import annotations
@@ -115,3 +116,31 @@ def mtp_losses(model_dir: Path, sequences: list[tuple[list[int], list[float]]],
                         sums[depth - 1] -= weight * float(log_probs[position, tokens[prompt_len + j]])
                         counts[depth - 1] += weight
     return [total / count for total, count in zip(sums, counts, strict=True)]
+
+
+def build_tiny_deepseek_v3_with_mtp(out_dir: Path, *, seed: int = 0) -> Path:
+    """A random tiny DeepSeek-V3 (`physarum.families`' shape: MLA, a dense first layer, then MoE) with one MTP layer:
+    its last decoder layer's tensors, perturbed, as layer num_hidden_layers, and its own norms and projection."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from physarum.families import tiny_config
+
+    config = tiny_config("deepseek_v3", vocab_size=300, eos_id=1, hidden_size=64)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    weights = load_file(out_dir / "model.safetensors")
+    last, mtp = f"model.layers.{config.num_hidden_layers - 1}.", f"model.layers.{config.num_hidden_layers}."
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name in [name for name in weights if name.startswith(last)]:
+        tensor = weights[name]
+        weights[mtp + name.removeprefix(last)] = tensor + 0.01 * torch.randn(tensor.shape, generator=generator)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{mtp}{norm}.weight"] = 0.5 + torch.rand(config.hidden_size, generator=generator)
+    weights[mtp + "eh_proj.weight"] = 0.05 * torch.randn(config.hidden_size, 2 * config.hidden_size,
+                                                         generator=generator)
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config_path = out_dir / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "num_nextn_predict_layers": 1},
+                                      indent=2))
+    return out_dir
