@@ -29,8 +29,9 @@ RUNS = {  # name: (model, tensor parallel size, packed, sequence parallel, the c
     "carried": ("one", 1, True, False, {"mtp_num_layers": 1}),  # built, loaded and exported, not trained
     "two_depths": ("two", 1, True, False, {"mtp_num_layers": 2, "enable_mtp_training": True,
                                            "mtp_loss_scaling_factor": 0.5}),
-    # DeepSeek-V3: the MTP layer's transformer layer is an MLA and MoE one, as the decoder's last
-    "deepseek_tp2": ("deepseek", 2, True, False, TRAINED),
+    # DeepSeek-V3: the MTP layer's transformer layer is an MLA and MoE one, as the decoder's last; under routing
+    # replay the decoder's routers replay the old policy's experts, the MTP layer's routes as it would
+    "deepseek_tp2": ("deepseek", 2, True, False, {**TRAINED, "use_routing_replay": True}),
     "deepseek_carried": ("deepseek", 1, True, False, {"mtp_num_layers": 1}),
 }
 

@@ -5,8 +5,8 @@ head, padded with the full logits and at TP 2 under sequence parallelism, also w
 numbers are those of a run without MTP layers; the MTP loss trains the MTP layers and, through their input, the
 decoder; MTP layers built but not trained come back in the HF export exactly as the checkpoint has them; a backend
 resumed from a dist-checkpoint (the MTP layers and their optimizer state in it) trains as if never stopped. A tiny
-DeepSeek-V3's MTP layer (multi-latent attention and experts, under DeepSeek's names) trains at TP 2 and comes back in
-the export.
+DeepSeek-V3's MTP layer (multi-latent attention and experts, under DeepSeek's names) trains at TP 2 under routing
+replay (of the decoder's routers) and comes back in the export.
 
 One launch of tests/integration/megatron_mtp_worker.py serves the tests here."""
 
