@@ -172,6 +172,23 @@ class SGLangClient(HttpClient):
         return self._post_checked("/pull_weights", {"source_dir": source_dir, "target_version": target_version},
                                   timeout_s)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
+        return self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
+
+    def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> dict:
+        return self._post_checked("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
+
+    def load_lora_adapter_from_distributed(self, lora_name: str, config: dict, names: list[str], dtypes: list[str],
+                                           shapes: list[list[int]], weight_version: str | None = None,
+                                           group_name: str = DEFAULT_GROUP_NAME,
+                                           timeout_s: float | None = None) -> dict:
+        """Physarum's adapter push (the CPU engine's): the engine receives the adapter's tensors over the group, one
+        broadcast each in `names`' order, and serves them as `lora_name` (PEFT's `config`)."""
+        body = {"lora_name": lora_name, "config": config, "names": names, "dtypes": dtypes, "shapes": shapes,
+                "group_name": group_name, "weight_version": weight_version}
+        return self._post_checked("/load_lora_adapter_from_distributed", body, timeout_s)
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 

@@ -23,6 +23,7 @@ from services.common.errors import DeadlineExceeded, FailedPrecondition, Invalid
 from services.engine import safetensors_io
 from services.engine.delta import apply_blob
 from services.engine.generation import Engine
+from services.engine.lora import AdapterConfig, LoRAServing, read_peft_dir
 from services.engine.pull import is_delta_store, plan, read_delta
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,70 @@ class WeightUpdater:
             if tuple(param.shape) != tuple(shape):
                 raise InvalidArgument(f"parameter {name!r}: shape {list(shape)} does not match the model's "
                                       f"{list(param.shape)}")
+
+    # -- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter; the weight sync's adapter push) ----------
+
+    def _lora(self) -> LoRAServing:
+        if self.engine.lora is None:
+            raise FailedPrecondition("the engine serves no LoRA adapters: start it with --enable-lora")
+        return self.engine.lora
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
+                          weight_version: str | None = None) -> dict:
+        """Load PEFT's adapter directory `lora_path` as `lora_name` (a name already loaded is refused, as SGLang
+        does). `pinned` is accepted for SGLang's API: every adapter here stays loaded until unloaded."""
+        lora = self._lora()
+        config, tensors = read_peft_dir(lora_path)
+        adapter = lora.build(lora_name, str(lora_path), config, tensors)
+        adapter.weight_version = str(weight_version) if weight_version is not None else self.engine.weight_version
+        lora.add(adapter)
+        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules, %.2f MB)", lora_name, lora_path,
+                 config.rank, len(adapter.weights), adapter.num_bytes / 1e6)
+        return {"loaded_adapters": lora.loaded()}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unload `lora_name`: requests still generated with it end as aborted."""
+        lora = self._lora()
+        lora.get(lora_name)
+        self.engine.abort_adapter(lora_name, f"LoRA adapter {lora_name} unloaded")
+        with self.engine.exclusive(self.timeout_s):
+            lora.remove(lora_name)
+        log.info("LoRA adapter %s unloaded", lora_name)
+        return {"loaded_adapters": lora.loaded()}
+
+    def load_lora_adapter_from_distributed(self, *, lora_name: str, config: dict, names: list[str],
+                                           dtypes: list[str], shapes: list[list[int]],
+                                           group_name: str = DEFAULT_GROUP_NAME,
+                                           weight_version: str | None = None) -> dict:
+        """The weight sync of a LoRA job: receive the adapter's tensors (one broadcast each from rank 0, in `names`'
+        order) and serve them as `lora_name`, replacing its earlier version whole. `config` is PEFT's
+        adapter_config (r, lora_alpha, target_modules). Sets the adapter's weight_version and the engine's."""
+        lora = self._lora()
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise InvalidArgument(f"names, dtypes and shapes must be non-empty and of one length: {len(names)}, "
+                                  f"{len(dtypes)}, {len(shapes)}")
+        adapter_config = AdapterConfig.from_peft(config, f"LoRA adapter {lora_name!r} config")
+        nccl = self.backends.get(group_name) == "nccl"
+        device = self.engine.model.device if nccl else torch.device("cpu")
+        buffers = [torch.empty(tuple(int(d) for d in shape), dtype=_dtype(dtype), device=device)
+                   for dtype, shape in zip(dtypes, shapes, strict=True)]
+        with self._groups_locked():
+            group = self.groups.get(group_name)
+            if group is None:
+                raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
+            works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
+            for work in works:
+                work.wait()
+        adapter = lora.build(lora_name, "distributed", adapter_config, dict(zip(names, buffers, strict=True)))
+        with self.engine.exclusive(self.timeout_s):
+            adapter.weight_version = str(weight_version) if weight_version is not None else \
+                self.engine.weight_version
+            lora.add(adapter, replace=True)
+            if weight_version is not None:
+                self.engine.weight_version = str(weight_version)
+        log.info("LoRA adapter %s version %s received (%d tensors, %.2f MB)", lora_name, adapter.weight_version,
+                 len(names), adapter.num_bytes / 1e6)
+        return {"loaded_adapters": lora.loaded()}
 
     def get_weights(self, name: str, truncate_size: int = 100) -> list[float]:
         param = self.params.get(name)

@@ -249,6 +249,48 @@ class WeightBroadcaster:
                  stats["num_tensors"], stats["bytes"] / 1e6, stats["num_buckets"], len(self.clients), stats["seconds"])
         return stats
 
+    def broadcast_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str, *,
+                          lora_name: str, config: dict) -> dict:
+        """A LoRA job's sync: pause, push the adapter's tensors (PEFT names) in one call per engine
+        (/load_lora_adapter_from_distributed, which swaps the adapter whole), continue. Returns stats as
+        `broadcast` does."""
+        start = time.monotonic()
+        named = list(named_tensors)
+        stats = self._begin_broadcast(weight_version, num_buckets=1)
+        if not self.engine_urls:
+            return stats
+        wait_s = self.timeout_s + 1
+        # in the dtype the engines serve (they would cast to it): a bf16 pool gets half the bytes
+        tensors = wire.on_the_wire([t for _, t in named], backend=self.backend, dtype=self.dtype)
+        names = [name for name, _ in named]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+
+        def send() -> None:
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+            wire.wait_all(works, tensors)
+
+        try:
+            paused_at = time.monotonic()
+            _on_all(self.clients, "pause_generation", lambda c: c.pause_generation(self.pause_mode), wait_s)
+            _alongside(self.clients, f"load_lora_adapter_from_distributed of {lora_name} ({len(names)} tensors)",
+                       lambda i, c: c.load_lora_adapter_from_distributed(lora_name, config, names, dtypes, shapes,
+                                                                         weight_version, self.group_name,
+                                                                         self.timeout_s),
+                       send, wait_s, on_stuck=self._abort_group)
+            _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
+            stats["pause_seconds"] = time.monotonic() - paused_at
+        except Exception as err:
+            failed = self._recover(err)
+            raise WeightSyncError(f"adapter push of {lora_name} version {weight_version} to {self.engine_urls} failed "
+                                  f"after {time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}",
+                                  failed) from err
+        stats.update(seconds=time.monotonic() - start, num_tensors=len(names),
+                     bytes=sum(t.numel() * t.element_size() for t in tensors))
+        log.info("adapter %s version %s: %d tensors, %.2f MB to %d engines in %.2f s", lora_name, weight_version,
+                 len(names), stats["bytes"] / 1e6, len(self.clients), stats["seconds"])
+        return stats
+
     def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
         tensors = wire.on_the_wire([t for _, t in bucket], backend=self.backend, dtype=self.dtype)
         names = [name for name, _ in bucket]
