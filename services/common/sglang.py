@@ -20,6 +20,11 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 FALLBACKS = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}  # newer path -> older one
 
 
+def lora_adapter_name(job_id: str) -> str:
+    """The name a LoRA job's adapter has on the engines (its requests' lora_path): the job's id."""
+    return job_id
+
+
 def _reply(url: str, path: str, reply: httpx.Response) -> Any:
     """The JSON (or text, or None) of a reply; NotFound on 404, FailedPrecondition on any other error status."""
     if reply.status_code == 404:

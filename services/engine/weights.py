@@ -29,6 +29,7 @@ from services.engine.pull import is_delta_store, plan, read_delta
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: adapters/<lora_name>/, PEFT's adapter directory each
 
 
 def init_custom_process_group(*, backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -206,6 +207,8 @@ class WeightUpdater:
         buffer, which then becomes the parameter's storage, as for a broadcast. A directory of published full
         snapshots and deltas (the pull transport's, as the rollout manager hands a joining engine) is pulled from
         to `weight_version` instead."""
+        if (Path(model_path) / ADAPTERS_DIR).is_dir() and not any(Path(model_path).glob("*.safetensors")):
+            return self._load_adapter_snapshot(Path(model_path), weight_version)
         if weight_version is not None and is_delta_store(model_path):
             reply = self.pull(model_path, str(weight_version))
             return f"Succeeded to update model weights from {model_path}: {', '.join(reply['steps']) or 'no step'}."
@@ -215,6 +218,23 @@ class WeightUpdater:
         with self.engine.exclusive(self.timeout_s):
             num_tensors = self._load_disk(headers, weight_version)
         return f"Succeeded to update model weights from {model_path} ({num_tensors} tensors)."
+
+    def _load_adapter_snapshot(self, path: Path, weight_version: str | None) -> str:
+        """A LoRA job's snapshot (what an engine joining later is handed): each PEFT directory under
+        path/adapters/<name>/ becomes adapter <name> at `weight_version`, replacing one of that name."""
+        lora = self._lora()
+        adapters = []
+        for directory in sorted(p for p in (path / ADAPTERS_DIR).iterdir() if p.is_dir()):
+            config, tensors = read_peft_dir(directory)
+            adapters.append(lora.build(directory.name, str(directory), config, tensors))
+        with self.engine.exclusive(self.timeout_s):
+            for adapter in adapters:
+                adapter.weight_version = str(weight_version) if weight_version is not None else \
+                    self.engine.weight_version
+                lora.add(adapter, replace=True)
+            if weight_version is not None:
+                self.engine.weight_version = str(weight_version)
+        return f"Succeeded to load LoRA adapters {', '.join(a.name for a in adapters)} from {path}."
 
     def _disk_headers(self, model_path: str | Path) -> list[tuple[Path, dict]]:
         """Each *.safetensors file of `model_path` with its header, checked against the model."""
@@ -306,11 +326,11 @@ class WeightUpdater:
         """The weight sync of a LoRA job: receive the adapter's tensors (one broadcast each from rank 0, in `names`'
         order) and serve them as `lora_name`, replacing its earlier version whole. `config` is PEFT's
         adapter_config (r, lora_alpha, target_modules). Sets the adapter's weight_version and the engine's."""
-        lora = self._lora()
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise InvalidArgument(f"names, dtypes and shapes must be non-empty and of one length: {len(names)}, "
                                   f"{len(dtypes)}, {len(shapes)}")
-        adapter_config = AdapterConfig.from_peft(config, f"LoRA adapter {lora_name!r} config")
+        # the tensors are received before anything else is checked: the trainer and the other engines are in the
+        # broadcast, which would hang on an engine that left it
         nccl = self.backends.get(group_name) == "nccl"
         device = self.engine.model.device if nccl else torch.device("cpu")
         buffers = [torch.empty(tuple(int(d) for d in shape), dtype=_dtype(dtype), device=device)
@@ -322,6 +342,8 @@ class WeightUpdater:
             works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
             for work in works:
                 work.wait()
+        lora = self._lora()
+        adapter_config = AdapterConfig.from_peft(config, f"LoRA adapter {lora_name!r} config")
         adapter = lora.build(lora_name, "distributed", adapter_config, dict(zip(names, buffers, strict=True)))
         with self.engine.exclusive(self.timeout_s):
             adapter.weight_version = str(weight_version) if weight_version is not None else \

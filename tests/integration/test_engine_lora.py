@@ -10,7 +10,7 @@ import torch
 
 from services.trainer.lora import export as lora_export
 from services.trainer.lora import layers as lora_layers
-from services.trainer.weight_sync.weight_sync import WeightBroadcaster
+from services.trainer.weight_sync.weight_sync import AdapterPush, WeightBroadcaster, write_adapter_snapshot
 from testkit.engines import start_engines, stop_engines
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -136,6 +136,17 @@ def test_the_weight_syncs_adapter_push_replaces_the_adapter(http, engine, adapte
     assert_rows_match(rows, [merged_model(tiny_model_dir, state)] * 2 + [merged_model(tiny_model_dir,
                                                                                       adapters["beta"][1])])
     assert [row["meta_info"]["weight_version"] for row in rows] == ["7", "7", "default"]  # each adapter's own
+
+
+def test_a_joining_engine_loads_the_adapter_snapshot_from_disk(http, tiny_model_dir, tmp_path):
+    state = lora_state(tiny_model_dir, rank=4, seed=4)
+    snapshot = write_adapter_snapshot(adapter_tensors(state), tmp_path, "9",
+                                      AdapterPush("alpha", peft_config(4)))
+    reply = http.post("/update_weights_from_disk", json={"model_path": snapshot, "weight_version": "9"})
+    assert reply.status_code == 200 and reply.json()["success"], reply.text
+    rows = generate_rows(http, "alpha")
+    assert_rows_match(rows, [merged_model(tiny_model_dir, state)] * 3)
+    assert {row["meta_info"]["weight_version"] for row in rows} == {"9"}
 
 
 def test_unload_and_the_errors_that_name_the_adapter(http, adapters, tmp_path):

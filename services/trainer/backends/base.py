@@ -71,6 +71,11 @@ class TrainBackend(BackendState, Protocol):
         """(HF name, tensor) of every weight once, for the broadcast to the engines."""
         ...
 
+    def adapter_weights(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+        """A LoRA policy (config.lora) for the engines: PEFT's adapter config and the adapter's tensors under PEFT's
+        names, on rank 0 (the others get none). Collective."""
+        ...
+
     def save_hf(self, path: str | Path) -> None:
         """Write an HF checkpoint directory (safetensors, config, tokenizer files) transformers can load."""
         ...

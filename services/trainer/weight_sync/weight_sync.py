@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -392,26 +393,65 @@ def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str 
     return str(final)
 
 
+ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: <snapshot>/adapters/<lora_name>/, PEFT's adapter directory
+
+
+@dataclass(frozen=True)
+class AdapterPush:
+    """A LoRA job's sync: its adapter's name on the engines and PEFT's adapter config."""
+
+    lora_name: str
+    config: dict
+
+
+def write_adapter_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str | Path, version: str,
+                           adapter: AdapterPush, *, keep: int = 2) -> str:
+    """A LoRA job's snapshot: `root/weight_v<version>/adapters/<lora_name>/` (PEFT's adapter directory), which an
+    engine joining later loads by /update_weights_from_disk of the snapshot; written aside, then renamed into
+    place; snapshots beyond the newest `keep` deleted. Returns the snapshot's directory."""
+    from services.trainer.lora.export import write_peft_dir
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = snapshot_path(root, version)
+    staging = root / f".staging-{final.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    write_peft_dir(staging / ADAPTERS_DIR / adapter.lora_name, dict(named_tensors), adapter.config)
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    snapshots = sorted((p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in snapshots[:-keep] if keep > 0 else ():
+        shutil.rmtree(old, ignore_errors=True)
+    return str(final)
+
+
 def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Sequence[tuple[str, torch.Tensor]],
-                     version: str, *, base_model_dir: str | Path | None = None, max_attempts: int = 3) -> dict:
+                     version: str, *, base_model_dir: str | Path | None = None, max_attempts: int = 3,
+                     adapter: AdapterPush | None = None) -> dict:
     """One weight sync through the rollout manager's pool (`rollout` is a RolloutClient).
 
     BeginWeightSync names the engines to broadcast to (serving ones, and new ones waiting for weights) and where to
     write a snapshot; the snapshot is written, the weights broadcast, and EndWeightSync reports the outcome. When an
     engine dies or hangs mid-broadcast the broadcast fails within the broadcaster's timeout; the pool checks the
     engines it names (replacing dead ones) and the sync is tried again with the engines the pool names then.
+    With `adapter` (a LoRA job) the tensors are the adapter's alone: pushed by `broadcast_adapter`, snapshotted as
+    PEFT's adapter directory.
     """
     last_error: Exception | None = None
     for attempt in range(1, max_attempts + 1):
         plan = rollout.begin_weight_sync(version)
         snapshot, start = "", time.monotonic()
         try:
-            if plan.snapshot_dir:  # a pull transport's store serves joiners itself: snapshot + deltas, no copy
+            if plan.snapshot_dir and adapter is not None:
+                snapshot = write_adapter_snapshot(named_tensors, plan.snapshot_dir, version, adapter)
+            elif plan.snapshot_dir:  # a pull transport's store serves joiners itself: snapshot + deltas, no copy
                 snapshot = getattr(broadcaster, "pull_source", "") or write_snapshot(
                     named_tensors, plan.snapshot_dir, version, base_model_dir=base_model_dir)
             snapshot_s = time.monotonic() - start
             broadcaster.set_engines(plan.engine_urls)
-            stats = broadcaster.broadcast(named_tensors, version)
+            stats = broadcaster.broadcast_adapter(named_tensors, version, lora_name=adapter.lora_name,
+                                                  config=adapter.config) if adapter is not None else \
+                broadcaster.broadcast(named_tensors, version)
         except WeightSyncError as err:
             rollout.end_weight_sync(version, success=False, engine_urls=plan.engine_urls,
                                     failed_urls=list(err.failed_urls), snapshot_path=snapshot, error=str(err))

@@ -407,9 +407,17 @@ class TorchBackend(TorchStateDicts):
         """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.
         Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none."""
         weights = parallel.full_state_dict(self.model, self.world)
-        if self.config.lora:  # until the engines serve adapters, they get the merged weights
+        if self.config.lora:  # the merged policy (the engines get the adapter alone: `adapter_weights`)
             weights = lora_export.merged_state_dict(weights, scaling=self.config.lora_alpha / self.config.lora_rank)
         return iter([(name, t.detach()) for name, t in weights.items() if name not in self._tied_names])
+
+    def adapter_weights(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+        """PEFT's adapter config and the adapter's tensors under PEFT's names (rank 0; [] on the others)."""
+        cfg = self.config
+        weights = parallel.full_state_dict(self.model, self.world)
+        config = lora_export.peft_config(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                         target_modules=cfg.target_modules, base_model=str(self.model_path))
+        return config, sorted(lora_export.peft_state_dict(weights).items())
 
     def save_hf(self, path: str | Path) -> None:
         """Write safetensors, config and tokenizer files transformers loads; under FSDP every rank calls it (the
