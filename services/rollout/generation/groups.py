@@ -16,8 +16,8 @@ from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import sample_pb2
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
-from services.common.sglang import lora_adapter_name
 from services.common.settings.rollout import RolloutConfig
+from services.common.sglang import lora_adapter_name
 from services.rollout.engine_calls.generate import (
     GenerateContext,
     generate,
