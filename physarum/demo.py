@@ -28,8 +28,10 @@ from physarum.families import DEFAULT_FAMILY, FAMILIES
 EXAMPLES = Path("examples/demo")
 
 
-def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: int = 4) -> float:
-    """Held-out mean reward: greedy answers through the router, scored by the reward service."""
+def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: int = 4,
+             lora_path: str | None = None) -> float:
+    """Held-out mean reward: greedy answers through the router (with a LoRA job's adapter, `lora_path`), scored by
+    the reward service."""
     import httpx
     from tokenizers import Tokenizer
 
@@ -41,7 +43,7 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: in
 
     def answer(row: dict) -> Sample:
         body = {"input_ids": tokenizer.encode(row["input"], add_special_tokens=False).ids,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_response_len}}
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_response_len}, "lora_path": lora_path}
         reply = httpx.post(f"{state['router_url']}/generate", json=body, timeout=60.0).json()
         return Sample(prompt=row["input"], response=tokenizer.decode(reply["output_ids"]), label=row["label"])
 
@@ -52,8 +54,8 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: in
     return sum(s.reward for s in scores) / len(scores)
 
 
-def run_job(state: dict, job_file: Path, overrides: list[str]) -> list[dict]:
-    """Submit a job through the REST API, follow it with a progress bar, return its events."""
+def run_job(state: dict, job_file: Path, overrides: list[str]) -> tuple[str, list[dict]]:
+    """Submit a job through the REST API, follow it with a progress bar; its id and its events."""
     from services.trainer.api.client import JobsRestClient
 
     with JobsRestClient(state["trainer_url"]) as client:
@@ -61,7 +63,7 @@ def run_job(state: dict, job_file: Path, overrides: list[str]) -> list[dict]:
         job = follow(client, job["job_id"], job["num_rollout"])
         if job["state"] != "SUCCEEDED":
             raise SystemExit(f"demo: job {job['job_id']} {job['state']}: {job['error']}")
-        return client.events(job["job_id"])
+        return job["job_id"], client.events(job["job_id"])
 
 
 def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple[float, float, float],
@@ -106,6 +108,19 @@ def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets:
             [*backend_sets, *seeds, *grpo_sets])
 
 
+# `--lora`: both jobs train rank-16 adapters on every projection; the GRPO job starts from the SFT job's merged model
+# (its own base, which it pushes to the engines first), with learning rates an adapter needs
+LORA_SETS = ["lora_rank=16", "lora_alpha=32"]
+LORA_SFT_SETS = [*LORA_SETS, "lora_save_merged=true", "lr=5.0e-3"]
+LORA_GRPO_SETS = [*LORA_SETS, "lr=1.0e-3"]
+
+
+def lora_overrides(sft_sets: list[str], grpo_sets: list[str], sft_job: dict) -> tuple[list[str], list[str]]:
+    """--lora's overrides before the user's (which win): the GRPO job's hf_checkpoint is the SFT export's merged/."""
+    merged = Path(sft_job["save_hf"]) / "merged"
+    return [*LORA_SFT_SETS, *sft_sets], [*LORA_GRPO_SETS, f"hf_checkpoint={merged}", *grpo_sets]
+
+
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
     """Stop before the stack starts when the backend cannot build the family (the job API would refuse both jobs)."""
     from services.trainer.api.client import model_problem
@@ -134,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="megatron: TP size (default: the trainer ranks)")
     parser.add_argument("--model-family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
                         help=f"the tiny model's family (default: {DEFAULT_FAMILY})")
+    parser.add_argument("--lora", action="store_true",
+                        help="both jobs train LoRA adapters (rank 16) instead of the full weights; the engines serve "
+                             "them (make demo LORA=1)")
     add_device_flags(parser)
     args = parser.parse_args(argv)
+    if args.lora and args.train_backend != "fsdp":
+        raise SystemExit("demo: --lora trains on the fsdp backend")
     from services.trainer.api.client import backend_capabilities
 
     model_parallel = backend_capabilities(args.train_backend).tensor_parallel
@@ -148,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     model_dir, test_path = demo_model(args.seed, args.model_family)
     refuse_unbuildable(model_dir, args.train_backend)
-    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, args.set)
+    user_sft, user_grpo = args.sft_set, args.set
+    if args.lora:
+        user_sft, user_grpo = lora_overrides(user_sft, user_grpo, load_job_file(EXAMPLES / "sft.yaml", []))
+    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, user_sft, user_grpo)
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
     trainer_threads = args.trainer_threads or (2 if ranks == 1 else 1)
@@ -158,20 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
               f"{args.train_backend}{f' TP={tp}' if model_parallel else ''} on {ranks} rank(s); model: tiny "
-              f"{args.model_family}", flush=True)
+              f"{args.model_family}{'; LoRA adapters (rank 16)' if args.lora else ''}", flush=True)
         before = evaluate(state, model_dir, test_path)
         print(f"held-out reward before training: {before:.3f}", flush=True)
         roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
         train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
-        sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
+        sft_id, sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
         sft_s = time.monotonic() - train_start
-        after_sft = evaluate(state, model_dir, test_path)  # the SFT job pushed its weights to the engines
+        # the SFT job pushed its weights (or its adapter, served as its job id) to the engines
+        after_sft = evaluate(state, model_dir, test_path, lora_path=sft_id if args.lora else None)
         print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
         grpo_start = time.monotonic()
-        grpo_events = run_job(state, EXAMPLES / "job.yaml", grpo_sets)
+        grpo_id, grpo_events = run_job(state, EXAMPLES / "job.yaml", grpo_sets)
         train_s = sft_s + time.monotonic() - grpo_start
         train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
-        after = evaluate(state, model_dir, test_path)
+        after = evaluate(state, model_dir, test_path, lora_path=grpo_id if args.lora else None)
         plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
                     [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
                     (before, after_sft, after), DEMO_DIR / "reward_curve.png")

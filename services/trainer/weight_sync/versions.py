@@ -32,6 +32,7 @@ class EngineWeights:
         self.unannounceable: set[int] = set()  # versions without a snapshot to announce (warned once each)
         self.broadcaster = None
         self.adapter_broadcaster = None  # a LoRA job's: the adapter goes over the weight-update group
+        self.base_pushed = False  # a LoRA job's base model went to the engines (at its first push)
         self.job_id = job_id
         if engines and sync is not None and world.rank == 0:
             from services.trainer.weight_sync.weight_sync import WeightBroadcaster
@@ -52,7 +53,12 @@ class EngineWeights:
         """Every rank: gather the full weights to rank 0 (FSDP), which pushes them to the manager's engines as
         `version`; returns the perf/ metrics on every rank."""
         start = time.monotonic()
-        if backend.config.lora:  # the adapter alone: the engines keep the base model and serve it over that
+        if backend.config.lora and not self.base_pushed:
+            # the job's base first, once: the engines may hold another one (another job's trained weights)
+            base = list(backend.named_weights(adapters_merged=False))
+            self.world.on_rank0(self._push_rank0, base, version, backend.model_path, start)
+            self.base_pushed = True
+        if backend.config.lora:  # then the adapter alone: the engines serve it over the base they hold
             config, weights = backend.adapter_weights()
             metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start, config)
         else:

@@ -403,12 +403,15 @@ class TorchBackend(TorchStateDicts):
         return {**totals, "grad_norm": grad_norm, "lr": lr, "perf/forward_backward_seconds": forward_backward_s,
                 "perf/optimizer_seconds": time.perf_counter() - start}
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, *, adapters_merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.
-        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none."""
+        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none. A LoRA policy's are
+        its merged weights, or with adapters_merged=False its base model's."""
         weights = parallel.full_state_dict(self.model, self.world)
-        if self.config.lora:  # the merged policy (the engines get the adapter alone: `adapter_weights`)
+        if self.config.lora and adapters_merged:
             weights = lora_export.merged_state_dict(weights, scaling=self.config.lora_alpha / self.config.lora_rank)
+        elif self.config.lora:
+            weights = {name: t for name, t in weights.items() if not lora_export.is_adapter_key(name)}
         return iter([(name, t.detach()) for name, t in weights.items() if name not in self._tied_names])
 
     def adapter_weights(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
