@@ -25,7 +25,7 @@ setup: $(STAMP) redis-server
 SEED ?= 0
 MODEL ?= qwen3
 THREADS ?=
-demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs; MODEL=qwen3_moe|qwen3_5|...: another tiny family; THREADS=1: one trainer thread (a busy machine); LORA=1: both jobs train LoRA adapters
+demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs; MODEL=qwen3_moe|qwen3_5|...: another tiny family; THREADS=1: one trainer thread (a busy machine); LORA=1: GRPO trains a LoRA adapter
 	$(BIN)/python -m physarum.demo --seed $(SEED) --model-family $(MODEL) $(if $(THREADS),--trainer-threads $(THREADS)) $(if $(LORA),--lora)
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes

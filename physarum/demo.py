@@ -108,17 +108,10 @@ def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets:
             [*backend_sets, *seeds, *grpo_sets])
 
 
-# `--lora`: both jobs train rank-16 adapters on every projection; the GRPO job starts from the SFT job's merged model
-# (its own base, which it pushes to the engines first), with learning rates an adapter needs
-LORA_SETS = ["lora_rank=16", "lora_alpha=32"]
-LORA_SFT_SETS = [*LORA_SETS, "lora_save_merged=true", "lr=5.0e-3"]
-LORA_GRPO_SETS = [*LORA_SETS, "lr=1.0e-3"]
-
-
-def lora_overrides(sft_sets: list[str], grpo_sets: list[str], sft_job: dict) -> tuple[list[str], list[str]]:
-    """--lora's overrides before the user's (which win): the GRPO job's hf_checkpoint is the SFT export's merged/."""
-    merged = Path(sft_job["save_hf"]) / "merged"
-    return [*LORA_SFT_SETS, *sft_sets], [*LORA_GRPO_SETS, f"hf_checkpoint={merged}", *grpo_sets]
+# `--lora`: the GRPO job trains a rank-16 adapter on every projection of the SFT model, with a learning rate an
+# adapter needs; the SFT warm-up stays full fine-tuning (an adapter adapts what a model knows, and the tiny model
+# starts from random weights: rank-16 adapters on it did not learn the task in the warm-up's 80 rollouts)
+LORA_GRPO_SETS = ["lora_rank=16", "lora_alpha=32", "lr=2.0e-3"]
 
 
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
@@ -150,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
                         help=f"the tiny model's family (default: {DEFAULT_FAMILY})")
     parser.add_argument("--lora", action="store_true",
-                        help="both jobs train LoRA adapters (rank 16) instead of the full weights; the engines serve "
-                             "them (make demo LORA=1)")
+                        help="the GRPO job trains a LoRA adapter (rank 16) on the SFT model instead of the full "
+                             "weights; the engines serve it (make demo LORA=1)")
     add_device_flags(parser)
     args = parser.parse_args(argv)
     if args.lora and args.train_backend != "fsdp":
@@ -168,10 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     model_dir, test_path = demo_model(args.seed, args.model_family)
     refuse_unbuildable(model_dir, args.train_backend)
-    user_sft, user_grpo = args.sft_set, args.set
-    if args.lora:
-        user_sft, user_grpo = lora_overrides(user_sft, user_grpo, load_job_file(EXAMPLES / "sft.yaml", []))
-    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, user_sft, user_grpo)
+    user_grpo = [*LORA_GRPO_SETS, *args.set] if args.lora else args.set
+    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, user_grpo)
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
     trainer_threads = args.trainer_threads or (2 if ranks == 1 else 1)
@@ -181,20 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
               f"{args.train_backend}{f' TP={tp}' if model_parallel else ''} on {ranks} rank(s); model: tiny "
-              f"{args.model_family}{'; LoRA adapters (rank 16)' if args.lora else ''}", flush=True)
+              f"{args.model_family}{'; GRPO trains a LoRA adapter (rank 16)' if args.lora else ''}", flush=True)
         before = evaluate(state, model_dir, test_path)
         print(f"held-out reward before training: {before:.3f}", flush=True)
         roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
         train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
-        sft_id, sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
+        _, sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
         sft_s = time.monotonic() - train_start
-        # the SFT job pushed its weights (or its adapter, served as its job id) to the engines
-        after_sft = evaluate(state, model_dir, test_path, lora_path=sft_id if args.lora else None)
+        after_sft = evaluate(state, model_dir, test_path)  # the SFT job pushed its weights to the engines
         print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
         grpo_start = time.monotonic()
         grpo_id, grpo_events = run_job(state, EXAMPLES / "job.yaml", grpo_sets)
         train_s = sft_s + time.monotonic() - grpo_start
         train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
+        # a LoRA job's adapter is served under its job id, over the base it pushed (the SFT model)
         after = evaluate(state, model_dir, test_path, lora_path=grpo_id if args.lora else None)
         plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
                     [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
