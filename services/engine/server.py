@@ -178,18 +178,24 @@ def _required(body: dict, *keys: str) -> None:
         raise InvalidArgument(f"missing required field(s): {', '.join(missing)}")
 
 
-async def _update_call(fn: Callable[..., str | dict], **kwargs) -> JSONResponse:
-    """Run a weight-update call in a thread; SGLang's {"success", "message"}, HTTP 400 on failure."""
+async def _in_thread(fn: Callable[..., str | dict], **kwargs) -> tuple[str | dict | None, str | None]:
+    """fn(**kwargs) in a thread: (its result, None), or (None, the error's message), logged."""
     try:
-        message = await asyncio.to_thread(fn, **kwargs)
+        return await asyncio.to_thread(fn, **kwargs), None
     except Exception as err:
         expected = isinstance(err, (PhysarumError, ValueError))
         if expected:
             log.warning("%s failed: %s", fn.__name__, err)
         else:
             log.exception("%s failed", fn.__name__)
-        message = str(err) if expected else f"{type(err).__name__}: {err}"
-        return JSONResponse({"success": False, "message": message}, status_code=400)
+        return None, str(err) if expected else f"{type(err).__name__}: {err}"
+
+
+async def _update_call(fn: Callable[..., str | dict], **kwargs) -> JSONResponse:
+    """Run a weight-update call in a thread; SGLang's {"success", "message"}, HTTP 400 on failure."""
+    message, error = await _in_thread(fn, **kwargs)
+    if error is not None:
+        return JSONResponse({"success": False, "message": error}, status_code=400)
     if isinstance(message, dict):  # a call with more to say than a message (a delta's failed tensors)
         return JSONResponse({"success": True, "message": f"{fn.__name__} done", **message})
     return JSONResponse({"success": True, "message": message})
@@ -198,16 +204,9 @@ async def _update_call(fn: Callable[..., str | dict], **kwargs) -> JSONResponse:
 async def _lora_call(fn: Callable[..., dict], **kwargs) -> JSONResponse:
     """An adapter call in a thread; SGLang's LoRAUpdateResult: {"success", "error_message", "loaded_adapters"},
     HTTP 400 on failure."""
-    try:
-        result = await asyncio.to_thread(fn, **kwargs)
-    except Exception as err:
-        expected = isinstance(err, (PhysarumError, ValueError))
-        if expected:
-            log.warning("%s failed: %s", fn.__name__, err)
-        else:
-            log.exception("%s failed", fn.__name__)
-        return JSONResponse({"success": False, "error_message": str(err) if expected else
-                             f"{type(err).__name__}: {err}", "loaded_adapters": None}, status_code=400)
+    result, error = await _in_thread(fn, **kwargs)
+    if error is not None:
+        return JSONResponse({"success": False, "error_message": error, "loaded_adapters": None}, status_code=400)
     return JSONResponse({"success": True, "error_message": "", **result})
 
 

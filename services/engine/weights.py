@@ -137,14 +137,18 @@ class WeightUpdater:
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
         with self.engine.exclusive(self.timeout_s), self._groups_locked():
-            group = self.groups.get(group_name)
-            if group is None:
-                raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
-            works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
-            for work in works:
-                work.wait()
+            self._receive(group_name, buffers)
             self._load(list(zip(names, buffers, strict=True)), weight_version, keys=keys)
         return "Succeeded to update parameter online."
+
+    def _receive(self, group_name: str, buffers: list[torch.Tensor]) -> None:
+        """One broadcast from rank 0 into each buffer, in order, under the caller's group lock."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
+        works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
+        for work in works:
+            work.wait()
 
     def update_delta_from_distributed(self, *, num_bytes: int, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         """Receive one delta blob of `num_bytes` from rank 0 and apply it (`delta.apply_blob`): the tensors whose
@@ -336,12 +340,7 @@ class WeightUpdater:
         buffers = [torch.empty(tuple(int(d) for d in shape), dtype=_dtype(dtype), device=device)
                    for dtype, shape in zip(dtypes, shapes, strict=True)]
         with self._groups_locked():
-            group = self.groups.get(group_name)
-            if group is None:
-                raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
-            works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
-            for work in works:
-                work.wait()
+            self._receive(group_name, buffers)
         lora = self._lora()
         adapter_config = AdapterConfig.from_peft(config, f"LoRA adapter {lora_name!r} config")
         adapter = lora.build(lora_name, "distributed", adapter_config, dict(zip(names, buffers, strict=True)))

@@ -241,10 +241,7 @@ class WeightBroadcaster:
                     lambda c: (c.end_weight_update(), c.continue_generation()), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
-            failed = self._recover(err)
-            raise WeightSyncError(f"weight broadcast of version {weight_version} to {self.engine_urls} failed after "
-                                  f"{time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}",
-                                  failed) from err
+            raise self._failed(err, f"weight broadcast of version {weight_version}", start) from err
         stats["seconds"] = time.monotonic() - start
         log.info("weights version %s: %d tensors, %.1f MB in %d buckets to %d engines in %.2f s", weight_version,
                  stats["num_tensors"], stats["bytes"] / 1e6, stats["num_buckets"], len(self.clients), stats["seconds"])
@@ -282,10 +279,7 @@ class WeightBroadcaster:
             _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
-            failed = self._recover(err)
-            raise WeightSyncError(f"adapter push of {lora_name} version {weight_version} to {self.engine_urls} failed "
-                                  f"after {time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}",
-                                  failed) from err
+            raise self._failed(err, f"adapter push of {lora_name} version {weight_version}", start) from err
         stats.update(seconds=time.monotonic() - start, num_tensors=len(names),
                      bytes=sum(t.numel() * t.element_size() for t in tensors))
         log.info("adapter %s version %s: %d tensors, %.2f MB to %d engines in %.2f s", lora_name, weight_version,
@@ -306,6 +300,12 @@ class WeightBroadcaster:
                    lambda i, c: c.update_weights_from_distributed(names, dtypes, shapes, weight_version,
                                                                   self.group_name, True, self.timeout_s),
                    send, self.timeout_s + 1, on_stuck=self._abort_group)
+
+    def _failed(self, err: Exception, what: str, start: float) -> WeightSyncError:
+        """After a failed broadcast (`_recover`): the error to raise, naming the engines that failed."""
+        failed = self._recover(err)
+        return WeightSyncError(f"{what} to {self.engine_urls} failed after {time.monotonic() - start:.1f} s (the group "
+                               f"is rebuilt next time): {err}", failed)
 
     def _recover(self, err: Exception) -> tuple[str, ...]:
         """After a failed broadcast: resume the engines (waiting only on those that answered), drop the group.
