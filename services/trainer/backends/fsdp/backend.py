@@ -407,13 +407,24 @@ class TorchBackend(TorchStateDicts):
         return {**totals, "grad_norm": grad_norm, "lr": lr, "perf/forward_backward_seconds": forward_backward_s,
                 "perf/optimizer_seconds": time.perf_counter() - start}
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, *, adapters_merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.
-        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none."""
+        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none. A LoRA policy's are
+        its merged weights, or with adapters_merged=False its base model's."""
         weights = parallel.full_state_dict(self.model, self.world)
-        if self.config.lora:  # until the engines serve adapters, they get the merged weights
+        if self.config.lora and adapters_merged:
             weights = lora_export.merged_state_dict(weights, scaling=self.config.lora_alpha / self.config.lora_rank)
+        elif self.config.lora:
+            weights = {name: t for name, t in weights.items() if not lora_export.is_adapter_key(name)}
         return iter([(name, t.detach()) for name, t in weights.items() if name not in self._tied_names])
+
+    def adapter_weights(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+        """PEFT's adapter config and the adapter's tensors under PEFT's names (rank 0; [] on the others)."""
+        cfg = self.config
+        weights = parallel.full_state_dict(self.model, self.world)
+        config = lora_export.peft_config(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                         target_modules=cfg.target_modules, base_model=str(self.model_path))
+        return config, sorted(lora_export.peft_state_dict(weights).items())
 
     def save_hf(self, path: str | Path) -> None:
         """Write safetensors, config and tokenizer files transformers loads; under FSDP every rank calls it (the
