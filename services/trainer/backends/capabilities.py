@@ -46,7 +46,7 @@ BACKENDS: dict[str, Capabilities] = {
                          aux_loss_problem=families.fsdp_aux_loss_problem),
     "megatron": Capabilities(critic=True, packing=True, tensor_parallel=True, pipeline_parallel=True,
                              expert_parallel=True, context_parallel=True, extra_flags=True, reads_shares=False,
-                             slime_checkpoints=True,
+                             slime_checkpoints=True, vision=True,
                              model_problem=families.megatron_problem,
                              replay_problem=families.megatron_replay_problem,
                              aux_loss_problem=families.megatron_train_mode_problem),

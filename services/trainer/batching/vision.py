@@ -84,3 +84,51 @@ class RolloutImages:
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
     """The ...ForConditionalGeneration's inner model, which owns the rope index."""
     return model.model
+
+
+def image_rows(images: RolloutImages | None, sample_index: torch.Tensor | None) -> list[SampleVision | None]:
+    """Each row's processed images (None: a row without), for rows `sample_index` of the rollout."""
+    if images is None or sample_index is None:
+        return [None] * (0 if sample_index is None else len(sample_index))
+    return [images.rows[i] for i in sample_index.tolist()]
+
+
+def multimodal_positions(tokens: torch.Tensor, lengths: list[int], rows: list[SampleVision | None], *,
+                         image_token_id: int, merge_size: int) -> torch.Tensor:
+    """[3, b, L] int64 (time, height, width) rotary positions of right-padded rows `tokens` [b, L], as Qwen-VL's
+    rope index gives them: text tokens count on in all three; an image's tokens (a run of image_token_id) sit on its
+    grid of merged patches, each axis from where the text left off; the text after it resumes past the grid's
+    largest side. Padding continues the count (causal attention never lets a real token see it)."""
+    b, length = tokens.shape
+    out = torch.arange(length, dtype=torch.long).repeat(3, b, 1)
+    for i, (n, vision) in enumerate(zip(lengths, rows, strict=True)):
+        grids = [] if vision is None else vision.image_grid_thw.tolist()
+        out[:, i] = _row_positions(tokens[i, :n].cpu(), grids, length, image_token_id, merge_size)
+    return out.to(tokens.device)
+
+
+def _row_positions(ids: torch.Tensor, grids: list[list[int]], length: int, image_token_id: int,
+                   merge_size: int) -> torch.Tensor:
+    is_image = (ids == image_token_id).tolist()
+    parts, start, position, images = [], 0, 0, iter(grids)
+    while start < len(is_image):
+        end = start
+        while end < len(is_image) and is_image[end] == is_image[start]:
+            end += 1
+        if not is_image[start]:
+            parts.append(torch.arange(position, position + end - start).repeat(3, 1))
+            position += end - start
+        else:
+            grid = next(images, None)
+            if grid is None:
+                raise InvalidArgument("a sample has more runs of image tokens than images")
+            t, h, w = grid[0], grid[1] // merge_size, grid[2] // merge_size
+            if t * h * w != end - start:
+                raise InvalidArgument(f"an image of {t}×{h}×{w} merged patches has {end - start} image tokens")
+            parts.append(torch.stack([torch.arange(t).repeat_interleave(h * w), torch.arange(h).repeat_interleave(w)
+                                      .repeat(t), torch.arange(w).repeat(t * h)]) + position)
+            position += max(h, w)
+        start = end
+    row = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+    tail = torch.arange(position, position + length - row.shape[1]).repeat(3, 1)
+    return torch.cat([row, tail], dim=1)

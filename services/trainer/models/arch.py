@@ -7,6 +7,7 @@ Reads a transformers config (or its config.json dict); knows nothing of Megatron
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,10 @@ from typing import Any
 from services.common.errors import InvalidArgument
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
+# vision-language checkpoints: their language model's family (megatron's), the vision tower transformers' own
+VISION_LANGUAGE_TEXT_TYPES = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES,
+                         *VISION_LANGUAGE_TEXT_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -78,6 +82,12 @@ class ModelArch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
     mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
     yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+    # a vision-language checkpoint (its model_type, e.g. qwen2_5_vl; None: a language model alone): multimodal
+    # rotary positions, each head's rotary half split over (time, height, width) as mrope_section says, the three
+    # bands one after another or interleaved (Qwen3-VL)
+    vision_model_type: str | None = None
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer `index` has routed experts."""
@@ -136,6 +146,8 @@ class ModelArch:
         """From a transformers PretrainedConfig or a config.json dict; unsupported variants raise InvalidArgument."""
         get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
         model_type = get("model_type")
+        if model_type in VISION_LANGUAGE_TEXT_TYPES:
+            return cls._vision_language(config if isinstance(config, dict) else config.to_dict())
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -191,6 +203,25 @@ class ModelArch:
                    moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
                    moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,
                    moe_router_pre_softmax=bool(num_experts) and not get("norm_topk_prob", False))
+
+    @classmethod
+    def _vision_language(cls, config: dict[str, Any]) -> ModelArch:
+        """A vision-language checkpoint's language model (its text_config as its text family's) with its
+        multimodal rotary layout."""
+        model_type = config["model_type"]
+        own = {key: value for key, value in (config.get("text_config") or {}).items() if value is not None}
+        text = {**config, **own, "model_type": VISION_LANGUAGE_TEXT_TYPES[model_type]}
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        section = rope.get("mrope_section")
+        if not section:
+            raise InvalidArgument(f"megatron backend: {model_type} without mrope_section in its rope parameters")
+        plain = {key: value for key, value in rope.items() if key not in ("mrope_section", "mrope_interleaved", "type")}
+        arch = cls.from_hf_config({**text, "rope_parameters": plain, "rope_scaling": None})
+        if 2 * sum(section) != arch.head_dim:
+            raise InvalidArgument(f"megatron backend: mrope_section {section} does not split head_dim {arch.head_dim}"
+                                  " / 2")
+        return dataclasses.replace(arch, vision_model_type=model_type, mrope_section=tuple(section),
+                                   mrope_interleaved=bool(rope.get("mrope_interleaved")))
 
 
 def uneven_stage_layers(num_layers: int, pp_size: int, *, first: int | None = None,

@@ -1,0 +1,85 @@
+"""The megatron backend on a tiny Qwen2.5-VL and a tiny Qwen3-VL: megatron's language model with transformers'
+vision tower. Log-probs equal the HF model's own forward with the images, packed or padded, however the rollout is
+cut; the multimodal positions are the HF rope index's; training moves the tower unless freeze_vision holds it; the
+weights go out under the engine's names, the tower's included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from physarum import tasks
+from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
+from services.trainer.backends.megatron.backend import MegatronBackend
+from services.trainer.batching import vision
+from services.trainer.settings.train import TrainConfig
+from tests.unit.test_fsdp_vision import KEYS, hf_log_probs, image, vlm_samples
+
+
+@pytest.fixture(scope="module", params=VLM_FAMILIES)
+def vlm_dir(request, tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{request.param}"), tasks.corpus(), family=request.param)
+
+
+def make_backend(model_dir, *, pack: bool = True, **overrides) -> MegatronBackend:
+    config = TrainConfig(**{"n_samples_per_prompt": 2, "lr": 1e-2, "multimodal_keys": KEYS, **overrides})
+    return MegatronBackend(model_dir, config, num_threads=1, pack_sequences=pack, min_padding_to_pack=0.0)
+
+
+def test_multimodal_positions_are_the_hf_rope_index(vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32)
+    processor = vision.load_image_processor(vlm_dir)
+    samples = vlm_samples(vlm_dir)
+    images = vision.RolloutImages(processor, samples)
+    for i, sample in enumerate(samples):
+        ids = torch.tensor([sample.tokens])
+        rows = [images.rows[i]]
+        grid = rows[0].image_grid_thw if rows[0] is not None else None
+        expected, _ = model.model.get_rope_index(ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                                                 image_grid_thw=grid)
+        got = vision.multimodal_positions(ids, [len(sample.tokens)], rows, image_token_id=model.config.image_token_id,
+                                          merge_size=model.config.vision_config.spatial_merge_size)
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("layout", [{"pack": True, "micro_batch_size": 5}, {"pack": False, "micro_batch_size": 2},
+                                    {"pack": True, "use_dynamic_batch_size": True, "max_tokens_per_gpu": 40}])
+def test_log_probs_equal_the_hf_forward_with_the_images(vlm_dir, layout):
+    samples = vlm_samples(vlm_dir)
+    backend = make_backend(vlm_dir, rollout_temperature=0.7, **layout)
+    try:
+        got = backend.compute_log_probs(samples)
+        for sample, log_probs in zip(samples, got, strict=True):
+            assert log_probs == pytest.approx(hf_log_probs(vlm_dir, sample, 0.7), abs=1e-5)
+        swapped = vlm_samples(vlm_dir)  # the images matter
+        swapped[0].images = [image(60, 40, (0, 0, 0))]
+        assert backend.compute_log_probs(swapped)[0] != pytest.approx(got[0], abs=1e-4)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("freeze_vision", [False, True])
+def test_training_moves_the_vision_tower_unless_frozen_and_sync_sends_it(vlm_dir, freeze_vision):
+    from services.engine.generation import load_model
+
+    samples = vlm_samples(vlm_dir)[:4]
+    backend = make_backend(vlm_dir, micro_batch_size=2, freeze_vision=freeze_vision)
+    try:
+        for sample, log_probs in zip(samples, backend.compute_log_probs(samples), strict=True):
+            sample.rollout_log_probs = log_probs
+        before = {name: t.clone() for name, t in backend.named_weights()}
+        (metrics,) = backend.train_rollout(samples)
+        assert metrics["train/grad_norm"] > 0
+        after = dict(backend.named_weights())
+        moved = {name for name, t in after.items() if not torch.equal(t, before[name])}
+        assert any(name.startswith("model.language_model.") for name in moved)
+        assert any(name.startswith("model.visual.") for name in moved) != freeze_vision
+        # the engine loads what the trainer sends by state_dict name: every engine weight, the tower's included
+        engine_model, _ = load_model(str(vlm_dir))
+        served = {name: tuple(t.shape) for name, t in engine_model.state_dict().items()}
+        sent = {name: tuple(t.shape) for name, t in after.items()}
+        assert sent == served
+    finally:
+        backend.close()
