@@ -28,6 +28,7 @@ from services.common.shares import Share
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.fsdp import compiled_layers, context_parallel, cp_attention, fused_head
 from services.trainer.backends.fsdp.critic import Critic
+from services.trainer.backends.fsdp.idle_vision import IdleVision
 from services.trainer.batching import packing, varlen, vision
 from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
 from services.trainer.batching.schedule import MicroBatch, Step, split_to, step_schedule
@@ -101,6 +102,9 @@ class TorchBackend(TorchStateDicts):
         # "fallthrough")
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
+        # over several ranks, a rank whose micro-batch has no images still runs the trained vision tower
+        self._idle_vision = IdleVision(model) if self.image_processor is not None and self.world.distributed \
+            and not config.freeze_vision else None
         self._router = hf_aux_loss.router_kind(model) if config.moe_aux_loss else None
         if config.compile_layers:
             for compiled in (model, ref_model, teacher):
@@ -173,9 +177,13 @@ class TorchBackend(TorchStateDicts):
         replay = contextlib.nullcontext()
         if self.routing is not None and model is self.model:
             replay = self.routing.replaying(mb.flat_routed_experts(packed=packed))
+        inputs = self._model_inputs(mb, packed)
+        idle = self._idle_vision is not None and model is self.model and torch.is_grad_enabled() \
+            and "pixel_values" not in inputs
         with self._autocast(), replay, fused_head.hidden_states_out(
-                model, fuse and response_only and self.fuse_head) as head:
-            out = model(**self._model_inputs(mb, packed), **keep, use_cache=False,
+                model, fuse and response_only and self.fuse_head) as head, \
+                self._idle_vision.running(idle) if idle else contextlib.nullcontext():
+            out = model(**inputs, **keep, use_cache=False,
                         **({"output_router_logits": True} if router_logits else {}))
         return out, head
 
