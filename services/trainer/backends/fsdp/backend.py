@@ -76,7 +76,7 @@ class TorchBackend(TorchStateDicts):
         # vision-language model whenever the checkpoint is one (`load_causal_lm`)
         self.image_processor = vision.load_image_processor(self.model_path) if config.multimodal_keys else None
         self._images: vision.RolloutImages | None = None  # the rollout being trained's, when it has images
-        model = load_causal_lm(self.model_path).to(self.device)
+        model = load_causal_lm(self.model_path, images=bool(config.multimodal_keys)).to(self.device)
         if config.freeze_vision:
             log.info("freeze_vision: %d vision tower parameters frozen", _freeze_vision_tower(model))
         if config.lora:  # the base frozen; its KL reference is itself with the adapters off, not a copy
@@ -445,7 +445,7 @@ class TorchBackend(TorchStateDicts):
             copy_side_files(self.model_path, path, TOKENIZER_FILES)
             if cfg.lora_save_merged:
                 merged = lora_export.merged_state_dict(weights, scaling=cfg.lora_alpha / cfg.lora_rank)
-                base = load_causal_lm(self.model_path)  # the base architecture, without adapter layers
+                base = self._load_hf_model(self.model_path)  # the base architecture, without adapter layers
                 base.load_state_dict(merged)
                 base.save_pretrained(path / "merged", state_dict=dict(base.state_dict()))
                 copy_side_files(self.model_path, path / "merged", TOKENIZER_FILES)
