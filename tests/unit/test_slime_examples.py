@@ -453,7 +453,7 @@ def test_the_eval_function_case_names_its_function_and_keeps_the_eval_config(tmp
 def test_geo3k_moved_to_fsdp_trains_qwen3_5_with_its_images(tmp_path):
     """slime's geo3k VLM example (Qwen3.5-35B-A3B, multimodal keys and all), refused on megatron for its family,
     moved to fsdp as docs/slime.md's porting section says (`--train-backend fsdp` and parallel sizes 1 appended,
-    then the Megatron settings its refusal names dropped): accepted with its image column, the whole vision-language model trained."""
+    then the Megatron settings its refusal names dropped): accepted with its image column."""
     argv = materialize(EXAMPLES["geo3k_vlm_qwen3.5_35B_A3B"]["argv"], tmp_path) + [
         "--train-backend", "fsdp", "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
     with pytest.raises(InvalidArgument) as err:
