@@ -1,6 +1,7 @@
 """End to end: a GRPO job on prompts with images through `physarum up`'s local stack, on fsdp and on megatron
-(megatron's language model with transformers' vision tower), serving a tiny Qwen2.5-VL: the engines' log-probs equal the trainer's recomputation over the same image tokens and pixels, and the
-engines end with the trainer's weights, its vision tower's included."""
+(megatron's language model with transformers' vision tower), serving a tiny Qwen2.5-VL: the engines' log-probs equal
+the trainer's recomputation over the same image tokens and pixels, and the engines end with the trainer's weights,
+its vision tower's included."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def test_a_vlm_grpo_job_trains_on_images_end_to_end(vlm_stack, tmp_path, train_b
     assert len(steps) == 2
     # the engine generated from the images, the trainer recomputed with them: the same log-probs
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
+    assert (tmp_path / "final" / "preprocessor_config.json").is_file()  # the export keeps the image processor
     final = load_file(tmp_path / "final" / "model.safetensors")
     # fsdp's export keeps the checkpoint's own names (Qwen2.5-VL's: visual.*), megatron's and the engine's are the
     # model's in memory (model.visual.*)

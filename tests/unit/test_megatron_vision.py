@@ -61,7 +61,7 @@ def test_log_probs_equal_the_hf_forward_with_the_images(vlm_dir, layout):
 
 
 @pytest.mark.parametrize("freeze_vision", [False, True])
-def test_training_moves_the_vision_tower_unless_frozen_and_sync_sends_it(vlm_dir, freeze_vision):
+def test_training_moves_the_vision_tower_unless_frozen_and_sync_sends_it(vlm_dir, freeze_vision, tmp_path):
     from services.engine.generation import load_model
 
     samples = vlm_samples(vlm_dir)[:4]
@@ -81,5 +81,10 @@ def test_training_moves_the_vision_tower_unless_frozen_and_sync_sends_it(vlm_dir
         served = {name: tuple(t.shape) for name, t in engine_model.state_dict().items()}
         sent = {name: tuple(t.shape) for name, t in after.items()}
         assert sent == served
+        # the HF export is a whole vision-language model directory, image processor included, with those weights
+        backend.save_hf(tmp_path / "hf")
+        exported, _ = load_model(str(tmp_path / "hf"))
+        assert (tmp_path / "hf" / "preprocessor_config.json").is_file()
+        assert all(torch.equal(t, after[name]) for name, t in exported.state_dict().items())
     finally:
         backend.close()

@@ -32,7 +32,7 @@ from services.trainer.backends.fsdp.idle_vision import IdleVision
 from services.trainer.batching import packing, varlen, vision
 from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
 from services.trainer.batching.schedule import MicroBatch, Step, split_to, step_schedule
-from services.trainer.checkpoint.hf_files import TOKENIZER_FILES, copy_side_files
+from services.trainer.checkpoint.hf_files import INPUT_FILES, copy_side_files
 from services.trainer.checkpoint.torch_state import TorchStateDicts, load_causal_lm
 from services.trainer.distributed import devices, parallel
 from services.trainer.lora import export as lora_export
@@ -430,7 +430,7 @@ class TorchBackend(TorchStateDicts):
             path.mkdir(parents=True, exist_ok=True)
             # transformers 5 empties the state_dict it is given: pass a copy.
             self.model.save_pretrained(path, state_dict=dict(weights))
-            copy_side_files(self.model_path, path, TOKENIZER_FILES)  # save_pretrained wrote the configs
+            copy_side_files(self.model_path, path, INPUT_FILES)  # save_pretrained wrote the configs
             log.info("saved HF checkpoint to %s", path)
         self.world.barrier()
 
@@ -442,13 +442,13 @@ class TorchBackend(TorchStateDicts):
             lora_export.save_peft_adapter(path, weights, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                           dropout=cfg.lora_dropout, target_modules=cfg.target_modules,
                                           base_model=str(self.model_path))
-            copy_side_files(self.model_path, path, TOKENIZER_FILES)
+            copy_side_files(self.model_path, path, INPUT_FILES)
             if cfg.lora_save_merged:
                 merged = lora_export.merged_state_dict(weights, scaling=cfg.lora_alpha / cfg.lora_rank)
                 base = self._load_hf_model(self.model_path)  # the base architecture, without adapter layers
                 base.load_state_dict(merged)
                 base.save_pretrained(path / "merged", state_dict=dict(base.state_dict()))
-                copy_side_files(self.model_path, path / "merged", TOKENIZER_FILES)
+                copy_side_files(self.model_path, path / "merged", INPUT_FILES)
             log.info("saved the LoRA adapter (PEFT format) to %s%s", path,
                      " and the merged model under merged/" if cfg.lora_save_merged else "")
         self.world.barrier()
