@@ -1,7 +1,8 @@
 """The megatron backend on a tiny Qwen2.5-VL and a tiny Qwen3-VL: megatron's language model with transformers'
 vision tower. Log-probs equal the HF model's own forward with the images, packed or padded, however the rollout is
 cut; the multimodal positions are the HF rope index's; training moves the tower unless freeze_vision holds it; the
-weights go out under the engine's names, the tower's included."""
+weights go out under the engine's names, the tower's included (and as an HF export with its image processor); a
+torch_dist checkpoint restores the tower."""
 
 from __future__ import annotations
 
@@ -88,3 +89,25 @@ def test_training_moves_the_vision_tower_unless_frozen_and_sync_sends_it(vlm_dir
         assert all(torch.equal(t, after[name]) for name, t in exported.state_dict().items())
     finally:
         backend.close()
+
+
+def test_a_torch_dist_checkpoint_holds_the_vision_tower(vlm_dir, tmp_path):
+    """megatron-core's dist checkpoint of a trained VLM (the tower inside the GPTModel) restores its log-probs
+    exactly in a fresh backend."""
+    samples = vlm_samples(vlm_dir)[:4]
+    backend = make_backend(vlm_dir, micro_batch_size=2)
+    try:
+        for sample, log_probs in zip(samples, backend.compute_log_probs(samples), strict=True):
+            sample.rollout_log_probs = log_probs
+        backend.train_rollout(samples)
+        backend.save_sharded(tmp_path / "ckpt", rollout_id=1)
+        trained = backend.compute_log_probs(samples)
+    finally:
+        backend.close()
+    fresh = make_backend(vlm_dir, micro_batch_size=2)
+    try:
+        assert fresh.compute_log_probs(samples) != trained
+        assert fresh.load_sharded(tmp_path / "ckpt") == {"model", "optim"}
+        assert fresh.compute_log_probs(samples) == trained
+    finally:
+        fresh.close()
