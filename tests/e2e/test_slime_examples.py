@@ -73,7 +73,9 @@ DENSE_LEFT_OUT = {
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as docs/slime.md's porting
 # section says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
-ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5"}
+ON_FSDP = {"fully_async_qwen3.5_9B": "qwen3_5",
+           # slime's geo3k VLM example, on a tiny Qwen3.5-MoE with its vision tower, each prompt an image
+           "geo3k_vlm_qwen3.5_35B_A3B": "qwen3_5_moe_vl"}
 RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
            if name not in REFUSED},
         **{name: (DENSE[name], model_type) for name, model_type in DENSE_RUNS.items()},

@@ -2,15 +2,20 @@
 vision tower. Log-probs equal the HF model's own forward with the images, packed or padded, however the rollout is
 cut; the multimodal positions are the HF rope index's; training moves the tower unless freeze_vision holds it; the
 weights go out under the engine's names, the tower's included (and as an HF export with its image processor); a
-torch_dist checkpoint restores the tower."""
+torch_dist checkpoint restores the tower; an image token sampled in a response is text to both trainers."""
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 import torch
+from PIL import Image as PILImage
 
 from physarum import tasks
 from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
+from services.common.samples import Sample
 from services.trainer.backends.megatron.backend import MegatronBackend
 from services.trainer.batching import vision
 from services.trainer.settings.train import TrainConfig
@@ -111,3 +116,45 @@ def test_a_torch_dist_checkpoint_holds_the_vision_tower(vlm_dir, tmp_path):
         assert fresh.compute_log_probs(samples) == trained
     finally:
         fresh.close()
+
+
+def decoded_log_probs(model_dir, sample: Sample) -> list[float]:
+    """The engine's reading of a sample: the prompt with its images in one forward, then each response token fed
+    to the HF model's cache as text (an image token a policy sampled is a token like any other)."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = torch.tensor([sample.tokens[:sample.prompt_length]])
+    response = sample.tokens[sample.prompt_length:]
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(
+        images=[PILImage.open(io.BytesIO(i.data)).convert("RGB") for i in sample.images], return_tensors="pt")
+    with torch.no_grad():
+        out = model(input_ids=prompt, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                    mm_token_type_ids=(prompt == model.config.image_token_id).int(), use_cache=True)
+        log_probs = [torch.log_softmax(out.logits[0, -1], -1)[response[0]].item()]
+        for token, following in zip(response, response[1:], strict=False):
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True,
+                        mm_token_type_ids=torch.zeros(1, 1, dtype=torch.int))
+            log_probs.append(torch.log_softmax(out.logits[0, -1], -1)[following].item())
+    return log_probs
+
+
+@pytest.mark.parametrize("backend_name", ["megatron", "fsdp"])
+def test_an_image_token_sampled_in_a_response_is_text(vlm_dir, backend_name):
+    """An untrained policy may sample the image token: the engine read it as text, and so do both trainers (only
+    the prompt's image tokens take the image's features and grid positions)."""
+    from tests.unit.test_fsdp_vision import make_backend as make_fsdp_backend
+
+    image_token = json.loads((vlm_dir / "config.json").read_text())["image_token_id"]
+    first, second = vlm_samples(vlm_dir)[:2]
+    response = [5, image_token, 7, image_token]
+    sampled = Sample(tokens=first.tokens[:first.prompt_length] + response, response_length=len(response),
+                     group_index=0, images=first.images, reward=1.0)
+    backend = make_backend(vlm_dir, micro_batch_size=2) if backend_name == "megatron" else \
+        make_fsdp_backend(vlm_dir, micro_batch_size=2)
+    try:
+        got = backend.compute_log_probs([sampled, second])[0]
+    finally:
+        if backend_name == "megatron":
+            backend.close()
+    assert got == pytest.approx(decoded_log_probs(vlm_dir, sampled), abs=1e-5)

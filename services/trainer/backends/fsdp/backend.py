@@ -112,6 +112,12 @@ class TorchBackend(TorchStateDicts):
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
             frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))
+        # only the prompts' image tokens take image features (a policy may sample the image token as text)
+        self._placeholders = vision.PromptPlaceholders()
+        if self.image_processor is not None:
+            for vlm in (self.model, self.ref_model, self.teacher_model):
+                if vlm is not None:
+                    self._placeholders.install(vlm)
         self.critic = Critic(self.model_path, config, device=self.device) if config.use_critic else None
         if self.critic is not None and self.cp.size > 1:
             cp_attention.use_in(self.critic.model.backbone)
@@ -161,7 +167,8 @@ class TorchBackend(TorchStateDicts):
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
         inputs = {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
         if mb.sample_index is not None and self._images is not None:
-            inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask))
+            inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask,
+                                                      mb.prompt_lengths, self._placeholders))
         return inputs
 
     def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,

@@ -285,13 +285,17 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         every stage, and on the first the pixel values and patch grids of its rows' images, in row order."""
         rows = batch_vision.image_rows(self._images, mb.sample_index) if mb.sample_index is not None \
             else [None] * mb.size
+        image_token_id = self.vision_config.image_token_id
         positions = batch_vision.multimodal_positions(
-            mb.tokens, mb.total_lengths, rows, image_token_id=self.vision_config.image_token_id,
-            merge_size=self.vision_config.vision_config.spatial_merge_size)
+            mb.tokens, mb.total_lengths, rows, image_token_id=image_token_id,
+            merge_size=self.vision_config.vision_config.spatial_merge_size, prompt_lengths=mb.prompt_lengths.tolist())
+        # only the prompts' image tokens take image features (a policy may sample the image token as text)
+        image_mask = batch_vision.prompt_image_mask(mb.tokens, mb.prompt_lengths, image_token_id)
         if packed:  # the real tokens' positions side by side, then the padding's count from 0 (`gpt_inputs`)
             real = positions[:, mb.attention_mask.bool()]
             extra = torch.arange(length - real.shape[1], device=real.device).repeat(3, 1)
             positions = torch.cat([real, extra], dim=1)[:, None]
+            image_mask = image_mask[mb.attention_mask.bool()][None]
         else:
             positions = torch.cat([positions, positions[..., -1:] + torch.arange(
                 1, length - positions.shape[2] + 1, device=positions.device)], dim=2)
@@ -300,6 +304,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         if images and self.is_first_stage:
             out["pixel_values"] = torch.cat([row.pixel_values for row in images]).to(self.device)
             out["image_grid_thw"] = torch.cat([row.image_grid_thw for row in images]).to(self.device)
+            out["image_mask"] = torch.nn.functional.pad(image_mask, (0, length - image_mask.shape[1])).to(self.device)
         return out
 
     def _see_images(self, samples: Sequence[Sample]) -> None:

@@ -86,12 +86,13 @@ def vision_gpt_class():
             return full
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *, pixel_values=None,
-                    image_grid_thw=None, padding_mask=None, **kwargs):
+                    image_grid_thw=None, image_mask=None, padding_mask=None, **kwargs):
+            """image_mask [b, s]: the image tokens the images fill (the prompts'; default: every image token)."""
             self._deepstack = None
             if self.pre_process and decoder_input is None:
                 embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, H], whole sequence
                 if pixel_values is not None:
-                    mask = input_ids == self.image_token_id
+                    mask = input_ids == self.image_token_id if image_mask is None else image_mask
                     out = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
                     features = out.pooler_output
                     if int(mask.sum()) != features.shape[0]:
