@@ -7,7 +7,9 @@ and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron where their family is one megatron-core
 builds here (Qwen2.5, Qwen3, Qwen3-MoE). fully_async_qwen3.5_9B, refused on megatron for its gated delta-net layers
-with a refusal that names fsdp, runs moved to fsdp as docs/slime.md's porting section says (ON_FSDP).
+with a refusal that names fsdp, runs moved to fsdp as docs/slime.md's porting section says (ON_FSDP), and so does
+slime's geo3k VLM example (Qwen3.5-MoE with `--multimodal-keys`: a tiny Qwen3.5-MoE with its vision tower, each
+prompt row an image).
 train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
 tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
 (slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
