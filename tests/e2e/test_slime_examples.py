@@ -171,7 +171,7 @@ SLOW = {"geo3k_vlm_qwen3.5_35B_A3B"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
-                                  for name in sorted(RUNS, key=lambda name: (RUNS[name][1], name))])  # a stack at a time
+                                  for name in sorted(RUNS, key=lambda name: (RUNS[name][1], name))])  # by stack
 def test_each_accepted_script_runs_two_rollouts_on_a_tiny_model_of_its_family(name, stack_of, tmp_path):
     script_argv, model_type = RUNS[name]
     state, model = stack_of(model_type)
