@@ -4,6 +4,7 @@ weights out as HF tensors, gathered from the shards."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,7 +74,11 @@ class MegatronHFWeights:
     def _load_hf(self, gpt, path: Path, what: str) -> None:
         """An HF checkpoint of the policy's architecture into one of the models (slime swaps such weights into its one
         model, so it needs the same architecture too)."""
-        if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
+        hf_config = hf_io.read_config(path)
+        arch = ModelArch.from_hf_config(hf_config)
+        if self.arch.vision_model_type and not arch.vision_model_type:  # Qwen3.5 loaded for a job with images
+            arch = arch.with_vision(hf_config)
+        if dataclasses.replace(arch, stage_layers=self.arch.stage_layers) != self.arch:
             raise InvalidArgument(f"{what} {path}: architecture {arch} differs from the policy's {self.arch}")
         self._copy_hf_weights(gpt, hf_io.HFTensors(path))
 

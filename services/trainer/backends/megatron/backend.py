@@ -83,6 +83,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         hf_config = hf_io.read_config(self.model_path)
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
         self.arch = ModelArch.from_hf_config(hf_config)
+        if config.multimodal_keys and not self.arch.vision_model_type and \
+                families.is_vision_language(hf_config, images=True):  # Qwen3.5 with its vision tower
+            self.arch = self.arch.with_vision(hf_config)
         stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
         self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers)
         self.etp_size = expert_tensor_parallel_size
@@ -131,7 +134,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                        else megatron_cpu.CPU)
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
-        self.use_te = mcore.has_transformer_engine()
+        # the hybrid stacks (gated delta-nets) are built of local modules, Transformer Engine or not (`hybrid.py`)
+        self.use_te = mcore.has_transformer_engine() and self.arch.linear_attention is None
         self.use_distributed_optimizer = use_distributed_optimizer
         self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
             else None

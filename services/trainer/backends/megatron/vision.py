@@ -119,13 +119,13 @@ def vision_gpt_class():
 
 
 class MultimodalRotary(torch.nn.Module):
-    """Rotary angles [s, b, 1, head_dim] from multimodal positions [3, b, s]: each head's rotary half split into
+    """Rotary angles [s, b, 1, rotary dim] from multimodal positions [3, b, s]: each head's rotary half split into
     time, height and width bands (mrope_section), one after another (Qwen2.5-VL) or interleaved (Qwen3-VL), each
     band turned by its own position. GPTModel calls it as `rotary_pos_emb(position_ids, mrope_section, cp_group=)`."""
 
     def __init__(self, arch: ModelArch, device: torch.device) -> None:
         super().__init__()
-        dim = arch.head_dim
+        dim = arch.rotary_dim  # Qwen3.5 turns a quarter of each head
         self.section = list(arch.mrope_section)
         self.interleaved = arch.mrope_interleaved
         self.register_buffer("inv_freq", 1.0 / (arch.rope_theta ** (
