@@ -1,8 +1,9 @@
-"""The megatron backend on a tiny Qwen2.5-VL and a tiny Qwen3-VL: megatron's language model with transformers'
-vision tower. Log-probs equal the HF model's own forward with the images, packed or padded, however the rollout is
-cut; the multimodal positions are the HF rope index's; training moves the tower unless freeze_vision holds it; the
-weights go out under the engine's names, the tower's included (and as an HF export with its image processor); a
-torch_dist checkpoint restores the tower; an image token sampled in a response is text to both trainers."""
+"""The megatron backend on a tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE): megatron's language model with
+transformers' vision tower. Log-probs equal the HF model's own forward with the images, packed or padded, however
+the rollout is cut; the multimodal positions are the HF rope index's; training moves the tower unless
+freeze_vision holds it; the weights go out under the engine's names, the tower's included (and as an HF export with
+its image processor); a torch_dist checkpoint restores the tower; an image token sampled in a response is text to
+both trainers."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from PIL import Image as PILImage
 
 from physarum import tasks
-from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
+from physarum.tinyvlm import QWEN3_5_VLMS, VLM_FAMILIES, build_tiny_vlm
 from services.common.samples import Sample
 from services.trainer.backends.megatron.backend import MegatronBackend
 from services.trainer.batching import vision
@@ -158,3 +159,37 @@ def test_an_image_token_sampled_in_a_response_is_text(vlm_dir, backend_name):
         if backend_name == "megatron":
             backend.close()
     assert got == pytest.approx(decoded_log_probs(vlm_dir, sampled), abs=1e-5)
+
+
+@pytest.fixture(scope="module", params=QWEN3_5_VLMS)
+def qwen3_5_dir(request, tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{request.param}-vl"), tasks.corpus(), family=request.param)
+
+
+def test_qwen3_5_with_images_is_its_vision_language_model(qwen3_5_dir):
+    """Qwen3.5, dense and MoE (megatron's gated delta-net language model), for a job with images: the vision tower
+    beside it, a quarter of each head turned by interleaved multimodal positions; log-probs equal the HF forward,
+    packed and padded; training moves the tower, whose weights reach the engine's."""
+    from services.engine.generation import load_model
+
+    samples = vlm_samples(qwen3_5_dir)
+    want = [hf_log_probs(qwen3_5_dir, sample, 1.0) for sample in samples]
+    for pack in (False, True):
+        backend = make_backend(qwen3_5_dir, pack=pack, micro_batch_size=2)
+        try:
+            assert backend.arch.vision_model_type == backend.arch.model_type and backend.arch.mrope_interleaved
+            for got, expected in zip(backend.compute_log_probs(samples), want, strict=True):
+                assert got == pytest.approx(expected, abs=1e-5)
+            if not pack:
+                continue
+            for sample, log_probs in zip(samples, backend.compute_log_probs(samples), strict=True):
+                sample.rollout_log_probs = log_probs
+            before = {name: t.clone() for name, t in backend.named_weights()}
+            backend.train_rollout(samples[:4])
+            after = dict(backend.named_weights())
+        finally:
+            backend.close()
+    assert any(name.startswith("model.visual.") and not torch.equal(t, before[name]) for name, t in after.items())
+    engine_model, _ = load_model(str(qwen3_5_dir))
+    assert {n: tuple(t.shape) for n, t in after.items()} == {n: tuple(t.shape)
+                                                              for n, t in engine_model.state_dict().items()}
