@@ -461,10 +461,14 @@ def test_the_eval_function_case_names_its_function_and_keeps_the_eval_config(tmp
     assert len(problems) == 1 and problems[0].startswith("eval_function_path: "), problems
 
 
-def test_geo3k_moved_to_fsdp_trains_qwen3_5_with_its_images(tmp_path):
-    """slime's geo3k VLM example (Qwen3.5-35B-A3B, multimodal keys and all), refused on megatron for its family,
-    moved to fsdp as docs/slime.md's porting section says (`--train-backend fsdp` and parallel sizes 1 appended,
-    then the Megatron settings its refusal names dropped): accepted with its image column."""
+def test_geo3k_trains_qwen3_5_with_its_images_on_either_backend(tmp_path):
+    """slime's geo3k VLM example (Qwen3.5-35B-A3B, multimodal keys and all) is accepted on megatron as it is (its
+    language model megatron's, its vision tower transformers'), and moved to fsdp as docs/slime.md's porting section
+    says (`--train-backend fsdp` and parallel sizes 1 appended, then the Megatron settings its refusal names
+    dropped)."""
+    spec = submit(materialize(EXAMPLES["geo3k_vlm_qwen3.5_35B_A3B"]["argv"], tmp_path / "megatron"))
+    assert (spec.train_backend, spec.multimodal_keys) == ("megatron", {"image": "images"})
+    assert (spec.tensor_model_parallel_size, spec.expert_model_parallel_size) == (2, 8)
     argv = materialize(EXAMPLES["geo3k_vlm_qwen3.5_35B_A3B"]["argv"], tmp_path) + [
         "--train-backend", "fsdp", "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
     with pytest.raises(InvalidArgument) as err:
