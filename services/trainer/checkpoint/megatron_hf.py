@@ -78,7 +78,9 @@ class MegatronHFWeights:
         arch = ModelArch.from_hf_config(hf_config)
         if self.arch.vision_model_type and not arch.vision_model_type:  # Qwen3.5 loaded for a job with images
             arch = arch.with_vision(hf_config)
-        if dataclasses.replace(arch, stage_layers=self.arch.stage_layers) != self.arch:
+        arch = dataclasses.replace(arch,  # the job's, not the file's
+                                   stage_layers=self.arch.stage_layers, mtp_num_layers=self.arch.mtp_num_layers)
+        if arch != self.arch:
             raise InvalidArgument(f"{what} {path}: architecture {arch} differs from the policy's {self.arch}")
         self._copy_hf_weights(gpt, hf_io.HFTensors(path))
 

@@ -217,6 +217,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
 
             attn = spec.layer_specs[0].submodules.self_attention.submodules
             attn.q_layernorm, attn.k_layernorm = QProjectionRMSNorm, KProjectionRMSNorm
+    mtp_spec = _mtp_block(spec, arch.mtp_num_layers, SequenceParallelRMSNorm, use_te=use_te) \
+        if arch.mtp_num_layers and parallel_state.is_pipeline_last_stage() else None
     model_class, extra = GPTModel, {}
     if arch.vision_model_type:
         from services.trainer.backends.megatron import vision
@@ -225,7 +227,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
         extra = {"position_embedding_type": "mrope", "scatter_embedding_sequence_parallel": False}
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = model_class(
-            config=config, transformer_layer_spec=spec,
+            config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
@@ -235,6 +237,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
             **{"position_embedding_type": "rope", **extra})
         if arch.vision_model_type:
             model.attach_vision(vision_config, arch, config.params_dtype, torch.device("cpu"))
+    model.mtp_process = False  # its MTP layers run only in the forwards that train them (`mtp.running`)
     if arch.mla is not None and not use_te:
         from services.trainer.backends.megatron.mla import whole_kv_down_projections
 
@@ -250,6 +253,22 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
                 param.tensor_model_parallel = False
                 param.sequence_parallel = config.sequence_parallel
     return model.cuda() if torch.cuda.is_available() else model
+
+
+def _mtp_block(spec, num_layers: int, norm: type, *, use_te: bool):
+    """megatron-core's block of `num_layers` multi-token-prediction layers, each with a transformer layer as the
+    decoder's last (`spec`: a layer's or the block's) and, on the local spec, `norm` for its three RMSNorms."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = spec.layer_specs[-1] if isinstance(spec, TransformerBlockSubmodules) else spec
+    mtp_layer = get_mtp_layer_spec(layer, use_transformer_engine=use_te)
+    if not use_te:
+        mtp_layer.submodules.enorm = mtp_layer.submodules.hnorm = mtp_layer.submodules.layer_norm = norm
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * num_layers)
 
 
 def _decoder_block(config, *, use_te: bool):
