@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from pathlib import Path
 
 import torch
 
@@ -105,11 +106,13 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    # a vision-language checkpoint whose family has no causal LM (Qwen2.5-VL, Qwen3-VL): with its vision tower, as
-    # the trainer builds it (a Qwen3.5 checkpoint is served as its language model, as the trainer trains it)
+    # a vision-language checkpoint with its vision tower, as the trainer builds it for a job with images: one whose
+    # family has no causal LM (Qwen2.5-VL, Qwen3-VL), or one whose family has both (Qwen3.5) when the directory
+    # holds its image processor (else it is served as its language model)
     config = AutoConfig.from_pretrained(model_path)
-    vision = getattr(config, "vision_config", None) is not None and \
+    vision = getattr(config, "vision_config", None) is not None and (
         config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or (Path(model_path) / "preprocessor_config.json").is_file())
     model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = model_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     model.requires_grad_(False)

@@ -60,7 +60,7 @@ class WeightUpdater:
         self.engine = engine
         self.timeout_s = timeout_s
         # HF checkpoint names of every parameter and persistent buffer; a tied lm_head.weight shares the embedding
-        self.params: dict[str, torch.Tensor] = engine.model.state_dict(keep_vars=True)
+        self.params: dict[str, torch.Tensor] = language_model_aliases(engine.model.state_dict(keep_vars=True))
         # the checkpoint's multi-token-prediction layers, as the trainer last sent them: SGLang loads them into its
         # speculative draft model; this engine decodes without one and keeps them aside (`_draft_layer`)
         self.draft: dict[str, torch.Tensor] = self._checkpoint_draft(Path(engine.model.name_or_path or "."))
@@ -390,3 +390,14 @@ class WeightUpdater:
         if param is None:
             raise NotFound(f"unknown parameter {name!r}")
         return param.detach().flatten()[: max(int(truncate_size), 0)].tolist()
+
+
+LANGUAGE_MODEL = "model.language_model."
+
+
+def language_model_aliases(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language model's tensors also under its language model's causal-LM names (model.language_model.X as
+    model.X): a trainer that trains a Qwen3.5 checkpoint as text sends those to the engine serving it whole."""
+    aliases = {"model." + name.removeprefix(LANGUAGE_MODEL): param for name, param in params.items()
+               if name.startswith(LANGUAGE_MODEL)}
+    return {**{name: param for name, param in aliases.items() if name not in params}, **params}

@@ -19,8 +19,8 @@ MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_
                    "minimax_m2", "glm_moe_dsa", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
 MEGATRON_REFUSAL = ("hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
                     "'{model_type}' is not supported (supported: qwen2, mimo, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
-                    "minimax_m2, deepseek_v3, glm4_moe_lite, glm_moe_dsa, qwen3_next, qwen3_5, qwen3_5_moe); "
-                    "train_backend fsdp trains it")
+                    "minimax_m2, deepseek_v3, glm4_moe_lite, glm_moe_dsa, qwen3_next, qwen3_5, qwen3_5_moe, "
+                    "qwen2_5_vl, qwen3_vl); train_backend fsdp trains it")
 
 
 

@@ -51,7 +51,7 @@ BACKENDS: dict[str, Capabilities] = {
                          load_balancing_types=("aux_loss", "seq_aux_loss")),
     "megatron": Capabilities(critic=True, packing=True, tensor_parallel=True, pipeline_parallel=True,
                              expert_parallel=True, context_parallel=True, extra_flags=True, reads_shares=False,
-                             slime_checkpoints=True, mtp=True,
+                             slime_checkpoints=True, mtp=True, vision=True,
                              model_problem=families.megatron_problem,
                              replay_problem=families.megatron_replay_problem,
                              aux_loss_problem=families.megatron_train_mode_problem),

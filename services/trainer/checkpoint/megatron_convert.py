@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from services.trainer.models import deepseek_v3, glm4, glm_moe_dsa, minimax_m2, mtp, qwen3_next
+from services.trainer.models import deepseek_v3, glm4, glm_moe_dsa, minimax_m2, mtp, qwen3_next, vision_language
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -171,6 +171,10 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     if arch.linear_attention is not None:
         hf = qwen3_next.CheckpointNames(hf)
     padded = arch.padded_vocab_size(tp_size)
+    if arch.vision_model_type:  # the vision tower, whole, on the first stage (its HF names)
+        hf = vision_language.CheckpointNames(hf)
+        if pp_rank == 0:
+            out.update({name: hf[name].clone().contiguous() for name in hf.tower_names()})
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
@@ -258,7 +262,18 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
                    offset: int = 0) -> list[tuple[str, torch.Tensor]]:
     """HF (name, full tensor) pairs of one Megatron parameter given its TP shards in TP-rank order (a replicated
     parameter: any one shard). `offset` is the stage's first global layer. The tied output layer maps to nothing:
-    the embedding stands for it."""
+    the embedding stands for it. A vision-language model's come under transformers' in-memory names (its tower's
+    parameters are whole on every rank)."""
+    if arch.vision_model_type:
+        if name.startswith(vision_language.TOWER):
+            return [(vision_language.in_memory_name(name), shards[0])]
+        return [(vision_language.in_memory_name(hf_name), tensor)
+                for hf_name, tensor in _language_model_to_hf(name, shards, arch, offset=offset)]
+    return _language_model_to_hf(name, shards, arch, offset=offset)
+
+
+def _language_model_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *,
+                          offset: int = 0) -> list[tuple[str, torch.Tensor]]:
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", torch.cat(list(shards))[:arch.vocab_size])]
     if name == "output_layer.weight":

@@ -8,6 +8,7 @@ Reads a transformers config (or its config.json dict); knows nothing of Megatron
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,10 @@ from services.common.errors import InvalidArgument
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")  # deepseek_v3.py reads them
 GATED_DELTA_NET_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # qwen3_next.py reads them
 QWEN2_SHAPED = ("qwen2", "mimo")  # MiMo: Qwen2 with multi-token-prediction layers (`mtp.py`)
+# vision-language checkpoints: their language model's family (megatron's), the vision tower transformers' own
+VISION_LANGUAGE_TEXT_TYPES = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 SUPPORTED_MODEL_TYPES = (*QWEN2_SHAPED, "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2",
-                         *MLA_MODEL_TYPES, *GATED_DELTA_NET_MODEL_TYPES)
+                         *MLA_MODEL_TYPES, *GATED_DELTA_NET_MODEL_TYPES, *VISION_LANGUAGE_TEXT_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -113,6 +116,12 @@ class ModelArch:
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid of a [1, hidden] gate
     # multi-token-prediction layers built after the decoder (the job's mtp_num_layers; the checkpoint's: `mtp.py`)
     mtp_num_layers: int = 0
+    # a vision-language checkpoint (its model_type, e.g. qwen2_5_vl; None: a language model alone): multimodal
+    # rotary positions, each head's rotary half split over (time, height, width) as mrope_section says, the three
+    # bands one after another or interleaved (Qwen3-VL)
+    vision_model_type: str | None = None
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def is_linear_layer(self, index: int) -> bool:
         """Whether global layer `index` is a gated delta-net."""
@@ -176,6 +185,9 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArch:
         """From a transformers PretrainedConfig or a config.json dict; unsupported variants raise InvalidArgument."""
+        whole = config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else {}
+        if whole.get("model_type") in VISION_LANGUAGE_TEXT_TYPES:
+            return cls._vision_language(whole)
         if isinstance(config, dict):
             from services.trainer.models.families import language_model_config
 
@@ -248,6 +260,38 @@ class ModelArch:
                    moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
                    moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,
                    moe_router_pre_softmax=bool(num_experts) and not get("norm_topk_prob", False))
+
+    @classmethod
+    def _vision_language(cls, config: dict[str, Any]) -> ModelArch:
+        """A vision-language checkpoint's language model (its text_config as its text family's) with its
+        multimodal rotary layout."""
+        model_type = config["model_type"]
+        own = {key: value for key, value in (config.get("text_config") or {}).items() if value is not None}
+        text = {**{key: value for key, value in config.items() if key != "text_config"}, **own,
+                "model_type": VISION_LANGUAGE_TEXT_TYPES[model_type]}
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        plain = {key: value for key, value in rope.items() if key not in ("mrope_section", "mrope_interleaved", "type")}
+        return cls.from_hf_config({**text, "rope_parameters": plain, "rope_scaling": None}).with_vision(config)
+
+    def with_vision(self, hf_config: dict[str, Any]) -> ModelArch:
+        """This language model as the one of vision-language checkpoint `hf_config` (Qwen2.5-VL, Qwen3-VL, or for
+        a job with images Qwen3.5): its multimodal rotary layout, from its text config's rope parameters."""
+        text = hf_config.get("text_config") or hf_config
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        section = rope.get("mrope_section")
+        model_type = hf_config.get("model_type")
+        if not section:
+            raise InvalidArgument(f"megatron backend: {model_type} without mrope_section in its rope parameters")
+        if 2 * sum(section) != self.rotary_dim:
+            raise InvalidArgument(f"megatron backend: mrope_section {section} does not split the rotary half "
+                                  f"({self.rotary_dim // 2} of each head's dimensions)")
+        return dataclasses.replace(self, vision_model_type=model_type, mrope_section=tuple(section),
+                                   mrope_interleaved=bool(rope.get("mrope_interleaved")))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Each head's dimensions RoPE turns (the first ones)."""
+        return int(self.head_dim * self.rotary_percent)
 
 
 def uneven_stage_layers(num_layers: int, pp_size: int, *, first: int | None = None,

@@ -100,7 +100,8 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **moe_fields(arch),
         rotary_interleaved=arch.rotary_interleaved, **{**mla, "qk_layernorm": arch.qk_layernorm or bool(mla)},
-        **linear_attention_fields(arch)), overrides or {})
+        **linear_attention_fields(arch),
+        **({"mrope_section": list(arch.mrope_section)} if arch.mrope_section else {})), overrides or {})
 
 
 def linear_attention_fields(arch: ModelArch) -> dict:
@@ -161,8 +162,9 @@ def router_fields(arch: ModelArch, train: TrainConfig) -> dict:
     return fields
 
 
-def build_gpt(arch: ModelArch, config, *, use_te: bool):
-    """This pipeline stage's GPTModel (padded vocab, vocab-parallel output), on the GPU when there is one."""
+def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
+    """This pipeline stage's GPTModel (padded vocab, vocab-parallel output), on the GPU when there is one; for a
+    vision-language checkpoint (`vision_config`, its transformers config) with the vision tower (`vision.py`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -225,15 +227,24 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             attn.q_layernorm, attn.k_layernorm = QProjectionRMSNorm, KProjectionRMSNorm
     mtp_spec = _mtp_block(spec, arch.mtp_num_layers, SequenceParallelRMSNorm, use_te=use_te) \
         if arch.mtp_num_layers and parallel_state.is_pipeline_last_stage() else None
+    model_class, extra = GPTModel, {}
+    if arch.vision_model_type:
+        from services.trainer.backends.megatron import vision
+
+        model_class = vision.vision_gpt_class()
+        extra = {"position_embedding_type": "mrope", "scatter_embedding_sequence_parallel": False}
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
-        model = GPTModel(
+        model = model_class(
             config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
-            rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
+            rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
+            rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+            **{"position_embedding_type": "rope", **extra})
+        if arch.vision_model_type:
+            model.attach_vision(vision_config, arch, config.params_dtype, torch.device("cpu"))
     model.mtp_process = False  # its MTP layers run only in the forwards that train them (`mtp.running`)
     if arch.mla is not None and not use_te:
         from services.trainer.backends.megatron.mla import whole_kv_down_projections
