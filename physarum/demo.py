@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                              "weights; the engines serve it (make demo LORA=1)")
     add_device_flags(parser)
     args = parser.parse_args(argv)
-    if args.lora and args.train_backend != "fsdp":
-        raise SystemExit("demo: --lora trains on the fsdp backend")
     from services.trainer.api.client import backend_capabilities
+
+    if args.lora and not backend_capabilities(args.train_backend).lora:
+        raise SystemExit(f"demo: --lora: train_backend {args.train_backend} trains no LoRA adapters (fsdp does)")
 
     model_parallel = backend_capabilities(args.train_backend).tensor_parallel
     ranks = args.trainer_ranks or (2 if model_parallel else 1)

@@ -27,6 +27,12 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a 
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+def language_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: a multimodal checkpoint's (Qwen3.5's) text_config over its own top level."""
+    text = hf_config.get("text_config")
+    return {**hf_config, **text} if isinstance(text, dict) else hf_config
+
+
 @dataclass(frozen=True)
 class MLAShape:
     """Multi-latent attention: queries through a q_lora_rank bottleneck (None: one projection), keys and values
@@ -189,8 +195,6 @@ class ModelArch:
         if whole.get("model_type") in VISION_LANGUAGE_TEXT_TYPES:
             return cls._vision_language(whole)
         if isinstance(config, dict):
-            from services.trainer.models.families import language_model_config
-
             config = language_model_config(config)  # a multimodal checkpoint's (Qwen3.5's) language model
         elif hasattr(config, "get_text_config"):
             config = config.get_text_config()

@@ -11,18 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.trainer.models.arch import language_model_config
 
 
 def family(hf_config: dict[str, Any]) -> str:
     """The family's name: its model_type, a multimodal checkpoint's text model by the checkpoint's name
     (qwen3_5_text is qwen3_5)."""
     return str(hf_config.get("model_type", "")).removesuffix("_text")
-
-
-def language_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields: a multimodal checkpoint's (Qwen3.5's) text_config over its own top level."""
-    text = hf_config.get("text_config")
-    return {**hf_config, **text} if isinstance(text, dict) else hf_config
 
 
 def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
