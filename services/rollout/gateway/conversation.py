@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidArgument
-from services.rollout.gateway.schema import RequestInvalid
+from services.rollout.gateway.schema import RequestInvalid, check_json_schema
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -24,6 +24,7 @@ class Limits:
     max_tools: int = 64
     max_turns: int = 64  # completions per session
     max_choices: int = 8  # n
+    max_spawned: int = 8  # sessions one sample's session may spawn (sub-agents, restarts)
 
 
 @dataclass
@@ -35,19 +36,35 @@ class Conversation:
     def tool_names(self) -> set[str]:
         return {tool["function"]["name"] for tool in self.tools}
 
+    def canonical(self) -> list[dict[str, Any]]:
+        return canonical(self.messages)
+
     def keys(self) -> list[tuple]:
-        return [message_key(m) for m in self.messages]
+        return [message_key(m) for m in self.canonical()]
 
     def tools_key(self) -> str:
         return json.dumps(self.tools, sort_keys=True)
 
 
+def canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages in the order histories are matched in: the system text first, wherever the agent put it (several
+    system messages joined), then the others in order. An agent that moves its system prompt continues its turns."""
+    system = [m for m in messages if m["role"] == "system"]
+    if not system:
+        return list(messages)
+    rest = [m for m in messages if m["role"] != "system"]
+    if len(system) == 1 and messages[0] is system[0]:
+        return list(messages)
+    return [{"role": "system", "content": "\n\n".join(m.get("content") or "" for m in system)}, *rest]
+
+
 def message_key(message: dict[str, Any]) -> tuple:
-    """What must be equal for a message sent back to be the one the gateway produced: role, text (outer whitespace
-    aside) and tool calls by name and arguments (ids are the gateway's own, so they are not compared)."""
+    """What must be equal for a message sent back to be the one the gateway produced: role, text up to whitespace
+    (agents strip, re-indent or re-wrap what they send back) and tool calls by name and arguments as parsed JSON (so
+    a re-serialized argument is the same call; ids are the gateway's own, so they are not compared)."""
     calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
                   for c in message.get("tool_calls") or [])
-    return message["role"], (message.get("content") or "").strip(), calls
+    return message["role"], " ".join((message.get("content") or "").split()), calls
 
 
 def assistant_message(content: str, calls: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
@@ -76,14 +93,16 @@ def _text(content: Any, where: str) -> str:
     raise InvalidArgument(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
 
 
-def _arguments(raw: Any, where: str) -> dict[str, Any]:
+def _arguments(raw: Any, param: str) -> dict[str, Any]:
+    """A call's arguments sent back, parsed; RequestInvalid naming the field (`param`) when they are not a JSON
+    object (the gateway returns only calls whose arguments are: a broken call comes back as text)."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw) if raw.strip() else {}
         except ValueError as err:
-            raise InvalidArgument(f"{where}: function.arguments is not JSON: {err}") from None
+            raise RequestInvalid(f"the arguments text is not JSON: {err}", param) from None
     if not isinstance(raw, dict):
-        raise InvalidArgument(f"{where}: function.arguments must be a JSON object")
+        raise RequestInvalid("the arguments must be a JSON object", param)
     return raw
 
 
@@ -96,11 +115,13 @@ def _check_counts(num_messages: int, num_tools: int, limits: Limits) -> None:
         raise InvalidArgument(f"tools: {num_tools} tools, at most {limits.max_tools} per request")
 
 
-def _function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+def _function_tool(name: Any, description: Any, parameters: Any, where: str, schema_param: str) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"{where}: a tool needs a non-empty string name")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidArgument(f"{where}: the parameters schema must be a JSON object")
+    if parameters is not None:
+        check_json_schema(parameters, schema_param)
     function = {"name": name, "description": description if isinstance(description, str) else "",
                 "parameters": parameters or {"type": "object", "properties": {}}}
     return {"type": "function", "function": function}
@@ -126,7 +147,7 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
             item["tool_calls"] = [{"id": str(c.get("id", "")), "type": "function",
                                    "function": {"name": str((c.get("function") or {}).get("name", "")),
                                                 "arguments": _arguments((c.get("function") or {}).get("arguments"),
-                                                                        f"{where}.tool_calls[{j}]")}}
+                                                                        f"{where}.tool_calls[{j}].function.arguments")}}
                                   for j, c in enumerate(calls) if isinstance(c, dict)]
         if role == "tool":
             item["tool_call_id"] = str(message.get("tool_call_id", ""))
@@ -137,12 +158,13 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(function, dict) or tool.get("type", "function") != "function":
             raise InvalidArgument(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools are supported")
         checked.append(_function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                      f"tools[{i}]"))
+                                      f"tools[{i}]", f"tools[{i}].function.parameters"))
     return Conversation(out, checked)
 
 
 def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
-    """Anthropic Messages `system`, `messages` (text, tool_use and tool_result blocks) and `tools`."""
+    """Anthropic Messages `system`, `messages` (text, tool_use and tool_result blocks; a `system` message among them,
+    as Claude Code sends its environment, is kept in place) and `tools`."""
     messages, tools = body.get("messages"), body.get("tools") or []
     if not isinstance(messages, list) or not isinstance(tools, list):
         raise InvalidArgument("messages and tools must be lists")
@@ -153,15 +175,16 @@ def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
         out.append({"role": "system", "content": _text(system, "system")})
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise InvalidArgument(f"{where}: role must be user or assistant")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise InvalidArgument(f"{where}: role must be user, assistant or system")
         content = message.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise InvalidArgument(f"{where}: content must be a string or a list of blocks")
         out.extend(_anthropic_blocks(message["role"], blocks, where))
-    checked = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
-               if isinstance(t, dict) else _function_tool(None, None, None, f"tools[{i}]")
+    checked = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]",
+                              f"tools.{i}.input_schema")
+               if isinstance(t, dict) else _function_tool(None, None, None, f"tools[{i}]", "")
                for i, t in enumerate(tools)]
     return Conversation(out, checked)
 
@@ -174,16 +197,20 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_text([block], f"{where}.content[{j}]"))
+        elif role == "system":
+            raise InvalidArgument(f"{where}.content[{j}]: a system message holds text blocks only")
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": str(block.get("name", "")),
-                                       "arguments": _arguments(block.get("input", {}), f"{where}.content[{j}]")}})
+                                       "arguments": _arguments(block.get("input", {}), f"{where}.content[{j}].input")}})
         elif kind == "tool_result" and role == "user":
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                             "content": _text(block.get("content"), f"{where}.content[{j}]")})
         else:
             raise InvalidArgument(f"{where}.content[{j}]: block type {kind!r} is not supported in a {role} message "
                                   "(text, tool_use, tool_result)")
+    if role == "system":
+        return [{"role": "system", "content": "".join(texts)}]
     if role == "assistant":
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
         if calls:
@@ -232,7 +259,7 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
         elif kind == "function_call":
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": str(item.get("name", "")),
-                                 "arguments": _arguments(item.get("arguments", ""), where)}}
+                                 "arguments": _arguments(item.get("arguments", ""), f"{where}.arguments")}}
             if open_turn is None:
                 open_turn = {"role": "assistant", "content": ""}
                 out.append(open_turn)
@@ -252,5 +279,5 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
             raise RequestInvalid("only function tools ({'type': 'function', 'name': ...}) are supported",
                                  f"tools[{i}].type")
         checked.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
-                                      f"tools[{i}]"))
+                                      f"tools[{i}]", f"tools[{i}].parameters"))
     return Conversation(out, checked)

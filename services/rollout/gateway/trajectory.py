@@ -37,6 +37,7 @@ class Turn:
     parent: Turn | None
     context: list[int]  # tokens added before the generation: loss_mask 0 (the root's: the prompt)
     keys: list[tuple]  # the request's messages and the produced assistant message, canonical
+    messages: list[dict[str, Any]]  # those messages as the gateway holds them (what later turns are rendered after)
     tools_key: str
     generated: list[int] = field(default_factory=list)  # loss_mask 1
     log_probs: list[float] = field(default_factory=list)
@@ -68,6 +69,7 @@ class Prepared:
     context: list[int]
     input_ids: list[int]
     branch_reason: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the history the generation continues, canonical
 
 
 @dataclass
@@ -86,29 +88,35 @@ class Trajectory:
         if limit is not None:  # a message past the context alone is refused before the template copies it
             for message in conversation.messages:
                 refuse_past(self.renderer, message.get("content") or "", limit)
-        keys, tools_key = conversation.keys(), conversation.tools_key()
+        canon = conversation.canonical()
+        keys, tools_key = [message_key(m) for m in canon], conversation.tools_key()
         parent = None
         for turn in reversed(self.turns):  # newest first among equally long matches
             k = len(turn.keys)
             if turn.tools_key == tools_key and k < len(keys) and keys[:k] == turn.keys and (
                     parent is None or k > len(parent.keys)):
                 parent = turn
-        full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
         if parent is None:
             reason = "" if not self.turns else "the history repeats no turn the gateway produced"
+            full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
             ids = encode_within(self.renderer, full, limit)
-            return Prepared(None, ids, list(ids), reason)
-        done = self.renderer.render_messages(conversation.messages[:len(parent.keys)], conversation.tools,
-                                             add_generation_prompt=False)
+            return Prepared(None, ids, list(ids), reason, canon)
+        # what is new is rendered after the history the gateway holds, not the agent's copy of it: an agent's
+        # re-serialized arguments, whitespace or moved system prompt change no token already generated
+        messages = [*parent.messages, *canon[len(parent.keys):]]
+        full = self.renderer.render_messages(messages, conversation.tools, add_generation_prompt=True)
+        done = self.renderer.render_messages(parent.messages, conversation.tools, add_generation_prompt=False)
         if not full.startswith(done):  # the template renders earlier turns differently once more follow
+            full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
             ids = encode_within(self.renderer, full, limit)
-            return Prepared(None, ids, list(ids), "the chat template renders the history differently as it grows")
+            return Prepared(None, ids, list(ids), "the chat template renders the history differently as it grows",
+                            canon)
         history = parent.tokens()
         context = encode_within(self.renderer, self._closing(parent) + full[len(done):],
                                 None if limit is None else max(0, limit - len(history)))
         reason = "" if parent is self.tip else (f"continues turn {parent.index}, not the last turn "
                                                 f"{self.tip.index if self.tip else -1}")
-        return Prepared(parent, context, history + context, reason)
+        return Prepared(parent, context, history + context, reason, messages)
 
     def _closing(self, turn: Turn) -> str:
         """The template's text after an assistant turn's content that the engine did not generate: all of it, or
@@ -132,8 +140,9 @@ class Trajectory:
                generated: list[int], log_probs: list[float], weight_versions: list[str], finish: str,
                make_tip: bool) -> Turn:
         """Add the turn the engine produced from `prepared`; `make_tip` for the choice the sample follows."""
+        messages = [*prepared.messages, assistant]
         turn = Turn(index=len(self.turns), parent=prepared.parent, context=list(prepared.context),
-                    keys=[*conversation.keys(), message_key(assistant)], tools_key=conversation.tools_key(),
+                    keys=[message_key(m) for m in messages], messages=messages, tools_key=conversation.tools_key(),
                     generated=list(generated), log_probs=list(log_probs), weight_versions=list(weight_versions),
                     finish=finish)
         self.turns.append(turn)
