@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
+.PHONY: setup demo demo-agent demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build. The images'
 # constraints pin the rest, so the tests run on the very versions the images install.
@@ -27,6 +27,9 @@ MODEL ?= qwen3
 THREADS ?=
 demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs; MODEL=qwen3_moe|qwen3_5|...: another tiny family; THREADS=1: one trainer thread (a busy machine)
 	$(BIN)/python -m physarum.demo --seed $(SEED) --model-family $(MODEL) $(if $(THREADS),--trainer-threads $(THREADS))
+
+demo-agent: setup  # `make demo-agent SEED=n`: an openai-client agent learns to call its calculator (docs/agents.md)
+	$(BIN)/python -m physarum.demo_agent --seed $(SEED)
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes
 	$(BIN)/python -m physarum.demo --train-backend megatron
