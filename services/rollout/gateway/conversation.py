@@ -163,7 +163,8 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
 
 
 def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
-    """Anthropic Messages `system`, `messages` (text, tool_use and tool_result blocks) and `tools`."""
+    """Anthropic Messages `system`, `messages` (text, tool_use and tool_result blocks; a `system` message among them,
+    as Claude Code sends its environment, is kept in place) and `tools`."""
     messages, tools = body.get("messages"), body.get("tools") or []
     if not isinstance(messages, list) or not isinstance(tools, list):
         raise InvalidArgument("messages and tools must be lists")
@@ -174,8 +175,8 @@ def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
         out.append({"role": "system", "content": _text(system, "system")})
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise InvalidArgument(f"{where}: role must be user or assistant")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise InvalidArgument(f"{where}: role must be user, assistant or system")
         content = message.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
@@ -196,6 +197,8 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_text([block], f"{where}.content[{j}]"))
+        elif role == "system":
+            raise InvalidArgument(f"{where}.content[{j}]: a system message holds text blocks only")
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": str(block.get("name", "")),
@@ -206,6 +209,8 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str
         else:
             raise InvalidArgument(f"{where}.content[{j}]: block type {kind!r} is not supported in a {role} message "
                                   "(text, tool_use, tool_result)")
+    if role == "system":
+        return [{"role": "system", "content": "".join(texts)}]
     if role == "assistant":
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
         if calls:

@@ -266,7 +266,7 @@ _TEXT_BLOCK = Obj({"type": STR, "text": STR, "cache_control": _CACHE}, required=
 _BLOCK = Obj({"type": STR, "text": STR, "id": STR, "name": STR, "input": Obj({}), "tool_use_id": STR,
               "content": OneOf((STR, Arr(_TEXT_BLOCK)), "a string or a list of text blocks"), "is_error": BOOL,
               "cache_control": _CACHE}, required=("type",))
-_ANTHROPIC_MESSAGE = Obj({"role": Scalar(("string",), choices=("user", "assistant")),
+_ANTHROPIC_MESSAGE = Obj({"role": Scalar(("string",), choices=("user", "assistant", "system")),
                           "content": OneOf((STR, Arr(_BLOCK)), "a string or a list of content blocks")},
                          required=("role", "content"))
 _ANTHROPIC_TOOL = Obj({"name": STR, "description": STR, "input_schema": Obj({}), "type": STR,
@@ -308,4 +308,5 @@ OPENAI_RESPONSES = Obj({
     "reasoning": opt(Obj({"effort": opt(STR), "summary": opt(STR), "generate_summary": opt(STR)})),
     "truncation": opt(Scalar(("string",), choices=("auto", "disabled"))), "include": opt(Arr(STR)),
     "service_tier": opt(STR), "prompt_cache_key": STR, "safety_identifier": STR, "background": opt(BOOL),
+    "client_metadata": opt(Obj({})),  # Codex's per-turn ids, as `metadata`: kept by nobody here
 }, required=("input",), closed=True)

@@ -1,6 +1,6 @@
-"""The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
-`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`) as the few numbers Megatron and the
-converter need.
+"""The architecture of an HF causal LM (Qwen2 and MiMo, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
+`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`, Qwen3-Next and Qwen3.5 through
+`qwen3_next.py`) as the few numbers Megatron and the converter need.
 
 Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
 """
@@ -14,7 +14,10 @@ from typing import Any
 from services.common.errors import InvalidArgument
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
+GATED_DELTA_NET_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # qwen3_next.py reads them
+QWEN2_SHAPED = ("qwen2", "mimo")  # MiMo: Qwen2 with multi-token-prediction layers (`mtp.py`)
+SUPPORTED_MODEL_TYPES = (*QWEN2_SHAPED, "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2",
+                         *MLA_MODEL_TYPES, *GATED_DELTA_NET_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -29,6 +32,18 @@ class MLAShape:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetShape:
+    """Gated delta-net (linear attention) layers: a causal depthwise convolution of conv_kernel_dim taps over the
+    q/k/v channels, then the gated delta rule over num_value_heads heads (each key head shared by
+    num_value_heads / num_key_heads of them)."""
+    conv_kernel_dim: int
+    key_head_dim: int
+    value_head_dim: int
+    num_key_heads: int
+    num_value_heads: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,18 @@ class ModelArch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
     mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
     yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+    # hybrid stacks (Qwen3-Next, Qwen3.5): which layers are gated delta-nets instead of attention, and their shape
+    linear_attention: GatedDeltaNetShape | None = None
+    linear_layers: tuple[bool, ...] | None = None
+    attention_output_gate: bool = False  # attention's output times sigmoid of a per-head gate from the q projection
+    zero_centered_norms: bool = False  # RMSNorms scale by 1 + weight (Qwen3-Next's and Qwen3.5's, but the gated one)
+    moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid of a [1, hidden] gate
+    # multi-token-prediction layers built after the decoder (the job's mtp_num_layers; the checkpoint's: `mtp.py`)
+    mtp_num_layers: int = 0
+
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether global layer `index` is a gated delta-net."""
+        return self.linear_layers is not None and self.linear_layers[index]
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer `index` has routed experts."""
@@ -116,6 +143,9 @@ class ModelArch:
                  ("intermediate_size", self.ffn_hidden_size)]
         if self.moe_shared_expert_intermediate_size:
             sizes.append(("the shared experts' intermediate size", self.moe_shared_expert_intermediate_size))
+        if self.linear_attention:  # the gated delta-nets' heads are cut over TP as attention's are
+            sizes += [("linear_num_key_heads", self.linear_attention.num_key_heads),
+                      ("linear_num_value_heads", self.linear_attention.num_value_heads)]
         if self.mla:  # megatron-core builds the down-projections column-parallel (the kv one is then made whole)
             sizes.append(("kv_lora_rank + qk_rope_head_dim", self.mla.kv_lora_rank + self.mla.qk_rope_head_dim))
             if self.mla.q_lora_rank:
@@ -134,8 +164,14 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArch:
         """From a transformers PretrainedConfig or a config.json dict; unsupported variants raise InvalidArgument."""
+        if isinstance(config, dict):
+            from services.trainer.models.families import language_model_config
+
+            config = language_model_config(config)  # a multimodal checkpoint's (Qwen3.5's) language model
+        elif hasattr(config, "get_text_config"):
+            config = config.get_text_config()
         get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-        model_type = get("model_type")
+        model_type = str(get("model_type")).removesuffix("_text")  # Qwen3.5's text config: qwen3_5_text
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -145,6 +181,11 @@ class ModelArch:
             fields = deepseek_v3.arch_fields(get)
             yarn = fields.pop("yarn")
             return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+        if model_type in GATED_DELTA_NET_MODEL_TYPES:
+            from services.trainer.models import qwen3_next
+
+            fields = qwen3_next.arch_fields(get, model_type)
+            return cls(**fields | {"linear_attention": GatedDeltaNetShape(**fields["linear_attention"])})
         if model_type == "minimax_m2":
             from services.trainer.models import minimax_m2
 
@@ -161,7 +202,7 @@ class ModelArch:
             raise InvalidArgument(f"megatron backend: hidden_act {get('hidden_act')!r} is not supported (silu only)")
         if get("use_sliding_window", False):
             raise InvalidArgument("megatron backend: use_sliding_window is not supported")
-        if model_type != "qwen2" and get("attention_bias", False):
+        if model_type not in QWEN2_SHAPED and get("attention_bias", False):
             raise InvalidArgument(f"megatron backend: attention_bias is not supported for {model_type}")
         if get("mlp_bias", False):
             raise InvalidArgument("megatron backend: mlp_bias is not supported")
@@ -186,7 +227,7 @@ class ModelArch:
                    num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
                    head_dim=head_dim, norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope_theta),
                    rope_scaling_factor=scaling_factor, max_position_embeddings=get("max_position_embeddings"),
-                   qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+                   qkv_bias=model_type in QWEN2_SHAPED, qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
                    tie_word_embeddings=bool(get("tie_word_embeddings", False)), num_experts=num_experts,
                    moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
                    moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,

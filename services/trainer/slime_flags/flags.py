@@ -77,7 +77,8 @@ FLAGS: dict[str, Flag] = {
     "sglang-server-concurrency": M(512, "kept in args for plugins (GenerateState's semaphore)"),
     # training backend and model
     "train-backend": I("megatron"),
-    "qwen-gdn-backend": R("fla", "Qwen's gated-delta-net (linear attention) models are not supported"),
+    "qwen-gdn-backend": M("fla", "the megatron backend's gated delta-nets (Qwen3-Next, Qwen3.5) run fla's chunked scan "
+                                 "on CUDA where fla is installed, megatron-core's PyTorch scan elsewhere"),
     "hf-checkpoint": I(),
     "model-name": M(None, "the model is read from hf_checkpoint's config.json; kept in args for plugins"),
     "padded-vocab-size": M(None, "the megatron backend pads the vocabulary itself (a multiple of 128 × TP)",
@@ -92,9 +93,9 @@ FLAGS: dict[str, Flag] = {
     "megatron-deepgemm-forward-modules": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
     "megatron-deepgemm-moe-forward-layers": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
     "megatron-deepgemm-moe-forward-modules": R(None, "DeepGEMM FP8 kernels are not used by the backends", nargs=True),
-    "enable-mtp-training": R(False, "multi-token-prediction layers are not trained", bare=True),
-    "mtp-num-layers": R(None, "multi-token-prediction layers are not trained"),
-    "mtp-loss-scaling-factor": R(0.2, "multi-token-prediction layers are not trained"),
+    "enable-mtp-training": I(False, bare=True),
+    "mtp-num-layers": I(),
+    "mtp-loss-scaling-factor": I(0.2),
     "freeze-indexer": R(False, "DeepSeek's sparse-attention indexer: DeepSeek models are not supported", bare=True),
     "freeze-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
     "only-train-params-name-list": R(None, "freezing parameters is not implemented", nargs=True),
