@@ -28,7 +28,7 @@ THREADS ?=
 demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs; MODEL=qwen3_moe|qwen3_5|...: another tiny family; THREADS=1: one trainer thread (a busy machine)
 	$(BIN)/python -m physarum.demo --seed $(SEED) --model-family $(MODEL) $(if $(THREADS),--trainer-threads $(THREADS))
 
-demo-agent: setup  # `make demo-agent SEED=n`: an openai-client agent learns to call its calculator (docs/agents.md)
+demo-agent: setup  # `make demo-agent SEED=n`: an openai-client agent learns to call its tool (docs/agents.md)
 	$(BIN)/python -m physarum.demo_agent --seed $(SEED)
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes
