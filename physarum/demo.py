@@ -103,13 +103,23 @@ def backend_overrides(train_backend: str, tensor_model_parallel_size: int,
               if capabilities.expert_parallel and expert_model_parallel_size > 1 else [])]
 
 
+# Per-family demo settings (SFT sets, GRPO sets), applied before the user's own. The tiny multi-latent-attention MoE
+# families lost held-out reward under the qwen3-tuned GRPO job (0.55 -> 0.515 and 0.52 -> 0.49 on megatron EP=2, seed
+# 0); a shorter SFT with twice the learning rate and 16 samples of 32 prompts lost more; half the learning rate was
+# the best tried (0.55 -> 0.59 and 0.52 -> 0.51; docs/backends.md).
+MLA_MOE_SETS: tuple[list[str], list[str]] = ([], ["lr=1.0e-4"])
+FAMILY_DEMO_SETS: dict[str, tuple[list[str], list[str]]] = {"deepseek_v3": MLA_MOE_SETS,
+                                                             "glm4_moe_lite": MLA_MOE_SETS}
+
+
 def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets: list[str],
-                  grpo_sets: list[str]) -> tuple[list[str], list[str]]:
+                  grpo_sets: list[str], model_family: str = DEFAULT_FAMILY) -> tuple[list[str], list[str]]:
     """The `--set` overrides of the SFT warm-up and of the GRPO job: the backend's, the seed, the SFT job's starting
-    model (the GRPO job starts from what SFT saved), then the user's own, which win."""
+    model (the GRPO job starts from what SFT saved), the family's own demo settings, then the user's own, which win."""
     seeds = [f"seed={seed}", f"rollout_seed={seed}"]
-    return ([*backend_sets, *seeds, f"hf_checkpoint={model_dir}", *sft_sets],
-            [*backend_sets, *seeds, *grpo_sets])
+    family_sft, family_grpo = FAMILY_DEMO_SETS.get(model_family, ([], []))
+    return ([*backend_sets, *seeds, f"hf_checkpoint={model_dir}", *family_sft, *sft_sets],
+            [*backend_sets, *seeds, *family_grpo, *grpo_sets])
 
 
 # `--lora`: the GRPO job trains a rank-16 adapter on every projection of the SFT model, with a learning rate an
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, test_path = demo_model(args.seed, args.model_family)
     refuse_unbuildable(model_dir, args.train_backend)
     user_grpo = [*LORA_GRPO_SETS, *args.set] if args.lora else args.set
-    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, user_grpo)
+    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, user_grpo,
+                                        args.model_family)
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
     trainer_threads = args.trainer_threads or (2 if ranks == 1 else 1)

@@ -39,3 +39,18 @@ def test_sft_set_reaches_the_sft_job_alone_and_wins_over_the_demo_own_settings(t
                                                                                            str(tmp_path / "model"))
     assert (grpo["num_rollout"], grpo["seed"], grpo["hf_checkpoint"]) == (5, 3, ".physarum/demo/sft-model")
     assert sft["train_backend"] == grpo["train_backend"] == "megatron"
+
+
+def test_a_family_demo_settings_reach_its_jobs_alone_and_the_user_sets_still_win(tmp_path):
+    def jobs(family: str, sft_user: list[str], grpo_user: list[str]) -> tuple[dict, dict]:
+        sft_sets, grpo_sets = job_overrides([], 0, tmp_path / "model", sft_user, grpo_user, family)
+        return load_job_file(EXAMPLES / "sft.yaml", sft_sets), load_job_file(EXAMPLES / "job.yaml", grpo_sets)
+
+    def shape(sft: dict, grpo: dict) -> tuple:
+        return (sft["num_rollout"], grpo["n_samples_per_prompt"], grpo["rollout_batch_size"],
+                grpo["global_batch_size"], grpo["lr"])
+
+    assert shape(*jobs("qwen3", [], [])) == (80, 8, 64, 512, 2.0e-4)
+    for family in ("deepseek_v3", "glm4_moe_lite"):
+        assert shape(*jobs(family, [], [])) == (80, 8, 64, 512, 1.0e-4)
+    assert shape(*jobs("deepseek_v3", ["num_rollout=2"], ["lr=3.0e-4"])) == (2, 8, 64, 512, 3.0e-4)
