@@ -7,8 +7,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+# what the model's HF processor reads: its tokenizer's files and a vision-language model's image processor's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "preprocessor_config.json", "processor_config.json")
 SIDE_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 
