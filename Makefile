@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
+.PHONY: setup demo demo-megatron demo-vlm test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build. The images'
 # constraints pin the rest, so the tests run on the very versions the images install.
@@ -30,6 +30,9 @@ demo: setup  # `make demo SEED=n`: another seed of the model's initialisation an
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes
 	$(BIN)/python -m physarum.demo --train-backend megatron
+
+demo-vlm: setup  # a tiny vision-language model learns which colour a square in an image is (SFT, then GRPO); SEED=n, THREADS=1 as for demo
+	$(BIN)/python -m physarum.demo_vlm --seed $(SEED) $(if $(THREADS),--trainer-threads $(THREADS))
 
 # Every script in bench/, each a table of ratios to a baseline measured in the same run; writes bench/RESULTS.md.
 bench: setup

@@ -65,7 +65,7 @@ def run_job(state: dict, job_file: Path, overrides: list[str]) -> list[dict]:
 
 
 def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple[float, float, float],
-                out: Path) -> None:
+                out: Path, title: str = "Physarum demo: two-digit addition") -> None:
     """SFT loss, and GRPO's sampled train reward per rollout with the held-out (greedy) reward at its two ends."""
     import matplotlib
 
@@ -80,7 +80,7 @@ def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple
                label=f"held-out reward (greedy): {held_out[1]:.3f} after SFT, {held_out[2]:.3f} after GRPO")
     right.legend(loc="lower right", fontsize=8)
     right.set(title="GRPO", xlabel="rollout", ylabel="rollout/reward_mean", ylim=(0, 1.05))
-    fig.suptitle("Physarum demo: two-digit addition")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
