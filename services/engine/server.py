@@ -260,8 +260,11 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        if any(state.ready().num_requests()):
+        engine = state.ready()
+        if any(engine.num_requests()):
             return PlainTextResponse("Cache not flushed: there are running or waiting requests.\n", status_code=400)
+        with engine.prefix_lock:
+            engine.prefix_index.clear()
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/pause_generation")

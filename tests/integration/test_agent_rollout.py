@@ -128,3 +128,30 @@ def test_a_slime_generate_function_on_slime_agent_adapters_runs_unchanged(stack)
     assert sample.metadata["harness"] == "anthropic" and sample.metadata["agent_turns"] == 2
     assert sample.metadata["agent_final_content"] == "The answer is 5."
     assert sample.loss_mask[0] == 1 and sample.loss_mask[-1] == 1 and 0 in sample.loss_mask
+
+
+def test_an_agent_that_spawns_a_sub_agent_yields_a_trajectory_each_in_the_prompts_group(stack):
+    """Each sample of the prompt runs the calculator agent and a sub-agent on a session it spawns: the group holds
+    both trajectories of both samples, each its own session's engine tokens with its own reward, one prompt's; the
+    trainer's baseline is then over the four (fanned_out_groups), not over rows cut every n."""
+    from services.trainer.step.rl_step import fanned_out_groups
+
+    cfg = RolloutConfig(job_id="agent-spawn", rollout_batch_size=1, n_samples_per_prompt=2, rollout_temperature=0.0,
+                        rollout_max_response_len=200, agent_function_path="tests.plugins.agent_fns.spawning_agent",
+                        rm_type="exact_match", apply_chat_template=True, lease_timeout_s=120.0, reward_timeout_s=60.0)
+    start = len(stack["proxy"].generated)
+    (groups,) = run_rollouts(stack, cfg, [0])
+    (group,) = groups
+    samples = group.samples
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
+    assert [s.metadata["agent_turns"] for s in samples] == [2, 1, 2, 1]
+    assert len({s.group_index for s in samples}) == 1 and [s.index for s in samples] == [0, 1, 2, 3]
+    assert samples[0].tokens == samples[2].tokens != samples[1].tokens == samples[3].tokens  # greedy
+    ends = [request["input_ids"] + [e[1] for e in reply["meta_info"]["output_token_logprobs"]]
+            for request, reply in stack["proxy"].since(start)]
+    assert all(sample.tokens in ends for sample in samples)
+    assert [s.status for s in samples] == [Status.COMPLETED, Status.TRUNCATED] * 2  # the sub-agent's max_tokens
+    sub = samples[1]
+    assert sub.response_length == 3 and sub.loss_mask == [1, 1, 1]  # the sub-agent's turn: its prompt is its own
+    assert sub.prompt.count("<|im_start|>user") == 1
+    assert fanned_out_groups(samples, cfg.n_samples_per_prompt) == [samples[0].group_index] * 4

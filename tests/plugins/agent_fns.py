@@ -50,3 +50,21 @@ async def slime_style_generate(args, sample, sampling_params):
                                              extra_metadata={"harness": "anthropic"})
     finally:
         await _ADAPTER.drop_session(sid)
+
+
+async def spawning_agent(base_url: str, api_key: str, prompt: dict) -> float:
+    """The calculator agent, then a sub-agent on a session it spawns: one turn, scored 0 on its own session; the
+    first session's reward is the return value, 1."""
+    from examples.agent.calculator import agent
+
+    await agent(base_url, api_key, prompt)
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        reply = await http.post(f"{base_url}/session/spawn", headers={"Authorization": f"Bearer {api_key}"})
+        reply.raise_for_status()
+        sub_key = reply.json()["api_key"]
+        async with AsyncOpenAI(base_url=base_url, api_key=sub_key, timeout=120.0, max_retries=0) as client:
+            await client.chat.completions.create(model="policy", max_tokens=3, messages=list(prompt["messages"]))
+        reply = await http.post(f"{base_url}/session/reward", json={"reward": 0.0},
+                                headers={"Authorization": f"Bearer {sub_key}"})
+        reply.raise_for_status()
+    return 1.0

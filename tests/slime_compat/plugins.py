@@ -12,7 +12,7 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import DataSource
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter
 from slime.rollout.rm_hub import async_rm
-from slime.rollout.sglang_rollout import GenerateState, generate, generate_and_rm
+from slime.rollout.sglang_rollout import GenerateState, generate, generate_and_rm, generate_and_rm_group
 from slime.rollout.sglang_rollout import generate_rollout as generate_rollout_default
 from slime.utils.async_utils import run
 from slime.utils.misc import load_function
@@ -151,6 +151,28 @@ def rollout_with_fan_out(args, rollout_id, data_source, evaluation=False):
     return [run(one_group(group)) for group in groups]  # a legacy plain list of groups
 
 
+def rollout_with_own_sampling(args, rollout_id, data_source, evaluation=False):
+    """slime's fully-async pattern: every group through generate_and_rm_group at once, with sampling params of its
+    own (GenerateState's, 2 new tokens at temperature 0.5)."""
+    state = GenerateState(args)
+    groups = data_source.get_samples(args.rollout_batch_size)
+    params = {**state.sampling_params, "max_new_tokens": 2, "temperature": 0.5}
+
+    async def all_groups():
+        return await asyncio.gather(*(generate_and_rm_group(args, group, sampling_params=params.copy(),
+                                                            evaluation=False) for group in groups))
+
+    return RolloutFnTrainOutput(samples=list(run(all_groups())))
+
+
+async def generate_recording_dp_ranks(args, sample, sampling_params):
+    """A generate function that records GenerateState's busy data-parallel ranks as it starts."""
+    dp_counts = list(GenerateState(args).dp_counts)
+    sample = await generate(args, sample, sampling_params)
+    sample.metadata["dp_counts"] = dp_counts
+    return sample
+
+
 class CountingPrompts(DataSource):
     """A data source that makes its own prompts, as slime's DataSource interface allows: question k is "k+k=",
     labelled 2k, tagged with the instance that made it. Its position (the next k) is its state, saved under
@@ -197,3 +219,44 @@ def rollout_failing_at(args, rollout_id, data_source, evaluation=False):
         data_source.get_samples(args.rollout_batch_size)
         raise RuntimeError(f"rollout {rollout_id} fails on purpose")
     return generate_rollout_default(args, rollout_id, data_source, evaluation=evaluation)
+
+
+_HARNESS_ADAPTERS: dict[str, object] = {}
+
+
+async def _harness_generate(harness_name, sample, sampling_params):
+    """slime's coding-agent pattern (examples/coding_agent_rl): open a session on the harness's adapter, run the
+    agent CLI in a sandbox pointed at it, drain the session into samples; the CLI's exit code in their metadata."""
+    import secrets
+
+    from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter
+    from slime.agent.adapters.common import flatten_content
+    from slime.agent.harness import ClaudeCodeHarness, CodexHarness
+    from slime.agent.sandbox import LocalSandbox
+
+    harness_cls, adapter_cls = {"claude_code": (ClaudeCodeHarness, AnthropicAdapter),
+                                "codex": (CodexHarness, OpenAIAdapter)}[harness_name]
+    adapter = _HARNESS_ADAPTERS.setdefault(harness_name, adapter_cls(tokenizer=None, sglang_url="http://unused"))
+    sid = f"cagent-{secrets.token_hex(16)}"
+    adapter.open_session(sid, sampling_defaults=sampling_params)
+    try:
+        async with LocalSandbox() as sb:
+            await harness_cls().install_cli(sb)
+            exit_code = await harness_cls().run(sb, workdir=str(sb.workdir), session_id=sid, adapter_url=adapter.url,
+                                                time_budget_sec=240,
+                                                prompt=flatten_content(sample.prompt_messages[-1]["content"]))
+            transcript = await sb.read_file(f"{sb.workdir}/.harness/trajectory.jsonl")
+        samples = await adapter.finish_session(sid, base_sample=sample, reward=1.0 if exit_code == 0 else 0.0,
+                                               extra_metadata={"harness": harness_name, "agent_exit_code": exit_code,
+                                                               "transcript_tail": transcript[-4000:]})
+        return samples or sample
+    finally:
+        await adapter.drop_session(sid)
+
+
+async def claude_code_generate(args, sample, sampling_params):
+    return await _harness_generate("claude_code", sample, sampling_params)
+
+
+async def codex_generate(args, sample, sampling_params):
+    return await _harness_generate("codex", sample, sampling_params)

@@ -16,6 +16,7 @@ from slime.rollout.filter_hub.base_types import (
 )
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.rollout.sglang_rollout import GenerateState
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -32,9 +33,9 @@ def config(tiny_model_dir, **overrides):
     return rollout_config(**{**values, **overrides})
 
 
-def run_rollout(buffer, cfg, tiny_model_dir):
+def run_rollout(buffer, cfg, tiny_model_dir, engine=None):
     async def main():
-        manager, reward = new_manager(buffer, Engine(), tiny_model_dir)
+        manager, reward = new_manager(buffer, engine or Engine(), tiny_model_dir)
         try:
             return await rollout(manager, cfg, 0), reward
         finally:
@@ -128,3 +129,35 @@ def test_generate_and_rm_runs_a_samples_own_generate_function_and_scores_its_fan
         assert [s.reward for s in group.samples] == [2.0, 0.25, 2.0, 0.25]
         assert all(s.metadata["evaluation"] is False for s in group.samples)
     assert reward.calls
+
+
+def test_generate_and_rm_group_sends_the_sampling_params_it_is_given_and_holds_a_dp_rank_per_group(tiny_model_dir):
+    """slime's fully-async call, generate_and_rm_group(args, group, sampling_params=..., evaluation=False), for two
+    groups at once: the router gets the given max_new_tokens and temperature (the job's: 5 and 1.0), the groups
+    are scored, and each holds its own of the two data-parallel ranks while its samples generate."""
+    buffer, engine = FakeBuffer(2, job_id="own-sampling"), Engine()  # its own job: its own GenerateState
+    cfg = config(tiny_model_dir, rollout_function_path="tests.slime_compat.plugins.rollout_with_own_sampling",
+                 custom_generate_function_path="tests.slime_compat.plugins.generate_recording_dp_ranks",
+                 job_id="own-sampling", args={"sglang_dp_size": 2})
+    status, _ = run_rollout(buffer, cfg, tiny_model_dir, engine)
+    assert status.state == RolloutState.DONE, status.error
+    assert len(engine.bodies) == 4
+    assert all((b["sampling_params"]["max_new_tokens"], b["sampling_params"]["temperature"]) == (2, 0.5)
+               for b in engine.bodies)
+    samples = [s for g in buffer.rollout_groups(0) for s in g.samples]
+    assert [s.reward for s in samples] == [2.0] * 4
+    assert all(s.metadata["dp_counts"] == [1, 1] for s in samples)  # both groups' ranks busy, one each
+
+
+def test_dp_rank_context_picks_the_least_busy_rank_and_frees_it(tiny_model_dir):
+    args = type("Args", (), {"hf_checkpoint": str(tiny_model_dir), "job_id": "dp-ranks", "sglang_dp_size": 3,
+                             "rollout_temperature": 1.0, "rollout_top_p": 1.0, "rollout_top_k": -1,
+                             "rollout_max_response_len": 4})()
+    state = GenerateState(args)
+    with state.dp_rank_context() as first, state.dp_rank_context() as second, state.dp_rank_context() as third:
+        assert sorted([first, second, third]) == [0, 1, 2] and state.dp_rank == third
+        with state.dp_rank_context() as fourth:
+            assert state.dp_counts[fourth] == 2 and sum(state.dp_counts) == 4
+        with state.dp_rank_context():
+            pass
+    assert state.dp_counts == [0, 0, 0]

@@ -181,3 +181,27 @@ def test_estimators_are_picked_by_slime_name():
     assert set(ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
     with pytest.raises(ValueError, match=r"unknown advantage_estimator 'grpoo'; valid: cispo, grpo, gspo, ppo, "):
         get_advantage_estimator("grpoo")
+
+
+def test_a_fanned_out_prompt_is_normalized_over_its_own_trajectories():
+    """Prompt 7 fanned out into 3 trajectories, prompt 9 into 1 (n = 2): each group's baseline is its own rows',
+    by hand: group 7 = [1, 0, 0] -> mean 1/3, unbiased std sqrt(1/3); group 9 = [0.5] -> centred only."""
+    from services.common.samples import Sample
+    from services.trainer.algorithms.advantages import normalize_rewards_by_group, post_process_rewards
+    from services.trainer.step.rl_step import fanned_out_groups
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    samples = [Sample(group_index=g) for g in (7, 7, 9, 7)]
+    ids = fanned_out_groups(samples, 2)
+    assert ids == [7, 7, 9, 7]
+    std = (1 / 3) ** 0.5
+    expected = torch.tensor([(2 / 3) / std, (-1 / 3) / std, 0.0, (-1 / 3) / std])
+    got = post_process_rewards(rewards, advantage_estimator="grpo", n_samples_per_prompt=2, group_ids=ids)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # rows cut every n would have paired trajectories of different prompts: [1, 0] and [0.5, 0]
+    assert not torch.allclose(got, normalize_group_rewards(rewards, n_samples_per_prompt=2), atol=1e-3)
+    centred = normalize_rewards_by_group(rewards, ids, std_normalization=False)
+    assert torch.allclose(centred, torch.tensor([2 / 3, -1 / 3, 0.0, -1 / 3]), atol=1e-6)
+    assert fanned_out_groups([Sample(group_index=g) for g in (1, 1, 2, 2)], 2) is None  # slime's reshape is the same
+    with pytest.raises(ValueError, match="3 group ids for 4 rewards"):
+        normalize_rewards_by_group(rewards, [1, 1, 2])

@@ -132,3 +132,11 @@ def test_a_model_whose_layers_are_not_all_full_attention_is_refused_at_submit(tm
     assert check(spec("windowed")) == ["context_parallel_size 2: hf_checkpoint's model cannot be split over ranks "
                                        "(its attention has a sliding window); use context_parallel_size 1"]
     assert check(spec("qwen3_5", cp=1)) == []
+    # megatron's gated delta-nets gather each sequence over the CP group: only a sliding window stays refused there
+    from services.trainer.models import families
+
+    assert families.context_parallel_problem(qwen3_5, gathers_gated_delta_nets=True) == ""
+    assert families.context_parallel_problem({"model_type": "qwen3_next"}, gathers_gated_delta_nets=True) == ""
+    assert families.context_parallel_problem({"model_type": "qwen3_next"}) == \
+        "its gated delta-net (linear_attention) layers are not full attention"
+    assert families.context_parallel_problem({**qwen3, "use_sliding_window": True}, gathers_gated_delta_nets=True)

@@ -232,3 +232,27 @@ def test_engine_side_errors_of_the_responses_api_name_no_internal_address_or_job
     assert "response.completed" not in streamed.text
     for reply in (plain, streamed):
         assert "127.0.0.1" not in reply.text and JOB not in reply.text and ROUTER not in reply.text, reply.text
+
+
+@pytest.mark.parametrize(("parameters", "param"), [
+    ({"type": "banana"}, "tools[0].function.parameters.type"),
+    ({"type": ["string", 3]}, "tools[0].function.parameters.type"),
+    ({"type": "object", "properties": []}, "tools[0].function.parameters.properties"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": 5}}},
+     "tools[0].function.parameters.properties.a.items"),
+    ({"type": "object", "required": ["a", 1]}, "tools[0].function.parameters.required"),
+    ({"anyOf": {"type": "string"}}, "tools[0].function.parameters.anyOf"),
+    ({"enum": "ab"}, "tools[0].function.parameters.enum"),
+])
+def test_a_tool_schema_that_is_not_json_schema_is_refused_naming_where(parameters, param):
+    from services.rollout.gateway.conversation import Limits, from_openai
+
+    body = {"messages": [{"role": "user", "content": "q"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
+    with pytest.raises(schema.RequestInvalid, match="not a JSON Schema") as err:
+        from_openai(body, Limits())
+    assert err.value.param == param
+    good = {"type": "object", "properties": {"a": {"type": ["string", "null"], "enum": ["x", None]},
+                                             "b": {"anyOf": [{"type": "integer"}, True]}}, "required": ["a"]}
+    assert from_openai({**body, "tools": [{"type": "function", "function": {"name": "f", "parameters": good}}]},
+                       Limits()).tools[0]["function"]["parameters"] == good

@@ -47,3 +47,18 @@ def test_a_string_input_is_one_user_message():
 def test_unsupported_input_is_refused_naming_it(body, match):
     with pytest.raises(InvalidArgument, match=match):
         from_responses(body, Limits(max_tools=2), [])
+
+
+def test_codexs_request_fields_are_accepted():
+    """What Codex sends beside its input (its per-turn client_metadata, reasoning summary, encrypted-reasoning
+    include, prompt cache key, store: false) parses and sets nothing the gateway samples with."""
+    import json
+
+    from services.rollout.gateway import responses_api, schema
+
+    body = {"model": "m", "input": "hi", "stream": True, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "k", "client_metadata": {"x-codex-turn-metadata": "{}", "thread_id": "t"}}
+    parsed = schema.parse(json.dumps(body).encode(), schema.OPENAI_RESPONSES)
+    params = responses_api.params(parsed)
+    assert (params.max_tokens, params.temperature, params.top_p) == (None, None, None)

@@ -141,6 +141,52 @@ def test_a_turn_of_an_aborted_rollout_answers_503_and_its_sample_is_aborted():
     asyncio.run(main())
 
 
+def test_a_history_that_re_renders_differently_continues_the_gateways_own_turns():
+    """Whitespace, re-serialized tool arguments and a moved system prompt: the match is on the canonical history,
+    and what is new is rendered after the messages the gateway holds, so no generated token changes."""
+    trajectory = Trajectory(CharRenderer())
+    system, user = {"role": "system", "content": "be brief"}, {"role": "user", "content": "what is  1+2?"}
+    conversation = from_openai({"messages": [system, user], "tools": [{"type": "function", "function": {
+        "name": "calc", "parameters": {"type": "object"}}}]}, Limits())
+    prepared = trajectory.prepare(conversation)
+    produced = assistant_message("", [("calc", {"x": "1+2", "y": 1}, "call_1")])
+    trajectory.record(prepared, conversation, produced, [ord(c) for c in "C" + END], [-0.1, -0.2], [], "stop", True)
+    sent_back = {"role": "assistant", "content": "\n", "tool_calls": [
+        {"id": "other-id", "type": "function", "function": {"name": "calc", "arguments": '{"y":1,  "x":"1+2"}'}}]}
+    again = from_openai({"messages": [{"role": "user", "content": " what is 1+2?\n"}, sent_back,
+                                      {"role": "tool", "tool_call_id": "other-id", "content": "3"}, system],
+                         "tools": conversation.tools}, Limits())
+    second = trajectory.prepare(again)
+    assert second.parent is trajectory.turns[0] and second.branch_reason == ""
+    assert "".join(map(chr, second.context)) == "\ntool:3\x01\nassistant:"
+    assert second.input_ids == [*trajectory.turns[0].tokens(), *second.context]
+    # the new messages follow the gateway's copy of the history: the system first, the user's text as first sent
+    assert second.messages[:2] == [system, user] and second.messages[3]["role"] == "tool"
+    changed = from_openai({"messages": [{"role": "user", "content": "what is 1+3?"}, sent_back], "tools":
+                           conversation.tools}, Limits())
+    assert trajectory.prepare(changed).parent is None  # a different text is not whitespace
+
+
+def test_spawned_sessions_are_bounded_and_close_with_the_first():
+    from services.common.errors import FailedPrecondition, NotFound
+
+    registry = SessionRegistry(Limits(max_spawned=2))
+    ctx = GenerateContext(http=None, router_url="http://router", name="rollout 0 of job j", rid_prefix="j-0")
+    root = registry.open(ctx, CharRenderer(), {"max_new_tokens": 8}, session_id="s")
+    first = registry.spawn(root)
+    second = registry.spawn(first)  # a sub-agent's sub-agent is the sample's too
+    assert (first.id, second.id, root.children) == ("s-1", "s-2", [first, second])
+    assert first.key != root.key and registry.by_key(second.key) is second and len(registry) == 3
+    with pytest.raises(InvalidArgument, match="2 sessions spawned, at most 2 per sample"):
+        registry.spawn(root)
+    registry.close(root)
+    assert len(registry) == 0 and first.closed and second.closed
+    with pytest.raises(NotFound):
+        registry.by_key(first.key)
+    with pytest.raises(FailedPrecondition, match="has ended"):
+        registry.spawn(first)
+
+
 def test_an_image_for_a_text_model_is_refused_and_images_are_bounded_per_request():
     import base64
     import io

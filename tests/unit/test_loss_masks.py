@@ -71,5 +71,33 @@ def test_conversation_sample_is_slimes_sft_sample(model):
     assert sample.rollout_log_probs == [0.0] * n and sample.reward == 0.0
     with pytest.raises(InvalidArgument, match="no assistant tokens to train on"):
         conversation_sample(PluginSample(group_index=3), encoder, [{**CHAT[1], "step_loss_mask": 0}], "qwen")
-    with pytest.raises(InvalidArgument, match="loss_mask_type 'qwen3_5': expected one of qwen, qwen3, distill"):
-        LossMasker(encoder, "qwen3_5")
+    with pytest.raises(InvalidArgument, match="loss_mask_type 'glm4': expected one of qwen, qwen3, qwen3_5, distill"):
+        LossMasker(encoder, "glm4")
+
+
+# Qwen3.5's: an assistant turn opens with a thinking block (empty here), and no default system prompt
+QWEN35_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+    "<think>\n\n</think>\n\n{% endif %}{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+def test_qwen3_5_trains_each_assistant_turn_after_its_think_opening_through_its_end(model):
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN35_TEMPLATE}))
+    encoder = PromptEncoder(model)
+    chat = [*CHAT[:3], {**CHAT[3], "step_loss_mask": 0}, {"role": "user", "content": "3+4="},
+            {"role": "assistant", "content": "7"}]
+    ids, mask = LossMasker(encoder, "qwen3_5").tokens_and_mask(chat)
+    whole = encoder.chat_template.render(messages=chat, add_generation_prompt=False, **encoder.special_tokens)
+    assert ids == encoder.encode_text(whole)
+    # the turn whose step_loss_mask is 0 trains nothing; the others from after "<think>\n" through "<|im_end|>\n"
+    # (read through the tokens' characters: the demo's tokenizer has no "<" or ">" of its own; its one token for
+    # "\n\n" straddles the turn's start and trains, as in slime, where a token trains if any of its characters does)
+    offsets = Tokenizer.from_file(str(model / "tokenizer.json")).encode(whole, add_special_tokens=False).offsets
+    spans, previous = [], 0
+    for (start, end), trained in zip(offsets, mask, strict=True):
+        if trained:
+            spans[-1:] = [spans[-1] + whole[start:end]] if previous else [*spans[-1:], whole[start:end]]
+        previous = trained
+    assert spans == ["\n\n</think>\n\n2<|im_end|>\n", "\n\n</think>\n\n7<|im_end|>\n"]

@@ -16,7 +16,11 @@ from services.trainer.backends import capabilities
 from services.trainer.models import families
 
 MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4",
-                   "minimax_m2"}
+                   "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+MEGATRON_REFUSAL = ("hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
+                    "'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
+                    "minimax_m2, deepseek_v3, glm4_moe_lite, qwen3_next, qwen3_5, qwen3_5_moe); train_backend fsdp "
+                    "trains it")
 
 
 def config_of(family: str) -> dict:
@@ -48,16 +52,18 @@ def test_fsdp_takes_every_family_and_megatron_only_what_it_builds(job, family):
     with pytest.raises(InvalidArgument) as err:
         preflight(spec)
     model_type = config_of(family)["model_type"]
-    assert (f"hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
-            f"'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
-            "minimax_m2, deepseek_v3, glm4_moe_lite); train_backend fsdp trains "
-            "it"
-            in str(err.value))
+    assert MEGATRON_REFUSAL.format(family=family, model_type=model_type) in str(err.value)
 
 
-def test_a_qwen3_5_moe_job_for_megatron_is_refused_at_submit_through_the_job_parser(job):
-    with pytest.raises(InvalidArgument, match="train_backend megatron cannot build model family 'qwen3_5_moe'"):
-        with_preflight(parse_spec)(job(config_of("qwen3_5_moe"), "megatron"))
+def test_a_family_megatron_does_not_build_is_refused_at_submit_through_the_job_parser(job):
+    from transformers import Olmo2Config
+
+    config = Olmo2Config(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4).to_dict()
+    assert preflight(parse_spec(job(config, "fsdp")))
+    with pytest.raises(InvalidArgument) as err:
+        with_preflight(parse_spec)(job(config, "megatron"))
+    assert MEGATRON_REFUSAL.format(family="olmo2", model_type="olmo2") in str(err.value)
 
 
 def test_a_model_no_backend_builds_is_refused_with_the_reason(job):
@@ -132,7 +138,7 @@ def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_con
     assert composite["model_type"] == "qwen3_5" and "hidden_size" not in composite
     assert families.family(composite) == families.family(config_of("qwen3_5")) == "qwen3_5"
     assert families.language_model_config(composite)["hidden_size"] == 64
-    assert capabilities.backends_for(composite) == ["fsdp"]
+    assert capabilities.backends_for(composite) == ["fsdp", "megatron"]  # megatron builds its language model
     assert capabilities.backends_for(config_of("llama")) == ["fsdp", "megatron"]
 
 

@@ -104,15 +104,10 @@ HF_CONFIGS = {
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
-    # Qwen3.5: megatron-core here builds no gated-delta-net layers; the refusal names fsdp, which trains it
-    "fully_async_qwen3.5_9B": {"family"},
-    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained); Qwen3-Next's
-    # gated delta-net layers are not built by megatron-core here (refused naming fsdp); the Qwen3.5 SFT script's
-    # --loss-mask-type qwen3_5 is refused by the job spec (no Qwen3.5 chat mask in the rollout service)
+    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained)
     "glm4.7_30B_A3B": {"--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"},
-    "qwen3_next_80B_A3B": {"family"},
-    "qwen3.5_35B_A3B_sft": {"loss_mask_type"},
 }
+GATED_DELTA_NET_SCRIPTS = ("fully_async_qwen3.5_9B", "qwen3_next_80B_A3B", "qwen3.5_35B_A3B_sft")
 # The refused flags of slime's MoE scripts (a flag with a value drops with it), and the families megatron builds
 MOE_SCRIPTS = ("glm4.7_30B_A3B", "deepseek_r1", "moonlight_16B_A3B", "qwen3_30B_A3B")
 OTHER_PART = {"--enable-mtp-training": 0, "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1}  # MTP training
@@ -197,9 +192,6 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
-    if REFUSED[name] == {"loss_mask_type"}:
-        assert problems == ["job spec: loss_mask_type: Input should be 'qwen', 'qwen3' or 'distill'"], problems
-        return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
@@ -241,6 +233,27 @@ def test_the_moe_scripts_build_their_family_with_every_moe_flag_at_their_own_par
     assert spec.moe_router_load_balancing_type in ("none", "aux_loss")
     if "--moe-enable-deepep" in argv:
         assert any(note.startswith("--moe-enable-deepep: megatron-core's all-to-all") for note in spec.slime_notes)
+
+
+@pytest.mark.parametrize("name", GATED_DELTA_NET_SCRIPTS)
+def test_the_gated_delta_net_scripts_build_on_megatron_at_their_own_parallel_sizes(name, tmp_path):
+    """Qwen3.5-9B, Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B (gated delta-nets among gated attention layers, zero-centered
+    norms, the MoE ones' gated shared expert) build on megatron with every model and MoE flag their scripts pass
+    (--apply-layernorm-1p, --attention-output-gate, --moe-shared-expert-gate checked against the HF config), at
+    their own tensor, pipeline (Qwen3-Next's uneven: --decoder-last-pipeline-num-layers), context (Qwen3-Next's 4: the
+    gated delta-nets gather each sequence over the CP group) and expert parallel sizes."""
+    argv = materialize(EXAMPLES[name]["argv"], tmp_path)
+    given = dict(zip(argv, argv[1:], strict=False))
+    spec = submit(argv)
+    assert spec.train_backend == "megatron"
+    assert spec.tensor_model_parallel_size == int(given["--tensor-model-parallel-size"])
+    assert spec.pipeline_model_parallel_size == int(given["--pipeline-model-parallel-size"])
+    assert spec.expert_model_parallel_size == int(given["--expert-model-parallel-size"])
+    assert spec.context_parallel_size == int(given["--context-parallel-size"])
+    if "--decoder-last-pipeline-num-layers" in given:
+        assert spec.megatron["num_layers_in_last_pipeline_stage"] == int(given["--decoder-last-pipeline-num-layers"])
+    if "--loss-mask-type" in given:  # the Qwen3.5 SFT script's chat mask
+        assert spec.loss_mask_type == given["--loss-mask-type"] == "qwen3_5"
 
 
 def test_multi_agent_without_the_offload_flag_needs_transformer_engine_for_its_optimizer(tmp_path):
@@ -398,7 +411,8 @@ def test_fp8_training_flags_are_refused_naming_the_reason():
 
 
 def test_a_script_moved_to_fsdp_is_told_each_megatron_flag_to_drop(tmp_path):
-    """fully_async_qwen3.5_9B, refused on megatron for its family, moved to fsdp (`--train-backend fsdp` appended):
+    """fully_async_qwen3.5_9B moved to fsdp (`--train-backend fsdp` appended), as a slime user whose family megatron
+    does not build does:
     the refusal names every flag that became a Megatron setting; without them, and at fsdp's tensor parallelism 1
     (appended: the last wins), the script is accepted as it is otherwise."""
     argv = materialize(EXAMPLES["fully_async_qwen3.5_9B"]["argv"], tmp_path) + ["--train-backend", "fsdp"]

@@ -7,8 +7,13 @@ function, sampling and reward)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import inspect
+import random
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from services.common.errors import FailedPrecondition
@@ -64,13 +69,15 @@ def load_tokenizer(model_path: str) -> Tokenizer:
 
 
 class GenerateState:
-    """One per job (slime keeps one per process, for its one job): args, tokenizer, the rollout's sampling params
-    and a semaphore bounding the requests a plugin sends at once."""
+    """One per job (slime keeps one per process, for its one job): args, tokenizer, the rollout's sampling params,
+    a semaphore bounding the requests a plugin sends at once, and slime's data-parallel rank bookkeeping
+    (dp_rank_context: the least-busy of args.sglang_dp_size ranks; bookkeeping only, as in slime: the router picks
+    the engine)."""
 
     _states: dict[str, GenerateState] = {}
 
     def __new__(cls, args: Any) -> GenerateState:
-        key = f"{getattr(args, 'job_id', '')}:{args.hf_checkpoint}"
+        key = f"{getattr(args, 'job_id', '')}:{getattr(args, 'hf_checkpoint', '')}"
         state = cls._states.get(key)
         if state is None:
             state = cls._states[key] = super().__new__(cls)
@@ -79,7 +86,6 @@ class GenerateState:
 
     def _init(self, args: Any) -> None:
         self.args = args
-        self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.processor = None  # multimodal processors are not supported
         concurrency = getattr(args, "sglang_server_concurrency", None) or 512
         self.semaphore = asyncio.Semaphore(concurrency)
@@ -87,7 +93,29 @@ class GenerateState:
             temperature=args.rollout_temperature, top_p=args.rollout_top_p, top_k=args.rollout_top_k,
             max_new_tokens=args.rollout_max_response_len, stop=list(getattr(args, "rollout_stop", None) or []),
             stop_token_ids=list(getattr(args, "rollout_stop_token_ids", None) or []))
+        self.dp_counts = [0] * (getattr(args, "sglang_dp_size", None) or 1)
+        self.dp_rank = 0
         self.reset()
+
+    @contextlib.contextmanager
+    def dp_rank_context(self) -> Iterator[int]:
+        """A data-parallel rank among the least busy ones (at random), counted busy until the block ends."""
+        least = min(self.dp_counts)
+        dp_rank = random.choice([i for i, count in enumerate(self.dp_counts) if count == least])
+        self.dp_counts[dp_rank] += 1
+        self.dp_rank = dp_rank
+        try:
+            yield dp_rank
+        finally:
+            self.dp_counts[dp_rank] -= 1
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        path = getattr(self.args, "hf_checkpoint", None)
+        if not path:
+            raise FailedPrecondition("slime.rollout.sglang_rollout.GenerateState.tokenizer: the job's args name no "
+                                     "hf_checkpoint")
+        return load_tokenizer(path)
 
     def reset(self) -> None:
         self.remaining_batch_size = 0
@@ -125,7 +153,8 @@ async def generate_and_rm(args: Any, sample: Any, sampling_params: dict[str, Any
         fn = load_generate_function(path) if path else _physarum_generate
         what = f"slime.rollout.sglang_rollout.generate_and_rm: prompt {sample.group_index} sample {sample.index}"
         kwargs = {"evaluation": evaluation} if "evaluation" in inspect.signature(fn).parameters else {}
-        returned = await fn(args, sample, dict(sampling_params), **kwargs)
+        with state.dp_rank_context():
+            returned = await fn(args, sample, dict(sampling_params), **kwargs)
         outputs = await run_generate(_returning(returned), args, sample, sampling_params, evaluation=False,
                                      what=what)
     if getattr(args, "group_rm", False) or any(out.status == Status.ABORTED for out in outputs):
@@ -155,12 +184,25 @@ def _run_of(what: str) -> FunctionRun:
 
 async def generate_and_rm_group(args: Any, group: list[Any], sampling_params: dict[str, Any] | None = None,
                                 evaluation: bool = False) -> list[Any]:
-    """slime's: the group generated and scored as the service does its own (the job's generate function, sampling
-    params and reward; `sampling_params` is not used); an aborted group comes back unscored."""
+    """slime's: the group generated with `sampling_params` (the keys it gives over the job's; None: the job's) and
+    scored as the service does its own (the job's generate function and reward; each sample without a session_id
+    gets one); an aborted group comes back unscored, one asked for after GenerateState's abort as it was given. The
+    group holds one dp_rank_context while it generates (Physarum sends a group's fresh samples to one engine
+    together)."""
     gen = _run_of("generate_and_rm_group").gen
+    state = GenerateState(args)
+    if state.aborted:
+        return group
+    for sample in group:
+        if getattr(sample, "session_id", "") is None:
+            sample.session_id = str(uuid.uuid4())
     if any(sample.response_length for sample in group):  # a partial group given back by an earlier rollout
         prepare_resumed(group, gen.config.mask_offpolicy_in_partial_rollout)
-    samples = await generate_group(gen, group)
+    if sampling_params is not None or (evaluation and not gen.evaluation):
+        params = gen.sampling_params if sampling_params is None else {**gen.sampling_params, **sampling_params}
+        gen = dataclasses.replace(gen, sampling_params=params, evaluation=evaluation or gen.evaluation)
+    with state.dp_rank_context():
+        samples = await generate_group(gen, group)
     if not gen.ctx.aborting and not any(s.status == Status.ABORTED for s in samples):
         await rate_once(gen, samples, f"{gen.ctx.name}: prompt {samples[0].group_index}")
     return samples

@@ -46,7 +46,7 @@ class RolloutConfig:
     custom_rm_path: str = field("", "import path of async def reward(args, sample) -> float (or dict)")
     reward_key: str = field("", "train on sample.reward_scores[reward_key] when a reward function returns a dict")
     rm_url: str = field("", "rm_type remote_rm: the reward model's HTTP endpoint (POST prompt, response, label)")
-    loss_mask_type: Literal["qwen", "qwen3", "distill"] = field(
+    loss_mask_type: Literal["qwen", "qwen3", "qwen3_5", "distill"] = field(
         "qwen", "sft_loss on conversations: how the chat template marks the assistant turns that train")
     reward_timeout_s: float = field(10.0, "seconds a sample's reward may take", POSITIVE)
     loss_type: LossType = field("policy_loss", "policy_loss (RL), sft_loss (NLL of prompt + label, no generation) "

@@ -155,8 +155,10 @@ async def router_generate_batch(samples: list[Sample], payload: dict[str, Any]) 
 async def post_generate(ctx: GenerateContext, what: str, payload: dict[str, Any], *, count: int | None = None,
                         routing_key: str = "") -> Any:
     """/generate through `ctx` from outside a rollout's tasks (the agent gateway's turns): SGLang's reply, or a list
-    of `count` replies for a batch of input_ids; the same retries and abort as router_generate."""
-    headers = {ROUTING_KEY_HEADER: routing_key} if ctx.sticky_routing and routing_key else None
+    of `count` replies for a batch of input_ids; the same retries and abort as router_generate. `routing_key` (a
+    session's id) goes as X-SMG-Routing-Key under any policy: the router's manual policy keeps a session's turns on
+    the engine that holds its prefix; the others ignore it."""
+    headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
 
     def body() -> dict[str, Any]:
         return payload if count is not None else {**payload, "rid": f"{ctx.rid_prefix}-{uuid.uuid4().hex[:16]}"}
@@ -167,8 +169,9 @@ async def post_generate(ctx: GenerateContext, what: str, payload: dict[str, Any]
 async def stream_generate(ctx: GenerateContext, what: str, payload: dict[str, Any], *,
                           routing_key: str = "") -> AsyncIterator[dict[str, Any]]:
     """A streamed /generate of one prompt through `ctx`: SGLang's cumulative chunks as they arrive, the last one
-    finished. Retries as post_generate does while no chunk has arrived (then it cannot: the caller has them)."""
-    headers = {ROUTING_KEY_HEADER: routing_key} if ctx.sticky_routing and routing_key else None
+    finished. Retries as post_generate does while no chunk has arrived (then it cannot: the caller has them); the
+    routing key as post_generate sends it."""
+    headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
     last_error = ""
     for attempt in range(1, ctx.max_attempts + 1):
         if ctx.aborting:

@@ -17,6 +17,9 @@ KNOWN = {"model", "messages", "system", "tools", "tool_choice", "max_tokens", "t
          "stop_sequences", "stream", "metadata", "thinking", "service_tier", "cache_control", "speed", "inference_geo",
          "diagnostics", "user_profile_id", "workspace_id", "output_config"}
 OUTPUT_CONFIG = {"effort"}  # Claude Code sends output_config.effort; a hint with no effect here, like `speed`
+# Claude Code asks for adaptive thinking; as on a hosted model without extended thinking, a request for it is served
+# without thinking blocks (a reasoning model's reasoning stays in its text)
+THINKING = {"disabled", "enabled", "adaptive"}
 
 
 def params(body: dict[str, Any]) -> TurnParams:
@@ -34,8 +37,8 @@ def params(body: dict[str, Any]) -> TurnParams:
     output_config = body.get("output_config") or {}
     if not isinstance(output_config, dict) or set(output_config) - OUTPUT_CONFIG:
         raise InvalidArgument("output_config: only 'effort' is supported (structured output formats are not)")
-    if (body.get("thinking") or {}).get("type", "disabled") != "disabled":
-        raise InvalidArgument("thinking: extended thinking is not supported")
+    if (body.get("thinking") or {}).get("type", "disabled") not in THINKING:
+        raise InvalidArgument(f"thinking.type: one of {', '.join(sorted(THINKING))}")
     return TurnParams(max_tokens=_number(body["max_tokens"], "max_tokens", int),
                       temperature=_number(body.get("temperature"), "temperature", float),
                       top_p=_number(body.get("top_p"), "top_p", float), top_k=_number(body.get("top_k"), "top_k", int),

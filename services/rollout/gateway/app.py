@@ -1,7 +1,8 @@
 """The gateway's HTTP API (FastAPI): /v1/chat/completions, /v1/responses, /v1/models, /v1/messages, and the
-session's own /v1/session (its state) and /v1/session/reward. Each request's key (Authorization: Bearer, or
-x-api-key) opens its own session and no other; bodies are bounded before they are read, then parsed and checked
-against their API's schema (schema.py) in the worker pool, off the event loop; errors come in each API's error shape.
+session's own /v1/session (its state), /v1/session/reward and /v1/session/spawn (a sub-agent's session). Each
+request's key (Authorization: Bearer, or x-api-key) opens its own session and no other; bodies are bounded before
+they are read, then parsed and checked against their API's schema (schema.py) in the worker pool, off the event
+loop; errors come in each API's error shape.
 """
 
 from __future__ import annotations
@@ -200,6 +201,12 @@ def create_app(registry: SessionRegistry) -> FastAPI:
         session = session_of(request)
         return {"id": session.id, "turns": session.num_turns, "reward": session.reward,
                 "branches": [{"turn": b.turn, "reason": b.reason} for b in session.trajectory.branches]}
+
+    @app.post("/v1/session/spawn")
+    async def spawn(request: Request) -> dict[str, Any]:
+        """A sub-agent's session (or a restart's): the same sample's, with its own key; a sample of its own."""
+        child = registry.spawn(session_of(request))
+        return {"id": child.id, "api_key": child.key}
 
     @app.post("/v1/session/reward")
     async def set_reward(request: Request) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 from services.common.errors import InvalidArgument
 from services.common.images import check_image, data_url_image, decode_base64
 from services.common.samples import Image
-from services.rollout.gateway.schema import RequestInvalid
+from services.rollout.gateway.schema import RequestInvalid, check_json_schema
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -30,6 +30,7 @@ class Limits:
     max_turns: int = 64  # completions per session
     max_choices: int = 8  # n
     max_images: int = 16  # per request, over all its messages
+    max_spawned: int = 8  # sessions one sample's session may spawn (sub-agents, restarts)
 
 
 @dataclass
@@ -45,31 +46,50 @@ class Conversation:
             raise InvalidArgument(f"messages: {len(images)} images, at most {limits.max_images} per request")
         return cls(messages, tools, images)
 
-    def images_before(self, num_messages: int) -> int:
-        """How many of the images are in the first `num_messages` messages."""
-        return sum(count_image_parts(m) for m in self.messages[:num_messages])
 
     @property
     def tool_names(self) -> set[str]:
         return {tool["function"]["name"] for tool in self.tools}
 
+    def canonical(self) -> list[dict[str, Any]]:
+        return canonical(self.messages)
+
     def keys(self) -> list[tuple]:
-        return [message_key(m) for m in self.messages]
+        return [message_key(m) for m in self.canonical()]
 
     def tools_key(self) -> str:
         return json.dumps(self.tools, sort_keys=True)
 
 
+def canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages in the order histories are matched in: the system text first, wherever the agent put it (several
+    system messages joined), then the others in order. An agent that moves its system prompt continues its turns."""
+    system = [m for m in messages if m["role"] == "system"]
+    if not system:
+        return list(messages)
+    rest = [m for m in messages if m["role"] != "system"]
+    if len(system) == 1 and messages[0] is system[0]:
+        return list(messages)
+    return [{"role": "system", "content": "\n\n".join(m.get("content") or "" for m in system)}, *rest]
+
+
 def message_key(message: dict[str, Any]) -> tuple:
-    """What must be equal for a message sent back to be the one the gateway produced: role, text (outer whitespace
-    aside; an image part as its bytes' digest) and tool calls by name and arguments (ids are the gateway's own, so
-    they are not compared)."""
+    """What must be equal for a message sent back to be the one the gateway produced: role, text up to whitespace
+    (agents strip, re-indent or re-wrap what they send back; an image part as its bytes' digest) and tool calls by name
+    and arguments as parsed JSON (so a re-serialized argument is the same call; ids are the gateway's own, so they are
+    not compared)."""
     calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
                   for c in message.get("tool_calls") or [])
     content = message.get("content") or ""
     if isinstance(content, list):
-        content = "".join(f"<image {p['digest']}>" if p["type"] == "image" else p["text"] for p in content)
-    return message["role"], content.strip(), calls
+        content = "".join(f" <image {p['digest']}> " if p["type"] == "image" else p["text"] for p in content)
+    return message["role"], " ".join(content.split()), calls
+
+
+def text_of(message: dict[str, Any]) -> str:
+    """A message's text: its content, or its text parts joined."""
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
 def count_image_parts(message: dict[str, Any]) -> int:
@@ -133,14 +153,16 @@ def _text(content: Any, where: str) -> str:
     raise InvalidArgument(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
 
 
-def _arguments(raw: Any, where: str) -> dict[str, Any]:
+def _arguments(raw: Any, param: str) -> dict[str, Any]:
+    """A call's arguments sent back, parsed; RequestInvalid naming the field (`param`) when they are not a JSON
+    object (the gateway returns only calls whose arguments are: a broken call comes back as text)."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw) if raw.strip() else {}
         except ValueError as err:
-            raise InvalidArgument(f"{where}: function.arguments is not JSON: {err}") from None
+            raise RequestInvalid(f"the arguments text is not JSON: {err}", param) from None
     if not isinstance(raw, dict):
-        raise InvalidArgument(f"{where}: function.arguments must be a JSON object")
+        raise RequestInvalid("the arguments must be a JSON object", param)
     return raw
 
 
@@ -153,11 +175,13 @@ def _check_counts(num_messages: int, num_tools: int, limits: Limits) -> None:
         raise InvalidArgument(f"tools: {num_tools} tools, at most {limits.max_tools} per request")
 
 
-def _function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+def _function_tool(name: Any, description: Any, parameters: Any, where: str, schema_param: str) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"{where}: a tool needs a non-empty string name")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidArgument(f"{where}: the parameters schema must be a JSON object")
+    if parameters is not None:
+        check_json_schema(parameters, schema_param)
     function = {"name": name, "description": description if isinstance(description, str) else "",
                 "parameters": parameters or {"type": "object", "properties": {}}}
     return {"type": "function", "function": function}
@@ -205,7 +229,7 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
             item["tool_calls"] = [{"id": str(c.get("id", "")), "type": "function",
                                    "function": {"name": str((c.get("function") or {}).get("name", "")),
                                                 "arguments": _arguments((c.get("function") or {}).get("arguments"),
-                                                                        f"{where}.tool_calls[{j}]")}}
+                                                                        f"{where}.tool_calls[{j}].function.arguments")}}
                                   for j, c in enumerate(calls) if isinstance(c, dict)]
         if role == "tool":
             item["tool_call_id"] = str(message.get("tool_call_id", ""))
@@ -216,12 +240,13 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(function, dict) or tool.get("type", "function") != "function":
             raise InvalidArgument(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools are supported")
         checked.append(_function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                      f"tools[{i}]"))
+                                      f"tools[{i}]", f"tools[{i}].function.parameters"))
     return Conversation.of(out, checked, images, limits)
 
 
 def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
-    """Anthropic Messages `system`, `messages` (text, tool_use and tool_result blocks) and `tools`."""
+    """Anthropic Messages `system`, `messages` (text, tool_use and tool_result blocks; a `system` message among them,
+    as Claude Code sends its environment, is kept in place) and `tools`."""
     messages, tools = body.get("messages"), body.get("tools") or []
     if not isinstance(messages, list) or not isinstance(tools, list):
         raise InvalidArgument("messages and tools must be lists")
@@ -233,15 +258,16 @@ def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
         out.append({"role": "system", "content": _text(system, "system")})
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise InvalidArgument(f"{where}: role must be user or assistant")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise InvalidArgument(f"{where}: role must be user, assistant or system")
         content = message.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise InvalidArgument(f"{where}: content must be a string or a list of blocks")
         out.extend(_anthropic_blocks(message["role"], blocks, where, images))
-    checked = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
-               if isinstance(t, dict) else _function_tool(None, None, None, f"tools[{i}]")
+    checked = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]",
+                              f"tools.{i}.input_schema")
+               if isinstance(t, dict) else _function_tool(None, None, None, f"tools[{i}]", "")
                for i, t in enumerate(tools)]
     return Conversation.of(out, checked, images, limits)
 
@@ -268,12 +294,14 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str, images: list[Ima
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append({"type": "text", "text": _text([block], f"{where}.content[{j}]")})
+        elif role == "system":
+            raise InvalidArgument(f"{where}.content[{j}]: a system message holds text blocks only")
         elif kind == "image" and role == "user":
             texts.append(_anthropic_image(block, f"{where}.content[{j}]"))
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": str(block.get("name", "")),
-                                       "arguments": _arguments(block.get("input", {}), f"{where}.content[{j}]")}})
+                                       "arguments": _arguments(block.get("input", {}), f"{where}.content[{j}].input")}})
         elif kind == "tool_result" and role == "user":
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                             "content": _text(block.get("content"), f"{where}.content[{j}]")})
@@ -281,6 +309,8 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str, images: list[Ima
             allowed = "text, tool_use" if role == "assistant" else "text, image, tool_result"
             raise InvalidArgument(f"{where}.content[{j}]: block type {kind!r} is not supported in a {role} message "
                                   f"({allowed})")
+    if role == "system":
+        return [{"role": "system", "content": _with_images(texts, images)}]
     if role == "assistant":
         message: dict[str, Any] = {"role": "assistant", "content": _with_images(texts, images)}
         if calls:
@@ -329,7 +359,7 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
         elif kind == "function_call":
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": str(item.get("name", "")),
-                                 "arguments": _arguments(item.get("arguments", ""), where)}}
+                                 "arguments": _arguments(item.get("arguments", ""), f"{where}.arguments")}}
             if open_turn is None:
                 open_turn = {"role": "assistant", "content": ""}
                 out.append(open_turn)
@@ -349,5 +379,5 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
             raise RequestInvalid("only function tools ({'type': 'function', 'name': ...}) are supported",
                                  f"tools[{i}].type")
         checked.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
-                                      f"tools[{i}]"))
+                                      f"tools[{i}]", f"tools[{i}].parameters"))
     return Conversation(out, checked)

@@ -14,6 +14,8 @@ class GatewayMetrics:
                                      registry=self.registry)
         self.completion_tokens = Counter("physarum_gateway_completion_tokens_total", "tokens the engines generated",
                                          registry=self.registry)
+        self.cached_tokens = Counter("physarum_gateway_cached_tokens_total", "prompt tokens the engines found in "
+                                     "their prefix cache", registry=self.registry)
         self.branches = Counter("physarum_gateway_branches_total", "turns whose history did not continue the last "
                                 "turn produced", registry=self.registry)
         self.turn_seconds = Histogram("physarum_gateway_turn_seconds", "seconds per completion, render to reply",

@@ -79,9 +79,10 @@ def completion(result: TurnResult, model: str, want_logprobs: bool, decode: Any)
             "model": model, "choices": choices, "usage": _usage(result), "system_fingerprint": None}
 
 
-def _usage(result: TurnResult) -> dict[str, int]:
+def _usage(result: TurnResult) -> dict[str, Any]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 class _Chunks:

@@ -81,7 +81,7 @@ def response(response_id: str, body: dict[str, Any], model: str, result: TurnRes
     incomplete = choice is not None and choice.finish == "length"
     status = "in_progress" if choice is None else "incomplete" if incomplete else "completed"
     usage = None if result is None else {
-        "input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": result.cached_tokens},
         "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": result.prompt_tokens + result.completion_tokens}
     return {"id": response_id, "object": "response", "created_at": created_at or int(time.time()), "status": status,

@@ -174,6 +174,47 @@ def _utf8(text: str, path: str) -> None:
         raise RequestInvalid(f"invalid Unicode: a lone surrogate at character {err.start}", path or None) from None
 
 
+JSON_SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """RequestInvalid naming the place unless `schema` reads as a JSON Schema where a tool's parameters are declared:
+    an object (or boolean) whose type is a JSON Schema type, whose properties and other subschemas are schemas,
+    whose required is a list of names and enum a list; other keywords are left to the model to read."""
+    stack = [(schema, param)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            raise RequestInvalid(f"not a JSON Schema: expected an object, got {_type_name(node)}", path)
+        kind = node.get("type")
+        kinds = kind if isinstance(kind, list) else [kind] if "type" in node else []
+        if not all(isinstance(k, str) and k in JSON_SCHEMA_TYPES for k in kinds):
+            raise RequestInvalid(f"not a JSON Schema: type must be one of {', '.join(JSON_SCHEMA_TYPES)} (or a "
+                                 f"list of them), got {kind!r}", _join(path, "type"))
+        if "required" in node and not (isinstance(node["required"], list)
+                                       and all(isinstance(r, str) for r in node["required"])):
+            raise RequestInvalid("not a JSON Schema: required must be a list of property names",
+                                 _join(path, "required"))
+        if "enum" in node and not isinstance(node["enum"], list):
+            raise RequestInvalid("not a JSON Schema: enum must be a list", _join(path, "enum"))
+        for name in _SUBSCHEMA_MAPS:
+            if name in node:
+                if not isinstance(node[name], dict):
+                    raise RequestInvalid(f"not a JSON Schema: {name} must be an object of schemas", _join(path, name))
+                stack += [(sub, f"{_join(path, name)}.{key}") for key, sub in node[name].items()]
+        for name in _SUBSCHEMA_LISTS:
+            if name in node:
+                if not isinstance(node[name], list):
+                    raise RequestInvalid(f"not a JSON Schema: {name} must be a list of schemas", _join(path, name))
+                stack += [(sub, f"{_join(path, name)}[{i}]") for i, sub in enumerate(node[name])]
+        stack += [(node[name], _join(path, name)) for name in _SUBSCHEMAS if name in node]
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -225,7 +266,7 @@ _TEXT_BLOCK = Obj({"type": STR, "text": STR, "cache_control": _CACHE}, required=
 _BLOCK = Obj({"type": STR, "text": STR, "id": STR, "name": STR, "input": Obj({}), "tool_use_id": STR,
               "content": OneOf((STR, Arr(_TEXT_BLOCK)), "a string or a list of text blocks"), "is_error": BOOL,
               "cache_control": _CACHE}, required=("type",))
-_ANTHROPIC_MESSAGE = Obj({"role": Scalar(("string",), choices=("user", "assistant")),
+_ANTHROPIC_MESSAGE = Obj({"role": Scalar(("string",), choices=("user", "assistant", "system")),
                           "content": OneOf((STR, Arr(_BLOCK)), "a string or a list of content blocks")},
                          required=("role", "content"))
 _ANTHROPIC_TOOL = Obj({"name": STR, "description": STR, "input_schema": Obj({}), "type": STR,
@@ -267,4 +308,5 @@ OPENAI_RESPONSES = Obj({
     "reasoning": opt(Obj({"effort": opt(STR), "summary": opt(STR), "generate_summary": opt(STR)})),
     "truncation": opt(Scalar(("string",), choices=("auto", "disabled"))), "include": opt(Arr(STR)),
     "service_tier": opt(STR), "prompt_cache_key": STR, "safety_identifier": STR, "background": opt(BOOL),
+    "client_metadata": opt(Obj({})),  # Codex's per-turn ids, as `metadata`: kept by nobody here
 }, required=("input",), closed=True)

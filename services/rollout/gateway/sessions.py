@@ -78,6 +78,7 @@ class TurnResult:
     prompt_tokens: int
     completion_tokens: int
     branched: str  # why this turn started a branch ("" if it did not)
+    cached_tokens: int = 0  # of the prompt, found in the engine's prefix cache (its meta_info.cached_tokens)
 
 
 @dataclass
@@ -101,6 +102,8 @@ class Session:
     gateway_url: str = ""  # where agents reach the gateway (its root), when the manager serves one
     context_len: int | None = None  # the model's context in tokens, when its config names it
     responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # Responses API ids: their messages
+    parent: Session | None = None  # the session that spawned this one (a sub-agent's, a restart's)
+    children: list[Session] = field(default_factory=list)  # the sessions spawned from this one, in order
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.renderer)
@@ -180,7 +183,9 @@ class Session:
         self.metrics.prompt_tokens.inc(len(prepared.input_ids))
         self.metrics.completion_tokens.inc(completion)
         self.metrics.turn_seconds.observe(time.monotonic() - start_s)
-        return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason)
+        cached = int((replies[0].get("meta_info") or {}).get("cached_tokens") or 0)
+        self.metrics.cached_tokens.inc(cached)
+        return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason, cached)
 
     def _payload(self, prepared: Any, params: TurnParams, max_new_tokens: int) -> dict[str, Any]:
         """The /generate body: the prompt's tokens (its image tokens expanded) and, when it has images, every one of
@@ -270,6 +275,21 @@ class SessionRegistry:
         self.metrics.sessions_open.inc()
         return session
 
+    def spawn(self, session: Session) -> Session:
+        """A new session for the same sample (a sub-agent, or the agent starting over): its own key and trajectory,
+        the same job settings; it becomes a sample of its own in the prompt's group and closes with the first."""
+        root = session.parent or session
+        if root.closed:
+            raise SessionClosed(f"session {root.id} has ended; its sample is being scored")
+        if len(root.children) >= self.limits.max_spawned:
+            raise InvalidArgument(f"session {root.id}: {len(root.children)} sessions spawned, at most "
+                                  f"{self.limits.max_spawned} per sample")
+        child = self.open(root.ctx, root.renderer, root.sampling_params,
+                          session_id=f"{root.id}-{len(root.children) + 1}", model=root.model)
+        child.parent, child.gateway_url = root, root.gateway_url
+        root.children.append(child)
+        return child
+
     def by_id(self, session_id: str) -> Session | None:
         return next((s for s in self._by_key.values() if s.id == session_id), None)
 
@@ -280,7 +300,10 @@ class SessionRegistry:
         return session
 
     def close(self, session: Session) -> None:
-        """End the session: later requests with its key get 401; a turn running now finishes first."""
+        """End the session and those it spawned: later requests with their keys get 401; a turn running now
+        finishes first."""
+        for child in session.children:
+            self.close(child)
         session.closed = True
         if self._by_key.pop(session.key, None) is not None:
             self.metrics.sessions_open.dec()

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from services.common.errors import InvalidArgument
 from services.common.samples import Image
-from services.rollout.gateway.conversation import Conversation, message_key
+from services.rollout.gateway.conversation import Conversation, count_image_parts, message_key, text_of
 
 PROBE = "\x00physarum-probe\x00"
 COUNT_CHUNK_CHARS = 16384  # a long text is counted in pieces of about this size, stopping past the bound
@@ -42,6 +42,7 @@ class Turn:
     parent: Turn | None
     context: list[int]  # tokens added before the generation: loss_mask 0 (the root's: the prompt)
     keys: list[tuple]  # the request's messages and the produced assistant message, canonical
+    messages: list[dict[str, Any]]  # those messages as the gateway holds them (what later turns are rendered after)
     tools_key: str
     generated: list[int] = field(default_factory=list)  # loss_mask 1
     log_probs: list[float] = field(default_factory=list)
@@ -79,6 +80,7 @@ class Prepared:
     branch_reason: str = ""
     images: list[Image] = field(default_factory=list)  # the context's new images
     all_images: list[Image] = field(default_factory=list)  # every image of input_ids, in order (the engine's)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the history the generation continues, canonical
 
 
 @dataclass
@@ -96,8 +98,9 @@ class Trajectory:
         limit = None if context_len is None else context_len - 1
         if limit is not None:  # a message past the context alone is refused before the template copies it
             for message in conversation.messages:
-                refuse_past(self.renderer, message.get("content") or "", limit)
-        keys, tools_key = conversation.keys(), conversation.tools_key()
+                refuse_past(self.renderer, text_of(message), limit)
+        canon = conversation.canonical()
+        keys, tools_key = [message_key(m) for m in canon], conversation.tools_key()
         parent = None
         for turn in reversed(self.turns):  # newest first among equally long matches
             k = len(turn.keys)
@@ -107,29 +110,35 @@ class Trajectory:
         if conversation.images and getattr(self.renderer, "image_tokens", None) is None:
             raise InvalidArgument(f"messages: {len(conversation.images)} images, but the model is a text model and "
                                   "takes no images")
-        full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
         if parent is None:
             reason = "" if not self.turns else "the history repeats no turn the gateway produced"
-            return self._whole(full, conversation.images, limit, reason)
-        done = self.renderer.render_messages(conversation.messages[:len(parent.keys)], conversation.tools,
-                                             add_generation_prompt=False)
+            full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
+            return self._whole(full, conversation.images, limit, reason, canon)
+        # what is new is rendered after the history the gateway holds, not the agent's copy of it: an agent's
+        # re-serialized arguments, whitespace or moved system prompt change no token already generated
+        messages = [*parent.messages, *canon[len(parent.keys):]]
+        full = self.renderer.render_messages(messages, conversation.tools, add_generation_prompt=True)
+        done = self.renderer.render_messages(parent.messages, conversation.tools, add_generation_prompt=False)
         if not full.startswith(done):  # the template renders earlier turns differently once more follow
+            full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
             return self._whole(full, conversation.images, limit,
-                               "the chat template renders the history differently as it grows")
+                               "the chat template renders the history differently as it grows", canon)
         history = parent.tokens()
         room = None if limit is None else max(0, limit - len(history))
-        new_images = conversation.images[conversation.images_before(len(parent.keys)):]
+        # the canonical order moves only system messages, which hold no images: the images keep their order
+        new_images = conversation.images[sum(count_image_parts(m) for m in canon[:len(parent.keys)]):]
         context = self._expanded(encode_within(self.renderer, self._closing(parent) + full[len(done):], room),
                                  new_images, room)
         reason = "" if parent is self.tip else (f"continues turn {parent.index}, not the last turn "
                                                 f"{self.tip.index if self.tip else -1}")
         return Prepared(parent, context, history + context, reason, list(new_images),
-                        parent.path_images() + list(new_images))
+                        parent.path_images() + list(new_images), messages)
 
-    def _whole(self, text: str, images: list[Image], limit: int | None, reason: str) -> Prepared:
+    def _whole(self, text: str, images: list[Image], limit: int | None, reason: str,
+               canon: list[dict[str, Any]]) -> Prepared:
         """The whole conversation as a new root turn."""
         ids = self._expanded(encode_within(self.renderer, text, limit), images, limit)
-        return Prepared(None, ids, list(ids), reason, list(images), list(images))
+        return Prepared(None, ids, list(ids), reason, list(images), list(images), canon)
 
     def _expanded(self, ids: list[int], images: list[Image], limit: int | None) -> list[int]:
         """`ids` with each image placeholder as many image tokens as its image takes; InvalidArgument past `limit`."""
@@ -164,8 +173,9 @@ class Trajectory:
                generated: list[int], log_probs: list[float], weight_versions: list[str], finish: str,
                make_tip: bool) -> Turn:
         """Add the turn the engine produced from `prepared`; `make_tip` for the choice the sample follows."""
+        messages = [*prepared.messages, assistant]
         turn = Turn(index=len(self.turns), parent=prepared.parent, context=list(prepared.context),
-                    keys=[*conversation.keys(), message_key(assistant)], tools_key=conversation.tools_key(),
+                    keys=[message_key(m) for m in messages], messages=messages, tools_key=conversation.tools_key(),
                     generated=list(generated), log_probs=list(log_probs), weight_versions=list(weight_versions),
                     finish=finish, images=list(prepared.images))
         self.turns.append(turn)

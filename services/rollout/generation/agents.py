@@ -6,6 +6,7 @@ groups, rewards, filters and buffer as any other. Knows nothing of either API's 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import math
@@ -45,7 +46,7 @@ def agent_generate_function(gateway: AgentGateway | None, path: str, timeout_s: 
         raise InvalidArgument("agent_function_path: this rollout manager serves no agent gateway")
     agent = load_agent_function(path)
 
-    async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
         session = current_context().open_session(getattr(sample, "session_id", None) or new_session_id(),
                                                  sampling_params)
         prompt = {"prompt": sample.prompt, "messages": sample.prompt_messages, "label": sample.label,
@@ -65,9 +66,25 @@ def agent_generate_function(gateway: AgentGateway | None, path: str, timeout_s: 
         if returned is not None and (isinstance(returned, bool) or not isinstance(returned, (int, float))
                                      or not math.isfinite(returned)):
             raise FailedPrecondition(f"agent_function_path {path} returned {returned!r}; expected {EXPECTED}")
-        return session_sample(sample, session, returned, timed_out, f"agent_function_path {path}")
+        return spawned_samples(sample, session, returned, timed_out, f"agent_function_path {path}")
 
     return generate
+
+
+def spawned_samples(sample: Sample, session: Any, reward: float | None, truncated: bool,
+                    what: str) -> Sample | list[Sample]:
+    """The session's sample, and one more per session it spawned that made a request (a sub-agent's, a restart's),
+    each with its own reward (posted on it; the agent's return value is the first session's): slime's fan-out, all in
+    the prompt's group, so a group's baseline is over every trajectory its prompt produced."""
+    spawned = [child for child in session.children if child.trajectory.tip is not None]
+    if not spawned:
+        return session_sample(sample, session, reward, truncated, what)
+    copies = [copy.deepcopy(sample) for _ in spawned]
+    samples = [session_sample(sample, session, reward, truncated, what)] if session.trajectory.tip is not None else []
+    for child, child_sample in zip(spawned, copies, strict=True):
+        child_sample.session_id = child.id
+        samples.append(session_sample(child_sample, child, None, truncated, f"{what} (session {child.id})"))
+    return samples
 
 
 def session_opener(gateway: AgentGateway | None, ctx: Any, encoder: PromptEncoder,
@@ -105,7 +122,8 @@ def session_sample(sample: Sample, session: Any, reward: float | None, truncated
     sample.loss_mask, sample.rollout_log_probs = trained.loss_mask, trained.rollout_log_probs
     sample.weight_versions = trained.weight_versions
     sample.status = Status.TRUNCATED if truncated or trained.finish == "length" else Status.COMPLETED
-    sample.metadata = {**sample.metadata, "agent_turns": session.num_turns, "agent_final_content": tip.keys[-1][1],
+    sample.metadata = {**sample.metadata, "agent_turns": session.num_turns,
+                       "agent_final_content": tip.messages[-1]["content"],
                        "agent_branches": [{"turn": b.turn, "reason": b.reason} for b in session.trajectory.branches]}
     reward = reward if reward is not None else session.reward
     if reward is not None:

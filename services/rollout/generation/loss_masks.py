@@ -7,6 +7,9 @@
   position (Qwen3's thinking blocks) render it as in the whole chat; consecutive tool messages form one turn.
   (slime also cuts the system prompt length here, which is 0 for Qwen3's templates; cutting the fixed message
   off is what keeps a template with a default system prompt right too.)
+- qwen3_5: the whole chat rendered at once (Qwen3.5's template renders a turn by its place in the chat), each token
+  trained when its characters fall in an assistant turn: from after its header (and a leading "<think>\n") through
+  its "<|im_end|>" and the newline after it.
 - distill: the first message as the prompt (with the generation header), the last message's content as the
   response, all of which trains.
 A message with `step_loss_mask` other than 1 trains nothing. The response is everything from the first trained
@@ -20,7 +23,8 @@ from typing import Any
 from services.common.errors import InvalidArgument
 from services.rollout.generation.prompts import PromptEncoder
 
-LOSS_MASK_TYPES = ("qwen", "qwen3", "distill")
+LOSS_MASK_TYPES = ("qwen", "qwen3", "qwen3_5", "distill")
+ASSISTANT_HEADER, THINK_START, TURN_END = "<|im_start|>assistant\n", "<think>\n", "<|im_end|>"  # Qwen3.5's chat
 _PROBE = "FOR TESTING ONLY"
 _PREFIX = {"role": "user", "content": "FOR CALCULATING LOSS MASK ONLY"}
 
@@ -76,6 +80,8 @@ class LossMasker:
     def tokens_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         if self.kind == "distill":
             return self._distill(messages)
+        if self.kind == "qwen3_5":
+            return self._rendered_whole(messages)
         ids: list[int] = []
         mask: list[int] = []
         i = 0
@@ -94,6 +100,28 @@ class LossMasker:
             ids += message_ids
             i = end
         return ids, mask
+
+    def _rendered_whole(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """qwen3_5: the chat's tokens, each trained when one of its characters is in a trained assistant turn."""
+        text = self.encoder.chat_template.render(messages=messages, add_generation_prompt=False,
+                                                 **self.encoder.special_tokens)
+        encoding = self.encoder.tokenizer.encode(text, add_special_tokens=False)
+        trained = [0] * len(text)
+        cursor = 0
+        for message in (m for m in messages if m["role"] == "assistant"):
+            header = text.find(ASSISTANT_HEADER, cursor)
+            end = text.find(TURN_END, header + len(ASSISTANT_HEADER)) if header >= 0 else -1
+            if end < 0:
+                raise InvalidArgument(f"loss_mask_type qwen3_5: the chat template of {self.encoder.path} renders an "
+                                      f"assistant turn without {ASSISTANT_HEADER!r} ... {TURN_END!r}")
+            start, end = header + len(ASSISTANT_HEADER), end + len(TURN_END)
+            end += text.startswith("\n", end)
+            cursor = end
+            if message.get("step_loss_mask", 1) == 1:
+                start += len(THINK_START) if text.startswith(THINK_START, start) else 0
+                trained[start:end] = [1] * (end - start)
+        mask = [int(any(trained[a:b])) for a, b in encoding.offsets]
+        return encoding.ids, mask
 
     def _distill(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         prompt = self._ids(messages[:1], generation_prompt=True)

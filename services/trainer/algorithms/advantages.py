@@ -7,7 +7,7 @@ keyword arguments it needs and ignores the rest.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,14 +45,35 @@ def normalize_group_rewards(rewards: torch.Tensor, *, n_samples_per_prompt: int,
     return groups.reshape(-1)
 
 
+def normalize_rewards_by_group(rewards: torch.Tensor, group_ids: Sequence[int], *, std_normalization: bool = True,
+                               eps: float = 1e-6) -> torch.Tensor:
+    """The GRPO group baseline of normalize_group_rewards over groups of any size: the rows sharing a group id
+    (a prompt whose agent fanned out into several trajectories). A group of one is only centred. [N] -> [N]."""
+    if len(group_ids) != rewards.numel():
+        raise ValueError(f"{len(group_ids)} group ids for {rewards.numel()} rewards")
+    rewards = rewards.float()
+    out = torch.empty_like(rewards)
+    ids = torch.tensor(list(group_ids), device=rewards.device)
+    for group in torch.unique(ids):
+        rows = ids == group
+        centred = rewards[rows] - rewards[rows].mean()
+        if std_normalization and int(rows.sum()) > 1:
+            centred = centred / (rewards[rows].std() + eps)
+        out[rows] = centred
+    return out
+
+
 def post_process_rewards(rewards: torch.Tensor, *, advantage_estimator: str, n_samples_per_prompt: int,
-                         rewards_normalization: bool = True, grpo_std_normalization: bool = True) -> torch.Tensor:
-    """slime's reward post-processing: the group baseline the estimator calls for, or raw rewards. [N] -> [N]."""
+                         rewards_normalization: bool = True, grpo_std_normalization: bool = True,
+                         group_ids: Sequence[int] | None = None) -> torch.Tensor:
+    """slime's reward post-processing: the group baseline the estimator calls for, or raw rewards. [N] -> [N].
+    With `group_ids` (each row's prompt), groups are those rows, whatever their sizes."""
     if advantage_estimator not in GROUP_MEAN_ESTIMATORS or not rewards_normalization:
         return rewards.float()
-    return normalize_group_rewards(
-        rewards, n_samples_per_prompt=n_samples_per_prompt,
-        std_normalization=grpo_std_normalization and advantage_estimator in GROUP_STD_ESTIMATORS)
+    std = grpo_std_normalization and advantage_estimator in GROUP_STD_ESTIMATORS
+    if group_ids is not None:
+        return normalize_rewards_by_group(rewards, group_ids, std_normalization=std and n_samples_per_prompt > 1)
+    return normalize_group_rewards(rewards, n_samples_per_prompt=n_samples_per_prompt, std_normalization=std)
 
 
 def response_mask(response_lengths: torch.Tensor, width: int) -> torch.Tensor:

@@ -130,7 +130,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
         problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} is built as a "
                         "language model, which takes no images (a family with a causal LM, such as Qwen3.5, trains as "
                         "its text model); use a vision-language checkpoint (qwen2_5_vl, qwen3_vl, ...)")
-    if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(hf_config)):
+    if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(
+            hf_config, gathers_gated_delta_nets=spec.train_backend == "megatron")):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")
     if spec.context_parallel_size > 1 and (spec.use_routing_replay or spec.use_rollout_routing_replay

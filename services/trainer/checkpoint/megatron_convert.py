@@ -1,11 +1,13 @@
-"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama, and (attention from `deepseek_v3.py`)
-DeepSeek-V3 and GLM-4.7-Flash: names, fused layouts, TP shards, vocab padding, experts.
+"""HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama, (attention from `deepseek_v3.py`)
+DeepSeek-V3 and GLM-4.7-Flash, and (gated delta-nets from `qwen3_next.py`) Qwen3-Next and Qwen3.5: names, fused
+layouts, TP shards, vocab padding, experts.
 
 `hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
 Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
 yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attention):
-- linear_qkv: per query group g, rows [q heads of g (heads_per_group·head_dim), k_g (head_dim), v_g (head_dim)];
-  TP rank r holds query groups [r·G/tp, (r+1)·G/tp), i.e. chunk r of dim 0.
+- linear_qkv: per query group g, rows [q heads of g (heads_per_group·head_dim), k_g (head_dim), v_g (head_dim)]
+  (with an output gate, the gates of g's heads after its queries); TP rank r holds query groups
+  [r·G/tp, (r+1)·G/tp), i.e. chunk r of dim 0.
 - linear_fc1: on TP rank r, cat(gate chunk r, up chunk r) along dim 0.
 - linear_proj, linear_fc2: chunk r of dim 1. Embedding and output layer: the vocab padded with zero rows, chunk r
   of dim 0. Norms are replicated.
@@ -24,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from services.trainer.models import deepseek_v3, glm4, minimax_m2
+from services.trainer.models import deepseek_v3, glm4, minimax_m2, qwen3_next
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -79,21 +81,34 @@ def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
 
 
 def _fuse_qkv(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF q [H·d, ...], k/v [G·d, ...] -> Megatron linear_qkv [(H + 2G)·d, ...] in per-query-group order."""
+    """HF q [H·d, ...], k/v [G·d, ...] -> Megatron linear_qkv [(H + 2G)·d, ...] in per-query-group order; with an
+    output gate HF's q holds each head's query and gate, and each group's gates follow its queries."""
     groups, d = arch.num_query_groups, arch.head_dim
     tail = q.shape[1:]
-    q = q.reshape(groups, arch.heads_per_group * d, *tail)
+    queries = [q]
+    if arch.attention_output_gate:
+        queries = list(qwen3_next.split_gated_q(arch, q))
+    queries = [t.reshape(groups, arch.heads_per_group * d, *tail) for t in queries]
     k, v = k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    return torch.cat([*queries, k, v], dim=1).reshape(-1, *tail)
 
 
 def _split_qkv(arch: ModelArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `_fuse_qkv` on the full (TP-gathered) tensor."""
     groups, d = arch.num_query_groups, arch.head_dim
     tail = qkv.shape[1:]
-    grouped = qkv.reshape(groups, (arch.heads_per_group + 2) * d, *tail)
-    q, k, v = grouped.split([arch.heads_per_group * d, d, d], dim=1)
-    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+    gated = int(arch.attention_output_gate)
+    grouped = qkv.reshape(groups, ((1 + gated) * arch.heads_per_group + 2) * d, *tail)
+    *queries, k, v = grouped.split([arch.heads_per_group * d] * (1 + gated) + [d, d], dim=1)
+    queries = [t.reshape(-1, *tail) for t in queries]
+    q = qwen3_next.join_gated_q(arch, *queries) if gated else queries[0]
+    return q, k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _hf_shared_experts(arch: ModelArch) -> str:
+    """The HF name (under the layer) of a MoE layer's always-on MLP: DeepSeek's and GLM's shared_experts, Qwen's
+    shared_expert."""
+    return qwen3_next.HF_SHARED_EXPERT if arch.moe_shared_expert_gate else HF_SHARED_EXPERTS
 
 
 def _hf_expert_bias(arch: ModelArch) -> str:
@@ -119,10 +134,13 @@ def _moe_layer(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: s
     if arch.moe_router_expert_bias:
         out[dst + EXPERT_BIAS] = hf[src + _hf_expert_bias(arch)].clone().contiguous()
     if arch.moe_shared_expert_intermediate_size:
-        shared = src + HF_SHARED_EXPERTS
+        shared = src + _hf_shared_experts(arch)
         out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
             [shard(hf[shared + "gate_proj.weight"]), shard(hf[shared + "up_proj.weight"])])
         out[dst + "mlp.shared_experts.linear_fc2.weight"] = shard(hf[shared + "down_proj.weight"], dim=1)
+    if arch.moe_shared_expert_gate:
+        out.update({dst + mg: hf[src + name].clone().contiguous()
+                    for mg, name in qwen3_next.SHARED_EXPERT_GATE.items()})
     local = arch.num_experts // ep_size
     for i in range(local):
         fc1, fc2 = _hf_expert(hf, src, ep_rank * local + i)
@@ -147,16 +165,18 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     out: dict[str, torch.Tensor] = {}
     if arch.model_type == "minimax_m2":
         hf = minimax_m2.CheckpointNames(hf)
+    if arch.linear_attention is not None:
+        hf = qwen3_next.CheckpointNames(hf)
     padded = arch.padded_vocab_size(tp_size)
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
     for local in range(len(arch.stage_layer_range(pp_rank, pp_size))):
         src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
-        moe = arch.is_moe_layer(offset + local)
+        moe, linear = arch.is_moe_layer(offset + local), arch.is_linear_layer(offset + local)
         for mg_sub, hf_sub in RENAMED.items():
             if (mg_sub in QK_NORMS and not (arch.qk_layernorm or arch.projection_qk_norm)) or \
-                    (mg_sub in DENSE_MLP and moe):
+                    (mg_sub in DENSE_MLP and moe) or (linear and mg_sub.startswith("self_attention.")):
                 continue
             tensor = hf[src + hf_sub]
             if mg_sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
@@ -165,7 +185,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
             out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
                 tensor.clone().contiguous()
         attn = src + "self_attn."
-        if arch.mla is not None:
+        if linear:  # a gated delta-net in attention's place
+            out.update(qwen3_next.hf_to_megatron_linear_attention(hf, arch, src, dst, shard))
+        elif arch.mla is not None:
             out.update(deepseek_v3.hf_to_megatron_attention(hf, arch, src, dst, shard, te_names=te_names))
         else:
             out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
@@ -214,6 +236,11 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
         return mla
     if arch.post_norms and (pairs := glm4.megatron_to_hf_layer(sub, list(shards), prefix)) is not None:
         return pairs
+    if arch.linear_attention is not None and sub not in RENAMED and \
+            (pairs := qwen3_next.megatron_to_hf_linear_attention(sub, list(shards), arch, prefix)) is not None:
+        return pairs
+    if sub in qwen3_next.SHARED_EXPERT_GATE:
+        return [(prefix + qwen3_next.SHARED_EXPERT_GATE[sub], shards[0])]
     if sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
         return [(prefix + RENAMED[sub], torch.cat(list(shards)))]
     if sub in RENAMED:
@@ -228,13 +255,13 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
     if sub == EXPERT_BIAS:
         return [(prefix + _hf_expert_bias(arch), shards[0])]
     if sub == "mlp.shared_experts.linear_fc2.weight":
-        return [(prefix + HF_SHARED_EXPERTS + "down_proj.weight", torch.cat(list(shards), dim=1))]
+        return [(prefix + _hf_shared_experts(arch) + "down_proj.weight", torch.cat(list(shards), dim=1))]
     if sub.startswith(LOCAL_EXPERT):  # one expert: fused with the others of its layer by `fuse_experts`
         index, kind = sub.removeprefix(LOCAL_EXPERT).split(".", 1)
         return [(f"{prefix}mlp.experts.{index}.{kind}", shards[0])]
     if sub in FC1:
         gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
-        mlp = prefix + ("mlp." if sub == FC1[0] else HF_SHARED_EXPERTS)
+        mlp = prefix + ("mlp." if sub == FC1[0] else _hf_shared_experts(arch))
         return [(mlp + "gate_proj.weight", torch.cat(gates)), (mlp + "up_proj.weight", torch.cat(ups))]
     raise ValueError(f"no HF name for Megatron parameter {name!r}")
 

@@ -1,6 +1,6 @@
 """The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
-`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`) as the few numbers Megatron and the
-converter need.
+`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`, Qwen3-Next and Qwen3.5 through
+`qwen3_next.py`) as the few numbers Megatron and the converter need.
 
 Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
 """
@@ -14,7 +14,9 @@ from typing import Any
 from services.common.errors import InvalidArgument
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
+GATED_DELTA_NET_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # qwen3_next.py reads them
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES,
+                         *GATED_DELTA_NET_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -29,6 +31,18 @@ class MLAShape:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetShape:
+    """Gated delta-net (linear attention) layers: a causal depthwise convolution of conv_kernel_dim taps over the
+    q/k/v channels, then the gated delta rule over num_value_heads heads (each key head shared by
+    num_value_heads / num_key_heads of them)."""
+    conv_kernel_dim: int
+    key_head_dim: int
+    value_head_dim: int
+    num_key_heads: int
+    num_value_heads: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,16 @@ class ModelArch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
     mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
     yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+    # hybrid stacks (Qwen3-Next, Qwen3.5): which layers are gated delta-nets instead of attention, and their shape
+    linear_attention: GatedDeltaNetShape | None = None
+    linear_layers: tuple[bool, ...] | None = None
+    attention_output_gate: bool = False  # attention's output times sigmoid of a per-head gate from the q projection
+    zero_centered_norms: bool = False  # RMSNorms scale by 1 + weight (Qwen3-Next's and Qwen3.5's, but the gated one)
+    moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid of a [1, hidden] gate
+
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether global layer `index` is a gated delta-net."""
+        return self.linear_layers is not None and self.linear_layers[index]
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer `index` has routed experts."""
@@ -116,6 +140,9 @@ class ModelArch:
                  ("intermediate_size", self.ffn_hidden_size)]
         if self.moe_shared_expert_intermediate_size:
             sizes.append(("the shared experts' intermediate size", self.moe_shared_expert_intermediate_size))
+        if self.linear_attention:  # the gated delta-nets' heads are cut over TP as attention's are
+            sizes += [("linear_num_key_heads", self.linear_attention.num_key_heads),
+                      ("linear_num_value_heads", self.linear_attention.num_value_heads)]
         if self.mla:  # megatron-core builds the down-projections column-parallel (the kv one is then made whole)
             sizes.append(("kv_lora_rank + qk_rope_head_dim", self.mla.kv_lora_rank + self.mla.qk_rope_head_dim))
             if self.mla.q_lora_rank:
@@ -134,8 +161,14 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArch:
         """From a transformers PretrainedConfig or a config.json dict; unsupported variants raise InvalidArgument."""
+        if isinstance(config, dict):
+            from services.trainer.models.families import language_model_config
+
+            config = language_model_config(config)  # a multimodal checkpoint's (Qwen3.5's) language model
+        elif hasattr(config, "get_text_config"):
+            config = config.get_text_config()
         get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-        model_type = get("model_type")
+        model_type = str(get("model_type")).removesuffix("_text")  # Qwen3.5's text config: qwen3_5_text
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -145,6 +178,11 @@ class ModelArch:
             fields = deepseek_v3.arch_fields(get)
             yarn = fields.pop("yarn")
             return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+        if model_type in GATED_DELTA_NET_MODEL_TYPES:
+            from services.trainer.models import qwen3_next
+
+            fields = qwen3_next.arch_fields(get, model_type)
+            return cls(**fields | {"linear_attention": GatedDeltaNetShape(**fields["linear_attention"])})
         if model_type == "minimax_m2":
             from services.trainer.models import minimax_m2
 

@@ -79,6 +79,7 @@ REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_
 SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen's (two spellings), DeepSeek's
 AUX_LOSS_FAMILIES = ("qwen3_moe", "qwen3_5_moe", *SIGMOID_ROUTERS)
+GATED_DELTA_NET_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # hybrid stacks: gated delta-nets among attention
 
 
 def _family_problem(hf_config: dict[str, Any], families: tuple[str, ...] | dict[str, str]) -> str:
@@ -116,11 +117,16 @@ def megatron_train_mode_problem(hf_config: dict[str, Any], *, tp_size: int = 1, 
     return ""
 
 
-def context_parallel_problem(hf_config: dict[str, Any]) -> str:
+def context_parallel_problem(hf_config: dict[str, Any], *, gathers_gated_delta_nets: bool = False) -> str:
     """"" when context parallelism (`backends/fsdp/context_parallel.py`) can split the model's sequences, else why not:
     its attention runs per token pair across ranks, so every layer must be full causal attention (no sliding
-    window, no layer mixing tokens outside attention, such as Qwen3.5's gated delta nets)."""
+    window, no layer mixing tokens outside attention, such as Qwen3.5's gated delta nets) but, where the backend
+    gathers a gated delta-net's sequence over the CP group (`gathers_gated_delta_nets`: megatron's), those."""
     config = language_model_config(hf_config)
+    if family(config) in GATED_DELTA_NET_FAMILIES and gathers_gated_delta_nets:
+        return ""
+    if family(config) in GATED_DELTA_NET_FAMILIES and not config.get("layer_types"):
+        return "its gated delta-net (linear_attention) layers are not full attention"  # the default hybrid stack
     other = sorted({kind for kind in config.get("layer_types") or [] if kind != "full_attention"})
     if other:
         return f"its {', '.join(other)} layers are not full attention"

@@ -77,7 +77,8 @@ FLAGS: dict[str, Flag] = {
     "sglang-server-concurrency": M(512, "kept in args for plugins (GenerateState's semaphore)"),
     # training backend and model
     "train-backend": I("megatron"),
-    "qwen-gdn-backend": R("fla", "Qwen's gated-delta-net (linear attention) models are not supported"),
+    "qwen-gdn-backend": M("fla", "the megatron backend's gated delta-nets (Qwen3-Next, Qwen3.5) run fla's chunked scan "
+                                 "on CUDA where fla is installed, megatron-core's PyTorch scan elsewhere"),
     "hf-checkpoint": I(),
     "model-name": M(None, "the model is read from hf_checkpoint's config.json; kept in args for plugins"),
     "padded-vocab-size": M(None, "the megatron backend pads the vocabulary itself (a multiple of 128 × TP)",

@@ -6,6 +6,7 @@ those tensors to the loss (slime's `compute_advantages_and_returns`, `loss_funct
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -81,7 +82,20 @@ def processed_rewards(batch: RolloutBatch, config: TrainConfig, samples: Sequenc
     return post_process_rewards(
         batch.rewards, advantage_estimator=config.advantage_estimator, n_samples_per_prompt=config.n_samples_per_prompt,
         rewards_normalization=not config.disable_rewards_normalization,
-        grpo_std_normalization=not config.disable_grpo_std_normalization)
+        grpo_std_normalization=not config.disable_grpo_std_normalization,
+        group_ids=fanned_out_groups(samples, config.n_samples_per_prompt))
+
+
+def fanned_out_groups(samples: Sequence[Sample] | None, n_samples_per_prompt: int) -> list[int] | None:
+    """Each row's prompt (group_index) when some prompt's group is not n_samples_per_prompt rows (a generate
+    function or an agent fanned out into several trajectories): its baseline is then over its own rows, not over
+    rows cut every n. None when every group has n rows (slime's reshape is the same)."""
+    if not samples:
+        return None
+    ids = [sample.group_index for sample in samples]
+    if any(size != n_samples_per_prompt for size in collections.Counter(ids).values()):
+        return ids
+    return None
 
 
 def compute_advantages_and_returns(batch: RolloutBatch, config: TrainConfig, *,

@@ -119,7 +119,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                        else megatron_cpu.CPU)
         self.dtype = devices.train_dtype(config.bf16, self.device)
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
-        self.use_te = mcore.has_transformer_engine()
+        # the hybrid stacks (gated delta-nets) are built of local modules, Transformer Engine or not (`hybrid.py`)
+        self.use_te = mcore.has_transformer_engine() and self.arch.linear_attention is None
         self.use_distributed_optimizer = use_distributed_optimizer
         self.custom_loss = load_custom_loss(config.custom_loss_function_path) if config.custom_loss_function_path \
             else None

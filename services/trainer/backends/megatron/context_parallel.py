@@ -80,12 +80,12 @@ def cp_row(mb: RolloutBatch, *, packed: bool, rank: int, size: int, group, pad_t
     mine = chunk_index([wide] * rows, rank, size).to(mb.device)
     local = [t.reshape(-1).index_select(0, mine).view(rows, -1) for t in (tokens, targets, positions)]
     inputs = {"input_ids": local[0], "position_ids": local[2], "attention_mask": None}
-    index = _natural_index((wide,) * rows, size).view(rows, wide)[:, :width].reshape(-1)
+    index = natural_index((wide,) * rows, size).view(rows, wide)[:, :width].reshape(-1)
     return CPRow(inputs=inputs, targets=local[1], index=index.to(mb.device), shape=(rows, width), group=group)
 
 
 @functools.lru_cache(maxsize=256)
-def _natural_index(lengths: tuple[int, ...], size: int) -> torch.Tensor:
+def natural_index(lengths: tuple[int, ...], size: int) -> torch.Tensor:
     """Each position of the sequences padded and packed back to back, as an index into the CP ranks' slices
     concatenated in rank order."""
     gathered = torch.cat([chunk_index(list(lengths), r, size) for r in range(size)])
@@ -133,4 +133,4 @@ def _piece(lengths: tuple[int, ...], rank: int, size: int, group) -> CPSlice:
     from (the tokens themselves are the model's business)."""
     empty = torch.zeros(0, dtype=torch.long)
     return CPSlice(input_ids=empty, position_ids=empty, targets=empty, padded_lengths=list(lengths),
-                   natural_index=_natural_index(lengths, size), real_index=empty, group=group, rank=rank, size=size)
+                   natural_index=natural_index(lengths, size), real_index=empty, group=group, rank=rank, size=size)

@@ -99,8 +99,23 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **moe_fields(arch),
-        rotary_interleaved=arch.rotary_interleaved, **{**mla, "qk_layernorm": arch.qk_layernorm or bool(mla)}),
-        overrides or {})
+        rotary_interleaved=arch.rotary_interleaved, **{**mla, "qk_layernorm": arch.qk_layernorm or bool(mla)},
+        **linear_attention_fields(arch)), overrides or {})
+
+
+def linear_attention_fields(arch: ModelArch) -> dict:
+    """TransformerConfig's fields of a hybrid stack's gated delta-nets and gated attention (none for others).
+    experimental_attention_variant stays unset: `hybrid.py` builds the layers, ModelArch checks their TP sizes, and
+    the variant would only make megatron-core's config refuse context parallelism, which `gated_delta_net.py` runs
+    (megatron-core's own layer lacks it)."""
+    shape = arch.linear_attention
+    if shape is None:
+        return {}
+    return dict(attention_output_gate=arch.attention_output_gate,
+                linear_attention_freq=[int(linear) for linear in arch.linear_layers],
+                linear_conv_kernel_dim=shape.conv_kernel_dim, linear_key_head_dim=shape.key_head_dim,
+                linear_value_head_dim=shape.value_head_dim, linear_num_key_heads=shape.num_key_heads,
+                linear_num_value_heads=shape.num_value_heads)
 
 
 def moe_fields(arch: ModelArch) -> dict:
@@ -126,7 +141,8 @@ def moe_fields(arch: ModelArch) -> dict:
     if arch.moe_router_topk_scaling_factor:
         fields.update(moe_router_topk_scaling_factor=arch.moe_router_topk_scaling_factor)
     if arch.moe_shared_expert_intermediate_size:
-        fields.update(moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size)
+        fields.update(moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+                      moe_shared_expert_gate=arch.moe_shared_expert_gate)
     if arch.moe_layers is not None:
         fields.update(moe_layer_freq=[int(moe) for moe in arch.moe_layers])
     return fields
@@ -169,6 +185,11 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
         spec.submodules.self_attention.submodules.linear_proj = PostNormRowParallelLinear
         spec.submodules.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
         spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=False)
+    elif arch.linear_attention is not None:  # Qwen3-Next, Qwen3.5: gated delta-nets among gated attention layers
+        from services.trainer.backends.megatron.hybrid import hybrid_block
+
+        spec = hybrid_block(arch, config, core_attention=CPAttention if config.context_parallel_size > 1
+                            else SDPAttention)
     elif arch.mla is not None or arch.moe_layers is not None:  # layers of two kinds, or multi-latent attention
         block = _decoder_block(config, use_te=use_te)
         spec = block if use_te else _with_local_modules(block, SDPAttention, SequenceParallelRMSNorm)
