@@ -99,6 +99,12 @@ def test_a_samples_images_show_as_thumbnails_beside_its_text_marked_where_they_s
         with PILImage.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as thumb:
             decoded.append((thumb.format, thumb.size, thumb.convert("RGB").getpixel((0, 0))))
     assert decoded == [("PNG", (160, 80), (200, 0, 0)), ("PNG", (30, 60), (0, 0, 200))]
+    noisy = PILImage.effect_noise((300, 300), 80).convert("RGB")  # more detail than a photo: a PNG of it is big
+    noise, small_png = io.BytesIO(), io.BytesIO()
+    noisy.save(noise, format="PNG")
+    noisy.resize((160, 160)).save(small_png, format="PNG")
+    photo = sample_board.thumbnail(Image(data=noise.getvalue(), mime_type="image/png", width=300, height=300))
+    assert photo.startswith("data:image/jpeg;base64,") and len(photo) < 4 / 3 * small_png.tell() / 2
 
 
 def test_the_log_tail_picks_a_jobs_lines_by_its_record_or_its_message():

@@ -1,7 +1,7 @@
 """The latest rollout's samples of each job, kept on rank 0 for the dashboard as display records.
 
 A record holds what a person reads (prompt, response, reward, length, weight versions), the prompt's images as small
-PNG thumbnails (data: URLs, made once per group), and the response cut into turns at the loss mask's edges, so the
+thumbnails (data: URLs, made once per group), and the response cut into turns at the loss mask's edges, so the
 masked parts of a multi-turn or agent trajectory (tool output, the environment's turns) show apart from the model's.
 Recording never raises: the samples are for looking at, and a job must not fail over them.
 """
@@ -27,6 +27,7 @@ MAX_TEXT_CHARS = 4000  # per prompt, response or turn
 MAX_JOBS = 16  # jobs whose latest rollout is kept
 MAX_IMAGES = 8  # per sample shown
 THUMBNAIL_PIXELS = 160  # the longer side of an image's thumbnail, at most
+MAX_PNG_BYTES = 12 << 10  # a thumbnail's PNG past this is sent as JPEG
 
 
 @dataclass
@@ -97,7 +98,8 @@ def turns_of(sample: Sample, tokenizer) -> list[Turn]:
 
 
 def thumbnail(image: Image) -> str:
-    """The image shrunk to at most THUMBNAIL_PIXELS a side, as a PNG data: URL."""
+    """The image shrunk to at most THUMBNAIL_PIXELS a side, as a data: URL: PNG (sharp for drawn images), or JPEG
+    when the PNG is over MAX_PNG_BYTES (a photo), so a rollout's records stay a few MB at most."""
     from PIL import Image as PILImage
 
     with PILImage.open(io.BytesIO(image.data)) as opened:
@@ -105,7 +107,12 @@ def thumbnail(image: Image) -> str:
     small.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
     out = io.BytesIO()
     small.save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    kind = "png"
+    if out.tell() > MAX_PNG_BYTES:
+        out = io.BytesIO()
+        small.save(out, format="JPEG", quality=85)
+        kind = "jpeg"
+    return f"data:image/{kind};base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def _message_text(message: dict[str, Any], first_image: int) -> tuple[dict[str, str], int]:
