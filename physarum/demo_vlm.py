@@ -13,14 +13,13 @@ import base64
 import concurrent.futures
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
-from physarum import cputime, stack, tasks
+from physarum import stack, tasks
 from physarum.cli import add_device_flags
-from physarum.demo import job_overrides, plot_curves, run_job
+from physarum.demo import job_overrides, train_and_measure
 from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
 from physarum.visual_task import write_colour_task
 
@@ -93,26 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; model: tiny "
               f"{args.model_family}; task: which colour is the square? ({test_path.parent})", flush=True)
-        before = evaluate(state, model_dir, test_path)
-        print(f"held-out reward before training: {before:.3f}", flush=True)
-        roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
-        train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
-        sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
-        sft_s = time.monotonic() - train_start
-        after_sft = evaluate(state, model_dir, test_path)
-        print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
-        grpo_start = time.monotonic()
-        grpo_events = run_job(state, EXAMPLES / "job.yaml", grpo_sets)
-        train_s = sft_s + time.monotonic() - grpo_start
-        train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
-        after = evaluate(state, model_dir, test_path)
-        plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
-                    [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
-                    (before, after_sft, after), DEMO_DIR / "reward_curve.png",
-                    title="Physarum VLM demo: which colour is the square?")
-        cores = os.cpu_count() or 1
-        print(f"training took {train_s:.0f} s (SFT {sft_s:.0f} s, GRPO {train_s - sft_s:.0f} s), {train_cpu:.0f} CPU-s "
-              f"= {train_cpu / cores:.0f} s of all {cores} cores; reward curve: {DEMO_DIR / 'reward_curve.png'}")
+        before, after_sft, after = train_and_measure(
+            state, lambda: evaluate(state, model_dir, test_path), EXAMPLES, (sft_sets, grpo_sets),
+            DEMO_DIR / "reward_curve.png", "Physarum VLM demo: which colour is the square?")
     finally:
         stack.down(work_dir)
     print(f"demo: reward {before:.3f} -> {after_sft:.3f} (warm-up) -> {after:.3f} (GRPO)")
