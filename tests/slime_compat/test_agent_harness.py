@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from services.common.samples import Status
 from services.common.settings.rollout import RolloutConfig
 from testkit.engines import start_engines, stop_engines
 from tests.integration.gateway_fixtures import QUESTION
-from tests.slime_compat.cli_model import REPLY, build_cli_model
+from tests.slime_compat.cli_model import COMMAND_OUTPUT, REPLY, TOOL_CALLS, build_cli_model
 
 
 def _run(coro):
@@ -175,13 +176,13 @@ def cli_stack(redis_url, shared_router, session_dir):
         stop_engines(engines)
 
 
-@pytest.mark.slow  # its own engine and services, and each CLI's ~20k-token first request: about 2 minutes
+@pytest.mark.slow  # its own engine and services, and each CLI's two requests of ~10-25k tokens: about 2 minutes
 @pytest.mark.parametrize("harness", ["claude_code", "codex"])  # Anthropic Messages; OpenAI Responses
 def test_one_episode_of_the_real_agent_cli_on_the_gateway(cli_stack, harness):
     from tests.integration.test_agent_rollout import run_rollouts
 
     cfg = RolloutConfig(job_id=f"slime-harness-{harness.replace('_', '-')}", rollout_batch_size=1,
-                        n_samples_per_prompt=1, rollout_temperature=0.0, rollout_max_response_len=64,
+                        n_samples_per_prompt=1, rollout_temperature=0.0, rollout_max_response_len=1024,
                         apply_chat_template=True, rm_type="exact_match", lease_timeout_s=300.0,
                         custom_generate_function_path=f"tests.slime_compat.plugins.{harness}_generate")
     (groups,) = run_rollouts(cli_stack, cfg, [0])
@@ -189,9 +190,17 @@ def test_one_episode_of_the_real_agent_cli_on_the_gateway(cli_stack, harness):
     transcript = sample.metadata["transcript_tail"]
     assert sample.metadata["agent_exit_code"] == 0, transcript
     assert sample.status == Status.COMPLETED and sample.reward == 1.0  # the harness's reward, kept
-    assert sample.metadata["harness"] == harness and sample.metadata["agent_final_content"] == REPLY
-    assert REPLY in transcript  # the CLI printed the model's answer it got from the gateway
-    # the CLI's own system prompt and tools (thousands of tokens) and the task are the prompt; the reply is trained
+    assert sample.metadata["harness"] == harness, transcript
+    # two turns: the model's shell command, run by the CLI in the sandbox (its output came back as the tool's
+    # result), then the answer the CLI printed
+    assert sample.metadata["agent_turns"] == 2 and sample.metadata["agent_final_content"] == REPLY, transcript
+    assert REPLY in transcript
+    # the CLI's own system prompt and tools (thousands of tokens) and the task are the prompt
     assert len(sample.tokens) - sample.response_length > 5000
     assert {"claude_code": "Claude", "codex": "Codex CLI"}[harness] in sample.prompt and QUESTION in sample.prompt
-    assert sample.response.startswith(REPLY) and sample.loss_mask == [1] * sample.response_length
+    # the response: the call (trained), the tool's result with the template around it (not trained), the answer
+    assert sample.response.startswith(TOOL_CALLS) and sample.response.endswith(REPLY)
+    tool_result = sample.response[len(TOOL_CALLS):-len(REPLY)]  # Codex reports its command's exit code and output
+    assert re.search(rf"<tool_response>\n(.*\n)?(Output:\n)?{COMMAND_OUTPUT}\n+</tool_response>", tool_result, re.S)
+    mask = sample.loss_mask
+    assert mask[0] == mask[-1] == 1 and 0 in mask and len(mask) == sample.response_length

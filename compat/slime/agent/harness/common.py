@@ -66,7 +66,8 @@ def installed_cli(executable: str) -> Path:
 
 
 class BaseHarness(ABC, metaclass=SingletonABCMeta):
-    """A sandbox-resident coding agent: install_cli, write_config, launch_and_wait; run() chains the last two."""
+    """A sandbox-resident coding agent: install_cli, write_config, launch_and_wait; run() makes the agent user, then
+    writes the config and launches."""
 
     name: str = ""
     executable: str = ""
