@@ -48,6 +48,17 @@ def test_a_single_turn_response_is_one_turn_of_its_text(model_dir):
     assert [(t.text, t.masked) for t in turns_of(sample, tokenizer)] == [("2", False)]
 
 
+def test_an_agent_sample_shows_its_sessions_turns_and_branches(model_dir):
+    board = SampleBoard()
+    agent = Sample(prompt="q", tokens=[5, 6], response="a", response_length=1, loss_mask=[1], metadata={
+        "agent_turns": 3, "agent_branches": [{"turn": 2, "reason": "continues turn 0, not the last turn 1"}]})
+    board.record("a", 0, [agent, Sample(prompt="q", tokens=[5, 6], response="a", response_length=1, loss_mask=[1])])
+    views = board.latest("a")["samples"]
+    assert (views[0]["agent_turns"], views[0]["agent_branches"]) == (
+        3, [{"turn": 2, "reason": "continues turn 0, not the last turn 1"}])
+    assert (views[1]["agent_turns"], views[1]["agent_branches"]) == (None, [])
+
+
 def test_the_board_keeps_each_jobs_latest_rollout_and_forgets_the_oldest_job(model_dir):
     board = SampleBoard(max_jobs=2)
     sample = Sample(prompt="1+2=", tokens=[5, 6, 7], response="3", response_length=1, loss_mask=[1], reward=0.5,

@@ -50,7 +50,10 @@ class SampleView:
     weight_versions: list[str]
     reward_error: str = ""
     turns: list[Turn] = field(default_factory=list)
-    images: list[str] = field(default_factory=list)  # the prompt's images, in order, as PNG thumbnails' data: URLs
+    images: list[str] = field(default_factory=list)  # the prompt's images, in order, as thumbnails' data: URLs
+    # an agent's session (the gateway's sample metadata): its turns, and the branches its history started
+    agent_turns: int | None = None
+    agent_branches: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -149,7 +152,19 @@ def view_of(sample: Sample, tokenizer, thumbnails: dict[int, list[str]] | None =
                       prompt_messages=messages, response=_clip(sample.response), reward=float(sample.reward),
                       response_length=sample.response_length, status=sample.status.name,
                       weight_versions=sorted(set(sample.weight_versions), key=lambda v: (len(v), v)),
-                      reward_error=sample.reward_error, turns=turns_of(sample, tokenizer), images=images)
+                      reward_error=sample.reward_error, turns=turns_of(sample, tokenizer), images=images,
+                      **agent_of(sample))
+
+
+def agent_of(sample: Sample) -> dict[str, Any]:
+    """The agent session's turn count and branches from the sample's metadata (the gateway's), else nothing."""
+    metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+    turns, branches = metadata.get("agent_turns"), metadata.get("agent_branches")
+    if not isinstance(turns, int) or isinstance(turns, bool):
+        return {}
+    branches = [{"turn": b.get("turn"), "reason": _clip(str(b.get("reason", "")))}
+                for b in (branches if isinstance(branches, list) else []) if isinstance(b, dict)]
+    return {"agent_turns": turns, "agent_branches": branches}
 
 
 class SampleBoard:

@@ -26,7 +26,10 @@ function sampleCard(sample) {
     el("div", { class: "meta" }, reward, el("span", {}, `group ${sample.group_index} · sample ${sample.index}`),
       el("span", {}, `${sample.response_length} response tokens`),
       el("span", {}, `weight version ${sample.weight_versions.join(", ") || "-"}`), el("span", {}, sample.status),
-      sample.reward_error ? el("span", { class: "error" }, sample.reward_error) : null),
+      sample.reward_error ? el("span", { class: "error" }, sample.reward_error) : null,
+      sample.agent_turns != null ? el("span", {}, `agent session: ${sample.agent_turns} turns`) : null),
+    ...(sample.agent_branches || []).map((b) => el("div", { class: "turn branch" }, el("span", { class: "label" },
+      `branch at turn ${b.turn}`), b.reason)),
     ...turnsOf(sample));
 }
 
