@@ -1,7 +1,9 @@
 """Token log-probs and entropy straight from the final hidden states and the LM head, never holding the
 [tokens × vocab] logits: the tokens go through in chunks, forward and backward (the backward recomputes each chunk's
-logits), and a vocab-parallel head (each tensor-parallel rank holds a slice of the vocabulary) reduces its softmax
-statistics over the group. Equal to projecting onto the vocabulary and taking `token_log_probs_and_entropy`.
+logits but the last one's, which the forward keeps: a chunk is what the forward holds anyway, and all of the input
+when it fits in one), and a vocab-parallel head (each tensor-parallel rank holds a slice of the vocabulary) reduces
+its softmax statistics over the group. Equal to projecting onto the vocabulary and taking
+`token_log_probs_and_entropy`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class _FusedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_start, valid, group, with_entropy,
-                dtype):
+                dtype, keep_last):
         num = hidden.shape[0]
         w = weight[:valid].to(dtype)
         local = targets.long() - vocab_start
@@ -35,6 +37,9 @@ class _FusedLogProbs(torch.autograd.Function):
         log_probs = torch.empty(num, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(log_probs)
         entropy = torch.empty_like(log_probs) if with_entropy else None
+        # the last chunk's softmax terms stay for the backward (it would recompute them first): no extra matmul, and
+        # no more memory than the chunk loop holds (released as the backward starts)
+        ctx.kept = None
         for start in range(0, num, chunk_size):
             end = min(start + chunk_size, num)
             z = torch.matmul(hidden[start:end].to(dtype), w.t()).float()
@@ -59,6 +64,8 @@ class _FusedLogProbs(torch.autograd.Function):
             log_probs[start:end] = sums[1] - log_z
             if with_entropy:
                 entropy[start:end] = log_z - sums[2] / sums[0]
+            if keep_last and end == num:  # e^(z - m), Σ, log Σ and (for the entropy's gradient) z - m
+                ctx.kept = (start, exp, sums[0], log_z, z if with_entropy else None)
         ctx.save_for_backward(hidden, weight, local, in_range, lse, entropy if with_entropy else lse)
         ctx.args = (temperature, chunk_size, valid, dtype, with_entropy)
         ctx.set_materialize_grads(False)  # None for an output the loss does not use: its term is skipped
@@ -76,14 +83,28 @@ class _FusedLogProbs(torch.autograd.Function):
         use_entropy = with_entropy and grad_entropy is not None
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse)
-        for start in range(0, hidden.shape[0], chunk_size):
-            end = min(start + chunk_size, hidden.shape[0])
+        kept, ctx.kept = ctx.kept, None  # a second backward (retain_graph) recomputes every chunk
+        num = hidden.shape[0]
+        starts = list(range(0, num, chunk_size))
+        if kept is not None and (use_entropy and kept[4] is None):
+            kept = None
+        if kept is not None:  # its chunk first, releasing what the forward kept before any other chunk
+            starts.remove(kept[0])
+            starts.insert(0, kept[0])
+        for start in starts:
+            end = min(start + chunk_size, num)
             h = hidden[start:end].to(dtype)
-            z = torch.matmul(h, w.t()).float()
-            if temperature != 1.0:
-                z.div_(temperature)
-            log_p = z.sub_(lse[start:end].unsqueeze(-1))  # log π over this rank's slice
-            p = log_p.exp()
+            if kept is not None and start == kept[0]:
+                _, p, sums, log_z, shifted = kept
+                kept = None
+                p = p.div_(sums.unsqueeze(-1))  # π = e^(z - m) / Σ
+                log_p = shifted.sub_(log_z.unsqueeze(-1)) if use_entropy else None
+            else:
+                z = torch.matmul(h, w.t()).float()
+                if temperature != 1.0:
+                    z.div_(temperature)
+                log_p = z.sub_(lse[start:end].unsqueeze(-1))  # log π over this rank's slice
+                p = log_p.exp()
             g_lp = grad_log_probs[start:end]
             # d log π_t / dz = onehot_t - π; dH / dz = -π·(log π + H)
             if use_entropy:
@@ -106,7 +127,7 @@ class _FusedLogProbs(torch.autograd.Function):
             full = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
             full[:valid] = grad_w.to(weight.dtype)
             grad_w = full
-        return grad_hidden, grad_w, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -134,10 +155,11 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     group = group if group is not None and dist.get_world_size(group) > 1 else None
     dtype = compute_dtype or _compute_dtype(hidden, weight)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    keep_last = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)  # a backward will come
     with torch.autocast(hidden.device.type, enabled=False):
         log_probs, entropy = _FusedLogProbs.apply(flat, weight, targets.reshape(-1), float(temperature),
                                                   int(chunk_size), int(vocab_start), valid, group, with_entropy,
-                                                  dtype)
+                                                  dtype, keep_last)
     log_probs = log_probs.view(targets.shape)
     if not with_entropy:
         return log_probs, None
