@@ -59,6 +59,9 @@ class WeightUpdater:
         self.timeout_s = timeout_s
         # HF checkpoint names of every parameter and persistent buffer; a tied lm_head.weight shares the embedding
         self.params: dict[str, torch.Tensor] = engine.model.state_dict(keep_vars=True)
+        # the checkpoint's multi-token-prediction layers, as the trainer last sent them: SGLang loads them into its
+        # speculative draft model; this engine decodes without one and keeps them aside (`_draft_layer`)
+        self.draft: dict[str, torch.Tensor] = self._checkpoint_draft(Path(engine.model.name_or_path or "."))
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.backends: dict[str, str] = {}  # each group's backend
         self.group_lock = threading.Lock()
@@ -169,7 +172,7 @@ class WeightUpdater:
         if self.delta_scratch is None:  # kept: fresh memory per sync costs page faults
             largest = max(p.numel() * p.element_size() for p in self.params.values())
             self.delta_scratch = np.empty(largest, dtype=np.uint8)
-        result = apply_blob(self.params, blob, self.engine.weight_version, self.delta_scratch)
+        result = apply_blob({**self.params, **self.draft}, blob, self.engine.weight_version, self.delta_scratch)
         self.stale |= set(result.failed)
         if not result.failed and result.version != self.engine.weight_version:
             log.info("weight_version %s -> %s (delta, %d tensors)", self.engine.weight_version, result.version,
@@ -247,6 +250,9 @@ class WeightUpdater:
         swapped: set[int] = set()
         with torch.no_grad():
             for i, (name, tensor) in enumerate(named):
+                if name not in self.params:  # a draft (MTP) weight (`_check`)
+                    self.draft[name] = tensor.detach().clone()
+                    continue
                 param = self.params[name]
                 if keys is None or id(tensor) in swapped or (param.dtype, param.device) != (tensor.dtype,
                                                                                            tensor.device):
@@ -261,15 +267,40 @@ class WeightUpdater:
     def _check(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         """Every name is a parameter of the served model, of that shape."""
         for name, shape in shapes:
-            param = self.params.get(name)
+            param = self.params.get(name, self.draft.get(name))
+            if param is None and self._draft_layer(name):  # a draft weight the checkpoint did not have: taken
+                continue
             if param is None:
                 raise InvalidArgument(f"unknown parameter {name!r}: not a parameter of the served model")
             if tuple(param.shape) != tuple(shape):
                 raise InvalidArgument(f"parameter {name!r}: shape {list(shape)} does not match the model's "
                                       f"{list(param.shape)}")
 
+    def _checkpoint_draft(self, model_dir: Path) -> dict[str, torch.Tensor]:
+        """The draft (MTP) tensors of the checkpoint the model was loaded from, which transformers leaves out (a
+        delta then has a base for them)."""
+        from safetensors import safe_open
+
+        draft = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as file:
+                draft.update({name: file.get_tensor(name) for name in file.keys() if self._draft_layer(name)})
+        return draft
+
+    def _draft_layer(self, name: str) -> bool:
+        """Whether `name` is a weight of one of the served checkpoint's multi-token-prediction layers
+        (num_nextn_predict_layers): MiMo's model.mtp_layers.{i}.*, DeepSeek-V3's and GLM-4.5's
+        model.layers.{num_hidden_layers + i}.*."""
+        config = self.engine.model.config.get_text_config()
+        count = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+        for prefix, first in (("model.mtp_layers.", 0), ("model.layers.", config.num_hidden_layers)):
+            index = name.removeprefix(prefix).split(".", 1)[0]
+            if name.startswith(prefix) and index.isdigit() and first <= int(index) < first + count:
+                return True
+        return False
+
     def get_weights(self, name: str, truncate_size: int = 100) -> list[float]:
-        param = self.params.get(name)
+        param = self.params.get(name, self.draft.get(name))
         if param is None:
             raise NotFound(f"unknown parameter {name!r}")
         return param.detach().flatten()[: max(int(truncate_size), 0)].tolist()

@@ -53,6 +53,11 @@ EVAL_PROMPT = {"prompt": "What is 3+3?", "label": "6"}
 CONTEXT_LEN = 2048
 
 
+# Families whose checkpoints ship their own modeling code: a tiny one of transformers' family it is shaped as, plus
+# what it adds (MiMo: Qwen2 with multi-token-prediction layers under MiMo's names, testkit/mtp_checkpoints.py)
+REMOTE_CODE_FAMILIES = {"mimo": "qwen2"}
+
+
 def build_tiny_model(out_dir: Path, family: str) -> Path:
     """A tiny model of `family` with its character tokenizer, in one HF directory (built once)."""
     import torch
@@ -65,10 +70,15 @@ def build_tiny_model(out_dir: Path, family: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tinymodel.build_tokenizer([*tasks.corpus(), string.printable], out_dir)
     vocab = json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    config = tiny_config(family, vocab_size=len(vocab), eos_id=vocab[tinymodel.EOS_TOKEN])
+    config = tiny_config(REMOTE_CODE_FAMILIES.get(family, family), vocab_size=len(vocab),
+                         eos_id=vocab[tinymodel.EOS_TOKEN])
     config.max_position_embeddings = CONTEXT_LEN
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out_dir, safe_serialization=True)
+    if family == "mimo":
+        from testkit.mtp_checkpoints import add_mtp_layers
+
+        add_mtp_layers(out_dir, 1)
     return out_dir
 
 

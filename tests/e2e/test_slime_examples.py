@@ -6,8 +6,9 @@ sizes and paths change (tests/e2e/slime_tiny.py names each flag and why); algori
 and eval settings stay as slime's script wrote them.
 
 The scripts are megatron-typed (slime's default backend) and run on megatron, the family of each one megatron-core
-builds here (Qwen2.5, Qwen3, Qwen3-MoE, and Qwen3.5, Qwen3.5-MoE and Qwen3-Next with their gated delta-net
-layers); a script whose family megatron refused, with a refusal that names fsdp, would run moved to fsdp as
+builds here (Qwen2.5, Qwen3, Qwen3-MoE, GLM-4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next with their gated delta-net layers,
+and MiMo: a tiny Qwen2 with one MTP layer under MiMo's names, which run-mimo-7B-rl-eagle.sh trains beside the
+policy); a script whose family megatron refused, with a refusal that names fsdp, would run moved to fsdp as
 docs/slime.md's porting section says (ON_FSDP).
 train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
 tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
@@ -60,16 +61,15 @@ def family(argv: list[str]) -> str:
 
 # The dense scripts (tests/data/slime_launch_scripts.json) that run here, by family, and why each other one does not
 DENSE_RUNS = {"run-qwen3-4B.sh": "qwen3", "run-qwen3-4B-amd.sh": "qwen3", "run-qwen3-32B.sh": "qwen3",
-              "run-qwen2.5-0.5B-gb10-smoke.sh": "qwen2", "run-qwen2.5-0.5B-reproducibility.sh": "qwen2"}
+              "run-qwen2.5-0.5B-gb10-smoke.sh": "qwen2", "run-qwen2.5-0.5B-reproducibility.sh": "qwen2",
+              "run-mimo-7B-rl-eagle.sh": "mimo", "run-glm4-9B.sh": "glm4"}
 DENSE_LEFT_OUT = {
     "run_qwen2.5_3B.sh": "search-r1's script: the search_r1 example",
     "retool_qwen3_4b_rl.sh": "retool's script: the retool example",
     "run-qwen3.5-27B.sh": "Qwen3.5, which fully_async_qwen3.5_9B runs on megatron: left out for the cost of one more "
                           "job",
-    "run-mimo-7B-rl-eagle.sh": "refused: --mtp-num-layers, --enable-mtp-training (multi-token prediction)",
     "run-qwen3-4B-base-sft.sh": "the sft_qwen3_4B_base example (tests/slime_examples/launch_args.json)",
     "run-qwen3-4b-fp8.sh": "refused at submit: its FP8 checkpoint (a quantization_config in config.json)",
-    "run-glm4-9B.sh": "GLM-4: left out for the cost of one more stack",
 }
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as docs/slime.md's porting
 # section says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
@@ -253,7 +253,15 @@ def check_multi_agent(spec: dict, steps: list[dict], state: dict) -> None:
     assert len(buffer_samples(state, spec)) > spec["rollout_batch_size"]
 
 
+def check_mtp(spec: dict, steps: list[dict], state: dict) -> None:
+    """run-mimo-7B-rl-eagle.sh trained MiMo's MTP layer (the tiny MiMo carries one) beside the policy: its loss, per
+    step."""
+    assert spec["mtp_num_layers"] == 1 and spec["enable_mtp_training"] and spec["mtp_loss_scaling_factor"] == 0.2
+    assert all(m["train/mtp_loss"] > 0 and m["train/mtp_1_loss"] == m["train/mtp_loss"] for m in steps)
+
+
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
+          "run-mimo-7B-rl-eagle.sh": check_mtp,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
           "eval_function": check_eval_function,
           "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,

@@ -2,8 +2,9 @@
 killed with SIGKILL after a checkpoint that resumes by itself on exactly the prompts of a never-stopped job, one
 whose worker rank alone is SIGKILLed that resumes when the ranks restart, and
 rollouts dumped without training, then replayed through training without engines, and a job whose two ranks split
-every sequence (context parallelism). Then the same two ranks as one Megatron TP=2 group: the engines get weights
-converted from Megatron, and a job resumes from its dist-iterations."""
+every sequence (context parallelism). Then the same two ranks as one Megatron CP=2 group running GRPO with slime's
+mismatch helper (mis.py), and as one Megatron TP=2 group: the engines get weights converted from Megatron, and a job
+resumes from its dist-iterations."""
 
 from __future__ import annotations
 
@@ -29,14 +30,18 @@ from tests.e2e.roots import stack_roots
 from tests.e2e.test_eviction import wait_exit
 
 REPO = Path(__file__).resolve().parents[2]
+SLIME_ROOT = REPO / "tests" / "slime_examples"  # slime's examples/ (the mismatch helper's mis.py and mis.yaml)
+MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 @pytest.fixture(scope="module")
 def ranks_stack(session_dir, tiny_model_dir):
     work_dir = session_dir / "stack-ranks"
-    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=1,
-                                        trainer_threads=1, trainer_ranks=2, path_roots=stack_roots(session_dir)))
+    with pytest.MonkeyPatch.context() as env:  # slime's root on the ranks' path, as its scripts put it: examples.*
+        env.setenv("PYTHONPATH", os.pathsep.join([str(SLIME_ROOT), os.environ.get("PYTHONPATH", "")]))
+        state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=1,
+                                            trainer_threads=1, trainer_ranks=2, path_roots=stack_roots(session_dir)))
     yield state
     stack.down(work_dir)
 
@@ -217,6 +222,25 @@ def test_a_context_parallel_job_splits_its_sequences_over_the_two_ranks(ranks_st
     with pytest.raises(InvalidArgument, match="context_parallel_size 4 must divide the trainer's 2 ranks"):
         run(ranks_stack, job_spec(tiny_model_dir, train_path, "context-parallel-4", train_backend="fsdp",
                                   context_parallel_size=4))
+
+
+def test_a_megatron_grpo_job_at_context_parallelism_2_runs_slimes_mismatch_helper(ranks_stack, tiny_model_dir,
+                                                                                  addition_task):
+    """GRPO on megatron with the two ranks as one CP group, slime's mis.py (unchanged) as the TIS function with its
+    mis.yaml's settings: each rank gives it its CP slice of every response, which slime's cp_utils gather."""
+    import yaml
+
+    train_path, _ = addition_task
+    settings = yaml.safe_load((SLIME_ROOT / "examples" / "train_infer_mismatch_helper" / "mis.yaml").read_text())
+    job, events = run(ranks_stack, job_spec(tiny_model_dir, train_path, "megatron-cp2", num_rollout=2,
+                                            train_backend="megatron", context_parallel_size=2, use_tis=True,
+                                            custom_tis_function_path=MIS, plugin_args=settings))
+    assert job["state"] == "SUCCEEDED", job["error"]
+    steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
+    assert len(steps) == 2
+    # the engines sampled with the weights the split forward recomputes log-probs with
+    assert all(step["train/train_rollout_logprob_abs_diff"] < 1e-3 for step in steps)
+    assert all(any("is_ratio_mean_final" in key for key in step) for step in steps), sorted(steps[0])
 
 
 def test_a_megatron_tp2_job_feeds_the_engines_converted_weights_and_resumes_from_its_checkpoint(

@@ -18,7 +18,7 @@ from services.trainer.models import families
 MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4",
                    "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
 MEGATRON_REFUSAL = ("hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
-                    "'{model_type}' is not supported (supported: qwen2, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
+                    "'{model_type}' is not supported (supported: qwen2, mimo, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
                     "minimax_m2, deepseek_v3, glm4_moe_lite, qwen3_next, qwen3_5, qwen3_5_moe); train_backend fsdp "
                     "trains it")
 

@@ -61,7 +61,6 @@ def test_what_the_launch_scripts_still_cannot_use():
         argv, spec_keys=SPEC_KEYS, check_architecture=False).refused) for script, argv in SCRIPTS.items()}
     assert {s: r for s, r in refused.items() if r} == {
         "run-qwen3-4B-base-sft.sh": ["--num-epoch 3"],  # its prompt_data is not here to count
-        "run-mimo-7B-rl-eagle.sh": ["--enable-mtp-training", "--mtp-loss-scaling-factor", "--mtp-num-layers"],
     }
 
 

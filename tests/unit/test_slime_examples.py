@@ -47,7 +47,7 @@ _GLM47_FLASH = {"model_type": "glm4_moe_lite", "hidden_act": "silu", "hidden_siz
                 "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "n_group": 1, "topk_group": 1,
                 "norm_topk_prob": True, "routed_scaling_factor": 1.8, "rms_norm_eps": 1e-5, "rope_theta": 1000000,
                 "vocab_size": 154880, "max_position_embeddings": 202752, "attention_bias": False,
-                "tie_word_embeddings": False}
+                "tie_word_embeddings": False, "num_nextn_predict_layers": 1}
 # The models' config.json values the architecture flags are checked against (the published configs' keys)
 HF_CONFIGS = {
     "Qwen2.5-0.5B-Instruct": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
@@ -104,8 +104,9 @@ HF_CONFIGS = {
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
-    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused (the MTP layers are not trained)
-    "glm4.7_30B_A3B": {"--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"},
+    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused at its 4 pipeline stages (megatron builds MTP layers
+    # at PP 1)
+    "glm4.7_30B_A3B": {"mtp_num_layers"},
 }
 GATED_DELTA_NET_SCRIPTS = ("fully_async_qwen3.5_9B", "qwen3_next_80B_A3B", "qwen3.5_35B_A3B_sft")
 # The refused flags of slime's MoE scripts (a flag with a value drops with it), and the families megatron builds
@@ -191,6 +192,10 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     problems = re.split(r"; (?=--)", str(err.value).removeprefix("slime_args: "))
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
+        return
+    if REFUSED[name] == {"mtp_num_layers"}:
+        assert problems == ["job spec: mtp_num_layers: multi-token-prediction layers are built at "
+                            "pipeline_model_parallel_size 1 and context_parallel_size 1"], problems
         return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:

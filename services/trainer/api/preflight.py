@@ -17,7 +17,7 @@ from services.common.errors import InvalidArgument
 from services.trainer.api.context_fit import check_context
 from services.trainer.api.spec import JobSpec
 from services.trainer.backends import capabilities
-from services.trainer.models import families
+from services.trainer.models import families, mtp
 
 PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "custom_loss_function_path", "custom_reward_post_process_path", "custom_advantage_function_path",
@@ -126,6 +126,7 @@ def check_model_family(spec: JobSpec) -> list[str]:
                                            pp_size=spec.pipeline_model_parallel_size,
                                            ep_size=spec.expert_model_parallel_size, pipeline_ends=ends,
                                            etp_size=spec.expert_tensor_parallel_size)]
+    problems.append(mtp.problem(hf_config, spec.mtp_num_layers))
     if spec.multimodal_keys and not families.is_vision_language(hf_config):
         problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} is built as a "
                         "language model, which takes no images (a family with a causal LM, such as Qwen3.5, trains as "

@@ -30,6 +30,7 @@ class Capabilities:
     slime_checkpoints: bool  # loads slime's torch_dist checkpoints (megatron-core dist-checkpointing) as they are
     vision: bool = False  # prompts with images (multimodal_keys): the vision inputs in the policy's forward
     lora: bool = False  # trains LoRA adapters (lora_rank) on a frozen base model
+    mtp: bool = False  # builds and trains a checkpoint's multi-token-prediction layers (mtp_num_layers)
     # why it cannot build a model of this config.json in this layout ("" when it can)
     model_problem: Callable[..., str]
     # why it cannot replay a MoE model's routing / add its load-balancing loss in this layout ("" when it can)
@@ -46,7 +47,7 @@ BACKENDS: dict[str, Capabilities] = {
                          aux_loss_problem=families.fsdp_aux_loss_problem),
     "megatron": Capabilities(critic=True, packing=True, tensor_parallel=True, pipeline_parallel=True,
                              expert_parallel=True, context_parallel=True, extra_flags=True, reads_shares=False,
-                             slime_checkpoints=True,
+                             slime_checkpoints=True, mtp=True,
                              model_problem=families.megatron_problem,
                              replay_problem=families.megatron_replay_problem,
                              aux_loss_problem=families.megatron_train_mode_problem),

@@ -18,6 +18,8 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
   [E, 2·I, H], mlp.experts.down_proj [E, H, I]): both are read, the fused names are written. A sigmoid router's
   expert bias (mlp.gate.e_score_correction_bias, a buffer in both) maps to mlp.router.expert_bias; shared experts
   (mlp.shared_experts.*) are TP-sharded as a dense MLP is. Layers before the first MoE one are dense.
+- MTP layers (`models/mtp.py`'s HF names) <-> mtp.layers.{i}: their norms replicated, eh_proj column-parallel (chunk r
+  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from services.trainer.models import deepseek_v3, glm4, minimax_m2, qwen3_next
+from services.trainer.models import deepseek_v3, glm4, minimax_m2, mtp, qwen3_next
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
 MG_LAYER = "decoder.layers.{}."
+MTP_LAYER = "mtp.layers.{}."  # megatron-core's multi-token-prediction layers (`models/mtp.py` names their HF tensors)
 # Megatron sub-name -> HF sub-name, for per-layer tensors that are only renamed (local spec names).
 RENAMED = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -171,39 +174,12 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
+    experts = dict(ep_rank=ep_rank, ep_size=ep_size, etp_rank=etp_rank, etp_size=etp_size)
     for local in range(len(arch.stage_layer_range(pp_rank, pp_size))):
-        src, dst = HF_LAYER.format(offset + local), MG_LAYER.format(local)
-        moe, linear = arch.is_moe_layer(offset + local), arch.is_linear_layer(offset + local)
-        for mg_sub, hf_sub in RENAMED.items():
-            if (mg_sub in QK_NORMS and not (arch.qk_layernorm or arch.projection_qk_norm)) or \
-                    (mg_sub in DENSE_MLP and moe) or (linear and mg_sub.startswith("self_attention.")):
-                continue
-            tensor = hf[src + hf_sub]
-            if mg_sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
-                out[dst + mg_sub] = shard(tensor)
-                continue
-            out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
-                tensor.clone().contiguous()
-        attn = src + "self_attn."
-        if linear:  # a gated delta-net in attention's place
-            out.update(qwen3_next.hf_to_megatron_linear_attention(hf, arch, src, dst, shard))
-        elif arch.mla is not None:
-            out.update(deepseek_v3.hf_to_megatron_attention(hf, arch, src, dst, shard, te_names=te_names))
-        else:
-            out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
-                arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
-        if arch.qkv_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
-                arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
-        if arch.post_norms:
-            out.update(glm4.hf_to_megatron_layer(hf, src, dst, shard))
-            continue
-        if moe:
-            out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size, shard=shard,
-                                  etp_rank=etp_rank, etp_size=etp_size))
-            continue
-        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
+        out.update(_layer_to_megatron(hf, arch, HF_LAYER.format(offset + local), MG_LAYER.format(local),
+                                      moe=arch.is_moe_layer(offset + local),
+                                      linear=arch.is_linear_layer(offset + local), shard=shard, te_names=te_names,
+                                      **experts))
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone().contiguous()
         # Tied embeddings: the last stage keeps its own copy of the embedding as the output layer, unless the
@@ -212,6 +188,67 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
             out["output_layer.weight"] = shard(_pad_vocab(hf["lm_head.weight"], padded))
         elif pp_size > 1:
             out["output_layer.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
+        for index in range(arch.mtp_num_layers):  # megatron-core builds them on the last stage
+            out.update(_mtp_to_megatron(hf, arch, index, shard=shard, te_names=te_names, **experts))
+    return out
+
+
+def _layer_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str, dst: str, *, moe: bool,
+                       linear: bool = False, shard, te_names: bool, ep_rank: int, ep_size: int, etp_rank: int,
+                       etp_size: int) -> dict[str, torch.Tensor]:
+    """One decoder layer's tensors (HF names under `src`) as this rank's Megatron tensors (names under `dst`);
+    linear: a gated delta-net in attention's place."""
+    out: dict[str, torch.Tensor] = {}
+    for mg_sub, hf_sub in RENAMED.items():
+        if (mg_sub in QK_NORMS and not (arch.qk_layernorm or arch.projection_qk_norm)) or \
+                (mg_sub in DENSE_MLP and moe) or (linear and mg_sub.startswith("self_attention.")):
+            continue
+        tensor = hf[src + hf_sub]
+        if mg_sub in QK_NORMS and arch.projection_qk_norm:  # cut over TP as the heads are
+            out[dst + mg_sub] = shard(tensor)
+            continue
+        out[dst + _te_name(mg_sub, te_names)] = shard(tensor, dim=1) if mg_sub in ROW_PARALLEL else \
+            tensor.clone().contiguous()
+    attn = src + "self_attn."
+    if linear:  # a gated delta-net in attention's place
+        out.update(qwen3_next.hf_to_megatron_linear_attention(hf, arch, src, dst, shard))
+    elif arch.mla is not None:
+        out.update(deepseek_v3.hf_to_megatron_attention(hf, arch, src, dst, shard, te_names=te_names))
+    else:
+        out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
+            arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
+    if arch.qkv_bias:
+        out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
+            arch, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]))
+    if arch.post_norms:
+        out.update(glm4.hf_to_megatron_layer(hf, src, dst, shard))
+        return out
+    if moe:
+        out.update(_moe_layer(hf, arch, src, dst, ep_rank=ep_rank, ep_size=ep_size, shard=shard,
+                              etp_rank=etp_rank, etp_size=etp_size))
+        return out
+    gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+    out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate), shard(up)])
+    return out
+
+
+def _mtp_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, index: int, *, shard, te_names: bool,
+                     **experts: int) -> dict[str, torch.Tensor]:
+    """MTP layer `index` (`models/mtp.py`'s HF names) as megatron-core's mtp.layers.{index}: its norms, its
+    projection eh_proj (column-parallel: chunk r of dim 0) and its transformer layer, shaped as the last decoder
+    layer."""
+    src, dst = mtp.hf_prefix(arch.model_type, arch.num_layers, index), MTP_LAYER.format(index)
+    out = {}
+    for mg_sub, hf_sub in mtp.hf_names(arch.model_type).items():
+        tensor = hf[src + hf_sub]
+        if mg_sub == "eh_proj.weight":
+            if mtp.swaps_projection_halves(arch.model_type):
+                hidden, embedding = tensor.chunk(2, dim=1)
+                tensor = torch.cat([embedding, hidden], dim=1)
+            tensor = shard(tensor)
+        out[dst + mg_sub] = tensor.clone().contiguous()
+    out.update(_layer_to_megatron(hf, arch, src, dst + "transformer_layer.", moe=arch.is_moe_layer(arch.num_layers - 1),
+                                  shard=shard, te_names=te_names, **experts))
     return out
 
 
@@ -226,11 +263,34 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
         return [] if arch.tie_word_embeddings else [("lm_head.weight", torch.cat(list(shards))[:arch.vocab_size])]
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", shards[0])]
+    if name.startswith("mtp.layers."):
+        return _mtp_to_hf(name, shards, arch)
     if not name.startswith("decoder.layers."):
         raise ValueError(f"no HF name for Megatron parameter {name!r}")
     index, sub = name.removeprefix("decoder.layers.").split(".", 1)
-    prefix = HF_LAYER.format(offset + int(index))
-    sub = _local_sub(sub)
+    return _layer_to_hf(name, _local_sub(sub), shards, arch, HF_LAYER.format(offset + int(index)))
+
+
+def _mtp_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch) -> list[tuple[str, torch.Tensor]]:
+    """An MTP layer's parameter under its family's HF names (`models/mtp.py`)."""
+    index, sub = name.removeprefix("mtp.layers.").split(".", 1)
+    prefix = mtp.hf_prefix(arch.model_type, arch.num_layers, int(index))
+    if sub.startswith("transformer_layer."):
+        return _layer_to_hf(name, _local_sub(sub.removeprefix("transformer_layer.")), shards, arch, prefix)
+    if sub not in (names := mtp.hf_names(arch.model_type)):
+        raise ValueError(f"no HF name for Megatron parameter {name!r}")
+    if sub != "eh_proj.weight":
+        return [(prefix + names[sub], shards[0])]
+    tensor = torch.cat(list(shards))
+    if mtp.swaps_projection_halves(arch.model_type):
+        embedding, hidden = tensor.chunk(2, dim=1)
+        tensor = torch.cat([hidden, embedding], dim=1)
+    return [(prefix + names[sub], tensor)]
+
+
+def _layer_to_hf(name: str, sub: str, shards: Sequence[torch.Tensor], arch: ModelArch,
+                 prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs of a decoder layer's parameter `sub` (local-spec name), the layer's HF prefix given."""
     if arch.mla is not None and (mla := deepseek_v3.megatron_to_hf_attention(deepseek_v3.local_sub(sub), list(shards),
                                                                              prefix)) is not None:
         return mla

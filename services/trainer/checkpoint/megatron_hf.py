@@ -4,6 +4,7 @@ weights out as HF tensors, gathered from the shards."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,7 +74,9 @@ class MegatronHFWeights:
     def _load_hf(self, gpt, path: Path, what: str) -> None:
         """An HF checkpoint of the policy's architecture into one of the models (slime swaps such weights into its one
         model, so it needs the same architecture too)."""
-        if (arch := ModelArch.from_hf_config(hf_io.read_config(path))) != self.arch:
+        arch = dataclasses.replace(ModelArch.from_hf_config(hf_io.read_config(path)),  # the job's, not the file's
+                                   stage_layers=self.arch.stage_layers, mtp_num_layers=self.arch.mtp_num_layers)
+        if arch != self.arch:
             raise InvalidArgument(f"{what} {path}: architecture {arch} differs from the policy's {self.arch}")
         self._copy_hf_weights(gpt, hf_io.HFTensors(path))
 

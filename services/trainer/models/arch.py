@@ -1,4 +1,4 @@
-"""The architecture of an HF causal LM (Qwen2, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
+"""The architecture of an HF causal LM (Qwen2 and MiMo, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
 `deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`, Qwen3-Next and Qwen3.5 through
 `qwen3_next.py`) as the few numbers Megatron and the converter need.
 
@@ -15,8 +15,9 @@ from services.common.errors import InvalidArgument
 
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
 GATED_DELTA_NET_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # qwen3_next.py reads them
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES,
-                         *GATED_DELTA_NET_MODEL_TYPES)
+QWEN2_SHAPED = ("qwen2", "mimo")  # MiMo: Qwen2 with multi-token-prediction layers (`mtp.py`)
+SUPPORTED_MODEL_TYPES = (*QWEN2_SHAPED, "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2",
+                         *MLA_MODEL_TYPES, *GATED_DELTA_NET_MODEL_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -98,6 +99,8 @@ class ModelArch:
     attention_output_gate: bool = False  # attention's output times sigmoid of a per-head gate from the q projection
     zero_centered_norms: bool = False  # RMSNorms scale by 1 + weight (Qwen3-Next's and Qwen3.5's, but the gated one)
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid of a [1, hidden] gate
+    # multi-token-prediction layers built after the decoder (the job's mtp_num_layers; the checkpoint's: `mtp.py`)
+    mtp_num_layers: int = 0
 
     def is_linear_layer(self, index: int) -> bool:
         """Whether global layer `index` is a gated delta-net."""
@@ -199,7 +202,7 @@ class ModelArch:
             raise InvalidArgument(f"megatron backend: hidden_act {get('hidden_act')!r} is not supported (silu only)")
         if get("use_sliding_window", False):
             raise InvalidArgument("megatron backend: use_sliding_window is not supported")
-        if model_type != "qwen2" and get("attention_bias", False):
+        if model_type not in QWEN2_SHAPED and get("attention_bias", False):
             raise InvalidArgument(f"megatron backend: attention_bias is not supported for {model_type}")
         if get("mlp_bias", False):
             raise InvalidArgument("megatron backend: mlp_bias is not supported")
@@ -224,7 +227,7 @@ class ModelArch:
                    num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
                    head_dim=head_dim, norm_epsilon=get("rms_norm_eps"), rope_theta=float(rope_theta),
                    rope_scaling_factor=scaling_factor, max_position_embeddings=get("max_position_embeddings"),
-                   qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+                   qkv_bias=model_type in QWEN2_SHAPED, qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
                    tie_word_embeddings=bool(get("tie_word_embeddings", False)), num_experts=num_experts,
                    moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
                    moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,

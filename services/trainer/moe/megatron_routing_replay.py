@@ -47,8 +47,11 @@ class MegatronRouting:
         self.sp_group = sequence_parallel_group  # the TP group under sequence parallelism
         self.sp_size = dist.get_world_size(sequence_parallel_group) if sequence_parallel_group is not None else 1
         self.sp_rank = dist.get_rank(sequence_parallel_group) if sequence_parallel_group is not None else 0
+        # the decoder's routers; an MTP layer's (layer_number past num_layers) routes as it would: neither the engines
+        # nor the old policy's forward route its tokens
         self.replays = [(router.layer_number - 1, router.router_replay) for router in gpt.modules()
-                        if isinstance(router, TopKRouter) and router.router_replay is not None]
+                        if isinstance(router, TopKRouter) and router.router_replay is not None
+                        and router.layer_number <= num_layers]
 
     def empty(self, *shape: int) -> torch.Tensor:
         """[*shape, num_layers, top_k] experts 0..k-1: what unrecorded tokens replay (their outputs are unused)."""

@@ -147,6 +147,14 @@ class TrainConfig:
              "normalized sigmoid scores; megatron: megatron-core's routers)", NON_NEGATIVE)
     moe_router_load_balancing_type: MoELoadBalancingType = field(
         "aux_loss", "the load-balancing loss moe_aux_loss_coeff weighs: aux_loss, or none")
+    mtp_num_layers: int | None = field(
+        None, "megatron: build this many of the checkpoint's multi-token-prediction layers after the decoder "
+              "(MiMo, DeepSeek-V3, GLM-4.5+: num_nextn_predict_layers); their weights are loaded, saved and sent to "
+              "the engines", AT_LEAST_ONE)
+    enable_mtp_training: bool = field(False, "train the MTP layers on their loss, added to the policy loss")
+    mtp_loss_scaling_factor: float = field(
+        0.2, "weight of the MTP loss: each depth's mean cross-entropy of the trained response tokens, summed over the "
+             "depths, times this / mtp_num_layers", NON_NEGATIVE)
 
     def __post_init__(self) -> None:
         if self.fp16:
@@ -193,6 +201,8 @@ class TrainConfig:
             raise ValueError("lora_rank is set but target_modules is empty")
         if self.lora_rank and "lm_head" in self.target_modules:
             raise ValueError("target_modules: lm_head takes no adapter (the log-probs read its weight directly)")
+        if self.enable_mtp_training and not self.mtp_num_layers:
+            raise ValueError("enable_mtp_training needs mtp_num_layers (the MTP layers to train)")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size needs max_tokens_per_gpu")
         if self.lr_decay_style != "constant" and self.lr_decay_iters is not None and \

@@ -19,6 +19,7 @@ from services.common import plugins
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Sample
 from services.trainer.batching.batch import RolloutBatch
+from services.trainer.distributed import cp_responses
 from services.trainer.settings.train import TrainConfig
 
 REWARD_POST_PROCESS = "def fn(args, samples) -> (raw_rewards, rewards)"
@@ -110,27 +111,35 @@ TisFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.T
 
 def tis_function(config: TrainConfig, mb: RolloutBatch) -> TisFunction:
     """slime's `--custom-tis-function-path` on a micro-batch: (pg [b, R], train log-probs [b, R]) -> (pg weighted
-    [b, R], the kept-token mask [b, R], per-token metrics [b, R]), through slime's flat [Σ R_i] pg_loss and per-sample
-    lists. Each sample's tensors are whole on every rank, under context parallelism too (the per-token outputs are
-    gathered before the loss), which is what slime's cp_utils give at CP 1."""
+    [b, R], the kept-token mask [b, R], per-token metrics [b, R]), through slime's flat pg_loss and per-sample lists.
+    Under megatron's context parallelism the function gets, as in slime, each sample's part on this CP rank of pg,
+    train and rollout log-probs (`cp_responses`; the loss masks whole), and its flat per-token results are gathered
+    back into whole responses (every CP rank computes the whole loss); at CP 1 each sample is whole."""
     fn = _load("custom_tis_function_path", config.custom_tis_function_path)
-    lengths = mb.response_lengths.tolist()
-    valid = torch.arange(mb.loss_masks.shape[1], device=mb.loss_masks.device) < \
-        mb.response_lengths.to(mb.loss_masks.device).unsqueeze(-1)
-    where = valid.nonzero(as_tuple=True)
+    lengths, totals = mb.response_lengths.tolist(), mb.total_lengths
+    cp = cp_responses.current()
 
-    def unflatten(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return like.new_zeros(like.shape).index_put(where, flat.to(like.dtype))
+    def local(x: torch.Tensor) -> list[torch.Tensor]:  # [b, R] -> each sample's part on this CP rank
+        return [cp_responses.slice_response(x[i, :n], total, n, cp)
+                for i, (n, total) in enumerate(zip(lengths, totals, strict=True))]
+
+    def whole(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # the samples' flat local parts -> [b, R]
+        sizes = [len(part) for part in local(like)]
+        out = like.new_zeros(like.shape)
+        for i, part in enumerate(torch.as_tensor(flat).to(like.device, like.dtype).split(sizes)):
+            out = out.index_put((torch.tensor([i], device=like.device), torch.arange(lengths[i], device=like.device)),
+                                cp_responses.gather_response(part, totals[i], lengths[i], cp))
+        return out
 
     def call(pg: torch.Tensor, train_log_probs: torch.Tensor):
         if mb.rollout_log_probs is None:
             raise ValueError("custom_tis_function_path needs the engines' log-probs (rollout_log_probs)")
         pg_flat, masks, metrics = fn(
-            args=slime_args(config), pg_loss=pg[where], train_log_probs=per_sample(train_log_probs.detach(), lengths),
-            rollout_log_probs=per_sample(mb.rollout_log_probs, lengths), loss_masks=per_sample(mb.loss_masks, lengths),
-            total_lengths=mb.total_lengths, response_lengths=lengths)
+            args=slime_args(config), pg_loss=torch.cat(local(pg)), train_log_probs=local(train_log_probs.detach()),
+            rollout_log_probs=local(mb.rollout_log_probs.to(pg.device)),
+            loss_masks=per_sample(mb.loss_masks, lengths), total_lengths=totals, response_lengths=lengths)
         keep = padded(masks, mb.loss_masks, f"custom_tis_function_path {config.custom_tis_function_path}: loss_masks")
-        metrics = {k: unflatten(torch.as_tensor(v).float().detach(), pg.detach()) for k, v in metrics.items()}
-        return unflatten(pg_flat, pg), keep, metrics
+        metrics = {k: whole(torch.as_tensor(v).float().detach(), pg.detach()) for k, v in metrics.items()}
+        return whole(pg_flat, pg), keep, metrics
 
     return call

@@ -34,6 +34,7 @@ from services.trainer.backends.megatron import context_parallel as megatron_cp
 from services.trainer.backends.megatron import critic as value_model
 from services.trainer.backends.megatron import fused_head
 from services.trainer.backends.megatron import model as mcore
+from services.trainer.backends.megatron import mtp as megatron_mtp
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
@@ -42,7 +43,7 @@ from services.trainer.checkpoint import hf_io
 from services.trainer.checkpoint.megatron_dist import MegatronCheckpointing
 from services.trainer.checkpoint.megatron_hf import MegatronHFWeights
 from services.trainer.distributed import devices, megatron_cpu
-from services.trainer.models import families
+from services.trainer.models import families, mtp
 from services.trainer.models.arch import ModelArch, uneven_stage_layers
 from services.trainer.moe.megatron_routing_replay import MegatronRouting
 from services.trainer.settings.train import TrainConfig
@@ -83,7 +84,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
         self.arch = ModelArch.from_hf_config(hf_config)
         stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
-        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers)
+        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers, mtp_num_layers=config.mtp_num_layers or 0)
+        if problem := _mtp_problem(config, hf_config, pp_size=pp, cp_size=context_parallel_size):
+            raise InvalidArgument(problem)
+        self.trains_mtp = config.enable_mtp_training
+        self._mtp_depths: list[torch.Tensor] = []  # the MTP layers' outputs for the loss computed next
         self.etp_size = expert_tensor_parallel_size
         self.arch.check_parallel(tp_size=tp, pp_size=pp, ep_size=ep, etp_size=self.etp_size,
                                  stage_layers=stage_layers)
@@ -129,6 +134,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         hf = hf_io.HFTensors(self.model_path)
         gpt = self._build_gpt()
         self._copy_hf_weights(gpt, hf)
+        if hasattr(gpt, "mtp") and not self.trains_mtp:  # carried (saved, sent to the engines), not trained
+            gpt.mtp.requires_grad_(False)
         model_config = gpt.config
         self.routing = MegatronRouting(gpt, self.arch.num_layers, self.arch.moe_router_topk,
                                        sequence_parallel_group=self.tp_group if model_config.sequence_parallel
@@ -178,7 +185,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """The value model: the policy's GPTModel from its checkpoint, untied, with a value head for its output."""
         from megatron.core.distributed import finalize_model_grads
 
-        gpt = self._build_gpt(dataclasses.replace(self.arch, tie_word_embeddings=False))
+        gpt = self._build_gpt(dataclasses.replace(self.arch, tie_word_embeddings=False, mtp_num_layers=0))
         value_model.attach_value_head(gpt, hidden_size=self.arch.hidden_size, init_std=init_std, seed=self.config.seed)
         self._copy_hf_weights(gpt, hf, output_layer=False)
         model = mcore.wrap_ddp(gpt, gpt.config, use_distributed_optimizer=self.use_distributed_optimizer,
@@ -247,7 +254,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 output = module(**inputs)
             self._head = head  # the loss, computed right after on the last stage, reads it
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
-                output = output[:, :mcore.sequence_length(mb, packed=packed)]
+                length = mcore.sequence_length(mb, packed=packed)
+                depths = megatron_mtp.split_depths(output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to) \
+                    if fused_head.gpt_of(module).mtp_process else [output]
+                output, self._mtp_depths = depths[0][:, :length], [depth[:, :length] for depth in depths[1:]]
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
@@ -428,6 +438,35 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                                         custom_loss_fn=self.custom_loss, token_stats=self._token_stats,
                                         full_logits=self._full_logits)
 
+    def _with_mtp_loss(self, mb: RolloutBatch, logits: torch.Tensor, reduce: Reducer, *,
+                       counts: list[float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's policy loss plus its share of the step's MTP loss (`mtp.py`): depth k's cross-entropy
+        summed over its trained tokens over the step's count of them (`counts`), the depths' sum times
+        mtp_loss_scaling_factor / mtp_num_layers; metrics mtp_loss (the depths' sum) and mtp_{k}_loss."""
+        loss, metrics = self._micro_batch_loss(mb, logits, reduce)
+        mtp_loss = logits.new_zeros(())
+        for depth, (output, count) in enumerate(zip(self._mtp_depths, counts, strict=True), start=1):
+            weights = megatron_mtp.target_weights(mb, depth).to(output.device)
+            log_probs = self._target_log_probs(megatron_mtp.gather_depth(output, mb, depth), mb.response_tokens)
+            depth_loss = -(log_probs * weights).sum() / max(count, 1.0)
+            metrics[f"mtp_{depth}_loss"] = depth_loss.detach()
+            mtp_loss = mtp_loss + depth_loss
+        metrics["mtp_loss"] = mtp_loss.detach()
+        return loss + mtp_loss * (self.config.mtp_loss_scaling_factor / self.arch.mtp_num_layers), metrics
+
+    def _target_log_probs(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[b, R] log-probs at temperature 1 of `targets` from response-aligned vocab-parallel logits, or hidden
+        states under the fused head."""
+        targets = targets.to(x.device)
+        if (head := self._head) is not None:
+            return fused_log_probs_and_entropy(
+                x, head.weight, targets, temperature=1.0, with_entropy=False, entropy_grad=False,
+                chunk_size=self.config.log_probs_chunk_size, vocab_size=self.arch.vocab_size,
+                vocab_start=self.tp_rank * head.weight.shape[0], group=self.tp_group if self.tp_size > 1 else None)[0]
+        return vocab_parallel_log_probs_and_entropy(
+            x, targets, vocab_size=self.arch.vocab_size, temperature=1.0, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            group=self.tp_group, with_entropy=False, entropy_grad=False)[0]
+
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel logits gathered over TP, without the vocabulary's padding."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -436,9 +475,16 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         return full[..., :self.arch.vocab_size]
 
     def _train_step(self, batch: RolloutBatch, rows: list[int], micro_batches: list[MicroBatch]) -> dict[str, float]:
-        """One policy step over `rows`."""
-        metrics, grad_norm, lr = self._step(self.model, self.optimizer, self._num_steps, batch, rows, micro_batches,
-                                            self._micro_batch_loss, routing=self._replay(self.model))
+        """One policy step over `rows` (with the MTP layers' loss when they train)."""
+        loss_of = self._micro_batch_loss
+        if self.trains_mtp:
+            step = batch.take(rows)
+            counts = [float(megatron_mtp.target_weights(step, depth).sum()) for depth in
+                      range(1, self.arch.mtp_num_layers + 1)]
+            loss_of = functools.partial(self._with_mtp_loss, counts=counts)
+        with megatron_mtp.running(self.gpt, self.trains_mtp):
+            metrics, grad_norm, lr = self._step(self.model, self.optimizer, self._num_steps, batch, rows,
+                                                micro_batches, loss_of, routing=self._replay(self.model))
         self._num_steps += 1
         return {**{f"train/{key}": value for key, value in metrics.items()}, "train/grad_norm": grad_norm,
                 "train/lr": lr}
@@ -543,6 +589,18 @@ def _context_parallel_problem(config: TrainConfig) -> str:
         return CUSTOM_LOSS_REFUSAL.removeprefix("context_parallel_size > 1 ")
     if config.replays_routing or config.moe_aux_loss:
         return "routing replay and moe_aux_loss_coeff need each token's router logits on one rank"
+    return ""
+
+
+def _mtp_problem(config: TrainConfig, hf_config: dict, *, pp_size: int, cp_size: int) -> str:
+    """Why this job cannot build or train its MTP layers here ("" when it can, or it has none)."""
+    if not config.mtp_num_layers:
+        return ""
+    if problem := mtp.problem(hf_config, config.mtp_num_layers):
+        return problem
+    if pp_size > 1 or cp_size > 1:
+        return (f"mtp_num_layers {config.mtp_num_layers}: train_backend megatron builds multi-token-prediction "
+                "layers at pipeline_model_parallel_size 1 and context_parallel_size 1")
     return ""
 
 

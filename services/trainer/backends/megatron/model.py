@@ -215,15 +215,18 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
 
             attn = spec.layer_specs[0].submodules.self_attention.submodules
             attn.q_layernorm, attn.k_layernorm = QProjectionRMSNorm, KProjectionRMSNorm
+    mtp_spec = _mtp_block(spec, arch.mtp_num_layers, SequenceParallelRMSNorm, use_te=use_te) \
+        if arch.mtp_num_layers and parallel_state.is_pipeline_last_stage() else None
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = GPTModel(
-            config=config, transformer_layer_spec=spec,
+            config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope", rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
             rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
+    model.mtp_process = False  # its MTP layers run only in the forwards that train them (`mtp.running`)
     if arch.mla is not None and not use_te:
         from services.trainer.backends.megatron.mla import whole_kv_down_projections
 
@@ -239,6 +242,22 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
                 param.tensor_model_parallel = False
                 param.sequence_parallel = config.sequence_parallel
     return model.cuda() if torch.cuda.is_available() else model
+
+
+def _mtp_block(spec, num_layers: int, norm: type, *, use_te: bool):
+    """megatron-core's block of `num_layers` multi-token-prediction layers, each with a transformer layer as the
+    decoder's last (`spec`: a layer's or the block's) and, on the local spec, `norm` for its three RMSNorms."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = spec.layer_specs[-1] if isinstance(spec, TransformerBlockSubmodules) else spec
+    mtp_layer = get_mtp_layer_spec(layer, use_transformer_engine=use_te)
+    if not use_te:
+        mtp_layer.submodules.enorm = mtp_layer.submodules.hnorm = mtp_layer.submodules.layer_norm = norm
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * num_layers)
 
 
 def _decoder_block(config, *, use_te: bool):
