@@ -79,7 +79,7 @@ class _FusedLogProbs(torch.autograd.Function):
         temperature, chunk_size, valid, dtype, with_entropy = ctx.args
         w = weight[:valid].to(dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = None  # float32, the first chunk's product, then the sum
         use_entropy = with_entropy and grad_entropy is not None
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse)
@@ -95,10 +95,9 @@ class _FusedLogProbs(torch.autograd.Function):
             end = min(start + chunk_size, num)
             h = hidden[start:end].to(dtype)
             if kept is not None and start == kept[0]:
-                _, p, sums, log_z, shifted = kept
+                p = kept[1].div_(kept[2].unsqueeze(-1))  # π = e^(z - m) / Σ
+                log_p = kept[4].sub_(kept[3].unsqueeze(-1)) if use_entropy else None
                 kept = None
-                p = p.div_(sums.unsqueeze(-1))  # π = e^(z - m) / Σ
-                log_p = shifted.sub_(log_z.unsqueeze(-1)) if use_entropy else None
             else:
                 z = torch.matmul(h, w.t()).float()
                 if temperature != 1.0:
@@ -121,12 +120,18 @@ class _FusedLogProbs(torch.autograd.Function):
             grad_z = grad_z.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = torch.matmul(grad_z, w).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w += torch.matmul(grad_z.t(), h).float()
-        if grad_w is not None:
-            full = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-            full[:valid] = grad_w.to(weight.dtype)
-            grad_w = full
+            if ctx.needs_input_grad[1]:
+                part = torch.matmul(grad_z.t(), h).float()
+                grad_w = part if grad_w is None else grad_w.add_(part)
+            z = p = log_p = grad_z = None  # this chunk's [chunk × vocab] tensors go before the next one's come
+        if ctx.needs_input_grad[1]:
+            if grad_w is None:  # no tokens
+                grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device)
+            if valid < weight.shape[0]:  # the vocabulary's padding rows get none
+                full = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+                full[:valid] = grad_w
+                grad_w = full
+            grad_w = grad_w.to(weight.dtype)
         return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None
 
 
