@@ -139,7 +139,8 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
                                 temperature: float = 1.0, with_entropy: bool = True, entropy_grad: bool = True,
                                 chunk_size: int = DEFAULT_CHUNK_SIZE, vocab_size: int | None = None,
                                 vocab_start: int = 0, group: dist.ProcessGroup | None = None,
-                                compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                compute_dtype: torch.dtype | None = None,
+                                keep_last_chunk: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(target) and the entropy of π = softmax(hidden·weightᵀ / temperature), without the whole logits.
 
     hidden: [..., H] (the final norm's output at the positions that predict `targets`); weight: [V_local, H], the
@@ -149,7 +150,8 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     `hidden` from its slice alone: the caller sums it over the group, as Megatron's output layer does). targets:
     [...] global token ids. compute_dtype: the projection's (default: autocast's where it is on, as the unfused
     nn.Linear would run, else the inputs'); the softmax is float32. Returns (log_probs, entropy or None), [...]
-    float32; entropy_grad False: the entropy is a metric only, detached.
+    float32; entropy_grad False: the entropy is a metric only, detached. keep_last_chunk False: the backward
+    recomputes every chunk (`bench/fused_head.py` compares the two).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -160,7 +162,8 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     group = group if group is not None and dist.get_world_size(group) > 1 else None
     dtype = compute_dtype or _compute_dtype(hidden, weight)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    keep_last = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)  # a backward will come
+    # a backward will come
+    keep_last = keep_last_chunk and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(hidden.device.type, enabled=False):
         log_probs, entropy = _FusedLogProbs.apply(flat, weight, targets.reshape(-1), float(temperature),
                                                   int(chunk_size), int(vocab_start), valid, group, with_entropy,
