@@ -67,9 +67,24 @@ def cpu_seconds(pid: int | str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_healthy(url: str) -> None:
+    """Until the engine answers /health (at most TIMEOUT_S)."""
+    import httpx
+
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine {url}: no /health in {TIMEOUT_S} s")
+        time.sleep(0.5)
+
+
 def trainer(url: str, master_address: str, before: str, after: str, rounds: int, engine_pid: int) -> dict:
     """In the trainer's pod: alternate full and delta syncs of the two versions; the best time of each."""
-    import httpx
     from safetensors.torch import load_file
 
     from services.trainer.settings.weight_sync import DeltaSettings
@@ -77,16 +92,7 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int,
 
     # in memory, as a trainer's weights are (a mapped file would fault its pages in during the first sync)
     versions = [[(k, v.clone()) for k, v in sorted(load_file(path).items())] for path in (before, after)]
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine {url}: no /health in {TIMEOUT_S} s")
-        time.sleep(0.5)
+    wait_healthy(url)
     result: dict = {"full_seconds": [], **{f"{enc}_seconds": [] for enc in ENCODINGS}}
     with DeltaBroadcaster([url], master_address=master_address, timeout_s=TIMEOUT_S) as sync:
         sync.broadcast(versions[0], "warmup")  # joins the group, first full copy
@@ -111,7 +117,6 @@ def trainer(url: str, master_address: str, before: str, after: str, rounds: int,
 
 def measure(work: Path, rounds: int) -> dict:
     """Start the two pods, run the trainer's rounds; its figures, or {"skipped": reason} where there is no netns."""
-    from services.common import procs
     from testkit import netns
 
     reason = netns.unavailable_reason()
@@ -121,6 +126,15 @@ def measure(work: Path, rounds: int) -> dict:
     model = build_model(work)
     before, after = adamw_step(model, work)
     print(f"delta bench: model and AdamW step in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return over_link(work, model, [], __file__, [str(before), str(after), str(rounds)])
+
+
+def over_link(work: Path, model: Path, engine_args: list[str], script: str, trainer_args: list[str]) -> dict:
+    """One CPU engine (bf16, plus `engine_args`) serving `model` and `script --trainer URL ADDRESS
+    *trainer_args ENGINE_PID OUT` in two network namespaces over the shaped link; the JSON the trainer wrote."""
+    from services.common import procs
+    from testkit import netns
+
     net = netns.Network(f"pxd{os.getpid()}", work / "netns").create(
         [("trainer-0", "trainer"), ("engine-0", "engine")])
     started: list[procs.ManagedProcess] = []
@@ -132,13 +146,15 @@ def measure(work: Path, rounds: int) -> dict:
         engine = net.pods["engine-0"]
         argv = [sys.executable, "-m", "services.engine", "--host", engine.address, "--port", str(ENGINE_PORT),
                 "--model-path", str(model), "--dtype", "bfloat16", "--num-threads", "1",
-                "--weight-sync-timeout-s", str(TIMEOUT_S)]
-        engine_proc = netns.PodProcess("engine", net.exec_argv("engine-0", argv), work / "engine.log", env=env).start()
+                "--weight-sync-timeout-s", str(TIMEOUT_S), *engine_args]
+        logs = Path(script).stem  # the delta and the LoRA halves each leave their own logs
+        engine_proc = netns.PodProcess("engine", net.exec_argv("engine-0", argv), work / f"{logs}-engine.log",
+                                       env=env).start()
         started.append(engine_proc)
-        out = work / "trainer.json"
-        argv = [sys.executable, __file__, "--trainer", f"http://{engine.hostname}:{ENGINE_PORT}",
-                net.pods["trainer-0"].hostname, str(before), str(after), str(rounds), str(engine_proc.pid), str(out)]
-        trainer_proc = netns.PodProcess("trainer", net.exec_argv("trainer-0", argv), work / "trainer.log",
+        out = work / f"{logs}-trainer.json"
+        argv = [sys.executable, script, "--trainer", f"http://{engine.hostname}:{ENGINE_PORT}",
+                net.pods["trainer-0"].hostname, *trainer_args, str(engine_proc.pid), str(out)]
+        trainer_proc = netns.PodProcess("trainer", net.exec_argv("trainer-0", argv), work / f"{logs}-trainer.log",
                                         env=env).start()
         started.append(trainer_proc)
         code = trainer_proc.popen.wait(timeout=TIMEOUT_S * 2)

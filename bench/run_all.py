@@ -46,13 +46,13 @@ SCRIPTS = {
     "trainer_threads": ["--rounds", "2"],
 }
 # imported or run by the scripts, or not a benchmark (gpu_check is `make gpu-check`, on a CUDA machine)
-HELPERS = {"_harness", "_delta_link", "_precision", "_gateway_host", "run_all", "inprocess_loop", "sim_engines",
-           "demo_sweep", "gpu_check", "gpu_families"}
+HELPERS = {"_harness", "_delta_link", "_lora_link", "_precision", "_gateway_host", "run_all", "inprocess_loop",
+           "sim_engines", "demo_sweep", "gpu_check", "gpu_families"}
 KEYS = ("weight_sync_vs_gloo", "same_host_sync_GBps", "engine_vs_hf_generate", "router_overhead_p50",
         "router_overhead_p99", "gateway_overhead_p50", "gateway_isolation_p99_ratio",
         "buffer_vs_redis", "reward_grpc_vs_inprocess",
         "loop_vs_inprocess", "control_plane_samples_per_s_64", "group_rebuild_s_64", "delta_vs_full_sync",
-        "packed_vs_padded_fsdp", "packed_vs_padded_megatron")
+        "lora_vs_full_sync", "packed_vs_padded_fsdp", "packed_vs_padded_megatron")
 
 
 def check_listed() -> None:

@@ -18,8 +18,13 @@ backend padded, Q = packed over the plain loop (long tail). Added to those: "tok
 "peak_tflops" and "peak_source".
 CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 measurement.
 
+3. MoE: a tiny Qwen3-MoE (4 experts, 2 per token) on the equal-length batch, fsdp in this process against megatron with
+   its experts over two ranks (EP=2, data-parallel 2: two processes of one thread each; one on a single GPU).
+   Adds "moe_megatron_vs_fsdp" (megatron's tokens/s over fsdp's), "moe_expert_parallel_size" and "moe_tokens_per_s"
+   to the JSON line; --moe-only runs this phase alone (its keys alone).
+
 Run: python -m bench.trainer_throughput [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds N]
-     [--threads N] [--clock wall|cpu]
+     [--threads N] [--clock wall|cpu] [--moe-only]
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ SHAPES = {
                  num_samples=32, prompt_len=256, response_len=768, micro_batch_size=4,
                  long_tail=dict(num_samples=32, prompt_len=256, max_response_len=1024)),
 }
+
+
+# the MoE phase's model: the shape's, each MLP 4 experts of a quarter of its width, 2 routed per token
+MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
 
 
 # Dense bf16 / tf32 tensor-core peaks (FLOP/s) by device name; a card not listed gets its peak measured
@@ -92,6 +101,16 @@ def build_model(out_dir: Path, shape: dict) -> Path:
                          dtype="float32")
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+def build_moe_model(out_dir: Path, shape: dict) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**shape, **MOE_FIELDS, moe_intermediate_size=shape["intermediate_size"] // 4,
+                            max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=1e6, dtype="float32")
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(out_dir)
     return out_dir
 
 
@@ -173,6 +192,58 @@ def megatron_step(model_dir: Path, samples, config, device: torch.device, packed
     return lambda: backend.train_rollout(samples)
 
 
+def expert_parallel_rank(rank: int, world_size: int, model_dir: Path, shape: dict, dtype_name: str, rounds: int,
+                         clock_name: str, out: Path) -> None:
+    """One rank of megatron at EP=world_size: median seconds per step over `rounds` after a warm-up, each step
+    between barriers (wall clock), or the ranks' CPU time summed (cpu clock); rank 0 writes it to `out`."""
+    import torch.distributed as dist
+
+    from services.trainer.backends.megatron.backend import MegatronBackend
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    samples = make_samples(shape, shape["model"]["vocab_size"])
+    # the ranks' group from spawn's torchrun-style environment
+    backend = MegatronBackend(model_dir, train_config(shape, getattr(torch, dtype_name), len(samples)),
+                              expert_model_parallel_size=world_size)
+    device = backend.device
+    clock = time.process_time if clock_name == "cpu" else time.perf_counter
+    seconds = []
+    for round_index in range(rounds + 1):
+        dist.barrier()
+        took = timed(lambda: backend.train_rollout(samples), device, clock)
+        if clock_name == "cpu":
+            total = torch.tensor([took], dtype=torch.float64)
+            dist.all_reduce(total)
+            took = float(total)
+        dist.barrier()
+        if round_index:
+            seconds.append(took)
+    backend.close()
+    if rank == 0:
+        out.write_text(json.dumps(statistics.median(seconds)))
+
+
+def moe_phase(tmp: Path, shape: dict, device: torch.device, dtype: torch.dtype, rounds: int,
+              clock_name: str) -> dict:
+    """fsdp here against megatron at EP=2 in two spawned processes (EP=1 in one on a single GPU): tokens/s each."""
+    from bench.megatron_parity import spawn
+
+    model_dir = build_moe_model(tmp / "moe-model", shape["model"])
+    samples = make_samples(shape, shape["model"]["vocab_size"])
+    clock = time.process_time if clock_name == "cpu" else time.perf_counter
+    fsdp = measure({"fsdp": fsdp_step(model_dir, samples, train_config(shape, dtype, len(samples)), device)}, rounds,
+                   device, clock)["fsdp"]
+    release(device)
+    ranks = 2 if device.type == "cpu" else min(2, torch.cuda.device_count())
+    out = tmp / "moe-megatron.json"
+    spawn(expert_parallel_rank, model_dir, shape, str(dtype).removeprefix("torch."), rounds, clock_name, out,
+          world_size=ranks)
+    num_tokens = len(samples) * (shape["prompt_len"] + shape["response_len"])
+    return {"expert_parallel_size": ranks, "fsdp": num_tokens / fsdp,
+            "megatron": num_tokens / json.loads(out.read_text())}
+
+
 def timed(step: Callable[[], None], device: torch.device, clock: Callable[[], float]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -212,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (user + system), for a CPU run on a busy shared machine, "
                              "where waiting for a core inflates wall time at random (use --threads 1: no spinning)")
+    parser.add_argument("--moe-only", action="store_true", help="run the MoE phase alone")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu times CPU runs only")
@@ -226,6 +298,13 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's default (allow_tf32), for a like comparison
     shape = SHAPES[device.type]
     tail = shape["long_tail"]
+    if args.moe_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            moe = moe_phase(Path(tmp), shape, device, dtype, args.rounds, args.clock)
+        result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "clock": args.clock,
+                  **moe_result(moe)}
+        print(json.dumps(result))
+        return result
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model", shape["model"])
         samples = make_samples(shape, shape["model"]["vocab_size"])
@@ -247,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
                       for name, build in (("fsdp", fsdp_step), ("megatron", megatron_step))
                       for layout, cfg in (("padded", padded), ("packed", packed))})
         tail_seconds = measure(steps, args.rounds, device, clock)
+        del steps
+        release(device)
+        moe = moe_phase(Path(tmp), shape, device, dtype, args.rounds, args.clock)
     num_tokens = len(samples) * (shape["prompt_len"] + shape["response_len"])
     tokens_per_s = {name: num_tokens / value for name, value in seconds.items()}
     print(f"{device.type}, {dtype}, {args.threads if device.type == 'cpu' else 'GPU'} threads, median of "
@@ -286,9 +368,19 @@ def main(argv: list[str] | None = None) -> dict:
               **{f"packed_vs_padded_{name}": round(tail_rate[f"{name} packed"] / tail_rate[f"{name} padded"], 3)
                  for name in ("fsdp", "megatron")},
               **{f"packed_vs_plain_{name}": round(tail_rate[f"{name} packed"] / tail_rate["plain padded"], 3)
-                 for name in ("fsdp", "megatron")}, **extra}
+                 for name in ("fsdp", "megatron")}, **extra, **moe_result(moe)}
     print(json.dumps(result))
     return result
+
+
+def moe_result(moe: dict) -> dict:
+    """The MoE phase's table printed and its JSON keys."""
+    ep = moe["expert_parallel_size"]
+    print(f"MoE (Qwen3-MoE, {MOE_FIELDS['num_experts']} experts, {MOE_FIELDS['num_experts_per_tok']} per token): "
+          f"fsdp {moe['fsdp']:.0f} tokens/s, megatron EP={ep} {moe['megatron']:.0f} tokens/s, "
+          f"ratio {moe['megatron'] / moe['fsdp']:.2f}")
+    return {"moe_megatron_vs_fsdp": round(moe["megatron"] / moe["fsdp"], 3), "moe_expert_parallel_size": ep,
+            "moe_tokens_per_s": {"fsdp": round(moe["fsdp"], 1), f"megatron ep{ep}": round(moe["megatron"], 1)}}
 
 
 if __name__ == "__main__":

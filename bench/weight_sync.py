@@ -11,7 +11,11 @@ Rounds alternate between the sides; the best of each counts.
 Then delta against full sync (`bench/_delta_link.py`): a 220 MB bf16 model after one AdamW step at lr 1e-6, trainer
 and engine in two network namespaces over a 1 Gbit/s link (`tc`), `--delta-rounds` rounds of one full and two delta
 syncs each, as xor and as overwrite (best of each; delta_vs_full_sync is the faster encoding's; root only, else
-reported as skipped). Prints the tables, then one JSON line.
+reported as skipped).
+
+Then LoRA against full sync over the same link (`bench/_lora_link.py`): the Qwen3-0.6B shape in bf16 in full against
+a rank-16 adapter on every projection (`broadcast_adapter`), `--lora-rounds` rounds (best of each;
+lora_vs_full_sync, goal >= 20). A half given 0 rounds is reported as skipped. Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--delta-rounds", type=int, default=2)
+    parser.add_argument("--lora-rounds", type=int, default=2)
     args, work, model, weights = start_sync_bench(parser, argv, "physarum-bench-sync-")
     engines = [start_engine(work, model, f"engine-{i}") for i in range(args.engines)]
     raw = RawBroadcast(work, [t for _, t in weights], args.engines, args.rounds)
@@ -122,15 +127,35 @@ def main(argv: list[str] | None = None) -> int:
                 f"(best of {args.rounds})", ["path", "seconds", "GB/s", "baseline time / time (goal >= 0.9)"], rows)
     figures = {"weight_sync_vs_gloo": best["raw"] / best["physarum"], "weight_sync_vs_gloo_flat": best["flat"] /
                best["physarum"], "weight_sync_GBps": gb / best["physarum"]}
-    emit({**figures, **delta_figures(work, args.delta_rounds)})
+    emit({**figures, **delta_figures(work, args.delta_rounds), **lora_figures(work, args.lora_rounds)})
     return 0
+
+
+def lora_figures(work: Path, rounds: int) -> dict:
+    """Full against adapter-only sync over the rate-limited link: a table, and the JSON figures (None where
+    skipped)."""
+    from bench import _lora_link
+
+    got = _lora_link.measure(work, rounds) if rounds > 0 else {"skipped": "--lora-rounds 0"}
+    if "skipped" in got:
+        print(f"\nLoRA against full sync skipped: {got['skipped']}\n", flush=True)
+        return {"lora_vs_full_sync": None}
+    full_s, lora_s = min(got["full_seconds"]), min(got["lora_seconds"])
+    print_table(f"weight sync of the Qwen3-0.6B shape in bf16, trainer -> 1 engine over a {_lora_link.LINK_RATE}/s "
+                f"link (best of {rounds})",
+                ["what is synced", "MB shipped", "seconds", "full time / time (goal >= 20)"],
+                [["full weights", got["full_bytes"] / 1e6, full_s, 1.0],
+                 [f"LoRA adapter, rank {_lora_link.RANK}, all 7 projections", got["lora_bytes"] / 1e6, lora_s,
+                  full_s / lora_s]])
+    return {"lora_vs_full_sync": full_s / lora_s, "lora_sync_seconds": lora_s, "lora_sync_bytes": got["lora_bytes"],
+            "lora_full_sync_seconds": full_s, "lora_full_sync_bytes": got["full_bytes"]}
 
 
 def delta_figures(work: Path, rounds: int) -> dict:
     """Full against delta sync over the rate-limited link: a table, and the JSON figures (None where skipped)."""
     from bench import _delta_link
 
-    got = _delta_link.measure(work, rounds)
+    got = _delta_link.measure(work, rounds) if rounds > 0 else {"skipped": "--delta-rounds 0"}
     if "skipped" in got:
         print(f"\ndelta against full sync skipped: {got['skipped']}\n", flush=True)
         return {"delta_vs_full_sync": None, "delta_changed_fraction": None}

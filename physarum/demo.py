@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from physarum import cputime, stack
@@ -28,8 +29,10 @@ from physarum.families import DEFAULT_FAMILY, FAMILIES
 EXAMPLES = Path("examples/demo")
 
 
-def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: int = 4) -> float:
-    """Held-out mean reward: greedy answers through the router, scored by the reward service."""
+def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: int = 4,
+             lora_path: str | None = None) -> float:
+    """Held-out mean reward: greedy answers through the router (with a LoRA job's adapter, `lora_path`), scored by
+    the reward service."""
     import httpx
     from tokenizers import Tokenizer
 
@@ -41,7 +44,7 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: in
 
     def answer(row: dict) -> Sample:
         body = {"input_ids": tokenizer.encode(row["input"], add_special_tokens=False).ids,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_response_len}}
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_response_len}, "lora_path": lora_path}
         reply = httpx.post(f"{state['router_url']}/generate", json=body, timeout=60.0).json()
         return Sample(prompt=row["input"], response=tokenizer.decode(reply["output_ids"]), label=row["label"])
 
@@ -52,8 +55,8 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, max_response_len: in
     return sum(s.reward for s in scores) / len(scores)
 
 
-def run_job(state: dict, job_file: Path, overrides: list[str]) -> list[dict]:
-    """Submit a job through the REST API, follow it with a progress bar, return its events."""
+def run_job(state: dict, job_file: Path, overrides: list[str]) -> tuple[str, list[dict]]:
+    """Submit a job through the REST API, follow it with a progress bar; its id and its events."""
     from services.trainer.api.client import JobsRestClient
 
     with JobsRestClient(state["trainer_url"]) as client:
@@ -61,11 +64,11 @@ def run_job(state: dict, job_file: Path, overrides: list[str]) -> list[dict]:
         job = follow(client, job["job_id"], job["num_rollout"])
         if job["state"] != "SUCCEEDED":
             raise SystemExit(f"demo: job {job['job_id']} {job['state']}: {job['error']}")
-        return client.events(job["job_id"])
+        return job["job_id"], client.events(job["job_id"])
 
 
 def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple[float, float, float],
-                out: Path) -> None:
+                out: Path, title: str = "Physarum demo: two-digit addition") -> None:
     """SFT loss, and GRPO's sampled train reward per rollout with the held-out (greedy) reward at its two ends."""
     import matplotlib
 
@@ -80,21 +83,54 @@ def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple
                label=f"held-out reward (greedy): {held_out[1]:.3f} after SFT, {held_out[2]:.3f} after GRPO")
     right.legend(loc="lower right", fontsize=8)
     right.set(title="GRPO", xlabel="rollout", ylabel="rollout/reward_mean", ylim=(0, 1.05))
-    fig.suptitle("Physarum demo: two-digit addition")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
 
-def backend_overrides(train_backend: str, tensor_model_parallel_size: int) -> list[str]:
+def train_and_measure(state: dict, evaluate_now: Callable[[], float], examples: Path,
+                      sets: tuple[list[str], list[str]], curve: Path, title: str = "Physarum demo: two-digit addition",
+                      evaluate_job: Callable[[str], float] | None = None) -> tuple[float, float, float]:
+    """Held-out reward before training, after the SFT warm-up (examples/sft.yaml) and after GRPO (examples/job.yaml),
+    each job run with its `--set` overrides; saves the curves to `curve` and prints the training's time.
+    `evaluate_job` measures after GRPO instead, given its job id (a LoRA job's adapter is served under it)."""
+    before = evaluate_now()
+    print(f"held-out reward before training: {before:.3f}", flush=True)
+    roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
+    train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
+    _, sft_events = run_job(state, examples / "sft.yaml", sets[0])
+    sft_s = time.monotonic() - train_start
+    after_sft = evaluate_now()  # the SFT job pushed its weights to the engines
+    print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
+    grpo_start = time.monotonic()
+    grpo_id, grpo_events = run_job(state, examples / "job.yaml", sets[1])
+    train_s = sft_s + time.monotonic() - grpo_start
+    train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
+    after = evaluate_now() if evaluate_job is None else evaluate_job(grpo_id)
+    plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
+                [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
+                (before, after_sft, after), curve, title)
+    # On a shared machine wall time counts other people's work too; CPU time / cores is what this demo costs.
+    cores = os.cpu_count() or 1
+    print(f"training took {train_s:.0f} s (SFT {sft_s:.0f} s, GRPO {train_s - sft_s:.0f} s), {train_cpu:.0f} CPU-s "
+          f"= {train_cpu / cores:.0f} s of all {cores} cores; reward curve: {curve}")
+    return before, after_sft, after
+
+
+def backend_overrides(train_backend: str, tensor_model_parallel_size: int,
+                      expert_model_parallel_size: int = 1) -> list[str]:
     """The `--set` overrides that put both demo jobs on `train_backend` (the job files keep the default), over
-    tensor_model_parallel_size ranks where the backend splits a model over ranks."""
+    tensor_model_parallel_size ranks where the backend splits a model over ranks, a MoE model's experts over
+    expert_model_parallel_size ranks where it spreads them."""
     from services.trainer.api.client import DEFAULT_TRAIN_BACKEND, backend_capabilities
 
     if train_backend == DEFAULT_TRAIN_BACKEND:
         return []
-    tensor_parallel = backend_capabilities(train_backend).tensor_parallel
+    capabilities = backend_capabilities(train_backend)
     return [f"train_backend={train_backend}",
-            *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if tensor_parallel else [])]
+            *([f"tensor_model_parallel_size={tensor_model_parallel_size}"] if capabilities.tensor_parallel else []),
+            *([f"expert_model_parallel_size={expert_model_parallel_size}"]
+              if capabilities.expert_parallel and expert_model_parallel_size > 1 else [])]
 
 
 def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets: list[str],
@@ -104,6 +140,12 @@ def job_overrides(backend_sets: list[str], seed: int, model_dir: Path, sft_sets:
     seeds = [f"seed={seed}", f"rollout_seed={seed}"]
     return ([*backend_sets, *seeds, f"hf_checkpoint={model_dir}", *sft_sets],
             [*backend_sets, *seeds, *grpo_sets])
+
+
+# `--lora`: the GRPO job trains a rank-16 adapter on every projection of the SFT model, with a learning rate an
+# adapter needs; the SFT warm-up stays full fine-tuning (an adapter adapts what a model knows, and the tiny model
+# starts from random weights: rank-16 adapters on it did not learn the task in the warm-up's 80 rollouts)
+LORA_GRPO_SETS = ["lora_rank=16", "lora_alpha=32", "lr=2.0e-3"]
 
 
 def refuse_unbuildable(model_dir: Path, train_backend: str) -> None:
@@ -131,24 +173,37 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads per trainer process (default: 2 on one rank, 1 each on several); 1 is "
                              "many times faster on a machine busy with other work (two threads wait on each other)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                        help="megatron: TP size (default: the trainer ranks)")
+                        help="megatron: TP size (default: the trainer ranks, 1 under expert parallelism)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="megatron, a MoE family: the experts spread over this many ranks (default: 1)")
     parser.add_argument("--model-family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
                         help=f"the tiny model's family (default: {DEFAULT_FAMILY})")
+    parser.add_argument("--lora", action="store_true",
+                        help="the GRPO job trains a LoRA adapter (rank 16) on the SFT model instead of the full "
+                             "weights; the engines serve it (make demo LORA=1)")
     add_device_flags(parser)
     args = parser.parse_args(argv)
     from services.trainer.api.client import backend_capabilities
 
+    if args.lora and not backend_capabilities(args.train_backend).lora:
+        raise SystemExit(f"demo: --lora: train_backend {args.train_backend} trains no LoRA adapters (fsdp does)")
+
     model_parallel = backend_capabilities(args.train_backend).tensor_parallel
     ranks = args.trainer_ranks or (2 if model_parallel else 1)
-    tp = args.tensor_model_parallel_size or ranks
+    ep = args.expert_model_parallel_size
+    tp = args.tensor_model_parallel_size or (ranks if ep == 1 else 1)
     if ranks < 1 or (model_parallel and ranks % tp):
         raise SystemExit(f"demo: --trainer-ranks {ranks} must be >= 1 and a multiple of the TP size {tp}")
-    backend_sets = backend_overrides(args.train_backend, tp)
+    if ep > 1 and (not model_parallel or ranks % (tp * ep)):
+        raise SystemExit(f"demo: --expert-model-parallel-size {ep} needs train_backend megatron and trainer ranks a "
+                         f"multiple of TP × EP ({tp} × {ep}), got {ranks}")
+    backend_sets = backend_overrides(args.train_backend, tp, ep)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
     model_dir, test_path = demo_model(args.seed, args.model_family)
     refuse_unbuildable(model_dir, args.train_backend)
-    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, args.set)
+    user_grpo = [*LORA_GRPO_SETS, *args.set] if args.lora else args.set
+    sft_sets, grpo_sets = job_overrides(backend_sets, args.seed, model_dir, args.sft_set, user_grpo)
     work_dir = DEMO_DIR / "stack"
     # the trainer's ranks share the machine's cores: one thread each when there are several
     trainer_threads = args.trainer_threads or (2 if ranks == 1 else 1)
@@ -157,28 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                                         trainer_device=args.device, engine_device=args.engine_device))
     try:
         print(f"stack up in {time.monotonic() - start:.0f} s; job API {state['trainer_url']}/docs; trainer: "
-              f"{args.train_backend}{f' TP={tp}' if model_parallel else ''} on {ranks} rank(s); model: tiny "
-              f"{args.model_family}", flush=True)
-        before = evaluate(state, model_dir, test_path)
-        print(f"held-out reward before training: {before:.3f}", flush=True)
-        roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
-        train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
-        sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
-        sft_s = time.monotonic() - train_start
-        after_sft = evaluate(state, model_dir, test_path)  # the SFT job pushed its weights to the engines
-        print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
-        grpo_start = time.monotonic()
-        grpo_events = run_job(state, EXAMPLES / "job.yaml", grpo_sets)
-        train_s = sft_s + time.monotonic() - grpo_start
-        train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
-        after = evaluate(state, model_dir, test_path)
-        plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
-                    [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
-                    (before, after_sft, after), DEMO_DIR / "reward_curve.png")
-        # On a shared machine wall time counts other people's work too; CPU time / cores is what this demo costs.
-        cores = os.cpu_count() or 1
-        print(f"training took {train_s:.0f} s (SFT {sft_s:.0f} s, GRPO {train_s - sft_s:.0f} s), {train_cpu:.0f} CPU-s "
-              f"= {train_cpu / cores:.0f} s of all {cores} cores; reward curve: {DEMO_DIR / 'reward_curve.png'}")
+              f"{args.train_backend}{f' TP={tp}' if model_parallel else ''}{f' EP={ep}' if ep > 1 else ''} on "
+              f"{ranks} rank(s); model: tiny "
+              f"{args.model_family}{'; GRPO trains a LoRA adapter (rank 16)' if args.lora else ''}", flush=True)
+        # a LoRA job's adapter is served under its job id, over the base it pushed (the SFT model)
+        lora_eval = (lambda job_id: evaluate(state, model_dir, test_path, lora_path=job_id)) if args.lora else None
+        before, after_sft, after = train_and_measure(state, lambda: evaluate(state, model_dir, test_path), EXAMPLES,
+                                                     (sft_sets, grpo_sets), DEMO_DIR / "reward_curve.png",
+                                                     evaluate_job=lora_eval)
     finally:
         stack.down(work_dir)
     print(f"demo: reward {before:.3f} -> {after_sft:.3f} (SFT) -> {after:.3f} (GRPO)")

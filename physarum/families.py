@@ -92,6 +92,18 @@ def glm4_moe_lite(**common: Any):
                              qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
 
 
+def glm_moe_dsa(**common: Any):
+    from transformers import GlmMoeDsaConfig
+
+    h, layers = common["hidden_size"], common["num_hidden_layers"]  # GLM-5: GLM-4.7-Flash's shape, sparse attention
+    return GlmMoeDsaConfig(**{**common, "num_key_value_heads": 4}, **_moe(h), intermediate_size=4 * h,
+                           n_routed_experts=4, n_shared_experts=1,
+                           mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), n_group=1, topk_group=1,
+                           q_lora_rank=h // 2, kv_lora_rank=h // 2, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                           v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=4,
+                           indexer_types=["full"] * layers, tie_word_embeddings=False)
+
+
 def minimax_m2(**common: Any):
     from transformers import MiniMaxM2Config
 
@@ -138,7 +150,7 @@ def qwen3_next(**common: Any):
 
 FAMILIES: dict[str, Callable[..., Any]] = {
     "qwen3": qwen3, "qwen2": qwen2, "llama": llama, "glm4": glm4, "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe,
-    "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "minimax_m2": minimax_m2,
+    "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "glm_moe_dsa": glm_moe_dsa, "minimax_m2": minimax_m2,
     "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "qwen3_next": qwen3_next,
 }
 

@@ -20,13 +20,17 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MERGE_SIZE = 2
-PATCH_SIZES = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # each family's vision patch (pixels per side)
-VLM_FAMILIES = tuple(PATCH_SIZES)
+PATCH_SIZES = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16, "qwen3_5_moe": 16}  # a vision patch's side, pixels
+VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # image-text-to-text families without a causal LM (both backends)
+# Qwen3.5, dense and MoE: natively multimodal, with a causal LM too (gated delta-net layers): a job with images
+# trains it whole
+QWEN3_5_VLMS = ("qwen3_5", "qwen3_5_moe")
 
 
 def build_tiny_vlm(out_dir: Path, corpus: list[str], *, family: str = "qwen2_5_vl", num_layers: int = 2,
                    hidden_size: int = 64, seed: int = 0) -> Path:
-    """Tokenizer, image processor and model of `family` (qwen2_5_vl or qwen3_vl) in one HF directory; returns it.
+    """Tokenizer, image processor and model of `family` (qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe) in one HF
+    directory; returns it.
     Skips the work when it is there. The processor resizes every image to between 4 and 16 merged patches."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
@@ -58,7 +62,7 @@ def build_tiny_vlm(out_dir: Path, corpus: list[str], *, family: str = "qwen2_5_v
 
 def _config(family: str, *, vocab_size: int, eos: int, ids: dict[str, int], hidden_size: int, num_layers: int,
             patch: int):
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLConfig
 
     heads = max(1, hidden_size // 16)
     text = {"vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
@@ -74,6 +78,21 @@ def _config(family: str, *, vocab_size: int, eos: int, ids: dict[str, int], hidd
         vision.update(window_size=2 * patch * MERGE_SIZE, fullatt_block_indexes=[1])
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens, eos_token_id=eos, pad_token_id=eos,
                                 bos_token_id=None)
+    if family in QWEN3_5_VLMS:  # gated delta-net layers and one full-attention layer; half of each head rotates
+        text.pop("rope_scaling")
+        head_dim = hidden_size // heads
+        text.update(layer_types=["linear_attention", "full_attention"][-num_layers:] if num_layers <= 2 else
+                    ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+                    linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                    linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": _mrope_section(head_dim // 2), "mrope_interleaved": True})
+        vision.update(num_position_embeddings=64)
+        if family == "qwen3_5_moe":  # 4 experts, 2 per token, and a shared expert
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                        shared_expert_intermediate_size=hidden_size)
+            return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=False)
+        return Qwen3_5Config(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=False)
     text.pop("rope_scaling")  # Qwen3-VL: interleaved multimodal rotary positions over the default rope
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
                                "mrope_section": _mrope_section(hidden_size // heads), "mrope_interleaved": True}

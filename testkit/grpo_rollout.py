@@ -25,6 +25,6 @@ def grpo_rollout(vocab_size: int, pad_token_id: int, rollout_id: int = 0) -> lis
         tokens = (tokens + (tokens >= pad_token_id).long()).tolist()
         log_probs = (-0.5 - torch.rand(response_len, generator=gen) * 3).tolist()
         samples.append(Sample(tokens=tokens, response_length=response_len, reward=float((i + rollout_id) % 3 == 0),
-                              rollout_log_probs=log_probs))
+                              rollout_log_probs=log_probs, group_index=i // 2))  # prompt i // 2
     samples[3].loss_mask = [1, 0] + [1] * (samples[3].response_length - 2)
     return samples

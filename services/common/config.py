@@ -141,8 +141,10 @@ def load_config(cls: type[T], service: str, argv: list[str] | None = None, descr
     for f in fields:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         help_text = f"{f.metadata.get('help', '')} (env {env_name(service, f.name)}; default: {default!r})"
+        # a boolean flag alone means true (SGLang's --enable-lora), or takes a value (--enable-lora false)
+        flag = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, help=help_text,
-                            metavar=f.name.upper())
+                            metavar=f.name.upper(), **flag)
     parsed = parser.parse_args(argv)
     unknown = unknown_variables(service, [f.name for f in fields])
     if unknown:

@@ -20,6 +20,11 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 FALLBACKS = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}  # newer path -> older one
 
 
+def lora_adapter_name(job_id: str) -> str:
+    """The name a LoRA job's adapter has on the engines (its requests' lora_path): the job's id."""
+    return job_id
+
+
 def _reply(url: str, path: str, reply: httpx.Response) -> Any:
     """The JSON (or text, or None) of a reply; NotFound on 404, FailedPrecondition on any other error status."""
     if reply.status_code == 404:
@@ -171,6 +176,23 @@ class SGLangClient(HttpClient):
         """slime's /pull_weights: the engine brings itself to target_version from the deltas in source_dir."""
         return self._post_checked("/pull_weights", {"source_dir": source_dir, "target_version": target_version},
                                   timeout_s)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
+        return self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
+
+    def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> dict:
+        return self._post_checked("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
+
+    def load_lora_adapter_from_distributed(self, lora_name: str, config: dict, names: list[str], dtypes: list[str],
+                                           shapes: list[list[int]], weight_version: str | None = None,
+                                           group_name: str = DEFAULT_GROUP_NAME,
+                                           timeout_s: float | None = None) -> dict:
+        """Physarum's adapter push (the CPU engine's): the engine receives the adapter's tensors over the group, one
+        broadcast each in `names`' order, and serves them as `lora_name` (PEFT's `config`)."""
+        body = {"lora_name": lora_name, "config": config, "names": names, "dtypes": dtypes, "shapes": shapes,
+                "group_name": group_name, "weight_version": weight_version}
+        return self._post_checked("/load_lora_adapter_from_distributed", body, timeout_s)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

@@ -27,6 +27,16 @@ class EngineConfig:
     fake_compute: bool = field(False, "no model and no torch: random tokens with SGLang's reply shapes, for control-"
                                "plane tests and benchmarks of many engines (weights: update_weights_from_disk only)")
 
+    enable_lora: bool = field(False, "serve LoRA adapters over the base model (SGLang's --enable-lora): "
+                              "/load_lora_adapter, /unload_lora_adapter, a request's lora_path")
+    max_loras_per_batch: int = field(8, "most distinct adapters in one batch, the base model (no adapter) counting "
+                                        "as one (SGLang's)")
+    max_lora_rank: int = field(0, "largest adapter rank accepted (0: any)")
+    lora_target_modules: list[str] = field([], "the Linear layers that can take an adapter, by name or dotted "
+                                               "suffix (empty or all: every Linear of the language model but "
+                                               "lm_head)")
+    lora_paths: list[str] = field([], "adapters to load at start: NAME=PATH or PATH (a PEFT adapter directory)")
+
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is required: --model-path DIR (a Hugging Face model directory)")
@@ -35,7 +45,7 @@ class EngineConfig:
                              f"got {self.model_path!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_batch_size", "num_threads"):
+        for name in ("max_batch_size", "num_threads", "max_loras_per_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -44,5 +54,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.per_token_delay_s < 0:
             raise ValueError(f"per_token_delay_s must be >= 0, got {self.per_token_delay_s}")
+        if self.max_lora_rank < 0:
+            raise ValueError(f"max_lora_rank must be >= 0, got {self.max_lora_rank}")
+        if (self.lora_paths or self.lora_target_modules) and not self.enable_lora:
+            raise ValueError("lora_paths and lora_target_modules need enable_lora (--enable-lora true)")
+        if self.enable_lora and self.fake_compute:
+            raise ValueError("enable_lora needs a model: fake_compute runs none")
         if self.weight_sync_timeout_s <= 0:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")

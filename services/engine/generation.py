@@ -6,11 +6,14 @@ HTTP (protocol.py, server.py) or of weight transfer (weights.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from pathlib import Path
 
 import torch
 
+from services.engine.lora import LoRAServing
 from services.engine.routing import RoutedExperts
 from services.engine.scheduler import (
     PAUSE_MODES,
@@ -29,11 +32,12 @@ log = logging.getLogger(__name__)
 
 
 def sample_next(logits: torch.Tensor, request: Request, rng: torch.Generator,
-                eos_ids: frozenset[int]) -> tuple[int, float]:
+                eos_ids: frozenset[int], never: torch.Tensor | None = None) -> tuple[int, float]:
     """The next token of `request` from its last-position logits [V], with log_softmax(logits / T) at that token.
 
     T is the request's temperature (1 when greedy at temperature 0), as SGLang reports it; top-k, top-p and min-p
-    only restrict which token may be drawn (SGLang's torch sampler).
+    only restrict which token may be drawn (SGLang's torch sampler), as do `never`'s ids (a vision-language model's
+    image placeholders, which stand for pixels: a response cannot carry an image).
     """
     p = request.params
     if request.generator is None and p.sampling_seed is not None:
@@ -52,10 +56,11 @@ def sample_next(logits: torch.Tensor, request: Request, rng: torch.Generator,
         logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
     temperature = 1.0 if p.temperature < 1e-6 else p.temperature
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    drawable = logprobs if never is None else logprobs.index_fill(0, never, float("-inf"))
     if p.greedy:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(drawable))
     else:
-        probs_sorted, order = torch.sort(logprobs.exp(), descending=True)
+        probs_sorted, order = torch.sort(drawable.exp(), descending=True)
         cumulative = torch.cumsum(probs_sorted, dim=0)
         if p.top_k > 0:
             probs_sorted[p.top_k:] = 0.0
@@ -77,7 +82,7 @@ def plain(request: Request) -> bool:
 
 
 def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Generator,
-                eos_ids: frozenset[int]) -> list[tuple[int, float]]:
+                eos_ids: frozenset[int], never: torch.Tensor | None = None) -> list[tuple[int, float]]:
     """sample_next for each row of logits [B, V]; the plain rows in one batch (same distribution, same log-probs)."""
     out: list[tuple[int, float] | None] = [None] * len(requests)
     rows = [i for i, r in enumerate(requests) if plain(r)]
@@ -86,15 +91,16 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Genera
                                      for i in rows], dtype=logits.dtype, device=logits.device)
         picked = logits[rows]
         logprobs = torch.log_softmax(picked / temperatures[:, None], dim=-1)
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(1)
+        drawable = logprobs if never is None else logprobs.index_fill(1, never, float("-inf"))
+        tokens = torch.multinomial(drawable.exp(), 1, generator=rng).squeeze(1)
         greedy = torch.tensor([requests[i].params.greedy for i in rows], device=logits.device)
-        tokens = torch.where(greedy, picked.argmax(dim=-1), tokens)
+        tokens = torch.where(greedy, drawable.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         for i, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
             out[i] = (token, logprob)
     for i, request in enumerate(requests):
         if out[i] is None:
-            out[i] = sample_next(logits[i], request, rng, eos_ids)
+            out[i] = sample_next(logits[i], request, rng, eos_ids, never)
     return out  # type: ignore[return-value]
 
 
@@ -103,11 +109,13 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    # a vision-language checkpoint whose family has no causal LM (Qwen2.5-VL, Qwen3-VL): with its vision tower, as
-    # the trainer builds it (a Qwen3.5 checkpoint is served as its language model, as the trainer trains it)
+    # a vision-language checkpoint with its vision tower, as the trainer builds it for a job with images: one whose
+    # family has no causal LM (Qwen2.5-VL, Qwen3-VL), or one whose family has both (Qwen3.5) when the directory
+    # holds its image processor (else it is served as its language model)
     config = AutoConfig.from_pretrained(model_path)
-    vision = getattr(config, "vision_config", None) is not None and \
+    vision = getattr(config, "vision_config", None) is not None and (
         config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or (Path(model_path) / "preprocessor_config.json").is_file())
     model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = model_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     model.requires_grad_(False)
@@ -136,6 +144,26 @@ class Engine(Scheduler):
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer used from two threads can fail "Already borrowed"
         self.rng = torch.Generator().manual_seed(seed)
         self.vision = vision
+        self.never_drawn = None if vision is None else torch.tensor(vision.placeholder_ids, dtype=torch.long)
+        self.lora: LoRAServing | None = None  # set by `serve_adapters`
+
+    def serve_adapters(self, lora: LoRAServing) -> None:
+        """Serve LoRA adapters: each request's lora_name picks its adapter (at most max_loras_per_batch a batch)."""
+        self.lora = lora
+        self.max_loras_per_batch = lora.max_loras_per_batch
+
+    def _weight_version_of(self, request: Request) -> str:
+        if request.lora_name is not None and self.lora is not None:
+            adapter = self.lora.adapters.get(request.lora_name)
+            if adapter is not None:
+                return adapter.weight_version
+        return self.weight_version
+
+    def _adapters(self, batch: list[Request]):
+        """The forward over `batch`'s rows with each row's adapter (nothing without LoRA serving)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.batch([r.lora_name for r in batch], self.model.device)
 
     def encode(self, text: str) -> list[int]:
         with self.tokenizer_lock:
@@ -159,7 +187,8 @@ class Engine(Scheduler):
         for request in requests:
             ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.model.device)
             extra = self._vision_inputs([request], ids, torch.ones_like(ids))
-            logits = self.model(input_ids=ids, use_cache=False, **extra).logits[0, :-1].float().cpu()
+            with self._adapters([request]):
+                logits = self.model(input_ids=ids, use_cache=False, **extra).logits[0, :-1].float().cpu()
             temperature = 1.0 if request.params.temperature < 1e-6 else request.params.temperature
             targets = torch.tensor(request.input_ids[1:], dtype=torch.long, device="cpu")
             scored = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
@@ -186,7 +215,7 @@ class Engine(Scheduler):
         input_ids, mask = input_ids.to(device), mask.to(device)
         extra = self._vision_inputs(batch, input_ids, mask)
         positions = extra.pop("position_ids") if extra else (mask.cumsum(-1) - 1).clamp(min=0)
-        with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured:
+        with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured, self._adapters(batch):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                              past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1,
                              **extra)
@@ -220,7 +249,8 @@ class Engine(Scheduler):
             next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long, device="cpu")
             done = []
             active = [row for row, request in enumerate(batch) if not request.finished]
-            drawn = sample_rows(logits[active], [batch[row] for row in active], self.rng, self.eos_ids)
+            drawn = sample_rows(logits[active], [batch[row] for row in active], self.rng, self.eos_ids,
+                                self.never_drawn)
             for row, (token, logprob) in zip(active, drawn, strict=True):
                 request = batch[row]
                 request.output_ids.append(token)
@@ -235,7 +265,8 @@ class Engine(Scheduler):
                 return True
             mask = torch.cat([mask, mask.new_ones((size, 1))], dim=1)
             positions = positions[..., -1:] + 1  # [B, 1], or [3, B, 1] for a VLM's multimodal rotary positions
-            with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured:
+            with self.routing.capture(any(r.return_routed_experts for r in batch)) as captured, \
+                    self._adapters(batch):
                 out = self.model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
                                  past_key_values=out.past_key_values, use_cache=True)
             for row, request in enumerate(batch):  # a finished row's last token was fed for nothing: not recorded

@@ -165,6 +165,7 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
     if not isinstance(rids, list) or len(rids) != size or not all(isinstance(r, str) for r in rids):
         raise InvalidArgument(f"rid must be a string for one prompt or a list of {size} strings, got {rids!r}")
     images = _per_prompt_images(body.get("image_data"), size, batched)
+    lora_names = _lora_names(body, size, engine)
     requests, return_logprob, listed = [], [], batched
     for i, prompt in enumerate(prompts):
         where = f"prompt {i}" if batched else "prompt"
@@ -188,7 +189,7 @@ def parse_generate(body: dict, engine: Scheduler) -> GenerateCall:
         for j in range(n):
             requests.append(Request(rid=rids[i] if n == 1 else f"{rids[i]}_{j}", input_ids=list(prompt),
                                     params=params, return_routed_experts=bool(routed_flags[i]),
-                                    logprob_start_len=start, images=prompt_images))
+                                    logprob_start_len=start, images=prompt_images, lora_name=lora_names[i]))
             return_logprob.append(bool(logprob_flags[i]))
     return GenerateCall(requests, return_logprob, listed)
 
@@ -203,6 +204,22 @@ def _per_prompt_images(image_data, size: int, batched: bool) -> list[list]:
     if not isinstance(image_data, list) or len(image_data) != size:
         raise InvalidArgument(f"image_data: a batch of {size} prompts needs a list of {size} entries, one per prompt")
     return [[] if item is None else item if isinstance(item, list) else [item] for item in image_data]
+
+
+def _lora_names(body: dict, size: int, engine: Scheduler) -> list[str | None]:
+    """SGLang's lora_path: one adapter name (or null: the base model) for every prompt, or a list with one each."""
+    names = _per_prompt(body, "lora_path", size, None)
+    if all(name is None for name in names):
+        return names
+    lora = getattr(engine, "lora", None)
+    if lora is None:
+        raise InvalidArgument("lora_path: the engine serves no LoRA adapters (start it with --enable-lora)")
+    for i, name in enumerate(names):
+        if name is not None and not isinstance(name, str):
+            raise InvalidArgument(f"lora_path: an adapter name or null per prompt, got {name!r}")
+        if name is not None:
+            lora.check_name(name, f"prompt {i}" if size > 1 else "prompt")
+    return names
 
 
 def _logprob_start_len(value, prompt_len: int, where: str) -> int:

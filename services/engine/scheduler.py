@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -75,6 +74,7 @@ class Request:
     logprob_start_len: int = -1
     input_logprobs: list[float | None] | None = None
     images: Any = None  # a prompt with images: what the engine's model reads of them (vision.PromptImages)
+    lora_name: str | None = None  # SGLang's lora_path: the loaded adapter it is generated with (None: the base)
     cached_tokens: int = 0  # leading input tokens computed before (SGLang's meta_info.cached_tokens)
 
     @property
@@ -108,6 +108,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.per_token_delay_s = per_token_delay_s  # added to every decode step (latency-controlled tests)
+        self.max_loras_per_batch = 0  # > 0 (LoRA serving): most distinct adapters in a batch, the base counting
         self.routes_experts = False  # whether it reports the experts an MoE model routed each token to
         self.vision: Any = None  # a vision-language model's image side (vision.Vision); None: it takes no images
         self.last_progress_s = time.monotonic()  # the last time any request got a token or finished
@@ -166,7 +167,8 @@ class Scheduler:
             if self.stopping:
                 raise Unavailable("engine is shutting down")
             for request in requests:
-                if not request.images:  # an image's tokens stand for pixels: their prefix is not comparable
+                # an image's tokens stand for pixels, an adapter's KV is not the base's: no comparable prefix
+                if not request.images and request.lora_name is None:
                     with self.prefix_lock:
                         request.cached_tokens = self.prefix_index.match(request.input_ids, self.weight_version)
                 if request.params.max_new_tokens == 0 and not request.scores_input:
@@ -184,6 +186,11 @@ class Scheduler:
             return 0
         with self.cond:
             return self._abort_locked(lambda r: abort_all or r.rid == rid or r.rid.startswith(f"{rid}_"), message)
+
+    def abort_adapter(self, lora_name: str, message: str) -> int:
+        """Finish every request generated with adapter `lora_name` as aborted (it is being unloaded)."""
+        with self.cond:
+            return self._abort_locked(lambda r: r.lora_name == lora_name, message)
 
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) request counts."""
@@ -207,9 +214,10 @@ class Scheduler:
         if request.text is None:
             request.text = self.decode(request.output_ids, request.params.skip_special_tokens)
         request.finish_reason = reason
-        request.weight_version = self.weight_version
+        request.weight_version = self._weight_version_of(request)
         computed = request.output_ids or request.scores_input  # else it finished before any prefill
-        if reason.get("type") != "abort" and computed and not request.images:  # the last output was never fed back
+        # the index holds the base model's sequences (an adapter's KV differs); the last output was never fed back
+        if reason.get("type") != "abort" and computed and not request.images and request.lora_name is None:
             with self.prefix_lock:
                 self.prefix_index.insert(request.input_ids + request.output_ids[:-1], self.weight_version)
         request.finished_s = self.last_progress_s = time.monotonic()
@@ -217,6 +225,10 @@ class Scheduler:
             request.on_finish(request)
         except Exception:  # a broken callback must not stop the scheduler
             log.exception("on_finish of request %s failed", request.rid)
+
+    def _weight_version_of(self, request: Request) -> str:
+        """The weight version `request` was generated with (an adapter's own, under LoRA serving)."""
+        return self.weight_version
 
     @staticmethod
     def _notify_token(request: Request) -> None:
@@ -280,7 +292,7 @@ class Scheduler:
                 self.cond.wait_for(lambda: self.stopping or self._can_start_batch())
                 if self.stopping:
                     return
-                batch = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch_size))]
+                batch = self._take([], self.max_batch_size, stop_at_scoring=False)
                 self.running = batch
             try:
                 todo = self._prefill_only(batch)
@@ -306,14 +318,33 @@ class Scheduler:
             if not self._can_start_batch() or len(active) >= self.max_batch_size:
                 return []
             # a request that scores its input starts a batch of its own (`_prefill_only`)
-            joining = list(itertools.islice(itertools.takewhile(lambda r: not r.scores_input, self.waiting),
-                                            self.max_batch_size - len(active)))
-            if not self._worth_joining(active, joining):
+            joining = self._take(active, self.max_batch_size - len(active), stop_at_scoring=True, dry_run=True)
+            if not joining or not self._worth_joining(active, joining):
                 return []
-            for _ in joining:
-                self.waiting.popleft()
+            for request in joining:
+                self.waiting.remove(request)
             self.running = active + joining
             return joining
+
+    def _take(self, batch: list[Request], limit: int, *, stop_at_scoring: bool, dry_run: bool = False
+              ) -> list[Request]:
+        """Up to `limit` waiting requests, in order, that may join `batch`: with max_loras_per_batch set, a request
+        whose adapter would be one too many waits for a later batch (those behind it may go first). Removed from
+        the queue unless `dry_run`."""
+        names = {r.lora_name for r in batch}
+        taken: list[Request] = []
+        for request in self.waiting:
+            if len(taken) >= limit or (stop_at_scoring and request.scores_input):
+                break
+            if self.max_loras_per_batch and request.lora_name not in names:
+                if len(names) >= self.max_loras_per_batch:
+                    continue
+                names.add(request.lora_name)
+            taken.append(request)
+        if not dry_run:
+            for request in taken:
+                self.waiting.remove(request)
+        return taken
 
     def _worth_joining(self, active: list[Request], joining: list[Request]) -> bool:
         """Whether `joining` should join the running rows `active` now rather than wait for the batch to end."""

@@ -83,9 +83,32 @@ class EngineState:
                         weight_version=self.config.weight_version,
                         per_token_delay_s=self.config.per_token_delay_s, vision=vision).start()
         self.updater = WeightUpdater(engine, self.config.weight_sync_timeout_s)
+        if self.config.enable_lora and not self._serve_adapters(engine, model):
+            return
         self.engine = engine
         log.info("model %s loaded in %.1f s (%d parameters, context %d)", self.model_path, time.monotonic() - start,
                  sum(p.numel() for p in model.parameters()), engine.context_len)
+
+    def _serve_adapters(self, engine, model) -> bool:
+        """--enable-lora: adapter layers on the model and the --lora-paths adapters loaded; False (load_error set)
+        when they cannot be."""
+        from services.engine.lora import LoRAServing, parse_lora_paths
+
+        config = self.config
+        try:
+            engine.serve_adapters(LoRAServing(model, max_loras_per_batch=config.max_loras_per_batch,
+                                              max_lora_rank=config.max_lora_rank,
+                                              target_modules=config.lora_target_modules))
+            for name, path in parse_lora_paths(config.lora_paths):
+                self.updater.load_lora_adapter(name, path)
+        except Exception as err:
+            self.load_error = f"LoRA: {type(err).__name__}: {err}"
+            log.exception("could not set up LoRA serving")
+            engine.stop()
+            return False
+        log.info("LoRA serving: %d target modules (%s), up to %d adapters a batch", len(engine.lora.layers),
+                 ", ".join(engine.lora.target_modules), config.max_loras_per_batch)
+        return True
 
     def ready(self) -> Scheduler:
         if self.engine is None:
@@ -155,21 +178,36 @@ def _required(body: dict, *keys: str) -> None:
         raise InvalidArgument(f"missing required field(s): {', '.join(missing)}")
 
 
-async def _update_call(fn: Callable[..., str | dict], **kwargs) -> JSONResponse:
-    """Run a weight-update call in a thread; SGLang's {"success", "message"}, HTTP 400 on failure."""
+async def _in_thread(fn: Callable[..., str | dict], **kwargs) -> tuple[str | dict | None, str | None]:
+    """fn(**kwargs) in a thread: (its result, None), or (None, the error's message), logged."""
     try:
-        message = await asyncio.to_thread(fn, **kwargs)
+        return await asyncio.to_thread(fn, **kwargs), None
     except Exception as err:
         expected = isinstance(err, (PhysarumError, ValueError))
         if expected:
             log.warning("%s failed: %s", fn.__name__, err)
         else:
             log.exception("%s failed", fn.__name__)
-        message = str(err) if expected else f"{type(err).__name__}: {err}"
-        return JSONResponse({"success": False, "message": message}, status_code=400)
+        return None, str(err) if expected else f"{type(err).__name__}: {err}"
+
+
+async def _update_call(fn: Callable[..., str | dict], **kwargs) -> JSONResponse:
+    """Run a weight-update call in a thread; SGLang's {"success", "message"}, HTTP 400 on failure."""
+    message, error = await _in_thread(fn, **kwargs)
+    if error is not None:
+        return JSONResponse({"success": False, "message": error}, status_code=400)
     if isinstance(message, dict):  # a call with more to say than a message (a delta's failed tensors)
         return JSONResponse({"success": True, "message": f"{fn.__name__} done", **message})
     return JSONResponse({"success": True, "message": message})
+
+
+async def _lora_call(fn: Callable[..., dict], **kwargs) -> JSONResponse:
+    """An adapter call in a thread; SGLang's LoRAUpdateResult: {"success", "error_message", "loaded_adapters"},
+    HTTP 400 on failure."""
+    result, error = await _in_thread(fn, **kwargs)
+    if error is not None:
+        return JSONResponse({"success": False, "error_message": error, "loaded_adapters": None}, status_code=400)
+    return JSONResponse({"success": True, "error_message": "", **result})
 
 
 def _updater_call(state: EngineState, name: str) -> Callable[..., str | dict]:
@@ -359,6 +397,36 @@ def create_app(state: EngineState) -> FastAPI:
         _required(body, "source_dir", "target_version")
         return await _update_call(_updater_call(state, "pull"), source_dir=str(body["source_dir"]),
                                   target_version=str(body["target_version"]))
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        """SGLang's: load PEFT's adapter directory lora_path as lora_name."""
+        state.ready()
+        body = await _body(request)
+        _required(body, "lora_name", "lora_path")
+        return await _lora_call(_updater_call(state, "load_lora_adapter"), lora_name=str(body["lora_name"]),
+                                lora_path=str(body["lora_path"]), pinned=bool(body.get("pinned", False)),
+                                weight_version=body.get("weight_version"))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        state.ready()
+        body = await _body(request)
+        _required(body, "lora_name")
+        return await _lora_call(_updater_call(state, "unload_lora_adapter"), lora_name=str(body["lora_name"]))
+
+    @app.post("/load_lora_adapter_from_distributed")
+    async def load_lora_adapter_from_distributed(request: Request) -> JSONResponse:
+        """Physarum's adapter push (a LoRA job's weight sync): receive the adapter's tensors over the weight-update
+        group and serve them as lora_name, replacing its earlier version."""
+        state.ready()
+        body = await _body(request)
+        _required(body, "lora_name", "config", "names", "dtypes", "shapes")
+        return await _lora_call(_updater_call(state, "load_lora_adapter_from_distributed"),
+                                lora_name=str(body["lora_name"]), config=body["config"], names=list(body["names"]),
+                                dtypes=list(body["dtypes"]), shapes=list(body["shapes"]),
+                                group_name=body.get("group_name") or DEFAULT_GROUP_NAME,
+                                weight_version=body.get("weight_version"))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:

@@ -23,11 +23,13 @@ from services.common.errors import DeadlineExceeded, FailedPrecondition, Invalid
 from services.engine import safetensors_io
 from services.engine.delta import apply_blob
 from services.engine.generation import Engine
+from services.engine.lora import AdapterConfig, LoRAServing, read_peft_dir
 from services.engine.pull import is_delta_store, plan, read_delta
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: adapters/<lora_name>/, PEFT's adapter directory each
 
 
 def init_custom_process_group(*, backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -58,7 +60,7 @@ class WeightUpdater:
         self.engine = engine
         self.timeout_s = timeout_s
         # HF checkpoint names of every parameter and persistent buffer; a tied lm_head.weight shares the embedding
-        self.params: dict[str, torch.Tensor] = engine.model.state_dict(keep_vars=True)
+        self.params: dict[str, torch.Tensor] = language_model_aliases(engine.model.state_dict(keep_vars=True))
         # the checkpoint's multi-token-prediction layers, as the trainer last sent them: SGLang loads them into its
         # speculative draft model; this engine decodes without one and keeps them aside (`_draft_layer`)
         self.draft: dict[str, torch.Tensor] = self._checkpoint_draft(Path(engine.model.name_or_path or "."))
@@ -138,14 +140,18 @@ class WeightUpdater:
         if abort_all_requests:
             self.engine.abort(abort_all=True, message="Abort by update_weights_from_distributed")
         with self.engine.exclusive(self.timeout_s), self._groups_locked():
-            group = self.groups.get(group_name)
-            if group is None:
-                raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
-            works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
-            for work in works:
-                work.wait()
+            self._receive(group_name, buffers)
             self._load(list(zip(names, buffers, strict=True)), weight_version, keys=keys)
         return "Succeeded to update parameter online."
+
+    def _receive(self, group_name: str, buffers: list[torch.Tensor]) -> None:
+        """One broadcast from rank 0 into each buffer, in order, under the caller's group lock."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise NotFound(f"weight update group {group_name!r} does not exist; call init_weights_update_group")
+        works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in buffers]
+        for work in works:
+            work.wait()
 
     def update_delta_from_distributed(self, *, num_bytes: int, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         """Receive one delta blob of `num_bytes` from rank 0 and apply it (`delta.apply_blob`): the tensors whose
@@ -208,6 +214,8 @@ class WeightUpdater:
         buffer, which then becomes the parameter's storage, as for a broadcast. A directory of published full
         snapshots and deltas (the pull transport's, as the rollout manager hands a joining engine) is pulled from
         to `weight_version` instead."""
+        if (Path(model_path) / ADAPTERS_DIR).is_dir() and not any(Path(model_path).glob("*.safetensors")):
+            return self._load_adapter_snapshot(Path(model_path), weight_version)
         if weight_version is not None and is_delta_store(model_path):
             reply = self.pull(model_path, str(weight_version))
             return f"Succeeded to update model weights from {model_path}: {', '.join(reply['steps']) or 'no step'}."
@@ -217,6 +225,23 @@ class WeightUpdater:
         with self.engine.exclusive(self.timeout_s):
             num_tensors = self._load_disk(headers, weight_version)
         return f"Succeeded to update model weights from {model_path} ({num_tensors} tensors)."
+
+    def _load_adapter_snapshot(self, path: Path, weight_version: str | None) -> str:
+        """A LoRA job's snapshot (what an engine joining later is handed): each PEFT directory under
+        path/adapters/<name>/ becomes adapter <name> at `weight_version`, replacing one of that name."""
+        lora = self._lora()
+        adapters = []
+        for directory in sorted(p for p in (path / ADAPTERS_DIR).iterdir() if p.is_dir()):
+            config, tensors = read_peft_dir(directory)
+            adapters.append(lora.build(directory.name, str(directory), config, tensors))
+        with self.engine.exclusive(self.timeout_s):
+            for adapter in adapters:
+                adapter.weight_version = str(weight_version) if weight_version is not None else \
+                    self.engine.weight_version
+                lora.add(adapter, replace=True)
+            if weight_version is not None:
+                self.engine.weight_version = str(weight_version)
+        return f"Succeeded to load LoRA adapters {', '.join(a.name for a in adapters)} from {path}."
 
     def _disk_headers(self, model_path: str | Path) -> list[tuple[Path, dict]]:
         """Each *.safetensors file of `model_path` with its header, checked against the model."""
@@ -276,6 +301,67 @@ class WeightUpdater:
                 raise InvalidArgument(f"parameter {name!r}: shape {list(shape)} does not match the model's "
                                       f"{list(param.shape)}")
 
+    # -- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter; the weight sync's adapter push) ----------
+
+    def _lora(self) -> LoRAServing:
+        if self.engine.lora is None:
+            raise FailedPrecondition("the engine serves no LoRA adapters: start it with --enable-lora")
+        return self.engine.lora
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
+                          weight_version: str | None = None) -> dict:
+        """Load PEFT's adapter directory `lora_path` as `lora_name` (a name already loaded is refused, as SGLang
+        does). `pinned` is accepted for SGLang's API: every adapter here stays loaded until unloaded."""
+        lora = self._lora()
+        config, tensors = read_peft_dir(lora_path)
+        adapter = lora.build(lora_name, str(lora_path), config, tensors)
+        adapter.weight_version = str(weight_version) if weight_version is not None else self.engine.weight_version
+        lora.add(adapter)
+        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules, %.2f MB)", lora_name, lora_path,
+                 config.rank, len(adapter.weights), adapter.num_bytes / 1e6)
+        return {"loaded_adapters": lora.loaded()}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unload `lora_name`: requests still generated with it end as aborted."""
+        lora = self._lora()
+        lora.get(lora_name)
+        self.engine.abort_adapter(lora_name, f"LoRA adapter {lora_name} unloaded")
+        with self.engine.exclusive(self.timeout_s):
+            lora.remove(lora_name)
+        log.info("LoRA adapter %s unloaded", lora_name)
+        return {"loaded_adapters": lora.loaded()}
+
+    def load_lora_adapter_from_distributed(self, *, lora_name: str, config: dict, names: list[str],
+                                           dtypes: list[str], shapes: list[list[int]],
+                                           group_name: str = DEFAULT_GROUP_NAME,
+                                           weight_version: str | None = None) -> dict:
+        """The weight sync of a LoRA job: receive the adapter's tensors (one broadcast each from rank 0, in `names`'
+        order) and serve them as `lora_name`, replacing its earlier version whole. `config` is PEFT's
+        adapter_config (r, lora_alpha, target_modules). Sets the adapter's weight_version and the engine's."""
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise InvalidArgument(f"names, dtypes and shapes must be non-empty and of one length: {len(names)}, "
+                                  f"{len(dtypes)}, {len(shapes)}")
+        # the tensors are received before anything else is checked: the trainer and the other engines are in the
+        # broadcast, which would hang on an engine that left it
+        nccl = self.backends.get(group_name) == "nccl"
+        device = self.engine.model.device if nccl else torch.device("cpu")
+        buffers = [torch.empty(tuple(int(d) for d in shape), dtype=_dtype(dtype), device=device)
+                   for dtype, shape in zip(dtypes, shapes, strict=True)]
+        with self._groups_locked():
+            self._receive(group_name, buffers)
+        lora = self._lora()
+        adapter_config = AdapterConfig.from_peft(config, f"LoRA adapter {lora_name!r} config")
+        adapter = lora.build(lora_name, "distributed", adapter_config, dict(zip(names, buffers, strict=True)))
+        with self.engine.exclusive(self.timeout_s):
+            adapter.weight_version = str(weight_version) if weight_version is not None else \
+                self.engine.weight_version
+            lora.add(adapter, replace=True)
+            if weight_version is not None:
+                self.engine.weight_version = str(weight_version)
+        log.info("LoRA adapter %s version %s received (%d tensors, %.2f MB)", lora_name, adapter.weight_version,
+                 len(names), adapter.num_bytes / 1e6)
+        return {"loaded_adapters": lora.loaded()}
+
     def _checkpoint_draft(self, model_dir: Path) -> dict[str, torch.Tensor]:
         """The draft (MTP) tensors of the checkpoint the model was loaded from, which transformers leaves out (a
         delta then has a base for them)."""
@@ -304,3 +390,14 @@ class WeightUpdater:
         if param is None:
             raise NotFound(f"unknown parameter {name!r}")
         return param.detach().flatten()[: max(int(truncate_size), 0)].tolist()
+
+
+LANGUAGE_MODEL = "model.language_model."
+
+
+def language_model_aliases(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language model's tensors also under its language model's causal-LM names (model.language_model.X as
+    model.X): a trainer that trains a Qwen3.5 checkpoint as text sends those to the engine serving it whole."""
+    aliases = {"model." + name.removeprefix(LANGUAGE_MODEL): param for name, param in params.items()
+               if name.startswith(LANGUAGE_MODEL)}
+    return {**{name: param for name, param in aliases.items() if name not in params}, **params}

@@ -20,6 +20,7 @@ Every other flag (algorithm, rollout function, hooks and plugins, eval settings)
 
 from __future__ import annotations
 
+import io
 import json
 import string
 from pathlib import Path
@@ -30,6 +31,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from physarum import tasks, tinymodel
+from services.trainer.models.families import language_model_config
 from services.trainer.slime_flags.megatron_flags import ARCH
 
 # Parallelism: the test's stack has one trainer rank and single-process CPU engines.
@@ -56,6 +58,8 @@ CONTEXT_LEN = 2048
 # Families whose checkpoints ship their own modeling code: a tiny one of transformers' family it is shaped as, plus
 # what it adds (MiMo: Qwen2 with multi-token-prediction layers under MiMo's names, testkit/mtp_checkpoints.py)
 REMOTE_CODE_FAMILIES = {"mimo": "qwen2"}
+# Vision-language stacks: the tiny vision-language model of a family (physarum/tinyvlm.py), with its vision tower
+VISION_LANGUAGE = {"qwen3_5_moe_vl": "qwen3_5_moe"}
 
 
 def build_tiny_model(out_dir: Path, family: str) -> Path:
@@ -65,6 +69,10 @@ def build_tiny_model(out_dir: Path, family: str) -> Path:
 
     from physarum.families import tiny_config
 
+    if family in VISION_LANGUAGE:
+        from physarum.tinyvlm import build_tiny_vlm
+
+        return build_tiny_vlm(out_dir, [*tasks.corpus(), string.printable], family=VISION_LANGUAGE[family])
     if (out_dir / "model.safetensors").exists():
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -94,8 +102,10 @@ def split_flags(argv: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def arch_values(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The tiny model's value of each architecture flag its config says (None: it does not say)."""
-    return {flag: arch.expected(hf_config) for flag, arch in ARCH.items()}
+    """The tiny model's value of each architecture flag its config says (None: it does not say); a multimodal
+    model's, its language model's (text_config), as the submit check reads them."""
+    config = {**language_model_config(hf_config), "model_type": hf_config.get("model_type")}
+    return {flag: arch.expected(config) for flag, arch in ARCH.items()}
 
 
 def tiny_argv(argv: list[str], *, model_dir: Path, work_dir: Path, rm_url: str = "") -> list[str]:
@@ -149,16 +159,28 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 def example_rows(rows: list[dict], argv: list[str]) -> list[dict]:
     """`rows` under the script's --input-key / --label-key, in the form its data has: chat messages for a
-    `messages` key (gsm8k's), a dict of ground-truth targets for a `reward_model` label (Search-R1's)."""
+    `messages` key (gsm8k's), a dict of ground-truth targets for a `reward_model` label (Search-R1's); under
+    --multimodal-keys an image per prompt, its PNG bytes in the image column and `<image>` in the prompt (geo3k's)."""
     given = dict(zip(argv, argv[1:], strict=False))
     input_key, label_key = given.get("--input-key", "input"), given.get("--label-key", "label")
+    image_key = json.loads(given.get("--multimodal-keys", "{}")).get("image")
     out = []
-    for row in rows:
-        prompt = [{"role": "user", "content": row["prompt"]}] if input_key == "messages" else row["prompt"]
+    for i, row in enumerate(rows):
+        text = f"<image>{row['prompt']}" if image_key else row["prompt"]
+        prompt = [{"role": "user", "content": text}] if input_key == "messages" else text
         label = {"ground_truth": {"target": [row["label"]]}, "style": "rule"} if label_key == "reward_model" \
             else row["label"]
-        out.append({input_key: prompt, label_key: label})
+        out.append({input_key: prompt, label_key: label, **({image_key: [_png(i)]} if image_key else {})})
     return out
+
+
+def _png(seed: int) -> bytes:
+    """A small solid image, its color by `seed`."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (40 + 8 * seed, 56), ((60 * seed) % 256, 120, 200)).save(out, format="PNG")
+    return out.getvalue()
 
 
 def write_eval_config(work_dir: Path) -> Path:

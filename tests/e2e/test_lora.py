@@ -1,17 +1,37 @@
-"""End to end: a LoRA job trains adapters through the local stack, and the engines end with the merged weights
-(W + alpha/r · B @ A) the trainer exports, since they do not serve adapters yet."""
+"""End to end: a LoRA job trains adapters through the local stack; the pool's engines are relaunched serving LoRA,
+each sync pushes the adapter alone, the rollouts are sampled with it (lora_path: the job's id), and the engines end
+serving the adapter over the untouched base model, their output equal to the merged model the trainer exports."""
 
 import json
 
+import httpx
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from services.common.sglang import SGLangClient
 from tests.e2e.test_loop import engine_urls, job_spec, run
 
+PROMPT = [5, 6, 7, 8, 9]
 
-def test_lora_job_trains_adapters_and_engines_serve_the_merged_weights(local_stack, tiny_model_dir, addition_task,
-                                                                        tmp_path):
+
+@torch.no_grad()
+def greedy(model_dir, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, tokens, logprobs = list(prompt), [], []
+    for _ in range(num_tokens):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        ids.append(token)
+    return tokens, logprobs
+
+
+def test_lora_job_syncs_only_its_adapter_and_the_engines_serve_it(local_stack, tiny_model_dir, addition_task,
+                                                                  tmp_path):
     train_path, _ = addition_task
     spec = job_spec(tiny_model_dir, train_path, job_id="e2e-lora", lr=1e-2, lora_rank=4, lora_alpha=8.0,
                     target_modules=["q_proj", "v_proj", "down_proj"], use_kl_loss=True, kl_loss_coef=0.01,
@@ -20,15 +40,25 @@ def test_lora_job_trains_adapters_and_engines_serve_the_merged_weights(local_sta
     assert job["state"] == "SUCCEEDED", job["error"]
     steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
     assert len(steps) == 2
-    # each rollout was sampled from the policy the trainer recomputes: rollout 1 from the merged weights of step 0
+    # each rollout was sampled from the policy the trainer recomputes: rollout 1 from the adapter of step 0
     assert all(m["train/train_rollout_logprob_abs_diff"] < 1e-3 for m in steps)
     assert json.loads((tmp_path / "final" / "adapter_config.json").read_text())["r"] == 4
+    adapter_bytes = (tmp_path / "final" / "adapter_model.safetensors").stat().st_size
+    assert all(m["perf/update_weights_bytes"] <= adapter_bytes for m in steps if "perf/update_weights_bytes" in m)
     merged = load_file(tmp_path / "final" / "merged" / "model.safetensors")
     base = load_file(tiny_model_dir / "model.safetensors")
     name = "model.layers.0.mlp.down_proj.weight"
     assert (merged[name] - base[name]).abs().max() > 1e-4  # the adapter moved the targeted layer
+    tokens, logprobs = greedy(tmp_path / "final" / "merged", PROMPT, 4)
     for url in engine_urls(local_stack):
         with SGLangClient(url) as engine:
+            assert engine.server_info()["enable_lora"] is True
             assert engine.model_info()["weight_version"] == "2"
+            # the base weights stay as loaded: only the adapter was synced
             got = engine.get_weights_by_name(name, truncate_size=64)
-            assert got == pytest.approx(merged[name].flatten()[:64].tolist(), abs=1e-6)
+            assert got == pytest.approx(base[name].flatten()[:64].tolist(), abs=0)
+        reply = httpx.post(f"{url}/generate", json={
+            "input_ids": PROMPT, "lora_path": "e2e-lora", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+        assert reply["output_ids"] == tokens and reply["meta_info"]["weight_version"] == "2"
+        assert [e[0] for e in reply["meta_info"]["output_token_logprobs"]] == pytest.approx(logprobs, abs=1e-4)

@@ -9,7 +9,8 @@ The scripts are megatron-typed (slime's default backend) and run on megatron, th
 builds here (Qwen2.5, Qwen3, Qwen3-MoE, GLM-4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next with their gated delta-net layers,
 and MiMo: a tiny Qwen2 with one MTP layer under MiMo's names, which run-mimo-7B-rl-eagle.sh trains beside the
 policy); a script whose family megatron refused, with a refusal that names fsdp, would run moved to fsdp as
-docs/slime.md's porting section says (ON_FSDP).
+docs/slime.md's porting section says (ON_FSDP). slime's geo3k VLM example runs on a tiny Qwen3.5-MoE with its vision
+tower (megatron's language model, transformers' tower), each prompt row an image.
 train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
 tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
 (slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
@@ -74,8 +75,10 @@ DENSE_LEFT_OUT = {
 # Refused on megatron for their family, whose refusal names fsdp: they run moved to it, as docs/slime.md's porting
 # section says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
 ON_FSDP: dict[str, str] = {}  # none left: megatron builds every example's family
-RUNS = {**{name: (EXAMPLES[name]["argv"], family(EXAMPLES[name]["argv"])) for name in EXAMPLES
-           if name not in REFUSED},
+# examples with images: their stack serves a tiny vision-language model of the family
+VISION_STACKS = {"geo3k_vlm_qwen3.5_35B_A3B": "qwen3_5_moe_vl"}
+RUNS = {**{name: (EXAMPLES[name]["argv"], VISION_STACKS.get(name, family(EXAMPLES[name]["argv"])))
+           for name in EXAMPLES if name not in REFUSED},
         **{name: (DENSE[name], model_type) for name, model_type in DENSE_RUNS.items()},
         **{name: (EXAMPLES[name]["argv"], model_type) for name, model_type in ON_FSDP.items()}}
 MEGATRON_ONLY = re.compile(r"slime_args: (.*): Megatron settings, which train_backend fsdp does not take; drop them")
@@ -162,7 +165,12 @@ def moved_to_fsdp(state: dict, argv: list[str], job: str) -> list[str]:
     return [token for flag, values in split_flags(argv) if flag not in drop for token in (f"--{flag}", *values)]
 
 
-@pytest.mark.parametrize("name", sorted(RUNS, key=lambda name: (RUNS[name][1], name)))  # one stack at a time
+# its own stack (a vision-language model, about two minutes): left out of make test-fast
+SLOW = {"geo3k_vlm_qwen3.5_35B_A3B"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
+                                  for name in sorted(RUNS, key=lambda name: (RUNS[name][1], name))])  # by stack
 def test_each_accepted_script_runs_two_rollouts_on_a_tiny_model_of_its_family(name, stack_of, tmp_path):
     script_argv, model_type = RUNS[name]
     state, model = stack_of(model_type)

@@ -27,8 +27,23 @@ FAMILY_LAYOUTS = {"qwen3_5": ("tp1", "tp1_padded", "tp2", "tp2_sp", "pp2", "cp2"
                   "qwen3_5_moe": ("tp2", "tp2_sp", "pp2", "ep2", "tp2_ep2", "tp2_etp2"),
                   "qwen3_next": ("tp2", "pp2", "ep2", "tp2_etp2", "cp2")}
 EXPORTED = {("qwen3_5", "tp2"), ("qwen3_5_moe", "tp2_ep2"), ("qwen3_next", "tp2")}  # HF exports the test reads
-RESUMED = {("qwen3_5_moe", "tp2_ep2")}  # a dist-checkpoint saved and resumed from
+RESUMED = {("qwen3_5_moe", "tp2_ep2")}  # a dist-checkpoint saved and resumed from; a Megatron-LM torch_dist read
 REPLAYED = ("qwen3_5_moe",)  # routed as the fsdp backend replays (its router is one transformers' Qwen routers)
+
+
+def save_torch_dist(gpt, root: Path) -> None:
+    """Collective: Megatron-LM's save of the model, {root}/release by dist_checkpointing.save and the latest file."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        (root / "release").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": gpt.sharded_state_dict(), "iteration": 0, "checkpoint_version": 3.0},
+                            str(root / "release"))
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text("release")
+    dist.barrier()
 
 
 def _metrics(backend, rollout) -> list[dict]:
@@ -58,6 +73,8 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
         backend.save_hf(save_dir)
     out = {"log_probs_before": before, "metrics": metrics, "log_probs_after": after}
     if ckpt_dir is not None:
+        torch_dist = ckpt_dir.with_name(ckpt_dir.name + "-torch-dist")  # Megatron-LM's save (slime's --load)
+        save_torch_dist(backend.gpt, torch_dist)
         world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
         iterations.save_checkpoint(ckpt_dir, 0, backend, world, lambda: iterations.TrainerState(
             rollout_id=0, job_id="gated-delta-net", world_size=world.world_size))
@@ -67,6 +84,10 @@ def layout_run(model_dir: Path, layout: str, save_dir: Path | None, ckpt_dir: Pa
         backend = build()
         iterations.load_checkpoint(ckpt_dir, backend, world)
         out["resumed_metrics"] = _metrics(backend, second)
+        backend.close()
+        backend = build()
+        backend.load_megatron_checkpoint(iterations.slime_checkpoint(torch_dist), "model")
+        out["torch_dist_log_probs"] = backend.compute_log_probs(rollout)
     backend.close()
     return out
 

@@ -4,7 +4,8 @@ tokens of both ranks' sequences dispatched all-to-all) against the HF forward; t
 over the two ranks with every expert on each (EP=1) and with two experts each (EP=2), trains two GRPO rollouts,
 saves an HF export and a dist-checkpoint, resumes from it, and reports what the test compares with TorchBackend (at
 tensor parallelism 1, and 2 with the two ranks one TP group); and
-one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay, at tensor parallelism 1 and 2."""
+one rollout at EP=2 with a load-balancing loss, and with each kind of routing replay, at tensor parallelism 1 and 2;
+and one under megatron-core's seq_aux_loss (PP=2) and global_aux_loss (EP=2)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,28 @@ def grpo_aux_loss(model_dir: Path, *, replay: bool = False) -> dict:
     return {"metrics": metrics, "log_probs_after": after}
 
 
+# megatron-core's other load-balancing losses -> the layout each runs in: seq_aux_loss at PP=2 (one data-parallel
+# rank, as the single-process fsdp reference), global_aux_loss at EP=2 (its token counts over both data-parallel ranks)
+LOAD_BALANCING_LAYOUTS = {"seq_aux_loss": {"pipeline_model_parallel_size": 2},
+                          "global_aux_loss": {"expert_model_parallel_size": 2}}
+# each step's 4 samples one padded micro-batch per data-parallel rank: seq_aux_loss sees rows, global_aux_loss one
+# micro-batch per rank (its running average over micro-batches stays out of the comparison)
+LOAD_BALANCING_CONFIG = {**GRPO_CONFIG, "micro_batch_size": 4, "moe_aux_loss_coeff": AUX_LOSS_COEFF}
+
+
+def grpo_load_balancing(model_dir: Path, kind: str) -> dict:
+    """One rollout under moe_router_load_balancing_type `kind`, in its LOAD_BALANCING_LAYOUTS layout."""
+    from services.trainer.backends.megatron.backend import MegatronBackend
+    from services.trainer.settings.train import TrainConfig
+
+    backend = MegatronBackend(model_dir, TrainConfig(**LOAD_BALANCING_CONFIG, moe_router_load_balancing_type=kind),
+                              pack_sequences=False, **LOAD_BALANCING_LAYOUTS[kind])
+    rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
+    metrics = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in backend.train_rollout(rollout)]
+    backend.close()
+    return {"metrics": metrics}
+
+
 def engine_routed(model_dir: Path, samples: list) -> list:
     """The samples with the experts an engine whose routers differ from the checkpoint's (Gaussian noise, fixed
     seed) routed each token to, as its return_routed_experts reports them."""
@@ -171,6 +194,7 @@ def run(rank: int, world_size: int, model_dir: Path, out_dir: Path) -> None:
                **{f"grpo_tp2_ep{ep}": grpo(model_dir, out_dir / f"tp2_ep{ep}", ep, tp=2) for ep in (1, 2)},
                "grpo_aux_loss": grpo_aux_loss(model_dir),
                "grpo_aux_loss_replayed": grpo_aux_loss(model_dir, replay=True),
+               **{f"grpo_{kind}": grpo_load_balancing(model_dir, kind) for kind in LOAD_BALANCING_LAYOUTS},
                **{setting: grpo_routing_replay(model_dir, setting)
                   for setting in ("use_rollout_routing_replay", "use_routing_replay")},
                # tensor parallelism 2: every expert on both ranks (EP=1), or two on each (EP=2, the EP group the TP one)

@@ -154,4 +154,4 @@ def test_an_agent_that_spawns_a_sub_agent_yields_a_trajectory_each_in_the_prompt
     sub = samples[1]
     assert sub.response_length == 3 and sub.loss_mask == [1, 1, 1]  # the sub-agent's turn: its prompt is its own
     assert sub.prompt.count("<|im_start|>user") == 1
-    assert fanned_out_groups(samples, cfg.n_samples_per_prompt) == [samples[0].group_index] * 4
+    assert fanned_out_groups(samples, cfg.n_samples_per_prompt) == [0] * 4  # one group of four rows

@@ -5,7 +5,8 @@ and without sequence parallelism), PP=2, EP=2, TP=2 × EP=2, expert TP=2 and con
 the gated delta-nets gather each sequence over the CP group), and a GRPO rollout's two steps (loss,
 grad norm, every metric) match TorchBackend's (fsdp) on the same model, as do Qwen3.5-MoE's at EP=2 under each kind
 of routing replay; the HF export holds TorchBackend's weights under transformers' names and loads into
-transformers; a backend resumed from a TP=2 × EP=2 dist-checkpoint trains as if never stopped.
+transformers; a backend resumed from a TP=2 × EP=2 dist-checkpoint trains as if never stopped, and one given the
+trained model's Megatron-LM torch_dist (slime's --load) holds its weights.
 
 One launch of tests/integration/megatron_gdn_worker.py serves the tests here."""
 
@@ -130,6 +131,13 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_as_if_never_stopped(res
     for got, want in zip(run["resumed_metrics"], run["second_metrics"], strict=True):
         for key in want:
             assert got[key] == pytest.approx(want[key], abs=1e-6, rel=1e-6), key
+
+
+@pytest.mark.parametrize(("family", "layout"), sorted(RESUMED))
+def test_megatron_lms_torch_dist_of_the_trained_model_loads_as_slimes_load(results, family, layout):
+    """megatron-core's gated delta-net saves its projections split into named parts (query, key, ..., alpha)."""
+    run = results[family][layout]
+    assert max_diff(run["torch_dist_log_probs"], run["log_probs_after"]) < 1e-6
 
 
 @pytest.mark.parametrize("setting", REPLAY_SETTINGS)

@@ -17,7 +17,12 @@ import torch
 
 from services.trainer.settings.train import TrainConfig
 from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
-from tests.integration.megatron_moe_worker import AUX_LOSS_COEFF, NUM_ROLLOUTS, engine_routed
+from tests.integration.megatron_moe_worker import (
+    AUX_LOSS_COEFF,
+    LOAD_BALANCING_CONFIG,
+    NUM_ROLLOUTS,
+    engine_routed,
+)
 from tests.integration.workers import run_worker
 
 
@@ -114,6 +119,44 @@ def test_the_load_balancing_loss_trains_the_router_as_the_torch_backend_does(res
         assert abs(w["train/grad_norm"] - p["train/grad_norm"]) > 1e-3, step  # the loss is not negligible
     assert max_diff(got["log_probs_after"], want_after) < 1e-4
     assert max_diff(want_after, plain_after) > 1e-3
+
+
+def test_the_sequence_load_balancing_loss_is_logged_and_trains_as_the_torch_backends(results, model_dir):
+    """Each step one padded micro-batch of 4 rows: megatron-core's seq_aux_loss (PP=2) reports and trains what the
+    fsdp backend's does, which differs from the micro-batch's aux_loss."""
+    from services.trainer.backends.fsdp.backend import TorchBackend
+
+    def torch_metrics(kind: str) -> list[dict]:
+        backend = TorchBackend(model_dir, TrainConfig(**LOAD_BALANCING_CONFIG, moe_router_load_balancing_type=kind),
+                               num_threads=1, pack_sequences=False)
+        rollout = grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0)
+        return backend.train_rollout(rollout)
+
+    want, whole = torch_metrics("seq_aux_loss"), torch_metrics("aux_loss")
+    got = results["grpo_seq_aux_loss"]["metrics"]
+    for step, (m, w, a) in enumerate(zip(got, want, whole, strict=True)):
+        assert m["train/moe_aux_loss"] == pytest.approx(w["train/moe_aux_loss"], abs=1e-5, rel=1e-5), step
+        assert m["train/grad_norm"] == pytest.approx(w["train/grad_norm"], rel=1e-4), step
+        assert abs(w["train/moe_aux_loss"] - a["train/moe_aux_loss"]) > 1e-3, step  # per row, not per micro-batch
+
+
+def test_the_global_load_balancing_loss_counts_tokens_over_the_data_parallel_ranks(results, model_dir):
+    """At EP=2 the two data-parallel ranks each run one micro-batch of the step: megatron-core's global_aux_loss
+    (summed over the ranks' shares) is Megatron's aux_loss of all the step's real tokens at once, from the HF
+    model's router logits (the first step's, before any update)."""
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.moe.load_balancing import load_balancing_loss
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rollout = grpo_rollout(model.config.vocab_size, model.config.pad_token_id, 0)
+    with torch.no_grad():
+        per_sample = [model(torch.tensor([s.tokens]), output_router_logits=True).router_logits
+                      for s in rollout[:LOAD_BALANCING_CONFIG["global_batch_size"]]]
+    layers = [torch.cat([logits[layer] for logits in per_sample]) for layer in range(len(per_sample[0]))]
+    want = load_balancing_loss(layers, top_k=model.config.num_experts_per_tok).item()
+    got = results["grpo_global_aux_loss"]["metrics"][0]["train/moe_aux_loss"]
+    assert got == pytest.approx(want, abs=1e-5, rel=1e-5)
 
 
 @pytest.mark.parametrize("setting", ["use_rollout_routing_replay", "use_routing_replay"])

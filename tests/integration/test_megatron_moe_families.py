@@ -13,7 +13,15 @@ the fsdp steps at TP=2 and PP=2.
 MiniMax-M2 (minimax_m2: q/k norms over the whole projection, cut over TP with the heads; half rotary; the expert bias
 on its MoE block) does the same in every layout but routing replay, which the fsdp backend does not do for it.
 
-One launch of tests/integration/megatron_moe_families_worker.py serves the tests here."""
+GLM-5 (glm_moe_dsa: DeepSeek-V3's attention and MoE with DeepSeek sparse attention, each query attending to the keys
+its indexer ranks best, fewer than the sequence) gives the HF log-probs and the fsdp steps at TP=2, PP=2 and EP=2, and
+its EP=2 export holds the indexer's weights under transformers' names.
+
+DeepSeek-V3 at TP=2 × EP=2 × expert TP 2 (four gloo ranks: each expert cut over the TP ranks, two on each EP rank)
+gives the HF log-probs, the fsdp steps and, in its HF export, the fsdp backend's weights.
+
+One launch of tests/integration/megatron_moe_families_worker.py serves the tests here, one of
+tests/integration/megatron_ep_etp_worker.py the four-rank one."""
 
 from __future__ import annotations
 
@@ -24,15 +32,26 @@ import pytest
 import torch
 
 from services.trainer.settings.train import TrainConfig
-from tests.integration.megatron_moe_families_worker import DENSE_LAYOUTS, EXPORTED, LAYOUTS, REPLAY_SETTINGS, REPLAYED
+from tests.integration.megatron_moe_families_worker import (
+    DENSE_LAYOUTS,
+    EXPORTED,
+    LAYOUTS,
+    REPLAY_SETTINGS,
+    REPLAYED,
+    SPARSE_LAYOUTS,
+)
 from tests.integration.megatron_moe_worker import engine_routed
 from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
 from tests.integration.workers import run_worker
 
 FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe", "minimax_m2")  # MoE, in every layout of LAYOUTS
 DENSE = ("glm4",)  # GLM-4: in DENSE_LAYOUTS
+SPARSE = ("glm_moe_dsa",)  # GLM-5: in SPARSE_LAYOUTS
 RUNS = [(family, layout) for family in FAMILIES for layout in LAYOUTS] + [
-    (family, layout) for family in DENSE for layout in DENSE_LAYOUTS]
+    (family, layout) for family in DENSE for layout in DENSE_LAYOUTS] + [
+    (family, layout) for family in SPARSE for layout in SPARSE_LAYOUTS]
+EXPORTS = [(family, layout) for family in FAMILIES for layout in EXPORTED] + [
+    (family, layout) for family in SPARSE for layout in SPARSE_LAYOUTS if layout in EXPORTED]
 
 
 def _varied(family_dir: Path, out: Path, family: str) -> Path:
@@ -66,7 +85,7 @@ def _varied(family_dir: Path, out: Path, family: str) -> Path:
 @pytest.fixture(scope="module")
 def model_dirs(family_model_dir, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("moe-family-models")
-    return {family: _varied(family_model_dir(family), out, family) for family in (*FAMILIES, *DENSE)}
+    return {family: _varied(family_model_dir(family), out, family) for family in (*FAMILIES, *DENSE, *SPARSE)}
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +143,7 @@ def test_log_probs_and_grpo_steps_match_the_hf_model_on_torch_backend(results, t
     assert max_diff(run["log_probs_after"], want["log_probs_after"]) < 1e-4
 
 
-@pytest.mark.parametrize("layout", EXPORTED)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "layout"), EXPORTS)
 def test_the_expert_parallel_export_holds_the_torch_backend_weights_under_transformers_names(results, torch_reference,
                                                                                            family, layout):
     from safetensors.torch import load_file
@@ -142,6 +160,29 @@ def test_the_expert_parallel_export_holds_the_torch_backend_weights_under_transf
     state = {**reloaded.state_dict(), **dict(reloaded.named_buffers())}
     for name, weight in saved.items():
         assert torch.equal(state[name], weight), name
+
+
+@pytest.fixture(scope="module")
+def ep_etp_results(model_dirs, tmp_path_factory) -> dict:
+    """DeepSeek-V3 at TP=2 × EP=2 × expert TP 2 over four gloo ranks (tests/integration/megatron_ep_etp_worker.py)."""
+    out = tmp_path_factory.mktemp("megatron-ep-etp")
+    run_worker("tests.integration.megatron_ep_etp_worker", str(out), str(model_dirs["deepseek_v3"]),
+               log_path=out / "worker.log", timeout_s=600)
+    return {**json.loads((out / "results.json").read_text()), "out": out}
+
+
+def test_expert_parallelism_and_expert_tensor_parallelism_together_train_as_the_torch_backend(ep_etp_results,
+                                                                                             torch_reference):
+    from safetensors.torch import load_file
+
+    want = torch_reference["deepseek_v3"]
+    assert max_diff(ep_etp_results["log_probs_before"], want["log_probs_before"]) <= 1e-5
+    _assert_steps_match(ep_etp_results["metrics"], want["metrics"])
+    assert max_diff(ep_etp_results["log_probs_after"], want["log_probs_after"]) < 1e-4
+    saved = load_file(ep_etp_results["out"] / "export" / "model.safetensors")
+    assert saved.keys() == want["weights"].keys()
+    for name, weight in want["weights"].items():
+        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("setting", REPLAY_SETTINGS)

@@ -190,18 +190,22 @@ def test_a_fanned_out_prompt_is_normalized_over_its_own_trajectories():
     from services.trainer.algorithms.advantages import normalize_rewards_by_group, post_process_rewards
     from services.trainer.step.rl_step import fanned_out_groups
 
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    samples = [Sample(group_index=g) for g in (7, 7, 9, 7)]
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5])
+    samples = [Sample(group_index=g) for g in (7, 7, 7, 9)]
     ids = fanned_out_groups(samples, 2)
-    assert ids == [7, 7, 9, 7]
+    assert ids == [0, 0, 0, 1]
     std = (1 / 3) ** 0.5
-    expected = torch.tensor([(2 / 3) / std, (-1 / 3) / std, 0.0, (-1 / 3) / std])
+    expected = torch.tensor([(2 / 3) / std, (-1 / 3) / std, (-1 / 3) / std, 0.0])
     got = post_process_rewards(rewards, advantage_estimator="grpo", n_samples_per_prompt=2, group_ids=ids)
     assert torch.allclose(got, expected, atol=1e-5)
-    # rows cut every n would have paired trajectories of different prompts: [1, 0] and [0.5, 0]
+    # rows cut every n would have paired trajectories of different prompts: [1, 0] and [0, 0.5]
     assert not torch.allclose(got, normalize_group_rewards(rewards, n_samples_per_prompt=2), atol=1e-3)
     centred = normalize_rewards_by_group(rewards, ids, std_normalization=False)
-    assert torch.allclose(centred, torch.tensor([2 / 3, -1 / 3, 0.0, -1 / 3]), atol=1e-6)
+    assert torch.allclose(centred, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0]), atol=1e-6)
     assert fanned_out_groups([Sample(group_index=g) for g in (1, 1, 2, 2)], 2) is None  # slime's reshape is the same
+    # one prompt in two epochs of a rollout: two groups of n, not one of 2n
+    assert fanned_out_groups([Sample(group_index=g, index=i % 2) for i, g in enumerate((3, 3, 4, 4, 3, 3))], 2) is None
+    # samples built by hand, with no grouping: cut every n
+    assert fanned_out_groups([Sample(reward=r) for r in (1.0, 0.0, 0.0, 1.0)], 2) is None
     with pytest.raises(ValueError, match="3 group ids for 4 rewards"):
         normalize_rewards_by_group(rewards, [1, 1, 2])

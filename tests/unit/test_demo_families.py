@@ -11,7 +11,6 @@ import pytest
 from physarum.cli import load_job_file
 from physarum.demo import EXAMPLES, job_overrides, refuse_unbuildable
 from physarum.demo_model import model_name
-from physarum.families import tiny_config
 
 
 def test_each_family_and_seed_has_its_own_model_directory():
@@ -20,10 +19,15 @@ def test_each_family_and_seed_has_its_own_model_directory():
 
 
 def test_a_family_megatron_cannot_build_stops_the_demo_naming_fsdp(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen3_5", vocab_size=40, eos_id=0).to_dict()))
+    # every demo family builds on megatron now: OLMo-2 (no megatron model here) stands for one that does not
+    from transformers import Olmo2Config
+
+    config = Olmo2Config(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     refuse_unbuildable(tmp_path, "fsdp")
     with pytest.raises(SystemExit, match="demo: hf_checkpoint: train_backend megatron cannot build model family "
-                                         "'qwen3_5'.*; train_backend fsdp trains it"):
+                                         "'olmo2'.*; train_backend fsdp trains it"):
         refuse_unbuildable(tmp_path, "megatron")
 
 

@@ -169,6 +169,13 @@ def test_lora_on_megatron_is_refused_at_submit_naming_fsdp():
         parse_spec({**BASE_SPEC, "lora_rank": 8, "target_modules": ["lm_head"]})
 
 
+def test_lora_refuses_the_sync_paths_its_adapter_does_not_take():
+    for key, value in (("weight_sync_backend", "disk"), ("update_weight_mode", "delta")):
+        with pytest.raises(InvalidArgument, match="lora_rank: the adapter .* syncs whole over the weight-update "
+                                                  "group"):
+            parse_spec({**BASE_SPEC, "lora_rank": 8, key: value, "update_weight_disk_dir": "/shared"})
+
+
 def test_slime_style_lora_flags_set_the_spec_keys():
     argv = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-dropout", "0.05", "--target-modules", "q_proj,k_proj",
             "v_proj"]

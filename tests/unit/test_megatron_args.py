@@ -77,3 +77,18 @@ def test_the_backend_checks_the_section_before_joining_any_process_group():
 
     with pytest.raises(InvalidArgument, match="megatron.num_layers"):
         MegatronBackend("/nonexistent", TrainConfig(), megatron_args={"num_layers": 4})
+
+
+def test_make_vocab_size_divisible_by_sets_the_padded_vocab_as_megatron_lm_does():
+    split = args.split({"make_vocab_size_divisible_by": 64})
+    assert (split.model, split.transformer, split.vocab_size_divisible_by) == (
+        {"make_vocab_size_divisible_by": 64}, {}, 64)
+    assert args.split(None).vocab_size_divisible_by == 128
+    import dataclasses
+
+    # vocab 300: the next multiple of 128 × TP 2 is 512, of 64 × TP 2 is 384
+    assert ARCH.padded_vocab_size(2) == 512
+    assert dataclasses.replace(ARCH, vocab_size_divisible_by=64).padded_vocab_size(2) == 384
+    for bad in (0, "64", 6.4):
+        with pytest.raises(InvalidArgument, match="megatron.make_vocab_size_divisible_by: expected"):
+            args.split({"make_vocab_size_divisible_by": bad})

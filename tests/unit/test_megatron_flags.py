@@ -191,15 +191,33 @@ def test_yarn_pre_softmax_shared_expert_gate_and_glm47_flash_routing_are_checked
     assert check_arch("add-qkv-bias", True, flash) == ""  # MLA's projections have no bias whatever the flag says
 
 
-@pytest.mark.parametrize(("coeff", "refused"), [("0", False), ("0.001", True)])
-def test_seq_and_global_aux_loss_run_as_none_without_a_weight_and_are_refused_with_one(coeff, refused):
+@pytest.mark.parametrize(("coeff", "kept"), [("0", False), ("0.001", True)])
+def test_seq_and_global_aux_loss_run_as_none_without_a_weight_and_as_themselves_with_one(coeff, kept):
     for kind in ("seq_aux_loss", "global_aux_loss"):
         conv = slime_args.convert(["--moe-router-load-balancing-type", kind, "--moe-aux-loss-coeff", coeff],
                                   spec_keys=SPEC_KEYS, check_architecture=False)
-        if refused:
-            assert conv.refused == [f"--moe-router-load-balancing-type {kind}: the backends add Megatron's aux_loss "
-                                    "only (per micro-batch); set --moe-router-load-balancing-type aux_loss or "
-                                    "--moe-aux-loss-coeff 0"]
-            assert "moe_router_load_balancing_type" not in conv.spec
-        else:
-            assert conv.refused == [] and conv.spec["moe_router_load_balancing_type"] == "none"
+        assert conv.refused == []
+        assert conv.spec["moe_router_load_balancing_type"] == (kind if kept else "none")
+
+
+def test_make_vocab_size_divisible_by_goes_to_the_megatron_section():
+    conv = slime_args.convert(["--make-vocab-size-divisible-by", "64"], spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.megatron == {"make_vocab_size_divisible_by": 64} and conv.refused == []
+
+
+def test_glm5_sparse_attention_flags_are_checked_against_its_config():
+    from physarum.families import tiny_config
+
+    glm5 = tiny_config("glm_moe_dsa", vocab_size=40, eos_id=0, hidden_size=64).to_dict()
+    for flag, value in (("experimental-attention-variant", "dsa"), ("dsa-indexer-n-heads", 8),
+                        ("dsa-indexer-head-dim", 16), ("dsa-indexer-topk", 4), ("multi-latent-attention", True),
+                        ("moe-router-score-function", "sigmoid"), ("moe-router-enable-expert-bias", True)):
+        assert check_arch(flag, value, glm5) == "", flag
+    assert check_arch("dsa-indexer-topk", 2048, glm5).startswith("--dsa-indexer-topk 2048 disagrees with "
+                                                                 "hf_checkpoint's config.json (4)")
+    qwen3 = tiny_config("qwen3", vocab_size=40, eos_id=0, hidden_size=64).to_dict()
+    assert check_arch("experimental-attention-variant", "dsa", qwen3).startswith(
+        "--experimental-attention-variant dsa disagrees with hf_checkpoint's config.json (none)")
+    conv = slime_args.convert(["--dsa-indexer-loss-coeff", "0.001", "--dsa-indexer-use-sparse-loss"],
+                              spec_keys=SPEC_KEYS, check_architecture=False)
+    assert conv.megatron == {"dsa_indexer_loss_coeff": 0.001, "dsa_indexer_use_sparse_loss": True}

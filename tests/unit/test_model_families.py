@@ -16,11 +16,12 @@ from services.trainer.backends import capabilities
 from services.trainer.models import families
 
 MEGATRON_BUILDS = {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm4",
-                   "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+                   "minimax_m2", "glm_moe_dsa", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
 MEGATRON_REFUSAL = ("hf_checkpoint: train_backend megatron cannot build model family '{family}': model_type "
                     "'{model_type}' is not supported (supported: qwen2, mimo, qwen3, qwen3_moe, llama, glm4, glm4_moe, "
-                    "minimax_m2, deepseek_v3, glm4_moe_lite, qwen3_next, qwen3_5, qwen3_5_moe); train_backend fsdp "
-                    "trains it")
+                    "minimax_m2, deepseek_v3, glm4_moe_lite, glm_moe_dsa, qwen3_next, qwen3_5, qwen3_5_moe, "
+                    "qwen2_5_vl, qwen3_vl); train_backend fsdp trains it")
+
 
 
 def config_of(family: str) -> dict:
@@ -95,6 +96,29 @@ def test_a_deepseek_v3_variant_megatron_core_routes_or_attends_otherwise_is_refu
         preflight(parse_spec(job({**config_of("deepseek_v3"), **change}, "megatron")))
 
 
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"indexer_types": ["full", "shared"]},
+     "glm_moe_dsa indexer_types 'shared' \\(layers \\[1\\] reuse an earlier layer's top-k\\): megatron-core "
+     "0.16.1's DSAttention runs every layer's own"),
+    ({"indexer_types": None, "index_topk_freq": 2, "index_skip_topk_offset": 1},
+     "indexer_types 'shared' \\(layers \\[1\\]"),  # GLM-5's config.json spelling of the same, read as transformers does
+    ({"index_head_dim": 24}, "index_head_dim 24: megatron-core's indexer Hadamard-rotates"),
+])
+def test_a_glm5_variant_megatron_core_cannot_sparsely_attend_is_refused_naming_the_field(job, change, reason):
+    config = {key: value for key, value in {**config_of("glm_moe_dsa"), **change}.items() if value is not None}
+    with pytest.raises(InvalidArgument, match=reason):
+        preflight(parse_spec(job(config, "megatron")))
+
+
+def test_a_glm5_config_json_reads_transformers_defaults():
+    from services.trainer.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config({"model_type": "glm_moe_dsa", "num_hidden_layers": 5, "vocab_size": 100})
+    assert arch.moe_layers == (False, False, False, True, True)  # first_k_dense_replace 3
+    assert (arch.dsa.index_n_heads, arch.dsa.index_head_dim, arch.dsa.index_topk) == (32, 128, 2048)
+    assert arch.moe_router_topk_scaling_factor == 2.5 and arch.moe_router_score_function == "sigmoid"
+
+
 def test_an_mla_layout_is_checked_against_the_latent_ranks(job):
     with pytest.raises(InvalidArgument, match="tensor_model_parallel_size 3 must divide num_attention_heads 4"):
         preflight(parse_spec({**job(config_of("glm4_moe_lite"), "megatron"), "tensor_model_parallel_size": 3}))
@@ -142,21 +166,32 @@ def test_a_multimodal_checkpoint_is_named_by_its_family_and_read_by_its_text_con
     assert capabilities.backends_for(config_of("llama")) == ["fsdp", "megatron"]
 
 
-def test_expert_tensor_parallelism_is_the_tensor_parallel_size_without_expert_parallelism(job):
+def test_expert_tensor_parallelism_is_the_tensor_parallel_size_with_or_without_expert_parallelism(job):
     """Each expert cut over the TP ranks (megatron-core's expert_tensor_parallel_size), from the spec or slime's
     flag."""
     deepseek = job(config_of("deepseek_v3"), "megatron")
     spec = preflight(parse_spec({**deepseek, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2}))
     assert spec.expert_tensor_parallel_size == 2
-    for layout in ({"expert_tensor_parallel_size": 2},
-                   {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2,
-                    "expert_model_parallel_size": 2}):
-        with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size 2: the megatron backend cuts each "
-                                                  "expert over the tensor-parallel ranks"):
-            preflight(parse_spec({**deepseek, **layout}))
+    both = {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2}
+    assert preflight(parse_spec({**deepseek, **both})).expert_model_parallel_size == 2
+    with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size 2: the megatron backend cuts each "
+                                              "expert over the tensor-parallel ranks"):
+        preflight(parse_spec({**deepseek, "expert_tensor_parallel_size": 2}))
     with pytest.raises(InvalidArgument, match="expert_tensor_parallel_size: train_backend fsdp cannot run"):
         parse_spec({**job(config_of("deepseek_v3"), "fsdp"), "expert_tensor_parallel_size": 2})
     slime = {"slime_args": ["--hf-checkpoint", deepseek["hf_checkpoint"], "--prompt-data", deepseek["prompt_data"],
                             "--num-rollout", "1", "--rollout-batch-size", "1", "--tensor-model-parallel-size", "2",
                             "--expert-tensor-parallel-size", "2", "--rollout-max-response-len", "32"]}
     assert preflight(parse_spec(slime)).expert_tensor_parallel_size == 2
+
+
+def test_global_aux_loss_is_refused_on_fsdp_at_submit_and_taken_by_megatron(job):
+    weighted = {"moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "global_aux_loss"}
+    with pytest.raises(InvalidArgument, match="moe_router_load_balancing_type global_aux_loss: train_backend fsdp adds "
+                                              "aux_loss or seq_aux_loss; global_aux_loss is megatron-core's"):
+        preflight(parse_spec({**job(config_of("qwen3_moe"), "fsdp"), **weighted}))
+    spec = parse_spec({**job(config_of("qwen3_moe"), "megatron"), **weighted})
+    assert preflight(spec) is spec
+    seq = parse_spec({**job(config_of("qwen3_moe"), "fsdp"), **weighted,
+                      "moe_router_load_balancing_type": "seq_aux_loss"})
+    assert preflight(seq) is seq

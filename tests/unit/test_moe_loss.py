@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from services.trainer.backends.fsdp.backend import TorchBackend
-from services.trainer.moe.load_balancing import load_balancing_loss
+from services.trainer.moe.load_balancing import (
+    global_load_balancing_loss,
+    load_balancing_loss,
+    sequence_load_balancing_loss,
+)
 from services.trainer.settings.train import TrainConfig
 from tests.tiny_samples import samples_of
 
@@ -29,6 +33,26 @@ def test_an_even_routing_costs_one_per_layer_and_a_skewed_one_more():
     # k = 2 of three experts, one token with probabilities (3, 1, 1) / 5 (logits ln 3, 0, 0) to expert 0 and one of
     # the tied others: P = (.6, .2, .2), c = (1, 1, 0) or (1, 0, 1): 3 / (2 · 1) · .8 = 1.2 either way.
     assert load_balancing_loss([torch.tensor([[LN3, 0.0, 0.0]])], top_k=2).item() == pytest.approx(1.2, abs=1e-6)
+
+
+def test_the_sequence_and_global_losses_on_a_hand_worked_routing():
+    # k = 1, two experts; tokens t1 = t3 = (.75, .25) -> expert 0, t2 = (.25, .75) -> expert 1.
+    t1, t2 = [LN3, 0.0], [0.0, LN3]
+    # seq_aux_loss, rows (t1, t2) and (t3, pad): T̄ = 3 real tokens / 2 rows = 1.5; row 0 P = (1, 1), c = (1, 1):
+    # Σ P c = 2; row 1 P = (.75, .25), c = (1, 0): .75; 2 / (1 · 1.5²) · 2.75 / 2 rows = 11 / 9. The pad's logits
+    # (expert 1's) weigh nothing.
+    rows = torch.tensor([[t1, t2], [t1, [0.0, 9.0]]])
+    valid = torch.tensor([[True, True], [True, False]])
+    assert sequence_load_balancing_loss([rows], valid, top_k=1).item() == pytest.approx(11 / 9, abs=1e-6)
+    assert sequence_load_balancing_loss([rows, rows], valid, top_k=1).item() == pytest.approx(22 / 9, abs=1e-6)
+    # one row of all three is the micro-batch's aux_loss: P = (1.75, 1.25), c = (2, 1): 2 / 9 · 4.75
+    whole = torch.tensor([[t1, t2, t1]])
+    assert sequence_load_balancing_loss([whole], torch.ones(1, 3, dtype=torch.bool), top_k=1).item() == \
+        pytest.approx(9.5 / 9, abs=1e-6) == load_balancing_loss([whole[0]], top_k=1).item()
+    # global_aux_loss, micro-batches (t1, t2) then (t3): the first 2 / 4 · (1·1 + 1·1) = 1; the second weighs
+    # P = (.75, .25) by the mean counts ((1, 1) + (1, 0)) / 2 = (1, .5) over T = 1: 2 · (.75 + .125) = 1.75
+    first, second = global_load_balancing_loss([[torch.tensor([t1, t2])], [torch.tensor([t1])]], top_k=1)
+    assert (first.item(), second.item()) == pytest.approx((1.0, 1.75), abs=1e-6)
 
 
 def test_a_sigmoid_router_weighs_its_scores_normalized_over_the_experts():

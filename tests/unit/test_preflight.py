@@ -285,14 +285,17 @@ def test_a_job_whose_prompts_and_responses_exceed_the_models_context_is_refused_
 
 
 def test_multimodal_keys_need_a_vision_language_checkpoint(paths, tmp_path):
-    """A Qwen2.5-VL checkpoint trains with its images on fsdp; a Qwen3.5 one is built as its language model, and a
-    job with images on it is refused at submit, saying why."""
+    """A Qwen2.5-VL checkpoint trains with its images on fsdp, and so does a Qwen3.5 one with its vision tower (a
+    text job trains it as its language model); a checkpoint without a vision tower is refused at submit, saying
+    why."""
     vlm = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}, "image_token_id": 7}
     (tmp_path / "model" / "config.json").write_text(json.dumps(vlm))
     job = {**paths, "train_backend": "fsdp", "multimodal_keys": {"image": "images"}}
     assert preflight(parse_spec(job)).multimodal_keys == {"image": "images"}
     (tmp_path / "model" / "config.json").write_text(json.dumps({**vlm, "model_type": "qwen3_5"}))
-    with pytest.raises(InvalidArgument, match="multimodal_keys: hf_checkpoint's model_type 'qwen3_5' is built as a "
-                                              "language model"):
-        preflight(parse_spec(job))
+    assert preflight(parse_spec(job)).multimodal_keys == {"image": "images"}
     assert preflight(parse_spec({**paths, "train_backend": "fsdp"}))  # the same checkpoint trains as text
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    with pytest.raises(InvalidArgument, match="multimodal_keys: hf_checkpoint's model_type 'qwen3_5_text' has no "
+                                              "vision tower"):
+        preflight(parse_spec(job))

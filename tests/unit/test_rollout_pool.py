@@ -152,7 +152,9 @@ def test_start_serves_the_initial_engines_and_scales_up_and_down_newest_first():
         await until(lambda: len(pool.status().engines) == 1, what="scaled down to 1")
         assert states(pool) == {"engine-0": "SERVING"} and list(router.workers) == ["http://engine-0"]
         assert sorted(fleet.aborted) == ["http://engine-1", "http://engine-2", "http://engine-3"]  # drained
-        assert sorted(r for r, removed in launcher.calls if removed) == [1, 2, 3]
+        # an engine leaves the status before its launcher call returns: on a loaded machine the stop lands later
+        await until(lambda: sorted(r for r, removed in launcher.calls if removed) == [1, 2, 3],
+                    what="engines 1-3 stopped by the launcher")
         assert [e.kind for e in pool.status().events].count("drain") == 3
         await pool.close()
         assert launcher.running == {} and router.workers == {}

@@ -100,7 +100,10 @@ HF_CONFIGS = {
         "num_key_value_heads": 2, "head_dim": 256, "num_hidden_layers": 40, "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "rope_type": "default"},
-        "vocab_size": 248320, "tie_word_embeddings": False}},
+        "vocab_size": 248320, "tie_word_embeddings": False},
+        # natively multimodal: its vision tower (geo3k's VLM example trains it with images)
+        "vision_config": {"model_type": "qwen3_5_moe", "depth": 27, "hidden_size": 1152, "out_hidden_size": 2048},
+        "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053},
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
 REFUSED = {
@@ -461,3 +464,31 @@ def test_the_eval_function_case_names_its_function_and_keeps_the_eval_config(tmp
     argv = [*EXAMPLES["eval_function"]["argv"][:-1], "tests.slime_compat.plugins.no_such_function"]
     problems = preflight.check_plugins(parse_spec({"slime_args": materialize(argv, tmp_path / "missing")}))
     assert len(problems) == 1 and problems[0].startswith("eval_function_path: "), problems
+
+
+def test_geo3k_trains_qwen3_5_with_its_images_on_either_backend(tmp_path):
+    """slime's geo3k VLM example (Qwen3.5-35B-A3B, multimodal keys and all) is accepted on megatron as it is (its
+    language model megatron's, its vision tower transformers'), and moved to fsdp as docs/slime.md's porting section
+    says (`--train-backend fsdp` and parallel sizes 1 appended, then the Megatron settings its refusal names
+    dropped)."""
+    spec = submit(materialize(EXAMPLES["geo3k_vlm_qwen3.5_35B_A3B"]["argv"], tmp_path / "megatron"))
+    assert (spec.train_backend, spec.multimodal_keys) == ("megatron", {"image": "images"})
+    assert (spec.tensor_model_parallel_size, spec.expert_model_parallel_size) == (2, 8)
+    argv = materialize(EXAMPLES["geo3k_vlm_qwen3.5_35B_A3B"]["argv"], tmp_path) + [
+        "--train-backend", "fsdp", "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
+    with pytest.raises(InvalidArgument) as err:
+        submit(argv)
+    megatron_only = re.search(r"slime_args: (.*): Megatron settings, which train_backend fsdp does not take; drop them",
+                              str(err.value))
+    assert megatron_only, str(err.value)
+    dropped = set(megatron_only[1].split(", "))
+    kept, skip = [], False
+    for token in argv:
+        if skip and not token.startswith("--"):
+            continue
+        skip = token in dropped
+        if not skip:
+            kept.append(token)
+    spec = submit(kept)
+    assert (spec.train_backend, spec.multimodal_keys) == ("fsdp", {"image": "images"})
+    assert spec.prompt_data.endswith("geo3k_imgurl/train.parquet") and spec.input_key == "problem"

@@ -138,15 +138,15 @@ def test_a_warmup_as_long_as_the_job_is_fine_with_a_constant_lr():
     assert spec.lr_warmup_iters == 3
 
 
-def test_multimodal_keys_come_from_slimes_flag_and_train_on_fsdp():
+def test_multimodal_keys_come_from_slimes_flag_and_train_on_either_backend():
     conv = slime_args.convert(["--multimodal-keys", '{"image": "images"}'], spec_keys=set(JobSpec.model_fields),
                               check_architecture=False)
     assert conv.spec["multimodal_keys"] == {"image": "images"} and not conv.refused
     with pytest.raises(InvalidArgument, match="modality 'audio' is not supported"):
         parse_spec({**BASE, "multimodal_keys": {"audio": "clips"}})
-    with pytest.raises(InvalidArgument, match="multimodal_keys: train_backend megatron does not take images in its "
-                                              "forward; set train_backend: fsdp"):
-        parse_spec({**BASE, "train_backend": "megatron", "multimodal_keys": {"image": "images"}})
+    # both backends take images in the policy's forward (megatron: its language model, transformers' vision tower)
+    assert parse_spec({**BASE, "train_backend": "megatron", "multimodal_keys": {"image": "images"}}
+                      ).multimodal_keys == {"image": "images"}
     with pytest.raises(InvalidArgument, match="without a critic"):
         parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
                     "advantage_estimator": "ppo"})

@@ -103,6 +103,13 @@ class GenerateContext:
     # opens an agent-gateway session for a sample of this rollout: (session_id, sampling_params, key) -> Session
     open_session: Callable[..., Any] | None = None
     scorer: Any = None  # the rollout's reward-service scorer (scoring.ServiceScorer), for slime's rm_hub.async_rm
+    lora_name: str | None = None  # a LoRA job's adapter on the engines: every /generate names it (lora_path)
+
+    def with_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` naming the job's adapter (SGLang's lora_path), unless it names one itself."""
+        if self.lora_name is None or body.get("lora_path") is not None:
+            return body
+        return {**body, "lora_path": self.lora_name}
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
@@ -177,7 +184,7 @@ async def stream_generate(ctx: GenerateContext, what: str, payload: dict[str, An
         if ctx.aborting:
             yield abort_reply(f"{ctx.name} was aborted: its batch is full")
             return
-        body = {**payload, "stream": True, "rid": f"{ctx.rid_prefix}-{uuid.uuid4().hex[:16]}"}
+        body = ctx.with_adapter({**payload, "stream": True, "rid": f"{ctx.rid_prefix}-{uuid.uuid4().hex[:16]}"})
         start_version = ctx.version_now() if ctx.version_now is not None else None
         num_chunks = 0
         try:
@@ -237,7 +244,7 @@ async def _post_generate(ctx: GenerateContext, what: str, body: Callable[[], dic
                 if ctx.aborting:
                     return _aborted(f"{ctx.name} was aborted: its batch is full", count)
                 start_version = ctx.version_now() if ctx.version_now is not None else None
-                reply = await ctx.http.post(f"{ctx.router_url}/generate", body(), headers)
+                reply = await ctx.http.post(f"{ctx.router_url}/generate", ctx.with_adapter(body()), headers)
             if 400 <= reply.status_code < 500:
                 raise InvalidArgument(f"{what}: router {ctx.router_url} rejected /generate: HTTP {reply.status_code}: "
                                       f"{reply.text[:500]}")

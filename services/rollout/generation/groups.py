@@ -17,6 +17,7 @@ from services.common.gen.physarum.v1 import sample_pb2
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Prompt, Sample, Status
 from services.common.settings.rollout import RolloutConfig
+from services.common.sglang import lora_adapter_name
 from services.rollout.engine_calls.generate import (
     GenerateContext,
     generate,
@@ -83,6 +84,8 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
                              max_new_tokens=max_new_tokens, stop=config.rollout_stop,
                              stop_token_ids=config.rollout_stop_token_ids)
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
+    if config.args.get("lora_rank"):  # a LoRA job's samples come from its adapter, which the trainer syncs
+        ctx.lora_name = lora_adapter_name(job)
     ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
     ctx.scorer = ServiceScorer(reward, config)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),

@@ -34,6 +34,8 @@ def job_engine_options(args: Mapping[str, Any]) -> dict[str, Any]:
                if key.startswith(PREFIX) and key not in NOT_SERVER_ARGS and value is not None}
     if args.get("use_rollout_routing_replay"):
         options.setdefault(PREFIX + "enable_return_routed_experts", True)
+    if args.get("lora_rank"):  # a LoRA job: the engines serve its adapter over the base model
+        options.setdefault(PREFIX + "enable_lora", True)
     return options
 
 

@@ -48,12 +48,19 @@ class EngineLauncher(Protocol):
 
 
 # SGLang server options the CPU engine has, under SGLang's names (its /server_info reports them the same way)
-CPU_ENGINE_OPTIONS = {"sglang_dtype": "--dtype"}
+CPU_ENGINE_OPTIONS = {"sglang_dtype": "--dtype", "sglang_enable_lora": "--enable-lora",
+                      "sglang_max_loras_per_batch": "--max-loras-per-batch", "sglang_max_lora_rank": "--max-lora-rank",
+                      "sglang_lora_target_modules": "--lora-target-modules"}
+
+
+def _argument(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def cpu_engine_options_argv(options: Mapping[str, Any]) -> list[str]:
     """A job's engine options as CPU engine arguments: those it has (CPU_ENGINE_OPTIONS); the rest do not apply."""
-    return [arg for key, flag in CPU_ENGINE_OPTIONS.items() if key in options for arg in (flag, str(options[key]))]
+    return [arg for key, flag in CPU_ENGINE_OPTIONS.items() if key in options
+            for arg in (flag, _argument(options[key]))]
 
 
 def cpu_engine_argv(model_path: str, *, num_threads: int = 1, per_token_delay_s: float = 0.0,
@@ -65,7 +72,9 @@ def cpu_engine_argv(model_path: str, *, num_threads: int = 1, per_token_delay_s:
         return procs.python_module("services.engine", "--host", procs.HOST, "--port", str(port),
                                    "--model-path", model_path, "--num-threads", str(num_threads), "--seed", str(index),
                                    "--per-token-delay-s", str(per_token_delay_s), "--fake-compute", str(fake_compute),
-                                   "--weight-sync-timeout-s", str(weight_sync_timeout_s), "--device", device)
+                                   "--weight-sync-timeout-s", str(weight_sync_timeout_s), "--device", device,
+                                   # adapters cost nothing until loaded; LoRA jobs then need no relaunch
+                                   *(() if fake_compute else ("--enable-lora", "true")))
     return argv
 
 

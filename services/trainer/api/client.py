@@ -81,7 +81,13 @@ class JobsRestClient(HttpClient):
 
     def _call(self, method: str, path: str, **kwargs) -> Any:
         try:
-            reply = self.http.request(method, path, **kwargs)
+            try:
+                reply = self.http.request(method, path, **kwargs)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                if method != "GET":
+                    raise
+                # a kept-alive connection the server closed as the request went out: a read, once more on a new one
+                reply = self.http.request(method, path, **kwargs)
         except httpx.TransportError as err:
             raise Unavailable(f"job API {self.url}: {type(err).__name__}: {err}") from err
         if reply.status_code >= 400:

@@ -127,12 +127,13 @@ def check_model_family(spec: JobSpec) -> list[str]:
                                            ep_size=spec.expert_model_parallel_size, pipeline_ends=ends,
                                            etp_size=spec.expert_tensor_parallel_size)]
     problems.append(mtp.problem(hf_config, spec.mtp_num_layers))
-    if spec.multimodal_keys and not families.is_vision_language(hf_config):
-        problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} is built as a "
-                        "language model, which takes no images (a family with a causal LM, such as Qwen3.5, trains as "
-                        "its text model); use a vision-language checkpoint (qwen2_5_vl, qwen3_vl, ...)")
+    if spec.multimodal_keys and not families.is_vision_language(hf_config, images=True):
+        problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} has no vision "
+                        "tower (no vision_config, or no image-text-to-text model in transformers); use a "
+                        "vision-language checkpoint (qwen2_5_vl, qwen3_vl, qwen3_5, ...)")
+    gathers_gated_delta_nets = capabilities.capabilities(spec.train_backend).context_parallel_gated_delta_nets
     if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(
-            hf_config, gathers_gated_delta_nets=spec.train_backend == "megatron")):
+            hf_config, gathers_gated_delta_nets=gathers_gated_delta_nets)):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")
     if spec.context_parallel_size > 1 and (spec.use_routing_replay or spec.use_rollout_routing_replay
@@ -145,6 +146,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
         problems.append(capabilities.router_problem("routing replay", spec.train_backend, hf_config, **layout))
     if spec.moe_aux_loss_coeff > 0 and spec.moe_router_load_balancing_type != "none":
         problems.append(capabilities.router_problem("moe_aux_loss_coeff", spec.train_backend, hf_config, **layout))
+    if spec.moe_aux_loss_coeff > 0:
+        problems.append(capabilities.load_balancing_problem(spec.train_backend, spec.moe_router_load_balancing_type))
     if any(spec.megatron.get(name) for name in ("hidden_dropout", "attention_dropout")) and \
             (why := families.megatron_train_mode_problem(hf_config, **layout)):
         problems.append(f"megatron dropout: train_backend megatron {why.removeprefix('it ')}")

@@ -127,7 +127,7 @@ class JobSpec(_JobSettings):
         if rollout.multimodal_keys and (driver.save_debug_rollout_data or driver.load_debug_rollout_data):
             raise ValueError("multimodal_keys: rollout dumps (save_debug_rollout_data, load_debug_rollout_data) hold "
                              "samples without their groups' images")
-        _check_lora(train, layout, driver)
+        _check_lora(train, layout, driver, self.sync)
         if train.freeze_vision and not rollout.multimodal_keys:
             raise ValueError("freeze_vision needs multimodal_keys (a job without images trains the language model)")
         return self
@@ -185,10 +185,14 @@ class JobSpec(_JobSettings):
         return self.driver.train_only
 
 
-def _check_lora(train: TrainConfig, layout: LayoutConfig, driver: DriverConfig) -> None:
-    """LoRA trains on a backend with adapter layers; its KL reference is the base model itself."""
+def _check_lora(train: TrainConfig, layout: LayoutConfig, driver: DriverConfig, sync: SyncConfig) -> None:
+    """LoRA trains on a backend with adapter layers; its KL reference is the base model itself; its adapter syncs
+    over the weight-update group."""
     if not train.lora:
         return
+    if sync.weight_sync_backend == "disk" or sync.update_weight_mode == "delta":
+        raise ValueError("lora_rank: the adapter (a few MB) syncs whole over the weight-update group (gloo, nccl or "
+                         "auto); weight_sync_backend disk and update_weight_mode delta do not apply")
     if not layout.capabilities.lora:
         able = " or ".join(backends_that(lambda caps: caps.lora))
         raise ValueError(f"lora_rank: train_backend {layout.train_backend} builds megatron-core's parallel layers, "

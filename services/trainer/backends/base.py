@@ -67,8 +67,14 @@ class TrainBackend(BackendState, Protocol):
         """Replace the on-policy-distillation teacher's weights with an HF checkpoint's (slime's --opd-teacher-load)."""
         ...
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of every weight once, for the broadcast to the engines."""
+    def named_weights(self, *, adapters_merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every weight once, for the broadcast to the engines; a LoRA policy's merged, or its
+        base model's (adapters_merged=False)."""
+        ...
+
+    def adapter_weights(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+        """A LoRA policy (config.lora) for the engines: PEFT's adapter config and the adapter's tensors under PEFT's
+        names, on rank 0 (the others get none). Collective."""
         ...
 
     def save_hf(self, path: str | Path) -> None:

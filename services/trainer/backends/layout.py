@@ -26,7 +26,7 @@ class LayoutConfig:
     expert_model_parallel_size: int = field(1, "megatron: ranks a MoE model's experts are spread over (carved out of "
                                                "the tensor- and data-parallel ranks)", POSITIVE)
     expert_tensor_parallel_size: int = field(1, "megatron: ranks each expert is cut over (1: whole on each rank; or "
-                                                "tensor_model_parallel_size, without expert parallelism)", POSITIVE)
+                                                "tensor_model_parallel_size)", POSITIVE)
     context_parallel_size: int = field(1, "ranks that split every sequence between them (Megatron's "
                                           "load-balanced chunks; each group of this many consecutive ranks trains "
                                           "one data-parallel share)", POSITIVE)

@@ -142,9 +142,14 @@ def packable(model: torch.nn.Module) -> bool:
 
 def use_in(model: torch.nn.Module) -> None:
     """Register `hf_attention` (with sdpa's masks for padded inputs) and switch `model` to it; a model that cannot
-    switch (HF logs why) keeps its attention."""
+    switch (HF logs why) keeps its attention, as does one with DeepSeek sparse attention (GLM-5), whose indexer's
+    top-k masks the attention under eager and sdpa alone (any other implementation is handed the indices)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
+
+    config = getattr(model, "config", None)
+    if "indexed_attention" in (getattr(getattr(config, "text_config", None) or config, "layer_types", None) or []):
+        return
 
     AttentionInterface.register(HF_ATTENTION, hf_attention)
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)

@@ -64,23 +64,106 @@ class RolloutImages:
         return any(row is not None for row in self.rows)
 
     def forward_inputs(self, model: torch.nn.Module, sample_index: torch.Tensor, input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+                       attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
+                       placeholders: PromptPlaceholders | None = None) -> dict[str, torch.Tensor]:
         """The vision keyword arguments of the padded forward of rows `sample_index` ({} when none has images):
-        pixel values and grids in row order, and the 3-D rotary positions the model's rope index gives them."""
+        pixel values and grids in row order, and the 3-D rotary positions the model's rope index gives them. Only
+        the prompts' image tokens are images (`placeholders` tells the model so): one a policy sampled in a
+        response is a text token, as the engine read it."""
         rows = [self.rows[i] for i in sample_index.tolist()]
         rows = [row for row in rows if row is not None]
         if not rows:
             return {}
         device = input_ids.device
         grid = torch.cat([row.image_grid_thw for row in rows]).to(device)
-        image_token_id = model.config.image_token_id
-        mm_token_type_ids = (input_ids == image_token_id).to(torch.int32)
-        positions, _ = _inner(model).get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+        images = prompt_image_mask(input_ids, prompt_lengths, model.config.image_token_id)
+        if placeholders is not None:
+            placeholders.mask = images
+        positions, _ = _inner(model).get_rope_index(input_ids, mm_token_type_ids=images.to(torch.int32),
                                                     image_grid_thw=grid, attention_mask=attention_mask)
         pixel_values = torch.cat([row.pixel_values for row in rows]).to(device)
         return {"pixel_values": pixel_values, "image_grid_thw": grid, "position_ids": positions}
 
 
+def prompt_image_mask(input_ids: torch.Tensor, prompt_lengths: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """[b, L] bool: the image tokens of each row's prompt (not those a policy sampled in its response)."""
+    in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device) < prompt_lengths.to(input_ids.device)[:, None]
+    return (input_ids == image_token_id) & in_prompt
+
+
+class PromptPlaceholders:
+    """Which image tokens a transformers vision-language model fills with image features: the next forward's
+    (`mask`, [b, L] of its input_ids), not every token that has the image token's id. `install` wraps a model's
+    placeholder lookup (its inner model's get_placeholder_mask) to read it."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+
+    def install(self, model: torch.nn.Module) -> None:
+        inner = _inner(model)
+        original = inner.get_placeholder_mask
+        image_token_id = model.config.image_token_id
+
+        def get_placeholder_mask(input_ids, inputs_embeds, image_features=None, video_features=None):
+            if input_ids is not None and self.mask is not None and self.mask.shape == input_ids.shape:
+                # a sampled image token reads as text: out of the lookup's reach
+                input_ids = input_ids.masked_fill((input_ids == image_token_id) & ~self.mask, -1)
+            return original(input_ids, inputs_embeds=inputs_embeds, image_features=image_features,
+                            video_features=video_features)
+
+        inner.get_placeholder_mask = get_placeholder_mask
+
+
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
     """The ...ForConditionalGeneration's inner model, which owns the rope index."""
     return model.model
+
+
+def image_rows(images: RolloutImages | None, sample_index: torch.Tensor | None) -> list[SampleVision | None]:
+    """Each row's processed images (None: a row without), for rows `sample_index` of the rollout."""
+    if images is None or sample_index is None:
+        return [None] * (0 if sample_index is None else len(sample_index))
+    return [images.rows[i] for i in sample_index.tolist()]
+
+
+def multimodal_positions(tokens: torch.Tensor, lengths: list[int], rows: list[SampleVision | None], *,
+                         image_token_id: int, merge_size: int, prompt_lengths: list[int] | None = None) -> torch.Tensor:
+    """[3, b, L] int64 (time, height, width) rotary positions of right-padded rows `tokens` [b, L], as Qwen-VL's
+    rope index gives them: text tokens count on in all three; an image's tokens (a run of image_token_id) sit on its
+    grid of merged patches, each axis from where the text left off; the text after it resumes past the grid's
+    largest side. Padding continues the count (causal attention never lets a real token see it). Image tokens
+    past a row's prompt (`prompt_lengths`) are text, as `prompt_image_mask` says."""
+    b, length = tokens.shape
+    out = torch.arange(length, dtype=torch.long).repeat(3, b, 1)
+    for i, (n, vision) in enumerate(zip(lengths, rows, strict=True)):
+        grids = [] if vision is None else vision.image_grid_thw.tolist()
+        prompt = n if prompt_lengths is None else prompt_lengths[i]
+        out[:, i] = _row_positions(tokens[i, :n].cpu(), grids, length, image_token_id, merge_size, prompt)
+    return out.to(tokens.device)
+
+
+def _row_positions(ids: torch.Tensor, grids: list[list[int]], length: int, image_token_id: int,
+                   merge_size: int, prompt_length: int) -> torch.Tensor:
+    is_image = [token and i < prompt_length for i, token in enumerate((ids == image_token_id).tolist())]
+    parts, start, position, images = [], 0, 0, iter(grids)
+    while start < len(is_image):
+        end = start
+        while end < len(is_image) and is_image[end] == is_image[start]:
+            end += 1
+        if not is_image[start]:
+            parts.append(torch.arange(position, position + end - start).repeat(3, 1))
+            position += end - start
+        else:
+            grid = next(images, None)
+            if grid is None:
+                raise InvalidArgument("a sample has more runs of image tokens than images")
+            t, h, w = grid[0], grid[1] // merge_size, grid[2] // merge_size
+            if t * h * w != end - start:
+                raise InvalidArgument(f"an image of {t}×{h}×{w} merged patches has {end - start} image tokens")
+            parts.append(torch.stack([torch.arange(t).repeat_interleave(h * w), torch.arange(h).repeat_interleave(w)
+                                      .repeat(t), torch.arange(w).repeat(t * h)]) + position)
+            position += max(h, w)
+        start = end
+    row = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+    tail = torch.arange(position, position + length - row.shape[1]).repeat(3, 1)
+    return torch.cat([row, tail], dim=1)

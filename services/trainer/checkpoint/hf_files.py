@@ -9,7 +9,10 @@ from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
-SIDE_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+# a vision-language model's image processor (and its processor's settings), which the engines and the trainer read
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+INPUT_FILES = (*TOKENIZER_FILES, *PROCESSOR_FILES)  # what turns text and images into the model's inputs
+SIDE_FILES = ("config.json", "generation_config.json", *INPUT_FILES)
 
 
 def copy_side_files(source: str | Path, dest: str | Path, names: tuple[str, ...] = SIDE_FILES) -> None:

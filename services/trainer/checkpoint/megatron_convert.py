@@ -1,6 +1,6 @@
 """HF <-> Megatron GPTModel weights for Qwen2, Qwen3, Qwen3-MoE and Llama, (attention from `deepseek_v3.py`)
-DeepSeek-V3 and GLM-4.7-Flash, and (gated delta-nets from `qwen3_next.py`) Qwen3-Next and Qwen3.5: names, fused
-layouts, TP shards, vocab padding, experts.
+DeepSeek-V3, GLM-4.7-Flash and GLM-5 (its sparse attention's indexer from `glm_moe_dsa.py`), and (gated delta-nets
+from `qwen3_next.py`) Qwen3-Next and Qwen3.5: names, fused layouts, TP shards, vocab padding, experts.
 
 `hf_to_megatron` cuts one rank's shard out of full HF tensors; `megatron_to_hf` turns the TP shards of one
 Megatron parameter back into HF tensors; `gather_hf_weights` runs that over the process groups so the source rank
@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from services.trainer.models import deepseek_v3, glm4, minimax_m2, mtp, qwen3_next
+from services.trainer.models import deepseek_v3, glm4, glm_moe_dsa, minimax_m2, mtp, qwen3_next, vision_language
 from services.trainer.models.arch import ModelArch
 
 HF_LAYER = "model.layers.{}."
@@ -171,6 +171,10 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     if arch.linear_attention is not None:
         hf = qwen3_next.CheckpointNames(hf)
     padded = arch.padded_vocab_size(tp_size)
+    if arch.vision_model_type:  # the vision tower, whole, on the first stage (its HF names)
+        hf = vision_language.CheckpointNames(hf)
+        if pp_rank == 0:
+            out.update({name: hf[name].clone().contiguous() for name in hf.tower_names()})
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
@@ -214,6 +218,8 @@ def _layer_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, src: str
         out.update(qwen3_next.hf_to_megatron_linear_attention(hf, arch, src, dst, shard))
     elif arch.mla is not None:
         out.update(deepseek_v3.hf_to_megatron_attention(hf, arch, src, dst, shard, te_names=te_names))
+        if arch.dsa is not None:
+            out.update(glm_moe_dsa.hf_to_megatron_indexer(hf, arch, src, dst))
     else:
         out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
             arch, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]))
@@ -256,7 +262,18 @@ def megatron_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *
                    offset: int = 0) -> list[tuple[str, torch.Tensor]]:
     """HF (name, full tensor) pairs of one Megatron parameter given its TP shards in TP-rank order (a replicated
     parameter: any one shard). `offset` is the stage's first global layer. The tied output layer maps to nothing:
-    the embedding stands for it."""
+    the embedding stands for it. A vision-language model's come under transformers' in-memory names (its tower's
+    parameters are whole on every rank)."""
+    if arch.vision_model_type:
+        if name.startswith(vision_language.TOWER):
+            return [(vision_language.in_memory_name(name), shards[0])]
+        return [(vision_language.in_memory_name(hf_name), tensor)
+                for hf_name, tensor in _language_model_to_hf(name, shards, arch, offset=offset)]
+    return _language_model_to_hf(name, shards, arch, offset=offset)
+
+
+def _language_model_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *,
+                          offset: int = 0) -> list[tuple[str, torch.Tensor]]:
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", torch.cat(list(shards))[:arch.vocab_size])]
     if name == "output_layer.weight":
@@ -294,6 +311,9 @@ def _layer_to_hf(name: str, sub: str, shards: Sequence[torch.Tensor], arch: Mode
     if arch.mla is not None and (mla := deepseek_v3.megatron_to_hf_attention(deepseek_v3.local_sub(sub), list(shards),
                                                                              prefix)) is not None:
         return mla
+    if arch.dsa is not None and (indexer := glm_moe_dsa.megatron_to_hf_indexer(sub, list(shards), arch,
+                                                                             prefix)) is not None:
+        return indexer
     if arch.post_norms and (pairs := glm4.megatron_to_hf_layer(sub, list(shards), prefix)) is not None:
         return pairs
     if arch.linear_attention is not None and sub not in RENAMED and \
@@ -363,6 +383,17 @@ def _gather_experts(tensor: torch.Tensor, ep_size: int, ep_group) -> list[torch.
     return gathered
 
 
+def _whole_local_expert(name: str, tensor: torch.Tensor, etp_size: int, etp_group) -> torch.Tensor:
+    """This rank's local expert parameter made whole over its expert-TP group (as it is at expert TP 1)."""
+    import torch.distributed as dist
+
+    if etp_size == 1:
+        return tensor
+    shards = [torch.empty_like(tensor) for _ in range(etp_size)]
+    dist.all_gather(shards, tensor.contiguous(), group=etp_group)
+    return _whole_expert(name, shards)
+
+
 def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: ModelArch, *, tp_group, tp_rank: int,
                       tp_size: int, pp_group, pp_rank: int, pp_size: int, dp_rank: int, ep_group=None,
                       ep_size: int = 1, expert_dp_rank: int = 0,
@@ -371,16 +402,16 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
     once, stage by stage; every other rank yields nothing. Each stage's data-parallel rank 0 all-gathers its
     parameters over TP, its TP rank 0 converts them and sends them to the source rank. Experts are first
     all-gathered over the expert-parallel group, whose other ranks are other data-parallel ranks: those join the
-    gathers and yield nothing. Under expert tensor parallelism (etp_size = tp_size, without expert parallelism:
-    `ModelArch.check_parallel`) each expert is gathered over its expert-TP group (the TP ranks) and put together as
-    a dense MLP is."""
+    gathers and yield nothing. Under expert tensor parallelism (etp_size = tp_size: `ModelArch.check_parallel`) each
+    expert is gathered over its expert-TP group (the TP ranks) and put together as a dense MLP is, before any gather
+    over expert parallelism."""
     import torch.distributed as dist
 
     if dp_rank != 0:
         if ep_size > 1 and expert_dp_rank == 0:
             for name, param in named_params:
                 if LOCAL_EXPERT in name:
-                    _gather_experts(param.detach(), ep_size, ep_group)
+                    _gather_experts(_whole_local_expert(name, param.detach(), etp_size, etp_group), ep_size, ep_group)
         return
     local_experts = arch.num_experts // ep_size
     offset = layer_offset(arch, pp_rank=pp_rank, pp_size=pp_size)
@@ -395,7 +426,8 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
             if LOCAL_EXPERT in name and ep_size > 1:  # expert i of EP rank j is global expert j·local + i
                 head, tail = name.split(LOCAL_EXPERT)
                 index, rest = tail.split(".", 1)
-                for j, expert in enumerate(_gather_experts(tensor, ep_size, ep_group)):
+                whole = _whole_local_expert(name, tensor, etp_size, etp_group)  # whole over expert TP first
+                for j, expert in enumerate(_gather_experts(whole, ep_size, ep_group)):
                     global_name = f"{head}{LOCAL_EXPERT}{j * local_experts + int(index)}.{rest}"
                     if tp_rank == 0:
                         yield from megatron_to_hf(global_name, [expert], arch, offset=offset)

@@ -74,7 +74,11 @@ class MegatronHFWeights:
     def _load_hf(self, gpt, path: Path, what: str) -> None:
         """An HF checkpoint of the policy's architecture into one of the models (slime swaps such weights into its one
         model, so it needs the same architecture too)."""
-        arch = dataclasses.replace(ModelArch.from_hf_config(hf_io.read_config(path)),  # the job's, not the file's
+        hf_config = hf_io.read_config(path)
+        arch = ModelArch.from_hf_config(hf_config)
+        if self.arch.vision_model_type and not arch.vision_model_type:  # Qwen3.5 loaded for a job with images
+            arch = arch.with_vision(hf_config)
+        arch = dataclasses.replace(arch,  # the job's, not the file's
                                    stage_layers=self.arch.stage_layers, mtp_num_layers=self.arch.mtp_num_layers)
         if arch != self.arch:
             raise InvalidArgument(f"{what} {path}: architecture {arch} differs from the policy's {self.arch}")

@@ -48,6 +48,8 @@ def load_model(gpt: Any, path: str | Path) -> None:
         def load_common(self, checkpoint_dir):
             return {}
 
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
     path = Path(path)
     saved = checkpoint_keys(path)
     sharded = gpt.sharded_state_dict(prefix="")
@@ -55,6 +57,9 @@ def load_model(gpt: Any, path: str | Path) -> None:
     for tensor in sharded.values():
         key = getattr(tensor, "key", None)
         if key is None or key in saved or key.endswith("_extra_state"):
+            continue
+        # a factory's tensor is saved as its named parts (a gated delta-net's in_proj.weight.query, ...)
+        if isinstance(tensor, ShardedTensorFactory) and any(name.startswith(key + ".") for name in saved):
             continue
         if (twin := _twin(key)) in saved:
             tensor.key = twin

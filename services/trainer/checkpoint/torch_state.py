@@ -18,15 +18,17 @@ from services.trainer.distributed import parallel
 from services.trainer.models import families
 
 
-def load_causal_lm(path: Path):
+def load_causal_lm(path: Path, *, images: bool = False):
     """An HF causal LM in float32, in eval mode, its attention able to take packed rows; a vision-language checkpoint
-    (`families.is_vision_language`) as its whole model (...ForConditionalGeneration) with the vision tower."""
+    (`families.is_vision_language`; for a job with `images` a Qwen3.5 one too) as its whole model
+    (...ForConditionalGeneration) with the vision tower."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
         config_path = path / "config.json"
         hf_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        model_class = AutoModelForImageTextToText if families.is_vision_language(hf_config) else AutoModelForCausalLM
+        whole = families.is_vision_language(hf_config, images=images)
+        model_class = AutoModelForImageTextToText if whole else AutoModelForCausalLM
         model = model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"model {path}: cannot load a causal LM ({err})") from err
@@ -50,6 +52,10 @@ class TorchStateDicts(DCPCheckpointing):
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         raise NotImplementedError
+
+    def _load_hf_model(self, path: str | Path) -> torch.nn.Module:
+        """An HF checkpoint as the policy's architecture (the whole vision-language model for a job with images)."""
+        return load_causal_lm(Path(path), images=bool(self.config.multimodal_keys))
 
     def update_ref_model(self) -> None:
         """Copy the policy into the reference model (slime's --ref-update-interval); shard by shard under FSDP."""
@@ -111,7 +117,7 @@ class TorchStateDicts(DCPCheckpointing):
     def load(self, path: str | Path) -> None:
         """Replace the policy's weights with an HF checkpoint's, with fresh optimizer state (the reference stays);
         under LoRA the base's weights, the adapters kept. Every rank calls it (each reads the directory)."""
-        state = load_causal_lm(Path(path)).state_dict()
+        state = self._load_hf_model(path).state_dict()
         if self.config.lora and (unknown := [name for name in state if name not in self.model.state_dict()]):
             raise InvalidArgument(f"checkpoint {path}: {len(unknown)} weights the LoRA policy's base does not have "
                                   f"(e.g. {unknown[0]})")
@@ -122,13 +128,13 @@ class TorchStateDicts(DCPCheckpointing):
         """Replace the reference model's weights with an HF checkpoint's (slime's --ref-load)."""
         if self.ref_model is None:
             raise InvalidArgument("ref_load: this job has no reference model (use_kl_loss or kl_coef)")
-        parallel.load_full_state_dict(self.ref_model, load_causal_lm(Path(path)).state_dict(), self.world)
+        parallel.load_full_state_dict(self.ref_model, self._load_hf_model(path).state_dict(), self.world)
 
     def load_teacher(self, path: str | Path) -> None:
         """Replace the distillation teacher's weights with an HF checkpoint's (the policy's architecture)."""
         if self.teacher_model is None:
             raise InvalidArgument("opd_teacher_load: this job has no teacher model (use_opd with opd_type megatron)")
-        parallel.load_full_state_dict(self.teacher_model, load_causal_lm(Path(path)).state_dict(), self.world)
+        parallel.load_full_state_dict(self.teacher_model, self._load_hf_model(path).state_dict(), self.world)
 
     def load_megatron_checkpoint(self, path: str | Path, into: str) -> None:
         raise InvalidArgument(f"checkpoint {path}: a slime (Megatron) torch_dist checkpoint loads on train_backend "

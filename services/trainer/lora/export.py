@@ -41,12 +41,23 @@ def peft_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def save_peft_adapter(path: Path, state: dict[str, torch.Tensor], *, rank: int, alpha: float, dropout: float,
                       target_modules: Sequence[str], base_model: str) -> None:
     """Write PEFT's adapter directory for `state` (a full state dict of the LoRA model) at `path`."""
+    write_peft_dir(path, peft_state_dict(state), peft_config(rank=rank, alpha=alpha, dropout=dropout,
+                                                             target_modules=target_modules, base_model=base_model))
+
+
+def peft_config(*, rank: int, alpha: float, dropout: float, target_modules: Sequence[str], base_model: str) -> dict:
+    """PEFT's adapter_config.json of a LoRA adapter."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
+            "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(target_modules),
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
+            "use_rslora": False, "init_lora_weights": True}
+
+
+def write_peft_dir(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """PEFT's adapter directory at `path` from tensors already under PEFT's names."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    save_file(peft_state_dict(state), str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
-              "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(target_modules),
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
-              "use_rslora": False, "init_lora_weights": True}
+    save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

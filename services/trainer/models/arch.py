@@ -1,26 +1,36 @@
 """The architecture of an HF causal LM (Qwen2 and MiMo, Qwen3, Qwen3-MoE, Llama; DeepSeek-V3 and GLM-4.7-Flash through
-`deepseek_v3.py`, GLM-4.5/4.7 through `glm4_moe.py`, GLM-4 through `glm4.py`, Qwen3-Next and Qwen3.5 through
-`qwen3_next.py`) as the few numbers Megatron and the converter need.
+`deepseek_v3.py`, GLM-5's DeepSeek sparse attention through `glm_moe_dsa.py`, GLM-4.5/4.7 through `glm4_moe.py`,
+GLM-4 through `glm4.py`, Qwen3-Next and Qwen3.5 through `qwen3_next.py`) as the few numbers Megatron and the converter
+need.
 
 Reads a transformers config (or its config.json dict); knows nothing of Megatron modules or process groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidArgument
 
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")  # deepseek_v3.py reads them
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")  # deepseek_v3.py reads them
 GATED_DELTA_NET_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # qwen3_next.py reads them
 QWEN2_SHAPED = ("qwen2", "mimo")  # MiMo: Qwen2 with multi-token-prediction layers (`mtp.py`)
+# vision-language checkpoints: their language model's family (megatron's), the vision tower transformers' own
+VISION_LANGUAGE_TEXT_TYPES = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 SUPPORTED_MODEL_TYPES = (*QWEN2_SHAPED, "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "minimax_m2",
-                         *MLA_MODEL_TYPES, *GATED_DELTA_NET_MODEL_TYPES)
+                         *MLA_MODEL_TYPES, *GATED_DELTA_NET_MODEL_TYPES, *VISION_LANGUAGE_TEXT_TYPES)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default; the padded vocab is a multiple of this × TP size
 # The only Llama-3 RoPE scaling Megatron's RotaryEmbedding implements (factor is free).
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def language_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: a multimodal checkpoint's (Qwen3.5's) text_config over its own top level."""
+    text = hf_config.get("text_config")
+    return {**hf_config, **text} if isinstance(text, dict) else hf_config
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,15 @@ class MLAShape:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class SparseAttentionShape:
+    """DeepSeek sparse attention (GLM-5): each query attends only to the index_topk keys its lightning indexer
+    (index_n_heads heads of index_head_dim) scores highest."""
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,8 @@ class ModelArch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every layer, when there are experts)
     mla: MLAShape | None = None  # multi-latent attention's ranks and head sizes; None: grouped-query attention
     yarn: YarnScaling | None = None  # YaRN rotary scaling (MLA families)
+    dsa: SparseAttentionShape | None = None  # DeepSeek sparse attention over the MLA (GLM-5); None: dense attention
+    vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY  # Megatron-LM's --make-vocab-size-divisible-by
     # hybrid stacks (Qwen3-Next, Qwen3.5): which layers are gated delta-nets instead of attention, and their shape
     linear_attention: GatedDeltaNetShape | None = None
     linear_layers: tuple[bool, ...] | None = None
@@ -101,6 +122,12 @@ class ModelArch:
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid of a [1, hidden] gate
     # multi-token-prediction layers built after the decoder (the job's mtp_num_layers; the checkpoint's: `mtp.py`)
     mtp_num_layers: int = 0
+    # a vision-language checkpoint (its model_type, e.g. qwen2_5_vl; None: a language model alone): multimodal
+    # rotary positions, each head's rotary half split over (time, height, width) as mrope_section says, the three
+    # bands one after another or interleaved (Qwen3-VL)
+    vision_model_type: str | None = None
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def is_linear_layer(self, index: int) -> bool:
         """Whether global layer `index` is a gated delta-net."""
@@ -115,8 +142,9 @@ class ModelArch:
         return self.num_attention_heads // self.num_query_groups
 
     def padded_vocab_size(self, tp_size: int) -> int:
-        """Megatron's padded vocab: the next multiple of 128·tp_size (the extra rows are zero and never sampled)."""
-        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
+        """Megatron's padded vocab: the next multiple of vocab_size_divisible_by·tp_size (128 unless a job says; the
+        extra rows are zero and never sampled)."""
+        multiple = self.vocab_size_divisible_by * tp_size
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def stage_layer_range(self, pp_rank: int, pp_size: int) -> range:
@@ -128,17 +156,16 @@ class ModelArch:
     def check_parallel(self, *, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int = 1,
                        stage_layers: tuple[int, ...] | None = None) -> None:
         """Raise InvalidArgument when this model cannot be cut into tp_size × pp_size shards with its experts over
-        ep_size ranks, each cut over etp_size ranks (1, or the TP size without expert parallelism; `stage_layers`:
-        each stage's layers, when they are uneven)."""
+        ep_size ranks, each cut over etp_size ranks (1, or the TP size; `stage_layers`: each stage's layers, when they
+        are uneven)."""
         if ep_size > 1 and (not self.num_experts or self.num_experts % ep_size):
             raise InvalidArgument(f"expert_model_parallel_size {ep_size} must divide the number of experts "
                                   f"({self.num_experts} in {self.model_type})")
-        if etp_size > 1 and (not self.num_experts or etp_size != tp_size or ep_size > 1
-                             or self.moe_ffn_hidden_size % etp_size):
+        if etp_size > 1 and (not self.num_experts or etp_size != tp_size or self.moe_ffn_hidden_size % etp_size):
             raise InvalidArgument(f"expert_tensor_parallel_size {etp_size}: the megatron backend cuts each expert "
                                   "over the tensor-parallel ranks (expert_tensor_parallel_size = "
-                                  "tensor_model_parallel_size, dividing the experts' intermediate size) without expert "
-                                  "parallelism, or keeps it whole (1)")
+                                  "tensor_model_parallel_size, dividing the experts' intermediate size), or keeps it "
+                                  "whole (1)")
         sizes = [("num_attention_heads", self.num_attention_heads), ("num_key_value_heads", self.num_query_groups),
                  ("intermediate_size", self.ffn_hidden_size)]
         if self.moe_shared_expert_intermediate_size:
@@ -164,9 +191,10 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArch:
         """From a transformers PretrainedConfig or a config.json dict; unsupported variants raise InvalidArgument."""
+        whole = config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else {}
+        if whole.get("model_type") in VISION_LANGUAGE_TEXT_TYPES:
+            return cls._vision_language(whole)
         if isinstance(config, dict):
-            from services.trainer.models.families import language_model_config
-
             config = language_model_config(config)  # a multimodal checkpoint's (Qwen3.5's) language model
         elif hasattr(config, "get_text_config"):
             config = config.get_text_config()
@@ -176,11 +204,15 @@ class ModelArch:
             raise InvalidArgument(f"megatron backend: model_type {model_type!r} is not supported "
                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         if model_type in MLA_MODEL_TYPES:
-            from services.trainer.models import deepseek_v3
+            from services.trainer.models import deepseek_v3, glm_moe_dsa
+
+            if model_type == "glm_moe_dsa":  # its defaults and derived per-layer lists, as transformers reads them
+                get = glm_moe_dsa.config_reader(config)
 
             fields = deepseek_v3.arch_fields(get)
-            yarn = fields.pop("yarn")
-            return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None})
+            yarn, dsa = fields.pop("yarn"), fields.pop("dsa", None)
+            return cls(**fields | {"mla": MLAShape(**fields["mla"]), "yarn": YarnScaling(**yarn) if yarn else None,
+                                   "dsa": SparseAttentionShape(**dsa) if dsa else None})
         if model_type in GATED_DELTA_NET_MODEL_TYPES:
             from services.trainer.models import qwen3_next
 
@@ -232,6 +264,38 @@ class ModelArch:
                    moe_router_topk=get("num_experts_per_tok") or 0 if num_experts else 0,
                    moe_ffn_hidden_size=get("moe_intermediate_size") or 0 if num_experts else 0,
                    moe_router_pre_softmax=bool(num_experts) and not get("norm_topk_prob", False))
+
+    @classmethod
+    def _vision_language(cls, config: dict[str, Any]) -> ModelArch:
+        """A vision-language checkpoint's language model (its text_config as its text family's) with its
+        multimodal rotary layout."""
+        model_type = config["model_type"]
+        own = {key: value for key, value in (config.get("text_config") or {}).items() if value is not None}
+        text = {**{key: value for key, value in config.items() if key != "text_config"}, **own,
+                "model_type": VISION_LANGUAGE_TEXT_TYPES[model_type]}
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        plain = {key: value for key, value in rope.items() if key not in ("mrope_section", "mrope_interleaved", "type")}
+        return cls.from_hf_config({**text, "rope_parameters": plain, "rope_scaling": None}).with_vision(config)
+
+    def with_vision(self, hf_config: dict[str, Any]) -> ModelArch:
+        """This language model as the one of vision-language checkpoint `hf_config` (Qwen2.5-VL, Qwen3-VL, or for
+        a job with images Qwen3.5): its multimodal rotary layout, from its text config's rope parameters."""
+        text = hf_config.get("text_config") or hf_config
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        section = rope.get("mrope_section")
+        model_type = hf_config.get("model_type")
+        if not section:
+            raise InvalidArgument(f"megatron backend: {model_type} without mrope_section in its rope parameters")
+        if 2 * sum(section) != self.rotary_dim:
+            raise InvalidArgument(f"megatron backend: mrope_section {section} does not split the rotary half "
+                                  f"({self.rotary_dim // 2} of each head's dimensions)")
+        return dataclasses.replace(self, vision_model_type=model_type, mrope_section=tuple(section),
+                                   mrope_interleaved=bool(rope.get("mrope_interleaved")))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Each head's dimensions RoPE turns (the first ones)."""
+        return int(self.head_dim * self.rotary_percent)
 
 
 def uneven_stage_layers(num_layers: int, pp_size: int, *, first: int | None = None,

@@ -1,8 +1,9 @@
-"""The DeepSeek-V3 family on megatron-core: `deepseek_v3` (DeepSeek-V3/R1, Kimi-K2, Moonlight) and its GLM-4.7-Flash
-twin `glm4_moe_lite`. Multi-latent attention (MLA), a sigmoid router with an expert bias and grouped top-k, shared
-experts, dense first layers, YaRN rotary scaling: their ModelArch fields from the HF config, the MLA fields of
-megatron-core's MLATransformerConfig, and the HF <-> Megatron map of the attention weights (the megatron-core
-modules the local spec takes for MLA: backends/megatron/mla.py).
+"""The DeepSeek-V3 family on megatron-core: `deepseek_v3` (DeepSeek-V3/R1, Kimi-K2, Moonlight), its GLM-4.7-Flash
+twin `glm4_moe_lite` and GLM-5 `glm_moe_dsa` (with sparse attention: `glm_moe_dsa.py`). Multi-latent attention
+(MLA), a sigmoid router with an expert bias and grouped top-k, shared experts, dense first layers, YaRN rotary
+scaling: their ModelArch fields from the HF config, the MLA fields of megatron-core's MLATransformerConfig, and the
+HF <-> Megatron map of the attention weights (the megatron-core modules the local spec takes for MLA:
+backends/megatron/mla.py).
 
 Attention weights (HF DeepseekV3Attention -> MLASelfAttention): q_a_proj -> linear_q_down_proj, q_a_layernorm ->
 q_layernorm, q_b_proj -> linear_q_up_proj (q_proj -> linear_q_proj without a q rank), kv_a_proj_with_mqa ->
@@ -70,7 +71,7 @@ def arch_fields(get: Callable[..., Any]) -> dict[str, Any]:
         raise refuse(f"rope {rope!r} is not supported (default or yarn)")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse("partial_rotary_factor: multi-latent attention rotates all qk_rope_head_dim dimensions")
-    if model_type == "glm4_moe_lite":
+    if model_type in ("glm4_moe_lite", "glm_moe_dsa"):
         kinds = list(get("mlp_layer_types") or ["sparse"] * num_layers)
         moe_layers = tuple(kind == "sparse" for kind in kinds)
     else:
@@ -85,7 +86,16 @@ def arch_fields(get: Callable[..., Any]) -> dict[str, Any]:
         mla=dict(q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank"),
                  qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
                  v_head_dim=get("v_head_dim")),
-        yarn=yarn)
+        yarn=yarn, **_sparse_attention(get, refuse))
+
+
+def _sparse_attention(get: Callable[..., Any], refuse: Callable[[str], InvalidArgument]) -> dict[str, Any]:
+    """GLM-5's DeepSeek sparse attention fields (`glm_moe_dsa.py`); none for the dense-attention families."""
+    if get("model_type") != "glm_moe_dsa":
+        return {}
+    from services.trainer.models import glm_moe_dsa
+
+    return {"dsa": glm_moe_dsa.sparse_attention_fields(get, refuse)}
 
 
 def sigmoid_moe_fields(get: Callable[..., Any], refuse: Callable[[str], InvalidArgument],

@@ -11,18 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.trainer.models.arch import language_model_config
 
 
 def family(hf_config: dict[str, Any]) -> str:
     """The family's name: its model_type, a multimodal checkpoint's text model by the checkpoint's name
     (qwen3_5_text is qwen3_5)."""
     return str(hf_config.get("model_type", "")).removesuffix("_text")
-
-
-def language_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields: a multimodal checkpoint's (Qwen3.5's) text_config over its own top level."""
-    text = hf_config.get("text_config")
-    return {**hf_config, **text} if isinstance(text, dict) else hf_config
 
 
 def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
@@ -38,18 +33,20 @@ def fsdp_problem(hf_config: dict[str, Any], **_layout: int) -> str:
     return ""
 
 
-def is_vision_language(hf_config: dict[str, Any]) -> bool:
-    """Whether the trainer and the CPU engine build this checkpoint as its vision-language model (with the vision
-    tower): a model_type with an image-text-to-text class and no causal LM (Qwen2.5-VL, Qwen3-VL, GLM-4V). A
-    checkpoint whose family also has a causal LM (Qwen3.5) is built as that language model."""
+def is_vision_language(hf_config: dict[str, Any], *, images: bool = False) -> bool:
+    """Whether the trainer builds this checkpoint as its vision-language model (with the vision tower): a model_type
+    with an image-text-to-text class and no causal LM (Qwen2.5-VL, Qwen3-VL, GLM-4V); for a job with images
+    (`images`, multimodal_keys) also one whose family has a causal LM too (Qwen3.5), which a text job trains as that
+    language model."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
 
     model_type = hf_config.get("model_type")
-    return "vision_config" in hf_config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES \
-        and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if "vision_config" not in hf_config or model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return False
+    return images or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,

@@ -24,7 +24,8 @@ from services.trainer.algorithms.names import (
 
 log = logging.getLogger(__name__)
 
-MoELoadBalancingType = Literal["aux_loss", "none"]  # moe/load_balancing.py's LOAD_BALANCING_TYPES
+# moe/load_balancing.py's LOAD_BALANCING_TYPES
+MoELoadBalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 OpdType = Literal["sglang", "megatron"]
@@ -146,7 +147,9 @@ class TrainConfig:
              "added to the policy loss (fsdp: Qwen3-MoE, Qwen3.5-MoE by softmax scores, GLM-4-MoE, DeepSeek-V3 by "
              "normalized sigmoid scores; megatron: megatron-core's routers)", NON_NEGATIVE)
     moe_router_load_balancing_type: MoELoadBalancingType = field(
-        "aux_loss", "the load-balancing loss moe_aux_loss_coeff weighs: aux_loss, or none")
+        "aux_loss", "the load-balancing loss moe_aux_loss_coeff weighs: aux_loss (per micro-batch), seq_aux_loss "
+                    "(per sequence row), global_aux_loss (the experts' tokens counted over the data-parallel ranks "
+                    "and the step's micro-batches; megatron only), or none")
     mtp_num_layers: int | None = field(
         None, "megatron: build this many of the checkpoint's multi-token-prediction layers after the decoder "
               "(MiMo, DeepSeek-V3, GLM-4.5+: num_nextn_predict_layers); their weights are loaded, saved and sent to "
@@ -228,7 +231,7 @@ class TrainConfig:
     @property
     def moe_aux_loss(self) -> bool:
         """Whether a load-balancing loss is added to the policy loss."""
-        return self.moe_aux_loss_coeff > 0 and self.moe_router_load_balancing_type == "aux_loss"
+        return self.moe_aux_loss_coeff > 0 and self.moe_router_load_balancing_type != "none"
 
     @property
     def replays_routing(self) -> bool:

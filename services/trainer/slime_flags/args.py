@@ -149,7 +149,8 @@ def convert(argv: str | list[str], *, spec_keys: set[str], hf_config: dict[str, 
 
 def _resolve_load_balancing_type(out: Conversion) -> None:
     """Megatron's seq_aux_loss and global_aux_loss (GLM's and DeepSeek's scripts): under --moe-aux-loss-coeff 0 no
-    load-balancing loss is added whatever its type, so the job runs as with none; with a weight it is refused."""
+    load-balancing loss is added whatever its type, so the job runs as with none; with a weight the spec keeps the
+    type (global_aux_loss is train_backend megatron's alone: the job's checks refuse it on fsdp)."""
     kind = out.spec.get("moe_router_load_balancing_type")
     if kind not in ("seq_aux_loss", "global_aux_loss"):
         return
@@ -157,10 +158,6 @@ def _resolve_load_balancing_type(out: Conversion) -> None:
         out.spec["moe_router_load_balancing_type"] = "none"
         out.notes.append(f"--moe-router-load-balancing-type {kind}: no load-balancing loss under --moe-aux-loss-coeff "
                          "0, as in Megatron; the job runs with none")
-        return
-    del out.spec["moe_router_load_balancing_type"]
-    out.refused.append(f"--moe-router-load-balancing-type {kind}: the backends add Megatron's aux_loss only (per "
-                       "micro-batch); set --moe-router-load-balancing-type aux_loss or --moe-aux-loss-coeff 0")
 
 
 def _convert_one(out: Conversion, name: str, values: list[str], spec_keys: set[str],

@@ -35,7 +35,8 @@ GATED_ATTENTION = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # q_proj doubled: a 
 QK_NORM = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo2", "gemma3"}  # per-head q/k RMSNorm
 INTERLEAVED_ROTARY = {"glm4"}  # rotates (even, odd) pairs, not the two halves (glm4_moe rotates halves)
 POST_NORMS = {"glm4"}  # an RMSNorm after attention and after the MLP, before each residual add
-SIGMOID_ROUTER = set(SIGMOID_ROUTERS)  # sigmoid scores with a learned expert bias (e_score_correction_bias)
+# sigmoid scores with a learned expert bias (e_score_correction_bias); GLM-5 routes as DeepSeek-V3
+SIGMOID_ROUTER = set(SIGMOID_ROUTERS) | {"glm_moe_dsa"}
 SHARED_EXPERT_GATE = {"qwen2_moe", "qwen3_next", "qwen3_5_moe"}  # a sigmoid gate on the shared expert's output
 
 
@@ -131,6 +132,16 @@ def _yarn(key: str, default: Any) -> Callable[[dict[str, Any]], Any]:
     return read
 
 
+def _attention_variant(cfg: dict[str, Any]) -> Any:
+    """--experimental-attention-variant: dsa for GLM-5's sparse attention; not checked here for the families with
+    linear-attention layers (their gated delta nets); none (plain attention) for the rest."""
+    if _family(cfg) == "glm_moe_dsa":
+        return "dsa"
+    if "linear_attention" in (cfg.get("layer_types") or []) or _family(cfg) == "qwen3_next":
+        return None
+    return "none"
+
+
 def _layer_pattern(value: Any, cfg: dict[str, Any]) -> Any:
     """--moe-layer-freq's value: an int N (every N-th layer) or a Python list expression like "([0]*3+[1]*58)"."""
     import ast
@@ -216,6 +227,11 @@ ARCH: dict[str, Arch] = {
     "qk-head-dim": Arch(_get("qk_nope_head_dim")),
     "qk-pos-emb-head-dim": Arch(_get("qk_rope_head_dim")),
     "v-head-dim": Arch(_get("v_head_dim")),
+    # DeepSeek sparse attention (GLM-5)
+    "experimental-attention-variant": Arch(lambda cfg: _attention_variant(cfg)),
+    "dsa-indexer-n-heads": Arch(_get("index_n_heads")),
+    "dsa-indexer-head-dim": Arch(_get("index_head_dim")),
+    "dsa-indexer-topk": Arch(_get("index_topk")),
 }
 
 
@@ -253,8 +269,8 @@ FP8_TRAINING_REFUSAL = "FP8 training is not supported: the backends train in bf1
 _MEGA = "megatron-core's setting, in the spec's `megatron:` section (train_backend megatron)"
 _WEIGHTS_ONLY = ("a --load of slime's checkpoint reads its weights only (rollout 0, a fresh optimizer), of Physarum's "
                  "its whole state; for weights only, load an HF export (save_hf)")
-_NO_MOE = ("the megatron backend trains Qwen3-MoE, DeepSeek-V3, GLM-4.5/4.7, GLM-4.7-Flash and MiniMax-M2; "
-           "train_backend fsdp trains the other MoE families")
+_NO_MOE = ("the megatron backend trains Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5/4.7, GLM-4.7-Flash, "
+           "GLM-5 and MiniMax-M2; train_backend fsdp trains the other MoE families")
 _MOE_KERNEL = ("the backends set their own: megatron all-to-all dispatch without grouped GEMM or fused permutes, "
                "fsdp transformers' own MoE layers")
 # Megatron flag -> megatron-core config field, where the names differ
@@ -277,7 +293,7 @@ MEGATRON: dict[str, Flag] = {
                                                    "load-balanced chunks)"),
     "expert-model-parallel-size": Flag("mapped", 1, _SPEC + " expert_model_parallel_size (" + _NO_MOE + ")"),
     "expert-tensor-parallel-size": Flag("mapped", 1, _SPEC + " expert_tensor_parallel_size (1, or the "
-                                                     "tensor-parallel size without expert parallelism)"),
+                                                     "tensor-parallel size)"),
     "sequence-parallel": Flag("mapped", False, _MEGA + " sequence_parallel (each tensor-parallel rank holds a "
                                                       "slice of every row, padded to a multiple of the TP size; "
                                                       "dropped, as Megatron does, without tensor parallelism)",
@@ -347,19 +363,22 @@ MEGATRON: dict[str, Flag] = {
                                                      "capacity", warn=True),
     "moe-aux-loss-coeff": Flag("mapped", 0.0, _SPEC + " moe_aux_loss_coeff (both backends add Megatron's aux_loss to "
                                                  "the policy loss)"),
-    "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _SPEC + " moe_router_load_balancing_type (aux_loss "
-                                                                         "or none; seq_aux_loss and global_aux_loss "
-                                                                         "as none under --moe-aux-loss-coeff 0, "
-                                                                         "refused with a weight)"),
+    "moe-router-load-balancing-type": Flag("mapped", "aux_loss", _SPEC + " moe_router_load_balancing_type (aux_loss, "
+                                                                         "seq_aux_loss, global_aux_loss on megatron "
+                                                                         "only, or none; none under "
+                                                                         "--moe-aux-loss-coeff 0)"),
     "moe-router-bias-update-rate": Flag("mapped", 1e-3, "the routers' expert bias (e_score_correction_bias) stays "
                                                         "as the checkpoint has it, as with rate 0", warn=True),
     "moe-enable-deepep": Flag("mapped", False, "megatron-core's all-to-all token dispatcher: DeepEP is not in the "
                                                "trainer's image; the experts and their routing are the same, the "
                                                "dispatch slower across nodes", warn=True, bare=True),
-    "make-vocab-size-divisible-by": Flag("mapped", 128, "the megatron backend pads the vocab to a multiple of 128 × "
-                                                        "the TP size; padding rows are never sampled and are dropped "
-                                                        "from HF exports, so the multiple changes nothing trained",
-                                         warn=True),
+    "make-vocab-size-divisible-by": Flag("mapped", 128, _MEGA + " make_vocab_size_divisible_by (the megatron "
+                                                        "backend pads the vocab to a multiple of it × the TP size, as "
+                                                        "slime's checkpoints are; padding rows are never sampled and "
+                                                        "are dropped from HF exports)"),
+    "dsa-indexer-loss-coeff": Flag("mapped", 0.0, _MEGA + " dsa_indexer_loss_coeff (GLM-5: the indexer's KL loss; "
+                                                     "at 0 the indexer stays as loaded, as transformers keeps it)"),
+    "dsa-indexer-use-sparse-loss": Flag("mapped", False, _MEGA + " dsa_indexer_use_sparse_loss", bare=True),
     "spec": Flag("mapped", None, "the megatron backend builds the layer spec from the HF config's model_type",
                  warn=True, nargs=True),
 }

@@ -6,7 +6,6 @@ those tensors to the loss (slime's `compute_advantages_and_returns`, `loss_funct
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -87,15 +86,24 @@ def processed_rewards(batch: RolloutBatch, config: TrainConfig, samples: Sequenc
 
 
 def fanned_out_groups(samples: Sequence[Sample] | None, n_samples_per_prompt: int) -> list[int] | None:
-    """Each row's prompt (group_index) when some prompt's group is not n_samples_per_prompt rows (a generate
-    function or an agent fanned out into several trajectories): its baseline is then over its own rows, not over
-    rows cut every n. None when every group has n rows (slime's reshape is the same)."""
-    if not samples:
+    """Each row's group (an ordinal) when some prompt's group is not n_samples_per_prompt rows (a generate function
+    or an agent fanned out into several trajectories): its baseline is then over its own rows, not over rows cut
+    every n. None when every group has n rows (slime's reshape is the same).
+
+    A group is a run of consecutive rows with one group_index (a buffer group's rows are consecutive in the rollout),
+    so one prompt answered in two epochs of one rollout stays two groups. Rows that carry no grouping at all (every
+    group_index and index 0: samples built by hand) are cut every n, as slime does."""
+    if not samples or all(sample.group_index == 0 and sample.index == 0 for sample in samples):
         return None
-    ids = [sample.group_index for sample in samples]
-    if any(size != n_samples_per_prompt for size in collections.Counter(ids).values()):
-        return ids
-    return None
+    ids, sizes = [], []
+    for position, sample in enumerate(samples):
+        if position == 0 or sample.group_index != samples[position - 1].group_index:
+            sizes.append(0)
+        sizes[-1] += 1
+        ids.append(len(sizes) - 1)
+    if all(size == n_samples_per_prompt for size in sizes):
+        return None
+    return ids
 
 
 def compute_advantages_and_returns(batch: RolloutBatch, config: TrainConfig, *,

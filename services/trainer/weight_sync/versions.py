@@ -10,6 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from services.common.sglang import lora_adapter_name
 from services.rollout.client import RolloutClient, snapshot_path
 from services.trainer.distributed.parallel import World
 from services.trainer.settings.weight_sync import SyncConfig
@@ -30,7 +31,17 @@ class EngineWeights:
         self.world, self.rollout, self.engines, self.version = world, rollout, engines, version
         self.unannounceable: set[int] = set()  # versions without a snapshot to announce (warned once each)
         self.broadcaster = None
+        self.adapter_broadcaster = None  # a LoRA job's: the adapter goes over the weight-update group
+        self.base_pushed = False  # a LoRA job's base model went to the engines (at its first push)
+        self.job_id = job_id
         if engines and sync is not None and world.rank == 0:
+            from services.trainer.weight_sync.weight_sync import WeightBroadcaster
+
+            # a few MB: the group (gloo, or nccl to GPU engines) whatever path full weights would take
+            backend = sync.weight_sync_backend if sync.weight_sync_backend in ("gloo", "nccl") else "auto"
+            self.adapter_broadcaster = WeightBroadcaster([], master_address=master_address, backend=backend,
+                                                         timeout_s=sync.weight_sync_timeout_s, model_dir=model_dir,
+                                                         job_id=job_id, group_name=f"lora_update_group_{job_id}")
             from services.trainer.weight_sync.auto import make_broadcaster
 
             self.broadcaster = make_broadcaster(sync.weight_sync_backend, [], master_address=master_address,
@@ -42,15 +53,29 @@ class EngineWeights:
         """Every rank: gather the full weights to rank 0 (FSDP), which pushes them to the manager's engines as
         `version`; returns the perf/ metrics on every rank."""
         start = time.monotonic()
-        weights = list(backend.named_weights())
-        metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start)
+        if backend.config.lora and not self.base_pushed:
+            # the job's base first, once: the engines may hold another one (another job's trained weights)
+            base = list(backend.named_weights(adapters_merged=False))
+            self.world.on_rank0(self._push_rank0, base, version, backend.model_path, start)
+            self.base_pushed = True
+        if backend.config.lora:  # then the adapter alone: the engines serve it over the base they hold
+            config, weights = backend.adapter_weights()
+            metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start, config)
+        else:
+            weights = list(backend.named_weights())
+            metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start)
         self.version = version
         return metrics
 
-    def _push_rank0(self, weights, version: int, model_dir, start: float) -> dict[str, float]:
-        from services.trainer.weight_sync.weight_sync import sync_engine_pool
+    def _push_rank0(self, weights, version: int, model_dir, start: float,
+                    adapter_config: dict | None = None) -> dict[str, float]:
+        from services.trainer.weight_sync.weight_sync import AdapterPush, sync_engine_pool
 
-        stats = sync_engine_pool(self.broadcaster, self.rollout, weights, str(version), base_model_dir=model_dir)
+        if adapter_config is not None:
+            stats = sync_engine_pool(self.adapter_broadcaster, self.rollout, weights, str(version),
+                                     adapter=AdapterPush(lora_adapter_name(self.job_id), adapter_config))
+        else:
+            stats = sync_engine_pool(self.broadcaster, self.rollout, weights, str(version), base_model_dir=model_dir)
         return {"perf/update_weights_seconds": time.monotonic() - start,
                 "perf/update_weights_bytes": float(stats.get("bytes", 0)),
                 "perf/engine_pause_seconds": float(stats.get("pause_seconds", 0.0))}
@@ -81,5 +106,6 @@ class EngineWeights:
                     "snapshot %s", pool.weight_version, version, version, snapshot)
 
     def close(self) -> None:
-        if self.broadcaster is not None:
-            self.broadcaster.close()
+        for broadcaster in (self.broadcaster, self.adapter_broadcaster):
+            if broadcaster is not None:
+                broadcaster.close()

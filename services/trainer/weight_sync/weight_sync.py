@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -240,13 +241,49 @@ class WeightBroadcaster:
                     lambda c: (c.end_weight_update(), c.continue_generation()), wait_s)
             stats["pause_seconds"] = time.monotonic() - paused_at
         except Exception as err:
-            failed = self._recover(err)
-            raise WeightSyncError(f"weight broadcast of version {weight_version} to {self.engine_urls} failed after "
-                                  f"{time.monotonic() - start:.1f} s (the group is rebuilt next time): {err}",
-                                  failed) from err
+            raise self._failed(err, f"weight broadcast of version {weight_version}", start) from err
         stats["seconds"] = time.monotonic() - start
         log.info("weights version %s: %d tensors, %.1f MB in %d buckets to %d engines in %.2f s", weight_version,
                  stats["num_tensors"], stats["bytes"] / 1e6, stats["num_buckets"], len(self.clients), stats["seconds"])
+        return stats
+
+    def broadcast_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str, *,
+                          lora_name: str, config: dict) -> dict:
+        """A LoRA job's sync: pause, push the adapter's tensors (PEFT names) in one call per engine
+        (/load_lora_adapter_from_distributed, which swaps the adapter whole), continue. Returns stats as
+        `broadcast` does."""
+        start = time.monotonic()
+        named = list(named_tensors)
+        stats = self._begin_broadcast(weight_version, num_buckets=1)
+        if not self.engine_urls:
+            return stats
+        wait_s = self.timeout_s + 1
+        # in the dtype the engines serve (they would cast to it): a bf16 pool gets half the bytes
+        tensors = wire.on_the_wire([t for _, t in named], backend=self.backend, dtype=self.dtype)
+        names = [name for name, _ in named]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+
+        def send() -> None:
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+            wire.wait_all(works, tensors)
+
+        try:
+            paused_at = time.monotonic()
+            _on_all(self.clients, "pause_generation", lambda c: c.pause_generation(self.pause_mode), wait_s)
+            _alongside(self.clients, f"load_lora_adapter_from_distributed of {lora_name} ({len(names)} tensors)",
+                       lambda i, c: c.load_lora_adapter_from_distributed(lora_name, config, names, dtypes, shapes,
+                                                                         weight_version, self.group_name,
+                                                                         self.timeout_s),
+                       send, wait_s, on_stuck=self._abort_group)
+            _on_all(self.clients, "continue_generation", lambda c: c.continue_generation(), wait_s)
+            stats["pause_seconds"] = time.monotonic() - paused_at
+        except Exception as err:
+            raise self._failed(err, f"adapter push of {lora_name} version {weight_version}", start) from err
+        stats.update(seconds=time.monotonic() - start, num_tensors=len(names),
+                     bytes=sum(t.numel() * t.element_size() for t in tensors))
+        log.info("adapter %s version %s: %d tensors, %.2f MB to %d engines in %.2f s", lora_name, weight_version,
+                 len(names), stats["bytes"] / 1e6, len(self.clients), stats["seconds"])
         return stats
 
     def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
@@ -263,6 +300,12 @@ class WeightBroadcaster:
                    lambda i, c: c.update_weights_from_distributed(names, dtypes, shapes, weight_version,
                                                                   self.group_name, True, self.timeout_s),
                    send, self.timeout_s + 1, on_stuck=self._abort_group)
+
+    def _failed(self, err: Exception, what: str, start: float) -> WeightSyncError:
+        """After a failed broadcast (`_recover`): the error to raise, naming the engines that failed."""
+        failed = self._recover(err)
+        return WeightSyncError(f"{what} to {self.engine_urls} failed after {time.monotonic() - start:.1f} s (the group "
+                               f"is rebuilt next time): {err}", failed)
 
     def _recover(self, err: Exception) -> tuple[str, ...]:
         """After a failed broadcast: resume the engines (waiting only on those that answered), drop the group.
@@ -350,26 +393,65 @@ def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str 
     return str(final)
 
 
+ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: <snapshot>/adapters/<lora_name>/, PEFT's adapter directory
+
+
+@dataclass(frozen=True)
+class AdapterPush:
+    """A LoRA job's sync: its adapter's name on the engines and PEFT's adapter config."""
+
+    lora_name: str
+    config: dict
+
+
+def write_adapter_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str | Path, version: str,
+                           adapter: AdapterPush, *, keep: int = 2) -> str:
+    """A LoRA job's snapshot: `root/weight_v<version>/adapters/<lora_name>/` (PEFT's adapter directory), which an
+    engine joining later loads by /update_weights_from_disk of the snapshot; written aside, then renamed into
+    place; snapshots beyond the newest `keep` deleted. Returns the snapshot's directory."""
+    from services.trainer.lora.export import write_peft_dir
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = snapshot_path(root, version)
+    staging = root / f".staging-{final.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    write_peft_dir(staging / ADAPTERS_DIR / adapter.lora_name, dict(named_tensors), adapter.config)
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    snapshots = sorted((p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in snapshots[:-keep] if keep > 0 else ():
+        shutil.rmtree(old, ignore_errors=True)
+    return str(final)
+
+
 def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Sequence[tuple[str, torch.Tensor]],
-                     version: str, *, base_model_dir: str | Path | None = None, max_attempts: int = 3) -> dict:
+                     version: str, *, base_model_dir: str | Path | None = None, max_attempts: int = 3,
+                     adapter: AdapterPush | None = None) -> dict:
     """One weight sync through the rollout manager's pool (`rollout` is a RolloutClient).
 
     BeginWeightSync names the engines to broadcast to (serving ones, and new ones waiting for weights) and where to
     write a snapshot; the snapshot is written, the weights broadcast, and EndWeightSync reports the outcome. When an
     engine dies or hangs mid-broadcast the broadcast fails within the broadcaster's timeout; the pool checks the
     engines it names (replacing dead ones) and the sync is tried again with the engines the pool names then.
+    With `adapter` (a LoRA job) the tensors are the adapter's alone: pushed by `broadcast_adapter`, snapshotted as
+    PEFT's adapter directory.
     """
     last_error: Exception | None = None
     for attempt in range(1, max_attempts + 1):
         plan = rollout.begin_weight_sync(version)
         snapshot, start = "", time.monotonic()
         try:
-            if plan.snapshot_dir:  # a pull transport's store serves joiners itself: snapshot + deltas, no copy
+            if plan.snapshot_dir and adapter is not None:
+                snapshot = write_adapter_snapshot(named_tensors, plan.snapshot_dir, version, adapter)
+            elif plan.snapshot_dir:  # a pull transport's store serves joiners itself: snapshot + deltas, no copy
                 snapshot = getattr(broadcaster, "pull_source", "") or write_snapshot(
                     named_tensors, plan.snapshot_dir, version, base_model_dir=base_model_dir)
             snapshot_s = time.monotonic() - start
             broadcaster.set_engines(plan.engine_urls)
-            stats = broadcaster.broadcast(named_tensors, version)
+            stats = broadcaster.broadcast_adapter(named_tensors, version, lora_name=adapter.lora_name,
+                                                  config=adapter.config) if adapter is not None else \
+                broadcaster.broadcast(named_tensors, version)
         except WeightSyncError as err:
             rollout.end_weight_sync(version, success=False, engine_urls=plan.engine_urls,
                                     failed_urls=list(err.failed_urls), snapshot_path=snapshot, error=str(err))

@@ -25,13 +25,15 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
+from services.trainer.backends import capabilities
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.fsdp import compiled_layers, context_parallel, cp_attention, fused_head
 from services.trainer.backends.fsdp.critic import Critic
+from services.trainer.backends.fsdp.idle_vision import IdleVision
 from services.trainer.batching import packing, varlen, vision
 from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
 from services.trainer.batching.schedule import MicroBatch, Step, split_to, step_schedule
-from services.trainer.checkpoint.hf_files import TOKENIZER_FILES, copy_side_files
+from services.trainer.checkpoint.hf_files import INPUT_FILES, copy_side_files
 from services.trainer.checkpoint.torch_state import TorchStateDicts, load_causal_lm
 from services.trainer.distributed import devices, parallel
 from services.trainer.lora import export as lora_export
@@ -75,7 +77,7 @@ class TorchBackend(TorchStateDicts):
         # vision-language model whenever the checkpoint is one (`load_causal_lm`)
         self.image_processor = vision.load_image_processor(self.model_path) if config.multimodal_keys else None
         self._images: vision.RolloutImages | None = None  # the rollout being trained's, when it has images
-        model = load_causal_lm(self.model_path).to(self.device)
+        model = load_causal_lm(self.model_path, images=bool(config.multimodal_keys)).to(self.device)
         if config.freeze_vision:
             log.info("freeze_vision: %d vision tower parameters frozen", _freeze_vision_tower(model))
         if config.lora:  # the base frozen; its KL reference is itself with the adapters off, not a copy
@@ -101,6 +103,12 @@ class TorchBackend(TorchStateDicts):
         # "fallthrough")
         self.routing = RoutingReplay(model, model.config.get_text_config().num_hidden_layers) \
             if config.replays_routing else None
+        if config.moe_aux_loss and (problem := capabilities.load_balancing_problem(
+                "fsdp", config.moe_router_load_balancing_type)):
+            raise InvalidArgument(problem)
+        # over several ranks, a rank whose micro-batch has no images still runs the trained vision tower
+        self._idle_vision = IdleVision(model) if self.image_processor is not None and self.world.distributed \
+            and not config.freeze_vision else None
         self._router = hf_aux_loss.router_kind(model) if config.moe_aux_loss else None
         if config.compile_layers:
             for compiled in (model, ref_model, teacher):
@@ -108,6 +116,12 @@ class TorchBackend(TorchStateDicts):
         self.model = parallel.shard_model(model, self.world, param_dtype=self.dtype)
         self.ref_model, self.teacher_model = (None if frozen is None else parallel.shard_model(
             frozen, self.world, param_dtype=self.dtype) for frozen in (ref_model, teacher))
+        # only the prompts' image tokens take image features (a policy may sample the image token as text)
+        self._placeholders = vision.PromptPlaceholders()
+        if self.image_processor is not None:
+            for vlm in (self.model, self.ref_model, self.teacher_model):
+                if vlm is not None:
+                    self._placeholders.install(vlm)
         self.critic = Critic(self.model_path, config, device=self.device) if config.use_critic else None
         if self.critic is not None and self.cp.size > 1:
             cp_attention.use_in(self.critic.model.backbone)
@@ -157,7 +171,8 @@ class TorchBackend(TorchStateDicts):
                     "cu_seq_lens_k": row.cu_seqlens, "max_length_q": row.max_seqlen, "max_length_k": row.max_seqlen}
         inputs = {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
         if mb.sample_index is not None and self._images is not None:
-            inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask))
+            inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask,
+                                                      mb.prompt_lengths, self._placeholders))
         return inputs
 
     def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,
@@ -173,9 +188,13 @@ class TorchBackend(TorchStateDicts):
         replay = contextlib.nullcontext()
         if self.routing is not None and model is self.model:
             replay = self.routing.replaying(mb.flat_routed_experts(packed=packed))
+        inputs = self._model_inputs(mb, packed)
+        idle = self._idle_vision is not None and model is self.model and torch.is_grad_enabled() \
+            and "pixel_values" not in inputs
         with self._autocast(), replay, fused_head.hidden_states_out(
-                model, fuse and response_only and self.fuse_head) as head:
-            out = model(**self._model_inputs(mb, packed), **keep, use_cache=False,
+                model, fuse and response_only and self.fuse_head) as head, \
+                self._idle_vision.running(idle) if idle else contextlib.nullcontext():
+            out = model(**inputs, **keep, use_cache=False,
                         **({"output_router_logits": True} if router_logits else {}))
         return out, head
 
@@ -352,7 +371,7 @@ class TorchBackend(TorchStateDicts):
             return loss, metrics
         return hf_aux_loss.add_load_balancing_loss(
             loss, metrics, out.router_logits, mb, coeff=cfg.moe_aux_loss_coeff, router=self._router,
-            packed=self._packs(mb), num_micro_batches=num_micro_batches)
+            packed=self._packs(mb), num_micro_batches=num_micro_batches, kind=cfg.moe_router_load_balancing_type)
 
     def _actor_step(self, batch: RolloutBatch, micro_batches: Step) -> dict[str, float]:
         metrics = self._train_step(self.model, self.optimizer, batch, micro_batches,
@@ -403,13 +422,24 @@ class TorchBackend(TorchStateDicts):
         return {**totals, "grad_norm": grad_norm, "lr": lr, "perf/forward_backward_seconds": forward_backward_s,
                 "perf/optimizer_seconds": time.perf_counter() - start}
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, *, adapters_merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors; a tied weight (lm_head.weight under tied embeddings) comes once, first name.
-        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none."""
+        Under FSDP every rank must call it: rank 0 gets the gathered weights, the others none. A LoRA policy's are
+        its merged weights, or with adapters_merged=False its base model's."""
         weights = parallel.full_state_dict(self.model, self.world)
-        if self.config.lora:  # until the engines serve adapters, they get the merged weights
+        if self.config.lora and adapters_merged:
             weights = lora_export.merged_state_dict(weights, scaling=self.config.lora_alpha / self.config.lora_rank)
+        elif self.config.lora:
+            weights = {name: t for name, t in weights.items() if not lora_export.is_adapter_key(name)}
         return iter([(name, t.detach()) for name, t in weights.items() if name not in self._tied_names])
+
+    def adapter_weights(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+        """PEFT's adapter config and the adapter's tensors under PEFT's names (rank 0; [] on the others)."""
+        cfg = self.config
+        weights = parallel.full_state_dict(self.model, self.world)
+        config = lora_export.peft_config(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                         target_modules=cfg.target_modules, base_model=str(self.model_path))
+        return config, sorted(lora_export.peft_state_dict(weights).items())
 
     def save_hf(self, path: str | Path) -> None:
         """Write safetensors, config and tokenizer files transformers loads; under FSDP every rank calls it (the
@@ -422,7 +452,7 @@ class TorchBackend(TorchStateDicts):
             path.mkdir(parents=True, exist_ok=True)
             # transformers 5 empties the state_dict it is given: pass a copy.
             self.model.save_pretrained(path, state_dict=dict(weights))
-            copy_side_files(self.model_path, path, TOKENIZER_FILES)  # save_pretrained wrote the configs
+            copy_side_files(self.model_path, path, INPUT_FILES)  # save_pretrained wrote the configs
             log.info("saved HF checkpoint to %s", path)
         self.world.barrier()
 
@@ -434,13 +464,13 @@ class TorchBackend(TorchStateDicts):
             lora_export.save_peft_adapter(path, weights, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                           dropout=cfg.lora_dropout, target_modules=cfg.target_modules,
                                           base_model=str(self.model_path))
-            copy_side_files(self.model_path, path, TOKENIZER_FILES)
+            copy_side_files(self.model_path, path, INPUT_FILES)
             if cfg.lora_save_merged:
                 merged = lora_export.merged_state_dict(weights, scaling=cfg.lora_alpha / cfg.lora_rank)
-                base = load_causal_lm(self.model_path)  # the base architecture, without adapter layers
+                base = self._load_hf_model(self.model_path)  # the base architecture, without adapter layers
                 base.load_state_dict(merged)
                 base.save_pretrained(path / "merged", state_dict=dict(base.state_dict()))
-                copy_side_files(self.model_path, path / "merged", TOKENIZER_FILES)
+                copy_side_files(self.model_path, path / "merged", INPUT_FILES)
             log.info("saved the LoRA adapter (PEFT format) to %s%s", path,
                      " and the merged model under merged/" if cfg.lora_save_merged else "")
         self.world.barrier()

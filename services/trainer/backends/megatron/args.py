@@ -40,13 +40,22 @@ OWNED: dict[str, str] = {
 }
 
 
+# Megatron-LM's model flags outside megatron-core's config classes that the backend honours -> their defaults
+MODEL_KEYS: dict[str, Any] = {"make_vocab_size_divisible_by": 128}  # the padded vocab: a multiple of it × TP
+
+
 @dataclass(frozen=True)
 class MegatronArgs:
-    """The `megatron:` section cut by the config class each key belongs to."""
+    """The `megatron:` section cut by the config class each key belongs to (`model`: MODEL_KEYS)."""
 
     transformer: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(default_factory=dict)
     ddp: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size_divisible_by(self) -> int:
+        return self.model.get("make_vocab_size_divisible_by", MODEL_KEYS["make_vocab_size_divisible_by"])
 
     @property
     def pipeline_ends(self) -> dict[str, int | None]:
@@ -68,10 +77,16 @@ def split(args: Mapping[str, Any] | None) -> MegatronArgs:
 
     classes = {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
     fields = {part: {f.name: f for f in dataclasses.fields(cls) if f.init} for part, cls in classes.items()}
-    out: dict[str, dict[str, Any]] = {part: {} for part in classes}
+    out: dict[str, dict[str, Any]] = {part: {} for part in (*classes, "model")}
     for key, value in (args or {}).items():
         if key in OWNED:
             raise InvalidArgument(f"megatron.{key}: {OWNED[key]}")
+        if key in MODEL_KEYS:
+            _check_type(key, value, MODEL_KEYS[key])
+            if value < 1:
+                raise InvalidArgument(f"megatron.{key}: expected a positive int, got {value!r}")
+            out["model"][key] = value
+            continue
         parts = [part for part in classes if key in fields[part]]
         if not parts:
             raise InvalidArgument(f"megatron.{key}: not a field of megatron-core's TransformerConfig, "

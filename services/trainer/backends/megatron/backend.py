@@ -37,6 +37,7 @@ from services.trainer.backends.megatron import model as mcore
 from services.trainer.backends.megatron import mtp as megatron_mtp
 from services.trainer.backends.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from services.trainer.batching import packing
+from services.trainer.batching import vision as batch_vision
 from services.trainer.batching.batch import RolloutBatch, build_rollout_batch
 from services.trainer.batching.schedule import MicroBatch, dp_schedule
 from services.trainer.checkpoint import hf_io
@@ -45,6 +46,7 @@ from services.trainer.checkpoint.megatron_hf import MegatronHFWeights
 from services.trainer.distributed import devices, megatron_cpu
 from services.trainer.models import families, mtp
 from services.trainer.models.arch import ModelArch, uneven_stage_layers
+from services.trainer.moe import megatron_aux_loss
 from services.trainer.moe.megatron_routing_replay import MegatronRouting
 from services.trainer.settings.train import TrainConfig
 from services.trainer.step import hooks, optim, rl_step
@@ -83,8 +85,12 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         hf_config = hf_io.read_config(self.model_path)
         tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
         self.arch = ModelArch.from_hf_config(hf_config)
+        if config.multimodal_keys and not self.arch.vision_model_type and \
+                families.is_vision_language(hf_config, images=True):  # Qwen3.5 with its vision tower
+            self.arch = self.arch.with_vision(hf_config)
         stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
-        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers, mtp_num_layers=config.mtp_num_layers or 0)
+        self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers, mtp_num_layers=config.mtp_num_layers or 0,
+                                        vocab_size_divisible_by=self.megatron_args.vocab_size_divisible_by)
         if problem := _mtp_problem(config, hf_config, pp_size=pp, cp_size=context_parallel_size):
             raise InvalidArgument(problem)
         self.trains_mtp = config.enable_mtp_training
@@ -101,8 +107,24 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 raise InvalidArgument(problem)
         if self.megatron_args.dropout and (problem := families.megatron_train_mode_problem(hf_config, **layout)):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
-        if context_parallel_size > 1 and (problem := _context_parallel_problem(config)):
+        if self.arch.dsa is not None:  # megatron-core's DSAttention takes padded rectangles alone, whole sequences
+            self.pack_sequences = False
+            if context_parallel_size > 1:
+                raise InvalidArgument(f"context_parallel_size {context_parallel_size}: megatron-core's DeepSeek "
+                                      "sparse attention (GLM-5) does not split sequences over ranks")
+        if context_parallel_size > 1 and (problem := _context_parallel_problem(config, self.arch)):
             raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
+        # a vision-language checkpoint: megatron's language model with transformers' vision tower (`vision.py`); a
+        # job with multimodal_keys runs its images through the image processor (batching/vision.py)
+        self.vision_config = None
+        if self.arch.vision_model_type:
+            from services.trainer.backends.megatron import vision
+
+            self.vision_config = vision.load_vision_config(self.model_path)
+        elif config.multimodal_keys:
+            raise InvalidArgument(f"multimodal_keys: model_type {hf_config.get('model_type')!r} has no vision tower")
+        self.image_processor = batch_vision.load_image_processor(self.model_path) if config.multimodal_keys else None
+        self._images: batch_vision.RolloutImages | None = None  # the rollout being trained's, when it has images
         mcore.init_distributed(tp_size=tp, pp_size=pp, seed=config.seed, ep_size=ep, cp_size=context_parallel_size,
                                etp_size=self.etp_size)
         self.cp_size, self.cp_rank = context_parallel_size, ps.get_context_parallel_rank()
@@ -123,6 +145,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else megatron_cpu.CPU)
         self.dtype = devices.train_dtype(config.bf16, self.device)
+        if self.arch.dsa is not None and self.megatron_args.transformer.get("dsa_indexer_loss_coeff") and \
+                self.device.type != "cuda":
+            raise InvalidArgument("megatron.dsa_indexer_loss_coeff: megatron-core 0.16.1 logs the DSA indexer's KL "
+                                  "loss on CUDA only; train GLM-5's indexer on GPUs, or keep it as loaded (0)")
         devices.configure_matmul(self.device, allow_tf32=config.allow_tf32)
         # the hybrid stacks (gated delta-nets) are built of local modules, Transformer Engine or not (`hybrid.py`)
         self.use_te = mcore.has_transformer_engine() and self.arch.linear_attention is None
@@ -134,6 +160,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         hf = hf_io.HFTensors(self.model_path)
         gpt = self._build_gpt()
         self._copy_hf_weights(gpt, hf)
+        if config.freeze_vision:  # the vision tower keeps its loaded weights (the first stage holds it)
+            if self.vision_config is None:
+                raise InvalidArgument("freeze_vision: the model has no vision tower")
+            if gpt.visual is not None:
+                gpt.visual.requires_grad_(False)
         if hasattr(gpt, "mtp") and not self.trains_mtp:  # carried (saved, sent to the engines), not trained
             gpt.mtp.requires_grad_(False)
         model_config = gpt.config
@@ -174,7 +205,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                                                      "context_parallel_size": self.cp_size,
                                                      **self.megatron_args.transformer})
         # eval: no dropout in log-prob recomputes (training forwards switch to train mode only under dropout)
-        return mcore.build_gpt(arch, config, use_te=self.use_te).eval()
+        return mcore.build_gpt(arch, config, use_te=self.use_te, vision_config=self.vision_config).eval()
 
     def _build_optimizer(self, model=None):
         return mcore.build_optimizer(self.config, model or self.model,
@@ -246,6 +277,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 return output, functools.partial(_loss_output, loss_fn, rows, mb)
             inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
                                       pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
+            if self.vision_config is not None:
+                inputs.update(self._vision_inputs(mb, packed, inputs["input_ids"].shape[1]))
             if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
                 # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
                 inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
@@ -270,6 +303,42 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
                 num_microbatches=len(data), seq_length=max(seq for seq, _ in shapes),
                 micro_batch_size=max(rows for _, rows in shapes), forward_only=forward_only)
+
+    def _vision_inputs(self, mb: RolloutBatch, packed: bool, length: int) -> dict[str, torch.Tensor]:
+        """A vision-language model's inputs for the micro-batch laid out as `gpt_inputs` lays it (`length`
+        positions, padding for sequence parallelism included): the multimodal rotary positions [3, b, length] on
+        every stage, and on the first the pixel values and patch grids of its rows' images, in row order."""
+        rows = batch_vision.image_rows(self._images, mb.sample_index) if mb.sample_index is not None \
+            else [None] * mb.size
+        image_token_id = self.vision_config.image_token_id
+        positions = batch_vision.multimodal_positions(
+            mb.tokens, mb.total_lengths, rows, image_token_id=image_token_id,
+            merge_size=self.vision_config.vision_config.spatial_merge_size, prompt_lengths=mb.prompt_lengths.tolist())
+        # only the prompts' image tokens take image features (a policy may sample the image token as text)
+        image_mask = batch_vision.prompt_image_mask(mb.tokens, mb.prompt_lengths, image_token_id)
+        if packed:  # the real tokens' positions side by side, then the padding's count from 0 (`gpt_inputs`)
+            real = positions[:, mb.attention_mask.bool()]
+            extra = torch.arange(length - real.shape[1], device=real.device).repeat(3, 1)
+            positions = torch.cat([real, extra], dim=1)[:, None]
+            image_mask = image_mask[mb.attention_mask.bool()][None]
+        else:
+            positions = torch.cat([positions, positions[..., -1:] + torch.arange(
+                1, length - positions.shape[2] + 1, device=positions.device)], dim=2)
+        out = {"position_ids": positions}
+        images = [row for row in rows if row is not None]
+        if images and self.is_first_stage:
+            out["pixel_values"] = torch.cat([row.pixel_values for row in images]).to(self.device)
+            out["image_grid_thw"] = torch.cat([row.image_grid_thw for row in images]).to(self.device)
+            out["image_mask"] = torch.nn.functional.pad(image_mask, (0, length - image_mask.shape[1])).to(self.device)
+        return out
+
+    def _see_images(self, samples: Sequence[Sample]) -> None:
+        """The rollout's images through the image processor, once per group, before its forwards."""
+        has_images = any(s.images for s in samples)
+        if has_images and self.image_processor is None:
+            raise InvalidArgument("samples with images, but the job has no multimodal_keys: it trains the language "
+                                  "model alone")
+        self._images = batch_vision.RolloutImages(self.image_processor, samples) if has_images else None
 
     def _replay(self, model, record: torch.Tensor | None = None) -> Callable | None:
         """The policy's routing replay around each micro-batch's forward; none for the reference model."""
@@ -371,6 +440,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         return Share()
 
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        self._see_images(samples)
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id)
         micro = self._micro_batches(batch, list(range(batch.size)), training=False)
         log_probs = self._log_probs(self.model, batch, micro)
@@ -381,6 +451,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
     def train_rollout(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         cfg = self.config
         r3 = (self.arch.num_layers, self.arch.moe_router_topk) if cfg.use_rollout_routing_replay else None
+        self._see_images(samples)
         batch = build_rollout_batch(samples, pad_token_id=self.pad_token_id, reward_key=cfg.reward_key,
                                     routing_shape=r3)
         steps = [(rows, self._micro_batches(batch, rows)) for rows in self._steps(batch)]
@@ -514,6 +585,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        load_balancing = cfg.moe_aux_loss and model is self.model
+        if load_balancing:
+            megatron_aux_loss.start_step(model.module)
         # train mode only for dropout or megatron-core's load-balancing loss (its routers add it only in training)
         model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
         try:
@@ -522,7 +596,12 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             model.eval()
         self._count_experts_tokens_once(model.module)
         grad_norm, lr = self._optimizer_step(model, optimizer, num_steps, rows)
-        return self._sum_metrics(totals), grad_norm, lr
+        metrics = self._sum_metrics(totals)
+        if load_balancing:  # megatron-core's routers added it: the step's value, as the fsdp backend reports its own
+            metrics["moe_aux_loss"] = megatron_aux_loss.step_value(
+                cfg.moe_router_load_balancing_type, num_layers=self.arch.num_layers,
+                num_micro_batches=len(micro_batches), device=self.device)
+        return metrics, grad_norm, lr
 
     def _count_experts_tokens_once(self, gpt) -> None:
         """Without sequence parallelism every TP rank holds all of its replica's tokens, and under expert parallelism
@@ -583,8 +662,10 @@ class MegatronCritic:
         return self.model.module
 
 
-def _context_parallel_problem(config: TrainConfig) -> str:
+def _context_parallel_problem(config: TrainConfig, arch: ModelArch) -> str:
     """Why this job cannot split its sequences over CP ranks here ("" when it can)."""
+    if arch.vision_model_type:
+        return "a vision-language model's forward runs each sequence whole on one rank (its multimodal positions)"
     if config.loss_type == "custom_loss":
         return CUSTOM_LOSS_REFUSAL.removeprefix("context_parallel_size > 1 ")
     if config.replays_routing or config.moe_aux_loss:

@@ -84,9 +84,9 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
     on_gpu = torch.cuda.is_available()
     mla = {}
     if arch.mla is not None:  # multi-latent attention: its own config class (deepseek_v3.py's fields)
-        from services.trainer.models import deepseek_v3
+        from services.trainer.models import deepseek_v3, glm_moe_dsa
 
-        mla = deepseek_v3.config_fields(arch)
+        mla = {**deepseek_v3.config_fields(arch), **glm_moe_dsa.config_fields(arch)}
     return args.build(MLATransformerConfig if mla else TransformerConfig, "TransformerConfig", dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
@@ -100,7 +100,8 @@ def transformer_config(arch: ModelArch, *, tp_size: int, pp_size: int, dtype: to
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=on_gpu,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **moe_fields(arch),
         rotary_interleaved=arch.rotary_interleaved, **{**mla, "qk_layernorm": arch.qk_layernorm or bool(mla)},
-        **linear_attention_fields(arch)), overrides or {})
+        **linear_attention_fields(arch),
+        **({"mrope_section": list(arch.mrope_section)} if arch.mrope_section else {})), overrides or {})
 
 
 def linear_attention_fields(arch: ModelArch) -> dict:
@@ -155,13 +156,15 @@ def router_fields(arch: ModelArch, train: TrainConfig) -> dict:
     if not arch.num_experts:
         return {}
     fields = {"moe_enable_routing_replay": True} if train.replays_routing else {}
-    if train.moe_aux_loss:
-        fields.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=train.moe_aux_loss_coeff)
+    if train.moe_aux_loss:  # aux_loss, seq_aux_loss or global_aux_loss (moe/megatron_aux_loss.py logs it)
+        fields.update(moe_router_load_balancing_type=train.moe_router_load_balancing_type,
+                      moe_aux_loss_coeff=train.moe_aux_loss_coeff)
     return fields
 
 
-def build_gpt(arch: ModelArch, config, *, use_te: bool):
-    """This pipeline stage's GPTModel (padded vocab, vocab-parallel output), on the GPU when there is one."""
+def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
+    """This pipeline stage's GPTModel (padded vocab, vocab-parallel output), on the GPU when there is one; for a
+    vision-language checkpoint (`vision_config`, its transformers config) with the vision tower (`vision.py`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -199,6 +202,13 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             for layer_spec in spec.layer_specs:
                 attn = layer_spec.submodules.self_attention.submodules
                 attn.q_layernorm = attn.kv_layernorm = LatentRMSNorm
+        if arch.dsa is not None:  # GLM-5: DeepSeek sparse attention over the MLA
+            from services.trainer.backends.megatron import dsa
+
+            if use_te:
+                raise InvalidArgument("megatron backend: GLM-5's sparse attention is built on the local spec only "
+                                      "(Transformer Engine is installed)")
+            dsa.use_sparse_attention(spec)
     elif use_te:
         if arch.projection_qk_norm:
             raise InvalidArgument("megatron backend: MiniMax-M2's whole-projection q/k norms are built on the local "
@@ -217,20 +227,33 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool):
             attn.q_layernorm, attn.k_layernorm = QProjectionRMSNorm, KProjectionRMSNorm
     mtp_spec = _mtp_block(spec, arch.mtp_num_layers, SequenceParallelRMSNorm, use_te=use_te) \
         if arch.mtp_num_layers and parallel_state.is_pipeline_last_stage() else None
+    model_class, extra = GPTModel, {}
+    if arch.vision_model_type:
+        from services.trainer.backends.megatron import vision
+
+        model_class = vision.vision_gpt_class()
+        extra = {"position_embedding_type": "mrope", "scatter_embedding_sequence_parallel": False}
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
-        model = GPTModel(
+        model = model_class(
             config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
-            rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0)
+            rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
+            rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+            **{"position_embedding_type": "rope", **extra})
+        if arch.vision_model_type:
+            model.attach_vision(vision_config, arch, config.params_dtype, torch.device("cpu"))
     model.mtp_process = False  # its MTP layers run only in the forwards that train them (`mtp.running`)
     if arch.mla is not None and not use_te:
         from services.trainer.backends.megatron.mla import whole_kv_down_projections
 
         whole_kv_down_projections(model, config)
+    if arch.dsa is not None and not config.dsa_indexer_loss_coeff:
+        from services.trainer.backends.megatron import dsa
+
+        dsa.freeze_indexers(model)
     if config.tensor_model_parallel_size > 1 and config.expert_model_parallel_size == 1 and \
             config.expert_tensor_parallel_size == 1:
         # every TP rank holds all experts whole (expert TP 1), which megatron-core still marks tensor-parallel;

@@ -1,10 +1,15 @@
-// The latest rollout's samples, filterable by reward; a multi-turn response shows turn by turn, masked parts marked.
+// The latest rollout's samples, filterable by reward; a prompt's images show beside its text, and a multi-turn
+// response shows turn by turn, masked parts marked.
 import { el, fmtNum } from "./api.js";
 
 function turnsOf(sample) {
   const parts = sample.prompt_messages.length
     ? sample.prompt_messages.map((m) => el("div", { class: "turn prompt" }, el("span", { class: "label" }, m.role || "message"), m.content))
     : [el("div", { class: "turn prompt" }, el("span", { class: "label" }, "prompt"), sample.prompt)];
+  if (sample.images && sample.images.length) {
+    parts.push(el("div", { class: "images" }, ...sample.images.map((src, i) =>
+      el("figure", {}, el("img", { class: "sample-image", src, alt: `image ${i + 1}` }), el("figcaption", {}, `image ${i + 1}`)))));
+  }
   const multi = sample.turns.length > 1;
   sample.turns.forEach((turn, i) => {
     const label = turn.masked ? `masked: not trained on (${turn.num_tokens} tokens)`
@@ -21,7 +26,10 @@ function sampleCard(sample) {
     el("div", { class: "meta" }, reward, el("span", {}, `group ${sample.group_index} · sample ${sample.index}`),
       el("span", {}, `${sample.response_length} response tokens`),
       el("span", {}, `weight version ${sample.weight_versions.join(", ") || "-"}`), el("span", {}, sample.status),
-      sample.reward_error ? el("span", { class: "error" }, sample.reward_error) : null),
+      sample.reward_error ? el("span", { class: "error" }, sample.reward_error) : null,
+      sample.agent_turns != null ? el("span", {}, `agent session: ${sample.agent_turns} turns`) : null),
+    ...(sample.agent_branches || []).map((b) => el("div", { class: "turn branch" }, el("span", { class: "label" },
+      `branch at turn ${b.turn}`), b.reason)),
     ...turnsOf(sample));
 }
 

@@ -1,0 +1,128 @@
+"""`make demo-agent`: an agent written against the `openai` client learns to use its tool through the whole service
+loop on CPU.
+
+The questions are examples/agent's (a*b+c, a and b in 2..9, c in 1..99), which the tiny model cannot work out in
+its head; the agent (examples/agent/solver.py) offers one tool, `solve`, that works out the question's arithmetic.
+Held-out reward is measured three times (greedy, one agent session per question, through the rollout service's
+gateway): the model as initialised; after a warm-up on a few conversations, half of which call `solve` and copy its
+result, half of which answer in the head (a*b, the +c forgotten: always wrong); after the GRPO job
+examples/agent/demo.yaml, whose reward is the right answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from physarum import stack
+
+OUT_DIR = Path(".physarum/demo-agent")
+JOB = Path("examples/agent/demo.yaml")
+NUM_TRAIN, NUM_TEST, NUM_WARMUP = 200, 40, 32
+
+
+def solved(a: int, b: int, c: int) -> dict:
+    """A worked conversation: a call to `solve`, its result, the answer."""
+    from examples.agent.build import question
+    from examples.agent.solver import TOOL
+
+    return {"tools": [TOOL], "messages": [
+        {"role": "user", "content": question(a, b, c)["input"]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "solve", "arguments": {}}}]},
+        {"role": "tool", "content": str(a * b + c)},
+        {"role": "assistant", "content": f"The answer is {a * b + c}."}]}
+
+
+def guessed(a: int, b: int, c: int) -> dict:
+    """An answer without the tool, as a model doing the arithmetic in its head writes it: a*b, the +c dropped (always
+    wrong, c >= 1)."""
+    from examples.agent.build import question
+    from examples.agent.solver import TOOL
+
+    return {"tools": [TOOL], "messages": [{"role": "user", "content": question(a, b, c)["input"]},
+                                          {"role": "assistant", "content": f"The answer is {a * b}."}]}
+
+
+def build(out_dir: Path, seed: int) -> tuple[Path, Path, Path, Path]:
+    """The cold and warm models (the same initialisation) and the train and test questions."""
+    from examples.agent.build import question, split_questions
+    from examples.agent.model import build_agent_model
+
+    warmup, train, test = split_questions(NUM_WARMUP, NUM_TRAIN, NUM_TEST, seed)
+    cold = build_agent_model(out_dir / f"cold-{seed}", seed=seed)  # the same initialisation, no warm-up
+    conversations = [(solved if i % 2 == 0 else guessed)(*t) for i, t in enumerate(warmup)]
+    warm = build_agent_model(out_dir / f"solver-warm-{seed}", seed=seed, conversations=conversations)
+    paths = []
+    for name, rows in (("train", train), ("test", test)):
+        path = out_dir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(question(*t)) + "\n" for t in rows))
+        paths.append(path)
+    return cold, warm, paths[0], paths[1]
+
+
+def evaluate(state: dict, model_dir: Path, test_path: Path, name: str) -> float:
+    """Held-out reward of the engines' current weights: one greedy agent session per question."""
+    from services.common.settings.rollout import RolloutConfig
+    from services.rollout.client import RolloutClient
+
+    config = RolloutConfig(job_id=f"demo-agent-eval-{name}", rollout_batch_size=1, tokenizer_path=str(model_dir),
+                           input_key="input", label_key="label", apply_chat_template=True,
+                           eval_prompt_data=[f"calc={test_path.resolve()}"],
+                           n_samples_per_eval_prompt=1, eval_temperature=0.0, rollout_max_response_len=120,
+                           agent_function_path="examples.agent.solver.agent", agent_timeout_s=300.0,
+                           custom_rm_path="examples.agent.reward.reward")
+    with RolloutClient(state["rollout_addr"], timeout_s=30.0) as client:
+        metrics = client.run_eval(config, 0, "0", timeout_s=1200.0)
+    return metrics["eval/calc"]
+
+
+def run_job(state: dict, overrides: list[str]) -> list[dict]:
+    from physarum.demo import run_job as run
+
+    return run(state, JOB, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the models' initialisation, the questions and "
+                                                            "the GRPO job")
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    start = time.monotonic()
+    cold, warm, train, test = build(OUT_DIR, args.seed)
+    options = dict(num_engines=args.engines, trainer_threads=1, plugin_allowlist="examples")
+    cold_dir, work_dir = OUT_DIR / "stack-cold", OUT_DIR / "stack"  # apart: the first's engines may still be leaving
+    state = stack.up(stack.StackOptions(work_dir=cold_dir, model_path=cold, **options))
+    try:
+        before = evaluate(state, cold, test, f"cold-{args.seed}")
+    finally:
+        stack.down(cold_dir)
+    print(f"held-out reward of the cold model: {before:.3f}", flush=True)
+    state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=warm, **options))
+    try:
+        warmed = evaluate(state, warm, test, f"warm-{args.seed}")
+        print(f"held-out reward after the warm-up: {warmed:.3f}", flush=True)
+        grpo_start = time.monotonic()
+        events = run_job(state, [f"hf_checkpoint={warm.resolve()}", f"prompt_data={train.resolve()}",
+                                 f"seed={args.seed}", f"rollout_seed={args.seed}", *args.set])
+        rewards = [round(e["metrics"]["rollout/reward_mean"], 3) for e in events
+                   if "rollout/reward_mean" in e["metrics"]]
+        print(f"GRPO: {len(rewards)} rollouts in {time.monotonic() - grpo_start:.0f} s, rollout reward {rewards}",
+              flush=True)
+        after = evaluate(state, warm, test, f"grpo-{args.seed}")  # the job pushed its last weights to the engines
+    finally:
+        stack.down(work_dir)
+    print(f"took {time.monotonic() - start:.0f} s")
+    print(f"demo: reward {before:.3f} -> {warmed:.3f} (warm-up) -> {after:.3f} (GRPO)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

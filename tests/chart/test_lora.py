@@ -1,0 +1,53 @@
+"""engines.lora: the chart's values turn on LoRA serving, as SGLang's launch_server flags on SGLang engines and as
+the CPU engine's PHYSARUM_ENGINE_* settings on CPU ones; off by default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.chart.chart import containers, env_of, one, render, rendered
+
+SGLANG_FLAGS = set(json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_server_flags.json")
+                              .read_text())["flags"])
+
+
+def engine_container(values: dict) -> dict:
+    (container,) = containers(one(render(values), "Deployment", "engine"))
+    return container
+
+
+def test_sglang_engines_get_launch_server_lora_flags():
+    container = engine_container({"engines": {"lora": {"enabled": True, "maxLorasPerBatch": 4, "maxLoraRank": 32,
+                                                       "targetModules": ["q_proj", "v_proj"]}}})
+    args = container["args"]
+    assert {"--enable-lora", "--max-loras-per-batch=4", "--max-lora-rank=32"} <= set(args)
+    start = args.index("--lora-target-modules")
+    assert args[start + 1:start + 3] == ["q_proj", "v_proj"]
+    assert [a.split("=", 1)[0] for a in args if a.startswith("--") and a.split("=", 1)[0] not in SGLANG_FLAGS] == []
+
+
+def test_sglang_engines_default_to_every_module_and_no_lora():
+    args = engine_container({"engines": {"lora": {"enabled": True}}})["args"]
+    assert args[args.index("--lora-target-modules") + 1] == "all"
+    (default,) = containers(one(rendered("default"), "Deployment", "engine"))
+    assert not [a for a in default.get("args", []) if "lora" in a]
+
+
+def test_cpu_engines_get_the_engines_lora_settings():
+    container = engine_container({"engines": {"backend": "cpu", "gpus": 0,
+                                              "lora": {"enabled": True, "maxLoraRank": 16,
+                                                       "targetModules": ["q_proj", "down_proj"]}}})
+    env = {name: e.get("value") for name, e in env_of(container).items()}
+    assert env["PHYSARUM_ENGINE_ENABLE_LORA"] == "true"
+    assert (env["PHYSARUM_ENGINE_MAX_LORA_RANK"], env["PHYSARUM_ENGINE_MAX_LORAS_PER_BATCH"]) == ("16", "8")
+    assert env["PHYSARUM_ENGINE_LORA_TARGET_MODULES"] == "q_proj,down_proj"
+
+
+def test_a_bad_lora_value_fails_the_schema():
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmValuesError, match="maxLoraRank"):
+        render({"engines": {"lora": {"enabled": True, "maxLoraRank": 0}}})

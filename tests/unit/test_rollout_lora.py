@@ -1,0 +1,39 @@
+"""A LoRA job in the rollout manager: every /generate names the job's adapter (SGLang's lora_path) unless the
+payload names one itself; the job asks the pool for --enable-lora; the CPU engines take the LoRA options as flags."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from services.common.plugin_sample import PluginSample
+from services.rollout.pool.engine_options import job_engine_options
+from services.rollout.pool.launchers import cpu_engine_options_argv
+from tests.unit.rollout_fakes import reply
+from tests.unit.test_rollout_generate import call, context
+
+
+def test_every_generate_of_a_lora_job_names_its_adapter():
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=reply([3], "a"))
+
+    asyncio.run(call(context(handler, lora_name="job-a"), PluginSample()))
+    asyncio.run(call(context(handler, lora_name="job-a"), PluginSample(), {"input_ids": [1], "lora_path": "other"}))
+    asyncio.run(call(context(handler), PluginSample()))
+    assert [body.get("lora_path") for body in seen] == ["job-a", "other", None]
+
+
+def test_a_lora_job_asks_for_lora_serving():
+    assert job_engine_options({"lora_rank": 16})["sglang_enable_lora"] is True
+    assert "sglang_enable_lora" not in job_engine_options({"lora_rank": 0})
+
+
+def test_cpu_engines_take_the_lora_options_as_flags():
+    argv = cpu_engine_options_argv({"sglang_enable_lora": True, "sglang_lora_target_modules": ["q_proj", "v_proj"],
+                                    "sglang_max_lora_rank": 16, "sglang_lora_backend": "triton"})
+    assert argv == ["--enable-lora", "True", "--max-lora-rank", "16", "--lora-target-modules", "q_proj,v_proj"]
