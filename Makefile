@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup agent-clis demo demo-agent demo-megatron test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
+.PHONY: setup agent-clis demo demo-agent demo-megatron demo-vlm test test-fast chart-test unit lint proto redis-server clean bench fuzz chaos gpu-check hadolint docs
 
 # torch first, pinned to the local CPU build: a range or a newer pin would pull a multi-GB CUDA build. The images'
 # constraints pin the rest, so the tests run on the very versions the images install.
@@ -35,6 +35,9 @@ demo-agent: setup  # `make demo-agent SEED=n`: an openai-client agent and its to
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes; MODEL=deepseek_v3 EP=2: a MoE family's experts over the two (TP=1)
 	$(BIN)/python -m physarum.demo --train-backend megatron --seed $(SEED) --model-family $(MODEL) $(if $(EP),--expert-model-parallel-size $(EP)) $(if $(THREADS),--trainer-threads $(THREADS))
+
+demo-vlm: setup  # a tiny vision-language model learns which colour a square in an image is (SFT, then GRPO); SEED=n, THREADS=1 as for demo
+	$(BIN)/python -m physarum.demo_vlm --seed $(SEED) $(if $(THREADS),--trainer-threads $(THREADS))
 
 # Every script in bench/, each a table of ratios to a baseline measured in the same run; writes bench/RESULTS.md.
 bench: setup

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from physarum import cputime, stack
@@ -67,7 +68,7 @@ def run_job(state: dict, job_file: Path, overrides: list[str]) -> tuple[str, lis
 
 
 def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple[float, float, float],
-                out: Path) -> None:
+                out: Path, title: str = "Physarum demo: two-digit addition") -> None:
     """SFT loss, and GRPO's sampled train reward per rollout with the held-out (greedy) reward at its two ends."""
     import matplotlib
 
@@ -82,9 +83,38 @@ def plot_curves(sft_loss: list[float], grpo_reward: list[float], held_out: tuple
                label=f"held-out reward (greedy): {held_out[1]:.3f} after SFT, {held_out[2]:.3f} after GRPO")
     right.legend(loc="lower right", fontsize=8)
     right.set(title="GRPO", xlabel="rollout", ylabel="rollout/reward_mean", ylim=(0, 1.05))
-    fig.suptitle("Physarum demo: two-digit addition")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+
+
+def train_and_measure(state: dict, evaluate_now: Callable[[], float], examples: Path,
+                      sets: tuple[list[str], list[str]], curve: Path, title: str = "Physarum demo: two-digit addition",
+                      evaluate_job: Callable[[str], float] | None = None) -> tuple[float, float, float]:
+    """Held-out reward before training, after the SFT warm-up (examples/sft.yaml) and after GRPO (examples/job.yaml),
+    each job run with its `--set` overrides; saves the curves to `curve` and prints the training's time.
+    `evaluate_job` measures after GRPO instead, given its job id (a LoRA job's adapter is served under it)."""
+    before = evaluate_now()
+    print(f"held-out reward before training: {before:.3f}", flush=True)
+    roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
+    train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
+    _, sft_events = run_job(state, examples / "sft.yaml", sets[0])
+    sft_s = time.monotonic() - train_start
+    after_sft = evaluate_now()  # the SFT job pushed its weights to the engines
+    print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
+    grpo_start = time.monotonic()
+    grpo_id, grpo_events = run_job(state, examples / "job.yaml", sets[1])
+    train_s = sft_s + time.monotonic() - grpo_start
+    train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
+    after = evaluate_now() if evaluate_job is None else evaluate_job(grpo_id)
+    plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
+                [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
+                (before, after_sft, after), curve, title)
+    # On a shared machine wall time counts other people's work too; CPU time / cores is what this demo costs.
+    cores = os.cpu_count() or 1
+    print(f"training took {train_s:.0f} s (SFT {sft_s:.0f} s, GRPO {train_s - sft_s:.0f} s), {train_cpu:.0f} CPU-s "
+          f"= {train_cpu / cores:.0f} s of all {cores} cores; reward curve: {curve}")
+    return before, after_sft, after
 
 
 def backend_overrides(train_backend: str, tensor_model_parallel_size: int,
@@ -196,27 +226,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.train_backend}{f' TP={tp}' if model_parallel else ''}{f' EP={ep}' if ep > 1 else ''} on "
               f"{ranks} rank(s); model: tiny "
               f"{args.model_family}{'; GRPO trains a LoRA adapter (rank 16)' if args.lora else ''}", flush=True)
-        before = evaluate(state, model_dir, test_path)
-        print(f"held-out reward before training: {before:.3f}", flush=True)
-        roots = [os.getpid(), *(entry["pid"] for entry in state["processes"])]
-        train_start, train_cpu = time.monotonic(), cputime.tree_cpu_seconds(roots)
-        _, sft_events = run_job(state, EXAMPLES / "sft.yaml", sft_sets)
-        sft_s = time.monotonic() - train_start
-        after_sft = evaluate(state, model_dir, test_path)  # the SFT job pushed its weights to the engines
-        print(f"held-out reward after the SFT warm-up: {after_sft:.3f}", flush=True)
-        grpo_start = time.monotonic()
-        grpo_id, grpo_events = run_job(state, EXAMPLES / "job.yaml", grpo_sets)
-        train_s = sft_s + time.monotonic() - grpo_start
-        train_cpu = cputime.tree_cpu_seconds(roots) - train_cpu
         # a LoRA job's adapter is served under its job id, over the base it pushed (the SFT model)
-        after = evaluate(state, model_dir, test_path, lora_path=grpo_id if args.lora else None)
-        plot_curves([e["metrics"]["train/loss"] for e in sft_events if "train/loss" in e["metrics"]],
-                    [e["metrics"]["rollout/reward_mean"] for e in grpo_events if "rollout/reward_mean" in e["metrics"]],
-                    (before, after_sft, after), DEMO_DIR / "reward_curve.png")
-        # On a shared machine wall time counts other people's work too; CPU time / cores is what this demo costs.
-        cores = os.cpu_count() or 1
-        print(f"training took {train_s:.0f} s (SFT {sft_s:.0f} s, GRPO {train_s - sft_s:.0f} s), {train_cpu:.0f} CPU-s "
-              f"= {train_cpu / cores:.0f} s of all {cores} cores; reward curve: {DEMO_DIR / 'reward_curve.png'}")
+        lora_eval = (lambda job_id: evaluate(state, model_dir, test_path, lora_path=job_id)) if args.lora else None
+        before, after_sft, after = train_and_measure(state, lambda: evaluate(state, model_dir, test_path), EXAMPLES,
+                                                     (sft_sets, grpo_sets), DEMO_DIR / "reward_curve.png",
+                                                     evaluate_job=lora_eval)
     finally:
         stack.down(work_dir)
     print(f"demo: reward {before:.3f} -> {after_sft:.3f} (SFT) -> {after:.3f} (GRPO)")

@@ -48,15 +48,15 @@ def guessed(a: int, b: int, c: int) -> dict:
                                           {"role": "assistant", "content": f"The answer is {a * b}."}]}
 
 
-def build(out_dir: Path, seed: int) -> tuple[Path, Path, Path, Path]:
+def build(out_dir: Path, seed: int, num_warmup: int = NUM_WARMUP) -> tuple[Path, Path, Path, Path]:
     """The cold and warm models (the same initialisation) and the train and test questions."""
     from examples.agent.build import question, split_questions
     from examples.agent.model import build_agent_model
 
-    warmup, train, test = split_questions(NUM_WARMUP, NUM_TRAIN, NUM_TEST, seed)
+    warmup, train, test = split_questions(num_warmup, NUM_TRAIN, NUM_TEST, seed)
     cold = build_agent_model(out_dir / f"cold-{seed}", seed=seed)  # the same initialisation, no warm-up
     conversations = [(solved if i % 2 == 0 else guessed)(*t) for i, t in enumerate(warmup)]
-    warm = build_agent_model(out_dir / f"solver-warm-{seed}", seed=seed, conversations=conversations)
+    warm = build_agent_model(out_dir / f"solver-warm-{seed}-{num_warmup}", seed=seed, conversations=conversations)
     paths = []
     for name, rows in (("train", train), ("test", test)):
         path = out_dir / f"{name}.jsonl"
@@ -84,7 +84,7 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, name: str) -> float:
 def run_job(state: dict, overrides: list[str]) -> list[dict]:
     from physarum.demo import run_job as run
 
-    return run(state, JOB, overrides)
+    return run(state, JOB, overrides)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +93,22 @@ def main(argv: list[str] | None = None) -> int:
                                                             "the GRPO job")
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
+    parser.add_argument("--num-warmup", type=int, default=NUM_WARMUP, help="warm-up conversations (half call "
+                                                                             "`solve`; changes the split)")
+    parser.add_argument("--check-warm", type=int, default=0, metavar="N",
+                        help="only build the warm model and report, greedily on N held-out questions, how often it "
+                             "calls `solve` and copies the tool's result (no services)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
-    cold, warm, train, test = build(OUT_DIR, args.seed)
+    cold, warm, train, test = build(OUT_DIR, args.seed, args.num_warmup)
+    if args.check_warm:
+        from examples.agent.warm_check import check_warm
+
+        calls, copies = check_warm(warm, test, args.check_warm)
+        print(f"warm model ({time.monotonic() - start:.0f} s): calls `solve` on {calls}/{args.check_warm}, copies "
+              f"its result on {copies}/{args.check_warm} held-out questions")
+        return 0
     options = dict(num_engines=args.engines, trainer_threads=1, plugin_allowlist="examples")
     cold_dir, work_dir = OUT_DIR / "stack-cold", OUT_DIR / "stack"  # apart: the first's engines may still be leaving
     state = stack.up(stack.StackOptions(work_dir=cold_dir, model_path=cold, **options))

@@ -1,28 +1,27 @@
 """A prompt row's images: each value of an image column read (a file under the data roots, a `data:` URL, base64 text
-or raw bytes), decoded once with Pillow to check it is whole and bounded, and kept as its encoded bytes.
+or raw bytes), decoded once with Pillow to check it is whole and bounded (services/common/images.py), and kept as its
+encoded bytes.
 
 The buffer never resizes or re-encodes an image; fitting it to a model is the engine's and the trainer's processor's.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.images import (  # noqa: F401 - MAX_IMAGE_PIXELS, MAX_IMAGES_PER_ROW: the dataset's bounds
+    MAGIC,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES_PER_ROW,
+    check_image,
+    decode_base64,
+)
 from services.common.paths import confine
 from services.common.samples import Image
 
-MAX_IMAGE_BYTES = 16 << 20         # one encoded image
-MAX_IMAGE_PIXELS = 4096 * 4096     # width x height; checked from the header, before any pixel is decoded
-MAX_IMAGES_PER_ROW = 32
-MIME_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif", "BMP": "image/bmp"}
-# The first bytes of each format above: base64 text that decodes to one of these is an image, anything else a path.
-_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF", b"GIF87a", b"GIF89a", b"BM")
 # Keys of an image given as an object: a Hugging Face datasets Image column (bytes, path), Qwen-VL's {"type": "image",
 # "image": ...}. Qwen-VL's per-image resize hints (min_pixels, max_pixels) are refused rather than ignored.
 _OBJECT_KEYS = frozenset({"bytes", "path", "image", "type"})
@@ -31,37 +30,6 @@ _OBJECT_KEYS = frozenset({"bytes", "path", "image", "type"})
 def read_image(value: Any, *, base_dir: Path, roots: Sequence[str]) -> Image:
     """One image column item as an Image; ValueError saying what is wrong with it."""
     return check_image(_image_bytes(value, base_dir, roots))
-
-
-def check_image(data: bytes) -> Image:
-    """Encoded image bytes, decoded whole to prove them (a truncated or corrupt file fails here, not in an engine)."""
-    from PIL import Image as PILImage
-    from PIL import UnidentifiedImageError
-
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"image of {len(data)} bytes (at most {MAX_IMAGE_BYTES})")
-    try:
-        with warnings.catch_warnings():  # the pixel bound below is ours, lower than Pillow's warning's
-            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
-            opened = PILImage.open(io.BytesIO(data))
-        with opened as image:
-            width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise ValueError(f"image of {width}x{height} pixels ({width * height / 1e6:.1f} megapixels; at most "
-                                 f"{MAX_IMAGE_PIXELS / 1e6:.1f})")
-            if image.format not in MIME_TYPES:
-                raise ValueError(f"image format {image.format} (expected one of {', '.join(MIME_TYPES)})")
-            image.load()
-            mime_type = MIME_TYPES[image.format]
-    except UnidentifiedImageError:
-        if data.startswith(_MAGIC):
-            raise ValueError(f"corrupt image: a {len(data)}-byte image file whose header does not decode") from None
-        raise ValueError(f"not an image ({len(data)} bytes starting {data[:8]!r})") from None
-    except PILImage.DecompressionBombError as err:  # over Pillow's own limit, refused before our size check
-        raise ValueError(f"image too large: {err}") from None
-    except (OSError, SyntaxError) as err:  # Pillow's truncated and corrupt files
-        raise ValueError(f"corrupt image: {err}") from None
-    return Image(data=data, mime_type=mime_type, width=width, height=height)
 
 
 def _image_bytes(value: Any, base_dir: Path, roots: Sequence[str]) -> bytes:
@@ -82,7 +50,7 @@ def _image_bytes(value: Any, base_dir: Path, roots: Sequence[str]) -> bytes:
         header, comma, payload = value.partition(",")
         if not comma or not header.endswith(";base64"):
             raise ValueError(f"data: URL {value[:40]!r}... is not base64 (expected data:image/...;base64,...)")
-        return _base64(payload)
+        return decode_base64(payload)
     if value.startswith(("http://", "https://")):
         raise ValueError(f"image URL {value[:200]!r}: the buffer fetches nothing from the network; put the image in "
                          "the data (a file under the data roots, a data: URL or bytes)")
@@ -104,19 +72,10 @@ def _file(value: Any, base_dir: Path, roots: Sequence[str]) -> bytes:
     return path.read_bytes()
 
 
-def _base64(text: str) -> bytes:
-    if len(text) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise ValueError(f"base64 image of {len(text)} characters (at most {MAX_IMAGE_BYTES} bytes decoded)")
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise ValueError(f"invalid base64 image: {err}") from None
-
-
 def _maybe_base64(text: str) -> bytes | None:
     """`text` decoded when it is base64 of an image file (its first bytes say so); None when it is not."""
     try:
-        data = _base64(text)
+        data = decode_base64(text)
     except ValueError:
         return None
-    return data if data.startswith(_MAGIC) else None
+    return data if data.startswith(MAGIC) else None

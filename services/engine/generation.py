@@ -32,11 +32,12 @@ log = logging.getLogger(__name__)
 
 
 def sample_next(logits: torch.Tensor, request: Request, rng: torch.Generator,
-                eos_ids: frozenset[int]) -> tuple[int, float]:
+                eos_ids: frozenset[int], never: torch.Tensor | None = None) -> tuple[int, float]:
     """The next token of `request` from its last-position logits [V], with log_softmax(logits / T) at that token.
 
     T is the request's temperature (1 when greedy at temperature 0), as SGLang reports it; top-k, top-p and min-p
-    only restrict which token may be drawn (SGLang's torch sampler).
+    only restrict which token may be drawn (SGLang's torch sampler), as do `never`'s ids (a vision-language model's
+    image placeholders, which stand for pixels: a response cannot carry an image).
     """
     p = request.params
     if request.generator is None and p.sampling_seed is not None:
@@ -55,10 +56,11 @@ def sample_next(logits: torch.Tensor, request: Request, rng: torch.Generator,
         logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
     temperature = 1.0 if p.temperature < 1e-6 else p.temperature
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    drawable = logprobs if never is None else logprobs.index_fill(0, never, float("-inf"))
     if p.greedy:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(drawable))
     else:
-        probs_sorted, order = torch.sort(logprobs.exp(), descending=True)
+        probs_sorted, order = torch.sort(drawable.exp(), descending=True)
         cumulative = torch.cumsum(probs_sorted, dim=0)
         if p.top_k > 0:
             probs_sorted[p.top_k:] = 0.0
@@ -80,7 +82,7 @@ def plain(request: Request) -> bool:
 
 
 def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Generator,
-                eos_ids: frozenset[int]) -> list[tuple[int, float]]:
+                eos_ids: frozenset[int], never: torch.Tensor | None = None) -> list[tuple[int, float]]:
     """sample_next for each row of logits [B, V]; the plain rows in one batch (same distribution, same log-probs)."""
     out: list[tuple[int, float] | None] = [None] * len(requests)
     rows = [i for i, r in enumerate(requests) if plain(r)]
@@ -89,15 +91,16 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], rng: torch.Genera
                                      for i in rows], dtype=logits.dtype, device=logits.device)
         picked = logits[rows]
         logprobs = torch.log_softmax(picked / temperatures[:, None], dim=-1)
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(1)
+        drawable = logprobs if never is None else logprobs.index_fill(1, never, float("-inf"))
+        tokens = torch.multinomial(drawable.exp(), 1, generator=rng).squeeze(1)
         greedy = torch.tensor([requests[i].params.greedy for i in rows], device=logits.device)
-        tokens = torch.where(greedy, picked.argmax(dim=-1), tokens)
+        tokens = torch.where(greedy, drawable.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         for i, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
             out[i] = (token, logprob)
     for i, request in enumerate(requests):
         if out[i] is None:
-            out[i] = sample_next(logits[i], request, rng, eos_ids)
+            out[i] = sample_next(logits[i], request, rng, eos_ids, never)
     return out  # type: ignore[return-value]
 
 
@@ -141,6 +144,7 @@ class Engine(Scheduler):
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer used from two threads can fail "Already borrowed"
         self.rng = torch.Generator().manual_seed(seed)
         self.vision = vision
+        self.never_drawn = None if vision is None else torch.tensor(vision.placeholder_ids, dtype=torch.long)
         self.lora: LoRAServing | None = None  # set by `serve_adapters`
 
     def serve_adapters(self, lora: LoRAServing) -> None:
@@ -245,7 +249,8 @@ class Engine(Scheduler):
             next_ids = torch.full((size, 1), self.pad_id, dtype=torch.long, device="cpu")
             done = []
             active = [row for row, request in enumerate(batch) if not request.finished]
-            drawn = sample_rows(logits[active], [batch[row] for row in active], self.rng, self.eos_ids)
+            drawn = sample_rows(logits[active], [batch[row] for row in active], self.rng, self.eos_ids,
+                                self.never_drawn)
             for row, (token, logprob) in zip(active, drawn, strict=True):
                 request = batch[row]
                 request.output_ids.append(token)

@@ -36,10 +36,13 @@ class PromptImages:
 class Vision:
     """A vision-language model's image side: its image processor and its image token."""
 
-    def __init__(self, image_processor: Any, image_token_id: int, merge_size: int) -> None:
+    def __init__(self, image_processor: Any, image_token_id: int, merge_size: int,
+                 placeholder_ids: tuple[int, ...] = ()) -> None:
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.merge_size = merge_size
+        # the tokens that only stand for images and videos in a prompt (the image token and its kin): never drawn
+        self.placeholder_ids = tuple(sorted({image_token_id, *placeholder_ids}))
 
     @classmethod
     def load(cls, model_path: str, model: Any) -> Vision | None:
@@ -58,7 +61,10 @@ class Vision:
         with warnings.catch_warnings():  # without torchvision, transformers picks its Pillow processor and says so
             warnings.simplefilter("ignore")
             processor = AutoImageProcessor.from_pretrained(model_path)
-        return cls(processor, config.image_token_id, vision_config.spatial_merge_size)
+        kin = (getattr(config, name, None) for name in ("video_token_id", "vision_start_token_id",
+                                                         "vision_end_token_id"))
+        return cls(processor, config.image_token_id, vision_config.spatial_merge_size,
+                   tuple(int(token) for token in kin if token is not None))
 
     def process(self, image_data: list[Any], where: str) -> PromptImages:
         """The images of one prompt (SGLang's image_data items: data: URLs or base64 text) through the processor."""

@@ -1,7 +1,7 @@
 """End to end: a GRPO job on prompts with images through `physarum up`'s local stack, on fsdp and on megatron
 (megatron's language model with transformers' vision tower), serving a tiny Qwen2.5-VL: the engines' log-probs equal
 the trainer's recomputation over the same image tokens and pixels, and the engines end with the trainer's weights,
-its vision tower's included."""
+its vision tower's included; the dashboard shows each sample's images."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
 from services.trainer.api.client import JobsRestClient
 from tests.e2e.roots import stack_roots
+from tests.e2e.test_dashboard import (  # noqa: F401 - browser: the dashboard test's Chromium fixture
+    ARTIFACTS,
+    _chromium_missing,
+    browser,
+    console_errors,
+    sign_in,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # its own stack: buffer, reward, router, a VLM engine, the rollout service, the trainer
 
@@ -83,3 +91,37 @@ def test_a_vlm_grpo_job_trains_on_images_end_to_end(vlm_stack, tmp_path, train_b
             assert client.model_info()["weight_version"] == "2"  # each job's own two rollouts
             got = client.get_weights_by_name(name, truncate_size=64)
             assert got == pytest.approx(final[saved].flatten()[:64].tolist(), abs=1e-7)
+
+
+@pytest.mark.skipif(bool(_chromium_missing()), reason=_chromium_missing() or "-")
+def test_the_dashboard_shows_a_vlm_samples_images_beside_its_text(vlm_stack, browser, tmp_path):  # noqa: F811
+    """One rollout of a job on images; the dashboard (in headless Chromium) shows each sample's image as a picture
+    next to its prompt, whose text marks where the image stands."""
+    state, model = vlm_stack
+    url = state["trainer_url"]
+    data = tmp_path / "colors.jsonl"
+    write_color_task(data, 2)
+    spec = {"hf_checkpoint": str(model), "prompt_data": str(data), "multimodal_keys": {"image": "images"},
+            "apply_chat_template": True, "num_rollout": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+            "global_batch_size": 4, "rollout_max_response_len": 4, "rm_type": "exact_match",
+            "weight_sync_timeout_s": 60.0, "lease_timeout_s": 60.0, "rollout_timeout_s": 300.0,
+            "job_id": "e2e-vlm-dashboard"}
+    with JobsRestClient(url, timeout_s=30) as client:
+        client.submit(spec)
+    sign_in(browser, url, "")
+    browser.get(url + "/dashboard/#/job/e2e-vlm-dashboard")
+    shown = wait_for("a sample's image", lambda: browser.execute_script("""
+        const img = document.querySelector("#samples .sample img.sample-image");
+        if (!img || !img.complete) return null;
+        const card = img.closest(".sample");
+        return {width: img.naturalWidth, height: img.naturalHeight, src: img.src.slice(0, 22),
+                prompt: card.querySelector(".turn.prompt").textContent};"""))
+    assert shown["src"] == "data:image/png;base64," and shown["width"] > 0 and shown["height"] > 0, shown
+    assert "[image 1]which color?" in shown["prompt"], shown
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.execute_script("document.querySelector('#samples').scrollIntoView()")
+    shot = ARTIFACTS / "dashboard-vlm.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    print(f"dashboard screenshot: {shot}")
+    errors = console_errors(browser)
+    assert not errors, errors

@@ -99,6 +99,34 @@ def test_generate_with_images_expands_the_placeholder_and_matches_the_hf_forward
     assert other["meta_info"]["prompt_tokens"] != out["meta_info"]["prompt_tokens"] or other_lp != engine_logprobs
 
 
+def test_sampling_never_draws_an_image_placeholder_and_keeps_the_whole_vocabularys_log_probs(http, vlm_dir):
+    """At random initialisation the four vision tokens are about 1 in 20 of a sampled token's mass: 16 rows of 16
+    tokens would draw a dozen of them. None is drawn, batched (temperature alone) or per row (top-p), and each drawn
+    token's log-prob is still the HF model's over the whole vocabulary."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    placeholders = {tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                                 "<|vision_end|>")}
+    image = png(60, 40, (255, 0, 0))
+    drawn = []
+    for extra in ({}, {"top_p": 0.999}):
+        replies = http.post("/generate", json={
+            "text": [PROMPT] * 16, "image_data": [[data_url(image)]] * 16, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, **extra}}).json()
+        drawn += [token for reply in replies for token in reply["output_ids"]]
+    assert len(drawn) == 2 * 16 * 16 and not placeholders & set(drawn)
+    first = replies[0]
+    expanded = http.post("/generate", json={"text": PROMPT, "image_data": [data_url(image)],
+                                            "sampling_params": {"max_new_tokens": 0}}).json()
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    at = prompt_ids.index(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    prompt_ids = prompt_ids[:at] + [prompt_ids[at]] * 6 + prompt_ids[at + 1:]
+    assert expanded["meta_info"]["prompt_tokens"] == len(prompt_ids)
+    assert [lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        hf_logprobs(vlm_dir, prompt_ids, first["output_ids"], [image]), abs=1e-5)
+
+
 def test_text_rows_and_image_rows_batch_together(http, vlm_dir):
     image = png(56, 56, (0, 255, 0))
     params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}

@@ -75,6 +75,49 @@ def test_the_board_keeps_each_jobs_latest_rollout_and_forgets_the_oldest_job(mod
     assert board.latest("a") is None and board.latest("c")["rollout_id"] == 0
 
 
+def test_a_samples_images_show_as_thumbnails_beside_its_text_marked_where_they_stand(monkeypatch):
+    """A group's images become PNG thumbnails (the longer side at most THUMBNAIL_PIXELS, the aspect kept), made once for
+    the group; each image part of the prompt's messages reads [image k]."""
+    import base64
+    import io
+
+    from PIL import Image as PILImage
+
+    from services.common.samples import Image
+    from services.trainer.driver import sample_board
+
+    def png(size, colour) -> Image:
+        out = io.BytesIO()
+        PILImage.new("RGB", size, colour).save(out, format="PNG")
+        return Image(data=out.getvalue(), mime_type="image/png", width=size[0], height=size[1])
+
+    images = [png((400, 200), (200, 0, 0)), png((30, 60), (0, 0, 200))]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                             {"type": "text", "text": "which colour?"}]}]
+    group = [Sample(prompt="which colour?", prompt_messages=messages, images=images, response="red", response_length=1,
+                    loss_mask=[1], group_index=0, index=i) for i in range(3)]
+    made = []
+    monkeypatch.setattr(sample_board, "thumbnail", lambda image, real=sample_board.thumbnail: made.append(image)
+                        or real(image))
+    board = SampleBoard()
+    board.record("vlm", 0, group)
+    view = board.latest("vlm")["samples"][2]
+    assert len(made) == 2  # once per image of the group, not per sample
+    assert view["prompt_messages"] == [{"role": "user", "content": "[image 1]and[image 2]which colour?"}]
+    decoded = []
+    for url in view["images"]:
+        assert url.startswith("data:image/png;base64,")
+        with PILImage.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as thumb:
+            decoded.append((thumb.format, thumb.size, thumb.convert("RGB").getpixel((0, 0))))
+    assert decoded == [("PNG", (160, 80), (200, 0, 0)), ("PNG", (30, 60), (0, 0, 200))]
+    noisy = PILImage.effect_noise((300, 300), 80).convert("RGB")  # more detail than a photo: a PNG of it is big
+    noise, small_png = io.BytesIO(), io.BytesIO()
+    noisy.save(noise, format="PNG")
+    noisy.resize((160, 160)).save(small_png, format="PNG")
+    photo = sample_board.thumbnail(Image(data=noise.getvalue(), mime_type="image/png", width=300, height=300))
+    assert photo.startswith("data:image/jpeg;base64,") and len(photo) < 4 / 3 * small_png.tell() / 2
+
+
 def test_the_log_tail_picks_a_jobs_lines_by_its_record_or_its_message():
     tail = LogTail(max_lines=3)
     log = logging.getLogger("test.dashboard.logtail")

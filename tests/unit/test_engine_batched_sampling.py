@@ -41,3 +41,16 @@ def test_batched_draws_follow_the_distribution():
     counts = torch.bincount(torch.tensor([t for t, _ in sample_rows(LOGITS.repeat(2000, 1), rows, rng,
                                                                     frozenset())]), minlength=4)
     assert torch.allclose(counts / 2000, PROBS, atol=0.04)
+
+
+def test_never_drawn_tokens_are_not_drawn_but_the_others_keep_the_whole_vocabulary_s_log_probs():
+    """A VLM's image placeholders (here tokens 0 and 2) are never drawn, greedy or sampled, batched or per row; a
+    drawn token still reports log_softmax over every token, as the trainer recomputes it."""
+    never = torch.tensor([0, 2])
+    rows = [request(), request(temperature=0), request(top_k=3), request(temperature=0.5, top_p=0.9)] * 50
+    drawn = sample_rows(LOGITS.repeat(len(rows), 1), rows, torch.Generator().manual_seed(0), frozenset(), never)
+    assert {token for token, _ in drawn} == {1, 3}
+    assert drawn[1] == (1, pytest.approx(math.log(0.3), abs=1e-6))  # greedy takes the likeliest drawable token
+    for row, (token, logprob) in zip(rows, drawn, strict=True):
+        scaled = PROBS ** (1 / row.params.temperature) if row.params.temperature > 0 else PROBS
+        assert logprob == pytest.approx(math.log((scaled / scaled.sum())[token]), abs=1e-6)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import token_log_probs_and_entropy
@@ -63,6 +64,42 @@ def test_without_entropy_or_its_gradient():
     got = _loss_and_grads(fused_log_probs_and_entropy, h, w, targets, weights, entropy_grad=False, chunk_size=5)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TOL)
+
+
+class _ProjectionCount(TorchDispatchMode):
+    """Counts the matmuls whose output is [tokens × vocab]: the projections onto the vocabulary."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mm.default and out.shape[-1] == self.vocab:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("chunk_size, projections", [(1024, 1), (8, 5 + 4)])
+def test_the_backward_reuses_the_last_chunk_and_a_second_backward_recomputes_it(chunk_size, projections):
+    """37 tokens: one chunk is projected once, forward only; five chunks of 8 five times forward and four times
+    backward (the last chunk's softmax kept). A second backward (retain_graph) has nothing kept: it recomputes all,
+    to the same gradients."""
+    h, w, targets, weights = _inputs(seed=5)
+    want = _loss_and_grads(_unfused, h, w, targets, weights)
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with _ProjectionCount(w.shape[0]) as counted:
+        log_probs, entropy = fused_log_probs_and_entropy(h, w, targets, chunk_size=chunk_size)
+        loss = (log_probs * weights[0]).sum() + (entropy * weights[1]).sum()
+        loss.backward(retain_graph=True)
+    assert counted.count == projections
+    torch.testing.assert_close(h.grad, want[2], **TOL)
+    torch.testing.assert_close(w.grad, want[3], **TOL)
+    first = h.grad.clone(), w.grad.clone()
+    h.grad, w.grad = None, None
+    loss.backward()
+    torch.testing.assert_close(h.grad, first[0], **TOL)
+    torch.testing.assert_close(w.grad, first[1], **TOL)
 
 
 def test_batched_shapes_and_vocab_padding_rows_are_left_out():

@@ -185,3 +185,23 @@ def test_spawned_sessions_are_bounded_and_close_with_the_first():
         registry.by_key(first.key)
     with pytest.raises(FailedPrecondition, match="has ended"):
         registry.spawn(first)
+
+
+def test_an_image_for_a_text_model_is_refused_and_images_are_bounded_per_request():
+    import base64
+    import io
+
+    from PIL import Image as PILImage
+
+    out = io.BytesIO()
+    PILImage.new("RGB", (8, 8), (255, 0, 0)).save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "hi"}]}]}
+    conversation = from_openai(body, Limits())
+    assert [image.mime_type for image in conversation.images] == ["image/png"]
+    assert conversation.messages[0]["content"][0]["type"] == "image"
+    with pytest.raises(InvalidArgument, match="1 images, but the model is a text model"):
+        Trajectory(CharRenderer()).prepare(conversation)
+    with pytest.raises(InvalidArgument, match="2 images, at most 1 per request"):
+        from_openai({"messages": [{**body["messages"][0]}, {**body["messages"][0]}]}, Limits(max_images=1))

@@ -1,15 +1,20 @@
 """The APIs' requests as one conversation: messages in the form chat templates read (OpenAI's, with tool-call
 arguments as objects) plus the tools, checked and bounded; and each message's canonical key, which is how a
-history sent back is matched to the turns the gateway produced. Knows nothing of tokens or HTTP.
+history sent back is matched to the turns the gateway produced. A user message's images (OpenAI `image_url` parts,
+Anthropic `image` blocks, as base64 data) become image parts of its content, each decoded and checked here once;
+the conversation lists them in order. Knows nothing of tokens or HTTP.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.common.images import check_image, data_url_image, decode_base64
+from services.common.samples import Image
 from services.rollout.gateway.schema import RequestInvalid, check_json_schema
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -24,6 +29,7 @@ class Limits:
     max_tools: int = 64
     max_turns: int = 64  # completions per session
     max_choices: int = 8  # n
+    max_images: int = 16  # per request, over all its messages
     max_spawned: int = 8  # sessions one sample's session may spawn (sub-agents, restarts)
 
 
@@ -31,6 +37,15 @@ class Limits:
 class Conversation:
     messages: list[dict[str, Any]]  # template form
     tools: list[dict[str, Any]]  # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    images: list[Image] = field(default_factory=list)  # the messages' image parts' images, in order
+
+    @classmethod
+    def of(cls, messages: list[dict[str, Any]], tools: list[dict[str, Any]], images: list[Image],
+           limits: Limits) -> Conversation:
+        if len(images) > limits.max_images:
+            raise InvalidArgument(f"messages: {len(images)} images, at most {limits.max_images} per request")
+        return cls(messages, tools, images)
+
 
     @property
     def tool_names(self) -> set[str]:
@@ -60,11 +75,56 @@ def canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def message_key(message: dict[str, Any]) -> tuple:
     """What must be equal for a message sent back to be the one the gateway produced: role, text up to whitespace
-    (agents strip, re-indent or re-wrap what they send back) and tool calls by name and arguments as parsed JSON (so
-    a re-serialized argument is the same call; ids are the gateway's own, so they are not compared)."""
+    (agents strip, re-indent or re-wrap what they send back; an image part as its bytes' digest) and tool calls by name
+    and arguments as parsed JSON (so a re-serialized argument is the same call; ids are the gateway's own, so they are
+    not compared)."""
     calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
                   for c in message.get("tool_calls") or [])
-    return message["role"], " ".join((message.get("content") or "").split()), calls
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(f" <image {p['digest']}> " if p["type"] == "image" else p["text"] for p in content)
+    return message["role"], " ".join(content.split()), calls
+
+
+def text_of(message: dict[str, Any]) -> str:
+    """A message's text: its content, or its text parts joined."""
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def count_image_parts(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    return sum(1 for p in content if p["type"] == "image") if isinstance(content, list) else 0
+
+
+def _image_part(image: Image) -> dict[str, str]:
+    """A template-form image part; its digest tells images apart in message keys (chat templates ignore it)."""
+    return {"type": "image", "digest": hashlib.sha256(image.data).hexdigest()[:32]}
+
+
+def _with_images(parts: list[dict[str, str] | Image], images: list[Image]) -> str | list[dict[str, str]]:
+    """Text pieces and images as a message's content: the text joined when there is no image, else a list of text
+    and image parts in order (the images appended to `images`)."""
+    if not any(isinstance(p, Image) for p in parts):
+        return "".join(p["text"] for p in parts)  # type: ignore[index]
+    content: list[dict[str, str]] = []
+    for part in parts:
+        if isinstance(part, Image):
+            images.append(part)
+            content.append(_image_part(part))
+        elif part["text"]:
+            content.append({"type": "text", "text": part["text"]})
+    return content
+
+
+def _checked_image(read: Any, where: str) -> Image:
+    """The image `read()` returns; InvalidArgument naming `where` and what is wrong with it."""
+    try:
+        return read()
+    except ValueError as err:
+        raise InvalidArgument(f"{where}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - any other failure of a decoder on bytes from the network
+        raise InvalidArgument(f"{where}: corrupt image: {type(err).__name__}: {err}") from None
 
 
 def assistant_message(content: str, calls: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
@@ -127,6 +187,25 @@ def _function_tool(name: Any, description: Any, parameters: Any, where: str, sch
     return {"type": "function", "function": function}
 
 
+def _openai_content(content: Any, where: str, images: list[Image]) -> str | list[dict[str, str]]:
+    """A user message's content: text, or text and `image_url` parts (data: URLs; no URL is fetched)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                for p in content):
+        return _text(content, where)
+    parts: list[dict[str, str] | Image] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            spec = part.get("image_url")
+            url = spec.get("url") if isinstance(spec, dict) else spec
+            if not isinstance(url, str):
+                raise InvalidArgument(f"{at}: image_url must be {{'url': 'data:image/...;base64,...'}}")
+            parts.append(_checked_image(lambda url=url: data_url_image(url), at))
+        else:
+            parts.append({"type": "text", "text": _text([part], at)})
+    return _with_images(parts, images)
+
+
 def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
     """OpenAI Chat Completions `messages` and `tools`."""
     messages, tools = body.get("messages"), body.get("tools") or []
@@ -134,12 +213,15 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         raise InvalidArgument("messages and tools must be lists")
     _check_counts(len(messages), len(tools), limits)
     out = []
+    images: list[Image] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise InvalidArgument(f"{where}: role must be one of {', '.join(ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
-        item: dict[str, Any] = {"role": role, "content": _text(message.get("content"), where)}
+        content = _openai_content(message.get("content"), where, images) if role == "user" else \
+            _text(message.get("content"), where)
+        item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
             if not isinstance(calls, list):
@@ -159,7 +241,7 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
             raise InvalidArgument(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools are supported")
         checked.append(_function_tool(function.get("name"), function.get("description"), function.get("parameters"),
                                       f"tools[{i}]", f"tools[{i}].function.parameters"))
-    return Conversation(out, checked)
+    return Conversation.of(out, checked, images, limits)
 
 
 def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
@@ -170,6 +252,7 @@ def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
         raise InvalidArgument("messages and tools must be lists")
     _check_counts(len(messages), len(tools), limits)
     out: list[dict[str, Any]] = []
+    images: list[Image] = []
     system = body.get("system")
     if system:
         out.append({"role": "system", "content": _text(system, "system")})
@@ -181,24 +264,40 @@ def from_anthropic(body: dict[str, Any], limits: Limits) -> Conversation:
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise InvalidArgument(f"{where}: content must be a string or a list of blocks")
-        out.extend(_anthropic_blocks(message["role"], blocks, where))
+        out.extend(_anthropic_blocks(message["role"], blocks, where, images))
     checked = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]",
                               f"tools.{i}.input_schema")
                if isinstance(t, dict) else _function_tool(None, None, None, f"tools[{i}]", "")
                for i, t in enumerate(tools)]
-    return Conversation(out, checked)
+    return Conversation.of(out, checked, images, limits)
 
 
-def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
+def _anthropic_image(block: dict[str, Any], where: str) -> Image:
+    """An `image` block with a base64 source, checked (its declared media type must be the bytes' own)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        kind = source.get("type") if isinstance(source, dict) else None
+        raise InvalidArgument(f"{where}: block type 'image' with source type {kind!r} is not supported (base64 "
+                              "sources only: the gateway fetches nothing from the network)")
+    image = _checked_image(lambda: check_image(decode_base64(source["data"])), where)
+    if source.get("media_type") not in (None, image.mime_type):
+        raise InvalidArgument(f"{where}: media_type {source.get('media_type')!r}, but the data is {image.mime_type}")
+    return image
+
+
+def _anthropic_blocks(role: str, blocks: list[Any], where: str, images: list[Image]) -> list[dict[str, Any]]:
     """One Anthropic message as template messages: tool results become `tool` messages (before any text of the same
-    user turn), an assistant's text and tool_use blocks one assistant message."""
-    texts, calls, results = [], [], []
+    user turn), an assistant's text and tool_use blocks one assistant message; a user's image blocks image parts."""
+    texts: list[dict[str, str] | Image] = []
+    calls, results = [], []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_text([block], f"{where}.content[{j}]"))
+            texts.append({"type": "text", "text": _text([block], f"{where}.content[{j}]")})
         elif role == "system":
             raise InvalidArgument(f"{where}.content[{j}]: a system message holds text blocks only")
+        elif kind == "image" and role == "user":
+            texts.append(_anthropic_image(block, f"{where}.content[{j}]"))
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": str(block.get("name", "")),
@@ -207,16 +306,17 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                             "content": _text(block.get("content"), f"{where}.content[{j}]")})
         else:
+            allowed = "text, tool_use" if role == "assistant" else "text, image, tool_result"
             raise InvalidArgument(f"{where}.content[{j}]: block type {kind!r} is not supported in a {role} message "
-                                  "(text, tool_use, tool_result)")
+                                  f"({allowed})")
     if role == "system":
-        return [{"role": "system", "content": "".join(texts)}]
+        return [{"role": "system", "content": _with_images(texts, images)}]
     if role == "assistant":
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        message: dict[str, Any] = {"role": "assistant", "content": _with_images(texts, images)}
         if calls:
             message["tool_calls"] = calls
         return [message]
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+    return results + ([{"role": "user", "content": _with_images(texts, images)}] if texts or not results else [])
 
 
 def _response_text(content: Any, where: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY
-from services.rollout.engine_calls.generate import GenerateContext, post_generate, stream_generate
+from services.rollout.engine_calls.generate import GenerateContext, image_data_url, post_generate, stream_generate
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message
 from services.rollout.gateway.deltas import ContentDeltas
 from services.rollout.gateway.metrics import GatewayMetrics
@@ -120,7 +120,7 @@ class Session:
             start_s = time.monotonic()
             prepared, max_new_tokens = await self._prepare_off_loop(conversation, params)
             with _engine_errors(self.id):
-                replies = await self._generate(prepared.input_ids, params, max_new_tokens)
+                replies = await self._generate(prepared, params, max_new_tokens)
             return self._finish(prepared, conversation, replies, params, start_s)
 
     async def turn_stream(self, conversation: Conversation,
@@ -136,8 +136,8 @@ class Session:
             what = f"{self.ctx.name}: gateway session {self.id} turn {self.num_turns}"
             last: dict = {}
             with _engine_errors(self.id):
-                async for last in stream_generate(self.ctx, what, self._payload(prepared.input_ids, params,
-                                                                                max_new_tokens), routing_key=self.id):
+                async for last in stream_generate(self.ctx, what, self._payload(prepared, params, max_new_tokens),
+                                                  routing_key=self.id):
                     entries = (last.get("meta_info") or {}).get("output_token_logprobs") or []
                     if delta := deltas.update(self.renderer.decode([int(e[1]) for e in entries])):
                         yield delta
@@ -187,15 +187,22 @@ class Session:
         self.metrics.cached_tokens.inc(cached)
         return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason, cached)
 
-    def _payload(self, input_ids: list[int], params: TurnParams, max_new_tokens: int) -> dict[str, Any]:
+    def _payload(self, prepared: Any, params: TurnParams, max_new_tokens: int) -> dict[str, Any]:
+        """The /generate body: the prompt's tokens (its image tokens expanded) and, when it has images, every one of
+        them as SGLang's image_data (one list per prompt of a batch of n)."""
+        input_ids = prepared.input_ids
         sampling = dict(self.sampling_params, max_new_tokens=max_new_tokens)
         for name in ("temperature", "top_p", "top_k"):
             if getattr(params, name) is not None:
                 sampling[name] = getattr(params, name)
         sampling["stop"] = [*sampling.get("stop", []), *params.stop]
         sampling["stop_token_ids"] = sorted({*sampling.get("stop_token_ids", []), *self.stop_token_ids})
-        return {"input_ids": input_ids if params.n == 1 else [input_ids] * params.n, "sampling_params": sampling,
+        body = {"input_ids": input_ids if params.n == 1 else [input_ids] * params.n, "sampling_params": sampling,
                 "return_logprob": True}
+        if prepared.all_images:
+            urls = [image_data_url(image) for image in prepared.all_images]
+            body["image_data"] = urls if params.n == 1 else [urls] * params.n
+        return body
 
     def _checked(self, reply: dict, what: str) -> dict:
         """The reply, unless the engine or the manager aborted it (Unavailable) or it never finished."""
@@ -207,9 +214,9 @@ class Session:
             raise Unavailable(f"{what}: the /generate stream ended before its last chunk")
         return reply
 
-    async def _generate(self, input_ids: list[int], params: TurnParams, max_new_tokens: int) -> list[dict]:
+    async def _generate(self, prepared: Any, params: TurnParams, max_new_tokens: int) -> list[dict]:
         what = f"{self.ctx.name}: gateway session {self.id} turn {self.num_turns}"
-        data = await post_generate(self.ctx, what, self._payload(input_ids, params, max_new_tokens),
+        data = await post_generate(self.ctx, what, self._payload(prepared, params, max_new_tokens),
                                    count=None if params.n == 1 else params.n, routing_key=self.id)
         replies = data if isinstance(data, list) else [data]
         if len(replies) != params.n:

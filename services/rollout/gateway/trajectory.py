@@ -4,7 +4,9 @@ or the template's text for the messages that are new) and the tokens the engine 
 A request continues the turn whose messages (and tools) it repeats, longest first: only what is new is rendered and
 appended. Continuing any other turn than the last one produced (the agent dropped or edited turns, or picked another
 of n choices), or repeating none, starts a branch; branches are recorded and reported with the sample. The sample is
-the path ending at the last turn produced. Knows nothing of HTTP or the engines.
+the path ending at the last turn produced. A turn's new images (user messages' image parts) each take as many image
+tokens in its context as the model reads for that image, as the engine expands them. Knows nothing of HTTP or the
+engines.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.errors import InvalidArgument
-from services.rollout.gateway.conversation import Conversation, message_key
+from services.common.samples import Image
+from services.rollout.gateway.conversation import Conversation, count_image_parts, message_key, text_of
 
 PROBE = "\x00physarum-probe\x00"
 COUNT_CHUNK_CHARS = 16384  # a long text is counted in pieces of about this size, stopping past the bound
@@ -30,6 +33,8 @@ class Renderer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    image_tokens: Any  # a vision-language model's ImageTokens (expand(ids, images, where)); None for a text model
+
 
 @dataclass
 class Turn:
@@ -43,6 +48,7 @@ class Turn:
     log_probs: list[float] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     finish: str = ""  # stop, length or abort
+    images: list[Image] = field(default_factory=list)  # the images whose tokens `context` holds, in order
 
     def path(self) -> list[Turn]:
         turns, turn = [], self
@@ -53,6 +59,9 @@ class Turn:
 
     def tokens(self) -> list[int]:
         return [t for turn in self.path() for t in (*turn.context, *turn.generated)]
+
+    def path_images(self) -> list[Image]:
+        return [image for turn in self.path() for image in turn.images]
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class Prepared:
     context: list[int]
     input_ids: list[int]
     branch_reason: str = ""
+    images: list[Image] = field(default_factory=list)  # the context's new images
+    all_images: list[Image] = field(default_factory=list)  # every image of input_ids, in order (the engine's)
     messages: list[dict[str, Any]] = field(default_factory=list)  # the history the generation continues, canonical
 
 
@@ -87,7 +98,7 @@ class Trajectory:
         limit = None if context_len is None else context_len - 1
         if limit is not None:  # a message past the context alone is refused before the template copies it
             for message in conversation.messages:
-                refuse_past(self.renderer, message.get("content") or "", limit)
+                refuse_past(self.renderer, text_of(message), limit)
         canon = conversation.canonical()
         keys, tools_key = [message_key(m) for m in canon], conversation.tools_key()
         parent = None
@@ -96,11 +107,13 @@ class Trajectory:
             if turn.tools_key == tools_key and k < len(keys) and keys[:k] == turn.keys and (
                     parent is None or k > len(parent.keys)):
                 parent = turn
+        if conversation.images and getattr(self.renderer, "image_tokens", None) is None:
+            raise InvalidArgument(f"messages: {len(conversation.images)} images, but the model is a text model and "
+                                  "takes no images")
         if parent is None:
             reason = "" if not self.turns else "the history repeats no turn the gateway produced"
             full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
-            ids = encode_within(self.renderer, full, limit)
-            return Prepared(None, ids, list(ids), reason, canon)
+            return self._whole(full, conversation.images, limit, reason, canon)
         # what is new is rendered after the history the gateway holds, not the agent's copy of it: an agent's
         # re-serialized arguments, whitespace or moved system prompt change no token already generated
         messages = [*parent.messages, *canon[len(parent.keys):]]
@@ -108,15 +121,35 @@ class Trajectory:
         done = self.renderer.render_messages(parent.messages, conversation.tools, add_generation_prompt=False)
         if not full.startswith(done):  # the template renders earlier turns differently once more follow
             full = self.renderer.render_messages(conversation.messages, conversation.tools, add_generation_prompt=True)
-            ids = encode_within(self.renderer, full, limit)
-            return Prepared(None, ids, list(ids), "the chat template renders the history differently as it grows",
-                            canon)
+            return self._whole(full, conversation.images, limit,
+                               "the chat template renders the history differently as it grows", canon)
         history = parent.tokens()
-        context = encode_within(self.renderer, self._closing(parent) + full[len(done):],
-                                None if limit is None else max(0, limit - len(history)))
+        room = None if limit is None else max(0, limit - len(history))
+        # the canonical order moves only system messages, which hold no images: the images keep their order
+        new_images = conversation.images[sum(count_image_parts(m) for m in canon[:len(parent.keys)]):]
+        context = self._expanded(encode_within(self.renderer, self._closing(parent) + full[len(done):], room),
+                                 new_images, room)
         reason = "" if parent is self.tip else (f"continues turn {parent.index}, not the last turn "
                                                 f"{self.tip.index if self.tip else -1}")
-        return Prepared(parent, context, history + context, reason, messages)
+        return Prepared(parent, context, history + context, reason, list(new_images),
+                        parent.path_images() + list(new_images), messages)
+
+    def _whole(self, text: str, images: list[Image], limit: int | None, reason: str,
+               canon: list[dict[str, Any]]) -> Prepared:
+        """The whole conversation as a new root turn."""
+        ids = self._expanded(encode_within(self.renderer, text, limit), images, limit)
+        return Prepared(None, ids, list(ids), reason, list(images), list(images), canon)
+
+    def _expanded(self, ids: list[int], images: list[Image], limit: int | None) -> list[int]:
+        """`ids` with each image placeholder as many image tokens as its image takes; InvalidArgument past `limit`."""
+        image_tokens = getattr(self.renderer, "image_tokens", None)
+        if image_tokens is None:
+            return ids
+        ids = image_tokens.expand(ids, images, "messages")  # a placeholder typed as text, with no image, is refused
+        if limit is not None and len(ids) > limit:
+            raise InvalidArgument(f"the prompt does not fit the model's context: {len(ids)} new tokens with its "
+                                  f"images' tokens, room for {limit} (one kept for the reply)")
+        return ids
 
     def _closing(self, turn: Turn) -> str:
         """The template's text after an assistant turn's content that the engine did not generate: all of it, or
@@ -144,7 +177,7 @@ class Trajectory:
         turn = Turn(index=len(self.turns), parent=prepared.parent, context=list(prepared.context),
                     keys=[message_key(m) for m in messages], messages=messages, tools_key=conversation.tools_key(),
                     generated=list(generated), log_probs=list(log_probs), weight_versions=list(weight_versions),
-                    finish=finish)
+                    finish=finish, images=list(prepared.images))
         self.turns.append(turn)
         if make_tip:
             if prepared.branch_reason:
@@ -196,6 +229,7 @@ class SampleTokens:
     rollout_log_probs: list[float]
     weight_versions: list[str]
     finish: str
+    images: list[Image] = field(default_factory=list)  # every image whose tokens `tokens` holds, in order
 
 
 def sample_tokens(tip: Turn) -> SampleTokens:
@@ -216,4 +250,5 @@ def sample_tokens(tip: Turn) -> SampleTokens:
         for version in turn.weight_versions:
             if not versions or versions[-1] != version:
                 versions.append(version)
-    return SampleTokens(tokens, len(tokens) - prompt_length, loss_mask, log_probs, versions, tip.finish)
+    return SampleTokens(tokens, len(tokens) - prompt_length, loss_mask, log_probs, versions, tip.finish,
+                        tip.path_images())

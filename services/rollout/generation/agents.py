@@ -111,6 +111,9 @@ def session_sample(sample: Sample, session: Any, reward: float | None, truncated
     if tip is None:
         raise FailedPrecondition(f"{what}: the agent made no request through its session")
     trained = sample_tokens(tip)
+    if trained.images:  # the wire format carries a prompt's images for its whole group, not a sample's own
+        raise FailedPrecondition(f"{what}: the agent sent {len(trained.images)} images through its session; a sample "
+                                 "trains only on its prompt's images (multimodal_keys), not on images an agent sends")
     prompt_length = len(trained.tokens) - trained.response_length
     renderer = session.renderer
     sample.prompt = renderer.decode(trained.tokens[:prompt_length], skip_special_tokens=False)

@@ -1,7 +1,9 @@
 """Token log-probs and entropy straight from the final hidden states and the LM head, never holding the
 [tokens × vocab] logits: the tokens go through in chunks, forward and backward (the backward recomputes each chunk's
-logits), and a vocab-parallel head (each tensor-parallel rank holds a slice of the vocabulary) reduces its softmax
-statistics over the group. Equal to projecting onto the vocabulary and taking `token_log_probs_and_entropy`.
+logits but the last one's, which the forward keeps: a chunk is what the forward holds anyway, and all of the input
+when it fits in one), and a vocab-parallel head (each tensor-parallel rank holds a slice of the vocabulary) reduces
+its softmax statistics over the group. Equal to projecting onto the vocabulary and taking
+`token_log_probs_and_entropy`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class _FusedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_start, valid, group, with_entropy,
-                dtype):
+                dtype, keep_last):
         num = hidden.shape[0]
         w = weight[:valid].to(dtype)
         local = targets.long() - vocab_start
@@ -35,6 +37,9 @@ class _FusedLogProbs(torch.autograd.Function):
         log_probs = torch.empty(num, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(log_probs)
         entropy = torch.empty_like(log_probs) if with_entropy else None
+        # the last chunk's softmax terms stay for the backward (it would recompute them first): no extra matmul, and
+        # no more memory than the chunk loop holds (released as the backward starts)
+        ctx.kept = None
         for start in range(0, num, chunk_size):
             end = min(start + chunk_size, num)
             z = torch.matmul(hidden[start:end].to(dtype), w.t()).float()
@@ -59,6 +64,8 @@ class _FusedLogProbs(torch.autograd.Function):
             log_probs[start:end] = sums[1] - log_z
             if with_entropy:
                 entropy[start:end] = log_z - sums[2] / sums[0]
+            if keep_last and end == num:  # e^(z - m), Σ, log Σ and (for the entropy's gradient) z - m
+                ctx.kept = (start, exp, sums[0], log_z, z if with_entropy else None)
         ctx.save_for_backward(hidden, weight, local, in_range, lse, entropy if with_entropy else lse)
         ctx.args = (temperature, chunk_size, valid, dtype, with_entropy)
         ctx.set_materialize_grads(False)  # None for an output the loss does not use: its term is skipped
@@ -72,18 +79,31 @@ class _FusedLogProbs(torch.autograd.Function):
         temperature, chunk_size, valid, dtype, with_entropy = ctx.args
         w = weight[:valid].to(dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = None  # float32, the first chunk's product, then the sum
         use_entropy = with_entropy and grad_entropy is not None
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse)
-        for start in range(0, hidden.shape[0], chunk_size):
-            end = min(start + chunk_size, hidden.shape[0])
+        kept, ctx.kept = ctx.kept, None  # a second backward (retain_graph) recomputes every chunk
+        num = hidden.shape[0]
+        starts = list(range(0, num, chunk_size))
+        if kept is not None and (use_entropy and kept[4] is None):
+            kept = None
+        if kept is not None:  # its chunk first, releasing what the forward kept before any other chunk
+            starts.remove(kept[0])
+            starts.insert(0, kept[0])
+        for start in starts:
+            end = min(start + chunk_size, num)
             h = hidden[start:end].to(dtype)
-            z = torch.matmul(h, w.t()).float()
-            if temperature != 1.0:
-                z.div_(temperature)
-            log_p = z.sub_(lse[start:end].unsqueeze(-1))  # log π over this rank's slice
-            p = log_p.exp()
+            if kept is not None and start == kept[0]:
+                p = kept[1].div_(kept[2].unsqueeze(-1))  # π = e^(z - m) / Σ
+                log_p = kept[4].sub_(kept[3].unsqueeze(-1)) if use_entropy else None
+                kept = None
+            else:
+                z = torch.matmul(h, w.t()).float()
+                if temperature != 1.0:
+                    z.div_(temperature)
+                log_p = z.sub_(lse[start:end].unsqueeze(-1))  # log π over this rank's slice
+                p = log_p.exp()
             g_lp = grad_log_probs[start:end]
             # d log π_t / dz = onehot_t - π; dH / dz = -π·(log π + H)
             if use_entropy:
@@ -100,20 +120,27 @@ class _FusedLogProbs(torch.autograd.Function):
             grad_z = grad_z.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = torch.matmul(grad_z, w).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w += torch.matmul(grad_z.t(), h).float()
-        if grad_w is not None:
-            full = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-            full[:valid] = grad_w.to(weight.dtype)
-            grad_w = full
-        return grad_hidden, grad_w, None, None, None, None, None, None, None, None
+            if ctx.needs_input_grad[1]:
+                part = torch.matmul(grad_z.t(), h).float()
+                grad_w = part if grad_w is None else grad_w.add_(part)
+            z = p = log_p = grad_z = None  # this chunk's [chunk × vocab] tensors go before the next one's come
+        if ctx.needs_input_grad[1]:
+            if grad_w is None:  # no tokens
+                grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device)
+            if valid < weight.shape[0]:  # the vocabulary's padding rows get none
+                full = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+                full[:valid] = grad_w
+                grad_w = full
+            grad_w = grad_w.to(weight.dtype)
+        return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                                 temperature: float = 1.0, with_entropy: bool = True, entropy_grad: bool = True,
                                 chunk_size: int = DEFAULT_CHUNK_SIZE, vocab_size: int | None = None,
                                 vocab_start: int = 0, group: dist.ProcessGroup | None = None,
-                                compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                compute_dtype: torch.dtype | None = None,
+                                keep_last_chunk: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(target) and the entropy of π = softmax(hidden·weightᵀ / temperature), without the whole logits.
 
     hidden: [..., H] (the final norm's output at the positions that predict `targets`); weight: [V_local, H], the
@@ -123,7 +150,8 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     `hidden` from its slice alone: the caller sums it over the group, as Megatron's output layer does). targets:
     [...] global token ids. compute_dtype: the projection's (default: autocast's where it is on, as the unfused
     nn.Linear would run, else the inputs'); the softmax is float32. Returns (log_probs, entropy or None), [...]
-    float32; entropy_grad False: the entropy is a metric only, detached.
+    float32; entropy_grad False: the entropy is a metric only, detached. keep_last_chunk False: the backward
+    recomputes every chunk (`bench/fused_head.py` compares the two).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -134,10 +162,12 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     group = group if group is not None and dist.get_world_size(group) > 1 else None
     dtype = compute_dtype or _compute_dtype(hidden, weight)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    # a backward will come
+    keep_last = keep_last_chunk and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(hidden.device.type, enabled=False):
         log_probs, entropy = _FusedLogProbs.apply(flat, weight, targets.reshape(-1), float(temperature),
                                                   int(chunk_size), int(vocab_start), valid, group, with_entropy,
-                                                  dtype)
+                                                  dtype, keep_last)
     log_probs = log_probs.view(targets.shape)
     if not with_entropy:
         return log_probs, None

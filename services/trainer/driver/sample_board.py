@@ -1,14 +1,16 @@
 """The latest rollout's samples of each job, kept on rank 0 for the dashboard as display records.
 
-A record holds what a person reads (prompt, response, reward, length, weight versions) and the response cut into
-turns at the loss mask's edges, so the masked parts of a multi-turn or agent trajectory (tool output, the
-environment's turns) show apart from the model's. Recording never raises: the samples are for looking at, and a
-job must not fail over them.
+A record holds what a person reads (prompt, response, reward, length, weight versions), the prompt's images as small
+thumbnails (data: URLs, made once per group), and the response cut into turns at the loss mask's edges, so the
+masked parts of a multi-turn or agent trajectory (tool output, the environment's turns) show apart from the model's.
+Recording never raises: the samples are for looking at, and a job must not fail over them.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 import logging
 import threading
 from collections import OrderedDict
@@ -16,13 +18,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.samples import Sample
+from services.common.samples import Image, Sample
 
 log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 256  # per rollout shown
 MAX_TEXT_CHARS = 4000  # per prompt, response or turn
 MAX_JOBS = 16  # jobs whose latest rollout is kept
+MAX_IMAGES = 8  # per sample shown
+THUMBNAIL_PIXELS = 160  # the longer side of an image's thumbnail, at most
+MAX_PNG_BYTES = 12 << 10  # a thumbnail's PNG past this is sent as JPEG
 
 
 @dataclass
@@ -45,6 +50,7 @@ class SampleView:
     weight_versions: list[str]
     reward_error: str = ""
     turns: list[Turn] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)  # the prompt's images, in order, as thumbnails' data: URLs
     # an agent's session (the gateway's sample metadata): its turns, and the branches its history started
     agent_turns: int | None = None
     agent_branches: list[dict[str, Any]] = field(default_factory=list)
@@ -94,13 +100,60 @@ def turns_of(sample: Sample, tokenizer) -> list[Turn]:
                  num_tokens=b - a) for a, b, masked in mask_runs(mask)]
 
 
-def view_of(sample: Sample, tokenizer) -> SampleView:
+def thumbnail(image: Image) -> str:
+    """The image shrunk to at most THUMBNAIL_PIXELS a side, as a data: URL: PNG (sharp for drawn images), or JPEG
+    when the PNG is over MAX_PNG_BYTES (a photo), so a rollout's records stay a few MB at most."""
+    from PIL import Image as PILImage
+
+    with PILImage.open(io.BytesIO(image.data)) as opened:
+        small = opened.convert("RGB")
+    small.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+    out = io.BytesIO()
+    small.save(out, format="PNG")
+    kind = "png"
+    if out.tell() > MAX_PNG_BYTES:
+        out = io.BytesIO()
+        small.save(out, format="JPEG", quality=85)
+        kind = "jpeg"
+    return f"data:image/{kind};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _message_text(message: dict[str, Any], first_image: int) -> tuple[dict[str, str], int]:
+    """A prompt message for display: a content of parts as its text with each image part marked [image k]; returns
+    it and the index of the next image."""
+    content = message.get("content")
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image":
+                pieces.append(f"[image {first_image + 1}]")
+                first_image += 1
+            elif isinstance(part, dict):
+                pieces.append(str(part.get("text", "")))
+        message = {**message, "content": "".join(pieces)}
+    return {k: _clip(str(v)) for k, v in message.items()}, first_image
+
+
+def view_of(sample: Sample, tokenizer, thumbnails: dict[int, list[str]] | None = None) -> SampleView:
+    """The display record of `sample`; `thumbnails` caches the images' thumbnails by their list (a group's samples
+    share one)."""
+    messages, next_image = [], 0
+    for message in sample.prompt_messages:
+        shown, next_image = _message_text(message, next_image)
+        messages.append(shown)
+    images = []
+    if sample.images:
+        cache = {} if thumbnails is None else thumbnails
+        key = id(sample.images)
+        if key not in cache:
+            cache[key] = [thumbnail(image) for image in sample.images[:MAX_IMAGES]]
+        images = cache[key]
     return SampleView(index=sample.index, group_index=sample.group_index, prompt=_clip(sample.prompt),
-                      prompt_messages=[{k: _clip(str(v)) for k, v in m.items()} for m in sample.prompt_messages],
-                      response=_clip(sample.response), reward=float(sample.reward),
+                      prompt_messages=messages, response=_clip(sample.response), reward=float(sample.reward),
                       response_length=sample.response_length, status=sample.status.name,
                       weight_versions=sorted(set(sample.weight_versions), key=lambda v: (len(v), v)),
-                      reward_error=sample.reward_error, turns=turns_of(sample, tokenizer), **agent_of(sample))
+                      reward_error=sample.reward_error, turns=turns_of(sample, tokenizer), images=images,
+                      **agent_of(sample))
 
 
 def agent_of(sample: Sample) -> dict[str, Any]:
@@ -125,7 +178,8 @@ class SampleBoard:
     def record(self, job_id: str, rollout_id: int, samples: list[Sample], model_dir: str = "") -> None:
         try:
             tokenizer = _tokenizer(model_dir) if model_dir else None
-            views = [view_of(s, tokenizer) for s in samples[:MAX_SAMPLES]]
+            thumbnails: dict[int, list[str]] = {}
+            views = [view_of(s, tokenizer, thumbnails) for s in samples[:MAX_SAMPLES]]
         except Exception:  # noqa: BLE001 - for display only: the job goes on without them
             log.warning("job %s rollout %d: samples not kept for the dashboard", job_id, rollout_id, exc_info=True)
             return

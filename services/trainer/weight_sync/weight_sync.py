@@ -385,8 +385,14 @@ def write_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str 
                          metadata={"format": "pt", "weight_version": str(version)})
     if base_model_dir:
         copy_side_files(base_model_dir, staging)
+    return _publish(staging, final, keep)
+
+
+def _publish(staging: Path, final: Path, keep: int) -> str:
+    """Rename a snapshot written aside into place, then delete all but the newest `keep` snapshots beside it."""
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
+    root = final.parent
     snapshots = sorted((p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
     for old in snapshots[:-keep] if keep > 0 else ():
         shutil.rmtree(old, ignore_errors=True)
@@ -417,12 +423,7 @@ def write_adapter_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], ro
     staging = root / f".staging-{final.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     write_peft_dir(staging / ADAPTERS_DIR / adapter.lora_name, dict(named_tensors), adapter.config)
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    snapshots = sorted((p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
-    for old in snapshots[:-keep] if keep > 0 else ():
-        shutil.rmtree(old, ignore_errors=True)
-    return str(final)
+    return _publish(staging, final, keep)
 
 
 def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Sequence[tuple[str, torch.Tensor]],

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from pathlib import Path
 
 from slime.agent.harness.common import (
     BaseHarness,
     HarnessContext,
     agent_home,
     bin_dir,
-    install_npm_cli,
     root_url,
     run_agent,
 )
@@ -40,15 +38,6 @@ class ClaudeCodeHarness(BaseHarness):
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
     }
-
-    async def install_cli(self, sb: Sandbox) -> None:
-        if os.environ.get(self.cli_tarball_env):
-            node = os.environ.get(self.node_tarball_env)
-            await install_npm_cli(sb, node_runtime=Path(node) if node else None,
-                                  npm_package=Path(os.environ[self.cli_tarball_env]),
-                                  check_cmd=f"{bin_dir(sb)}/claude --version")
-        else:
-            await self.install_local_cli(sb)
 
     async def write_config(self, sb: Sandbox, ctx: HarnessContext) -> None:
         """Onboarding done and bypass-permissions acknowledged, so Claude Code starts headless."""

@@ -12,14 +12,12 @@ import base64
 import json
 import os
 import shlex
-from pathlib import Path
 
 from slime.agent.harness.common import (
     BaseHarness,
     HarnessContext,
     agent_home,
     bin_dir,
-    install_npm_cli,
     root_url,
     run_agent,
 )
@@ -64,15 +62,6 @@ class CodexHarness(BaseHarness):
         "[analytics]\n"
         "enabled = false\n"
     )
-
-    async def install_cli(self, sb: Sandbox) -> None:
-        if os.environ.get(self.cli_tarball_env):
-            node = os.environ.get(self.node_tarball_env)
-            await install_npm_cli(sb, node_runtime=Path(node) if node else None,
-                                  npm_package=Path(os.environ[self.cli_tarball_env]),
-                                  check_cmd=f"{bin_dir(sb)}/codex --version")
-        else:
-            await self.install_local_cli(sb)
 
     async def write_config(self, sb: Sandbox, ctx: HarnessContext) -> None:
         toml = self.config_toml.format(model=ctx.model_label, base_url=v1_url(ctx.adapter_url))

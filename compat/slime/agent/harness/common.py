@@ -72,9 +72,19 @@ class BaseHarness(ABC, metaclass=SingletonABCMeta):
     name: str = ""
     executable: str = ""
 
-    @abstractmethod
+    node_tarball_env: str = ""
+    cli_tarball_env: str = ""
+
     async def install_cli(self, sb: Sandbox) -> None:
-        """Put the harness CLI on the sandbox's PATH."""
+        """Put the harness CLI on the sandbox's PATH: from the npm tarball $cli_tarball_env names (slime's way), else
+        the repository's installed CLI."""
+        if os.environ.get(self.cli_tarball_env):
+            node = os.environ.get(self.node_tarball_env)
+            await install_npm_cli(sb, node_runtime=Path(node) if node else None,
+                                  npm_package=Path(os.environ[self.cli_tarball_env]),
+                                  check_cmd=f"{bin_dir(sb)}/{self.executable} --version")
+        else:
+            await self.install_local_cli(sb)
 
     @abstractmethod
     async def write_config(self, sb: Sandbox, ctx: HarnessContext) -> None:

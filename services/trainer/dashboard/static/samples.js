@@ -1,10 +1,15 @@
-// The latest rollout's samples, filterable by reward; a multi-turn response shows turn by turn, masked parts marked.
+// The latest rollout's samples, filterable by reward; a prompt's images show beside its text, and a multi-turn
+// response shows turn by turn, masked parts marked.
 import { el, fmtNum } from "./api.js";
 
 function turnsOf(sample) {
   const parts = sample.prompt_messages.length
     ? sample.prompt_messages.map((m) => el("div", { class: "turn prompt" }, el("span", { class: "label" }, m.role || "message"), m.content))
     : [el("div", { class: "turn prompt" }, el("span", { class: "label" }, "prompt"), sample.prompt)];
+  if (sample.images && sample.images.length) {
+    parts.push(el("div", { class: "images" }, ...sample.images.map((src, i) =>
+      el("figure", {}, el("img", { class: "sample-image", src, alt: `image ${i + 1}` }), el("figcaption", {}, `image ${i + 1}`)))));
+  }
   const multi = sample.turns.length > 1;
   sample.turns.forEach((turn, i) => {
     const label = turn.masked ? `masked: not trained on (${turn.num_tokens} tokens)`

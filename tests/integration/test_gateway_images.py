@@ -1,0 +1,162 @@
+"""Images through the agent gateway, sent by the real `openai` and `anthropic` clients to a real CPU engine serving a
+tiny Qwen2.5-VL behind the real sglang-router (through a recording proxy): OpenAI `image_url` parts and Anthropic
+`image` blocks reach the engine as SGLang's image_data, every image of the conversation on every turn; the prompt
+tokens the gateway sends and records are the engine's own (each image as many image tokens as the model's processor
+makes of it); bad images answer 400 naming the message, the part and the problem."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import anthropic
+import openai
+import pytest
+from PIL import Image
+
+from physarum import tasks
+from physarum.tinyvlm import build_tiny_vlm
+from services.rollout.gateway.trajectory import sample_tokens
+from testkit.engines import start_engines, stop_engines
+from tests.integration.engine_proxy import EngineProxy
+from tests.integration.gateway_fixtures import GatewayThread
+
+pytestmark = pytest.mark.slow  # a VLM engine of its own
+
+TIMEOUT_S = 120.0
+
+
+def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+RED, BLUE = png(60, 44, (220, 20, 20)), png(30, 90, (20, 20, 220))
+
+
+@pytest.fixture(scope="module")
+def gateway(shared_router, session_dir):
+    model_dir = build_tiny_vlm(session_dir / "tiny-vlm", tasks.corpus())
+    engines = start_engines(model_dir, session_dir / "gateway-vlm-engine", 1)
+    proxy = EngineProxy(engines[0][1])
+    gateway = None
+    try:
+        shared_router.add_worker(proxy.url, timeout_s=30)
+        gateway = GatewayThread(model_dir, shared_router.url)
+        yield gateway, proxy, model_dir
+    finally:
+        try:
+            shared_router.remove_worker(proxy.url)
+        finally:
+            if gateway is not None:
+                gateway.close()
+            proxy.close()
+            stop_engines(engines)
+
+
+def image_tokens(model_dir, data: bytes) -> int:
+    """The image tokens the model's own image processor makes of one image (its merged patches)."""
+    from transformers import AutoImageProcessor
+
+    grid = AutoImageProcessor.from_pretrained(model_dir)(images=[Image.open(io.BytesIO(data)).convert("RGB")],
+                                                         return_tensors="pt")["image_grid_thw"][0]
+    return int(grid.prod()) // 4
+
+
+def image_runs(ids: list[int], image_token: int) -> list[int]:
+    return [len(run) for run in "".join("x" if t == image_token else " " for t in ids).split()]
+
+
+def test_openai_image_parts_reach_the_engine_turn_after_turn_and_the_sample_holds_its_image_tokens(gateway):
+    gw, proxy, model_dir = gateway
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    session = gw.open(max_new_tokens=200)  # the second user turn's image tokens count in the response budget
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    start = len(proxy.generated)
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}},
+                                          {"type": "text", "text": "which color?"}]}]
+    reply = client.chat.completions.create(model="m", messages=first, max_tokens=4)
+    (request, engine_reply), = proxy.since(start)
+    assert request["image_data"] == [data_url(RED)]
+    assert image_runs(request["input_ids"], image_token) == [image_tokens(model_dir, RED)]
+    # the engine took the gateway's tokens as they were: its prompt is exactly as long
+    assert engine_reply["meta_info"]["prompt_tokens"] == len(request["input_ids"])
+    assert reply.usage.prompt_tokens == len(request["input_ids"])
+
+    second = [*first, {"role": "assistant", "content": reply.choices[0].message.content},
+              {"role": "user", "content": [{"type": "text", "text": "and "},
+                                           {"type": "image_url", "image_url": {"url": data_url(BLUE)}}]}]
+    client.chat.completions.create(model="m", messages=second, max_tokens=4)
+    (request2, engine_reply2), = proxy.since(start + 1)
+    assert request2["image_data"] == [data_url(RED), data_url(BLUE)]  # every image of the conversation
+    first_turn = request["input_ids"] + [e[1] for e in engine_reply["meta_info"]["output_token_logprobs"]]
+    assert request2["input_ids"][:len(first_turn)] == first_turn  # the history continued, not re-tokenised
+    assert image_runs(request2["input_ids"], image_token) == [image_tokens(model_dir, RED),
+                                                               image_tokens(model_dir, BLUE)]
+    assert engine_reply2["meta_info"]["prompt_tokens"] == len(request2["input_ids"])
+    trained = sample_tokens(session.trajectory.tip)
+    generated = [e[1] for e in engine_reply2["meta_info"]["output_token_logprobs"]]
+    assert trained.tokens == request2["input_ids"] + generated
+    assert [i.data for i in trained.images] == [RED, BLUE]
+    assert not session.trajectory.branches
+    # the second user turn, its image's tokens included, is masked out of the loss
+    context = len(request2["input_ids"]) - len(first_turn)
+    assert trained.loss_mask[-len(generated) - context:-len(generated)] == [0] * context
+    gw.close_session(session)
+
+
+def test_anthropic_image_blocks_reach_the_engine(gateway):
+    gw, proxy, model_dir = gateway
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    session = gw.open(max_new_tokens=16)
+    client = anthropic.Anthropic(base_url=gw.url, api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    start = len(proxy.generated)
+    message = client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "which color? "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(BLUE).decode()}}]}])
+    (request, engine_reply), = proxy.since(start)
+    assert request["image_data"] == [data_url(BLUE)]
+    assert image_runs(request["input_ids"], image_token) == [image_tokens(model_dir, BLUE)]
+    assert message.usage.input_tokens == len(request["input_ids"]) == engine_reply["meta_info"]["prompt_tokens"]
+    gw.close_session(session)
+
+
+def test_bad_images_answer_400_naming_the_part_and_the_problem(gateway):
+    gw, proxy, _ = gateway
+    session = gw.open()
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    out = io.BytesIO()
+    Image.new("1", (12000, 9000)).save(out, format="PNG")  # 108 megapixels in a few hundred kilobytes
+    huge = out.getvalue()
+    start = len(proxy.generated)
+    for url, problem in ((data_url(RED[:len(RED) // 2]), "corrupt image"), (data_url(huge), "108.0 megapixels"),
+                         (data_url(b"plain text, not a picture"), "not an image"),
+                         ("https://example.com/cat.png", "only data: URLs")):
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: .*" + problem):
+            client.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "which color?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    with pytest.raises(openai.BadRequestError, match="2 image placeholders for 1 images|more image placeholders"):
+        client.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>"},
+            {"type": "image_url", "image_url": {"url": data_url(RED)}}]}])
+    claude = anthropic.Anthropic(base_url=gw.url, api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[0\]: corrupt image: .* header"):
+        claude.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(b"GIF89a but not really").decode()}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="media_type 'image/jpeg', but the data is image/png"):
+        claude.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                         "data": base64.b64encode(RED).decode()}}]}])
+    assert proxy.since(start) == []  # none reached the engine
+    # the session is still good after them
+    assert client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(RED)}}]}]).choices
+    gw.close_session(session)
