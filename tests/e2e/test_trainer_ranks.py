@@ -8,11 +8,13 @@ resumes from its dist-iterations."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -35,11 +37,19 @@ MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
+@contextlib.contextmanager
+def slime_on_path() -> Iterator[None]:
+    """slime's root on the path of the ranks started inside, as its scripts put it (examples.*): at the stack's start
+    and at each restart of its ranks, which inherit this process's environment."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join([str(SLIME_ROOT), os.environ.get("PYTHONPATH", "")]))
+        yield
+
+
 @pytest.fixture(scope="module")
 def ranks_stack(session_dir, tiny_model_dir):
     work_dir = session_dir / "stack-ranks"
-    with pytest.MonkeyPatch.context() as env:  # slime's root on the ranks' path, as its scripts put it: examples.*
-        env.setenv("PYTHONPATH", os.pathsep.join([str(SLIME_ROOT), os.environ.get("PYTHONPATH", "")]))
+    with slime_on_path():
         state = stack.up(stack.StackOptions(work_dir=work_dir, model_path=tiny_model_dir, num_engines=1,
                                             trainer_threads=1, trainer_ranks=2, path_roots=stack_roots(session_dir)))
     yield state
@@ -124,7 +134,8 @@ def test_a_job_killed_after_a_checkpoint_resumes_by_itself_on_the_prompts_of_a_n
     latest = iterations.latest_iteration(save)
     assert latest is not None and latest >= 1
 
-    stack.restart_trainer(ranks_stack["work_dir"])
+    with slime_on_path():
+        stack.restart_trainer(ranks_stack["work_dir"])
     with JobsRestClient(ranks_stack["trainer_url"], timeout_s=30) as client:
         resumed = wait(client, "stopped")
         second = wait(client, "queued-behind")
@@ -169,7 +180,8 @@ def test_a_worker_rank_killed_mid_job_stops_rank_0_and_the_job_resumes_when_the_
     latest = iterations.latest_iteration(save)
     assert latest is not None and latest < 3
 
-    stack.restart_trainer(ranks_stack["work_dir"])
+    with slime_on_path():
+        stack.restart_trainer(ranks_stack["work_dir"])
     with JobsRestClient(ranks_stack["trainer_url"], timeout_s=30) as client:
         resumed = wait(client, "worker-killed")
         events = client.events("worker-killed")
