@@ -109,9 +109,6 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
         if self.arch.dsa is not None:  # megatron-core's DSAttention takes padded rectangles alone, whole sequences
             self.pack_sequences = False
-            if context_parallel_size > 1:
-                raise InvalidArgument(f"context_parallel_size {context_parallel_size}: megatron-core's DeepSeek "
-                                      "sparse attention (GLM-5) does not split sequences over ranks")
         if context_parallel_size > 1 and (problem := _context_parallel_problem(config, self.arch)):
             raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
         # a vision-language checkpoint: megatron's language model with transformers' vision tower (`vision.py`); a
@@ -664,6 +661,8 @@ class MegatronCritic:
 
 def _context_parallel_problem(config: TrainConfig, arch: ModelArch) -> str:
     """Why this job cannot split its sequences over CP ranks here ("" when it can)."""
+    if arch.dsa is not None:
+        return "megatron-core's DeepSeek sparse attention (GLM-5) does not split sequences over ranks"
     if arch.vision_model_type:
         return "a vision-language model's forward runs each sequence whole on one rank (its multimodal positions)"
     if config.loss_type == "custom_loss":
