@@ -268,10 +268,19 @@ def check_mtp(spec: dict, steps: list[dict], state: dict) -> None:
     assert all(m["train/mtp_loss"] > 0 and m["train/mtp_1_loss"] == m["train/mtp_loss"] for m in steps)
 
 
+def check_engine_log_probs(spec: dict, steps: list[dict], state: dict) -> None:
+    """DeepSeek-V3's scripts on megatron: the engine's log-prob of each sampled token reached the trainer and is the
+    trainer's own (megatron-core's multi-latent attention and MoE against transformers' in the engine) up to float32
+    rounding, every step: not missing, not the trainer's compared with itself (exactly 0), not another model's."""
+    diffs = [m["train/train_rollout_logprob_abs_diff"] for m in steps]
+    assert all(0.0 < diff < 1e-4 for diff in diffs), diffs
+
+
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
           "run-mimo-7B-rl-eagle.sh": check_mtp,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
           "eval_function": check_eval_function,
           "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,
-          "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent}
+          "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent,
+          "deepseek_r1": check_engine_log_probs, "moonlight_16B_A3B": check_engine_log_probs}
 
