@@ -1,10 +1,12 @@
 """Two gloo ranks for test_megatron_mtp: a tiny MiMo (testkit/mtp_checkpoints.py) on megatron with its
 multi-token-prediction layers, one GRPO rollout (two steps) in each run of RUNS: its steps' metrics, the log-probs
 before and after, and the HF export after; at TP 2 also a dist-checkpoint, a second rollout, and that rollout again
-from the checkpoint.
+from the checkpoint; the same at pipeline parallel size 2 (PIPELINE_RUNS: the MTP layers on the last stage), with
+untied and with tied embeddings, the latter beside its PP 1 reference.
 
-Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR DEEPSEEK_DIR OUT_DIR (writes
-OUT_DIR/results.json; MODEL2_DIR carries two MTP layers, DEEPSEEK_DIR is a tiny DeepSeek-V3 with one)"""
+Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR DEEPSEEK_DIR TIED_DIR OUT_DIR (writes
+OUT_DIR/results.json; MODEL2_DIR carries two MTP layers, DEEPSEEK_DIR is a tiny DeepSeek-V3 with one, TIED_DIR is
+MODEL_DIR's MiMo with tied embeddings)"""
 
 from __future__ import annotations
 
@@ -34,10 +36,16 @@ RUNS = {  # name: (model, tensor parallel size, packed, sequence parallel, the c
     "deepseek_tp2": ("deepseek", 2, True, False, {**TRAINED, "use_routing_replay": True}),
     "deepseek_carried": ("deepseek", 1, True, False, {"mtp_num_layers": 1}),
 }
+# at pipeline parallel size 2: the MTP layers on the last stage with its own copy of the embedding
+PIPELINE_RUNS = {
+    "pp2": ("one", TRAINED),  # untied: the copy's gradient summed with the first stage's
+    "pp2_tied": ("tied", TRAINED),  # tied: the copy is the output weight too (megatron-core reduces it)
+    "dp2_tied": ("tied", TRAINED),  # the tied model at PP 1, the reference of pp2_tied
+}
 
 
-def train(model_dir: Path, *, tp: int, packed: bool, sequence_parallel: bool, settings: dict,
-          checkpoint: Path | None = None) -> dict:
+def train(model_dir: Path, *, tp: int = 1, pp: int = 1, packed: bool = True, sequence_parallel: bool = False,
+          settings: dict, checkpoint: Path | None = None) -> dict:
     """checkpoint: also a dist-checkpoint after the rollout, a second rollout trained, and a fresh backend resumed
     from the checkpoint training that rollout again."""
     from services.trainer.backends.megatron.backend import MegatronBackend
@@ -45,7 +53,7 @@ def train(model_dir: Path, *, tp: int, packed: bool, sequence_parallel: bool, se
 
     def build() -> MegatronBackend:
         return MegatronBackend(model_dir, TrainConfig(**{**GRPO_CONFIG, **settings}), tensor_model_parallel_size=tp,
-                               pack_sequences=packed,
+                               pipeline_model_parallel_size=pp, pack_sequences=packed,
                                megatron_args={"sequence_parallel": True} if sequence_parallel else None)
 
     backend = build()
@@ -66,13 +74,17 @@ def train(model_dir: Path, *, tp: int, packed: bool, sequence_parallel: bool, se
     return out
 
 
-def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, deepseek_dir: Path, out_dir: Path) -> None:
+def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, deepseek_dir: Path, tied_dir: Path,
+        out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    models = {"one": model_dir, "two": model2_dir, "deepseek": deepseek_dir}
+    models = {"one": model_dir, "two": model2_dir, "deepseek": deepseek_dir, "tied": tied_dir}
     results = {name: train(models[model], tp=tp, packed=packed, sequence_parallel=sp, settings=settings,
                            checkpoint=out_dir / "ckpt" if name == "tp2_sp" else None)
                for name, (model, tp, packed, sp, settings) in RUNS.items()}
+    results.update({name: train(models[model], pp=1 if name.startswith("dp2") else 2, settings=settings,
+                                checkpoint=out_dir / "ckpt-pp2" if name == "pp2" else None)
+                    for name, (model, settings) in PIPELINE_RUNS.items()})
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 
@@ -84,5 +96,5 @@ if __name__ == "__main__":
 
     import services.trainer.backends.megatron.backend  # noqa: F401
 
-    spawn(run, *map(Path, sys.argv[1:5]), world_size=WORLD_SIZE,
+    spawn(run, *map(Path, sys.argv[1:6]), world_size=WORLD_SIZE,
           start_method="spawn" if torch.cuda.is_available() else "fork")

@@ -4,7 +4,9 @@ equal to the one computed by hand with plain torch over transformers' Qwen2 modu
 head, padded with the full logits and at TP 2 under sequence parallelism, also with two depths; the policy's own
 numbers are those of a run without MTP layers; the MTP loss trains the MTP layers and, through their input, the
 decoder; MTP layers built but not trained come back in the HF export exactly as the checkpoint has them; a backend
-resumed from a dist-checkpoint (the MTP layers and their optimizer state in it) trains as if never stopped. A tiny
+resumed from a dist-checkpoint (the MTP layers and their optimizer state in it) trains as if never stopped. At two
+pipeline stages (the MTP layers on the last, with its own copy of the embedding) a step and the weights after it are
+those at one stage, with untied and with tied embeddings, and a resumed run trains as if never stopped. A tiny
 DeepSeek-V3's MTP layer (multi-latent attention and experts, under DeepSeek's names) trains at TP 2 under routing
 replay (of the decoder's routers) and comes back in the export.
 
@@ -30,14 +32,15 @@ POLICY_METRICS = ("train/pg_loss", "train/entropy_loss", "train/kl_loss", "train
 def models(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mimo")
     return {"one": build_tiny_mimo(out / "one", 1), "two": build_tiny_mimo(out / "two", 2),
-            "deepseek": build_tiny_deepseek_v3_with_mtp(out / "deepseek")}
+            "deepseek": build_tiny_deepseek_v3_with_mtp(out / "deepseek"),
+            "tied": build_tiny_mimo(out / "tied", 1, tied=True)}
 
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron-mtp")
     run_worker("tests.integration.megatron_mtp_worker", str(models["one"]), str(models["two"]),
-               str(models["deepseek"]), str(out),
+               str(models["deepseek"]), str(models["tied"]), str(out),
                log_path=out / "worker.log", timeout_s=600)
     return json.loads((out / "results.json").read_text())
 
@@ -52,9 +55,10 @@ def mtp_tensors(weights: dict) -> dict[str, torch.Tensor]:
     return {name: torch.as_tensor(value) for name, value in weights.items() if ".mtp_layers." in name}
 
 
-@pytest.mark.parametrize("run", ["dp2", "dp2_padded_unfused", "tp2_sp"])
-def test_the_mtp_loss_is_the_hand_computed_one(results, models, run):
-    expected = mtp_losses(models["one"], first_step_sequences())
+@pytest.mark.parametrize(("run", "model"), [("dp2", "one"), ("dp2_padded_unfused", "one"), ("tp2_sp", "one"),
+                                           ("pp2", "one"), ("pp2_tied", "tied")])
+def test_the_mtp_loss_is_the_hand_computed_one(results, models, run, model):
+    expected = mtp_losses(models[model], first_step_sequences())
     step = results[run]["metrics"][0]
     assert step["train/mtp_1_loss"] == pytest.approx(expected[0], abs=1e-5)
     assert step["train/mtp_loss"] == pytest.approx(expected[0], abs=1e-5)
@@ -99,12 +103,28 @@ def test_untrained_mtp_layers_come_back_as_the_checkpoint_has_them(results, mode
                           torch.tensor(results["plain"]["log_probs_after"][0]), atol=1e-6)
 
 
-def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_mtp_layers_as_if_never_stopped(results):
-    run = results["tp2_sp"]
+@pytest.mark.parametrize("name", ["tp2_sp", "pp2"])
+def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_mtp_layers_as_if_never_stopped(results, name):
+    run = results[name]
     assert [m["train/mtp_loss"] for m in run["resumed"]] == pytest.approx([m["train/mtp_loss"] for m in run["second"]],
                                                                            abs=1e-6)
     assert [m["train/grad_norm"] for m in run["resumed"]] == pytest.approx(
         [m["train/grad_norm"] for m in run["second"]], abs=1e-6)
+
+
+@pytest.mark.parametrize(("run", "reference"), [("pp2", "dp2"), ("pp2_tied", "dp2_tied")])
+def test_at_two_pipeline_stages_the_mtp_layers_train_as_at_one(results, run, reference):
+    """The MTP layers on the last stage embed with its copy of the embedding, whose gradient joins the first
+    stage's: every step's losses and gradient norm, the log-probs after and every exported weight are PP 1's."""
+    for step, expected in zip(results[run]["metrics"], results[reference]["metrics"], strict=True):
+        for key in ("train/mtp_loss", "train/mtp_1_loss", "train/grad_norm", *POLICY_METRICS):
+            assert step[key] == pytest.approx(expected[key], abs=1e-5), key
+    assert torch.allclose(torch.tensor(results[run]["log_probs_after"][0]),
+                          torch.tensor(results[reference]["log_probs_after"][0]), atol=1e-5)
+    weights, expected = results[run]["weights"], results[reference]["weights"]
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.allclose(torch.tensor(weights[name]), torch.tensor(tensor), atol=1e-5), name
 
 
 def test_a_deepseek_v3_mtp_layer_trains_and_comes_back_under_deepseeks_names(results, models):

@@ -19,7 +19,8 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
   expert bias (mlp.gate.e_score_correction_bias, a buffer in both) maps to mlp.router.expert_bias; shared experts
   (mlp.shared_experts.*) are TP-sharded as a dense MLP is. Layers before the first MoE one are dense.
 - MTP layers (`models/mtp.py`'s HF names) <-> mtp.layers.{i}: their norms replicated, eh_proj column-parallel (chunk r
-  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's.
+  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's. Under
+  pipeline parallelism the last stage holds them with its own copy of the embedding, loaded and never exported.
 """
 
 from __future__ import annotations
@@ -187,11 +188,13 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone().contiguous()
         # Tied embeddings: the last stage keeps its own copy of the embedding as the output layer, unless the
-        # same stage holds the embedding (then GPTModel has no output weight at all).
+        # same stage holds the embedding, the first's or the MTP layers' (then GPTModel has no output weight).
         if not arch.tie_word_embeddings:
             out["output_layer.weight"] = shard(_pad_vocab(hf["lm_head.weight"], padded))
-        elif pp_size > 1:
+        elif pp_size > 1 and not arch.mtp_num_layers:
             out["output_layer.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
+        if pp_size > 1 and arch.mtp_num_layers:  # the MTP layers' copy of the embedding (tied: the output weight too)
+            out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
         for index in range(arch.mtp_num_layers):  # megatron-core builds them on the last stage
             out.update(_mtp_to_megatron(hf, arch, index, shard=shard, te_names=te_names, **experts))
     return out
@@ -420,8 +423,9 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
 
     def converted() -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in named_params:
-            if name == "output_layer.weight" and arch.tie_word_embeddings:
-                continue  # the last stage's copy of the embedding
+            if (name == "output_layer.weight" and arch.tie_word_embeddings) or \
+                    (name == "embedding.word_embeddings.weight" and pp_rank > 0):
+                continue  # the last stage's copy of the embedding (its output weight or its MTP layers')
             tensor = param.detach()
             if LOCAL_EXPERT in name and ep_size > 1:  # expert i of EP rank j is global expert j·local + i
                 head, tail = name.split(LOCAL_EXPERT)

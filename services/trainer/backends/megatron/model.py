@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, offload
+from services.trainer.backends.megatron import args, mtp, offload
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -245,7 +245,10 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
             **{"position_embedding_type": "rope", **extra})
         if arch.vision_model_type:
             model.attach_vision(vision_config, arch, config.params_dtype, torch.device("cpu"))
-    model.mtp_process = False  # its MTP layers run only in the forwards that train them (`mtp.running`)
+    if mtp_spec is not None:  # its MTP layers run only in the forwards that train them (`mtp.running`)
+        mtp.run_only_when_asked(model)
+        if not model.pre_process:  # the last of several stages: its own copy of the embedding (`mtp.py`)
+            mtp.share_embedding_copy(model)
     if arch.mla is not None and not use_te:
         from services.trainer.backends.megatron.mla import whole_kv_down_projections
 
