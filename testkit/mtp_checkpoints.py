@@ -1,8 +1,8 @@
 """Tiny checkpoints with multi-token-prediction layers for the tests. A MiMo: a Qwen2 checkpoint with MTP layers under
 MiMo's names (`model.mtp_layers.{i}.*`, config num_nextn_predict_layers; MiMo's own modeling code ships with its
 checkpoints, so the model stays a qwen2 one that transformers loads, its MTP tensors left aside), and MiMo's MTP loss
-computed by hand with plain torch over transformers' Qwen2 modules. A DeepSeek-V3 with its MTP layer as one more
-decoder layer (`model.layers.{num_hidden_layers}.*` with enorm, hnorm, eh_proj, shared_head.norm).
+computed by hand with plain torch over transformers' Qwen2 modules. A DeepSeek-V3 (or a GLM-4.5+) with its MTP layer
+as one more decoder layer (`model.layers.{num_hidden_layers}.*` with enorm, hnorm, eh_proj, shared_head.norm).
 """
 
 from __future__ import annotations
@@ -119,9 +119,8 @@ def mtp_losses(model_dir: Path, sequences: list[tuple[list[int], list[float]]],
 
 
 def build_tiny_deepseek_v3_with_mtp(out_dir: Path, *, seed: int = 0) -> Path:
-    """A random tiny DeepSeek-V3 (`physarum.families`' shape: MLA, a dense first layer, then MoE) with one MTP layer:
-    its last decoder layer's tensors, perturbed, as layer num_hidden_layers, and its own norms and projection."""
-    from safetensors.torch import load_file, save_file
+    """A random tiny DeepSeek-V3 (`physarum.families`' shape: MLA, a dense first layer, then MoE) with one MTP layer
+    (`add_deepseek_mtp_layer`)."""
     from transformers import AutoModelForCausalLM
 
     from physarum.families import tiny_config
@@ -129,18 +128,26 @@ def build_tiny_deepseek_v3_with_mtp(out_dir: Path, *, seed: int = 0) -> Path:
     config = tiny_config("deepseek_v3", vocab_size=300, eos_id=1, hidden_size=64)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
-    weights = load_file(out_dir / "model.safetensors")
-    last, mtp = f"model.layers.{config.num_hidden_layers - 1}.", f"model.layers.{config.num_hidden_layers}."
-    generator = torch.Generator().manual_seed(seed + 1)
+    return add_deepseek_mtp_layer(out_dir, seed=seed + 1)
+
+
+def add_deepseek_mtp_layer(model_dir: Path, *, seed: int = 1) -> Path:
+    """Give the DeepSeek-V3 or GLM-4.5+ checkpoint in `model_dir` one MTP layer as DeepSeek names it: its last decoder
+    layer's tensors, perturbed, as layer num_hidden_layers, and its own norms and projection."""
+    from safetensors.torch import load_file, save_file
+
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    weights = load_file(model_dir / "model.safetensors")
+    last, mtp = f"model.layers.{config['num_hidden_layers'] - 1}.", f"model.layers.{config['num_hidden_layers']}."
+    hidden = config["hidden_size"]
+    generator = torch.Generator().manual_seed(seed)
     for name in [name for name in weights if name.startswith(last)]:
         tensor = weights[name]
         weights[mtp + name.removeprefix(last)] = tensor + 0.01 * torch.randn(tensor.shape, generator=generator)
     for norm in ("enorm", "hnorm", "shared_head.norm"):
-        weights[f"{mtp}{norm}.weight"] = 0.5 + torch.rand(config.hidden_size, generator=generator)
-    weights[mtp + "eh_proj.weight"] = 0.05 * torch.randn(config.hidden_size, 2 * config.hidden_size,
-                                                         generator=generator)
-    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
-    config_path = out_dir / "config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "num_nextn_predict_layers": 1},
-                                      indent=2))
-    return out_dir
+        weights[f"{mtp}{norm}.weight"] = 0.5 + torch.rand(hidden, generator=generator)
+    weights[mtp + "eh_proj.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=generator)
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config_path.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
+    return model_dir

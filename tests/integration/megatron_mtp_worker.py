@@ -1,8 +1,9 @@
 """Two gloo ranks for test_megatron_mtp: a tiny MiMo (testkit/mtp_checkpoints.py) on megatron with its
 multi-token-prediction layers, one GRPO rollout (two steps) in each run of RUNS: its steps' metrics, the log-probs
 before and after, and the HF export after; at TP 2 also a dist-checkpoint, a second rollout, and that rollout again
-from the checkpoint; the same at pipeline parallel size 2 (PIPELINE_RUNS: the MTP layers on the last stage), with
-untied and with tied embeddings, the latter beside its PP 1 reference.
+from the checkpoint; the MTP layers trained at pipeline parallel size 2 (LAYOUT_RUNS: on the last stage), with untied
+and tied embeddings, and at context parallel size 2, packed and padded, also on the DeepSeek-V3, each beside its
+reference at size 1.
 
 Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR DEEPSEEK_DIR TIED_DIR OUT_DIR (writes
 OUT_DIR/results.json; MODEL2_DIR carries two MTP layers, DEEPSEEK_DIR is a tiny DeepSeek-V3 with one, TIED_DIR is
@@ -36,16 +37,21 @@ RUNS = {  # name: (model, tensor parallel size, packed, sequence parallel, the c
     "deepseek_tp2": ("deepseek", 2, True, False, {**TRAINED, "use_routing_replay": True}),
     "deepseek_carried": ("deepseek", 1, True, False, {"mtp_num_layers": 1}),
 }
-# at pipeline parallel size 2: the MTP layers on the last stage with its own copy of the embedding
-PIPELINE_RUNS = {
-    "pp2": ("one", TRAINED),  # untied: the copy's gradient summed with the first stage's
-    "pp2_tied": ("tied", TRAINED),  # tied: the copy is the output weight too (megatron-core reduces it)
-    "dp2_tied": ("tied", TRAINED),  # the tied model at PP 1, the reference of pp2_tied
+# MTP layers trained at pipeline parallel size 2 (on the last stage, with its own copy of the embedding) and at context
+# parallel size 2 (each rank its slice of every sequence); their references at 1 are dp2 and the two dp2_ runs here
+LAYOUT_RUNS = {  # name: (model, pipeline parallel size, context parallel size, packed)
+    "pp2": ("one", 2, 1, True),  # untied: the copy's gradient summed with the first stage's
+    "pp2_tied": ("tied", 2, 1, True),  # tied: the copy is the output weight too (megatron-core reduces it)
+    "dp2_tied": ("tied", 1, 1, True),
+    "cp2": ("one", 1, 2, True),
+    "cp2_padded": ("one", 1, 2, False),
+    "deepseek_cp2": ("deepseek", 1, 2, True),  # multi-latent attention and experts, at CP 2
+    "deepseek_dp2": ("deepseek", 1, 1, True),
 }
 
 
-def train(model_dir: Path, *, tp: int = 1, pp: int = 1, packed: bool = True, sequence_parallel: bool = False,
-          settings: dict, checkpoint: Path | None = None) -> dict:
+def train(model_dir: Path, *, tp: int = 1, pp: int = 1, cp: int = 1, packed: bool = True,
+          sequence_parallel: bool = False, settings: dict, checkpoint: Path | None = None) -> dict:
     """checkpoint: also a dist-checkpoint after the rollout, a second rollout trained, and a fresh backend resumed
     from the checkpoint training that rollout again."""
     from services.trainer.backends.megatron.backend import MegatronBackend
@@ -53,7 +59,7 @@ def train(model_dir: Path, *, tp: int = 1, pp: int = 1, packed: bool = True, seq
 
     def build() -> MegatronBackend:
         return MegatronBackend(model_dir, TrainConfig(**{**GRPO_CONFIG, **settings}), tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp, pack_sequences=packed,
+                               pipeline_model_parallel_size=pp, context_parallel_size=cp, pack_sequences=packed,
                                megatron_args={"sequence_parallel": True} if sequence_parallel else None)
 
     backend = build()
@@ -82,9 +88,9 @@ def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, deepseek_
     results = {name: train(models[model], tp=tp, packed=packed, sequence_parallel=sp, settings=settings,
                            checkpoint=out_dir / "ckpt" if name == "tp2_sp" else None)
                for name, (model, tp, packed, sp, settings) in RUNS.items()}
-    results.update({name: train(models[model], pp=1 if name.startswith("dp2") else 2, settings=settings,
+    results.update({name: train(models[model], pp=pp, cp=cp, packed=packed, settings=TRAINED,
                                 checkpoint=out_dir / "ckpt-pp2" if name == "pp2" else None)
-                    for name, (model, settings) in PIPELINE_RUNS.items()})
+                    for name, (model, pp, cp, packed) in LAYOUT_RUNS.items()})
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 

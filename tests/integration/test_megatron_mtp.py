@@ -6,7 +6,8 @@ numbers are those of a run without MTP layers; the MTP loss trains the MTP layer
 decoder; MTP layers built but not trained come back in the HF export exactly as the checkpoint has them; a backend
 resumed from a dist-checkpoint (the MTP layers and their optimizer state in it) trains as if never stopped. At two
 pipeline stages (the MTP layers on the last, with its own copy of the embedding) a step and the weights after it are
-those at one stage, with untied and with tied embeddings, and a resumed run trains as if never stopped. A tiny
+those at one stage, with untied and with tied embeddings, and a resumed run trains as if never stopped; so are they at
+context parallel size 2, packed and padded, and for the DeepSeek-V3 (multi-latent attention) too. A tiny
 DeepSeek-V3's MTP layer (multi-latent attention and experts, under DeepSeek's names) trains at TP 2 under routing
 replay (of the decoder's routers) and comes back in the export.
 
@@ -56,7 +57,8 @@ def mtp_tensors(weights: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("run", "model"), [("dp2", "one"), ("dp2_padded_unfused", "one"), ("tp2_sp", "one"),
-                                           ("pp2", "one"), ("pp2_tied", "tied")])
+                                           ("pp2", "one"), ("pp2_tied", "tied"), ("cp2", "one"),
+                                           ("cp2_padded", "one")])
 def test_the_mtp_loss_is_the_hand_computed_one(results, models, run, model):
     expected = mtp_losses(models[model], first_step_sequences())
     step = results[run]["metrics"][0]
@@ -112,10 +114,12 @@ def test_a_backend_resumed_from_a_dist_checkpoint_trains_the_mtp_layers_as_if_ne
         [m["train/grad_norm"] for m in run["second"]], abs=1e-6)
 
 
-@pytest.mark.parametrize(("run", "reference"), [("pp2", "dp2"), ("pp2_tied", "dp2_tied")])
-def test_at_two_pipeline_stages_the_mtp_layers_train_as_at_one(results, run, reference):
-    """The MTP layers on the last stage embed with its copy of the embedding, whose gradient joins the first
-    stage's: every step's losses and gradient norm, the log-probs after and every exported weight are PP 1's."""
+@pytest.mark.parametrize(("run", "reference"), [("pp2", "dp2"), ("pp2_tied", "dp2_tied"), ("cp2", "dp2"),
+                                                ("cp2_padded", "dp2"), ("deepseek_cp2", "deepseek_dp2")])
+def test_at_two_pipeline_stages_or_context_slices_the_mtp_layers_train_as_at_one(results, run, reference):
+    """PP 2: the MTP layers on the last stage embed with its copy of the embedding, whose gradient joins the first
+    stage's. CP 2: each rank's MTP layers take its slices, the next tokens rolled across the group. Every step's
+    losses and gradient norm, the log-probs after and every exported weight are those at size 1."""
     for step, expected in zip(results[run]["metrics"], results[reference]["metrics"], strict=True):
         for key in ("train/mtp_loss", "train/mtp_1_loss", "train/grad_norm", *POLICY_METRICS):
             assert step[key] == pytest.approx(expected[key], abs=1e-5), key

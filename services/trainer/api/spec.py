@@ -114,8 +114,6 @@ class JobSpec(_JobSettings):
             able = " or ".join(backends_that(lambda caps: caps.mtp))
             raise ValueError(f"mtp_num_layers: train_backend {layout.train_backend} builds no multi-token-prediction "
                              f"layers; set train_backend: {able}")
-        if train.mtp_num_layers and layout.context_parallel_size > 1:
-            raise ValueError("mtp_num_layers: multi-token-prediction layers are built at context_parallel_size 1")
         if rollout.multimodal_keys and not layout.capabilities.vision:
             able = " or ".join(backends_that(lambda caps: caps.vision))
             raise ValueError(f"multimodal_keys: train_backend {layout.train_backend} does not take images in its "

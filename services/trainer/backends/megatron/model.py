@@ -195,7 +195,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
                             else SDPAttention)
     elif arch.mla is not None or arch.moe_layers is not None:  # layers of two kinds, or multi-latent attention
         block = _decoder_block(config, use_te=use_te)
-        spec = block if use_te else _with_local_modules(block, SDPAttention, SequenceParallelRMSNorm)
+        spec = block if use_te else _with_local_modules(
+            block, CPAttention if config.context_parallel_size > 1 else SDPAttention, SequenceParallelRMSNorm)
         if arch.mla is not None and not use_te:
             from services.trainer.backends.megatron.mla import LatentRMSNorm
 

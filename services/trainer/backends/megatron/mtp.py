@@ -82,6 +82,15 @@ def finalize_with_embedding_copy(finalize: Callable, embedding_group) -> Callabl
     return finalize_then_reduce
 
 
+def next_tokens(targets: torch.Tensor, group, packed_seq_params=None) -> torch.Tensor:
+    """Under context parallelism, this rank's slice of tokens [rows, T_local] -> the tokens one position further on,
+    rolled across the CP group's slices as megatron-core's MTP layers roll their input tokens (a sequence's last
+    position gets 0, which `target_weights` never counts). Collective over `group`."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    return roll_tensor(targets, shifts=-1, dims=-1, cp_group=group, packed_seq_params=packed_seq_params)[0]
+
+
 def split_depths(output: torch.Tensor, num_layers: int, *, sequence_parallel_size: int = 1) -> list[torch.Tensor]:
     """The model's outputs [b, (1 + N)·s, ...] -> 1 + N tensors [b, s, ...]: the decoder's, then each MTP depth's.
     Under sequence parallelism the output layer gathered every TP rank's slice of all depths at once ([tp, 1 + N,
