@@ -375,10 +375,13 @@ class WeightUpdater:
 
     def _draft_layer(self, name: str) -> bool:
         """Whether `name` is a weight of one of the served checkpoint's multi-token-prediction layers
-        (num_nextn_predict_layers): MiMo's model.mtp_layers.{i}.*, DeepSeek-V3's and GLM-4.5's
-        model.layers.{num_hidden_layers + i}.*."""
+        (num_nextn_predict_layers, Qwen3-Next's and Qwen3.5's mtp_num_hidden_layers): MiMo's model.mtp_layers.{i}.*,
+        DeepSeek-V3's and GLM-4.5's model.layers.{num_hidden_layers + i}.*, Qwen3-Next's and Qwen3.5's mtp.*."""
         config = self.engine.model.config.get_text_config()
-        count = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+        count = int(getattr(config, "num_nextn_predict_layers", 0) or getattr(config, "mtp_num_hidden_layers", 0)
+                    or 0)
+        if count and name.startswith("mtp."):
+            return True
         for prefix, first in (("model.mtp_layers.", 0), ("model.layers.", config.num_hidden_layers)):
             index = name.removeprefix(prefix).split(".", 1)[0]
             if name.startswith(prefix) and index.isdigit() and first <= int(index) < first + count:

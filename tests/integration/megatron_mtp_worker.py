@@ -5,9 +5,9 @@ from the checkpoint; the MTP layers trained at pipeline parallel size 2 (LAYOUT_
 and tied embeddings, and at context parallel size 2, packed and padded, also on the DeepSeek-V3, each beside its
 reference at size 1.
 
-Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR DEEPSEEK_DIR TIED_DIR OUT_DIR (writes
-OUT_DIR/results.json; MODEL2_DIR carries two MTP layers, DEEPSEEK_DIR is a tiny DeepSeek-V3 with one, TIED_DIR is
-MODEL_DIR's MiMo with tied embeddings)"""
+Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR DEEPSEEK_DIR TIED_DIR QWEN3_NEXT_DIR
+QWEN3_5_DIR OUT_DIR (writes OUT_DIR/results.json; MODEL2_DIR carries two MTP layers, DEEPSEEK_DIR is a tiny DeepSeek-V3
+with one, TIED_DIR is MODEL_DIR's MiMo with tied embeddings, the last two a tiny Qwen3-Next and Qwen3.5 with theirs)"""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ RUNS = {  # name: (model, tensor parallel size, packed, sequence parallel, the c
     # replay the decoder's routers replay the old policy's experts, the MTP layer's routes as it would
     "deepseek_tp2": ("deepseek", 2, True, False, {**TRAINED, "use_routing_replay": True}),
     "deepseek_carried": ("deepseek", 1, True, False, {"mtp_num_layers": 1}),
+    # Qwen3-Next's and Qwen3.5's MTP layer (mtp.*): a full-attention layer after their gated delta-net stack
+    "qwen3_next": ("qwen3_next", 1, True, False, TRAINED),
+    "qwen3_next_carried": ("qwen3_next", 1, True, False, {"mtp_num_layers": 1}),
+    "qwen3_5_tp2": ("qwen3_5", 2, True, False, TRAINED),
 }
 # MTP layers trained at pipeline parallel size 2 (on the last stage, with its own copy of the embedding) and at context
 # parallel size 2 (each rank its slice of every sequence); their references at 1 are dp2 and the two dp2_ runs here
@@ -81,10 +85,11 @@ def train(model_dir: Path, *, tp: int = 1, pp: int = 1, cp: int = 1, packed: boo
 
 
 def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, deepseek_dir: Path, tied_dir: Path,
-        out_dir: Path) -> None:
+        qwen3_next_dir: Path, qwen3_5_dir: Path, out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    models = {"one": model_dir, "two": model2_dir, "deepseek": deepseek_dir, "tied": tied_dir}
+    models = {"one": model_dir, "two": model2_dir, "deepseek": deepseek_dir, "tied": tied_dir,
+              "qwen3_next": qwen3_next_dir, "qwen3_5": qwen3_5_dir}
     results = {name: train(models[model], tp=tp, packed=packed, sequence_parallel=sp, settings=settings,
                            checkpoint=out_dir / "ckpt" if name == "tp2_sp" else None)
                for name, (model, tp, packed, sp, settings) in RUNS.items()}
@@ -102,5 +107,5 @@ if __name__ == "__main__":
 
     import services.trainer.backends.megatron.backend  # noqa: F401
 
-    spawn(run, *map(Path, sys.argv[1:6]), world_size=WORLD_SIZE,
+    spawn(run, *map(Path, sys.argv[1:8]), world_size=WORLD_SIZE,
           start_method="spawn" if torch.cuda.is_available() else "fork")

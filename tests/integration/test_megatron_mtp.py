@@ -9,7 +9,9 @@ pipeline stages (the MTP layers on the last, with its own copy of the embedding)
 those at one stage, with untied and with tied embeddings, and a resumed run trains as if never stopped; so are they at
 context parallel size 2, packed and padded, and for the DeepSeek-V3 (multi-latent attention) too. A tiny
 DeepSeek-V3's MTP layer (multi-latent attention and experts, under DeepSeek's names) trains at TP 2 under routing
-replay (of the decoder's routers) and comes back in the export.
+replay (of the decoder's routers) and comes back in the export. Qwen3-Next's and Qwen3.5's MTP layer (`mtp.*`, a
+full-attention layer after the gated delta-nets, zero-centered norms) reports the loss computed by hand over
+transformers' modules of the family (Qwen3.5 at TP 2) and comes back in the export under its names.
 
 One launch of tests/integration/megatron_mtp_worker.py serves the tests here."""
 
@@ -22,7 +24,12 @@ import torch
 from safetensors.torch import load_file
 
 from testkit.grpo_rollout import GRPO_CONFIG, grpo_rollout
-from testkit.mtp_checkpoints import build_tiny_deepseek_v3_with_mtp, build_tiny_mimo, mtp_losses
+from testkit.mtp_checkpoints import (
+    build_tiny_deepseek_v3_with_mtp,
+    build_tiny_mimo,
+    build_tiny_qwen_next_with_mtp,
+    mtp_losses,
+)
 from tests.integration.workers import run_worker
 
 VOCAB, PAD = 300, 0  # the tiny MiMo's vocabulary; Qwen2Config has no pad_token_id (the backend's default 0)
@@ -34,14 +41,17 @@ def models(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mimo")
     return {"one": build_tiny_mimo(out / "one", 1), "two": build_tiny_mimo(out / "two", 2),
             "deepseek": build_tiny_deepseek_v3_with_mtp(out / "deepseek"),
-            "tied": build_tiny_mimo(out / "tied", 1, tied=True)}
+            "tied": build_tiny_mimo(out / "tied", 1, tied=True),
+            "qwen3_next": build_tiny_qwen_next_with_mtp(out / "qwen3_next", "qwen3_next"),
+            "qwen3_5": build_tiny_qwen_next_with_mtp(out / "qwen3_5", "qwen3_5")}
 
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron-mtp")
     run_worker("tests.integration.megatron_mtp_worker", str(models["one"]), str(models["two"]),
-               str(models["deepseek"]), str(models["tied"]), str(out),
+               str(models["deepseek"]), str(models["tied"]), str(models["qwen3_next"]), str(models["qwen3_5"]),
+               str(out),
                log_path=out / "worker.log", timeout_s=600)
     return json.loads((out / "results.json").read_text())
 
@@ -58,7 +68,8 @@ def mtp_tensors(weights: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("run", "model"), [("dp2", "one"), ("dp2_padded_unfused", "one"), ("tp2_sp", "one"),
                                            ("pp2", "one"), ("pp2_tied", "tied"), ("cp2", "one"),
-                                           ("cp2_padded", "one")])
+                                           ("cp2_padded", "one"), ("qwen3_next", "qwen3_next"),
+                                           ("qwen3_5_tp2", "qwen3_5")])
 def test_the_mtp_loss_is_the_hand_computed_one(results, models, run, model):
     expected = mtp_losses(models[model], first_step_sequences())
     step = results[run]["metrics"][0]
@@ -147,3 +158,17 @@ def test_a_deepseek_v3_mtp_layer_trains_and_comes_back_under_deepseeks_names(res
     trained = {name: torch.as_tensor(value) for name, value in results["deepseek_tp2"]["weights"].items()
                if name.startswith(prefix)}
     assert not torch.equal(trained[prefix + "eh_proj.weight"], checkpoint[prefix + "eh_proj.weight"])
+
+
+def test_a_qwen3_next_mtp_layer_comes_back_under_its_names(results, models):
+    """Qwen3-Next's mtp.fc, mtp's three norms and mtp.layers.0 (a full-attention MoE layer) through megatron and back
+    as the checkpoint holds them; trained, they change."""
+    checkpoint = {name: t for name, t in load_file(models["qwen3_next"] / "model.safetensors").items()
+                  if name.startswith("mtp.")}
+    carried, trained = ({name: torch.as_tensor(value) for name, value in results[run]["weights"].items()
+                         if name.startswith("mtp.")} for run in ("qwen3_next_carried", "qwen3_next"))
+    assert carried.keys() == trained.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(carried[name], tensor), name
+    for name in ("mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"):
+        assert not torch.equal(trained[name], checkpoint[name]), name

@@ -118,6 +118,9 @@ class JobSpec(_JobSettings):
             able = " or ".join(backends_that(lambda caps: caps.vision))
             raise ValueError(f"multimodal_keys: train_backend {layout.train_backend} does not take images in its "
                              f"forward; set train_backend: {able}")
+        if rollout.multimodal_keys and train.mtp_num_layers:  # megatron-core's MTP layers embed every token as text
+            raise ValueError("multimodal_keys: the multi-token-prediction layers (mtp_num_layers) take text rows "
+                             "only; drop mtp_num_layers to train on images")
         if rollout.multimodal_keys and (layout.context_parallel_size > 1 or train.use_critic):
             raise ValueError("multimodal_keys: a forward with images runs whole on one rank and without a critic; "
                              "use context_parallel_size 1 and an advantage_estimator other than ppo")

@@ -19,8 +19,9 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
   expert bias (mlp.gate.e_score_correction_bias, a buffer in both) maps to mlp.router.expert_bias; shared experts
   (mlp.shared_experts.*) are TP-sharded as a dense MLP is. Layers before the first MoE one are dense.
 - MTP layers (`models/mtp.py`'s HF names) <-> mtp.layers.{i}: their norms replicated, eh_proj column-parallel (chunk r
-  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's. Under
-  pipeline parallelism the last stage holds them with its own copy of the embedding, loaded and never exported.
+  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's
+  (Qwen3-Next's and Qwen3.5's: a full-attention one). Under pipeline parallelism the last stage holds them with its
+  own copy of the embedding, loaded and never exported.
 """
 
 from __future__ import annotations
@@ -247,9 +248,10 @@ def _mtp_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, index: int
     projection eh_proj (column-parallel: chunk r of dim 0) and its transformer layer, shaped as the last decoder
     layer."""
     src, dst = mtp.hf_prefix(arch.model_type, arch.num_layers, index), MTP_LAYER.format(index)
+    own = mtp.own_prefix(arch.model_type, arch.num_layers, index)
     out = {}
     for mg_sub, hf_sub in mtp.hf_names(arch.model_type).items():
-        tensor = hf[src + hf_sub]
+        tensor = hf[own + hf_sub]
         if mg_sub == "eh_proj.weight":
             if mtp.swaps_projection_halves(arch.model_type):
                 hidden, embedding = tensor.chunk(2, dim=1)
@@ -299,6 +301,7 @@ def _mtp_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch) -> li
         return _layer_to_hf(name, _local_sub(sub.removeprefix("transformer_layer.")), shards, arch, prefix)
     if sub not in (names := mtp.hf_names(arch.model_type)):
         raise ValueError(f"no HF name for Megatron parameter {name!r}")
+    prefix = mtp.own_prefix(arch.model_type, arch.num_layers, int(index))
     if sub != "eh_proj.weight":
         return [(prefix + names[sub], shards[0])]
     tensor = torch.cat(list(shards))
