@@ -1,7 +1,8 @@
 """The gated delta-net families' two gloo ranks: `python -m tests.integration.megatron_gdn_worker OUT MODEL_DIR...`
 (tiny qwen3_5, qwen3_5_moe and qwen3_next). For each model, MegatronBackend in each of its layouts gives the log-probs
 of a GRPO rollout, trains it (two steps) and gives them again; some layouts also save the HF export, one a
-dist-checkpoint a fresh backend resumes from; then qwen3_5_moe trains at EP=2 under each kind of routing replay.
+dist-checkpoint a fresh backend resumes from; then qwen3_5_moe and qwen3_next train at EP=2 under each kind of routing
+replay.
 Results go to OUT/results.json for the test to compare with TorchBackend."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ FAMILY_LAYOUTS = {"qwen3_5": ("tp1", "tp1_padded", "tp2", "tp2_sp", "pp2", "cp2"
                   "qwen3_next": ("tp2", "pp2", "ep2", "tp2_etp2", "cp2")}
 EXPORTED = {("qwen3_5", "tp2"), ("qwen3_5_moe", "tp2_ep2"), ("qwen3_next", "tp2")}  # HF exports the test reads
 RESUMED = {("qwen3_5_moe", "tp2_ep2")}  # a dist-checkpoint saved and resumed from; a Megatron-LM torch_dist read
-REPLAYED = ("qwen3_5_moe",)  # routed as the fsdp backend replays (its router is one transformers' Qwen routers)
+REPLAYED = ("qwen3_5_moe", "qwen3_next")  # routed as the fsdp backend replays (their routers: transformers' Qwen ones)
 
 
 def save_torch_dist(gpt, root: Path) -> None:

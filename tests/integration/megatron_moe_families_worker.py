@@ -1,6 +1,6 @@
 """The sigmoid-routed MoE families' two gloo ranks: `python -m tests.integration.megatron_moe_families_worker OUT
 MODEL_DIR...` (tiny deepseek_v3, glm4_moe_lite, glm4_moe and minimax_m2; the dense glm4 at TP=2 and PP=2 only, and
-glm_moe_dsa at TP=2, PP=2 and EP=2).
+glm_moe_dsa at TP=2, PP=2 and EP=2, and under routing replay).
 For each model, MegatronBackend in every layout of LAYOUTS gives the log-probs of a GRPO rollout, trains it (two
 steps) and gives them again; the EP=2 and expert-TP=2 layouts also save their HF export, the TP=2 × EP=2 one a dist-
 checkpoint it resumes from; then at EP=2 it trains under each kind of routing replay. Results go to OUT/results.json
@@ -27,7 +27,7 @@ DENSE_LAYOUTS = ("tp2", "pp2")  # a dense family's (GLM-4): no experts to spread
 SPARSE_LAYOUTS = ("tp2", "pp2", "ep2")  # GLM-5's (DeepSeek sparse attention over MLA, DeepSeek-V3's MoE)
 # the families whose routing replay the test compares with the fsdp backend's (which patches their routers; MiniMax-M2
 # keeps its expert bias outside its router, which the fsdp backend does not replay)
-REPLAYED = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
+REPLAYED = ("deepseek_v3", "glm4_moe_lite", "glm4_moe", "glm_moe_dsa")
 
 
 def _metrics(backend, rollout) -> list[dict]:
@@ -100,9 +100,10 @@ def run(rank: int, world_size: int, out_dir: Path, model_dirs: list[Path]) -> No
             results[model_dir.name] = {layout: layout_run(model_dir, layout, None, None) for layout in DENSE_LAYOUTS}
             continue
         if model_dir.name == "glm_moe_dsa":
-            results[model_dir.name] = {layout: layout_run(model_dir, layout, out_dir / f"{model_dir.name}-{layout}"
-                                                          if layout in EXPORTED else None, None)
-                                       for layout in SPARSE_LAYOUTS}
+            results[model_dir.name] = {
+                **{layout: layout_run(model_dir, layout, out_dir / f"{model_dir.name}-{layout}"
+                                      if layout in EXPORTED else None, None) for layout in SPARSE_LAYOUTS},
+                **{setting: replay_run(model_dir, setting) for setting in REPLAY_SETTINGS}}
             continue
         results[model_dir.name] = {
             **{layout: layout_run(model_dir, layout, out_dir / f"{model_dir.name}-{layout}" if layout in EXPORTED

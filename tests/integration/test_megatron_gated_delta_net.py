@@ -3,8 +3,8 @@ gated delta-net layers (the PyTorch scan here, on the CPU) among gated full-atte
 (MoE) a gated shared expert give the HF model's log-probs within 1e-5 at TP=1 (packed and padded rows), TP=2 (with
 and without sequence parallelism), PP=2, EP=2, TP=2 × EP=2, expert TP=2 and context parallelism 2 (packed and padded:
 the gated delta-nets gather each sequence over the CP group), and a GRPO rollout's two steps (loss,
-grad norm, every metric) match TorchBackend's (fsdp) on the same model, as do Qwen3.5-MoE's at EP=2 under each kind
-of routing replay; the HF export holds TorchBackend's weights under transformers' names and loads into
+grad norm, every metric) match TorchBackend's (fsdp) on the same model, as do Qwen3.5-MoE's and Qwen3-Next's at EP=2
+under each kind of routing replay; the HF export holds TorchBackend's weights under transformers' names and loads into
 transformers; a backend resumed from a TP=2 × EP=2 dist-checkpoint trains as if never stopped, and one given the
 trained model's Megatron-LM torch_dist (slime's --load) holds its weights.
 

@@ -15,7 +15,7 @@ on its MoE block) does the same in every layout but routing replay, which the fs
 
 GLM-5 (glm_moe_dsa: DeepSeek-V3's attention and MoE with DeepSeek sparse attention, each query attending to the keys
 its indexer ranks best, fewer than the sequence) gives the HF log-probs and the fsdp steps at TP=2, PP=2 and EP=2, and
-its EP=2 export holds the indexer's weights under transformers' names.
+under each kind of routing replay at EP=2, and its EP=2 export holds the indexer's weights under transformers' names.
 
 DeepSeek-V3 at TP=2 × EP=2 × expert TP 2 (four gloo ranks: each expert cut over the TP ranks, two on each EP rank)
 gives the HF log-probs, the fsdp steps and, in its HF export, the fsdp backend's weights.
