@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from tests.integration.family_parity import max_diff
 from tests.integration.workers import run_worker
 
 
@@ -22,10 +23,6 @@ def results(tiny_model_dir, family_model_dir, tmp_path_factory) -> dict:
     run_worker("tests.integration.megatron_cp_worker", str(tiny_model_dir), str(family_model_dir("qwen3_moe")),
                str(out), log_path=out / "worker.log", timeout_s=600)
     return json.loads((out / "results.json").read_text())
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
 
 
 def max_tensor_diff(a: dict, b: dict) -> float:
