@@ -144,7 +144,8 @@ async def create_server(config: TrainerConfig, runner: Runner, board: SampleBoar
         from services.trainer.api.job_store import RedisJobStore
 
         store = await asyncio.to_thread(RedisJobStore, config.jobs_redis_url)
-    registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts)  # waits for Redis
+    registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts,  # waits for Redis
+                                       config.world_size == 1)
     # refuse what would fail on GPUs
     parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)), config.world_size)
     token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment

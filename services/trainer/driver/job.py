@@ -69,3 +69,10 @@ class JobParts(Protocol):
 
     @property
     def sync(self) -> SyncConfig: ...
+
+
+def shared_base_key(spec: JobParts) -> tuple:
+    """What LoRA jobs sharing one base model in the trainer (lora_share_pool) must agree on: the model, the backend,
+    the layers that carry adapters and the compute dtype."""
+    train = spec.train
+    return spec.hf_checkpoint, spec.layout.train_backend, tuple(sorted(train.target_modules)), train.bf16
