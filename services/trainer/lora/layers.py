@@ -68,7 +68,10 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, dropout: float,
     (PEFT's rule: the last component, or a dotted suffix) with a LoRALinear whose A and B alone train; a layer
     already wrapped (a base model another job's adapter is on) gets a fresh adapter of its own. Returns the wrapped
     modules' names; InvalidArgument when a target matches no Linear (a typo would train nothing)."""
-    model.requires_grad_(False)
+    held = {id(p) for _, layer in lora_layers(model) for p in (layer.lora_A.weight, layer.lora_B.weight)}
+    for parameter in model.parameters():  # the base; an adapter another job trains on it stays trainable
+        if id(parameter) not in held:
+            parameter.requires_grad_(False)
     targets = list(target_modules)
     found: dict[str, str] = {}
     for name, module in list(model.named_modules()):

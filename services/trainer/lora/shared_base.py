@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator
@@ -43,14 +44,14 @@ class SharedBase:
 class TakingTurns:
     """A job's backend on a shared base: each method call takes the base's turn and puts the job's adapter in first;
     an iterator a call returns is read whole inside the turn (its tensors are the job's own afterwards). Attributes
-    that are no methods (config, model_path) read through."""
+    that are no methods (config, model_path, the shared model) read through."""
 
     def __init__(self, backend: Any, base: SharedBase, job_id: str) -> None:
         self._backend, self._base, self._job_id = backend, base, job_id
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._backend, name)
-        if not callable(value):
+        if not inspect.ismethod(value):  # the model itself (a callable module) reads through too
             return value
 
         @functools.wraps(value)
