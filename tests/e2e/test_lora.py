@@ -77,8 +77,8 @@ def test_two_lora_jobs_share_the_trainer_and_the_pool_at_once_and_their_samples_
     train_path, _ = addition_task
     specs = [job_spec(tiny_model_dir, train_path, job_id=job_id, lr=lr, lora_rank=4, lora_alpha=8.0,
                       target_modules=["q_proj", "v_proj", "down_proj"], lora_share_pool=True, num_rollout=3,
-                      save_hf=str(tmp_path / job_id))
-             for job_id, lr in (("e2e-lora-a", 2e-2), ("e2e-lora-b", 5e-3))]
+                      entropy_coef=0.1, save_hf=str(tmp_path / job_id))  # entropy: a step even at reward 0
+             for job_id, lr in (("e2e-lora-a", 5e-2), ("e2e-lora-b", 1e-2))]
     with JobsRestClient(local_stack["trainer_url"], timeout_s=30) as client:
         ids = [client.submit(spec)["job_id"] for spec in specs]
         deadline = time.monotonic() + 600
@@ -109,7 +109,7 @@ def test_two_lora_jobs_share_the_trainer_and_the_pool_at_once_and_their_samples_
                         assert sample.lora_name == i  # generated with its own adapter, named by its job id
                         assert sample.weight_versions == [str(rollout_id)]  # its own adapter's version
     a, b = (load_file(tmp_path / i / "adapter_model.safetensors") for i in ids)
-    assert a.keys() == b.keys() and any((a[k] - b[k]).abs().max() > 1e-4 for k in a if "lora_B" in k)
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max() for k in a if "lora_B" in k) > 1e-3
     for url in engine_urls(local_stack):  # each engine serves both adapters, each at its job's last version
         for i in ids:
             reply = httpx.post(f"{url}/generate", json={
