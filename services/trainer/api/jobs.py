@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from services.common.errors import FailedPrecondition, NotFound
+from services.trainer.api.auth import new_job_token
 from services.trainer.api.spec import JobSpec
 from services.trainer.driver.job import JobCancelled, JobPreempted, RanksLost, shared_base_key
 from services.trainer.driver.metrics import PREFIX
@@ -74,6 +75,8 @@ class Job:
     checkpoints: list[int] = field(default_factory=list)  # rollouts a checkpoint was saved after
     stalls: int = 0                 # interruptions in a row, each without progress since the start before it
     started_at: tuple[int, int] = (-1, -1)  # (rollout_id, latest checkpoint) when the job last started running
+    token_digest: str = ""  # SHA-256 of the job's own token (`auth.py`), kept with the record
+    token: str = field(default="", repr=False)  # the token itself: in memory from its submit only, for the reply
 
     @property
     def latest_checkpoint(self) -> int:
@@ -179,7 +182,9 @@ class JobRegistry:
         with self._lock:
             if spec.job_id in self._jobs:
                 raise FailedPrecondition(f"job {spec.job_id!r} already exists")
-            job = Job(spec=spec, order=self._store.next_order() if self._store else next(self._orders))
+            token, digest = new_job_token()
+            job = Job(spec=spec, order=self._store.next_order() if self._store else next(self._orders),
+                      token=token, token_digest=digest)
             self._jobs[spec.job_id] = job
         self.record(job, message="queued")
         with self._lock:  # the worker opens a group under it: a job joins it, or waits in the queue it scans
@@ -222,6 +227,12 @@ class JobRegistry:
         if job is None:
             raise NotFound(f"job {job_id!r} not found")
         return job
+
+    def token_digest(self, job_id: str) -> str:
+        """The digest of job `job_id`'s own token ("" for no such job)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+        return job.token_digest if job is not None else ""
 
     def list(self, state: JobState | None = None) -> list[Job]:
         """Jobs in submission order, only those in `state` when given."""
@@ -429,7 +440,7 @@ def record_fields(job: Job) -> dict[str, str]:
             "rollout_id": str(job.rollout_id), "metrics": json.dumps(job.metrics), "error": job.error,
             "created_at": repr(job.created_at), "finished_at": repr(job.finished_at), "attempts": str(job.attempts),
             "checkpoints": json.dumps(job.checkpoints), "stalls": str(job.stalls),
-            "started_at": json.dumps(job.started_at)}
+            "started_at": json.dumps(job.started_at), "token_digest": job.token_digest}
 
 
 def job_from_record(fields: dict[str, str], events: list[dict]) -> Job:
@@ -439,4 +450,5 @@ def job_from_record(fields: dict[str, str], events: list[dict]) -> Job:
                order=int(fields["order"]), attempts=int(fields["attempts"]),
                checkpoints=json.loads(fields["checkpoints"]), stalls=int(fields.get("stalls", "0")),
                started_at=tuple(json.loads(fields.get("started_at", "[-1, -1]"))),
+               token_digest=fields.get("token_digest", ""),
                events=[JobEvent(**{**e, "state": JobState(e["state"])}) for e in events])

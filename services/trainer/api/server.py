@@ -71,7 +71,10 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     @handle_errors
     async def SubmitJob(self, request, context):
         self._authorize(context)
-        return job_to_proto(self.registry.submit(self.parse(spec_from_struct(request.spec))))
+        job = self.registry.submit(self.parse(spec_from_struct(request.spec)))
+        reply = job_to_proto(job)
+        reply.job_token = job.token  # the job's own token, given this once (it opens the job's REST paths)
+        return reply
 
     @handle_errors
     async def GetJob(self, request, context):
