@@ -230,3 +230,13 @@ def test_lora_share_pool_is_refused_for_full_weights_at_parse_and_on_a_trainer_o
     with pytest.raises(FailedPrecondition, match="lora_share_pool: this trainer has several ranks"):
         registry.submit(parse_spec({**LORA, "job_id": "a"}))
     registry.close()
+
+
+def test_jobs_share_a_base_only_with_the_same_model_adapter_layers_dtype_and_engine_options():
+    from services.trainer.driver.job import shared_base_key
+
+    key = shared_base_key(parse_spec({**LORA, "lr": 1e-3, "lora_rank": 8}))  # rank and rollout settings: per job
+    assert key == shared_base_key(parse_spec({**LORA, "rollout_batch_size": 2}))
+    for other in ({"hf_checkpoint": "/other"}, {"target_modules": ["q_proj"]}, {"bf16": True},
+                  {"slime_args": "--sglang-mem-fraction-static 0.5 --train-backend fsdp"}):
+        assert shared_base_key(parse_spec({**LORA, **other})) != key, other

@@ -80,9 +80,9 @@ class TrainConfig:
     lora_save_merged: bool = field(False, "LoRA: the HF export also writes the merged model (W + alpha/r · B @ A) "
                                           "under merged/ beside the adapter")
     lora_share_pool: bool = field(False, "LoRA: run beside the running lora_share_pool jobs of the same base model "
-                                         "(hf_checkpoint, train_backend, target_modules, bf16) on this trainer and "
-                                         "engine pool, the base held once, each job's adapter stepped in turn; "
-                                         "otherwise it waits in the queue as any job does")
+                                         "(hf_checkpoint, train_backend, target_modules, bf16, sglang_* engine "
+                                         "options) on this trainer and engine pool, the base held once, each job's "
+                                         "adapter stepped in turn; otherwise it waits in the queue as any job does")
     global_batch_size: int | None = field(
         None, "samples per optimizer step; trailing samples that do not fill a step are dropped (None: the rollout's "
               "samples / num_steps_per_rollout)", AT_LEAST_ONE)
