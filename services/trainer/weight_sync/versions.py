@@ -38,6 +38,7 @@ class EngineWeights:
         self.broadcaster = None
         self.adapter_broadcaster = None  # a LoRA job's: the adapter goes over the weight-update group
         # a LoRA job's base model went to the engines (at the first push of the job, or of the jobs sharing them)
+        self.shares_pool = base_pushed is not None
         self.base_pushed = base_pushed or threading.Event()
         self.sync_lock = sync_lock or threading.Lock()
         self.job_id = job_id
@@ -92,8 +93,10 @@ class EngineWeights:
         """Rank 0. A rollout manager that restarted knows no weights: its new engines serve the base model, and in
         fully_async every group they generate would be refused as stale while the trainer, waiting for fresh ones,
         never pushes weights again. Tell its pool the version the engines should hold, with the snapshot written at
-        that push (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining."""
-        if not self.engines:
+        that push (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining.
+        Not for LoRA jobs sharing the pool: the pool's version is then the last job's to push, and announcing this
+        job's would have it demote every engine."""
+        if not self.engines or self.shares_pool:
             return
         version = self.version
         pool = self.rollout.pool_status()
