@@ -75,10 +75,11 @@ def test_two_lora_jobs_share_the_trainer_and_the_pool_at_once_and_their_samples_
     (each job's own adapter) match the engines' on every rollout, which a sample generated with the other job's
     adapter would break once the two adapters differ (after rollout 0)."""
     train_path, _ = addition_task
+    # b's rollouts are half as large, so the jobs' versions drift apart: each must wait for, and record, its own
     specs = [job_spec(tiny_model_dir, train_path, job_id=job_id, lr=lr, lora_rank=4, lora_alpha=8.0,
                       target_modules=["q_proj", "v_proj", "down_proj"], lora_share_pool=True, num_rollout=3,
-                      entropy_coef=0.1, save_hf=str(tmp_path / job_id))  # entropy: a step even at reward 0
-             for job_id, lr in (("e2e-lora-a", 5e-2), ("e2e-lora-b", 1e-2))]
+                      n_samples_per_prompt=n, entropy_coef=0.1, save_hf=str(tmp_path / job_id))
+             for job_id, lr, n in (("e2e-lora-a", 5e-2, 4), ("e2e-lora-b", 1e-2, 2))]  # entropy: steps at reward 0
     with JobsRestClient(local_stack["trainer_url"], timeout_s=30) as client:
         ids = [client.submit(spec)["job_id"] for spec in specs]
         deadline = time.monotonic() + 600
