@@ -95,7 +95,7 @@ def test_the_dashboard_shows_an_agent_session_as_the_agent_saw_it(agent_stack, b
     spec = yaml.safe_load((EXAMPLE / "job.yaml").read_text())
     spec.update(job_id="e2e-agent-dashboard", hf_checkpoint=str(agent_stack[1]), prompt_data=str(train),
                 num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2, global_batch_size=2, eval_prompt_data=[],
-                rollout_temperature=0.0, rollout_max_response_len=600,
+                rollout_temperature=0.1, rollout_max_response_len=600,  # all but greedy
                 agent_function_path="tests.plugins.agent_fns.spawning_agent", weight_sync_timeout_s=60.0,
                 lease_timeout_s=120.0, rollout_timeout_s=400.0, reward_timeout_s=60.0)
     spec.pop("eval_interval")
@@ -129,9 +129,11 @@ def test_the_dashboard_shows_an_agent_session_as_the_agent_saw_it(agent_stack, b
     assert first["calls"] == ['calculator({"expression": "2+3"})', 'calculator({"expression": "4*5"})'], first
     assert [role for role, _ in second["sent"]] == ["tool", "tool"] and [t for _, t in second["sent"]] == ["5", "20"]
     assert second["reply"] == "5 and 20." and "continues turn 0" in second["head"], second
+    assert first["head"].startswith("turn 0 · starts the session"), first
     assert agent["links"] == [f"spawned sessions {sub['session']} (a sample each)"], agent
     assert sub["links"] == [f"spawned from session {agent['session']}"] and sub["session"].startswith(agent["session"])
     assert [t["trained"] for t in sub["turns"]] == [True] and sub["turns"][0]["sent"] == [["user", PARALLEL]], sub
+    browser.execute_script('document.querySelector("#samples details.session").scrollIntoView()')
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "dashboard-agent-session.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000

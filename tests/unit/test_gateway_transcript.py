@@ -86,6 +86,7 @@ def test_the_board_serves_the_transcript_after_the_buffers_wire_form_apart_from_
     assert (served["session"], served["parent_session"], served["num_turns"]) == ("s1", "s0", 3)
     second = served["turns"][1]
     assert (second["index"], second["parent"], second["trained"], second["generated_tokens"]) == (1, 0, False, 10)
+    assert (served["turns"][0]["parent"], served["turns"][2]["parent"]) == (-1, -1)  # each starts the session
     assert [(m["role"], m["text"], m["tool_call_id"]) for m in second["messages"]] == [
         ("tool", "5", "call_a"), ("tool", "20", "call_b")]
     assert [c["arguments"] for c in served["turns"][0]["reply"]["tool_calls"]] == [

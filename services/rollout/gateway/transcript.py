@@ -1,7 +1,8 @@
 """A session as its agent saw it, for the dashboard: each turn the gateway produced, with the messages its request
 added to the turn it continues (the user's text, the tool results), the assistant message as the APIs returned it
 (its text and tool calls), its token counts and whether the sample trains on it; the sessions it spawned or was
-spawned from. Bounded in turns, messages and characters, as it travels in the sample's metadata.
+spawned from. Tool-call ids are in OpenAI's form (Anthropic's tool_use ids are the same with toolu_ for call_).
+Bounded in turns, messages and characters, as it travels in the sample's metadata.
 """
 
 from __future__ import annotations

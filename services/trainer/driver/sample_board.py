@@ -201,7 +201,8 @@ def _transcript(value: Any) -> dict[str, Any] | None:
     turns = []
     for turn in _items(value.get("turns"), MAX_TRANSCRIPT_TURNS):
         reply = turn.get("reply")
-        turns.append({"index": _count(turn.get("index")), "parent": _count(turn.get("parent")),
+        parent = _count(turn.get("parent"))  # -1 (no count): the turn starts the session
+        turns.append({"index": _count(turn.get("index")), "parent": -1 if parent is None else parent,
                       "messages": [_shown_message(m) for m in _items(turn.get("messages"), MAX_TRANSCRIPT_ITEMS)],
                       "num_messages": _count(turn.get("num_messages")),
                       "reply": _shown_message(reply) if isinstance(reply, dict) else None,

@@ -44,8 +44,9 @@ function sessionTurn(turn) {
   el("div", { class: "agent-turn-head" }, head),
   turn.branch ? el("div", { class: "turn branch" }, el("span", { class: "label" }, "starts a branch"), turn.branch) : null,
   hidden > 0 ? el("div", { class: "muted" }, `… ${hidden} earlier messages of the request not shown`) : null,
-  turn.messages.length ? el("div", { class: "label" },
-    `the request's new messages: ${turn.context_tokens} tokens, loss_mask 0`) : null,
+  turn.messages.length ? el("div", { class: "label" }, turn.parent >= 0
+    ? `the request's new messages: ${turn.context_tokens} tokens, loss_mask 0`
+    : `the prompt: ${turn.context_tokens} tokens, not in the loss`) : null,
   ...turn.messages.map((m) => messageBox(m, "sent")),
   turn.reply ? messageBox(turn.reply, "reply") : null);
 }
