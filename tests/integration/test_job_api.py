@@ -158,9 +158,10 @@ def test_a_jobs_own_token_opens_its_paths_and_no_other_jobs():
         assert c["job_token"] not in ("", a["job_token"])
         own = {"Authorization": f"Bearer {a['job_token']}"}
         for path in ("/v1/jobs/own-a", "/v1/jobs/own-a/events", "/v1/dashboard/jobs/own-a/samples",
-                     "/v1/dashboard/jobs/own-a/checkpoints"):
+                     "/v1/dashboard/jobs/own-a/samples/0/session", "/v1/dashboard/jobs/own-a/checkpoints"):
             assert httpx.get(url + path, headers=own, timeout=5).status_code != 401, path
         for path in ("/v1/jobs/own-b", "/v1/jobs/own-b/events", "/v1/dashboard/jobs/own-b/samples",
+                     "/v1/dashboard/jobs/own-b/samples/0/session",
                      "/v1/dashboard/buffer/own-b", "/v1/jobs", "/v1/queue", "/v1/dashboard/pool",
                      "/v1/jobs/own-a/../own-b"):
             assert httpx.get(url + path, headers=own, timeout=5).status_code == 401, path

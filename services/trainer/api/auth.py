@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 from services.common.errors import Unauthenticated
 
-# A job's own paths: its record, events and cancel; its samples, checkpoints and log on the dashboard; its buffer.
+# A job's own paths: its record, events and cancel; its samples (an agent sample's session), checkpoints and log on
+# the dashboard; its buffer.
 JOB_PATH = re.compile(r"^/v1/(?:jobs|dashboard/jobs|dashboard/buffer)/(?P<job_id>[^/]+)"
-                      r"(?:/(?:cancel|events|samples|checkpoints|log))?$")
+                      r"(?:/(?:cancel|events|samples|samples/\d+/session|checkpoints|log))?$")
 
 
 def check_bearer(authorization: str | None, api_token: str) -> None:
