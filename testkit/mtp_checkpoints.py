@@ -18,12 +18,13 @@ import torch.nn.functional as F
 MTP_NORMS = ("token_layernorm", "hidden_layernorm", "final_layernorm")
 
 
-def build_tiny_mimo(out_dir: Path, num_mtp_layers: int = 1, *, seed: int = 0, tied: bool = False) -> Path:
-    """A random 2-layer Qwen2 (vocab 300, which Megatron pads; its head untied unless `tied`; norms away from 1)
-    with `num_mtp_layers` MTP layers."""
+def build_tiny_mimo(out_dir: Path, num_mtp_layers: int = 1, *, seed: int = 0, tied: bool = False,
+                    num_layers: int = 2) -> Path:
+    """A random `num_layers`-layer Qwen2 (vocab 300, which Megatron pads; its head untied unless `tied`; norms away
+    from 1) with `num_mtp_layers` MTP layers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=tied, rope_theta=1e4, dtype="float32")
     torch.manual_seed(seed)

@@ -2,12 +2,12 @@
 multi-token-prediction layers, one GRPO rollout (two steps) in each run of RUNS: its steps' metrics, the log-probs
 before and after, and the HF export after; at TP 2 also a dist-checkpoint, a second rollout, and that rollout again
 from the checkpoint; the MTP layers trained at pipeline parallel size 2 (LAYOUT_RUNS: on the last stage), with untied
-and tied embeddings, and at context parallel size 2, packed and padded, also on the DeepSeek-V3, each beside its
-reference at size 1.
+and tied embeddings and with uneven stages, and at context parallel size 2, packed and padded, also on the DeepSeek-V3,
+each beside its reference at size 1.
 
-Run: python -m tests.integration.megatron_mtp_worker MODEL_DIR MODEL2_DIR DEEPSEEK_DIR TIED_DIR QWEN3_NEXT_DIR
-QWEN3_5_DIR OUT_DIR (writes OUT_DIR/results.json; MODEL2_DIR carries two MTP layers, DEEPSEEK_DIR is a tiny DeepSeek-V3
-with one, TIED_DIR is MODEL_DIR's MiMo with tied embeddings, the last two a tiny Qwen3-Next and Qwen3.5 with theirs)"""
+Run: python -m tests.integration.megatron_mtp_worker MODELS_DIR OUT_DIR (writes OUT_DIR/results.json; MODELS_DIR holds
+the models by the names RUNS and LAYOUT_RUNS give them: one, two (two MTP layers), tied (one's with tied embeddings),
+three (three decoder layers), deepseek, qwen3_next and qwen3_5)"""
 
 from __future__ import annotations
 
@@ -43,19 +43,23 @@ RUNS = {  # name: (model, tensor parallel size, packed, sequence parallel, the c
 }
 # MTP layers trained at pipeline parallel size 2 (on the last stage, with its own copy of the embedding) and at context
 # parallel size 2 (each rank its slice of every sequence); their references at 1 are dp2 and the two dp2_ runs here
-LAYOUT_RUNS = {  # name: (model, pipeline parallel size, context parallel size, packed)
-    "pp2": ("one", 2, 1, True),  # untied: the copy's gradient summed with the first stage's
-    "pp2_tied": ("tied", 2, 1, True),  # tied: the copy is the output weight too (megatron-core reduces it)
-    "dp2_tied": ("tied", 1, 1, True),
-    "cp2": ("one", 1, 2, True),
-    "cp2_padded": ("one", 1, 2, False),
-    "deepseek_cp2": ("deepseek", 1, 2, True),  # multi-latent attention and experts, at CP 2
-    "deepseek_dp2": ("deepseek", 1, 1, True),
+LAYOUT_RUNS = {  # name: (model, the layout: `train`'s keyword arguments)
+    "pp2": ("one", {"pp": 2}),  # untied: the copy's gradient summed with the first stage's
+    "pp2_tied": ("tied", {"pp": 2}),  # tied: the copy is the output weight too (megatron-core reduces it)
+    "dp2_tied": ("tied", {}),
+    # uneven stages (slime's --decoder-last-pipeline-num-layers): two decoder layers, then one with the MTP layer
+    "pp2_uneven": ("three", {"pp": 2, "megatron_args": {"num_layers_in_last_pipeline_stage": 1}}),
+    "dp2_three": ("three", {}),
+    "cp2": ("one", {"cp": 2}),
+    "cp2_padded": ("one", {"cp": 2, "packed": False}),
+    "deepseek_cp2": ("deepseek", {"cp": 2}),  # multi-latent attention and experts, at CP 2
+    "deepseek_dp2": ("deepseek", {}),
 }
 
 
 def train(model_dir: Path, *, tp: int = 1, pp: int = 1, cp: int = 1, packed: bool = True,
-          sequence_parallel: bool = False, settings: dict, checkpoint: Path | None = None) -> dict:
+          sequence_parallel: bool = False, megatron_args: dict | None = None, settings: dict,
+          checkpoint: Path | None = None) -> dict:
     """checkpoint: also a dist-checkpoint after the rollout, a second rollout trained, and a fresh backend resumed
     from the checkpoint training that rollout again."""
     from services.trainer.backends.megatron.backend import MegatronBackend
@@ -64,7 +68,8 @@ def train(model_dir: Path, *, tp: int = 1, pp: int = 1, cp: int = 1, packed: boo
     def build() -> MegatronBackend:
         return MegatronBackend(model_dir, TrainConfig(**{**GRPO_CONFIG, **settings}), tensor_model_parallel_size=tp,
                                pipeline_model_parallel_size=pp, context_parallel_size=cp, pack_sequences=packed,
-                               megatron_args={"sequence_parallel": True} if sequence_parallel else None)
+                               megatron_args={**(megatron_args or {}), **({"sequence_parallel": True}
+                                                                          if sequence_parallel else {})})
 
     backend = build()
     rollout = grpo_rollout(backend.arch.vocab_size, backend.pad_token_id, 0)
@@ -84,18 +89,16 @@ def train(model_dir: Path, *, tp: int = 1, pp: int = 1, cp: int = 1, packed: boo
     return out
 
 
-def run(rank: int, world_size: int, model_dir: Path, model2_dir: Path, deepseek_dir: Path, tied_dir: Path,
-        qwen3_next_dir: Path, qwen3_5_dir: Path, out_dir: Path) -> None:
+def run(rank: int, world_size: int, models_dir: Path, out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    models = {"one": model_dir, "two": model2_dir, "deepseek": deepseek_dir, "tied": tied_dir,
-              "qwen3_next": qwen3_next_dir, "qwen3_5": qwen3_5_dir}
+    models = {model.name: model for model in models_dir.iterdir()}
     results = {name: train(models[model], tp=tp, packed=packed, sequence_parallel=sp, settings=settings,
                            checkpoint=out_dir / "ckpt" if name == "tp2_sp" else None)
                for name, (model, tp, packed, sp, settings) in RUNS.items()}
-    results.update({name: train(models[model], pp=pp, cp=cp, packed=packed, settings=TRAINED,
+    results.update({name: train(models[model], **layout, settings=TRAINED,
                                 checkpoint=out_dir / "ckpt-pp2" if name == "pp2" else None)
-                    for name, (model, pp, cp, packed) in LAYOUT_RUNS.items()})
+                    for name, (model, layout) in LAYOUT_RUNS.items()})
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
 
@@ -107,5 +110,5 @@ if __name__ == "__main__":
 
     import services.trainer.backends.megatron.backend  # noqa: F401
 
-    spawn(run, *map(Path, sys.argv[1:8]), world_size=WORLD_SIZE,
+    spawn(run, *map(Path, sys.argv[1:3]), world_size=WORLD_SIZE,
           start_method="spawn" if torch.cuda.is_available() else "fork")
