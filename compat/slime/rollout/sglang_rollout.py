@@ -30,6 +30,7 @@ from services.rollout.generation.rollout_function import FunctionRun, current_ru
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import batched_async_rm
 from slime.utils.async_utils import run
+from slime.utils.processing_utils import load_processor
 
 
 class Tokenizer:
@@ -69,8 +70,8 @@ def load_tokenizer(model_path: str) -> Tokenizer:
 
 
 class GenerateState:
-    """One per job (slime keeps one per process, for its one job): args, tokenizer, the rollout's sampling params,
-    a semaphore bounding the requests a plugin sends at once, and slime's data-parallel rank bookkeeping
+    """One per job (slime keeps one per process, for its one job): args, tokenizer, processor, the rollout's sampling
+    params, a semaphore bounding the requests a plugin sends at once, and slime's data-parallel rank bookkeeping
     (dp_rank_context: the least-busy of args.sglang_dp_size ranks; bookkeeping only, as in slime: the router picks
     the engine)."""
 
@@ -86,7 +87,6 @@ class GenerateState:
 
     def _init(self, args: Any) -> None:
         self.args = args
-        self.processor = None  # multimodal processors are not supported
         concurrency = getattr(args, "sglang_server_concurrency", None) or 512
         self.semaphore = asyncio.Semaphore(concurrency)
         self.sampling_params = _sampling_params(
@@ -116,6 +116,13 @@ class GenerateState:
             raise FailedPrecondition("slime.rollout.sglang_rollout.GenerateState.tokenizer: the job's args name no "
                                      "hf_checkpoint")
         return load_tokenizer(path)
+
+    @property
+    def processor(self) -> Any:
+        """The model's processor (slime.utils.processing_utils: torch-free, input_ids with image tokens expanded);
+        None for a text model."""
+        path = getattr(self.args, "hf_checkpoint", None)
+        return load_processor(path) if path else None
 
     def reset(self) -> None:
         self.remaining_batch_size = 0

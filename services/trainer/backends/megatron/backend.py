@@ -308,11 +308,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         rows = batch_vision.image_rows(self._images, mb.sample_index) if mb.sample_index is not None \
             else [None] * mb.size
         image_token_id = self.vision_config.image_token_id
+        # only the image tokens no policy sampled take image features (a policy may sample the image token as text)
+        image_mask = batch_vision.image_token_mask(mb.tokens, mb.prompt_lengths, mb.loss_masks, image_token_id)
         positions = batch_vision.multimodal_positions(
             mb.tokens, mb.total_lengths, rows, image_token_id=image_token_id,
-            merge_size=self.vision_config.vision_config.spatial_merge_size, prompt_lengths=mb.prompt_lengths.tolist())
-        # only the prompts' image tokens take image features (a policy may sample the image token as text)
-        image_mask = batch_vision.prompt_image_mask(mb.tokens, mb.prompt_lengths, image_token_id)
+            merge_size=self.vision_config.vision_config.spatial_merge_size, image_mask=image_mask)
         if packed:  # the real tokens' positions side by side, then the padding's count from 0 (`gpt_inputs`)
             real = positions[:, mb.attention_mask.bool()]
             extra = torch.arange(length - real.shape[1], device=real.device).repeat(3, 1)
