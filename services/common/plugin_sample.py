@@ -200,7 +200,9 @@ def append_response_tokens(sample: Sample, tokens: Any, *, log_probs: Any = None
     if tokens and trainable and log_probs is None:
         raise InvalidArgument("append_response_tokens: trainable tokens need their log_probs")
     if tokens and not trainable:
-        if log_probs is not None:
+        # slime refuses any; all zeros are what they get anyway (slime's geo3k_vlm_multi_turn rollout.py passes them
+        # for each observation, and raises there under slime's own Sample)
+        if log_probs is not None and any(log_probs):
             raise InvalidArgument("append_response_tokens: tokens that are not trainable take no log_probs "
                                   "(they get 0)")
         log_probs = [0.0] * len(tokens)

@@ -35,13 +35,15 @@ from slime.utils.processing_utils import load_processor
 
 class Tokenizer:
     """The slice of a Hugging Face tokenizer plugins use, over the manager's torch-free tokenizer: call it for
-    {"input_ids": [...]}, encode, decode, apply_chat_template, eos_token_id."""
+    {"input_ids": [...]}, encode, decode, apply_chat_template, eos_token_id, bos_token_id."""
 
     def __init__(self, model_path: str) -> None:
         self._encoder = PromptEncoder(model_path)
         self.eos_token_id = self._encoder.eos_token_id
         self.eos_token = self._encoder.special_tokens["eos_token"] or None
         self.pad_token = self._encoder.special_tokens["pad_token"] or None
+        self.bos_token = self._encoder.special_tokens["bos_token"] or None
+        self.bos_token_id = self._encoder.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.chat_template = self._encoder.chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -11,6 +11,7 @@ where each value came from.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ class Conversion:
 def slime_defaults() -> dict[str, Any]:
     """What slime's `args` holds for every flag not given, by spec key (plugins read these)."""
     flags = {**MEGATRON, **FLAGS}
-    return {spec_key(name): (False if name in STORE_FALSE else flag.default) for name, flag in flags.items()}
+    return {spec_key(name): (False if name in STORE_FALSE else copy.copy(flag.default)) for name, flag in flags.items()}
 
 
 def scalar(text: str) -> Any:
