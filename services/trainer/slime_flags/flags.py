@@ -18,7 +18,7 @@ Status = Literal["implemented", "mapped", "refused"]
 @dataclass(frozen=True)
 class Flag:
     status: Status
-    default: Any  # slime's default (what plugins see in `args` when the flag is not given: after argparse's `type`)
+    default: Any  # slime's default (what plugins see in `args` when the flag is not given; JSON_FLAGS' parsed)
     note: str = ""  # mapped: the Physarum setting that does the job; refused: why, and what to do instead
     warn: bool = False  # mapped onto the deployment: the conversion reports it
     nargs: bool = False  # takes several values
@@ -37,6 +37,8 @@ def R(default: Any, note: str, *, nargs: bool = False, bare: bool = False) -> Fl
     return Flag("refused", default, note, nargs=nargs, bare=bare)
 
 
+# slime's flags of type=json.loads: argparse parses a string default with the type too, so args hold the object
+JSON_FLAGS = ("apply-chat-template-kwargs", "train-env-vars")
 _RAY = "Physarum has no Ray cluster: "
 _PLACE = ("Physarum runs the trainer and the engines as separate services; their GPUs come from the deployment "
           "(Helm values trainer.* / engine.*, locally `physarum up`); kept in args for plugins")
@@ -60,7 +62,7 @@ FLAGS: dict[str, Flag] = {
     "offload-rollout": M(None, _PLACE + "; there is nothing to offload", warn=True, bare=True),
     "distributed-backend": M("nccl", "torch.distributed uses NCCL on GPUs and gloo on CPU by itself", warn=True),
     "distributed-timeout-minutes": M(10, "the trainer's collectives time out on its own settings", warn=True),
-    "train-env-vars": R({}, "set environment variables on the trainer's deployment (Helm trainer.env)"),
+    "train-env-vars": R("{}", "set environment variables on the trainer's deployment (Helm trainer.env)"),
     "use-fault-tolerance": R(False, "engines are health-checked and replaced by the rollout service always; "
                                     "drop the flag", bare=True),
     "rollout-health-check-first-wait": M(0, "the rollout service's engine health checks (its settings)", warn=True),
@@ -135,7 +137,7 @@ FLAGS: dict[str, Flag] = {
                            "text (or messages) when building the dataset"),
     "multimodal-keys": I(),
     "apply-chat-template": I(False, bare=True),
-    "apply-chat-template-kwargs": R({}, "chat templates render with their defaults; render the prompts yourself "
+    "apply-chat-template-kwargs": R("{}", "chat templates render with their defaults; render the prompts yourself "
                                           "if you need template arguments"),
     "rollout-shuffle": I(False, bare=True),
     "rollout-seed": I(42),
