@@ -273,8 +273,10 @@ def finish_plugin_sample(sample: Sample, *, needs_log_probs: str, what: str) -> 
 def observation_images(sample: Sample, what: str) -> list[Image]:
     """The images a generate function added to the sample after its prompt's (slime's multi-turn rollouts extend
     multimodal_inputs["images"] with each observation's), encoded once (services/common/images.py)."""
-    added = list((getattr(sample, "multimodal_inputs", None) or {}).get("images") or [])
-    added = added[count_image_parts(sample.prompt_messages):]
+    images = (getattr(sample, "multimodal_inputs", None) or {}).get("images")
+    if not images:  # a text sample's cost: this lookup
+        return []
+    added = list(images)[count_image_parts(sample.prompt_messages):]
     if len(added) > MAX_IMAGES_PER_ROW:
         raise InvalidArgument(f"{what}: {len(added)} images added by the generate function (at most "
                               f"{MAX_IMAGES_PER_ROW})")

@@ -327,6 +327,7 @@ def test_geo3k_vlm_multi_turn_observation_images_are_context_the_trainer_reads_a
         assert observed and all(sample.loss_mask[i] == 0 and sample.rollout_log_probs[i] == 0.0 for i in observed)
         assert "figure 1" in sample.response and "figure 2" in sample.response
         assert 0 < sum(sample.loss_mask) < sample.response_length  # the model's own tokens are trained
+    print(f"multi-turn with figures: train_rollout_logprob_abs_diff {step['train/train_rollout_logprob_abs_diff']:.2e}")
     assert step["train/train_rollout_logprob_abs_diff"] < 1e-3
 
 
