@@ -111,3 +111,14 @@ def test_the_images_a_generate_function_adds_after_its_prompts_are_the_samples_o
                         multimodal_inputs={"images": [PILImage.new("RGB", (5000, 5000))]})
     with pytest.raises(InvalidArgument, match="an image the generate function added: image of 5000x5000 pixels"):
         finish_plugin_sample(huge, needs_log_probs="", what="t")
+
+
+def test_untrained_tokens_take_all_zero_log_probs():
+    """slime refuses any log-probs for untrained tokens; its geo3k_vlm_multi_turn rollout passes zeros for each
+    observation, which are what they get anyway: taken. Any other value stays refused."""
+    sample = PluginSample(tokens=[1, 2], response_length=0)
+    sample.append_response_tokens(None, tokens=[3], log_probs=[-0.5], trainable=True)
+    sample.append_response_tokens(None, tokens=[4, 5], log_probs=[0.0, 0.0], trainable=False)
+    assert sample.loss_mask == [1, 0, 0] and sample.rollout_log_probs == [-0.5, 0.0, 0.0]
+    with pytest.raises(InvalidArgument, match="take no log_probs"):
+        sample.append_response_tokens(None, tokens=[6], log_probs=[-0.1], trainable=False)
