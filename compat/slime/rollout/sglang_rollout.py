@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import inspect
 import random
 import uuid
@@ -25,50 +24,11 @@ from services.rollout.generation import filters
 from services.rollout.generation.drain import drain_surplus
 from services.rollout.generation.groups import generate_group
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
-from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.generation.rollout_function import FunctionRun, current_run, rate_once
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import batched_async_rm
 from slime.utils.async_utils import run
-from slime.utils.processing_utils import load_processor
-
-
-class Tokenizer:
-    """The slice of a Hugging Face tokenizer plugins use, over the manager's torch-free tokenizer: call it for
-    {"input_ids": [...]}, encode, decode, apply_chat_template, eos_token_id, bos_token_id."""
-
-    def __init__(self, model_path: str) -> None:
-        self._encoder = PromptEncoder(model_path)
-        self.eos_token_id = self._encoder.eos_token_id
-        self.eos_token = self._encoder.special_tokens["eos_token"] or None
-        self.pad_token = self._encoder.special_tokens["pad_token"] or None
-        self.bos_token = self._encoder.special_tokens["bos_token"] or None
-        self.bos_token_id = self._encoder.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
-        self.chat_template = self._encoder.chat_template
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encoder.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **_: Any) -> dict[str, Any]:
-        if isinstance(text, list):
-            return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
-        return {"input_ids": self.encode(text, add_special_tokens)}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: Any) -> str:
-        return self._encoder.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = True,
-                            add_generation_prompt: bool = False, tools: list | None = None, **kwargs: Any) -> Any:
-        if self.chat_template is None:
-            raise ValueError(f"{self._encoder.path} has no chat template")
-        text = self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **{**self._encoder.special_tokens, **kwargs})
-        return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-@functools.cache
-def load_tokenizer(model_path: str) -> Tokenizer:
-    return Tokenizer(model_path)
+from slime.utils.processing_utils import Tokenizer, load_processor, load_tokenizer
 
 
 class GenerateState:

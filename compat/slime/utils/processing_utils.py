@@ -1,10 +1,10 @@
 """slime.utils.processing_utils: the tokenizer and processor of a job's model for plugins, the processor's keyword
 arguments, the vision parts of chat messages, and images as the engines take them (data: URLs).
 
-The processor is a vision-language model's, without torch: called with text and images it gives the text's
-input_ids with each image placeholder expanded to that image's tokens, as the engine expands them
-(services/rollout/generation/image_tokens.py). It computes no pixel values: the trainer runs the model's image
-processor over each sample's images itself.
+Both without torch: the tokenizer is the rollout service's (tokenizers, the chat template through jinja2); the
+processor, a vision-language model's, gives the text's input_ids with each image placeholder expanded to that image's
+tokens, as the engine expands them (services/rollout/generation/image_tokens.py). It computes no pixel values: the
+trainer runs the model's image processor over each sample's images itself.
 """
 
 from __future__ import annotations
@@ -18,14 +18,52 @@ from typing import Any
 from services.common.errors import InvalidArgument
 from services.common.images import encoded_image
 from services.rollout.generation.image_tokens import ImageTokens
+from services.rollout.generation.prompts import PromptEncoder
 
 DEFAULT_PATCH_SIZE = 14  # slime's, for a processor that does not say (Qwen2.5-VL's)
 
 
-def load_tokenizer(name_or_path: str, **kwargs: Any) -> Any:
-    from slime.rollout.sglang_rollout import load_tokenizer as _load
+class Tokenizer:
+    """The slice of a Hugging Face tokenizer plugins use, over the manager's torch-free tokenizer: call it for
+    {"input_ids": [...]}, encode, decode, apply_chat_template, eos_token_id, bos_token_id."""
 
-    return _load(str(name_or_path))
+    def __init__(self, model_path: str) -> None:
+        self._encoder = PromptEncoder(model_path)
+        self.eos_token_id = self._encoder.eos_token_id
+        self.eos_token = self._encoder.special_tokens["eos_token"] or None
+        self.pad_token = self._encoder.special_tokens["pad_token"] or None
+        self.bos_token = self._encoder.special_tokens["bos_token"] or None
+        self.bos_token_id = self._encoder.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.chat_template = self._encoder.chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._encoder.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **_: Any) -> dict[str, Any]:
+        if isinstance(text, list):
+            return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: Any) -> str:
+        return self._encoder.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = True,
+                            add_generation_prompt: bool = False, tools: list | None = None, **kwargs: Any) -> Any:
+        if self.chat_template is None:
+            raise ValueError(f"{self._encoder.path} has no chat template")
+        text = self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, **{**self._encoder.special_tokens, **kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+@functools.cache
+def _tokenizer(model_path: str) -> Tokenizer:
+    return Tokenizer(model_path)
+
+
+def load_tokenizer(name_or_path: str, **kwargs: Any) -> Tokenizer:
+    """The model's tokenizer (one per model directory)."""
+    return _tokenizer(str(name_or_path))
 
 
 class Processor:
