@@ -20,9 +20,24 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 FALLBACKS = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}  # newer path -> older one
 
 
+CPU_ENGINE = "physarum-cpu-engine"  # the CPU engine's /server_info `version` starts with it (SGLang's: a release)
+
+
 def lora_adapter_name(job_id: str) -> str:
     """The name a LoRA job's adapter has on the engines (its requests' lora_path): the job's id."""
     return job_id
+
+
+def versioned_adapter_name(lora_name: str, version: str) -> str:
+    """An adapter's name at one weight version, under lora_sync disk: SGLang cannot replace an adapter in place, so
+    each version is loaded under a name of its own and the requests move to it once every engine holds it."""
+    return f"{lora_name}@v{version}"
+
+
+def serves_adapter_push(server_info: dict) -> bool:
+    """Whether an engine takes an adapter over the weight-update group (/load_lora_adapter_from_distributed): the
+    Physarum CPU engine does, SGLang does not."""
+    return str(server_info.get("version", "")).startswith(CPU_ENGINE)
 
 
 def _reply(url: str, path: str, reply: httpx.Response) -> Any:

@@ -28,6 +28,22 @@ def test_every_generate_of_a_lora_job_names_its_adapter():
     assert [body.get("lora_path") for body in seen] == ["job-a", "other", None]
 
 
+def test_under_lora_sync_disk_each_generate_names_the_version_every_engine_holds():
+    """SGLang loads each version under a name of its own: the requests name the pool's settled version's."""
+    seen, versions = [], iter(["3", "4", None])
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=reply([3], "a"))
+
+    for _ in range(3):
+        version = next(versions)
+        asyncio.run(call(context(handler, lora_name="job-a", lora_versioned=True, version_now=lambda v=version: v),
+                         PluginSample()))
+    asyncio.run(call(context(handler, lora_name="job-a", version_now=lambda: "5"), PluginSample()))  # push: one name
+    assert [body["lora_path"] for body in seen] == ["job-a@v3", "job-a@v4", "job-a", "job-a"]
+
+
 def test_a_lora_job_asks_for_lora_serving():
     assert job_engine_options({"lora_rank": 16})["sglang_enable_lora"] is True
     assert "sglang_enable_lora" not in job_engine_options({"lora_rank": 0})

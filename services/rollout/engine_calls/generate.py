@@ -30,6 +30,7 @@ from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Image, Sample, Status
+from services.common.sglang import versioned_adapter_name
 from services.rollout.engine_calls.router_http import Poster, PostError, StreamError
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,16 @@ class GenerateContext:
     open_session: Callable[..., Any] | None = None
     scorer: Any = None  # the rollout's reward-service scorer (scoring.ServiceScorer), for slime's rm_hub.async_rm
     lora_name: str | None = None  # a LoRA job's adapter on the engines: every /generate names it (lora_path)
+    lora_versioned: bool = False  # lora_sync disk: the engines hold each version under its own name
 
     def with_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`body` naming the job's adapter (SGLang's lora_path), unless it names one itself."""
+        """`body` naming the job's adapter (SGLang's lora_path), unless it names one itself: under lora_sync disk,
+        the version every engine holds (the pool's settled version)."""
         if self.lora_name is None or body.get("lora_path") is not None:
             return body
-        return {**body, "lora_path": self.lora_name}
+        version = self.version_now() if self.lora_versioned and self.version_now is not None else None
+        name = self.lora_name if version is None else versioned_adapter_name(self.lora_name, version)
+        return {**body, "lora_path": name}
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
