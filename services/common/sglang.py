@@ -196,6 +196,12 @@ class SGLangClient(HttpClient):
         """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
         return self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
 
+    def update_weight_version(self, new_version: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: the engine reports `new_version` from now on, its weights as they are (abort_all_requests
+        false: the requests in flight go on)."""
+        return self._post_checked("/update_weight_version", {"new_version": new_version, "abort_all_requests": False},
+                                  timeout_s)
+
     def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> dict:
         return self._post_checked("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
 
@@ -271,6 +277,23 @@ class AsyncSGLangClient:
         result = await self._request(url, "POST", "/update_weights_from_disk",
                                      disk_update_body(model_path, weight_version), timeout_s)
         return _checked(url, "/update_weights_from_disk", result)
+
+    async def update_weight_version(self, url: str, new_version: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: the engine reports `new_version`, its weights as they are, the requests in flight going on."""
+        result = await self._request(url, "POST", "/update_weight_version",
+                                     {"new_version": new_version, "abort_all_requests": False}, timeout_s)
+        return _checked(url, "/update_weight_version", result)
+
+    async def load_lora_adapter(self, url: str, lora_name: str, lora_path: str,
+                                timeout_s: float | None = None) -> dict:
+        """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
+        result = await self._request(url, "POST", "/load_lora_adapter",
+                                     {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
+        return _checked(url, "/load_lora_adapter", result)
+
+    async def unload_lora_adapter(self, url: str, lora_name: str, timeout_s: float | None = None) -> dict:
+        result = await self._request(url, "POST", "/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
+        return _checked(url, "/unload_lora_adapter", result)
 
     async def close(self) -> None:
         await self.http.aclose()

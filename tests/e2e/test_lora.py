@@ -82,6 +82,8 @@ def test_a_lora_job_over_the_disk_route_moves_its_requests_to_each_version(local
     assert all(m["perf/engine_pause_seconds"] == 0.0 for m in steps if "perf/engine_pause_seconds" in m)
     tokens, logprobs = greedy(tmp_path / "final" / "merged", PROMPT, 4)
     for url in engine_urls(local_stack):
+        with SGLangClient(url) as engine:
+            assert engine.model_info()["weight_version"] == "2"  # what the pool's health checks compare
         body = {"input_ids": PROMPT, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
         reply = httpx.post(f"{url}/generate", json={**body, "lora_path": "e2e-lora-disk@v2"}, timeout=60).json()

@@ -5,13 +5,21 @@ shape that names it, and the engine serves on."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
 import pytest
 
+from services.common.sglang import AsyncSGLangClient
+from services.rollout.pool import adapter_join
 from services.trainer.weight_sync.adapter_disk import DISK_SUBDIR, AdapterSync, stale_versions
-from services.trainer.weight_sync.weight_sync import AdapterPush, WeightBroadcaster, WeightSyncError
+from services.trainer.weight_sync.weight_sync import (
+    AdapterPush,
+    WeightBroadcaster,
+    WeightSyncError,
+    write_adapter_snapshot,
+)
 from testkit.engines import start_engines, stop_engines
 from tests.integration.test_engine_lora import (
     adapter_tensors,
@@ -75,7 +83,10 @@ def test_versions_advance_each_under_its_name_equal_to_the_merged_model(http, di
     for version, state in states.items():
         stats = sync_version(disk_sync, state, version)
         assert stats["mode"] == "disk" and stats["num_tensors"] == 2 * 3 * 2 and stats["pause_seconds"] == 0.0
-        assert_rows_match(generate_rows(http, f"job@v{version}"), [merged_model(tiny_model_dir, state)] * 3)
+        rows = generate_rows(http, f"job@v{version}")
+        assert_rows_match(rows, [merged_model(tiny_model_dir, state)] * 3)
+        assert http.get("/model_info").json()["weight_version"] == version
+        assert {row["meta_info"]["weight_version"] for row in rows} == {version}
     # v2 stays for the requests that still name it; v1 is unloaded, and its directory pruned
     assert_rows_match(generate_rows(http, ["job@v2", "job@v3", None]),
                       [merged_model(tiny_model_dir, states["2"]), merged_model(tiny_model_dir, states["3"]),
@@ -91,6 +102,29 @@ def test_a_retried_sync_of_a_loaded_version_loads_it_afresh(http, disk_sync, tin
     sync_version(disk_sync, lora_state(tiny_model_dir, rank=RANK, seed=41), "4")
     sync_version(disk_sync, state, "4")  # SGLang refuses a name already loaded: unloaded and loaded again
     assert_rows_match(generate_rows(http, "job@v4"), [merged_model(tiny_model_dir, state)] * 3)
+
+
+def test_an_engine_joining_from_a_lora_snapshot_loads_its_adapters_with_sglangs_api(http, engine, tmp_path,
+                                                                                   tiny_model_dir):
+    """The rollout manager's join step: SGLang's /update_weights_from_disk reads no adapter directory."""
+    state = lora_state(tiny_model_dir, rank=RANK, seed=8)
+    snapshot = write_adapter_snapshot(adapter_tensors(state), tmp_path, "8", AdapterPush("job@v8", peft_config(RANK)))
+    adapters = adapter_join.snapshot_adapters(snapshot)
+    assert adapters == [("job@v8", str(Path(snapshot, "adapters", "job@v8")))]
+    assert adapter_join.snapshot_adapters(str(tmp_path / "weight_v9")) == []  # a full-weight snapshot: none
+
+    async def join() -> None:
+        engines = AsyncSGLangClient(timeout_s=30.0)
+        try:
+            await adapter_join.load_adapters(engines, engine, adapters, "8", 30.0)
+        finally:
+            await engines.close()
+
+    for _ in range(2):  # a second try finds the name loaded (SGLang refuses it): loaded afresh
+        asyncio.run(join())
+    rows = generate_rows(http, "job@v8")
+    assert_rows_match(rows, [merged_model(tiny_model_dir, state)] * 3)
+    assert {row["meta_info"]["weight_version"] for row in rows} == {"8"}
 
 
 def test_a_bad_path_is_a_400_in_sglangs_shape_and_the_engine_serves_on(http, engine, disk_sync, tmp_path,

@@ -1,7 +1,8 @@
 """A LoRA job's adapter sync, push or disk (the job's lora_sync). Disk is the route SGLang serves: each version is
 written as PEFT's adapter directory where the engines read (the pool's snapshot, else update_weight_disk_dir) and
 loaded with /load_lora_adapter under a versioned name, since SGLang replaces no adapter in place; the rollout manager's
-requests move to that name once the sync ends, and each engine unloads the versions no request names any more.
+requests move to that name once the sync ends (the engines report the version: /update_weight_version), and each
+engine unloads the versions no request names any more.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class AdapterSync:
         base = lora_name.rpartition("@v")[0]
         clients = [SGLangClient(url, timeout_s=self.timeout_s) for url in self.engine_urls]
         try:
+            # the version each engine reports (the pool checks it), set first: the CPU engine stamps an adapter it
+            # loads with it, as SGLang reports its one version for every request
+            _on_all(clients, f"update_weight_version to {version}",
+                    lambda c: c.update_weight_version(version, timeout_s=self.timeout_s), self.timeout_s + 1)
             # no pause: a new name disturbs no request, and each engine serves the old one until the manager moves
             replies = _on_all(clients, f"load_lora_adapter of {lora_name} from {directory}",
                               lambda c: self._load(c, lora_name, directory), 3 * self.timeout_s + 1)

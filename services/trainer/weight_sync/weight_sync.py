@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
-from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
+from services.rollout.client import ADAPTERS_DIR, SNAPSHOT_PREFIX, snapshot_path
 from services.trainer.checkpoint import safetensors_io
 from services.trainer.checkpoint.hf_files import copy_side_files
 from services.trainer.weight_sync import wire
@@ -402,8 +402,6 @@ def _publish(staging: Path, final: Path, keep: int) -> str:
         shutil.rmtree(old, ignore_errors=True)
     return str(final)
 
-
-ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: <snapshot>/adapters/<lora_name>/, PEFT's adapter directory
 
 
 @dataclass(frozen=True)
