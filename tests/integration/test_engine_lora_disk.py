@@ -6,6 +6,8 @@ shape that names it, and the engine serves on."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 from pathlib import Path
 
 import httpx
@@ -144,3 +146,31 @@ def test_a_bad_path_is_a_400_in_sglangs_shape_and_the_engine_serves_on(http, eng
     nowhere.set_engines([engine])
     with pytest.raises(WeightSyncError, match="update_weight_disk_dir is not set"):
         nowhere.broadcast_adapter([], "6", lora_name="job@v6", config=peft_config(RANK))
+
+
+def test_unload_lets_the_adapters_requests_finish_and_refuses_new_ones_meanwhile(http, engine, tiny_model_dir):
+    """SGLang's unload: the name is refused to new requests at once, the adapter goes once its requests finish (the
+    disk route unloads versions the manager may still have requests on)."""
+    body = {"input_ids": [5, 6, 7], "lora_path": "job@v4",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pending = pool.submit(http.post, "/generate", json=body)
+        wait_until(lambda: sum(http.get("/server_info").json()["internal_states"][0][key]
+                               for key in ("num_running_reqs", "num_waiting_reqs")) == 1)
+        unload = pool.submit(http.post, "/unload_lora_adapter", json={"lora_name": "job@v4"})
+        wait_until(lambda: http.post("/generate", json=body).status_code == 400)  # refused once the unload began
+        assert not unload.done()  # it waits for the paused request
+        assert http.post("/continue_generation").status_code == 200
+        reply = pending.result(timeout=120)
+        assert reply.status_code == 200 and reply.json()["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(reply.json()["output_ids"]) == 8
+        unloaded = unload.result(timeout=120)
+    assert unloaded.status_code == 200 and "job@v4" not in unloaded.json()["loaded_adapters"]
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
