@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from services.common.settings.rollout import RolloutConfig
 from services.common.sglang import lora_adapter_name
-from services.rollout.client import RolloutClient, snapshot_path
+from services.rollout.client import ADAPTERS_DIR, RolloutClient, snapshot_path
 from services.trainer.distributed.parallel import World
 from services.trainer.settings.weight_sync import SyncConfig
 
@@ -106,7 +106,8 @@ class EngineWeights:
         if pool.weight_version == str(version):
             return
         snapshot = snapshot_path(pool.snapshot_dir, version) if pool.snapshot_dir else None
-        if snapshot is None or not (snapshot / "model.safetensors").is_file():
+        # full weights, or a LoRA job's adapters (its engines load them over the base they start with)
+        if snapshot is None or not ((snapshot / "model.safetensors").is_file() or (snapshot / ADAPTERS_DIR).is_dir()):
             if version in self.unannounceable:
                 return
             self.unannounceable.add(version)
