@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.sglang import AsyncSGLangClient
+from services.common.sglang import AsyncSGLangClient, serves_adapter_push
 from services.rollout.pool import adapter_join
 from services.trainer.weight_sync.adapter_disk import DISK_SUBDIR, AdapterSync, stale_versions
 from services.trainer.weight_sync.weight_sync import (
@@ -70,6 +70,13 @@ def test_which_versions_an_engine_unloads():
     assert stale_versions(loaded, "job", "3") == ["job@v1"]  # v2: the requests name it until this sync ends
     assert stale_versions(loaded, "job", "2") == ["job@v3"]  # a trainer resumed at an earlier version
     assert stale_versions(["job@v7"], "job", "7") == []
+
+
+def test_only_the_cpu_engine_takes_the_adapter_push():
+    """lora_sync auto reads /server_info's `version`: SGLang's is its release."""
+    assert serves_adapter_push({"version": "physarum-cpu-engine 0.1.0"})
+    assert not serves_adapter_push({"version": "0.5.4.post1", "enable_lora": True})
+    assert not serves_adapter_push({})
 
 
 def test_auto_pushes_to_cpu_engines(engine):
