@@ -113,7 +113,7 @@ class GenerateContext:
         if self.lora_name is None or body.get("lora_path") is not None:
             return body
         version = self.version_now() if self.lora_versioned and self.version_now is not None else None
-        name = self.lora_name if version is None else versioned_adapter_name(self.lora_name, version)
+        name = versioned_adapter_name(self.lora_name, version) if version else self.lora_name
         return {**body, "lora_path": name}
 
 

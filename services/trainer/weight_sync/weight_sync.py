@@ -403,7 +403,6 @@ def _publish(staging: Path, final: Path, keep: int) -> str:
     return str(final)
 
 
-
 @dataclass(frozen=True)
 class AdapterPush:
     """A LoRA job's sync: its adapter's name on the engines and PEFT's adapter config."""
