@@ -44,6 +44,18 @@ def test_under_lora_sync_disk_each_generate_names_the_version_every_engine_holds
     assert [body["lora_path"] for body in seen] == ["job-a@v3", "job-a@v4", "job-a", "job-a"]
 
 
+def test_under_lora_sync_disk_a_reply_records_the_version_its_adapter_name_named():
+    """SGLang reports one weight_version for every adapter (the last job's to sync where jobs share the pool): the
+    versioned name says which version generated the reply."""
+    def handler(request):
+        return httpx.Response(200, json=reply([3], "a", weight_version="9"))
+
+    versioned = asyncio.run(call(context(handler, lora_name="job-a", lora_versioned=True, version_now=lambda: "3"),
+                                 PluginSample()))
+    plain = asyncio.run(call(context(handler, lora_name="job-a", version_now=lambda: "3"), PluginSample()))
+    assert versioned["meta_info"]["weight_version"] == "3" and plain["meta_info"]["weight_version"] == "9"
+
+
 def test_a_lora_job_asks_for_lora_serving():
     assert job_engine_options({"lora_rank": 16})["sglang_enable_lora"] is True
     assert "sglang_enable_lora" not in job_engine_options({"lora_rank": 0})

@@ -116,6 +116,16 @@ class GenerateContext:
         name = versioned_adapter_name(self.lora_name, version) if version else self.lora_name
         return {**body, "lora_path": name}
 
+    def record_version(self, meta_info: Any, start_version: str | None) -> None:
+        """Stamp a reply's meta_info with the version its request started at; under lora_sync disk that is also the
+        version it was generated with (its adapter's name names it), whatever one version the engine reports for
+        every adapter (SGLang's, the last job's to sync where jobs share the pool)."""
+        if start_version is None or not isinstance(meta_info, dict):
+            return
+        meta_info[START_VERSION_KEY] = start_version
+        if self.lora_versioned and self.lora_name is not None:
+            meta_info["weight_version"] = start_version
+
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
 
@@ -200,8 +210,7 @@ async def stream_generate(ctx: GenerateContext, what: str, payload: dict[str, An
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise InvalidArgument(f"{what}: the engine ended the stream: {chunk['error']}")
-                    if start_version is not None and isinstance(chunk.get("meta_info"), dict):
-                        chunk["meta_info"][START_VERSION_KEY] = start_version
+                    ctx.record_version(chunk.get("meta_info"), start_version)
                     num_chunks += 1
                     yield chunk
             return
@@ -260,8 +269,7 @@ async def _post_generate(ctx: GenerateContext, what: str, body: Callable[[], dic
                 finish = (one.get("meta_info", {}).get("finish_reason") or {})
                 if finish.get("type") == "abort" and not ctx.aborting:
                     raise _RetryableError(f"aborted by the engine: {finish.get('message', '')}")
-                if start_version is not None and isinstance(one.get("meta_info"), dict):
-                    one["meta_info"][START_VERSION_KEY] = start_version
+                ctx.record_version(one.get("meta_info"), start_version)
             return data
         except (PostError, _RetryableError) as err:
             last_error = f"{type(err).__name__}: {err}"
