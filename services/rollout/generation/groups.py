@@ -112,7 +112,8 @@ def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Plug
     return PluginSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
                          metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
                          session_id=new_session_id(),
-                         multimodal_inputs={"images": prompt.images} if prompt.images else None)
+                         # its own list: a multi-turn generate function extends it with its observations' images
+                         multimodal_inputs={"images": list(prompt.images)} if prompt.images else None)
 
 
 async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:

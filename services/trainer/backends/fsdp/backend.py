@@ -174,7 +174,7 @@ class TorchBackend(TorchStateDicts):
         inputs = {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
         if mb.sample_index is not None and self._images is not None:
             inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask,
-                                                      mb.prompt_lengths, self._placeholders))
+                                                      mb.prompt_lengths, mb.loss_masks, self._placeholders))
         return inputs
 
     def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,
