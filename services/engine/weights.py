@@ -322,10 +322,16 @@ class WeightUpdater:
         return {"loaded_adapters": lora.loaded()}
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
-        """Unload `lora_name`: requests still generated with it end as aborted."""
+        """Unload `lora_name` as SGLang does: refused to new requests at once, unloaded once the requests generated
+        with it have finished. SGLang waits for them without bound; here those still unfinished after the weight
+        sync timeout end as aborted (a paused engine finishes none)."""
         lora = self._lora()
         lora.get(lora_name)
-        self.engine.abort_adapter(lora_name, f"LoRA adapter {lora_name} unloaded")
+        lora.close_name(lora_name)
+        left = self.engine.drain_adapter(lora_name, self.timeout_s)
+        if left:
+            self.engine.abort_adapter(lora_name, f"LoRA adapter {lora_name} unloaded ({left} requests still "
+                                                 f"generating with it after {self.timeout_s:.0f} s)")
         with self.engine.exclusive(self.timeout_s):
             lora.remove(lora_name)
         log.info("LoRA adapter %s unloaded", lora_name)

@@ -187,12 +187,13 @@ class JobSpec(_JobSettings):
 
 def _check_lora(train: TrainConfig, layout: LayoutConfig, driver: DriverConfig, sync: SyncConfig) -> None:
     """LoRA trains on a backend with adapter layers; its KL reference is the base model itself; its adapter syncs
-    over the weight-update group."""
+    whole, by lora_sync."""
     if not train.lora:
         return
     if sync.weight_sync_backend == "disk" or sync.update_weight_mode == "delta":
         raise ValueError("lora_rank: the adapter (a few MB) syncs whole over the weight-update group (gloo, nccl or "
-                         "auto); weight_sync_backend disk and update_weight_mode delta do not apply")
+                         "auto), or as a PEFT directory per version (lora_sync disk); weight_sync_backend disk and "
+                         "update_weight_mode delta do not apply")
     if not layout.capabilities.lora:
         able = " or ".join(backends_that(lambda caps: caps.lora))
         raise ValueError(f"lora_rank: train_backend {layout.train_backend} builds megatron-core's parallel layers, "
