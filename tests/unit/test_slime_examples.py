@@ -125,7 +125,7 @@ PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
 PLUGIN_MODULES = ("generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent,"
-                  "tests.slime_compat")
+                  "examples.geo3k_vlm_multi_turn,tests.slime_compat")
 
 
 def materialize(argv: list[str], root: Path) -> list[str]:
@@ -148,7 +148,9 @@ def materialize(argv: list[str], root: Path) -> list[str]:
             path = Path(argv[i + 2])
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"prompt": "3+3=", "label": "6"}) + "\n")
-    if "--custom-config-path" in given:  # slime's mis.yaml settings
+    if "--custom-config-path" in given and "geo3k_vlm_multi_turn" in given["--custom-config-path"]:
+        argv[argv.index("--custom-config-path") + 1] = str(HERE / "slime_examples" / given["--custom-config-path"])
+    elif "--custom-config-path" in given:  # slime's mis.yaml settings
         path = root / "slime" / given["--custom-config-path"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump({

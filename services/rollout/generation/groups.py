@@ -111,7 +111,8 @@ def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Plug
     return PluginSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
                          metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
                          session_id=new_session_id(),
-                         multimodal_inputs={"images": prompt.images} if prompt.images else None)
+                         # its own list: a multi-turn generate function extends it with its observations' images
+                         multimodal_inputs={"images": list(prompt.images)} if prompt.images else None)
 
 
 async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:
@@ -136,6 +137,9 @@ async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]
     if fresh:
         outputs.update({j: [out] for j, out in zip(fresh, batch.result(), strict=True)})
     group = [out for j, s in enumerate(samples) for out in outputs.get(j, [s])]
+    if gen.ctx.lora_name is not None:  # a LoRA job's: generated with its adapter, as every request named
+        for sample in group:
+            sample.lora_name = gen.ctx.lora_name
     if len(group) != len(samples):
         for position, sample in enumerate(group):
             sample.index = position

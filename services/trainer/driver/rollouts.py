@@ -204,11 +204,14 @@ class Rollouts:
 
 
 def _flat(groups: list[SampleGroup]) -> list[Sample]:
-    """The groups' samples in group order; each sample of a group with images refers to the group's list."""
+    """The groups' samples in group order; each sample of a group with images refers to the group's list, one whose
+    turns added images (observation_images) has its own: the group's, then those."""
     samples = []
     for group in sorted(groups, key=lambda g: g.group_id):
         for sample in group.samples:
-            if group.images:
+            if sample.observation_images:
+                sample.images = [*group.images, *sample.observation_images]
+            elif group.images:
                 sample.images = group.images
             samples.append(sample)
     return samples

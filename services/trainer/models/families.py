@@ -114,6 +114,23 @@ def megatron_train_mode_problem(hf_config: dict[str, Any], *, tp_size: int = 1, 
     return ""
 
 
+def megatron_context_parallel_problem(hf_config: dict[str, Any], *, images: bool = False) -> str:
+    """"" when megatron splits this model's sequences over CP ranks, else why not: the submit check's reason and the
+    backend's when it builds the model. Its DeepSeek sparse attention (GLM-5) and a vision-language model's forward
+    (`images`: a job with multimodal_keys, as is_vision_language takes it) take whole sequences; the rest as
+    context_parallel_problem, its gated delta nets gathered."""
+    if family(language_model_config(hf_config)) == "glm_moe_dsa":
+        return "megatron-core's DeepSeek sparse attention (GLM-5) does not split sequences over ranks"
+    if is_vision_language(hf_config, images=images):
+        return "a vision-language model's forward runs each sequence whole on one rank (its multimodal positions)"
+    return context_parallel_problem(hf_config, gathers_gated_delta_nets=True)
+
+
+def fsdp_context_parallel_problem(hf_config: dict[str, Any], *, images: bool = False) -> str:
+    """"" when fsdp splits this model's sequences over CP ranks, else why not (context_parallel_problem)."""
+    return context_parallel_problem(hf_config)
+
+
 def context_parallel_problem(hf_config: dict[str, Any], *, gathers_gated_delta_nets: bool = False) -> str:
     """"" when context parallelism (`backends/fsdp/context_parallel.py`) can split the model's sequences, else why not:
     its attention runs per token pair across ranks, so every layer must be full causal attention (no sliding

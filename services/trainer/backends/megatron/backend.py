@@ -109,7 +109,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
         if self.arch.dsa is not None:  # megatron-core's DSAttention takes padded rectangles alone, whole sequences
             self.pack_sequences = False
-        if context_parallel_size > 1 and (problem := _context_parallel_problem(config, self.arch)):
+        if context_parallel_size > 1 and (problem := _context_parallel_problem(config, hf_config)):
             raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
         # a vision-language checkpoint: megatron's language model with transformers' vision tower (`vision.py`); a
         # job with multimodal_keys runs its images through the image processor (batching/vision.py)
@@ -311,11 +311,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         rows = batch_vision.image_rows(self._images, mb.sample_index) if mb.sample_index is not None \
             else [None] * mb.size
         image_token_id = self.vision_config.image_token_id
+        # only the image tokens no policy sampled take image features (a policy may sample the image token as text)
+        image_mask = batch_vision.image_token_mask(mb.tokens, mb.prompt_lengths, mb.loss_masks, image_token_id)
         positions = batch_vision.multimodal_positions(
             mb.tokens, mb.total_lengths, rows, image_token_id=image_token_id,
-            merge_size=self.vision_config.vision_config.spatial_merge_size, prompt_lengths=mb.prompt_lengths.tolist())
-        # only the prompts' image tokens take image features (a policy may sample the image token as text)
-        image_mask = batch_vision.prompt_image_mask(mb.tokens, mb.prompt_lengths, image_token_id)
+            merge_size=self.vision_config.vision_config.spatial_merge_size, image_mask=image_mask)
         if packed:  # the real tokens' positions side by side, then the padding's count from 0 (`gpt_inputs`)
             real = positions[:, mb.attention_mask.bool()]
             extra = torch.arange(length - real.shape[1], device=real.device).repeat(3, 1)
@@ -662,12 +662,11 @@ class MegatronCritic:
         return self.model.module
 
 
-def _context_parallel_problem(config: TrainConfig, arch: ModelArch) -> str:
-    """Why this job cannot split its sequences over CP ranks here ("" when it can)."""
-    if arch.dsa is not None:
-        return "megatron-core's DeepSeek sparse attention (GLM-5) does not split sequences over ranks"
-    if arch.vision_model_type:
-        return "a vision-language model's forward runs each sequence whole on one rank (its multimodal positions)"
+def _context_parallel_problem(config: TrainConfig, hf_config: dict) -> str:
+    """Why this job cannot split its sequences over CP ranks here ("" when it can): its model's reason, the one the
+    submit check gives (families.megatron_context_parallel_problem), then its settings'."""
+    if problem := families.megatron_context_parallel_problem(hf_config, images=bool(config.multimodal_keys)):
+        return problem
     if config.loss_type == "custom_loss":
         return CUSTOM_LOSS_REFUSAL.removeprefix("context_parallel_size > 1 ")
     if config.replays_routing or config.moe_aux_loss:
