@@ -21,9 +21,24 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 FALLBACKS = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}  # newer path -> older one
 
 
+CPU_ENGINE = "physarum-cpu-engine"  # the CPU engine's /server_info `version` starts with it (SGLang's: a release)
+
+
 def lora_adapter_name(job_id: str) -> str:
     """The name a LoRA job's adapter has on the engines (its requests' lora_path): the job's id."""
     return job_id
+
+
+def versioned_adapter_name(lora_name: str, version: str) -> str:
+    """An adapter's name at one weight version, under lora_sync disk: SGLang cannot replace an adapter in place, so
+    each version is loaded under a name of its own and the requests move to it once every engine holds it."""
+    return f"{lora_name}@v{version}"
+
+
+def serves_adapter_push(server_info: dict) -> bool:
+    """Whether an engine takes an adapter over the weight-update group (/load_lora_adapter_from_distributed): the
+    Physarum CPU engine does, SGLang does not."""
+    return str(server_info.get("version", "")).startswith(CPU_ENGINE)
 
 
 def _reply(url: str, path: str, reply: httpx.Response) -> Any:
@@ -182,6 +197,12 @@ class SGLangClient(HttpClient):
         """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
         return self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
 
+    def update_weight_version(self, new_version: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: the engine reports `new_version` from now on, its weights as they are (abort_all_requests
+        false: the requests in flight go on)."""
+        return self._post_checked("/update_weight_version", {"new_version": new_version, "abort_all_requests": False},
+                                  timeout_s)
+
     def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> dict:
         return self._post_checked("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
 
@@ -270,6 +291,23 @@ class AsyncSGLangClient:
         result = await self._request(url, "POST", "/update_weights_from_disk",
                                      disk_update_body(model_path, weight_version), timeout_s)
         return _checked(url, "/update_weights_from_disk", result)
+
+    async def update_weight_version(self, url: str, new_version: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: the engine reports `new_version`, its weights as they are, the requests in flight going on."""
+        result = await self._request(url, "POST", "/update_weight_version",
+                                     {"new_version": new_version, "abort_all_requests": False}, timeout_s)
+        return _checked(url, "/update_weight_version", result)
+
+    async def load_lora_adapter(self, url: str, lora_name: str, lora_path: str,
+                                timeout_s: float | None = None) -> dict:
+        """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
+        result = await self._request(url, "POST", "/load_lora_adapter",
+                                     {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
+        return _checked(url, "/load_lora_adapter", result)
+
+    async def unload_lora_adapter(self, url: str, lora_name: str, timeout_s: float | None = None) -> dict:
+        result = await self._request(url, "POST", "/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
+        return _checked(url, "/unload_lora_adapter", result)
 
     async def close(self) -> None:
         clients, self.clients = list(self.clients.values()), {}

@@ -8,9 +8,10 @@ and eval settings stay as slime's script wrote them.
 The scripts are megatron-typed (slime's default backend) and run on megatron, the family of each one megatron-core
 builds here (Qwen2.5, Qwen3, Qwen3-MoE, GLM-4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next with their gated delta-net layers,
 and MiMo: a tiny Qwen2 with one MTP layer under MiMo's names, which run-mimo-7B-rl-eagle.sh trains beside the
-policy); a script whose family megatron refused, with a refusal that names fsdp, would run moved to fsdp as
-docs/slime.md's porting section says (ON_FSDP). slime's geo3k VLM example runs on a tiny Qwen3.5-MoE with its vision
-tower (megatron's language model, transformers' tower), each prompt row an image.
+policy, as run-glm4.7-30B-A3B.sh does the tiny GLM-4.7-Flash's); a script whose family megatron refused, with a
+refusal that names fsdp, would run moved to fsdp as docs/slime.md's porting section says (ON_FSDP). slime's geo3k
+VLM example runs on a tiny Qwen3.5-MoE with its vision tower (megatron's language model, transformers' tower), each
+prompt row an image.
 train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
 tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
 (slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
@@ -278,8 +279,8 @@ def check_multi_agent(spec: dict, steps: list[dict], state: dict) -> None:
 
 
 def check_mtp(spec: dict, steps: list[dict], state: dict) -> None:
-    """run-mimo-7B-rl-eagle.sh trained MiMo's MTP layer (the tiny MiMo carries one) beside the policy: its loss, per
-    step."""
+    """run-mimo-7B-rl-eagle.sh and run-glm4.7-30B-A3B.sh trained the checkpoint's MTP layer (the tiny MiMo and
+    GLM-4.7-Flash carry one) beside the policy: its loss, per step."""
     assert spec["mtp_num_layers"] == 1 and spec["enable_mtp_training"] and spec["mtp_loss_scaling_factor"] == 0.2
     assert all(m["train/mtp_loss"] > 0 and m["train/mtp_1_loss"] == m["train/mtp_loss"] for m in steps)
 
@@ -330,7 +331,7 @@ def check_figures(spec: dict, steps: list[dict], state: dict) -> None:
 
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
           MULTI_TURN: check_multi_turn, FIGURES: check_figures,
-          "run-mimo-7B-rl-eagle.sh": check_mtp,
+          "run-mimo-7B-rl-eagle.sh": check_mtp, "glm4.7_30B_A3B": check_mtp,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
           "eval_function": check_eval_function,
           "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,

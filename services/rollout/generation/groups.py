@@ -86,6 +86,7 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
     if config.args.get("lora_rank"):  # a LoRA job's samples come from its adapter, which the trainer syncs
         ctx.lora_name = lora_adapter_name(job)
+        ctx.lora_versioned = config.args.get("lora_sync") == "disk"  # as the trainer resolved it
     ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
     ctx.scorer = ServiceScorer(reward, config)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),

@@ -150,7 +150,8 @@ class Rollouts:
             self.ctx.check_cancelled()
             try:
                 self.weights.announce()
-                self.deps.rollout.start_rollout(self.config, manager_rollout_id, str(self.weights.version))
+                self.deps.rollout.start_rollout(self.weights.rollout_config(self.config), manager_rollout_id,
+                                                str(self.weights.version))
                 self.weights.announce()
                 return
             except Unavailable as err:

@@ -67,10 +67,11 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
 
 # The MoE families whose routers the fsdp backend replays, by the transformers class of their router (each returns
 # logits, top-k weights, top-k indices; moe/hf_routing_replay.py replaces the indices and recomputes the weights):
-# Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
+# Qwen's softmax routers, GLM-4-MoE's, DeepSeek-V3's and GLM-5's sigmoid ones with an expert bias.
 REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
-                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter",
-                                      "glm4_moe_lite": "Glm4MoeLiteTopkRouter"}
+                                      "qwen3_next": "Qwen3NextTopKRouter", "glm4_moe": "Glm4MoeTopkRouter",
+                                      "deepseek_v3": "DeepseekV3TopkRouter", "glm4_moe_lite": "Glm4MoeLiteTopkRouter",
+                                      "glm_moe_dsa": "GlmMoeDsaTopkRouter"}
 # The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
 # sigmoid ones score experts by sigmoid (moe/load_balancing.py), the others by softmax.
 SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")

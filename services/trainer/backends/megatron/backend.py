@@ -91,7 +91,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
         self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers, mtp_num_layers=config.mtp_num_layers or 0,
                                         vocab_size_divisible_by=self.megatron_args.vocab_size_divisible_by)
-        if problem := _mtp_problem(config, hf_config, pp_size=pp, cp_size=context_parallel_size):
+        if problem := _mtp_problem(config, hf_config):
             raise InvalidArgument(problem)
         self.trains_mtp = config.enable_mtp_training
         self._mtp_depths: list[torch.Tensor] = []  # the MTP layers' outputs for the loss computed next
@@ -172,6 +172,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                                     overrides=self.megatron_args.ddp)
         model_config.no_sync_func = self.model.no_sync
         model_config.finalize_model_grads_func = finalize_model_grads
+        if self.arch.mtp_num_layers and pp > 1 and not self.arch.tie_word_embeddings and \
+                (self.is_first_stage or self.is_last_stage):
+            # the last stage's copy of the embedding (its MTP layers') and the first stage's: one weight
+            model_config.finalize_model_grads_func = megatron_mtp.finalize_with_embedding_copy(
+                finalize_model_grads, ps.get_embedding_group())
         self.optimizer = self._build_optimizer()
         self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
         # PPO's value model: the policy's backbone with a value head, its own DDP, optimizer and lr clock
@@ -274,6 +279,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 self._cp_row = self._cp_slice(mb)
                 with routing(rows, mb) if routing else contextlib.nullcontext():
                     output = module(**self._cp_row.inputs)
+                if self.is_last_stage and megatron_mtp.runs(fused_head.gpt_of(module)):
+                    output, *self._mtp_depths = megatron_mtp.split_depths(
+                        output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to)
                 return output, functools.partial(_loss_output, loss_fn, rows, mb)
             inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
                                       pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
@@ -289,7 +297,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
                 length = mcore.sequence_length(mb, packed=packed)
                 depths = megatron_mtp.split_depths(output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to) \
-                    if fused_head.gpt_of(module).mtp_process else [output]
+                    if megatron_mtp.runs(fused_head.gpt_of(module)) else [output]
                 output, self._mtp_depths = depths[0][:, :length], [depth[:, :length] for depth in depths[1:]]
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
@@ -516,9 +524,15 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         mtp_loss_scaling_factor / mtp_num_layers; metrics mtp_loss (the depths' sum) and mtp_{k}_loss."""
         loss, metrics = self._micro_batch_loss(mb, logits, reduce)
         mtp_loss = logits.new_zeros(())
+        targets = self._cp_row.targets if self.cp_size > 1 else None  # under CP: each local position's next token
         for depth, (output, count) in enumerate(zip(self._mtp_depths, counts, strict=True), start=1):
             weights = megatron_mtp.target_weights(mb, depth).to(output.device)
-            log_probs = self._target_log_probs(megatron_mtp.gather_depth(output, mb, depth), mb.response_tokens)
+            if self.cp_size > 1:  # this rank's slice against the tokens `depth` further on, gathered into CP 1's layout
+                targets = megatron_mtp.next_tokens(targets, self.cp_group, self._cp_row.inputs.get("packed_seq_params"))
+                per_position = self._cp_row.gather(self._target_log_probs(output, targets))
+                log_probs = megatron_mtp.gather_depth(per_position[..., None], mb, depth)[..., 0]
+            else:
+                log_probs = self._target_log_probs(megatron_mtp.gather_depth(output, mb, depth), mb.response_tokens)
             depth_loss = -(log_probs * weights).sum() / max(count, 1.0)
             metrics[f"mtp_{depth}_loss"] = depth_loss.detach()
             mtp_loss = mtp_loss + depth_loss
@@ -674,16 +688,9 @@ def _context_parallel_problem(config: TrainConfig, hf_config: dict) -> str:
     return ""
 
 
-def _mtp_problem(config: TrainConfig, hf_config: dict, *, pp_size: int, cp_size: int) -> str:
+def _mtp_problem(config: TrainConfig, hf_config: dict) -> str:
     """Why this job cannot build or train its MTP layers here ("" when it can, or it has none)."""
-    if not config.mtp_num_layers:
-        return ""
-    if problem := mtp.problem(hf_config, config.mtp_num_layers):
-        return problem
-    if pp_size > 1 or cp_size > 1:
-        return (f"mtp_num_layers {config.mtp_num_layers}: train_backend megatron builds multi-token-prediction "
-                "layers at pipeline_model_parallel_size 1 and context_parallel_size 1")
-    return ""
+    return mtp.problem(hf_config, config.mtp_num_layers) if config.mtp_num_layers else ""
 
 
 def _round_up(n: int, multiple: int) -> int:
