@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 RESUME_TIMEOUT_S = 2.0  # for the best-effort end/continue calls after a failure
+ADAPTER_ROOT_PREFIX = "lora-"  # a LoRA job's snapshots: <snapshot_dir>/lora-<job>/weight_v<version>
 
 
 class WeightSyncError(Unavailable):
@@ -403,6 +404,15 @@ def _publish(staging: Path, final: Path, keep: int) -> str:
     return str(final)
 
 
+def adapter_snapshot_root(root: str | Path, lora_name: str) -> Path:
+    """The directory under `root` that holds the snapshots of LoRA job `lora_name` (its served name at a version,
+    versioned_adapter_name's, counts as the job's name): `root/lora-<job>/`."""
+    job = lora_name.rpartition("@v")[0] if lora_name.rpartition("@v")[2].isdigit() else lora_name
+    if not job or job in (".", "..") or "/" in job or "\\" in job:
+        raise ValueError(f"LoRA adapter name {lora_name!r} cannot name a snapshot directory")
+    return Path(root) / f"{ADAPTER_ROOT_PREFIX}{job}"
+
+
 @dataclass(frozen=True)
 class AdapterPush:
     """A LoRA job's sync: its adapter's name on the engines and PEFT's adapter config."""
@@ -413,12 +423,13 @@ class AdapterPush:
 
 def write_adapter_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str | Path, version: str,
                            adapter: AdapterPush, *, keep: int = 2) -> str:
-    """A LoRA job's snapshot: `root/weight_v<version>/adapters/<lora_name>/` (PEFT's adapter directory), which an
-    engine joining later loads by /update_weights_from_disk of the snapshot; written aside, then renamed into
-    place; snapshots beyond the newest `keep` deleted. Returns the snapshot's directory."""
+    """A LoRA job's snapshot: `<adapter_snapshot_root>/weight_v<version>/adapters/<lora_name>/` (PEFT's adapter
+    directory), which an engine joining later loads (/load_lora_adapter); written aside, then renamed into place;
+    the job's snapshots beyond its newest `keep` deleted. Each job has a root of its own, so that jobs sharing a pool
+    (and syncing the same version) neither replace nor prune each other's. Returns the snapshot's directory."""
     from services.trainer.lora.export import write_peft_dir
 
-    root = Path(root)
+    root = adapter_snapshot_root(root, adapter.lora_name)
     root.mkdir(parents=True, exist_ok=True)
     final = snapshot_path(root, version)
     staging = root / f".staging-{final.name}-{os.getpid()}"
