@@ -25,9 +25,9 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.backends import capabilities
+from services.trainer.backends import capabilities, compiled_layers
 from services.trainer.backends.base import load_custom_loss
-from services.trainer.backends.fsdp import compiled_layers, context_parallel, cp_attention, fused_head
+from services.trainer.backends.fsdp import context_parallel, cp_attention, fused_head
 from services.trainer.backends.fsdp.critic import Critic
 from services.trainer.backends.fsdp.idle_vision import IdleVision
 from services.trainer.batching import packing, varlen, vision

@@ -26,7 +26,7 @@ from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import capabilities
+from services.trainer.backends import capabilities, compiled_layers
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL
 from services.trainer.backends.megatron import args as margs
@@ -184,6 +184,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         # frozen models: the reference (KL) and the distillation teacher, each loaded over later when asked
         self.ref_model, self.teacher_model = (self._frozen_copy(hf) if needed else None
                                               for needed in (config.needs_ref_model, config.needs_teacher_model))
+        if config.compile_layers:  # this stage's decoder layers, in the policy and the frozen copies alike
+            for compiled in (gpt, self.ref_model, self.teacher_model):
+                compiled_layers.compile_layers(list(compiled.decoder.layers) if compiled is not None else [])
         pad = hf_config.get("pad_token_id")
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
