@@ -14,13 +14,13 @@ import httpx
 import pytest
 
 from services.common.sglang import AsyncSGLangClient, serves_adapter_push
+from services.rollout.client import adapter_snapshot_root
 from services.rollout.pool import adapter_join
 from services.trainer.weight_sync.adapter_disk import DISK_SUBDIR, AdapterSync, stale_versions
 from services.trainer.weight_sync.weight_sync import (
     AdapterPush,
     WeightBroadcaster,
     WeightSyncError,
-    adapter_snapshot_root,
     write_adapter_snapshot,
 )
 from testkit.engines import start_engines, stop_engines

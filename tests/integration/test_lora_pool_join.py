@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from services.common import procs
-from services.rollout.client import EngineState, RolloutClient
+from services.rollout.client import EngineState, RolloutClient, adapter_snapshot_root
 from services.rollout.config import RolloutManagerConfig
 from services.rollout.pool import adapter_join
 from services.trainer.weight_sync.adapter_disk import AdapterSync
 from services.trainer.weight_sync.weight_sync import (
     AdapterPush,
     WeightBroadcaster,
-    adapter_snapshot_root,
     sync_engine_pool,
     write_adapter_snapshot,
 )

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
-from services.rollout.client import ADAPTERS_DIR, SNAPSHOT_PREFIX, snapshot_path
+from services.rollout.client import ADAPTERS_DIR, SNAPSHOT_PREFIX, adapter_snapshot_root, snapshot_path
 from services.trainer.checkpoint import safetensors_io
 from services.trainer.checkpoint.hf_files import copy_side_files
 from services.trainer.weight_sync import wire
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 RESUME_TIMEOUT_S = 2.0  # for the best-effort end/continue calls after a failure
-ADAPTER_ROOT_PREFIX = "lora-"  # a LoRA job's snapshots: <snapshot_dir>/lora-<job>/weight_v<version>
 
 
 class WeightSyncError(Unavailable):
@@ -402,15 +401,6 @@ def _publish(staging: Path, final: Path, keep: int) -> str:
     for old in snapshots[:-keep] if keep > 0 else ():
         shutil.rmtree(old, ignore_errors=True)
     return str(final)
-
-
-def adapter_snapshot_root(root: str | Path, lora_name: str) -> Path:
-    """The directory under `root` that holds the snapshots of LoRA job `lora_name` (its served name at a version,
-    versioned_adapter_name's, counts as the job's name): `root/lora-<job>/`."""
-    job = lora_name.rpartition("@v")[0] if lora_name.rpartition("@v")[2].isdigit() else lora_name
-    if not job or job in (".", "..") or "/" in job or "\\" in job:
-        raise ValueError(f"LoRA adapter name {lora_name!r} cannot name a snapshot directory")
-    return Path(root) / f"{ADAPTER_ROOT_PREFIX}{job}"
 
 
 @dataclass(frozen=True)
