@@ -285,6 +285,21 @@ def check_mtp(spec: dict, steps: list[dict], state: dict) -> None:
     assert all(m["train/mtp_loss"] > 0 and m["train/mtp_1_loss"] == m["train/mtp_loss"] for m in steps)
 
 
+def check_engine_log_probs(spec: dict, steps: list[dict], state: dict) -> None:
+    """The multi-latent-attention MoE scripts on megatron: the engine's log-prob of each sampled token reached the
+    trainer and is the trainer's own (megatron-core's multi-latent attention and MoE against transformers' in the
+    engine) up to float32 rounding, every step: not missing, not the trainer's compared with itself (exactly 0), not
+    another model's."""
+    diffs = [m["train/train_rollout_logprob_abs_diff"] for m in steps]
+    assert all(0.0 < diff < 1e-4 for diff in diffs), diffs
+
+
+def check_glm47_flash(spec: dict, steps: list[dict], state: dict) -> None:
+    """GLM-4.7-Flash's script: its MTP layer trained, and the engine's log-probs as for DeepSeek-V3's scripts."""
+    check_mtp(spec, steps, state)
+    check_engine_log_probs(spec, steps, state)
+
+
 def short_turns(model: Path) -> list[str]:
     """slime's geo3k_vlm_multi_turn rollout gives each turn the whole budget left (rollout_max_context_len, else
     max_new_tokens, less the context so far): the context is the tiny model's and each turn ends at its first
@@ -331,9 +346,10 @@ def check_figures(spec: dict, steps: list[dict], state: dict) -> None:
 
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
           MULTI_TURN: check_multi_turn, FIGURES: check_figures,
-          "run-mimo-7B-rl-eagle.sh": check_mtp, "glm4.7_30B_A3B": check_mtp,
+          "run-mimo-7B-rl-eagle.sh": check_mtp, "glm4.7_30B_A3B": check_glm47_flash,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
           "eval_function": check_eval_function,
           "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,
-          "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent}
+          "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent,
+          "deepseek_r1": check_engine_log_probs, "moonlight_16B_A3B": check_engine_log_probs}
 
