@@ -40,7 +40,8 @@ RANK = 4
 def engine(tiny_model_dir, session_dir):
     engines = start_engines(tiny_model_dir, session_dir / "test_engine_lora_disk", 1, "--enable-lora",
                             "--max-loras-per-batch", "3", "--max-lora-rank", "8", "--lora-target-modules",
-                            "q_proj,v_proj,down_proj", "--weight-sync-timeout-s", "30")
+                            # an unload drains paused requests for this long: a loaded machine can be slow to probe
+                            "q_proj,v_proj,down_proj", "--weight-sync-timeout-s", "120")
     yield engines[0][1]
     stop_engines(engines)
 
@@ -167,7 +168,14 @@ def test_unload_lets_the_adapters_requests_finish_and_refuses_new_ones_meanwhile
         wait_until(lambda: sum(http.get("/server_info").json()["internal_states"][0][key]
                                for key in ("num_running_reqs", "num_waiting_reqs")) == 1)
         unload = pool.submit(http.post, "/unload_lora_adapter", json={"lora_name": "job@v4"})
-        wait_until(lambda: http.post("/generate", json=body).status_code == 400)  # refused once the unload began
+
+        def refused() -> bool:
+            try:
+                return http.post("/generate", json=body, timeout=5.0).status_code == 400
+            except httpx.TimeoutException:  # taken before the unload began: it waits, paused, as the first one does
+                return False
+
+        wait_until(refused)  # refused once the unload began
         assert not unload.done()  # it waits for the paused request
         assert http.post("/continue_generation").status_code == 200
         reply = pending.result(timeout=120)
