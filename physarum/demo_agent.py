@@ -23,6 +23,9 @@ from physarum import stack
 OUT_DIR = Path(".physarum/demo-agent")
 JOB = Path("examples/agent/demo.yaml")
 NUM_TRAIN, NUM_TEST, NUM_WARMUP = 200, 40, 32
+# the session's response budget (examples/agent/demo.yaml's too): it counts the tool's turn as well as the model's,
+# and a worked trajectory takes ~135 tokens; at 120 the answer after the tool's result was cut after ~3 tokens
+MAX_RESPONSE_LEN = 160
 
 
 def solved(a: int, b: int, c: int) -> dict:
@@ -73,7 +76,7 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, name: str) -> float:
     config = RolloutConfig(job_id=f"demo-agent-eval-{name}", rollout_batch_size=1, tokenizer_path=str(model_dir),
                            input_key="input", label_key="label", apply_chat_template=True,
                            eval_prompt_data=[f"calc={test_path.resolve()}"],
-                           n_samples_per_eval_prompt=1, eval_temperature=0.0, rollout_max_response_len=120,
+                           n_samples_per_eval_prompt=1, eval_temperature=0.0, rollout_max_response_len=MAX_RESPONSE_LEN,
                            agent_function_path="examples.agent.solver.agent", agent_timeout_s=300.0,
                            custom_rm_path="examples.agent.reward.reward")
     with RolloutClient(state["rollout_addr"], timeout_s=30.0) as client:
