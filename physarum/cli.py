@@ -141,6 +141,8 @@ def cmd_submit(args) -> int:
     with JobsRestClient(_job_api(args), token=args.token) as client:
         job = client.submit(spec)
         print(f"submitted {job['job_id']}")
+        print(f"  job token (opens this job's status, events, cancel and samples, no other job's): "
+              f"{job['job_token']}")
         for note in job["spec"].get("slime_notes", []):
             print(f"  note: {note}")
         if not args.wait:

@@ -56,6 +56,7 @@ class Sample:
     generate_function_path: str = ""
     # SGLang's routed experts: [len(tokens) - 1, num layers, top-k] flattened; empty unless the job asked for them
     rollout_routed_experts: list[int] = field(default_factory=list)
+    lora_name: str = ""  # the LoRA adapter its requests named (a LoRA job's id); "" for the base model
     # its prompt's images: its group's list (SampleGroup.images), shared by the group's samples and never stored per
     # sample (sample_to_proto leaves it out; the trainer's feed sets it from the group)
     images: list[Image] = field(default_factory=list)
@@ -266,6 +267,8 @@ def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
         msg.generate_function_path = sample.generate_function_path
     if sample.rollout_routed_experts:
         msg.rollout_routed_experts.extend(sample.rollout_routed_experts)
+    if sample.lora_name:
+        msg.lora_name = sample.lora_name
     return msg
 
 
@@ -282,7 +285,8 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
         remove_sample=msg.remove_sample, teacher_log_probs=msg.teacher_log_probs[:] if msg.teacher_log_probs else [],
         train_metadata=struct_to_dict(msg.train_metadata) if msg.HasField("train_metadata") else None,
         custom_rm_path=msg.custom_rm_path, generate_function_path=msg.generate_function_path,
-        rollout_routed_experts=msg.rollout_routed_experts[:] if msg.rollout_routed_experts else [])
+        rollout_routed_experts=msg.rollout_routed_experts[:] if msg.rollout_routed_experts else [],
+        lora_name=msg.lora_name)
 
 
 _STATUSES = {0: Status.PENDING} | {status.value: status for status in Status}  # unset (0) reads as PENDING

@@ -204,17 +204,18 @@ class RolloutClient(GrpcClient):
         reply = self.call(self.stub.GetPoolStatus, rollout_pb2.GetPoolStatusRequest(), idempotent=True)
         return pool_status_from_proto(reply)
 
-    def begin_weight_sync(self, weight_version: str) -> WeightSyncPlan:
-        """Tell the pool a broadcast of `weight_version` starts; it names the engines to include (and pauses their
-        health checks until end_weight_sync)."""
-        reply = self.call(self.stub.BeginWeightSync, rollout_pb2.BeginWeightSyncRequest(weight_version=weight_version),
-                          idempotent=True)
+    def begin_weight_sync(self, weight_version: str, lora_name: str = "") -> WeightSyncPlan:
+        """Tell the pool a broadcast of `weight_version` starts (of adapter `lora_name`'s, when set); it names the
+        engines to include (and pauses their health checks until end_weight_sync)."""
+        request = rollout_pb2.BeginWeightSyncRequest(weight_version=weight_version, lora_name=lora_name)
+        reply = self.call(self.stub.BeginWeightSync, request, idempotent=True)
         return WeightSyncPlan(engine_urls=list(reply.engine_urls), snapshot_dir=reply.snapshot_dir)
 
     def end_weight_sync(self, weight_version: str, *, success: bool, engine_urls: list[str],
                         failed_urls: list[str] = (), snapshot_path: str = "", seconds: float = 0.0, num_bytes: int = 0,
-                        error: str = "") -> None:
+                        error: str = "", lora_name: str = "") -> None:
         request = rollout_pb2.EndWeightSyncRequest(
             weight_version=weight_version, success=success, engine_urls=list(engine_urls),
-            failed_urls=list(failed_urls), snapshot_path=snapshot_path, seconds=seconds, bytes=num_bytes, error=error)
+            failed_urls=list(failed_urls), snapshot_path=snapshot_path, seconds=seconds, bytes=num_bytes, error=error,
+            lora_name=lora_name)
         self.call(self.stub.EndWeightSync, request, idempotent=True)

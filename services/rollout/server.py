@@ -99,7 +99,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @handle_errors
     async def BeginWeightSync(self, request, context):
-        plan = await self.pool.begin_weight_sync(request.weight_version)
+        plan = await self.pool.begin_weight_sync(request.weight_version, lora_name=request.lora_name)
         return rollout_pb2.BeginWeightSyncResponse(engine_urls=plan.engine_urls, snapshot_dir=plan.snapshot_dir)
 
     @handle_errors
@@ -107,7 +107,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.pool.end_weight_sync(request.weight_version, success=request.success,
                                   engine_urls=list(request.engine_urls), failed_urls=list(request.failed_urls),
                                   snapshot_path=request.snapshot_path, seconds=request.seconds,
-                                  num_bytes=request.bytes, error=request.error)
+                                  num_bytes=request.bytes, error=request.error, lora_name=request.lora_name)
         return rollout_pb2.EndWeightSyncResponse()
 
 
@@ -160,7 +160,7 @@ async def create_server(config: RolloutManagerConfig) -> RolloutServer:
     log.info("agent gateway on %s", gateway_url)
     manager = RolloutManager(buffer, reward, config.router_url, model_path=config.model_path,
                              router_policy=config.router_policy, request_timeout_s=config.request_timeout_s,
-                             version_now=lambda: pool.settled_version,
+                             version_now=lambda: pool.settled_version, adapter_version_now=pool.adapter_version,
                              gateway=AgentGateway(registry, gateway_url.rstrip("/")))
     pool_ready = asyncio.Event()
     servicer = RolloutServicer(manager, pool, pool_ready, config.router_url)

@@ -146,6 +146,17 @@ def test_a_request_without_the_token_gets_401_and_the_pages_are_open(auth_stack)
     assert page.status_code == 200 and "Job API token" in page.text
 
 
+def test_an_agent_samples_session_is_behind_the_token(auth_stack):
+    """The endpoint the job page opens an agent sample's session from answers only with the token, and names what
+    it does not hold (an unknown job; a rollout other than the latest)."""
+    state, token, _ = auth_stack
+    url = state["trainer_url"]
+    path = "/v1/dashboard/jobs/any/samples/0/session"
+    assert httpx.get(url + path, params={"rollout_id": 0}, timeout=30).status_code == 401
+    reply = httpx.get(url + path, params={"rollout_id": 0}, headers=auth.bearer(token), timeout=30)
+    assert reply.status_code == 404 and "any" in reply.text, reply.text
+
+
 def test_dashboard_follows_a_running_job_shows_samples_and_cancels_it(auth_stack, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys

@@ -30,6 +30,15 @@ CALCULATOR_CONVERSATION = {"tools": [OPENAI_TOOL], "messages": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]},
     {"role": "tool", "content": "5"},
     {"role": "assistant", "content": "The answer is 5."}]}
+PARALLEL = "What is 2+3 and 4*5?"
+# Two calls in one turn, then an answer after both results.
+PARALLEL_CONVERSATION = {"tools": [OPENAI_TOOL], "messages": [
+    {"role": "user", "content": PARALLEL},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}},
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "4*5"}}}]},
+    {"role": "tool", "content": "5"}, {"role": "tool", "content": "20"},
+    {"role": "assistant", "content": "5 and 20."}]}
 
 
 def build_tool_model(out_dir: Path) -> Path:

@@ -26,6 +26,8 @@ from tests.integration.gateway_fixtures import (
 )
 
 TIMEOUT_S = 120.0
+RESPONSES_TOOL = {"type": "function", "name": "calculator", "description": "Arithmetic.",
+                  "parameters": OPENAI_TOOL["function"]["parameters"]}
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +175,68 @@ def test_anthropic_tool_use_then_answer_plain_and_streamed(gateway):
         final = stream.get_final_message()
     assert len(pieces) > 1 and "".join(pieces) == "The answer is 5." and final.stop_reason == "end_turn"
     (in1, out1, _), (in2, out2, _) = engine_turns(proxy, start)
-    assert final.usage.input_tokens == len(in2) and final.usage.output_tokens == len(out2)
+    usage = final.usage  # Anthropic's three input counts add up to the prompt
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == len(in2)
+    assert final.usage.output_tokens == len(out2)
     assert in2[:len(in1) + len(out1)] == in1 + out1
     assert sample_tokens(session.trajectory.tip).tokens == in2 + out2
     assert session.trajectory.branches == []
+
+
+def engine_cached(proxy: EngineProxy, since: int) -> list[int]:
+    """meta_info.cached_tokens of each /generate the engine answered since record `since` (a stream's last chunk)."""
+    return [reply["meta_info"]["cached_tokens"] for _, reply in proxy.since(since)]
+
+
+def test_a_sessions_second_turn_reports_the_engines_cached_tokens_in_each_api(gateway):
+    """The engine holds the first turn's tokens in its prefix cache: the second turn's usage says how many of its
+    prompt tokens the engine found there, as each API reports it (Anthropic's input_tokens are the rest)."""
+    gw, proxy = gateway
+    first_messages = [{"role": "user", "content": QUESTION}]
+
+    def anthropic_turns(stream: bool):
+        client = anthropic_client(gw, gw.open().key)
+        first = client.messages.create(model="m", max_tokens=120, messages=first_messages, tools=[ANTHROPIC_TOOL])
+        use = next(block for block in first.content if block.type == "tool_use")
+        messages = [*first_messages, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+        start = len(proxy.generated)
+        if not stream:
+            return client.messages.create(model="m", max_tokens=120, messages=messages, tools=[ANTHROPIC_TOOL]), \
+                None, start
+        with client.messages.stream(model="m", max_tokens=120, messages=messages, tools=[ANTHROPIC_TOOL]) as events:
+            started = next(e for e in events if e.type == "message_start")
+            final = events.get_final_message()
+        return final, started.message.usage, start
+
+    for stream in (False, True):
+        second, started, start = anthropic_turns(stream)
+        [(in2, out2, _)], [cached] = engine_turns(proxy, start), engine_cached(proxy, start)
+        assert cached > 0, cached
+        usage = second.usage
+        assert (usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (cached, 0), (stream, usage)
+        assert (usage.input_tokens, usage.output_tokens) == (len(in2) - cached, len(out2)), (stream, usage)
+        if started is not None:  # message_start already carries the prompt's counts
+            assert (started.input_tokens, started.cache_read_input_tokens) == (len(in2) - cached, cached), started
+
+    client = openai_client(gw, gw.open().key)
+    first = client.chat.completions.create(model="m", messages=first_messages, tools=[OPENAI_TOOL], temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*first_messages, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    start = len(proxy.generated)
+    second = client.chat.completions.create(model="m", messages=messages, tools=[OPENAI_TOOL], temperature=0)
+    [cached] = engine_cached(proxy, start)
+    assert cached > 0 and second.usage.prompt_tokens_details.cached_tokens == cached, second.usage
+
+    client = openai_client(gw, gw.open().key)
+    first = client.responses.create(model="m", input=QUESTION, tools=[RESPONSES_TOOL], temperature=0)
+    call = next(item for item in first.output if item.type == "function_call")
+    start = len(proxy.generated)
+    second = client.responses.create(model="m", previous_response_id=first.id, tools=[RESPONSES_TOOL], temperature=0,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
+    [cached] = engine_cached(proxy, start)
+    assert cached > 0 and second.usage.input_tokens_details.cached_tokens == cached, second.usage
 
 
 def metric(gateway: GatewayThread, name: str) -> float:

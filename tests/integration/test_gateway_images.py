@@ -124,7 +124,9 @@ def test_anthropic_image_blocks_reach_the_engine(gateway):
     (request, engine_reply), = proxy.since(start)
     assert request["image_data"] == [data_url(BLUE)]
     assert image_runs(request["input_ids"], image_token) == [image_tokens(model_dir, BLUE)]
-    assert message.usage.input_tokens == len(request["input_ids"]) == engine_reply["meta_info"]["prompt_tokens"]
+    usage = message.usage  # Anthropic's three input counts add up to the prompt
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == len(
+        request["input_ids"]) == engine_reply["meta_info"]["prompt_tokens"]
     gw.close_session(session)
 
 

@@ -17,28 +17,25 @@ from examples.agent.model import build_agent_model
 from services.rollout.gateway.trajectory import sample_tokens
 from testkit.engines import start_engines, stop_engines
 from tests.integration.engine_proxy import EngineProxy
-from tests.integration.gateway_fixtures import ANTHROPIC_TOOL, OPENAI_TOOL, GatewayThread
+from tests.integration.gateway_fixtures import (
+    ANTHROPIC_TOOL,
+    OPENAI_TOOL,
+    PARALLEL,
+    PARALLEL_CONVERSATION,
+    GatewayThread,
+)
 
 TIMEOUT_S = 120.0
-PARALLEL = "What is 2+3 and 4*5?"
 BROKEN = "What is 7-1?"
 UNOFFERED = "Search for 7."
 BROKEN_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "7-1"}\n</tool_call>'  # one } short
 UNOFFERED_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "7"}}\n</tool_call>'
 
 
-def call(expression: str) -> dict:
-    return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-
-
 # What the tiny model is taught: two calls in one turn (then an answer after both results), a call whose JSON does
 # not parse, and a call to a tool it was not offered.
 CONVERSATIONS = [
-    {"tools": [OPENAI_TOOL], "messages": [
-        {"role": "user", "content": PARALLEL},
-        {"role": "assistant", "content": "", "tool_calls": [call("2+3"), call("4*5")]},
-        {"role": "tool", "content": "5"}, {"role": "tool", "content": "20"},
-        {"role": "assistant", "content": "5 and 20."}]},
+    PARALLEL_CONVERSATION,
     {"tools": [OPENAI_TOOL], "messages": [{"role": "user", "content": BROKEN},
                                           {"role": "assistant", "content": BROKEN_CALL}]},
     {"tools": [OPENAI_TOOL], "messages": [{"role": "user", "content": UNOFFERED},

@@ -1,6 +1,7 @@
 """The job API over REST and gRPC, in-process, with a stand-in runner (the real loop runs in tests/e2e)."""
 
 import asyncio
+import contextlib
 import tempfile
 import threading
 import time
@@ -27,6 +28,21 @@ def runner(spec, ctx):
         ctx.check_cancelled()
         ctx.report(rollout_id, {"rollout/reward_mean": 0.25 * rollout_id})
         time.sleep(0.05 if spec.job_id != "slow" else 0.5)
+
+
+@contextlib.contextmanager
+def servers_with_token(api_token: str):
+    """The job API with an operator token, in a thread of its own: (REST url, gRPC address)."""
+    loop = asyncio.new_event_loop()
+    servers = loop.run_until_complete(create_server(TrainerConfig(port=0, rest_port=0, api_token=api_token), runner))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{servers.rest.port}", f"127.0.0.1:{servers.grpc.port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(servers.stop(1.0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +130,7 @@ def test_grpc_submit_stream_events_and_cancel(servers):
 
 
 def test_a_configured_token_is_required_on_rest_and_grpc():
-    loop = asyncio.new_event_loop()
-    servers = loop.run_until_complete(create_server(TrainerConfig(port=0, rest_port=0, api_token="s3cret"), runner))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    url, grpc_addr = f"http://127.0.0.1:{servers.rest.port}", f"127.0.0.1:{servers.grpc.port}"
-    try:
+    with servers_with_token("s3cret") as (url, grpc_addr):
         assert httpx.get(f"{url}/v1/jobs", timeout=5).status_code == 401
         assert httpx.get(f"{url}/v1/jobs", headers={"Authorization": "Bearer wrong"}, timeout=5).status_code == 401
         assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200  # probes need no token
@@ -131,10 +142,44 @@ def test_a_configured_token_is_required_on_rest_and_grpc():
             client.list()
         with JobsClient(grpc_addr, token="s3cret") as client:
             assert "authed" in {j["job_id"] for j in client.list()}
-    finally:
-        asyncio.run_coroutine_threadsafe(servers.stop(1.0), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+
+
+def test_a_jobs_own_token_opens_its_paths_and_no_other_jobs():
+    """Two jobs (two LoRA jobs sharing a pool, say): job a's token reads a's record, events and samples and cancels
+    a; it cannot read, follow or cancel b, list the jobs, submit, or touch the pool; gRPC takes the operator's token
+    alone."""
+    with servers_with_token("s3cret") as (url, grpc_addr):
+        with JobsRestClient(url, token="s3cret") as operator:
+            a = operator.submit({**SPEC, "job_id": "own-a", "num_rollout": 50})
+            b = operator.submit({**SPEC, "job_id": "own-b", "num_rollout": 50})
+        assert a["job_token"] and b["job_token"] and a["job_token"] != b["job_token"]
+        with JobsClient(grpc_addr, token="s3cret") as grpc_operator:
+            c = grpc_operator.submit({**SPEC, "job_id": "own-c"})
+        assert c["job_token"] not in ("", a["job_token"])
+        own = {"Authorization": f"Bearer {a['job_token']}"}
+        for path in ("/v1/jobs/own-a", "/v1/jobs/own-a/events", "/v1/dashboard/jobs/own-a/samples",
+                     "/v1/dashboard/jobs/own-a/samples/0/session", "/v1/dashboard/jobs/own-a/checkpoints"):
+            assert httpx.get(url + path, headers=own, timeout=5).status_code != 401, path
+        for path in ("/v1/jobs/own-b", "/v1/jobs/own-b/events", "/v1/dashboard/jobs/own-b/samples",
+                     "/v1/dashboard/jobs/own-b/samples/0/session",
+                     "/v1/dashboard/buffer/own-b", "/v1/jobs", "/v1/queue", "/v1/dashboard/pool",
+                     "/v1/jobs/own-a/../own-b"):
+            assert httpx.get(url + path, headers=own, timeout=5).status_code == 401, path
+        for path in ("/v1/jobs/own-b/cancel", "/v1/dashboard/pool/scale"):
+            assert httpx.post(url + path, headers=own, json={}, timeout=5).status_code == 401, path
+        assert httpx.post(f"{url}/v1/jobs", headers=own, json={**SPEC, "job_id": "own-d"}, timeout=5).status_code \
+            == 401
+        with JobsRestClient(url, token=a["job_token"]) as client:
+            assert client.get("own-a")["job_id"] == "own-a"
+            assert client.cancel("own-a")["job_id"] == "own-a"
+            with pytest.raises(Unauthenticated, match="a job's own token for that job's paths alone"):
+                client.cancel("own-b")
+        with JobsRestClient(url, token="s3cret") as operator:
+            assert operator.get("own-b")["state"] in ("QUEUED", "RUNNING")  # b was never cancelled
+            operator.cancel("own-b")
+            assert "job_token" not in operator.get("own-a")  # given at submit alone
+        with JobsClient(grpc_addr, token=a["job_token"]) as client, pytest.raises(Unauthenticated):
+            client.get("own-a")
 
 
 def test_slime_args_submit_over_rest_grpc_and_the_cli(servers, tmp_path):

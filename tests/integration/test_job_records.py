@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.common import procs
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unauthenticated
 from services.trainer.api.client import JobsClient, JobsRestClient
 from services.trainer.api.config import TrainerConfig
 from services.trainer.api.job_store import RedisJobStore
@@ -272,3 +272,25 @@ def test_records_are_written_while_redis_restarts(tmp_path):
     finally:
         registry.close()
         proc.stop()
+
+
+def test_a_jobs_own_token_opens_its_record_after_a_restart(redis_url, tmp_path):
+    """The job API keeps a job token's digest with the record: after a restart the token still opens its job, and
+    still not another."""
+    config = TrainerConfig(port=0, rest_port=0, jobs_redis_url=redis_url, api_token="s3cret")
+    runner = Runner()
+    runner.release.set()
+    api = Api(config, runner)
+    with JobsRestClient(api.url, token="s3cret") as operator:
+        token = operator.submit(spec(tmp_path, "mine"))["job_token"]
+        operator.submit(spec(tmp_path, "theirs"))
+        wait_state(operator, "theirs", "SUCCEEDED")
+    api.stop()
+    api = Api(config, runner)
+    try:
+        with JobsRestClient(api.url, token=token) as client:
+            assert client.get("mine")["state"] == "SUCCEEDED"
+            with pytest.raises(Unauthenticated):
+                client.get("theirs")
+    finally:
+        api.stop()

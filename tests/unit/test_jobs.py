@@ -180,3 +180,63 @@ def test_a_lost_rank_queues_its_job_to_resume_starts_no_other_and_asks_the_proce
     time.sleep(0.1)
     assert registry.get("behind").state == JobState.QUEUED
     registry.close()
+
+
+LORA = {**BASE, "lora_rank": 4, "lora_share_pool": True}
+
+
+def test_lora_share_pool_jobs_of_one_base_run_side_by_side_and_a_full_weight_job_waits_for_them():
+    """Jobs a, b (queued behind a before it started) and c (submitted while a runs) share a's base: all three run at
+    once. d (another base) and e (full weights) wait in the queue until the group has ended, then run alone."""
+    running, release = set(), threading.Event()
+    seen_together, lock = [], threading.Lock()
+
+    def runner(spec, ctx):
+        with lock:
+            running.add(spec.job_id)
+            seen_together.append((spec.job_id, frozenset(running)))
+        if spec.job_id in ("a", "b", "c"):
+            assert release.wait(10)
+        with lock:
+            running.discard(spec.job_id)
+
+    registry = JobRegistry(runner)
+    registry.submit(parse_spec({**LORA, "job_id": "a"}))
+    registry.submit(parse_spec({**LORA, "job_id": "b"}))
+    registry.submit(parse_spec({**LORA, "job_id": "d", "hf_checkpoint": "/other"}))
+    registry.submit(parse_spec({**BASE, "job_id": "e"}))
+    deadline = time.monotonic() + 5
+    while {"a", "b"} - running:
+        assert time.monotonic() < deadline, f"a and b are not both running: {running}"
+        time.sleep(0.01)
+    registry.submit(parse_spec({**LORA, "job_id": "c"}))
+    while "c" not in running:
+        assert time.monotonic() < deadline, "c did not start beside a and b"
+        time.sleep(0.01)
+    assert registry.get("d").state == JobState.QUEUED and registry.get("e").state == JobState.QUEUED
+    assert [j.job_id for j in registry.queue()] == ["a", "b", "c", "d", "e"]
+    release.set()
+    assert wait_terminal(registry, "e").state == JobState.SUCCEEDED
+    assert all(registry.get(j).state == JobState.SUCCEEDED for j in "abcd")
+    alone = dict(seen_together)
+    assert alone["c"] == {"a", "b", "c"} and alone["d"] == {"d"} and alone["e"] == {"e"}
+    registry.close()
+
+
+def test_lora_share_pool_is_refused_for_full_weights_at_parse_and_on_a_trainer_of_several_ranks():
+    with pytest.raises(Exception, match="lora_share_pool: a full-weight job"):
+        parse_spec({**BASE, "lora_share_pool": True})
+    registry = JobRegistry(lambda spec, ctx: None, share_pool=False)
+    with pytest.raises(FailedPrecondition, match="lora_share_pool: this trainer has several ranks"):
+        registry.submit(parse_spec({**LORA, "job_id": "a"}))
+    registry.close()
+
+
+def test_jobs_share_a_base_only_with_the_same_model_adapter_layers_dtype_and_engine_options():
+    from services.trainer.driver.job import shared_base_key
+
+    key = shared_base_key(parse_spec({**LORA, "lr": 1e-3, "lora_rank": 8}))  # rank and rollout settings: per job
+    assert key == shared_base_key(parse_spec({**LORA, "rollout_batch_size": 2}))
+    for other in ({"hf_checkpoint": "/other"}, {"target_modules": ["q_proj"]}, {"bf16": True},
+                  {"slime_args": "--sglang-mem-fraction-static 0.5 --train-backend fsdp"}):
+        assert shared_base_key(parse_spec({**LORA, **other})) != key, other

@@ -9,6 +9,7 @@ refuses stale ones as TakeBatch does, so a trainer that never re-announces the w
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from pathlib import Path
 
@@ -136,3 +137,18 @@ def test_a_manager_unavailable_at_the_start_is_waited_for(tmp_path, monkeypatch)
     monkeypatch.setattr(rollouts, "START_RETRY_S", 0.0)
     samples, _ = take_rollout(tmp_path, restart_after=0)
     assert len(samples) == 2 and all(s.weight_versions == [str(VERSION)] for s in samples)
+
+
+def test_a_lora_job_sharing_the_pool_never_announces_its_version(tmp_path):
+    """Jobs sharing a pool push in turn, so the pool's version is the last pusher's: announcing this job's own (its
+    snapshot is there) would move the pool back and have it demote every engine."""
+    snapshot = snapshot_path(tmp_path, VERSION)
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"")
+    manager = FakeManager(tmp_path, restart_after=0)
+    manager.weight_version = "5"  # the other job's last push
+    EngineWeights(World(), manager, engines=True, version=VERSION).announce()
+    assert manager.weight_version == str(VERSION)  # a job of its own pool: announced
+    manager.weight_version = "5"
+    EngineWeights(World(), manager, engines=True, version=VERSION, base_pushed=threading.Event()).announce()
+    assert manager.weight_version == "5" and manager.calls == 3  # the first job's status, begin and end calls only

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument, PhysarumError
 from services.rollout.gateway.openai_api import _number
-from services.rollout.gateway.sessions import Choice, TurnParams, TurnResult
+from services.rollout.gateway.sessions import Choice, Prefilled, TurnParams, TurnResult
 
 # temperature / top_p / top_k: older clients send them (the current API dropped them); the rest has no effect here
 KNOWN = {"model", "messages", "system", "tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k",
@@ -64,17 +64,26 @@ def message(result: TurnResult, model: str) -> dict[str, Any]:
     choice = result.choices[0]
     return {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "model": model,
             "content": _blocks(choice), "stop_reason": _stop_reason(choice), "stop_sequence": choice.matched_stop,
-            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens}}
+            "usage": usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)}
+
+
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage, whose three input counts add up to the prompt: input_tokens those not read from the cache,
+    cache_read_input_tokens those the engine's prefix cache held (its meta_info.cached_tokens). The engine caches
+    every prompt by itself, with no cache_control breakpoint, so none count as written to the cache (as an
+    automatic prefix cache reports them)."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens, "output_tokens": output_tokens}
 
 
 def _event(kind: str, **data: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
-def _start(message_id: str, model: str, prompt_tokens: int) -> str:
-    return _event("message_start", message={"id": message_id, "type": "message", "role": "assistant", "model": model,
-                                            "content": [], "stop_reason": None, "stop_sequence": None,
-                                            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
+def _start(model: str, prompt_tokens: int, cached_tokens: int) -> str:
+    return _event("message_start", message={"id": f"msg_{secrets.token_hex(12)}", "type": "message",
+                                            "role": "assistant", "model": model, "content": [], "stop_reason": None,
+                                            "stop_sequence": None, "usage": usage(prompt_tokens, cached_tokens, 0)})
 
 
 def _tool_blocks(blocks: list[dict[str, Any]], first_index: int) -> Iterator[str]:
@@ -88,18 +97,25 @@ def _tool_blocks(blocks: list[dict[str, Any]], first_index: int) -> Iterator[str
 def _end(result: TurnResult) -> Iterator[str]:
     choice = result.choices[0]
     yield _event("message_delta", delta={"stop_reason": _stop_reason(choice), "stop_sequence": choice.matched_stop},
-                 usage={"output_tokens": result.completion_tokens})
+                 usage=usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens))
     yield _event("message_stop")
 
 
-async def live_events(turn: AsyncIterator[str | TurnResult], prompt_tokens: int, model: str) -> AsyncIterator[str]:
-    """The message as Anthropic's stream while it is generated: message_start, a text block whose deltas come as
-    the engine's tokens arrive, the tool_use blocks, message_delta, message_stop. `turn`: Session.turn_stream past
-    its first item (the prompt's token count)."""
-    num_blocks = 0
+async def live_events(turn: AsyncIterator[Prefilled | str | TurnResult], prompt_tokens: int,
+                      model: str) -> AsyncIterator[str]:
+    """The message as Anthropic's stream while it is generated: message_start (once the engine's first chunk says
+    how much of the prompt its cache held), a text block whose deltas come as the engine's tokens arrive, the
+    tool_use blocks, message_delta (with the whole usage), message_stop. `turn`: Session.turn_stream past its first
+    item (the prompt's token count)."""
+    num_blocks, started = 0, False
     try:
-        yield _start(f"msg_{secrets.token_hex(12)}", model, prompt_tokens)
         async for item in turn:
+            if not started:
+                started = True
+                cached = item.cached_tokens if isinstance(item, (Prefilled, TurnResult)) else 0
+                yield _start(model, prompt_tokens, cached)
+            if isinstance(item, Prefilled):
+                continue
             if isinstance(item, str):
                 if not num_blocks:
                     num_blocks = 1

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument, PhysarumError
-from services.rollout.gateway.sessions import Choice, TurnParams, TurnResult
+from services.rollout.gateway.sessions import Choice, Prefilled, TurnParams, TurnResult
 
 KNOWN = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
          "stop", "n", "logprobs", "top_logprobs", "stream", "stream_options", "parallel_tool_calls", "user", "seed",
@@ -123,8 +123,8 @@ def chunks(result: TurnResult, model: str, want_logprobs: bool, include_usage: b
     yield "data: [DONE]\n\n"
 
 
-async def live_chunks(turn: AsyncIterator[str | TurnResult], model: str, want_logprobs: bool, include_usage: bool,
-                      decode: Any) -> AsyncIterator[str]:
+async def live_chunks(turn: AsyncIterator[Prefilled | str | TurnResult], model: str, want_logprobs: bool,
+                      include_usage: bool, decode: Any) -> AsyncIterator[str]:
     """A completion as it is generated (n = 1): the role chunk, a content chunk per delta as the engine's tokens
     arrive, then the tool calls, the finish, usage if asked, [DONE]. `turn`: Session.turn_stream past its first
     item."""
@@ -132,6 +132,8 @@ async def live_chunks(turn: AsyncIterator[str | TurnResult], model: str, want_lo
     try:
         yield out.delta(0, {"role": "assistant", "content": ""})
         async for item in turn:
+            if isinstance(item, Prefilled):  # its cached tokens come with the usage, at the end
+                continue
             if isinstance(item, str):
                 yield out.delta(0, {"content": item})
                 continue

@@ -14,7 +14,7 @@ from services.common.errors import InvalidArgument, PhysarumError
 from services.rollout.gateway.conversation import Conversation, assistant_message
 from services.rollout.gateway.openai_api import _number
 from services.rollout.gateway.schema import RequestInvalid
-from services.rollout.gateway.sessions import Choice, Session, TurnParams, TurnResult
+from services.rollout.gateway.sessions import Choice, Prefilled, Session, TurnParams, TurnResult
 
 
 def params(body: dict[str, Any]) -> TurnParams:
@@ -126,8 +126,8 @@ def _text_start(event: _Events, message_id: str) -> Iterator[str]:
                 part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
 
-async def live_events(turn: AsyncIterator[str | TurnResult], response_id: str, body: dict[str, Any], model: str,
-                      on_result: Any) -> AsyncIterator[str]:
+async def live_events(turn: AsyncIterator[Prefilled | str | TurnResult], response_id: str, body: dict[str, Any],
+                      model: str, on_result: Any) -> AsyncIterator[str]:
     """The response as OpenAI streams it while it is generated: response.created, response.in_progress, the message
     item whose output_text deltas come as the engine's tokens arrive, each function_call item with its arguments,
     response.completed. `turn`: Session.turn_stream past its first item; on_result(result, message_id) is called
@@ -139,6 +139,8 @@ async def live_events(turn: AsyncIterator[str | TurnResult], response_id: str, b
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
         async for item in turn:
+            if isinstance(item, Prefilled):  # its cached tokens come with the usage, at the end
+                continue
             if isinstance(item, str):
                 if not opened:
                     opened = True

@@ -50,6 +50,11 @@ def _engine_errors(session_id: str) -> Iterator[None]:
         raise Unavailable("no model server answered this turn; retry it") from None
 
 
+def _cached_tokens(reply: dict) -> int:
+    """The prompt tokens the engine found in its prefix cache (SGLang's meta_info.cached_tokens; 0 if unsaid)."""
+    return int((reply.get("meta_info") or {}).get("cached_tokens") or 0)
+
+
 @dataclass
 class TurnParams:
     """One request's sampling, in the API-neutral form."""
@@ -70,6 +75,15 @@ class Choice:
     matched_stop: str | None  # the request's stop string that ended it
     token_ids: list[int]
     log_probs: list[float]
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A streamed turn's prompt as the engine's first chunk reported it: how much of it the engine's prefix cache
+    held (its meta_info.cached_tokens), known before any token of the reply."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass
@@ -124,10 +138,10 @@ class Session:
             return self._finish(prepared, conversation, replies, params, start_s)
 
     async def turn_stream(self, conversation: Conversation,
-                          params: TurnParams) -> AsyncIterator[int | str | TurnResult]:
-        """The turn as it is generated (n = 1): first the prompt's token count, then content deltas as the engine's
-        tokens arrive, last the TurnResult (whose content the deltas joined begin; tool calls come only with it).
-        Bounds are checked before the first item."""
+                          params: TurnParams) -> AsyncIterator[int | Prefilled | str | TurnResult]:
+        """The turn as it is generated (n = 1): first the prompt's token count, then Prefilled once the engine's first
+        chunk arrives, then content deltas as the engine's tokens arrive, last the TurnResult (whose content the
+        deltas joined begin; tool calls come only with it). Bounds are checked before the first item."""
         async with self.lock:
             start_s = time.monotonic()
             prepared, max_new_tokens = await self._prepare_off_loop(conversation, params)
@@ -135,9 +149,13 @@ class Session:
             deltas = ContentDeltas(params.stop, bool(conversation.tools))
             what = f"{self.ctx.name}: gateway session {self.id} turn {self.num_turns}"
             last: dict = {}
+            prefilled = False
             with _engine_errors(self.id):
                 async for last in stream_generate(self.ctx, what, self._payload(prepared, params, max_new_tokens),
                                                   routing_key=self.id):
+                    if not prefilled:
+                        prefilled = True
+                        yield Prefilled(len(prepared.input_ids), _cached_tokens(last))
                     entries = (last.get("meta_info") or {}).get("output_token_logprobs") or []
                     if delta := deltas.update(self.renderer.decode([int(e[1]) for e in entries])):
                         yield delta
@@ -183,7 +201,7 @@ class Session:
         self.metrics.prompt_tokens.inc(len(prepared.input_ids))
         self.metrics.completion_tokens.inc(completion)
         self.metrics.turn_seconds.observe(time.monotonic() - start_s)
-        cached = int((replies[0].get("meta_info") or {}).get("cached_tokens") or 0)
+        cached = _cached_tokens(replies[0])
         self.metrics.cached_tokens.inc(cached)
         return TurnResult(choices, len(prepared.input_ids), completion, prepared.branch_reason, cached)
 

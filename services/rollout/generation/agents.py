@@ -20,6 +20,7 @@ from services.common.samples import Sample, Status
 from services.rollout.engine_calls.generate import current_context, new_session_id
 from services.rollout.gateway.sessions import SessionRegistry
 from services.rollout.gateway.trajectory import sample_tokens
+from services.rollout.gateway.transcript import transcript
 from services.rollout.generation.prompts import PromptEncoder
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,10 @@ def session_sample(sample: Sample, session: Any, reward: float | None, truncated
     sample.status = Status.TRUNCATED if truncated or trained.finish == "length" else Status.COMPLETED
     sample.metadata = {**sample.metadata, "agent_turns": session.num_turns,
                        "agent_final_content": tip.messages[-1]["content"],
-                       "agent_branches": [{"turn": b.turn, "reason": b.reason} for b in session.trajectory.branches]}
+                       "agent_branches": [{"turn": b.turn, "reason": b.reason} for b in session.trajectory.branches],
+                       "agent_transcript": transcript(session.trajectory, session.id,
+                                                      session.parent.id if session.parent is not None else "",
+                                                      [child.id for child in session.children])}
     reward = reward if reward is not None else session.reward
     if reward is not None:
         sample.reward = float(reward)

@@ -136,6 +136,9 @@ async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]
     if fresh:
         outputs.update({j: [out] for j, out in zip(fresh, batch.result(), strict=True)})
     group = [out for j, s in enumerate(samples) for out in outputs.get(j, [s])]
+    if gen.ctx.lora_name is not None:  # a LoRA job's: generated with its adapter, as every request named
+        for sample in group:
+            sample.lora_name = gen.ctx.lora_name
     if len(group) != len(samples):
         for position, sample in enumerate(group):
             sample.index = position

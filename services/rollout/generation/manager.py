@@ -20,6 +20,7 @@ from services.buffer.client import STREAM_ROLLOUT_ID
 from services.common.errors import FailedPrecondition, InvalidArgument, PhysarumError, Unavailable
 from services.common.samples import Prompt, Sample, SampleGroup, Status, encode_group, group_id_for
 from services.common.settings.rollout import RolloutConfig
+from services.common.sglang import lora_adapter_name
 from services.rollout.client import RolloutState, RolloutStatus
 from services.rollout.engine_calls.generate import STICKY_POLICIES
 from services.rollout.engine_calls.router_http import AiohttpPoster, HttpxPoster, Poster
@@ -61,10 +62,13 @@ class RolloutManager:
                  router_policy: str = "round_robin", request_timeout_s: float = 120.0, max_generate_attempts: int = 5,
                  retry_delay_s: float = 1.0, transport: httpx.AsyncBaseTransport | None = None,
                  version_now: Callable[[], str | None] | None = None, batch_groups: bool = True,
-                 gateway: AgentGateway | None = None) -> None:
+                 gateway: AgentGateway | None = None,
+                 adapter_version_now: Callable[[str], str | None] | None = None) -> None:
         self.buffer = buffer
         self.gateway = gateway  # serves the sessions of agent_function_path jobs
         self.version_now = version_now  # the pool's settled weight version, recorded with each request
+        # a LoRA adapter's own (by name): the version a LoRA job's requests record and its rollouts wait for
+        self.adapter_version_now = adapter_version_now
         self.reward = reward
         self.router_url = router_url.rstrip("/")
         self.model_path = model_path
@@ -96,8 +100,15 @@ class RolloutManager:
         return new_generation(config, self._encoder(config), self.reward, rollout_id, evaluation=evaluation,
                               http=self.http, router_url=self.router_url, sticky_routing=self.sticky_routing,
                               max_attempts=self.max_generate_attempts, retry_delay_s=self.retry_delay_s,
-                              slots=self.slots, version_now=self.version_now, batch_groups=self.batch_groups,
-                              gateway=self.gateway)
+                              slots=self.slots, version_now=self._version_now(config),
+                              batch_groups=self.batch_groups, gateway=self.gateway)
+
+    def _version_now(self, config: RolloutConfig) -> Callable[[], str | None] | None:
+        """The engines' version a job's requests are made with: its adapter's for a LoRA job (the jobs sharing the
+        pool each version their own), the pool's otherwise."""
+        if config.args.get("lora_rank") and self.adapter_version_now is not None:
+            return functools.partial(self.adapter_version_now, lora_adapter_name(config.job_id))
+        return self.version_now
 
     def _filter(self, config: RolloutConfig) -> Callable[..., Any] | None:
         if not config.dynamic_sampling_filter_path:
@@ -158,7 +169,7 @@ class RolloutManager:
         config, target = run.config, run.config.rollout_batch_size
         pending: dict[asyncio.Task, Prompt] = {}
         async with self._ending(run, pending):
-            await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
+            await engine_weights.wait_for(run.name, run.weight_version, run.gen.ctx.version_now)
             run.num_groups_done = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
             empty_since = None
             while run.num_groups_done < target:
@@ -184,7 +195,7 @@ class RolloutManager:
         config, give_back = run.config, functools.partial(self._return_leases, run)
         async with self._ending(run, {}), rollout_function.job_rollout(
                 self.sources, config, self.buffer, self._encoder(config), run.rollout_id, give_back) as source:
-            await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
+            await engine_weights.wait_for(run.name, run.weight_version, run.gen.ctx.version_now)
             kept, dropped = await rollout_function.generate_groups(run, source, self.aborter)
             writes = [(p, s, run.rollout_id) for p, s in kept] + [(p, s, DROPPED_ROLLOUT_ID) for p, s in dropped]
             await self._write(run, writes)
@@ -197,7 +208,7 @@ class RolloutManager:
         config = run.config
         pending: dict[asyncio.Task, Prompt] = {}
         async with self._ending(run, pending):
-            await engine_weights.wait_for(run.name, run.weight_version, self.version_now)
+            await engine_weights.wait_for(run.name, run.weight_version, run.gen.ctx.version_now)
             while True:
                 waiting = await asyncio.to_thread(self.buffer.count_groups, config.job_id, run.rollout_id)
                 if (missing := config.max_inflight_groups - waiting - len(pending)) > 0:

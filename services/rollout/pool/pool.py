@@ -52,6 +52,8 @@ class EnginePool:
         self.last_error = ""
         self.weight_version: str | None = None  # the trainer's current version (None before its first sync)
         self.settled_version: str | None = None  # the last version every serving engine holds (not mid-sync)
+        # each LoRA adapter's last version the engines took (the jobs sharing the pool each count their own)
+        self.adapter_versions: dict[str, str] = {}
         self.snapshot_path = ""
         self.sync_started_s: float | None = None
         self.events: collections.deque[ScaleEvent] = collections.deque(maxlen=MAX_EVENTS)
@@ -140,8 +142,13 @@ class EnginePool:
     def syncing(self) -> bool:
         return self.sync_started_s is not None
 
-    async def begin_weight_sync(self, version: str) -> WeightSyncPlan:
-        """The trainer starts broadcasting `version`: it becomes current; health checks pause until the end.
+    def adapter_version(self, lora_name: str) -> str | None:
+        """The last version of LoRA adapter `lora_name` the engines took (None: none yet)."""
+        return self.adapter_versions.get(lora_name)
+
+    async def begin_weight_sync(self, version: str, lora_name: str = "") -> WeightSyncPlan:
+        """The trainer starts broadcasting `version` (of adapter `lora_name`, when set): it becomes current; health
+        checks pause until the end.
 
         Engines a failed sync named are checked first (briefly), so that a retry leaves out the dead ones.
         """
@@ -151,12 +158,15 @@ class EnginePool:
         self.weight_version, self.snapshot_path, self.sync_started_s = version, "", time.monotonic()
         members = [e.url for e in self.records.values() if e.healthy and not e.suspect and (
             e.state == EngineState.SERVING or (e.state == EngineState.JOINING and not e.disk_loading))]
-        log.info("weight sync of version %s begins with %d engines", version, len(members))
+        log.info("weight sync of version %s%s begins with %d engines", version,
+                 f" of adapter {lora_name}" if lora_name else "", len(members))
         return WeightSyncPlan(engine_urls=members, snapshot_dir=self.snapshot_dir)
 
     def end_weight_sync(self, version: str, *, success: bool, engine_urls: list[str], failed_urls: list[str] = (),
-                        snapshot_path: str = "", seconds: float = 0.0, num_bytes: int = 0, error: str = "") -> None:
-        """The broadcast ended: members that took it now hold `version`; failed ones are checked at once.
+                        snapshot_path: str = "", seconds: float = 0.0, num_bytes: int = 0, error: str = "",
+                        lora_name: str = "") -> None:
+        """The broadcast ended: members that took it now hold `version` (adapter `lora_name` at that version,
+        when set); failed ones are checked at once.
 
         After a failure every engine still holds an older (or a partial) version, so none serves until it loads the
         snapshot (disk join) or takes the trainer's next broadcast.
@@ -178,6 +188,8 @@ class EnginePool:
                     self.settled_version = version
                     if e.state == EngineState.JOINING:
                         e.join_mode = "sync"
+            if lora_name:
+                self.adapter_versions[lora_name] = version
             log.info("weight sync of version %s: %d engines in %.2f s, %.1f MB", version, len(engine_urls), seconds,
                      num_bytes / 1e6)
         else:

@@ -48,7 +48,9 @@ class JobsClient(GrpcClient):
             self.metadata = (("authorization", f"Bearer {token}"),)
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return job_from_proto(self.call(self.stub.SubmitJob, jobs_pb2.SubmitJobRequest(spec=dict_to_struct(spec))))
+        """The job as submitted, with its own token (`job_token`) for its REST paths."""
+        reply = self.call(self.stub.SubmitJob, jobs_pb2.SubmitJobRequest(spec=dict_to_struct(spec)))
+        return {**job_from_proto(reply), "job_token": reply.job_token}
 
     def get(self, job_id: str) -> dict[str, Any]:
         return job_from_proto(self.call(self.stub.GetJob, jobs_pb2.GetJobRequest(job_id=job_id), idempotent=True))

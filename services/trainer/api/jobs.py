@@ -1,5 +1,6 @@
-"""The job registry: accepts validated specs, runs them one at a time on a worker thread, records events; with a
-job store (`job_store.py`, Redis) the records outlive the process and unfinished jobs resume at the next start.
+"""The job registry: accepts validated specs, runs them one at a time on a worker thread (LoRA jobs that share a
+base model, lora_share_pool, side by side), records events; with a job store (`job_store.py`, Redis) the records
+outlive the process and unfinished jobs resume at the next start.
 
 It knows nothing of gRPC or HTTP; `server.py` and `rest.py` translate. The training itself is the `Runner` it is
 given (the driver, `driver.loop.train`, through `worker.Dispatcher` on a multi-rank trainer). Nothing a job raises
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from services.common.errors import FailedPrecondition, NotFound
+from services.trainer.api.auth import new_job_token
 from services.trainer.api.spec import JobSpec
-from services.trainer.driver.job import JobCancelled, JobPreempted, RanksLost
+from services.trainer.driver.job import JobCancelled, JobPreempted, RanksLost, shared_base_key
 from services.trainer.driver.metrics import PREFIX
 
 if TYPE_CHECKING:
@@ -73,6 +75,8 @@ class Job:
     checkpoints: list[int] = field(default_factory=list)  # rollouts a checkpoint was saved after
     stalls: int = 0                 # interruptions in a row, each without progress since the start before it
     started_at: tuple[int, int] = (-1, -1)  # (rollout_id, latest checkpoint) when the job last started running
+    token_digest: str = ""  # SHA-256 of the job's own token (`auth.py`), kept with the record
+    token: str = field(default="", repr=False)  # the token itself: in memory from its submit only, for the reply
 
     @property
     def latest_checkpoint(self) -> int:
@@ -143,15 +147,25 @@ class JobRegistry:
     """Jobs in submission order; one worker thread runs them FIFO with `runner`. Given a `store`, every change is
     persisted and the jobs of the job API before this one are loaded back: the unfinished ones queue again in their
     order, a job the trainer stopped in the middle of first (resuming from its latest checkpoint), unless it was
-    interrupted (the trainer died or was evicted) more than `max_restarts` times in a row with no new checkpoint."""
+    interrupted (the trainer died or was evicted) more than `max_restarts` times in a row with no new checkpoint.
 
-    def __init__(self, runner: Runner, store: RedisJobStore | None = None, max_restarts: int = 3) -> None:
+    While a lora_share_pool job runs, the queued lora_share_pool jobs of its base (`shared_base_key`) start beside
+    it, each on a thread of its own; the next job in the queue starts once all of them have ended. With
+    `share_pool` False (a trainer of several ranks, whose ranks run one job's collectives at a time) such jobs are
+    refused at submit."""
+
+    def __init__(self, runner: Runner, store: RedisJobStore | None = None, max_restarts: int = 3,
+                 share_pool: bool = True) -> None:
         self._runner = runner
         self._store = store
         self._max_restarts = max_restarts
+        self._share_pool = share_pool
         self._jobs: dict[str, Job] = {}
         self._lock = threading.RLock()
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._group: tuple | None = None  # the shared base of the lora_share_pool jobs running now
+        self._beside: list[threading.Thread] = []  # the threads of the jobs running beside the worker's
+        self._taken: set[str] = set()  # queued jobs started beside: the worker passes them by
         self._orders = itertools.count(1)
         self._closed = False
         self.stopping = threading.Event()  # set by close(): the running job is preempted, not cancelled
@@ -162,15 +176,50 @@ class JobRegistry:
         self._worker.start()
 
     def submit(self, spec: JobSpec) -> Job:
+        if spec.lora_share_pool and not self._share_pool:
+            raise FailedPrecondition("lora_share_pool: this trainer has several ranks, which run one job's "
+                                     "collectives at a time; LoRA jobs share a trainer of one rank (world_size 1)")
         with self._lock:
             if spec.job_id in self._jobs:
                 raise FailedPrecondition(f"job {spec.job_id!r} already exists")
-            job = Job(spec=spec, order=self._store.next_order() if self._store else next(self._orders))
+            token, digest = new_job_token()
+            job = Job(spec=spec, order=self._store.next_order() if self._store else next(self._orders),
+                      token=token, token_digest=digest)
             self._jobs[spec.job_id] = job
         self.record(job, message="queued")
-        self._queue.put(job)
+        with self._lock:  # the worker opens a group under it: a job joins it, or waits in the queue it scans
+            if self._joins_group(job):
+                self._start_beside(job)
+            else:
+                self._queue.put(job)
         log.info("job %s queued", spec.job_id)
         return job
+
+    def _joins_group(self, job: Job) -> bool:
+        """(The lock held.) Whether `job` starts now beside the running lora_share_pool jobs: it is one of their
+        base's."""
+        return self._group is not None and not self.stopping.is_set() and job.state == JobState.QUEUED and \
+            job.spec.lora_share_pool and shared_base_key(job.spec) == self._group
+
+    def _open_group(self, job: Job) -> None:
+        """(The lock held.) The worker starts lora_share_pool `job`: the queued jobs of its base start beside it."""
+        self._group = shared_base_key(job.spec)
+        for queued in list(self._queue.queue):
+            if queued is not None and queued is not job and self._joins_group(queued):
+                self._taken.add(queued.job_id)
+                self._start_beside(queued)
+
+    def _start_beside(self, job: Job) -> None:
+        thread = threading.Thread(target=self._run_beside, args=(job,), name=f"job-{job.job_id}", daemon=True)
+        self._beside.append(thread)
+        thread.start()
+        log.info("job %s starts beside the running jobs of its base model", job.job_id)
+
+    def _run_beside(self, job: Job) -> None:
+        try:
+            self._run(job)
+        except BaseException:  # noqa: BLE001 - as the worker: logged, the other jobs run on
+            log.exception("job %s left its thread in an unexpected state", job.job_id)
 
     def get(self, job_id: str) -> Job:
         with self._lock:
@@ -179,6 +228,12 @@ class JobRegistry:
             raise NotFound(f"job {job_id!r} not found")
         return job
 
+    def token_digest(self, job_id: str) -> str:
+        """The digest of job `job_id`'s own token ("" for no such job)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+        return job.token_digest if job is not None else ""
+
     def list(self, state: JobState | None = None) -> list[Job]:
         """Jobs in submission order, only those in `state` when given."""
         with self._lock:
@@ -186,7 +241,7 @@ class JobRegistry:
                           key=lambda j: j.order)
 
     def queue(self) -> list[Job]:
-        """The running job, then the queued ones in the order they will run."""
+        """The running jobs, then the queued ones in the order they will run."""
         return self.list(JobState.RUNNING) + self.list(JobState.QUEUED)
 
     def cancel(self, job_id: str) -> Job:
@@ -286,10 +341,28 @@ class JobRegistry:
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
+            with self._lock:
+                if job.job_id in self._taken:  # it started beside an earlier job
+                    self._taken.discard(job.job_id)
+                    continue
+                if job.spec.lora_share_pool and job.state == JobState.QUEUED and not self.stopping.is_set():
+                    self._open_group(job)
             try:
                 self._run(job)
             except BaseException:  # noqa: BLE001 - the worker outlives any job; health reports it otherwise
                 log.exception("job worker: job %s left the worker in an unexpected state", job.job_id)
+            self._end_group()
+
+    def _end_group(self) -> None:
+        """Wait for the jobs running beside the worker's (more may join meanwhile), then close the group."""
+        while True:
+            with self._lock:
+                running = [thread for thread in self._beside if thread.is_alive()]
+                if not running:
+                    self._group, self._beside = None, []
+                    return
+            for thread in running:
+                thread.join()
 
     def _run(self, job: Job) -> None:
         if job.state.terminal or self.stopping.is_set():
@@ -327,10 +400,13 @@ class JobRegistry:
     def close(self, timeout_s: float = 30.0, records_timeout_s: float = 10.0) -> None:
         """Stop: the running job is preempted at its next check (it stays unfinished, to resume at the next start;
         it gets `timeout_s`), queued jobs stay queued; then the records are written (up to `records_timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
         self._closed = True
         self.stopping.set()
         self._queue.put(None)
         self._worker.join(timeout_s)
+        for thread in list(self._beside):
+            thread.join(max(0.0, deadline - time.monotonic()))
         if self._store is not None:
             self._store.close(records_timeout_s)
 
@@ -364,7 +440,7 @@ def record_fields(job: Job) -> dict[str, str]:
             "rollout_id": str(job.rollout_id), "metrics": json.dumps(job.metrics), "error": job.error,
             "created_at": repr(job.created_at), "finished_at": repr(job.finished_at), "attempts": str(job.attempts),
             "checkpoints": json.dumps(job.checkpoints), "stalls": str(job.stalls),
-            "started_at": json.dumps(job.started_at)}
+            "started_at": json.dumps(job.started_at), "token_digest": job.token_digest}
 
 
 def job_from_record(fields: dict[str, str], events: list[dict]) -> Job:
@@ -374,4 +450,5 @@ def job_from_record(fields: dict[str, str], events: list[dict]) -> Job:
                order=int(fields["order"]), attempts=int(fields["attempts"]),
                checkpoints=json.loads(fields["checkpoints"]), stalls=int(fields.get("stalls", "0")),
                started_at=tuple(json.loads(fields.get("started_at", "[-1, -1]"))),
+               token_digest=fields.get("token_digest", ""),
                events=[JobEvent(**{**e, "state": JobState(e["state"])}) for e in events])

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from services.common.strict_json import StrictJsonBodies
-from services.trainer.api.auth import check_bearer
+from services.trainer.api.auth import check_rest_bearer
 from services.trainer.api.jobs import JobRegistry, JobState
 from services.trainer.api.spec import JobSpec, parse_spec
 from services.trainer.api.spec_defaults import SpecParser
@@ -30,10 +30,12 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
-        """/v1/* needs the bearer token when one is configured; /healthz, /metrics and /docs stay open."""
+        """/v1/* needs the bearer token when one is configured (a job's own token opens that job's paths alone);
+        /healthz, /metrics and /docs stay open."""
         if request.url.path.startswith("/v1/"):
             try:
-                check_bearer(request.headers.get("authorization"), api_token)
+                check_rest_bearer(request.headers.get("authorization"), api_token, request.scope["path"],
+                                  registry.token_digest)
             except Unauthenticated as err:
                 return JSONResponse({"detail": str(err)}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
@@ -55,7 +57,8 @@ def create_app(registry: JobRegistry, api_token: str = "", parse: SpecParser = p
     @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": JobSpec.model_json_schema()}}}})
     def submit_job(spec: dict[str, Any] = Body(..., description="job spec keyed by slime's flag names")):
-        return JobRegistry.to_dict(call(registry.submit, call(parse, spec)))
+        job = call(registry.submit, call(parse, spec))
+        return {**JobRegistry.to_dict(job), "job_token": job.token}  # the job's own token, given this once
 
     @app.get("/v1/jobs")
     def list_jobs(state: str = ""):

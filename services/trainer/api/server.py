@@ -71,7 +71,10 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     @handle_errors
     async def SubmitJob(self, request, context):
         self._authorize(context)
-        return job_to_proto(self.registry.submit(self.parse(spec_from_struct(request.spec))))
+        job = self.registry.submit(self.parse(spec_from_struct(request.spec)))
+        reply = job_to_proto(job)
+        reply.job_token = job.token  # the job's own token, given this once (it opens the job's REST paths)
+        return reply
 
     @handle_errors
     async def GetJob(self, request, context):
@@ -144,7 +147,8 @@ async def create_server(config: TrainerConfig, runner: Runner, board: SampleBoar
         from services.trainer.api.job_store import RedisJobStore
 
         store = await asyncio.to_thread(RedisJobStore, config.jobs_redis_url)
-    registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts)  # waits for Redis
+    registry = await asyncio.to_thread(JobRegistry, runner, store, config.job_max_restarts,  # waits for Redis
+                                       config.world_size == 1)
     # refuse what would fail on GPUs
     parse = with_preflight(spec_parser(spec_defaults(config), path_roots(config)), config.world_size)
     token = config.api_token or auth.read_token("trainer")  # the token file: no secret in flags or environment

@@ -49,11 +49,15 @@ def registered() -> tuple[str, ...]:
 
 
 def build_backend(hf_checkpoint: str, train: TrainConfig, layout: LayoutConfig, world: World,
-                  num_threads: int) -> TrainBackend:
+                  num_threads: int, base_model=None) -> TrainBackend:
+    """The backend of `layout.train_backend` on this rank; with `base_model` (a LoRA job joining a shared base,
+    fsdp only) on that loaded model instead of a fresh copy of hf_checkpoint."""
     if layout.train_backend in BACKENDS:
         _import(layout.train_backend)
     builder = _BUILDERS.get(layout.train_backend)
     if builder is None:
         raise InvalidArgument(f"train_backend {layout.train_backend!r} is not available in this trainer (registered: "
                               f"{', '.join(registered()) or 'none'})")
+    if base_model is not None:
+        return builder(hf_checkpoint, train, layout, world, num_threads, base_model=base_model)
     return builder(hf_checkpoint, train, layout, world, num_threads)

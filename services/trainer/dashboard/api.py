@@ -108,6 +108,17 @@ def mount_dashboard(app: FastAPI, registry, board: SampleBoard, *, rollout_addr:
         job_of(job_id)
         return board.latest(job_id) or {"job_id": job_id, "rollout_id": -1, "num_samples": 0, "samples": []}
 
+    @app.get("/v1/dashboard/jobs/{job_id}/samples/{position}/session", tags=["dashboard"])
+    def sample_session(job_id: str, position: int, rollout_id: int) -> dict[str, Any]:
+        """The agent session of the latest rollout's sample at `position` (in the samples list) as its agent saw it:
+        each turn's new messages, the reply with its tool calls, its tokens and whether it is trained."""
+        job_of(job_id)
+        found = board.session(job_id, rollout_id, position)
+        if found is None:
+            raise HTTPException(status_code=404, detail=f"job {job_id}: no agent session at sample {position} of "
+                                                        f"rollout {rollout_id} (the latest rollout's samples only)")
+        return found
+
     @app.get("/v1/dashboard/jobs/{job_id}/checkpoints", tags=["dashboard"])
     def job_checkpoints(job_id: str) -> dict[str, Any]:
         return checkpoints_of(job_of(job_id).spec.driver.save)

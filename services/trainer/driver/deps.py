@@ -1,6 +1,6 @@
 """What a job runs with besides its spec: the peers, the trainer's ranks, where the weight group and TensorBoard go,
-and where the dashboard's copy of the samples goes. Its own module so that the loop and the parts it builds import it,
-and not each other."""
+where the dashboard's copy of the samples goes, and the base models LoRA jobs share. Its own module so that the loop
+and the parts it builds import it, and not each other."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from services.buffer.client import BufferClient
 from services.rollout.client import RolloutClient
 from services.trainer.distributed.parallel import World
 from services.trainer.driver.sample_board import SampleBoard
+from services.trainer.lora.shared_base import SharedBases
 
 
 @dataclass
@@ -25,3 +26,4 @@ class TrainerDeps:
     world: World = field(default_factory=World)
     tensorboard_dir: str = ""
     board: SampleBoard | None = None  # rank 0's: the latest rollout's samples, for the dashboard
+    shared_bases: SharedBases = field(default_factory=SharedBases)  # lora_share_pool jobs' base models, by key

@@ -69,3 +69,14 @@ class JobParts(Protocol):
 
     @property
     def sync(self) -> SyncConfig: ...
+
+
+def shared_base_key(spec: JobParts) -> tuple:
+    """What LoRA jobs sharing one base model in the trainer (lora_share_pool) must agree on: the model, the backend,
+    the layers that carry adapters, the compute dtype, and the engines' server options (slime's `sglang_*`: other
+    ones would have the pool relaunch its engines under the running jobs)."""
+    train = spec.train
+    engine_options = tuple(sorted((key, repr(value)) for key, value in spec.rollout.args.items()
+                                  if key.startswith("sglang_") and value is not None))
+    return (spec.hf_checkpoint, spec.layout.train_backend, tuple(sorted(train.target_modules)), train.bf16,
+            engine_options)

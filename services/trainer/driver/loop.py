@@ -32,9 +32,10 @@ from services.trainer.checkpoint import iterations
 from services.trainer.distributed.parallel import World
 from services.trainer.driver import slime_checkpoint_conversion
 from services.trainer.driver.deps import TrainerDeps
-from services.trainer.driver.job import JobControl, JobParts
+from services.trainer.driver.job import JobControl, JobParts, shared_base_key
 from services.trainer.driver.job_run import JobRun, metrics_writer, weight_update_due
 from services.trainer.driver.rollouts import Rollouts, combine_rollout_stats, rollout_sums
+from services.trainer.lora.shared_base import SharedBase
 from services.trainer.settings.driver import DriverConfig
 from services.trainer.settings.weight_sync import SyncConfig
 from services.trainer.weight_sync.versions import EngineWeights
@@ -56,17 +57,27 @@ def train(spec: JobParts, ctx: JobControl | None, deps: TrainerDeps) -> None:
         deps.world.on_rank0(load_dataset, driver, rollout, deps, ctx)
     if not capabilities(spec.layout.train_backend).slime_checkpoints:  # before the backend takes the memory
         driver = slime_checkpoint_conversion.converted_paths(driver, deps.world)
+    if spec.train.lora_share_pool:  # beside the other LoRA jobs of its base: the base held once, its adapter its own
+        key = shared_base_key(spec)
+        backend, base = deps.shared_bases.attach(key, driver.job_id, functools.partial(
+            make_backend, spec, deps.world, deps.num_threads))
+        try:
+            run(driver, rollout, spec.sync, backend, ctx, deps, shared=base)
+        finally:
+            deps.shared_bases.detach(key, driver.job_id)
+        return
     backend = make_backend(spec, deps.world, deps.num_threads)
     run(driver, rollout, spec.sync, backend, ctx, deps)
 
 
 def run(driver: DriverConfig, rollout: RolloutConfig, sync_config: SyncConfig, backend: TrainBackend,
-        ctx: JobControl | None, deps: TrainerDeps) -> None:
+        ctx: JobControl | None, deps: TrainerDeps, shared: SharedBase | None = None) -> None:
     """A job on this rank with its backend built: resume, push the trainer's weights, the mode's driver, the final
-    HF export."""
+    HF export. `shared`: the base the job shares with other LoRA jobs, and so what the engines hold of it."""
     world = deps.world
     weights = EngineWeights(world, deps.rollout, engines=driver.engines, sync=sync_config,
-                            master_address=deps.master_address, model_dir=driver.hf_checkpoint, job_id=driver.job_id)
+                            master_address=deps.master_address, model_dir=driver.hf_checkpoint, job_id=driver.job_id,
+                            base_pushed=shared and shared.base_pushed, sync_lock=shared and shared.sync_lock)
     rollouts = Rollouts(driver, rollout, deps, ctx, weights, backend.rollout_share())
     job = JobRun(driver, rollout, backend, weights, rollouts, ctx, deps)
     try:
@@ -208,6 +219,7 @@ def rollout_only(driver: DriverConfig, rollout: RolloutConfig, ctx: JobControl, 
         writer.close()
 
 
-def make_backend(spec: JobParts, world: World, num_threads: int) -> TrainBackend:
-    """The spec's train_backend on this rank, built from the spec's training settings and layout."""
-    return build_backend(spec.hf_checkpoint, spec.train, spec.layout, world, num_threads)
+def make_backend(spec: JobParts, world: World, num_threads: int, base_model=None) -> TrainBackend:
+    """The spec's train_backend on this rank, built from the spec's training settings and layout (on `base_model`,
+    a shared base already loaded, when given)."""
+    return build_backend(spec.hf_checkpoint, spec.train, spec.layout, world, num_threads, base_model=base_model)

@@ -28,6 +28,8 @@ MAX_JOBS = 16  # jobs whose latest rollout is kept
 MAX_IMAGES = 8  # per sample shown
 THUMBNAIL_PIXELS = 160  # the longer side of an image's thumbnail, at most
 MAX_PNG_BYTES = 12 << 10  # a thumbnail's PNG past this is sent as JPEG
+MAX_TRANSCRIPT_TURNS = 32  # an agent session's turns shown
+MAX_TRANSCRIPT_ITEMS = 16  # messages per turn, tool calls per message, spawned sessions
 
 
 @dataclass
@@ -51,9 +53,11 @@ class SampleView:
     reward_error: str = ""
     turns: list[Turn] = field(default_factory=list)
     images: list[str] = field(default_factory=list)  # the prompt's images, in order, as thumbnails' data: URLs
-    # an agent's session (the gateway's sample metadata): its turns, and the branches its history started
+    # an agent's session (the gateway's sample metadata): its turns, the branches its history started, and its
+    # transcript (each turn's new messages, the reply with its tool calls, whether it is trained)
     agent_turns: int | None = None
     agent_branches: list[dict[str, Any]] = field(default_factory=list)
+    agent_transcript: dict[str, Any] | None = None  # served on its own (SampleBoard.session), not with the list
 
 
 @dataclass
@@ -156,15 +160,60 @@ def view_of(sample: Sample, tokenizer, thumbnails: dict[int, list[str]] | None =
                       **agent_of(sample))
 
 
+def _count(value: Any) -> int | None:
+    """A count from metadata: an int, or the integral float a protobuf Struct (the buffer's wire form) makes of one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        return None
+    return int(value)
+
+
 def agent_of(sample: Sample) -> dict[str, Any]:
-    """The agent session's turn count and branches from the sample's metadata (the gateway's), else nothing."""
+    """The agent session from the sample's metadata (the gateway's): its turn count, the branches its history started
+    and its transcript; else nothing."""
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    turns, branches = metadata.get("agent_turns"), metadata.get("agent_branches")
-    if not isinstance(turns, int) or isinstance(turns, bool):
+    turns, branches = _count(metadata.get("agent_turns")), metadata.get("agent_branches")
+    if turns is None:
         return {}
-    branches = [{"turn": b.get("turn"), "reason": _clip(str(b.get("reason", "")))}
+    branches = [{"turn": _count(b.get("turn")), "reason": _clip(str(b.get("reason", "")))}
                 for b in (branches if isinstance(branches, list) else []) if isinstance(b, dict)]
-    return {"agent_turns": turns, "agent_branches": branches}
+    return {"agent_turns": turns, "agent_branches": branches,
+            "agent_transcript": _transcript(metadata.get("agent_transcript"))}
+
+
+def _items(value: Any, limit: int) -> list[dict[str, Any]]:
+    return [item for item in value[:limit] if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _shown_message(message: dict[str, Any]) -> dict[str, Any]:
+    calls = [{"id": _clip(str(c.get("id", ""))), "name": _clip(str(c.get("name", ""))),
+              "arguments": _clip(str(c.get("arguments", "")))}
+             for c in _items(message.get("tool_calls"), MAX_TRANSCRIPT_ITEMS)]
+    return {"role": _clip(str(message.get("role", ""))), "text": _clip(str(message.get("text", ""))),
+            "tool_calls": calls, "num_tool_calls": _count(message.get("num_tool_calls")) or len(calls),
+            "tool_call_id": _clip(str(message.get("tool_call_id", "")))}
+
+
+def _transcript(value: Any) -> dict[str, Any] | None:
+    """The gateway's transcript of the session (services/rollout/gateway/transcript.py), re-bounded: metadata is
+    free-form, and a plugin may have written anything under the key."""
+    if not isinstance(value, dict):
+        return None
+    turns = []
+    for turn in _items(value.get("turns"), MAX_TRANSCRIPT_TURNS):
+        reply = turn.get("reply")
+        parent = _count(turn.get("parent"))  # -1 (no count): the turn starts the session
+        turns.append({"index": _count(turn.get("index")), "parent": -1 if parent is None else parent,
+                      "messages": [_shown_message(m) for m in _items(turn.get("messages"), MAX_TRANSCRIPT_ITEMS)],
+                      "num_messages": _count(turn.get("num_messages")),
+                      "reply": _shown_message(reply) if isinstance(reply, dict) else None,
+                      "context_tokens": _count(turn.get("context_tokens")),
+                      "generated_tokens": _count(turn.get("generated_tokens")), "trained": turn.get("trained") is True,
+                      "finish": _clip(str(turn.get("finish", ""))), "branch": _clip(str(turn.get("branch", "")))})
+    spawned = value.get("spawned")
+    return {"session": _clip(str(value.get("session", ""))),
+            "parent_session": _clip(str(value.get("parent_session", ""))),
+            "spawned": [_clip(str(s)) for s in spawned[:MAX_TRANSCRIPT_ITEMS]] if isinstance(spawned, list) else [],
+            "turns": turns, "num_turns": _count(value.get("num_turns")) or len(turns)}
 
 
 class SampleBoard:
@@ -190,7 +239,22 @@ class SampleBoard:
                 self._latest.popitem(last=False)
 
     def latest(self, job_id: str) -> dict[str, Any] | None:
+        """The latest rollout's records; an agent sample's transcript is left out (`has_session` says it has one)."""
         with self._lock:
             record = self._latest.get(job_id)
-        return None if record is None else asdict(record)
+        if record is None:
+            return None
+        values = asdict(record)
+        for view in values["samples"]:
+            view["has_session"] = view.pop("agent_transcript") is not None
+        return values
+
+    def session(self, job_id: str, rollout_id: int, position: int) -> dict[str, Any] | None:
+        """The agent session's transcript of the sample at `position` in the latest rollout's records, if that is
+        rollout `rollout_id` and the sample has one."""
+        with self._lock:
+            record = self._latest.get(job_id)
+        if record is None or record.rollout_id != rollout_id or not 0 <= position < len(record.samples):
+            return None
+        return record.samples[position].agent_transcript
 

@@ -79,6 +79,10 @@ class TrainConfig:
         "LoRA: the Linear layers that get adapters, by name or dotted name suffix (PEFT's rule; never lm_head)")
     lora_save_merged: bool = field(False, "LoRA: the HF export also writes the merged model (W + alpha/r · B @ A) "
                                           "under merged/ beside the adapter")
+    lora_share_pool: bool = field(False, "LoRA: run beside the running lora_share_pool jobs of the same base model "
+                                         "(hf_checkpoint, train_backend, target_modules, bf16, sglang_* engine "
+                                         "options) on this trainer and engine pool, the base held once, each job's "
+                                         "adapter stepped in turn; otherwise it waits in the queue as any job does")
     global_batch_size: int | None = field(
         None, "samples per optimizer step; trailing samples that do not fill a step are dropped (None: the rollout's "
               "samples / num_steps_per_rollout)", AT_LEAST_ONE)
@@ -202,6 +206,13 @@ class TrainConfig:
             raise ValueError("use_opd applies to loss_type 'policy_loss' (it shapes the advantages), not 'sft_loss'")
         if self.lora_rank and not self.target_modules:
             raise ValueError("lora_rank is set but target_modules is empty")
+        if self.lora_share_pool and not self.lora_rank:
+            raise ValueError("lora_share_pool: a full-weight job's weights are the engines' whole model, so it keeps "
+                             "the trainer and the engine pool to itself; set lora_rank to share them as a LoRA job")
+        if self.lora_share_pool and (self.replays_routing or self.compile_layers or self.multimodal_keys):
+            raise ValueError("lora_share_pool: jobs share one base model, which routing replay "
+                             "(use_routing_replay, use_rollout_routing_replay), compile_layers and multimodal_keys "
+                             "would each change for their job alone; unset them or lora_share_pool")
         if self.lora_rank and "lm_head" in self.target_modules:
             raise ValueError("target_modules: lm_head takes no adapter (the log-probs read its weight directly)")
         if self.enable_mtp_training and not self.mtp_num_layers:

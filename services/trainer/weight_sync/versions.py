@@ -7,6 +7,7 @@ Version v is the trainer's weights after v rollouts; the engines hold the last v
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -23,16 +24,23 @@ log = logging.getLogger(__name__)
 
 class EngineWeights:
     """What the engines hold. `engines`: whether this job pushes weights to them (not under debug_rollout_only:
-    they keep whatever weights they hold). `push` is collective (every rank calls it); `announce` is rank 0's."""
+    they keep whatever weights they hold). `push` is collective (every rank calls it); `announce` is rank 0's.
+
+    LoRA jobs sharing the pool (lora_share_pool) pass the same `base_pushed` and `sync_lock`: the base goes to the
+    engines once, by the first of them, and their syncs run one after another."""
 
     def __init__(self, world: World, rollout: RolloutClient | None, *, engines: bool, version: int = 0,
                  sync: SyncConfig | None = None, master_address: str = "127.0.0.1", model_dir: str = "",
-                 job_id: str = "") -> None:
+                 job_id: str = "", base_pushed: threading.Event | None = None,
+                 sync_lock: threading.Lock | None = None) -> None:
         self.world, self.rollout, self.engines, self.version = world, rollout, engines, version
         self.unannounceable: set[int] = set()  # versions without a snapshot to announce (warned once each)
         self.broadcaster = None
         self.adapter_broadcaster = None  # a LoRA job's: the adapter goes over the weight-update group
-        self.base_pushed = False  # a LoRA job's base model went to the engines (at its first push)
+        # a LoRA job's base model went to the engines (at the first push of the job, or of the jobs sharing them)
+        self.shares_pool = base_pushed is not None
+        self.base_pushed = base_pushed or threading.Event()
+        self.sync_lock = sync_lock or threading.Lock()
         self.job_id = job_id
         if engines and sync is not None and world.rank == 0:
             from services.trainer.weight_sync.weight_sync import WeightBroadcaster
@@ -52,20 +60,21 @@ class EngineWeights:
     def push(self, backend: TrainBackend, version: int) -> dict[str, float]:
         """Every rank: gather the full weights to rank 0 (FSDP), which pushes them to the manager's engines as
         `version`; returns the perf/ metrics on every rank."""
-        start = time.monotonic()
-        if backend.config.lora and not self.base_pushed:
-            # the job's base first, once: the engines may hold another one (another job's trained weights)
-            base = list(backend.named_weights(adapters_merged=False))
-            self.world.on_rank0(self._push_rank0, base, version, backend.model_path, start)
-            self.base_pushed = True
-        if backend.config.lora:  # then the adapter alone: the engines serve it over the base they hold
-            config, weights = backend.adapter_weights()
-            metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start, config)
-        else:
-            weights = list(backend.named_weights())
-            metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start)
-        self.version = version
-        return metrics
+        with self.sync_lock:
+            start = time.monotonic()
+            if backend.config.lora and not self.base_pushed.is_set():
+                # the job's base first, once: the engines may hold another one (another job's trained weights)
+                base = list(backend.named_weights(adapters_merged=False))
+                self.world.on_rank0(self._push_rank0, base, version, backend.model_path, start)
+                self.base_pushed.set()
+            if backend.config.lora:  # then the adapter alone: the engines serve it over the base they hold
+                config, weights = backend.adapter_weights()
+                metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start, config)
+            else:
+                weights = list(backend.named_weights())
+                metrics = self.world.on_rank0(self._push_rank0, weights, version, backend.model_path, start)
+            self.version = version
+            return metrics
 
     def _push_rank0(self, weights, version: int, model_dir, start: float,
                     adapter_config: dict | None = None) -> dict[str, float]:
@@ -84,8 +93,10 @@ class EngineWeights:
         """Rank 0. A rollout manager that restarted knows no weights: its new engines serve the base model, and in
         fully_async every group they generate would be refused as stale while the trainer, waiting for fresh ones,
         never pushes weights again. Tell its pool the version the engines should hold, with the snapshot written at
-        that push (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining."""
-        if not self.engines:
+        that push (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining.
+        Not for LoRA jobs sharing the pool: the pool's version is then the last job's to push, and announcing this
+        job's would have it demote every engine."""
+        if not self.engines or self.shares_pool:
             return
         version = self.version
         pool = self.rollout.pool_status()

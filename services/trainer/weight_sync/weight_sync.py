@@ -439,8 +439,9 @@ def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Seq
     PEFT's adapter directory.
     """
     last_error: Exception | None = None
+    lora_name = adapter.lora_name if adapter is not None else ""
     for attempt in range(1, max_attempts + 1):
-        plan = rollout.begin_weight_sync(version)
+        plan = rollout.begin_weight_sync(version, lora_name=lora_name)
         snapshot, start = "", time.monotonic()
         try:
             if plan.snapshot_dir and adapter is not None:
@@ -455,17 +456,18 @@ def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Seq
                 broadcaster.broadcast(named_tensors, version)
         except WeightSyncError as err:
             rollout.end_weight_sync(version, success=False, engine_urls=plan.engine_urls,
-                                    failed_urls=list(err.failed_urls), snapshot_path=snapshot, error=str(err))
+                                    failed_urls=list(err.failed_urls), snapshot_path=snapshot, error=str(err),
+                                    lora_name=lora_name)
             last_error = err
             log.warning("weight sync of version %s, attempt %d/%d failed: %s", version, attempt, max_attempts, err)
             continue
         except BaseException as err:
             with contextlib.suppress(Exception):
                 rollout.end_weight_sync(version, success=False, engine_urls=plan.engine_urls, snapshot_path=snapshot,
-                                        error=f"{type(err).__name__}: {err}")
+                                        error=f"{type(err).__name__}: {err}", lora_name=lora_name)
             raise
         rollout.end_weight_sync(version, success=True, engine_urls=plan.engine_urls, snapshot_path=snapshot,
-                                seconds=time.monotonic() - start, num_bytes=int(stats["bytes"]))
+                                seconds=time.monotonic() - start, num_bytes=int(stats["bytes"]), lora_name=lora_name)
         return {**stats, "snapshot_seconds": snapshot_s, "attempts": attempt}
     raise WeightSyncError(f"weight sync of version {version}: {max_attempts} attempts failed; last: {last_error}",
                           getattr(last_error, "failed_urls", ())) from last_error

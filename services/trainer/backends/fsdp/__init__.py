@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 @register("fsdp")
 def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: World,
-          num_threads: int) -> TorchBackend:
+          num_threads: int, base_model=None) -> TorchBackend:
     """Each rank gets a TrainConfig cut to its data-parallel share of each step (the ranks of a context-parallel
-    group share theirs)."""
+    group share theirs). `base_model`: a LoRA job's shared base (`lora/shared_base.py`), already loaded."""
     from services.trainer.backends.fsdp.backend import TorchBackend
 
     job_global_batch_size = config.global_batch_size
@@ -31,4 +31,4 @@ def build(hf_checkpoint: str, config: TrainConfig, layout: LayoutConfig, world: 
         config = dataclasses.replace(config, global_batch_size=local)
     return TorchBackend(hf_checkpoint, config, num_threads=num_threads, world=world,
                         job_global_batch_size=job_global_batch_size,
-                        context_parallel_size=layout.context_parallel_size)
+                        context_parallel_size=layout.context_parallel_size, base_model=base_model)

@@ -55,7 +55,7 @@ class TorchBackend(TorchStateDicts):
     def __init__(self, model_path: str | Path, config: TrainConfig, num_threads: int | None = None,
                  world: parallel.World | None = None, job_global_batch_size: int | None = None,
                  pack_sequences: bool = True, min_padding_to_pack: float = packing.MIN_PADDING_TO_PACK,
-                 context_parallel_size: int = 1) -> None:
+                 context_parallel_size: int = 1, base_model: torch.nn.Module | None = None) -> None:
         self.model_path = Path(model_path)
         self.config = config
         # a micro-batch with enough padding runs as one packed row (`packing.worth_packing`); False: always a padded
@@ -77,7 +77,9 @@ class TorchBackend(TorchStateDicts):
         # vision-language model whenever the checkpoint is one (`load_causal_lm`)
         self.image_processor = vision.load_image_processor(self.model_path) if config.multimodal_keys else None
         self._images: vision.RolloutImages | None = None  # the rollout being trained's, when it has images
-        model = load_causal_lm(self.model_path, images=bool(config.multimodal_keys)).to(self.device)
+        # a LoRA job beside others on one base (`lora/shared_base.py`): their loaded model, its adapter its own
+        model = base_model if base_model is not None else \
+            load_causal_lm(self.model_path, images=bool(config.multimodal_keys)).to(self.device)
         if config.freeze_vision:
             log.info("freeze_vision: %d vision tower parameters frozen", _freeze_vision_tower(model))
         if config.lora:  # the base frozen; its KL reference is itself with the adapters off, not a copy

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16physarum/v1/jobs.proto\x12\x0bphysarum.v1\x1a\x1cgoogle/protobuf/struct.proto\"9\n\x10SubmitJobRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"7\n\x0fListJobsRequest\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.physarum.v1.JobState\"2\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.physarum.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xca\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.physarum.v1.JobState\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nrollout_id\x18\x04 \x01(\x03\x12\x13\n\x0bnum_rollout\x18\x05 \x01(\x03\x12.\n\x07metrics\x18\x06 \x03(\x0b\x32\x1d.physarum.v1.Job.MetricsEntry\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\x12\x10\n\x08\x61ttempts\x18\n \x01(\x05\x12\x13\n\x0b\x63heckpoints\x18\x0b \x03(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x13StreamEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\xe5\x01\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.physarum.v1.JobState\x12\x12\n\nrollout_id\x18\x04 \x01(\x03\x12\x33\n\x07metrics\x18\x05 \x03(\x0b\x32\".physarum.v1.JobEvent.MetricsEntry\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xce\x02\n\x04Jobs\x12<\n\tSubmitJob\x12\x1d.physarum.v1.SubmitJobRequest\x1a\x10.physarum.v1.Job\x12\x36\n\x06GetJob\x12\x1a.physarum.v1.GetJobRequest\x1a\x10.physarum.v1.Job\x12G\n\x08ListJobs\x12\x1c.physarum.v1.ListJobsRequest\x1a\x1d.physarum.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.physarum.v1.CancelJobRequest\x1a\x10.physarum.v1.Job\x12I\n\x0cStreamEvents\x12 .physarum.v1.StreamEventsRequest\x1a\x15.physarum.v1.JobEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16physarum/v1/jobs.proto\x12\x0bphysarum.v1\x1a\x1cgoogle/protobuf/struct.proto\"9\n\x10SubmitJobRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"7\n\x0fListJobsRequest\x12$\n\x05state\x18\x01 \x01(\x0e\x32\x15.physarum.v1.JobState\"2\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.physarum.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xdd\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.physarum.v1.JobState\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nrollout_id\x18\x04 \x01(\x03\x12\x13\n\x0bnum_rollout\x18\x05 \x01(\x03\x12.\n\x07metrics\x18\x06 \x03(\x0b\x32\x1d.physarum.v1.Job.MetricsEntry\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\x12\x10\n\x08\x61ttempts\x18\n \x01(\x05\x12\x13\n\x0b\x63heckpoints\x18\x0b \x03(\x03\x12\x11\n\tjob_token\x18\x0c \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x13StreamEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\xe5\x01\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.physarum.v1.JobState\x12\x12\n\nrollout_id\x18\x04 \x01(\x03\x12\x33\n\x07metrics\x18\x05 \x03(\x0b\x32\".physarum.v1.JobEvent.MetricsEntry\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xce\x02\n\x04Jobs\x12<\n\tSubmitJob\x12\x1d.physarum.v1.SubmitJobRequest\x1a\x10.physarum.v1.Job\x12\x36\n\x06GetJob\x12\x1a.physarum.v1.GetJobRequest\x1a\x10.physarum.v1.Job\x12G\n\x08ListJobs\x12\x1c.physarum.v1.ListJobsRequest\x1a\x1d.physarum.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.physarum.v1.CancelJobRequest\x1a\x10.physarum.v1.Job\x12I\n\x0cStreamEvents\x12 .physarum.v1.StreamEventsRequest\x1a\x15.physarum.v1.JobEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOB_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_JOBEVENT_METRICSENTRY']._loaded_options = None
   _globals['_JOBEVENT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=930
-  _globals['_JOBSTATE']._serialized_end=1084
+  _globals['_JOBSTATE']._serialized_start=949
+  _globals['_JOBSTATE']._serialized_end=1103
   _globals['_SUBMITJOBREQUEST']._serialized_start=69
   _globals['_SUBMITJOBREQUEST']._serialized_end=126
   _globals['_GETJOBREQUEST']._serialized_start=128
@@ -49,15 +49,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCELJOBREQUEST']._serialized_start=270
   _globals['_CANCELJOBREQUEST']._serialized_end=304
   _globals['_JOB']._serialized_start=307
-  _globals['_JOB']._serialized_end=637
-  _globals['_JOB_METRICSENTRY']._serialized_start=591
-  _globals['_JOB_METRICSENTRY']._serialized_end=637
-  _globals['_STREAMEVENTSREQUEST']._serialized_start=639
-  _globals['_STREAMEVENTSREQUEST']._serialized_end=695
-  _globals['_JOBEVENT']._serialized_start=698
-  _globals['_JOBEVENT']._serialized_end=927
-  _globals['_JOBEVENT_METRICSENTRY']._serialized_start=591
-  _globals['_JOBEVENT_METRICSENTRY']._serialized_end=637
-  _globals['_JOBS']._serialized_start=1087
-  _globals['_JOBS']._serialized_end=1421
+  _globals['_JOB']._serialized_end=656
+  _globals['_JOB_METRICSENTRY']._serialized_start=610
+  _globals['_JOB_METRICSENTRY']._serialized_end=656
+  _globals['_STREAMEVENTSREQUEST']._serialized_start=658
+  _globals['_STREAMEVENTSREQUEST']._serialized_end=714
+  _globals['_JOBEVENT']._serialized_start=717
+  _globals['_JOBEVENT']._serialized_end=946
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_start=610
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_end=656
+  _globals['_JOBS']._serialized_start=1106
+  _globals['_JOBS']._serialized_end=1440
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class CancelJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "spec", "rollout_id", "num_rollout", "metrics", "error", "created_at", "finished_at", "attempts", "checkpoints")
+    __slots__ = ("job_id", "state", "spec", "rollout_id", "num_rollout", "metrics", "error", "created_at", "finished_at", "attempts", "checkpoints", "job_token")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class Job(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    JOB_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     spec: _struct_pb2.Struct
@@ -84,7 +85,8 @@ class Job(_message.Message):
     finished_at: float
     attempts: int
     checkpoints: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., rollout_id: _Optional[int] = ..., num_rollout: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., attempts: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ...) -> None: ...
+    job_token: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., rollout_id: _Optional[int] = ..., num_rollout: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., attempts: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., job_token: _Optional[str] = ...) -> None: ...
 
 class StreamEventsRequest(_message.Message):
     __slots__ = ("job_id", "after_seq")

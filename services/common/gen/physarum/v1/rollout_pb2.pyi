@@ -310,10 +310,12 @@ class PoolStatus(_message.Message):
     def __init__(self, desired_replicas: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., weight_version: _Optional[str] = ..., join_mode: _Optional[str] = ..., snapshot_dir: _Optional[str] = ..., router_url: _Optional[str] = ..., rest_url: _Optional[str] = ..., events: _Optional[_Iterable[_Union[ScaleEvent, _Mapping]]] = ..., weight_sync_in_progress: _Optional[bool] = ...) -> None: ...
 
 class BeginWeightSyncRequest(_message.Message):
-    __slots__ = ("weight_version",)
+    __slots__ = ("weight_version", "lora_name")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
-    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, weight_version: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class BeginWeightSyncResponse(_message.Message):
     __slots__ = ("engine_urls", "snapshot_dir")
@@ -324,7 +326,7 @@ class BeginWeightSyncResponse(_message.Message):
     def __init__(self, engine_urls: _Optional[_Iterable[str]] = ..., snapshot_dir: _Optional[str] = ...) -> None: ...
 
 class EndWeightSyncRequest(_message.Message):
-    __slots__ = ("weight_version", "success", "engine_urls", "failed_urls", "snapshot_path", "seconds", "bytes", "error")
+    __slots__ = ("weight_version", "success", "engine_urls", "failed_urls", "snapshot_path", "seconds", "bytes", "error", "lora_name")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URLS_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +335,7 @@ class EndWeightSyncRequest(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
     success: bool
     engine_urls: _containers.RepeatedScalarFieldContainer[str]
@@ -341,7 +344,8 @@ class EndWeightSyncRequest(_message.Message):
     seconds: float
     bytes: int
     error: str
-    def __init__(self, weight_version: _Optional[str] = ..., success: _Optional[bool] = ..., engine_urls: _Optional[_Iterable[str]] = ..., failed_urls: _Optional[_Iterable[str]] = ..., snapshot_path: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, weight_version: _Optional[str] = ..., success: _Optional[bool] = ..., engine_urls: _Optional[_Iterable[str]] = ..., failed_urls: _Optional[_Iterable[str]] = ..., snapshot_path: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class EndWeightSyncResponse(_message.Message):
     __slots__ = ()
