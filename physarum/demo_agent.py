@@ -22,7 +22,11 @@ from physarum import stack
 
 OUT_DIR = Path(".physarum/demo-agent")
 JOB = Path("examples/agent/demo.yaml")
-NUM_TRAIN, NUM_TEST, NUM_WARMUP = 200, 40, 32
+NUM_TRAIN, NUM_TEST, NUM_WARMUP, NUM_DRILLS = 200, 40, 64, 512
+C_RANGE = (100, 899)  # every result has 3 digits: the answer's digits sit at one distance from the tool's
+# the warm-up: minibatches of conversations and copy drills; at 1e-2 the copy drills do not fit (tried)
+WARMUP_STEPS, WARMUP_BATCHES, WARMUP_LR = 600, (8, 32), 3e-3  # batches: conversations, drills
+HIDDEN_SIZE = 128  # at 64 (head size 16) the copy drills reach ~40% of digits in 600 steps
 # the session's response budget (examples/agent/demo.yaml's too): it counts the tool's turn as well as the model's,
 # and a worked trajectory takes ~135 tokens; at 120 the answer after the tool's result was cut after ~3 tokens
 MAX_RESPONSE_LEN = 160
@@ -51,15 +55,20 @@ def guessed(a: int, b: int, c: int) -> dict:
                                           {"role": "assistant", "content": f"The answer is {a * b}."}]}
 
 
-def build(out_dir: Path, seed: int, num_warmup: int = NUM_WARMUP) -> tuple[Path, Path, Path, Path]:
+def build(out_dir: Path, seed: int, num_warmup: int = NUM_WARMUP,
+          num_drills: int = NUM_DRILLS) -> tuple[Path, Path, Path, Path]:
     """The cold and warm models (the same initialisation) and the train and test questions."""
     from examples.agent.build import question, split_questions
     from examples.agent.model import build_agent_model
 
-    warmup, train, test = split_questions(num_warmup, NUM_TRAIN, NUM_TEST, seed)
-    cold = build_agent_model(out_dir / f"cold-{seed}", seed=seed)  # the same initialisation, no warm-up
-    conversations = [(solved if i % 2 == 0 else guessed)(*t) for i, t in enumerate(warmup)]
-    warm = build_agent_model(out_dir / f"solver-warm-{seed}-{num_warmup}", seed=seed, conversations=conversations)
+    warmup, train, test = split_questions(num_warmup + num_drills, NUM_TRAIN, NUM_TEST, seed, c_range=C_RANGE)
+    # the same initialisation, no warm-up
+    cold = build_agent_model(out_dir / f"cold-{seed}-{HIDDEN_SIZE}", seed=seed, hidden_size=HIDDEN_SIZE)
+    conversations = [(solved if i % 2 == 0 else guessed)(*t) for i, t in enumerate(warmup[:num_warmup])]
+    warm = build_agent_model(out_dir / f"solver-warm-{seed}-{num_warmup}-{num_drills}-{HIDDEN_SIZE}", seed=seed,
+                             hidden_size=HIDDEN_SIZE,
+                             conversations=conversations, drills=[solved(*t) for t in warmup[num_warmup:]],
+                             warmup_steps=WARMUP_STEPS, batch_sizes=WARMUP_BATCHES, max_lr=WARMUP_LR)
     paths = []
     for name, rows in (("train", train), ("test", test)):
         path = out_dir / f"{name}.jsonl"
@@ -98,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
     parser.add_argument("--num-warmup", type=int, default=NUM_WARMUP, help="warm-up conversations (half call "
                                                                              "`solve`; changes the split)")
+    parser.add_argument("--num-drills", type=int, default=NUM_DRILLS, help="copy drills in the warm-up (a tool "
+                                                                             "result, then the answer copying it)")
     parser.add_argument("--check-warm", type=int, default=0, metavar="N",
                         help="only build the warm model and report, greedily on N held-out questions, how often it "
                              "calls `solve` and copies the tool's result (no services)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
-    cold, warm, train, test = build(OUT_DIR, args.seed, args.num_warmup)
+    cold, warm, train, test = build(OUT_DIR, args.seed, args.num_warmup, args.num_drills)
     if args.check_warm:
         from examples.agent.warm_check import check_warm
 

@@ -1,5 +1,6 @@
 """`make demo-agent`'s warm-up trains the very tokens a gateway session produces for a worked trajectory (question,
-a `solve` call, its result, the answer), and the demo's response budget holds that whole trajectory."""
+a `solve` call, its result, the answer), its copy drills are that trajectory's last tokens, and the demo's response
+budget holds the whole trajectory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from examples.agent.model import _chat_rows, build_agent_model
+from examples.agent.model import _chat_rows, _drill_rows, build_agent_model
 from examples.agent.solver import TOOL, solve
 from physarum import demo_agent
 from services.rollout.gateway.conversation import Limits, assistant_message, from_openai
@@ -67,3 +68,16 @@ def test_the_demo_response_budget_holds_a_worked_trajectory(model_dir):
     budget = yaml.safe_load(demo_agent.JOB.read_text())["rollout_max_response_len"]
     assert len(tokens) - prompt_length <= budget
     assert demo_agent.MAX_RESPONSE_LEN == budget
+
+
+def test_a_copy_drill_is_the_tool_turn_and_the_answer_of_the_trajectory(model_dir):
+    worked = demo_agent.solved(*QUESTION)
+    (ids, mask), = _drill_rows(model_dir, [worked])
+    (full_ids, full_mask), = _chat_rows(model_dir, [worked])
+    assert full_ids[-len(ids):] == ids and full_mask[-len(mask):] == mask
+    def text(tokens: list[int]) -> str:
+        return PromptEncoder(model_dir).decode(tokens, skip_special_tokens=False)
+
+    assert text(ids) == ("\n<|im_start|>user\n<tool_response>\n385\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\nThe answer is 385.<|im_end|>")
+    assert text([i for i, m in zip(ids, mask, strict=True) if m]) == "The answer is 385.<|im_end|>"
