@@ -1,12 +1,12 @@
 """`make demo-agent`: an agent written against the `openai` client learns to use its tool through the whole service
 loop on CPU.
 
-The questions are examples/agent's (a*b+c, a and b in 2..9, c in 1..99), which the tiny model cannot work out in
-its head; the agent (examples/agent/solver.py) offers one tool, `solve`, that works out the question's arithmetic.
-Held-out reward is measured three times (greedy, one agent session per question, through the rollout service's
-gateway): the model as initialised; after a warm-up on a few conversations, half of which call `solve` and copy its
-result, half of which answer in the head (a*b, the +c forgotten: always wrong); after the GRPO job
-examples/agent/demo.yaml, whose reward is the right answer.
+The questions are a*b+c (a and b in 2..9, c in 100..899), which the tiny model cannot work out in its head; the
+agent (examples/agent/solver.py) offers one tool, `solve`, that works out the question's arithmetic. Held-out reward
+is measured three times (greedy, one agent session per question, through the rollout service's gateway): the model
+as initialised; after a warm-up on conversations, half of which call `solve` and copy its result, half of which
+answer in the head (a*b, the +c forgotten: always wrong), and on copy drills (a tool turn, then the answer copying
+its result); after the GRPO job examples/agent/demo.yaml, whose reward is the right answer.
 """
 
 from __future__ import annotations
