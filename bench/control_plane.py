@@ -7,9 +7,11 @@ reward, sglang-router and the manager (its pool holds the engines as --engine-ur
 it starts rollouts (256 prompts x 8 samples, 16 tokens each, scored by exact_match, written to the buffer) and reads
 them back, and it is rank 0 of the weight group. The manager sends each group's 8 samples as one /generate (a batch
 of input_ids). Also the router alone under the same engines (no manager, a request per sample) driven by three
-clients side by side (aiohttp as the manager, httpx with and without keep-alive), and the CPU each process used
-per 1,000 samples: on 2 cores the processes share, that table says what bounds the figure. Prints the tables, then
-one JSON line (`control_plane_samples_per_s_64`, `group_rebuild_s_64`).
+clients side by side (aiohttp as the manager, httpx with and without keep-alive), and the CPU each process (with the
+processes it started: the reward service's workers) used per 1,000 samples: on 2 cores the processes share, that
+table says what bounds the figure. Prints the tables, then one JSON line (`control_plane_samples_per_s_64`,
+`group_rebuild_s_64`, the router alone, their ratio `control_plane_vs_router_alone_64`, and the CPU table as
+`control_plane_cpu_ms_per_1k_samples_64`).
 """
 
 from __future__ import annotations
@@ -100,13 +102,21 @@ def router_rates(router_url: str, concurrency: int, duration_s: float) -> dict[s
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds each process used so far (all its threads; /proc/PID/stat fields 14 and 15)."""
+    """User + system CPU seconds each process and the processes it started (the reward service's workers) used so
+    far, all threads (/proc/PID/stat fields 14 and 15; children from /proc/PID/task/*/children). A child that is
+    itself in `pids` (this process started the services) counts for itself only."""
     ticks = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for name, pid in pids.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / ticks
-    return out
+    named = set(pids.values())
+
+    def tree(pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                        for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / ticks + sum(tree(c) for c in children if c not in named)
+    return {name: tree(pid) for name, pid in pids.items()}
 
 
 def manager_samples_per_s(rollout: RolloutClient, buffer: BufferClient, num_rollouts: int, prompts: int,
@@ -176,12 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"control plane with {args.engines} simulated engines ({args.latency_s * 1e3:.0f} ms per /generate, "
                 f"{NEW_TOKENS} tokens)", ["figure", "value", "goal"],
                 [["manager + router, whole rollouts (256 x 8), samples/s (best)", f"{best:,.0f}", ">= 2,000"],
+                 ["  / the router alone (aiohttp, measured next)", f"{best / next(iter(router.values())):.2f}",
+                  ">= 0.9"],
                  ["  each rollout, samples/s", ", ".join(f"{r:,.0f}" for r in rates), ""],
                  *[[f"router alone, 256 concurrent /generate, {name}, samples/s", f"{rate:,.0f}", "(reference)"]
                    for name, rate in router.items()],
                  [f"weight-group rebuild at {args.engines} engines, s (best)", f"{min(rebuild):.2f}", "<= 5"]])
+    router_alone = next(iter(router.values()))
     emit({"control_plane_samples_per_s_64": best, "group_rebuild_s_64": min(rebuild),
-          "control_plane_router_alone_samples_per_s_64": next(iter(router.values()))})
+          "control_plane_router_alone_samples_per_s_64": router_alone,
+          "control_plane_vs_router_alone_64": best / router_alone,
+          "control_plane_cpu_ms_per_1k_samples_64": {name: round(1e6 * seconds / samples, 1)
+                                                     for name, seconds in cpu.items()}})
     return 0
 
 

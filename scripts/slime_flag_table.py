@@ -44,7 +44,8 @@ def render() -> str:
         "as their `/server_info` reports them, fails naming each flag; options the engines do not report are noted), "
         "`--router-*` (router options of the rollout service), the LoRA flags of slime's forks (`--lora-rank`, "
         "`--lora-alpha`, `--lora-dropout`, `--target-modules`: the job-spec keys of the same names, fsdp backend; "
-        "see [LoRA adapters](jobs.md#lora-adapters)), the Megatron flags below.",
+        "with Physarum's `--lora-sync` (push or disk, how the adapter reaches the engines); see "
+        "[LoRA adapters](jobs.md#lora-adapters)), the Megatron flags below.",
         "",
         "| flag | slime's default | status | what Physarum does |",
         "|---|---|---|---|",

@@ -10,7 +10,7 @@ from physarum import tinymodel
 from services.trainer.checkpoint.hf_files import TOKENIZER_FILES
 
 # qwen3, the default tiny model, is every other test's model
-FAMILIES = ("llama", "glm4", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("llama", "glm4", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_5", "qwen3_5_moe")
 TIED = {"qwen3", "qwen3_5"}  # tiny configs whose lm_head is the embedding
 
 

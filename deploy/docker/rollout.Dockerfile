@@ -20,6 +20,8 @@ RUN pip install --no-build-isolation -c constraints.txt ".[slime]"
 COPY services ./services
 # slime's plugins import `slime` (compat/slime: Sample, http_utils, rm_hub, ...)
 COPY compat/slime ./slime
+# and slime's multi-turn VLM example imports qwen_vl_utils (compat/qwen_vl_utils: images, without torch)
+COPY compat/qwen_vl_utils ./qwen_vl_utils
 USER 10001:10001
 ENV PHYSARUM_ROLLOUT_HOST=0.0.0.0
 EXPOSE 50053

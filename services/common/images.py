@@ -1,5 +1,6 @@
 """An image's encoded bytes checked once, whole and bounded, by decoding them with Pillow: what the buffer does to a
-prompt row's images and the agent gateway to the images an agent sends. Never resized or re-encoded here.
+prompt row's images and the agent gateway to the images an agent sends. Never resized or re-encoded here; an image a
+plugin made in memory is encoded once, as PNG.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import base64
 import binascii
 import io
 import warnings
+from typing import Any
 
 from services.common.samples import Image
 
@@ -68,3 +70,18 @@ def data_url_image(url: str) -> Image:
     if not comma or not header.endswith(";base64"):
         raise ValueError(f"data: URL {url[:40]!r}... is not base64 (expected data:image/...;base64,...)")
     return check_image(decode_base64(payload))
+
+
+def encoded_image(image: Any) -> Image:
+    """An image a plugin made (a Pillow image, as slime's multi-turn environments give) as a checked PNG; an Image
+    as it is. PNG, RGB, as slime's encode_image_for_rollout_engine sends it to the engines: the pixels they see."""
+    if isinstance(image, Image):
+        return image
+    if not hasattr(image, "save") or not hasattr(image, "mode"):
+        raise ValueError(f"expected a Pillow image or a physarum Image, got {type(image).__name__}")
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"image of {width}x{height} pixels (at most {MAX_IMAGE_PIXELS / 1e6:.1f} megapixels)")
+    buffer = io.BytesIO()
+    (image if image.mode == "RGB" else image.convert("RGB")).save(buffer, format="PNG")
+    return check_image(buffer.getvalue())

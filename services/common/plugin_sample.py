@@ -2,7 +2,8 @@
 core record so the services keep handling it as one. `slime.utils.types.Sample` is this class.
 
 slime leaves loss_mask, rollout_log_probs and reward at None until something sets them; `finish_plugin_sample`
-turns what a generate function returned back into a core record (or refuses it, saying why).
+turns what a generate function returned back into a core record (or refuses it, saying why), the images its turns
+added (multimodal_inputs) kept as the sample's observation_images.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from services.common.errors import InvalidArgument
-from services.common.samples import Sample, Status
+from services.common.images import MAX_IMAGES_PER_ROW, encoded_image
+from services.common.samples import Image, Sample, Status, count_image_parts
 
 # meta_info key the rollout adds: the pool's settled weight version when a request was sent (the engine's
 # weight_version is the one it ended with; an update in between makes the tokens span both).
@@ -198,7 +200,9 @@ def append_response_tokens(sample: Sample, tokens: Any, *, log_probs: Any = None
     if tokens and trainable and log_probs is None:
         raise InvalidArgument("append_response_tokens: trainable tokens need their log_probs")
     if tokens and not trainable:
-        if log_probs is not None:
+        # slime refuses any; all zeros are what they get anyway (slime's geo3k_vlm_multi_turn rollout.py passes them
+        # for each observation, and raises there under slime's own Sample)
+        if log_probs is not None and any(log_probs):
             raise InvalidArgument("append_response_tokens: tokens that are not trainable take no log_probs "
                                   "(they get 0)")
         log_probs = [0.0] * len(tokens)
@@ -257,10 +261,29 @@ def finish_plugin_sample(sample: Sample, *, needs_log_probs: str, what: str) -> 
                               f"rollout_log_probs and {len(sample.tokens)} tokens (use sample.append_response_tokens)")
     if sample.status == Status.PENDING:
         sample.status = Status.COMPLETED
+    added = observation_images(sample, what)
+    if added:  # (a sample given back to a later rollout keeps those it added before)
+        sample.observation_images = added
     extras = _plugin_attrs(sample)
     if extras:
         sample.metadata = {**sample.metadata, PLUGIN_ATTRS_KEY: extras}
     return sample
+
+
+def observation_images(sample: Sample, what: str) -> list[Image]:
+    """The images a generate function added to the sample after its prompt's (slime's multi-turn rollouts extend
+    multimodal_inputs["images"] with each observation's), encoded once (services/common/images.py)."""
+    images = (getattr(sample, "multimodal_inputs", None) or {}).get("images")
+    if not images:  # a text sample's cost: this lookup
+        return []
+    added = list(images)[count_image_parts(sample.prompt_messages):]
+    if len(added) > MAX_IMAGES_PER_ROW:
+        raise InvalidArgument(f"{what}: {len(added)} images added by the generate function (at most "
+                              f"{MAX_IMAGES_PER_ROW})")
+    try:
+        return [encoded_image(image) for image in added]
+    except ValueError as err:
+        raise InvalidArgument(f"{what}: an image the generate function added: {err}") from None
 
 
 @functools.cache

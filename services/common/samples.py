@@ -57,9 +57,11 @@ class Sample:
     # SGLang's routed experts: [len(tokens) - 1, num layers, top-k] flattened; empty unless the job asked for them
     rollout_routed_experts: list[int] = field(default_factory=list)
     lora_name: str = ""  # the LoRA adapter its requests named (a LoRA job's id); "" for the base model
-    # its prompt's images: its group's list (SampleGroup.images), shared by the group's samples and never stored per
-    # sample (sample_to_proto leaves it out; the trainer's feed sets it from the group)
+    # the images its tokens stand for: its group's list (SampleGroup.images), shared by the group's samples and never
+    # stored per sample (sample_to_proto leaves it out; the trainer's feed sets it from the group), then its own
     images: list[Image] = field(default_factory=list)
+    # the images its own turns add after its prompt's (an environment's observations), stored with the sample
+    observation_images: list[Image] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -269,6 +271,8 @@ def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
         msg.rollout_routed_experts.extend(sample.rollout_routed_experts)
     if sample.lora_name:
         msg.lora_name = sample.lora_name
+    if sample.observation_images:
+        msg.observation_images.extend(image_to_proto(image) for image in sample.observation_images)
     return msg
 
 
@@ -286,7 +290,8 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
         train_metadata=struct_to_dict(msg.train_metadata) if msg.HasField("train_metadata") else None,
         custom_rm_path=msg.custom_rm_path, generate_function_path=msg.generate_function_path,
         rollout_routed_experts=msg.rollout_routed_experts[:] if msg.rollout_routed_experts else [],
-        lora_name=msg.lora_name)
+        lora_name=msg.lora_name,
+        observation_images=[image_from_proto(i) for i in msg.observation_images] if msg.observation_images else [])
 
 
 _STATUSES = {0: Status.PENDING} | {status.value: status for status in Status}  # unset (0) reads as PENDING

@@ -8,6 +8,7 @@ the older `/get_model_info` (and `/server_info` or `/get_server_info`); `/begin_
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -20,9 +21,24 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 FALLBACKS = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}  # newer path -> older one
 
 
+CPU_ENGINE = "physarum-cpu-engine"  # the CPU engine's /server_info `version` starts with it (SGLang's: a release)
+
+
 def lora_adapter_name(job_id: str) -> str:
     """The name a LoRA job's adapter has on the engines (its requests' lora_path): the job's id."""
     return job_id
+
+
+def versioned_adapter_name(lora_name: str, version: str) -> str:
+    """An adapter's name at one weight version, under lora_sync disk: SGLang cannot replace an adapter in place, so
+    each version is loaded under a name of its own and the requests move to it once every engine holds it."""
+    return f"{lora_name}@v{version}"
+
+
+def serves_adapter_push(server_info: dict) -> bool:
+    """Whether an engine takes an adapter over the weight-update group (/load_lora_adapter_from_distributed): the
+    Physarum CPU engine does, SGLang does not."""
+    return str(server_info.get("version", "")).startswith(CPU_ENGINE)
 
 
 def _reply(url: str, path: str, reply: httpx.Response) -> Any:
@@ -181,6 +197,12 @@ class SGLangClient(HttpClient):
         """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
         return self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
 
+    def update_weight_version(self, new_version: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: the engine reports `new_version` from now on, its weights as they are (abort_all_requests
+        false: the requests in flight go on)."""
+        return self._post_checked("/update_weight_version", {"new_version": new_version, "abort_all_requests": False},
+                                  timeout_s)
+
     def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> dict:
         return self._post_checked("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
 
@@ -199,20 +221,32 @@ class SGLangClient(HttpClient):
 
 
 class AsyncSGLangClient:
-    """The calls a controller of many engines makes (health, version, disk loads, aborts), over one shared
-    httpx.AsyncClient; each call names its engine URL and has a timeout."""
+    """The calls a controller of many engines makes (health, version, disk loads, aborts); each call names its engine
+    URL and has a timeout. Each engine has an httpx.AsyncClient of its own: httpx's pool looks at every connection it
+    keeps on each request, so one client kept alive to 64 engines cost ~5x the CPU per health check."""
+
+    MAX_ENGINES = 1024  # clients kept; past this the least recently used one is closed (engines come and go)
 
     def __init__(self, timeout_s: float = 30.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.timeout_s = timeout_s
-        self.http = httpx.AsyncClient(timeout=timeout_s, transport=transport,
-                                      limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
-                                      headers=auth.bearer(auth.read_token("engine")))
+        self.transport = transport
+        self.headers = auth.bearer(auth.read_token("engine"))
+        self.clients: dict[str, httpx.AsyncClient] = {}  # by engine URL, the most recently used last
+
+    async def _http(self, url: str) -> httpx.AsyncClient:
+        client = self.clients.pop(url, None) or httpx.AsyncClient(timeout=self.timeout_s, transport=self.transport,
+                                                                   headers=self.headers)
+        self.clients[url] = client
+        if len(self.clients) > self.MAX_ENGINES:
+            await self.clients.pop(next(iter(self.clients))).aclose()
+        return client
 
     async def _request(self, url: str, method: str, path: str, body: dict | None = None,
                        timeout_s: float | None = None) -> Any:
         timeout_s = timeout_s or self.timeout_s
+        url = url.rstrip("/")
         try:
-            reply = await self.http.request(method, url.rstrip("/") + path, json=body, timeout=timeout_s)
+            reply = await (await self._http(url)).request(method, url + path, json=body, timeout=timeout_s)
         except httpx.TransportError as err:
             raise _transport_error(url, path, timeout_s, err) from err
         return _reply(url, path, reply)
@@ -225,7 +259,8 @@ class AsyncSGLangClient:
 
     async def _ok(self, url: str, path: str, timeout_s: float) -> bool:
         try:
-            reply = await self.http.get(url.rstrip("/") + path, timeout=timeout_s)
+            url = url.rstrip("/")
+            reply = await (await self._http(url)).get(url + path, timeout=timeout_s)
         except httpx.HTTPError:
             return False
         return reply.status_code == 200
@@ -257,5 +292,23 @@ class AsyncSGLangClient:
                                      disk_update_body(model_path, weight_version), timeout_s)
         return _checked(url, "/update_weights_from_disk", result)
 
+    async def update_weight_version(self, url: str, new_version: str, timeout_s: float | None = None) -> dict:
+        """SGLang's: the engine reports `new_version`, its weights as they are, the requests in flight going on."""
+        result = await self._request(url, "POST", "/update_weight_version",
+                                     {"new_version": new_version, "abort_all_requests": False}, timeout_s)
+        return _checked(url, "/update_weight_version", result)
+
+    async def load_lora_adapter(self, url: str, lora_name: str, lora_path: str,
+                                timeout_s: float | None = None) -> dict:
+        """SGLang's: load PEFT's adapter directory `lora_path` as `lora_name`."""
+        result = await self._request(url, "POST", "/load_lora_adapter",
+                                     {"lora_name": lora_name, "lora_path": lora_path}, timeout_s)
+        return _checked(url, "/load_lora_adapter", result)
+
+    async def unload_lora_adapter(self, url: str, lora_name: str, timeout_s: float | None = None) -> dict:
+        result = await self._request(url, "POST", "/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
+        return _checked(url, "/unload_lora_adapter", result)
+
     async def close(self) -> None:
-        await self.http.aclose()
+        clients, self.clients = list(self.clients.values()), {}
+        await asyncio.gather(*(client.aclose() for client in clients))

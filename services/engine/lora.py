@@ -129,6 +129,7 @@ class LoRAServing:
         self.max_loras_per_batch = max_loras_per_batch
         self.max_lora_rank = max_lora_rank  # 0: any rank
         self.adapters: dict[str, Adapter] = {}
+        self.unloading: set[str] = set()  # names no new request may take: their requests drain, then they go
         self.active: list[tuple[Adapter, torch.Tensor | None]] = []
         self.lock = threading.Lock()  # the adapter table: the scheduler reads it while HTTP calls change it
         wanted = list(target_modules) or [ALL_MODULES]
@@ -165,9 +166,9 @@ class LoRAServing:
     def check_name(self, name: str, where: str) -> None:
         """A request's lora_path: InvalidArgument unless an adapter of that name is loaded."""
         with self.lock:
-            if name in self.adapters:
+            if name in self.adapters and name not in self.unloading:
                 return
-            loaded = ", ".join(sorted(self.adapters)) or "none"
+            loaded = ", ".join(sorted(set(self.adapters) - self.unloading)) or "none"
         raise InvalidArgument(f"{where}: lora_path {name!r} names no loaded LoRA adapter (loaded: {loaded}); "
                               f"load it with /load_lora_adapter")
 
@@ -205,6 +206,12 @@ class LoRAServing:
         num_bytes = sum(t.numel() * t.element_size() for pair in weights.values() for t in pair)
         return Adapter(name=name, path=path, config=config, weights=weights, num_bytes=num_bytes)
 
+    def close_name(self, name: str) -> None:
+        """Refuse new requests naming `name` from now on (it is being unloaded); the ones it serves go on."""
+        with self.lock:
+            if name in self.adapters:
+                self.unloading.add(name)
+
     def add(self, adapter: Adapter, *, replace: bool = False) -> None:
         """Make `adapter` servable under its name; a name already loaded is refused unless `replace` (the weight
         sync's new version of an adapter)."""
@@ -217,6 +224,7 @@ class LoRAServing:
     def remove(self, name: str) -> Adapter:
         with self.lock:
             adapter = self.adapters.pop(name, None)
+            self.unloading.discard(name)
         if adapter is None:
             raise NotFound(f"LoRA adapter {name!r} is not loaded")
         return adapter

@@ -192,6 +192,18 @@ class Scheduler:
         with self.cond:
             return self._abort_locked(lambda r: r.lora_name == lora_name, message)
 
+    def drain_adapter(self, lora_name: str, timeout_s: float) -> int:
+        """Wait up to timeout_s for the requests generated with adapter `lora_name` to finish; returns how many are
+        still queued or running then."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                left = sum(r.lora_name == lora_name for r in self.waiting) + \
+                    sum(not r.finished and r.lora_name == lora_name for r in self.running)
+                if not left or time.monotonic() >= deadline:
+                    return left
+                self.cond.wait(min(0.05, max(deadline - time.monotonic(), 0.0)))
+
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) request counts."""
         with self.cond:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from services.common import auth
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.rest import RestServer
-from services.common.sglang import DEFAULT_GROUP_NAME
+from services.common.sglang import CPU_ENGINE, DEFAULT_GROUP_NAME
 from services.engine.config import EngineConfig
 from services.engine.fake import FakeEngine, FakeWeights, read_model_config
 from services.engine.protocol import parse_generate, to_response
@@ -33,7 +33,7 @@ from services.engine.streaming import stream_chunks
 
 log = logging.getLogger(__name__)
 
-VERSION = "physarum-cpu-engine 0.1.0"
+VERSION = f"{CPU_ENGINE} 0.1.0"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
 HEALTH_GENERATE_POLL_S = 0.05
 
@@ -201,13 +201,22 @@ async def _update_call(fn: Callable[..., str | dict], **kwargs) -> JSONResponse:
     return JSONResponse({"success": True, "message": message})
 
 
-async def _lora_call(fn: Callable[..., dict], **kwargs) -> JSONResponse:
-    """An adapter call in a thread; SGLang's LoRAUpdateResult: {"success", "error_message", "loaded_adapters"},
-    HTTP 400 on failure."""
+async def _lora_call(fn: Callable[..., dict], loaded_on_error: Callable[[], dict | None] = lambda: None,
+                     **kwargs) -> JSONResponse:
+    """An adapter call in a thread; SGLang's LoRAUpdateOutput: {"success", "error_message", "loaded_adapters"},
+    HTTP 400 on failure. `loaded_on_error`: what SGLang lists on failure (a failed load: the adapters still loaded;
+    an unload of an unknown name, refused before the scheduler: none)."""
     result, error = await _in_thread(fn, **kwargs)
     if error is not None:
-        return JSONResponse({"success": False, "error_message": error, "loaded_adapters": None}, status_code=400)
+        return JSONResponse({"success": False, "error_message": error, "loaded_adapters": loaded_on_error()},
+                            status_code=400)
     return JSONResponse({"success": True, "error_message": "", **result})
+
+
+def _loaded_adapters(state: EngineState) -> dict | None:
+    """The engine's adapters, name -> where from (None without --enable-lora, as SGLang answers then)."""
+    lora = state.ready().lora
+    return lora.loaded() if lora is not None else None
 
 
 def _updater_call(state: EngineState, name: str) -> Callable[..., str | dict]:
@@ -404,7 +413,8 @@ def create_app(state: EngineState) -> FastAPI:
         state.ready()
         body = await _body(request)
         _required(body, "lora_name", "lora_path")
-        return await _lora_call(_updater_call(state, "load_lora_adapter"), lora_name=str(body["lora_name"]),
+        return await _lora_call(_updater_call(state, "load_lora_adapter"), lambda: _loaded_adapters(state),
+                                lora_name=str(body["lora_name"]),
                                 lora_path=str(body["lora_path"]), pinned=bool(body.get("pinned", False)),
                                 weight_version=body.get("weight_version"))
 

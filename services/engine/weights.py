@@ -322,10 +322,16 @@ class WeightUpdater:
         return {"loaded_adapters": lora.loaded()}
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
-        """Unload `lora_name`: requests still generated with it end as aborted."""
+        """Unload `lora_name` as SGLang does: refused to new requests at once, unloaded once the requests generated
+        with it have finished. SGLang waits for them without bound; here those still unfinished after the weight
+        sync timeout end as aborted (a paused engine finishes none)."""
         lora = self._lora()
         lora.get(lora_name)
-        self.engine.abort_adapter(lora_name, f"LoRA adapter {lora_name} unloaded")
+        lora.close_name(lora_name)
+        left = self.engine.drain_adapter(lora_name, self.timeout_s)
+        if left:
+            self.engine.abort_adapter(lora_name, f"LoRA adapter {lora_name} unloaded ({left} requests still "
+                                                 f"generating with it after {self.timeout_s:.0f} s)")
         with self.engine.exclusive(self.timeout_s):
             lora.remove(lora_name)
         log.info("LoRA adapter %s unloaded", lora_name)
@@ -375,10 +381,13 @@ class WeightUpdater:
 
     def _draft_layer(self, name: str) -> bool:
         """Whether `name` is a weight of one of the served checkpoint's multi-token-prediction layers
-        (num_nextn_predict_layers): MiMo's model.mtp_layers.{i}.*, DeepSeek-V3's and GLM-4.5's
-        model.layers.{num_hidden_layers + i}.*."""
+        (num_nextn_predict_layers, Qwen3-Next's and Qwen3.5's mtp_num_hidden_layers): MiMo's model.mtp_layers.{i}.*,
+        DeepSeek-V3's and GLM-4.5's model.layers.{num_hidden_layers + i}.*, Qwen3-Next's and Qwen3.5's mtp.*."""
         config = self.engine.model.config.get_text_config()
-        count = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+        count = int(getattr(config, "num_nextn_predict_layers", 0) or getattr(config, "mtp_num_hidden_layers", 0)
+                    or 0)
+        if count and name.startswith("mtp."):
+            return True
         for prefix, first in (("model.mtp_layers.", 0), ("model.layers.", config.num_hidden_layers)):
             index = name.removeprefix(prefix).split(".", 1)[0]
             if name.startswith(prefix) and index.isdigit() and first <= int(index) < first + count:

@@ -52,7 +52,7 @@ async def call_scorer(kind: str, target: str, sample: Sample, args: dict[str, An
     never in the service."""
     if kind == "custom":
         return await load_reward_function(target)(types.SimpleNamespace(**args), PluginSample.from_record(sample))
-    return await verifiers.score_builtin(sample, target, args)
+    return await verifiers.score_builtin(sample, target, args, in_thread=False)  # this process scores nothing else
 
 
 def _is_number(value: Any) -> bool:

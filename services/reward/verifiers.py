@@ -1,7 +1,8 @@
 """Built-in scorers (slime's --rm-type), picked per sample: metadata["rm_type"] wins over the job's rm_type, and a
 "boxed_" prefix scores only the response's last \\boxed{} content, as slime does.
 
-The rule-based ones run in worker threads (sympy may be slow); the caller's per-sample timeout rules.
+The rule-based ones run in worker threads (sympy may be slow) unless the caller is a reward worker process; the
+caller's per-sample timeout rules.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def sample_rm_type(sample: Sample, job_rm_type: str) -> str:
     return str(metadata.get("rm_type") or job_rm_type or "").strip()
 
 
-async def score_builtin(sample: Sample, job_rm_type: str, args: dict[str, Any]) -> Any:
-    """The sample's score under its rm_type; raises (failing only this sample) for an unknown or unset one."""
+async def score_builtin(sample: Sample, job_rm_type: str, args: dict[str, Any], *, in_thread: bool = True) -> Any:
+    """The sample's score under its rm_type; raises (failing only this sample) for an unknown or unset one. A rule
+    runs in a worker thread unless `in_thread` is False (a reward worker process: nothing else waits on its loop)."""
     rm_type = sample_rm_type(sample, job_rm_type)
     check_rm_type(rm_type, where=f"sample {sample.index}")
     response = sample.response
@@ -58,6 +60,8 @@ async def score_builtin(sample: Sample, job_rm_type: str, args: dict[str, Any]) 
     if rm_type == "remote_rm":
         # slime posts the sample as it is, even under boxed_remote_rm
         return await remote_reward(str(args.get("rm_url") or ""), sample.prompt, sample.response, sample.label)
+    if not in_thread:
+        return _RULES[rm_type](response, sample.label, sample.metadata)
     return await asyncio.to_thread(_RULES[rm_type], response, sample.label, sample.metadata)
 
 

@@ -1,9 +1,11 @@
 """Score samples in worker processes, so user code cannot take the Reward service down.
 
 A worker runs one sample at a time under an address-space limit; past its timeout it is killed (SIGKILL) and
-replaced; whatever it raises, SystemExit and KeyboardInterrupt included, fails only its sample. The worker sends back
-JSON, never a pickle, so nothing it returns can run code here. The service's event loop only waits, so health checks
-answer while workers run. Scoring itself (what a verifier or function returns) is left to `one_sample`.
+replaced; whatever it raises, SystemExit and KeyboardInterrupt included, fails only its sample. A worker takes a run of
+samples in one message and answers each as it ends (a pipe round trip and a thread hop per run, not per sample), so
+each sample keeps its own timeout. The worker sends back JSON, never a pickle, so nothing it returns can run code
+here. The service's event loop only waits, so health checks answer while workers run. Scoring itself (what a verifier
+or function returns) is left to `one_sample`.
 """
 
 from __future__ import annotations
@@ -75,10 +77,19 @@ class _Worker:
             self.kill()
             raise RuntimeError(f"reward worker did not start within {START_TIMEOUT_S:g} s")
 
-    def call(self, task: Task, timeout_s: float) -> Outcome:
-        """The task's outcome; raises _Lost (after killing the worker) if it overran, died or answered nonsense."""
+    def send(self, tasks: list[Task]) -> None:
+        """Hand the worker a run of tasks; it answers each in order (read them with `outcome`)."""
         try:
-            self.conn.send(task)
+            self.conn.send(tasks)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            self.kill()
+            raise _Lost(f"{tasks[0].name}: worker exited (code {self.process.exitcode}) while scoring") from None
+
+    def outcome(self, task: Task, timeout_s: float) -> Outcome:
+        """The outcome of the next task of the run sent; raises _Lost (after killing the worker) if it overran,
+        died or answered nonsense. An `invalid` answer (the request names unusable code) ends the run in the
+        worker too, so the worker stays usable."""
+        try:
             if not self.conn.poll(timeout_s):
                 raise _Lost(f"timed out after {timeout_s:g} s (worker killed)")
             reply = json.loads(self.conn.recv_bytes(MAX_REPLY_BYTES))
@@ -125,27 +136,41 @@ class WorkerPool:
 
     async def run(self, task: Task, timeout_s: float) -> Outcome:
         """Score one sample; InvalidArgument if the task names code that cannot be loaded."""
-        if task.kind not in KINDS:
-            raise InvalidArgument(f"task kind must be one of {', '.join(KINDS)}, got {task.kind!r}")
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, task, timeout_s)
+        return (await self.run_many([task], timeout_s))[0]
 
-    def _run(self, task: Task, timeout_s: float) -> Outcome:
-        with self._lock:
-            if self._closed:
-                raise InvalidArgument("reward workers are stopping")
-            worker = self._idle.pop() if self._idle else None
-        worker = worker or _Worker(self.memory_limit_bytes)
-        try:
-            outcome = worker.call(task, timeout_s)
-        except _Lost as err:
-            worker.kill()
-            log.warning("%s: sample %d: %s", task.name, task.index, err)
-            return Outcome(0.0, False, str(err), {})
-        except InvalidArgument:
+    async def run_many(self, tasks: list[Task], timeout_s: float) -> list[Outcome]:
+        """Score samples one after another in one worker, each under its own timeout (a sample that overruns or
+        kills its worker fails alone; the rest go on in a fresh one); InvalidArgument if a task names code that
+        cannot be loaded."""
+        for task in tasks:
+            if task.kind not in KINDS:
+                raise InvalidArgument(f"task kind must be one of {', '.join(KINDS)}, got {task.kind!r}")
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, tasks, timeout_s)
+
+    def _run(self, tasks: list[Task], timeout_s: float) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        while len(outcomes) < len(tasks):
+            with self._lock:
+                if self._closed:
+                    raise InvalidArgument("reward workers are stopping")
+                worker = self._idle.pop() if self._idle else None
+            worker = worker or _Worker(self.memory_limit_bytes)
+            todo = tasks[len(outcomes):]
+            try:
+                worker.send(todo)
+                for task in todo:
+                    outcomes.append(worker.outcome(task, timeout_s))
+            except _Lost as err:  # this sample fails; the worker is gone, the samples after it go to another
+                worker.kill()
+                task = tasks[len(outcomes)]
+                log.warning("%s: sample %d: %s", task.name, task.index, err)
+                outcomes.append(Outcome(0.0, False, str(err), {}))
+                continue
+            except InvalidArgument:
+                self._give_back(worker)
+                raise
             self._give_back(worker)
-            raise
-        self._give_back(worker)
-        return outcome
+        return outcomes
 
     def _give_back(self, worker: _Worker) -> None:
         with self._lock:
@@ -166,7 +191,7 @@ class WorkerPool:
 # ----- the worker process -----
 
 def _serve(conn: Connection, memory_limit_bytes: int) -> None:
-    """The worker's loop: one task in, one JSON reply out, until the pipe closes."""
+    """The worker's loop: a run of tasks in, a JSON reply out as each ends, until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which stops its workers
     if memory_limit_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
@@ -176,10 +201,14 @@ def _serve(conn: Connection, memory_limit_bytes: int) -> None:
     conn.send_bytes(b"ready")
     while True:
         try:
-            task = conn.recv()
+            tasks = conn.recv()
         except (EOFError, OSError):
             os._exit(0)
-        conn.send_bytes(json.dumps(_reply(task, loop)).encode())
+        for task in tasks:
+            reply = _reply(task, loop)
+            conn.send_bytes(json.dumps(reply).encode())
+            if reply["kind"] == "invalid":  # the request fails: the rest of its run is not scored
+                break
 
 
 def _reply(task: Task, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:

@@ -96,6 +96,7 @@ class WeightSyncPlan:
 
 
 SNAPSHOT_PREFIX = "weight_v"  # slime's update_weight_disk_dir layout: <snapshot_dir>/weight_v<version>
+ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: <snapshot>/adapters/<lora_name>/, PEFT's adapter directory each
 
 
 def snapshot_path(snapshot_dir: str | Path, version: str | int) -> Path:

@@ -51,3 +51,32 @@ def test_a_bad_lora_value_fails_the_schema():
 
     with pytest.raises(helm.HelmValuesError, match="maxLoraRank"):
         render({"engines": {"lora": {"enabled": True, "maxLoraRank": 0}}})
+
+
+def test_lora_engines_read_the_checkpoints_volume_whatever_their_join_mode():
+    """lora_sync disk, SGLang's route: each adapter version is a directory on the checkpoints volume (the pool's
+    snapshot, or a job's update_weight_disk_dir), so engines that serve LoRA mount it read-only even when they join
+    by sync."""
+    def checkpoints_mount(values: dict) -> dict | None:
+        engine = one(render(values), "Deployment", "engine")
+        volumes = {v["name"] for v in engine["spec"]["template"]["spec"].get("volumes", [])}
+        (container,) = containers(engine)
+        mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
+        assert ("checkpoints" in volumes) == ("checkpoints" in mounts)
+        return mounts.get("checkpoints")
+
+    mount = checkpoints_mount({"engines": {"joinMode": "sync", "lora": {"enabled": True}}})
+    assert mount is not None and mount["readOnly"] is True and mount["mountPath"] == "/checkpoints"
+    assert checkpoints_mount({"engines": {"joinMode": "sync"}}) is None
+
+
+@pytest.mark.parametrize("persistence, message", [
+    ({"enabled": False}, r"engines.lora needs a volume the trainer and the engines share"),
+    ({"accessMode": "ReadWriteOnce"}, r"ReadWriteOnce: the trainer and the engines \(engines.lora\) share the volume"),
+])
+def test_lora_engines_without_a_shared_checkpoints_volume_fail_the_render(persistence, message):
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render({"engines": {"joinMode": "sync", "lora": {"enabled": True}},
+                "checkpoints": {"persistence": persistence}})

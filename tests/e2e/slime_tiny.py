@@ -58,6 +58,9 @@ CONTEXT_LEN = 2048
 # Families whose checkpoints ship their own modeling code: a tiny one of transformers' family it is shaped as, plus
 # what it adds (MiMo: Qwen2 with multi-token-prediction layers under MiMo's names, testkit/mtp_checkpoints.py)
 REMOTE_CODE_FAMILIES = {"mimo": "qwen2"}
+# Families whose slime scripts train the checkpoint's MTP layer: their tiny model carries one, under DeepSeek's names
+# (GLM-4.7-Flash: run-glm4.7-30B-A3B.sh's --mtp-num-layers 1)
+WITH_MTP_LAYER = ("glm4_moe_lite",)
 # Vision-language stacks: the tiny vision-language model of a family (physarum/tinyvlm.py), with its vision tower
 VISION_LANGUAGE = {"qwen3_5_moe_vl": "qwen3_5_moe"}
 
@@ -87,6 +90,10 @@ def build_tiny_model(out_dir: Path, family: str) -> Path:
         from testkit.mtp_checkpoints import add_mtp_layers
 
         add_mtp_layers(out_dir, 1)
+    if family in WITH_MTP_LAYER:
+        from testkit.mtp_checkpoints import add_deepseek_mtp_layer
+
+        add_deepseek_mtp_layer(out_dir)
     return out_dir
 
 

@@ -68,6 +68,37 @@ def test_lora_job_syncs_only_its_adapter_and_the_engines_serve_it(local_stack, t
         assert [e[0] for e in reply["meta_info"]["output_token_logprobs"]] == pytest.approx(logprobs, abs=1e-4)
 
 
+def test_a_lora_job_over_the_disk_route_moves_its_requests_to_each_version(local_stack, tiny_model_dir, addition_task,
+                                                                           tmp_path):
+    """lora_sync disk, SGLang's route, on the CPU engines: each version a PEFT directory in the pool's snapshot,
+    loaded by /load_lora_adapter as e2e-lora-disk@v<version>; the manager's requests name the version the engines
+    hold (the rollouts' log-probs are the trainer's), older versions are unloaded."""
+    train_path, _ = addition_task
+    spec = job_spec(tiny_model_dir, train_path, job_id="e2e-lora-disk", lr=1e-2, lora_rank=4, lora_alpha=8.0,
+                    target_modules=["q_proj", "v_proj", "down_proj"], lora_sync="disk", lora_save_merged=True,
+                    save_hf=str(tmp_path / "final"))
+    job, events = run(local_stack, spec)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
+    assert len(steps) == 2
+    # rollout 1 came from version 1's adapter (e2e-lora-disk@v1), not version 0's nor the base model
+    assert all(m["train/train_rollout_logprob_abs_diff"] < 1e-3 for m in steps)
+    assert all(m["perf/engine_pause_seconds"] == 0.0 for m in steps if "perf/engine_pause_seconds" in m)
+    tokens, logprobs = greedy(tmp_path / "final" / "merged", PROMPT, 4)
+    for url in engine_urls(local_stack):
+        with SGLangClient(url) as engine:
+            assert engine.model_info()["weight_version"] == "2"  # what the pool's health checks compare
+        body = {"input_ids": PROMPT, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        reply = httpx.post(f"{url}/generate", json={**body, "lora_path": "e2e-lora-disk@v2"}, timeout=60).json()
+        assert reply["output_ids"] == tokens
+        assert [e[0] for e in reply["meta_info"]["output_token_logprobs"]] == pytest.approx(logprobs, abs=1e-4)
+        assert httpx.post(f"{url}/generate", json={**body, "lora_path": "e2e-lora-disk@v1"},
+                          timeout=60).status_code == 200  # kept for requests still naming it
+        gone = httpx.post(f"{url}/generate", json={**body, "lora_path": "e2e-lora-disk@v0"}, timeout=60)
+        assert gone.status_code == 400 and "names no loaded LoRA adapter" in gone.text
+
+
 def test_two_lora_jobs_share_the_trainer_and_the_pool_at_once_and_their_samples_never_mix(local_stack, tiny_model_dir,
                                                                                           addition_task, tmp_path):
     """Two LoRA jobs of one base (lora_share_pool) run at the same time: both SUCCEED, their runs overlap, every

@@ -8,9 +8,10 @@ and eval settings stay as slime's script wrote them.
 The scripts are megatron-typed (slime's default backend) and run on megatron, the family of each one megatron-core
 builds here (Qwen2.5, Qwen3, Qwen3-MoE, GLM-4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next with their gated delta-net layers,
 and MiMo: a tiny Qwen2 with one MTP layer under MiMo's names, which run-mimo-7B-rl-eagle.sh trains beside the
-policy); a script whose family megatron refused, with a refusal that names fsdp, would run moved to fsdp as
-docs/slime.md's porting section says (ON_FSDP). slime's geo3k VLM example runs on a tiny Qwen3.5-MoE with its vision
-tower (megatron's language model, transformers' tower), each prompt row an image.
+policy, as run-glm4.7-30B-A3B.sh does the tiny GLM-4.7-Flash's); a script whose family megatron refused, with a
+refusal that names fsdp, would run moved to fsdp as docs/slime.md's porting section says (ON_FSDP). slime's geo3k
+VLM example runs on a tiny Qwen3.5-MoE with its vision tower (megatron's language model, transformers' tower), each
+prompt row an image.
 train_infer_mismatch_helper runs on megatron with slime's mis.py and mis.yaml unchanged (from
 tests/slime_examples/examples), at context parallelism 1 like every script here (one trainer rank). multi_agent
 (slime's multi-agent generate function, from there too, on a tiny Qwen3-MoE) and run-qwen3-32B.sh run with their
@@ -29,18 +30,22 @@ include its Qwen3-MoE stack's start, train_infer_mismatch_helper's 2 s share the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import string
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from physarum import stack
 from services.buffer.client import BufferClient
 from services.common.errors import InvalidArgument
 from services.common.plugins import ALLOWLIST_ENV
+from services.rollout.generation.prompts import PromptEncoder
 from services.trainer.api.client import JobsRestClient
 from tests.e2e.roots import stack_roots
 from tests.e2e.slime_tiny import build_tiny_model, split_flags, tiny_argv
@@ -51,7 +56,8 @@ from tests.unit.test_slime_examples import DENSE, EXAMPLES, HF_CONFIGS, REFUSED
 SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"
 PLUGIN_FOLDERS = ("retool", "search_r1")  # slime's launch scripts put the example's folder on PYTHONPATH
 PLUGIN_MODULES = ("generate_with_retool", "generate_with_search", "examples.train_infer_mismatch_helper",
-                  "examples.multi_agent", "tests.slime_compat")  # the last: the eval_function case's function
+                  "examples.multi_agent", "examples.geo3k_vlm_multi_turn",
+                  "tests.slime_compat")  # the last: the eval_function case's function, the figure environment
 SEARCH_URL = "http://127.0.0.1:8000/retrieve"  # Search-R1's SEARCH_R1_CONFIGS["local"]["search_url"]
 
 
@@ -76,8 +82,12 @@ DENSE_LEFT_OUT = {
 # section says (`--train-backend fsdp` appended, then the flags its refusal names as Megatron settings dropped)
 ON_FSDP: dict[str, str] = {}  # none left: megatron builds every example's family
 # examples with images: their stack serves a tiny vision-language model of the family
-VISION_STACKS = {"geo3k_vlm_qwen3.5_35B_A3B": "qwen3_5_moe_vl"}
-RUNS = {**{name: (EXAMPLES[name]["argv"], VISION_STACKS.get(name, family(EXAMPLES[name]["argv"])))
+MULTI_TURN = "geo3k_vlm_multi_turn_qwen3.5_35B_A3B"  # slime's multi-turn VLM example, on the geo3k stack
+# and its rollout.py again, with an environment whose observations carry images (check_figures)
+FIGURES = "geo3k_vlm_multi_turn_qwen3.5_35B_A3B_with_figures"
+VISION_STACKS = {"geo3k_vlm_qwen3.5_35B_A3B": "qwen3_5_moe_vl", MULTI_TURN: "qwen3_5_moe_vl"}
+RUNS = {FIGURES: (EXAMPLES[MULTI_TURN]["argv"], VISION_STACKS[MULTI_TURN]),
+        **{name: (EXAMPLES[name]["argv"], VISION_STACKS.get(name, family(EXAMPLES[name]["argv"])))
            for name in EXAMPLES if name not in REFUSED},
         **{name: (DENSE[name], model_type) for name, model_type in DENSE_RUNS.items()},
         **{name: (EXAMPLES[name]["argv"], model_type) for name, model_type in ON_FSDP.items()}}
@@ -166,7 +176,7 @@ def moved_to_fsdp(state: dict, argv: list[str], job: str) -> list[str]:
 
 
 # its own stack (a vision-language model, about two minutes): left out of make test-fast
-SLOW = {"geo3k_vlm_qwen3.5_35B_A3B"}
+SLOW = {"geo3k_vlm_qwen3.5_35B_A3B", MULTI_TURN, FIGURES}
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
@@ -179,6 +189,13 @@ def test_each_accepted_script_runs_two_rollouts_on_a_tiny_model_of_its_family(na
     if "--custom-config-path" in argv:  # relative to slime's root, which tests/slime_examples mirrors
         at = argv.index("--custom-config-path") + 1
         argv[at] = str(SLIME_EXAMPLES / argv[at])
+    if name in (MULTI_TURN, FIGURES):
+        argv += short_turns(model)
+    if name == FIGURES:  # its YAML names the figure environment (tests/slime_compat/figure_env.py)
+        config = tmp_path / "figures.yaml"
+        config.write_text(yaml.safe_dump({"max_turns": 3,
+                                          "rollout_interaction_env_path": "tests.slime_compat.figure_env"}))
+        argv[argv.index("--custom-config-path") + 1] = str(config)
     if name in ON_FSDP:
         argv = moved_to_fsdp(state, argv, job_id(name))
     spec = {"slime_args": argv, "job_id": job_id(name), "weight_sync_timeout_s": 60.0,
@@ -262,16 +279,77 @@ def check_multi_agent(spec: dict, steps: list[dict], state: dict) -> None:
 
 
 def check_mtp(spec: dict, steps: list[dict], state: dict) -> None:
-    """run-mimo-7B-rl-eagle.sh trained MiMo's MTP layer (the tiny MiMo carries one) beside the policy: its loss, per
-    step."""
+    """run-mimo-7B-rl-eagle.sh and run-glm4.7-30B-A3B.sh trained the checkpoint's MTP layer (the tiny MiMo and
+    GLM-4.7-Flash carry one) beside the policy: its loss, per step."""
     assert spec["mtp_num_layers"] == 1 and spec["enable_mtp_training"] and spec["mtp_loss_scaling_factor"] == 0.2
     assert all(m["train/mtp_loss"] > 0 and m["train/mtp_1_loss"] == m["train/mtp_loss"] for m in steps)
 
 
+def check_engine_log_probs(spec: dict, steps: list[dict], state: dict) -> None:
+    """The multi-latent-attention MoE scripts on megatron: the engine's log-prob of each sampled token reached the
+    trainer and is the trainer's own (megatron-core's multi-latent attention and MoE against transformers' in the
+    engine) up to float32 rounding, every step: not missing, not the trainer's compared with itself (exactly 0), not
+    another model's."""
+    diffs = [m["train/train_rollout_logprob_abs_diff"] for m in steps]
+    assert all(0.0 < diff < 1e-4 for diff in diffs), diffs
+
+
+def check_glm47_flash(spec: dict, steps: list[dict], state: dict) -> None:
+    """GLM-4.7-Flash's script: its MTP layer trained, and the engine's log-probs as for DeepSeek-V3's scripts."""
+    check_mtp(spec, steps, state)
+    check_engine_log_probs(spec, steps, state)
+
+
+def short_turns(model: Path) -> list[str]:
+    """slime's geo3k_vlm_multi_turn rollout gives each turn the whole budget left (rollout_max_context_len, else
+    max_new_tokens, less the context so far): the context is the tiny model's and each turn ends at its first
+    printable character (rollout_stop_token_ids), so an untrained model's turns stay a token or two long."""
+    encoder = PromptEncoder(model)
+    stops = sorted({i for char in string.printable.strip() for i in encoder.encode_text(char)})
+    return ["--rollout-max-context-len", str(encoder.context_len), "--rollout-stop-token-ids", *map(str, stops)]
+
+
+def check_multi_turn(spec: dict, steps: list[dict], state: dict) -> None:
+    """slime's geo3k_vlm_multi_turn rollout.py and env_geo3k.py ran as they are: the tiny model calls no tool, so
+    geo3k's environment ends each episode after the first turn, trained as it was generated (check_figures gives
+    the rollout an environment whose observations carry images)."""
+    assert spec["custom_generate_function_path"] == "examples.geo3k_vlm_multi_turn.rollout.generate"
+    assert {**spec, **spec["plugin_args"]}["rollout_interaction_env_path"] == "examples.geo3k_vlm_multi_turn.env_geo3k"
+    samples = buffer_samples(state, spec)
+    assert samples and all(s.response_length > 0 and s.loss_mask == [1] * s.response_length for s in samples)
+    assert all(m["train/train_rollout_logprob_abs_diff"] < 1e-3 for m in steps)
+
+
+def check_figures(spec: dict, steps: list[dict], state: dict) -> None:
+    """slime's geo3k_vlm_multi_turn rollout.py (unchanged) with an environment whose every observation shows a new
+    image (tests/slime_compat/figure_env.py, on slime's BaseInteractionEnv): each observation's tokens, its image's
+    among them, get loss_mask 0 and log-prob 0; the sample carries the images its turns added after its prompt's;
+    and the trainer, reading each observation image where the engine did, recomputes the engine's log-probs of the
+    tokens generated after it."""
+    image_token = json.loads((Path(spec["hf_checkpoint"]) / "config.json").read_text())["image_token_id"]
+    samples = buffer_samples(state, spec)
+    assert len(samples) == 4
+    for sample in samples:
+        response = sample.tokens[len(sample.tokens) - sample.response_length:]
+        observed = [i for i, token in enumerate(response) if token == image_token]
+        # three turns: two observations between them, each with its figure (28x56 and 56x56) as qwen_vl_utils resized
+        # it for the processor (multiples of 28, at least 4 x 28 x 28 pixels): what the engine was sent
+        assert len(sample.observation_images) == 2, (sample.status, sample.response)
+        assert [(image.width, image.height) for image in sample.observation_images] == [(56, 84), (56, 56)]
+        assert observed and all(sample.loss_mask[i] == 0 and sample.rollout_log_probs[i] == 0.0 for i in observed)
+        assert "figure 1" in sample.response and "figure 2" in sample.response
+        assert 0 < sum(sample.loss_mask) < sample.response_length  # the model's own tokens are trained
+    diffs = [m["train/train_rollout_logprob_abs_diff"] for m in steps]
+    print(f"multi-turn with figures: train_rollout_logprob_abs_diff {', '.join(f'{d:.2e}' for d in diffs)}")
+    assert all(diff < 1e-3 for diff in diffs)
+
+
 CHECKS = {"fully_async_qwen2.5_0.5B": check_fully_async, "fully_async_qwen3.5_9B": check_fully_async,
-          "run-mimo-7B-rl-eagle.sh": check_mtp,
+          MULTI_TURN: check_multi_turn, FIGURES: check_figures,
+          "run-mimo-7B-rl-eagle.sh": check_mtp, "glm4.7_30B_A3B": check_glm47_flash,
           "retool": check_retool, "search_r1": check_search_r1, "eval_multi_task": check_eval_multi_task,
           "eval_function": check_eval_function,
           "on_policy_distillation_sglang": check_opd, "on_policy_distillation_megatron": check_opd,
-          "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent}
+          "train_infer_mismatch_helper": check_mismatch_helper, "multi_agent": check_multi_agent,
+          "deepseek_r1": check_engine_log_probs, "moonlight_16B_A3B": check_engine_log_probs}
 

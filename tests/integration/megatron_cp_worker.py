@@ -4,7 +4,8 @@ rectangles, under sequence parallelism, and with slime's mismatch example's mis.
 log-probs before and after, the steps' metrics, the last step's gradient of every parameter (HF names, whole) and
 the weights after.
 
-Run: python -m tests.integration.megatron_cp_worker DENSE_DIR MOE_DIR OUT_DIR  (writes OUT_DIR/results.json)
+Run: python -m tests.integration.megatron_cp_worker DENSE_DIR MOE_DIR MLA_DIR OUT_DIR  (writes OUT_DIR/results.json;
+MLA_DIR: a tiny DeepSeek-V3 with an MTP layer, trained at TP 2 × CP 2 under sequence parallelism)
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ RUNS = {  # name: (model, tp, cp, packed, sequence parallel)
     **{f"moe_tp1_cp{cp}_packTrue": ("moe", 1, cp, True, False) for cp in (1, 2)},
     # mis.py normalizes its weights over each micro-batch: both runs deal the rows to 2 data-parallel ranks alike
     **{f"mis_tp{tp}_cp{cp}_packTrue": ("dense", tp, cp, True, False) for tp, cp in ((2, 1), (1, 2))},
+    # GLM-4.7-Flash's script's layout on a tiny DeepSeek-V3 (multi-latent attention, experts): TP 2 under sequence
+    # parallelism at CP 2, its MTP layer trained
+    "mla_tp1_cp1_packTrue": ("mla", 1, 1, True, False), "mla_tp2_cp2_sp_packTrue": ("mla", 2, 2, True, True),
 }
+MTP = {"mtp_num_layers": 1, "enable_mtp_training": True}  # the mla runs'
+
 SLIME_EXAMPLES = Path(__file__).resolve().parents[1] / "slime_examples"  # slime's root: examples.*
 MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 
@@ -76,12 +82,13 @@ def _grad_of(param: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def run(rank: int, world_size: int, dense_dir: Path, moe_dir: Path, out_dir: Path) -> None:
+def run(rank: int, world_size: int, dense_dir: Path, moe_dir: Path, mla_dir: Path, out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    models = {"dense": dense_dir, "moe": moe_dir}
+    models = {"dense": dense_dir, "moe": moe_dir, "mla": mla_dir}
     results = {name: train(models[model], tp=tp, cp=cp, packed=packed, sequence_parallel=sp,
-                           config=mis_config() if name.startswith("mis") else CONFIG)
+                           config=mis_config() if name.startswith("mis") else {**CONFIG, **MTP} if model == "mla"
+                           else CONFIG)
                for name, (model, tp, cp, packed, sp) in RUNS.items()}
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
@@ -97,5 +104,5 @@ if __name__ == "__main__":
 
     sys.path.insert(0, str(SLIME_EXAMPLES))  # as slime's launch scripts put its root on PYTHONPATH
     os.environ[ALLOWLIST_ENV] = "examples.train_infer_mismatch_helper"
-    spawn(run, Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), world_size=WORLD_SIZE,
+    spawn(run, *map(Path, sys.argv[1:5]), world_size=WORLD_SIZE,
           start_method="spawn" if torch.cuda.is_available() else "fork")

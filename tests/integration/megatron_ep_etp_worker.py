@@ -5,40 +5,19 @@ rollout's log-probs before and after its two steps, the steps, and the HF export
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
-import torch
-
-from bench.megatron_parity import spawn
-from tests.integration.megatron_moe_families_worker import layout_run
+from tests.integration.family_parity import layout_run, main, run_models
+from tests.integration.megatron_moe_families_worker import backend_layout
 
 WORLD_SIZE = 4
-LAYOUT = "tp2_ep2_etp2"  # the layout's (tensor, pipeline, expert, expert tensor) sizes below
-SIZES = (2, 1, 2, 2)
+SIZES = (2, 1, 2, 2)  # (tensor, pipeline, expert, expert tensor) parallel sizes
 
 
-def run(rank: int, world_size: int, out_dir: Path, model_dir: Path) -> None:
-    import logging
-    import warnings
-
-    from tests.integration import megatron_moe_families_worker
-
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    megatron_moe_families_worker.LAYOUTS[LAYOUT] = SIZES
-    result = layout_run(model_dir, LAYOUT, out_dir / "export", None)
-    if rank == 0:
-        (out_dir / "results.json").write_text(json.dumps(result))
+def run(rank: int, world_size: int, out_dir: Path, model_dirs: list[Path]) -> None:
+    run_models(rank, out_dir, model_dirs, lambda model_dir: layout_run(model_dir, backend_layout(SIZES),
+                                                                       save_dir=out_dir / "export"))
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)  # no OpenMP pool before the fork
-    import megatron.core.pipeline_parallel  # noqa: F401
-    import transformers  # noqa: F401
-
-    import services.trainer.backends.megatron.backend  # noqa: F401
-
-    spawn(run, Path(sys.argv[1]), Path(sys.argv[2]), world_size=WORLD_SIZE,
-          start_method="spawn" if torch.cuda.is_available() else "fork")
+    main(run, world_size=WORLD_SIZE)

@@ -2,7 +2,9 @@
 sequence, attention across the slices by the project's own CP attention) a tiny Qwen3 gives the log-probs, the
 losses and every parameter's gradient of CP=1 within 1e-5, packed (THD) and as padded rectangles, at tensor
 parallelism 1 and 2, also under sequence parallelism (each sequence padded to a multiple of 2·CP·TP); so does a tiny
-Qwen3-MoE, and so does slime's train-inference mismatch example's mis.py, unchanged, as the TIS function.
+Qwen3-MoE, and so does slime's train-inference mismatch example's mis.py, unchanged, as the TIS function; so does a
+tiny DeepSeek-V3 (multi-latent attention, experts) training its MTP layer at TP 2 under sequence parallelism and CP 2,
+the layout of slime's GLM-4.7-Flash script.
 
 One launch of tests/integration/megatron_cp_worker.py serves the tests here."""
 
@@ -13,19 +15,18 @@ import json
 import pytest
 import torch
 
+from testkit.mtp_checkpoints import build_tiny_deepseek_v3_with_mtp
+from tests.integration.family_parity import max_diff
 from tests.integration.workers import run_worker
 
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, family_model_dir, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron-cp")
+    mla = build_tiny_deepseek_v3_with_mtp(out / "deepseek-v3-mtp")
     run_worker("tests.integration.megatron_cp_worker", str(tiny_model_dir), str(family_model_dir("qwen3_moe")),
-               str(out), log_path=out / "worker.log", timeout_s=600)
+               str(mla), str(out), log_path=out / "worker.log", timeout_s=600)
     return json.loads((out / "results.json").read_text())
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
 
 
 def max_tensor_diff(a: dict, b: dict) -> float:
@@ -42,6 +43,7 @@ def max_tensor_diff(a: dict, b: dict) -> float:
     ("dense_tp2_cp2_sp_packFalse", "dense_tp1_cp1_packFalse"),
     ("moe_tp1_cp2_packTrue", "moe_tp1_cp1_packTrue"),
     ("mis_tp1_cp2_packTrue", "mis_tp2_cp1_packTrue"),  # the same micro-batches (mis.py normalizes over each)
+    ("mla_tp2_cp2_sp_packTrue", "mla_tp1_cp1_packTrue"),  # GLM-4.7-Flash's script's layout, its MTP layer trained
 ])
 def test_context_parallelism_trains_as_one_rank_per_sequence(results, run, reference):
     got, want = results[run], results[reference]

@@ -15,7 +15,7 @@ on its MoE block) does the same in every layout but routing replay, which the fs
 
 GLM-5 (glm_moe_dsa: DeepSeek-V3's attention and MoE with DeepSeek sparse attention, each query attending to the keys
 its indexer ranks best, fewer than the sequence) gives the HF log-probs and the fsdp steps at TP=2, PP=2 and EP=2, and
-its EP=2 export holds the indexer's weights under transformers' names.
+under each kind of routing replay at EP=2, and its EP=2 export holds the indexer's weights under transformers' names.
 
 DeepSeek-V3 at TP=2 × EP=2 × expert TP 2 (four gloo ranks: each expert cut over the TP ranks, two on each EP rank)
 gives the HF log-probs, the fsdp steps and, in its HF export, the fsdp backend's weights.
@@ -31,17 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.settings.train import TrainConfig
-from tests.integration.megatron_moe_families_worker import (
-    DENSE_LAYOUTS,
-    EXPORTED,
-    LAYOUTS,
-    REPLAY_SETTINGS,
-    REPLAYED,
-    SPARSE_LAYOUTS,
-)
-from tests.integration.megatron_moe_worker import engine_routed
-from tests.integration.megatron_worker import GRPO_CONFIG, grpo_rollout
+from tests.integration import family_parity
+from tests.integration.family_parity import REPLAY_SETTINGS, assert_steps_match, max_diff
+from tests.integration.megatron_moe_families_worker import DENSE_LAYOUTS, EXPORTED, LAYOUTS, REPLAYED, SPARSE_LAYOUTS
 from tests.integration.workers import run_worker
 
 FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe", "minimax_m2")  # MoE, in every layout of LAYOUTS
@@ -75,11 +67,7 @@ def _varied(family_dir: Path, out: Path, family: str) -> Path:
                 tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
             elif name.endswith(("e_score_correction_bias", "_proj.bias")):
                 tensor.copy_(0.2 * torch.randn(tensor.shape, generator=generator))
-    model.save_pretrained(out / family)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (family_dir / name).exists():
-            (out / family / name).write_bytes((family_dir / name).read_bytes())
-    return out / family
+    return family_parity.save_beside_tokenizer(model, family_dir, out / family)
 
 
 @pytest.fixture(scope="module")
@@ -96,51 +84,15 @@ def results(model_dirs, tmp_path_factory) -> dict:
     return {**json.loads((out / "results.json").read_text()), "out": out}
 
 
-def _clean(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics]
-
-
 @pytest.fixture(scope="module")
 def torch_reference(model_dirs) -> dict:
-    """TorchBackend's (the HF model's) log-probs before and after the rollout, metrics and weights; and under each
-    routing replay setting."""
-    from services.trainer.backends.fsdp.backend import TorchBackend
-
-    out = {}
-    for family, model_dir in model_dirs.items():
-        backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG), num_threads=1)
-        rollout = grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0)
-        before = backend.compute_log_probs(rollout)
-        metrics = _clean(backend.train_rollout(rollout))
-        out[family] = {"log_probs_before": before, "metrics": metrics,
-                       "log_probs_after": backend.compute_log_probs(rollout), "weights": dict(backend.named_weights())}
-        for setting in REPLAY_SETTINGS if family in REPLAYED else ():
-            backend = TorchBackend(model_dir, TrainConfig(**GRPO_CONFIG, **{setting: True}), num_threads=1)
-            rollout = engine_routed(model_dir, grpo_rollout(backend.model.config.vocab_size, backend.pad_token_id, 0))
-            out[family][setting] = {"metrics": _clean(backend.train_rollout(rollout)),
-                                    "log_probs_after": backend.compute_log_probs(rollout)}
-    return out
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
-
-
-def _assert_steps_match(got: list[dict], want: list[dict]) -> None:
-    assert len(got) == len(want) == 2
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.keys() == w.keys(), step
-        for key in w:
-            assert g[key] == pytest.approx(w[key], abs=1e-5, rel=1e-5), (step, key)
+    """TorchBackend's (the HF model's) runs of every family, and of the REPLAYED ones under each routing replay."""
+    return family_parity.torch_reference(model_dirs, REPLAYED)
 
 
 @pytest.mark.parametrize(("family", "layout"), RUNS)
 def test_log_probs_and_grpo_steps_match_the_hf_model_on_torch_backend(results, torch_reference, family, layout):
-    run, want = results[family][layout], torch_reference[family]
-    assert max_diff(run["log_probs_before"], want["log_probs_before"]) <= 1e-5
-    _assert_steps_match(run["metrics"], want["metrics"])
-    assert abs(run["metrics"][1]["train/ppo_kl"]) > 1e-4  # the second step saw the policy the first one moved
-    assert max_diff(run["log_probs_after"], want["log_probs_after"]) < 1e-4
+    family_parity.assert_layout_run_matches(results[family][layout], torch_reference[family])
 
 
 @pytest.mark.parametrize(("family", "layout"), EXPORTS)
@@ -168,7 +120,7 @@ def ep_etp_results(model_dirs, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron-ep-etp")
     run_worker("tests.integration.megatron_ep_etp_worker", str(out), str(model_dirs["deepseek_v3"]),
                log_path=out / "worker.log", timeout_s=600)
-    return {**json.loads((out / "results.json").read_text()), "out": out}
+    return {**json.loads((out / "results.json").read_text())[model_dirs["deepseek_v3"].name], "out": out}
 
 
 def test_expert_parallelism_and_expert_tensor_parallelism_together_train_as_the_torch_backend(ep_etp_results,
@@ -177,7 +129,7 @@ def test_expert_parallelism_and_expert_tensor_parallelism_together_train_as_the_
 
     want = torch_reference["deepseek_v3"]
     assert max_diff(ep_etp_results["log_probs_before"], want["log_probs_before"]) <= 1e-5
-    _assert_steps_match(ep_etp_results["metrics"], want["metrics"])
+    assert_steps_match(ep_etp_results["metrics"], want["metrics"])
     assert max_diff(ep_etp_results["log_probs_after"], want["log_probs_after"]) < 1e-4
     saved = load_file(ep_etp_results["out"] / "export" / "model.safetensors")
     assert saved.keys() == want["weights"].keys()
@@ -189,18 +141,9 @@ def test_expert_parallelism_and_expert_tensor_parallelism_together_train_as_the_
 @pytest.mark.parametrize("family", REPLAYED)
 def test_routing_replay_at_expert_parallelism_2_routes_as_the_torch_backend_does(results, torch_reference, family,
                                                                                  setting):
-    got, want = results[family][setting], torch_reference[family][setting]
-    _assert_steps_match(got["metrics"], want["metrics"])
-    assert max_diff(got["log_probs_after"], want["log_probs_after"]) < 1e-4
-    if setting == "use_rollout_routing_replay":  # the engine's other routing changed the step
-        plain = torch_reference[family]["metrics"][0]["train/grad_norm"]
-        assert abs(want["metrics"][0]["train/grad_norm"] - plain) > 1e-3
+    family_parity.assert_replay_run_matches(results[family][setting], torch_reference[family], setting)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_backend_resumed_from_a_dist_checkpoint_trains_as_if_never_stopped(results, family):
-    run = results[family]["tp2_ep2"]
-    assert len(run["resumed_metrics"]) == len(run["second_metrics"]) == 2
-    for got, want in zip(run["resumed_metrics"], run["second_metrics"], strict=True):
-        for key in want:
-            assert got[key] == pytest.approx(want[key], abs=1e-6, rel=1e-6), key
+    family_parity.assert_resumed_as_never_stopped(results[family]["tp2_ep2"])

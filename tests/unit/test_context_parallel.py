@@ -140,3 +140,44 @@ def test_a_model_whose_layers_are_not_all_full_attention_is_refused_at_submit(tm
     assert families.context_parallel_problem({"model_type": "qwen3_next"}) == \
         "its gated delta-net (linear_attention) layers are not full attention"
     assert families.context_parallel_problem({**qwen3, "use_sliding_window": True}, gathers_gated_delta_nets=True)
+
+
+def test_megatron_refuses_glm5_and_vision_language_models_at_submit_with_the_backends_own_reason(tmp_path):
+    """GLM-5's sparse attention and a vision-language model's forward take whole sequences on megatron: refused at
+    submit under context parallelism, with the reason the backend gives when it builds the model (one source)."""
+    from services.trainer.backends.megatron.backend import _context_parallel_problem
+    from services.trainer.models import families
+    from services.trainer.settings.train import TrainConfig
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    text = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+            "num_hidden_layers": 2, "vocab_size": 256, "rope_parameters": {"rope_theta": 10000.0,
+                                                                           "mrope_section": [2, 3, 3]}}
+    vision = {"vision_config": {"depth": 2}, "image_token_id": 5}
+    configs = {"glm5": {"model_type": "glm_moe_dsa"}, "qwen2_5_vl": {"model_type": "qwen2_5_vl", **vision, **text},
+               "qwen3_5": {"model_type": "qwen3_5", **vision, "text_config": {"layer_types": ["full_attention"]}}}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+
+    def refusals(name: str, backend: str, **extra) -> list[str]:
+        spec = parse_spec({**BASE, "hf_checkpoint": str(tmp_path / name), "prompt_data": str(tmp_path / "d.jsonl"),
+                           "context_parallel_size": 2, "train_backend": backend, **extra})
+        return [p for p in preflight_checks.check_model_family(spec) if "cannot be split" in p]
+
+    dsa = families.megatron_context_parallel_problem(configs["glm5"])
+    whole = families.megatron_context_parallel_problem(configs["qwen2_5_vl"])
+    assert dsa == "megatron-core's DeepSeek sparse attention (GLM-5) does not split sequences over ranks"
+    assert whole == ("a vision-language model's forward runs each sequence whole on one rank (its multimodal "
+                     "positions)")
+    for name, reason in (("glm5", dsa), ("qwen2_5_vl", whole)):
+        assert refusals(name, "megatron") == [f"context_parallel_size 2: hf_checkpoint's model cannot be split over "
+                                              f"ranks ({reason}); use context_parallel_size 1"]
+    # Qwen3.5 is a vision-language model only for a job with images (which refuses context parallelism on any
+    # backend); a text job trains its language model, which megatron splits
+    assert refusals("qwen3_5", "megatron") == []
+    assert families.megatron_context_parallel_problem(configs["qwen3_5"], images=True) == whole
+    # the backend's own check, when it builds the model, gives the same reasons
+    assert _context_parallel_problem(TrainConfig(), configs["glm5"]) == dsa
+    assert _context_parallel_problem(TrainConfig(multimodal_keys={"image": "images"}), configs["qwen3_5"]) == whole
+    assert _context_parallel_problem(TrainConfig(), configs["qwen3_5"]) == ""

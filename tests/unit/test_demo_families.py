@@ -51,6 +51,6 @@ def test_a_family_demo_settings_reach_its_jobs_alone_and_the_user_sets_still_win
                 grpo["global_batch_size"], grpo["lr"])
 
     assert shape(*jobs("qwen3", [], [])) == (80, 8, 64, 512, 2.0e-4)
-    for family in ("deepseek_v3", "glm4_moe_lite"):
-        assert shape(*jobs(family, [], [])) == (80, 8, 64, 512, 1.0e-4)
+    assert shape(*jobs("glm4_moe_lite", [], [])) == (80, 8, 64, 512, 1.0e-4)
+    assert shape(*jobs("deepseek_v3", [], [])) == (120, 8, 64, 512, 1.0e-4)  # a longer warm-up too
     assert shape(*jobs("deepseek_v3", ["num_rollout=2"], ["lr=3.0e-4"])) == (2, 8, 64, 512, 3.0e-4)

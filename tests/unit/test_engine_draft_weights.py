@@ -1,7 +1,7 @@
 """The CPU engine serving a checkpoint with multi-token-prediction layers (a tiny MiMo, testkit/mtp_checkpoints.py): it
 decodes without a draft model, holds the checkpoint's MTP weights aside, and takes the trainer's MTP weights in a
 sync where SGLang loads them into its speculative draft model; a name past the checkpoint's MTP layers is still
-refused."""
+refused. The same for a tiny Qwen3-Next's (mtp.*)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from services.common.errors import InvalidArgument
 from services.engine.generation import Engine, load_model
 from services.engine.weights import WeightUpdater
-from testkit.mtp_checkpoints import build_tiny_mimo
+from testkit.mtp_checkpoints import build_tiny_mimo, build_tiny_qwen_next_with_mtp
 from tests.model_families import TOKENIZER_FILES
 
 
@@ -45,3 +45,21 @@ def test_the_engine_keeps_and_takes_the_mtp_weights(mimo_dir, tmp_path):
     with pytest.raises(InvalidArgument, match="does not match the model's"):
         updater._check([(name, (64, 64))])
     assert torch.equal(updater.draft[name], mtp[name] + 1.0)
+
+
+def test_the_engine_keeps_and_takes_qwen3_next_mtp_weights(tiny_model_dir, tmp_path):
+    model_dir = build_tiny_qwen_next_with_mtp(tmp_path / "qwen3_next")
+    for name in TOKENIZER_FILES:
+        if (tiny_model_dir / name).exists():
+            (model_dir / name).write_bytes((tiny_model_dir / name).read_bytes())
+    model, tokenizer = load_model(str(model_dir))
+    updater = WeightUpdater(Engine(model, tokenizer, max_batch_size=1), timeout_s=30.0)
+    mtp = {name: t for name, t in load_file(model_dir / "model.safetensors").items() if name.startswith("mtp.")}
+    assert updater.draft.keys() == mtp.keys() and "mtp.fc.weight" in mtp
+    sent = {**{name: t.clone() for name, t in model.state_dict().items()},
+            **{name: t + 1.0 for name, t in mtp.items()}}
+    sync = tmp_path / "sync"  # a sync as the trainer writes it: every weight, the MTP ones changed
+    sync.mkdir()
+    save_file(sent, sync / "model.safetensors")
+    updater.update_from_disk(str(sync), weight_version="1")
+    assert all(torch.equal(updater.draft[name], tensor + 1.0) for name, tensor in mtp.items())

@@ -186,6 +186,16 @@ def test_slime_style_lora_flags_set_the_spec_keys():
     assert bad.invalid == ["--lora-rank: invalid int value: 'big'"]
 
 
+def test_lora_sync_is_a_spec_key_and_a_flag():
+    spec = slime_args.convert(["--lora-sync", "disk"], spec_keys=set(JobSpec.model_fields),
+                              check_architecture=False).spec
+    assert spec["lora_sync"] == "disk"
+    assert parse_spec({**BASE_SPEC, "lora_rank": 8, "lora_sync": "disk"}).sync.lora_sync == "disk"
+    assert parse_spec({**BASE_SPEC, "lora_rank": 8}).sync.lora_sync == "auto"
+    with pytest.raises(InvalidArgument, match="lora_sync"):
+        parse_spec({**BASE_SPEC, "lora_rank": 8, "lora_sync": "sideways"})
+
+
 def test_loading_an_hf_checkpoint_replaces_the_base_and_keeps_the_adapters(tiny_model_dir, tmp_path):
     plain = make_backend(tiny_model_dir)
     with torch.no_grad():

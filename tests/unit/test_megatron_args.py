@@ -92,3 +92,41 @@ def test_make_vocab_size_divisible_by_sets_the_padded_vocab_as_megatron_lm_does(
     for bad in (0, "64", 6.4):
         with pytest.raises(InvalidArgument, match="megatron.make_vocab_size_divisible_by: expected"):
             args.split({"make_vocab_size_divisible_by": bad})
+
+
+FIRST_SUBMITS = """
+import threading
+from services.trainer.backends.megatron import args
+
+start, errors = threading.Barrier(6), []
+
+def submit(optimizer_first):
+    start.wait()
+    try:  # the two checks import megatron-core's modules in different orders
+        if optimizer_first:
+            args.check_optimizer({}, use_distributed_optimizer=True)
+        args.split({"attention_dropout": 0.1})
+        args.check_optimizer({}, use_distributed_optimizer=True)
+    except Exception as err:  # the failure this guards against is an ImportError mid-import
+        errors.append(repr(err))
+
+threads = [threading.Thread(target=submit, args=(i % 2 == 0,)) for i in range(6)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(errors)
+"""
+
+
+def test_concurrent_first_submits_each_see_megatron_core_whole():
+    """The job API checks specs in worker threads; the first ones to arrive import megatron-core together (a fresh
+    interpreter, so nothing is imported yet)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FIRST_SUBMITS], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -104,8 +104,10 @@ def test_mtp_jobs_are_checked_at_submit(tmp_path):
     assert preflight(parse_spec(base)).mtp_num_layers == 1
     with pytest.raises(InvalidArgument, match="set train_backend: megatron"):
         parse_spec({**base, "train_backend": "fsdp"})
-    with pytest.raises(InvalidArgument, match="built at pipeline_model_parallel_size 1 and context_parallel_size 1"):
-        parse_spec({**base, "pipeline_model_parallel_size": 2})
+    assert parse_spec({**base, "pipeline_model_parallel_size": 2}).pipeline_model_parallel_size == 2
+    assert parse_spec({**base, "context_parallel_size": 2}).context_parallel_size == 2
+    with pytest.raises(InvalidArgument, match="multi-token-prediction layers .mtp_num_layers. take text rows only"):
+        parse_spec({**base, "multimodal_keys": {"image": "images"}})
     with pytest.raises(InvalidArgument, match="enable_mtp_training needs mtp_num_layers"):
         parse_spec({**base, "mtp_num_layers": None})
     with pytest.raises(InvalidArgument, match=r"mtp_num_layers 2: hf_checkpoint carries 1 multi-token-prediction "
@@ -114,3 +116,15 @@ def test_mtp_jobs_are_checked_at_submit(tmp_path):
     (model / "config.json").write_text(json.dumps({**QWEN2, "model_type": "qwen3"}))
     with pytest.raises(InvalidArgument, match="model family 'qwen3' carries no multi-token-prediction layers"):
         preflight(parse_spec(base))
+
+
+def test_qwen3_next_and_qwen3_5_checkpoints_name_their_mtp_layer_under_mtp():
+    qwen3_5 = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}}
+    assert mtp.checkpoint_layers(qwen3_5) == mtp.checkpoint_layers({"model_type": "qwen3_next",
+                                                                    "mtp_num_hidden_layers": 1}) == 1
+    assert mtp.problem(qwen3_5, 1) == ""
+    assert mtp.problem({"model_type": "qwen3_next"}, 1) == (
+        "mtp_num_layers 1: hf_checkpoint carries 0 multi-token-prediction layers (config.json mtp_num_hidden_layers)")
+    # its layer's tensors under mtp.layers.0, its norms and projection under mtp.
+    assert (mtp.hf_prefix("qwen3_next", 48, 0), mtp.own_prefix("qwen3_next", 48, 0)) == ("mtp.layers.0.", "mtp.")
+    assert mtp.hf_names("qwen3_5_moe")["eh_proj.weight"] == "fc.weight"

@@ -193,3 +193,37 @@ def test_qwen3_5_with_images_is_its_vision_language_model(qwen3_5_dir):
     engine_model, _ = load_model(str(qwen3_5_dir))
     assert {n: tuple(t.shape) for n, t in after.items()} == {n: tuple(t.shape)
                                                               for n, t in engine_model.state_dict().items()}
+
+
+@pytest.mark.parametrize("backend_name", ["megatron", "fsdp"])
+def test_an_observation_image_in_a_response_is_an_image(vlm_dir, backend_name):
+    """A multi-turn sample (slime's geo3k_vlm_multi_turn): an environment's observation with an image inside the
+    response, its tokens untrained (loss_mask 0). Its image tokens take the observation image's features and grid
+    positions, as the engine read the whole context on the next turn: the trainers' log-probs are the HF model's
+    over the sample with every image, and an image token the policy sampled beside it stays text."""
+    from services.rollout.generation.image_tokens import ImageTokens
+    from services.rollout.generation.prompts import PromptEncoder
+    from tests.unit.test_fsdp_vision import make_backend as make_fsdp_backend
+
+    encoder, tokens = PromptEncoder(vlm_dir), ImageTokens.load(vlm_dir)
+    first, second = vlm_samples(vlm_dir)[:2]
+    seen = image(28, 56, (10, 200, 30))
+    observation = tokens.expand(encoder.encode_text("<|vision_start|><|image_pad|><|vision_end|>look"), [seen], "t")
+    turn1, turn2 = encoder.encode_text("12"), encoder.encode_text("3")
+    response = turn1 + observation + turn2
+    multi_turn = Sample(tokens=first.tokens[:first.prompt_length] + response, response_length=len(response),
+                        loss_mask=[1] * len(turn1) + [0] * len(observation) + [1] * len(turn2), group_index=0,
+                        images=[*first.images, seen], reward=1.0)
+    backend = make_backend(vlm_dir, micro_batch_size=2) if backend_name == "megatron" else \
+        make_fsdp_backend(vlm_dir, micro_batch_size=2)
+    try:
+        got = backend.compute_log_probs([multi_turn, second])[0]
+        blind = Sample(**{**multi_turn.__dict__, "images": [*first.images, image(28, 56, (0, 0, 0))]})
+        other = backend.compute_log_probs([blind, second])[0]
+    finally:
+        if backend_name == "megatron":
+            backend.close()
+    assert got == pytest.approx(hf_log_probs(vlm_dir, multi_turn, 1.0), abs=1e-5)
+    after = len(turn1) + len(observation)  # the observation image's pixels reach the turn after it
+    assert other[:len(turn1)] == pytest.approx(got[:len(turn1)], abs=1e-6)
+    assert other[after:] != pytest.approx(got[after:], abs=1e-4)

@@ -72,3 +72,53 @@ def test_a_response_without_log_probs_cannot_take_trainable_ones_later():
         sample.append_response_tokens(None, tokens=[3], log_probs=[-0.1])
     sample.append_response_tokens(None, tokens=[4], trainable=False)
     assert sample.loss_mask == [1, 0] and sample.rollout_log_probs == [0.0, 0.0]
+
+
+def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
+    import io
+
+    from PIL import Image as PILImage
+
+    out = io.BytesIO()
+    PILImage.new("RGB", (width, height), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_the_images_a_generate_function_adds_after_its_prompts_are_the_samples_own():
+    """slime's multi-turn rollouts extend multimodal_inputs["images"] with each observation's (Pillow images): the
+    finished sample keeps those after its prompt's, as checked PNGs of the same pixels; the prompt's stay the
+    group's."""
+    import io
+
+    from PIL import Image as PILImage
+
+    from services.common.images import check_image
+    from services.common.plugin_sample import finish_plugin_sample
+
+    prompt_image = check_image(png(4, 4, (255, 0, 0)))
+    observed = PILImage.new("RGBA", (6, 2), (0, 0, 255, 255))
+    sample = PluginSample(tokens=[1, 2, 3], response_length=1, loss_mask=[0], rollout_log_probs=[0.0],
+                          prompt_messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                             "text": "?"}]}],
+                          multimodal_inputs={"images": [prompt_image, observed], "videos": None})
+    finish_plugin_sample(sample, needs_log_probs="", what="t")
+    (own,) = sample.observation_images
+    assert (own.mime_type, own.width, own.height) == ("image/png", 6, 2)
+    assert PILImage.open(io.BytesIO(own.data)).convert("RGB").getpixel((5, 1)) == (0, 0, 255)
+    text_only = PluginSample(tokens=[1, 2], response_length=1, multimodal_inputs={"images": None})
+    assert finish_plugin_sample(text_only, needs_log_probs="", what="t").observation_images == []
+    huge = PluginSample(tokens=[1, 2], response_length=1,
+                        multimodal_inputs={"images": [PILImage.new("RGB", (5000, 5000))]})
+    with pytest.raises(InvalidArgument, match="an image the generate function added: image of 5000x5000 pixels"):
+        finish_plugin_sample(huge, needs_log_probs="", what="t")
+
+
+def test_untrained_tokens_take_all_zero_log_probs():
+    """slime refuses any log-probs for untrained tokens; its geo3k_vlm_multi_turn rollout passes zeros for each
+    observation, which are what they get anyway: taken. Any other value stays refused."""
+    sample = PluginSample(tokens=[1, 2], response_length=0)
+    sample.append_response_tokens(None, tokens=[3], log_probs=[-0.5], trainable=True)
+    sample.append_response_tokens(None, tokens=[4, 5], log_probs=[0.0, 0.0], trainable=False)
+    assert sample.loss_mask == [1, 0, 0] and sample.rollout_log_probs == [-0.5, 0.0, 0.0]
+    with pytest.raises(InvalidArgument, match="take no log_probs"):
+        sample.append_response_tokens(None, tokens=[6], log_probs=[-0.1], trainable=False)

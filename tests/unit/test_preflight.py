@@ -145,7 +145,8 @@ def test_routing_replay_is_refused_at_submit_where_it_cannot_run(paths, tmp_path
 
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     with pytest.raises(InvalidArgument, match="routing replay: model family 'mixtral' is not one it applies to "
-                                              r"\(qwen3_moe, qwen3_5_moe, glm4_moe, deepseek_v3, glm4_moe_lite\)"):
+                                              r"\(qwen3_moe, qwen3_5_moe, qwen3_next, glm4_moe, deepseek_v3, "
+                                              r"glm4_moe_lite, glm_moe_dsa\)"):
         preflight(parse_spec({**paths, "use_rollout_routing_replay": True}))
     from transformers import Qwen3MoeConfig
 

@@ -84,10 +84,13 @@ class FakeBuffer:
         return types.SimpleNamespace(groups=groups, num_stale_dropped=0, num_stale_regenerated=0)
 
 
-def take_rollout(tmp_path: Path, restart_after: int) -> tuple[list[Sample], FakeManager]:
+def take_rollout(tmp_path: Path, restart_after: int, *, lora: bool = False) -> tuple[list[Sample], FakeManager]:
     snapshot = snapshot_path(tmp_path, VERSION)
     snapshot.mkdir(parents=True, exist_ok=True)
-    (snapshot / "model.safetensors").write_bytes(b"")
+    if lora:  # a LoRA job's snapshot: its adapter's PEFT directory alone
+        (snapshot / "adapters" / f"race@v{VERSION}").mkdir(parents=True)
+    else:
+        (snapshot / "model.safetensors").write_bytes(b"")
     spec = parse_spec({"job_id": "race", "hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5,
                        "rollout_batch_size": 2, "mode": "fully_async"})
     manager = FakeManager(tmp_path, restart_after)
@@ -105,6 +108,12 @@ def test_a_manager_restarted_after_any_call_gets_the_weights_before_its_groups_c
     assert manager.weight_version == str(VERSION)
     if restart_after:
         assert manager.calls >= restart_after  # the restart did happen inside the trainer's calls
+
+
+@pytest.mark.parametrize("restart_after", [1, 4])
+def test_a_lora_jobs_adapter_snapshot_is_announced_to_a_restarted_manager(tmp_path, restart_after):
+    samples, manager = take_rollout(tmp_path, restart_after, lora=True)
+    assert all(s.weight_versions == [str(VERSION)] for s in samples) and manager.weight_version == str(VERSION)
 
 
 def test_an_unavailable_manager_is_waited_for(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.gen.physarum.v1 import sample_pb2
-from services.common.samples import Sample, Status, sample_from_proto, sample_to_proto
+from services.common.samples import Image, Sample, Status, sample_from_proto, sample_to_proto
 
 
 def full_sample() -> Sample:
@@ -15,7 +15,8 @@ def full_sample() -> Sample:
                   metadata={"rm_type": "math", "nested": {"k": [1.5, "x"]}}, weight_versions=["4", "5"],
                   group_index=2, index=7, reward_error="boom", rollout_id=0, remove_sample=True,
                   teacher_log_probs=[-0.5], train_metadata={}, custom_rm_path="m.f", generate_function_path="m.g",
-                  rollout_routed_experts=[0, 3, 1, 2])
+                  rollout_routed_experts=[0, 3, 1, 2],
+                  observation_images=[Image(data=b"\x89PNG...", mime_type="image/png", width=3, height=2)])
 
 
 def test_every_field_round_trips():

@@ -143,3 +143,64 @@ def test_a_proto_sample_is_decoded_in_the_worker_with_its_whole_numbers_as_ints(
     assert decoded.metadata == {"bonus": 3, "weight": 0.5, "tags": [1, 2.5]}
     assert type(decoded.metadata["bonus"]) is int and decoded.label == {"answer": 46}
     assert one_sample.as_sample(sample) is sample
+
+
+def run_in_one_worker(tasks, timeout_s=5.0, pool=None):
+    from services.reward.workers import WorkerPool
+
+    async def run():
+        return await pool.run_many(tasks, timeout_s)
+    owned = pool is None
+    pool = pool or WorkerPool(num_workers=1)
+    try:
+        return asyncio.run(run())
+    finally:
+        if owned:
+            pool.close()
+
+
+def match_task(response: str, index: int):
+    from services.reward.workers import Task
+
+    return Task("custom", f"{PLUGINS}.scaled_match", "", Sample(response=response, label="46", index=index),
+                {"scale": 2.0}, index=index)
+
+
+def test_a_run_of_samples_in_one_worker_keeps_each_samples_timeout_and_failures_its_own():
+    from services.reward.workers import Task
+
+    tasks = [match_task("46", 0),
+             Task("custom", f"{PLUGINS}.slow", "", Sample(index=1), {"sleep_s": 30}, index=1),
+             match_task("45", 2),
+             Task("custom", f"{PLUGINS}.exits", "", Sample(index=3), {}, index=3),
+             match_task("46", 4)]
+    start = time.monotonic()
+    outcomes = run_in_one_worker(tasks, timeout_s=1.0)
+    assert time.monotonic() - start < 25.0  # the slow sample was stopped at its own timeout
+    assert [(o.reward, o.ok) for o in outcomes] == [(2.0, True), (0.0, False), (0.0, True), (0.0, False),
+                                                     (2.0, True)]
+    assert outcomes[1].error == "timed out after 1 s (worker killed)"
+    assert "SystemExit" in outcomes[3].error
+
+
+def test_a_run_naming_unloadable_code_is_invalid_and_leaves_its_worker_answering_the_next_run_rightly():
+    from services.reward.workers import Task, WorkerPool
+
+    pool = WorkerPool(num_workers=1)
+    try:
+        bad = [Task("custom", f"{PLUGINS}.missing", "", Sample(index=i), {}, request_path=True, index=i)
+               for i in range(3)]
+        with pytest.raises(InvalidArgument, match="has no function 'missing'"):
+            run_in_one_worker(bad, pool=pool)
+        # the worker stopped the bad run at its first sample: no stale answer is read as the next run's
+        outcomes = run_in_one_worker([match_task("46", 0), match_task("4", 1), match_task("46", 2)], pool=pool)
+        assert [o.reward for o in outcomes] == [2.0, 0.0, 2.0]
+    finally:
+        pool.close()
+
+
+def test_a_large_request_goes_out_in_runs_and_comes_back_in_order():
+    assert [scorers.run_length(n, 4) for n in (1, 8, 31, 32, 256, 2048, 100_000)] == [1, 1, 1, 2, 16, 32, 32]
+    samples = [Sample(response=str(i % 3), label="1", index=i) for i in range(100)]  # runs of 6 on 4 workers
+    results = score([sample_to_proto(s) for s in samples], rm_type="exact_match")
+    assert [r.reward for r in results] == [float(i % 3 == 1) for i in range(100)]

@@ -106,15 +106,10 @@ HF_CONFIGS = {
         "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053},
 }
 # What each example is refused for, by flag (the flag's status in docs/slime-flags.md: refused, with the reason)
-REFUSED = {
-    # slime's MoE scripts: GLM-4.7-Flash's MTP training is refused at its 4 pipeline stages (megatron builds MTP layers
-    # at PP 1)
-    "glm4.7_30B_A3B": {"mtp_num_layers"},
-}
+REFUSED: dict[str, set[str]] = {}  # none left: megatron builds every example's family with every feature it uses
 GATED_DELTA_NET_SCRIPTS = ("fully_async_qwen3.5_9B", "qwen3_next_80B_A3B", "qwen3.5_35B_A3B_sft")
 # The refused flags of slime's MoE scripts (a flag with a value drops with it), and the families megatron builds
 MOE_SCRIPTS = ("glm4.7_30B_A3B", "deepseek_r1", "moonlight_16B_A3B", "qwen3_30B_A3B")
-OTHER_PART = {"--enable-mtp-training": 0, "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1}  # MTP training
 # multi_agent's --use-precision-aware-optimizer: megatron-core runs it only on TransformerEngine's FusedAdam or on its
 # CPU-offload optimizer (multi_agent offloads it)
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
@@ -125,7 +120,7 @@ PRECISION_REFUSAL = ("job spec: megatron.use_precision_aware_optimizer: megatron
 FAMILY_REFUSAL = "hf_checkpoint: train_backend megatron cannot build model family"
 # The plugin modules the examples name (the operator's allow-list; their files are the user's)
 PLUGIN_MODULES = ("generate_with_retool,generate_with_search,examples.train_infer_mismatch_helper,examples.multi_agent,"
-                  "tests.slime_compat")
+                  "examples.geo3k_vlm_multi_turn,tests.slime_compat")
 
 
 def materialize(argv: list[str], root: Path) -> list[str]:
@@ -148,7 +143,9 @@ def materialize(argv: list[str], root: Path) -> list[str]:
             path = Path(argv[i + 2])
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"prompt": "3+3=", "label": "6"}) + "\n")
-    if "--custom-config-path" in given:  # slime's mis.yaml settings
+    if "--custom-config-path" in given and "geo3k_vlm_multi_turn" in given["--custom-config-path"]:
+        argv[argv.index("--custom-config-path") + 1] = str(HERE / "slime_examples" / given["--custom-config-path"])
+    elif "--custom-config-path" in given:  # slime's mis.yaml settings
         path = root / "slime" / given["--custom-config-path"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump({
@@ -196,10 +193,6 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
     if REFUSED[name] == {"family"}:  # the model family, refused at submit by the backend that cannot build it
         assert all(FAMILY_REFUSAL in p and p.endswith("train_backend fsdp trains it") for p in problems), problems
         return
-    if REFUSED[name] == {"mtp_num_layers"}:
-        assert problems == ["job spec: mtp_num_layers: multi-token-prediction layers are built at "
-                            "pipeline_model_parallel_size 1 and context_parallel_size 1"], problems
-        return
     assert {p.split(":")[0].split(" ")[0] for p in problems} == REFUSED[name], problems
     for flag in REFUSED[name]:
         listed = slime_flags.FLAGS.get(flag[2:]) or megatron_flags.MEGATRON.get(flag[2:])
@@ -213,25 +206,12 @@ def test_each_example_is_accepted_or_refused_only_for_a_listed_feature(name, tmp
                for p in problems), problems
 
 
-def _without_other_parts(argv: list[str]) -> list[str]:
-    """The argv without the flags OTHER_PART names (and their values)."""
-    out, skip = [], 0
-    for token in argv:
-        if skip:
-            skip -= 1
-        elif token in OTHER_PART:
-            skip = OTHER_PART[token]
-        else:
-            out.append(token)
-    return out
-
-
 @pytest.mark.parametrize("name", MOE_SCRIPTS)
 def test_the_moe_scripts_build_their_family_with_every_moe_flag_at_their_own_parallel_sizes(name, tmp_path):
-    """DeepSeek-R1, Moonlight (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite; without its MTP flags) and Qwen3-30B-A3B
-    build on megatron with every MoE and model flag their scripts pass, at their own tensor, pipeline and expert
-    parallel sizes."""
-    argv = _without_other_parts(materialize(EXAMPLES[name]["argv"], tmp_path))
+    """DeepSeek-R1, Moonlight (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite, its MTP layer trained at PP 2 × CP 2)
+    and Qwen3-30B-A3B build on megatron with every MoE and model flag their scripts pass, at their own tensor,
+    pipeline and expert parallel sizes."""
+    argv = materialize(EXAMPLES[name]["argv"], tmp_path)
     given = dict(zip(argv, argv[1:], strict=False))
     spec = submit(argv)
     assert spec.train_backend == "megatron"
@@ -239,6 +219,10 @@ def test_the_moe_scripts_build_their_family_with_every_moe_flag_at_their_own_par
     assert spec.pipeline_model_parallel_size == int(given["--pipeline-model-parallel-size"])
     assert spec.expert_model_parallel_size == int(given["--expert-model-parallel-size"])
     assert spec.moe_router_load_balancing_type in ("none", "aux_loss")
+    if "--mtp-num-layers" in given:
+        train = spec.train
+        assert (spec.mtp_num_layers, train.enable_mtp_training, train.mtp_loss_scaling_factor) == (1, True, 0.2)
+        assert spec.context_parallel_size == int(given["--context-parallel-size"]) == 2
     if "--moe-enable-deepep" in argv:
         assert any(note.startswith("--moe-enable-deepep: megatron-core's all-to-all") for note in spec.slime_notes)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import inspect
 import random
 import uuid
@@ -25,52 +24,16 @@ from services.rollout.generation import filters
 from services.rollout.generation.drain import drain_surplus
 from services.rollout.generation.groups import generate_group
 from services.rollout.generation.partial import PartialGroups, prepare_resumed
-from services.rollout.generation.prompts import PromptEncoder
 from services.rollout.generation.rollout_function import FunctionRun, current_run, rate_once
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import batched_async_rm
 from slime.utils.async_utils import run
-
-
-class Tokenizer:
-    """The slice of a Hugging Face tokenizer plugins use, over the manager's torch-free tokenizer: call it for
-    {"input_ids": [...]}, encode, decode, apply_chat_template, eos_token_id."""
-
-    def __init__(self, model_path: str) -> None:
-        self._encoder = PromptEncoder(model_path)
-        self.eos_token_id = self._encoder.eos_token_id
-        self.eos_token = self._encoder.special_tokens["eos_token"] or None
-        self.pad_token = self._encoder.special_tokens["pad_token"] or None
-        self.chat_template = self._encoder.chat_template
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encoder.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **_: Any) -> dict[str, Any]:
-        if isinstance(text, list):
-            return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
-        return {"input_ids": self.encode(text, add_special_tokens)}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: Any) -> str:
-        return self._encoder.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = True,
-                            add_generation_prompt: bool = False, tools: list | None = None, **kwargs: Any) -> Any:
-        if self.chat_template is None:
-            raise ValueError(f"{self._encoder.path} has no chat template")
-        text = self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **{**self._encoder.special_tokens, **kwargs})
-        return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-@functools.cache
-def load_tokenizer(model_path: str) -> Tokenizer:
-    return Tokenizer(model_path)
+from slime.utils.processing_utils import Tokenizer, load_processor, load_tokenizer
 
 
 class GenerateState:
-    """One per job (slime keeps one per process, for its one job): args, tokenizer, the rollout's sampling params,
-    a semaphore bounding the requests a plugin sends at once, and slime's data-parallel rank bookkeeping
+    """One per job (slime keeps one per process, for its one job): args, tokenizer, processor, the rollout's sampling
+    params, a semaphore bounding the requests a plugin sends at once, and slime's data-parallel rank bookkeeping
     (dp_rank_context: the least-busy of args.sglang_dp_size ranks; bookkeeping only, as in slime: the router picks
     the engine)."""
 
@@ -86,7 +49,6 @@ class GenerateState:
 
     def _init(self, args: Any) -> None:
         self.args = args
-        self.processor = None  # multimodal processors are not supported
         concurrency = getattr(args, "sglang_server_concurrency", None) or 512
         self.semaphore = asyncio.Semaphore(concurrency)
         self.sampling_params = _sampling_params(
@@ -116,6 +78,13 @@ class GenerateState:
             raise FailedPrecondition("slime.rollout.sglang_rollout.GenerateState.tokenizer: the job's args name no "
                                      "hf_checkpoint")
         return load_tokenizer(path)
+
+    @property
+    def processor(self) -> Any:
+        """The model's processor (slime.utils.processing_utils: torch-free, input_ids with image tokens expanded);
+        None for a text model."""
+        path = getattr(self.args, "hf_checkpoint", None)
+        return load_processor(path) if path else None
 
     def reset(self) -> None:
         self.remaining_batch_size = 0

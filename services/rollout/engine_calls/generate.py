@@ -30,6 +30,7 @@ from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY, append_response_tokens, finish_plugin_sample
 from services.common.samples import Image, Sample, Status
+from services.common.sglang import versioned_adapter_name
 from services.rollout.engine_calls.router_http import Poster, PostError, StreamError
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,26 @@ class GenerateContext:
     open_session: Callable[..., Any] | None = None
     scorer: Any = None  # the rollout's reward-service scorer (scoring.ServiceScorer), for slime's rm_hub.async_rm
     lora_name: str | None = None  # a LoRA job's adapter on the engines: every /generate names it (lora_path)
+    lora_versioned: bool = False  # lora_sync disk: the engines hold each version under its own name
 
     def with_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`body` naming the job's adapter (SGLang's lora_path), unless it names one itself."""
+        """`body` naming the job's adapter (SGLang's lora_path), unless it names one itself: under lora_sync disk,
+        the version every engine holds (the pool's settled version)."""
         if self.lora_name is None or body.get("lora_path") is not None:
             return body
-        return {**body, "lora_path": self.lora_name}
+        version = self.version_now() if self.lora_versioned and self.version_now is not None else None
+        name = versioned_adapter_name(self.lora_name, version) if version else self.lora_name
+        return {**body, "lora_path": name}
+
+    def record_version(self, meta_info: Any, start_version: str | None) -> None:
+        """Stamp a reply's meta_info with the version its request started at; under lora_sync disk that is also the
+        version it was generated with (its adapter's name names it), whatever one version the engine reports for
+        every adapter (SGLang's, the last job's to sync where jobs share the pool)."""
+        if start_version is None or not isinstance(meta_info, dict):
+            return
+        meta_info[START_VERSION_KEY] = start_version
+        if self.lora_versioned and self.lora_name is not None:
+            meta_info["weight_version"] = start_version
 
 
 _CONTEXT: contextvars.ContextVar[GenerateContext] = contextvars.ContextVar("physarum_generate_context")
@@ -195,8 +210,7 @@ async def stream_generate(ctx: GenerateContext, what: str, payload: dict[str, An
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise InvalidArgument(f"{what}: the engine ended the stream: {chunk['error']}")
-                    if start_version is not None and isinstance(chunk.get("meta_info"), dict):
-                        chunk["meta_info"][START_VERSION_KEY] = start_version
+                    ctx.record_version(chunk.get("meta_info"), start_version)
                     num_chunks += 1
                     yield chunk
             return
@@ -255,8 +269,7 @@ async def _post_generate(ctx: GenerateContext, what: str, body: Callable[[], dic
                 finish = (one.get("meta_info", {}).get("finish_reason") or {})
                 if finish.get("type") == "abort" and not ctx.aborting:
                     raise _RetryableError(f"aborted by the engine: {finish.get('message', '')}")
-                if start_version is not None and isinstance(one.get("meta_info"), dict):
-                    one["meta_info"][START_VERSION_KEY] = start_version
+                ctx.record_version(one.get("meta_info"), start_version)
             return data
         except (PostError, _RetryableError) as err:
             last_error = f"{type(err).__name__}: {err}"

@@ -86,6 +86,7 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
     ctx = GenerateContext(http=http, router_url=router_url, name=name, rid_prefix=rid_prefix, **ctx_options)
     if config.args.get("lora_rank"):  # a LoRA job's samples come from its adapter, which the trainer syncs
         ctx.lora_name = lora_adapter_name(job)
+        ctx.lora_versioned = config.args.get("lora_sync") == "disk"  # as the trainer resolved it
     ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
     ctx.scorer = ServiceScorer(reward, config)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
@@ -111,7 +112,8 @@ def new_sample(prompt: Prompt, text: str, prompt_ids: list[int], j: int) -> Plug
     return PluginSample(prompt=text, prompt_messages=prompt.messages, label=prompt.label,
                          metadata=dict(prompt.metadata), group_index=prompt.index, index=j, tokens=list(prompt_ids),
                          session_id=new_session_id(),
-                         multimodal_inputs={"images": prompt.images} if prompt.images else None)
+                         # its own list: a multi-turn generate function extends it with its observations' images
+                         multimodal_inputs={"images": list(prompt.images)} if prompt.images else None)
 
 
 async def generate_group(gen: Generation, samples: list[Sample]) -> list[Sample]:

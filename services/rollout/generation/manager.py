@@ -264,14 +264,15 @@ class RolloutManager:
         kept or dropped goes to the buffer in one call. Once `limit` groups are done the rest stays in `pending`
         (surplus, drained by the caller)."""
         writes: list[tuple[Prompt, list[Sample], int]] = []
+        kept = 0  # of `writes`, the groups this rollout keeps
         for task in done:
-            kept = sum(rollout_id == run.rollout_id for _, _, rollout_id in writes)
             if limit is not None and run.num_groups_done + kept >= limit:
                 break
             prompt = pending.pop(task)
             rollout_id = await self._judge(run, prompt, task, num_pending=len(pending) + kept)
             if rollout_id is not None:
                 writes.append((prompt, task.result(), rollout_id))
+                kept += rollout_id == run.rollout_id
         await self._write(run, writes)
 
     async def _judge(self, run: Run, prompt: Prompt, task: asyncio.Task, num_pending: int) -> int | None:

@@ -15,6 +15,7 @@ from typing import Protocol
 from services.common.errors import PhysarumError
 from services.common.sglang import AsyncSGLangClient
 from services.rollout.client import EngineState
+from services.rollout.pool import adapter_join
 from services.rollout.pool.config import PoolConfig
 from services.rollout.pool.metrics import PoolMetrics
 from services.rollout.pool.registrations import Registrations
@@ -127,7 +128,12 @@ async def load_snapshot(pool: StepHost, e: EngineRecord, version: str) -> None:
     path, start = pool.snapshot_path, time.monotonic()
     e.disk_loading = True
     try:
-        await pool.engines.update_weights_from_disk(e.url, path, version, timeout_s=pool.config.disk_load_timeout_s)
+        adapters = adapter_join.snapshot_adapters(path)
+        if adapters:  # a LoRA job's snapshot: its adapters over the base model the engine started with
+            await adapter_join.load_adapters(pool.engines, e.url, adapters, version, pool.config.disk_load_timeout_s)
+        else:
+            await pool.engines.update_weights_from_disk(e.url, path, version,
+                                                        timeout_s=pool.config.disk_load_timeout_s)
     except PhysarumError as err:
         log.warning("engine %s: loading snapshot %s failed (retrying): %s", e.name, path, err)
         e.next_check_s = time.monotonic() + 2.0

@@ -131,9 +131,8 @@ def check_model_family(spec: JobSpec) -> list[str]:
         problems.append(f"multimodal_keys: hf_checkpoint's model_type {hf_config.get('model_type')!r} has no vision "
                         "tower (no vision_config, or no image-text-to-text model in transformers); use a "
                         "vision-language checkpoint (qwen2_5_vl, qwen3_vl, qwen3_5, ...)")
-    gathers_gated_delta_nets = capabilities.capabilities(spec.train_backend).context_parallel_gated_delta_nets
-    if spec.context_parallel_size > 1 and (why := families.context_parallel_problem(
-            hf_config, gathers_gated_delta_nets=gathers_gated_delta_nets)):
+    split = capabilities.capabilities(spec.train_backend).context_parallel_problem
+    if spec.context_parallel_size > 1 and (why := split(hf_config, images=bool(spec.multimodal_keys))):
         problems.append(f"context_parallel_size {spec.context_parallel_size}: hf_checkpoint's model cannot be split "
                         f"over ranks ({why}); use context_parallel_size 1")
     if spec.context_parallel_size > 1 and (spec.use_routing_replay or spec.use_rollout_routing_replay

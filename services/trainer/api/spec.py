@@ -114,13 +114,13 @@ class JobSpec(_JobSettings):
             able = " or ".join(backends_that(lambda caps: caps.mtp))
             raise ValueError(f"mtp_num_layers: train_backend {layout.train_backend} builds no multi-token-prediction "
                              f"layers; set train_backend: {able}")
-        if train.mtp_num_layers and (layout.pipeline_model_parallel_size > 1 or layout.context_parallel_size > 1):
-            raise ValueError("mtp_num_layers: multi-token-prediction layers are built at "
-                             "pipeline_model_parallel_size 1 and context_parallel_size 1")
         if rollout.multimodal_keys and not layout.capabilities.vision:
             able = " or ".join(backends_that(lambda caps: caps.vision))
             raise ValueError(f"multimodal_keys: train_backend {layout.train_backend} does not take images in its "
                              f"forward; set train_backend: {able}")
+        if rollout.multimodal_keys and train.mtp_num_layers:  # megatron-core's MTP layers embed every token as text
+            raise ValueError("multimodal_keys: the multi-token-prediction layers (mtp_num_layers) take text rows "
+                             "only; drop mtp_num_layers to train on images")
         if rollout.multimodal_keys and (layout.context_parallel_size > 1 or train.use_critic):
             raise ValueError("multimodal_keys: a forward with images runs whole on one rank and without a critic; "
                              "use context_parallel_size 1 and an advantage_estimator other than ppo")
@@ -187,12 +187,13 @@ class JobSpec(_JobSettings):
 
 def _check_lora(train: TrainConfig, layout: LayoutConfig, driver: DriverConfig, sync: SyncConfig) -> None:
     """LoRA trains on a backend with adapter layers; its KL reference is the base model itself; its adapter syncs
-    over the weight-update group."""
+    whole, by lora_sync."""
     if not train.lora:
         return
     if sync.weight_sync_backend == "disk" or sync.update_weight_mode == "delta":
         raise ValueError("lora_rank: the adapter (a few MB) syncs whole over the weight-update group (gloo, nccl or "
-                         "auto); weight_sync_backend disk and update_weight_mode delta do not apply")
+                         "auto), or as a PEFT directory per version (lora_sync disk); weight_sync_backend disk and "
+                         "update_weight_mode delta do not apply")
     if not layout.capabilities.lora:
         able = " or ".join(backends_that(lambda caps: caps.lora))
         raise ValueError(f"lora_rank: train_backend {layout.train_backend} builds megatron-core's parallel layers, "

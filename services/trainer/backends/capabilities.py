@@ -30,14 +30,14 @@ class Capabilities:
     slime_checkpoints: bool  # loads slime's torch_dist checkpoints (megatron-core dist-checkpointing) as they are
     vision: bool = False  # prompts with images (multimodal_keys): the vision inputs in the policy's forward
     lora: bool = False  # trains LoRA adapters (lora_rank) on a frozen base model
-    # splits gated delta-net layers' sequences over CP ranks (all-gathering their projections)
-    context_parallel_gated_delta_nets: bool = False
     mtp: bool = False  # builds and trains a checkpoint's multi-token-prediction layers (mtp_num_layers)
     # why it cannot build a model of this config.json in this layout ("" when it can)
     model_problem: Callable[..., str]
     # why it cannot replay a MoE model's routing / add its load-balancing loss in this layout ("" when it can)
     replay_problem: Callable[..., str]
     aux_loss_problem: Callable[..., str]
+    # why it cannot split this model's sequences over CP ranks ("" when it can; `images`: a job with multimodal_keys)
+    context_parallel_problem: Callable[..., str]
     # the Megatron load-balancing types it adds under moe_aux_loss_coeff (global_aux_loss counts the experts' tokens
     # over the data-parallel ranks and the step's micro-batches, which megatron-core's routers do)
     load_balancing_types: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss")
@@ -50,14 +50,15 @@ BACKENDS: dict[str, Capabilities] = {
                          model_problem=families.fsdp_problem,
                          replay_problem=families.fsdp_replay_problem,
                          aux_loss_problem=families.fsdp_aux_loss_problem,
+                         context_parallel_problem=families.fsdp_context_parallel_problem,
                          load_balancing_types=("aux_loss", "seq_aux_loss")),
     "megatron": Capabilities(critic=True, packing=True, tensor_parallel=True, pipeline_parallel=True,
                              expert_parallel=True, context_parallel=True, extra_flags=True, reads_shares=False,
                              slime_checkpoints=True, mtp=True, vision=True,
-                             context_parallel_gated_delta_nets=True,
                              model_problem=families.megatron_problem,
                              replay_problem=families.megatron_replay_problem,
-                             aux_loss_problem=families.megatron_train_mode_problem),
+                             aux_loss_problem=families.megatron_train_mode_problem,
+                             context_parallel_problem=families.megatron_context_parallel_problem),
 }
 
 

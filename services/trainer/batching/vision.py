@@ -1,6 +1,6 @@
 """The vision inputs of a rollout's samples for a vision-language model's forward: each group's images through the
-model's image processor once (the samples of a group share them), and per micro-batch the pixel values, patch grids
-and multimodal rotary positions of its rows, in row order.
+model's image processor once (the samples of a group share them; a sample whose turns added images has its own), and
+per micro-batch the pixel values, patch grids and multimodal rotary positions of its rows, in row order.
 
 The batch finds a row's images by `RolloutBatch.sample_index`; a rollout without images has none and costs nothing.
 """
@@ -64,19 +64,19 @@ class RolloutImages:
         return any(row is not None for row in self.rows)
 
     def forward_inputs(self, model: torch.nn.Module, sample_index: torch.Tensor, input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
+                       attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, loss_masks: torch.Tensor,
                        placeholders: PromptPlaceholders | None = None) -> dict[str, torch.Tensor]:
         """The vision keyword arguments of the padded forward of rows `sample_index` ({} when none has images):
         pixel values and grids in row order, and the 3-D rotary positions the model's rope index gives them. Only
-        the prompts' image tokens are images (`placeholders` tells the model so): one a policy sampled in a
-        response is a text token, as the engine read it."""
+        the image tokens no policy sampled are images (`image_token_mask`; `placeholders` tells the model so): one
+        a policy sampled in a response is a text token, as the engine read it."""
         rows = [self.rows[i] for i in sample_index.tolist()]
         rows = [row for row in rows if row is not None]
         if not rows:
             return {}
         device = input_ids.device
         grid = torch.cat([row.image_grid_thw for row in rows]).to(device)
-        images = prompt_image_mask(input_ids, prompt_lengths, model.config.image_token_id)
+        images = image_token_mask(input_ids, prompt_lengths, loss_masks, model.config.image_token_id)
         if placeholders is not None:
             placeholders.mask = images
         positions, _ = _inner(model).get_rope_index(input_ids, mm_token_type_ids=images.to(torch.int32),
@@ -85,10 +85,19 @@ class RolloutImages:
         return {"pixel_values": pixel_values, "image_grid_thw": grid, "position_ids": positions}
 
 
-def prompt_image_mask(input_ids: torch.Tensor, prompt_lengths: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """[b, L] bool: the image tokens of each row's prompt (not those a policy sampled in its response)."""
-    in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device) < prompt_lengths.to(input_ids.device)[:, None]
-    return (input_ids == image_token_id) & in_prompt
+def image_token_mask(input_ids: torch.Tensor, prompt_lengths: torch.Tensor, loss_masks: torch.Tensor,
+                     image_token_id: int) -> torch.Tensor:
+    """[b, L] bool: the image tokens that stand for images: those of each row's prompt and of its response's
+    untrained spans (loss_mask 0: an environment's observations in a multi-turn rollout), not those a policy
+    sampled. `loss_masks` [b, R] is response-aligned, as RolloutBatch holds it."""
+    device = input_ids.device
+    offsets = torch.arange(input_ids.shape[1], device=device)[None] - prompt_lengths.to(device)[:, None]  # [b, L]
+    not_sampled = offsets < 0
+    if loss_masks.shape[1]:
+        in_response = (offsets >= 0) & (offsets < loss_masks.shape[1])
+        untrained = loss_masks.to(device).gather(1, offsets.clamp(0, loss_masks.shape[1] - 1)) == 0
+        not_sampled = not_sampled | (in_response & untrained)
+    return (input_ids == image_token_id) & not_sampled
 
 
 class PromptPlaceholders:
@@ -127,24 +136,22 @@ def image_rows(images: RolloutImages | None, sample_index: torch.Tensor | None) 
 
 
 def multimodal_positions(tokens: torch.Tensor, lengths: list[int], rows: list[SampleVision | None], *,
-                         image_token_id: int, merge_size: int, prompt_lengths: list[int] | None = None) -> torch.Tensor:
+                         image_token_id: int, merge_size: int, image_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[3, b, L] int64 (time, height, width) rotary positions of right-padded rows `tokens` [b, L], as Qwen-VL's
     rope index gives them: text tokens count on in all three; an image's tokens (a run of image_token_id) sit on its
     grid of merged patches, each axis from where the text left off; the text after it resumes past the grid's
-    largest side. Padding continues the count (causal attention never lets a real token see it). Image tokens
-    past a row's prompt (`prompt_lengths`) are text, as `prompt_image_mask` says."""
+    largest side. Padding continues the count (causal attention never lets a real token see it). With `image_mask`
+    ([b, L] bool, `image_token_mask`), image tokens outside it are text."""
     b, length = tokens.shape
     out = torch.arange(length, dtype=torch.long).repeat(3, b, 1)
+    images = (tokens == image_token_id) if image_mask is None else image_mask
     for i, (n, vision) in enumerate(zip(lengths, rows, strict=True)):
         grids = [] if vision is None else vision.image_grid_thw.tolist()
-        prompt = n if prompt_lengths is None else prompt_lengths[i]
-        out[:, i] = _row_positions(tokens[i, :n].cpu(), grids, length, image_token_id, merge_size, prompt)
+        out[:, i] = _row_positions(images[i, :n].tolist(), grids, length, merge_size)
     return out.to(tokens.device)
 
 
-def _row_positions(ids: torch.Tensor, grids: list[list[int]], length: int, image_token_id: int,
-                   merge_size: int, prompt_length: int) -> torch.Tensor:
-    is_image = [token and i < prompt_length for i, token in enumerate((ids == image_token_id).tolist())]
+def _row_positions(is_image: list[bool], grids: list[list[int]], length: int, merge_size: int) -> torch.Tensor:
     parts, start, position, images = [], 0, 0, iter(grids)
     while start < len(is_image):
         end = start

@@ -19,7 +19,9 @@ yields every HF weight once. Layouts (slime's megatron_to_hf, Megatron's attenti
   expert bias (mlp.gate.e_score_correction_bias, a buffer in both) maps to mlp.router.expert_bias; shared experts
   (mlp.shared_experts.*) are TP-sharded as a dense MLP is. Layers before the first MoE one are dense.
 - MTP layers (`models/mtp.py`'s HF names) <-> mtp.layers.{i}: their norms replicated, eh_proj column-parallel (chunk r
-  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's.
+  of dim 0; MiMo's input_proj has its halves the other way round), transformer_layer.* as a decoder layer's
+  (Qwen3-Next's and Qwen3.5's: a full-attention one). Under pipeline parallelism the last stage holds them with its
+  own copy of the embedding, loaded and never exported.
 """
 
 from __future__ import annotations
@@ -187,11 +189,13 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp_rank: 
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone().contiguous()
         # Tied embeddings: the last stage keeps its own copy of the embedding as the output layer, unless the
-        # same stage holds the embedding (then GPTModel has no output weight at all).
+        # same stage holds the embedding, the first's or the MTP layers' (then GPTModel has no output weight).
         if not arch.tie_word_embeddings:
             out["output_layer.weight"] = shard(_pad_vocab(hf["lm_head.weight"], padded))
-        elif pp_size > 1:
+        elif pp_size > 1 and not arch.mtp_num_layers:
             out["output_layer.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
+        if pp_size > 1 and arch.mtp_num_layers:  # the MTP layers' copy of the embedding (tied: the output weight too)
+            out["embedding.word_embeddings.weight"] = shard(_pad_vocab(hf["model.embed_tokens.weight"], padded))
         for index in range(arch.mtp_num_layers):  # megatron-core builds them on the last stage
             out.update(_mtp_to_megatron(hf, arch, index, shard=shard, te_names=te_names, **experts))
     return out
@@ -244,9 +248,10 @@ def _mtp_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, index: int
     projection eh_proj (column-parallel: chunk r of dim 0) and its transformer layer, shaped as the last decoder
     layer."""
     src, dst = mtp.hf_prefix(arch.model_type, arch.num_layers, index), MTP_LAYER.format(index)
+    own = mtp.own_prefix(arch.model_type, arch.num_layers, index)
     out = {}
     for mg_sub, hf_sub in mtp.hf_names(arch.model_type).items():
-        tensor = hf[src + hf_sub]
+        tensor = hf[own + hf_sub]
         if mg_sub == "eh_proj.weight":
             if mtp.swaps_projection_halves(arch.model_type):
                 hidden, embedding = tensor.chunk(2, dim=1)
@@ -296,6 +301,7 @@ def _mtp_to_hf(name: str, shards: Sequence[torch.Tensor], arch: ModelArch) -> li
         return _layer_to_hf(name, _local_sub(sub.removeprefix("transformer_layer.")), shards, arch, prefix)
     if sub not in (names := mtp.hf_names(arch.model_type)):
         raise ValueError(f"no HF name for Megatron parameter {name!r}")
+    prefix = mtp.own_prefix(arch.model_type, arch.num_layers, int(index))
     if sub != "eh_proj.weight":
         return [(prefix + names[sub], shards[0])]
     tensor = torch.cat(list(shards))
@@ -420,8 +426,9 @@ def gather_hf_weights(named_params: Sequence[tuple[str, torch.Tensor]], arch: Mo
 
     def converted() -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in named_params:
-            if name == "output_layer.weight" and arch.tie_word_embeddings:
-                continue  # the last stage's copy of the embedding
+            if (name == "output_layer.weight" and arch.tie_word_embeddings) or \
+                    (name == "embedding.word_embeddings.weight" and pp_rank > 0):
+                continue  # the last stage's copy of the embedding (its output weight or its MTP layers')
             tensor = param.detach()
             if LOCAL_EXPERT in name and ep_size > 1:  # expert i of EP rank j is global expert j·local + i
                 head, tail = name.split(LOCAL_EXPERT)

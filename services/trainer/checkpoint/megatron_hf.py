@@ -79,7 +79,8 @@ class MegatronHFWeights:
         if self.arch.vision_model_type and not arch.vision_model_type:  # Qwen3.5 loaded for a job with images
             arch = arch.with_vision(hf_config)
         arch = dataclasses.replace(arch,  # the job's, not the file's
-                                   stage_layers=self.arch.stage_layers, mtp_num_layers=self.arch.mtp_num_layers)
+                                   stage_layers=self.arch.stage_layers, mtp_num_layers=self.arch.mtp_num_layers,
+                                   vocab_size_divisible_by=self.arch.vocab_size_divisible_by)
         if arch != self.arch:
             raise InvalidArgument(f"{what} {path}: architecture {arch} differs from the policy's {self.arch}")
         self._copy_hf_weights(gpt, hf_io.HFTensors(path))

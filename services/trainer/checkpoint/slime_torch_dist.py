@@ -41,7 +41,7 @@ def checkpoint_keys(path: Path) -> set[str]:
 def load_model(gpt: Any, path: str | Path) -> None:
     """Collective: the weights of the Megatron checkpoint directory `path` (release/ or iter_N/) into `gpt`; a
     tensor the checkpoint lacks under both spellings fails naming it."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     class WeightsOnly(TorchCommonLoadStrategy):
@@ -52,7 +52,9 @@ def load_model(gpt: Any, path: str | Path) -> None:
 
     path = Path(path)
     saved = checkpoint_keys(path)
-    sharded = gpt.sharded_state_dict(prefix="")
+    # the data-parallel group named: GPTModel ties a last stage's MTP embedding copy to the first stage's key with it
+    sharded = gpt.sharded_state_dict(prefix="", metadata={
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})
     missing = []
     for tensor in sharded.values():
         key = getattr(tensor, "key", None)

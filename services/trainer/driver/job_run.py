@@ -110,7 +110,8 @@ class JobRun:
         last."""
         if not (self.driver.engines and post_rollout.eval_due(self.driver, self.rollout, rollout_id)):
             return {}
-        return self.world.on_rank0(post_rollout.evaluate, self.driver, self.rollout, self.deps, rollout_id)
+        return self.world.on_rank0(lambda: post_rollout.evaluate(self.driver, self.weights.rollout_config(self.rollout),
+                                                                   self.deps, rollout_id))
 
     def report(self, rollout_id: int, metrics: dict[str, float]) -> None:
         """The rollout's metrics to the job's events, TensorBoard (and W&B) and the log."""

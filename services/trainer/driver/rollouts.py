@@ -150,7 +150,8 @@ class Rollouts:
             self.ctx.check_cancelled()
             try:
                 self.weights.announce()
-                self.deps.rollout.start_rollout(self.config, manager_rollout_id, str(self.weights.version))
+                self.deps.rollout.start_rollout(self.weights.rollout_config(self.config), manager_rollout_id,
+                                                str(self.weights.version))
                 self.weights.announce()
                 return
             except Unavailable as err:
@@ -204,11 +205,14 @@ class Rollouts:
 
 
 def _flat(groups: list[SampleGroup]) -> list[Sample]:
-    """The groups' samples in group order; each sample of a group with images refers to the group's list."""
+    """The groups' samples in group order; each sample of a group with images refers to the group's list, one whose
+    turns added images (observation_images) has its own: the group's, then those."""
     samples = []
     for group in sorted(groups, key=lambda g: g.group_id):
         for sample in group.samples:
-            if group.images:
+            if sample.observation_images:
+                sample.images = [*group.images, *sample.observation_images]
+            elif group.images:
                 sample.images = group.images
             samples.append(sample)
     return samples

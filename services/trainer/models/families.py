@@ -67,10 +67,11 @@ def megatron_problem(hf_config: dict[str, Any], *, tp_size: int = 1, pp_size: in
 
 # The MoE families whose routers the fsdp backend replays, by the transformers class of their router (each returns
 # logits, top-k weights, top-k indices; moe/hf_routing_replay.py replaces the indices and recomputes the weights):
-# Qwen's softmax routers, GLM-4-MoE's and DeepSeek-V3's sigmoid ones with an expert bias.
+# Qwen's softmax routers, GLM-4-MoE's, DeepSeek-V3's and GLM-5's sigmoid ones with an expert bias.
 REPLAYABLE_ROUTERS: dict[str, str] = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen3_5_moe": "Qwen3_5MoeTopKRouter",
-                                      "glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter",
-                                      "glm4_moe_lite": "Glm4MoeLiteTopkRouter"}
+                                      "qwen3_next": "Qwen3NextTopKRouter", "glm4_moe": "Glm4MoeTopkRouter",
+                                      "deepseek_v3": "DeepseekV3TopkRouter", "glm4_moe_lite": "Glm4MoeLiteTopkRouter",
+                                      "glm_moe_dsa": "GlmMoeDsaTopkRouter"}
 # The families whose models output their router logits (output_router_logits) for the load-balancing loss; the
 # sigmoid ones score experts by sigmoid (moe/load_balancing.py), the others by softmax.
 SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
@@ -112,6 +113,23 @@ def megatron_train_mode_problem(hf_config: dict[str, Any], *, tp_size: int = 1, 
         return (f"it adds it to a MoE model at tensor_model_parallel_size 1 or under megatron.sequence_parallel "
                 f"(megatron-core's MoE layers train at TP > 1 only so), got tensor_model_parallel_size {tp_size}")
     return ""
+
+
+def megatron_context_parallel_problem(hf_config: dict[str, Any], *, images: bool = False) -> str:
+    """"" when megatron splits this model's sequences over CP ranks, else why not: the submit check's reason and the
+    backend's when it builds the model. Its DeepSeek sparse attention (GLM-5) and a vision-language model's forward
+    (`images`: a job with multimodal_keys, as is_vision_language takes it) take whole sequences; the rest as
+    context_parallel_problem, its gated delta nets gathered."""
+    if family(language_model_config(hf_config)) == "glm_moe_dsa":
+        return "megatron-core's DeepSeek sparse attention (GLM-5) does not split sequences over ranks"
+    if is_vision_language(hf_config, images=images):
+        return "a vision-language model's forward runs each sequence whole on one rank (its multimodal positions)"
+    return context_parallel_problem(hf_config, gathers_gated_delta_nets=True)
+
+
+def fsdp_context_parallel_problem(hf_config: dict[str, Any], *, images: bool = False) -> str:
+    """"" when fsdp splits this model's sequences over CP ranks, else why not (context_parallel_problem)."""
+    return context_parallel_problem(hf_config)
 
 
 def context_parallel_problem(hf_config: dict[str, Any], *, gathers_gated_delta_nets: bool = False) -> str:

@@ -100,8 +100,8 @@ class TrainConfig:
         1024, "response tokens per chunk of the fused log-prob and entropy computation from the final hidden states "
               "and the LM head, forward and backward, which never holds the [tokens × vocab] logits; -1: project "
               "every response token onto the vocabulary at once", Rule(lambda v: v == -1 or v >= 1, "-1 or >= 1"))
-    compile_layers: bool = field(False, "fsdp backend: torch.compile each decoder layer (one compiled graph shared "
-                                        "by every layer, dynamic shapes); the first steps pay the compile")
+    compile_layers: bool = field(False, "torch.compile each decoder layer (one compiled graph shared by every "
+                                        "layer, dynamic shapes); the first steps pay the compile")
     eps_clip: float = field(0.2, "PPO clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]",
                             NON_NEGATIVE)
     eps_clip_high: float | None = field(None, "upper clip range (DAPO clip-higher); None: eps_clip", NON_NEGATIVE)

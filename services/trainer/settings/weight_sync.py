@@ -41,6 +41,11 @@ class SyncConfig:
     update_weight_disk_dir: str = field(
         "", "weight_sync_backend disk: the directory shared by the trainer and the engines (a volume) where full "
             "snapshots and deltas are published")
+    lora_sync: Literal["auto", "push", "disk"] = field(
+        "auto", "how a LoRA job's adapter reaches the engines after each step: push (over the weight-update group, "
+                "the CPU engine's /load_lora_adapter_from_distributed), disk (a PEFT directory per version, in the "
+                "pool's snapshot directory or update_weight_disk_dir, loaded by SGLang's /load_lora_adapter under "
+                "a versioned name), auto (push when every engine is a Physarum CPU engine, else disk)")
 
     def __post_init__(self) -> None:
         check_fields(self)

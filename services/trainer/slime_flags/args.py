@@ -23,7 +23,15 @@ from services.common.errors import InvalidArgument
 from services.trainer.backends.capabilities import capabilities
 from services.trainer.slime_flags.argv import destination, last_wins, slime_value, split_argv_at
 from services.trainer.slime_flags.eval_config import eval_spec
-from services.trainer.slime_flags.flags import FLAGS, MOE_REFUSAL, STORE_FALSE, Flag, is_moe_flag, spec_key
+from services.trainer.slime_flags.flags import (
+    FLAGS,
+    JSON_FLAGS,
+    MOE_REFUSAL,
+    STORE_FALSE,
+    Flag,
+    is_moe_flag,
+    spec_key,
+)
 from services.trainer.slime_flags.lora_flags import LORA_FLAGS, lora_value
 from services.trainer.slime_flags.megatron_flags import ARCH, MEGATRON, MEGATRON_FIELD, NEGATED, check_arch
 
@@ -59,7 +67,8 @@ class Conversion:
 def slime_defaults() -> dict[str, Any]:
     """What slime's `args` holds for every flag not given, by spec key (plugins read these)."""
     flags = {**MEGATRON, **FLAGS}
-    return {spec_key(name): (False if name in STORE_FALSE else flag.default) for name, flag in flags.items()}
+    return {spec_key(name): (False if name in STORE_FALSE else json.loads(flag.default) if name in JSON_FLAGS
+                             else flag.default) for name, flag in flags.items()}
 
 
 def scalar(text: str) -> Any:

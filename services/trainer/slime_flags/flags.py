@@ -18,7 +18,7 @@ Status = Literal["implemented", "mapped", "refused"]
 @dataclass(frozen=True)
 class Flag:
     status: Status
-    default: Any  # slime's default (what plugins see in `args` when the flag is not given)
+    default: Any  # slime's default (what plugins see in `args` when the flag is not given; JSON_FLAGS' parsed)
     note: str = ""  # mapped: the Physarum setting that does the job; refused: why, and what to do instead
     warn: bool = False  # mapped onto the deployment: the conversion reports it
     nargs: bool = False  # takes several values
@@ -37,6 +37,8 @@ def R(default: Any, note: str, *, nargs: bool = False, bare: bool = False) -> Fl
     return Flag("refused", default, note, nargs=nargs, bare=bare)
 
 
+# slime's flags of type=json.loads: argparse parses a string default with the type too, so args hold the object
+JSON_FLAGS = ("apply-chat-template-kwargs", "train-env-vars")
 _RAY = "Physarum has no Ray cluster: "
 _PLACE = ("Physarum runs the trainer and the engines as separate services; their GPUs come from the deployment "
           "(Helm values trainer.* / engine.*, locally `physarum up`); kept in args for plugins")

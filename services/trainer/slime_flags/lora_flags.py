@@ -1,4 +1,5 @@
-"""The LoRA flags of slime's forks (slime itself has none): each sets the job-spec key of the same name."""
+"""The LoRA flags of slime's forks (slime itself has none), and Physarum's --lora-sync: each sets the job-spec key of
+the same name."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 from services.common.errors import InvalidArgument
 
 # flag -> the type of its value; target-modules takes one or more names (or one comma-separated list)
-LORA_FLAGS: dict[str, type] = {"lora-rank": int, "lora-alpha": float, "lora-dropout": float, "target-modules": list}
+LORA_FLAGS: dict[str, type] = {"lora-rank": int, "lora-alpha": float, "lora-dropout": float, "target-modules": list,
+                               "lora-sync": str}
 
 
 def lora_value(name: str, values: list[str]) -> Any:

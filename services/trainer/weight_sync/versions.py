@@ -6,13 +6,15 @@ Version v is the trainer's weights after v rollouts; the engines hold the last v
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING
 
+from services.common.settings.rollout import RolloutConfig
 from services.common.sglang import lora_adapter_name
-from services.rollout.client import RolloutClient, snapshot_path
+from services.rollout.client import ADAPTERS_DIR, RolloutClient, snapshot_path
 from services.trainer.distributed.parallel import World
 from services.trainer.settings.weight_sync import SyncConfig
 
@@ -47,9 +49,13 @@ class EngineWeights:
 
             # a few MB: the group (gloo, or nccl to GPU engines) whatever path full weights would take
             backend = sync.weight_sync_backend if sync.weight_sync_backend in ("gloo", "nccl") else "auto"
-            self.adapter_broadcaster = WeightBroadcaster([], master_address=master_address, backend=backend,
-                                                         timeout_s=sync.weight_sync_timeout_s, model_dir=model_dir,
-                                                         job_id=job_id, group_name=f"lora_update_group_{job_id}")
+            from services.trainer.weight_sync.adapter_disk import AdapterSync
+
+            push = WeightBroadcaster([], master_address=master_address, backend=backend,
+                                     timeout_s=sync.weight_sync_timeout_s, model_dir=model_dir, job_id=job_id,
+                                     group_name=f"lora_update_group_{job_id}")
+            self.adapter_broadcaster = AdapterSync(push, lora_sync=sync.lora_sync, disk_dir=sync.update_weight_disk_dir,
+                                                   timeout_s=sync.weight_sync_timeout_s)
             from services.trainer.weight_sync.auto import make_broadcaster
 
             self.broadcaster = make_broadcaster(sync.weight_sync_backend, [], master_address=master_address,
@@ -89,6 +95,14 @@ class EngineWeights:
                 "perf/update_weights_bytes": float(stats.get("bytes", 0)),
                 "perf/engine_pause_seconds": float(stats.get("pause_seconds", 0.0))}
 
+    def rollout_config(self, config: RolloutConfig) -> RolloutConfig:
+        """Rank 0: `config` as the rollout manager needs it: a LoRA job's lora_sync as resolved at the first sync
+        (on the disk route the requests name the adapter's version, versioned_adapter_name)."""
+        route = getattr(self.adapter_broadcaster, "route", "auto")
+        if route == "auto" or config.args.get("lora_sync") == route:
+            return config
+        return dataclasses.replace(config, args={**config.args, "lora_sync": route})
+
     def announce(self) -> None:
         """Rank 0. A rollout manager that restarted knows no weights: its new engines serve the base model, and in
         fully_async every group they generate would be refused as stale while the trainer, waiting for fresh ones,
@@ -103,7 +117,8 @@ class EngineWeights:
         if pool.weight_version == str(version):
             return
         snapshot = snapshot_path(pool.snapshot_dir, version) if pool.snapshot_dir else None
-        if snapshot is None or not (snapshot / "model.safetensors").is_file():
+        # full weights, or a LoRA job's adapters (its engines load them over the base they start with)
+        if snapshot is None or not ((snapshot / "model.safetensors").is_file() or (snapshot / ADAPTERS_DIR).is_dir()):
             if version in self.unannounceable:
                 return
             self.unannounceable.add(version)

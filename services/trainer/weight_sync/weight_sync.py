@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
-from services.rollout.client import SNAPSHOT_PREFIX, snapshot_path
+from services.rollout.client import ADAPTERS_DIR, SNAPSHOT_PREFIX, snapshot_path
 from services.trainer.checkpoint import safetensors_io
 from services.trainer.checkpoint.hf_files import copy_side_files
 from services.trainer.weight_sync import wire
@@ -247,11 +247,15 @@ class WeightBroadcaster:
                  stats["num_tensors"], stats["bytes"] / 1e6, stats["num_buckets"], len(self.clients), stats["seconds"])
         return stats
 
+    def adapter_for(self, adapter: AdapterPush, weight_version: str) -> AdapterPush:
+        """The adapter as the engines serve it at `weight_version`: pushed under the job's own name."""
+        return adapter
+
     def broadcast_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str, *,
-                          lora_name: str, config: dict) -> dict:
+                          lora_name: str, config: dict, directory: str = "") -> dict:
         """A LoRA job's sync: pause, push the adapter's tensors (PEFT names) in one call per engine
         (/load_lora_adapter_from_distributed, which swaps the adapter whole), continue. Returns stats as
-        `broadcast` does."""
+        `broadcast` does. `directory` (the adapter's snapshot, for the disk route) is not read."""
         start = time.monotonic()
         named = list(named_tensors)
         stats = self._begin_broadcast(weight_version, num_buckets=1)
@@ -399,9 +403,6 @@ def _publish(staging: Path, final: Path, keep: int) -> str:
     return str(final)
 
 
-ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: <snapshot>/adapters/<lora_name>/, PEFT's adapter directory
-
-
 @dataclass(frozen=True)
 class AdapterPush:
     """A LoRA job's sync: its adapter's name on the engines and PEFT's adapter config."""
@@ -435,8 +436,8 @@ def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Seq
     write a snapshot; the snapshot is written, the weights broadcast, and EndWeightSync reports the outcome. When an
     engine dies or hangs mid-broadcast the broadcast fails within the broadcaster's timeout; the pool checks the
     engines it names (replacing dead ones) and the sync is tried again with the engines the pool names then.
-    With `adapter` (a LoRA job) the tensors are the adapter's alone: pushed by `broadcast_adapter`, snapshotted as
-    PEFT's adapter directory.
+    With `adapter` (a LoRA job) the tensors are the adapter's alone: snapshotted as PEFT's adapter directory under the
+    name the engines serve it by (`adapter_for`), then sent by `broadcast_adapter` (which may load that directory).
     """
     last_error: Exception | None = None
     lora_name = adapter.lora_name if adapter is not None else ""
@@ -444,16 +445,18 @@ def sync_engine_pool(broadcaster: WeightBroadcaster, rollout, named_tensors: Seq
         plan = rollout.begin_weight_sync(version, lora_name=lora_name)
         snapshot, start = "", time.monotonic()
         try:
-            if plan.snapshot_dir and adapter is not None:
-                snapshot = write_adapter_snapshot(named_tensors, plan.snapshot_dir, version, adapter)
+            broadcaster.set_engines(plan.engine_urls)
+            served = broadcaster.adapter_for(adapter, version) if adapter is not None else None
+            if plan.snapshot_dir and served is not None:
+                snapshot = write_adapter_snapshot(named_tensors, plan.snapshot_dir, version, served)
             elif plan.snapshot_dir:  # a pull transport's store serves joiners itself: snapshot + deltas, no copy
                 snapshot = getattr(broadcaster, "pull_source", "") or write_snapshot(
                     named_tensors, plan.snapshot_dir, version, base_model_dir=base_model_dir)
             snapshot_s = time.monotonic() - start
-            broadcaster.set_engines(plan.engine_urls)
-            stats = broadcaster.broadcast_adapter(named_tensors, version, lora_name=adapter.lora_name,
-                                                  config=adapter.config) if adapter is not None else \
-                broadcaster.broadcast(named_tensors, version)
+            stats = broadcaster.broadcast_adapter(
+                named_tensors, version, lora_name=served.lora_name, config=served.config,
+                directory=str(Path(snapshot, ADAPTERS_DIR, served.lora_name)) if snapshot else "") \
+                if served is not None else broadcaster.broadcast(named_tensors, version)
         except WeightSyncError as err:
             rollout.end_weight_sync(version, success=False, engine_urls=plan.engine_urls,
                                     failed_urls=list(err.failed_urls), snapshot_path=snapshot, error=str(err),

@@ -45,11 +45,14 @@
 {{- if and (eq $e.joinMode "disk") (not $ckpt.enabled) -}}
 {{- fail "engines.joinMode disk needs a volume the trainer and the engines share: enable checkpoints.persistence, or set engines.joinMode=sync" -}}
 {{- end -}}
+{{- if and $e.lora.enabled (not $ckpt.enabled) -}}
+{{- fail "engines.lora needs a volume the trainer and the engines share (SGLang loads each version of an adapter from a directory the trainer writes): enable checkpoints.persistence" -}}
+{{- end -}}
 {{- $ranks := int .Values.trainer.replicas -}}
 {{- $disk := eq $e.joinMode "disk" -}}
-{{- if and (or (gt $ranks 1) $disk) $ckpt.enabled (not $ckpt.existingClaim) (ne $ckpt.accessMode "ReadWriteMany") -}}
+{{- if and (or (gt $ranks 1) $disk $e.lora.enabled) $ckpt.enabled (not $ckpt.existingClaim) (ne $ckpt.accessMode "ReadWriteMany") -}}
 {{- $sharers := ternary (printf "the %d trainer ranks" $ranks) "the trainer" (gt $ranks 1) -}}
-{{- if $disk }}{{ $sharers = printf "%s and the engines (engines.joinMode disk)" $sharers }}{{ end -}}
+{{- if $disk }}{{ $sharers = printf "%s and the engines (engines.joinMode disk)" $sharers }}{{ else if $e.lora.enabled }}{{ $sharers = printf "%s and the engines (engines.lora)" $sharers }}{{ end -}}
 {{- fail (printf "checkpoints.persistence.accessMode %s: %s share the volume from different nodes; use ReadWriteMany" $ckpt.accessMode $sharers) -}}
 {{- end -}}
 {{- end -}}

@@ -25,9 +25,9 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.backends import capabilities
+from services.trainer.backends import capabilities, compiled_layers
 from services.trainer.backends.base import load_custom_loss
-from services.trainer.backends.fsdp import compiled_layers, context_parallel, cp_attention, fused_head
+from services.trainer.backends.fsdp import context_parallel, cp_attention, fused_head
 from services.trainer.backends.fsdp.critic import Critic
 from services.trainer.backends.fsdp.idle_vision import IdleVision
 from services.trainer.batching import packing, varlen, vision
@@ -174,7 +174,7 @@ class TorchBackend(TorchStateDicts):
         inputs = {"input_ids": mb.tokens, "attention_mask": mb.attention_mask}
         if mb.sample_index is not None and self._images is not None:
             inputs.update(self._images.forward_inputs(self.model, mb.sample_index, mb.tokens, mb.attention_mask,
-                                                      mb.prompt_lengths, self._placeholders))
+                                                      mb.prompt_lengths, mb.loss_masks, self._placeholders))
         return inputs
 
     def _forward(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True,

@@ -9,6 +9,7 @@ the optimizer from the spec's own keys) are refused, naming where they come from
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,13 +70,24 @@ class MegatronArgs:
         return any(self.transformer.get(name, 0.0) for name in ("hidden_dropout", "attention_dropout"))
 
 
+_FIRST_IMPORT = threading.Lock()
+
+
+def config_classes() -> dict[str, type]:
+    """megatron-core's TransformerConfig, OptimizerConfig and DistributedDataParallelConfig by the part they configure.
+    The job API checks specs in worker threads, and two threads importing megatron-core for the first time at once can
+    each meet the other's half-run import cycle (ImportError: partially initialized module): one imports, the rest
+    wait."""
+    with _FIRST_IMPORT:
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer import TransformerConfig
+    return {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+
+
 def split(args: Mapping[str, Any] | None) -> MegatronArgs:
     """Check every key of `args` against megatron-core's config classes and sort it into their overrides."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer import TransformerConfig
-
-    classes = {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+    classes = config_classes()
     fields = {part: {f.name: f for f in dataclasses.fields(cls) if f.init} for part, cls in classes.items()}
     out: dict[str, dict[str, Any]] = {part: {} for part in (*classes, "model")}
     for key, value in (args or {}).items():
@@ -122,9 +134,9 @@ def check_optimizer(overrides: dict[str, Any], *, use_distributed_optimizer: boo
     the submit, not the job's start (nothing is allocated)."""
     import importlib.util
 
-    from megatron.core.optimizer import OptimizerConfig
-
     from services.trainer.backends.megatron import offload
+
+    optimizer_config = config_classes()["optimizer"]
 
     # megatron-core runs it on TransformerEngine's FusedAdam or on its CPU-offload optimizer; without either, its
     # check fails with a TypeError (comparing a missing version) rather than saying so
@@ -141,4 +153,4 @@ def check_optimizer(overrides: dict[str, Any], *, use_distributed_optimizer: boo
     values = dict(optimizer="adam", use_distributed_optimizer=use_distributed_optimizer,
                   **offload.optimizer_fields(overrides))
     with offload.config_without_te():
-        build(OptimizerConfig, "OptimizerConfig", values, overrides)
+        build(optimizer_config, "OptimizerConfig", values, overrides)

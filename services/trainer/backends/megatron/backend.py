@@ -26,7 +26,7 @@ from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import capabilities
+from services.trainer.backends import capabilities, compiled_layers
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL
 from services.trainer.backends.megatron import args as margs
@@ -91,7 +91,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         stage_layers = uneven_stage_layers(self.arch.num_layers, pp, **self.megatron_args.pipeline_ends)
         self.arch = dataclasses.replace(self.arch, stage_layers=stage_layers, mtp_num_layers=config.mtp_num_layers or 0,
                                         vocab_size_divisible_by=self.megatron_args.vocab_size_divisible_by)
-        if problem := _mtp_problem(config, hf_config, pp_size=pp, cp_size=context_parallel_size):
+        if problem := _mtp_problem(config, hf_config):
             raise InvalidArgument(problem)
         self.trains_mtp = config.enable_mtp_training
         self._mtp_depths: list[torch.Tensor] = []  # the MTP layers' outputs for the loss computed next
@@ -109,7 +109,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             raise InvalidArgument(f"megatron dropout: train_backend megatron {problem.removeprefix('it ')}")
         if self.arch.dsa is not None:  # megatron-core's DSAttention takes padded rectangles alone, whole sequences
             self.pack_sequences = False
-        if context_parallel_size > 1 and (problem := _context_parallel_problem(config, self.arch)):
+        if context_parallel_size > 1 and (problem := _context_parallel_problem(config, hf_config)):
             raise InvalidArgument(f"context_parallel_size {context_parallel_size}: {problem}")
         # a vision-language checkpoint: megatron's language model with transformers' vision tower (`vision.py`); a
         # job with multimodal_keys runs its images through the image processor (batching/vision.py)
@@ -172,6 +172,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                                     overrides=self.megatron_args.ddp)
         model_config.no_sync_func = self.model.no_sync
         model_config.finalize_model_grads_func = finalize_model_grads
+        if self.arch.mtp_num_layers and pp > 1 and not self.arch.tie_word_embeddings and \
+                (self.is_first_stage or self.is_last_stage):
+            # the last stage's copy of the embedding (its MTP layers') and the first stage's: one weight
+            model_config.finalize_model_grads_func = megatron_mtp.finalize_with_embedding_copy(
+                finalize_model_grads, ps.get_embedding_group())
         self.optimizer = self._build_optimizer()
         self._num_steps = 0  # optimizer steps taken: the lr schedule's clock
         # PPO's value model: the policy's backbone with a value head, its own DDP, optimizer and lr clock
@@ -179,6 +184,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         # frozen models: the reference (KL) and the distillation teacher, each loaded over later when asked
         self.ref_model, self.teacher_model = (self._frozen_copy(hf) if needed else None
                                               for needed in (config.needs_ref_model, config.needs_teacher_model))
+        if config.compile_layers:  # this stage's decoder layers, in the policy and the frozen copies alike
+            for compiled in (gpt, self.ref_model, self.teacher_model):
+                compiled_layers.compile_layers(list(compiled.decoder.layers) if compiled is not None else [])
         pad = hf_config.get("pad_token_id")
         self.pad_token_id = 0 if pad is None else int(pad)
         self._weight_version = 0
@@ -271,6 +279,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 self._cp_row = self._cp_slice(mb)
                 with routing(rows, mb) if routing else contextlib.nullcontext():
                     output = module(**self._cp_row.inputs)
+                if self.is_last_stage and megatron_mtp.runs(fused_head.gpt_of(module)):
+                    output, *self._mtp_depths = megatron_mtp.split_depths(
+                        output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to)
                 return output, functools.partial(_loss_output, loss_fn, rows, mb)
             inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
                                       pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
@@ -286,7 +297,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
                 length = mcore.sequence_length(mb, packed=packed)
                 depths = megatron_mtp.split_depths(output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to) \
-                    if fused_head.gpt_of(module).mtp_process else [output]
+                    if megatron_mtp.runs(fused_head.gpt_of(module)) else [output]
                 output, self._mtp_depths = depths[0][:, :length], [depth[:, :length] for depth in depths[1:]]
             return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
@@ -308,11 +319,11 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         rows = batch_vision.image_rows(self._images, mb.sample_index) if mb.sample_index is not None \
             else [None] * mb.size
         image_token_id = self.vision_config.image_token_id
+        # only the image tokens no policy sampled take image features (a policy may sample the image token as text)
+        image_mask = batch_vision.image_token_mask(mb.tokens, mb.prompt_lengths, mb.loss_masks, image_token_id)
         positions = batch_vision.multimodal_positions(
             mb.tokens, mb.total_lengths, rows, image_token_id=image_token_id,
-            merge_size=self.vision_config.vision_config.spatial_merge_size, prompt_lengths=mb.prompt_lengths.tolist())
-        # only the prompts' image tokens take image features (a policy may sample the image token as text)
-        image_mask = batch_vision.prompt_image_mask(mb.tokens, mb.prompt_lengths, image_token_id)
+            merge_size=self.vision_config.vision_config.spatial_merge_size, image_mask=image_mask)
         if packed:  # the real tokens' positions side by side, then the padding's count from 0 (`gpt_inputs`)
             real = positions[:, mb.attention_mask.bool()]
             extra = torch.arange(length - real.shape[1], device=real.device).repeat(3, 1)
@@ -513,9 +524,15 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         mtp_loss_scaling_factor / mtp_num_layers; metrics mtp_loss (the depths' sum) and mtp_{k}_loss."""
         loss, metrics = self._micro_batch_loss(mb, logits, reduce)
         mtp_loss = logits.new_zeros(())
+        targets = self._cp_row.targets if self.cp_size > 1 else None  # under CP: each local position's next token
         for depth, (output, count) in enumerate(zip(self._mtp_depths, counts, strict=True), start=1):
             weights = megatron_mtp.target_weights(mb, depth).to(output.device)
-            log_probs = self._target_log_probs(megatron_mtp.gather_depth(output, mb, depth), mb.response_tokens)
+            if self.cp_size > 1:  # this rank's slice against the tokens `depth` further on, gathered into CP 1's layout
+                targets = megatron_mtp.next_tokens(targets, self.cp_group, self._cp_row.inputs.get("packed_seq_params"))
+                per_position = self._cp_row.gather(self._target_log_probs(output, targets))
+                log_probs = megatron_mtp.gather_depth(per_position[..., None], mb, depth)[..., 0]
+            else:
+                log_probs = self._target_log_probs(megatron_mtp.gather_depth(output, mb, depth), mb.response_tokens)
             depth_loss = -(log_probs * weights).sum() / max(count, 1.0)
             metrics[f"mtp_{depth}_loss"] = depth_loss.detach()
             mtp_loss = mtp_loss + depth_loss
@@ -659,12 +676,11 @@ class MegatronCritic:
         return self.model.module
 
 
-def _context_parallel_problem(config: TrainConfig, arch: ModelArch) -> str:
-    """Why this job cannot split its sequences over CP ranks here ("" when it can)."""
-    if arch.dsa is not None:
-        return "megatron-core's DeepSeek sparse attention (GLM-5) does not split sequences over ranks"
-    if arch.vision_model_type:
-        return "a vision-language model's forward runs each sequence whole on one rank (its multimodal positions)"
+def _context_parallel_problem(config: TrainConfig, hf_config: dict) -> str:
+    """Why this job cannot split its sequences over CP ranks here ("" when it can): its model's reason, the one the
+    submit check gives (families.megatron_context_parallel_problem), then its settings'."""
+    if problem := families.megatron_context_parallel_problem(hf_config, images=bool(config.multimodal_keys)):
+        return problem
     if config.loss_type == "custom_loss":
         return CUSTOM_LOSS_REFUSAL.removeprefix("context_parallel_size > 1 ")
     if config.replays_routing or config.moe_aux_loss:
@@ -672,16 +688,9 @@ def _context_parallel_problem(config: TrainConfig, arch: ModelArch) -> str:
     return ""
 
 
-def _mtp_problem(config: TrainConfig, hf_config: dict, *, pp_size: int, cp_size: int) -> str:
+def _mtp_problem(config: TrainConfig, hf_config: dict) -> str:
     """Why this job cannot build or train its MTP layers here ("" when it can, or it has none)."""
-    if not config.mtp_num_layers:
-        return ""
-    if problem := mtp.problem(hf_config, config.mtp_num_layers):
-        return problem
-    if pp_size > 1 or cp_size > 1:
-        return (f"mtp_num_layers {config.mtp_num_layers}: train_backend megatron builds multi-token-prediction "
-                "layers at pipeline_model_parallel_size 1 and context_parallel_size 1")
-    return ""
+    return mtp.problem(hf_config, config.mtp_num_layers) if config.mtp_num_layers else ""
 
 
 def _round_up(n: int, multiple: int) -> int:

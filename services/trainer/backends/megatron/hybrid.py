@@ -20,32 +20,37 @@ class GatedSelfAttention(SelfAttention):
         return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
 
 
-def hybrid_block(arch: ModelArch, config, *, core_attention: type):
-    """This pipeline stage's TransformerBlockSubmodules."""
-    from megatron.core import parallel_state
+def layer_spec(arch: ModelArch, *, linear: bool, moe: bool, core_attention: type):
+    """One layer's ModuleSpec: a gated delta-net or gated attention (with `core_attention`), a dense MLP or MoE."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from services.trainer.backends.megatron.gated_delta_net import GatedDeltaNet, GatedNorm
     from services.trainer.backends.megatron.norm import ZeroCenteredRMSNorm
 
-    def layer_spec(linear: bool, moe: bool):
-        spec = get_gpt_layer_local_spec(num_experts=arch.num_experts if moe else None, qk_layernorm=True,
-                                        normalization="RMSNorm")
-        layer = spec.submodules
-        layer.input_layernorm = layer.pre_mlp_layernorm = ZeroCenteredRMSNorm
-        if linear:
-            layer.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-                in_proj=ColumnParallelLinear, out_norm=GatedNorm, out_proj=RowParallelLinear))
-        else:
-            attention = layer.self_attention  # a fresh spec of each call
-            attention.module = GatedSelfAttention
-            attention.submodules.core_attention = core_attention
-            attention.submodules.q_layernorm = attention.submodules.k_layernorm = ZeroCenteredRMSNorm
-        return spec
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts if moe else None, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    if linear:
+        layer.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=GatedNorm, out_proj=RowParallelLinear))
+    else:
+        attention = layer.self_attention  # a fresh spec of each call
+        attention.module = GatedSelfAttention
+        attention.submodules.core_attention = core_attention
+        attention.submodules.q_layernorm = attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+    return spec
+
+
+def hybrid_block(arch: ModelArch, config, *, core_attention: type):
+    """This pipeline stage's TransformerBlockSubmodules."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from services.trainer.backends.megatron.norm import ZeroCenteredRMSNorm
 
     specs: dict[tuple[bool, bool], object] = {}
     stage = arch.stage_layer_range(parallel_state.get_pipeline_model_parallel_rank(),
@@ -54,6 +59,6 @@ def hybrid_block(arch: ModelArch, config, *, core_attention: type):
     for index in stage:
         kind = (arch.is_linear_layer(index), arch.is_moe_layer(index))
         if kind not in specs:
-            specs[kind] = layer_spec(*kind)
+            specs[kind] = layer_spec(arch, linear=kind[0], moe=kind[1], core_attention=core_attention)
         layers.append(specs[kind])
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, offload
+from services.trainer.backends.megatron import args, mtp, offload
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -195,7 +195,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
                             else SDPAttention)
     elif arch.mla is not None or arch.moe_layers is not None:  # layers of two kinds, or multi-latent attention
         block = _decoder_block(config, use_te=use_te)
-        spec = block if use_te else _with_local_modules(block, SDPAttention, SequenceParallelRMSNorm)
+        spec = block if use_te else _with_local_modules(
+            block, CPAttention if config.context_parallel_size > 1 else SDPAttention, SequenceParallelRMSNorm)
         if arch.mla is not None and not use_te:
             from services.trainer.backends.megatron.mla import LatentRMSNorm
 
@@ -225,8 +226,18 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
 
             attn = spec.layer_specs[0].submodules.self_attention.submodules
             attn.q_layernorm, attn.k_layernorm = QProjectionRMSNorm, KProjectionRMSNorm
-    mtp_spec = _mtp_block(spec, arch.mtp_num_layers, SequenceParallelRMSNorm, use_te=use_te) \
-        if arch.mtp_num_layers and parallel_state.is_pipeline_last_stage() else None
+    mtp_spec = None
+    if arch.mtp_num_layers and parallel_state.is_pipeline_last_stage():
+        mtp_layer, mtp_norm = spec, SequenceParallelRMSNorm  # as the decoder's last layer
+        if arch.linear_attention is not None:  # Qwen3-Next's and Qwen3.5's: gated attention, zero-centered norms
+            from services.trainer.backends.megatron import hybrid
+            from services.trainer.backends.megatron.norm import ZeroCenteredRMSNorm
+
+            mtp_layer = hybrid.layer_spec(arch, linear=False, moe=arch.is_moe_layer(arch.num_layers - 1),
+                                          core_attention=CPAttention if config.context_parallel_size > 1
+                                          else SDPAttention)
+            mtp_norm = ZeroCenteredRMSNorm
+        mtp_spec = _mtp_block(mtp_layer, arch.mtp_num_layers, mtp_norm, use_te=use_te)
     model_class, extra = GPTModel, {}
     if arch.vision_model_type:
         from services.trainer.backends.megatron import vision
@@ -245,7 +256,10 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
             **{"position_embedding_type": "rope", **extra})
         if arch.vision_model_type:
             model.attach_vision(vision_config, arch, config.params_dtype, torch.device("cpu"))
-    model.mtp_process = False  # its MTP layers run only in the forwards that train them (`mtp.running`)
+    if mtp_spec is not None:  # its MTP layers run only in the forwards that train them (`mtp.running`)
+        mtp.run_only_when_asked(model)
+        if not model.pre_process:  # the last of several stages: its own copy of the embedding (`mtp.py`)
+            mtp.share_embedding_copy(model)
     if arch.mla is not None and not use_te:
         from services.trainer.backends.megatron.mla import whole_kv_down_projections
 
@@ -268,8 +282,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
 
 
 def _mtp_block(spec, num_layers: int, norm: type, *, use_te: bool):
-    """megatron-core's block of `num_layers` multi-token-prediction layers, each with a transformer layer as the
-    decoder's last (`spec`: a layer's or the block's) and, on the local spec, `norm` for its three RMSNorms."""
+    """megatron-core's block of `num_layers` multi-token-prediction layers, each with a transformer layer of `spec` (a
+    layer's, or the block's: its last layer's) and, on the local spec, `norm` for its three RMSNorms."""
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlockSubmodules,
         get_mtp_layer_spec,

@@ -6,17 +6,40 @@ predicts token t + k + 1, through the shared output layer. GPTModel here is buil
 its forward returns every depth's outputs ([b, (1 + N)·s, ...]) rather than computing a loss of its own, and the
 backend adds the MTP loss: per depth, the cross-entropy (temperature 1) of the trained response tokens, averaged over
 the step's tokens, the sum over depths times mtp_loss_scaling_factor / N (megatron-core's scaling).
+
+Under pipeline parallelism megatron-core builds the MTP block on the last stage, with a copy of the word embeddings
+there; without config.mtp_num_layers it neither marks that copy shared nor sums its gradient with the first stage's
+when the embeddings are untied, which `share_embedding_copy` and `finalize_with_embedding_copy` do.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
+
+
+def run_only_when_asked(gpt) -> None:
+    """Make `gpt`'s MTP block (on its last stage) pass the decoder's hidden states through, unless within `running`.
+    gpt.mtp_process stays True: megatron-core reads it as "this stage holds the MTP block and an embedding" (the
+    output weight, the embedding group, the checkpoint's tied keys)."""
+    block = gpt.mtp
+    block.runs = False
+    forward = block.forward
+
+    def forward_when_running(*args, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        return forward(*args, hidden_states=hidden_states, **kwargs) if block.runs else hidden_states
+
+    block.forward = forward_when_running
+
+
+def runs(gpt) -> bool:
+    """Whether `gpt`'s forward runs MTP layers now (its output holds 1 + N depths)."""
+    return getattr(getattr(gpt, "mtp", None), "runs", False)
 
 
 @contextlib.contextmanager
@@ -25,11 +48,47 @@ def running(gpt, enabled: bool) -> Iterator[None]:
     if not enabled or not hasattr(gpt, "mtp"):
         yield
         return
-    gpt.mtp_process = True
+    gpt.mtp.runs = True
     try:
         yield
     finally:
-        gpt.mtp_process = False
+        gpt.mtp.runs = False
+
+
+def share_embedding_copy(gpt) -> None:
+    """On a last stage that is not the first, the embedding copy the MTP layers embed with: marked as megatron-core
+    marks a shared copy (left out of the gradient norm, counted once on the first stage). With tied embeddings it is
+    the output weight too, and the output layer's own weight, which megatron-core allocates but never uses there, is
+    dropped (its checkpoint then has none, as megatron-core expects)."""
+    weight = gpt.embedding.word_embeddings.weight
+    weight.shared = weight.shared_embedding = weight.is_embedding_or_output_parameter = True
+    if gpt.share_embeddings_and_output_weights:
+        gpt.output_layer.weight = None
+
+
+def finalize_with_embedding_copy(finalize: Callable, embedding_group) -> Callable:
+    """megatron-core's finalize_model_grads (`finalize`), then the word embeddings' gradients of the first stage and
+    of the last stage's copy summed over `embedding_group`, so the two stay one weight (untied embeddings: megatron-core
+    reduces tied ones itself). Set on both stages: the sum is collective over them."""
+    import torch.distributed as dist
+
+    def finalize_then_reduce(model: list, *args, **kwargs) -> None:
+        finalize(model, *args, **kwargs)
+        gpt = model[0]
+        while hasattr(gpt, "module"):
+            gpt = gpt.module
+        dist.all_reduce(gpt.embedding.word_embeddings.weight.main_grad, group=embedding_group)
+
+    return finalize_then_reduce
+
+
+def next_tokens(targets: torch.Tensor, group, packed_seq_params=None) -> torch.Tensor:
+    """Under context parallelism, this rank's slice of tokens [rows, T_local] -> the tokens one position further on,
+    rolled across the CP group's slices as megatron-core's MTP layers roll their input tokens (a sequence's last
+    position gets 0, which `target_weights` never counts). Collective over `group`."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    return roll_tensor(targets, shifts=-1, dims=-1, cp_group=group, packed_seq_params=packed_seq_params)[0]
 
 
 def split_depths(output: torch.Tensor, num_layers: int, *, sequence_parallel_size: int = 1) -> list[torch.Tensor]:

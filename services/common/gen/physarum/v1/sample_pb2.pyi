@@ -54,7 +54,7 @@ class Image(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt", "prompt_messages", "tokens", "response", "response_length", "label", "reward", "reward_scores", "loss_mask", "rollout_log_probs", "status", "metadata", "weight_versions", "group_index", "index", "reward_error", "label_json", "rollout_id", "remove_sample", "teacher_log_probs", "train_metadata", "custom_rm_path", "generate_function_path", "rollout_routed_experts", "lora_name")
+    __slots__ = ("prompt", "prompt_messages", "tokens", "response", "response_length", "label", "reward", "reward_scores", "loss_mask", "rollout_log_probs", "status", "metadata", "weight_versions", "group_index", "index", "reward_error", "label_json", "rollout_id", "remove_sample", "teacher_log_probs", "train_metadata", "custom_rm_path", "generate_function_path", "rollout_routed_experts", "lora_name", "observation_images")
     class RewardScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Sample(_message.Message):
     GENERATE_FUNCTION_PATH_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -112,7 +113,8 @@ class Sample(_message.Message):
     generate_function_path: str
     rollout_routed_experts: _containers.RepeatedScalarFieldContainer[int]
     lora_name: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., response: _Optional[str] = ..., response_length: _Optional[int] = ..., label: _Optional[str] = ..., reward: _Optional[float] = ..., reward_scores: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., weight_versions: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., index: _Optional[int] = ..., reward_error: _Optional[str] = ..., label_json: _Optional[str] = ..., rollout_id: _Optional[int] = ..., remove_sample: _Optional[bool] = ..., teacher_log_probs: _Optional[_Iterable[float]] = ..., train_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., custom_rm_path: _Optional[str] = ..., generate_function_path: _Optional[str] = ..., rollout_routed_experts: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    observation_images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, prompt: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tokens: _Optional[_Iterable[int]] = ..., response: _Optional[str] = ..., response_length: _Optional[int] = ..., label: _Optional[str] = ..., reward: _Optional[float] = ..., reward_scores: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., weight_versions: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., index: _Optional[int] = ..., reward_error: _Optional[str] = ..., label_json: _Optional[str] = ..., rollout_id: _Optional[int] = ..., remove_sample: _Optional[bool] = ..., teacher_log_probs: _Optional[_Iterable[float]] = ..., train_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., custom_rm_path: _Optional[str] = ..., generate_function_path: _Optional[str] = ..., rollout_routed_experts: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., observation_images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class SampleGroup(_message.Message):
     __slots__ = ("group_id", "job_id", "rollout_id", "prompt_index", "epoch", "lease_id", "samples", "images")

@@ -1,6 +1,7 @@
-"""Regional torch.compile: each decoder layer's forward compiled, one compiled graph shared by every layer (the
-layers run the same code on parameters dynamo treats as inputs), with dynamic shapes so that the row lengths a job
-sees do not each compile again. Lowers Python overhead between small kernels and fuses the layers' pointwise work.
+"""Regional torch.compile, for both backends: each decoder layer's forward compiled (HF's layers under fsdp,
+megatron-core's TransformerLayers under megatron), one compiled graph shared by every layer (the layers run the same
+code on parameters dynamo treats as inputs), with dynamic shapes so that the row lengths a job sees do not each
+compile again. Lowers Python overhead between small kernels and fuses the layers' pointwise work.
 """
 
 from __future__ import annotations
