@@ -30,7 +30,7 @@ LORA ?=
 demo: setup  # `make demo SEED=n`: another seed of the model's initialisation and of both jobs; MODEL=qwen3_moe|qwen3_5|...: another tiny family; THREADS=1: one trainer thread (a busy machine); LORA=1: GRPO trains a LoRA adapter
 	$(BIN)/python -m physarum.demo --seed $(SEED) --model-family $(MODEL) $(if $(THREADS),--trainer-threads $(THREADS)) $(if $(LORA),--lora)
 
-demo-agent: setup  # `make demo-agent SEED=n`: an openai-client agent and its tool, warm-up then GRPO (does not learn yet: docs/agents.md)
+demo-agent: setup  # `make demo-agent SEED=n`: an openai-client agent and its tool, warm-up then GRPO (docs/agents.md)
 	$(BIN)/python -m physarum.demo_agent --seed $(SEED)
 
 demo-megatron: setup  # the same demo on the Megatron backend, TP=2 over two trainer processes; MODEL=deepseek_v3 EP=2: a MoE family's experts over the two (TP=1)

@@ -1,12 +1,12 @@
 """`make demo-agent`: an agent written against the `openai` client learns to use its tool through the whole service
 loop on CPU.
 
-The questions are examples/agent's (a*b+c, a and b in 2..9, c in 1..99), which the tiny model cannot work out in
-its head; the agent (examples/agent/solver.py) offers one tool, `solve`, that works out the question's arithmetic.
-Held-out reward is measured three times (greedy, one agent session per question, through the rollout service's
-gateway): the model as initialised; after a warm-up on a few conversations, half of which call `solve` and copy its
-result, half of which answer in the head (a*b, the +c forgotten: always wrong); after the GRPO job
-examples/agent/demo.yaml, whose reward is the right answer.
+The questions are a*b+c (a and b in 2..9, c in 100..899), which the tiny model cannot work out in its head; the
+agent (examples/agent/solver.py) offers one tool, `solve`, that works out the question's arithmetic. Held-out reward
+is measured three times (greedy, one agent session per question, through the rollout service's gateway): the model
+as initialised; after a warm-up on conversations, half of which call `solve` and copy its result, half of which
+answer in the head (a*b, the +c forgotten: always wrong), and on copy drills (a tool turn, then the answer copying
+its result); after the GRPO job examples/agent/demo.yaml, whose reward is the right answer.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from physarum import stack
 
 OUT_DIR = Path(".physarum/demo-agent")
 JOB = Path("examples/agent/demo.yaml")
-NUM_TRAIN, NUM_TEST, NUM_WARMUP = 200, 40, 32
+NUM_TRAIN, NUM_TEST, NUM_WARMUP, NUM_DRILLS = 200, 40, 64, 512
+C_RANGE = (100, 899)  # every result has 3 digits: the answer's digits sit at one distance from the tool's
+# the warm-up: minibatches of conversations and copy drills; at 1e-2 the copy drills do not fit (tried)
+WARMUP_STEPS, WARMUP_BATCHES, WARMUP_LR = 600, (8, 32), 3e-3  # batches: conversations, drills
+HIDDEN_SIZE = 128  # at 64 (head size 16) the copy drills reach ~40% of digits in 600 steps
+# the session's response budget (examples/agent/demo.yaml's too): it counts the tool's turn as well as the model's,
+# and a worked trajectory takes ~135 tokens; at 120 the answer after the tool's result was cut after ~3 tokens
+MAX_RESPONSE_LEN = 160
 
 
 def solved(a: int, b: int, c: int) -> dict:
@@ -48,15 +55,20 @@ def guessed(a: int, b: int, c: int) -> dict:
                                           {"role": "assistant", "content": f"The answer is {a * b}."}]}
 
 
-def build(out_dir: Path, seed: int, num_warmup: int = NUM_WARMUP) -> tuple[Path, Path, Path, Path]:
+def build(out_dir: Path, seed: int, num_warmup: int = NUM_WARMUP,
+          num_drills: int = NUM_DRILLS) -> tuple[Path, Path, Path, Path]:
     """The cold and warm models (the same initialisation) and the train and test questions."""
     from examples.agent.build import question, split_questions
     from examples.agent.model import build_agent_model
 
-    warmup, train, test = split_questions(num_warmup, NUM_TRAIN, NUM_TEST, seed)
-    cold = build_agent_model(out_dir / f"cold-{seed}", seed=seed)  # the same initialisation, no warm-up
-    conversations = [(solved if i % 2 == 0 else guessed)(*t) for i, t in enumerate(warmup)]
-    warm = build_agent_model(out_dir / f"solver-warm-{seed}-{num_warmup}", seed=seed, conversations=conversations)
+    warmup, train, test = split_questions(num_warmup + num_drills, NUM_TRAIN, NUM_TEST, seed, c_range=C_RANGE)
+    # the same initialisation, no warm-up
+    cold = build_agent_model(out_dir / f"cold-{seed}-{HIDDEN_SIZE}", seed=seed, hidden_size=HIDDEN_SIZE)
+    conversations = [(solved if i % 2 == 0 else guessed)(*t) for i, t in enumerate(warmup[:num_warmup])]
+    warm = build_agent_model(out_dir / f"solver-warm-{seed}-{num_warmup}-{num_drills}-{HIDDEN_SIZE}", seed=seed,
+                             hidden_size=HIDDEN_SIZE,
+                             conversations=conversations, drills=[solved(*t) for t in warmup[num_warmup:]],
+                             warmup_steps=WARMUP_STEPS, batch_sizes=WARMUP_BATCHES, max_lr=WARMUP_LR)
     paths = []
     for name, rows in (("train", train), ("test", test)):
         path = out_dir / f"{name}.jsonl"
@@ -73,7 +85,7 @@ def evaluate(state: dict, model_dir: Path, test_path: Path, name: str) -> float:
     config = RolloutConfig(job_id=f"demo-agent-eval-{name}", rollout_batch_size=1, tokenizer_path=str(model_dir),
                            input_key="input", label_key="label", apply_chat_template=True,
                            eval_prompt_data=[f"calc={test_path.resolve()}"],
-                           n_samples_per_eval_prompt=1, eval_temperature=0.0, rollout_max_response_len=120,
+                           n_samples_per_eval_prompt=1, eval_temperature=0.0, rollout_max_response_len=MAX_RESPONSE_LEN,
                            agent_function_path="examples.agent.solver.agent", agent_timeout_s=300.0,
                            custom_rm_path="examples.agent.reward.reward")
     with RolloutClient(state["rollout_addr"], timeout_s=30.0) as client:
@@ -95,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], help="override a GRPO job key (KEY=VALUE)")
     parser.add_argument("--num-warmup", type=int, default=NUM_WARMUP, help="warm-up conversations (half call "
                                                                              "`solve`; changes the split)")
+    parser.add_argument("--num-drills", type=int, default=NUM_DRILLS, help="copy drills in the warm-up (a tool "
+                                                                             "result, then the answer copying it)")
     parser.add_argument("--check-warm", type=int, default=0, metavar="N",
                         help="only build the warm model and report, greedily on N held-out questions, how often it "
                              "calls `solve` and copies the tool's result (no services)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     start = time.monotonic()
-    cold, warm, train, test = build(OUT_DIR, args.seed, args.num_warmup)
+    cold, warm, train, test = build(OUT_DIR, args.seed, args.num_warmup, args.num_drills)
     if args.check_warm:
         from examples.agent.warm_check import check_warm
 

@@ -35,14 +35,14 @@ def worked(a: int, b: int, c: int) -> dict:
 Triple = tuple[int, int, int]
 
 
-def split_questions(num_warmup: int, num_train: int, num_test: int,
-                    seed: int = 0) -> tuple[list[Triple], list[Triple], list[Triple]]:
-    """Distinct (a, b, c) for a*b+c, a and b in 2..9, c in 1..99: the warm-up's, the train and the test questions
-    (examples/multiturn/build.py asks the same ones)."""
+def split_questions(num_warmup: int, num_train: int, num_test: int, seed: int = 0,
+                    c_range: tuple[int, int] = (1, 99)) -> tuple[list[Triple], list[Triple], list[Triple]]:
+    """Distinct (a, b, c) for a*b+c, a and b in 2..9, c in `c_range` (both ends in): the warm-up's, the train and the
+    test questions (examples/multiturn/build.py asks the same ones)."""
     rng = random.Random(seed)
     triples: set[Triple] = set()
     while len(triples) < num_train + num_test + num_warmup:
-        triples.add((rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 99)))
+        triples.add((rng.randint(2, 9), rng.randint(2, 9), rng.randint(*c_range)))
     ordered = sorted(triples)
     rng.shuffle(ordered)
     return ordered[:num_warmup], ordered[num_warmup:num_warmup + num_train], ordered[-num_test:]

@@ -38,10 +38,15 @@ def corpus() -> list[str]:
 
 def build_agent_model(out_dir: Path, *, max_positions: int = 2048, hidden_size: int = 64, num_layers: int = 2,
                       seed: int = 0, conversations: list[dict[str, Any]] | None = None,
-                      transcripts: list[list[tuple[str, bool]]] | None = None, warmup_steps: int = 300) -> Path:
+                      transcripts: list[list[tuple[str, bool]]] | None = None, warmup_steps: int = 300,
+                      drills: list[dict[str, Any]] | None = None,
+                      batch_sizes: tuple[int | None, int | None] = (None, None), max_lr: float = 1e-2) -> Path:
     """Tokenizer (with TOOLS_CHAT_TEMPLATE) and model in one HF directory; with `conversations` ({"messages",
     "tools"}), trained on their assistant turns until it reproduces them greedily; with `transcripts` (plain text as
-    (piece, trained) pairs, each ending at end-of-sequence), on their trained pieces. Skips work already done."""
+    (piece, trained) pairs, each ending at end-of-sequence), on their trained pieces; with `drills` (conversations
+    with a tool turn), on their last answer after their last tool turn, from that turn on (copy exercises, a fifth
+    of a conversation's tokens). `batch_sizes`: rows of each kind (conversations and transcripts, drills) per step
+(None: all). Skips work already done."""
     out_dir = Path(out_dir)
     if (out_dir / "model.safetensors").exists():
         return out_dir
@@ -53,9 +58,10 @@ def build_agent_model(out_dir: Path, *, max_positions: int = 2048, hidden_size: 
     config.pop("chat_template", None)
     config_path.write_text(json.dumps(config, indent=2))
     model = _new_model(out_dir, max_positions, hidden_size, num_layers, seed)
-    if conversations or transcripts:
+    if conversations or transcripts or drills:
         rows = _chat_rows(out_dir, conversations or []) + _text_rows(out_dir, transcripts or [])
-        _warm_up(model, rows, warmup_steps)
+        _warm_up(model, rows, warmup_steps, drills=_drill_rows(out_dir, drills or []), batch_sizes=batch_sizes,
+                 max_lr=max_lr)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -113,25 +119,51 @@ def _text_rows(out_dir: Path, transcripts: list[list[tuple[str, bool]]]) -> list
     return rows
 
 
-def _warm_up(model: Any, rows: list[tuple[list[int], list[int]]], steps: int) -> float:
-    """Next-token loss on the rows' trained tokens, full batch, Adam, until the loss is near 0 (at most `steps`
-    steps); returns the last loss. The learning rate rises to 1e-2 over the first tenth of `steps` and anneals
-    to 0: at a constant 1e-2 the loss oscillates near 0.1 and the agent's call copies the question's numbers wrongly
+def _drill_rows(out_dir: Path, drills: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
+    """Each drill's row from the newline before its last tool turn on: the tool's result, then the answer trained
+    (the tokens a session has there; the system prompt and question before them are left out)."""
+    from services.rollout.generation.prompts import PromptEncoder
+
+    start = PromptEncoder(out_dir).encode_text("\n<|im_start|>user\n<tool_response>")
+    rows = []
+    for ids, mask in _chat_rows(out_dir, drills):
+        cut = max(i for i in range(len(ids) - len(start) + 1) if ids[i:i + len(start)] == start)
+        rows.append((ids[cut:], mask[cut:]))
+    return rows
+
+
+def _warm_up(model: Any, rows: list[tuple[list[int], list[int]]], steps: int, *,
+             drills: list[tuple[list[int], list[int]]] | None = None,
+             batch_sizes: tuple[int | None, int | None] = (None, None), max_lr: float = 1e-2) -> float:
+    """Next-token loss on the rows' trained tokens (plus the drills', each kind's mean), Adam, until the loss is
+    near 0 (at most `steps` steps); returns the last loss. `batch_sizes`: rows of each kind per step, drawn at
+    random (None: all of them). The learning rate rises to `max_lr` over the first tenth of `steps` and anneals to
+    0: at a constant 1e-2 the loss oscillates near 0.1 and the agent's call copies the question's numbers wrongly
     (a JSON call ~70 tokens after the question is a longer copy than the custom-generate format's)."""
     import torch
 
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
-    weights = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=max(steps, 1), pct_start=0.1)
+    def padded(kind: list[tuple[list[int], list[int]]]) -> tuple[Any, Any]:
+        width = max(len(ids) for ids, _ in kind)
+        return (torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in kind]),
+                torch.tensor([m + [0] * (width - len(m)) for _, m in kind], dtype=torch.float32))
+
+    kinds = [(*padded(kind), size) for kind, size in zip((rows, drills or []), batch_sizes, strict=True) if kind]
+    generator = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=max_lr)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=max(steps, 1),
+                                                   pct_start=0.1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is several times faster on a busy machine
     model.train()
     for _ in range(steps):
-        logits = model(input_ids=input_ids).logits[:, :-1]
-        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-        loss = (losses * weights[:, 1:]).sum() / weights[:, 1:].sum()
+        loss = torch.zeros(())
+        for all_ids, all_weights, batch_size in kinds:
+            pick = (slice(None) if batch_size is None or batch_size >= len(all_ids)
+                    else torch.randperm(len(all_ids), generator=generator)[:batch_size])
+            input_ids, weights = all_ids[pick], all_weights[pick]
+            logits = model(input_ids=input_ids).logits[:, :-1]
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+            loss = loss + (losses * weights[:, 1:]).sum() / weights[:, 1:].sum()
         if loss.item() < 0.01:
             break
         optimizer.zero_grad()
