@@ -22,6 +22,7 @@ from services.common.errors import InvalidArgument
 from services.trainer.checkpoint.safe_dcp import SafeFileSystemReader
 from services.trainer.distributed import megatron_cpu
 from services.trainer.models import qwen3_next
+from services.trainer.models.arch import ModelArch
 
 # the local spec's separate norms and Transformer Engine's, fused into the next linear layer
 NORM_SPELLINGS = (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
@@ -55,7 +56,7 @@ def _slime_gdn_layers(saved: set[str]) -> set[int]:
     return {int(match.group(1)) for key in saved if (match := SLIME_GDN.match(key))}
 
 
-def _slime_gdn_weights(path: Path, saved: set[str], layers: set[int], arch: Any) -> dict[str, torch.Tensor]:
+def _slime_gdn_weights(path: Path, saved: set[str], layers: set[int], arch: ModelArch) -> dict[str, torch.Tensor]:
     """slime's gated delta-net tensors of `layers`, read whole, as this TP rank's shards under megatron-core's
     checkpoint keys (global layer numbers)."""
     import torch.distributed.checkpoint as dcp
@@ -90,7 +91,7 @@ def _slime_gdn_weights(path: Path, saved: set[str], layers: set[int], arch: Any)
     return out
 
 
-def load_model(gpt: Any, path: str | Path, arch: Any = None) -> None:
+def load_model(gpt: Any, path: str | Path, arch: ModelArch | None = None) -> None:
     """Collective: the weights of the Megatron checkpoint directory `path` (release/ or iter_N/) into `gpt` (of the
     architecture `arch`, which a checkpoint of slime's HF-module gated delta-nets needs); a tensor the checkpoint
     lacks under both spellings fails naming it."""
@@ -133,7 +134,8 @@ def load_model(gpt: Any, path: str | Path, arch: Any = None) -> None:
     with megatron_cpu.cuda_to_cpu():
         loaded = dist_checkpointing.load(sharded, str(path), common_strategy=WeightsOnly())
     if from_slime:
-        converted = _slime_gdn_weights(path, saved, slime_layers, arch)
+        stage_layers = {int(LAYER.match(key).group(1)) for key in from_slime.values()}  # this rank's only
+        converted = _slime_gdn_weights(path, saved, stage_layers, arch)
         # (megatron-core keys a local-spec input norm as Transformer Engine's fused one)
         converted.update({twin: t for key, t in list(converted.items()) if (twin := _twin(key)) is not None})
         if lacking := sorted(key for key in from_slime.values() if key not in converted):
