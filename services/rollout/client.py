@@ -96,12 +96,23 @@ class WeightSyncPlan:
 
 
 SNAPSHOT_PREFIX = "weight_v"  # slime's update_weight_disk_dir layout: <snapshot_dir>/weight_v<version>
+ADAPTER_ROOT_PREFIX = "lora-"  # a LoRA job's snapshots: <snapshot_dir>/lora-<job>/weight_v<version>
 ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: <snapshot>/adapters/<lora_name>/, PEFT's adapter directory each
 
 
 def snapshot_path(snapshot_dir: str | Path, version: str | int) -> Path:
     """Where the trainer writes the snapshot of weight version `version` (engines joining by disk load it there)."""
     return Path(snapshot_dir) / f"{SNAPSHOT_PREFIX}{version}"
+
+
+def adapter_snapshot_root(snapshot_dir: str | Path, lora_name: str) -> Path:
+    """The directory under `snapshot_dir` that holds the snapshots of LoRA job `lora_name` (its served name at a
+    version, versioned_adapter_name's, counts as the job's name): `snapshot_dir/lora-<job>/`, one per job, so that
+    jobs sharing a pool neither replace nor prune each other's."""
+    job = lora_name.rpartition("@v")[0] if lora_name.rpartition("@v")[2].isdigit() else lora_name
+    if not job or job in (".", "..") or "/" in job or "\\" in job:
+        raise ValueError(f"LoRA adapter name {lora_name!r} cannot name a snapshot directory")
+    return Path(snapshot_dir) / f"{ADAPTER_ROOT_PREFIX}{job}"
 
 
 def config_to_proto(config: RolloutConfig) -> rollout_pb2.RolloutConfig:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from services.common.sglang import AsyncSGLangClient, serves_adapter_push
+from services.rollout.client import adapter_snapshot_root
 from services.rollout.pool import adapter_join
 from services.trainer.weight_sync.adapter_disk import DISK_SUBDIR, AdapterSync, stale_versions
 from services.trainer.weight_sync.weight_sync import (
@@ -102,7 +103,7 @@ def test_versions_advance_each_under_its_name_equal_to_the_merged_model(http, di
                        merged_model(tiny_model_dir, None)])
     reply = http.post("/generate", json={"input_ids": [5, 6], "lora_path": "job@v1"})
     assert reply.status_code == 400 and "'job@v1' names no loaded LoRA adapter" in reply.text
-    published = Path(disk_sync.disk_dir, DISK_SUBDIR)
+    published = adapter_snapshot_root(Path(disk_sync.disk_dir, DISK_SUBDIR), "job")  # the job's own snapshots
     assert sorted(p.name for p in published.iterdir()) == ["weight_v2", "weight_v3"]
 
 

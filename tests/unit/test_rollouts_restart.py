@@ -17,7 +17,7 @@ import pytest
 
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.common.samples import Sample, SampleGroup, Status
-from services.rollout.client import PoolStatus, RolloutState, RolloutStatus, snapshot_path
+from services.rollout.client import PoolStatus, RolloutState, RolloutStatus, adapter_snapshot_root, snapshot_path
 from services.trainer.api.spec import parse_spec
 from services.trainer.distributed.parallel import World
 from services.trainer.driver import rollouts
@@ -161,3 +161,20 @@ def test_a_lora_job_sharing_the_pool_never_announces_its_version(tmp_path):
     manager.weight_version = "5"
     EngineWeights(World(), manager, engines=True, version=VERSION, base_pushed=threading.Event()).announce()
     assert manager.weight_version == "5" and manager.calls == 3  # the first job's status, begin and end calls only
+
+
+def test_a_lora_jobs_announce_finds_its_adapter_in_its_own_root(tmp_path):
+    """A LoRA job's snapshots live in lora-<job>/ of the pool's snapshot directory; a full-weight snapshot of the same
+    version at the top (another job's, earlier on the pool) is not this job's to announce."""
+    full = snapshot_path(tmp_path, VERSION)
+    full.mkdir(parents=True)
+    (full / "model.safetensors").write_bytes(b"")
+    own = snapshot_path(adapter_snapshot_root(tmp_path, "race"), VERSION)
+    (own / "adapters" / f"race@v{VERSION}").mkdir(parents=True)
+    announced = []
+    manager = FakeManager(tmp_path, restart_after=0)
+    manager.weight_version = ""  # restarted
+    original = manager.end_weight_sync
+    manager.end_weight_sync = lambda version, **kw: (announced.append(kw["snapshot_path"]), original(version, **kw))
+    EngineWeights(World(), manager, engines=True, version=VERSION, job_id="race").announce()
+    assert announced == [str(own)] and manager.weight_version == str(VERSION)

@@ -1,11 +1,13 @@
 """A joining engine's weights when the latest snapshot is a LoRA job's (adapters/<name>/ only, no model file):
-SGLang's /update_weights_from_disk reads no adapter, so the engine's version is set (/update_weight_version) and each
-adapter directory loaded with /load_lora_adapter under its name; the base model is the one the engine started with.
+SGLang's /update_weights_from_disk reads no adapter, so the engine's version is set (/update_weight_version) and the
+latest adapter of every LoRA job on the pool loaded with /load_lora_adapter under its name; the base model is the one
+the engine started with.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from pathlib import Path
 
 from services.common.errors import FailedPrecondition, PhysarumError
@@ -19,6 +21,17 @@ def snapshot_adapters(path: str) -> list[tuple[str, str]]:
     if not path or not (root / ADAPTERS_DIR).is_dir() or any(root.glob("*.safetensors")):
         return []
     return [(d.name, str(d)) for d in sorted((root / ADAPTERS_DIR).iterdir()) if d.is_dir()]
+
+
+def pool_adapters(latest: str, job_snapshots: Iterable[str]) -> list[tuple[str, str]]:
+    """What an engine joining the pool loads: [] when the latest snapshot (`latest`) is of full weights, else the
+    adapters of each LoRA job's latest snapshot (`job_snapshots`: the pool's, one per job) and of `latest`."""
+    if not snapshot_adapters(latest):
+        return []
+    adapters = dict(snapshot_adapters(latest))
+    for path in job_snapshots:
+        adapters.update((name, directory) for name, directory in snapshot_adapters(path) if name not in adapters)
+    return sorted(adapters.items())
 
 
 async def load_adapters(engines: AsyncSGLangClient, url: str, adapters: list[tuple[str, str]], version: str,

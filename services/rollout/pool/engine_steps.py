@@ -128,8 +128,8 @@ async def load_snapshot(pool: StepHost, e: EngineRecord, version: str) -> None:
     path, start = pool.snapshot_path, time.monotonic()
     e.disk_loading = True
     try:
-        adapters = adapter_join.snapshot_adapters(path)
-        if adapters:  # a LoRA job's snapshot: its adapters over the base model the engine started with
+        adapters = adapter_join.pool_adapters(path, pool.adapter_snapshots.values())
+        if adapters:  # LoRA jobs' snapshots: each one's adapter over the base model the engine started with
             await adapter_join.load_adapters(pool.engines, e.url, adapters, version, pool.config.disk_load_timeout_s)
         else:
             await pool.engines.update_weights_from_disk(e.url, path, version,

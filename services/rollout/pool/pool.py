@@ -54,6 +54,7 @@ class EnginePool:
         self.settled_version: str | None = None  # the last version every serving engine holds (not mid-sync)
         # each LoRA adapter's last version the engines took (the jobs sharing the pool each count their own)
         self.adapter_versions: dict[str, str] = {}
+        self.adapter_snapshots: dict[str, str] = {}  # each adapter's snapshot at that version (what joiners load)
         self.snapshot_path = ""
         self.sync_started_s: float | None = None
         self.events: collections.deque[ScaleEvent] = collections.deque(maxlen=MAX_EVENTS)
@@ -190,6 +191,8 @@ class EnginePool:
                         e.join_mode = "sync"
             if lora_name:
                 self.adapter_versions[lora_name] = version
+                if snapshot_path:
+                    self.adapter_snapshots[lora_name] = snapshot_path
             log.info("weight sync of version %s: %d engines in %.2f s, %.1f MB", version, len(engine_urls), seconds,
                      num_bytes / 1e6)
         else:

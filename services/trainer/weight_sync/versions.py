@@ -10,11 +10,12 @@ import dataclasses
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.settings.rollout import RolloutConfig
 from services.common.sglang import lora_adapter_name
-from services.rollout.client import ADAPTERS_DIR, RolloutClient, snapshot_path
+from services.rollout.client import ADAPTERS_DIR, RolloutClient, adapter_snapshot_root, snapshot_path
 from services.trainer.distributed.parallel import World
 from services.trainer.settings.weight_sync import SyncConfig
 
@@ -107,7 +108,8 @@ class EngineWeights:
         """Rank 0. A rollout manager that restarted knows no weights: its new engines serve the base model, and in
         fully_async every group they generate would be refused as stale while the trainer, waiting for fresh ones,
         never pushes weights again. Tell its pool the version the engines should hold, with the snapshot written at
-        that push (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining.
+        that push (weight_v<version> in the pool's snapshot_dir, a LoRA job's in its lora-<job>/ there): its engines
+        load it as they do when joining.
         Not for LoRA jobs sharing the pool: the pool's version is then the last job's to push, and announcing this
         job's would have it demote every engine."""
         if not self.engines or self.shares_pool:
@@ -116,9 +118,8 @@ class EngineWeights:
         pool = self.rollout.pool_status()
         if pool.weight_version == str(version):
             return
-        snapshot = snapshot_path(pool.snapshot_dir, version) if pool.snapshot_dir else None
-        # full weights, or a LoRA job's adapters (its engines load them over the base they start with)
-        if snapshot is None or not ((snapshot / "model.safetensors").is_file() or (snapshot / ADAPTERS_DIR).is_dir()):
+        snapshot = self._snapshot(pool.snapshot_dir, version) if pool.snapshot_dir else None
+        if snapshot is None:
             if version in self.unannounceable:
                 return
             self.unannounceable.add(version)
@@ -130,6 +131,17 @@ class EngineWeights:
         self.rollout.end_weight_sync(str(version), success=True, engine_urls=[], snapshot_path=str(snapshot))
         log.warning("the rollout manager's pool held weight version %r, not %d (restarted?): announced %d with its "
                     "snapshot %s", pool.weight_version, version, version, snapshot)
+
+    def _snapshot(self, snapshot_dir: str, version: int) -> Path | None:
+        """The snapshot of `version` in the pool's `snapshot_dir`: this LoRA job's adapter in the job's own root (its
+        engines load it over the base they start with; a full-weight snapshot of that version beside it is another
+        job's), else full weights; None if there is neither."""
+        if self.job_id:
+            adapter = snapshot_path(adapter_snapshot_root(snapshot_dir, lora_adapter_name(self.job_id)), version)
+            if (adapter / ADAPTERS_DIR).is_dir():
+                return adapter
+        full = snapshot_path(snapshot_dir, version)
+        return full if (full / "model.safetensors").is_file() or (full / ADAPTERS_DIR).is_dir() else None
 
     def close(self) -> None:
         for broadcaster in (self.broadcaster, self.adapter_broadcaster):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from services.common.errors import Unavailable
 from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
-from services.rollout.client import ADAPTERS_DIR, SNAPSHOT_PREFIX, snapshot_path
+from services.rollout.client import ADAPTERS_DIR, SNAPSHOT_PREFIX, adapter_snapshot_root, snapshot_path
 from services.trainer.checkpoint import safetensors_io
 from services.trainer.checkpoint.hf_files import copy_side_files
 from services.trainer.weight_sync import wire
@@ -413,12 +413,13 @@ class AdapterPush:
 
 def write_adapter_snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]], root: str | Path, version: str,
                            adapter: AdapterPush, *, keep: int = 2) -> str:
-    """A LoRA job's snapshot: `root/weight_v<version>/adapters/<lora_name>/` (PEFT's adapter directory), which an
-    engine joining later loads by /update_weights_from_disk of the snapshot; written aside, then renamed into
-    place; snapshots beyond the newest `keep` deleted. Returns the snapshot's directory."""
+    """A LoRA job's snapshot: `<adapter_snapshot_root>/weight_v<version>/adapters/<lora_name>/` (PEFT's adapter
+    directory), which an engine joining later loads (/load_lora_adapter); written aside, then renamed into place;
+    the job's snapshots beyond its newest `keep` deleted. Each job has a root of its own, so that jobs sharing a pool
+    (and syncing the same version) neither replace nor prune each other's. Returns the snapshot's directory."""
     from services.trainer.lora.export import write_peft_dir
 
-    root = Path(root)
+    root = adapter_snapshot_root(root, adapter.lora_name)
     root.mkdir(parents=True, exist_ok=True)
     final = snapshot_path(root, version)
     staging = root / f".staging-{final.name}-{os.getpid()}"
