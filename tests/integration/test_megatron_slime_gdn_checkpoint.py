@@ -2,7 +2,9 @@
 slime_plugins.models.qwen3_5` / `qwen3_next`: each linear-attention layer's transformers module and input norm under
 `decoder.layers.N.self_attention.`, the rest megatron-core's Transformer Engine names): the Megatron backend loads one
 (`slime_to_hf`, what train_backend fsdp runs at start, loads it as --load does and exports it), and the export holds
-the HF weights the checkpoint was written from, tensor by tensor. One lacking a tensor fails naming it."""
+the HF weights the checkpoint was written from, tensor by tensor, in one process and at TP=2 (two gloo ranks of
+tests/integration/megatron_slime_gdn_worker.py, each converting its own shards). One lacking a tensor fails naming
+it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from tests.integration import family_parity
+from tests.integration.workers import run_worker
 
 MEGATRON_LM_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                         "common_backend": "torch", "common_backend_version": 1}
@@ -114,3 +117,17 @@ def test_slimes_hf_module_gated_delta_net_checkpoint_loads_with_its_weights(fami
         run = slime_to_hf(student, tmp_path / "broken", tmp_path / "hf-broken")
         assert run.returncode != 0
         assert lacking in run.stderr
+
+
+def test_each_tensor_parallel_rank_loads_its_shards_of_slimes_gated_delta_nets(family_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    student = family_model_dir("qwen3_5")
+    teacher = _teacher(student, tmp_path / "teacher")
+    save_torch_dist(slime_layout(load_file(teacher / "model.safetensors"), teacher), tmp_path / "root")
+    run_worker("tests.integration.megatron_slime_gdn_worker", str(tmp_path), str(student), str(tmp_path / "root"),
+               log_path=tmp_path / "worker.log", timeout_s=600)
+    got, want = _weights(tmp_path / "hf"), _weights(teacher)
+    assert got.keys() == want.keys()
+    for name, weight in want.items():
+        assert torch.equal(got[name], weight), name
