@@ -66,7 +66,7 @@ class MegatronHFWeights:
         target = {"model": self.gpt, "ref_model": self.ref_model, "teacher": self.teacher_model}[into]
         if target is None:
             raise InvalidArgument(f"checkpoint {path}: this job has no {into} to load it into")
-        slime_torch_dist.load_model(target, path)
+        slime_torch_dist.load_model(target, path, self.arch)
         if into == "model":
             self.optimizer = self._build_optimizer()
             self._num_steps = 0
