@@ -23,11 +23,11 @@ from services.trainer.weight_sync.weight_sync import (
     WeightSyncError,
     write_adapter_snapshot,
 )
-from testkit.engines import start_engines, stop_engines
-from tests.integration.test_engine_lora import (
+from tests.integration.lora_adapters import (
     adapter_tensors,
     assert_rows_match,
     generate_rows,
+    lora_engine,
     lora_state,
     merged_model,
     peft_config,
@@ -38,12 +38,9 @@ RANK = 4
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, session_dir):
-    engines = start_engines(tiny_model_dir, session_dir / "test_engine_lora_disk", 1, "--enable-lora",
-                            "--max-loras-per-batch", "3", "--max-lora-rank", "8", "--lora-target-modules",
-                            # an unload drains paused requests for this long: a loaded machine can be slow to probe
-                            "q_proj,v_proj,down_proj", "--weight-sync-timeout-s", "120")
-    yield engines[0][1]
-    stop_engines(engines)
+    # an unload drains paused requests for up to the weight-sync timeout: a loaded machine can be slow to probe
+    yield from lora_engine(tiny_model_dir, session_dir / "test_engine_lora_disk", max_loras=3,
+                           target_modules="q_proj,v_proj,down_proj", weight_sync_timeout_s=120)
 
 
 @pytest.fixture(scope="module")

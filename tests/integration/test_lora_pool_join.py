@@ -22,7 +22,7 @@ from services.trainer.weight_sync.weight_sync import (
     write_adapter_snapshot,
 )
 from tests.integration.inprocess import InProcessManager
-from tests.integration.test_engine_lora import (
+from tests.integration.lora_adapters import (
     adapter_tensors,
     assert_rows_match,
     generate_rows,
