@@ -4,7 +4,6 @@ the same images."""
 
 from __future__ import annotations
 
-import base64
 import io
 
 import httpx
@@ -15,21 +14,12 @@ from PIL import Image
 from physarum import tasks
 from physarum.tinyvlm import VLM_FAMILIES, build_tiny_vlm
 from testkit.engines import start_engines, stop_engines
+from testkit.images import data_url, png
 
 PROMPT = "<|im_start|>user\nhow many? <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
 
 
 pytestmark = pytest.mark.slow  # a VLM engine process per module
-
-
-def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module", params=VLM_FAMILIES)

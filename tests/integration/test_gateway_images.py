@@ -19,22 +19,13 @@ from physarum import tasks
 from physarum.tinyvlm import build_tiny_vlm
 from services.rollout.gateway.trajectory import sample_tokens
 from testkit.engines import start_engines, stop_engines
+from testkit.images import data_url, png
 from tests.integration.engine_proxy import EngineProxy
 from tests.integration.gateway_fixtures import GatewayThread
 
 pytestmark = pytest.mark.slow  # a VLM engine of its own
 
 TIMEOUT_S = 120.0
-
-
-def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 RED, BLUE = png(60, 44, (220, 20, 20)), png(30, 90, (20, 20, 220))

@@ -25,14 +25,9 @@ from services.rollout.generation.manager import RolloutManager
 from services.rollout.local import start_router
 from services.rollout.pool.router import RouterClient
 from testkit.engines import engine_healthy
+from testkit.images import png
 
 pytestmark = pytest.mark.slow  # a VLM engine, a router, buffer and reward per module
-
-
-def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

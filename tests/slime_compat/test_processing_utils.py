@@ -18,6 +18,7 @@ from physarum import tasks
 from physarum.tinyvlm import build_tiny_vlm
 from services.common.errors import InvalidArgument
 from services.common.images import check_image
+from testkit.images import data_url, png
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +26,7 @@ def vlm_dir(tmp_path_factory):
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vl"), tasks.corpus())
 
 
-def png(width: int, height: int, color=(200, 30, 30)) -> bytes:
-    out = io.BytesIO()
-    PILImage.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
+COLOR = (200, 30, 30)
 
 
 def test_smart_resize_keeps_multiples_of_the_factor_within_the_token_bounds():
@@ -39,8 +37,8 @@ def test_smart_resize_keeps_multiples_of_the_factor_within_the_token_bounds():
 
 def test_process_vision_info_reads_each_image_part_and_resizes_it(tmp_path):
     path = tmp_path / "a.png"
-    path.write_bytes(png(28, 56))
-    url = "data:image/png;base64," + base64.b64encode(png(100, 60)).decode()
+    path.write_bytes(png(28, 56, COLOR))
+    url = data_url(png(100, 60, COLOR))
     messages = [{"role": "user", "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "?"},
                                              {"type": "image", "image": url},
                                              {"type": "image", "image": PILImage.new("RGBA", (56, 56))}]}]
@@ -49,7 +47,7 @@ def test_process_vision_info_reads_each_image_part_and_resizes_it(tmp_path):
     assert all(image.mode == "RGB" for image in images)
     assert process_vision_info([{"role": "user", "content": [{"type": "text", "text": "no image"}]}]) == (None, None)
     for part, message in (({"image": "https://example.com/a.png"}, "nothing is fetched from the network"),
-                          ({"image": "data:image/png;base64," + base64.b64encode(png(4, 4)[:30]).decode()},
+                          ({"image": data_url(png(4, 4, COLOR)[:30])},
                            "corrupt image"),
                           ({"type": "video", "video": "v.mp4"}, "images only")):
         with pytest.raises(ValueError, match=message):
@@ -88,7 +86,7 @@ def test_generate_state_has_the_models_processor_and_none_for_a_text_model(vlm_d
 
 
 def test_images_go_to_the_engines_as_data_urls():
-    prompt_image = check_image(png(8, 8))  # a prompt's image: its bytes as read, unchanged
+    prompt_image = check_image(png(8, 8, COLOR))  # a prompt's image: its bytes as read, unchanged
     assert encode_image_for_rollout_engine(prompt_image) == \
         "data:image/png;base64," + base64.b64encode(prompt_image.data).decode()
     url = encode_image_for_rollout_engine(PILImage.new("L", (6, 3), 128))  # a Pillow image: RGB PNG, as slime's

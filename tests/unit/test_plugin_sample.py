@@ -12,6 +12,7 @@ from services.common import plugins
 from services.common.errors import InvalidArgument
 from services.common.plugin_sample import PluginSample
 from services.common.samples import Sample, Status
+from testkit.images import png
 
 plugins.ensure_slime_compat()
 
@@ -72,16 +73,6 @@ def test_a_response_without_log_probs_cannot_take_trainable_ones_later():
         sample.append_response_tokens(None, tokens=[3], log_probs=[-0.1])
     sample.append_response_tokens(None, tokens=[4], trainable=False)
     assert sample.loss_mask == [1, 0] and sample.rollout_log_probs == [0.0, 0.0]
-
-
-def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
-    import io
-
-    from PIL import Image as PILImage
-
-    out = io.BytesIO()
-    PILImage.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
 
 
 def test_the_images_a_generate_function_adds_after_its_prompts_are_the_samples_own():
