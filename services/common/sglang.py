@@ -35,6 +35,12 @@ def versioned_adapter_name(lora_name: str, version: str) -> str:
     return f"{lora_name}@v{version}"
 
 
+def unversioned_adapter_name(name: str) -> str:
+    """The adapter `name` is a version of (versioned_adapter_name's inverse); a name without a version is itself."""
+    base, _, version = name.rpartition("@v")
+    return base if version.isdigit() else name
+
+
 def serves_adapter_push(server_info: dict) -> bool:
     """Whether an engine takes an adapter over the weight-update group (/load_lora_adapter_from_distributed): the
     Physarum CPU engine does, SGLang does not."""

@@ -16,6 +16,7 @@ from services.common.gen.physarum.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_client import GrpcClient
 from services.common.samples import dict_to_struct, struct_to_dict
 from services.common.settings.rollout import RolloutConfig
+from services.common.sglang import unversioned_adapter_name
 
 
 class RolloutState(enum.Enum):
@@ -109,7 +110,7 @@ def adapter_snapshot_root(snapshot_dir: str | Path, lora_name: str) -> Path:
     """The directory under `snapshot_dir` that holds the snapshots of LoRA job `lora_name` (its served name at a
     version, versioned_adapter_name's, counts as the job's name): `snapshot_dir/lora-<job>/`, one per job, so that
     jobs sharing a pool neither replace nor prune each other's."""
-    job = lora_name.rpartition("@v")[0] if lora_name.rpartition("@v")[2].isdigit() else lora_name
+    job = unversioned_adapter_name(lora_name)
     if not job or job in (".", "..") or "/" in job or "\\" in job:
         raise ValueError(f"LoRA adapter name {lora_name!r} cannot name a snapshot directory")
     return Path(snapshot_dir) / f"{ADAPTER_ROOT_PREFIX}{job}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import FailedPrecondition, PhysarumError
-from services.common.sglang import SGLangClient, serves_adapter_push, versioned_adapter_name
+from services.common.sglang import SGLangClient, serves_adapter_push, unversioned_adapter_name, versioned_adapter_name
 from services.trainer.weight_sync.weight_sync import (
     ADAPTERS_DIR,
     AdapterPush,
@@ -113,7 +113,7 @@ class AdapterSync:
             snapshot = write_adapter_snapshot(named, Path(self.disk_dir) / DISK_SUBDIR, version,
                                               AdapterPush(lora_name, config))
             directory = str(Path(snapshot, ADAPTERS_DIR, lora_name))
-        base = lora_name.rpartition("@v")[0]
+        base = unversioned_adapter_name(lora_name)
         clients = [SGLangClient(url, timeout_s=self.timeout_s) for url in self.engine_urls]
         try:
             # the version each engine reports (the pool checks it), set first: the CPU engine stamps an adapter it
