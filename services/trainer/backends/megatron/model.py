@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, mtp, offload
+from services.trainer.backends.megatron import args, lone_replica, mtp, offload
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -344,6 +344,7 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict 
     ddp_config = args.build(DistributedDataParallelConfig, "DistributedDataParallelConfig", dict(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer),
         overrides or {})
+    lone_replica.apply()
     with megatron_cpu.cuda_to_cpu():
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
