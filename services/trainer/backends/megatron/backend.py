@@ -26,7 +26,7 @@ from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import capabilities, compiled_layers
+from services.trainer.backends import capabilities, compiled_layers, last_layer_rows
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL
 from services.trainer.backends.megatron import args as margs
@@ -271,6 +271,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         # not the critic's (a value head) nor under CP
         fuse = self._fuses_head() and self.cp_size == 1 and (self.critic is None or model is not self.critic.model)
         self._head = None
+        last_mlp = self._last_mlp(model) if fuse else None  # run on the positions the fused head reads alone
 
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
@@ -291,7 +292,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
                 inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
             with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
-                  fused_head.hidden_states_out(module, fuse) as head):
+                  fused_head.hidden_states_out(module, fuse) as head,
+                  last_layer_rows.mlp_on_rows(last_mlp, packing.response_mask(mb, packed=packed) if last_mlp
+                                              else None, sequence_first=True)):
                 output = module(**inputs)
             self._head = head  # the loss, computed right after on the last stage, reads it
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
@@ -365,6 +368,17 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """Per-position outputs of the model: as they are, or under CP this rank's [rows, T_local] gathered into
         the CP-1 layout."""
         return self._cp_row.gather(output) if self.cp_size > 1 else output
+
+    def _last_mlp(self, model) -> torch.nn.Module | None:
+        """This stage's last layer's MLP when the fused head alone reads its output (`last_layer_rows`): on the last
+        stage, a dense MLP, each TP rank holding every position (no sequence parallelism), no MTP layers reading
+        every position's hidden state and no compiled layers (a compiled layer's graph holds the MLP as it was)."""
+        gpt = fused_head.gpt_of(model)
+        if not self.is_last_stage or gpt.config.sequence_parallel or megatron_mtp.runs(gpt) or \
+                self.config.compile_layers or not len(gpt.decoder.layers):
+            return None
+        mlp = getattr(gpt.decoder.layers[-1], "mlp", None)
+        return mlp if last_layer_rows.is_dense_mlp(mlp) else None
 
     def _fuses_head(self) -> bool:
         """Whether log-probs come from the hidden states and the output layer's weight, chunked (not for a custom
