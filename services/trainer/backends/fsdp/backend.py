@@ -411,7 +411,7 @@ class TorchBackend(TorchStateDicts):
         # Over data-parallel ranks, their counts' mean: FSDP averages gradients, so the loss is the whole step's.
         normalizer = parallel.dp_mean(rl_step.step_normalizer(cfg, mask_sums[rows]), self.world)
         optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        totals: dict[str, torch.Tensor] = {}  # summed where they are: one copy to the host after the loop
         start = time.perf_counter()
         for mb_rows in micro_batches:
             if not mb_rows:  # an empty micro-batch: a zero-weighted pass keeps the ranks' collectives in step
@@ -423,7 +423,9 @@ class TorchBackend(TorchStateDicts):
             loss, metrics = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows], normalizer))
             loss.backward()
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
+                value = torch.as_tensor(value, device=self.device).detach().double().reshape(())
+                totals[key] = totals[key] + value if key in totals else value
+        totals = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True)) if totals else {}
         forward_backward_s, start = time.perf_counter() - start, time.perf_counter()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else math.inf))
