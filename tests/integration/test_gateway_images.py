@@ -194,3 +194,32 @@ def test_too_many_images_remote_urls_and_images_on_a_text_job_answer_400_and_the
     assert [request.get("image_data") for request, _ in proxy.since(start)] == [[data_url(RED)], None]
     gw.close_session(session)
     gw.close_session(text_session)
+
+
+def test_responses_input_image_parts_reach_the_engine_and_previous_response_id_keeps_the_images(gateway):
+    gw, proxy, model_dir = gateway
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    session = gw.open(max_new_tokens=200)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    start = len(proxy.generated)
+    first = client.responses.create(model="m", max_output_tokens=4, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(RED), "detail": "auto"},
+        {"type": "input_text", "text": "which color?"}]}])
+    client.responses.create(model="m", max_output_tokens=4, previous_response_id=first.id, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "and "},
+                                     {"type": "input_image", "image_url": data_url(BLUE)}]}])
+    (request, reply), (request2, reply2) = proxy.since(start)
+    assert request["image_data"] == [data_url(RED)]
+    assert request2["image_data"] == [data_url(RED), data_url(BLUE)]  # the previous response's image kept
+    first_turn = request["input_ids"] + [e[1] for e in reply["meta_info"]["output_token_logprobs"]]
+    assert request2["input_ids"][:len(first_turn)] == first_turn  # continued, not re-tokenised
+    assert image_runs(request2["input_ids"], image_token) == [image_tokens(model_dir, RED),
+                                                               image_tokens(model_dir, BLUE)]
+    trained = sample_tokens(session.trajectory.tip)
+    assert [i.data for i in trained.images] == [RED, BLUE] and not session.trajectory.branches
+    assert trained.tokens == request2["input_ids"] + [e[1] for e in reply2["meta_info"]["output_token_logprobs"]]
+    with pytest.raises(openai.BadRequestError, match=r"input\[0\]\.content\[0\] 'input_image': image URL "
+                                                     r"'https://example\.com/cat\.png': only data: URLs"):
+        client.responses.create(model="m", max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/cat.png"}]}])
+    gw.close_session(session)

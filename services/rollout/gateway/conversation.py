@@ -1,8 +1,8 @@
 """The APIs' requests as one conversation: messages in the form chat templates read (OpenAI's, with tool-call
 arguments as objects) plus the tools, checked and bounded; and each message's canonical key, which is how a
 history sent back is matched to the turns the gateway produced. A user message's images (OpenAI `image_url` parts,
-Anthropic `image` blocks, as base64 data) become image parts of its content, each decoded and checked here once;
-the conversation lists them in order. Knows nothing of tokens or HTTP.
+Responses `input_image` parts, Anthropic `image` blocks, as base64 data) become image parts of its content, each
+decoded and checked here once; the conversation lists them in order. Knows nothing of tokens or HTTP.
 """
 
 from __future__ import annotations
@@ -331,10 +331,32 @@ def _response_text(content: Any, where: str) -> str:
     return _text(content, where)
 
 
-def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str, Any]]) -> Conversation:
+def _responses_user_content(content: Any, where: str, images: list[Image]) -> str | list[dict[str, str]]:
+    """A Responses user message's content: text, or text and `input_image` parts (data: URLs; no URL or file is
+    fetched)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _response_text(content, where)
+    parts: list[dict[str, str] | Image] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidArgument(f"{at}: an 'input_image' part needs image_url, a data:image/...;base64, URL "
+                                      "(file_id is not supported)")
+            parts.append(_checked_image(lambda url=url: data_url_image(url), f"{at} 'input_image'"))
+        else:
+            parts.append({"type": "text", "text": _response_text([part], at)})
+    return _with_images(parts, images)
+
+
+def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str, Any]],
+                   history_images: list[Image] | None = None) -> Conversation:
     """OpenAI Responses `instructions`, `input` (messages, function_call and function_call_output items) and `tools`,
-    after `history` (the template messages of the previous response, its input and output). An assistant message
-    and the function calls after it are one assistant turn, as the gateway produced them."""
+    after `history` (the template messages of the previous response, its input and output, and `history_images`, the
+    images of its image parts). An assistant message and the function calls after it are one assistant turn, as the
+    gateway produced them; a user message's `input_image` parts are images, as in Chat Completions."""
     items, tools = body.get("input"), body.get("tools") or []
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
@@ -344,6 +366,7 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
     if body.get("instructions"):
         out.append({"role": "system", "content": _text(body["instructions"], "instructions")})
     out += [dict(message) for message in history]
+    images = list(history_images or [])
     first_new = len(out)
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -351,6 +374,9 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
         open_turn = out[-1] if len(out) > first_new and out[-1]["role"] == "assistant" else None
         if kind == "message" and item.get("role") in ROLES:
             role = "system" if item["role"] == "developer" else item["role"]
+            if role == "user":
+                out.append({"role": role, "content": _responses_user_content(item.get("content"), where, images)})
+                continue
             text = _response_text(item.get("content"), where)
             if role == "assistant" and open_turn is not None and not open_turn.get("tool_calls"):
                 open_turn["content"] += text
@@ -380,4 +406,4 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
                                  f"tools[{i}].type")
         checked.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
                                       f"tools[{i}]", f"tools[{i}].parameters"))
-    return Conversation(out, checked)
+    return Conversation.of(out, checked, images, limits)

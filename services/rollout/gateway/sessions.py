@@ -17,6 +17,7 @@ from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY
+from services.common.samples import Image
 from services.rollout.engine_calls.generate import GenerateContext, image_data_url, post_generate, stream_generate
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message
 from services.rollout.gateway.deltas import ContentDeltas
@@ -115,7 +116,8 @@ class Session:
     registry: SessionRegistry | None = None  # the registry that opened it (closes it)
     gateway_url: str = ""  # where agents reach the gateway (its root), when the manager serves one
     context_len: int | None = None  # the model's context in tokens, when its config names it
-    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # Responses API ids: their messages
+    # Responses API ids: their messages and those messages' images
+    responses: dict[str, tuple[list[dict[str, Any]], list[Image]]] = field(default_factory=dict)
     parent: Session | None = None  # the session that spawned this one (a sub-agent's, a restart's)
     children: list[Session] = field(default_factory=list)  # the sessions spawned from this one, in order
     takes_images: bool = True  # False for a job that trains on text (no multimodal_keys): images are refused
