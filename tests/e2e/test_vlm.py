@@ -98,7 +98,8 @@ def test_a_vlm_grpo_job_trains_on_images_end_to_end(vlm_stack, tmp_path, train_b
             assert got == pytest.approx(final[saved].flatten()[:64].tolist(), abs=1e-7)
 
 
-def test_an_agent_job_on_images_trains_on_the_images_its_sessions_send(vlm_stack, tmp_path):
+@pytest.mark.parametrize("train_backend", ["fsdp", "megatron"])
+def test_an_agent_job_on_images_trains_on_the_images_its_sessions_send(vlm_stack, tmp_path, train_backend):
     """tests.plugins.agent_fns.image_agent sends its prompt's messages (their image in them), then an observation with
     an image of its own: one prompt through the openai client, the other through the anthropic one. The samples hold
     both images' tokens, the observation's untrained; the trainer's log-probs over them are the engine's."""
@@ -109,18 +110,18 @@ def test_an_agent_job_on_images_trains_on_the_images_its_sessions_send(vlm_stack
     data.write_text("".join(json.dumps({**row, "metadata": {"api": api}}) + "\n"
                             for row, api in zip(rows, ("openai", "anthropic"), strict=True)))
     spec = {"hf_checkpoint": str(model), "prompt_data": str(data), "multimodal_keys": {"image": "images"},
-            "apply_chat_template": True, "train_backend": "fsdp", "num_rollout": 2, "rollout_batch_size": 2,
+            "apply_chat_template": True, "train_backend": train_backend, "num_rollout": 2, "rollout_batch_size": 2,
             "n_samples_per_prompt": 2, "global_batch_size": 4, "rollout_max_response_len": 64,
             "agent_function_path": "tests.plugins.agent_fns.image_agent", "rm_type": "exact_match", "lr": 1e-3,
             "rollout_temperature": 1.0, "weight_sync_timeout_s": 60.0, "lease_timeout_s": 120.0,
-            "rollout_timeout_s": 300.0, "job_id": "e2e-vlm-agent"}
+            "rollout_timeout_s": 300.0, "job_id": f"e2e-vlm-agent-{train_backend}"}
     job, events = run(state, spec, timeout_s=600.0)
     assert job["state"] == "SUCCEEDED", job["error"]
     steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
     assert len(steps) == 2
     # before and after a weight sync: the engine read both images' tokens as the trainer does
     diffs = [step["train/train_rollout_logprob_abs_diff"] for step in steps]
-    print(f"agent on images: train_rollout_logprob_abs_diff per step {diffs}")
+    print(f"agent on images, {train_backend}: train_rollout_logprob_abs_diff per step {diffs}")
     assert all(diff < 1e-3 for diff in diffs), diffs
     image_token = json.loads((model / "config.json").read_text())["image_token_id"]
     with BufferClient(state["buffer_addr"], timeout_s=30.0) as buffer:
@@ -131,6 +132,9 @@ def test_an_agent_job_on_images_trains_on_the_images_its_sessions_send(vlm_stack
         for sample in group.samples:
             apis.add(sample.metadata["api"])
             assert sample.metadata["agent_turns"] == 2 and sample.metadata["agent_branches"] == []
+            first, second = sample.metadata["agent_transcript"]["turns"]  # as the dashboard shows the session
+            assert first["messages"][-1]["text"] == "which color? [1 image]"
+            assert second["messages"] == [{"role": "user", "text": "and this one? [1 image]"}] and second["trained"]
             (observed,) = sample.observation_images
             assert observed.data != prompt_image.data and (observed.width, observed.height) == (36, 28)
             assert Image.open(io.BytesIO(observed.data)).getpixel((0, 0)) == OBSERVATION
