@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,23 +188,38 @@ def _function_tool(name: Any, description: Any, parameters: Any, where: str, sch
     return {"type": "function", "function": function}
 
 
-def _openai_content(content: Any, where: str, images: list[Image]) -> str | list[dict[str, str]]:
-    """A user message's content: text, or text and `image_url` parts (data: URLs; no URL is fetched)."""
-    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url"
-                                                for p in content):
-        return _text(content, where)
+def _user_content(content: Any, where: str, images: list[Image], image_type: str, image_url: Callable[[dict, str], str],
+                  text: Callable[[Any, str], str], image_where: str = "") -> str | list[dict[str, str]]:
+    """A user message's content: text (`text` reads it), or its text parts and its parts of `image_type`, whose
+    data: URL `image_url(part, where)` reads (no URL is fetched); a bad image's error names the part (and then
+    `image_where`)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == image_type for p in content):
+        return text(content, where)
     parts: list[dict[str, str] | Image] = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
-        if isinstance(part, dict) and part.get("type") == "image_url":
-            spec = part.get("image_url")
-            url = spec.get("url") if isinstance(spec, dict) else spec
-            if not isinstance(url, str):
-                raise InvalidArgument(f"{at}: image_url must be {{'url': 'data:image/...;base64,...'}}")
-            parts.append(_checked_image(lambda url=url: data_url_image(url), at))
+        if isinstance(part, dict) and part.get("type") == image_type:
+            url = image_url(part, at)
+            parts.append(_checked_image(lambda url=url: data_url_image(url), at + image_where))
         else:
-            parts.append({"type": "text", "text": _text([part], at)})
+            parts.append({"type": "text", "text": text([part], at)})
     return _with_images(parts, images)
+
+
+def _openai_image_url(part: dict[str, Any], where: str) -> str:
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str):
+        raise InvalidArgument(f"{where}: image_url must be {{'url': 'data:image/...;base64,...'}}")
+    return url
+
+
+def _responses_image_url(part: dict[str, Any], where: str) -> str:
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise InvalidArgument(f"{where}: an 'input_image' part needs image_url, a data:image/...;base64, URL (file_id "
+                              "is not supported)")
+    return url
 
 
 def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
@@ -219,7 +235,8 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise InvalidArgument(f"{where}: role must be one of {', '.join(ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
-        content = _openai_content(message.get("content"), where, images) if role == "user" else \
+        content = _user_content(message.get("content"), where, images, "image_url", _openai_image_url, _text) \
+            if role == "user" else \
             _text(message.get("content"), where)
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
@@ -331,26 +348,6 @@ def _response_text(content: Any, where: str) -> str:
     return _text(content, where)
 
 
-def _responses_user_content(content: Any, where: str, images: list[Image]) -> str | list[dict[str, str]]:
-    """A Responses user message's content: text, or text and `input_image` parts (data: URLs; no URL or file is
-    fetched)."""
-    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
-                                                for p in content):
-        return _response_text(content, where)
-    parts: list[dict[str, str] | Image] = []
-    for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if isinstance(part, dict) and part.get("type") == "input_image":
-            url = part.get("image_url")
-            if not isinstance(url, str):
-                raise InvalidArgument(f"{at}: an 'input_image' part needs image_url, a data:image/...;base64, URL "
-                                      "(file_id is not supported)")
-            parts.append(_checked_image(lambda url=url: data_url_image(url), f"{at} 'input_image'"))
-        else:
-            parts.append({"type": "text", "text": _response_text([part], at)})
-    return _with_images(parts, images)
-
-
 def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str, Any]],
                    history_images: list[Image] | None = None) -> Conversation:
     """OpenAI Responses `instructions`, `input` (messages, function_call and function_call_output items) and `tools`,
@@ -375,7 +372,9 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
         if kind == "message" and item.get("role") in ROLES:
             role = "system" if item["role"] == "developer" else item["role"]
             if role == "user":
-                out.append({"role": role, "content": _responses_user_content(item.get("content"), where, images)})
+                out.append({"role": role, "content": _user_content(item.get("content"), where, images, "input_image",
+                                                                   _responses_image_url, _response_text,
+                                                                   " 'input_image'")})
                 continue
             text = _response_text(item.get("content"), where)
             if role == "assistant" and open_turn is not None and not open_turn.get("tool_calls"):
