@@ -223,3 +223,33 @@ def test_responses_input_image_parts_reach_the_engine_and_previous_response_id_k
         client.responses.create(model="m", max_output_tokens=4, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "https://example.com/cat.png"}]}])
     gw.close_session(session)
+
+
+def test_a_screenshot_in_a_tool_result_reaches_the_engine_after_the_gateways_own_turn(gateway):
+    """A computer-use agent's loop through the anthropic client: a turn the gateway produced, then the tool's result
+    as a screenshot (an image block inside tool_result): the next turn continues the session's tokens, the
+    screenshot as image tokens the engine reads from image_data, untrained."""
+    gw, proxy, model_dir = gateway
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    session = gw.open(max_new_tokens=200)
+    claude = anthropic.Anthropic(base_url=gw.url, api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    start = len(proxy.generated)
+    tool = {"name": "screenshot", "description": "the screen", "input_schema": {"type": "object"}}
+    messages = [{"role": "user", "content": "what is on the screen?"}]
+    first = claude.messages.create(model="m", max_tokens=4, messages=messages, tools=[tool])
+    messages += [{"role": "assistant", "content": [block.model_dump() for block in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_0", "content": [
+                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                  "data": base64.b64encode(BLUE).decode()}}]}]}]
+    claude.messages.create(model="m", max_tokens=4, messages=messages, tools=[tool])
+    (request, reply), (request2, reply2) = proxy.since(start)
+    assert "image_data" not in request and request2["image_data"] == [data_url(BLUE)]
+    first_turn = request["input_ids"] + [e[1] for e in reply["meta_info"]["output_token_logprobs"]]
+    assert request2["input_ids"][:len(first_turn)] == first_turn and not session.trajectory.branches
+    assert image_runs(request2["input_ids"], image_token) == [image_tokens(model_dir, BLUE)]
+    trained = sample_tokens(session.trajectory.tip)
+    assert [i.data for i in trained.images] == [BLUE]
+    context = len(request2["input_ids"]) - len(first_turn)  # the tool's turn, its screenshot's tokens included
+    generated = len(reply2["meta_info"]["output_token_logprobs"])
+    assert trained.loss_mask[-generated - context:-generated] == [0] * context
+    gw.close_session(session)

@@ -188,38 +188,39 @@ def _function_tool(name: Any, description: Any, parameters: Any, where: str, sch
     return {"type": "function", "function": function}
 
 
-def _user_content(content: Any, where: str, images: list[Image], image_type: str, image_url: Callable[[dict, str], str],
-                  text: Callable[[Any, str], str], image_where: str = "") -> str | list[dict[str, str]]:
-    """A user message's content: text (`text` reads it), or its text parts and its parts of `image_type`, whose
-    data: URL `image_url(part, where)` reads (no URL is fetched); a bad image's error names the part (and then
-    `image_where`)."""
+def _with_image_parts(content: Any, where: str, images: list[Image], image_type: str,
+                     read_image: Callable[[dict[str, Any], str], Image], text: Callable[[Any, str], str],
+                     field_name: str = "content") -> str | list[dict[str, str]]:
+    """A content that may hold images: text (`text` reads it), or its text parts and its parts of `image_type`
+    (`read_image(part, where)` decodes and checks one; no URL is fetched), the images appended to `images`."""
     if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == image_type for p in content):
         return text(content, where)
     parts: list[dict[str, str] | Image] = []
     for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
+        at = f"{where}.{field_name}[{j}]"
         if isinstance(part, dict) and part.get("type") == image_type:
-            url = image_url(part, at)
-            parts.append(_checked_image(lambda url=url: data_url_image(url), at + image_where))
+            parts.append(read_image(part, at))
         else:
             parts.append({"type": "text", "text": text([part], at)})
     return _with_images(parts, images)
 
 
-def _openai_image_url(part: dict[str, Any], where: str) -> str:
+def _openai_image(part: dict[str, Any], where: str) -> Image:
+    """An `image_url` part's image: its URL must be a data: URL."""
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str):
         raise InvalidArgument(f"{where}: image_url must be {{'url': 'data:image/...;base64,...'}}")
-    return url
+    return _checked_image(lambda: data_url_image(url), where)
 
 
-def _responses_image_url(part: dict[str, Any], where: str) -> str:
+def _responses_image(part: dict[str, Any], where: str) -> Image:
+    """An `input_image` part's image: its image_url must be a data: URL."""
     url = part.get("image_url")
     if not isinstance(url, str):
         raise InvalidArgument(f"{where}: an 'input_image' part needs image_url, a data:image/...;base64, URL (file_id "
                               "is not supported)")
-    return url
+    return _checked_image(lambda: data_url_image(url), f"{where} 'input_image'")
 
 
 def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
@@ -235,7 +236,7 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise InvalidArgument(f"{where}: role must be one of {', '.join(ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
-        content = _user_content(message.get("content"), where, images, "image_url", _openai_image_url, _text) \
+        content = _with_image_parts(message.get("content"), where, images, "image_url", _openai_image, _text) \
             if role == "user" else \
             _text(message.get("content"), where)
         item: dict[str, Any] = {"role": role, "content": content}
@@ -321,7 +322,8 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str, images: list[Ima
                                        "arguments": _arguments(block.get("input", {}), f"{where}.content[{j}].input")}})
         elif kind == "tool_result" and role == "user":
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                            "content": _text(block.get("content"), f"{where}.content[{j}]")})
+                            "content": _with_image_parts(block.get("content"), f"{where}.content[{j}]", images,
+                                                         "image", _anthropic_image, _text)})
         else:
             allowed = "text, tool_use" if role == "assistant" else "text, image, tool_result"
             raise InvalidArgument(f"{where}.content[{j}]: block type {kind!r} is not supported in a {role} message "
@@ -372,9 +374,9 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
         if kind == "message" and item.get("role") in ROLES:
             role = "system" if item["role"] == "developer" else item["role"]
             if role == "user":
-                out.append({"role": role, "content": _user_content(item.get("content"), where, images, "input_image",
-                                                                   _responses_image_url, _response_text,
-                                                                   " 'input_image'")})
+                out.append({"role": role, "content": _with_image_parts(item.get("content"), where, images,
+                                                                       "input_image", _responses_image,
+                                                                       _response_text)})
                 continue
             text = _response_text(item.get("content"), where)
             if role == "assistant" and open_turn is not None and not open_turn.get("tool_calls"):
@@ -391,7 +393,8 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
             open_turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                        "content": _response_text(item.get("output"), where)})
+                        "content": _with_image_parts(item.get("output"), where, images, "input_image",
+                                                     _responses_image, _response_text, "output")})
         else:
             raise RequestInvalid(f"item type {kind!r} is not supported (message, function_call, "
                                  "function_call_output)", f"{where}.type")
