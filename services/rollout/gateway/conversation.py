@@ -1,8 +1,9 @@
 """The APIs' requests as one conversation: messages in the form chat templates read (OpenAI's, with tool-call
 arguments as objects) plus the tools, checked and bounded; and each message's canonical key, which is how a
-history sent back is matched to the turns the gateway produced. A user message's images (OpenAI `image_url` parts,
-Responses `input_image` parts, Anthropic `image` blocks, as base64 data) become image parts of its content, each
-decoded and checked here once; the conversation lists them in order. Knows nothing of tokens or HTTP.
+history sent back is matched to the turns the gateway produced. The images of a user message or a tool's result
+(OpenAI `image_url` parts, Responses `input_image` parts, Anthropic `image` blocks, as base64 data) become image
+parts of its content, each decoded and checked here once; the conversation lists them in order. Knows nothing of
+tokens or HTTP.
 """
 
 from __future__ import annotations
@@ -236,9 +237,10 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise InvalidArgument(f"{where}: role must be one of {', '.join(ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
-        content = _with_image_parts(message.get("content"), where, images, "image_url", _openai_image, _text) \
-            if role == "user" else \
-            _text(message.get("content"), where)
+        if role == "user":
+            content = _with_image_parts(message.get("content"), where, images, "image_url", _openai_image, _text)
+        else:  # OpenAI's tool messages hold text parts only
+            content = _text(message.get("content"), where)
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
