@@ -4,8 +4,11 @@
 `score_samples` (what the servicer calls) in this process. The two sides take turns in pairs of calls, which of them
 goes first alternating from pair to pair, so other load on the machine falls on both alike; a figure is the median
 over pairs of the in-process call's seconds over the gRPC call's (a pair shares the machine's load of its moment, so
-a busy spell that slows both cancels out). Prints a table, then one JSON line (`reward_grpc_vs_inprocess`, for
-exact_match; `reward_grpc_vs_inprocess_math`).
+a busy spell that slows both cancels out). Then each side runs as many calls again in a block, timed by the CPU its
+processes used (this one and its reward workers; this one as the client, the service and the service's workers):
+`reward_grpc_vs_inprocess_cpu` is the in-process CPU per call over the gRPC one's, what the hop costs in work, which
+the machine's other load hardly moves. Prints a table, then one JSON line (`reward_grpc_vs_inprocess`, for
+exact_match; `reward_grpc_vs_inprocess_math`; `reward_grpc_vs_inprocess_cpu`, for exact_match).
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import asyncio
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,6 +36,16 @@ def make_samples(num_samples: int) -> list[Sample]:
     return [Sample(prompt=f"{i % 100}+{i % 37}=", response=str(i % 100 + i % 37 + i % 2), label=str(i % 100 + i % 37),
                    tokens=list(range(10)), response_length=4, rollout_log_probs=[-0.5] * 4, index=i)
             for i in range(num_samples)]
+
+
+def cpu_per_call(call: Callable[[], None], processes: list[psutil.Process], num_calls: int) -> float:
+    """CPU seconds (user + system) the processes used per call, over num_calls calls in a row."""
+    def used() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+    start = used()
+    for _ in range(num_calls):
+        call()
+    return (used() - start) / num_calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,14 +76,23 @@ def main(argv: list[str] | None = None) -> int:
                 local_s, remote_s = local_s[1:], remote_s[1:]
                 local, remote = median(local_s), median(remote_s)
                 ratio = median([one / other for one, other in zip(local_s, remote_s, strict=True)])
-                rows.append([rm_type, args.samples_per_call / local, args.samples_per_call / remote, ratio])
+                # the warm-up started every worker: this process's (the in-process pool) and the service's
+                me, service = psutil.Process(), psutil.Process(proc.pid)
+                in_process_cpu = cpu_per_call(in_process, [me, *(p for p in me.children() if p.pid != proc.pid)],
+                                              args.calls)
+                grpc_cpu = cpu_per_call(over_grpc, [me, service, *service.children(recursive=True)], args.calls)
+                rows.append([rm_type, args.samples_per_call / local, args.samples_per_call / remote, ratio,
+                             in_process_cpu * 1e3, grpc_cpu * 1e3, in_process_cpu / grpc_cpu])
                 figures[rm_type] = ratio
+                figures[f"{rm_type} cpu"] = in_process_cpu / grpc_cpu
     finally:
         proc.stop()
     print_table(f"reward scoring, {args.samples_per_call} samples per call (median of {args.calls} calls)",
                 ["rm_type", "in-process samples/s (median)", "gRPC samples/s (median)",
-                 "gRPC / in-process, median over pairs (goal >= 0.8)"], rows)
-    emit({"reward_grpc_vs_inprocess": figures["exact_match"], "reward_grpc_vs_inprocess_math": figures["math"]})
+                 "gRPC / in-process, median over pairs (goal >= 0.8)", "in-process CPU ms per call",
+                 "gRPC CPU ms per call", "CPU: in-process / gRPC"], rows)
+    emit({"reward_grpc_vs_inprocess": figures["exact_match"], "reward_grpc_vs_inprocess_math": figures["math"],
+          "reward_grpc_vs_inprocess_cpu": figures["exact_match cpu"]})
     return 0
 
 
