@@ -30,7 +30,8 @@ CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 
    "compiled_vs_eager_megatron" (the compiled backend's tokens/s over the same backend eager), "compile_s_fsdp" and
    "compile_s_megatron" (wall seconds), "compiled_graphs" (graphs dynamo compiled in the phase) and
    "compiled_tokens_per_s" (each run's) to the JSON line; --compiled-only runs this phase alone (its keys alone).
-   Inductor compiles on the CPU take minutes on a busy 2-core machine.
+   On a shared 2-core CPU machine --compiled-only took 83 s the first time, 44 s once inductor's on-disk cache held its
+   kernels (docs/benchmarks.md).
 
 Run: python -m bench.trainer_throughput [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds N]
      [--threads N] [--clock wall|cpu] [--moe-only] [--compiled | --compiled-only]
