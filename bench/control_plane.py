@@ -51,9 +51,11 @@ def start_sim(work: Path, num_engines: int, latency_s: float) -> tuple[procs.Man
 def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     """WeightBroadcaster.init_group with every engine: health checks, drop of the old group, all ranks joining.
 
-    Each rank's store connection formats its address with getnameinfo (torch's c10d), a reverse DNS query for a
-    v4-mapped loopback address that /etc/hosts cannot answer: where the resolver drops one, glibc waits its timeout
-    (5 s by default) before asking again, and the whole group waits for that rank."""
+    Each engine's store client (torch's c10d, in a real SGLang engine too) connects over IPv6 to the master's
+    v4-mapped address and names it with getnameinfo, a reverse DNS query that /etc/hosts cannot answer: 64 of them
+    at once, from one host here, where a resolver that drops some of a burst makes glibc wait its timeout (5 s by
+    default) before asking again, and the whole group waits for that rank. (The trainer's store no longer asks:
+    services/trainer/weight_sync/rendezvous.py.)"""
     from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
     times = []
