@@ -58,7 +58,7 @@ def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     Each engine's store client (torch's c10d, in a real SGLang engine too) connects over IPv6 to the master's
     v4-mapped address and names it with getnameinfo, a reverse DNS query that /etc/hosts cannot answer: 64 of them
     at once, from one host here, where a resolver that drops some of a burst makes glibc wait its timeout (5 s by
-    default) before asking again, and the whole group waits for that rank. (The trainer's store no longer asks:
+    default) before asking again, and the whole group waits for that rank. (The trainer's store asks /etc/hosts now:
     services/trainer/weight_sync/rendezvous.py.)"""
     from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
