@@ -19,6 +19,8 @@ def is_dense_mlp(mlp: torch.nn.Module | None) -> bool:
         return False
     if type(mlp).__name__ == "MLP" and type(mlp).__module__.startswith("megatron.core.transformer.mlp"):
         return True
+    if getattr(type(mlp), "is_dense_mlp", False):  # a subclass of it that says so (megatron/swiglu.py)
+        return True
     return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) and \
         not any(hasattr(mlp, name) for name in ("experts", "gate", "router"))
 

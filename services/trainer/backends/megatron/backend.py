@@ -667,7 +667,7 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 model.zero_grad_buffer()
                 raise FloatingPointError(f"grad norm is {grad_norm} on samples [{rows[0]}, {rows[-1] + 1}); "
                                          "step not applied")
-            optimizer.step()
+            mcore.step_prepared(optimizer, grad_norm)  # not prepared and measured again
         return grad_norm, lr
 
     def _sum_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:

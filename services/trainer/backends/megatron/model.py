@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, lone_replica, mtp, offload
+from services.trainer.backends.megatron import args, lone_replica, mtp, offload, rotary
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -176,6 +176,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
     from services.trainer.backends.megatron.attention import SDPAttention
     from services.trainer.backends.megatron.context_parallel import CPAttention
     from services.trainer.backends.megatron.norm import SequenceParallelRMSNorm
+    from services.trainer.backends.megatron.swiglu import FusedSwiGLUMLP
 
     experts = arch.num_experts or None
     if arch.post_norms:  # GLM-4: a norm after attention's and the MLP's output projections
@@ -188,6 +189,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
         spec.submodules.self_attention.submodules.linear_proj = PostNormRowParallelLinear
         spec.submodules.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
+        spec.submodules.mlp.module = FusedSwiGLUMLP
         spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=False)
     elif arch.linear_attention is not None:  # Qwen3-Next, Qwen3.5: gated delta-nets among gated attention layers
         from services.trainer.backends.megatron.hybrid import hybrid_block
@@ -221,6 +223,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
         # torch's fused kernels; under context parallelism, attention across the CP group's slices
         spec.submodules.self_attention.submodules.core_attention = CPAttention \
             if config.context_parallel_size > 1 else SDPAttention
+        if experts is None:  # SwiGLU on fc1's fused output, with no copy in its backward
+            spec.submodules.mlp.module = FusedSwiGLUMLP
         spec = _with_norm(spec, SequenceParallelRMSNorm, config, qk_layernorm=arch.qk_layernorm)
         if arch.projection_qk_norm:  # MiniMax-M2: one norm over every head of the q (k) projection
             from services.trainer.backends.megatron.projection_norm import KProjectionRMSNorm, QProjectionRMSNorm
@@ -245,6 +249,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
 
         model_class = vision.vision_gpt_class()
         extra = {"position_embedding_type": "mrope", "scatter_embedding_sequence_parallel": False}
+    rotary.apply()
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = model_class(
             config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
@@ -372,6 +377,43 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
     if not opt_config.optimizer_cpu_offload:  # the hybrid optimizer picks its own kernels
         _fused_adamw(optimizer)
     return optimizer
+
+
+def step_prepared(optimizer, grad_norm: float) -> None:
+    """optimizer.step() after its prepare_grads() and get_grad_norm() (`grad_norm`): megatron-core's ChainedOptimizer
+    would copy the gradients to the main ones and take their norm again. The same clip by that norm (`_clip`), then
+    the update. Any other optimizer, or one that counts zeros in the gradients, steps as it does."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if type(optimizer) is not ChainedOptimizer or optimizer.config.log_num_zeros_in_grad:
+        optimizer.step()
+        return
+    for inner in optimizer.chained_optimizers:  # as ChainedOptimizer.step clips
+        if getattr(inner, "is_stub_optimizer", False):
+            continue
+        parameters = inner.get_parameters()
+        if parameters and inner.config.clip_grad > 0.0:
+            _clip(parameters, inner.config.clip_grad, grad_norm,
+                  decoupled=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    optimizer.step_with_ready_grads()
+
+
+def _clip(parameters: list, max_norm: float, total_norm: float, *, decoupled: bool) -> None:
+    """megatron-core's clip_grad_by_total_norm_fp32; off CUDA one foreach multiply of every gradient by the same
+    coefficient, where its host fallback multiplied each gradient into a new tensor and copied it back."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    from megatron.core.utils import to_local_if_dtensor
+
+    grads = [to_local_if_dtensor(grad).detach() for grad in
+             ((getattr(param, "decoupled_grad", None) if decoupled else param.grad) for param in parameters)
+             if grad is not None]
+    if any(grad.is_cuda for grad in grads):
+        clip_grad_by_total_norm_fp32(parameters, max_norm=max_norm, total_norm=total_norm,
+                                     use_decoupled_grad=decoupled)
+        return
+    clip_coeff = max_norm / (total_norm + 1.0e-6)  # megatron-core's
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
 
 
 def _fused_adamw(optimizer) -> None:
