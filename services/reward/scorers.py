@@ -58,8 +58,7 @@ async def score_samples(samples: Sequence[Sample | sample_pb2.Sample], *, rm_typ
     sent = [s if isinstance(s, Sample) else s.SerializeToString() for s in samples]
     size = run_length(len(sent), pool.num_workers)
     runs = [Run(rm_type, custom_rm_path, reward_key, args, sent[i:i + size]) for i in range(0, len(sent), size)]
-    outcomes = await pool.run_all(runs, timeout_s, semaphore)
-    return [ScoreResult(o.reward, o.ok, o.error, o.scores) for run in outcomes for o in run]
+    return [result for run in await pool.run_all(runs, timeout_s, semaphore) for result in run]
 
 
 def run_length(num_samples: int, num_workers: int) -> int:

@@ -30,6 +30,7 @@ from typing import Any, overload
 from services.common.errors import InvalidArgument
 from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import Sample
+from services.reward.client import ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +98,6 @@ class Run:
         return Task("builtin", self.rm_type, self.reward_key, sample, self.args, index=sample.index)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """A worker's answer: reward, ok, error and scores as in ScoreResult."""
-
-    reward: float
-    ok: bool
-    error: str
-    scores: dict[str, float]
-
-
 class _Worker:
     """One process and the pipe to it; used by one pool thread at a time."""
 
@@ -132,7 +123,7 @@ class _Worker:
             self.kill()
             raise _Lost(f"worker exited (code {self.process.exitcode}) while scoring") from None
 
-    def outcome(self, timeout_s: float) -> Outcome:
+    def outcome(self, timeout_s: float) -> ScoreResult:
         """The outcome of the next task of the run sent; raises _Lost (after killing the worker) if it overran,
         died or answered nonsense. An `invalid` answer (the request names unusable code) ends the run in the
         worker too, so the worker stays usable."""
@@ -147,7 +138,7 @@ class _Worker:
             raise _Lost(f"unusable worker reply ({type(err).__name__})") from None
         if reply["kind"] == "invalid":
             raise InvalidArgument(reply["error"])
-        return Outcome(reply["reward"], reply["ok"], reply["error"], reply["scores"])
+        return ScoreResult(reply["reward"], reply["ok"], reply["error"], reply["scores"])
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -185,18 +176,18 @@ class WorkerPool:
         with self._lock:
             self._idle.extend(started)
 
-    async def run(self, task: Task, timeout_s: float) -> Outcome:
+    async def run(self, task: Task, timeout_s: float) -> ScoreResult:
         """Score one sample; InvalidArgument if the task names code that cannot be loaded."""
         return (await self.run_many([task], timeout_s))[0]
 
-    async def run_many(self, tasks: Run | list[Task], timeout_s: float) -> list[Outcome]:
+    async def run_many(self, tasks: Run | list[Task], timeout_s: float) -> list[ScoreResult]:
         """Score samples one after another in one worker, each under its own timeout (a sample that overruns or
         kills its worker fails alone; the rest go on in a fresh one); InvalidArgument if a task names code that
         cannot be loaded."""
         _check_kinds(tasks)
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, tasks, timeout_s)
 
-    async def run_all(self, runs: list[Run], timeout_s: float, semaphore: asyncio.Semaphore) -> list[list[Outcome]]:
+    async def run_all(self, runs: list[Run], timeout_s: float, semaphore: asyncio.Semaphore) -> list[list[ScoreResult]]:
         """Score runs as `run_many` does each, on up to num_workers workers at once: a pool thread takes the next run
         of the queue as it ends one, so a slow run holds up only its own worker, and the event loop hands over a
         request once per worker, not once per run. Each busy worker holds one of `semaphore`'s slots (it scores
@@ -204,7 +195,7 @@ class WorkerPool:
         for run in runs:
             _check_kinds(run)
         queue = collections.deque(enumerate(runs))
-        outcomes: list[list[Outcome]] = [[] for _ in runs]
+        outcomes: list[list[ScoreResult]] = [[] for _ in runs]
         loop = asyncio.get_running_loop()
 
         async def one_worker() -> None:
@@ -217,7 +208,7 @@ class WorkerPool:
         await asyncio.gather(*(one_worker() for _ in range(min(self.num_workers, len(runs)))))
         return outcomes
 
-    def _drain(self, queue: collections.deque[tuple[int, Run]], outcomes: list[list[Outcome]],
+    def _drain(self, queue: collections.deque[tuple[int, Run]], outcomes: list[list[ScoreResult]],
                timeout_s: float) -> None:
         while True:
             try:
@@ -230,8 +221,8 @@ class WorkerPool:
                 queue.clear()  # the request fails: its other runs are not scored
                 raise
 
-    def _run(self, tasks: Run | list[Task], timeout_s: float) -> list[Outcome]:
-        outcomes: list[Outcome] = []
+    def _run(self, tasks: Run | list[Task], timeout_s: float) -> list[ScoreResult]:
+        outcomes: list[ScoreResult] = []
         while len(outcomes) < len(tasks):
             with self._lock:
                 if self._closed:
@@ -248,7 +239,7 @@ class WorkerPool:
                 task = tasks[len(outcomes)]  # a Run builds the Task here, for its name and index
                 error = f"{task.name}: {err}" if err.named else str(err)
                 log.warning("%s: sample %d: %s", task.name, task.index, error)
-                outcomes.append(Outcome(0.0, False, error, {}))
+                outcomes.append(ScoreResult(0.0, False, error, {}))
                 continue
             except InvalidArgument:
                 self._give_back(worker)
