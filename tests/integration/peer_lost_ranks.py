@@ -20,6 +20,7 @@ def main(rank: int, port: int, mode: str, out: str) -> None:
     import torch.distributed as dist
 
     from services.trainer.distributed.parallel import init_world, peer_lost
+    from services.trainer.ranks.rank_exit import exit_rank
 
     world = init_world(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, device="cpu",
                        timeout_s=JOIN_TIMEOUT_S)
@@ -29,7 +30,7 @@ def main(rank: int, port: int, mode: str, out: str) -> None:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(GROUP_TIMEOUT_S * 4)  # silent: rank 0's collectives time out
-        os._exit(0)
+        exit_rank(0)
     time.sleep(0.5)  # rank 1 is gone (or silent) before rank 0's first collective
     results = []
     for collective in (lambda: dist.broadcast_object_list([{"x": 1}], src=0, group=group),
@@ -41,7 +42,7 @@ def main(rank: int, port: int, mode: str, out: str) -> None:
             results.append({"error": f"{type(err).__name__}: {err}", "peer_lost": peer_lost(err)})
     with open(out, "w") as f:
         json.dump(results, f)
-    os._exit(0)  # the group is broken: no teardown
+    exit_rank(0)  # the group is broken: no World.close
 
 
 if __name__ == "__main__":

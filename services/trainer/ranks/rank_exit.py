@@ -20,9 +20,10 @@ import logging
 import os
 import sys
 import threading
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from services.trainer.distributed.parallel import World
+if TYPE_CHECKING:  # no torch import for a process that never formed a world
+    from services.trainer.distributed.parallel import World
 
 log = logging.getLogger(__name__)
 
