@@ -187,7 +187,8 @@ class World:
         try:
             dist.barrier(async_op=True).wait(datetime.timedelta(seconds=CLOSE_WAIT_S))
         except RuntimeError as err:  # a timeout, a peer's error (gloo's are plain RuntimeErrors), a DistError
-            log.warning("rank %d: the closing barrier failed (%s); leaving without the other ranks", self.rank, err)
+            # at a stop the other ranks may be gone already (a pod's SIGTERM reaches every rank)
+            log.info("rank %d: the closing barrier failed (%s); leaving without the other ranks", self.rank, err)
             return
         dist.destroy_process_group()
         if self.rank != 0:
