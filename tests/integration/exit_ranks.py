@@ -6,8 +6,9 @@ A rank's last collective runs on a second group (as megatron's and FSDP2's run o
 holds past World.close as FSDP2's mesh holds its group; the gloo thread that frees that collective's tensor asks for
 the GIL LAG_S later, as a thread a loaded machine's scheduler kept waiting does (by chance, as CI saw), here every
 time. ENDING is how the ranks then end: `exit_rank` (services.trainer.ranks.rank_exit), or `interpreter`: World.close,
-then the interpreter's own exit, the ending that aborted; its finalization is stretched (a slow __del__ in its
-garbage collection) as a real trainer's, with models and megatron's modules to tear down, is long.
+then the interpreter's own exit, the ending that aborted. Either way the rank leaves garbage whose __del__ is slow,
+so that an exit that finalizes the interpreter takes as long as a real trainer's, with models and megatron's modules
+to tear down.
 """
 
 from __future__ import annotations
@@ -71,11 +72,11 @@ def rank_main(rank: int, port: int, ending: str) -> None:
         world.gather(rank)
     # async, and no Python reference kept: the gloo thread that runs it frees its tensor, LAG_S late
     dist.all_reduce(watched_tensor(1024), group=group, async_op=True)
+    gc.disable()  # the slow garbage waits for the finalization's own collection, if the rank's exit has one
+    _SlowFinalizer()
     if ending == "exit_rank":
         exit_rank(0, world)
     world.close()
-    gc.disable()  # the slow garbage waits for the finalization's own collection
-    _SlowFinalizer()
     sys.exit(0)
 
 
