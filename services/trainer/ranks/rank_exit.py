@@ -7,7 +7,7 @@ Freeing a tensor whose Python object outlived the caller's reference takes the G
 CPython ends a thread that asks for the GIL with pthread_exit, and that unwinding through a C++ noexcept destructor
 aborts the process ("terminate called without an active exception", SIGABRT) after a run whose results were whole.
 The release can lag the collective by as long as the scheduler keeps the thread waiting, so no barrier or wait
-rules it out; the autograd engine's device threads carry the same hazard on GPUs. Everything the interpreter's exit
+rules it out (the autograd engine's device threads, on GPUs, can do the same). Everything the interpreter's exit
 does that a run relies on (waiting for non-daemon threads, atexit callbacks such as logging's flush, flushing the
 standard streams) is done here first; what is skipped is the tearing down of modules and objects alive at exit.
 """
