@@ -1,6 +1,7 @@
 """Two ranks of a real gloo world for test_peer_lost: `python -m tests.integration.peer_lost_ranks RANK PORT MODE OUT`.
 Rank 1 leaves after a first barrier (MODE kill: SIGKILLs itself; MODE stall: stays alive but silent past the group's
-timeout); rank 0 then runs a broadcast and an all-reduce and writes, for each, the error's text and `peer_lost`."""
+timeout); rank 0 then runs a broadcast and an all-reduce and writes, for each, the error's text and `peer_lost`; then it
+closes the world (OUT.closed: the error World.close raised, if any)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 JOIN_TIMEOUT_S = 120.0  # forming the world: generous, under load
 GROUP_TIMEOUT_S = 3.0   # the collectives' group: short, for the stall to time out
@@ -42,7 +44,13 @@ def main(rank: int, port: int, mode: str, out: str) -> None:
             results.append({"error": f"{type(err).__name__}: {err}", "peer_lost": peer_lost(err)})
     with open(out, "w") as f:
         json.dump(results, f)
-    exit_rank(0)  # the group is broken: no World.close
+    try:  # the world's group is broken too: its closing barrier fails (or times out), and close returns
+        world.close()
+        closed = ""
+    except Exception as err:  # noqa: BLE001 - what the test reports
+        closed = f"{type(err).__name__}: {err}"
+    Path(f"{out}.closed").write_text(json.dumps({"error": closed}))
+    exit_rank(0)
 
 
 if __name__ == "__main__":
