@@ -4,9 +4,9 @@ A worker runs one sample at a time under an address-space limit; past its timeou
 replaced; whatever it raises, SystemExit and KeyboardInterrupt included, fails only its sample. A worker takes a run of
 samples in one message (a `Run`: the request's settings and the samples, each sample's Task built in the worker) and
 answers each as it ends, so each sample keeps its own timeout; a request's runs go to the workers through one queue,
-a pool thread per worker taking the next run as it ends one. The worker sends back JSON, never a pickle, so nothing it
-returns can run code here. The service's event loop only waits, so health checks answer while workers run. Scoring
-itself (what a verifier or function returns) is left to `one_sample`.
+a pool thread per worker taking the next run as it ends one. The worker sends back JSON (a plain reward: its 8
+bytes), never a pickle, so nothing it returns can run code here. The service's event loop only waits, so health
+checks answer while workers run. Scoring itself (what a verifier or function returns) is left to `one_sample`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import resource
 import select
 import signal
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,9 @@ from services.reward.client import ScoreResult
 log = logging.getLogger(__name__)
 
 MAX_REPLY_BYTES = 1 << 20   # a worker's JSON reply; a longer one fails its sample and the worker is replaced
+# the reply for an ok score with no dict of scores (most of them): the reward alone, 8 bytes, no JSON to write or
+# parse; any JSON reply is longer
+PLAIN_REPLY = struct.Struct("<d")
 MAX_ERROR_CHARS = 2000      # an error message is cut to this many characters
 START_TIMEOUT_S = 120.0     # a worker imports the scorers before its first task: not counted in any sample's timeout
 KINDS = ("custom", "builtin")
@@ -130,7 +134,10 @@ class _Worker:
         try:
             if not self._poller.poll(timeout_s * 1000):  # a worker that exited reads as ready: EOF below
                 raise _Lost(f"timed out after {timeout_s:g} s (worker killed)", named=False)
-            reply = json.loads(self.conn.recv_bytes(MAX_REPLY_BYTES))
+            data = self.conn.recv_bytes(MAX_REPLY_BYTES)
+            if len(data) == PLAIN_REPLY.size:
+                return ScoreResult(PLAIN_REPLY.unpack(data)[0], True)
+            reply = json.loads(data)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.kill()
             raise _Lost(f"worker exited (code {self.process.exitcode}) while scoring") from None
@@ -289,7 +296,8 @@ def _serve(conn: Connection, memory_limit_bytes: int) -> None:
             os._exit(0)
         for task in tasks:
             reply = _reply(task, loop)
-            conn.send_bytes(json.dumps(reply).encode())
+            plain = reply["kind"] == "ok" and reply["ok"] and not reply["error"] and not reply["scores"]
+            conn.send_bytes(PLAIN_REPLY.pack(reply["reward"]) if plain else json.dumps(reply).encode())
             if reply["kind"] == "invalid":  # the request fails: the rest of its run is not scored
                 break
 

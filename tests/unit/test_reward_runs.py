@@ -47,14 +47,15 @@ def test_runs_come_back_in_order_and_a_sample_that_kills_its_worker_fails_alone(
         own = f"{PLUGINS}.dies" if i == 4 else ""
         return sample_to_proto(Sample(response="46" if i % 2 else "0", label="46", index=i,
                                       custom_rm_path=own)).SerializeToString()
-    runs = [Run("", f"{PLUGINS}.scaled_match", "", {"scale": 3}, [sample(i) for i in range(start, start + 3)])
+    # a plain reward comes back as its 8 bytes, bit for bit; a failure as JSON
+    runs = [Run("", f"{PLUGINS}.scaled_match", "", {"scale": 0.3}, [sample(i) for i in range(start, start + 3)])
             for start in (0, 3, 6)]
     pool = WorkerPool(num_workers=2)
     try:
         outcomes = run_all(pool, runs)
     finally:
         pool.close()
-    assert [[o.reward for o in run] for run in outcomes] == [[0.0, 3.0, 0.0], [3.0, 0.0, 3.0], [0.0, 3.0, 0.0]]
+    assert [[o.reward for o in run] for run in outcomes] == [[0.0, 0.3, 0.0], [0.3, 0.0, 0.3], [0.0, 0.3, 0.0]]
     assert [o.ok for run in outcomes for o in run] == [True] * 4 + [False] + [True] * 4
     assert outcomes[1][1].error == f"custom_rm_path {PLUGINS}.dies: worker exited (code 7) while scoring"
 
