@@ -395,11 +395,18 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         against the token it predicts, gathered over the group)."""
         if (head := self._head) is not None:  # `logits` are the hidden states [b, s, H]
             cfg, rows = self.config, head.weight.shape[0]
-            return fused_log_probs_and_entropy(
-                packing.gather_response(logits, mb), head.weight, mb.response_tokens.to(logits.device),
-                temperature=cfg.rollout_temperature, with_entropy=with_entropy, entropy_grad=cfg.entropy_coef != 0,
-                chunk_size=cfg.log_probs_chunk_size, vocab_size=self.arch.vocab_size, vocab_start=self.tp_rank * rows,
+            # the response tokens' positions alone (not the [b, R] rectangle's padding columns: packed rows of
+            # long-tailed responses pad most of it), zero on the padding columns as the fsdp backend's
+            valid = packing.response_valid(mb).to(logits.device)
+            index = packing.response_index(mb, packed=packing.is_packed(logits, mb)).to(logits.device)[valid]
+            log_probs, entropy = fused_log_probs_and_entropy(
+                logits.flatten(0, 1).index_select(0, index), head.weight,
+                mb.response_tokens.to(logits.device)[valid], temperature=cfg.rollout_temperature,
+                with_entropy=with_entropy, entropy_grad=cfg.entropy_coef != 0, chunk_size=cfg.log_probs_chunk_size,
+                vocab_size=self.arch.vocab_size, vocab_start=self.tp_rank * rows,
                 group=self.tp_group if self.tp_size > 1 else None)
+            return (packing.scatter_response(log_probs, mb),
+                    None if entropy is None else packing.scatter_response(entropy, mb))
         if self.cp_size > 1:
             log_probs, entropy = vocab_parallel_log_probs_and_entropy(
                 logits, self._cp_row.targets, vocab_size=self.arch.vocab_size,
