@@ -85,6 +85,9 @@ def test_the_local_launcher_starts_sglang_for_a_lora_job_with_its_rank_and_modul
         *sglang_server_argv("/m", "127.0.0.1", 30000, {}), "--enable-lora", "--max-lora-rank", "16",
         "--lora-target-modules", "q_proj", "v_proj", "down_proj"]
     assert {a for a in launcher.extra_argv if a.startswith("--")} <= SGLANG_FLAGS
+    # PEFT's dotted suffixes go by their last name, once each: the names SGLang takes
+    dotted = job_engine_options({"lora_rank": 8, "target_modules": ["self_attn.q_proj", "q_proj", "mlp.down_proj"]})
+    assert dotted["sglang_lora_target_modules"] == ["q_proj", "down_proj"]
     # a job's own sglang_* flags win over the derived ones
     assert job_engine_options({**LORA_JOB, "sglang_max_lora_rank": 64})["sglang_max_lora_rank"] == 64
     assert cpu_engine_options_argv(job_engine_options(LORA_JOB)) == [

@@ -42,10 +42,12 @@ def job_engine_options(args: Mapping[str, Any]) -> dict[str, Any]:
 def lora_serving_options(args: Mapping[str, Any]) -> dict[str, Any]:
     """What a LoRA job (`lora_rank`, `target_modules`) needs of SGLang's server: --enable-lora, and --max-lora-rank
     and --lora-target-modules, without which SGLang starts no LoRA server that has no --lora-paths (the chart sets
-    them from its engines.lora values)."""
+    them from its engines.lora values). A dotted target (PEFT's suffix rule, `mlp.down_proj`) goes by its last name,
+    the only form SGLang takes: every module of that name may then take an adapter."""
     options: dict[str, Any] = {PREFIX + "enable_lora": True, PREFIX + "max_lora_rank": int(args["lora_rank"])}
     if args.get("target_modules"):
-        options[PREFIX + "lora_target_modules"] = list(args["target_modules"])
+        names = [str(target).rsplit(".", 1)[-1] for target in args["target_modules"]]
+        options[PREFIX + "lora_target_modules"] = list(dict.fromkeys(names))
     return options
 
 
