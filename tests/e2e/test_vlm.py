@@ -1,10 +1,12 @@
 """End to end: a GRPO job on prompts with images through `physarum up`'s local stack, on fsdp and on megatron
 (megatron's language model with transformers' vision tower), serving a tiny Qwen2.5-VL: the engines' log-probs equal
 the trainer's recomputation over the same image tokens and pixels, and the engines end with the trainer's weights,
-its vision tower's included; the dashboard shows each sample's images."""
+its vision tower's included; an agent job whose sessions send an image on a later turn trains the same way; the
+dashboard shows each sample's images."""
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -14,6 +16,7 @@ from safetensors.torch import load_file
 
 from physarum import stack, tasks
 from physarum.tinyvlm import build_tiny_vlm
+from services.buffer.client import BufferClient
 from services.common.sglang import SGLangClient
 from services.rollout.client import RolloutClient
 from services.trainer.api.client import JobsRestClient
@@ -26,6 +29,8 @@ from tests.e2e.test_dashboard import (  # noqa: F401 - browser: the dashboard te
     sign_in,
     wait_for,
 )
+from tests.e2e.test_loop import run
+from tests.plugins.agent_fns import OBSERVATION
 
 pytestmark = pytest.mark.slow  # its own stack: buffer, reward, router, a VLM engine, the rollout service, the trainer
 
@@ -91,6 +96,55 @@ def test_a_vlm_grpo_job_trains_on_images_end_to_end(vlm_stack, tmp_path, train_b
             assert client.model_info()["weight_version"] == "2"  # each job's own two rollouts
             got = client.get_weights_by_name(name, truncate_size=64)
             assert got == pytest.approx(final[saved].flatten()[:64].tolist(), abs=1e-7)
+
+
+@pytest.mark.parametrize("train_backend", ["fsdp", "megatron"])
+def test_an_agent_job_on_images_trains_on_the_images_its_sessions_send(vlm_stack, tmp_path, train_backend):
+    """tests.plugins.agent_fns.image_agent sends its prompt's messages (their image in them), then an observation with
+    an image of its own: one prompt through the openai client, the other through the anthropic one. The samples hold
+    both images' tokens, the observation's untrained; the trainer's log-probs over them are the engine's."""
+    state, model = vlm_stack
+    data = tmp_path / "colors.jsonl"
+    write_color_task(data, 2)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({**row, "metadata": {"api": api}}) + "\n"
+                            for row, api in zip(rows, ("openai", "anthropic"), strict=True)))
+    spec = {"hf_checkpoint": str(model), "prompt_data": str(data), "multimodal_keys": {"image": "images"},
+            "apply_chat_template": True, "train_backend": train_backend, "num_rollout": 2, "rollout_batch_size": 2,
+            "n_samples_per_prompt": 2, "global_batch_size": 4, "rollout_max_response_len": 64,
+            "agent_function_path": "tests.plugins.agent_fns.image_agent", "rm_type": "exact_match", "lr": 1e-3,
+            "rollout_temperature": 1.0, "weight_sync_timeout_s": 60.0, "lease_timeout_s": 120.0,
+            "rollout_timeout_s": 300.0, "job_id": f"e2e-vlm-agent-{train_backend}"}
+    job, events = run(state, spec, timeout_s=600.0)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    steps = [e["metrics"] for e in events if "train/loss" in e["metrics"]]
+    assert len(steps) == 2
+    # before and after a weight sync: the engine read both images' tokens as the trainer does
+    diffs = [step["train/train_rollout_logprob_abs_diff"] for step in steps]
+    print(f"agent on images, {train_backend}: train_rollout_logprob_abs_diff per step {diffs}")
+    assert all(diff < 1e-3 for diff in diffs), diffs
+    image_token = json.loads((model / "config.json").read_text())["image_token_id"]
+    with BufferClient(state["buffer_addr"], timeout_s=30.0) as buffer:
+        groups = [g for r in range(2) for g in buffer.get_batch(spec["job_id"], r, 2, timeout_s=5)]
+    apis = set()
+    for group in groups:
+        (prompt_image,) = group.images  # the prompt's image, once for its group
+        for sample in group.samples:
+            apis.add(sample.metadata["api"])
+            assert sample.metadata["agent_turns"] == 2 and sample.metadata["agent_branches"] == []
+            first, second = sample.metadata["agent_transcript"]["turns"]  # as the dashboard shows the session
+            assert first["messages"][-1]["text"] == "which color? [1 image]"
+            assert second["messages"] == [{"role": "user", "text": "and this one? [1 image]"}] and second["trained"]
+            (observed,) = sample.observation_images
+            assert observed.data != prompt_image.data and (observed.width, observed.height) == (36, 28)
+            assert Image.open(io.BytesIO(observed.data)).getpixel((0, 0)) == OBSERVATION
+            runs = "".join("x" if t == image_token else " " for t in sample.tokens).split()
+            assert len(runs) == 2  # the prompt's image, then the observation's
+            response = sample.tokens[sample.prompt_length:]
+            masked = [t for t, m in zip(response, sample.loss_mask, strict=True) if m == 0]
+            assert masked.count(image_token) == len(runs[1])  # the observation's image is never trained
+            assert image_token not in [t for t, m in zip(response, sample.loss_mask, strict=True) if m == 1]
+    assert apis == {"openai", "anthropic"}
 
 
 @pytest.mark.skipif(bool(_chromium_missing()), reason=_chromium_missing() or "-")

@@ -62,12 +62,14 @@ class GatewayThread:
     def call(self, coro: Any, timeout_s: float = 120.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout_s)
 
-    def open(self, max_new_tokens: int = 200, temperature: float = 0.0) -> Session:
+    def open(self, max_new_tokens: int = 200, temperature: float = 0.0, images: bool = True) -> Session:
+        """A session as the rollout manager opens one; `images`: its job trains on images (multimodal_keys)."""
         params = sampling_params(temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens,
                                  stop=[], stop_token_ids=[])
 
         async def opened() -> Session:
-            return self.registry.open(self.ctx, self.encoder, params, session_id=uuid.uuid4().hex[:12])
+            return self.registry.open(self.ctx, self.encoder, params, session_id=uuid.uuid4().hex[:12],
+                                      images=images)
 
         return self.call(opened())
 

@@ -2,7 +2,8 @@
 tiny Qwen2.5-VL behind the real sglang-router (through a recording proxy): OpenAI `image_url` parts and Anthropic
 `image` blocks reach the engine as SGLang's image_data, every image of the conversation on every turn; the prompt
 tokens the gateway sends and records are the engine's own (each image as many image tokens as the model's processor
-makes of it); bad images answer 400 naming the message, the part and the problem."""
+makes of it); bad images answer 400 naming the message, the part and the problem, as do too many images, a URL to
+fetch in either API, and any image on a session of a job that trains on text; each session goes on."""
 
 from __future__ import annotations
 
@@ -152,4 +153,103 @@ def test_bad_images_answer_400_naming_the_part_and_the_problem(gateway):
     # the session is still good after them
     assert client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(RED)}}]}]).choices
+    gw.close_session(session)
+
+
+def test_too_many_images_remote_urls_and_images_on_a_text_job_answer_400_and_the_session_goes_on(gateway):
+    gw, proxy, _ = gateway
+    session = gw.open()
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    claude = anthropic.Anthropic(base_url=gw.url, api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    start = len(proxy.generated)
+    part = {"type": "image_url", "image_url": {"url": data_url(RED)}}
+    with pytest.raises(openai.BadRequestError, match="messages: 17 images, at most 16 per request"):
+        client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [part] * 17}])
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.content\[0\]: image URL 'http://10\.0\.0\.1/"
+                                                     r"x\.png': only data: URLs are taken"):
+        client.chat.completions.create(model="m", max_tokens=2, messages=[
+            {"role": "user", "content": [part]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}}]}])
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[1\]: block type 'image' with "
+                                                        r"source type 'url' is not supported \(base64 sources only"):
+        claude.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "which color?"},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
+    # a job without multimodal_keys trains on text: its sessions take no image, from either API
+    text_session = gw.open(images=False)
+    text_client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=text_session.key, timeout=TIMEOUT_S, max_retries=0)
+    text_claude = anthropic.Anthropic(base_url=gw.url, api_key=text_session.key, timeout=TIMEOUT_S, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="1 images, but this session's job trains on text"):
+        text_client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [part]}])
+    with pytest.raises(anthropic.BadRequestError, match="1 images, but this session's job trains on text"):
+        text_claude.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(RED).decode()}}]}])
+    assert proxy.since(start) == []  # none reached the engine
+    # both sessions go on: the image session with its images, the text one with text
+    assert client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+        part, {"type": "text", "text": "which color?"}]}]).choices
+    assert text_client.chat.completions.create(model="m", max_tokens=2, messages=[
+        {"role": "user", "content": "which color?"}]).choices
+    assert [request.get("image_data") for request, _ in proxy.since(start)] == [[data_url(RED)], None]
+    gw.close_session(session)
+    gw.close_session(text_session)
+
+
+def test_responses_input_image_parts_reach_the_engine_and_previous_response_id_keeps_the_images(gateway):
+    gw, proxy, model_dir = gateway
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    session = gw.open(max_new_tokens=200)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    start = len(proxy.generated)
+    first = client.responses.create(model="m", max_output_tokens=4, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(RED), "detail": "auto"},
+        {"type": "input_text", "text": "which color?"}]}])
+    client.responses.create(model="m", max_output_tokens=4, previous_response_id=first.id, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "and "},
+                                     {"type": "input_image", "image_url": data_url(BLUE)}]}])
+    (request, reply), (request2, reply2) = proxy.since(start)
+    assert request["image_data"] == [data_url(RED)]
+    assert request2["image_data"] == [data_url(RED), data_url(BLUE)]  # the previous response's image kept
+    first_turn = request["input_ids"] + [e[1] for e in reply["meta_info"]["output_token_logprobs"]]
+    assert request2["input_ids"][:len(first_turn)] == first_turn  # continued, not re-tokenised
+    assert image_runs(request2["input_ids"], image_token) == [image_tokens(model_dir, RED),
+                                                               image_tokens(model_dir, BLUE)]
+    trained = sample_tokens(session.trajectory.tip)
+    assert [i.data for i in trained.images] == [RED, BLUE] and not session.trajectory.branches
+    assert trained.tokens == request2["input_ids"] + [e[1] for e in reply2["meta_info"]["output_token_logprobs"]]
+    with pytest.raises(openai.BadRequestError, match=r"input\[0\]\.content\[0\] 'input_image': image URL "
+                                                     r"'https://example\.com/cat\.png': only data: URLs"):
+        client.responses.create(model="m", max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/cat.png"}]}])
+    gw.close_session(session)
+
+
+def test_a_screenshot_in_a_tool_result_reaches_the_engine_after_the_gateways_own_turn(gateway):
+    """A computer-use agent's loop through the anthropic client: a turn the gateway produced, then the tool's result
+    as a screenshot (an image block inside tool_result): the next turn continues the session's tokens, the
+    screenshot as image tokens the engine reads from image_data, untrained."""
+    gw, proxy, model_dir = gateway
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    session = gw.open(max_new_tokens=200)
+    claude = anthropic.Anthropic(base_url=gw.url, api_key=session.key, timeout=TIMEOUT_S, max_retries=0)
+    start = len(proxy.generated)
+    tool = {"name": "screenshot", "description": "the screen", "input_schema": {"type": "object"}}
+    messages = [{"role": "user", "content": "what is on the screen?"}]
+    first = claude.messages.create(model="m", max_tokens=4, messages=messages, tools=[tool])
+    messages += [{"role": "assistant", "content": [block.model_dump() for block in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_0", "content": [
+                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                  "data": base64.b64encode(BLUE).decode()}}]}]}]
+    claude.messages.create(model="m", max_tokens=4, messages=messages, tools=[tool])
+    (request, reply), (request2, reply2) = proxy.since(start)
+    assert "image_data" not in request and request2["image_data"] == [data_url(BLUE)]
+    first_turn = request["input_ids"] + [e[1] for e in reply["meta_info"]["output_token_logprobs"]]
+    assert request2["input_ids"][:len(first_turn)] == first_turn and not session.trajectory.branches
+    assert image_runs(request2["input_ids"], image_token) == [image_tokens(model_dir, BLUE)]
+    trained = sample_tokens(session.trajectory.tip)
+    assert [i.data for i in trained.images] == [BLUE]
+    context = len(request2["input_ids"]) - len(first_turn)  # the tool's turn, its screenshot's tokens included
+    generated = len(reply2["meta_info"]["output_token_logprobs"])
+    assert trained.loss_mask[-generated - context:-generated] == [0] * context
     gw.close_session(session)

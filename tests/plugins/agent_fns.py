@@ -68,3 +68,49 @@ async def spawning_agent(base_url: str, api_key: str, prompt: dict) -> float:
                                 headers={"Authorization": f"Bearer {sub_key}"})
         reply.raise_for_status()
     return 1.0
+
+
+OBSERVATION = (20, 200, 20)  # the colour of the image image_agent's second turn sends
+
+
+def _anthropic_blocks(content: str | list[dict]) -> str | list[dict]:
+    """OpenAI content parts as Anthropic blocks: an image_url part's data: URL as a base64 image block."""
+    if isinstance(content, str):
+        return content
+    blocks = []
+    for part in content:
+        if part["type"] == "image_url":
+            header, _, data = part["image_url"]["url"].partition(",")
+            blocks.append({"type": "image", "source": {"type": "base64", "data": data,
+                                                       "media_type": header.removeprefix("data:").split(";")[0]}})
+        else:
+            blocks.append(part)
+    return blocks
+
+
+async def image_agent(base_url: str, api_key: str, prompt: dict) -> None:
+    """Two turns on a job with images: the prompt's messages as given (its image in them), then an observation that
+    carries an image of its own. The openai client, or the anthropic one when the prompt's metadata names it; the
+    job's reward settings score the last reply."""
+    from anthropic import AsyncAnthropic
+
+    from testkit.images import data_url, png
+
+    observation = [{"type": "text", "text": "and this one?"},
+                   {"type": "image_url", "image_url": {"url": data_url(png(36, 28, OBSERVATION))}}]
+    if prompt["metadata"].get("api") == "anthropic":
+        async with AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, timeout=120.0,
+                                  max_retries=0) as claude:
+            messages = [{"role": m["role"], "content": _anthropic_blocks(m["content"])} for m in prompt["messages"]]
+            first = await claude.messages.create(model="policy", max_tokens=4, messages=messages)
+            messages += [{"role": "assistant", "content": first.content[0].text if first.content else ""},
+                         {"role": "user", "content": _anthropic_blocks(observation)}]
+            await claude.messages.create(model="policy", max_tokens=4, messages=messages)
+        return None
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0) as client:
+        messages = list(prompt["messages"])
+        first = await client.chat.completions.create(model="policy", max_tokens=4, messages=messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                     {"role": "user", "content": observation}]
+        await client.chat.completions.create(model="policy", max_tokens=4, messages=messages)
+    return None

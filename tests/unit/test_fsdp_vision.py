@@ -120,6 +120,25 @@ def test_a_rollout_without_images_runs_as_text(vlm_dir):
         text_job.compute_log_probs(vlm_samples(vlm_dir)[:1])
 
 
+def test_a_sample_whose_image_tokens_its_images_do_not_make_is_refused_naming_both_counts(vlm_dir):
+    """An observation's image tokens without the observation's image (a sample that lost its observation_images):
+    a clear error, not the rope index running out of images."""
+    from services.rollout.generation.image_tokens import ImageTokens
+
+    first = vlm_samples(vlm_dir)[0]
+    encoder, tokens = PromptEncoder(vlm_dir), ImageTokens.load(vlm_dir)
+    seen = image(28, 56, (10, 200, 30))
+    observation = tokens.expand(encoder.encode_text("<|vision_start|><|image_pad|><|vision_end|>"), [seen], "t")
+    response = observation + encoder.encode_text("3")
+    lost = Sample(tokens=first.tokens[:first.prompt_length] + response, response_length=len(response),
+                  loss_mask=[0] * len(observation) + [1], group_index=0, images=list(first.images))
+    backend = make_backend(vlm_dir, micro_batch_size=1)
+    made = tokens.count(first.images[0])
+    with pytest.raises(InvalidArgument, match=rf"rollout rows \[0\]: {made + tokens.count(seen)} image tokens, but "
+                                              rf"their 1 images make {made} \(a sample's images are its group's"):
+        backend.compute_log_probs([lost])
+
+
 def test_the_weight_sync_names_every_engine_weight_the_vision_tower_included(vlm_dir):
     """The weights the trainer broadcasts are the CPU engine's by name (its update loads by state_dict name): the
     vision tower's reach the engine's vision tower."""

@@ -62,3 +62,31 @@ def test_codexs_request_fields_are_accepted():
     parsed = schema.parse(json.dumps(body).encode(), schema.OPENAI_RESPONSES)
     params = responses_api.params(parsed)
     assert (params.max_tokens, params.temperature, params.top_p) == (None, None, None)
+
+
+def test_input_image_parts_are_images_after_the_historys_own():
+    from services.common.images import check_image
+    from testkit.images import data_url, png
+
+    red, blue = png(8, 8, (255, 0, 0)), png(8, 8, (0, 0, 255))
+    first = from_responses({"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(red), "detail": "auto"},
+        {"type": "input_text", "text": "which color?"}]}]}, Limits(), [])
+    assert [i.data for i in first.images] == [red]
+    assert first.messages[0]["content"][0]["type"] == "image"
+    assert first.messages[0]["content"][1] == {"type": "text", "text": "which color?"}
+    history = [*first.messages, {"role": "assistant", "content": "red"}]
+    later = from_responses({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "and?"}, {"type": "input_image", "image_url": data_url(blue)}]}]},
+        Limits(), history, [check_image(red)])
+    assert [i.data for i in later.images] == [red, blue]  # in the order their parts stand in the messages
+    with pytest.raises(InvalidArgument, match=r"input\[0\]\.content\[0\] 'input_image': image URL "
+                                              r"'https://example\.com/x\.png': only data: URLs are taken"):
+        from_responses({"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/x.png"}]}]}, Limits(), [])
+    with pytest.raises(InvalidArgument, match="needs image_url.*file_id is not supported"):
+        from_responses({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+                       Limits(), [])
+    with pytest.raises(InvalidArgument, match="2 images, at most 1 per request"):
+        from_responses({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(blue)}]}]},
+                       Limits(max_images=1), history, [check_image(red)])

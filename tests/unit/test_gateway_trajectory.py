@@ -205,3 +205,40 @@ def test_an_image_for_a_text_model_is_refused_and_images_are_bounded_per_request
         Trajectory(CharRenderer()).prepare(conversation)
     with pytest.raises(InvalidArgument, match="2 images, at most 1 per request"):
         from_openai({"messages": [{**body["messages"][0]}, {**body["messages"][0]}]}, Limits(max_images=1))
+
+
+def test_a_tool_results_images_are_images_in_the_order_of_the_messages():
+    """A computer-use tool returns a screenshot: an Anthropic tool_result with an image block (and a Responses
+    function_call_output with an input_image part) is a tool message with an image part; the conversation's
+    images follow the messages' order (the tool message comes before the user's text of the same turn)."""
+    from services.rollout.gateway.conversation import from_responses
+    from testkit.images import data_url, png
+
+    red, blue = png(8, 8, (255, 0, 0)), png(8, 8, (0, 0, 255))
+    block = lambda data: {"type": "image", "source": {"type": "base64", "media_type": "image/png",  # noqa: E731
+                                                      "data": data_url(data).split(",")[1]}}
+    conversation = from_anthropic({"messages": [
+        {"role": "user", "content": "click the button"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "click", "input": {"x": 1}}]},
+        {"role": "user", "content": [block(blue), {"type": "text", "text": "and now?"},
+                                     {"type": "tool_result", "tool_use_id": "t1", "content": [
+                                         {"type": "text", "text": "clicked"}, block(red)]}]}]}, Limits())
+    tool, user = conversation.messages[2:]
+    assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == ["text", "image"]
+    assert user["role"] == "user" and [p["type"] for p in user["content"]] == ["image", "text"]
+    assert [i.data for i in conversation.images] == [red, blue]  # the tool message's first, as rendered
+    with pytest.raises(InvalidArgument, match=r"messages\[0\]\.content\[0\]\.content\[0\]: corrupt image"):
+        from_anthropic({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                                   "content": [block(red[:20])]}]}]}, Limits())
+    responses = from_responses({"input": [
+        {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_image", "image_url": data_url(red)}, {"type": "input_text", "text": "the screen"}]}]},
+        Limits(), [{"role": "user", "content": "look"}])
+    assert [p["type"] for p in responses.messages[-1]["content"]] == ["image", "text"]
+    assert [i.data for i in responses.images] == [red]
+    with pytest.raises(InvalidArgument, match=r"input\[1\]\.output\[0\] 'input_image': image URL"):
+        from_responses({"input": [
+            {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_image", "image_url": "https://example.com/s.png"}]}]}, Limits(), [])

@@ -138,6 +138,16 @@ def test_a_warmup_as_long_as_the_job_is_fine_with_a_constant_lr():
     assert spec.lr_warmup_iters == 3
 
 
+def test_an_agent_trains_on_images_and_a_rollout_function_still_may_not():
+    spec = parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
+                       "agent_function_path": "tests.plugins.agent_fns.image_agent"})
+    assert (spec.multimodal_keys, spec.agent_function_path) == ({"image": "images"},
+                                                                 "tests.plugins.agent_fns.image_agent")
+    with pytest.raises(InvalidArgument, match="multimodal_keys: data_source_path would make groups without"):
+        parse_spec({**BASE, "train_backend": "fsdp", "multimodal_keys": {"image": "images"},
+                    "data_source_path": "tests.plugins.rollouts.f"})
+
+
 def test_multimodal_keys_come_from_slimes_flag_and_train_on_either_backend():
     conv = slime_args.convert(["--multimodal-keys", '{"image": "images"}'], spec_keys=set(JobSpec.model_fields),
                               check_architecture=False)

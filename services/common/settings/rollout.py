@@ -157,11 +157,11 @@ class RolloutConfig:
             if not isinstance(column, str) or not column:
                 raise InvalidArgument(f"rollout config: multimodal_keys: {modality!r} must name a column, got "
                                       f"{column!r}")
-        if self.multimodal_keys and (names := [name for name in ("agent_function_path", "rollout_function_path",
-                                                                  "data_source_path") if getattr(self, name)]):
+        if self.multimodal_keys and (names := [name for name in ("rollout_function_path", "data_source_path")
+                                               if getattr(self, name)]):
             raise InvalidArgument(f"rollout config: multimodal_keys: {', '.join(names)} would make groups without "
                                   "their prompts' images; prompts with images run the service's own rollout loop (a "
-                                  "custom_generate_function_path is fine)")
+                                  "custom_generate_function_path or an agent_function_path is fine)")
         if self.use_rollout_routing_replay and self.agent_function_path:
             raise InvalidArgument("rollout config: use_rollout_routing_replay needs the engines' routed experts, "
                                   "which agent sessions do not record; use use_routing_replay")

@@ -76,7 +76,7 @@ def responses_request(data: bytes, limits: Limits, session: Session) -> tuple[di
     """A Responses body checked whole, after the session's previous response when it names one."""
     body = schema.parse(data, schema.OPENAI_RESPONSES)
     turn_params = responses_api.params(body)
-    return body, turn_params, from_responses(body, limits, responses_api.history(
+    return body, turn_params, from_responses(body, limits, *responses_api.history(
         session, body.get("previous_response_id")))
 
 

@@ -1,14 +1,16 @@
 """The APIs' requests as one conversation: messages in the form chat templates read (OpenAI's, with tool-call
 arguments as objects) plus the tools, checked and bounded; and each message's canonical key, which is how a
-history sent back is matched to the turns the gateway produced. A user message's images (OpenAI `image_url` parts,
-Anthropic `image` blocks, as base64 data) become image parts of its content, each decoded and checked here once;
-the conversation lists them in order. Knows nothing of tokens or HTTP.
+history sent back is matched to the turns the gateway produced. The images of a user message or a tool's result
+(OpenAI `image_url` parts, Responses `input_image` parts, Anthropic `image` blocks, as base64 data) become image
+parts of its content, each decoded and checked here once; the conversation lists them in order. Knows nothing of
+tokens or HTTP.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,23 +189,39 @@ def _function_tool(name: Any, description: Any, parameters: Any, where: str, sch
     return {"type": "function", "function": function}
 
 
-def _openai_content(content: Any, where: str, images: list[Image]) -> str | list[dict[str, str]]:
-    """A user message's content: text, or text and `image_url` parts (data: URLs; no URL is fetched)."""
-    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url"
-                                                for p in content):
-        return _text(content, where)
+def _with_image_parts(content: Any, where: str, images: list[Image], image_type: str,
+                     read_image: Callable[[dict[str, Any], str], Image], text: Callable[[Any, str], str],
+                     field_name: str = "content") -> str | list[dict[str, str]]:
+    """A content that may hold images: text (`text` reads it), or its text parts and its parts of `image_type`
+    (`read_image(part, where)` decodes and checks one; no URL is fetched), the images appended to `images`."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == image_type for p in content):
+        return text(content, where)
     parts: list[dict[str, str] | Image] = []
     for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if isinstance(part, dict) and part.get("type") == "image_url":
-            spec = part.get("image_url")
-            url = spec.get("url") if isinstance(spec, dict) else spec
-            if not isinstance(url, str):
-                raise InvalidArgument(f"{at}: image_url must be {{'url': 'data:image/...;base64,...'}}")
-            parts.append(_checked_image(lambda url=url: data_url_image(url), at))
+        at = f"{where}.{field_name}[{j}]"
+        if isinstance(part, dict) and part.get("type") == image_type:
+            parts.append(read_image(part, at))
         else:
-            parts.append({"type": "text", "text": _text([part], at)})
+            parts.append({"type": "text", "text": text([part], at)})
     return _with_images(parts, images)
+
+
+def _openai_image(part: dict[str, Any], where: str) -> Image:
+    """An `image_url` part's image: its URL must be a data: URL."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str):
+        raise InvalidArgument(f"{where}: image_url must be {{'url': 'data:image/...;base64,...'}}")
+    return _checked_image(lambda: data_url_image(url), where)
+
+
+def _responses_image(part: dict[str, Any], where: str) -> Image:
+    """An `input_image` part's image: its image_url must be a data: URL."""
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise InvalidArgument(f"{where}: an 'input_image' part needs image_url, a data:image/...;base64, URL (file_id "
+                              "is not supported)")
+    return _checked_image(lambda: data_url_image(url), f"{where} 'input_image'")
 
 
 def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
@@ -219,8 +237,10 @@ def from_openai(body: dict[str, Any], limits: Limits) -> Conversation:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise InvalidArgument(f"{where}: role must be one of {', '.join(ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
-        content = _openai_content(message.get("content"), where, images) if role == "user" else \
-            _text(message.get("content"), where)
+        if role == "user":
+            content = _with_image_parts(message.get("content"), where, images, "image_url", _openai_image, _text)
+        else:  # OpenAI's tool messages hold text parts only
+            content = _text(message.get("content"), where)
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
@@ -304,7 +324,8 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str, images: list[Ima
                                        "arguments": _arguments(block.get("input", {}), f"{where}.content[{j}].input")}})
         elif kind == "tool_result" and role == "user":
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                            "content": _text(block.get("content"), f"{where}.content[{j}]")})
+                            "content": _with_image_parts(block.get("content"), f"{where}.content[{j}]", images,
+                                                         "image", _anthropic_image, _text)})
         else:
             allowed = "text, tool_use" if role == "assistant" else "text, image, tool_result"
             raise InvalidArgument(f"{where}.content[{j}]: block type {kind!r} is not supported in a {role} message "
@@ -331,10 +352,12 @@ def _response_text(content: Any, where: str) -> str:
     return _text(content, where)
 
 
-def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str, Any]]) -> Conversation:
+def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str, Any]],
+                   history_images: list[Image] | None = None) -> Conversation:
     """OpenAI Responses `instructions`, `input` (messages, function_call and function_call_output items) and `tools`,
-    after `history` (the template messages of the previous response, its input and output). An assistant message
-    and the function calls after it are one assistant turn, as the gateway produced them."""
+    after `history` (the template messages of the previous response, its input and output, and `history_images`, the
+    images of its image parts). An assistant message and the function calls after it are one assistant turn, as the
+    gateway produced them; a user message's `input_image` parts are images, as in Chat Completions."""
     items, tools = body.get("input"), body.get("tools") or []
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
@@ -344,6 +367,7 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
     if body.get("instructions"):
         out.append({"role": "system", "content": _text(body["instructions"], "instructions")})
     out += [dict(message) for message in history]
+    images = list(history_images or [])
     first_new = len(out)
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -351,6 +375,11 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
         open_turn = out[-1] if len(out) > first_new and out[-1]["role"] == "assistant" else None
         if kind == "message" and item.get("role") in ROLES:
             role = "system" if item["role"] == "developer" else item["role"]
+            if role == "user":
+                out.append({"role": role, "content": _with_image_parts(item.get("content"), where, images,
+                                                                       "input_image", _responses_image,
+                                                                       _response_text)})
+                continue
             text = _response_text(item.get("content"), where)
             if role == "assistant" and open_turn is not None and not open_turn.get("tool_calls"):
                 open_turn["content"] += text
@@ -366,7 +395,8 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
             open_turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                        "content": _response_text(item.get("output"), where)})
+                        "content": _with_image_parts(item.get("output"), where, images, "input_image",
+                                                     _responses_image, _response_text, "output")})
         else:
             raise RequestInvalid(f"item type {kind!r} is not supported (message, function_call, "
                                  "function_call_output)", f"{where}.type")
@@ -380,4 +410,4 @@ def from_responses(body: dict[str, Any], limits: Limits, history: list[dict[str,
                                  f"tools[{i}].type")
         checked.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
                                       f"tools[{i}]", f"tools[{i}].parameters"))
-    return Conversation(out, checked)
+    return Conversation.of(out, checked, images, limits)

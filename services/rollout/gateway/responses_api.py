@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument, PhysarumError
+from services.common.samples import Image
 from services.rollout.gateway.conversation import Conversation, assistant_message
 from services.rollout.gateway.openai_api import _number
 from services.rollout.gateway.schema import RequestInvalid
@@ -33,24 +34,24 @@ def params(body: dict[str, Any]) -> TurnParams:
                       top_p=_number(body.get("top_p"), "top_p", float))
 
 
-def history(session: Session, previous_id: str | None) -> list[dict[str, Any]]:
-    """The messages of the session's response `previous_id` (its input and output), [] without one; an id this
-    session did not answer is refused as OpenAI refuses it."""
+def history(session: Session, previous_id: str | None) -> tuple[list[dict[str, Any]], list[Image]]:
+    """The messages of the session's response `previous_id` (its input and output) and their images, nothing without
+    one; an id this session did not answer is refused as OpenAI refuses it."""
     if previous_id is None:
-        return []
-    messages = session.responses.get(previous_id)
-    if messages is None:
+        return [], []
+    kept = session.responses.get(previous_id)
+    if kept is None:
         raise RequestInvalid(f"Previous response with id '{previous_id}' not found.", "previous_response_id")
-    return messages
+    return kept
 
 
 def keep(session: Session, response_id: str, conversation: Conversation, has_instructions: bool,
          choice: Choice) -> None:
     """Remember the response for a later previous_response_id: its input (without its instructions, which OpenAI
-    does not carry over) and the assistant turn produced."""
+    does not carry over, and hold no image), the assistant turn produced, and the input's images."""
     messages = conversation.messages[1:] if has_instructions else list(conversation.messages)
-    session.responses[response_id] = [*messages, assistant_message(
-        choice.content, [(c.name, c.arguments, c.id) for c in choice.tool_calls])]
+    session.responses[response_id] = ([*messages, assistant_message(
+        choice.content, [(c.name, c.arguments, c.id) for c in choice.tool_calls])], list(conversation.images))
 
 
 def new_id() -> str:

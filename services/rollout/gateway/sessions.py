@@ -17,6 +17,7 @@ from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PhysarumError, Unavailable
 from services.common.plugin_sample import START_VERSION_KEY
+from services.common.samples import Image
 from services.rollout.engine_calls.generate import GenerateContext, image_data_url, post_generate, stream_generate
 from services.rollout.gateway.conversation import Conversation, Limits, assistant_message
 from services.rollout.gateway.deltas import ContentDeltas
@@ -115,9 +116,11 @@ class Session:
     registry: SessionRegistry | None = None  # the registry that opened it (closes it)
     gateway_url: str = ""  # where agents reach the gateway (its root), when the manager serves one
     context_len: int | None = None  # the model's context in tokens, when its config names it
-    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # Responses API ids: their messages
+    # Responses API ids: their messages and those messages' images
+    responses: dict[str, tuple[list[dict[str, Any]], list[Image]]] = field(default_factory=dict)
     parent: Session | None = None  # the session that spawned this one (a sub-agent's, a restart's)
     children: list[Session] = field(default_factory=list)  # the sessions spawned from this one, in order
+    takes_images: bool = True  # False for a job that trains on text (no multimodal_keys): images are refused
 
     def __post_init__(self) -> None:
         self.trajectory = Trajectory(self.renderer)
@@ -174,6 +177,9 @@ class Session:
                                   "per session")
         if not 1 <= params.n <= self.limits.max_choices:
             raise InvalidArgument(f"n must be in [1, {self.limits.max_choices}], got {params.n}")
+        if conversation.images and not self.takes_images:
+            raise InvalidArgument(f"messages: {len(conversation.images)} images, but this session's job trains on "
+                                  "text (it sets no multimodal_keys)")
         prepared = self.trajectory.prepare(conversation, self.context_len)
         root = prepared.parent.path()[0] if prepared.parent is not None else None
         used = len(prepared.input_ids) - (len(root.context) if root is not None else len(prepared.input_ids))
@@ -278,8 +284,9 @@ class SessionRegistry:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def open(self, ctx: GenerateContext, renderer: Any, sampling_params: dict[str, Any], *, session_id: str,
-             model: str = "physarum", key: str = "") -> Session:
-        """A new session; its key is a fresh secret unless `key` is given (slime's adapters use the session id)."""
+             model: str = "physarum", key: str = "", images: bool = True) -> Session:
+        """A new session; its key is a fresh secret unless `key` is given (slime's adapters use the session id);
+        `images`: whether its requests may hold images (a job that trains on them)."""
         if key and key in self._by_key:
             raise InvalidArgument(f"session key {key[:8]}...: a session with this key is open")
         tokenizer = getattr(renderer, "tokenizer", None)
@@ -288,7 +295,7 @@ class SessionRegistry:
         session = Session(id=session_id, key=key or f"sk-physarum-{secrets.token_urlsafe(24)}", ctx=ctx,
                           renderer=renderer, sampling_params=dict(sampling_params), limits=self.limits,
                           metrics=self.metrics, model=model, stop_token_ids=stop_ids, registry=self,
-                          context_len=getattr(renderer, "context_len", None))
+                          context_len=getattr(renderer, "context_len", None), takes_images=images)
         self._by_key[session.key] = session
         self.metrics.sessions_open.inc()
         return session
@@ -303,7 +310,8 @@ class SessionRegistry:
             raise InvalidArgument(f"session {root.id}: {len(root.children)} sessions spawned, at most "
                                   f"{self.limits.max_spawned} per sample")
         child = self.open(root.ctx, root.renderer, root.sampling_params,
-                          session_id=f"{root.id}-{len(root.children) + 1}", model=root.model)
+                          session_id=f"{root.id}-{len(root.children) + 1}", model=root.model,
+                          images=root.takes_images)
         child.parent, child.gateway_url = root, root.gateway_url
         root.children.append(child)
         return child

@@ -4,9 +4,9 @@ or the template's text for the messages that are new) and the tokens the engine 
 A request continues the turn whose messages (and tools) it repeats, longest first: only what is new is rendered and
 appended. Continuing any other turn than the last one produced (the agent dropped or edited turns, or picked another
 of n choices), or repeating none, starts a branch; branches are recorded and reported with the sample. The sample is
-the path ending at the last turn produced. A turn's new images (user messages' image parts) each take as many image
-tokens in its context as the model reads for that image, as the engine expands them. Knows nothing of HTTP or the
-engines.
+the path ending at the last turn produced. A turn's new images (the image parts of its user messages and tool
+results) each take as many image tokens in its context as the model reads for that image, as the engine expands
+them. Knows nothing of HTTP or the engines.
 """
 
 from __future__ import annotations

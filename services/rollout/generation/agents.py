@@ -16,8 +16,8 @@ from typing import Any
 
 from services.common import plugins
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.samples import Sample, Status
-from services.rollout.engine_calls.generate import current_context, new_session_id
+from services.common.samples import Image, Sample, Status, count_image_parts
+from services.rollout.engine_calls.generate import current_context, image_data_url, new_session_id
 from services.rollout.gateway.sessions import SessionRegistry
 from services.rollout.gateway.trajectory import sample_tokens
 from services.rollout.gateway.transcript import transcript
@@ -50,8 +50,7 @@ def agent_generate_function(gateway: AgentGateway | None, path: str, timeout_s: 
     async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
         session = current_context().open_session(getattr(sample, "session_id", None) or new_session_id(),
                                                  sampling_params)
-        prompt = {"prompt": sample.prompt, "messages": sample.prompt_messages, "label": sample.label,
-                  "metadata": dict(sample.metadata)}
+        prompt = agent_prompt(sample)
         timed_out, returned = False, None
         try:
             returned = await asyncio.wait_for(agent(gateway.base_url, session.key, prompt), timeout_s)
@@ -72,6 +71,28 @@ def agent_generate_function(gateway: AgentGateway | None, path: str, timeout_s: 
     return generate
 
 
+def agent_prompt(sample: Sample) -> dict[str, Any]:
+    """What the agent function is given: the prompt's text, its messages in OpenAI's Chat Completions form (each
+    image part an `image_url` part holding the image as a data: URL, so they can be sent as they are), its images
+    as data: URLs in order (for Anthropic's base64 blocks), its label and metadata."""
+    images = [image_data_url(image) for image in prompt_images(sample)]
+    messages = sample.prompt_messages
+    if images:
+        urls = iter(images)
+        messages = [{**m, "content": [{"type": "image_url", "image_url": {"url": next(urls)}} if p["type"] == "image"
+                                      else p for p in m["content"]]} if isinstance(m["content"], list) else m
+                    for m in messages]
+    return {"prompt": sample.prompt, "messages": messages, "images": images, "label": sample.label,
+            "metadata": dict(sample.metadata)}
+
+
+def prompt_images(sample: Sample) -> list[Image]:
+    """The images of the sample's prompt (a job with multimodal_keys), in the order its messages' image parts name
+    them."""
+    images = (getattr(sample, "multimodal_inputs", None) or {}).get("images") or []
+    return list(images)[:count_image_parts(sample.prompt_messages)]
+
+
 def spawned_samples(sample: Sample, session: Any, reward: float | None, truncated: bool,
                     what: str) -> Sample | list[Sample]:
     """The session's sample, and one more per session it spawned that made a request (a sub-agent's, a restart's),
@@ -88,14 +109,16 @@ def spawned_samples(sample: Sample, session: Any, reward: float | None, truncate
     return samples
 
 
-def session_opener(gateway: AgentGateway | None, ctx: Any, encoder: PromptEncoder,
-                   model: str) -> Callable[..., Any] | None:
-    """GenerateContext.open_session for a rollout: sessions of `gateway` that generate through `ctx`."""
+def session_opener(gateway: AgentGateway | None, ctx: Any, encoder: PromptEncoder, model: str,
+                   images: bool) -> Callable[..., Any] | None:
+    """GenerateContext.open_session for a rollout: sessions of `gateway` that generate through `ctx`, taking images
+    when the job trains on them (`images`: it has multimodal_keys)."""
     if gateway is None:
         return None
 
     def open_session(session_id: str, sampling_params: dict[str, Any], key: str = "") -> Any:
-        session = gateway.registry.open(ctx, encoder, sampling_params, session_id=session_id, model=model, key=key)
+        session = gateway.registry.open(ctx, encoder, sampling_params, session_id=session_id, model=model, key=key,
+                                        images=images)
         session.gateway_url = gateway.base_url.removesuffix("/v1")
         return session
 
@@ -112,9 +135,14 @@ def session_sample(sample: Sample, session: Any, reward: float | None, truncated
     if tip is None:
         raise FailedPrecondition(f"{what}: the agent made no request through its session")
     trained = sample_tokens(tip)
-    if trained.images:  # the wire format carries a prompt's images for its whole group, not a sample's own
-        raise FailedPrecondition(f"{what}: the agent sent {len(trained.images)} images through its session; a sample "
-                                 "trains only on its prompt's images (multimodal_keys), not on images an agent sends")
+    prompt = prompt_images(sample)
+    if [image.data for image in trained.images[:len(prompt)]] != [image.data for image in prompt]:
+        # the trainer reads a sample's image tokens as its group's images, then the sample's own
+        raise FailedPrecondition(f"{what}: the session's {len(trained.images)} images do not begin with its prompt's "
+                                 f"{len(prompt)}, in order; send the prompt's images first, as prompt['messages'] "
+                                 "holds them")
+    if trained.images:  # those after the prompt's become the sample's observation_images (finish_plugin_sample)
+        sample.multimodal_inputs = {"images": list(trained.images)}
     prompt_length = len(trained.tokens) - trained.response_length
     renderer = session.renderer
     sample.prompt = renderer.decode(trained.tokens[:prompt_length], skip_special_tokens=False)

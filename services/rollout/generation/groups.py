@@ -87,7 +87,8 @@ def new_generation(config: RolloutConfig, encoder: PromptEncoder, reward: Reward
     if config.args.get("lora_rank"):  # a LoRA job's samples come from its adapter, which the trainer syncs
         ctx.lora_name = lora_adapter_name(job)
         ctx.lora_versioned = config.args.get("lora_sync") == "disk"  # as the trainer resolved it
-    ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum")
+    ctx.open_session = session_opener(gateway, ctx, encoder, model=Path(config.tokenizer_path).name or "physarum",
+                                      images=bool(config.multimodal_keys))
     ctx.scorer = ServiceScorer(reward, config)
     return Generation(config=config, encoder=encoder, ctx=ctx, args=plugin_args(config.args, router_url),
                       generate_fn=fn, sampling_params=params, n_samples=n, evaluation=evaluation,

@@ -77,6 +77,12 @@ class RolloutImages:
         device = input_ids.device
         grid = torch.cat([row.image_grid_thw for row in rows]).to(device)
         images = image_token_mask(input_ids, prompt_lengths, loss_masks, model.config.image_token_id)
+        merge = model.config.vision_config.spatial_merge_size
+        made, found = int(grid.prod(-1).sum()) // merge**2, int(images.sum())
+        if found != made:  # the HF rope index would stop short (a bare StopIteration) or misplace the features
+            raise InvalidArgument(f"rollout rows {sample_index.tolist()}: {found} image tokens, but their "
+                                  f"{len(grid)} images make {made} (a sample's images are its group's, then its "
+                                  "observation_images, in the order of its image tokens)")
         if placeholders is not None:
             placeholders.mask = images
         positions, _ = _inner(model).get_rope_index(input_ids, mm_token_type_ids=images.to(torch.int32),
