@@ -55,11 +55,12 @@ def _serves(option: str, wanted: Any, reported: Any) -> bool:
     """Whether an engine reporting `reported` for server option `option` serves the job's `wanted`: an adapter rank
     up to its --max-lora-rank (0: any, the CPU engine's default) and adapters on a subset of its
     --lora-target-modules (none or `all`: every module) do; other options must be equal."""
-    if option == "max_lora_rank" and isinstance(reported, int) and not isinstance(reported, bool):
-        return reported == 0 or reported >= int(wanted)
+    if option == "max_lora_rank" and all(isinstance(v, int) and not isinstance(v, bool) for v in (wanted, reported)):
+        return reported == 0 or reported >= wanted
     if option == "lora_target_modules" and isinstance(reported, (list, tuple)):
         served = {str(m) for m in reported}
-        return not served or "all" in served or {str(m) for m in wanted} <= served
+        modules = {wanted} if isinstance(wanted, str) else {str(m) for m in wanted or ()}
+        return not served or "all" in served or modules <= served
     return _same(wanted, reported)
 
 
