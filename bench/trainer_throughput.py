@@ -23,8 +23,18 @@ CPU: a small Qwen3-shaped model; CUDA: the Qwen3-0.6B shape of the issue's H100 
    Adds "moe_megatron_vs_fsdp" (megatron's tokens/s over fsdp's), "moe_expert_parallel_size" and "moe_tokens_per_s"
    to the JSON line; --moe-only runs this phase alone (its keys alone).
 
+4. Compiled (opt-in, --compiled): each backend with compile_layers on (regional torch.compile of the decoder layer,
+   one compile shared by every layer) beside the same backend eager, on the equal-length batch, rounds interleaved.
+   The first step of each (the warm-up, where dynamo and inductor compile) is left out of the medians; its wall
+   seconds, less the eager backend's first step, are the compile time. Adds "compiled_vs_eager_fsdp" and
+   "compiled_vs_eager_megatron" (the compiled backend's tokens/s over the same backend eager), "compile_s_fsdp" and
+   "compile_s_megatron" (wall seconds), "compiled_graphs" (graphs dynamo compiled in the phase) and
+   "compiled_tokens_per_s" (each run's) to the JSON line; --compiled-only runs this phase alone (its keys alone).
+   On a shared 2-core CPU machine --compiled-only took 83 s the first time, 44 s once inductor's on-disk cache held its
+   kernels (docs/benchmarks.md).
+
 Run: python -m bench.trainer_throughput [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds N]
-     [--threads N] [--clock wall|cpu] [--moe-only]
+     [--threads N] [--clock wall|cpu] [--moe-only] [--compiled | --compiled-only]
 """
 
 from __future__ import annotations
@@ -168,13 +178,16 @@ def plain_step(model_dir: Path, samples, prompt_len: int, micro_batch_size: int,
     return step
 
 
-def train_config(shape: dict, dtype: torch.dtype, num_samples: int, packed_budget: int | None = None):
-    """micro_batch_size samples per micro-batch; with packed_budget, micro-batches packed to that many tokens."""
+def train_config(shape: dict, dtype: torch.dtype, num_samples: int, packed_budget: int | None = None,
+                 compiled: bool = False):
+    """micro_batch_size samples per micro-batch; with packed_budget, micro-batches packed to that many tokens;
+    compiled: compile_layers on."""
     from services.trainer.settings.train import TrainConfig
 
     return TrainConfig(n_samples_per_prompt=2, global_batch_size=num_samples,
                        micro_batch_size=shape["micro_batch_size"], lr=1e-6, bf16=dtype == torch.bfloat16,
-                       use_dynamic_batch_size=packed_budget is not None, max_tokens_per_gpu=packed_budget)
+                       use_dynamic_batch_size=packed_budget is not None, max_tokens_per_gpu=packed_budget,
+                       compile_layers=compiled)
 
 
 def fsdp_step(model_dir: Path, samples, config, device: torch.device, packed: bool = True) -> Callable[[], None]:
@@ -255,15 +268,58 @@ def timed(step: Callable[[], None], device: torch.device, clock: Callable[[], fl
 
 
 def measure(steps: dict[str, Callable[[], None]], rounds: int, device: torch.device,
-            clock: Callable[[], float]) -> dict[str, float]:
-    """Median seconds per step of each run, rounds interleaved after one warm-up round."""
+            clock: Callable[[], float], warm_up_s: dict[str, float] | None = None) -> dict[str, float]:
+    """Median seconds per step of each run, rounds interleaved after one warm-up round; given warm_up_s, each run's
+    warm-up step in wall seconds goes there (compiling runs compile in it, partly in inductor's own processes)."""
     seconds: dict[str, list[float]] = {name: [] for name in steps}
-    for round_index in range(rounds + 1):  # round 0 warms up (allocator, kernels, optimizer state)
+    for round_index in range(rounds + 1):  # round 0 warms up (allocator, kernels, optimizer state, compiles)
         for name, step in steps.items():
+            if round_index == 0 and warm_up_s is not None:
+                warm_up_s[name] = timed(step, device, time.perf_counter)
+                continue
             took = timed(step, device, clock)
             if round_index:
                 seconds[name].append(took)
     return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def compiled_phase(model_dir: Path, shape: dict, device: torch.device, dtype: torch.dtype, rounds: int,
+                   clock: Callable[[], float]) -> dict:
+    """Each backend eager and with compile_layers on, the equal-length batch, rounds interleaved: median seconds
+    per step, the warm-up steps' wall seconds, and the graphs dynamo compiled."""
+    from services.trainer.backends import compiled_layers
+
+    samples = make_samples(shape, shape["model"]["vocab_size"])
+    graphs_before = compiled_layers.compiles_so_far()
+    steps = {f"{name}{suffix}": build(model_dir, samples, train_config(shape, dtype, len(samples), compiled=compiled),
+                                      device)
+             for name, build in (("fsdp", fsdp_step), ("megatron", megatron_step))
+             for suffix, compiled in (("", False), (" compiled", True))}
+    warm_up_s: dict[str, float] = {}
+    seconds = measure(steps, rounds, device, clock, warm_up_s)
+    del steps
+    release(device)
+    return {"num_tokens": len(samples) * (shape["prompt_len"] + shape["response_len"]), "seconds": seconds,
+            "warm_up_s": warm_up_s, "graphs": compiled_layers.compiles_so_far() - graphs_before}
+
+
+def compiled_result(compiled: dict) -> dict:
+    """The compiled phase's table printed and its JSON keys: compiled over eager tokens/s per backend, and the
+    compile time (the compiled warm-up step's wall seconds less the eager one's)."""
+    num_tokens, seconds, warm_up_s = compiled["num_tokens"], compiled["seconds"], compiled["warm_up_s"]
+    print(f"compiled layers (equal lengths, {num_tokens} tokens per step; {compiled['graphs']} graphs compiled)")
+    print(f"{'run':<18} {'s/step':>8} {'tokens/s':>10} {'vs eager':>9} {'first step s':>13}")
+    result: dict = {}
+    for name in ("fsdp", "megatron"):
+        ratio = seconds[name] / seconds[f"{name} compiled"]
+        result[f"compiled_vs_eager_{name}"] = round(ratio, 3)
+        result[f"compile_s_{name}"] = round(max(0.0, warm_up_s[f"{name} compiled"] - warm_up_s[name]), 1)
+        for run, vs_eager in ((name, 1.0), (f"{name} compiled", ratio)):
+            print(f"{run:<18} {seconds[run]:>8.3f} {num_tokens / seconds[run]:>10.0f} {vs_eager:>9.2f} "
+                  f"{warm_up_s[run]:>13.1f}")
+    result["compiled_graphs"] = compiled["graphs"]
+    result["compiled_tokens_per_s"] = {run: round(num_tokens / value, 1) for run, value in seconds.items()}
+    return result
 
 
 def release(device: torch.device) -> None:
@@ -284,7 +340,13 @@ def main(argv: list[str] | None = None) -> dict:
                         help="cpu: this process's CPU time (user + system), for a CPU run on a busy shared machine, "
                              "where waiting for a core inflates wall time at random (use --threads 1: no spinning)")
     parser.add_argument("--moe-only", action="store_true", help="run the MoE phase alone")
+    compiled_flags = parser.add_mutually_exclusive_group()
+    compiled_flags.add_argument("--compiled", action="store_true",
+                                help="add the compiled phase: each backend with compile_layers on against eager")
+    compiled_flags.add_argument("--compiled-only", action="store_true", help="run the compiled phase alone")
     args = parser.parse_args(argv)
+    if args.moe_only and (args.compiled or args.compiled_only):
+        parser.error("--moe-only runs the MoE phase alone: drop --compiled/--compiled-only")
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu times CPU runs only")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -303,6 +365,14 @@ def main(argv: list[str] | None = None) -> dict:
             moe = moe_phase(Path(tmp), shape, device, dtype, args.rounds, args.clock)
         result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "clock": args.clock,
                   **moe_result(moe)}
+        print(json.dumps(result))
+        return result
+    if args.compiled_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            compiled = compiled_phase(build_model(Path(tmp) / "model", shape["model"]), shape, device, dtype,
+                                      args.rounds, clock)
+        result = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "clock": args.clock,
+                  **compiled_result(compiled)}
         print(json.dumps(result))
         return result
     with tempfile.TemporaryDirectory() as tmp:
@@ -329,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
         del steps
         release(device)
         moe = moe_phase(Path(tmp), shape, device, dtype, args.rounds, args.clock)
+        compiled = compiled_phase(model_dir, shape, device, dtype, args.rounds, clock) if args.compiled else None
     num_tokens = len(samples) * (shape["prompt_len"] + shape["response_len"])
     tokens_per_s = {name: num_tokens / value for name, value in seconds.items()}
     print(f"{device.type}, {dtype}, {args.threads if device.type == 'cpu' else 'GPU'} threads, median of "
@@ -369,6 +440,8 @@ def main(argv: list[str] | None = None) -> dict:
                  for name in ("fsdp", "megatron")},
               **{f"packed_vs_plain_{name}": round(tail_rate[f"{name} packed"] / tail_rate["plain padded"], 3)
                  for name in ("fsdp", "megatron")}, **extra, **moe_result(moe)}
+    if compiled is not None:
+        result.update(compiled_result(compiled))
     print(json.dumps(result))
     return result
 

@@ -50,7 +50,9 @@ def sample_rm_type(sample: Sample, job_rm_type: str) -> str:
 
 async def score_builtin(sample: Sample, job_rm_type: str, args: dict[str, Any], *, in_thread: bool = True) -> Any:
     """The sample's score under its rm_type; raises (failing only this sample) for an unknown or unset one. A rule
-    runs in a worker thread unless `in_thread` is False (a reward worker process: nothing else waits on its loop)."""
+    runs in a worker thread unless `in_thread` is False (a reward worker process: nothing else waits on its loop).
+    Reads only the sample's prompt, response, label, metadata and index: a reward worker decodes no more of it
+    (`one_sample.as_sample`)."""
     rm_type = sample_rm_type(sample, job_rm_type)
     check_rm_type(rm_type, where=f"sample {sample.index}")
     response = sample.response

@@ -220,7 +220,7 @@ def _reply(task: Task, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
     except InvalidArgument as err:
         return {"kind": "invalid", "error": str(err)[:MAX_ERROR_CHARS]}
     try:
-        sample = one_sample.as_sample(task.sample)
+        sample = one_sample.as_sample(task.sample, whole=task.kind == "custom")  # a built-in reads five fields
         value = loop.run_until_complete(one_sample.call_scorer(task.kind, task.target, sample, task.args))
         result = one_sample.to_result(value, task.reward_key, task.name)
         return {"kind": "ok", "reward": result.reward, "ok": result.ok, "error": result.error[:MAX_ERROR_CHARS],

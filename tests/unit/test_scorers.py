@@ -145,6 +145,18 @@ def test_a_proto_sample_is_decoded_in_the_worker_with_its_whole_numbers_as_ints(
     assert one_sample.as_sample(sample) is sample
 
 
+def test_a_built_in_rule_gets_the_fields_it_reads_decoded_as_in_the_whole_sample():
+    sample = Sample(prompt="1+2=", response="\\boxed{3}", label={"answer": 3}, index=7, tokens=[1, 2, 3],
+                    metadata={"rm_type": "boxed_math", "bonus": 3}, rollout_log_probs=[-0.5])
+    sent = sample_to_proto(sample).SerializeToString()
+    light, whole = one_sample.as_sample(sent, whole=False), one_sample.as_sample(sent)
+    for name in ("prompt", "response", "label", "metadata", "index"):  # what verifiers.score_builtin reads
+        assert getattr(light, name) == getattr(whole, name) == getattr(sample, name), name
+    assert type(light.metadata["bonus"]) is int
+    assert whole.tokens == [1, 2, 3] and light.tokens == []  # the rest is left undecoded
+    assert score([sample_to_proto(sample)], rm_type="math") == score([sample], rm_type="math")
+
+
 def run_in_one_worker(tasks, timeout_s=5.0, pool=None):
     from services.reward.workers import WorkerPool
 
