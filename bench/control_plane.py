@@ -9,16 +9,20 @@ them back, and it is rank 0 of the weight group. The manager sends each group's 
 of input_ids). Also the router alone under the same engines (no manager, a request per sample) driven by three
 clients side by side (aiohttp as the manager, httpx with and without keep-alive), and the CPU each process (with the
 processes it started: the reward service's workers) used per 1,000 samples: on 2 cores the processes share, that
-table says what bounds the figure. Prints the tables, then one JSON line (`control_plane_samples_per_s_64`,
-`group_rebuild_s_64`, the router alone, their ratio `control_plane_vs_router_alone_64`, and the CPU table as
-`control_plane_cpu_ms_per_1k_samples_64`).
+table says what bounds the figure. Beside the rebuild, 64 reverse lookups at once from this host
+(`reverse_lookups_s_64`): the part of the rebuild this host's resolver sets. Prints the tables, then one JSON line
+(`control_plane_samples_per_s_64`, `group_rebuild_s_64`, `reverse_lookups_s_64`, the router alone, their ratio
+`control_plane_vs_router_alone_64`, and the CPU table as `control_plane_cpu_ms_per_1k_samples_64`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -51,9 +55,11 @@ def start_sim(work: Path, num_engines: int, latency_s: float) -> tuple[procs.Man
 def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     """WeightBroadcaster.init_group with every engine: health checks, drop of the old group, all ranks joining.
 
-    Each rank's store connection formats its address with getnameinfo (torch's c10d), a reverse DNS query for a
-    v4-mapped loopback address that /etc/hosts cannot answer: where the resolver drops one, glibc waits its timeout
-    (5 s by default) before asking again, and the whole group waits for that rank."""
+    Each engine's store client (torch's c10d, in a real SGLang engine too) connects over IPv6 to the master's
+    v4-mapped address and names it with getnameinfo, a reverse DNS query that /etc/hosts cannot answer: 64 of them
+    at once, from one host here, where a resolver that drops some of a burst makes glibc wait its timeout (5 s by
+    default) before asking again, and the whole group waits for that rank. (The trainer's store asks /etc/hosts now:
+    services/trainer/weight_sync/rendezvous.py.)"""
     from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
     times = []
@@ -62,6 +68,23 @@ def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
             start = time.perf_counter()
             broadcaster.init_group()
             times.append(time.perf_counter() - start)
+    return times
+
+
+def reverse_lookup_seconds(num_engines: int, repeats: int) -> list[float]:
+    """How long num_engines reverse lookups (getnameinfo) of the master's v4-mapped loopback address take, all at
+    once from this host: what the engines' store clients ask while they join (rebuild_seconds). The rebuild waits
+    for the slowest, so this is the part of it that this host's resolver sets, not the trainer or the engines."""
+    def lookup(i: int) -> None:
+        with contextlib.suppress(socket.gaierror):  # a dropped query past the retries: the time is what counts
+            socket.getnameinfo(("::ffff:127.0.0.1", 1024 + i, 0, 0), socket.NI_NUMERICSERV)
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(num_engines) as pool:
+            list(pool.map(lookup, range(num_engines)))
+        times.append(time.perf_counter() - start)
     return times
 
 
@@ -149,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rebuild = rebuild_seconds(urls, repeats=3)
         print(f"weight group rebuild with {len(urls)} engines: {', '.join(f'{s:.2f}' for s in rebuild)} s", flush=True)
+        lookups = reverse_lookup_seconds(len(urls), repeats=3)
+        print(f"{len(urls)} reverse lookups at once: {', '.join(f'{s:.2f}' for s in lookups)} s", flush=True)
         redis, redis_url = procs.start_redis(work / "redis", appendfsync="everysec")
         started.append(redis)
         buffer_proc, buffer_addr = start_grpc_service(work, "services.buffer", "--redis-url", redis_url)
@@ -191,9 +216,12 @@ def main(argv: list[str] | None = None) -> int:
                  ["  each rollout, samples/s", ", ".join(f"{r:,.0f}" for r in rates), ""],
                  *[[f"router alone, 256 concurrent /generate, {name}, samples/s", f"{rate:,.0f}", "(reference)"]
                    for name, rate in router.items()],
-                 [f"weight-group rebuild at {args.engines} engines, s (best)", f"{min(rebuild):.2f}", "<= 5"]])
+                 [f"weight-group rebuild at {args.engines} engines, s (best)", f"{min(rebuild):.2f}", "<= 5"],
+                 [f"  {args.engines} reverse lookups of ::ffff:127.0.0.1 at once (the engines' store clients ask "
+                  "them while joining), s (best)", f"{min(lookups):.2f}", "(reference)"]])
     router_alone = next(iter(router.values()))
     emit({"control_plane_samples_per_s_64": best, "group_rebuild_s_64": min(rebuild),
+          "reverse_lookups_s_64": min(lookups),
           "control_plane_router_alone_samples_per_s_64": router_alone,
           "control_plane_vs_router_alone_64": best / router_alone,
           "control_plane_cpu_ms_per_1k_samples_64": {name: round(1e6 * seconds / samples, 1)

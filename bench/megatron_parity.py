@@ -50,13 +50,18 @@ def spawn(fn: Callable, *args, world_size: int = 2, start_method: str = "spawn")
     from services.common.procs import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size))
-    mp.start_processes(_entry, args=(world_size, fn, args), nprocs=world_size, join=True, start_method=start_method)
+    mp.start_processes(_entry, args=(world_size, fn, args, start_method == "spawn"), nprocs=world_size, join=True,
+                       start_method=start_method)
 
 
-def _entry(rank: int, world_size: int, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, fn: Callable, args: tuple, fresh_interpreter: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     fn(rank, world_size, *args)
+    if fresh_interpreter:  # it would finalize at exit (see rank_exit); a forked rank leaves through os._exit already
+        from services.trainer.ranks.rank_exit import exit_rank
+
+        exit_rank(0)
 
 
 def _max_over_world(value: float) -> float:

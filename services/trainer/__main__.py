@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import sys
 import threading
 
 from services.common import write_roots
@@ -14,6 +13,7 @@ from services.common.config import as_dict, load_config
 from services.common.grpc_server import wait_for_stop_signal
 from services.common.logging import configure_logging
 from services.trainer.api.config import TrainerConfig
+from services.trainer.ranks.rank_exit import exit_rank
 
 log = logging.getLogger("services.trainer")
 
@@ -52,6 +52,8 @@ async def serve(config: TrainerConfig) -> int:
     log.info("stopping" + (": a trainer rank was lost; exiting for all the ranks to restart" if lost.is_set() else ""))
     await servers.stop(config.grace_s, config.preempt_timeout_s)
     dispatcher.close()
+    if not lost.is_set() and dispatcher.in_step:  # the workers, told to stop, close the world with rank 0
+        await asyncio.to_thread(world.close)
     buffer.close()
     rollout.close()
     return RANK_LOST_EXIT if lost.is_set() else 0
@@ -77,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -65,6 +65,7 @@ def diffs(one: dict, cp: dict) -> dict:
 def main(model_dir: Path, out_dir: Path) -> None:
     from services.trainer.api.config import TrainerConfig
     from services.trainer.distributed.parallel import World, init_world
+    from services.trainer.ranks.rank_exit import exit_rank
     from services.trainer.settings.train import TrainConfig
 
     warnings.filterwarnings("ignore")
@@ -82,7 +83,7 @@ def main(model_dir: Path, out_dir: Path) -> None:
         world.barrier()
     if world.rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
-    world.close()
+    exit_rank(0, world)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ FSDP2 and writes rank 0's metrics and HF export. The test runs the same in one p
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ def train(model_dir: Path, out_dir: Path, world) -> list[dict[str, float]]:
 def main(out_dir: str, *model_dirs: str) -> None:
     from services.trainer.api.config import TrainerConfig
     from services.trainer.distributed.parallel import init_world
+    from services.trainer.ranks.rank_exit import exit_rank
 
     config = TrainerConfig()
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
@@ -37,12 +37,7 @@ def main(out_dir: str, *model_dirs: str) -> None:
     results = {Path(d).name: train(Path(d), Path(out_dir), world) for d in model_dirs}
     if world.rank == 0:
         (Path(out_dir) / "metrics.json").write_text(json.dumps(results))
-    world.close()
-    # All is written. On a loaded machine gloo's teardown at interpreter exit has aborted a rank here ("terminate called
-    # without an active exception") after a run whose results were whole: this worker leaves without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0, world)
 
 
 if __name__ == "__main__":

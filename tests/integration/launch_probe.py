@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from services.trainer.distributed.parallel import init_world
+from services.trainer.ranks.rank_exit import exit_rank
 
 if __name__ == "__main__":
     world = init_world(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
@@ -20,4 +21,4 @@ if __name__ == "__main__":
     dist.all_gather_object(every, {**mine, "dist_rank": dist.get_rank(), "device": str(world.device)})
     if world.rank == 0:
         Path(os.environ["PROBE_OUT"]).write_text(json.dumps(every))
-    world.close()
+    exit_rank(0, world)

@@ -20,6 +20,7 @@ from services.trainer.api.spec import parse_spec
 from services.trainer.distributed.parallel import RankAborted, init_world, rollout_share
 from services.trainer.driver.deps import TrainerDeps
 from services.trainer.driver.rollouts import Rollouts
+from services.trainer.ranks.rank_exit import exit_rank
 
 SPEC = {"hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 2, "rollout_batch_size": 8,
         "n_samples_per_prompt": 2, "global_batch_size": 8}
@@ -61,7 +62,7 @@ def main(out_dir: str, buffer_addr: str, job_id: str) -> None:
         except RankAborted as err:
             got["aborted"] = str(err)
     (Path(out_dir) / f"rank{world.rank}.json").write_text(json.dumps({"got": got, "broadcasts": broadcasts}))
-    world.close()
+    exit_rank(0, world)
 
 
 if __name__ == "__main__":

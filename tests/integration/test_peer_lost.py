@@ -35,3 +35,5 @@ def test_rank_0_classifies_a_collective_broken_by_its_peer_as_a_lost_peer(mode, 
     assert len(results) == 2
     for result in results:  # the broadcast, then the all-reduce
         assert result["error"] and result["peer_lost"], result
+    # rank 0 still leaves the world: its closing barrier fails (or times out) and close returns without raising
+    assert json.loads(Path(f"{out}.closed").read_text()) == {"error": ""}

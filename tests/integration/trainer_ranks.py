@@ -71,6 +71,7 @@ def main(out_dir: str, model_dir: str, *cases: str) -> None:
     """Every case, or the named ones."""
     from services.trainer.api.config import TrainerConfig
     from services.trainer.distributed.parallel import init_world
+    from services.trainer.ranks.rank_exit import exit_rank
 
     config = TrainerConfig()
     world = init_world(rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
@@ -78,7 +79,7 @@ def main(out_dir: str, model_dir: str, *cases: str) -> None:
     results = {name: run_case(name, Path(model_dir), Path(out_dir), world)[0] for name in cases or CASES}
     if world.rank == 0:
         (Path(out_dir) / "metrics.json").write_text(json.dumps(results))
-    world.close()
+    exit_rank(0, world)
 
 
 if __name__ == "__main__":

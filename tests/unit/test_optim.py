@@ -63,3 +63,27 @@ def test_scheduled_steps_use_the_schedule_and_the_count_survives_the_state_dict(
     restored.load_state_dict(optimizer.state_dict())
     param.grad = torch.ones(2, 2)
     assert scheduled_step(restored, **schedule) == 1.0  # the third step, not a restarted warmup
+
+
+def test_the_fused_kernel_runs_on_the_host_and_updates_as_the_per_tensor_loop():
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(3, generator=gen)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in start] for _ in range(4)]
+    weights = []
+    for build in ("make_adamw", "loop"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        named = list(zip(("w", "b"), params, strict=True))
+        if build == "make_adamw":
+            optimizer = make_adamw(named, lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-8)
+            assert optimizer.defaults["fused"]
+        else:  # torch's per-tensor loop over the same groups
+            optimizer = torch.optim.AdamW([{"params": params[:1], "weight_decay": 0.1},
+                                           {"params": params[1:], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.98),
+                                          eps=1e-8, foreach=False)
+        for step in grads:
+            for param, grad in zip(params, step, strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+        weights.append([p.detach() for p in params])
+    for fused, loop in zip(*weights, strict=True):
+        torch.testing.assert_close(fused, loop, atol=1e-7, rtol=1e-6)

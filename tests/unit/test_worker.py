@@ -105,3 +105,16 @@ def test_a_lost_rank_ends_the_job_as_ranks_lost_without_waiting_for_the_dead_ran
     assert "broke during job lost" in dispatcher.broken  # health reports it; later jobs are refused
     with pytest.raises(FailedPrecondition):
         dispatcher(parse_spec({**BASE, "job_id": "next"}), None)
+
+
+def test_the_ranks_are_in_step_between_jobs_only_and_never_once_out_of_step():
+    """rank 0 closes the world with its workers (a barrier) only when they are in step: not while a job runs, not
+    after a rank was left behind."""
+    world, seen = FakeWorld(), []
+    dispatcher = Dispatcher(world, lambda spec, ctx: seen.append(dispatcher.in_step))
+    assert dispatcher.in_step
+    dispatcher(parse_spec({**BASE, "job_id": "a"}), None)
+    assert seen == [False] and dispatcher.in_step
+    world.missing = [1]
+    dispatcher(parse_spec({**BASE, "job_id": "b"}), None)
+    assert not dispatcher.in_step

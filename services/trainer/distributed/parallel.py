@@ -177,14 +177,23 @@ class World:
         return missing
 
     def close(self) -> None:
-        """Leave the world. Rank 0 hosts the store, so it leaves last: once every other rank has destroyed its
-        process group (a rank whose store vanished during its teardown aborted: "terminate called without an active
-        exception", seen on a loaded machine)."""
+        """Leave the world. First a barrier, bounded by CLOSE_WAIT_S (a dead peer ends it at once): no rank takes
+        the group down while a collective it began (FSDP2's are asynchronous) still waits on a peer. A barrier that
+        failed means a rank is gone or stuck: the group is left as it is, for the process's exit to end. Then the
+        process groups are destroyed, and rank 0, which hosts the store, leaves last: once every other rank has
+        destroyed its own. How the process then exits is `services.trainer.ranks.rank_exit`'s."""
         if not (self.distributed and dist.is_initialized()):
+            return
+        try:
+            dist.barrier(async_op=True).wait(datetime.timedelta(seconds=CLOSE_WAIT_S))
+        except RuntimeError as err:  # a timeout, a peer's error (gloo's are plain RuntimeErrors), a DistError
+            # at a stop the other ranks may be gone already (a pod's SIGTERM reaches every rank)
+            log.info("rank %d: the closing barrier failed (%s); leaving without the other ranks", self.rank, err)
             return
         dist.destroy_process_group()
         if self.rank != 0:
-            self.store.set(CLOSED_KEY.format(rank=self.rank), b"1")
+            with contextlib.suppress(dist.DistError):  # rank 0 gone: nobody waits for this rank
+                self.store.set(CLOSED_KEY.format(rank=self.rank), b"1")
             return
         for rank in range(1, self.world_size):
             try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 
 from services.common import write_roots
@@ -21,6 +20,7 @@ from services.trainer.api.jobs import JobContext, Runner, failure_reason
 from services.trainer.api.spec import JobSpec
 from services.trainer.distributed.parallel import STOP, RankAborted, World, init_world, peer_lost
 from services.trainer.driver.job import JobCancelled, RanksLost
+from services.trainer.ranks.rank_exit import exit_rank
 
 log = logging.getLogger("services.trainer.ranks.worker")
 
@@ -41,7 +41,13 @@ class Dispatcher:
         self.runner = runner
         self.broken = ""
         self._seq = 0
+        self._running = 0  # jobs handed to the workers and not yet finished by every rank
         self._lock = threading.Lock()
+
+    @property
+    def in_step(self) -> bool:
+        """Every rank is between jobs, in step: they may leave the world together (World.close)."""
+        return not self.broken and self._running == 0
 
     def __call__(self, spec: JobSpec, ctx: JobContext) -> None:
         if self.broken:
@@ -51,6 +57,7 @@ class Dispatcher:
             return
         with self._lock:
             seq, self._seq = self._seq, self._seq + 1
+            self._running += 1
             self.world.send_job(seq, spec.model_dump_json().encode())
         lost = False
         try:
@@ -70,6 +77,8 @@ class Dispatcher:
                 self.broken = (f"trainer ranks {missing} did not finish job {spec.job_id} (it failed on rank 0 while "
                                "they waited for it): the ranks are out of step; restart the trainer's ranks")
                 log.error("%s", self.broken)
+            with self._lock:
+                self._running -= 1
 
     def close(self) -> None:
         """Tell the workers to exit after their current job."""
@@ -101,6 +110,7 @@ def run_worker(config: TrainerConfig) -> int:
             return 1
         if payload == STOP:
             log.info("rank %d: stop", world.rank)
+            world.close()  # with rank 0, which closes the world once it has sent STOP
             return 0
         try:
             train(JobSpec.model_validate_json(payload), None, deps)
@@ -130,4 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

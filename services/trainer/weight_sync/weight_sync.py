@@ -30,7 +30,7 @@ from services.common.sglang import DEFAULT_GROUP_NAME, SGLangClient
 from services.rollout.client import ADAPTERS_DIR, SNAPSHOT_PREFIX, adapter_snapshot_root, snapshot_path
 from services.trainer.checkpoint import safetensors_io
 from services.trainer.checkpoint.hf_files import copy_side_files
-from services.trainer.weight_sync import wire
+from services.trainer.weight_sync import rendezvous, wire
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +181,7 @@ class WeightBroadcaster:
             # An engine may still hold a group from an earlier trainer or a failed sync: drop it (best effort).
             _on_all(clients, "destroy_weights_update_group",
                     lambda c: c.destroy_weights_update_group(self.group_name), self.timeout_s + 1, ignore_errors=True)
-            store = dist.TCPStore(self.master_address, self.master_port, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
+            store = rendezvous.host_store(self.master_address, self.master_port, world_size, timeout)
             _alongside(clients, f"init_weights_update_group at {self.master_address}:{store.port}",
                        lambda i, c: c.init_weights_update_group(self.master_address, store.port, 1 + i, world_size,
                                                                 self.group_name, self.backend, self.timeout_s),

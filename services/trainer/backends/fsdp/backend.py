@@ -25,7 +25,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.common.samples import Sample
 from services.common.shares import Share
-from services.trainer.backends import capabilities, compiled_layers
+from services.trainer.backends import capabilities, compiled_layers, last_layer_rows
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.fsdp import context_parallel, cp_attention, fused_head
 from services.trainer.backends.fsdp.critic import Critic
@@ -193,12 +193,23 @@ class TorchBackend(TorchStateDicts):
         inputs = self._model_inputs(mb, packed)
         idle = self._idle_vision is not None and model is self.model and torch.is_grad_enabled() \
             and "pixel_values" not in inputs
-        with self._autocast(), replay, fused_head.hidden_states_out(
-                model, fuse and response_only and self.fuse_head) as head, \
+        fused = fuse and response_only and self.fuse_head
+        last_mlp = self._last_mlp(model) if fused else None  # run on the positions the fused head reads alone
+        with self._autocast(), replay, fused_head.hidden_states_out(model, fused) as head, \
+                last_layer_rows.mlp_on_rows(last_mlp, keep["logits_to_keep"] if last_mlp else None,
+                                            sequence_first=False), \
                 self._idle_vision.running(idle) if idle else contextlib.nullcontext():
             out = model(**inputs, **keep, use_cache=False,
                         **({"output_router_logits": True} if router_logits else {}))
         return out, head
+
+    def _last_mlp(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """The model's last decoder layer's MLP when it is a dense one (`last_layer_rows`); none under compiled
+        layers (a compiled layer's graph holds the MLP as it was)."""
+        if self.config.compile_layers or not (layers := parallel.decoder_layers(model)):
+            return None
+        mlp = getattr(layers[-1], "mlp", None)
+        return mlp if last_layer_rows.is_dense_mlp(mlp) else None
 
     def _logits(self, model: torch.nn.Module, mb: RolloutBatch, *, response_only: bool = True) -> torch.Tensor:
         """The projected logits, unfused: the response rows [N, V] or every position's."""
@@ -400,7 +411,7 @@ class TorchBackend(TorchStateDicts):
         # Over data-parallel ranks, their counts' mean: FSDP averages gradients, so the loss is the whole step's.
         normalizer = parallel.dp_mean(rl_step.step_normalizer(cfg, mask_sums[rows]), self.world)
         optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        totals: dict[str, torch.Tensor] = {}  # summed where they are: one copy to the host after the loop
         start = time.perf_counter()
         for mb_rows in micro_batches:
             if not mb_rows:  # an empty micro-batch: a zero-weighted pass keeps the ranks' collectives in step
@@ -412,7 +423,9 @@ class TorchBackend(TorchStateDicts):
             loss, metrics = loss_fn(mb, rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows], normalizer))
             loss.backward()
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
+                value = torch.as_tensor(value, device=self.device).detach().double().reshape(())
+                totals[key] = totals[key] + value if key in totals else value
+        totals = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True)) if totals else {}
         forward_backward_s, start = time.perf_counter() - start, time.perf_counter()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else math.inf))

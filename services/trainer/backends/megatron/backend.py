@@ -26,7 +26,7 @@ from services.common.samples import Sample
 from services.common.shares import Share
 from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import Reducer
-from services.trainer.backends import capabilities, compiled_layers
+from services.trainer.backends import capabilities, compiled_layers, last_layer_rows
 from services.trainer.backends.base import load_custom_loss
 from services.trainer.backends.layout import CUSTOM_LOSS_REFUSAL
 from services.trainer.backends.megatron import args as margs
@@ -271,6 +271,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         # not the critic's (a value head) nor under CP
         fuse = self._fuses_head() and self.cp_size == 1 and (self.critic is None or model is not self.critic.model)
         self._head = None
+        last_mlp = self._last_mlp(model) if fuse else None  # run on the positions the fused head reads alone
+        # megatron-core's MoE layers name CUDA devices in their forward (`megatron_cpu`); a dense one does not
+        host_forward = contextlib.nullcontext if self.arch.num_experts else megatron_cpu.outside_cuda_to_cpu
 
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
@@ -291,7 +294,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                 # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
                 inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
             with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
-                  fused_head.hidden_states_out(module, fuse) as head):
+                  host_forward(),
+                  fused_head.hidden_states_out(module, fuse) as head,
+                  last_layer_rows.mlp_on_rows(last_mlp, packing.response_mask(mb, packed=packed) if last_mlp
+                                              else None, sequence_first=True)):
                 output = module(**inputs)
             self._head = head  # the loss, computed right after on the last stage, reads it
             if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
@@ -365,6 +371,17 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """Per-position outputs of the model: as they are, or under CP this rank's [rows, T_local] gathered into
         the CP-1 layout."""
         return self._cp_row.gather(output) if self.cp_size > 1 else output
+
+    def _last_mlp(self, model) -> torch.nn.Module | None:
+        """This stage's last layer's MLP when the fused head alone reads its output (`last_layer_rows`): on the last
+        stage, a dense MLP, each TP rank holding every position (no sequence parallelism), no MTP layers reading
+        every position's hidden state and no compiled layers (a compiled layer's graph holds the MLP as it was)."""
+        gpt = fused_head.gpt_of(model)
+        if not self.is_last_stage or gpt.config.sequence_parallel or megatron_mtp.runs(gpt) or \
+                self.config.compile_layers or not len(gpt.decoder.layers):
+            return None
+        mlp = getattr(gpt.decoder.layers[-1], "mlp", None)
+        return mlp if last_layer_rows.is_dense_mlp(mlp) else None
 
     def _fuses_head(self) -> bool:
         """Whether log-probs come from the hidden states and the output layer's weight, chunked (not for a custom
@@ -588,13 +605,14 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         mask_sums = batch.loss_masks.sum(dim=-1)
         normalizer = rl_step.step_normalizer(cfg, mask_sums[rows])
         scale = len(micro_batches) * self.dp_size / self.cp_size
-        totals: dict[str, torch.Tensor] = {}
+        totals: dict[str, torch.Tensor] = {}  # summed where they are: one copy to the host after the step
 
         def step_loss(mb_rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
             reduce = rl_step.make_reducer(cfg, mb.loss_masks, mask_sums[mb_rows].to(self.device), normalizer)
             loss, metrics = loss_of(mb, logits, reduce)
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value.detach().double().cpu()
+                value = torch.as_tensor(value, device=self.device).detach().double().reshape(())
+                totals[key] = totals[key] + value if key in totals else value
             return loss * scale
 
         model.zero_grad_buffer()
@@ -602,12 +620,16 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         load_balancing = cfg.moe_aux_loss and model is self.model
         if load_balancing:
             megatron_aux_loss.start_step(model.module)
-        # train mode only for dropout or megatron-core's load-balancing loss (its routers add it only in training)
-        model.train(self.megatron_args.dropout or self.config.moe_aux_loss)
+        # train mode only for dropout or megatron-core's load-balancing loss (its routers add it only in training);
+        # the models stay in eval mode otherwise, so a step without either walks no module tree
+        training = bool(self.megatron_args.dropout or self.config.moe_aux_loss)
+        if training:
+            model.train()
         try:
             self._run(model, batch, micro_batches, step_loss, forward_only=False, routing=routing)
         finally:
-            model.eval()
+            if training:
+                model.eval()
         self._count_experts_tokens_once(model.module)
         grad_norm, lr = self._optimizer_step(model, optimizer, num_steps, rows)
         metrics = self._sum_metrics(totals)
@@ -650,8 +672,9 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
 
     def _sum_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         """The step's metrics: each DP replica's sums (held by its reporter rank) added up, on every rank."""
-        gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, totals if self._is_reporter() else {})
+        gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+        local = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True)) if totals else {}
+        dist.all_gather_object(gathered, local if self._is_reporter() else {})
         summed: dict[str, float] = {}
         for part in gathered:
             for key, value in (part or {}).items():
@@ -698,5 +721,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _loss_output(loss_fn: LossFn, rows: MicroBatch, mb: RolloutBatch, logits: torch.Tensor):
-    """Megatron's loss_func contract: (loss, reported); the schedule divides the loss by num_microbatches."""
-    return loss_fn(rows, mb, logits), {}
+    """Megatron's loss_func contract: (loss, reported); the schedule divides the loss by num_microbatches. The loss
+    names no CUDA device: it runs outside `megatron_cpu.cuda_to_cpu`'s mode."""
+    with megatron_cpu.outside_cuda_to_cpu():
+        return loss_fn(rows, mb, logits), {}

@@ -18,12 +18,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, mtp, offload
+from services.trainer.backends.megatron import args, lone_replica, mtp, offload
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
 from services.trainer.models.arch import ModelArch
 from services.trainer.settings.train import TrainConfig
+from services.trainer.step.optim import FUSED_DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +345,7 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict 
     ddp_config = args.build(DistributedDataParallelConfig, "DistributedDataParallelConfig", dict(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer),
         overrides or {})
+    lone_replica.apply()
     with megatron_cpu.cuda_to_cpu():
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
@@ -366,7 +368,26 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
             **offload.optimizer_fields(overrides)), overrides)
     offload.apply()
     with megatron_cpu.cuda_to_cpu(), offload.leaf_fp32_shards():
-        return get_megatron_optimizer(opt_config, [ddp_model])
+        optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+    if not opt_config.optimizer_cpu_offload:  # the hybrid optimizer picks its own kernels
+        _fused_adamw(optimizer)
+    return optimizer
+
+
+def _fused_adamw(optimizer) -> None:
+    """torch's AdamW under megatron-core's optimizer (torch's without Transformer Engine or Apex) through its fused
+    kernel where every parameter it steps is a floating-point one on a device the kernel runs on: the same update,
+    one pass over each parameter (`step.optim.make_adamw`)."""
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if type(inner) is not torch.optim.AdamW:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if inner.state or not all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params):
+            continue
+        inner.defaults.update(fused=True, foreach=None)
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=None)
 
 
 def gpt_inputs(mb: RolloutBatch, *, packed: bool, use_te: bool, pad_to: int = 1, pad_token_id: int = 0,
