@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,11 +227,14 @@ def label_from_proto(msg: sample_pb2.Sample | sample_pb2.Prompt) -> Any:
     return json.loads(msg.label_json) if msg.label_json else msg.label
 
 
-def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
+def sample_to_proto(sample: Sample, new: Callable[..., sample_pb2.Sample] = sample_pb2.Sample) -> sample_pb2.Sample:
+    """The sample's proto, made by `new`: a repeated field's `add` builds it in place in a message (appending a
+    built one copies it)."""
     # Only fields that hold something are set: each default passed to the constructor (an empty Struct, map, list or
-    # string) cost more than a demo sample's tokens, and a rollout converts thousands of samples.
-    msg = sample_pb2.Sample(prompt=sample.prompt, tokens=sample.tokens, response=sample.response,
-                            response_length=sample.response_length, status=sample.status.value, index=sample.index)
+    # string) cost more than a demo sample's tokens, and a rollout converts thousands of samples. `_value_` is the
+    # member's value without the `value` property's descriptor call.
+    msg = new(prompt=sample.prompt, tokens=sample.tokens, response=sample.response,
+              response_length=sample.response_length, status=sample.status._value_, index=sample.index)
     if isinstance(sample.label, str):
         msg.label = sample.label
     else:

@@ -39,9 +39,14 @@ class RewardClient(GrpcClient):
         it as a namespace. Raises InvalidArgument for an unknown rm_type or an unloadable custom_rm_path. A sample
         already converted to its proto is sent as it is.
         """
-        protos = [s if isinstance(s, sample_pb2.Sample) else sample_to_proto(s) for s in samples]
         request = reward_pb2.ScoreRequest(rm_type=rm_type, custom_rm_path=custom_rm_path, reward_key=reward_key,
-                                          timeout_s=timeout_s, samples=protos, args=dict_to_struct(args))
+                                          timeout_s=timeout_s, args=dict_to_struct(args))
+        add = request.samples.add
+        for sample in samples:  # a record is converted in place, in the request
+            if isinstance(sample, sample_pb2.Sample):
+                request.samples.append(sample)
+            else:
+                sample_to_proto(sample, add)
         # Every sample ends within its timeout once it gets a slot; cover the rounds a full server needs.
         num_rounds = max(1, math.ceil(len(samples) / _SERVER_MAX_CONCURRENCY))
         reply = self.call(self.stub.Score, request, timeout_s=self.timeout_s + timeout_s * num_rounds,

@@ -30,13 +30,13 @@ def restore_ints(value: Any) -> Any:
     return value
 
 
-def as_sample(sample: Sample | bytes, whole: bool = True) -> Sample:
-    """A task's sample; one that came as a serialized proto (from the gRPC server) is decoded here, its metadata's
-    whole numbers given back as ints. whole=False decodes only what a built-in rule reads (`verifiers.score_builtin`:
-    the prompt, response, label, metadata and index): a third of the cost of the whole sample, per sample."""
+def as_sample(sample: Sample | bytes | sample_pb2.Sample, whole: bool = True) -> Sample:
+    """A task's sample; one that came as a proto (from the gRPC server) is decoded here, its metadata's whole
+    numbers given back as ints. whole=False decodes only what a built-in rule reads (`verifiers.score_builtin`: the
+    prompt, response, label, metadata and index): a third of the cost of the whole sample, per sample."""
     if isinstance(sample, Sample):
         return sample
-    msg = sample_pb2.Sample.FromString(sample)
+    msg = sample_pb2.Sample.FromString(sample) if isinstance(sample, bytes) else sample
     if whole:
         decoded = sample_from_proto(msg)
         decoded.metadata = restore_ints(decoded.metadata)

@@ -16,13 +16,13 @@ from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import Sample
 from services.reward import verifiers
 from services.reward.client import ScoreResult
-from services.reward.workers import Outcome, Task, WorkerPool
+from services.reward.workers import Run, WorkerPool
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENCY = 64
 RUNS_PER_WORKER = 4  # a request's samples go to the workers in about this many runs per worker
-MAX_RUN_LENGTH = 32  # samples per run at most (a run costs one pipe round trip and one thread hop)
+MAX_RUN_LENGTH = 32  # samples per run at most (a run costs one message to a worker and its reply)
 MAX_TIMEOUT_S = 3600.0
 _shared_pool: WorkerPool | None = None
 
@@ -46,7 +46,7 @@ async def score_samples(samples: Sequence[Sample | sample_pb2.Sample], *, rm_typ
     `semaphore` bounds the samples scored at once (the server shares one over all requests); by default a fresh
     one of DEFAULT_MAX_CONCURRENCY. Each sample runs in one of `pool`'s workers (default: `shared_pool()`), killed
     past timeout_s; a large request goes to the workers in runs of samples (run_length), each run scored one sample
-    after another. Raises InvalidArgument for a bad request, never for a failing sample.
+    after another (`WorkerPool.run_all`). Raises InvalidArgument for a bad request, never for a failing sample.
     """
     if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= MAX_TIMEOUT_S):
         raise InvalidArgument(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s}")
@@ -54,28 +54,14 @@ async def score_samples(samples: Sequence[Sample | sample_pb2.Sample], *, rm_typ
         verifiers.check_job_rm_type(rm_type)  # an unknown rm_type fails the request here, listing the valid ones
     semaphore = semaphore or asyncio.Semaphore(DEFAULT_MAX_CONCURRENCY)
     pool = pool or shared_pool()
-    tasks = [_task(sample, rm_type=rm_type, custom_rm_path=custom_rm_path, reward_key=reward_key, args=args)
-             for sample in samples]
-    size = run_length(len(tasks), pool.num_workers)
-
-    async def score_run(run: list[Task]) -> list[Outcome]:
-        async with semaphore:  # a run is scored one sample at a time: it holds one slot
-            return await pool.run_many(run, timeout_s)
-
-    runs = await asyncio.gather(*(score_run(tasks[i:i + size]) for i in range(0, len(tasks), size)))
-    return [ScoreResult(o.reward, o.ok, o.error, o.scores) for outcomes in runs for o in outcomes]
+    # a proto goes to its worker as the bytes it came in (decoded there), a run of them in one message
+    sent = [s if isinstance(s, Sample) else s.SerializeToString() for s in samples]
+    size = run_length(len(sent), pool.num_workers)
+    runs = [Run(rm_type, custom_rm_path, reward_key, args, sent[i:i + size]) for i in range(0, len(sent), size)]
+    return [result for run in await pool.run_all(runs, timeout_s, semaphore) for result in run]
 
 
 def run_length(num_samples: int, num_workers: int) -> int:
     """Samples a worker takes in one message: about RUNS_PER_WORKER runs per worker, so a slow run cannot leave the
     others idle for long, and at most MAX_RUN_LENGTH; a small request goes out a sample at a time."""
     return max(1, min(MAX_RUN_LENGTH, num_samples // (RUNS_PER_WORKER * num_workers)))
-
-
-def _task(sample: Sample | sample_pb2.Sample, *, rm_type: str, custom_rm_path: str, reward_key: str,
-          args: dict[str, Any]) -> Task:
-    path = sample.custom_rm_path or custom_rm_path  # slime's order: the sample's, the job's, then the rm_type
-    sent = sample if isinstance(sample, Sample) else sample.SerializeToString()
-    if path:
-        return Task("custom", path, reward_key, sent, args, request_path=not sample.custom_rm_path, index=sample.index)
-    return Task("builtin", rm_type, reward_key, sent, args, index=sample.index)

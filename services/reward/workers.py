@@ -2,33 +2,43 @@
 
 A worker runs one sample at a time under an address-space limit; past its timeout it is killed (SIGKILL) and
 replaced; whatever it raises, SystemExit and KeyboardInterrupt included, fails only its sample. A worker takes a run of
-samples in one message and answers each as it ends (a pipe round trip and a thread hop per run, not per sample), so
-each sample keeps its own timeout. The worker sends back JSON, never a pickle, so nothing it returns can run code
-here. The service's event loop only waits, so health checks answer while workers run. Scoring itself (what a verifier
-or function returns) is left to `one_sample`.
+samples in one message (a `Run`: the request's settings and the samples, each sample's Task built in the worker) and
+answers each as it ends, so each sample keeps its own timeout; a request's runs go to the workers through one queue,
+a pool thread per worker taking the next run as it ends one. The worker sends back JSON (a plain reward: its 8
+bytes), never a pickle, so nothing it returns can run code here. The service's event loop only waits, so health
+checks answer while workers run. Scoring itself (what a verifier or function returns) is left to `one_sample`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import multiprocessing
 import os
 import resource
+import select
 import signal
+import struct
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, overload
 
 from services.common.errors import InvalidArgument
+from services.common.gen.physarum.v1 import sample_pb2
 from services.common.samples import Sample
+from services.reward.client import ScoreResult
 
 log = logging.getLogger(__name__)
 
 MAX_REPLY_BYTES = 1 << 20   # a worker's JSON reply; a longer one fails its sample and the worker is replaced
+# the reply for an ok score with no dict of scores (most of them): the reward alone, 8 bytes, no JSON to write or
+# parse; any JSON reply is longer
+PLAIN_REPLY = struct.Struct("<d")
 MAX_ERROR_CHARS = 2000      # an error message is cut to this many characters
 START_TIMEOUT_S = 120.0     # a worker imports the scorers before its first task: not counted in any sample's timeout
 KINDS = ("custom", "builtin")
@@ -41,9 +51,9 @@ class Task:
     kind: str
     target: str
     reward_key: str
-    # the sample, or its serialized proto as the gRPC server received it: the worker decodes that one, so the
-    # service's loop neither builds the dataclass nor pickles it (one_sample.as_sample)
-    sample: Sample | bytes
+    # the sample, or its proto as the gRPC server received it (serialized, or parsed in the worker): the worker
+    # decodes that one, so the service's loop neither builds the dataclass nor pickles it (one_sample.as_sample)
+    sample: Sample | bytes | sample_pb2.Sample
     args: dict[str, Any] = field(default_factory=dict)
     request_path: bool = False  # the request's own custom_rm_path: code it cannot load fails the request
     index: int = 0  # the sample's index, for messages
@@ -54,13 +64,42 @@ class Task:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """A worker's answer: reward, ok, error and scores as in ScoreResult."""
+class Run:
+    """A request's run of samples for one worker, sent as one message; reads as the list of their Tasks, each built
+    when read (in the worker: the service builds and pickles no Task per sample). A sample's own custom_rm_path wins
+    over the request's, which wins over rm_type (slime's order). `samples` holds records, or the serialized protos
+    the gRPC server received."""
 
-    reward: float
-    ok: bool
-    error: str
-    scores: dict[str, float]
+    rm_type: str
+    custom_rm_path: str
+    reward_key: str
+    args: dict[str, Any]
+    samples: Sequence[Sample] | Sequence[bytes]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self) -> Iterator[Task]:
+        return (self._task(sample) for sample in self.samples)
+
+    @overload
+    def __getitem__(self, position: int) -> Task: ...
+    @overload
+    def __getitem__(self, position: slice) -> Run: ...
+
+    def __getitem__(self, position: int | slice) -> Task | Run:
+        if isinstance(position, slice):
+            return Run(self.rm_type, self.custom_rm_path, self.reward_key, self.args, self.samples[position])
+        return self._task(self.samples[position])
+
+    def _task(self, sample: Sample | bytes) -> Task:
+        if isinstance(sample, bytes):
+            sample = sample_pb2.Sample.FromString(sample)
+        path = sample.custom_rm_path or self.custom_rm_path
+        if path:
+            return Task("custom", path, self.reward_key, sample, self.args, request_path=not sample.custom_rm_path,
+                        index=sample.index)
+        return Task("builtin", self.rm_type, self.reward_key, sample, self.args, index=sample.index)
 
 
 class _Worker:
@@ -73,34 +112,40 @@ class _Worker:
                                    name="reward-worker")
         self.process.start()
         child.close()
+        # one poll object for the pipe's life: Connection.poll builds and tears down a selector per call
+        self._poller = select.poll()
+        self._poller.register(self.conn.fileno(), select.POLLIN)
         if not self.conn.poll(START_TIMEOUT_S) or self.conn.recv_bytes() != b"ready":
             self.kill()
             raise RuntimeError(f"reward worker did not start within {START_TIMEOUT_S:g} s")
 
-    def send(self, tasks: list[Task]) -> None:
+    def send(self, tasks: Run | list[Task]) -> None:
         """Hand the worker a run of tasks; it answers each in order (read them with `outcome`)."""
         try:
             self.conn.send(tasks)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self.kill()
-            raise _Lost(f"{tasks[0].name}: worker exited (code {self.process.exitcode}) while scoring") from None
+            raise _Lost(f"worker exited (code {self.process.exitcode}) while scoring") from None
 
-    def outcome(self, task: Task, timeout_s: float) -> Outcome:
+    def outcome(self, timeout_s: float) -> ScoreResult:
         """The outcome of the next task of the run sent; raises _Lost (after killing the worker) if it overran,
         died or answered nonsense. An `invalid` answer (the request names unusable code) ends the run in the
         worker too, so the worker stays usable."""
         try:
-            if not self.conn.poll(timeout_s):
-                raise _Lost(f"timed out after {timeout_s:g} s (worker killed)")
-            reply = json.loads(self.conn.recv_bytes(MAX_REPLY_BYTES))
+            if not self._poller.poll(timeout_s * 1000):  # a worker that exited reads as ready: EOF below
+                raise _Lost(f"timed out after {timeout_s:g} s (worker killed)", named=False)
+            data = self.conn.recv_bytes(MAX_REPLY_BYTES)
+            if len(data) == PLAIN_REPLY.size:
+                return ScoreResult(PLAIN_REPLY.unpack(data)[0], True)
+            reply = json.loads(data)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.kill()
-            raise _Lost(f"{task.name}: worker exited (code {self.process.exitcode}) while scoring") from None
+            raise _Lost(f"worker exited (code {self.process.exitcode}) while scoring") from None
         except (OSError, ValueError) as err:  # a reply over MAX_REPLY_BYTES, or not JSON
-            raise _Lost(f"{task.name}: unusable worker reply ({type(err).__name__})") from None
+            raise _Lost(f"unusable worker reply ({type(err).__name__})") from None
         if reply["kind"] == "invalid":
             raise InvalidArgument(reply["error"])
-        return Outcome(reply["reward"], reply["ok"], reply["error"], reply["scores"])
+        return ScoreResult(reply["reward"], reply["ok"], reply["error"], reply["scores"])
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -110,7 +155,11 @@ class _Worker:
 
 
 class _Lost(Exception):
-    """A worker that had to be given up; its sample fails with this message."""
+    """A worker that had to be given up; its sample fails with this message (after the task's name if `named`)."""
+
+    def __init__(self, reason: str, named: bool = True) -> None:
+        super().__init__(reason)
+        self.named = named
 
 
 class WorkerPool:
@@ -134,21 +183,53 @@ class WorkerPool:
         with self._lock:
             self._idle.extend(started)
 
-    async def run(self, task: Task, timeout_s: float) -> Outcome:
+    async def run(self, task: Task, timeout_s: float) -> ScoreResult:
         """Score one sample; InvalidArgument if the task names code that cannot be loaded."""
         return (await self.run_many([task], timeout_s))[0]
 
-    async def run_many(self, tasks: list[Task], timeout_s: float) -> list[Outcome]:
+    async def run_many(self, tasks: Run | list[Task], timeout_s: float) -> list[ScoreResult]:
         """Score samples one after another in one worker, each under its own timeout (a sample that overruns or
         kills its worker fails alone; the rest go on in a fresh one); InvalidArgument if a task names code that
         cannot be loaded."""
-        for task in tasks:
-            if task.kind not in KINDS:
-                raise InvalidArgument(f"task kind must be one of {', '.join(KINDS)}, got {task.kind!r}")
+        _check_kinds(tasks)
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, tasks, timeout_s)
 
-    def _run(self, tasks: list[Task], timeout_s: float) -> list[Outcome]:
-        outcomes: list[Outcome] = []
+    async def run_all(self, runs: list[Run], timeout_s: float, semaphore: asyncio.Semaphore) -> list[list[ScoreResult]]:
+        """Score runs as `run_many` does each, on up to num_workers workers at once: a pool thread takes the next run
+        of the queue as it ends one, so a slow run holds up only its own worker, and the event loop hands over a
+        request once per worker, not once per run. Each busy worker holds one of `semaphore`'s slots (it scores
+        one sample at a time). InvalidArgument, or the request's cancelling, drops the runs not yet started."""
+        for run in runs:
+            _check_kinds(run)
+        queue = collections.deque(enumerate(runs))
+        outcomes: list[list[ScoreResult]] = [[] for _ in runs]
+        loop = asyncio.get_running_loop()
+
+        async def one_worker() -> None:
+            async with semaphore:
+                try:
+                    await loop.run_in_executor(self._threads, self._drain, queue, outcomes, timeout_s)
+                except BaseException:
+                    queue.clear()
+                    raise
+        await asyncio.gather(*(one_worker() for _ in range(min(self.num_workers, len(runs)))))
+        return outcomes
+
+    def _drain(self, queue: collections.deque[tuple[int, Run]], outcomes: list[list[ScoreResult]],
+               timeout_s: float) -> None:
+        while True:
+            try:
+                position, run = queue.popleft()
+            except IndexError:
+                return
+            try:
+                outcomes[position] = self._run(run, timeout_s)
+            except BaseException:
+                queue.clear()  # the request fails: its other runs are not scored
+                raise
+
+    def _run(self, tasks: Run | list[Task], timeout_s: float) -> list[ScoreResult]:
+        outcomes: list[ScoreResult] = []
         while len(outcomes) < len(tasks):
             with self._lock:
                 if self._closed:
@@ -158,13 +239,14 @@ class WorkerPool:
             todo = tasks[len(outcomes):]
             try:
                 worker.send(todo)
-                for task in todo:
-                    outcomes.append(worker.outcome(task, timeout_s))
+                for _ in range(len(todo)):
+                    outcomes.append(worker.outcome(timeout_s))
             except _Lost as err:  # this sample fails; the worker is gone, the samples after it go to another
                 worker.kill()
-                task = tasks[len(outcomes)]
-                log.warning("%s: sample %d: %s", task.name, task.index, err)
-                outcomes.append(Outcome(0.0, False, str(err), {}))
+                task = tasks[len(outcomes)]  # a Run builds the Task here, for its name and index
+                error = f"{task.name}: {err}" if err.named else str(err)
+                log.warning("%s: sample %d: %s", task.name, task.index, error)
+                outcomes.append(ScoreResult(0.0, False, error, {}))
                 continue
             except InvalidArgument:
                 self._give_back(worker)
@@ -188,6 +270,14 @@ class WorkerPool:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 
+def _check_kinds(tasks: Run | list[Task]) -> None:
+    if isinstance(tasks, Run):
+        return  # a Run builds only the known kinds
+    for task in tasks:
+        if task.kind not in KINDS:
+            raise InvalidArgument(f"task kind must be one of {', '.join(KINDS)}, got {task.kind!r}")
+
+
 # ----- the worker process -----
 
 def _serve(conn: Connection, memory_limit_bytes: int) -> None:
@@ -206,7 +296,8 @@ def _serve(conn: Connection, memory_limit_bytes: int) -> None:
             os._exit(0)
         for task in tasks:
             reply = _reply(task, loop)
-            conn.send_bytes(json.dumps(reply).encode())
+            plain = reply["kind"] == "ok" and reply["ok"] and not reply["error"] and not reply["scores"]
+            conn.send_bytes(PLAIN_REPLY.pack(reply["reward"]) if plain else json.dumps(reply).encode())
             if reply["kind"] == "invalid":  # the request fails: the rest of its run is not scored
                 break
 
