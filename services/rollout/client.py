@@ -83,6 +83,8 @@ class PoolStatus:
     rest_url: str = ""
     events: list[ScaleEvent] = dataclass_field(default_factory=list)
     weight_sync_in_progress: bool = False
+    # each LoRA adapter's last version the engines took, by name (the jobs sharing the pool each version their own)
+    adapter_versions: dict[str, str] = dataclass_field(default_factory=dict)
 
     def count(self, *states: EngineState) -> int:
         return sum(e.state in states for e in self.engines)
@@ -165,7 +167,8 @@ def pool_status_from_proto(msg: rollout_pb2.PoolStatus) -> PoolStatus:
     events = [ScaleEvent(time_s=e.time_s, kind=e.kind, engine=e.engine, detail=e.detail) for e in msg.events]
     return PoolStatus(desired_replicas=msg.desired_replicas, engines=engines, weight_version=msg.weight_version,
                       join_mode=msg.join_mode, snapshot_dir=msg.snapshot_dir, router_url=msg.router_url,
-                      rest_url=msg.rest_url, events=events, weight_sync_in_progress=msg.weight_sync_in_progress)
+                      rest_url=msg.rest_url, events=events, weight_sync_in_progress=msg.weight_sync_in_progress,
+                      adapter_versions=dict(msg.adapter_versions))
 
 
 class RolloutClient(GrpcClient):

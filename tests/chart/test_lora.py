@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from services.rollout.pool.engine_options import job_engine_options
+from services.rollout.pool.sglang_launcher import sglang_server_args
 from tests.chart.chart import containers, env_of, one, render, rendered
 
 SGLANG_FLAGS = set(json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_server_flags.json")
@@ -27,6 +29,19 @@ def test_sglang_engines_get_launch_server_lora_flags():
     start = args.index("--lora-target-modules")
     assert args[start + 1:start + 3] == ["q_proj", "v_proj"]
     assert [a.split("=", 1)[0] for a in args if a.startswith("--") and a.split("=", 1)[0] not in SGLANG_FLAGS] == []
+
+
+def test_the_local_launcher_gives_sglang_the_charts_lora_flags_from_the_jobs_settings():
+    """The local launcher starts SGLang for a LoRA job of rank 16 on two modules as the chart does with those values
+    (the chart also sets --max-loras-per-batch, at SGLang's default of 8)."""
+    modules = ["q_proj", "v_proj"]
+    args = engine_container({"engines": {"lora": {"enabled": True, "maxLoraRank": 16, "targetModules": modules}}})
+    args = [part for arg in args["args"] for part in arg.split("=", 1)]  # --flag=value as the launcher's --flag value
+    start = args.index("--enable-lora")
+    chart = args[start:start + 6 + len(modules)]
+    assert chart[1:3] == ["--max-loras-per-batch", "8"]
+    assert sglang_server_args(job_engine_options({"lora_rank": 16, "target_modules": modules})) == \
+        chart[:1] + chart[3:]
 
 
 def test_sglang_engines_default_to_every_module_and_no_lora():

@@ -8,6 +8,7 @@ refuses stale ones as TakeBatch does, so a trainer that never re-announces the w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import types
@@ -178,3 +179,32 @@ def test_a_lora_jobs_announce_finds_its_adapter_in_its_own_root(tmp_path):
     manager.end_weight_sync = lambda version, **kw: (announced.append(kw["snapshot_path"]), original(version, **kw))
     EngineWeights(World(), manager, engines=True, version=VERSION, job_id="race").announce()
     assert announced == [str(own)] and manager.weight_version == str(VERSION)
+
+
+class AdapterManager(FakeManager):
+    """A manager whose pool reports each adapter's version (a LoRA job's announce reads it)."""
+
+    def __init__(self, snapshot_dir: Path, adapter_versions: dict[str, str]) -> None:
+        super().__init__(snapshot_dir, restart_after=0)
+        self.adapter_versions = adapter_versions
+
+    def pool_status(self) -> PoolStatus:
+        return dataclasses.replace(super().pool_status(), adapter_versions=dict(self.adapter_versions))
+
+
+def test_a_lora_job_whose_adapter_version_the_pool_knows_syncs_nothing(tmp_path):
+    manager = AdapterManager(tmp_path, {"race": str(VERSION), "other": "9"})
+    EngineWeights(World(), manager, engines=True, version=VERSION, job_id="race", lora=True).announce()
+    assert manager.calls == 1  # the status, no sync
+
+
+def test_a_lora_job_with_no_snapshot_of_its_adapter_leaves_the_pool_as_it_is(tmp_path, caplog):
+    """A restarted manager (no adapter known) and no snapshot to sync from (join mode sync): nothing is synced, the
+    pool's version stays the other job's, and the warning comes once."""
+    manager = AdapterManager(tmp_path, {"other": "9"})
+    manager.weight_version = "9"
+    weights = EngineWeights(World(), manager, engines=True, version=VERSION, job_id="race", lora=True)
+    for _ in range(2):
+        weights.announce()
+    assert manager.weight_version == "9" and manager.calls == 4  # two status calls each time, no begin or end
+    assert sum("no snapshot of its version" in r.message for r in caplog.records) == 1

@@ -35,8 +35,33 @@ def job_engine_options(args: Mapping[str, Any]) -> dict[str, Any]:
     if args.get("use_rollout_routing_replay"):
         options.setdefault(PREFIX + "enable_return_routed_experts", True)
     if args.get("lora_rank"):  # a LoRA job: the engines serve its adapter over the base model
-        options.setdefault(PREFIX + "enable_lora", True)
+        options.update({key: value for key, value in lora_serving_options(args).items() if key not in options})
     return options
+
+
+def lora_serving_options(args: Mapping[str, Any]) -> dict[str, Any]:
+    """What a LoRA job (`lora_rank`, `target_modules`) needs of SGLang's server: --enable-lora, and --max-lora-rank
+    and --lora-target-modules, without which SGLang starts no LoRA server that has no --lora-paths (the chart sets
+    them from its engines.lora values). A dotted target (PEFT's suffix rule, `mlp.down_proj`) goes by its last name,
+    the only form SGLang takes: every module of that name may then take an adapter."""
+    options: dict[str, Any] = {PREFIX + "enable_lora": True, PREFIX + "max_lora_rank": int(args["lora_rank"])}
+    if args.get("target_modules"):
+        names = [str(target).rsplit(".", 1)[-1] for target in args["target_modules"]]
+        options[PREFIX + "lora_target_modules"] = list(dict.fromkeys(names))
+    return options
+
+
+def _serves(option: str, wanted: Any, reported: Any) -> bool:
+    """Whether an engine reporting `reported` for server option `option` serves the job's `wanted`: an adapter rank
+    up to its --max-lora-rank (0: any, the CPU engine's default) and adapters on a subset of its
+    --lora-target-modules (none or `all`: every module) do; other options must be equal."""
+    if option == "max_lora_rank" and all(isinstance(v, int) and not isinstance(v, bool) for v in (wanted, reported)):
+        return reported == 0 or reported >= wanted
+    if option == "lora_target_modules" and isinstance(reported, (list, tuple)):
+        served = {str(m) for m in reported}
+        modules = {wanted} if isinstance(wanted, str) else {str(m) for m in wanted or ()}
+        return not served or "all" in served or modules <= served
+    return _same(wanted, reported)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -51,7 +76,8 @@ def differences(options: Mapping[str, Any], reports: Mapping[str, Mapping[str, A
     differ, unreported = [], []
     for key, value in sorted(options.items()):
         name, flag = key.removeprefix(PREFIX), "--" + key.replace("_", "-")
-        others = {url: info[name] for url, info in reports.items() if name in info and not _same(info[name], value)}
+        others = {url: info[name] for url, info in reports.items()
+                  if name in info and not _serves(name, value, info[name])}
         if others:
             differ.append(f"{flag} {value} (" + ", ".join(f"{url}: {v}" for url, v in sorted(others.items())) + ")")
         elif reports and not any(name in info for info in reports.values()):

@@ -121,7 +121,8 @@ class EnginePool:
                    for e in self.records.values()]
         return PoolStatus(desired_replicas=self.desired, engines=engines, weight_version=self.weight_version or "",
                           join_mode=self.config.join_mode, snapshot_dir=self.snapshot_dir, router_url=self.router.url,
-                          rest_url=self.rest_url, events=list(self.events), weight_sync_in_progress=self.syncing)
+                          rest_url=self.rest_url, events=list(self.events), weight_sync_in_progress=self.syncing,
+                          adapter_versions=dict(self.adapter_versions))
 
     async def engine_infos(self) -> list[EngineInfo]:
         """The engines a weight sync may include (joining or serving), with the version each reports now."""

@@ -77,7 +77,8 @@ def run(driver: DriverConfig, rollout: RolloutConfig, sync_config: SyncConfig, b
     world = deps.world
     weights = EngineWeights(world, deps.rollout, engines=driver.engines, sync=sync_config,
                             master_address=deps.master_address, model_dir=driver.hf_checkpoint, job_id=driver.job_id,
-                            base_pushed=shared and shared.base_pushed, sync_lock=shared and shared.sync_lock)
+                            base_pushed=shared and shared.base_pushed, sync_lock=shared and shared.sync_lock,
+                            lora=bool(backend.config.lora))
     rollouts = Rollouts(driver, rollout, deps, ctx, weights, backend.rollout_share())
     job = JobRun(driver, rollout, backend, weights, rollouts, ctx, deps)
     try:

@@ -7,6 +7,7 @@ Version v is the trainer's weights after v rollouts; the engines hold the last v
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -35,8 +36,9 @@ class EngineWeights:
     def __init__(self, world: World, rollout: RolloutClient | None, *, engines: bool, version: int = 0,
                  sync: SyncConfig | None = None, master_address: str = "127.0.0.1", model_dir: str = "",
                  job_id: str = "", base_pushed: threading.Event | None = None,
-                 sync_lock: threading.Lock | None = None) -> None:
+                 sync_lock: threading.Lock | None = None, lora: bool = False) -> None:
         self.world, self.rollout, self.engines, self.version = world, rollout, engines, version
+        self.lora = lora  # a LoRA job: the engines hold its adapter over their base, versioned apart
         self.unannounceable: set[int] = set()  # versions without a snapshot to announce (warned once each)
         self.broadcaster = None
         self.adapter_broadcaster = None  # a LoRA job's: the adapter goes over the weight-update group
@@ -108,11 +110,14 @@ class EngineWeights:
         """Rank 0. A rollout manager that restarted knows no weights: its new engines serve the base model, and in
         fully_async every group they generate would be refused as stale while the trainer, waiting for fresh ones,
         never pushes weights again. Tell its pool the version the engines should hold, with the snapshot written at
-        that push (weight_v<version> in the pool's snapshot_dir, a LoRA job's in its lora-<job>/ there): its engines
-        load it as they do when joining.
-        Not for LoRA jobs sharing the pool: the pool's version is then the last job's to push, and announcing this
-        job's would have it demote every engine."""
-        if not self.engines or self.shares_pool:
+        that push (weight_v<version> in the pool's snapshot_dir): its engines load it as they do when joining.
+        A LoRA job's adapter is synced again from its snapshot instead (`_resync_adapter`)."""
+        if not self.engines:
+            return
+        if self.lora:
+            self._resync_adapter()
+            return
+        if self.shares_pool:  # only LoRA jobs share a pool
             return
         version = self.version
         pool = self.rollout.pool_status()
@@ -131,6 +136,52 @@ class EngineWeights:
         self.rollout.end_weight_sync(str(version), success=True, engine_urls=[], snapshot_path=str(snapshot))
         log.warning("the rollout manager's pool held weight version %r, not %d (restarted?): announced %d with its "
                     "snapshot %s", pool.weight_version, version, version, snapshot)
+
+    def _resync_adapter(self) -> None:
+        """A LoRA job's announce. A manager that restarted knows no adapter's version (the jobs sharing its pool each
+        have their own), so the job's requests would wait for one until the rollout fails. Sync the adapter of the
+        last push again, read from its snapshot (lora-<job>/weight_v<version>/ in the pool's snapshot_dir), as any
+        sync goes: the engines load it beside the other jobs' adapters, none is demoted, and the pool versions it
+        once they hold it. Under the jobs' sync lock, so that no push of this job or another runs meanwhile."""
+        name = lora_adapter_name(self.job_id)
+        if self.rollout.pool_status().adapter_versions.get(name) == str(self.version):
+            return
+        with self.sync_lock:
+            version = self.version
+            pool = self.rollout.pool_status()
+            if pool.adapter_versions.get(name) == str(version):
+                return
+            snapshot = self._adapter_snapshot(pool.snapshot_dir, version) if pool.snapshot_dir else None
+            if snapshot is None:
+                if version not in self.unannounceable:
+                    self.unannounceable.add(version)
+                    log.warning("the rollout manager's pool holds no version of adapter %s (restarted?), and there is "
+                                "no snapshot of its version %d (join mode sync?): its engines get it with the next "
+                                "sync", name, version)
+                return
+            from safetensors.torch import load_file
+
+            from services.trainer.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+            from services.trainer.weight_sync.weight_sync import WeightSyncError
+
+            config = json.loads((snapshot / ADAPTER_CONFIG).read_text())
+            tensors = sorted(load_file(snapshot / ADAPTER_WEIGHTS).items())
+            try:
+                self._push_rank0(tensors, version, "", time.monotonic(), config)
+            except WeightSyncError as err:  # e.g. engines not yet relaunched with LoRA: tried at the next poll
+                log.warning("adapter %s: syncing version %d again from %s failed, tried again: %s", name, version,
+                            snapshot, err)
+                return
+        log.warning("the rollout manager's pool held version %r of adapter %s, not %d (restarted?): synced it again "
+                    "from its snapshot %s", pool.adapter_versions.get(name, ""), name, version, snapshot)
+
+    def _adapter_snapshot(self, snapshot_dir: str, version: int) -> Path | None:
+        """The PEFT directory of this job's adapter at `version` in the pool's `snapshot_dir` (under the name the
+        engines served it by, lora_sync's), or None."""
+        root = snapshot_path(adapter_snapshot_root(snapshot_dir, lora_adapter_name(self.job_id)), version)
+        found = sorted(p for p in (root / ADAPTERS_DIR).glob("*") if p.is_dir()) if (root / ADAPTERS_DIR).is_dir() \
+            else []
+        return found[0] if len(found) == 1 else None
 
     def _snapshot(self, snapshot_dir: str, version: int) -> Path | None:
         """The snapshot of `version` in the pool's `snapshot_dir`: this LoRA job's adapter in the job's own root (its

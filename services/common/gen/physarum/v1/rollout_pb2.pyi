@@ -288,7 +288,14 @@ class ScaleEvent(_message.Message):
     def __init__(self, time_s: _Optional[float] = ..., kind: _Optional[str] = ..., engine: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("desired_replicas", "engines", "weight_version", "join_mode", "snapshot_dir", "router_url", "rest_url", "events", "weight_sync_in_progress")
+    __slots__ = ("desired_replicas", "engines", "weight_version", "join_mode", "snapshot_dir", "router_url", "rest_url", "events", "weight_sync_in_progress", "adapter_versions")
+    class AdapterVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +305,7 @@ class PoolStatus(_message.Message):
     REST_URL_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     desired_replicas: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     weight_version: str
@@ -307,7 +315,8 @@ class PoolStatus(_message.Message):
     rest_url: str
     events: _containers.RepeatedCompositeFieldContainer[ScaleEvent]
     weight_sync_in_progress: bool
-    def __init__(self, desired_replicas: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., weight_version: _Optional[str] = ..., join_mode: _Optional[str] = ..., snapshot_dir: _Optional[str] = ..., router_url: _Optional[str] = ..., rest_url: _Optional[str] = ..., events: _Optional[_Iterable[_Union[ScaleEvent, _Mapping]]] = ..., weight_sync_in_progress: _Optional[bool] = ...) -> None: ...
+    adapter_versions: _containers.ScalarMap[str, str]
+    def __init__(self, desired_replicas: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., weight_version: _Optional[str] = ..., join_mode: _Optional[str] = ..., snapshot_dir: _Optional[str] = ..., router_url: _Optional[str] = ..., rest_url: _Optional[str] = ..., events: _Optional[_Iterable[_Union[ScaleEvent, _Mapping]]] = ..., weight_sync_in_progress: _Optional[bool] = ..., adapter_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class BeginWeightSyncRequest(_message.Message):
     __slots__ = ("weight_version", "lora_name")
