@@ -207,6 +207,23 @@ def test_in_sync_mode_a_new_engine_waits_for_the_next_broadcast():
     run(main())
 
 
+def test_an_adapter_sync_no_engine_took_leaves_the_adapters_version_unknown():
+    """A LoRA job's sync that reached no engine (none serving yet, as just after the manager restarted) must not
+    record the adapter's version: the engines still hold an older adapter, and requests made at the recorded version
+    would be generated with it."""
+    async def main():
+        pool, launcher, router, fleet = make_pool(1)
+        await pool.start()
+        plan = await pool.begin_weight_sync("2", lora_name="job-a")
+        pool.end_weight_sync("2", success=True, engine_urls=plan.engine_urls, lora_name="job-a")
+        assert pool.adapter_version("job-a") == "2"
+        await pool.begin_weight_sync("3", lora_name="job-a")
+        pool.end_weight_sync("3", success=True, engine_urls=[], lora_name="job-a")
+        assert pool.adapter_version("job-a") == "2" and pool.status().adapter_versions == {"job-a": "2"}
+        await pool.close()
+    run(main())
+
+
 def test_a_dead_engine_is_deregistered_and_replaced_and_rejoins_with_the_current_weights():
     async def main():
         pool, launcher, router, fleet = make_pool(2)

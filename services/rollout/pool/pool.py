@@ -184,13 +184,15 @@ class EnginePool:
         if success:
             self.metrics.weight_sync_seconds.observe(seconds)
             self.metrics.weight_sync_bytes.inc(num_bytes)
-            for url in engine_urls:
-                if (e := by_url.get(url.rstrip("/"))) is not None:
-                    e.weight_version = version
-                    self.settled_version = version
-                    if e.state == EngineState.JOINING:
-                        e.join_mode = "sync"
-            if lora_name:
+            took = [e for url in engine_urls if (e := by_url.get(url.rstrip("/"))) is not None]
+            for e in took:
+                e.weight_version = version
+                self.settled_version = version
+                if e.state == EngineState.JOINING:
+                    e.join_mode = "sync"
+            # an adapter's version is the engines': a sync no engine took (none serving yet, as just after a restart)
+            # leaves it unknown, so the job's requests wait for its announce instead of using the engines' older one
+            if lora_name and took:
                 self.adapter_versions[lora_name] = version
                 if snapshot_path:
                     self.adapter_snapshots[lora_name] = snapshot_path
