@@ -187,9 +187,10 @@ class EnginePool:
             took = [e for url in engine_urls if (e := by_url.get(url.rstrip("/"))) is not None]
             for e in took:
                 e.weight_version = version
-                self.settled_version = version
                 if e.state == EngineState.JOINING:
                     e.join_mode = "sync"
+            if took:
+                self.settled_version = version
             # an adapter's version is the engines': a sync no engine took (none serving yet, as just after a restart)
             # leaves it unknown, so the job's requests wait for its announce instead of using the engines' older one
             if lora_name and took:
