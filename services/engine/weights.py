@@ -43,10 +43,15 @@ def init_custom_process_group(*, backend: str, init_method: str, world_size: int
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if Backend(backend) == Backend.GLOO:
-        address = urllib.parse.urlsplit(init_method)
-        if address.scheme != "tcp" or not address.hostname or not address.port:
-            raise InvalidArgument(f"init_method must be tcp://HOST:PORT, got {init_method!r}")
-        store: dist.Store = GroupStoreClient(address.hostname, address.port, timeout)
+        try:
+            address = urllib.parse.urlsplit(init_method)
+            host, port = address.hostname, address.port
+        except ValueError:
+            host = port = None
+        if address.scheme != "tcp" or not host or not port:
+            raise InvalidArgument(f"init_method must be tcp://HOST:PORT (an IPv6 address in brackets), got "
+                                  f"{init_method!r}")
+        store: dist.Store = GroupStoreClient(host, port, timeout)
     else:
         store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
@@ -105,7 +110,8 @@ class WeightUpdater:
         with self._groups_locked():
             if group_name in self.groups:
                 raise FailedPrecondition(f"weight update group {group_name!r} already exists; destroy it first")
-            init_method = f"tcp://{master_address}:{master_port}"
+            host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 literal
+            init_method = f"tcp://{host}:{master_port}"
             log.info("joining weight update group %s at %s as rank %d of %d (%s)", group_name, init_method,
                      rank_offset, world_size, backend)
             self.groups[group_name], self.stores[group_name] = init_custom_process_group(

@@ -90,6 +90,15 @@ def test_a_gloo_group_joins_through_it_and_broadcasts(master):
     dist.destroy_process_group(group)
 
 
+@pytest.mark.parametrize("init_method", ["tcp://::1:29500", "env://", "tcp://trainer", "tcp://:29500"])
+def test_an_engines_join_names_a_bad_init_method(init_method):
+    from services.common.errors import InvalidArgument
+    from services.engine.weights import init_custom_process_group as engine_join
+
+    with pytest.raises(InvalidArgument, match="init_method must be tcp://HOST:PORT"):
+        engine_join(backend="gloo", init_method=init_method, world_size=2, rank=1, group_name="bad", timeout=TIMEOUT)
+
+
 JOIN = """
 import datetime, sys
 from services.engine.weights import init_custom_process_group
