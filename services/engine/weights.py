@@ -45,10 +45,10 @@ def init_custom_process_group(*, backend: str, init_method: str, world_size: int
     if Backend(backend) == Backend.GLOO:
         try:
             address = urllib.parse.urlsplit(init_method)
-            host, port = address.hostname, address.port
+            scheme, host, port = address.scheme, address.hostname, address.port
         except ValueError:
-            host = port = None
-        if address.scheme != "tcp" or not host or not port:
+            scheme = host = port = None
+        if scheme != "tcp" or not host or not port:
             raise InvalidArgument(f"init_method must be tcp://HOST:PORT (an IPv6 address in brackets), got "
                                   f"{init_method!r}")
         store: dist.Store = GroupStoreClient(host, port, timeout)

@@ -90,7 +90,8 @@ def test_a_gloo_group_joins_through_it_and_broadcasts(master):
     dist.destroy_process_group(group)
 
 
-@pytest.mark.parametrize("init_method", ["tcp://::1:29500", "env://", "tcp://trainer", "tcp://:29500"])
+@pytest.mark.parametrize("init_method", ["tcp://::1:29500", "tcp://[::1:29500", "env://", "tcp://trainer",
+                                         "tcp://:29500"])
 def test_an_engines_join_names_a_bad_init_method(init_method):
     from services.common.errors import InvalidArgument
     from services.engine.weights import init_custom_process_group as engine_join
