@@ -272,8 +272,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         fuse = self._fuses_head() and self.cp_size == 1 and (self.critic is None or model is not self.critic.model)
         self._head = None
         last_mlp = self._last_mlp(model) if fuse else None  # run on the positions the fused head reads alone
-        # megatron-core's MoE layers name CUDA devices in their forward (`megatron_cpu`); a dense one does not
+        # megatron-core's MoE layers name CUDA devices in their forward (`megatron_cpu`); a dense one does not, nor
+        # its backward (but under CP, whose forward runs in the mode)
         host_forward = contextlib.nullcontext if self.arch.num_experts else megatron_cpu.outside_cuda_to_cpu
+        host_backward = not self.arch.num_experts and self.cp_size == 1
 
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
@@ -312,7 +314,8 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         shapes = [(self._cp_slice(mb).local_length, 1 if self._packs(mb) else mb.size) if self.cp_size > 1 else
                   (_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
                    1 if self._packs(mb) else mb.size) for _, mb in data]
-        with megatron_cpu.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
+        with megatron_cpu.cuda_to_cpu(), megatron_cpu.host_backward(host_backward), \
+                (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
                 num_microbatches=len(data), seq_length=max(seq for seq, _ in shapes),

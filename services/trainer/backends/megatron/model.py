@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, lone_replica, mtp, offload, rotary
+from services.trainer.backends.megatron import args, lone_replica, lone_shard, mtp, offload, rotary
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -250,6 +250,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
         model_class = vision.vision_gpt_class()
         extra = {"position_embedding_type": "mrope", "scatter_embedding_sequence_parallel": False}
     rotary.apply()
+    lone_shard.apply()
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = model_class(
             config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
