@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, lone_replica, lone_shard, mtp, offload, rotary
+from services.trainer.backends.megatron import args, host_linear, lone_replica, lone_shard, mtp, offload, rotary
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -251,6 +251,7 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
         extra = {"position_embedding_type": "mrope", "scatter_embedding_sequence_parallel": False}
     rotary.apply()
     lone_shard.apply()
+    host_linear.apply()
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = model_class(
             config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
@@ -353,7 +354,9 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict 
         overrides or {})
     lone_replica.apply()
     with megatron_cpu.cuda_to_cpu():
-        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    host_linear.mark(model, overlap_grad_reduce=ddp_config.overlap_grad_reduce)  # weight gradients into main_grad
+    return ddp
 
 
 def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_optimizer: bool,
