@@ -288,26 +288,27 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                     output, *self._mtp_depths = megatron_mtp.split_depths(
                         output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to)
                 return output, functools.partial(_loss_output, loss_fn, rows, mb)
-            inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
-                                      pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
-            if self.vision_config is not None:
-                inputs.update(self._vision_inputs(mb, packed, inputs["input_ids"].shape[1]))
-            if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
-                # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
-                inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
-            with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
-                  host_forward(),
-                  fused_head.hidden_states_out(module, fuse) as head,
-                  last_layer_rows.mlp_on_rows(last_mlp, packing.response_mask(mb, packed=packed) if last_mlp
-                                              else None, sequence_first=True)):
-                output = module(**inputs)
-            self._head = head  # the loss, computed right after on the last stage, reads it
-            if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
-                length = mcore.sequence_length(mb, packed=packed)
-                depths = megatron_mtp.split_depths(output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to) \
-                    if megatron_mtp.runs(fused_head.gpt_of(module)) else [output]
-                output, self._mtp_depths = depths[0][:, :length], [depth[:, :length] for depth in depths[1:]]
-            return output, functools.partial(_loss_output, loss_fn, rows, mb)
+            with host_forward():  # a dense model's inputs and outputs, not only its forward
+                inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
+                                          pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
+                if self.vision_config is not None:
+                    inputs.update(self._vision_inputs(mb, packed, inputs["input_ids"].shape[1]))
+                if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
+                    # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
+                    inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
+                with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
+                      fused_head.hidden_states_out(module, fuse) as head,
+                      last_layer_rows.mlp_on_rows(last_mlp, packing.response_mask(mb, packed=packed) if last_mlp
+                                                  else None, sequence_first=True)):
+                    output = module(**inputs)
+                self._head = head  # the loss, computed right after on the last stage, reads it
+                if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
+                    length = mcore.sequence_length(mb, packed=packed)
+                    depths = megatron_mtp.split_depths(output, self.arch.mtp_num_layers,
+                                                       sequence_parallel_size=pad_to) \
+                        if megatron_mtp.runs(fused_head.gpt_of(module)) else [output]
+                    output, self._mtp_depths = depths[0][:, :length], [depth[:, :length] for depth in depths[1:]]
+                return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
@@ -684,7 +685,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """The step's metrics: each DP replica's sums (held by its reporter rank) added up, on every rank."""
         gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
         local = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True)) if totals else {}
-        dist.all_gather_object(gathered, local if self._is_reporter() else {})
+        if len(gathered) == 1:  # a world of one: nothing to gather (all_gather_object pickles through gloo)
+            gathered = [local]
+        else:
+            dist.all_gather_object(gathered, local if self._is_reporter() else {})
         summed: dict[str, float] = {}
         for part in gathered:
             for key, value in (part or {}).items():
