@@ -18,7 +18,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, host_linear, lone_replica, lone_shard, mtp, offload, rotary
+from services.trainer.backends.megatron import (
+    args,
+    host_linear,
+    lone_replica,
+    lone_shard,
+    mtp,
+    offload,
+    own_main_params,
+    rotary,
+)
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -376,6 +385,7 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
             bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer,
             **offload.optimizer_fields(overrides)), overrides)
     offload.apply()
+    own_main_params.apply()  # float32 shards are the model's own: no copy onto themselves after each step
     with megatron_cpu.cuda_to_cpu(), offload.leaf_fp32_shards():
         optimizer = get_megatron_optimizer(opt_config, [ddp_model])
     if not opt_config.optimizer_cpu_offload:  # the hybrid optimizer picks its own kernels
