@@ -12,11 +12,15 @@ reads an undefined `te_general_gemm` there).
 P6 (optimizer offload): megatron-core's HybridDeviceOptimizer moves only parameters that are on a GPU (`is_cuda`) to
 pinned host copies; while it sorts them, host parameters pass for device ones and pinning is a no-op (P3), so its
 whole copy-out, host step, copy-back path runs as on a GPU.
+P7: within `host_backward()`, megatron-core's schedules run each micro-batch's backward outside P3's mode, as the
+backend runs a dense model's forward (`outside_cuda_to_cpu`): the backward of a forward that named no CUDA device
+names none either, and through the mode each torch call in its Python autograd functions costs a Python call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 
@@ -24,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _applied = False
+_host_backward = False  # P7: set within host_backward()
 CPU = torch.device("cpu")
 
 
@@ -40,6 +45,7 @@ def apply() -> None:
         return
     _host_streams()
     _offload_host_parameters()
+    _backward_steps_outside_mode()
     from megatron.core.tensor_parallel import random as mcore_random
 
     def get_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
@@ -58,6 +64,21 @@ def apply() -> None:
     # fork() warns on every call that the "CPU RNG state changed within GPU RNG context": here they are one.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
     _applied = True
+
+
+def _backward_steps_outside_mode() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    backward_step = schedules.backward_step
+
+    @functools.wraps(backward_step)
+    def step(*args, **kwargs):
+        if not _host_backward:
+            return backward_step(*args, **kwargs)
+        with outside_cuda_to_cpu():
+            return backward_step(*args, **kwargs)
+
+    schedules.backward_step = step
 
 
 def _router_without_te() -> None:
@@ -184,3 +205,14 @@ def outside_cuda_to_cpu() -> Iterator[None]:
         return
     with _pop_mode_temporarily():
         yield
+
+
+@contextlib.contextmanager
+def host_backward(enabled: bool = True) -> Iterator[None]:
+    """P7 within it when `enabled` (a model whose forward runs outside the mode); elsewhere, or on a GPU, nothing."""
+    global _host_backward
+    previous, _host_backward = _host_backward, enabled and needed()
+    try:
+        yield
+    finally:
+        _host_backward = previous

@@ -272,8 +272,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         fuse = self._fuses_head() and self.cp_size == 1 and (self.critic is None or model is not self.critic.model)
         self._head = None
         last_mlp = self._last_mlp(model) if fuse else None  # run on the positions the fused head reads alone
-        # megatron-core's MoE layers name CUDA devices in their forward (`megatron_cpu`); a dense one does not
+        # megatron-core's MoE layers name CUDA devices in their forward (`megatron_cpu`); a dense one does not, nor
+        # its backward (but under CP, whose forward runs in the mode)
         host_forward = contextlib.nullcontext if self.arch.num_experts else megatron_cpu.outside_cuda_to_cpu
+        host_backward = not self.arch.num_experts and self.cp_size == 1
 
         def forward_step(data_iterator, module):
             rows, mb = next(data_iterator)
@@ -286,33 +288,35 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
                     output, *self._mtp_depths = megatron_mtp.split_depths(
                         output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to)
                 return output, functools.partial(_loss_output, loss_fn, rows, mb)
-            inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
-                                      pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
-            if self.vision_config is not None:
-                inputs.update(self._vision_inputs(mb, packed, inputs["input_ids"].shape[1]))
-            if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
-                # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
-                inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
-            with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
-                  host_forward(),
-                  fused_head.hidden_states_out(module, fuse) as head,
-                  last_layer_rows.mlp_on_rows(last_mlp, packing.response_mask(mb, packed=packed) if last_mlp
-                                              else None, sequence_first=True)):
-                output = module(**inputs)
-            self._head = head  # the loss, computed right after on the last stage, reads it
-            if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
-                length = mcore.sequence_length(mb, packed=packed)
-                depths = megatron_mtp.split_depths(output, self.arch.mtp_num_layers, sequence_parallel_size=pad_to) \
-                    if megatron_mtp.runs(fused_head.gpt_of(module)) else [output]
-                output, self._mtp_depths = depths[0][:, :length], [depth[:, :length] for depth in depths[1:]]
-            return output, functools.partial(_loss_output, loss_fn, rows, mb)
+            with host_forward():  # a dense model's inputs and outputs, not only its forward
+                inputs = mcore.gpt_inputs(mb, packed=packed, use_te=self.use_te, pad_to=pad_to,
+                                          pad_token_id=self.pad_token_id, padding_mask=self.config.moe_aux_loss)
+                if self.vision_config is not None:
+                    inputs.update(self._vision_inputs(mb, packed, inputs["input_ids"].shape[1]))
+                if "padding_mask" in inputs and pad_to > 1 and not self.is_first_stage:
+                    # megatron-core cuts the mask into the TP ranks' slices on the first pipeline stage only
+                    inputs["padding_mask"] = inputs["padding_mask"].chunk(self.tp_size, dim=1)[self.tp_rank]
+                with (routing(rows, mb) if routing else contextlib.nullcontext(),  # the policy's routing replay
+                      fused_head.hidden_states_out(module, fuse) as head,
+                      last_layer_rows.mlp_on_rows(last_mlp, packing.response_mask(mb, packed=packed) if last_mlp
+                                                  else None, sequence_first=True)):
+                    output = module(**inputs)
+                self._head = head  # the loss, computed right after on the last stage, reads it
+                if self.is_last_stage:  # the logits [b, s, V/tp] of the micro-batch's own positions
+                    length = mcore.sequence_length(mb, packed=packed)
+                    depths = megatron_mtp.split_depths(output, self.arch.mtp_num_layers,
+                                                       sequence_parallel_size=pad_to) \
+                        if megatron_mtp.runs(fused_head.gpt_of(module)) else [output]
+                    output, self._mtp_depths = depths[0][:, :length], [depth[:, :length] for depth in depths[1:]]
+                return output, functools.partial(_loss_output, loss_fn, rows, mb)
 
         data = [(rows, batch.take(rows).to(self.device)) for rows in micro_batches]
         # the shapes of the activations pipeline stages pass on: [T, 1, hidden] packed, [L, b, hidden] padded
         shapes = [(self._cp_slice(mb).local_length, 1 if self._packs(mb) else mb.size) if self.cp_size > 1 else
                   (_round_up(mcore.sequence_length(mb, packed=self._packs(mb)), pad_to),
                    1 if self._packs(mb) else mb.size) for _, mb in data]
-        with megatron_cpu.cuda_to_cpu(), (torch.no_grad() if forward_only else torch.enable_grad()):
+        with megatron_cpu.cuda_to_cpu(), megatron_cpu.host_backward(host_backward), \
+                (torch.no_grad() if forward_only else torch.enable_grad()):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(data), model=[model],
                 num_microbatches=len(data), seq_length=max(seq for seq, _ in shapes),
@@ -681,7 +685,10 @@ class MegatronBackend(MegatronHFWeights, MegatronCheckpointing):
         """The step's metrics: each DP replica's sums (held by its reporter rank) added up, on every rank."""
         gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
         local = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True)) if totals else {}
-        dist.all_gather_object(gathered, local if self._is_reporter() else {})
+        if len(gathered) == 1:  # a world of one: nothing to gather (all_gather_object pickles through gloo)
+            gathered = [local]
+        else:
+            dist.all_gather_object(gathered, local if self._is_reporter() else {})
         summed: dict[str, float] = {}
         for part in gathered:
             for key, value in (part or {}).items():

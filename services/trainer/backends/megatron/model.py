@@ -18,7 +18,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.trainer.backends.megatron import args, lone_replica, mtp, offload, rotary
+from services.trainer.backends.megatron import (
+    args,
+    host_linear,
+    lone_replica,
+    lone_shard,
+    mtp,
+    offload,
+    own_main_params,
+    rotary,
+)
 from services.trainer.batching import packing
 from services.trainer.batching.batch import RolloutBatch
 from services.trainer.distributed import megatron_cpu
@@ -250,6 +259,8 @@ def build_gpt(arch: ModelArch, config, *, use_te: bool, vision_config=None):
         model_class = vision.vision_gpt_class()
         extra = {"position_embedding_type": "mrope", "scatter_embedding_sequence_parallel": False}
     rotary.apply()
+    lone_shard.apply()
+    host_linear.apply()
     with megatron_cpu.cuda_to_cpu():  # tied embeddings under PP: the output layer's copy is made with .cuda()
         model = model_class(
             config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
@@ -352,7 +363,9 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool, overrides: dict 
         overrides or {})
     lone_replica.apply()
     with megatron_cpu.cuda_to_cpu():
-        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    host_linear.mark(model, overlap_grad_reduce=ddp_config.overlap_grad_reduce)  # weight gradients into main_grad
+    return ddp
 
 
 def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_optimizer: bool,
@@ -372,6 +385,7 @@ def build_optimizer(train_config: TrainConfig, ddp_model, *, use_distributed_opt
             bf16=dtype == torch.bfloat16, use_distributed_optimizer=use_distributed_optimizer,
             **offload.optimizer_fields(overrides)), overrides)
     offload.apply()
+    own_main_params.apply()  # float32 shards are the model's own: no copy onto themselves after each step
     with megatron_cpu.cuda_to_cpu(), offload.leaf_fp32_shards():
         optimizer = get_megatron_optimizer(opt_config, [ddp_model])
     if not opt_config.optimizer_cpu_offload:  # the hybrid optimizer picks its own kernels
