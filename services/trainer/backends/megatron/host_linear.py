@@ -15,19 +15,15 @@ from collections.abc import Callable
 import torch
 
 DIRECT = "main_grad_direct"  # a parameter attribute: its linear layers add its gradient into main_grad themselves
-_applied = False
 
 
+@functools.cache
 def apply() -> None:
     """Wrap megatron-core's linear function as its ColumnParallelLinear and RowParallelLinear call it; idempotent."""
-    global _applied
-    if _applied:
-        return
     from megatron.core.tensor_parallel import layers
 
     layers.linear_with_grad_accumulation_and_async_allreduce = _direct_where_marked(
         layers.linear_with_grad_accumulation_and_async_allreduce)
-    _applied = True
 
 
 def mark(model: torch.nn.Module, *, overlap_grad_reduce: bool) -> None:

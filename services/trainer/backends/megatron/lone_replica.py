@@ -12,19 +12,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-_applied = False
 
-
+@functools.cache
 def apply() -> None:
     """Wrap the bucket collectives megatron-core's param_and_grad_buffer calls; idempotent."""
-    global _applied
-    if _applied:
-        return
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     buffers.dist_all_gather_func = _skipping_in_place(buffers.dist_all_gather_func)
     buffers.dist_reduce_scatter_func = _skipping_in_place(buffers.dist_reduce_scatter_func)
-    _applied = True
 
 
 def is_in_place_over_one(output: torch.Tensor, input_: torch.Tensor, group, async_op: bool) -> bool:

@@ -11,20 +11,15 @@ from collections.abc import Callable
 
 import torch
 
-_applied = False
 
-
+@functools.cache
 def apply() -> None:
     """Wrap the two regions as megatron-core's tensor_parallel.layers calls them; idempotent."""
-    global _applied
-    if _applied:
-        return
     from megatron.core.tensor_parallel import layers
 
     layers.copy_to_tensor_model_parallel_region = _identity_over_one(layers.copy_to_tensor_model_parallel_region)
     layers.reduce_from_tensor_model_parallel_region = _identity_over_one(
         layers.reduce_from_tensor_model_parallel_region)
-    _applied = True
 
 
 def _identity_over_one(region: Callable) -> Callable:

@@ -14,6 +14,7 @@ parameter into its float32 copy, which only a bf16 parameter has; a float32 para
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,15 +32,10 @@ def optimizer_fields(overrides: dict[str, Any]) -> dict[str, Any]:
     return {"optimizer_offload_fraction": overrides.get("optimizer_offload_fraction", OFFLOAD_FRACTION)}
 
 
-_applied = False
-
-
+@functools.cache
 def apply() -> None:
     """Loading a checkpoint into the hybrid optimizer of a float32 model: each master parameter goes where the
     optimizer steps that parameter (megatron-core 0.16 looks for a bf16 parameter's float32 copy only); idempotent."""
-    global _applied
-    if _applied:
-        return
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     def update_fp32_params_by_new_state(self) -> None:
@@ -51,7 +47,6 @@ def apply() -> None:
                 inner.data.copy_(state["master_param"])
 
     HybridDeviceOptimizer._update_fp32_params_by_new_state = update_fp32_params_by_new_state
-    _applied = True
 
 
 @contextlib.contextmanager

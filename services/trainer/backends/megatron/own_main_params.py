@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import functools
 
-_applied = False
 ALIASED = "_main_params_are_model_params"  # on the optimizer: the check's answer, taken once (buffers stay put)
 
 
+@functools.cache
 def apply() -> None:
     """Wrap DistributedOptimizer._copy_main_params_to_model_params; idempotent."""
-    global _applied
-    if _applied:
-        return
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     copy = DistributedOptimizer._copy_main_params_to_model_params
@@ -28,7 +25,6 @@ def apply() -> None:
             copy(self)
 
     DistributedOptimizer._copy_main_params_to_model_params = copy_unless_aliased
-    _applied = True
 
 
 def main_params_are_model_params(optimizer) -> bool:

@@ -10,19 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-_applied = False
 
-
+@functools.cache
 def apply() -> None:
     """Wrap megatron-core's rope_utils._apply_rotary_pos_emb_bshd (padded and packed rows both reach it); idempotent."""
-    global _applied
-    if _applied:
-        return
     from megatron.core.models.common.embeddings import rope_utils
 
     rope_utils._apply_rotary_pos_emb_bshd = _whole_head_first(rope_utils._apply_rotary_pos_emb_bshd,
                                                               rope_utils._rotate_half)
-    _applied = True
 
 
 def _whole_head_first(partial: Callable, rotate_half: Callable) -> Callable:
