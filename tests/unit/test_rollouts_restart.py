@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import types
 from pathlib import Path
 
@@ -85,13 +84,10 @@ class FakeBuffer:
         return types.SimpleNamespace(groups=groups, num_stale_dropped=0, num_stale_regenerated=0)
 
 
-def take_rollout(tmp_path: Path, restart_after: int, *, lora: bool = False) -> tuple[list[Sample], FakeManager]:
+def take_rollout(tmp_path: Path, restart_after: int) -> tuple[list[Sample], FakeManager]:
     snapshot = snapshot_path(tmp_path, VERSION)
     snapshot.mkdir(parents=True, exist_ok=True)
-    if lora:  # a LoRA job's snapshot: its adapter's PEFT directory alone
-        (snapshot / "adapters" / f"race@v{VERSION}").mkdir(parents=True)
-    else:
-        (snapshot / "model.safetensors").write_bytes(b"")
+    (snapshot / "model.safetensors").write_bytes(b"")
     spec = parse_spec({"job_id": "race", "hf_checkpoint": "/m", "prompt_data": "/d.jsonl", "num_rollout": 5,
                        "rollout_batch_size": 2, "mode": "fully_async"})
     manager = FakeManager(tmp_path, restart_after)
@@ -109,12 +105,6 @@ def test_a_manager_restarted_after_any_call_gets_the_weights_before_its_groups_c
     assert manager.weight_version == str(VERSION)
     if restart_after:
         assert manager.calls >= restart_after  # the restart did happen inside the trainer's calls
-
-
-@pytest.mark.parametrize("restart_after", [1, 4])
-def test_a_lora_jobs_adapter_snapshot_is_announced_to_a_restarted_manager(tmp_path, restart_after):
-    samples, manager = take_rollout(tmp_path, restart_after, lora=True)
-    assert all(s.weight_versions == [str(VERSION)] for s in samples) and manager.weight_version == str(VERSION)
 
 
 def test_an_unavailable_manager_is_waited_for(tmp_path, monkeypatch):
@@ -149,36 +139,30 @@ def test_a_manager_unavailable_at_the_start_is_waited_for(tmp_path, monkeypatch)
     assert len(samples) == 2 and all(s.weight_versions == [str(VERSION)] for s in samples)
 
 
-def test_a_lora_job_sharing_the_pool_never_announces_its_version(tmp_path):
-    """Jobs sharing a pool push in turn, so the pool's version is the last pusher's: announcing this job's own (its
-    snapshot is there) would move the pool back and have it demote every engine."""
+def test_a_full_weight_job_announces_the_snapshot_of_its_version(tmp_path):
+    """A restarted manager's pool holds another version (or none): the job announces the full-weight snapshot of its
+    own version, so that the pool's engines load it."""
     snapshot = snapshot_path(tmp_path, VERSION)
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").write_bytes(b"")
     manager = FakeManager(tmp_path, restart_after=0)
-    manager.weight_version = "5"  # the other job's last push
+    manager.weight_version = "5"  # the pool's version before the manager restarted
     EngineWeights(World(), manager, engines=True, version=VERSION).announce()
-    assert manager.weight_version == str(VERSION)  # a job of its own pool: announced
-    manager.weight_version = "5"
-    EngineWeights(World(), manager, engines=True, version=VERSION, base_pushed=threading.Event()).announce()
-    assert manager.weight_version == "5" and manager.calls == 3  # the first job's status, begin and end calls only
+    assert manager.weight_version == str(VERSION) and manager.calls == 3  # the status, begin and end calls
 
 
-def test_a_lora_jobs_announce_finds_its_adapter_in_its_own_root(tmp_path):
+def test_a_lora_jobs_adapter_snapshot_is_in_its_own_root(tmp_path):
     """A LoRA job's snapshots live in lora-<job>/ of the pool's snapshot directory; a full-weight snapshot of the same
-    version at the top (another job's, earlier on the pool) is not this job's to announce."""
+    version at the top (another job's, earlier on the pool) is not this job's to sync again."""
     full = snapshot_path(tmp_path, VERSION)
     full.mkdir(parents=True)
     (full / "model.safetensors").write_bytes(b"")
-    own = snapshot_path(adapter_snapshot_root(tmp_path, "race"), VERSION)
-    (own / "adapters" / f"race@v{VERSION}").mkdir(parents=True)
-    announced = []
-    manager = FakeManager(tmp_path, restart_after=0)
-    manager.weight_version = ""  # restarted
-    original = manager.end_weight_sync
-    manager.end_weight_sync = lambda version, **kw: (announced.append(kw["snapshot_path"]), original(version, **kw))
-    EngineWeights(World(), manager, engines=True, version=VERSION, job_id="race").announce()
-    assert announced == [str(own)] and manager.weight_version == str(VERSION)
+    weights = EngineWeights(World(), FakeManager(tmp_path, restart_after=0), engines=True, version=VERSION,
+                            job_id="race", lora=True)
+    assert weights._adapter_snapshot(str(tmp_path), VERSION) is None
+    own = snapshot_path(adapter_snapshot_root(tmp_path, "race"), VERSION) / "adapters" / f"race@v{VERSION}"
+    own.mkdir(parents=True)
+    assert weights._adapter_snapshot(str(tmp_path), VERSION) == own
 
 
 class AdapterManager(FakeManager):

@@ -43,7 +43,6 @@ class EngineWeights:
         self.broadcaster = None
         self.adapter_broadcaster = None  # a LoRA job's: the adapter goes over the weight-update group
         # a LoRA job's base model went to the engines (at the first push of the job, or of the jobs sharing them)
-        self.shares_pool = base_pushed is not None
         self.base_pushed = base_pushed or threading.Event()
         self.sync_lock = sync_lock or threading.Lock()
         self.job_id = job_id
@@ -114,10 +113,8 @@ class EngineWeights:
         A LoRA job's adapter is synced again from its snapshot instead (`_resync_adapter`)."""
         if not self.engines:
             return
-        if self.lora:
+        if self.lora:  # jobs sharing a pool are LoRA jobs: each announces its own adapter, never the pool's version
             self._resync_adapter()
-            return
-        if self.shares_pool:  # only LoRA jobs share a pool
             return
         version = self.version
         pool = self.rollout.pool_status()
@@ -184,15 +181,9 @@ class EngineWeights:
         return found[0] if len(found) == 1 else None
 
     def _snapshot(self, snapshot_dir: str, version: int) -> Path | None:
-        """The snapshot of `version` in the pool's `snapshot_dir`: this LoRA job's adapter in the job's own root (its
-        engines load it over the base they start with; a full-weight snapshot of that version beside it is another
-        job's), else full weights; None if there is neither."""
-        if self.job_id:
-            adapter = snapshot_path(adapter_snapshot_root(snapshot_dir, lora_adapter_name(self.job_id)), version)
-            if (adapter / ADAPTERS_DIR).is_dir():
-                return adapter
+        """The full-weight snapshot of `version` in the pool's `snapshot_dir`, or None."""
         full = snapshot_path(snapshot_dir, version)
-        return full if (full / "model.safetensors").is_file() or (full / ADAPTERS_DIR).is_dir() else None
+        return full if (full / "model.safetensors").is_file() else None
 
     def close(self) -> None:
         for broadcaster in (self.broadcaster, self.adapter_broadcaster):
