@@ -10,7 +10,9 @@ of input_ids). Also the router alone under the same engines (no manager, a reque
 clients side by side (aiohttp as the manager, httpx with and without keep-alive), and the CPU each process (with the
 processes it started: the reward service's workers) used per 1,000 samples: on 2 cores the processes share, that
 table says what bounds the figure. Beside the rebuild, 64 reverse lookups at once from this host
-(`reverse_lookups_s_64`): the part of the rebuild this host's resolver sets. Prints the tables, then one JSON line
+(`reverse_lookups_s_64`): what a rebuild would wait for if each engine's store client named the master's address, as
+torch's own client does (an SGLang engine joins with it; the CPU engine and the simulated ones do not). Prints the
+tables, then one JSON line
 (`control_plane_samples_per_s_64`, `group_rebuild_s_64`, `reverse_lookups_s_64`, the router alone, their ratio
 `control_plane_vs_router_alone_64`, and the CPU table as `control_plane_cpu_ms_per_1k_samples_64`).
 """
@@ -55,11 +57,11 @@ def start_sim(work: Path, num_engines: int, latency_s: float) -> tuple[procs.Man
 def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
     """WeightBroadcaster.init_group with every engine: health checks, drop of the old group, all ranks joining.
 
-    Each engine's store client (torch's c10d, in a real SGLang engine too) connects over IPv6 to the master's
-    v4-mapped address and names it with getnameinfo, a reverse DNS query that /etc/hosts cannot answer: 64 of them
-    at once, from one host here, where a resolver that drops some of a burst makes glibc wait its timeout (5 s by
-    default) before asking again, and the whole group waits for that rank. (The trainer's store asks /etc/hosts now:
-    services/trainer/weight_sync/rendezvous.py.)"""
+    The simulated engines join as the CPU engine does, through services/engine/group_store.py, which asks the
+    resolver nothing. torch's own store client (an SGLang engine's) names the master's v4-mapped address with
+    getnameinfo, a reverse DNS query that /etc/hosts cannot answer: 64 of them at once from one host, where a
+    resolver that drops some of a burst makes glibc wait its timeout (5 s by default), and the group waits for that
+    rank. The trainer's store makes one such query itself, before the engines join (its own client)."""
     from services.trainer.weight_sync.weight_sync import WeightBroadcaster
 
     times = []
@@ -73,8 +75,8 @@ def rebuild_seconds(urls: list[str], repeats: int) -> list[float]:
 
 def reverse_lookup_seconds(num_engines: int, repeats: int) -> list[float]:
     """How long num_engines reverse lookups (getnameinfo) of the master's v4-mapped loopback address take, all at
-    once from this host: what the engines' store clients ask while they join (rebuild_seconds). The rebuild waits
-    for the slowest, so this is the part of it that this host's resolver sets, not the trainer or the engines."""
+    once from this host: what torch's store clients ask while they join (rebuild_seconds), so what a rebuild with
+    SGLang engines on this host would wait for beyond the join itself."""
     def lookup(i: int) -> None:
         with contextlib.suppress(socket.gaierror):  # a dropped query past the retries: the time is what counts
             socket.getnameinfo(("::ffff:127.0.0.1", 1024 + i, 0, 0), socket.NI_NUMERICSERV)
@@ -217,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                  *[[f"router alone, 256 concurrent /generate, {name}, samples/s", f"{rate:,.0f}", "(reference)"]
                    for name, rate in router.items()],
                  [f"weight-group rebuild at {args.engines} engines, s (best)", f"{min(rebuild):.2f}", "<= 5"],
-                 [f"  {args.engines} reverse lookups of ::ffff:127.0.0.1 at once (the engines' store clients ask "
-                  "them while joining), s (best)", f"{min(lookups):.2f}", "(reference)"]])
+                 [f"  {args.engines} reverse lookups of ::ffff:127.0.0.1 at once (torch's store client, an SGLang "
+                  "engine's, asks one while joining; ours none), s (best)", f"{min(lookups):.2f}", "(reference)"]])
     router_alone = next(iter(router.values()))
     emit({"control_plane_samples_per_s_64": best, "group_rebuild_s_64": min(rebuild),
           "reverse_lookups_s_64": min(lookups),

@@ -57,18 +57,24 @@ class SimEngine:
         return {"text": "", "output_ids": ids, "meta_info": meta}
 
     def join_group(self, body: dict) -> dict:
-        """A gloo rank of the trainer's group (blocks until every rank joined). The CPU engine joins through torch's
-        group registry, which holds one group per name and process, so each simulated engine builds its rank
-        directly, on the store keys the registry path uses (group name, then "name/", then "cpu/")."""
+        """A gloo rank of the trainer's group (blocks until every rank joined), through the CPU engine's store client.
+        The CPU engine joins through torch's group registry, which holds one group per name and process, so each
+        simulated engine builds its rank directly, on the store keys the registry path uses (group name, then
+        "name/", then "cpu/")."""
         import torch.distributed as dist
+
+        from services.engine.group_store import GroupStoreClient
 
         name = body.get("group_name", "weight_update_group")
         timeout = datetime.timedelta(seconds=120)
-        store = dist.TCPStore(body["master_address"], int(body["master_port"]), int(body["world_size"]),
-                              is_master=False, timeout=timeout)
+        store = GroupStoreClient(body["master_address"], int(body["master_port"]), timeout)
         prefixed = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
-        self.groups[name] = dist.ProcessGroupGloo(prefixed, int(body["rank_offset"]), int(body["world_size"]),
-                                                  timeout)
+        try:
+            group = dist.ProcessGroupGloo(prefixed, int(body["rank_offset"]), int(body["world_size"]), timeout)
+        except BaseException:
+            store.close()
+            raise
+        self.groups[name] = (group, store)  # the store stays referenced while its group lives
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def drop_group(self, name: str) -> bool:

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import logging
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from services.common.errors import DeadlineExceeded, FailedPrecondition, Invalid
 from services.engine import safetensors_io
 from services.engine.delta import apply_blob
 from services.engine.generation import Engine
+from services.engine.group_store import GroupStoreClient
 from services.engine.lora import AdapterConfig, LoRAServing, read_peft_dir
 from services.engine.pull import is_delta_store, plan, read_delta
 
@@ -33,17 +35,35 @@ ADAPTERS_DIR = "adapters"  # a LoRA job's snapshot: adapters/<lora_name>/, PEFT'
 
 
 def init_custom_process_group(*, backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """SGLang's init_custom_process_group: a group apart from the default one, keyed by `group_name`."""
+                              timeout: datetime.timedelta) -> tuple[dist.ProcessGroup, dist.Store]:
+    """SGLang's init_custom_process_group: a group apart from the default one, keyed by `group_name`. Returns the
+    group and the store it joined through, to keep while the group lives. A gloo group joins through
+    GroupStoreClient, which connects to the address as given (torch's client asks a reverse DNS lookup of it);
+    other backends through torch's rendezvous, as SGLang does."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                         backend_options=None, timeout=timeout)
+    if Backend(backend) == Backend.GLOO:
+        try:
+            address = urllib.parse.urlsplit(init_method)
+            scheme, host, port = address.scheme, address.hostname, address.port
+        except ValueError:
+            scheme = host = port = None
+        if scheme != "tcp" or not host or not port:
+            raise InvalidArgument(f"init_method must be tcp://HOST:PORT (an IPv6 address in brackets), got "
+                                  f"{init_method!r}")
+        store: dist.Store = GroupStoreClient(host, port, timeout)
+    else:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+    try:
+        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                             group_name=group_name, backend_options=None, timeout=timeout)
+    except BaseException:
+        if isinstance(store, GroupStoreClient):
+            store.close()
+        raise
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+    return group, store
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -65,6 +85,7 @@ class WeightUpdater:
         # speculative draft model; this engine decodes without one and keeps them aside (`_draft_layer`)
         self.draft: dict[str, torch.Tensor] = self._checkpoint_draft(Path(engine.model.name_or_path or "."))
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.stores: dict[str, dist.Store] = {}  # the store each group joined through, kept while it lives
         self.backends: dict[str, str] = {}  # each group's backend
         self.group_lock = threading.Lock()
         self.session_open = False
@@ -89,10 +110,11 @@ class WeightUpdater:
         with self._groups_locked():
             if group_name in self.groups:
                 raise FailedPrecondition(f"weight update group {group_name!r} already exists; destroy it first")
-            init_method = f"tcp://{master_address}:{master_port}"
+            host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 literal
+            init_method = f"tcp://{host}:{master_port}"
             log.info("joining weight update group %s at %s as rank %d of %d (%s)", group_name, init_method,
                      rank_offset, world_size, backend)
-            self.groups[group_name] = init_custom_process_group(
+            self.groups[group_name], self.stores[group_name] = init_custom_process_group(
                 backend=backend, init_method=init_method, world_size=world_size, rank=rank_offset,
                 group_name=group_name, timeout=datetime.timedelta(seconds=self.timeout_s))
             self.backends[group_name] = backend
@@ -105,7 +127,7 @@ class WeightUpdater:
                 raise NotFound(f"weight update group {group_name!r} does not exist")
             dist.destroy_process_group(group)
             # gloo's teardown closes the connection to every peer (0.65 s in a group of 65): not on the caller's time
-            last, group = [group], None
+            last, group = [group, self.stores.pop(group_name, None)], None
             threading.Thread(target=last.clear, name="weight-group-drop", daemon=True).start()
         return "Succeeded to destroy custom process group."
 
