@@ -42,6 +42,7 @@ SCRIPTS = {
     "trainer_throughput": ["--rounds", "2"],
     "trainer_memory": ["--sizes", "1024,8192", "--vocab", "37984"],
     "fused_head": ["--rounds", "2"],
+    "varlen_attention": ["--rounds", "2"],
     "weight_sync_paths": ["--rounds", "2"],
     "trainer_threads": ["--rounds", "2"],
 }

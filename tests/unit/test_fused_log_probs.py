@@ -114,6 +114,40 @@ def test_the_backward_reuses_the_last_chunk_and_a_second_backward_recomputes_it(
     torch.testing.assert_close(w.grad, first[1], **TOL)
 
 
+class _FreshVocabTensors(TorchDispatchMode):
+    """Counts the op outputs of at least `size` elements that are new memory (not an input's, as an in-place op's
+    output is)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.count = size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.size and t.untyped_storage().data_ptr() not in inputs:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_off_cuda_the_softmax_terms_overwrite_the_projection(monkeypatch, entropy_grad):
+    """Off CUDA e^(z - m) goes into the projection's own [tokens × vocab] buffer, a block of 3 rows at a time, when
+    no entropy gradient needs z - m after the forward: the projection is the one such tensor of the forward and
+    backward (the exponentials beside it would be a second). With the entropy's gradient the kept chunk holds both.
+    Values and gradients equal the logits path either way."""
+    monkeypatch.setattr(fused_log_probs, "ROW_DOT_BLOCK", 150)
+    h, w, targets, weights = _inputs(seed=6)
+    want = _loss_and_grads(_unfused, h, w, targets, weights, entropy_grad=entropy_grad)
+    with _FreshVocabTensors(h.shape[0] * w.shape[0]) as fresh:
+        got = _loss_and_grads(fused_log_probs_and_entropy, h, w, targets, weights, entropy_grad=entropy_grad)
+    assert fresh.count == (2 if entropy_grad else 1)
+    for name, a, b in zip(("log_probs", "entropy", "grad hidden", "grad weight"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
 def test_batched_shapes_and_vocab_padding_rows_are_left_out():
     h, w, targets, weights = _inputs(tokens=12, vocab=20, seed=2)
     padded = torch.cat([w, torch.randn(4, w.shape[1]) * 5])  # four padding rows that must not enter the softmax

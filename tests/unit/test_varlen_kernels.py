@@ -1,5 +1,6 @@
 """Packed-row attention through the real variable-length kernels: flex attention's block mask (eager on the CPU,
-compiled on CUDA) and, on CUDA, torch's varlen flash attention, each against one causal attention per sequence."""
+compiled on CUDA), on CUDA torch's varlen flash attention, and on CPU the query tiles, each against one causal
+attention per sequence."""
 
 from __future__ import annotations
 
@@ -47,3 +48,37 @@ def test_cuda_varlen_kernels_equal_one_attention_per_sequence(dtype):
     got = varlen.varlen_causal_attention(query, key, value, cu_seqlens.cuda(), 93)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float().cpu(), _per_sequence(query, key, value, cu_seqlens), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("tile", [1, 4, 64])
+def test_cpu_query_tiles_equal_one_attention_per_sequence_in_values_and_gradients(tile):
+    """Tiles of 4 rows cut the sequences of 37, 93 and 69 tokens inside and at their ends (93 = 23 tiles and one
+    row); one of 1 row sees only itself. Values and the gradients of query, key and value against one causal
+    attention per sequence and against the whole row under the block-diagonal causal mask."""
+    (query, key, value), cu_seqlens = _inputs("cpu", torch.float32)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(1))
+
+    def run(attention):
+        inputs = [t.clone().requires_grad_() for t in (query, key, value)]
+        out = attention(*inputs)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in inputs]
+
+    got = run(lambda q, k, v: varlen.tiled_causal_attention(q, k, v, lengths, tile=tile))
+    per_sequence = run(lambda q, k, v: _per_sequence(q, k, v, cu_seqlens))
+    mask = varlen.block_causal_mask(cu_seqlens, query.shape[0])
+    dense = run(lambda q, k, v: F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
+                                                               attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    for name, a, b, c in zip(("output", "grad query", "grad key", "grad value"), got, per_sequence, dense,
+                             strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_cpu_path_runs_the_tiles():
+    """varlen_causal_attention on CPU takes the tiles: the same output as tiled_causal_attention, bit for bit."""
+    (query, key, value), cu_seqlens = _inputs("cpu", torch.float32)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    assert torch.equal(varlen.varlen_causal_attention(query, key, value, cu_seqlens, 93),
+                       varlen.tiled_causal_attention(query, key, value, lengths))

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_SIZE = 1024  # tokens per chunk: [1024 × 151,936] float32 logits are 0.6 GB
-ROW_DOT_BLOCK = 1 << 22  # elements of the product `_row_dot` holds at once off CUDA (16 MB in float32)
+# off CUDA, the elements of a block of rows the softmax terms go through at once (1 MB in float32: a block stays in
+# the cores' caches between its exponentials, their sum and the entropy's dot product, in few enough ops)
+ROW_DOT_BLOCK = 1 << 18
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -29,7 +31,7 @@ class _FusedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_start, valid, group, with_entropy,
-                dtype, keep_last):
+                dtype, keep_last, entropy_grad):
         num = hidden.shape[0]
         w = weight[:valid].to(dtype)
         local = targets.long() - vocab_start
@@ -52,11 +54,20 @@ class _FusedLogProbs(torch.autograd.Function):
             picked = z.gather(-1, local[start:end].unsqueeze(-1)).squeeze(-1) * in_range[start:end] if valid \
                 else z.new_zeros(end - start)
             z.sub_(peak.unsqueeze(-1))  # z - max
-            exp = z.exp()
-            sums = [exp.sum(dim=-1), picked - peak * in_range[start:end]]
-            if with_entropy:
-                sums.append(_row_dot(exp, z))  # Σ e^(z-m)·(z-m)
-            sums = torch.stack(sums)
+            kept = keep_last and end == num
+            # z - m outlives the exponentials only for the entropy's gradient off the kept chunk
+            keep_shifted = kept and with_entropy and entropy_grad
+            if z.is_cuda or keep_shifted:
+                exp = z.exp()
+                sums = [exp.sum(dim=-1), picked - peak * in_range[start:end]]
+                if with_entropy:
+                    sums.append(_row_dot(exp, z))  # Σ e^(z-m)·(z-m)
+                sums = torch.stack(sums)
+            else:  # e^(z - m) over z in place: no second [chunk × vocab] tensor
+                exp_sum, exp_dot = _exp_in_place(z, with_entropy)
+                exp = z
+                sums = torch.stack([exp_sum, picked - peak * in_range[start:end]]
+                                   + ([exp_dot] if with_entropy else []))
             if group is not None:
                 dist.all_reduce(sums, group=group)
             log_z = sums[0].log()  # log Σ e^(z - m)
@@ -64,8 +75,8 @@ class _FusedLogProbs(torch.autograd.Function):
             log_probs[start:end] = sums[1] - log_z
             if with_entropy:
                 entropy[start:end] = log_z - sums[2] / sums[0]
-            if keep_last and end == num:  # e^(z - m), Σ, log Σ and (for the entropy's gradient) z - m
-                ctx.kept = (start, exp, sums[0], log_z, z if with_entropy else None)
+            if kept:  # e^(z - m), Σ, log Σ and (for the entropy's gradient) z - m
+                ctx.kept = (start, exp, sums[0], log_z, z if keep_shifted else None)
         ctx.save_for_backward(hidden, weight, local, in_range, lse, entropy if with_entropy else lse)
         ctx.args = (temperature, chunk_size, valid, dtype, with_entropy)
         ctx.set_materialize_grads(False)  # None for an output the loss does not use: its term is skipped
@@ -132,7 +143,24 @@ class _FusedLogProbs(torch.autograd.Function):
                 full[:valid] = grad_w
                 grad_w = full
             grad_w = grad_w.to(weight.dtype)
-        return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_w, None, None, None, None, None, None, None, None, None, None
+
+
+def _exp_in_place(z: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """z - m [rows × vocab] -> its rows' Σ e^(z-m) and (with_entropy) Σ e^(z-m)·(z-m), leaving e^(z-m) in z: a block
+    of ROW_DOT_BLOCK elements at a time, so that each block's exponentials are summed and dotted while they are in
+    cache, and no second [rows × vocab] tensor is allocated (off CUDA each is fresh memory the OS faults in)."""
+    sums = z.new_empty(z.shape[0])
+    dots = z.new_empty(z.shape[0]) if with_entropy else None
+    rows = max(1, ROW_DOT_BLOCK // max(z.shape[-1], 1))
+    for start in range(0, z.shape[0], rows):
+        block = z[start:start + rows]
+        exp = block.exp()
+        sums[start:start + rows] = exp.sum(dim=-1)
+        if dots is not None:
+            dots[start:start + rows] = (exp * block).sum(dim=-1)
+        block.copy_(exp)
+    return sums, dots
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -180,7 +208,7 @@ def fused_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     with torch.autocast(hidden.device.type, enabled=False):
         log_probs, entropy = _FusedLogProbs.apply(flat, weight, targets.reshape(-1), float(temperature),
                                                   int(chunk_size), int(vocab_start), valid, group, with_entropy,
-                                                  dtype, keep_last)
+                                                  dtype, keep_last, entropy_grad)
     log_probs = log_probs.view(targets.shape)
     if not with_entropy:
         return log_probs, None

@@ -1,0 +1,109 @@
+"""The CPU attention of bench/trainer_throughput.py's long tail, forward and backward over its model's layers: the
+packed rows in query tiles (`varlen.CPU_QUERY_TILE`, as the trainer runs them), the same rows in one causal call per
+sequence, and the padded micro-batches under a padding mask (as HF's sdpa runs them), side by side in one process:
+CPU seconds per step, rounds interleaved, one thread.
+
+Prints a table, then one JSON line: {"tiles_ms", "per_sequence_ms", "padded_ms", "per_sequence_over_tiles",
+"padded_over_tiles", "tile"}.
+
+Run: python -m bench.varlen_attention [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.trainer_throughput import SHAPES, long_tailed_samples
+from services.trainer.batching import varlen
+from services.trainer.batching.schedule import step_schedule
+
+
+def _micro_batches(packed: bool) -> list[list[int]]:
+    """The sequence lengths of each long-tail micro-batch: packed rows of at most micro_batch_size × the longest
+    sample's tokens, or micro_batch_size samples padded to their longest (the bench's two layouts)."""
+    shape = SHAPES["cpu"]
+    tail = shape["long_tail"]
+    lengths = [len(s.tokens) for s in long_tailed_samples(shape, shape["model"]["vocab_size"])]
+    budget = shape["micro_batch_size"] * (tail["prompt_len"] + tail["max_response_len"]) if packed else None
+    (step,) = step_schedule(lengths, global_batch_size=len(lengths), micro_batch_size=shape["micro_batch_size"],
+                            max_tokens_per_gpu=budget)
+    return [[lengths[i] for i in mb] for mb in step]
+
+
+def _qkv(num_tokens: int, model: dict, gen: torch.Generator, batch: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """query, key, value: [*batch, tokens, heads or groups, head_dim], leaves that take gradients."""
+    heads, groups, head_dim = model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"]
+    return [torch.randn(*batch, num_tokens, n, head_dim, generator=gen).requires_grad_()
+            for n in (heads, groups, groups)]
+
+
+def packed_step(tile: int) -> Callable[[], None]:
+    """Each packed row's attention, forward and backward, once per layer; tile at least the longest sequence: one
+    call per sequence."""
+    model = SHAPES["cpu"]["model"]
+    gen = torch.Generator().manual_seed(0)
+    rows = [(lengths, _qkv(sum(lengths), model, gen)) for lengths in _micro_batches(packed=True)]
+
+    def step() -> None:
+        for lengths, (q, k, v) in rows:
+            for _ in range(model["num_hidden_layers"]):
+                varlen.tiled_causal_attention(q, k, v, lengths, tile=tile).sum().backward()
+
+    return step
+
+
+def padded_step() -> Callable[[], None]:
+    """Each padded micro-batch's attention under its causal and padding mask, forward and backward, once per layer."""
+    model = SHAPES["cpu"]["model"]
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for lengths in _micro_batches(packed=False):
+        longest = max(lengths)
+        positions = torch.arange(longest)
+        mask = (positions[None, :] <= positions[:, None]) & (positions < torch.tensor(lengths)[:, None, None])
+        batches.append((mask[:, None], _qkv(longest, model, gen, (len(lengths),))))
+
+    def step() -> None:
+        for mask, (q, k, v) in batches:
+            for _ in range(model["num_hidden_layers"]):
+                F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask,
+                                               enable_gqa=True).sum().backward()
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    longest = max(max(lengths) for lengths in _micro_batches(packed=True))
+    steps = {"tiles": packed_step(varlen.CPU_QUERY_TILE), "per_sequence": packed_step(longest),
+             "padded": padded_step()}
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    for round_index in range(args.rounds + 1):
+        for name, step in steps.items():
+            start = time.process_time()
+            step()
+            if round_index:
+                seconds[name].append(time.process_time() - start)
+    ms = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
+    print(f"{'run':<14} {'ms/step':>8} {'vs tiles':>9}")
+    for name, value in ms.items():
+        print(f"{name:<14} {value:>8.1f} {value / ms['tiles']:>9.2f}")
+    result = {f"{name}_ms": round(value, 2) for name, value in ms.items()}
+    result.update(per_sequence_over_tiles=round(ms["per_sequence"] / ms["tiles"], 3),
+                  padded_over_tiles=round(ms["padded"] / ms["tiles"], 3), tile=varlen.CPU_QUERY_TILE)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
