@@ -107,6 +107,9 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return tiled_causal_attention(query, key, value, lengths, scale=scale, dropout_p=dropout_p)
 
 
+# run eagerly inside a compiled layer: its loop over sequences and tiles would otherwise guard on every length and
+# compile again for each new set of lengths
+@torch.compiler.disable
 def tiled_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int], *,
                            scale: float | None = None, dropout_p: float = 0.0,
                            tile: int = CPU_QUERY_TILE) -> torch.Tensor:
