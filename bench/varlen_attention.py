@@ -1,10 +1,11 @@
 """The CPU attention of bench/trainer_throughput.py's long tail, forward and backward over its model's layers: the
-packed rows in query tiles (`varlen.CPU_QUERY_TILE`, as the trainer runs them), the same rows in one causal call per
-sequence, and the padded micro-batches under a padding mask (as HF's sdpa runs them), side by side in one process:
-CPU seconds per step, rounds interleaved, one thread.
+packed rows in query tiles (`varlen.CPU_QUERY_TILE`, as the trainer runs them: the CPU flash kernel called directly,
+one autograd node a row), the same tiles as attention calls autograd records one by one (the path under dropout),
+the same rows in one causal call per sequence, and the padded micro-batches under a padding mask (as HF's sdpa runs
+them), side by side in one process: CPU seconds per step, rounds interleaved, one thread.
 
-Prints a table, then one JSON line: {"tiles_ms", "per_sequence_ms", "padded_ms", "per_sequence_over_tiles",
-"padded_over_tiles", "tile"}.
+Prints a table, then one JSON line: {"tiles_ms", "recorded_tiles_ms", "per_sequence_ms", "padded_ms",
+"recorded_over_tiles", "per_sequence_over_tiles", "padded_over_tiles", "tile"}.
 
 Run: python -m bench.varlen_attention [--rounds N]
 """
@@ -44,9 +45,9 @@ def _qkv(num_tokens: int, model: dict, gen: torch.Generator, batch: tuple[int, .
             for n in (heads, groups, groups)]
 
 
-def packed_step(tile: int) -> Callable[[], None]:
+def packed_step(tile: int, recorded: bool = False) -> Callable[[], None]:
     """Each packed row's attention, forward and backward, once per layer; tile at least the longest sequence: one
-    call per sequence."""
+    call per sequence; recorded: each tile an attention call autograd records."""
     model = SHAPES["cpu"]["model"]
     gen = torch.Generator().manual_seed(0)
     rows = [(lengths, _qkv(sum(lengths), model, gen)) for lengths in _micro_batches(packed=True)]
@@ -54,7 +55,11 @@ def packed_step(tile: int) -> Callable[[], None]:
     def step() -> None:
         for lengths, (q, k, v) in rows:
             for _ in range(model["num_hidden_layers"]):
-                varlen.tiled_causal_attention(q, k, v, lengths, tile=tile).sum().backward()
+                if recorded:
+                    out = varlen._recorded_tiles(q, k, v, lengths, scale=None, dropout_p=0.0, tile=tile)
+                else:
+                    out = varlen.tiled_causal_attention(q, k, v, lengths, tile=tile)
+                out.sum().backward()
 
     return step
 
@@ -85,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     longest = max(max(lengths) for lengths in _micro_batches(packed=True))
-    steps = {"tiles": packed_step(varlen.CPU_QUERY_TILE), "per_sequence": packed_step(longest),
+    steps = {"tiles": packed_step(varlen.CPU_QUERY_TILE),
+             "recorded_tiles": packed_step(varlen.CPU_QUERY_TILE, recorded=True), "per_sequence": packed_step(longest),
              "padded": padded_step()}
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     for round_index in range(args.rounds + 1):
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, value in ms.items():
         print(f"{name:<14} {value:>8.1f} {value / ms['tiles']:>9.2f}")
     result = {f"{name}_ms": round(value, 2) for name, value in ms.items()}
-    result.update(per_sequence_over_tiles=round(ms["per_sequence"] / ms["tiles"], 3),
+    result.update(recorded_over_tiles=round(ms["recorded_tiles"] / ms["tiles"], 3),
+                  per_sequence_over_tiles=round(ms["per_sequence"] / ms["tiles"], 3),
                   padded_over_tiles=round(ms["padded"] / ms["tiles"], 3), tile=varlen.CPU_QUERY_TILE)
     print(json.dumps(result))
     return result

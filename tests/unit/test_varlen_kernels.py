@@ -51,10 +51,13 @@ def test_cuda_varlen_kernels_equal_one_attention_per_sequence(dtype):
 
 
 @pytest.mark.parametrize("tile", [1, 4, 64])
-def test_cpu_query_tiles_equal_one_attention_per_sequence_in_values_and_gradients(tile):
+@pytest.mark.parametrize("path", ["cpu flash node", "recorded tiles"])
+def test_cpu_query_tiles_equal_one_attention_per_sequence_in_values_and_gradients(tile, path):
     """Tiles of 4 rows cut the sequences of 37, 93 and 69 tokens inside and at their ends (93 = 23 tiles and one
     row); one of 1 row sees only itself. Values and the gradients of query, key and value against one causal
-    attention per sequence and against the whole row under the block-diagonal causal mask."""
+    attention per sequence and against the whole row under the block-diagonal causal mask, by both paths: the CPU
+    flash kernel in one autograd node (no dropout) and the attention calls autograd records (dropout, other
+    devices)."""
     (query, key, value), cu_seqlens = _inputs("cpu", torch.float32)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(1))
@@ -65,7 +68,10 @@ def test_cpu_query_tiles_equal_one_attention_per_sequence_in_values_and_gradient
         out.backward(grad)
         return [out.detach()] + [t.grad for t in inputs]
 
-    got = run(lambda q, k, v: varlen.tiled_causal_attention(q, k, v, lengths, tile=tile))
+    if path == "cpu flash node":
+        got = run(lambda q, k, v: varlen.tiled_causal_attention(q, k, v, lengths, tile=tile))
+    else:
+        got = run(lambda q, k, v: varlen._recorded_tiles(q, k, v, lengths, scale=None, dropout_p=0.0, tile=tile))
     per_sequence = run(lambda q, k, v: _per_sequence(q, k, v, cu_seqlens))
     mask = varlen.block_causal_mask(cu_seqlens, query.shape[0])
     dense = run(lambda q, k, v: F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
@@ -82,3 +88,19 @@ def test_the_cpu_path_runs_the_tiles():
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     assert torch.equal(varlen.varlen_causal_attention(query, key, value, cu_seqlens, 93),
                        varlen.tiled_causal_attention(query, key, value, lengths))
+
+
+def test_the_cpu_tiles_are_one_autograd_node_and_take_bfloat16():
+    """Without dropout the CPU tiles are one node (the flash kernel's backward called per tile), with dropout the
+    recorded attention calls; in bfloat16 the node's output is the per-sequence float32 attention's within bfloat16's
+    rounding."""
+    (query, key, value), cu_seqlens = _inputs("cpu", torch.float32)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    query.requires_grad_()
+    assert type(varlen.tiled_causal_attention(query, key, value, lengths).grad_fn).__name__ == "_CpuFlashTilesBackward"
+    dropped = varlen.tiled_causal_attention(query, key, value, lengths, dropout_p=0.5)
+    assert type(dropped.grad_fn).__name__ != "_CpuFlashTilesBackward"
+    half = [t.detach().bfloat16() for t in (query, key, value)]
+    got = varlen.tiled_causal_attention(*half, lengths)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), _per_sequence(*half, cu_seqlens), atol=2e-2, rtol=2e-2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -115,25 +116,102 @@ def tiled_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
                            tile: int = CPU_QUERY_TILE) -> torch.Tensor:
     """`varlen_causal_attention` off CUDA, sequence i being the next lengths[i] rows: each sequence's queries in
     tiles of `tile` rows, the first under is_causal, the others against the keys up to their own last row under a
-    bottom-right causal mask (query row r of the tile at t0 sees keys ≤ t0 + r), each a causal
-    scaled_dot_product_attention on [1, heads, rows, head_dim] (four dimensions take the fused CPU kernel)."""
+    bottom-right causal mask (query row r of the tile at t0 sees keys ≤ t0 + r). On CPU without dropout every tile
+    runs torch's CPU flash kernel directly, forward and backward, in one autograd node (`_CpuFlashTiles`); otherwise
+    each tile is a scaled_dot_product_attention that autograd records."""
+    if not lengths or sum(lengths) == 0:  # no tokens
+        return query.new_empty(0, query.shape[1], value.shape[-1])
+    if query.device.type == "cpu" and dropout_p == 0.0:
+        return _CpuFlashTiles.apply(query, key, value, lengths, scale, tile)
+    return _recorded_tiles(query, key, value, lengths, scale=scale, dropout_p=dropout_p, tile=tile)
+
+
+def _tiles(lengths: list[int], tile: int) -> Iterator[tuple[int, int, int]]:
+    """(first row of the sequence in the packed row, tile start, tile end within the sequence) of every tile."""
+    start = 0
+    for length in lengths:
+        for t0 in range(0, length, tile):
+            yield start, t0, min(t0 + tile, length)
+        start += length
+
+
+def _band(longest: int, tile: int, device: torch.device) -> torch.Tensor:
+    """[tile, longest + tile] bool: band[r, c] is whether query row r of the tile at t0 sees key c - longest + t0;
+    each tile's mask is a slice of it (`_tile_mask`)."""
+    columns, rows = (torch.arange(n, device=device) for n in (longest + tile, tile))
+    return columns - longest <= rows[:, None]
+
+
+def _tile_mask(band: torch.Tensor, longest: int, t0: int, t1: int) -> torch.Tensor | None:
+    """The tile [t0, t1)'s mask over keys [0, t1), or None for the first tile (is_causal)."""
+    return None if t0 == 0 else band[:t1 - t0, longest - t0:longest - t0 + t1]
+
+
+def _recorded_tiles(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int], *,
+                    scale: float | None, dropout_p: float, tile: int) -> torch.Tensor:
+    """The tiles as scaled_dot_product_attention calls on each sequence's [1, heads, rows, head_dim] (four
+    dimensions take the fused kernels), each recorded by autograd."""
     gqa = key.shape[1] != query.shape[1]
-    # the tiles' masks as slices of one band: band[r, c] is whether query row r sees key c - longest + t0
-    longest = max(lengths, default=0)
-    columns, rows = (torch.arange(n, device=query.device) for n in (longest + tile, tile))
-    band = columns - longest <= rows[:, None]
+    longest = max(lengths)
+    band = _band(longest, tile, query.device)
     outputs = []
     for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True):
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L_i, head_dim]
-        for t0 in range(0, q.shape[2], tile):
-            t1 = min(t0 + tile, q.shape[2])
-            mask = None if t0 == 0 else band[:t1 - t0, longest - t0:longest - t0 + t1]
+        for _, t0, t1 in _tiles([q.shape[2]], tile):
+            mask = _tile_mask(band, longest, t0, t1)
             outputs.append(F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], attn_mask=mask,
                                                           is_causal=mask is None, dropout_p=dropout_p, scale=scale,
                                                           enable_gqa=gqa)[0])
-    if not outputs:  # no tokens
-        return query.new_empty(0, query.shape[1], value.shape[-1])
     return torch.cat(outputs, dim=1).transpose(0, 1)
+
+
+class _CpuFlashTiles(torch.autograd.Function):
+    """The tiles through torch's CPU flash kernel and its backward, called directly: one autograd node for the whole
+    packed row instead of an attention, three slices and their gradients' zero-filled copies per tile, and less time
+    (`python -m bench.varlen_attention`: `recorded_over_tiles`). The kernel takes grouped key/value heads as they are.
+    Each tile's output and log-sum-exp are kept for its backward; the gradients of the key and value rows add up over
+    the tiles that read them."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
+                scale: float | None, tile: int) -> torch.Tensor:
+        longest = max(lengths)
+        # the kernel adds a float mask to the scores: 0 where a query sees a key, -inf where it does not
+        band = torch.zeros(tile, longest + tile, dtype=query.dtype, device=query.device).masked_fill_(
+            ~_band(longest, tile, query.device), float("-inf"))
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, T, head_dim] views
+        out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+        out_view = out.transpose(0, 1).unsqueeze(0)
+        kept = []
+        for s, t0, t1 in _tiles(lengths, tile):
+            mask = _tile_mask(band, longest, t0, t1)
+            tile_out, logsumexp = _CPU_FLASH(q[:, :, s + t0:s + t1], k[:, :, s:s + t1], v[:, :, s:s + t1], 0.0,
+                                             mask is None, attn_mask=mask, scale=scale)
+            out_view[:, :, s + t0:s + t1] = tile_out
+            kept += (tile_out, logsumexp)
+        ctx.save_for_backward(query, key, value, band, *kept)
+        ctx.lengths, ctx.longest, ctx.scale, ctx.tile = lengths, longest, scale, tile
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        query, key, value, band, *kept = ctx.saved_tensors
+        q, k, v, g = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value, grad))
+        grads = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        dq, dk, dv = (t.transpose(0, 1).unsqueeze(0) for t in grads)
+        for index, (s, t0, t1) in enumerate(_tiles(ctx.lengths, ctx.tile)):
+            mask = _tile_mask(band, ctx.longest, t0, t1)
+            tile_dq, tile_dk, tile_dv = _CPU_FLASH_BACKWARD(
+                g[:, :, s + t0:s + t1], q[:, :, s + t0:s + t1], k[:, :, s:s + t1], v[:, :, s:s + t1],
+                kept[2 * index], kept[2 * index + 1], 0.0, mask is None, attn_mask=mask, scale=ctx.scale)
+            dq[:, :, s + t0:s + t1] = tile_dq
+            dk[:, :, s:s + t1] += tile_dk
+            dv[:, :, s:s + t1] += tile_dv
+        return *grads, None, None, None
+
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
