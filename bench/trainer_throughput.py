@@ -86,6 +86,30 @@ def flops_per_token(model: dict, seq_len: float) -> float:
     return 6 * matmul_params + 6 * layers * heads * head_dim * seq_len
 
 
+def matrix_flops(model: dict, row_slots: int, loss_rows: int) -> float:
+    """Training FLOPs (6 per multiply-add: forward and backward) of the parameters' products in one step over
+    `row_slots` row positions (tokens and padding) of which `loss_rows` predict a response token: every layer's
+    projections and all but the last layer's MLP on every slot; the last layer's MLP and the LM head on the loss rows
+    alone, as both backends run them under the fused head (`backends/last_layer_rows.py`). Attention's scores are
+    left out."""
+    hidden, layers, heads = model["hidden_size"], model["num_hidden_layers"], model["num_attention_heads"]
+    attention = hidden * model["head_dim"] * (2 * heads + 2 * model["num_key_value_heads"])
+    mlp = 3 * hidden * model["intermediate_size"]
+    every_slot = layers * attention + (layers - 1) * mlp
+    return 6 * (row_slots * every_slot + loss_rows * (mlp + model["vocab_size"] * hidden))
+
+
+def tail_padded_slots(lengths: list[int], micro_batch_size: int) -> dict[str, int]:
+    """Row positions a long-tail step pads to on each backend: each micro-batch's samples × its longest, in the
+    micro-batches the backend's own schedule cuts (fsdp: `step_schedule`; megatron: `dp_schedule`, one rank)."""
+    from services.trainer.batching.schedule import dp_schedule, step_schedule
+
+    (fsdp,) = step_schedule(lengths, global_batch_size=len(lengths), micro_batch_size=micro_batch_size)
+    (megatron,) = dp_schedule(lengths, range(len(lengths)), dp_size=1, micro_batch_size=micro_batch_size)
+    return {name: sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches)
+            for name, micro_batches in (("fsdp", fsdp), ("megatron", megatron))}
+
+
 def card_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """The card's dense matrix peak in `dtype` (tf32 for float32): from PEAKS by name, else a measured 8192³
     matmul."""
@@ -414,6 +438,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"long tail: {len(tailed)} samples, {tail_tokens} tokens, prompts of {tail['prompt_len']}, responses "
           f"median {statistics.median(responses):.0f} max {responses[-1]}; padded: micro-batches of "
           f"{shape['micro_batch_size']}, packed: at most {budget} tokens")
+    loss_rows = sum(s.response_length for s in tailed)
+    packed_flops = matrix_flops(shape["model"], tail_tokens, loss_rows)
+    padded_flops = {name: matrix_flops(shape["model"], slots, loss_rows) for name, slots in
+                    tail_padded_slots([len(s.tokens) for s in tailed], shape["micro_batch_size"]).items()}
+    # the parameters' products are most of a step: their padded/packed ratio is about where packed/padded can reach
+    print(f"matrix work a step (projections, MLPs, LM head): packed {packed_flops / 1e9:.1f} GFLOP, padded "
+          + ", ".join(f"{name} {flops / 1e9:.1f} GFLOP ({flops / packed_flops:.2f}×)"
+                      for name, flops in padded_flops.items()))
     tail_rate = {name: tail_tokens / value for name, value in tail_seconds.items()}
     print(f"{'run':<16} {'s/step':>8} {'tokens/s':>10} {'vs padded':>9} {'vs plain':>9}")
     for name, rate in tail_rate.items():

@@ -34,3 +34,17 @@ def test_phases_that_cannot_run_together_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
         trainer_throughput.main(["--device", "cpu", *flags])
     assert "--compiled" in capsys.readouterr().err
+
+
+def test_matrix_flops_count_every_slot_through_the_layers_and_loss_rows_through_the_head():
+    model = dict(hidden_size=2, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1, head_dim=2,
+                 intermediate_size=3, vocab_size=5)
+    # projections 2·2·(2 + 2) = 16 and MLP 3·2·3 = 18 a layer: 10 slots × (2·16 + 1·18) + 4 loss rows × (18 + 5·2)
+    assert trainer_throughput.matrix_flops(model, row_slots=10, loss_rows=4) == 6 * (10 * 50 + 4 * 28)
+
+
+def test_padded_slots_follow_each_backends_schedule():
+    # fsdp cuts the samples in order: [9, 8] and [1, 2], padded to 9 and 2; megatron deals the longest first into
+    # the lightest micro-batch: [9, 1] and [8, 2], padded to 9 and 8
+    assert trainer_throughput.tail_padded_slots([9, 8, 1, 2], micro_batch_size=2) == {"fsdp": 2 * 9 + 2 * 2,
+                                                                                      "megatron": 2 * 9 + 2 * 8}
