@@ -152,7 +152,7 @@ def _exp_in_place(z: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, to
     cache, and no second [rows × vocab] tensor is allocated (off CUDA each is fresh memory the OS faults in)."""
     sums = z.new_empty(z.shape[0])
     dots = z.new_empty(z.shape[0]) if with_entropy else None
-    rows = max(1, ROW_DOT_BLOCK // max(z.shape[-1], 1))
+    rows = _block_rows(z)
     for start in range(0, z.shape[0], rows):
         block = z[start:start + rows]
         exp = block.exp()
@@ -163,13 +163,18 @@ def _exp_in_place(z: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, to
     return sums, dots
 
 
+def _block_rows(t: torch.Tensor) -> int:
+    """Rows of [rows × vocab] `t` in a block of at most ROW_DOT_BLOCK elements (one row at least)."""
+    return max(1, ROW_DOT_BLOCK // max(t.shape[-1], 1))
+
+
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Σ_j a[i, j]·b[i, j] for each row i of two [rows × vocab] tensors, without a third one: a batched
     matrix-vector product on CUDA; elsewhere (the host's batched product takes ~4× a multiply and a sum) the product
     and its sum in blocks of rows, ROW_DOT_BLOCK elements at most."""
     if a.device.type == "cuda":
         return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).view(-1)
-    rows = max(1, ROW_DOT_BLOCK // max(a.shape[-1], 1))
+    rows = _block_rows(a)
     if rows >= a.shape[0]:
         return (a * b).sum(dim=-1)
     return torch.cat([(a[start:start + rows] * b[start:start + rows]).sum(dim=-1)
