@@ -74,16 +74,21 @@ PEAKS = {"H200": (989e12, 494e12), "H100": (989e12, 494e12), "A100": (312e12, 15
          "A10G": (70e12, 35e12), "L4": (121e12, 60e12)}
 
 
+def layer_parameters(model: dict) -> tuple[int, int, int]:
+    """Parameters a token multiplies: one layer's attention projections (q, o; k, v), one layer's MLP, the LM head."""
+    hidden = model["hidden_size"]
+    attention = hidden * model["head_dim"] * (2 * model["num_attention_heads"] + 2 * model["num_key_value_heads"])
+    return attention, 3 * hidden * model["intermediate_size"], model["vocab_size"] * hidden
+
+
 def flops_per_token(model: dict, seq_len: float) -> float:
     """Training FLOPs per token: 6 × the parameters each token multiplies (the layers' projections and MLP, the LM
     head; not the embedding lookup) plus causal attention's scores and weighted sum, 6 × layers × heads × head_dim ×
     seq_len (half of the full square's 12)."""
-    hidden, layers, heads = model["hidden_size"], model["num_hidden_layers"], model["num_attention_heads"]
-    head_dim, kv = model["head_dim"], model["num_key_value_heads"]
-    attention = hidden * head_dim * (2 * heads + 2 * kv)  # q, o; k, v
-    mlp = 3 * hidden * model["intermediate_size"]
-    matmul_params = layers * (attention + mlp) + model["vocab_size"] * hidden
-    return 6 * matmul_params + 6 * layers * heads * head_dim * seq_len
+    layers = model["num_hidden_layers"]
+    attention, mlp, head = layer_parameters(model)
+    matmul_params = layers * (attention + mlp) + head
+    return 6 * matmul_params + 6 * layers * model["num_attention_heads"] * model["head_dim"] * seq_len
 
 
 def matrix_flops(model: dict, row_slots: int, loss_rows: int) -> float:
@@ -92,11 +97,9 @@ def matrix_flops(model: dict, row_slots: int, loss_rows: int) -> float:
     projections and all but the last layer's MLP on every slot; the last layer's MLP and the LM head on the loss rows
     alone, as both backends run them under the fused head (`backends/last_layer_rows.py`). Attention's scores are
     left out."""
-    hidden, layers, heads = model["hidden_size"], model["num_hidden_layers"], model["num_attention_heads"]
-    attention = hidden * model["head_dim"] * (2 * heads + 2 * model["num_key_value_heads"])
-    mlp = 3 * hidden * model["intermediate_size"]
-    every_slot = layers * attention + (layers - 1) * mlp
-    return 6 * (row_slots * every_slot + loss_rows * (mlp + model["vocab_size"] * hidden))
+    layers = model["num_hidden_layers"]
+    attention, mlp, head = layer_parameters(model)
+    return 6 * (row_slots * (layers * attention + (layers - 1) * mlp) + loss_rows * (mlp + head))
 
 
 def tail_padded_slots(lengths: list[int], micro_batch_size: int) -> dict[str, int]:
