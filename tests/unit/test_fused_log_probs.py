@@ -3,18 +3,15 @@ values and in the gradients of the hidden states and the LM head, on one rank an
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.trainer.algorithms import fused_log_probs
 from services.trainer.algorithms.fused_log_probs import fused_log_probs_and_entropy
 from services.trainer.algorithms.losses import token_log_probs_and_entropy
+from testkit import gloo_ranks
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -181,9 +178,7 @@ def test_bad_arguments_are_refused():
         fused_log_probs_and_entropy(h, w, targets[:-1])
 
 
-def _tp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def _tp_rank(rank: int, world: int) -> dict:
     h, w, targets, weights = _inputs(vocab=50, seed=4)
     part = 26  # the vocab padded to 52 = 2 × 26: rank 1 holds rows 26..51, its last two padding
     padded = torch.cat([w, torch.zeros(2, w.shape[1])])
@@ -194,15 +189,11 @@ def _tp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     ((lp * weights[0]).sum() + (ent * weights[1]).sum()).backward()
     grad_h = hh.grad.clone()
     dist.all_reduce(grad_h)  # the caller sums the hidden states' gradient over the group (Megatron's output layer)
-    torch.save({"lp": lp.detach(), "ent": ent.detach(), "grad_h": grad_h, "grad_w": ww.grad},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return {"lp": lp.detach(), "ent": ent.detach(), "grad_h": grad_h, "grad_w": ww.grad}
 
 
 def test_vocab_parallel_over_two_ranks_equals_the_whole_vocabulary():
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_tp_rank, args=(2, os.path.join(out, "init"), out), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    ranks = gloo_ranks.run(_tp_rank)
     h, w, targets, weights = _inputs(vocab=50, seed=4)
     lp, ent, grad_h, grad_w = _loss_and_grads(_unfused, h, w, targets, weights, temperature=0.8)
     for got in ranks:

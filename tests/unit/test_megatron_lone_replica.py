@@ -3,13 +3,11 @@ group of one rank and run every other: a copy over a group of one, the exchange 
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.profiler import profile
+
+from testkit import gloo_ranks
 
 
 def _collectives_run(call) -> int:
@@ -19,13 +17,11 @@ def _collectives_run(call) -> int:
     return sum(event.name.startswith("c10d::") for event in prof.events())
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _rank(rank: int, world: int) -> dict:
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     from services.trainer.backends.megatron import lone_replica
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     lone_replica.apply()
     lone_replica.apply()  # idempotent: one wrapper
     alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank takes part in each new_group
@@ -52,14 +48,11 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     summed = torch.arange(4.0) + 10 * rank
     buffers.dist_reduce_scatter_func(summed[2 * rank:2 * rank + 2], summed, group=dist.group.WORLD, async_op=False)
     out["both_scatter"] = summed[2 * rank:2 * rank + 2].clone()
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return out
 
 
 def test_in_place_collectives_over_one_rank_are_skipped_and_the_others_run():
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(2, os.path.join(out, "init"), out), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    ranks = gloo_ranks.run(_rank)
     for rank, got in enumerate(ranks):
         mine = torch.arange(4.0) + 10 * rank
         assert got["alone_gather"] == got["alone_scatter"] == 0 and got["alone_copies"] >= 1

@@ -4,21 +4,17 @@ the backward's), on 2 gloo processes."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from testkit import gloo_ranks
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _rank(rank: int, world: int) -> dict:
     from megatron.core.tensor_parallel import layers
 
     from services.trainer.backends.megatron import lone_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     lone_shard.apply()
     lone_shard.apply()  # idempotent: one wrapper
     assert not hasattr(layers.copy_to_tensor_model_parallel_region.__wrapped__, "__wrapped__")
@@ -36,14 +32,11 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     copied = layers.copy_to_tensor_model_parallel_region(h, group=dist.group.WORLD)
     copied.backward(torch.ones(3) * (rank + 1))
     out["both_copy_to_grad"] = x.grad.clone()
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return out
 
 
 def test_regions_over_one_rank_are_the_tensor_and_over_two_reduce():
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(2, os.path.join(out, "init"), out), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    ranks = gloo_ranks.run(_rank)
     for got in ranks:
         assert got["alone_copy_to_same"] and got["alone_reduce_from_same"]
         # Σ over ranks of (arange + 10·rank) = 2·arange + 10
