@@ -2,12 +2,13 @@
 packed rows in query tiles (`varlen.CPU_QUERY_TILE`, as the trainer runs them: the CPU flash kernel called directly,
 one autograd node a row), the same tiles as attention calls autograd records one by one (the path under dropout),
 the same rows in one causal call per sequence, and the padded micro-batches under a padding mask (as HF's sdpa runs
-them), side by side in one process: CPU seconds per step, rounds interleaved, one thread.
+them), side by side in one process, rounds interleaved: CPU seconds per step on one thread, wall seconds on more
+(`--threads`; CPU time would add up the threads' work).
 
 Prints a table, then one JSON line: {"tiles_ms", "recorded_tiles_ms", "per_sequence_ms", "padded_ms",
-"recorded_over_tiles", "per_sequence_over_tiles", "padded_over_tiles", "tile"}.
+"recorded_over_tiles", "per_sequence_over_tiles", "padded_over_tiles", "tile", "threads"}.
 
-Run: python -m bench.varlen_attention [--rounds N]
+Run: python -m bench.varlen_attention [--rounds N] [--threads N]
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ def padded_step() -> Callable[[], None]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the trainer bench's CPU default: 2)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
     longest = max(max(lengths) for lengths in _micro_batches(packed=True))
     steps = {"tiles": packed_step(varlen.CPU_QUERY_TILE),
              "recorded_tiles": packed_step(varlen.CPU_QUERY_TILE, recorded=True), "per_sequence": packed_step(longest),
@@ -96,10 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     for round_index in range(args.rounds + 1):
         for name, step in steps.items():
-            start = time.process_time()
+            start = clock()
             step()
             if round_index:
-                seconds[name].append(time.process_time() - start)
+                seconds[name].append(clock() - start)
     ms = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
     print(f"{'run':<14} {'ms/step':>8} {'vs tiles':>9}")
     for name, value in ms.items():
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {f"{name}_ms": round(value, 2) for name, value in ms.items()}
     result.update(recorded_over_tiles=round(ms["recorded_tiles"] / ms["tiles"], 3),
                   per_sequence_over_tiles=round(ms["per_sequence"] / ms["tiles"], 3),
-                  padded_over_tiles=round(ms["padded"] / ms["tiles"], 3), tile=varlen.CPU_QUERY_TILE)
+                  padded_over_tiles=round(ms["padded"] / ms["tiles"], 3), tile=varlen.CPU_QUERY_TILE,
+                  threads=args.threads)
     print(json.dumps(result))
     return result
 
