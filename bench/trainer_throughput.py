@@ -173,6 +173,13 @@ def long_tailed_samples(shape: dict, vocab_size: int):
                    response_length=n, reward=float(i % 2)) for i, n in enumerate(lengths)]
 
 
+def packed_budget(shape: dict) -> int:
+    """Tokens a packed long-tail micro-batch holds at most: micro_batch_size samples of the longest length, the
+    padded micro-batch's largest size (both layouts fit the same memory)."""
+    tail = shape["long_tail"]
+    return shape["micro_batch_size"] * (tail["prompt_len"] + tail["max_response_len"])
+
+
 def plain_step(model_dir: Path, samples, prompt_len: int, micro_batch_size: int, device: torch.device,
                dtype: torch.dtype) -> Callable[[], None]:
     """An HF model + AdamW over padded micro-batches (each padded to its longest sample): -(log π·A) averaged over
@@ -415,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
         del steps
         release(device)
         tailed = long_tailed_samples(shape, shape["model"]["vocab_size"])
-        budget = shape["micro_batch_size"] * (tail["prompt_len"] + tail["max_response_len"])
+        budget = packed_budget(shape)
         padded, packed = (train_config(shape, dtype, len(tailed), b) for b in (None, budget))
         steps = {"plain padded": plain_step(model_dir, tailed, tail["prompt_len"], shape["micro_batch_size"], device,
                                             dtype)}

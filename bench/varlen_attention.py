@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.trainer_throughput import SHAPES, long_tailed_samples
+from bench.trainer_throughput import SHAPES, long_tailed_samples, packed_budget
 from services.trainer.batching import varlen
 from services.trainer.batching.schedule import step_schedule
 
@@ -31,11 +31,9 @@ def _micro_batches(packed: bool) -> list[list[int]]:
     """The sequence lengths of each long-tail micro-batch: packed rows of at most micro_batch_size × the longest
     sample's tokens, or micro_batch_size samples padded to their longest (the bench's two layouts)."""
     shape = SHAPES["cpu"]
-    tail = shape["long_tail"]
     lengths = [len(s.tokens) for s in long_tailed_samples(shape, shape["model"]["vocab_size"])]
-    budget = shape["micro_batch_size"] * (tail["prompt_len"] + tail["max_response_len"]) if packed else None
     (step,) = step_schedule(lengths, global_batch_size=len(lengths), micro_batch_size=shape["micro_batch_size"],
-                            max_tokens_per_gpu=budget)
+                            max_tokens_per_gpu=packed_budget(shape) if packed else None)
     return [[lengths[i] for i in mb] for mb in step]
 
 

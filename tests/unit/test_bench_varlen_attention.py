@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from bench import varlen_attention
-from bench.trainer_throughput import SHAPES
+from bench.trainer_throughput import SHAPES, packed_budget
 
 
 def test_packed_and_padded_micro_batches_hold_the_same_samples():
     packed, padded = varlen_attention._micro_batches(packed=True), varlen_attention._micro_batches(packed=False)
     assert sorted(itertools.chain(*packed)) == sorted(itertools.chain(*padded))
-    tail = SHAPES["cpu"]["long_tail"]
-    budget = SHAPES["cpu"]["micro_batch_size"] * (tail["prompt_len"] + tail["max_response_len"])
-    assert all(sum(row) <= budget for row in packed)
+    assert packed_budget(SHAPES["cpu"]) == 4 * (16 + 256)  # micro-batches of 4 samples of prompt 16, response 256
+    assert all(sum(row) <= packed_budget(SHAPES["cpu"]) for row in packed)
     assert all(len(mb) <= SHAPES["cpu"]["micro_batch_size"] for mb in padded)
 
 
