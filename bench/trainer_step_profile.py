@@ -5,7 +5,7 @@ padded, under torch's profiler, every operator's self time summed into kinds, si
   run on the positions that predict a response token alone, in both layouts: the same work packed or padded;
 - other matrix products (the layers' projections and MLPs): proportional to the row positions, tokens and padding;
 - attention: the attention kernels, forward and backward, and the packed rows' tile loop (`varlen`);
-- optimizer: AdamW's update and zeroing, and the for-each kernels (the gradient norm's clip among them);
+- optimizer: AdamW's update and zeroing, and for-each kernels (the gradient norm's own norms count as the rest);
 - everything else (norms, activations, copies, the log-softmax's exponentials, autograd's bookkeeping).
 
 CPU: self CPU time (an operator's time less that of the operators it calls); CUDA: each operator's kernels' time on
