@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.trainer_throughput import SHAPES, long_tailed_samples, packed_budget
+from bench.trainer_throughput import SHAPES, long_tailed_samples, measure, packed_budget
 from services.trainer.batching import varlen
 from services.trainer.batching.schedule import step_schedule
 
@@ -94,14 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = {"tiles": packed_step(varlen.CPU_QUERY_TILE),
              "recorded_tiles": packed_step(varlen.CPU_QUERY_TILE, recorded=True), "per_sequence": packed_step(longest),
              "padded": padded_step()}
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    for round_index in range(args.rounds + 1):
-        for name, step in steps.items():
-            start = clock()
-            step()
-            if round_index:
-                seconds[name].append(clock() - start)
-    ms = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
+    ms = {name: value * 1e3 for name, value in measure(steps, args.rounds, torch.device("cpu"), clock).items()}
     print(f"{'run':<14} {'ms/step':>8} {'vs tiles':>9}")
     for name, value in ms.items():
         print(f"{name:<14} {value:>8.1f} {value / ms['tiles']:>9.2f}")
