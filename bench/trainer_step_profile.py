@@ -94,11 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = sorted(set(backends) - set(builders))
     if unknown or args.steps < 1:
         parser.error(f"unknown backends {unknown}" if unknown else "--steps must be at least 1")
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the trainer's defaults
-    torch.set_num_threads(args.threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = throughput.bench_device(args.device, args.threads)
+    dtype = throughput.trainer_dtype(device)
     shape = throughput.SHAPES[device.type]
     vocab_size = shape["model"]["vocab_size"]
     tailed = throughput.long_tailed_samples(shape, vocab_size)

@@ -356,6 +356,22 @@ def compiled_result(compiled: dict) -> dict:
     return result
 
 
+def bench_device(name: str, threads: int) -> torch.device:
+    """The device a trainer bench runs on, made current: the first GPU ("cuda"), or the CPU; `threads` torch threads
+    (for the host's work on a GPU too)."""
+    torch.set_num_threads(threads)
+    if name != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    return device
+
+
+def trainer_dtype(device: torch.device) -> torch.dtype:
+    """The trainer's default precision on `device`: bfloat16 on CUDA, float32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def release(device: torch.device) -> None:
     """Free the finished phase's models (Megatron's groups go with the next backend it builds)."""
     gc.collect()
@@ -386,11 +402,9 @@ def main(argv: list[str] | None = None) -> dict:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    torch.set_num_threads(args.threads)
+    device = bench_device(args.device, args.threads)
+    dtype = getattr(torch, args.dtype) if args.dtype else trainer_dtype(device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's default (allow_tf32), for a like comparison
     shape = SHAPES[device.type]
     tail = shape["long_tail"]
