@@ -181,8 +181,10 @@ def test_job_survives_scale_up_a_killed_engine_and_scale_down(stack):
         wait_until(lambda: num_groups(2) == BATCH, 120, "rollout 2 done", get_job)
         wait_until(lambda: running_requests(newest.url) > 0, 120, f"{newest.name} generating", get_job)
         rollout.scale(2)  # drains the replacement mid-rollout
+        # the pool forgets a drained engine before its launcher has stopped the process, and records "stop" after
         final = wait_until(lambda: (s := rollout.pool_status()).count(EngineState.SERVING) == 2 == len(s.engines)
-                           and s, 60, "2 engines serving", get_job)
+                           and ("stop", newest.name) in [(e.kind, e.engine) for e in s.events] and s, 60,
+                           f"2 engines serving, {newest.name} stopped", get_job)
         allow_rollouts(NUM_ROLLOUT)
         wait_until(lambda: get_job()["state"] in TERMINAL, 300, "the job finished")
         result = get_job()
