@@ -4,6 +4,8 @@ TorchBackend packed against padded on one process: log-probs, entropy, values, e
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,6 +216,42 @@ def test_packed_rows_reach_varlen_flash_through_hf(tiny_model_dir, samples, flas
     FLASH_CALLS.clear()
     test_packed_trains_as_padded(tiny_model_dir, samples, "grpo")
     assert FLASH_CALLS and sum(len(s.tokens) for s in samples) in FLASH_CALLS  # a whole micro-batch in one row
+
+
+def test_hf_builds_no_mask_for_a_packed_rows_full_attention(tiny_model_dir):
+    """Under `packed_row` the attention function keeps the sequences apart by their cumulative lengths, so the
+    [T, T] block mask HF would build from the restarting positions is skipped; outside it HF builds that mask, and a
+    sliding window's mask is built in either case (its layers run HF's sdpa under it)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    model = _backend(tiny_model_dir, True).model
+    assert varlen.active(model)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    embeds = torch.zeros(1, 8, model.config.hidden_size)
+
+    def mask(make=create_causal_mask, config=model.config):
+        return make(config=config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions)
+
+    block = varlen.block_causal_mask(torch.tensor([0, 5, 8]), 8)
+    assert torch.equal(mask()[0, 0], block)
+    windowed = copy.copy(model.config)
+    windowed.sliding_window = 2
+    with varlen.packed_row():
+        assert mask() is None
+        window = mask(create_sliding_window_causal_mask, windowed)[0, 0]
+    assert torch.equal(window, block & torch.ones(8, 8, dtype=torch.bool).triu(-1))  # a key at most 1 back
+    assert torch.equal(mask()[0, 0], block)  # the context ends with the forward
+
+
+def test_a_packed_row_that_would_reach_sdpa_without_a_mask_is_refused():
+    """A packed row without its cumulative lengths would go to HF's sdpa, which with no mask attends across the
+    row's sequences: refused with the reason, not computed."""
+    query = key = value = torch.zeros(1, 2, 4, 8)
+    module = torch.nn.Module()
+    with varlen.packed_row(), pytest.raises(RuntimeError, match="packed row reached sdpa without a mask"):
+        varlen.hf_attention(module, query, key, value, None)
+    out, _ = varlen.hf_attention(module, query, key, value, None)  # outside: a causal sdpa over one sequence
+    assert out.shape == (1, 4, 2, 8)
 
 
 def test_a_model_without_attention_functions_stays_padded(tiny_model_dir, monkeypatch, caplog):

@@ -1,9 +1,10 @@
 """A micro-batch as one packed row (slime's THD layout): its sequences back to back with no padding, position ids
 restarting at 0 on each, their cumulative lengths for varlen attention, and where each response token's logits sit.
 
-Attention must not cross sequences: the model gets the position ids (HF builds a block-diagonal causal mask from
-them, or runs varlen flash attention) or the cumulative lengths (Megatron's packed_seq_params). The losses never see
-the layout: `response_index` maps either layout's per-position outputs to the response-aligned [b, R] tensors.
+Attention must not cross sequences: an HF model gets the position ids and the cumulative lengths, by which its
+attention function keeps the sequences apart (`varlen`), and Megatron the cumulative lengths (packed_seq_params). The
+losses never see the layout: `response_index` maps either layout's per-position outputs to the response-aligned
+[b, R] tensors.
 
 A micro-batch is packed only where that saves enough tokens (`worth_packing`): on a GPU, batches of equal lengths
 trained 13 % (fsdp) and 19 % (megatron) slower packed than as the rectangle, which then holds no padding.

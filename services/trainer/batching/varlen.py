@@ -9,6 +9,8 @@ queries in tiles (`CPU_QUERY_TILE`). The HF attention function here runs it for 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 from collections.abc import Iterator
@@ -214,6 +216,22 @@ _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+_PACKED_ROW = contextvars.ContextVar("physarum_packed_row", default=False)
+
+
+@contextlib.contextmanager
+def packed_row() -> Iterator[None]:
+    """Around an HF forward of one packed row: HF builds no causal mask for the row's full-attention layers (from the
+    restarting positions it would build a [T, T] one each forward), which `hf_attention` would not read: it keeps the
+    sequences apart by their cumulative lengths. A sliding window's mask is still built; its layers run HF's sdpa
+    under it."""
+    token = _PACKED_ROW.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_ROW.reset(token)
+
+
 def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                  **kwargs) -> tuple[torch.Tensor, None]:
@@ -224,6 +242,10 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     # a sliding-window layer keeps HF's mask, which holds the window as well as the sequences' blocks
     if cu_seqlens is None or query.shape[0] != 1 or kwargs.get("sliding_window") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if attention_mask is None and _PACKED_ROW.get():  # sdpa would attend across the row's sequences
+            raise RuntimeError("a packed row reached sdpa without a mask: run its forward with the cumulative "
+                               "lengths (cu_seq_lens_q, max_length_q), or outside varlen.packed_row()")
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
@@ -248,9 +270,10 @@ def packable(model: torch.nn.Module) -> bool:
 
 
 def use_in(model: torch.nn.Module) -> None:
-    """Register `hf_attention` (with sdpa's masks for padded inputs) and switch `model` to it; a model that cannot
-    switch (HF logs why) keeps its attention, as does one with DeepSeek sparse attention (GLM-5), whose indexer's
-    top-k masks the attention under eager and sdpa alone (any other implementation is handed the indices)."""
+    """Register `hf_attention` (with sdpa's masks, none for a `packed_row`'s full attention) and switch `model` to
+    it; a model that cannot switch (HF logs why) keeps its attention, as does one with DeepSeek sparse attention
+    (GLM-5), whose indexer's top-k masks the attention under eager and sdpa alone (any other implementation is handed
+    the indices)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -258,6 +281,12 @@ def use_in(model: torch.nn.Module) -> None:
     if "indexed_attention" in (getattr(getattr(config, "text_config", None) or config, "layer_types", None) or []):
         return
 
+    def mask(*args, local_size: int | None = None, **kwargs) -> torch.Tensor | None:
+        """sdpa's mask, but none for a packed row's full attention (`packed_row`)."""
+        if _PACKED_ROW.get() and local_size is None:
+            return None
+        return sdpa_mask(*args, local_size=local_size, **kwargs)
+
     AttentionInterface.register(HF_ATTENTION, hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(HF_ATTENTION, mask)
     model.set_attn_implementation(HF_ATTENTION)

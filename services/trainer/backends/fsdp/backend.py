@@ -164,9 +164,9 @@ class TorchBackend(TorchStateDicts):
         return self.pack_sequences and mb.sample_index is None and packing.worth_packing(mb, self.min_padding_to_pack)
 
     def _model_inputs(self, mb: RolloutBatch, packed: bool) -> dict[str, torch.Tensor | int]:
-        """Packed: one row whose position ids restart at each sequence and no attention mask, from which HF builds
-        a block-diagonal causal mask, and the cumulative lengths for varlen flash attention (`varlen`); padded: the
-        rectangle and its mask."""
+        """Packed: one row whose position ids restart at each sequence, no attention mask, and the cumulative
+        lengths by which `varlen`'s attention keeps the sequences apart (its forward runs under `varlen.packed_row`:
+        HF builds no [T, T] mask from the positions); padded: the rectangle and its mask."""
         if packed:
             row = packing.pack(mb)
             return {"input_ids": row.input_ids, "position_ids": row.position_ids, "cu_seq_lens_q": row.cu_seqlens,
@@ -198,7 +198,8 @@ class TorchBackend(TorchStateDicts):
         with self._autocast(), replay, fused_head.hidden_states_out(model, fused) as head, \
                 last_layer_rows.mlp_on_rows(last_mlp, keep["logits_to_keep"] if last_mlp else None,
                                             sequence_first=False), \
-                self._idle_vision.running(idle) if idle else contextlib.nullcontext():
+                self._idle_vision.running(idle) if idle else contextlib.nullcontext(), \
+                varlen.packed_row() if packed else contextlib.nullcontext():
             out = model(**inputs, **keep, use_cache=False,
                         **({"output_router_logits": True} if router_logits else {}))
         return out, head
@@ -219,7 +220,9 @@ class TorchBackend(TorchStateDicts):
         with self._autocast():
             if self.cp.size > 1:
                 return context_parallel.response_values(self.critic.model, mb, self._cp_slice(mb))
-            return self.critic.values(mb, self._model_inputs(mb, self._packs(mb)))
+            packed = self._packs(mb)
+            with varlen.packed_row() if packed else contextlib.nullcontext():
+                return self.critic.values(mb, self._model_inputs(mb, packed))
 
     def _cp_slice(self, mb: RolloutBatch) -> context_parallel.CPSlice:
         return context_parallel.split(mb, self.cp, self.pad_token_id)
