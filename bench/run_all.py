@@ -43,6 +43,7 @@ SCRIPTS = {
     "trainer_memory": ["--sizes", "1024,8192", "--vocab", "37984"],
     "fused_head": ["--rounds", "2"],
     "varlen_attention": ["--rounds", "2"],
+    "packed_row_mask": [],
     "trainer_step_profile": ["--steps", "1"],
     "weight_sync_paths": ["--rounds", "2"],
     "trainer_threads": ["--rounds", "2"],

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,16 +83,22 @@ def one_run(model_dir: str, device: str, response_tokens: int, fused: bool, voca
     config = TrainConfig(n_samples_per_prompt=1, global_batch_size=num, micro_batch_size=num, lr=1e-6, bf16=False,
                          log_probs_chunk_size=CHUNK if fused else -1, disable_rewards_normalization=True)
     backend = TorchBackend(model_dir, config, world=World(device=torch.device(device)))
+    return peak_bytes(lambda: backend.train_rollout(samples), device)
+
+
+def peak_bytes(run: Callable[[], object], device: str) -> int:
+    """The most memory `run` held at once beyond what was held before it: on CUDA torch's peak allocated bytes; on
+    the CPU the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) over its resident set."""
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        backend.train_rollout(samples)
+        run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    backend.train_rollout(samples)
+    run()
     return (_status_kib("VmHWM") - before) * 1024
 
 
