@@ -254,6 +254,17 @@ def test_a_packed_row_that_would_reach_sdpa_without_a_mask_is_refused():
     assert out.shape == (1, 4, 2, 8)
 
 
+def test_a_compiled_layers_unmasked_sdpa_call_compiles_whole():
+    """The check above reads a ContextVar, which torch.compile cannot trace: a compiled decoder layer (compile_layers)
+    skips it rather than breaking its graph there."""
+    query, key, value = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(n)) for n in range(3))
+    module = torch.nn.Module()
+    torch._dynamo.reset()
+    compiled = torch.compile(varlen.hf_attention, backend="eager", fullgraph=True)  # fullgraph: a break raises
+    torch.testing.assert_close(compiled(module, query, key, value, None)[0],
+                               varlen.hf_attention(module, query, key, value, None)[0], atol=1e-6, rtol=0)
+
+
 def test_a_model_without_attention_functions_stays_padded(tiny_model_dir, monkeypatch, caplog):
     """Packing relies on the model's attention keeping sequences apart: one that cannot take `varlen`'s attention
     function (a model outside transformers' AttentionInterface) trains on padded micro-batches."""

@@ -243,7 +243,8 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     if cu_seqlens is None or query.shape[0] != 1 or kwargs.get("sliding_window") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if attention_mask is None and _PACKED_ROW.get():  # sdpa would attend across the row's sequences
+        # sdpa would attend across the row's sequences; checked eagerly (a compiled layer cannot read a ContextVar)
+        if attention_mask is None and not torch.compiler.is_compiling() and _PACKED_ROW.get():
             raise RuntimeError("a packed row reached sdpa without a mask: run its forward with the cumulative "
                                "lengths (cu_seq_lens_q, max_length_q), or outside varlen.packed_row()")
 
