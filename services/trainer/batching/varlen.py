@@ -220,12 +220,12 @@ _PACKED_ROW = contextvars.ContextVar("physarum_packed_row", default=False)
 
 
 @contextlib.contextmanager
-def packed_row() -> Iterator[None]:
+def packed_row(packed: bool = True) -> Iterator[None]:
     """Around an HF forward of one packed row: HF builds no causal mask for the row's full-attention layers (from the
     restarting positions it would build a [T, T] one each forward), which `hf_attention` would not read: it keeps the
     sequences apart by their cumulative lengths. A sliding window's mask is still built; its layers run HF's sdpa
-    under it."""
-    token = _PACKED_ROW.set(True)
+    under it. packed=False (a padded forward): every mask is built."""
+    token = _PACKED_ROW.set(packed)
     try:
         yield
     finally:

@@ -199,7 +199,7 @@ class TorchBackend(TorchStateDicts):
                 last_layer_rows.mlp_on_rows(last_mlp, keep["logits_to_keep"] if last_mlp else None,
                                             sequence_first=False), \
                 self._idle_vision.running(idle) if idle else contextlib.nullcontext(), \
-                varlen.packed_row() if packed else contextlib.nullcontext():
+                varlen.packed_row(packed):
             out = model(**inputs, **keep, use_cache=False,
                         **({"output_router_logits": True} if router_logits else {}))
         return out, head
@@ -221,7 +221,7 @@ class TorchBackend(TorchStateDicts):
             if self.cp.size > 1:
                 return context_parallel.response_values(self.critic.model, mb, self._cp_slice(mb))
             packed = self._packs(mb)
-            with varlen.packed_row() if packed else contextlib.nullcontext():
+            with varlen.packed_row(packed):
                 return self.critic.values(mb, self._model_inputs(mb, packed))
 
     def _cp_slice(self, mb: RolloutBatch) -> context_parallel.CPSlice:
