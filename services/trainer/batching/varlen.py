@@ -270,24 +270,26 @@ def packable(model: torch.nn.Module) -> bool:
     return active(model) and all(kind == "full_attention" for kind in layer_types)
 
 
+def _mask(*args, local_size: int | None = None, **kwargs) -> torch.Tensor | None:
+    """HF's sdpa mask, but none for a `packed_row`'s full attention."""
+    if _PACKED_ROW.get() and local_size is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, local_size=local_size, **kwargs)
+
+
 def use_in(model: torch.nn.Module) -> None:
     """Register `hf_attention` (with sdpa's masks, none for a `packed_row`'s full attention) and switch `model` to
     it; a model that cannot switch (HF logs why) keeps its attention, as does one with DeepSeek sparse attention
     (GLM-5), whose indexer's top-k masks the attention under eager and sdpa alone (any other implementation is handed
     the indices)."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     config = getattr(model, "config", None)
     if "indexed_attention" in (getattr(getattr(config, "text_config", None) or config, "layer_types", None) or []):
         return
 
-    def mask(*args, local_size: int | None = None, **kwargs) -> torch.Tensor | None:
-        """sdpa's mask, but none for a packed row's full attention (`packed_row`)."""
-        if _PACKED_ROW.get() and local_size is None:
-            return None
-        return sdpa_mask(*args, local_size=local_size, **kwargs)
-
     AttentionInterface.register(HF_ATTENTION, hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, mask)
+    AttentionMaskInterface.register(HF_ATTENTION, _mask)
     model.set_attn_implementation(HF_ATTENTION)
