@@ -20,11 +20,9 @@ Run: python -m bench.packed_row_mask [--device cpu|cuda] [--sizes 8192,16384,327
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import types
-from collections.abc import Callable
 
 import torch
 
@@ -56,22 +54,21 @@ def make_mask(config, tokens: int, device: torch.device) -> torch.Tensor | None:
                               position_ids=positions)
 
 
-def _make_under(around: Callable[[], contextlib.AbstractContextManager], config, tokens: int, device: torch.device,
-                made: list) -> None:
-    with around():
-        made.append(make_mask(config, tokens, device))
-
-
 def measure(tokens: int, device: torch.device) -> dict[str, tuple[int, int]]:
     """{"built" | "skipped": (peak bytes while making the mask, bytes of the mask made)}."""
     from bench.trainer_memory import peak_bytes
     from services.trainer.batching import varlen
 
     config = mask_model().config
+    made: list[torch.Tensor | None] = []
+
+    def make(packed: bool) -> None:
+        with varlen.packed_row(packed):
+            made.append(make_mask(config, tokens, device))
+
     out = {}
-    for name, around in (("built", contextlib.nullcontext), ("skipped", varlen.packed_row)):
-        made: list[torch.Tensor | None] = []
-        peak = peak_bytes(functools.partial(_make_under, around, config, tokens, device, made), device.type)
+    for name, packed in (("built", False), ("skipped", True)):
+        peak = peak_bytes(functools.partial(make, packed), device.type)
         mask = made.pop()
         out[name] = (peak, 0 if mask is None else mask.numel() * mask.element_size())
         del mask
