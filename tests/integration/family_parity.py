@@ -63,6 +63,28 @@ def assert_resumed_as_never_stopped(run: dict) -> None:
             assert got[key] == pytest.approx(want[key], abs=1e-6, rel=1e-6), key
 
 
+def assert_export_holds(save_dir: Path, want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF export in save_dir holds the fsdp backend's weights (`want`) under the same names, within 1e-4; returns
+    what it holds."""
+    from safetensors.torch import load_file
+
+    saved = load_file(save_dir / "model.safetensors")
+    assert saved.keys() == want.keys()
+    for name, weight in want.items():
+        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
+    return saved
+
+
+def assert_transformers_loads(save_dir: Path, saved: dict[str, torch.Tensor]) -> None:
+    """transformers loads the export in save_dir with every tensor it holds (`saved`) as it is, buffers included."""
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32)
+    state = {**reloaded.state_dict(), **dict(reloaded.named_buffers())}
+    for name, weight in saved.items():
+        assert torch.equal(state[name], weight), name
+
+
 def save_beside_tokenizer(model, family_dir: Path, out_dir: Path) -> Path:
     """`model` saved to out_dir with family_dir's tokenizer files (a test's variant of the tiny family model)."""
     model.save_pretrained(out_dir)

@@ -68,18 +68,9 @@ def test_log_probs_and_grpo_steps_match_the_hf_model_on_torch_backend(results, t
 @pytest.mark.parametrize(("family", "layout"), sorted(EXPORTED))
 def test_the_export_holds_the_torch_backend_weights_under_transformers_names(results, torch_reference, family,
                                                                             layout):
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     save_dir = results["out"] / f"{family}-{layout}"
-    saved, want = load_file(save_dir / "model.safetensors"), torch_reference[family]["weights"]
-    assert saved.keys() == want.keys()
-    for name, weight in want.items():
-        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
-    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32)
-    state = reloaded.state_dict()
-    for name, weight in saved.items():
-        assert torch.equal(state[name], weight), name
+    saved = family_parity.assert_export_holds(save_dir, torch_reference[family]["weights"])
+    family_parity.assert_transformers_loads(save_dir, saved)
 
 
 @pytest.mark.parametrize(("family", "layout"), sorted(RESUMED))

@@ -98,20 +98,11 @@ def test_log_probs_and_grpo_steps_match_the_hf_model_on_torch_backend(results, t
 @pytest.mark.parametrize(("family", "layout"), EXPORTS)
 def test_the_expert_parallel_export_holds_the_torch_backend_weights_under_transformers_names(results, torch_reference,
                                                                                            family, layout):
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     save_dir = results["out"] / f"{family}-{layout}"
-    saved, want = load_file(save_dir / "model.safetensors"), torch_reference[family]["weights"]
-    assert saved.keys() == want.keys()
+    saved = family_parity.assert_export_holds(save_dir, torch_reference[family]["weights"])
     assert {"model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.e_score_correction_bias"} & \
         saved.keys()  # the expert bias, on the router (DeepSeek-V3, GLM) or on the MoE block (MiniMax-M2)
-    for name, weight in want.items():
-        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
-    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32)
-    state = {**reloaded.state_dict(), **dict(reloaded.named_buffers())}
-    for name, weight in saved.items():
-        assert torch.equal(state[name], weight), name
+    family_parity.assert_transformers_loads(save_dir, saved)
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +116,11 @@ def ep_etp_results(model_dirs, tmp_path_factory) -> dict:
 
 def test_expert_parallelism_and_expert_tensor_parallelism_together_train_as_the_torch_backend(ep_etp_results,
                                                                                              torch_reference):
-    from safetensors.torch import load_file
-
     want = torch_reference["deepseek_v3"]
     assert max_diff(ep_etp_results["log_probs_before"], want["log_probs_before"]) <= 1e-5
     assert_steps_match(ep_etp_results["metrics"], want["metrics"])
     assert max_diff(ep_etp_results["log_probs_after"], want["log_probs_after"]) < 1e-4
-    saved = load_file(ep_etp_results["out"] / "export" / "model.safetensors")
-    assert saved.keys() == want["weights"].keys()
-    for name, weight in want["weights"].items():
-        torch.testing.assert_close(saved[name], weight, atol=1e-4, rtol=0, msg=name)
+    family_parity.assert_export_holds(ep_etp_results["out"] / "export", want["weights"])
 
 
 @pytest.mark.parametrize("setting", REPLAY_SETTINGS)
