@@ -1,6 +1,7 @@
 """LocalLauncher with real (stand-in) processes: starts to a count, stops the named ones and the newest by the PIDs it
 recorded, reports exited ones as not alive, and stops everything on close; a new launcher in the same work dir stops
-the engines a SIGKILLed one left running (engines.json), never a process that merely has a recorded PID."""
+the engines a SIGKILLed one left running (engines.json), never a process that merely has a recorded PID, and waits
+for each it signalled by PID and start time, whatever its command line becomes."""
 
 from __future__ import annotations
 
@@ -151,6 +152,42 @@ def test_a_new_launcher_stops_what_a_killed_one_left_and_only_that(tmp_path):
             kill_if_same(e["pid"], e["start_time"])
         bystander.kill()
         bystander.wait(10)
+
+
+# An engine that, on SIGTERM, execs into another command line that ignores SIGTERM: the same process (PID and start
+# time) under a new name, as an exiting process is once it has lost its command line.
+RENAMED_ON_SIGTERM = """
+import os, signal, sys, time
+after = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)  # renamed"
+signal.signal(signal.SIGTERM, lambda *_: os.execv(sys.executable, [sys.executable, "-c", after]))
+time.sleep(60)
+"""
+
+
+def catches_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_leftover_is_waited_for_by_pid_and_start_time_once_signalled(tmp_path):
+    """Its command line, checked before the first signal, no longer names it after: the launcher still waits for
+    the process itself to go, with SIGKILL after the grace."""
+    engine = subprocess.Popen([sys.executable, "-c", RENAMED_ON_SIGTERM], start_new_session=True)
+    started = procs.start_time(engine.pid)
+    try:
+        deadline = time.monotonic() + 30
+        while not catches_sigterm(engine.pid):
+            assert engine.poll() is None and time.monotonic() < deadline, "the engine did not set its handler"
+            time.sleep(0.05)
+        entry = {"name": "engine-0", "pid": engine.pid, "start_time": started, "argv": engine.args,
+                 "url": "http://127.0.0.1:1"}
+        tmp_path.joinpath(RECORD_FILE).write_text(json.dumps({"owner": {}, "engines": [entry]}))
+        assert [e.name for e in LocalLauncher(sleeper, tmp_path, stop_grace_s=1.0).stop_leftovers()] == ["engine-0"]
+        assert engine.wait(10) == -signal.SIGKILL  # renamed, it ignored SIGTERM: stopped, not taken for gone
+    finally:
+        kill_if_same(engine.pid, started)
+        engine.wait(10)
 
 
 def test_stack_down_stops_engines_a_killed_manager_left(tmp_path):

@@ -217,7 +217,12 @@ def _still_runs(entry: dict) -> bool:
 def _stop_leftover(entry: dict, grace_s: float) -> None:
     """SIGTERM a recorded engine that still runs, SIGKILL after grace_s; returns once it is gone (or a timeout)."""
     what = f"leftover {entry['name']} (pid {entry['pid']}, {entry['url']})"
-    ended = procs.terminate(entry["pid"], lambda: _still_runs(entry), grace_s, kill_wait_s=GONE_WAIT_S)
+    pid, started = entry["pid"], entry.get("start_time")
+    ended = None
+    if _still_runs(entry):  # PID, start time and command line: the engine, not a process that reuses its PID
+        # signalled, PID and start time alone name it: an exiting process (or one that exec'd) has another command
+        # line before it is gone, and a wait on all three would end while it still runs
+        ended = procs.terminate(pid, lambda: procs.start_time(pid) == started, grace_s, kill_wait_s=GONE_WAIT_S)
     if ended is None:
         log.info("%s: no longer runs", what)
     elif ended:
