@@ -82,9 +82,10 @@ def recorded(work_dir: Path) -> dict:
     return json.loads((work_dir / RECORD_FILE).read_text())
 
 
-def ignores_sigterm(pid: int) -> bool:
+def sigterm_in(pid: int, field: str) -> bool:
+    """Whether SIGTERM is in a signal set of /proc/PID/status: "SigIgn" (ignored) or "SigCgt" (caught by a handler)."""
     status = Path(f"/proc/{pid}/status").read_text()
-    mask = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    mask = int(next(line for line in status.splitlines() if line.startswith(f"{field}:")).split()[1], 16)
     return bool(mask & (1 << (signal.SIGTERM - 1)))
 
 
@@ -103,7 +104,7 @@ def test_a_new_launcher_stops_what_a_killed_one_left_and_only_that(tmp_path):
         while not (tmp_path / RECORD_FILE).is_file() or len(engines := recorded(tmp_path)["engines"]) < 2:
             assert manager.poll() is None and time.monotonic() < deadline, "the manager stand-in did not start 2"
             time.sleep(0.05)
-        while not ignores_sigterm(engines[1]["pid"]):  # else SIGTERM could still end it
+        while not sigterm_in(engines[1]["pid"], "SigIgn"):  # else SIGTERM could still end it
             assert time.monotonic() < deadline, "engine 1 does not ignore SIGTERM"
             time.sleep(0.05)
         # A second manager while the first runs would stop its engines: refused, nothing signalled.
@@ -164,12 +165,6 @@ time.sleep(60)
 """
 
 
-def catches_sigterm(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status").read_text()
-    mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
-    return bool(mask & (1 << (signal.SIGTERM - 1)))
-
-
 def test_a_leftover_is_waited_for_by_pid_and_start_time_once_signalled(tmp_path):
     """Its command line, checked before the first signal, no longer names it after: the launcher still waits for
     the process itself to go, with SIGKILL after the grace."""
@@ -177,7 +172,7 @@ def test_a_leftover_is_waited_for_by_pid_and_start_time_once_signalled(tmp_path)
     started = procs.start_time(engine.pid)
     try:
         deadline = time.monotonic() + 30
-        while not catches_sigterm(engine.pid):
+        while not sigterm_in(engine.pid, "SigCgt"):
             assert engine.poll() is None and time.monotonic() < deadline, "the engine did not set its handler"
             time.sleep(0.05)
         entry = {"name": "engine-0", "pid": engine.pid, "start_time": started, "argv": engine.args,
